@@ -1,0 +1,261 @@
+"""The index protocol: what every index (built-in or plugin) declares, accepts and returns.
+
+A subclass declares ``build_params`` / ``search_params`` (each a :class:`Param` with a default
+and a valid range), a default ``search_grid`` and ``uses_train_queries``, and implements
+``_build`` and ``_search``. The base class validates every input, so the subclass only ever
+sees clean float32 arrays and in-range parameters.
+
+Result policy (the conformance kit checks it): ids are int64 row numbers of the keys passed
+to ``build`` (then ``add``), sorted by descending score; if an index finds fewer than ``k``
+keys, the tail of the row is padded with id ``-1`` and score ``-inf``. ``n_scanned[i]`` is the
+number of vectors whose inner product with query ``i`` was computed, repeats included
+(centroids, hyperplanes and graph nodes all count).
+"""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Mapping, NamedTuple, Sequence
+
+import numpy as np
+
+from anns_lab.errors import IndexConfigError
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Param:
+    """One build or search parameter: its default, valid range (inclusive) or choices, and a help line."""
+
+    default: Any
+    low: float | None = None
+    high: float | None = None
+    choices: tuple | None = None
+    help: str = ""
+
+    def check(self, owner: str, name: str, value: Any) -> Any:
+        """Return ``value`` coerced to the default's type, or raise IndexConfigError."""
+        kind = type(self.default)
+        if kind is bool:
+            ok = isinstance(value, (bool, np.bool_))
+        elif kind is int:
+            ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+        elif kind is float:
+            ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, kind)
+        if not ok:
+            raise IndexConfigError(f"{owner}: parameter {name}={value!r} must be {kind.__name__}")
+        value = kind(value)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise IndexConfigError(f"{owner}: parameter {name}={value!r} must be finite")
+        if self.choices is not None and value not in self.choices:
+            raise IndexConfigError(f"{owner}: parameter {name}={value!r} must be one of {list(self.choices)}")
+        if self.low is not None and value < self.low or self.high is not None and value > self.high:
+            raise IndexConfigError(f"{owner}: parameter {name}={value!r} is out of range {self.range_text()}")
+        return value
+
+    def range_text(self) -> str:
+        """The valid range as text, e.g. ``[1, 512]`` or ``[0, inf)``."""
+        if self.choices is not None:
+            return "{" + ", ".join(map(str, self.choices)) + "}"
+        if self.low is None and self.high is None:
+            return "any"
+        lo = "(-inf" if self.low is None else f"[{self.low:g}"
+        hi = "inf)" if self.high is None else f"{self.high:g}]"
+        return f"{lo}, {hi}"
+
+
+class SearchResult(NamedTuple):
+    """What ``search`` returns: ids (nq, k) int64, scores (nq, k) float32, n_scanned (nq,) int64."""
+
+    ids: np.ndarray
+    scores: np.ndarray
+    n_scanned: np.ndarray
+
+
+def resolve_params(owner: str, declared: Mapping[str, Param], given: Mapping[str, Any]) -> dict[str, Any]:
+    """Fill defaults and check every given parameter is declared and in range."""
+    for name in given:
+        if name not in declared:
+            close = difflib.get_close_matches(name, list(declared), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            known = ", ".join(declared) or "none"
+            raise IndexConfigError(f"{owner}: unknown parameter {name!r} (known: {known}){hint}")
+    return {name: p.check(owner, name, given.get(name, p.default)) for name, p in declared.items()}
+
+
+def as_matrix(owner: str, what: str, x: Any, dim: int | None = None) -> np.ndarray:
+    """Return ``x`` as a C-contiguous float32 (n, d) array with finite values, or raise."""
+    arr = np.asarray(x)
+    if arr.ndim == 1 and what == "queries":
+        arr = arr[None, :]  # one query vector is a batch of one
+    if arr.ndim != 2 or arr.shape[0] == 0 or arr.shape[1] == 0:
+        raise IndexConfigError(f"{owner}: {what} must be a non-empty 2-D array (n, dim), got shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.number) or np.iscomplexobj(arr):
+        raise IndexConfigError(f"{owner}: {what} must be real numbers, got dtype {arr.dtype}")
+    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    if dim is not None and arr.shape[1] != dim:
+        raise IndexConfigError(f"{owner}: {what} have dimension {arr.shape[1]} but the index was built with dimension {dim}")
+    if not np.isfinite(arr).all():
+        bad = int(np.flatnonzero(~np.isfinite(arr).all(axis=1))[0])
+        raise IndexConfigError(f"{owner}: {what} contain NaN or infinite values (first at row {bad})")
+    return arr
+
+
+class Index:
+    """Base class of every index; subclasses implement ``_build`` and ``_search`` (and optionally more)."""
+
+    #: Registry name; the registry sets it from the entry-point name when it differs.
+    name: ClassVar[str] = ""
+    build_params: ClassVar[Mapping[str, Param]] = {}
+    search_params: ClassVar[Mapping[str, Param]] = {}
+    #: Values of each search parameter to sweep, cheapest first; the last point is the most thorough.
+    search_grid: ClassVar[Mapping[str, Sequence[Any]]] = {}
+    #: True when ``build`` uses ``train_queries`` (attention-aware indexes); others ignore them.
+    uses_train_queries: ClassVar[bool] = False
+
+    def __init__(self, **build_params: Any) -> None:
+        self.params: dict[str, Any] = resolve_params(self._owner(), self.build_params, build_params)
+        self.n_keys = 0
+        self.dim: int | None = None
+
+    # -- the protocol ---------------------------------------------------------------------------
+
+    def build(self, keys: Any, train_queries: Any | None = None) -> "Index":
+        """Index ``keys`` (n, d); attention-aware indexes also learn from ``train_queries`` (m, d)."""
+        keys = as_matrix(self._owner(), "keys", keys)
+        if train_queries is not None:
+            train_queries = as_matrix(self._owner(), "train_queries", train_queries, keys.shape[1])
+        elif self.uses_train_queries:
+            raise IndexConfigError(f"{self._owner()}: this index is built from train_queries; pass them to build()")
+        self._build(keys, train_queries)
+        self.n_keys, self.dim = keys.shape
+        return self
+
+    def search(self, queries: Any, k: int, **params: Any) -> SearchResult:
+        """Top-``k`` keys by inner product for each query, and how many vectors each query scanned."""
+        self._require_built()
+        q = as_matrix(self._owner(), "queries", queries, self.dim)
+        if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
+            raise IndexConfigError(f"{self._owner()}: k must be a positive integer, got {k!r}")
+        if k > self.n_keys:
+            raise IndexConfigError(f"{self._owner()}: k={k} is larger than the number of keys ({self.n_keys})")
+        full = resolve_params(self._owner(), self.search_params, params)
+        ids, scores, n_scanned = self._search(q, int(k), **full)
+        return SearchResult(
+            np.ascontiguousarray(ids, dtype=np.int64),
+            np.ascontiguousarray(scores, dtype=np.float32),
+            np.ascontiguousarray(n_scanned, dtype=np.int64),
+        )
+
+    def add(self, keys: Any) -> None:
+        """Insert more keys; their ids continue after the existing ones."""
+        self._require_built()
+        keys = as_matrix(self._owner(), "keys", keys, self.dim)
+        self._add(keys)
+        self.n_keys += keys.shape[0]
+
+    def grid(self) -> list[dict[str, Any]]:
+        """The default sweep as a list of search-parameter dicts, cheapest first (may depend on the built index)."""
+        names = list(self.search_grid)
+        return [dict(zip(names, values)) for values in itertools.product(*(self.search_grid[n] for n in names))]
+
+    def max_scanned(self) -> int:
+        """An upper bound on ``n_scanned`` per query (keys plus any fixed overhead such as centroids)."""
+        return self.n_keys
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the index structures, keys included."""
+        return sum(a.nbytes for a in self._arrays().values())
+
+    @property
+    def supports_add(self) -> bool:
+        return type(self)._add is not Index._add
+
+    @property
+    def supports_save(self) -> bool:
+        return type(self)._arrays is not Index._arrays
+
+    # -- persistence: .npy files (allow_pickle=False) plus one JSON file, never pickle ------------
+
+    def save(self, path: str | Path) -> None:
+        """Write the index to folder ``path`` (``index.json`` plus one ``.npy`` per array)."""
+        self._require_built()
+        if not self.supports_save:
+            raise IndexConfigError(f"{self._owner()}: this index does not support save()")
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        arrays = self._arrays()
+        for key, arr in arrays.items():
+            np.save(folder / f"{key}.npy", np.ascontiguousarray(arr), allow_pickle=False)
+        meta = {
+            "format": FORMAT_VERSION,
+            "class": f"{type(self).__module__}:{type(self).__qualname__}",
+            "params": self.params,
+            "n_keys": self.n_keys,
+            "dim": self.dim,
+            "arrays": sorted(arrays),
+        }
+        # Written last: a folder without index.json is an unfinished save.
+        (folder / "index.json").write_text(json.dumps(meta, indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Index":
+        """Read an index written by ``save``."""
+        folder = Path(path)
+        meta_file = folder / "index.json"
+        if not meta_file.is_file():
+            raise IndexConfigError(f"{cls.__name__}: {folder} holds no saved index (index.json missing)")
+        meta = json.loads(meta_file.read_text())
+        want = f"{cls.__module__}:{cls.__qualname__}"
+        if meta.get("format") != FORMAT_VERSION or meta.get("class") != want:
+            raise IndexConfigError(f"{cls.__name__}: {folder} holds {meta.get('class')} format {meta.get('format')}, not {want}")
+        index = cls(**meta["params"])
+        arrays = {key: np.load(folder / f"{key}.npy", allow_pickle=False) for key in meta["arrays"]}
+        index.n_keys, index.dim = int(meta["n_keys"]), int(meta["dim"])
+        index._restore(arrays)
+        return index
+
+    # -- for subclasses ----------------------------------------------------------------------------
+
+    def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
+        raise NotImplementedError
+
+    def _search(self, queries: np.ndarray, k: int, **params: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+    def _add(self, keys: np.ndarray) -> None:
+        raise IndexConfigError(f"{self._owner()}: this index does not support add()")
+
+    def _arrays(self) -> dict[str, np.ndarray]:
+        """Everything ``load`` needs, as named numpy arrays (numeric dtypes only)."""
+        raise NotImplementedError
+
+    def _restore(self, arrays: dict[str, np.ndarray]) -> None:
+        raise NotImplementedError
+
+    def _owner(self) -> str:
+        return self.name or type(self).__name__
+
+    def _require_built(self) -> None:
+        if self.dim is None:
+            raise IndexConfigError(f"{self._owner()}: call build() before using the index")
+
+
+def pad_topk(ids: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Apply the padding policy: any id < 0 becomes -1 with score -inf (faiss pads with -1 / -FLT_MAX)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    scores = np.asarray(scores, dtype=np.float32).copy()
+    missing = ids < 0
+    if missing.any():
+        ids = np.where(missing, -1, ids)
+        scores[missing] = -np.inf
+    return ids, scores

@@ -1,0 +1,32 @@
+"""``flat``: exact maximum-inner-product search (faiss ``IndexFlatIP``); the lab's ground-truth baseline."""
+
+from __future__ import annotations
+
+import faiss
+import numpy as np
+
+from anns_lab.indexes.base import Index, pad_topk
+
+
+class FlatIndex(Index):
+    """Exact top-k by inner product. Every query scans every key: ``n_scanned = n_keys``."""
+
+    name = "flat"
+
+    def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
+        self._index = faiss.IndexFlatIP(keys.shape[1])
+        self._index.add(keys)
+
+    def _search(self, queries: np.ndarray, k: int):
+        scores, ids = self._index.search(queries, k)
+        ids, scores = pad_topk(ids, scores)
+        return ids, scores, np.full(len(queries), self._index.ntotal, dtype=np.int64)
+
+    def _add(self, keys: np.ndarray) -> None:
+        self._index.add(keys)
+
+    def _arrays(self) -> dict[str, np.ndarray]:
+        return {"keys": faiss.rev_swig_ptr(self._index.get_xb(), self._index.ntotal * self._index.d).reshape(-1, self._index.d)}
+
+    def _restore(self, arrays: dict[str, np.ndarray]) -> None:
+        self._build(arrays["keys"].astype(np.float32), None)

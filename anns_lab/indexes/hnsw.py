@@ -1,0 +1,163 @@
+"""``hnsw``: HNSW graph built by hnswlib (space ``ip``), searched by our counted traversal of it.
+
+hnswlib builds fast but does not count distance computations. So after each build or add the
+graph is exported from hnswlib's own state (``__getstate__``: its level-0 and upper-level link
+lists) and ``search`` runs a numba re-implementation of hnswlib's ``searchKnn`` over that very
+graph: greedy descent from hnswlib's entry point through the upper layers, then beam search
+with ``max(ef, k)`` on layer 0. Results and counts therefore come from the same graph and the
+same algorithm (the tests check the ids against ``hnswlib.knn_query``). ``n_scanned`` counts
+every inner product computed: each neighbour evaluated during the descent (a node may be
+evaluated again on a lower layer, and then counts again) plus each node evaluated on layer 0.
+
+hnswlib inserts with one thread so that a seeded build is deterministic.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import hnswlib
+import numba
+import numpy as np
+from numba import njit, prange
+
+from anns_lab.indexes import graph_kernels as gk
+from anns_lab.indexes.base import Index, Param
+
+
+class HNSWGraph:
+    """hnswlib's graph as arrays indexed by key id (label): layer 0 plus the upper layers."""
+
+    def __init__(self, p: hnswlib.Index) -> None:
+        st = p.__getstate__()[0]
+        n, M, M0 = st["cur_element_count"], st["max_M"], st["max_M0"]
+        rec = np.frombuffer(st["data_level0"].tobytes(), np.uint8)[: n * st["size_data_per_element"]]
+        rec = rec.reshape(n, st["size_data_per_element"])
+        label = rec[:, st["label_offset"] : st["label_offset"] + 8].copy().view(np.uint64).ravel().astype(np.int64)
+        links0 = rec[:, : 4 * (M0 + 1)].copy().view(np.uint32)  # header word, then M0 neighbour slots
+        deg0 = (links0[:, 0] & 0xFFFF).astype(np.int32)  # hnswlib keeps the count in the low 16 bits
+        levels = np.asarray(st["element_levels"], np.int64)[:n]
+        self.max_level = int(st["max_level"])
+        row_bytes = st["size_links_per_element"]
+        upper = np.frombuffer(st["link_lists"].tobytes(), np.uint8)
+        n_upper = int((levels > 0).sum())
+        up_nbrs = np.full((n_upper, max(self.max_level, 1), M), -1, np.int64)
+        up_deg = np.zeros((n_upper, max(self.max_level, 1)), np.int32)
+        up_row = np.full(n, -1, np.int32)
+        offset = 0
+        for r, node in enumerate(np.flatnonzero(levels > 0)):  # link_lists: nodes in id order, levels 1..L each
+            up_row[node] = r
+            block = upper[offset : offset + row_bytes * levels[node]].reshape(levels[node], row_bytes).copy().view(np.uint32)
+            offset += row_bytes * levels[node]
+            up_deg[r, : levels[node]] = block[:, 0] & 0xFFFF
+            up_nbrs[r, : levels[node]] = block[:, 1 : M + 1]
+        # Re-index internal ids by label, so that graph rows are key ids.
+        to_label = label
+        perm = np.argsort(label)
+        self.nbrs = np.where(np.arange(M0) < deg0[:, None], to_label[links0[:, 1:].astype(np.int64) % n], -1)[perm].astype(np.int32)
+        self.degree = deg0[perm]
+        self.up_nbrs = np.where(up_nbrs >= 0, to_label[up_nbrs.clip(0)], -1).astype(np.int32)
+        self.up_deg = up_deg
+        self.up_row = up_row[perm]
+        self.entry = int(to_label[st["enterpoint_node"]])
+        self.maxM = M
+
+    def max_descent(self) -> int:
+        """Upper bound on inner products in the upper-layer descent (each node current at most once per layer)."""
+        return 1 + self.maxM * int(self.up_deg.astype(bool).sum())
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def descend_batch(data, up_row, up_nbrs, up_deg, entry, max_level, queries):
+    """hnswlib's greedy descent through layers max_level..1 per query: (layer-0 entry, inner products computed)."""
+    nq = queries.shape[0]
+    entries = np.empty((nq, 1), np.int64)
+    counts = np.zeros(nq, np.int64)
+    for qi in prange(nq):
+        q = queries[qi]
+        cur = entry
+        best = gk.dot(data[cur], q)
+        cnt = 1
+        for level in range(max_level, 0, -1):
+            changed = True
+            while changed:
+                changed = False
+                r = up_row[cur]
+                node = cur  # keep scanning the old node's list after moving, as hnswlib does
+                for j in range(up_deg[r, level - 1]):
+                    nb = up_nbrs[r, level - 1, j]
+                    s = gk.dot(data[nb], q)
+                    cnt += 1
+                    if s > best:
+                        best = s
+                        cur = nb
+                        changed = True
+                if node == cur:
+                    changed = False
+        entries[qi, 0] = cur
+        counts[qi] = cnt
+    return entries, counts
+
+
+class HNSWIndex(Index):
+    """HNSW for maximum inner product: hnswlib builds, a counted numba traversal of hnswlib's graph searches."""
+
+    name = "hnsw"
+    build_params = {
+        "M": Param(16, 2, 128, help="links per node on upper layers (2·M on layer 0)"),
+        "ef_construction": Param(200, 1, 4096, help="beam width while building"),
+        "seed": Param(100, 0, 2**31 - 1, help="hnswlib's random_seed (level assignment)"),
+    }
+    search_params = {"ef": Param(100, 1, 1 << 16, help="layer-0 beam width (the search uses max(ef, k))")}
+    search_grid = {"ef": (100, 150, 200, 300, 400, 600, 800, 1200, 1600)}
+
+    def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
+        p = hnswlib.Index(space="ip", dim=keys.shape[1])
+        p.init_index(max_elements=len(keys), M=self.params["M"], ef_construction=self.params["ef_construction"], random_seed=self.params["seed"])
+        p.set_num_threads(1)
+        p.add_items(keys, np.arange(len(keys)))
+        self._set(p, keys)
+
+    def _set(self, p: hnswlib.Index, keys: np.ndarray) -> None:
+        self.hnswlib_index = p  # kept for add(), save() and the tests' cross-check
+        self._keys = keys
+        self.graph = HNSWGraph(p)
+
+    def _add(self, keys: np.ndarray) -> None:
+        p = self.hnswlib_index
+        n0 = p.get_current_count()
+        p.resize_index(n0 + len(keys))
+        p.add_items(keys, np.arange(n0, n0 + len(keys)))
+        self._set(p, np.ascontiguousarray(np.vstack([self._keys, keys])))
+
+    def _search(self, queries: np.ndarray, k: int, ef: int):
+        g = self.graph
+        entries, descent = descend_batch(self._keys, g.up_row, g.up_nbrs, g.up_deg, g.entry, g.max_level, queries)
+        ids, scores, scanned = gk.beam_search_batch(self._keys, g.nbrs, g.degree, queries, entries, max(ef, k), k, numba.get_num_threads())
+        return ids, scores, scanned + descent
+
+    def max_scanned(self) -> int:
+        return self.n_keys + self.graph.max_descent()
+
+    @property
+    def nbytes(self) -> int:
+        g = self.graph
+        return sum(a.nbytes for a in (self._keys, g.nbrs, g.degree, g.up_nbrs, g.up_deg, g.up_row))
+
+    def _arrays(self) -> dict[str, np.ndarray]:
+        # hnswlib's own file format, carried as bytes in an .npy (no pickle).
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "hnsw.bin")
+            self.hnswlib_index.save_index(path)
+            return {"hnswlib_index": np.fromfile(path, np.uint8), "keys": self._keys}
+
+    def _restore(self, arrays: dict[str, np.ndarray]) -> None:
+        keys = np.ascontiguousarray(arrays["keys"], dtype=np.float32)
+        p = hnswlib.Index(space="ip", dim=keys.shape[1])
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "hnsw.bin")
+            arrays["hnswlib_index"].tofile(path)
+            p.load_index(path, max_elements=len(keys))
+        p.set_num_threads(1)
+        self._set(p, keys)

@@ -1,0 +1,84 @@
+"""``ivf``: inverted file over k-means lists (faiss ``IndexIVFFlat``, inner product).
+
+Counting: a query scores all ``nlist`` centroids, then every key of its ``nprobe`` probed
+lists, so ``n_scanned = nlist + Σ sizes of the probed lists``. The per-query sum is taken from
+the coarse assignment we pass to faiss's ``search_preassigned``; faiss's own counter
+``indexIVF_stats.ndis`` (which excludes the centroids) must equal its total over the batch,
+and the search raises if it does not.
+"""
+
+from __future__ import annotations
+
+import math
+
+import faiss
+import numpy as np
+
+from anns_lab.errors import IndexConfigError
+from anns_lab.indexes.base import Index, Param, pad_topk
+
+
+def auto_nlist(n_keys: int) -> int:
+    """Default list count: 2·√n, but at least 39 keys per list (faiss's k-means minimum)."""
+    return max(1, min(round(2 * math.sqrt(n_keys)), n_keys // 39))
+
+
+class IVFIndex(Index):
+    """faiss IVF-Flat with inner product; nprobe = nlist is exhaustive and exact."""
+
+    name = "ivf"
+    build_params = {
+        "nlist": Param(0, 0, 1 << 20, help="number of k-means lists; 0 = auto (2·√n, ≥39 keys per list)"),
+        "seed": Param(1234, 0, 2**31 - 1, help="k-means seed"),
+    }
+    search_params = {"nprobe": Param(8, 1, 1 << 20, help="lists probed per query (clipped to nlist)")}
+    search_grid = {"nprobe": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)}
+
+    def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
+        nlist = self.params["nlist"] or auto_nlist(len(keys))
+        if nlist > len(keys):
+            raise IndexConfigError(f"{self._owner()}: nlist={nlist} is larger than the number of keys ({len(keys)})")
+        quantizer = faiss.IndexFlatIP(keys.shape[1])
+        index = faiss.IndexIVFFlat(quantizer, keys.shape[1], nlist, faiss.METRIC_INNER_PRODUCT)
+        index.cp.seed = self.params["seed"]
+        index.train(keys)
+        index.add(keys)
+        self._set(index)
+
+    def _set(self, index: faiss.IndexIVFFlat) -> None:
+        self._index = index
+        self.nlist = index.nlist
+
+    def list_sizes(self) -> np.ndarray:
+        """Number of keys in each inverted list, read from faiss's invlists."""
+        invlists = self._index.invlists
+        return np.array([invlists.list_size(i) for i in range(self.nlist)], dtype=np.int64)
+
+    def _search(self, queries: np.ndarray, k: int, nprobe: int):
+        nprobe = min(nprobe, self.nlist)
+        coarse_scores, probed = self._index.quantizer.search(queries, nprobe)
+        n_scanned = self.nlist + self.list_sizes()[probed].sum(axis=1)
+        self._index.nprobe = nprobe  # faiss's wrapper checks the assignment width against it
+        faiss.cvar.indexIVF_stats.reset()
+        scores, ids = self._index.search_preassigned(queries, k, probed, coarse_scores)
+        if faiss.cvar.indexIVF_stats.ndis != int(n_scanned.sum()) - self.nlist * len(queries):
+            raise RuntimeError("IVF scan count disagrees with faiss indexIVF_stats.ndis")
+        ids, scores = pad_topk(ids, scores)
+        return ids, scores, n_scanned
+
+    def grid(self) -> list[dict]:
+        # Clip to nlist and end on nprobe = nlist, so the top of every sweep is exhaustive.
+        values = sorted({min(v, self.nlist) for v in self.search_grid["nprobe"]} | {self.nlist})
+        return [{"nprobe": v} for v in values]
+
+    def max_scanned(self) -> int:
+        return self.n_keys + self.nlist
+
+    def _add(self, keys: np.ndarray) -> None:
+        self._index.add(keys)
+
+    def _arrays(self) -> dict[str, np.ndarray]:
+        return {"faiss_index": faiss.serialize_index(self._index)}  # faiss's own write_index format
+
+    def _restore(self, arrays: dict[str, np.ndarray]) -> None:
+        self._set(faiss.deserialize_index(arrays["faiss_index"]))

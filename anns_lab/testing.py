@@ -1,0 +1,178 @@
+"""The conformance kit: ``check_index(MyIndex, **build_params)`` checks an index class against the protocol.
+
+Plugin authors call it from their own tests; every built-in passes it. It raises
+``AssertionError`` naming the first broken rule, and returns a few measurements otherwise.
+
+Rules checked (``anns_lab.indexes.base`` states the result policy):
+
+- declarations: defaults in range, every grid value a valid search parameter;
+- results at every grid point: shapes and dtypes; ids in [0, n) or -1 padding that only
+  trails; no id twice in a row; scores sorted and equal to q·k of the returned ids (padding
+  scores -inf); ``#returned ≤ n_scanned ≤ max_scanned()``; a batch gives the same answer as
+  its queries one at a time;
+- at the last (most thorough) grid point on easy data, recall@k against exact search
+  ≥ ``min_recall`` (1.0 = exact; ties at the k-th score count as hits);
+- determinism: two builds with the same parameters give identical ids, scores and counts;
+- ``save``/``load`` and ``add`` when the class supports them;
+- clear ``IndexConfigError`` for NaN keys or queries, a dimension mismatch, k > n, unknown
+  or out-of-range parameters.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from anns_lab.errors import IndexConfigError
+from anns_lab.indexes.base import Index, SearchResult
+
+
+def easy_data(n_keys: int = 1000, dim: int = 16, n_queries: int = 40, seed: int = 0) -> tuple[np.ndarray, ...]:
+    """Gaussian keys, test queries and separate training queries (queries drawn like the keys)."""
+    rng = np.random.default_rng(seed)
+    keys = rng.standard_normal((n_keys, dim)).astype(np.float32)
+    queries = rng.standard_normal((n_queries, dim)).astype(np.float32)
+    train = rng.standard_normal((4 * n_queries, dim)).astype(np.float32)
+    return keys, queries, train
+
+
+def recall_at_k(ids: np.ndarray, queries: np.ndarray, keys: np.ndarray, k: int) -> float:
+    """Mean recall@k against exact inner-product search, ties at the k-th score counted as hits."""
+    exact = queries.astype(np.float64) @ keys.astype(np.float64).T
+    kth = -np.partition(-exact, k - 1, axis=1)[:, k - 1]
+    hits = 0
+    for row, ids_row in enumerate(ids):
+        valid = ids_row[ids_row >= 0]
+        hits += int((exact[row, valid] >= kth[row] - 1e-5 * (1 + abs(kth[row]))).sum())
+    return hits / (len(ids) * k)
+
+
+def check_result(index: Index, res: SearchResult, queries: np.ndarray, keys: np.ndarray, k: int, where: str) -> None:
+    """Assert the result policy for one search: shapes, ids, scores and counts."""
+    nq, n = len(queries), len(keys)
+    ids, scores, scanned = res
+    assert ids.shape == (nq, k) and ids.dtype == np.int64, f"{where}: ids must be int64 (nq, k), got {ids.dtype} {ids.shape}"
+    assert scores.shape == (nq, k) and scores.dtype == np.float32, f"{where}: scores must be float32 (nq, k)"
+    assert scanned.shape == (nq,) and scanned.dtype == np.int64, f"{where}: n_scanned must be int64 (nq,)"
+    assert ((ids >= -1) & (ids < n)).all(), f"{where}: ids outside [0, {n}) and not the -1 padding"
+    valid = ids >= 0
+    assert (valid[:, :-1] >= valid[:, 1:]).all(), f"{where}: -1 padding must only trail each row"
+    assert np.isneginf(scores[~valid]).all(), f"{where}: padded slots must have score -inf"
+    for row in range(nq):
+        got = ids[row, valid[row]]
+        assert len(np.unique(got)) == len(got), f"{where}: query {row} returns an id twice"
+    assert _sorted_rows(scores, valid), f"{where}: scores must be sorted in descending order"
+    true = np.einsum("qd,qkd->qk", queries.astype(np.float64), keys[np.where(valid, ids, 0)].astype(np.float64))
+    scale = np.abs(queries).sum(axis=1, keepdims=True) * np.abs(keys).max() + 1e-6
+    err = np.where(valid, np.abs(scores - true) / scale, 0.0)
+    assert err.max() < 1e-5, f"{where}: returned scores differ from q·k of the returned ids (max rel err {err.max():.2e})"
+    assert (scanned >= valid.sum(axis=1)).all(), f"{where}: n_scanned is below the number of returned ids"
+    assert (scanned <= index.max_scanned()).all(), f"{where}: n_scanned {scanned.max()} exceeds max_scanned() = {index.max_scanned()}"
+
+
+def _sorted_rows(scores: np.ndarray, valid: np.ndarray) -> bool:
+    # Tolerate float32 ties that differ in the last bit.
+    s = np.where(valid, scores, -np.inf).astype(np.float64)
+    d = np.diff(s, axis=1)
+    return bool((d[np.isfinite(d)] <= 1e-6 * (1 + np.abs(s[:, 1:][np.isfinite(d)]))).all())
+
+
+def _same(a: SearchResult, b: SearchResult, what: str) -> None:
+    assert np.array_equal(a.ids, b.ids), f"{what}: ids differ"
+    assert np.array_equal(a.scores, b.scores), f"{what}: scores differ"
+    assert np.array_equal(a.n_scanned, b.n_scanned), f"{what}: n_scanned differs"
+
+
+def _expect_error(what: str, fn, *args, **kwargs) -> None:
+    try:
+        fn(*args, **kwargs)
+    except IndexConfigError:
+        return
+    except Exception as err:  # noqa: BLE001 - a wrong error type is a failure to report, not to raise
+        raise AssertionError(f"{what}: expected IndexConfigError, got {type(err).__name__}: {err}") from err
+    raise AssertionError(f"{what}: expected IndexConfigError, nothing was raised")
+
+
+def check_declarations(cls: type[Index]) -> None:
+    """Assert the class's parameter declarations and grid are consistent."""
+    for name, p in {**cls.build_params, **cls.search_params}.items():
+        p.check(cls.__name__, name, p.default)
+    for name, values in cls.search_grid.items():
+        assert name in cls.search_params, f"search_grid names {name!r}, which is not a declared search parameter"
+        assert len(values) > 0, f"search_grid[{name!r}] is empty"
+        for v in values:
+            cls.search_params[name].check(cls.__name__, name, v)
+
+
+def check_errors(cls: type[Index], index: Index, keys: np.ndarray, queries: np.ndarray, build_params: dict) -> None:
+    """Assert clear IndexConfigErrors for bad input."""
+    nan_keys = keys.copy()
+    nan_keys[3, 1] = np.nan
+    train = queries if cls.uses_train_queries else None
+    _expect_error("keys with NaN", cls(**build_params).build, nan_keys, train)
+    nan_q = queries.copy()
+    nan_q[0, 0] = np.nan
+    _expect_error("queries with NaN", index.search, nan_q, 5)
+    _expect_error("queries of another dimension", index.search, np.zeros((2, keys.shape[1] + 1), np.float32), 5)
+    _expect_error("k larger than the number of keys", index.search, queries, index.n_keys + 1)
+    _expect_error("k = 0", index.search, queries, 0)
+    _expect_error("unknown search parameter", index.search, queries, 5, no_such_param=1)
+    _expect_error("unknown build parameter", cls, no_such_param=1)
+    for name, p in cls.build_params.items():
+        if p.low is not None and isinstance(p.default, (int, float)) and not isinstance(p.default, bool):
+            _expect_error(f"build parameter {name} below its range", cls, **{**build_params, name: p.low - 1})
+    for name, p in cls.search_params.items():
+        if p.low is not None and isinstance(p.default, (int, float)) and not isinstance(p.default, bool):
+            _expect_error(f"search parameter {name} below its range", index.search, queries, 5, **{name: p.low - 1})
+
+
+def check_index(cls: type[Index], min_recall: float = 1.0, k: int = 10, **build_params: Any) -> dict[str, Any]:
+    """Run every conformance rule on ``cls`` built with ``build_params``; return recall and scan measurements."""
+    check_declarations(cls)
+    keys, queries, train = easy_data()
+    train_q = train if cls.uses_train_queries else None
+    index = cls(**build_params).build(keys, train_q)
+    assert index.n_keys == len(keys) and index.dim == keys.shape[1], "n_keys / dim not set by build()"
+    grid = index.grid()
+    assert grid, "grid() is empty"
+    points = []
+    for params in grid:
+        res = index.search(queries, k, **params)
+        check_result(index, res, queries, keys, k, f"search{params}")
+        points.append((recall_at_k(res.ids, queries, keys, k), float(res.n_scanned.mean())))
+    top = grid[-1]
+    recall = points[-1][0]
+    assert recall >= min_recall, f"recall@{k} at the most thorough setting {top} is {recall:.4f} < {min_recall}"
+
+    one_by_one = [index.search(q[None], k, **top) for q in queries[:8]]
+    batch = index.search(queries[:8], k, **top)
+    _same(SearchResult(*(np.concatenate(parts) for parts in zip(*one_by_one))), batch, "batch vs one query at a time")
+    check_result(index, index.search(queries, 1, **top), queries, keys, 1, "k=1")
+    check_result(index, index.search(queries[:4], len(keys), **top), queries[:4], keys, len(keys), "k=n_keys")
+
+    mid = grid[len(grid) // 2]
+    again = cls(**build_params).build(keys, train_q)
+    _same(index.search(queries, k, **mid), again.search(queries, k, **mid), "two seeded builds")
+    _same(index.search(queries, k, **mid), index.search(queries, k, **mid), "two searches")
+    assert index.nbytes > 0, "nbytes must be positive"
+
+    if index.supports_save:
+        with tempfile.TemporaryDirectory() as tmp:
+            index.save(tmp)
+            loaded = cls.load(tmp)
+        for params in (grid[0], top):
+            _same(index.search(queries, k, **params), loaded.search(queries, k, **params), f"save/load at {params}")
+
+    if index.supports_add:
+        part = cls(**build_params).build(keys[:800], train_q)
+        part.add(keys[800:])
+        assert part.n_keys == len(keys), "add() did not grow n_keys"
+        res = part.search(queries, k, **part.grid()[-1])
+        check_result(part, res, queries, keys, k, "after add()")
+        added_recall = recall_at_k(res.ids, queries, keys, k)
+        assert added_recall >= min_recall - 0.05, f"recall@{k} after add() is {added_recall:.4f}"
+
+    check_errors(cls, index, keys, queries, build_params)
+    return {"grid": grid, "recall": [p[0] for p in points], "mean_scanned": [p[1] for p in points]}
