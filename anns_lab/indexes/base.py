@@ -67,9 +67,13 @@ class Param:
             return "{" + ", ".join(map(str, self.choices)) + "}"
         if self.low is None and self.high is None:
             return "any"
-        lo = "(-inf" if self.low is None else f"[{self.low:g}"
-        hi = "inf)" if self.high is None else f"{self.high:g}]"
+        lo = "(-inf" if self.low is None else f"[{_num(self.low)}"
+        hi = "inf)" if self.high is None else f"{_num(self.high)}]"
         return f"{lo}, {hi}"
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else f"{v:g}"
 
 
 class SearchResult(NamedTuple):

@@ -1,0 +1,40 @@
+"""``anns-lab indexes``: list every registered index with its package, parameters and search grid."""
+
+from __future__ import annotations
+
+import click
+
+from anns_lab.indexes import registry
+from anns_lab.indexes.base import Param
+
+
+def _param_lines(title: str, params: dict[str, Param]) -> list[str]:
+    if not params:
+        return [f"    {title}: none"]
+    lines = [f"    {title}:"]
+    for name, p in params.items():
+        lines.append(f"      {name} = {p.default!r}  range {p.range_text()}  {p.help}".rstrip())
+    return lines
+
+
+@click.command()
+def indexes() -> None:
+    """List registered indexes (entry-point group anns_lab.indexes) and any that fail to load."""
+    broken = registry.broken()
+    classes = registry.available()
+    for entry in registry.entries():
+        head = f"{entry.name}  [{entry.distribution} {entry.version}]  {entry.target}"
+        if entry.name in broken:
+            click.echo(f"{head}\n    FAILED TO LOAD: {broken[entry.name]}")
+            continue
+        cls = classes[entry.name]
+        doc = (cls.__doc__ or "").strip().splitlines()
+        lines = [head, f"    {doc[0]}" if doc else "    (no description)"]
+        lines.append(f"    uses train_queries: {'yes' if cls.uses_train_queries else 'no'}")
+        lines += _param_lines("build parameters", dict(cls.build_params))
+        lines += _param_lines("search parameters", dict(cls.search_params))
+        grid = "  ".join(f"{name} ∈ {list(values)}" for name, values in cls.search_grid.items()) or "none"
+        lines.append(f"    search grid: {grid}")
+        click.echo("\n".join(lines))
+    if broken:
+        click.echo(f"\n{len(broken)} index plugin(s) failed to load: {', '.join(broken)}; the others work.", err=True)
