@@ -1,0 +1,110 @@
+"""The index protocol, the entry-point registry, `anns-lab indexes`, and bad-input errors."""
+
+from importlib.metadata import EntryPoint
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from anns_lab import indexes
+from anns_lab.errors import IndexConfigError
+from anns_lab.indexes import registry
+from anns_lab.indexes.base import Param
+from anns_lab.indexes.cli import indexes as indexes_cmd
+
+BUILTINS = ["flat", "hnsw", "ivf", "vamana"]
+
+
+@pytest.fixture
+def with_broken_plugin(monkeypatch):
+    """The registry as if an installed plugin's module failed to import."""
+    real = registry._entry_points
+
+    def fake():
+        eps = dict(real())
+        eps["brokenidx"] = EntryPoint("brokenidx", "no_such_module_xyz:Index", registry.GROUP)
+        return eps
+
+    monkeypatch.setattr(registry, "_entry_points", fake)
+
+
+def test_builtins_register_through_entry_points():
+    names = {e.name: e for e in registry.entries()}
+    for name in BUILTINS:
+        assert names[name].distribution == "anns-lab"
+        assert indexes.get(name).name == name
+    assert set(BUILTINS) <= set(indexes.available())
+
+
+def test_unknown_index_suggests_close_names():
+    with pytest.raises(IndexConfigError, match="did you mean hnsw"):
+        indexes.get("hnws")
+    with pytest.raises(IndexConfigError, match="unknown index 'zzz'"):
+        indexes.create("zzz")
+
+
+def test_bad_build_parameters():
+    with pytest.raises(IndexConfigError, match="unknown parameter 'ef_constuction'.*did you mean ef_construction"):
+        indexes.create("hnsw", ef_constuction=10)
+    with pytest.raises(IndexConfigError, match="out of range"):
+        indexes.create("vamana", alpha=0.5)
+    with pytest.raises(IndexConfigError, match="must be int"):
+        indexes.create("hnsw", M=4.5)
+    with pytest.raises(IndexConfigError, match="nlist=500 is larger than the number of keys"):
+        indexes.create("ivf", nlist=500).build(np.ones((100, 4), np.float32))
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_bad_input_errors(name):
+    rng = np.random.default_rng(0)
+    keys = rng.standard_normal((300, 8)).astype(np.float32)
+    index = indexes.create(name)
+    with pytest.raises(IndexConfigError, match="call build"):
+        index.search(keys[:2], 1)
+    bad = keys.copy()
+    bad[7, 2] = np.nan
+    with pytest.raises(IndexConfigError, match="NaN or infinite values \\(first at row 7\\)"):
+        index.build(bad)
+    index.build(keys)
+    with pytest.raises(IndexConfigError, match="dimension 9 but the index was built with dimension 8"):
+        index.search(np.zeros((1, 9), np.float32), 5)
+    with pytest.raises(IndexConfigError, match="k=301 is larger than the number of keys \\(300\\)"):
+        index.search(keys[:2], 301)
+    with pytest.raises(IndexConfigError, match="2-D"):
+        index.build(np.zeros((0, 8), np.float32))
+    res = index.search(keys[0], 3)  # a single vector is a batch of one
+    assert res.ids.shape == (1, 3)
+
+
+def test_param_ranges():
+    p = Param(4, 1, 16)
+    assert p.check("x", "n", np.int64(3)) == 3
+    with pytest.raises(IndexConfigError, match=r"out of range \[1, 16\]"):
+        p.check("x", "n", 17)
+    with pytest.raises(IndexConfigError, match="must be finite"):
+        Param(1.0, 0.0).check("x", "a", float("nan"))
+    with pytest.raises(IndexConfigError, match="must be int"):
+        p.check("x", "n", True)
+
+
+def test_broken_plugin_is_reported_and_others_work(with_broken_plugin):
+    assert "brokenidx" in registry.broken()
+    assert "ModuleNotFoundError" in registry.broken()["brokenidx"]
+    assert set(BUILTINS) <= set(indexes.available())
+    with pytest.raises(IndexConfigError, match="'brokenidx'.*failed to load"):
+        indexes.get("brokenidx")
+    out = CliRunner().invoke(indexes_cmd, [])
+    assert out.exit_code == 0
+    assert "brokenidx" in out.output and "FAILED TO LOAD" in out.output
+    assert "vamana  [anns-lab" in out.output
+
+
+def test_cli_lists_params_grid_and_plugin():
+    out = CliRunner().invoke(indexes_cmd, [])
+    assert out.exit_code == 0, out.output
+    for name in BUILTINS:
+        assert f"{name}  [anns-lab" in out.output
+    assert "ef_construction = 200" in out.output
+    assert "search grid: nprobe ∈ [1, 2, 4" in out.output
+    # The example plugin is installed by `make setup` (every plugins/*/pyproject.toml).
+    assert "simhash  [anns-lab-simhash" in out.output

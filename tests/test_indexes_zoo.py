@@ -1,0 +1,166 @@
+"""Every built-in index against exact search and against independent counts of what it scanned."""
+
+import heapq
+
+import faiss
+import numpy as np
+import pytest
+
+from anns_lab import indexes
+from anns_lab.testing import check_index, recall_at_k
+
+BUILTINS = ["flat", "ivf", "hnsw", "vamana"]
+N, D, K = 3000, 32, 20
+
+
+def ood_data(seed=0):
+    """Anisotropic keys; queries from another distribution (shifted mean, other scales), as Q is to K."""
+    rng = np.random.default_rng(seed)
+    scales = np.linspace(0.3, 2.0, D)
+    keys = (rng.standard_normal((N, D)) * scales).astype(np.float32)
+    queries = (rng.standard_normal((60, D)) * scales[::-1] * 1.5 + 1.0).astype(np.float32)
+    return keys, queries
+
+
+def random_data(seed=1):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((N, D)).astype(np.float32), rng.standard_normal((60, D)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def built():
+    """Each index built once per data set: {(name, data): (index, keys, queries)}."""
+    out = {}
+    for data_name, (keys, queries) in {"random": random_data(), "ood": ood_data()}.items():
+        for name in BUILTINS:
+            out[name, data_name] = (indexes.create(name).build(keys), keys, queries)
+    return out
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_conformance(name):
+    check_index(indexes.get(name))
+
+
+@pytest.mark.parametrize("data", ["random", "ood"])
+@pytest.mark.parametrize("name", BUILTINS)
+def test_against_exact_search(built, name, data):
+    index, keys, queries = built[name, data]
+    exact = np.argsort(-(queries.astype(np.float64) @ keys.T.astype(np.float64)), axis=1)[:, :K]
+    recalls, scanned = [], []
+    for params in index.grid():
+        res = index.search(queries, K, **params)
+        recalls.append(recall_at_k(res.ids, queries, keys, K))
+        scanned.append(res.n_scanned.mean())
+    # The knob trades scanning for recall: both rise along the grid, and the top is (near) exact.
+    assert all(b >= a - 0.01 for a, b in zip(recalls, recalls[1:])), recalls
+    assert all(b >= a for a, b in zip(scanned, scanned[1:])), scanned
+    assert recalls[-1] >= (1.0 if name in ("flat", "ivf") else 0.99), recalls
+    top = index.search(queries, K, **index.grid()[-1])
+    if name in ("flat", "ivf"):
+        assert np.array_equal(top.ids, exact)
+    if name != "flat":
+        assert scanned[0] < 0.9 * N, "the cheapest setting should not already be exhaustive"
+
+
+def test_flat_scans_everything(built):
+    index, keys, queries = built["flat", "random"]
+    assert (index.search(queries, K).n_scanned == N).all()
+
+
+@pytest.mark.parametrize("nprobe", [1, 3, 10, 1000])
+def test_ivf_scanned_equals_probed_list_sizes_plus_nlist(built, nprobe):
+    index, keys, queries = built["ivf", "ood"]
+    fi = index._index
+    # Independent count: centroids from faiss, probing by numpy, list sizes from faiss's invlists.
+    centroids = fi.quantizer.reconstruct_n(0, fi.nlist)
+    probe = min(nprobe, fi.nlist)
+    probed = np.argsort(-(queries @ centroids.T), axis=1)[:, :probe]
+    sizes = np.array([fi.invlists.list_size(i) for i in range(fi.nlist)])
+    faiss.cvar.indexIVF_stats.reset()
+    res = index.search(queries, K, nprobe=nprobe)
+    assert np.array_equal(res.n_scanned, sizes[probed].sum(axis=1) + fi.nlist)
+    assert faiss.cvar.indexIVF_stats.ndis == sizes[probed].sum()
+    assert sizes.sum() == N
+
+
+def reference_search(data, nbrs, degree, query, entry, ef):
+    """hnswlib's searchBaseLayerST, written independently with two heaps; returns (ids best first, count)."""
+    visited = {entry}
+    s = float(data[entry] @ query)
+    count = 1
+    candidates = [(-s, entry)]  # max-heap of candidates by score
+    top = [(s, entry)]  # min-heap of the best ef
+    while candidates:
+        neg, node = heapq.heappop(candidates)
+        if -neg < top[0][0] and len(top) == ef:
+            break
+        for nb in nbrs[node, : degree[node]]:
+            if nb in visited:
+                continue
+            visited.add(int(nb))
+            s = float(data[nb] @ query)
+            count += 1
+            if len(top) < ef or s > top[0][0]:
+                heapq.heappush(candidates, (-s, int(nb)))
+                heapq.heappush(top, (s, int(nb)))
+                if len(top) > ef:
+                    heapq.heappop(top)
+    return [i for _, i in sorted(top, reverse=True)], count
+
+
+def reference_descent(keys, graph, query):
+    """hnswlib's greedy descent through the upper layers; returns (entry for layer 0, count)."""
+    cur, count = graph.entry, 1
+    best = float(keys[cur] @ query)
+    for level in range(graph.max_level, 0, -1):
+        changed = True
+        while changed:
+            changed = False
+            r = graph.up_row[cur]
+            for nb in graph.up_nbrs[r, level - 1, : graph.up_deg[r, level - 1]]:
+                count += 1
+                s = float(keys[nb] @ query)
+                if s > best:
+                    best, cur, changed = s, int(nb), True
+    return cur, count
+
+
+@pytest.mark.parametrize("ef", [100, 400])
+def test_hnsw_matches_hnswlib_and_an_independent_count(built, ef):
+    index, keys, queries = built["hnsw", "ood"]
+    res = index.search(queries, K, ef=ef)
+    index.hnswlib_index.set_ef(ef)
+    labels, _ = index.hnswlib_index.knn_query(queries, K)
+    assert (labels == res.ids).mean() >= 0.999  # the same graph, the same algorithm
+    g = index.graph
+    for qi in range(10):
+        entry, up = reference_descent(keys, g, queries[qi])
+        ids, count = reference_search(keys, g.nbrs, g.degree, queries[qi], entry, max(ef, K))
+        assert ids[:K] == res.ids[qi].tolist()
+        assert res.n_scanned[qi] == up + count
+
+
+@pytest.mark.parametrize("L", [100, 300])
+def test_vamana_count_matches_an_independent_search(built, L):
+    index, keys, queries = built["vamana", "ood"]
+    res = index.search(queries, K, L=L)
+    for qi in range(10):
+        ids, count = reference_search(keys, index._nbrs, index._degree, queries[qi], index.entry, L)
+        assert ids[:K] == res.ids[qi].tolist()
+        assert res.n_scanned[qi] == count
+
+
+def test_vamana_graph_is_pruned_and_reachable(built):
+    index, keys, _ = built["vamana", "random"]
+    R = index.params["R"]
+    assert index._degree.max() <= R and index._degree.min() >= 1
+    seen = np.zeros(len(keys), bool)
+    stack, seen[index.entry] = [index.entry], True
+    while stack:
+        node = stack.pop()
+        for nb in index._nbrs[node, : index._degree[node]]:
+            if not seen[nb]:
+                seen[nb] = True
+                stack.append(nb)
+    assert seen.mean() > 0.99
