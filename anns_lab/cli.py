@@ -1,0 +1,41 @@
+"""The ``anns-lab`` command: one click group; each stage contributes its own commands."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from anns_lab import __version__
+from anns_lab.errors import AnnsLabError
+
+
+class _Group(click.Group):
+    """Prints an AnnsLabError as one line (no traceback) and exits with status 2."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except AnnsLabError as err:
+            click.echo(f"Error: {err}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=_Group)
+@click.version_option(__version__, prog_name="anns-lab")
+def main() -> None:
+    """anns-lab: ANN indexes for attention-query → key retrieval."""
+
+
+def _register() -> None:
+    from anns_lab.dumps.cli import dump
+
+    main.add_command(dump)
+    try:
+        from anns_lab.indexes.cli import indexes
+    except ImportError:  # the index stage lands separately
+        return
+    main.add_command(indexes)
+
+
+_register()

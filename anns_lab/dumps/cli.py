@@ -1,0 +1,38 @@
+"""``anns-lab dump``: the command-line face of :func:`anns_lab.dumps.run.run_dump`."""
+
+from __future__ import annotations
+
+import click
+
+from anns_lab.dumps.prompts import SOURCES
+
+
+@click.command()
+@click.option("--model", default="smollm2", show_default=True,
+              help="smollm2, gemma3-270m, llama3, yi-6b, yi-9b, a local model folder or .gguf file, or a Hugging Face id.")
+@click.option("--source", type=click.Choice(SOURCES), default="text", show_default=True,
+              help="Built-in prompt: real offline text, or a synthetic long-context task.")
+@click.option("--prompt", "prompt_path", type=click.Path(), default=None, help="A UTF-8 text file to use as the prompt instead.")
+@click.option("--tokens", type=int, default=None, help="Prompt length in tokens [default: 8192; with --prompt, the whole file].")
+@click.option("--decode-tokens", type=int, default=64, show_default=True, help="Greedy decode steps captured as phase 'decode'.")
+@click.option("--layers", default="default", show_default=True,
+              help="all | default (every layer; Gemma-3: its global-attention layers) | 2,15,28 | 0:30:2 | 3-7.")
+@click.option("--dtype", type=click.Choice(["float16", "float32"]), default="float16", show_default=True)
+@click.option("--chunk", type=int, default=2048, show_default=True, help="Prefill chunk length (bounds memory).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic task prompts.")
+@click.option("--out", type=click.Path(), default=None, help="Dump folder [default: dumps/<model>-<source>-<tokens>].")
+@click.option("--overwrite", is_flag=True, help="Replace an existing dump made with other settings.")
+@click.option("--allow-extrapolation", is_flag=True, help="Allow more tokens than the model's context length.")
+@click.option("--allow-download", is_flag=True, help="Let transformers fetch weights from a hub (off: offline only).")
+@click.option("--device", default="cpu", show_default=True, help="Torch device for the model (cpu, cuda).")
+def dump(model, source, prompt_path, tokens, decode_tokens, layers, dtype, chunk, seed, out, overwrite,
+         allow_extrapolation, allow_download, device) -> None:
+    """Capture post-RoPE Q/K/V of a model's prefill and decode steps into a Parquet dump."""
+    from anns_lab.dumps.run import run_dump
+
+    if tokens is None and prompt_path is None:
+        tokens = 8192
+    result = run_dump(model, source=source, prompt_path=prompt_path, tokens=tokens, decode_tokens=decode_tokens,
+                      layers=layers, dtype=dtype, chunk=chunk, seed=seed, out=out, overwrite=overwrite,
+                      allow_extrapolation=allow_extrapolation, allow_download=allow_download, device=device)
+    click.echo(result.summary())

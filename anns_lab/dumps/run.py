@@ -1,0 +1,319 @@
+"""``anns-lab dump``: chunked prefill and greedy decode of a real model, captured into a dump folder.
+
+Work is resumable by layer: the token ids are saved first, each layer's Parquet file is recorded
+in ``.staging/progress.json`` as soon as it is renamed into place, and a re-run with the same
+settings keeps those files and captures only the missing layers. With every token known in
+advance (a resume, or no decode steps) the forward pass stops after the deepest missing layer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from anns_lab import __version__
+from anns_lab.dumps import store
+from anns_lab.errors import DumpError, PromptError
+
+STAGING = ".staging"
+PROGRESS = "progress.json"
+DTYPES = {"float16": np.float16, "float32": np.float32}
+
+
+def parse_layers(spec: str, n_layers: int, default: list[int]) -> list[int]:
+    """``all``, ``default``, ``2,15,28``, ``0:30:2`` (start:stop:step), ``3-7``, or a mix, → sorted layers."""
+    spec = spec.strip().lower()
+    if spec == "all":
+        return list(range(n_layers))
+    if spec == "default":
+        return list(default)
+    out: set[int] = set()
+    try:
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            if ":" in part:
+                out.update(range(n_layers)[slice(*(int(x) if x else None for x in part.split(":")))])
+            elif "-" in part[1:]:
+                a, b = part.split("-", 1)
+                out.update(range(int(a), int(b) + 1))
+            else:
+                out.add(int(part))
+    except ValueError:
+        raise DumpError(f"cannot read --layers {spec!r}; use all, default, a list (2,15,28) or a range (0:30:2)") from None
+    bad = sorted(x for x in out if not 0 <= x < n_layers)
+    if bad or not out:
+        raise DumpError(f"--layers {spec!r} selects {bad or 'no layers'}; the model has layers 0..{n_layers - 1}")
+    return sorted(out)
+
+
+class StagingSink:
+    """Captured rows go straight into ``.npy`` memory maps, one per layer and tensor, so memory stays bounded."""
+
+    def __init__(self, folder: Path, layers: list[int], n_rows: int, n_heads: int, n_kv: int, d: int, dtype):
+        from numpy.lib.format import open_memmap
+
+        self.layers = set(layers)
+        self.row = 0
+        self.scaling: dict[int, float] = {}
+        self.arrays = {
+            layer: {name: open_memmap(folder / f"layer_{layer:03d}.{name}.npy", mode="w+", dtype=dtype, shape=(h, n_rows, d))
+                    for name, h in (("q", n_heads), ("k", n_kv), ("v", n_kv))}
+            for layer in layers
+        }
+
+    def record(self, layer, q, k, v, scaling) -> None:
+        if layer not in self.layers:
+            return
+        import torch
+
+        t = q.shape[1]
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if not torch.isfinite(x).all():
+                raise DumpError(f"the model produced non-finite {name.upper()} values at layer {layer}, "
+                                f"positions {self.row}..{self.row + t - 1}")
+            dst = self.arrays[layer][name]
+            dst[:, self.row:self.row + t] = x.detach().to("cpu", dtype=torch.float32).numpy()
+        self.scaling[layer] = float(scaling)
+
+
+@dataclass
+class DumpResult:
+    """What ``run_dump`` did: the dump, how long it took, and whether it was already complete."""
+
+    dump: store.Dump
+    seconds: float
+    already_complete: bool = False
+    resumed_layers: int = 0
+
+    def summary(self) -> str:
+        m = self.dump.manifest
+        n = m["n_tokens"]
+        total = sum(e["bytes"] for e in m["files"].values())
+        head = "already complete" if self.already_complete else f"done in {self.seconds:.1f} s"
+        lines = [
+            f"dump {self.dump.path} ({head})",
+            f"  model     {m['model']['name']}  ({m['model']['source']})",
+            f"  prompt    {m['prompt']['source']}  {json.dumps({k: v for k, v in m['prompt']['params'].items() if k != 'corpus_sha256'})}",
+            f"  tokens    prefill {n['prefill']}, decode {n['decode']}",
+            f"  layers    {len(m['layers'])}: {compact_layers(m['layers'])}",
+            f"  heads     {m['n_heads']} query / {m['n_kv_heads']} KV, head_dim {m['head_dim']}, {m['dtype']}",
+            f"  bytes     {total / 2**20:.1f} MiB in {len(m['files'])} files",
+        ]
+        if "timing" in m and not self.already_complete:
+            t = m["timing"]
+            lines.append(f"  time      load {t['load_s']:.1f} s, prefill {t['prefill_s']:.1f} s "
+                         f"({n['prefill'] / max(t['prefill_s'], 1e-9):.0f} tok/s), decode {t['decode_s']:.1f} s, write {t['write_s']:.1f} s")
+        if self.resumed_layers:
+            lines.append(f"  resumed   {self.resumed_layers} layer files kept from the interrupted run")
+        return "\n".join(lines)
+
+
+def compact_layers(layers: list[int]) -> str:
+    if len(layers) > 2 and layers == list(range(layers[0], layers[-1] + 1)):
+        return f"{layers[0]}..{layers[-1]}"
+    return ",".join(map(str, layers))
+
+
+def default_out(model: str, source: str, tokens: int | None) -> Path:
+    from anns_lab.dumps.models import canonical_name
+
+    return Path("dumps") / f"{canonical_name(model)}-{source}-{tokens if tokens is not None else 'all'}"
+
+
+def _settings_diff(a: dict, b: dict) -> str:
+    keys = sorted(set(a) | set(b))
+    return ", ".join(f"{k}: {a.get(k)!r} there vs {b.get(k)!r} now" for k in keys if a.get(k) != b.get(k))
+
+
+def _prepare_folder(out: Path, settings: dict, overwrite: bool) -> dict | None:
+    """Decide what to do with ``out``: None when the dump is already complete, else the progress to resume."""
+    progress_path = out / STAGING / PROGRESS
+    if (out / store.MANIFEST).is_file():
+        try:
+            old = store.read_manifest(out)["settings"]
+        except (DumpError, KeyError):
+            old = None
+        if old == settings and not overwrite:
+            return None
+        if not overwrite:
+            raise DumpError(f"{out} already holds a dump made with other settings ({_settings_diff(old or {}, settings)}); "
+                            "pass --overwrite to replace it, or choose another --out")
+        _clear(out)
+    elif progress_path.is_file():
+        progress = json.loads(progress_path.read_text())
+        if progress.get("settings") == settings:
+            return progress
+        if not overwrite:
+            raise DumpError(f"{out} holds an unfinished dump with other settings ({_settings_diff(progress.get('settings', {}), settings)}); "
+                            "pass --overwrite to discard it, or choose another --out")
+        _clear(out)
+    elif out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DumpError(f"{out} exists and is not a dump folder; refusing to write into it (choose another --out)")
+    (out / STAGING).mkdir(parents=True, exist_ok=True)
+    progress = {"settings": settings, "done": {}}
+    store.atomic_write_json(progress_path, progress)
+    return progress
+
+
+def _clear(out: Path) -> None:
+    # Only files this tool writes are removed; anything else in the folder stays.
+    for p in list(out.glob("layer_*.parquet")) + [out / store.TOKENS_FILE, out / store.MANIFEST]:
+        p.unlink(missing_ok=True)
+    shutil.rmtree(out / STAGING, ignore_errors=True)
+
+
+def run_dump(model: str = "smollm2", *, source: str = "text", prompt_path: str | None = None, tokens: int | None = 8192,
+             decode_tokens: int = 64, layers: str = "default", dtype: str = "float16", chunk: int = 2048, seed: int = 0,
+             out: str | Path | None = None, overwrite: bool = False, allow_extrapolation: bool = False,
+             allow_download: bool = False, device: str = "cpu", progress: bool = True) -> DumpResult:
+    """Capture a dump (see module doc); returns the opened dump and timings."""
+    from anns_lab.dumps.models import resolve
+
+    if dtype not in DTYPES:
+        raise DumpError(f"--dtype must be one of {', '.join(DTYPES)}")
+    if chunk < 1 or decode_tokens < 0:
+        raise DumpError("--chunk must be ≥ 1 and --decode-tokens ≥ 0")
+    src = "file" if prompt_path else source
+    out = Path(out) if out is not None else default_out(model, src, tokens)
+    canon, where, _ = resolve(model)  # fails fast on unknown models, before any folder is touched
+    settings = {"model": canon, "model_source": str(where), "source": src, "prompt_path": str(Path(prompt_path).resolve()) if prompt_path else None,
+                "tokens": tokens, "decode_tokens": decode_tokens, "layers": layers, "dtype": dtype, "chunk": chunk, "seed": seed}
+    t_start = time.perf_counter()
+    state = _prepare_folder(out, settings, overwrite)
+    if state is None:
+        return DumpResult(store.open_dump(out), time.perf_counter() - t_start, already_complete=True)
+    return _capture(out, settings, state, model, prompt_path, allow_extrapolation, allow_download, device, progress, t_start)
+
+
+def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation, allow_download, device, progress, t_start):
+    import torch
+    from tqdm.auto import tqdm
+
+    from anns_lab.dumps.capture import StopForward, capturing
+    from anns_lab.dumps.models import load_model
+    from anns_lab.dumps.prompts import build_prompt
+
+    staging = out / STAGING
+    lm = load_model(model_name, device=device, allow_download=allow_download)
+    cfg = lm.config
+    t_loaded = time.perf_counter()
+    layers = parse_layers(settings["layers"], cfg.num_hidden_layers, lm.long_range_layers)
+    prompt = build_prompt(settings["source"], lm.tokenizer, settings["tokens"], settings["seed"], prompt_path)
+    n_prefill, n_decode = len(prompt.ids), settings["decode_tokens"]
+    if lm.context and n_prefill + n_decode > lm.context and not allow_extrapolation:
+        raise PromptError(f"{n_prefill} prompt + {n_decode} decode tokens exceed {lm.name}'s context of {lm.context} tokens; "
+                          "use fewer --tokens, or pass --allow-extrapolation to go beyond it")
+    n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+    done = state["done"]
+    missing = [layer for layer in layers if store.layer_file(layer) not in done]
+    saved_ids = state.get("token_ids")
+    if saved_ids is not None and saved_ids[:n_prefill] != prompt.ids:
+        raise DumpError(f"{out}: the saved tokens differ from the prompt built now (tokenizer or corpus changed); pass --overwrite")
+    sink = StagingSink(staging, missing, n_prefill + n_decode, n_heads, n_kv, d, DTYPES[settings["dtype"]])
+
+    # Logits are needed only to choose decode tokens; once every token is known the forward can stop early.
+    all_known = saved_ids is not None or n_decode == 0
+    stop_after = max(missing) if (all_known and missing) else None
+    ids = list(saved_ids) if saved_ids is not None else list(prompt.ids)
+    model = lm.model
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    t_prefill = t_decode = 0.0
+    bar = tqdm(total=n_prefill + n_decode, unit="tok", desc=f"dump {lm.name}", disable=not progress or not missing)
+
+    def forward(start: int, end: int):
+        sink.row = start
+        x = torch.tensor([ids[start:end]], device=model.device)
+        pos = torch.arange(start, end, device=model.device)
+        try:
+            return model(input_ids=x, cache_position=pos, use_cache=True, logits_to_keep=1, **{lm.cache_kwarg: cache}).logits
+        except StopForward:
+            return None
+
+    if missing:
+        with torch.inference_mode(), capturing(model, sink, stop_after=stop_after):
+            t0 = time.perf_counter()
+            logits = None
+            for start in range(0, n_prefill, settings["chunk"]):
+                end = min(start + settings["chunk"], n_prefill)
+                logits = forward(start, end)
+                bar.update(end - start)
+            t_prefill = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for step in range(n_decode):
+                pos = n_prefill + step
+                if pos >= len(ids):
+                    ids.append(int(logits[0, -1].argmax()))
+                logits = forward(pos, pos + 1)
+                bar.update(1)
+            t_decode = time.perf_counter() - t0
+        bar.close()
+    if saved_ids is None:
+        state["token_ids"] = ids
+        done[store.TOKENS_FILE] = store.write_table(out / store.TOKENS_FILE, store.tokens_table(ids, n_prefill))
+        store.atomic_write_json(staging / PROGRESS, state)
+
+    t0 = time.perf_counter()
+    for layer in tqdm(missing, desc="write layers", unit="layer", disable=not progress or len(missing) < 2):
+        arrays = sink.arrays[layer]
+        name = store.layer_file(layer)
+        done[name] = store.write_table(out / name, store.layer_table(arrays["q"], arrays["k"], arrays["v"]))
+        state.setdefault("scaling", {})[str(layer)] = sink.scaling[layer]
+        store.atomic_write_json(staging / PROGRESS, state)
+        del sink.arrays[layer]
+        for part in "qkv":
+            (staging / f"layer_{layer:03d}.{part}.npy").unlink(missing_ok=True)
+    t_write = time.perf_counter() - t0
+
+    manifest = _manifest(settings, lm, prompt, layers, n_prefill, n_decode, n_heads, n_kv, d, state, {
+        "load_s": t_loaded - t_start, "prefill_s": t_prefill, "decode_s": t_decode, "write_s": t_write,
+        "total_s": time.perf_counter() - t_start})
+    store.atomic_write_json(out / store.MANIFEST, manifest)
+    shutil.rmtree(staging, ignore_errors=True)
+    kept = len(layers) - len(missing)
+    return DumpResult(store.open_dump(out), time.perf_counter() - t_start, resumed_layers=kept)
+
+
+def _manifest(settings, lm, prompt, layers, n_prefill, n_decode, n_heads, n_kv, d, state, timing) -> dict:
+    cfg = lm.config
+    group = n_heads // n_kv
+    types = getattr(cfg, "layer_types", None)
+    window = getattr(cfg, "sliding_window", None)
+    tok = lm.tokenizer
+    files = {store.TOKENS_FILE: state["done"][store.TOKENS_FILE]}
+    files |= {store.layer_file(layer): state["done"][store.layer_file(layer)] for layer in layers}
+    return {
+        "format": store.FORMAT,
+        "format_version": store.FORMAT_VERSION,
+        "tool": f"anns-lab {__version__}",
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "settings": settings,
+        "model": {"name": lm.name, "source": lm.source, "architecture": type(lm.model).__name__,
+                  "context": lm.context, "long_range_layers": lm.long_range_layers,
+                  "config": json.loads(cfg.to_json_string(use_diff=False))},
+        "tokenizer": {"class": type(tok).__name__, "vocab_size": len(tok), "bos_token_id": tok.bos_token_id,
+                      "eos_token_id": tok.eos_token_id},
+        "prompt": {"source": prompt.source, "params": prompt.params},
+        "dtype": settings["dtype"],
+        "n_tokens": {"prefill": n_prefill, "decode": n_decode},
+        "phases": {"prefill": [0, n_prefill], "decode": [n_prefill, n_prefill + n_decode]},
+        "layers": layers,
+        "n_layers": cfg.num_hidden_layers,
+        "n_heads": n_heads,
+        "n_kv_heads": n_kv,
+        "head_dim": d,
+        "gqa": [h // group for h in range(n_heads)],
+        "scaling": {str(layer): state["scaling"][str(layer)] for layer in layers},
+        "sliding_window": {str(layer): (window if types is not None and types[layer] == "sliding_attention" else None)
+                           for layer in layers},
+        "rope": getattr(cfg, "rope_parameters", None),
+        "files": files,
+        "timing": timing,
+    }

@@ -1,0 +1,267 @@
+"""The dump format: one Parquet file per layer, a tokens file, and ``manifest.json`` written last.
+
+Layout of a dump folder (format version 1)::
+
+    manifest.json        settings, model, prompt, shapes, GQA map, phases, files with sha256
+    tokens.parquet       position, token_id, phase
+    layer_LLL.parquet    position, q0..q{H-1}, k0..k{G-1}, v0..v{G-1}; one row per position,
+                         each head a fixed_size_list<float16|float32>[head_dim], one row group
+
+One (layer, head) is one column; its values buffer is contiguous, so a read is zero-copy into a
+numpy ``(n, head_dim)`` view. Files are written to a temporary name and renamed; the manifest
+comes last, so a folder without one is an unfinished dump and is never read as complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from anns_lab.errors import DumpError
+
+FORMAT = "anns-lab-dump"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+TOKENS_FILE = "tokens.parquet"
+PHASES = ("prefill", "decode", "all")
+
+
+def layer_file(layer: int) -> str:
+    return f"layer_{layer:03d}.parquet"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename, so readers never see half a file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: Path, obj: dict) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode("utf-8"))
+
+
+def write_table(path: Path, table: pa.Table) -> dict:
+    """Write one Parquet file atomically, as a single row group; returns its manifest entry."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        # Float columns neither compress nor dictionary-encode usefully; plain pages read fastest.
+        pq.write_table(table, tmp, compression="none", use_dictionary=["phase"] if "phase" in table.column_names else False,
+                       row_group_size=max(table.num_rows, 1), write_statistics=False)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        entry = {"rows": table.num_rows, "bytes": os.path.getsize(tmp), "sha256": sha256_file(Path(tmp))}
+        os.replace(tmp, path)
+        return entry
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def head_column(array: np.ndarray) -> pa.FixedSizeListArray:
+    """(n, d) array → fixed_size_list column whose values buffer is the array's own memory."""
+    n, d = array.shape
+    return pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(array).reshape(-1)), d)
+
+
+def layer_table(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> pa.Table:
+    """Table of one layer from q (H, n, d), k and v (G, n, d)."""
+    cols = {"position": pa.array(np.arange(q.shape[1], dtype=np.int32))}
+    cols |= {f"q{h}": head_column(q[h]) for h in range(q.shape[0])}
+    cols |= {f"k{g}": head_column(k[g]) for g in range(k.shape[0])}
+    cols |= {f"v{g}": head_column(v[g]) for g in range(v.shape[0])}
+    return pa.table(cols)
+
+
+def tokens_table(ids: list[int], n_prefill: int) -> pa.Table:
+    n = len(ids)
+    return pa.table({
+        "position": pa.array(np.arange(n, dtype=np.int32)),
+        "token_id": pa.array(np.asarray(ids, dtype=np.int32)),
+        "phase": pa.array(["prefill"] * n_prefill + ["decode"] * (n - n_prefill)).dictionary_encode(),
+    })
+
+
+def read_manifest(path: Path) -> dict:
+    """The manifest of a finished dump, or a DumpError saying why the folder is not one."""
+    path = Path(path)
+    if not path.exists():
+        raise DumpError(f"dump folder {path} does not exist")
+    if not path.is_dir():
+        raise DumpError(f"{path} is not a dump folder (a dump is a folder with {MANIFEST})")
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        if (path / ".staging").is_dir():
+            raise DumpError(f"{path} is an unfinished dump (no {MANIFEST}); re-run the same `anns-lab dump` command to resume it")
+        raise DumpError(f"{path} is not a dump: it has no {MANIFEST}")
+    try:
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DumpError(f"{mpath} is corrupt ({err})") from None
+    if manifest.get("format") != FORMAT:
+        raise DumpError(f"{mpath} is not an anns-lab dump manifest")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise DumpError(f"{path} has dump format version {manifest.get('format_version')}; this anns-lab reads version {FORMAT_VERSION}")
+    return manifest
+
+
+class Dump:
+    """A finished dump, read lazily: each array is one Parquet column, float32 ``(n, head_dim)``.
+
+    Files are checked against the manifest's size on open and against its sha256 on first read.
+    Float32 dumps come back as read-only zero-copy views; float16 dumps are converted.
+    """
+
+    def __init__(self, path: str | Path, verify: bool = True):
+        self.path = Path(path)
+        self.manifest = read_manifest(self.path)
+        self._verify = verify
+        self._verified: set[str] = set()
+        for name, entry in self.manifest["files"].items():
+            f = self.path / name
+            if not f.is_file():
+                raise DumpError(f"dump {self.path} is missing {name}")
+            if f.stat().st_size != entry["bytes"]:
+                raise DumpError(f"dump file {f} has {f.stat().st_size} bytes, the manifest says {entry['bytes']}: it is corrupt or was changed")
+
+    def __repr__(self) -> str:
+        n = self.manifest["n_tokens"]
+        return (f"Dump({str(self.path)!r}, model={self.model!r}, prefill={n['prefill']}, decode={n['decode']}, "
+                f"layers={self.layers}, heads={self.n_heads}/{self.n_kv_heads}, d={self.head_dim})")
+
+    @property
+    def model(self) -> str:
+        return self.manifest["model"]["name"]
+
+    @property
+    def layers(self) -> list[int]:
+        return list(self.manifest["layers"])
+
+    @property
+    def n_heads(self) -> int:
+        return int(self.manifest["n_heads"])
+
+    @property
+    def n_kv_heads(self) -> int:
+        return int(self.manifest["n_kv_heads"])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.manifest["head_dim"])
+
+    def scaling(self, layer: int) -> float:
+        """The softmax scale the model applies to q·k in ``layer`` (1/√d for most models)."""
+        self._check_layer(layer)
+        return float(self.manifest["scaling"][str(layer)])
+
+    def kv_head_of(self, head: int) -> int:
+        """The KV head that query head ``head`` reads (GQA)."""
+        self._check_head(head, self.n_heads, "query")
+        return int(self.manifest["gqa"][head])
+
+    def keys(self, layer: int, kv_head: int, phase: str = "all") -> np.ndarray:
+        """Post-RoPE keys of one KV head, ``(n, head_dim)`` float32, rows in position order."""
+        self._check_head(kv_head, self.n_kv_heads, "KV")
+        return self._column(layer, f"k{kv_head}", phase)
+
+    def values(self, layer: int, kv_head: int, phase: str = "all") -> np.ndarray:
+        """Values of one KV head, ``(n, head_dim)`` float32."""
+        self._check_head(kv_head, self.n_kv_heads, "KV")
+        return self._column(layer, f"v{kv_head}", phase)
+
+    def queries(self, layer: int, head: int, phase: str = "prefill") -> np.ndarray:
+        """Post-RoPE queries of one query head, ``(n, head_dim)`` float32."""
+        self._check_head(head, self.n_heads, "query")
+        return self._column(layer, f"q{head}", phase)
+
+    def positions(self, phase: str = "all") -> np.ndarray:
+        """Token positions of a phase (prefill first, then decode)."""
+        lo, hi = self._rows(phase)
+        return np.arange(lo, hi, dtype=np.int64)
+
+    def tokens(self, phase: str = "all") -> np.ndarray:
+        """Token ids of a phase: the prompt, then the greedily decoded tokens."""
+        lo, hi = self._rows(phase)
+        return self._read(TOKENS_FILE, "token_id")[lo:hi].astype(np.int64)
+
+    def verify(self) -> None:
+        """Check every file against its sha256 now (otherwise each is checked on first read)."""
+        for name in self.manifest["files"]:
+            self._check_sha(name)
+
+    @cached_property
+    def _phase_rows(self) -> dict[str, tuple[int, int]]:
+        n = self.manifest["n_tokens"]
+        p, d = int(n["prefill"]), int(n["decode"])
+        return {"prefill": (0, p), "decode": (p, p + d), "all": (0, p + d)}
+
+    def _rows(self, phase: str) -> tuple[int, int]:
+        if phase not in PHASES:
+            raise DumpError(f"unknown phase {phase!r}; choose one of {', '.join(PHASES)}")
+        return self._phase_rows[phase]
+
+    def _check_layer(self, layer: int) -> None:
+        if layer not in self.manifest["layers"]:
+            raise DumpError(f"layer {layer} is not in dump {self.path}; it holds layers {self.layers}")
+
+    @staticmethod
+    def _check_head(head: int, n: int, kind: str) -> None:
+        if not 0 <= head < n:
+            raise DumpError(f"{kind} head {head} is out of range: this dump has {n} {kind} heads (0..{n - 1})")
+
+    def _check_sha(self, name: str) -> None:
+        if name in self._verified:
+            return
+        if sha256_file(self.path / name) != self.manifest["files"][name]["sha256"]:
+            raise DumpError(f"dump file {self.path / name} fails its sha256 checksum: it is corrupt; re-create the dump")
+        self._verified.add(name)
+
+    def _read(self, name: str, column: str) -> np.ndarray:
+        if self._verify:
+            self._check_sha(name)
+        try:
+            table = pq.read_table(self.path / name, columns=[column], memory_map=True)
+        except (pa.ArrowException, OSError) as err:
+            raise DumpError(f"cannot read column {column} of {self.path / name}: {err}") from None
+        chunks = table.column(column).chunks
+        arr = chunks[0] if len(chunks) == 1 else pa.concat_arrays(chunks)
+        if pa.types.is_fixed_size_list(arr.type):
+            return arr.flatten().to_numpy(zero_copy_only=True).reshape(len(arr), arr.type.list_size)
+        if pa.types.is_dictionary(arr.type):
+            arr = arr.dictionary_decode()
+        return arr.to_numpy(zero_copy_only=False)
+
+    def _column(self, layer: int, column: str, phase: str) -> np.ndarray:
+        self._check_layer(layer)
+        lo, hi = self._rows(phase)
+        arr = self._read(layer_file(layer), column)[lo:hi]
+        return arr if arr.dtype == np.float32 else arr.astype(np.float32)
+
+
+def open_dump(path: str | Path, verify: bool = True) -> Dump:
+    """Open a finished dump folder for reading (raises DumpError for an unfinished or corrupt one)."""
+    return Dump(path, verify=verify)

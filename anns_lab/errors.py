@@ -1,0 +1,21 @@
+"""The exceptions anns-lab raises for bad input; the CLI prints them as one clear line."""
+
+
+class AnnsLabError(Exception):
+    """Base of every error that is the user's input, not a bug: the message says what to do."""
+
+
+class ModelNotAvailable(AnnsLabError):
+    """A model name is unknown or its weights are not on this machine."""
+
+
+class PromptError(AnnsLabError):
+    """A prompt source cannot produce the requested tokens."""
+
+
+class DumpError(AnnsLabError):
+    """A dump folder is missing, unfinished, corrupt, or was made with other settings."""
+
+
+class IndexConfigError(AnnsLabError):
+    """An index name, parameter or input array is not acceptable."""

@@ -1,0 +1,67 @@
+"""Shared fixtures: tiny random models saved as local folders (fast), and one short real SmolLM2 dump."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Tests never reach a hub; a missing model must fail at once.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _tiny_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from anns_lab.dumps.tasks import PASSKEY_FILLER
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = [PASSKEY_FILLER * 3, "The pass key is 12345. Remember it. What is the pass key?",
+            "One of the special magic numbers for apple is: 1234567.", '{"a": "b"} Key: value 0123456789 - abcdef']
+    tok.train_from_iterator(text, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>").save_pretrained(folder)
+
+
+def make_tiny_model(folder: Path, arch: str, seed: int = 0) -> Path:
+    """A randomly initialised Llama (GQA 4 q / 2 kv) or Gemma-3 (sliding + global layers) saved to ``folder``."""
+    import torch
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+    if arch == "llama":
+        cfg = LlamaConfig(**common, rope_theta=10000.0)
+    else:
+        cfg = Gemma3TextConfig(**common, query_pre_attn_scalar=16, sliding_window=8,
+                               layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+    model = AutoModelForCausalLM.from_config(cfg)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    _tiny_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-gemma3"), "gemma3")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dump(tmp_path_factory):
+    """A real SmolLM2-135M dump: 2048 tokens of offline text, 16 decode steps, layers 2 and 15, float32."""
+    from anns_lab.dumps.run import run_dump
+
+    out = tmp_path_factory.mktemp("smollm2-dump") / "dump"
+    return run_dump("smollm2", tokens=2048, decode_tokens=16, layers="2,15", dtype="float32", out=out, progress=False).dump

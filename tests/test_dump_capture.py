@@ -1,0 +1,92 @@
+"""The dump holds exactly what the model's attention sees: attention recomputed from it equals the model's own."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from anns_lab.dumps.models import load_model
+from anns_lab.dumps.run import run_dump
+
+
+def model_attention_outputs(model_name: str, ids: list[int], layers: list[int]) -> dict[int, np.ndarray]:
+    """The input of each layer's o_proj (the attention output per head), from one plain forward pass."""
+    lm = load_model(model_name)
+    seen: dict[int, np.ndarray] = {}
+    hooks = []
+    for layer in layers:
+        attn = lm.model.model.layers[layer].self_attn
+        hooks.append(attn.o_proj.register_forward_pre_hook(
+            lambda mod, args, layer=layer: seen.__setitem__(layer, args[0][0].double().numpy())))
+    with torch.inference_mode():
+        lm.model(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def attention_from_dump(dump, layer: int, window: int | None) -> np.ndarray:
+    """Causal softmax(q·kᵀ/√d)·v of every position and query head, from the dump alone, in float64."""
+    n, d = len(dump.positions()), dump.head_dim
+    out = np.zeros((n, dump.n_heads * d))
+    i = np.arange(n)[:, None]
+    j = np.arange(n)[None, :]
+    allowed = (j <= i) if window is None else (j <= i) & (i - j < window)
+    for h in range(dump.n_heads):
+        q = dump.queries(layer, h, phase="all").astype(np.float64)
+        g = dump.kv_head_of(h)
+        k = dump.keys(layer, g).astype(np.float64)
+        v = dump.values(layer, g).astype(np.float64)
+        s = np.where(allowed, q @ k.T / np.sqrt(d), -np.inf)
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        out[:, h * d:(h + 1) * d] = (p / p.sum(axis=1, keepdims=True)) @ v
+    return out
+
+
+def check_against_model(model: str, tmp_path, layers: list[int], tokens: int, chunk: int, decode: int) -> None:
+    result = run_dump(model, tokens=tokens, decode_tokens=decode, layers=",".join(map(str, layers)), dtype="float32",
+                      chunk=chunk, out=tmp_path / "dump", progress=False)
+    dump = result.dump
+    assert dump.layers == layers
+    assert len(dump.positions("prefill")) == tokens and len(dump.positions("decode")) == decode
+    for layer in layers:
+        assert dump.scaling(layer) == pytest.approx(dump.head_dim ** -0.5)
+    ref = model_attention_outputs(model, dump.tokens().tolist(), layers)
+    for layer in layers:
+        window = dump.manifest["sliding_window"][str(layer)]
+        ours = attention_from_dump(dump, layer, window)
+        rel = np.linalg.norm(ours - ref[layer]) / np.linalg.norm(ref[layer])
+        assert rel < 1e-4, f"layer {layer}: relative error {rel:.2e}"
+        assert np.abs(ours - ref[layer]).max() < 1e-4 * np.abs(ref[layer]).max()
+
+
+def test_tiny_llama_gqa_chunked_prefill_and_decode(tiny_llama, tmp_path):
+    check_against_model(str(tiny_llama), tmp_path, [0, 1, 2, 3], tokens=45, chunk=16, decode=5)
+
+
+def test_tiny_gemma3_sliding_and_global_layers(tiny_gemma3, tmp_path):
+    check_against_model(str(tiny_gemma3), tmp_path, [0, 1, 2, 3], tokens=40, chunk=12, decode=4)
+
+
+def test_gqa_map_follows_model_grouping(tiny_llama, tmp_path):
+    dump = run_dump(str(tiny_llama), tokens=20, decode_tokens=0, layers="1", out=tmp_path / "d", progress=False).dump
+    assert [dump.kv_head_of(h) for h in range(dump.n_heads)] == [0, 0, 1, 1]
+    assert dump.keys(1, 1).shape == (20, 16)
+
+
+@pytest.mark.realmodel
+def test_smollm2_capture_equals_model_attention(tmp_path):
+    check_against_model("smollm2", tmp_path, [0, 15, 29], tokens=96, chunk=40, decode=4)
+
+
+@pytest.mark.realmodel
+def test_smollm2_fixture_dump_is_real_and_shaped(smollm2_dump):
+    d = smollm2_dump
+    assert (d.n_heads, d.n_kv_heads, d.head_dim) == (9, 3, 64)
+    q = d.queries(15, 4, phase="decode")
+    k = d.keys(15, d.kv_head_of(4), phase="prefill")
+    assert q.shape == (16, 64) and k.shape == (2048, 64) and q.dtype == np.float32
+    # Post-RoPE keys differ in direction across positions; the first token is an attention sink for most queries.
+    top1 = np.argmax(q @ k.T, axis=1)
+    assert np.isfinite(k).all() and len(set(top1.tolist())) >= 1
