@@ -190,6 +190,16 @@ def run_dump(model: str = "smollm2", *, source: str = "text", prompt_path: str |
     return _capture(out, settings, state, model, prompt_path, allow_extrapolation, allow_download, device, progress, t_start)
 
 
+def forward_tokens(lm, cache, ids: list[int], start: int, end: int):
+    """Run positions ``start:end`` of ``ids`` through the model on top of ``cache``; logits of the last position."""
+    import torch
+
+    model = lm.model
+    x = torch.tensor([ids[start:end]], device=model.device)
+    pos = torch.arange(start, end, device=model.device)
+    return model(input_ids=x, cache_position=pos, use_cache=True, logits_to_keep=1, **{lm.cache_kwarg: cache}).logits
+
+
 def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation, allow_download, device, progress, t_start):
     import torch
     from tqdm.auto import tqdm
@@ -205,8 +215,9 @@ def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation,
     layers = parse_layers(settings["layers"], cfg.num_hidden_layers, lm.long_range_layers)
     prompt = build_prompt(settings["source"], lm.tokenizer, settings["tokens"], settings["seed"], prompt_path)
     n_prefill, n_decode = len(prompt.ids), settings["decode_tokens"]
-    if lm.context and n_prefill + n_decode > lm.context and not allow_extrapolation:
-        raise PromptError(f"{n_prefill} prompt + {n_decode} decode tokens exceed {lm.name}'s context of {lm.context} tokens; "
+    # The prompt must fit the trained context; a few decode steps past its end are the usual long-context setting.
+    if lm.context and n_prefill > lm.context and not allow_extrapolation:
+        raise PromptError(f"{n_prefill} prompt tokens exceed {lm.name}'s context of {lm.context} tokens; "
                           "use fewer --tokens, or pass --allow-extrapolation to go beyond it")
     n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
@@ -230,10 +241,8 @@ def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation,
 
     def forward(start: int, end: int):
         sink.row = start
-        x = torch.tensor([ids[start:end]], device=model.device)
-        pos = torch.arange(start, end, device=model.device)
         try:
-            return model(input_ids=x, cache_position=pos, use_cache=True, logits_to_keep=1, **{lm.cache_kwarg: cache}).logits
+            return forward_tokens(lm, cache, ids, start, end)
         except StopForward:
             return None
 

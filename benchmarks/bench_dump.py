@@ -1,0 +1,69 @@
+"""Capture overhead of ``anns-lab dump`` against the plain chunked prefill of the same tokens, in one run.
+
+    python benchmarks/bench_dump.py --model smollm2 --tokens 8192
+    python benchmarks/bench_dump.py --model gemma3-270m --tokens 32768 --decode-tokens 16
+
+Prints one Markdown row: plain prefill time, dump prefill time (with capture), overhead ratio,
+tokens/s, decode and write time, bytes written, peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from anns_lab.dumps.models import load_model
+from anns_lab.dumps.prompts import build_prompt
+from anns_lab.dumps.run import forward_tokens, run_dump
+
+
+def plain_prefill_seconds(model: str, tokens: int, chunk: int) -> float:
+    from transformers import DynamicCache
+
+    lm = load_model(model)
+    ids = build_prompt("text", lm.tokenizer, tokens).ids
+    cache = DynamicCache(config=lm.model.config)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for start in range(0, len(ids), chunk):
+            forward_tokens(lm, cache, ids, start, min(start + chunk, len(ids)))
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--layers", default="default")
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--keep", type=Path, default=None, help="Keep the dump in this folder instead of a temporary one.")
+    args = ap.parse_args()
+
+    plain = plain_prefill_seconds(args.model, args.tokens, args.chunk)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-dump-"))
+    out = args.keep or tmp / "dump"
+    res = run_dump(args.model, tokens=args.tokens, decode_tokens=args.decode_tokens, layers=args.layers, dtype=args.dtype,
+                   chunk=args.chunk, out=out, overwrite=True, progress=False)
+    m = res.dump.manifest
+    t = m["timing"]
+    nbytes = sum(e["bytes"] for e in m["files"].values())
+    capture = t["prefill_s"] + t["write_s"]
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print("| model | tokens | layers | plain prefill s | dump prefill s | + write s | overhead (prefill+write)/plain | tok/s (dump) | decode s | MiB written | peak RSS GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| {args.model} | {args.tokens} + {args.decode_tokens} | {len(m['layers'])} | {plain:.1f} | {t['prefill_s']:.1f} | "
+          f"{t['write_s']:.1f} | {capture / plain - 1:+.1%} | {args.tokens / t['prefill_s']:.0f} | {t['decode_s']:.1f} | "
+          f"{nbytes / 2**20:.0f} | {rss:.1f} |")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""Dump format, resume and bad input: each failure is one clear error and nothing finished is lost."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from anns_lab import open_dump
+from anns_lab.cli import main
+from anns_lab.dumps import run as run_mod
+from anns_lab.dumps import store
+from anns_lab.dumps.run import parse_layers, run_dump
+from anns_lab.errors import DumpError, ModelNotAvailable, PromptError
+
+
+def small_dump(model_dir, out, **kw):
+    args = dict(tokens=30, decode_tokens=3, layers="all", dtype="float32", chunk=8, out=out, progress=False)
+    return run_dump(str(model_dir), **(args | kw))
+
+
+def test_manifest_and_api_shapes(tiny_llama, tmp_path):
+    d = small_dump(tiny_llama, tmp_path / "d").dump
+    m = d.manifest
+    assert m["n_tokens"] == {"prefill": 30, "decode": 3}
+    assert d.layers == [0, 1, 2, 3] and (d.n_heads, d.n_kv_heads, d.head_dim) == (4, 2, 16)
+    assert d.queries(2, 3, phase="decode").shape == (3, 16)
+    assert d.queries(2, 3, phase="all").shape == (33, 16)
+    assert d.keys(2, 1, phase="prefill").shape == (30, 16)
+    assert d.positions("decode").tolist() == [30, 31, 32]
+    assert len(d.tokens()) == 33 and d.tokens("decode").tolist() == d.tokens()[30:].tolist()
+    # Each file's checksum in the manifest is the file's own.
+    for name, entry in m["files"].items():
+        assert store.sha256_file(d.path / name) == entry["sha256"]
+    # A float32 dump is read without copying: the array is a read-only view on Arrow's buffer.
+    assert not d.keys(0, 0).flags.writeable
+
+
+def test_float16_dump_matches_float32(tiny_llama, tmp_path):
+    d32 = small_dump(tiny_llama, tmp_path / "a").dump
+    d16 = small_dump(tiny_llama, tmp_path / "b", dtype="float16").dump
+    a, b = d32.queries(1, 0, "all"), d16.queries(1, 0, "all")
+    assert b.dtype == np.float32
+    np.testing.assert_allclose(b, a, rtol=2e-3, atol=2e-3 * np.abs(a).max())
+    assert d16.manifest["files"]["layer_001.parquet"]["bytes"] < d32.manifest["files"]["layer_001.parquet"]["bytes"]
+
+
+def test_unfinished_dump_is_refused_for_reading(tiny_llama, tmp_path, monkeypatch):
+    calls = {"n": 0}
+    real = store.write_table
+
+    def crash_on_third(path, table):
+        calls["n"] += 1
+        if calls["n"] == 3:  # tokens, layer 0, then the interrupt while writing layer 1
+            raise KeyboardInterrupt
+        return real(path, table)
+
+    monkeypatch.setattr(store, "write_table", crash_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        small_dump(tiny_llama, tmp_path / "d")
+    with pytest.raises(DumpError, match="unfinished"):
+        open_dump(tmp_path / "d")
+    assert not list((tmp_path / "d").glob(".*.tmp")), "a half-written file was left behind"
+
+
+def test_interrupted_dump_resumes_without_redoing_finished_layers(tiny_llama, tmp_path, monkeypatch):
+    reference = small_dump(tiny_llama, tmp_path / "ref").dump
+    real = store.write_table
+    calls = {"n": 0}
+
+    def crash_on_fourth(path, table):
+        calls["n"] += 1
+        if calls["n"] == 4:  # tokens, layer 0, layer 1 written; interrupted at layer 2
+            raise KeyboardInterrupt
+        return real(path, table)
+
+    monkeypatch.setattr(store, "write_table", crash_on_fourth)
+    with pytest.raises(KeyboardInterrupt):
+        small_dump(tiny_llama, tmp_path / "d")
+    kept = {n: os.stat(tmp_path / "d" / n).st_mtime_ns for n in ("layer_000.parquet", "layer_001.parquet")}
+    monkeypatch.setattr(store, "write_table", real)
+
+    written = []
+    monkeypatch.setattr(store, "write_table", lambda p, t: written.append(p.name) or real(p, t))
+    res = small_dump(tiny_llama, tmp_path / "d")
+    assert sorted(written) == ["layer_002.parquet", "layer_003.parquet"]
+    assert res.resumed_layers == 2
+    for n, mtime in kept.items():
+        assert os.stat(tmp_path / "d" / n).st_mtime_ns == mtime
+    d = res.dump
+    for layer in reference.layers:
+        np.testing.assert_array_equal(d.keys(layer, 1), reference.keys(layer, 1))
+        np.testing.assert_array_equal(d.queries(layer, 2, "all"), reference.queries(layer, 2, "all"))
+    assert d.tokens().tolist() == reference.tokens().tolist()
+
+
+def test_resume_stops_the_forward_pass_at_the_deepest_missing_layer(tiny_llama, tmp_path, monkeypatch):
+    first = small_dump(tiny_llama, tmp_path / "d").dump
+    # The state an interruption leaves after tokens, layer 2 and layer 3 were written: no manifest, a journal.
+    out = first.path
+    (out / store.MANIFEST).unlink()
+    (out / "layer_000.parquet").unlink()
+    (out / "layer_001.parquet").unlink()
+    state = {"settings": first.manifest["settings"], "token_ids": first.tokens().tolist(),
+             "scaling": first.manifest["scaling"],
+             "done": {k: v for k, v in first.manifest["files"].items() if k not in ("layer_000.parquet", "layer_001.parquet")}}
+    (out / run_mod.STAGING).mkdir()
+    store.atomic_write_json(out / run_mod.STAGING / run_mod.PROGRESS, state)
+
+    seen: list[int] = []
+    real_sink = run_mod.StagingSink
+
+    def spy_sink(*a, **kw):
+        sink = real_sink(*a, **kw)
+        record = sink.record
+        sink.record = lambda layer, *r: seen.append(layer) or record(layer, *r)
+        return sink
+
+    monkeypatch.setattr(run_mod, "StagingSink", spy_sink)
+    again = small_dump(tiny_llama, out).dump
+    assert set(seen) == {0, 1}, "layers after the deepest missing one must not run"
+    # Decode tokens are replayed from the journal (teacher forcing), so decode rows are captured too.
+    assert again.queries(0, 0, "decode").shape == (3, 16)
+    reference = small_dump(tiny_llama, tmp_path / "ref").dump
+    for layer in (0, 1):
+        np.testing.assert_array_equal(again.queries(layer, 1, "all"), reference.queries(layer, 1, "all"))
+        np.testing.assert_array_equal(again.values(layer, 0), reference.values(layer, 0))
+
+
+def test_corrupt_file_fails_its_checksum(tiny_llama, tmp_path):
+    d = small_dump(tiny_llama, tmp_path / "d").dump
+    f = d.path / "layer_002.parquet"
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    fresh = open_dump(d.path)  # same size: opens, but the first read of that file is refused
+    fresh.keys(0, 0)
+    with pytest.raises(DumpError, match="checksum"):
+        fresh.keys(2, 0)
+    f.write_bytes(bytes(raw[:-10]))
+    with pytest.raises(DumpError, match="bytes"):
+        open_dump(d.path)
+
+
+def test_existing_dump_with_other_settings_is_refused_unless_overwrite(tiny_llama, tmp_path):
+    small_dump(tiny_llama, tmp_path / "d")
+    again = small_dump(tiny_llama, tmp_path / "d")
+    assert again.already_complete
+    with pytest.raises(DumpError, match="other settings.*tokens"):
+        small_dump(tiny_llama, tmp_path / "d", tokens=31)
+    assert open_dump(tmp_path / "d").manifest["n_tokens"]["prefill"] == 30  # nothing lost
+    assert small_dump(tiny_llama, tmp_path / "d", tokens=31, overwrite=True).dump.manifest["n_tokens"]["prefill"] == 31
+
+
+def test_foreign_folder_is_never_written_into(tiny_llama, tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    for overwrite in (False, True):
+        with pytest.raises(DumpError, match="not a dump folder"):
+            small_dump(tiny_llama, tmp_path / "mine", overwrite=overwrite)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_reading_errors(tiny_llama, tmp_path):
+    d = small_dump(tiny_llama, tmp_path / "d").dump
+    with pytest.raises(DumpError, match="layer 7 is not in dump"):
+        d.keys(7, 0)
+    with pytest.raises(DumpError, match="query head 4 is out of range"):
+        d.queries(0, 4)
+    with pytest.raises(DumpError, match="unknown phase"):
+        d.queries(0, 0, phase="later")
+    with pytest.raises(DumpError, match="does not exist"):
+        open_dump(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DumpError, match="no manifest.json"):
+        open_dump(tmp_path / "empty")
+
+
+def test_nan_in_the_model_is_reported(tiny_llama, tmp_path):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_llama, broken)
+    weights = load_file(broken / "model.safetensors")
+    weights["model.layers.1.self_attn.k_proj.weight"][0, 0] = torch.nan
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(DumpError, match="non-finite K values at layer 1"):
+        small_dump(broken, tmp_path / "d")
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("all", [0, 1, 2, 3, 4, 5]), ("default", [1, 3]), ("2,4", [2, 4]), ("0:6:2", [0, 2, 4]), ("1-3", [1, 2, 3]),
+    ("5, 0:2", [0, 1, 5]),
+])
+def test_parse_layers(spec, expected):
+    assert parse_layers(spec, 6, [1, 3]) == expected
+
+
+@pytest.mark.parametrize("spec", ["7", "x", "0:0", "-1"])
+def test_parse_layers_rejects(spec):
+    with pytest.raises(DumpError):
+        parse_layers(spec, 6, [1])
+
+
+def test_prompt_errors(tiny_llama, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("Only a few words here.")
+    with pytest.raises(PromptError, match="fewer than --tokens 100"):
+        run_dump(str(tiny_llama), prompt_path=short, tokens=100, out=tmp_path / "d", progress=False)
+    with pytest.raises(PromptError, match="513 prompt tokens exceed .* context of 512"):
+        small_dump(tiny_llama, tmp_path / "e", tokens=513, decode_tokens=1)
+    assert small_dump(tiny_llama, tmp_path / "f", tokens=513, decode_tokens=2, layers="0",
+                      allow_extrapolation=True).dump.manifest["n_tokens"]["decode"] == 2
+    # Decode steps may run past the context (8192 + 64 on SmolLM2 is the standard setting).
+    assert small_dump(tiny_llama, tmp_path / "g", tokens=512, decode_tokens=2, layers="0").dump
+
+
+def test_unknown_and_missing_models(tmp_path):
+    with pytest.raises(ModelNotAvailable, match="Did you mean smollm2"):
+        run_dump("smolm2", out=tmp_path / "x", progress=False)
+    with pytest.raises(ModelNotAvailable, match="not on this machine.*Hugging Face cache"):
+        run_dump("llama3", tokens=16, out=tmp_path / "y", progress=False)
+    with pytest.raises(ModelNotAvailable, match="does not exist"):
+        run_dump(str(tmp_path / "no-such-model.gguf"), out=tmp_path / "z", progress=False)
+    assert not (tmp_path / "x").exists()
+
+
+def test_cli_reports_errors_in_one_line(tmp_path):
+    r = CliRunner().invoke(main, ["dump", "--model", "gemma-270m", "--out", str(tmp_path / "d")])
+    assert r.exit_code == 2
+    assert "Error: unknown model 'gemma-270m'. Did you mean gemma3-270m" in r.output
+    assert "Traceback" not in r.output
+
+
+def test_cli_dump_summary(tiny_llama, tmp_path):
+    r = CliRunner().invoke(main, ["dump", "--model", str(tiny_llama), "--tokens", "24", "--decode-tokens", "2",
+                                  "--layers", "1,3", "--out", str(tmp_path / "d")])
+    assert r.exit_code == 0, r.output
+    assert "prefill 24, decode 2" in r.output and "layers    2: 1,3" in r.output and "MiB in 3 files" in r.output
+    assert open_dump(tmp_path / "d").manifest["dtype"] == "float16"

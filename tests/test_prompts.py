@@ -1,0 +1,78 @@
+"""Prompt sources: exact lengths with any tokenizer, the needle really inside, benchmark scoring."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from transformers import AutoTokenizer
+
+from anns_lab.dumps import tasks
+from anns_lab.dumps.prompts import build_prompt
+from anns_lab.dumps.text import corpus
+from anns_lab.errors import PromptError
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_llama):
+    return AutoTokenizer.from_pretrained(tiny_llama)
+
+
+@pytest.mark.parametrize("source", ["text", *tasks.TASKS])
+@pytest.mark.parametrize("n", [300, 1000])
+def test_every_source_has_exactly_n_tokens(tok, source, n):
+    p = build_prompt(source, tok, n, seed=3)
+    assert len(p.ids) == n and p.source == source
+
+
+@pytest.mark.parametrize("task", tasks.TASKS)
+def test_needle_and_answer_are_in_the_prompt_at_its_depth(tok, task):
+    s = tasks.make_sample(task, tok, 1500, seed=11, depth=0.25)
+    text = tok.decode(s.ids)
+    for answer in s.answers:
+        assert answer in text
+    # The asked-for needle (the first) sits at the requested depth; distractors lie anywhere.
+    assert 0.05 < text.index(s.answers[0]) / len(text) < 0.6
+    if task == "kv_retrieval":
+        body = text[text.index("{"):text.rindex("}") + 1]
+        pairs = json.loads(body)
+        key = re.search(r'Key: "([^"]+)"', text).group(1)
+        assert pairs[key] == s.answers[0]
+
+
+def test_samples_depend_on_seed_only(tok):
+    a = tasks.make_sample("passkey", tok, 400, seed=5)
+    b = tasks.make_sample("passkey", tok, 400, seed=5)
+    c = tasks.make_sample("passkey", tok, 400, seed=6)
+    assert a == b and a.answers != c.answers
+
+
+def test_scoring_follows_the_benchmarks():
+    assert tasks.score("passkey", " 12345. The pass key", ("12345",)) == 1.0
+    assert tasks.score("passkey", " 123456", ("12345",)) == 0.0  # first integer must equal the key
+    assert tasks.score("number_string", "is 0012 and 9876543210", ("9876543210",)) == 0.0
+    assert tasks.score("kv_retrieval", 'value "ab-cd" ok', ("ab-cd",)) == 1.0
+    assert tasks.score("niah_multivalue", "1111111 and 2222222", ("1111111", "2222222", "3333333", "4444444")) == 0.5
+
+
+def test_offline_corpus_is_long_real_text():
+    text = corpus()
+    assert len(text) > 1_000_000
+    words = re.findall(r"[a-z]+", text[:200_000].lower())
+    assert words.count("the") > 2000  # English prose, not code
+
+
+@pytest.mark.realmodel
+def test_offline_corpus_has_200k_smollm2_tokens():
+    from anns_lab.dumps.models import load_model
+
+    lm = load_model("smollm2")
+    assert len(build_prompt("text", lm.tokenizer, 200_000).ids) == 200_000
+
+
+def test_too_short_for_the_task(tok):
+    with pytest.raises(PromptError, match="cannot hold"):
+        tasks.make_sample("niah_multikey", tok, 40, seed=0)
+    with pytest.raises(PromptError, match="unknown prompt source"):
+        build_prompt("essays", tok, 100)
