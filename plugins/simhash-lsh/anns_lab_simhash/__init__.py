@@ -20,7 +20,7 @@ class SimHashLSH(Index):
     """SimHash LSH (K bits × L tables, seeded Gaussian hyperplanes); candidates scored exactly."""
 
     build_params = {
-        "K": Param(8, 1, 30, help="bits per table"),
+        "K": Param(4, 1, 30, help="bits per table"),
         "L": Param(32, 1, 1024, help="number of tables"),
         "seed": Param(0, 0, 2**31 - 1, help="hyperplane seed"),
     }
