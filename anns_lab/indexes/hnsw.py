@@ -55,6 +55,7 @@ class HNSWGraph:
         # Re-index internal ids by label, so that graph rows are key ids.
         to_label = label
         perm = np.argsort(label)
+        # Slots past a node's degree hold stale words: "% n" only keeps the lookup in bounds; np.where masks them.
         self.nbrs = np.where(np.arange(M0) < deg0[:, None], to_label[links0[:, 1:].astype(np.int64) % n], -1)[perm].astype(np.int32)
         self.degree = deg0[perm]
         self.up_nbrs = np.where(up_nbrs >= 0, to_label[up_nbrs.clip(0)], -1).astype(np.int32)
