@@ -29,13 +29,11 @@ def main() -> None:
 
 def _register() -> None:
     from anns_lab.dumps.cli import dump
+    from anns_lab.eval.cli import export, report, sweep
+    from anns_lab.indexes.cli import indexes
 
-    main.add_command(dump)
-    try:
-        from anns_lab.indexes.cli import indexes
-    except ImportError:  # the index stage lands separately
-        return
-    main.add_command(indexes)
+    for command in (dump, indexes, sweep, report, export):
+        main.add_command(command)
 
 
 _register()

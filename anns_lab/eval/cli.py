@@ -1,0 +1,102 @@
+"""``anns-lab sweep``, ``anns-lab report`` and ``anns-lab export``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from anns_lab.errors import AnnsLabError
+
+
+def _ints(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise AnnsLabError(f"expected a comma-separated list of integers, got {text!r}") from None
+
+
+def _window(text: str) -> tuple[int, int]:
+    vals = _ints(text)
+    if not vals or len(vals) != 2 or min(vals) < 0:
+        raise AnnsLabError(f"--window takes two non-negative numbers 'sinks,recent' (e.g. 128,512), got {text!r}")
+    return vals[0], vals[1]
+
+
+def latest_dump() -> Path | None:
+    """The most recently finished dump under ./dumps, if any."""
+    found = sorted(Path("dumps").glob("*/manifest.json"), key=lambda p: p.stat().st_mtime)
+    return found[-1].parent if found else None
+
+
+@click.command()
+@click.option("--dump", "dump_path", type=click.Path(), default=None,
+              help="Dump folder [default: the newest under dumps/, or make the default SmolLM2 dump first].")
+@click.option("--indexes", default=None, help="Comma-separated index names [default: every registered index].")
+@click.option("--layers", default=None, help="Comma-separated layers [default: three spread over the dump's layers].")
+@click.option("--heads", default=None, help="Comma-separated query heads [default: all].")
+@click.option("--k", type=int, default=100, show_default=True)
+@click.option("--window", default="128,512", show_default=True, help="Static window excluded from the index: sinks,recent.")
+@click.option("--out", type=click.Path(), default=None, help="Results folder [default: results/<dump name>].")
+@click.option("--jobs", type=int, default=2, show_default=True, help="Parallel processes (one (layer, head) each).")
+@click.option("--overwrite", is_flag=True, help="Discard an existing sweep of other settings in --out.")
+def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite) -> None:
+    """Evaluate every index on recall@k against fraction of keys scanned, per (layer, head)."""
+    from anns_lab.eval.sweep import run_sweep
+
+    if dump_path is None:
+        dump_path = latest_dump()
+        if dump_path is None:
+            from anns_lab.dumps.run import run_dump
+
+            click.echo("no dump found under dumps/: making the default SmolLM2 dump first")
+            result = run_dump()
+            click.echo(result.summary())
+            dump_path = result.dump.path
+    names = [n.strip() for n in indexes.split(",")] if indexes else None
+    res = run_sweep(dump_path, names, _ints(layers), _ints(heads), k, _window(window), out, jobs, overwrite)
+    t = res.table
+    click.echo(f"sweep of {dump_path}: {len(t)} rows ({t.groupby(['layer', 'head']).ngroups} heads × "
+               f"{t['index'].nunique()} indexes) in {res.path} ({res.seconds:.0f} s)")
+    for name, layer, head, err in res.failures:
+        click.echo(f"  FAILED {name} on layer {layer} head {head}: {err}", err=True)
+    if res.failures:
+        raise SystemExit(1)
+
+
+@click.command()
+@click.argument("results", type=click.Path(), required=False)
+@click.option("--dump", "dump_path", type=click.Path(), default=None, help="Check the results come from this dump.")
+@click.option("--out", type=click.Path(), default=None, help="Folder for report.md and figures [default: beside RESULTS].")
+def report(results, dump_path, out) -> None:
+    """Figures (paper Figs. 2, 3a, 3b, 6) and a Markdown report from a sweep's results."""
+    from anns_lab.eval.report import write_report
+
+    if results is None:
+        found = sorted(Path("results").glob("*/results.parquet"), key=lambda p: p.stat().st_mtime)
+        if not found:
+            raise AnnsLabError("no results under results/; run `anns-lab sweep` first or give RESULTS")
+        results = found[-1]
+    path = write_report(results, out, dump_path)
+    click.echo(f"report: {path}")
+    click.echo(f"figures: {', '.join(str(p) for p in sorted(path.parent.glob('*.png')))}")
+
+
+@click.command()
+@click.option("--dump", "dump_path", type=click.Path(), required=True)
+@click.option("--layer", type=int, required=True)
+@click.option("--head", type=int, required=True)
+@click.option("--format", "fmt", type=click.Choice(["fbin"]), default="fbin", show_default=True)
+@click.option("--k", type=int, default=100, show_default=True)
+@click.option("--window", default="128,512", show_default=True)
+@click.option("--out", type=click.Path(), required=True)
+def export(dump_path, layer, head, fmt, k, window, out) -> None:
+    """Keys, queries and ground truth of one (layer, head) in big-ann-benchmarks formats."""
+    from anns_lab.dumps.store import open_dump
+    from anns_lab.eval.export import export_fbin
+
+    files = export_fbin(open_dump(dump_path), layer, head, out, k, _window(window))
+    for name, path in files.items():
+        click.echo(f"{name:20s} {path}")

@@ -1,0 +1,61 @@
+"""big-ann-benchmarks file formats, so external tools (DiskANN, RoarGraph's C++) run on exactly our data.
+
+``.fbin``: uint32 n, uint32 d, then n·d float32 (row-major). Ground truth: uint32 n, uint32 k,
+then n·k uint32 ids, then n·k float32 scores (for MIPS the "distances" are inner products, best first).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from anns_lab.dumps.store import Dump, atomic_write_bytes, atomic_write_json
+from anns_lab.eval import metrics
+from anns_lab.eval.heads import load_head
+
+
+def fbin_bytes(x: np.ndarray) -> bytes:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    return np.array(x.shape, dtype=np.uint32).tobytes() + x.tobytes()
+
+
+def read_fbin(path: str | Path) -> np.ndarray:
+    raw = Path(path).read_bytes()
+    n, d = np.frombuffer(raw[:8], dtype=np.uint32)
+    return np.frombuffer(raw[8:], dtype=np.float32).reshape(int(n), int(d))
+
+
+def gt_bytes(ids: np.ndarray, scores: np.ndarray) -> bytes:
+    return (np.array(ids.shape, dtype=np.uint32).tobytes() + np.ascontiguousarray(ids, dtype=np.uint32).tobytes()
+            + np.ascontiguousarray(scores, dtype=np.float32).tobytes())
+
+
+def read_gt(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    raw = Path(path).read_bytes()
+    n, k = (int(v) for v in np.frombuffer(raw[:8], dtype=np.uint32))
+    ids = np.frombuffer(raw[8:8 + 4 * n * k], dtype=np.uint32).reshape(n, k)
+    scores = np.frombuffer(raw[8 + 4 * n * k:], dtype=np.float32).reshape(n, k)
+    return ids, scores
+
+
+def export_fbin(dump: Dump, layer: int, head: int, out: str | Path, k: int = 100,
+                window: tuple[int, int] = (128, 512)) -> dict[str, Path]:
+    """Write keys, train/test queries, K→K queries and both ground truths of one (layer, head); returns the paths."""
+    data = load_head(dump, layer, head, window)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"base.fbin": data.keys, "train_queries.fbin": data.train_queries,
+             "test_queries.fbin": data.test_queries, "k2k_queries.fbin": data.k2k_queries}
+    for name, arr in files.items():
+        atomic_write_bytes(out / name, fbin_bytes(arr))
+    for direction in ("q2k", "k2k"):
+        scores = data.exact(direction)
+        ids = metrics.exact_topk(scores, k)
+        atomic_write_bytes(out / f"gt_{direction}.bin", gt_bytes(ids, np.take_along_axis(scores, ids, axis=1)))
+    atomic_write_json(out / "export.json", {
+        "dump": str(dump.path.resolve()), "model": dump.model, "layer": layer, "head": head, "kv_head": data.kv_head,
+        "k": k, "window": list(window), "metric": "inner_product", "key_positions": data.key_pos.tolist(),
+        "test_positions": data.test_pos.tolist()})
+    return {name: out / name for name in [*files, "gt_q2k.bin", "gt_k2k.bin", "export.json"]}

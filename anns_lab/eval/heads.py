@@ -1,0 +1,93 @@
+"""What one (layer, query head) of a dump gives the evaluation (design.md §7).
+
+Index keys are the prefill keys outside the static window (the first ``w0`` and last ``w1``
+prefill positions stay on the accelerator in the decoder). Training queries are the prefill
+queries; test queries are the decode queries, topped up with held-out final prefill queries
+when the dump has few. For K→K (paper Fig. 3a) a random sample of index keys is held out of
+the index and used as queries, so no query ever finds itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from anns_lab.dumps.store import Dump
+from anns_lab.errors import AnnsLabError
+from anns_lab.eval import metrics
+
+
+@dataclass
+class HeadData:
+    """Keys, queries and exact scores of one (layer, head), ready for any index."""
+
+    layer: int
+    head: int
+    kv_head: int
+    keys: np.ndarray            # (n, d) index keys
+    key_pos: np.ndarray         # (n,) their token positions
+    train_queries: np.ndarray   # (m, d)
+    test_queries: np.ndarray    # (t, d) Q→K queries
+    test_pos: np.ndarray        # (t,) their positions
+    k2k_queries: np.ndarray     # (h, d) held-out keys
+    all_keys: np.ndarray        # every key of the KV head, by position (for attention mass and output)
+    all_values: np.ndarray
+    scaling: float
+    window: tuple[int, int]
+    n_prefill: int
+
+    def exact(self, direction: str) -> np.ndarray:
+        """Exact scores (nq, n) of the direction's queries against the index keys (computed once)."""
+        cache = self.__dict__.setdefault("_exact", {})
+        if direction not in cache:
+            q = self.test_queries if direction == "q2k" else self.k2k_queries
+            cache[direction] = metrics.exact_scores(q, self.keys)
+        return cache[direction]
+
+    def window_positions(self, pos: int) -> np.ndarray:
+        """Positions the accelerator attends for a query at ``pos``: the sinks and the recent window."""
+        w0, w1 = self.window
+        return np.concatenate([np.arange(min(w0, pos + 1)), np.arange(max(self.n_prefill - w1, w0), pos + 1)])
+
+    def attention_quality(self, ids: np.ndarray) -> tuple[float, float]:
+        """Mean attention mass kept and mean output relative error of retrieved ``ids`` ∪ window, over test queries."""
+        mass, err = [], []
+        for i, pos in enumerate(self.test_pos):
+            logits = (self.all_keys[: pos + 1] @ self.test_queries[i]).astype(np.float64) * self.scaling
+            row = ids[i][ids[i] >= 0]
+            subset = np.concatenate([self.window_positions(int(pos)), self.key_pos[row]])
+            mass.append(metrics.mass_recovered(logits, subset))
+            err.append(metrics.output_rel_error(logits, self.all_values[: pos + 1].astype(np.float64), subset))
+        return float(np.mean(mass)), float(np.mean(err))
+
+
+def default_layers(layers: list[int]) -> list[int]:
+    """Three layers spread over the depth (2, 15, 28 on a 30-layer dump), or all when there are few."""
+    if len(layers) <= 3:
+        return list(layers)
+    return sorted({layers[min(2, len(layers) - 1)], layers[len(layers) // 2], layers[max(len(layers) - 3, 0)]})
+
+
+def load_head(dump: Dump, layer: int, head: int, window: tuple[int, int] = (128, 512), min_test: int = 64,
+              n_k2k: int = 64, seed: int = 0) -> HeadData:
+    """Assemble :class:`HeadData` for one (layer, head) of ``dump``."""
+    n = int(dump.manifest["n_tokens"]["prefill"])
+    w0, w1 = window
+    lo, hi = w0, n - w1
+    if hi - lo < max(200, n_k2k + 2):
+        raise AnnsLabError(f"the static window {w0},{w1} leaves {max(hi - lo, 0)} of {n} prefill keys to index; "
+                           "use a longer dump or a smaller --window")
+    g = dump.kv_head_of(head)
+    all_keys = dump.keys(layer, g, "all")
+    prefill_q = dump.queries(layer, head, "prefill")
+    decode_q = dump.queries(layer, head, "decode")
+    extra = max(0, min_test - len(decode_q))  # held-out last prefill queries, never used for training
+    test_q = np.concatenate([prefill_q[n - extra:], decode_q]) if extra else decode_q
+    test_pos = np.concatenate([np.arange(n - extra, n), dump.positions("decode")]) if extra else dump.positions("decode")
+    rng = np.random.default_rng(seed + 1000 * layer + head)
+    held = np.sort(rng.choice(np.arange(lo, hi), size=n_k2k, replace=False))
+    key_pos = np.setdiff1d(np.arange(lo, hi), held)
+    return HeadData(layer, head, g, np.ascontiguousarray(all_keys[key_pos]), key_pos, prefill_q[: n - extra],
+                    np.ascontiguousarray(test_q), test_pos, np.ascontiguousarray(all_keys[held]), all_keys,
+                    dump.values(layer, g, "all"), dump.scaling(layer), (w0, w1), n)

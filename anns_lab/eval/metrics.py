@@ -1,0 +1,66 @@
+"""Metric functions of design.md §7, each on plain arrays so tests can check them by hand.
+
+Scores are inner products q·k. "Ties at the k-th score count as hits": a returned key whose
+exact score is at least the k-th largest exact score is a true top-k key.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def exact_scores(queries: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """All inner products (nq, n) in float32 (a blocked BLAS matmul)."""
+    return np.asarray(queries, dtype=np.float32) @ np.asarray(keys, dtype=np.float32).T
+
+
+def kth_scores(scores: np.ndarray, k: int) -> np.ndarray:
+    """The k-th largest score of each row: the threshold a hit must reach."""
+    return np.partition(scores, -k, axis=1)[:, -k]
+
+
+def exact_topk(scores: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the k largest scores per row, best first (ground truth)."""
+    part = np.argpartition(scores, -k, axis=1)[:, -k:]
+    order = np.argsort(-np.take_along_axis(scores, part, axis=1), axis=1, kind="stable")
+    return np.take_along_axis(part, order, axis=1)
+
+
+def recall_at_k(ids: np.ndarray, scores: np.ndarray, k: int) -> np.ndarray:
+    """Per-query recall@k of returned ``ids`` (−1 = none) against exact ``scores`` (nq, n), ties counted as hits."""
+    thresh = kth_scores(scores, k)
+    out = np.empty(len(ids))
+    for i, row in enumerate(ids):
+        valid = np.unique(row[row >= 0])
+        out[i] = min(int((scores[i, valid] >= thresh[i]).sum()), k) / k
+    return out
+
+
+def attention_over(logits: np.ndarray, values: np.ndarray, subset: np.ndarray | None = None) -> np.ndarray:
+    """softmax(logits restricted to ``subset``) · values, in float64; ``subset`` None means all."""
+    if subset is not None:
+        logits, values = logits[subset], values[subset]
+    w = np.exp(logits - logits.max())
+    return (w / w.sum()) @ values
+
+
+def mass_recovered(logits: np.ndarray, subset: np.ndarray) -> float:
+    """Share of the full softmax mass that falls on ``subset`` (indices into ``logits``)."""
+    w = np.exp(logits - logits.max())
+    return float(w[np.unique(subset)].sum() / w.sum())
+
+
+def output_rel_error(logits: np.ndarray, values: np.ndarray, subset: np.ndarray) -> float:
+    """‖o_subset − o_full‖ / ‖o_full‖: what attention over only ``subset`` costs the output."""
+    full = attention_over(logits, values)
+    part = attention_over(logits, values, np.unique(subset))
+    return float(np.linalg.norm(part - full) / np.linalg.norm(full))
+
+
+def mahalanobis(points: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """Mahalanobis distance of each point to the distribution of ``reference`` rows (paper Fig. 3b)."""
+    ref = np.asarray(reference, dtype=np.float64)
+    mu = ref.mean(axis=0)
+    cov = np.cov(ref, rowvar=False) + 1e-6 * np.eye(ref.shape[1])
+    diff = np.asarray(points, dtype=np.float64) - mu
+    return np.sqrt(np.einsum("ij,ij->i", diff @ np.linalg.inv(cov), diff))

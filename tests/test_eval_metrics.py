@@ -1,0 +1,43 @@
+"""Metric functions against hand-computed cases."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from anns_lab.eval import metrics
+
+
+def test_recall_counts_ties_at_the_kth_score_as_hits():
+    scores = np.array([[5.0, 4.0, 4.0, 3.0, 1.0]])
+    # k = 2: the threshold is 4, so either of the tied keys 1 and 2 completes the top-2.
+    assert metrics.recall_at_k(np.array([[0, 2]]), scores, 2)[0] == 1.0
+    assert metrics.recall_at_k(np.array([[1, 2]]), scores, 2)[0] == 1.0
+    assert metrics.recall_at_k(np.array([[0, 3]]), scores, 2)[0] == 0.5
+    assert metrics.recall_at_k(np.array([[4, -1]]), scores, 2)[0] == 0.0
+    assert metrics.recall_at_k(np.array([[0, 0]]), scores, 2)[0] == 0.5  # a duplicate is one hit
+
+
+def test_exact_topk_and_kth():
+    scores = np.array([[0.1, 0.9, 0.5, 0.7], [3.0, 2.0, 1.0, 0.0]])
+    assert metrics.exact_topk(scores, 2).tolist() == [[1, 3], [0, 1]]
+    assert metrics.kth_scores(scores, 3).tolist() == [0.5, 1.0]
+
+
+def test_mass_and_output_error_by_hand():
+    logits = np.log(np.array([1.0, 3.0, 4.0]))  # softmax weights 1/8, 3/8, 4/8
+    values = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    assert metrics.mass_recovered(logits, np.array([1, 2, 2])) == pytest.approx(7 / 8)
+    full = np.array([1 / 8 + 4 / 8, 3 / 8 + 4 / 8])
+    part = np.array([4 / 7, 3 / 7 + 4 / 7])  # renormalised over keys 1 and 2
+    assert metrics.output_rel_error(logits, values, np.array([1, 2])) == pytest.approx(
+        np.linalg.norm(part - full) / np.linalg.norm(full))
+    assert metrics.output_rel_error(logits, values, np.arange(3)) == pytest.approx(0.0, abs=1e-15)
+
+
+def test_mahalanobis_matches_a_known_distribution():
+    rng = np.random.default_rng(0)
+    cov = np.diag([4.0, 1.0, 0.25])
+    ref = rng.multivariate_normal(np.zeros(3), cov, size=200_000)
+    d = metrics.mahalanobis(np.array([[2.0, 0, 0], [0, 0, 0.5], [0, 0, 0]]), ref)
+    np.testing.assert_allclose(d, [1.0, 1.0, 0.0], atol=0.02)
