@@ -1,0 +1,136 @@
+"""The sweep, report and export on a short real dump: correct tables, figures that match them, resumable work."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from anns_lab.cli import main
+from anns_lab.errors import AnnsLabError, DumpError, IndexConfigError
+from anns_lab.eval import export, metrics, report
+from anns_lab.eval.heads import default_layers, load_head
+from anns_lab.eval.sweep import RESULTS, run_sweep
+
+pytestmark = pytest.mark.realmodel
+WINDOW = (16, 128)
+
+
+@pytest.fixture(scope="module")
+def sweep(smollm2_dump, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep") / "res"
+    return run_sweep(smollm2_dump.path, ["flat", "ivf", "hnsw"], [2, 15], [0, 4], window=WINDOW, out=out, jobs=2,
+                     progress=False)
+
+
+def test_table_has_every_row_and_column(sweep, smollm2_dump):
+    t = sweep.table
+    assert not sweep.failures
+    assert set(t["index"]) == {"flat", "ivf", "hnsw"} and set(t["direction"]) == {"q2k", "k2k"}
+    assert set(zip(t["layer"], t["head"])) == {(2, 0), (2, 4), (15, 0), (15, 4)}
+    assert (t["n_keys"] == 2048 - sum(WINDOW) - 64).all()
+    assert (t.loc[t["direction"] == "q2k", "n_queries"] == 64).all()  # 16 decode + 48 held-out prefill queries
+    assert t["kv_head"].tolist() == [smollm2_dump.kv_head_of(h) for h in t["head"]]
+    assert not t.duplicated(["layer", "head", "index", "build_params", "search_params", "direction"]).any()
+
+
+def test_flat_is_exact_and_scans_everything(sweep):
+    flat = sweep.table[sweep.table["index"] == "flat"]
+    assert (flat["recall"] == 1.0).all() and np.allclose(flat["scanned_fraction"], 1.0)
+    q = flat[flat["direction"] == "q2k"]
+    assert (q["mass_recovered"] > 0.5).all() and (q["mass_recovered"] <= 1.0 + 1e-12).all()
+
+
+def test_rows_agree_with_an_independent_recomputation(sweep, smollm2_dump):
+    from anns_lab.indexes import create
+
+    row = sweep.table.query("index == 'ivf' and layer == 15 and head == 4 and direction == 'q2k'").iloc[2]
+    data = load_head(smollm2_dump, 15, 4, WINDOW)
+    index = create("ivf")
+    index.build(data.keys)
+    res = index.search(data.test_queries, 100, **json.loads(row["search_params"]))
+    # Recall by brute force in float64, ties included, independent of the sweep's exact() cache.
+    s = data.test_queries.astype(np.float64) @ data.keys.astype(np.float64).T
+    kth = np.sort(s, axis=1)[:, -100]
+    rec = np.mean([(s[i, ids[ids >= 0]] >= kth[i] - 1e-6).sum() / 100 for i, ids in enumerate(res.ids)])
+    assert row["recall"] == pytest.approx(rec, abs=1e-3)
+    assert row["scanned_fraction"] == pytest.approx(res.n_scanned.mean() / len(data.keys))
+    assert 0 < row["recall"] < 1 and 0 < row["scanned_fraction"] < 1
+
+
+def test_resumed_sweep_adds_no_rows_and_redoes_only_missing_parts(sweep, smollm2_dump):
+    parts = sorted((sweep.path.parent / "parts").glob("*.parquet"))
+    assert len(parts) == 4 * 3
+    mtimes = {p: p.stat().st_mtime_ns for p in parts}
+    parts[0].unlink()  # as if interrupted before that (layer, head, index) finished
+    again = run_sweep(smollm2_dump.path, ["flat", "ivf", "hnsw"], [2, 15], [0, 4], window=WINDOW,
+                      out=sweep.path.parent, jobs=1, progress=False)
+    assert len(again.table) == len(sweep.table)
+    for p in parts[1:]:
+        assert p.stat().st_mtime_ns == mtimes[p]
+    pd.testing.assert_frame_equal(again.table.drop(columns=["latency_us", "qps", "build_s"]),
+                                  sweep.table.drop(columns=["latency_us", "qps", "build_s"]))
+
+
+def test_report_numbers_equal_the_table(sweep, tmp_path):
+    path = report.write_report(sweep.path, tmp_path / "rep")
+    text = path.read_text()
+    for fig in ("recall_vs_scanned.png", "mahalanobis.png", "dynamic_vs_static.png"):
+        assert (tmp_path / "rep" / fig).stat().st_size > 10_000
+        assert fig in text
+    t = sweep.table
+    # By hand: IVF Q→K, least scanned fraction with recall ≥ 0.95 per head, median over the 4 heads.
+    ivf = t[(t["index"] == "ivf") & (t["direction"] == "q2k")]
+    per_head = [g.loc[g["recall"] >= 0.95, "scanned_fraction"].min() for _, g in ivf.groupby(["layer", "head"])]
+    expected = f"{100 * np.median(per_head):.1f}%"
+    line = next(ln for ln in text.splitlines() if ln.startswith("| ivf | q2k |"))
+    assert line.split("|")[5].strip().startswith(expected)
+    assert "Mahalanobis" in text and "dynamic top-100" in text
+
+
+def test_queries_are_out_of_distribution_for_keys(smollm2_dump):
+    d = load_head(smollm2_dump, 15, 0, WINDOW)
+    q = np.median(metrics.mahalanobis(d.test_queries, d.keys))
+    k = np.median(metrics.mahalanobis(d.k2k_queries, d.keys))
+    assert q > 1.5 * k  # the paper's Fig. 3b phenomenon, on our own data
+
+
+def test_fbin_export_reads_back_identical_arrays(smollm2_dump, tmp_path):
+    files = export.export_fbin(smollm2_dump, 2, 4, tmp_path / "x", k=100, window=WINDOW)
+    d = load_head(smollm2_dump, 2, 4, WINDOW)
+    np.testing.assert_array_equal(export.read_fbin(files["base.fbin"]), d.keys)
+    np.testing.assert_array_equal(export.read_fbin(files["test_queries.fbin"]), d.test_queries)
+    np.testing.assert_array_equal(export.read_fbin(files["train_queries.fbin"]), d.train_queries)
+    ids, scores = export.read_gt(tmp_path / "x" / "gt_q2k.bin")
+    assert ids.shape == (64, 100)
+    np.testing.assert_array_equal(ids, metrics.exact_topk(d.exact("q2k"), 100))
+    np.testing.assert_allclose(scores[:, 0], d.exact("q2k").max(axis=1))
+
+
+def test_bad_input(smollm2_dump, sweep, tmp_path, tiny_llama):
+    with pytest.raises(DumpError, match="not a dump"):
+        run_sweep(tmp_path, out=tmp_path / "o", progress=False)
+    (tmp_path / "unfinished" / ".staging").mkdir(parents=True)
+    with pytest.raises(DumpError, match="unfinished"):
+        run_sweep(tmp_path / "unfinished", out=tmp_path / "o", progress=False)
+    with pytest.raises(IndexConfigError, match="did you mean ivf"):
+        run_sweep(smollm2_dump.path, ["ivff"], out=tmp_path / "o", progress=False)
+    with pytest.raises(DumpError, match="layer 7 is not in dump"):
+        run_sweep(smollm2_dump.path, ["flat"], [7], out=tmp_path / "o", progress=False)
+    with pytest.raises(DumpError, match="query head 9 is out of range"):
+        run_sweep(smollm2_dump.path, ["flat"], [2], [9], out=tmp_path / "o", progress=False)
+    with pytest.raises(AnnsLabError, match="other settings"):
+        run_sweep(smollm2_dump.path, ["flat"], [2], [0], k=10, window=WINDOW, out=sweep.path.parent, progress=False)
+    assert (sweep.path.parent / RESULTS).is_file()  # nothing overwritten
+    with pytest.raises(AnnsLabError, match="not .*dump"):
+        report.write_report(sweep.path, tmp_path / "r", dump_path=tiny_llama)
+    r = CliRunner().invoke(main, ["sweep", "--dump", str(smollm2_dump.path), "--indexes", "flat", "--window", "12"])
+    assert r.exit_code == 2 and "--window takes two" in r.output
+
+
+def test_default_layers_spread_over_depth():
+    assert default_layers(list(range(30))) == [2, 15, 27]
+    assert default_layers([5, 11, 17]) == [5, 11, 17]
