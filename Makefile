@@ -26,7 +26,9 @@ $(STAMP):
 	touch $@
 
 demo: setup
-	$(BIN)/anns-lab dump
+	$(BIN)/anns-lab dump --out dumps/smollm2-text-8192
+	$(BIN)/anns-lab sweep --dump dumps/smollm2-text-8192 --out results/smollm2-text-8192
+	$(BIN)/anns-lab report results/smollm2-text-8192
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -132,5 +132,5 @@ def test_bad_input(smollm2_dump, sweep, tmp_path, tiny_llama):
 
 
 def test_default_layers_spread_over_depth():
-    assert default_layers(list(range(30))) == [2, 15, 27]
+    assert default_layers(list(range(30))) == [2, 15, 28]
     assert default_layers([5, 11, 17]) == [5, 11, 17]

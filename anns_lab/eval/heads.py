@@ -66,7 +66,7 @@ def default_layers(layers: list[int]) -> list[int]:
     """Three layers spread over the depth (2, 15, 28 on a 30-layer dump), or all when there are few."""
     if len(layers) <= 3:
         return list(layers)
-    return sorted({layers[min(2, len(layers) - 1)], layers[len(layers) // 2], layers[max(len(layers) - 3, 0)]})
+    return sorted({layers[min(2, len(layers) - 1)], layers[len(layers) // 2], layers[max(len(layers) - 2, 0)]})
 
 
 def load_head(dump: Dump, layer: int, head: int, window: tuple[int, int] = (128, 512), min_test: int = 64,
