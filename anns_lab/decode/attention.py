@@ -1,0 +1,190 @@
+"""RetrievalAttention as a registered transformers attention function (no model class is patched).
+
+The model is told to use ``"anns_retrieval"``; the function below sees each layer's post-RoPE
+query (1, H, t, d) and the cache's keys/values (1, G, n, d) after the update. What it does
+depends on the active :class:`Retrieval` controller (a context variable):
+
+- prefill (any t): the model's own implementation (full attention); the queries of long-range
+  layers are kept when an attention-aware index will be built from them;
+- decode (t = 1) on a long-range layer in a retrieval mode: the accelerator attends over the
+  static window W while a worker thread runs the CPU side (index search + numba attention over
+  the retrieved rows and the side-buffer); the two are merged exactly (kernels.merge);
+- everything else (sliding-window layers, ``full`` mode): the model's own implementation.
+
+Timing per decode step is collected in :class:`StepTimes`. Both sides are timed on their own
+thread; ``overlap_s`` is the wall time of the concurrent section, so
+``other = step wall − Σ (overlap + merge)`` and parts may add up to more than the wall.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from anns_lab.decode.kernels import attend_window, merge
+from anns_lab.decode.placement import LayerStore
+from anns_lab.errors import AnnsLabError
+
+RETRIEVAL_IMPL = "anns_retrieval"
+
+
+class DecodeError(AnnsLabError):
+    """Bad decode input: mode, task, window, top-k, context."""
+
+
+@dataclass
+class StepTimes:
+    """Seconds spent in one decode step (summed over layers)."""
+
+    retrieval: float = 0.0
+    cpu_attention: float = 0.0
+    accel_attention: float = 0.0
+    merge: float = 0.0
+    overlap: float = 0.0  # wall time of the concurrent sections
+    scanned: list = field(default_factory=list)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Retrieval:
+    """State of one generation: phase, mode, window, and the CPU stores of the long-range layers."""
+
+    def __init__(self, long_range: list[int], mode: str, sink: int, recent: int, capture_queries: bool):
+        self.long_range = set(long_range)
+        self.mode = mode  # "full", "window", or "index"
+        self.sink, self.recent = sink, recent
+        self.phase = "prefill"
+        self.capture_queries = capture_queries
+        self.queries: dict[int, list[torch.Tensor]] = {}
+        self.stores: dict[int, LayerStore] = {}
+        self.inner = "sdpa"
+        self.times = StepTimes()
+        self._pool: ThreadPoolExecutor | None = None
+
+    # -- the per-call dispatch ---------------------------------------------------------------------
+
+    def attend(self, module, query, key, value, attention_mask, **kwargs):
+        layer = module.layer_idx
+        inner = ALL_ATTENTION_FUNCTIONS[self.inner]
+        if layer not in self.long_range:
+            return inner(module, query, key, value, attention_mask, **kwargs)
+        if self.phase == "prefill":
+            if self.capture_queries:
+                self.queries.setdefault(layer, []).append(query[0].detach().to("cpu", torch.float32))
+            return inner(module, query, key, value, attention_mask, **kwargs)
+        if query.shape[0] != 1 or query.shape[2] != 1:
+            raise DecodeError("retrieval decoding runs batch 1, one token per step")
+        if kwargs.get("softcap") is not None:
+            raise DecodeError("attention logit soft-capping is not supported by retrieval decoding")
+        if self.mode == "full":
+            _sync(query.device)
+            t0 = time.perf_counter()
+            out = inner(module, query, key, value, attention_mask, **kwargs)
+            _sync(query.device)
+            self.times.accel_attention += time.perf_counter() - t0
+            return out
+        return self._retrieval_step(module, query, key, value, kwargs.get("scaling") or module.scaling)
+
+    def _retrieval_step(self, module, query, key, value, scaling):
+        layer = module.layer_idx
+        n = key.shape[2]
+        sink = min(self.sink, n)
+        lo = max(sink, n - self.recent)  # first position of the recent window
+        q = query[0, :, 0, :]
+        store = self.stores.get(layer)
+        future = None
+        t_start = time.perf_counter()
+        if self.mode == "index" and store is not None:
+            covered = self.sink + store.n_rows  # positions [sink, covered) are on the CPU
+            if covered < lo:  # tokens that left the recent window since the last step
+                store.extend(key[0, :, covered:lo].to("cpu", torch.float32).numpy(),
+                             value[0, :, covered:lo].to("cpu", torch.float32).numpy())
+            q_cpu = q.detach().to("cpu", torch.float32).numpy()
+            future = self._executor().submit(store.side, q_cpu, scaling)
+        # Accelerator side: the static window (sinks + recent), on the cache's own device.
+        t0 = time.perf_counter()
+        wk = torch.cat([key[0, :, :sink], key[0, :, lo:]], dim=1)
+        wv = torch.cat([value[0, :, :sink], value[0, :, lo:]], dim=1)
+        o_w, m_w, z_w = attend_window(q, wk, wv, scaling)
+        _sync(q.device)
+        self.times.accel_attention += time.perf_counter() - t0
+        if future is None:
+            self.times.overlap += time.perf_counter() - t_start
+            return o_w.to(query.dtype).reshape(1, 1, *o_w.shape), None
+        side = future.result()
+        self.times.overlap += time.perf_counter() - t_start
+        self.times.retrieval += side.retrieval_s
+        self.times.cpu_attention += side.attention_s
+        if side.scanned == side.scanned:
+            self.times.scanned.append(side.scanned)
+        t0 = time.perf_counter()
+        dev = q.device
+        o = merge(o_w.double(), m_w.double(), z_w.double(), torch.from_numpy(side.out).to(dev),
+                  torch.from_numpy(side.m).to(dev), torch.from_numpy(side.z).to(dev))
+        o = o.to(query.dtype).reshape(1, 1, *o.shape)  # (batch, t, H, d) as the model expects
+        _sync(dev)
+        self.times.merge += time.perf_counter() - t0
+        return o, None
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="anns-cpu-side")
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def take_times(self) -> StepTimes:
+        t, self.times = self.times, StepTimes()
+        return t
+
+    def prefill_queries(self, layer: int) -> np.ndarray | None:
+        """(H, t, d) float32 prefill queries of ``layer``, if captured."""
+        parts = self.queries.get(layer)
+        return torch.cat(parts, dim=1).numpy() if parts else None
+
+
+_ACTIVE: ContextVar[Retrieval | None] = ContextVar("anns_lab_retrieval", default=None)
+
+
+def _retrieval_attention(module, query, key, value, attention_mask, **kwargs):
+    active = _ACTIVE.get()
+    if active is None:
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+    return active.attend(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register(RETRIEVAL_IMPL, _retrieval_attention)
+
+
+@contextlib.contextmanager
+def retrieving(model, controller: Retrieval):
+    """Within the block ``model`` attends through ``controller``; the model's own implementation is restored after."""
+    inner = model.config._attn_implementation
+    if inner == RETRIEVAL_IMPL:
+        inner = "sdpa"
+    controller.inner = inner
+    # Masks are built per implementation name; ours must get exactly the masks the inner one expects.
+    AttentionMaskInterface.register(RETRIEVAL_IMPL, ALL_MASK_ATTENTION_FUNCTIONS[inner])
+    token = _ACTIVE.set(controller)
+    model.set_attn_implementation(RETRIEVAL_IMPL)
+    try:
+        yield controller
+    finally:
+        model.set_attn_implementation(inner)
+        _ACTIVE.reset(token)
+        controller.close()

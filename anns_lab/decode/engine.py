@@ -1,0 +1,199 @@
+"""The generation loop: one full-attention chunked prefill, then greedy decoding per mode.
+
+A prefill is shared by every mode of a run (the cache is copied per mode), so ``full`` is
+measured on exactly the same prompt state as the retrieval modes. After the prefill each
+retrieval mode builds its indexes on the non-window prefill keys of every long-range layer
+(timed as ``build_s``) and decodes with :mod:`anns_lab.decode.attention`.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from anns_lab.decode.attention import DecodeError, Retrieval, StepTimes, retrieving
+from anns_lab.decode.placement import IndexPlan, LayerStore
+from anns_lab.dumps.run import forward_tokens
+
+
+@dataclass
+class Mode:
+    """A decoding mode: ``full``, ``window``, or an index (one plan for every layer, or per layer)."""
+
+    name: str
+    plan: IndexPlan | None = None
+    per_layer: dict[int, IndexPlan] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        return self.name if self.name in ("full", "window") else "index"
+
+    def plan_for(self, layer: int) -> IndexPlan | None:
+        return self.per_layer.get(layer, self.plan)
+
+    def uses_queries(self) -> bool:
+        from anns_lab.indexes import registry
+
+        plans = [p for p in [self.plan, *self.per_layer.values()] if p is not None]
+        return self.kind == "index" and any(registry.get(p.name).uses_train_queries for p in plans)
+
+
+@dataclass
+class Settings:
+    """Window, top-k and insertion batch shared by every mode of a run."""
+
+    sink: int = 128
+    recent: int = 512
+    topk: int = 100
+    add_batch: int = 64
+    chunk: int = 2048
+
+
+@dataclass
+class Prefilled:
+    """The state after a full-attention prefill: cache, last logits, captured queries, time."""
+
+    ids: list[int]
+    cache: object
+    logits: torch.Tensor
+    queries: dict[int, np.ndarray]
+    seconds: float
+
+
+@dataclass
+class ModeRun:
+    """What one mode produced from one prefill: tokens, optional per-step logits, timings."""
+
+    mode: str
+    tokens: list[int]
+    logits: list[torch.Tensor]
+    build_s: float
+    decode_s: float
+    steps: list[StepTimes]
+    step_s: list[float]
+    notes: list[str] = field(default_factory=list)
+
+
+def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool) -> Prefilled:
+    """Chunked full-attention prefill of ``ids``; keeps long-range layers' queries when asked."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=lm.model.config)
+    ctl = Retrieval(lm.long_range_layers, "full", settings.sink, settings.recent, capture_queries)
+    t0 = time.perf_counter()
+    logits = None
+    with torch.inference_mode(), retrieving(lm.model, ctl):
+        for start in range(0, len(ids), settings.chunk):
+            logits = forward_tokens(lm, cache, ids, start, min(start + settings.chunk, len(ids)))
+    _sync(lm.model.device)
+    queries = {layer: ctl.prefill_queries(layer) for layer in lm.long_range_layers} if capture_queries else {}
+    return Prefilled(list(ids), cache, logits[0, -1].float(), queries, time.perf_counter() - t0)
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_stores(lm, pre: Prefilled, mode: Mode, settings: Settings) -> tuple[dict[int, LayerStore], list[str]]:
+    """One LayerStore per long-range layer, holding the non-window prefill keys/values and its indexes."""
+    cfg = lm.config
+    n_heads = cfg.num_attention_heads
+    p = len(pre.ids)
+    lo, hi = settings.sink, max(settings.sink, p - settings.recent)
+    stores, notes = {}, []
+    for layer in lm.long_range_layers:
+        layer_cache = pre.cache.layers[layer]
+        keys = layer_cache.keys[0, :, lo:hi].to("cpu", torch.float32).numpy()
+        values = layer_cache.values[0, :, lo:hi].to("cpu", torch.float32).numpy()
+        plan = mode.plan_for(layer)
+        store = LayerStore(layer, n_heads, keys, values, settings.topk, plan, settings.add_batch)
+        store.build(pre.queries.get(layer))
+        stores[layer] = store
+    first = next(iter(stores.values()), None)
+    if first is not None and first.indexes and not first.supports_add:
+        notes.append(f"{first.plan.name} has no add(): tokens leaving the window are kept exactly in a CPU side-buffer")
+    return stores, notes
+
+
+def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, stop_ids=(),
+             teacher: list[int] | None = None, keep_logits: bool = False) -> ModeRun:
+    """Greedy decoding (or teacher forcing with ``teacher``) from a copy of the prefill state."""
+    cache = copy.deepcopy(pre.cache)
+    stores, notes = ({}, []) if mode.kind != "index" else build_stores(lm, pre, mode, settings)
+    build_s = sum(s.build_s for s in stores.values())
+    ctl = Retrieval(lm.long_range_layers, mode.kind, settings.sink, settings.recent, False)
+    ctl.stores = stores
+    ctl.phase = "decode"
+    ids = list(pre.ids)
+    logits = pre.logits
+    out_tokens, all_logits, steps, step_s = [], [], [], []
+    n_steps = len(teacher) if teacher is not None else max_new
+    t0 = time.perf_counter()
+    with torch.inference_mode(), retrieving(lm.model, ctl):
+        for i in range(n_steps):
+            if keep_logits:
+                all_logits.append(logits.detach().to("cpu"))
+            tok = teacher[i] if teacher is not None else int(logits.argmax())
+            out_tokens.append(tok)
+            if teacher is None and (tok in stop_ids or i == n_steps - 1):
+                break
+            ids.append(tok)
+            ts = time.perf_counter()
+            logits = forward_tokens(lm, cache, ids, len(ids) - 1, len(ids))[0, -1].float()
+            _sync(lm.model.device)
+            step_s.append(time.perf_counter() - ts)
+            steps.append(ctl.take_times())
+    if teacher is not None and keep_logits:
+        all_logits.append(logits.detach().to("cpu"))
+    decode_s = time.perf_counter() - t0
+    run = ModeRun(mode.name, out_tokens, all_logits, build_s, decode_s, steps, step_s, notes)
+    run.stores = stores  # kept for inspection (tests, index sizes)
+    return run
+
+
+def summarize(run: ModeRun) -> dict:
+    """Per generated token means (ms) of retrieval, CPU attention, accelerator attention, merge, other; tokens/s."""
+    n = len(run.step_s)
+    if n == 0:
+        return {"steps": 0}
+
+    def ms(values) -> float:
+        return 1000.0 * float(np.mean(values))
+
+    other = [w - (s.overlap + s.merge) for w, s in zip(run.step_s, run.steps)]
+    scanned = [x for s in run.steps for x in s.scanned]
+    return {
+        "steps": n,
+        "retrieval_ms": ms([s.retrieval for s in run.steps]),
+        "cpu_attention_ms": ms([s.cpu_attention for s in run.steps]),
+        "accel_attention_ms": ms([s.accel_attention for s in run.steps]),
+        "merge_ms": ms([s.merge for s in run.steps]),
+        "other_ms": ms(other),
+        "token_ms": ms(run.step_s),
+        "tokens_per_s": n / float(np.sum(run.step_s)),
+        "scanned_fraction": float(np.mean(scanned)) if scanned else None,
+        "build_s": run.build_s,
+    }
+
+
+def check_window(settings: Settings, n_prompt: int, modes: list[Mode], max_new: int) -> None:
+    """Refuse a window that covers the whole prompt, or a top-k of 0 / more than the CPU side will ever hold."""
+    if settings.sink < 0 or settings.recent < 1:
+        raise DecodeError(f"--window {settings.sink},{settings.recent}: sink must be ≥ 0 and recent ≥ 1 tokens")
+    if not any(m.kind != "full" for m in modes):
+        return
+    if settings.sink + settings.recent >= n_prompt:
+        raise DecodeError(f"--window {settings.sink},{settings.recent} ({settings.sink + settings.recent} tokens) is not "
+                          f"smaller than the context of {n_prompt} tokens: nothing would be retrieved; "
+                          "use a smaller --window or a longer --context")
+    if any(m.kind == "index" for m in modes):
+        most = n_prompt + max_new - settings.sink - settings.recent
+        if settings.topk < 1 or settings.topk > most:
+            raise DecodeError(f"--topk {settings.topk} must lie in [1, {most}]: {most} keys lie outside the window "
+                              f"by the end of this run ({n_prompt} prompt + {max_new} new tokens, window "
+                              f"{settings.sink}+{settings.recent})")

@@ -1,0 +1,96 @@
+"""Partial softmax attention and its exact merge (design.md §8).
+
+Each side of a decode step attends over its own set of keys and returns ``(output, max
+logit, normaliser)``: ``o = Σ e^{l_i−m} v_i / Z`` with ``m = max l_i`` and ``Z = Σ e^{l_i−m}``.
+Two such partial results over disjoint sets merge into softmax attention over their union:
+with ``m = max(m_W, m_Ω)`` and ``w_S = e^{m_S−m} Z_S``, ``o = (w_W o_W + w_Ω o_Ω) / (w_W + w_Ω)``.
+An empty set has ``m = −inf`` and ``Z = 0`` and drops out of the merge.
+
+- :func:`attend_rows` is the CPU side: a numba kernel (``nogil=True``, so it runs beside
+  the accelerator's work in another thread) over rows gathered from the CPU key/value store.
+- :func:`attend_window` is the accelerator side: plain torch on whatever device the cache is.
+- :func:`merge` works on numpy arrays and torch tensors alike.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True, nogil=True)
+def attend_rows(q, keys, values, rows, scaling):
+    """Attention of each query head over its own rows of the CPU store.
+
+    q (H, d) float32; keys, values (G, cap, d) float32 (query head h reads KV head h // (H/G));
+    rows (H, r) int64 row numbers, ``-1`` = no key; returns output (H, d), max logit (H,) and
+    normaliser (H,), all float64. A head with no rows gets output 0, max −inf, normaliser 0.
+    """
+    n_heads, d = q.shape
+    group = n_heads // keys.shape[0]
+    r = rows.shape[1]
+    out = np.zeros((n_heads, d), np.float64)
+    mx = np.full(n_heads, -np.inf)
+    zs = np.zeros(n_heads, np.float64)
+    logits = np.empty(r, np.float64)
+    for h in range(n_heads):
+        g = h // group
+        m = -np.inf
+        for j in range(r):
+            row = rows[h, j]
+            if row < 0:
+                logits[j] = -np.inf
+                continue
+            s = 0.0
+            for c in range(d):
+                s += np.float64(q[h, c]) * np.float64(keys[g, row, c])
+            s *= scaling
+            logits[j] = s
+            if s > m:
+                m = s
+        if m == -np.inf:
+            continue
+        z = 0.0
+        for j in range(r):
+            row = rows[h, j]
+            if row < 0:
+                continue
+            w = math.exp(logits[j] - m)
+            z += w
+            for c in range(d):
+                out[h, c] += w * values[g, row, c]
+        for c in range(d):
+            out[h, c] /= z
+        mx[h] = m
+        zs[h] = z
+    return out, mx, zs
+
+
+def attend_window(q, keys, values, scaling: float):
+    """Torch attention of q (H, d) over keys/values (G, w, d) with GQA; returns (output (H, d), max (H,), normaliser (H,))."""
+    n_heads, d = q.shape
+    g = keys.shape[0]
+    qg = q.reshape(g, n_heads // g, d)
+    logits = (qg @ keys.transpose(1, 2)) * scaling  # (G, group, w)
+    m = logits.amax(dim=-1, keepdim=True)
+    p = (logits - m).exp()
+    z = p.sum(dim=-1, keepdim=True)
+    out = (p @ values) / z
+    return out.reshape(n_heads, d), m.reshape(n_heads), z.reshape(n_heads)
+
+
+def merge(o_a, m_a, z_a, o_b, m_b, z_b):
+    """Exact merge of two partial attentions over disjoint key sets (numpy or torch, shapes (H, d), (H,), (H,))."""
+    if isinstance(o_a, np.ndarray):
+        m = np.maximum(m_a, m_b)
+        w_a = np.where(z_a > 0, np.exp(np.where(z_a > 0, m_a - m, 0.0)) * z_a, 0.0)
+        w_b = np.where(z_b > 0, np.exp(np.where(z_b > 0, m_b - m, 0.0)) * z_b, 0.0)
+        return (w_a[:, None] * o_a + w_b[:, None] * o_b) / (w_a + w_b)[:, None]
+    import torch
+
+    m = torch.maximum(m_a, m_b)
+    w_a = torch.where(z_a > 0, torch.exp(torch.where(z_a > 0, m_a - m, 0.0)) * z_a, 0.0)
+    w_b = torch.where(z_b > 0, torch.exp(torch.where(z_b > 0, m_b - m, 0.0)) * z_b, 0.0)
+    return (w_a[:, None] * o_a + w_b[:, None] * o_b) / (w_a + w_b)[:, None]
