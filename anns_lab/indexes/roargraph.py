@@ -1,0 +1,190 @@
+"""``roargraph``: an attention-aware key graph built from the prefill queries (RoarGraph, Chen et al. VLDB 2024).
+
+Build, on keys K (n, d) and training queries Q (m, d):
+
+1. **Bipartite graph.** Each training query's exact top-``M_sq`` keys by inner product
+   (``graph_kernels.topk_ip``: blocked matmul, never an m × n matrix).
+2. **Projection onto keys.** RoarGraph hangs each query's neighbours on its top-1 key (the
+   pivot). On real attention the top-1 keys are a few hundred sinks and heavy hitters, which
+   starves every other key, so here *each of the query's first* ``n_pivots`` *keys* is a pivot
+   (``n_pivots = 1`` is the published rule). A pivot's candidates are the other keys of the
+   queries it pivots for, merged by id with summed query weights (co-occurrence), the
+   ``max_cand`` heaviest kept, then RobustPrune (inner-product rule, ``alpha``) to ``M`` in
+   that order (parallel over keys: ``prune_buckets``).
+3. **Reverse edges**, rows over ``M`` RobustPruned (two-phase, lock-free).
+4. **Connectivity enhancement.** Every key is searched for on the projected graph (beam
+   ``enhance_L``) and linked from the nodes it found (pruned to ``M_link``); rows may grow to
+   ``R`` ≥ M. Finally every key not reachable from the entry points gets an in-edge
+   (``link_unreachable``), so all keys are reachable.
+
+Search: beam search of width max(L, k) started from all entry points at once. The entry
+points are ``n_hubs`` hub keys — the top-1 key of each k-means centroid of the training
+queries (a coarse step: each hub's inner product is computed and counted like any node) —
+plus the ``recent_entries`` newest keys (decode queries are recency-biased: their top keys
+sit in the newest tenth of the context). ``n_scanned`` counts every inner product: hubs,
+recent entries and every node evaluated, once each.
+
+Training-query weighting: the newest ``recent_frac`` of the training queries weigh
+``recent_weight`` times more in the co-occurrence merge (decode queries look like late
+prefill queries more than like early ones: post-RoPE drift).
+
+Decoder-facing: ``add`` links each new key through a search on the graph and through the
+kept recent queries (``keep_queries``) that select it (their top keys become its
+neighbours, and they its); ``save``/``load``; keys live in a :class:`graph_kernels.KeyStore`
+shared by indexes built on the same array (one GQA group).
+"""
+
+from __future__ import annotations
+
+import faiss
+import numba
+import numpy as np
+
+from anns_lab.errors import IndexConfigError
+from anns_lab.indexes import graph_kernels as gk
+from anns_lab.indexes.base import Index, Param
+
+
+def query_hubs(keys: np.ndarray, queries: np.ndarray, n_hubs: int, seed: int) -> np.ndarray:
+    """Up to ``n_hubs`` distinct keys: the top-1 key of each k-means centroid of ``queries`` (plus the
+    key of largest inner product with the mean query, always first)."""
+    mean_top = int(np.argmax(keys @ queries.mean(axis=0)))
+    if n_hubs <= 1 or len(queries) < 2:
+        return np.array([mean_top], np.int64)
+    c = min(n_hubs, len(queries))
+    km = faiss.Kmeans(queries.shape[1], c, niter=10, seed=seed, verbose=False, min_points_per_centroid=1,
+                      max_points_per_centroid=256)
+    km.train(np.ascontiguousarray(queries))
+    top = gk.topk_ip(km.centroids, keys, 1)[:, 0].astype(np.int64)
+    hubs = [mean_top] + [int(h) for h in top]
+    return np.array(list(dict.fromkeys(hubs)), np.int64)  # unique, order kept
+
+
+class RoarGraphIndex(Index):
+    """Projected query→key bipartite graph with connectivity enhancement; counted multi-entry beam search."""
+
+    name = "roargraph"
+    uses_train_queries = True
+    build_params = {
+        "M": Param(32, 2, 512, help="out-degree of the projection (RobustPrune target)"),
+        "R": Param(48, 2, 1024, help="row capacity after connectivity enhancement (≥ M)"),
+        "M_sq": Param(100, 1, 4096, help="keys per training query in the bipartite graph (its exact top-M_sq)"),
+        "n_pivots": Param(100, 1, 4096, help="pivot rank: each of a query's first n_pivots keys takes its other keys as candidates (1 = RoarGraph)"),
+        "n_sel": Param(16, 1, 1 << 20, help="queries per pivot key (those where it ranks best; newest first on ties)"),
+        "n_cand": Param(100, 2, 4096, help="how many of a query's keys are candidates of its pivots (≤ M_sq)"),
+        "max_cand": Param(128, 2, 1 << 16, help="candidates per key kept (heaviest co-occurrence) before pruning"),
+        "alpha": Param(1.0, 0.0, 4.0, help="RobustPrune α of the projection (inner-product rule; > 1 prunes less; 0 = no pruning)"),
+        "enhance_L": Param(64, 0, 4096, help="beam width of the connectivity-enhancement search (0 = skip it)"),
+        "M_link": Param(8, 1, 512, help="in-edges a key gets from the nodes its enhancement search found"),
+        "n_hubs": Param(32, 1, 4096, help="entry hubs: top key of each k-means centroid of the training queries (all counted)"),
+        "recent_entries": Param(0, 0, 4096, help="the newest keys (highest ids) also used as entry points (counted)"),
+        "recent_frac": Param(0.0, 0.0, 1.0, help="newest fraction of training queries given recent_weight"),
+        "recent_weight": Param(1.0, 0.0, 1000.0, help="weight of those queries in the co-occurrence merge (0 drops them)"),
+        "keep_queries": Param(256, 0, 1 << 20, help="newest training queries kept for add() (0 = link new keys by key search only)"),
+        "seed": Param(0, 0, 2**31 - 1, help="k-means seed of the hubs"),
+    }
+    search_params = {"L": Param(100, 1, 1 << 16, help="beam width (the search uses max(L, k))")}
+    search_grid = {"L": (100, 120, 150, 200, 250, 300, 400, 500, 600, 800, 1200)}
+
+    # -- build -------------------------------------------------------------------------------------
+
+    def _check(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
+        p = self.params
+        if train_queries is None:
+            raise IndexConfigError(f"{self._owner()}: this index is built from train_queries (the prefill queries); pass them to build()")
+        n = len(keys)
+        if p["M"] >= n:
+            raise IndexConfigError(f"{self._owner()}: M={p['M']} must be smaller than the number of keys ({n})")
+        if p["R"] < p["M"]:
+            raise IndexConfigError(f"{self._owner()}: R={p['R']} must be at least M={p['M']}")
+
+    def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
+        self._check(keys, train_queries)
+        p = self.params
+        n = len(keys)
+        threads = numba.get_num_threads()
+        m_sq = min(p["M_sq"], n)
+        knn = gk.topk_ip(train_queries, keys, m_sq)
+        weights = np.ones(len(train_queries), np.float32)
+        if p["recent_frac"] > 0:
+            weights[len(weights) - int(round(p["recent_frac"] * len(weights))):] = p["recent_weight"]
+        nbrs = np.full((n, p["R"]), -1, np.int32)
+        degree = np.zeros(n, np.int32)
+        ptr, occ_q, _ = gk.key_occurrences(knn, n, p["n_pivots"])
+        gk.project_rows(keys, knn, weights, ptr, occ_q, p["n_sel"], p["n_cand"], p["max_cand"], p["alpha"], p["M"],
+                        nbrs, degree)
+        pa = max(p["alpha"], 1.0)  # the reverse/enhancement prunes always use the RobustPrune rule
+        nbrs, degree = gk.add_reverse_edges(keys, nbrs, degree, pa, p["M"])
+        self.hubs = query_hubs(keys, train_queries, p["n_hubs"], p["seed"])
+        if p["enhance_L"] > 0:
+            nbrs, degree = gk.connect_by_search(keys, nbrs, degree, self.hubs, p["enhance_L"], pa, p["R"],
+                                                p["M_link"], threads)
+        gk.link_unreachable(keys, nbrs, degree, self.hubs, p["R"])
+        self._store = gk.KeyStore.for_array(keys)
+        self._nbrs, self._degree = nbrs, degree
+        keep = min(p["keep_queries"], len(train_queries))
+        self._recent_q = np.ascontiguousarray(train_queries[len(train_queries) - keep:])
+
+    @property
+    def _keys(self) -> np.ndarray:
+        return self._store.view(self.n_keys or self._store.n)
+
+    # -- add ---------------------------------------------------------------------------------------
+
+    def _add(self, keys: np.ndarray) -> None:
+        p = self.params
+        pa = max(p["alpha"], 1.0)
+        n0, t = self.n_keys, len(keys)
+        self._store.append(n0, keys)
+        allkeys = self._store.view(n0 + t)
+        nbrs = np.vstack([self._nbrs, np.full((t, p["R"]), -1, np.int32)])
+        degree = np.concatenate([self._degree, np.zeros(t, np.int32)])
+        new = np.arange(n0, n0 + t, dtype=np.int64)
+        if len(self._recent_q):
+            # Queries that select a new key (it enters their top-M_sq) make it a neighbour of their top keys.
+            m_sq = min(p["M_sq"], n0 + t)
+            knn = gk.topk_ip(self._recent_q, allkeys, m_sq)
+            sel = knn[np.isin(knn, new).any(axis=1)]
+            if len(sel):
+                ptr, occ_q, _ = gk.key_occurrences(sel, n0 + t, m_sq)
+                cand_rows = np.full((n0 + t, p["R"]), -1, np.int32)
+                cand_deg = np.zeros(n0 + t, np.int32)
+                gk.project_rows(allkeys, sel, np.ones(len(sel), np.float32), ptr, occ_q, p["n_sel"], p["n_cand"],
+                                p["max_cand"], p["alpha"], p["M"], cand_rows, cand_deg)
+                for v in new:  # the new key's out-edges, then its reverse edges below
+                    nbrs[v, : cand_deg[v]] = cand_rows[v, : cand_deg[v]]
+                    degree[v] = cand_deg[v]
+                nbrs, degree = gk.link_back(allkeys, nbrs, degree, new, pa, p["R"])
+        nbrs, degree = gk.connect_by_search(allkeys, nbrs, degree, self.hubs, max(p["enhance_L"], 32), pa,
+                                            p["R"], p["M_link"], numba.get_num_threads(), targets=new, prune_full=True)
+        gk.link_unreachable(allkeys, nbrs, degree, self.hubs, p["R"])
+        self._nbrs, self._degree = nbrs, degree
+
+    # -- search ------------------------------------------------------------------------------------
+
+    def entries(self) -> np.ndarray:
+        """Entry points of every search: the hubs, then the newest keys."""
+        r = min(self.params["recent_entries"], self.n_keys)
+        recent = np.arange(self.n_keys - r, self.n_keys, dtype=np.int64)
+        return np.array(list(dict.fromkeys([*self.hubs.tolist(), *recent.tolist()])), np.int64)
+
+    def _search(self, queries: np.ndarray, k: int, L: int):
+        e = self.entries()
+        entries = np.broadcast_to(e, (len(queries), len(e)))
+        return gk.beam_search_batch(self._keys, self._nbrs, self._degree, queries, np.ascontiguousarray(entries),
+                                    max(L, k), k, numba.get_num_threads())
+
+    # -- persistence -------------------------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        return self._keys.nbytes + self._nbrs.nbytes + self._degree.nbytes + self.hubs.nbytes + self._recent_q.nbytes
+
+    def _arrays(self) -> dict[str, np.ndarray]:
+        return {"keys": self._keys, "nbrs": self._nbrs, "degree": self._degree, "hubs": self.hubs,
+                "recent_q": self._recent_q}
+
+    def _restore(self, arrays: dict[str, np.ndarray]) -> None:
+        self._store = gk.KeyStore(np.ascontiguousarray(arrays["keys"], dtype=np.float32))
+        self._nbrs, self._degree, self.hubs = arrays["nbrs"], arrays["degree"], arrays["hubs"].astype(np.int64)
+        self._recent_q = np.ascontiguousarray(arrays["recent_q"], dtype=np.float32)

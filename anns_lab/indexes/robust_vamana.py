@@ -1,0 +1,104 @@
+"""``robust-vamana``: OOD-DiskANN (Jaiswal et al. 2022), a Vamana graph built with sample queries.
+
+Build, on keys K (n, d) and training queries Q:
+
+1. Sample ``n_queries`` training queries (seeded; the newest ``recent_frac`` of them first
+   when set) and add them as extra nodes: the build runs on [K; Q_s].
+2. A query node's row is its exact top-``R`` keys by inner product, kept unpruned and never
+   changed (``graph_kernels.vamana_pass_fixed``). Key nodes are inserted as in Vamana: greedy
+   search, RobustPrune (inner-product rule, α) over keys *and* query nodes, back-edges (never
+   into a query row). Two sequential passes (α = 1, then ``alpha``) over a seeded permutation
+   of all nodes, as ``vamana`` does.
+3. RobustStitch (``graph_kernels.robust_stitch``): in every key row each query neighbour is
+   replaced by that query's keys and the row RobustPruned to R, so the final graph holds keys
+   only and the query vectors are dropped.
+
+Search: beam search of width max(L, k) from the entry points (the key of largest inner
+product with the mean training query, plus ``n_hubs - 1`` hubs as in ``roargraph``); every
+inner product is counted (entries included). ``add`` inserts new keys with one Vamana pass
+over them (queries are no longer part of the graph). Keys live in a shared
+``graph_kernels.KeyStore`` (one copy per GQA group).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from anns_lab.errors import IndexConfigError
+from anns_lab.indexes import graph_kernels as gk
+from anns_lab.indexes.base import Index, Param
+from anns_lab.indexes.roargraph import query_hubs
+
+
+class RobustVamanaIndex(Index):
+    """OOD-DiskANN: Vamana over keys plus sample queries, RobustStitched to a keys-only graph."""
+
+    name = "robust-vamana"
+    uses_train_queries = True
+    build_params = {
+        "R": Param(32, 2, 512, help="maximum out-degree (a query node keeps its R nearest keys)"),
+        "L": Param(64, 1, 4096, help="beam width while building"),
+        "alpha": Param(1.2, 1.0, 4.0, help="RobustPrune α of the second pass"),
+        "n_queries": Param(1024, 1, 1 << 20, help="training queries sampled as extra graph nodes"),
+        "recent_frac": Param(0.0, 0.0, 1.0, help="sample from the newest fraction of training queries only (0 = all)"),
+        "n_hubs": Param(1, 1, 4096, help="entry points (1 = one entry, as in DiskANN)"),
+        "seed": Param(0, 0, 2**31 - 1, help="seed of the sample, random initial graph and insertion order"),
+    }
+    search_params = {"L": Param(100, 1, 1 << 16, help="beam width (the search uses max(L, k))")}
+    search_grid = {"L": (100, 150, 200, 300, 400, 600, 800, 1200, 1600)}
+
+    def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
+        p = self.params
+        if train_queries is None:
+            raise IndexConfigError(f"{self._owner()}: this index is built from train_queries (sample queries); pass them to build()")
+        n, R = len(keys), p["R"]
+        if R >= n:
+            raise IndexConfigError(f"{self._owner()}: R={R} must be smaller than the number of keys ({n})")
+        rng = np.random.default_rng(p["seed"])
+        pool = train_queries
+        if p["recent_frac"] > 0:
+            pool = train_queries[len(train_queries) - max(1, int(round(p["recent_frac"] * len(train_queries)))):]
+        take = min(p["n_queries"], len(pool))
+        sample = np.ascontiguousarray(pool[np.sort(rng.choice(len(pool), take, replace=False))])
+        q_nbrs = gk.topk_ip(sample, keys, R)
+        data = np.ascontiguousarray(np.vstack([keys, sample]))  # build-time only; the final graph holds keys
+        nbrs, degree = gk.random_graph(n + take, R, p["seed"])
+        nbrs[n:], degree[n:] = q_nbrs, R
+        self.hubs = query_hubs(keys, train_queries, p["n_hubs"], p["seed"])
+        entry = int(self.hubs[0])
+        order = rng.permutation(n + take).astype(np.int64)
+        for alpha in (1.0, p["alpha"]):
+            gk.vamana_pass_fixed(data, nbrs, degree, order, entry, alpha, R, p["L"], n)
+        self._nbrs, self._degree = gk.robust_stitch(data, nbrs, degree, n, q_nbrs, p["alpha"], R)
+        self._store = gk.KeyStore.for_array(keys)
+
+    @property
+    def _keys(self) -> np.ndarray:
+        return self._store.view(self.n_keys or self._store.n)
+
+    def _add(self, keys: np.ndarray) -> None:
+        n0, t, R = self.n_keys, len(keys), self.params["R"]
+        self._store.append(n0, keys)
+        allkeys = self._store.view(n0 + t)
+        nbrs = np.vstack([self._nbrs, np.full((t, R), -1, np.int32)])
+        degree = np.concatenate([self._degree, np.zeros(t, np.int32)])
+        order = np.arange(n0, n0 + t, dtype=np.int64)
+        gk.vamana_pass(allkeys, nbrs, degree, order, int(self.hubs[0]), self.params["alpha"], R, self.params["L"])
+        self._nbrs, self._degree = nbrs, degree
+
+    def _search(self, queries: np.ndarray, k: int, L: int):
+        entries = np.ascontiguousarray(np.broadcast_to(self.hubs, (len(queries), len(self.hubs))))
+        return gk.beam_search_batch(self._keys, self._nbrs, self._degree, queries, entries, max(L, k), k,
+                                    numba.get_num_threads())
+
+    @property
+    def nbytes(self) -> int:
+        return self._keys.nbytes + self._nbrs.nbytes + self._degree.nbytes + self.hubs.nbytes
+
+    def _arrays(self) -> dict[str, np.ndarray]:
+        return {"keys": self._keys, "nbrs": self._nbrs, "degree": self._degree, "hubs": self.hubs}
+
+    def _restore(self, arrays: dict[str, np.ndarray]) -> None:
+        self._store = gk.KeyStore(np.ascontiguousarray(arrays["keys"], dtype=np.float32))
+        self._nbrs, self._degree, self.hubs = arrays["nbrs"], arrays["degree"], arrays["hubs"].astype(np.int64)
