@@ -28,11 +28,12 @@ def main() -> None:
 
 
 def _register() -> None:
+    from anns_lab.decode.cli import decode
     from anns_lab.dumps.cli import dump
     from anns_lab.eval.cli import export, report, sweep
     from anns_lab.indexes.cli import indexes
 
-    for command in (dump, indexes, sweep, report, export):
+    for command in (dump, indexes, sweep, report, export, decode):
         main.add_command(command)
 
 

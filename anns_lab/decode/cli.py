@@ -1,0 +1,118 @@
+"""``anns-lab decode``: generate with RetrievalAttention (or a baseline) and report accuracy and latency."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from anns_lab.decode.attention import DecodeError
+from anns_lab.decode.engine import Settings
+from anns_lab.dumps.tasks import TASKS
+
+
+def _window(text: str) -> tuple[int, int]:
+    try:
+        sink, recent = (int(x) for x in text.split(","))
+    except ValueError:
+        raise DecodeError(f"--window {text!r}: write SINK,RECENT, e.g. --window 128,512") from None
+    return sink, recent
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@click.command()
+@click.option("--model", default="smollm2", show_default=True, help="model alias, local folder or HF id")
+@click.option("--mode", "modes", default="full,default", show_default=True,
+              help="comma list: full, window, flat, ivf, any registered index; 'default' = attention-aware index")
+@click.option("--param", "params", multiple=True, help="search parameter NAME=VALUE for the index modes (e.g. L=200)")
+@click.option("--build-param", "build_params", multiple=True, help="build parameter NAME=VALUE for the index modes")
+@click.option("--topk", default=100, show_default=True, help="keys retrieved per query head and step")
+@click.option("--window", "window", default="128,512", show_default=True, help="static window SINK,RECENT tokens")
+@click.option("--add-batch", default=64, show_default=True,
+              help="tokens leaving the window are attended exactly from a side-buffer and inserted into the index in batches of this size")
+@click.option("--task", type=str, default=None, help=f"synthetic task: {', '.join(TASKS)}")
+@click.option("--prompt", type=str, default=None, help="free-form prompt text (instead of --task)")
+@click.option("--eval", "evaluation", type=click.Choice(["task", "fidelity"]), default="task", show_default=True,
+              help="fidelity: teacher-forced KL and top-1 agreement against full attention on real text")
+@click.option("--context", default=2048, show_default=True, help="prompt tokens (task and fidelity)")
+@click.option("--samples", default=1, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--max-new-tokens", type=int, default=None, help="generated tokens (default per task)")
+@click.option("--positions", default=256, show_default=True, help="fidelity: teacher-forced positions")
+@click.option("--free-tokens", default=64, show_default=True, help="fidelity: free-running greedy tokens")
+@click.option("--chunk", default=2048, show_default=True, help="prefill chunk size")
+@click.option("--from-sweep", "from_sweep", type=str, default=None,
+              help="results.parquet of a sweep: use the index + parameters with the least scanned fraction at the target recall")
+@click.option("--target-recall", default=0.95, show_default=True)
+@click.option("--device", default=None, help="accelerator side: cuda when available, else cpu")
+@click.option("--allow-extrapolation", is_flag=True, help="allow a context beyond the model's trained length")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the full results here")
+def decode(model, modes, params, build_params, topk, window, add_batch, task, prompt, evaluation, context, samples,
+           seed, max_new_tokens, positions, free_tokens, chunk, from_sweep, target_recall, device, allow_extrapolation,
+           json_path):
+    """Generate with RetrievalAttention: static window on the accelerator + retrieved keys from a CPU index."""
+    from anns_lab.decode import modes as modes_mod
+    from anns_lab.decode import runner
+    from anns_lab.decode.engine import Mode
+
+    sink, recent = _window(window)
+    settings = Settings(sink=sink, recent=recent, topk=topk, add_batch=add_batch, chunk=chunk)
+    if topk < 1:
+        raise DecodeError(f"--topk must be at least 1, got {topk}")
+    if add_batch < 1 or chunk < 1:
+        raise DecodeError("--add-batch and --chunk must be at least 1")
+    if evaluation == "task" and (task is None) == (prompt is None):
+        raise DecodeError("give exactly one of --task NAME or --prompt TEXT (or --eval fidelity)")
+    if task is not None and task not in TASKS:
+        raise DecodeError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
+    mode_list = modes_mod.parse_modes(modes, modes_mod.parse_params(params),
+                                      modes_mod.parse_params(build_params, "--build-param"))
+    from anns_lab.dumps.models import load_model
+
+    device = device or default_device()
+    lm = load_model(model, device=device)
+    if from_sweep:
+        picked, lines = modes_mod.pick_from_sweep(from_sweep, lm.name, target_recall, lm.long_range_layers)
+        click.echo("\n".join(lines))
+        mode_list = [m for m in mode_list if m.kind != "index"] + [picked]
+        if not any(m.name == "full" for m in mode_list):
+            mode_list.insert(0, Mode("full"))
+
+    def progress(line: str) -> None:
+        click.echo(line, err=True)
+
+    if evaluation == "fidelity":
+        if not any(m.name == "full" for m in mode_list):
+            mode_list.insert(0, Mode("full"))
+        result = runner.run_fidelity(lm, mode_list, settings, context, positions, free_tokens, allow_extrapolation,
+                                     progress)
+    elif prompt is not None:
+        result = runner.run_prompt(lm, mode_list, settings, prompt, max_new_tokens, allow_extrapolation, progress)
+    else:
+        result = runner.run_task(lm, mode_list, settings, task, context, samples, seed, max_new_tokens,
+                                 allow_extrapolation, progress)
+    result |= {"model": lm.name, "device": device, "settings": {"sink": sink, "recent": recent, "topk": topk,
+               "add_batch": add_batch, "chunk": chunk},
+               "plans": {m.name: ({"default": m.plan.describe(), **{str(k): p.describe() for k, p in m.per_layer.items()}}
+                                  if m.plan else None) for m in mode_list}}
+    click.echo(f"{lm.name}  {result['task']}  context {result['context']}  device {device}  "
+               f"window {sink}+{recent}  top-k {topk}")
+    click.echo(runner.table(result))
+    for name, m in result["modes"].items():
+        for note in m.get("notes", []):
+            click.echo(f"note ({name}): {note}")
+    if prompt is not None:
+        for name, m in result["modes"].items():
+            click.echo(f"[{name}] {m['samples'][0]['answer']}")
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(result, indent=1, default=float))
+        click.echo(f"wrote {json_path}", err=True)
+    sys.stdout.flush()

@@ -1,0 +1,134 @@
+"""Which modes a decode run compares: parsed from ``--mode`` and ``--param``, or picked from a sweep's results."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from anns_lab.decode.attention import DecodeError
+from anns_lab.decode.engine import Mode
+from anns_lab.decode.placement import IndexPlan
+from anns_lab.errors import IndexConfigError
+from anns_lab.indexes import registry
+
+BASELINES = ("full", "window")
+ATTENTION_AWARE = "roargraph"
+
+
+def default_index() -> str:
+    """The attention-aware index when registered, else exact top-k (``flat``), with a note why."""
+    if ATTENTION_AWARE in registry.available():
+        return ATTENTION_AWARE
+    print(f"note: the attention-aware index {ATTENTION_AWARE!r} is not registered; the default mode is 'flat' "
+          "(exact top-k)", file=sys.stderr)
+    return "flat"
+
+
+def _coerce(text: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    return text
+
+
+def parse_params(items: tuple[str, ...] | list[str], what: str = "--param") -> dict:
+    """``["L=200", "nprobe=32"]`` → ``{"L": 200, "nprobe": 32}``."""
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise DecodeError(f"{what} {item!r}: write NAME=VALUE, e.g. {what} L=200")
+        name, value = item.split("=", 1)
+        out[name.strip()] = _coerce(value.strip())
+    return out
+
+
+def parse_modes(spec: str, search: dict, build: dict) -> list[Mode]:
+    """``full,window,flat,roargraph`` → modes; each --param goes to every index that declares it."""
+    names = [s.strip() for s in spec.split(",") if s.strip()] or [default_index()]
+    names = [default_index() if n == "default" else n for n in names]
+    known = registry.available()
+    modes, used_s, used_b = [], set(), set()
+    for name in dict.fromkeys(names):
+        if name in BASELINES:
+            modes.append(Mode(name))
+            continue
+        if name not in known:
+            try:
+                registry.get(name)  # the registry's own message, with close names
+            except IndexConfigError as err:
+                raise DecodeError(f"unknown mode {name!r}: use full, window or a registered index "
+                                  f"({', '.join(known)}); {err}") from None
+        cls = known[name]
+        s = {k: v for k, v in search.items() if k in cls.search_params}
+        b = {k: v for k, v in build.items() if k in cls.build_params}
+        used_s |= set(s)
+        used_b |= set(b)
+        try:  # validate now, before any model is loaded
+            cls(**b)
+            from anns_lab.indexes.base import resolve_params
+
+            resolve_params(name, cls.search_params, s)
+        except IndexConfigError as err:
+            raise DecodeError(str(err)) from None
+        modes.append(Mode(name, IndexPlan(name, b, s)))
+    for given, used, flag in ((search, used_s, "--param"), (build, used_b, "--build-param")):
+        unused = sorted(set(given) - used)
+        if unused:
+            raise DecodeError(f"{flag} {', '.join(unused)}: no selected index mode declares it "
+                              f"(modes: {', '.join(m.name for m in modes)})")
+    return modes
+
+
+def pick_from_sweep(path: str, model: str, target: float, layers: list[int]) -> tuple[Mode, list[str]]:
+    """The index + parameters with the least scanned fraction reaching ``target`` recall, per layer where possible.
+
+    Recall and scanned fraction are averaged over the heads of a layer (Q→K rows only). Layers
+    the table does not cover get the configuration that is best over all its layers.
+    """
+    from anns_lab.eval.report import load_results
+
+    table, _ = load_results(path)
+    rows = table[table["direction"] == "q2k"]
+    models = sorted(rows["model"].unique())
+    rows = rows[rows["model"] == model]
+    if rows.empty:
+        raise DecodeError(f"{path} has no Q→K results for model {model!r} (it has: {', '.join(models) or 'none'})")
+    rows = rows[rows["index"].isin(list(registry.available()))]
+    keys = ["index", "build_params", "search_params"]
+
+    def best(df):
+        agg = df.groupby(keys, as_index=False)[["recall", "scanned_fraction"]].mean()
+        ok = agg[agg["recall"] >= target]
+        if ok.empty:
+            return None, float(agg["recall"].max())
+        return ok.sort_values(["scanned_fraction", "recall"], ascending=[True, False]).iloc[0], None
+
+    overall, top = best(rows)
+    if overall is None:
+        raise DecodeError(f"no index in {path} reaches recall {target} for {model} (best mean recall {top:.3f}); "
+                          "lower --target-recall or sweep more thorough parameters")
+
+    def plan(r) -> IndexPlan:
+        return IndexPlan(r["index"], json.loads(r["build_params"]), json.loads(r["search_params"]))
+
+    base = plan(overall)
+    per_layer, lines = {}, [f"from sweep {path}: {base.describe()} reaches mean recall {overall['recall']:.3f} "
+                            f"at {100 * overall['scanned_fraction']:.2f}% scanned (all layers of the table)"]
+    for layer in layers:
+        sub = rows[rows["layer"] == layer]
+        if sub.empty:
+            lines.append(f"  layer {layer}: not in the table, uses {base.describe()}")
+            continue
+        r, top = best(sub)
+        if r is None:
+            lines.append(f"  layer {layer}: nothing reaches {target} (best {top:.3f}), uses {base.describe()}")
+            continue
+        per_layer[layer] = plan(r)
+        lines.append(f"  layer {layer}: {per_layer[layer].describe()} recall {r['recall']:.3f} at "
+                     f"{100 * r['scanned_fraction']:.2f}% scanned")
+    name = f"sweep:{base.name}"
+    return Mode(name, base, per_layer), lines

@@ -1,0 +1,172 @@
+"""A decode run: tasks (accuracy), a free prompt, or fidelity against ``full``; results as a table and JSON.
+
+The summary per mode has the shape of the paper's Tables 4–5: accuracy, prefill and index
+build time, and per generated token the time in retrieval, CPU attention, accelerator
+attention, merge and everything else, and tokens/s.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from anns_lab.decode.attention import DecodeError
+from anns_lab.decode.engine import Mode, ModeRun, Settings, check_window, prefill, run_mode, summarize
+from anns_lab.dumps import tasks
+
+MAX_NEW = {"passkey": 8, "number_string": 14, "kv_retrieval": 40, "niah": 14, "niah_multikey": 14,
+           "niah_multivalue": 56, "prompt": 32}
+
+
+def check_context(lm, n_tokens: int, allow_extrapolation: bool) -> None:
+    if lm.context and n_tokens > lm.context and not allow_extrapolation:
+        raise DecodeError(f"{n_tokens} tokens (prompt + generated) exceed {lm.name}'s context of {lm.context} tokens; "
+                          "use a shorter --context, or pass --allow-extrapolation to go beyond it")
+
+
+def stop_ids(lm) -> set[int]:
+    eos = lm.tokenizer.eos_token_id
+    cfg_eos = getattr(lm.model.generation_config, "eos_token_id", None) if hasattr(lm.model, "generation_config") else None
+    out = set()
+    for e in (eos, cfg_eos):
+        if isinstance(e, int):
+            out.add(e)
+        elif e:
+            out.update(int(x) for x in e)
+    return out
+
+
+def _pool(runs: list[ModeRun]) -> dict:
+    """Per-token timings over several runs of one mode (all their steps together)."""
+    merged = ModeRun(runs[0].mode, [], [], sum(r.build_s for r in runs) / len(runs), sum(r.decode_s for r in runs),
+                     [s for r in runs for s in r.steps], [s for r in runs for s in r.step_s])
+    return summarize(merged)
+
+
+def depths(samples: int) -> list[float]:
+    """Needle depths spread evenly over the context (0.05..0.95)."""
+    return [0.5] if samples == 1 else np.linspace(0.05, 0.95, samples).tolist()
+
+
+def run_task(lm, modes: list[Mode], settings: Settings, task: str, context: int, samples: int, seed: int,
+             max_new: int | None = None, allow_extrapolation: bool = False, progress=None) -> dict:
+    """Every mode on ``samples`` samples of ``task``; one shared full-attention prefill per sample."""
+    if task not in tasks.TASKS:
+        raise DecodeError(f"unknown task {task!r}; known: {', '.join(tasks.TASKS)}")
+    if samples < 1:
+        raise DecodeError("--samples must be at least 1")
+    max_new = max_new or MAX_NEW[task]
+    check_context(lm, context + max_new, allow_extrapolation)
+    check_window(settings, context, modes, max_new)
+    made = [tasks.make_sample(task, lm.tokenizer, context, seed + i, d) for i, d in enumerate(depths(samples))]
+    return _run_prompts(lm, modes, settings, [(s.ids, s) for s in made], max_new, task, progress)
+
+
+def run_prompt(lm, modes: list[Mode], settings: Settings, text: str, max_new: int | None = None,
+               allow_extrapolation: bool = False, progress=None) -> dict:
+    ids = tasks.special_prefix(lm.tokenizer) + tasks.encode(lm.tokenizer, text)
+    max_new = max_new or MAX_NEW["prompt"]
+    check_context(lm, len(ids) + max_new, allow_extrapolation)
+    check_window(settings, len(ids), modes, max_new)
+    return _run_prompts(lm, modes, settings, [(ids, None)], max_new, "prompt", progress)
+
+
+def _run_prompts(lm, modes, settings, prompts, max_new, task, progress) -> dict:
+    capture = any(m.uses_queries() for m in modes)
+    stops = stop_ids(lm)
+    per_mode = {m.name: {"runs": [], "samples": []} for m in modes}
+    prefill_s = []
+    for i, (ids, sample) in enumerate(prompts):
+        pre = prefill(lm, ids, settings, capture)
+        prefill_s.append(pre.seconds)
+        for mode in modes:
+            run = run_mode(lm, pre, mode, settings, max_new, stops)
+            run.stores = None  # free the CPU copies and indexes
+            answer = lm.tokenizer.decode(run.tokens, skip_special_tokens=True)
+            row = {"sample": i, "answer": answer}
+            if sample is not None:
+                row |= {"expected": list(sample.answers), "depth": sample.depth, "seed": sample.params["seed"],
+                        "score": tasks.score(task, answer, sample.answers)}
+            per_mode[mode.name]["runs"].append(run)
+            per_mode[mode.name]["samples"].append(row)
+            per_mode[mode.name]["notes"] = run.notes
+            if progress:
+                progress(f"sample {i + 1}/{len(prompts)} {mode.name}: {answer!r}"
+                         + (f" (expected {sample.answers[0]!r}, score {row['score']:g})" if sample else ""))
+        del pre
+    out = {"task": task, "context": len(prompts[0][0]), "modes": {}}
+    for name, d in per_mode.items():
+        summary = _pool(d["runs"]) | {"prefill_s": float(np.mean(prefill_s))}
+        if task != "prompt":
+            summary["accuracy"] = 100.0 * float(np.mean([r["score"] for r in d["samples"]]))
+        out["modes"][name] = {"summary": summary, "samples": d["samples"], "notes": d.get("notes", [])}
+    return out
+
+
+def run_fidelity(lm, modes: list[Mode], settings: Settings, context: int, positions: int = 256,
+                 free_tokens: int = 64, allow_extrapolation: bool = False, progress=None) -> dict:
+    """Teacher-forced KL / top-1 agreement against ``full`` on real text, and free-running agreement length."""
+    from anns_lab.dumps.prompts import build_prompt
+
+    if positions < 1 or free_tokens < 1:
+        raise DecodeError("--positions and --free-tokens must be at least 1")
+    steps = max(positions, free_tokens)
+    check_context(lm, context + steps, allow_extrapolation)
+    check_window(settings, context, modes, steps)
+    ids = build_prompt("text", lm.tokenizer, context + positions).ids
+    pre = prefill(lm, ids[:context], settings, any(m.uses_queries() for m in modes))
+    teacher = ids[context:]
+    full_tf = run_mode(lm, pre, Mode("full"), settings, 0, teacher=teacher, keep_logits=True)
+    full_free = run_mode(lm, pre, Mode("full"), settings, free_tokens)
+    ref_logp = torch.stack(full_tf.logits).double().log_softmax(-1)
+    out = {"task": "fidelity", "context": context, "positions": positions, "free_tokens": free_tokens, "modes": {}}
+    for mode in modes:
+        if mode.name == "full":
+            tf, free = full_tf, full_free
+        else:
+            tf = run_mode(lm, pre, mode, settings, 0, teacher=teacher, keep_logits=True)
+            tf.stores = None
+            free = run_mode(lm, pre, mode, settings, free_tokens)
+            free.stores = None
+        logp = torch.stack(tf.logits).double().log_softmax(-1)
+        kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)[1:]  # position 0 is the prefill's own prediction
+        top1 = (logp.argmax(-1) == ref_logp.argmax(-1)).double()[1:]
+        same = next((i for i, (a, b) in enumerate(zip(free.tokens, full_free.tokens)) if a != b),
+                    min(len(free.tokens), len(full_free.tokens)))
+        summary = summarize(tf) | {"prefill_s": pre.seconds, "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
+                                   "top1_agreement": float(top1.mean()), "free_tokens_until_diff": int(same)}
+        out["modes"][mode.name] = {"summary": summary, "samples": [], "notes": tf.notes}
+        if progress:
+            progress(f"fidelity {mode.name}: KL {summary['kl_mean']:.3g}, top-1 {100 * summary['top1_agreement']:.1f}%, "
+                     f"{same} free tokens equal")
+    return out
+
+
+COLUMNS = [("accuracy", "acc %", "{:.1f}"), ("kl_mean", "KL", "{:.2e}"), ("top1_agreement", "top-1", "{:.3f}"),
+           ("free_tokens_until_diff", "free=", "{:d}"), ("prefill_s", "prefill s", "{:.2f}"), ("build_s", "build s", "{:.2f}"),
+           ("retrieval_ms", "retr ms", "{:.2f}"), ("cpu_attention_ms", "cpu-attn ms", "{:.2f}"),
+           ("accel_attention_ms", "acc-attn ms", "{:.2f}"), ("merge_ms", "merge ms", "{:.2f}"),
+           ("other_ms", "other ms", "{:.2f}"), ("token_ms", "token ms", "{:.2f}"), ("tokens_per_s", "tok/s", "{:.2f}"),
+           ("scanned_fraction", "scanned %", "{:.2%}")]
+
+
+def table(result: dict) -> str:
+    """The per-mode summary as a fixed-width text table (modes as rows)."""
+    rows = [(name, m["summary"]) for name, m in result["modes"].items()]
+    cols = [c for c in COLUMNS if any(s.get(c[0]) is not None for _, s in rows)]
+    head = ["mode"] + [c[1] for c in cols]
+    body = []
+    for name, s in rows:
+        cells = [name]
+        for key, _, fmt in cols:
+            v = s.get(key)
+            if fmt.endswith("%}") and v is not None:
+                cells.append(fmt.format(v))
+            else:
+                cells.append("-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v))
+        body.append(cells)
+    widths = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
+    line = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in body])

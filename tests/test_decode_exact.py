@@ -1,0 +1,200 @@
+"""Exactness of retrieval decoding: the merge, equality with full attention, window mode, inserted tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from anns_lab.decode.engine import Mode, Settings, prefill, run_mode
+from anns_lab.decode.kernels import attend_rows, attend_window, merge
+from anns_lab.decode.placement import IndexPlan
+from anns_lab.dumps.models import load_model
+from anns_lab.indexes import registry
+
+# Index modes checked for exactness; search parameters are each index's most thorough setting (capped).
+CANDIDATES = ("flat", "ivf", "hnsw", "vamana", "roargraph", "robust-vamana")
+
+
+def thorough(name: str) -> dict:
+    cls = registry.get(name)
+    return {p: type(spec.default)(min(spec.high, 4096)) for p, spec in cls.search_params.items() if spec.high is not None}
+
+
+def index_modes() -> list[str]:
+    return [n for n in CANDIDATES if n in registry.available()]
+
+
+def softmax_attention(q, k, v, scaling):
+    logits = (k @ q) * scaling
+    w = np.exp(logits - logits.max())
+    return (w / w.sum()) @ v
+
+
+# -- the merge ---------------------------------------------------------------------------------------
+
+
+def test_merge_of_disjoint_sets_is_attention_over_their_union():
+    rng = np.random.default_rng(0)
+    h, g, n, d = 6, 2, 300, 16
+    q = rng.normal(size=(h, d)).astype(np.float32)
+    keys = rng.normal(size=(g, n, d)).astype(np.float32) * 3
+    values = rng.normal(size=(g, n, d)).astype(np.float32)
+    scaling = 0.37
+    for trial in range(5):
+        perm = rng.permutation(n)
+        a, b = perm[: 40 + trial * 30], perm[40 + trial * 30:]
+        rows_a = np.tile(a, (h, 1)).astype(np.int64)
+        rows_b = np.tile(b, (h, 1)).astype(np.int64)
+        rows_b[:, ::7] = -1  # padding ids are skipped...
+        kept_b = [b[np.arange(len(b)) % 7 != 0] for _ in range(h)]
+        o_a, m_a, z_a = attend_rows(q, keys, values, rows_a, scaling)
+        o_b, m_b, z_b = attend_rows(q, keys, values, rows_b, scaling)
+        o = merge(o_a, m_a, z_a, o_b, m_b, z_b)
+        for head in range(h):
+            kv = head // (h // g)
+            union = np.concatenate([a, kept_b[head]])
+            ref = softmax_attention(q[head].astype(np.float64), keys[kv, union].astype(np.float64),
+                                    values[kv, union].astype(np.float64), scaling)
+            np.testing.assert_allclose(o[head], ref, rtol=1e-9, atol=1e-9)
+
+
+def test_merge_with_an_empty_side_and_torch_window_side():
+    rng = np.random.default_rng(1)
+    q = rng.normal(size=(4, 8)).astype(np.float32)
+    keys = rng.normal(size=(2, 20, 8)).astype(np.float32)
+    values = rng.normal(size=(2, 20, 8)).astype(np.float32)
+    empty = attend_rows(q, keys, values, np.full((4, 3), -1, np.int64), 0.5)
+    assert np.all(empty[2] == 0) and np.all(np.isneginf(empty[1]))
+    o_w, m_w, z_w = attend_window(torch.from_numpy(q).double(), torch.from_numpy(keys).double(),
+                                  torch.from_numpy(values).double(), 0.5)
+    merged = merge(o_w, m_w, z_w, *(torch.from_numpy(x) for x in empty))
+    torch.testing.assert_close(merged, o_w, rtol=1e-12, atol=1e-12)
+    full = attend_rows(q, keys, values, np.tile(np.arange(20), (4, 1)).astype(np.int64), 0.5)
+    np.testing.assert_allclose(o_w.numpy(), full[0], rtol=1e-9, atol=1e-9)
+
+
+# -- equality with full attention --------------------------------------------------------------------
+
+PROMPT = 64
+STEPS = 12
+SETTINGS = Settings(sink=4, recent=8, topk=PROMPT + STEPS - 12, add_batch=4, chunk=24)
+
+
+@pytest.fixture(scope="module", params=["tiny_llama", "tiny_gemma3"])
+def prefilled(request):
+    lm = load_model(str(request.getfixturevalue(request.param)))
+    ids = np.random.default_rng(3).integers(3, 400, size=PROMPT).tolist()
+    pre = prefill(lm, ids, SETTINGS, capture_queries=True)
+    full = run_mode(lm, pre, Mode("full"), SETTINGS, STEPS, keep_logits=True)
+    return lm, pre, full
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("name", index_modes())
+def test_topk_covering_every_key_equals_full_attention(prefilled, name):
+    lm, pre, full = prefilled
+    run = run_mode(lm, pre, Mode(name, IndexPlan(name, {}, thorough(name))), SETTINGS, STEPS, keep_logits=True)
+    assert len(run.logits) == len(full.logits) == STEPS
+    for step, (a, b) in enumerate(zip(run.logits, full.logits)):
+        assert _rel(a, b) < 1e-4, (name, step)
+    assert run.tokens == full.tokens
+    # Retrieval ran on the long-range layers only (Gemma-3: its global layers).
+    assert set(run.stores) == set(lm.long_range_layers)
+
+
+def test_tokens_leaving_the_window_are_inserted_and_found(prefilled):
+    lm, pre, full = prefilled
+    settings = Settings(sink=4, recent=8, topk=PROMPT + STEPS - 12, add_batch=1, chunk=24)
+    run = run_mode(lm, pre, Mode("flat", IndexPlan("flat")), settings, STEPS, keep_logits=True)
+    for a, b in zip(run.logits, full.logits):
+        assert _rel(a, b) < 1e-4
+    # After STEPS-1 decode forwards every position but the window is in the index, not in a side-buffer.
+    last = PROMPT + STEPS - 1  # tokens in the cache at the last forward
+    for store in run.stores.values():
+        assert store.n_rows == last - settings.sink - settings.recent
+        assert store.n_indexed == store.n_rows
+        assert store.indexes[0].n_keys == store.n_rows
+
+
+def test_index_without_add_keeps_leaving_tokens_in_a_side_buffer(prefilled, monkeypatch):
+    from anns_lab.indexes.base import Index
+    from anns_lab.indexes.flat import FlatIndex
+
+    class NoAdd(FlatIndex):
+        _add = Index._add
+
+    monkeypatch.setattr("anns_lab.decode.placement.registry.get", lambda name: NoAdd)
+    lm, pre, full = prefilled
+    run = run_mode(lm, pre, Mode("noadd", IndexPlan("noadd")), SETTINGS, STEPS, keep_logits=True)
+    for a, b in zip(run.logits, full.logits):
+        assert _rel(a, b) < 1e-4
+    assert any("side-buffer" in n for n in run.notes)
+    store = next(iter(run.stores.values()))
+    assert store.n_indexed == PROMPT - 12 and store.n_rows > store.n_indexed
+
+
+def test_small_topk_differs_but_runs(prefilled):
+    lm, pre, full = prefilled
+    settings = Settings(sink=4, recent=8, topk=2, add_batch=4, chunk=24)
+    run = run_mode(lm, pre, Mode("flat", IndexPlan("flat")), settings, STEPS, keep_logits=True)
+    assert len(run.logits) == STEPS and max(_rel(a, b) for a, b in zip(run.logits, full.logits)) > 1e-4
+
+
+# -- window mode against an independent computation ------------------------------------------------
+
+
+def _masked_window_reference(lm, pre, settings, steps):
+    """Window-only decoding computed independently: sdpa with a boolean mask over the window positions."""
+    import copy
+
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    from anns_lab.dumps.run import forward_tokens
+
+    long_range = set(lm.long_range_layers)
+
+    def windowed(module, query, key, value, attention_mask, **kwargs):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        if module.layer_idx in long_range and query.shape[2] == 1:
+            n = key.shape[2]
+            allowed = torch.zeros(n, dtype=torch.bool)
+            allowed[: settings.sink] = True
+            allowed[max(0, n - settings.recent):] = True
+            rep = query.shape[1] // key.shape[1]
+            k = key.repeat_interleave(rep, dim=1)
+            v = value.repeat_interleave(rep, dim=1)
+            out = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=allowed[None, None, None, :],
+                                                                   scale=kwargs.get("scaling") or module.scaling)
+            return out.transpose(1, 2).contiguous(), None
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("test_window_ref", windowed)
+    AttentionMaskInterface.register("test_window_ref", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    cache = copy.deepcopy(pre.cache)
+    ids, logits, out = list(pre.ids), pre.logits, []
+    lm.model.set_attn_implementation("test_window_ref")
+    try:
+        with torch.inference_mode():
+            for _ in range(steps - 1):
+                out.append(logits)
+                ids.append(int(logits.argmax()))
+                logits = forward_tokens(lm, cache, ids, len(ids) - 1, len(ids))[0, -1].float()
+            out.append(logits)
+    finally:
+        lm.model.set_attn_implementation("sdpa")
+    return out
+
+
+def test_window_mode_equals_independent_window_attention(prefilled):
+    lm, pre, full = prefilled
+    run = run_mode(lm, pre, Mode("window"), SETTINGS, STEPS, keep_logits=True)
+    ref = _masked_window_reference(lm, pre, SETTINGS, STEPS)
+    for a, b in zip(run.logits, ref):
+        assert _rel(a, b) < 1e-4
+    assert max(_rel(a, b) for a, b in zip(run.logits, full.logits)) > 1e-3  # the window alone is not full attention
