@@ -1,0 +1,144 @@
+"""``anns-lab decode`` from the command line: output, JSON shape, the sweep pick, and clear errors on bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from anns_lab.cli import main
+from anns_lab.decode.modes import parse_modes, pick_from_sweep
+from anns_lab.eval.sweep import COLUMNS
+
+
+def _run(*args):
+    return CliRunner().invoke(main, ["decode", *map(str, args)])
+
+
+def _error(result) -> str:
+    assert result.exit_code == 2, result.output
+    lines = [x for x in result.output.splitlines() if x.startswith("Error:")]
+    assert len(lines) == 1, result.output
+    return lines[0]
+
+
+def test_task_run_prints_table_and_writes_json(tiny_llama, tmp_path):
+    out = tmp_path / "r.json"
+    res = _run("--model", tiny_llama, "--mode", "full,window,flat", "--task", "passkey", "--context", 200,
+               "--samples", 2, "--window", "4,16", "--topk", 20, "--max-new-tokens", 4, "--json", out)
+    assert res.exit_code == 0, res.output
+    assert "retr ms" in res.output and "acc %" in res.output
+    data = json.loads(out.read_text())
+    assert data["task"] == "passkey" and data["context"] == 200 and set(data["modes"]) == {"full", "window", "flat"}
+    for mode in data["modes"].values():
+        s = mode["summary"]
+        for key in ("accuracy", "prefill_s", "build_s", "retrieval_ms", "cpu_attention_ms", "accel_attention_ms",
+                    "merge_ms", "other_ms", "tokens_per_s"):
+            assert key in s
+        assert len(mode["samples"]) == 2
+        assert {"answer", "expected", "score", "depth"} <= set(mode["samples"][0])
+    # Needles at depths spread over the context.
+    assert [r["depth"] for r in data["modes"]["full"]["samples"]] == [0.05, 0.95]
+    assert data["modes"]["flat"]["summary"]["retrieval_ms"] > 0
+
+
+def test_prompt_and_fidelity(tiny_gemma3, tmp_path):
+    res = _run("--model", tiny_gemma3, "--mode", "full,flat", "--prompt", "The grass is green. " * 20,
+               "--window", "2,8", "--topk", 8, "--max-new-tokens", 3)
+    assert res.exit_code == 0, res.output
+    assert "[full]" in res.output and "[flat]" in res.output
+    out = tmp_path / "f.json"
+    res = _run("--model", tiny_gemma3, "--mode", "window,flat", "--eval", "fidelity", "--context", 64,
+               "--positions", 6, "--free-tokens", 4, "--window", "2,8", "--topk", 60, "--json", out)
+    assert res.exit_code == 0, res.output
+    modes = json.loads(out.read_text())["modes"]
+    assert set(modes) == {"full", "window", "flat"}  # full is added as the reference
+    assert modes["full"]["summary"]["kl_mean"] == 0 and modes["full"]["summary"]["top1_agreement"] == 1
+    assert modes["flat"]["summary"]["kl_mean"] < 1e-6 and modes["flat"]["summary"]["free_tokens_until_diff"] == 4
+    assert modes["window"]["summary"]["kl_mean"] > modes["flat"]["summary"]["kl_mean"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--context", 600], "exceed"),
+    (["--task", "nope"], "unknown task"),
+    (["--mode", "full,bogus"], "unknown mode"),
+    (["--topk", 0], "--topk"),
+    (["--topk", 5000], "--topk 5000 must lie in"),
+    (["--window", "64,150"], "not smaller than the context"),
+    (["--window", "64"], "SINK,RECENT"),
+    (["--param", "L"], "NAME=VALUE"),
+    (["--mode", "flat", "--param", "nprobe=4"], "no selected index mode declares it"),
+    (["--mode", "ivf", "--param", "nprobe=0"], "nprobe"),
+])
+def test_bad_input_is_one_clear_error(tiny_llama, args, needle):
+    base = {"--model": tiny_llama, "--task": "passkey", "--context": 200, "--mode": "full,flat", "--window": "4,16"}
+    for flag, value in zip(args[::2], args[1::2]):
+        base[flag] = value
+    flat = [str(x) for kv in base.items() for x in kv]
+    assert needle in _error(_run(*flat))
+
+
+def test_extrapolation_is_allowed_when_asked(tiny_llama):
+    res = _run("--model", tiny_llama, "--task", "passkey", "--context", 520, "--mode", "full", "--max-new-tokens", 2,
+               "--allow-extrapolation")
+    assert res.exit_code == 0, res.output
+
+
+def _results(path):
+    rows = []
+    for layer in (1, 3):
+        for index, sp, recall, scanned in [("flat", {}, 0.995, 1.0), ("ivf", {"nprobe": 2}, 0.90, 0.2),
+                                           ("ivf", {"nprobe": 8}, 0.97, 0.5), ("vamana", {"L": 50}, 0.93, 0.05),
+                                           ("vamana", {"L": 100}, 0.96 if layer == 1 else 0.92, 0.08),
+                                           ("vamana", {"L": 200}, 0.99, 0.12)]:
+            for head in range(2):
+                row = dict.fromkeys(COLUMNS, 0)
+                row |= {"model": "m", "layer": layer, "head": head, "index": index, "build_params": json.dumps({"R": 16}),
+                        "search_params": json.dumps(sp), "direction": "q2k", "recall": recall,
+                        "scanned_fraction": scanned, "dump": "d", "kv_head": 0}
+                rows.append(row)
+                rows.append(row | {"direction": "k2k", "recall": 1.0, "scanned_fraction": 0.001})
+    pd.DataFrame(rows, columns=COLUMNS).to_parquet(path)
+    return path
+
+
+def test_from_sweep_picks_least_scanned_reaching_target_per_layer(tmp_path):
+    path = _results(tmp_path / "results.parquet")
+    mode, lines = pick_from_sweep(str(path), "m", 0.95, [1, 3, 5])
+    assert mode.plan.name == "vamana" and mode.plan.search_params == {"L": 200}  # L=100 misses 0.95 on layer 3
+    assert mode.per_layer[1].search_params == {"L": 100} and mode.per_layer[3].search_params == {"L": 200}
+    assert mode.per_layer[1].build_params == {"R": 16}
+    assert 5 not in mode.per_layer and any("layer 5: not in the table" in x for x in lines)
+    assert mode.kind == "index"
+    from anns_lab.decode.attention import DecodeError
+
+    with pytest.raises(DecodeError, match="no index .* reaches recall 0.999"):
+        pick_from_sweep(str(path), "m", 0.999, [1])
+    with pytest.raises(DecodeError, match="no Q→K results for model 'x'"):
+        pick_from_sweep(str(path), "x", 0.9, [1])
+
+
+def test_default_mode_is_attention_aware_when_registered():
+    from anns_lab.indexes import registry
+
+    modes = parse_modes("full,default", {}, {})
+    expected = "roargraph" if "roargraph" in registry.available() else "flat"
+    assert [m.name for m in modes] == ["full", expected]
+
+
+def test_from_sweep_on_the_command_line(tiny_llama, tmp_path):
+    from anns_lab.dumps.models import canonical_name
+
+    path = _results(tmp_path / "results.parquet")
+    table = pd.read_parquet(path)
+    table["model"] = canonical_name(str(tiny_llama))
+    table["build_params"] = json.dumps({"R": 16})
+    table.to_parquet(path)
+    res = _run("--model", tiny_llama, "--task", "passkey", "--context", 200, "--window", "4,16", "--topk", 20,
+               "--max-new-tokens", 3, "--from-sweep", path, "--target-recall", 0.95, "--mode", "window")
+    assert res.exit_code == 0, res.output
+    assert "from sweep" in res.output and "layer 1: vamana(R=16, L=100)" in res.output
+    names = [line.split()[0] for line in res.output.splitlines() if line.startswith(("full", "window", "sweep:"))]
+    assert names == ["full", "window", "sweep:vamana"]
