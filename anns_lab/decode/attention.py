@@ -140,7 +140,7 @@ class Retrieval:
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="anns-cpu-side")
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="anns-cpu-side", initializer=_one_thread)
         return self._pool
 
     def close(self) -> None:
@@ -156,6 +156,15 @@ class Retrieval:
         """(H, t, d) float32 prefill queries of ``layer``, if captured."""
         parts = self.queries.get(layer)
         return torch.cat(parts, dim=1).numpy() if parts else None
+
+
+def _one_thread() -> None:
+    """The CPU side searches one query per head: parallel kernels would only pay thread wake-up (settings are per thread)."""
+    import faiss
+    import numba
+
+    numba.set_num_threads(1)
+    faiss.omp_set_num_threads(1)
 
 
 _ACTIVE: ContextVar[Retrieval | None] = ContextVar("anns_lab_retrieval", default=None)

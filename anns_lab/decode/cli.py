@@ -37,6 +37,8 @@ def default_device() -> str:
 @click.option("--window", "window", default="128,512", show_default=True, help="static window SINK,RECENT tokens")
 @click.option("--add-batch", default=64, show_default=True,
               help="tokens leaving the window are attended exactly from a side-buffer and inserted into the index in batches of this size")
+@click.option("--train-queries", default=0, show_default=True,
+              help="prefill queries given to attention-aware indexes, evenly strided (0 = all)")
 @click.option("--task", type=str, default=None, help=f"synthetic task: {', '.join(TASKS)}")
 @click.option("--prompt", type=str, default=None, help="free-form prompt text (instead of --task)")
 @click.option("--eval", "evaluation", type=click.Choice(["task", "fidelity"]), default="task", show_default=True,
@@ -54,7 +56,7 @@ def default_device() -> str:
 @click.option("--device", default=None, help="accelerator side: cuda when available, else cpu")
 @click.option("--allow-extrapolation", is_flag=True, help="allow a context beyond the model's trained length")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the full results here")
-def decode(model, modes, params, build_params, topk, window, add_batch, task, prompt, evaluation, context, samples,
+def decode(model, modes, params, build_params, topk, window, add_batch, train_queries, task, prompt, evaluation, context, samples,
            seed, max_new_tokens, positions, free_tokens, chunk, from_sweep, target_recall, device, allow_extrapolation,
            json_path):
     """Generate with RetrievalAttention: static window on the accelerator + retrieved keys from a CPU index."""
@@ -63,7 +65,7 @@ def decode(model, modes, params, build_params, topk, window, add_batch, task, pr
     from anns_lab.decode.engine import Mode
 
     sink, recent = _window(window)
-    settings = Settings(sink=sink, recent=recent, topk=topk, add_batch=add_batch, chunk=chunk)
+    settings = Settings(sink=sink, recent=recent, topk=topk, add_batch=add_batch, chunk=chunk, train_queries=train_queries)
     if topk < 1:
         raise DecodeError(f"--topk must be at least 1, got {topk}")
     if add_batch < 1 or chunk < 1:
@@ -99,7 +101,7 @@ def decode(model, modes, params, build_params, topk, window, add_batch, task, pr
         result = runner.run_task(lm, mode_list, settings, task, context, samples, seed, max_new_tokens,
                                  allow_extrapolation, progress)
     result |= {"model": lm.name, "device": device, "settings": {"sink": sink, "recent": recent, "topk": topk,
-               "add_batch": add_batch, "chunk": chunk},
+               "add_batch": add_batch, "chunk": chunk, "train_queries": train_queries},
                "plans": {m.name: ({"default": m.plan.describe(), **{str(k): p.describe() for k, p in m.per_layer.items()}}
                                   if m.plan else None) for m in mode_list}}
     click.echo(f"{lm.name}  {result['task']}  context {result['context']}  device {device}  "
