@@ -577,41 +577,81 @@ def reachable_from(nbrs, degree, entries):
 
 
 @njit(cache=True, nogil=True)
+def _mark_from(nbrs, degree, start, seen, queue):
+    """BFS from ``start`` over nodes not yet ``seen``, marking them."""
+    head = 0
+    tail = 0
+    if not seen[start]:
+        seen[start] = True
+        queue[tail] = start
+        tail += 1
+    while head < tail:
+        u = queue[head]
+        head += 1
+        for j in range(degree[u]):
+            v = nbrs[u, j]
+            if not seen[v]:
+                seen[v] = True
+                queue[tail] = v
+                tail += 1
+
+
+@njit(cache=True, nogil=True)
 def link_unreachable(data, nbrs, degree, entries, R):
-    """Guarantee reachability: each node not reachable from ``entries`` gets an in-edge from the
-    reachable node of largest inner product with it that has a free slot (else that node's last
-    edge is replaced, and the check repeats). Sequential; a well-built graph needs nothing.
+    """Guarantee reachability from ``entries``: each unreachable node t gets an in-edge, from a
+    reachable out-neighbour of t (or one two hops out) with a free slot when there is one (t's
+    out-neighbours are its similar keys), else from the reachable node of largest inner product with t that has a free
+    slot, else that node's last edge is replaced. Reachability is updated incrementally (BFS
+    from t only), so this is O(edges) plus a scan per node that has no reachable out-neighbour.
     Returns how many in-edges were added."""
     n = data.shape[0]
+    seen = reachable_from(nbrs, degree, entries)
+    queue = np.empty(n, np.int64)
     linked = 0
-    for _ in range(n):
+    for sweep in range(3):  # a replaced edge may strand a node: re-check
+        for t in range(n):
+            if seen[t]:
+                continue
+            src = -1
+            for j in range(degree[t]):
+                u = nbrs[t, j]
+                if seen[u] and degree[u] < R:
+                    src = u
+                    break
+            if src < 0:  # two hops out
+                for j in range(degree[t]):
+                    w = nbrs[t, j]
+                    for i in range(degree[w]):
+                        u = nbrs[w, i]
+                        if u != t and seen[u] and degree[u] < R:
+                            src = u
+                            break
+                    if src >= 0:
+                        break
+            if src < 0:
+                bs = -np.inf
+                full = -1
+                fs = -np.inf
+                for u in range(n):
+                    if seen[u]:
+                        s = dot(data[u], data[t])
+                        if degree[u] < R and s > bs:
+                            bs = s
+                            src = u
+                        if s > fs:
+                            fs = s
+                            full = u
+                if src < 0:
+                    nbrs[full, R - 1] = t
+                    src = -2
+            if src >= 0:
+                nbrs[src, degree[src]] = t
+                degree[src] += 1
+            linked += 1
+            _mark_from(nbrs, degree, t, seen, queue)
         seen = reachable_from(nbrs, degree, entries)
-        t = -1
-        for i in range(n):
-            if not seen[i]:
-                t = i
-                break
-        if t < 0:
+        if seen.all():
             break
-        best = -1
-        bs = -np.inf
-        full = -1
-        fs = -np.inf
-        for u in range(n):
-            if seen[u]:
-                s = dot(data[u], data[t])
-                if degree[u] < R and s > bs:
-                    bs = s
-                    best = u
-                if s > fs:
-                    fs = s
-                    full = u
-        if best >= 0:
-            nbrs[best, degree[best]] = t
-            degree[best] += 1
-        else:
-            nbrs[full, R - 1] = t
-        linked += 1
     return linked
 
 

@@ -66,14 +66,14 @@ class RoarGraphIndex(Index):
     name = "roargraph"
     uses_train_queries = True
     build_params = {
-        "M": Param(32, 2, 512, help="out-degree of the projection (RobustPrune target)"),
-        "R": Param(48, 2, 1024, help="row capacity after connectivity enhancement (≥ M)"),
+        "M": Param(12, 2, 512, help="out-degree of the projection (RobustPrune target)"),
+        "R": Param(24, 2, 1024, help="row capacity after connectivity enhancement (≥ M)"),
         "M_sq": Param(100, 1, 4096, help="keys per training query in the bipartite graph (its exact top-M_sq)"),
-        "n_pivots": Param(100, 1, 4096, help="pivot rank: each of a query's first n_pivots keys takes its other keys as candidates (1 = RoarGraph)"),
-        "n_sel": Param(16, 1, 1 << 20, help="queries per pivot key (those where it ranks best; newest first on ties)"),
+        "n_pivots": Param(20, 1, 4096, help="pivot rank: each of a query's first n_pivots keys takes its other keys as candidates (1 = RoarGraph)"),
+        "n_sel": Param(32, 1, 1 << 20, help="queries per pivot key (those where it ranks best; newest first on ties)"),
         "n_cand": Param(100, 2, 4096, help="how many of a query's keys are candidates of its pivots (≤ M_sq)"),
         "max_cand": Param(128, 2, 1 << 16, help="candidates per key kept (heaviest co-occurrence) before pruning"),
-        "alpha": Param(1.0, 0.0, 4.0, help="RobustPrune α of the projection (inner-product rule; > 1 prunes less; 0 = no pruning)"),
+        "alpha": Param(1.2, 0.0, 4.0, help="RobustPrune α of the projection (inner-product rule; > 1 prunes less; 0 = no pruning)"),
         "enhance_L": Param(64, 0, 4096, help="beam width of the connectivity-enhancement search (0 = skip it)"),
         "M_link": Param(8, 1, 512, help="in-edges a key gets from the nodes its enhancement search found"),
         "n_hubs": Param(32, 1, 4096, help="entry hubs: top key of each k-means centroid of the training queries (all counted)"),

@@ -16,7 +16,8 @@ Build, on keys K (n, d) and training queries Q:
 Search: beam search of width max(L, k) from the entry points (the key of largest inner
 product with the mean training query, plus ``n_hubs - 1`` hubs as in ``roargraph``); every
 inner product is counted (entries included). ``add`` inserts new keys with one Vamana pass
-over them (queries are no longer part of the graph). Keys live in a shared
+over them (queries are no longer part of the graph). After build and add, any key not reachable
+from the entries gets an in-edge (``graph_kernels.link_unreachable``). Keys live in a shared
 ``graph_kernels.KeyStore`` (one copy per GQA group).
 """
 
@@ -71,6 +72,7 @@ class RobustVamanaIndex(Index):
         for alpha in (1.0, p["alpha"]):
             gk.vamana_pass_fixed(data, nbrs, degree, order, entry, alpha, R, p["L"], n)
         self._nbrs, self._degree = gk.robust_stitch(data, nbrs, degree, n, q_nbrs, p["alpha"], R)
+        gk.link_unreachable(keys, self._nbrs, self._degree, self.hubs, R)
         self._store = gk.KeyStore.for_array(keys)
 
     @property
@@ -85,6 +87,7 @@ class RobustVamanaIndex(Index):
         degree = np.concatenate([self._degree, np.zeros(t, np.int32)])
         order = np.arange(n0, n0 + t, dtype=np.int64)
         gk.vamana_pass(allkeys, nbrs, degree, order, int(self.hubs[0]), self.params["alpha"], R, self.params["L"])
+        gk.link_unreachable(allkeys, nbrs, degree, self.hubs, R)  # back-edge prunes may strand a key
         self._nbrs, self._degree = nbrs, degree
 
     def _search(self, queries: np.ndarray, k: int, L: int):
