@@ -236,7 +236,7 @@ def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation,
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    t_prefill = t_decode = 0.0
+    t_prefill = t_decode = c_prefill = 0.0
     bar = tqdm(total=n_prefill + n_decode, unit="tok", desc=f"dump {lm.name}", disable=not progress or not missing)
 
     def forward(start: int, end: int):
@@ -248,13 +248,13 @@ def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation,
 
     if missing:
         with torch.inference_mode(), capturing(model, sink, stop_after=stop_after):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             logits = None
             for start in range(0, n_prefill, settings["chunk"]):
                 end = min(start + settings["chunk"], n_prefill)
                 logits = forward(start, end)
                 bar.update(end - start)
-            t_prefill = time.perf_counter() - t0
+            t_prefill, c_prefill = time.perf_counter() - t0, time.process_time() - c0
             t0 = time.perf_counter()
             for step in range(n_decode):
                 pos = n_prefill + step
@@ -282,7 +282,7 @@ def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation,
     t_write = time.perf_counter() - t0
 
     manifest = _manifest(settings, lm, prompt, layers, n_prefill, n_decode, n_heads, n_kv, d, state, {
-        "load_s": t_loaded - t_start, "prefill_s": t_prefill, "decode_s": t_decode, "write_s": t_write,
+        "load_s": t_loaded - t_start, "prefill_s": t_prefill, "prefill_cpu_s": c_prefill, "decode_s": t_decode, "write_s": t_write,
         "total_s": time.perf_counter() - t_start})
     store.atomic_write_json(out / store.MANIFEST, manifest)
     shutil.rmtree(staging, ignore_errors=True)
