@@ -134,3 +134,17 @@ def test_bad_input(smollm2_dump, sweep, tmp_path, tiny_llama):
 def test_default_layers_spread_over_depth():
     assert default_layers(list(range(30))) == [2, 15, 28]
     assert default_layers([5, 11, 17]) == [5, 11, 17]
+
+
+def test_build_params_make_their_own_rows(smollm2_dump, tmp_path):
+    run_sweep(smollm2_dump.path, ["ivf"], [2], [0], window=WINDOW, out=tmp_path, jobs=1, progress=False)
+    res = run_sweep(smollm2_dump.path, ["ivf"], [2], [0], window=WINDOW, out=tmp_path, jobs=1, progress=False,
+                    build_params={"ivf": {"nlist": 20}})
+    rows = res.table[(res.table["index"] == "ivf") & (res.table["layer"] == 2) & (res.table["head"] == 0)]
+    nlists = {json.loads(b)["nlist"] for b in rows["build_params"]}
+    assert nlists == {0, 20}  # the default build (nlist auto) and the variant, side by side
+    assert (rows[rows["build_params"].str.contains('"nlist": 20')]["search_params"].map(
+        lambda p: json.loads(p)["nprobe"]).max() == 20)  # the grid ends exhaustive at the variant's nlist
+    with pytest.raises(IndexConfigError, match="unknown parameter 'nlst'"):
+        run_sweep(smollm2_dump.path, ["ivf"], [2], [0], window=WINDOW, out=tmp_path, progress=False,
+                  build_params={"ivf": {"nlst": 20}})

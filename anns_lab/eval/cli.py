@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
@@ -25,6 +26,22 @@ def _window(text: str) -> tuple[int, int]:
     return vals[0], vals[1]
 
 
+def _build_params(items: tuple[str, ...]) -> dict[str, dict]:
+    """``("roargraph.M=16", "ivf.nlist=64")`` → ``{"roargraph": {"M": 16}, "ivf": {"nlist": 64}}`` (JSON values)."""
+    out: dict[str, dict] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        index, dot, name = key.partition(".")
+        if not (sep and dot and index and name):
+            raise AnnsLabError(f"--build-param takes INDEX.NAME=VALUE (e.g. roargraph.M=16), got {item!r}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        out.setdefault(index, {})[name] = value
+    return out
+
+
 def latest_dump() -> Path | None:
     """The most recently finished dump under ./dumps, if any."""
     found = sorted(Path("dumps").glob("*/manifest.json"), key=lambda p: p.stat().st_mtime)
@@ -42,7 +59,9 @@ def latest_dump() -> Path | None:
 @click.option("--out", type=click.Path(), default=None, help="Results folder [default: results/<dump name>].")
 @click.option("--jobs", type=int, default=2, show_default=True, help="Parallel processes (one (layer, head) each).")
 @click.option("--overwrite", is_flag=True, help="Discard an existing sweep of other settings in --out.")
-def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite) -> None:
+@click.option("--build-param", "build_param", multiple=True, metavar="INDEX.NAME=VALUE",
+              help="Override a build parameter, e.g. --build-param roargraph.M=16 (repeatable).")
+def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite, build_param) -> None:
     """Evaluate every index on recall@k against fraction of keys scanned, per (layer, head)."""
     from anns_lab.eval.sweep import run_sweep
 
@@ -56,7 +75,8 @@ def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite) ->
             click.echo(result.summary())
             dump_path = result.dump.path
     names = [n.strip() for n in indexes.split(",")] if indexes else None
-    res = run_sweep(dump_path, names, _ints(layers), _ints(heads), k, _window(window), out, jobs, overwrite)
+    res = run_sweep(dump_path, names, _ints(layers), _ints(heads), k, _window(window), out, jobs, overwrite,
+                    build_params=_build_params(build_param))
     t = res.table
     click.echo(f"sweep of {dump_path}: {len(t)} rows ({t.groupby(['layer', 'head']).ngroups} heads × "
                f"{t['index'].nunique()} indexes) in {res.path} ({res.seconds:.0f} s)")

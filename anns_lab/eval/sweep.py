@@ -8,6 +8,7 @@ continues where it stopped; ``results.parquet`` is the union of the parts, rewri
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import time
@@ -42,8 +43,10 @@ class SweepResult:
     seconds: float = 0.0
 
 
-def _part_name(layer: int, head: int, index: str) -> str:
-    return f"L{layer:03d}_H{head:02d}_{index}.parquet"
+def _part_name(layer: int, head: int, index: str, build_params: dict | None = None) -> str:
+    # Non-default build parameters get their own part, so variants of one index can share a sweep.
+    tag = "" if not build_params else "-" + hashlib.sha1(json.dumps(build_params, sort_keys=True).encode()).hexdigest()[:10]
+    return f"L{layer:03d}_H{head:02d}_{index}{tag}.parquet"
 
 
 def _single_thread() -> None:
@@ -54,11 +57,12 @@ def _single_thread() -> None:
     numba.set_num_threads(1)
 
 
-def evaluate_index(name: str, data: HeadData, k: int, dump_label: str, model: str) -> pd.DataFrame:
-    """Build ``name`` on one head and measure every point of its default grid in both directions."""
+def evaluate_index(name: str, data: HeadData, k: int, dump_label: str, model: str,
+                   build_params: dict | None = None) -> pd.DataFrame:
+    """Build ``name`` (defaults overridden by ``build_params``) on one head; measure its grid in both directions."""
     from anns_lab.indexes import registry
 
-    index = registry.create(name)
+    index = registry.create(name, **(build_params or {}))
     t0 = time.perf_counter()
     index.build(data.keys, data.train_queries if index.uses_train_queries else None)
     build_s = time.perf_counter() - t0
@@ -89,18 +93,18 @@ def evaluate_index(name: str, data: HeadData, k: int, dump_label: str, model: st
 
 
 def _run_head(dump_path: str, layer: int, head: int, names: list[str], k: int, window: tuple[int, int],
-              parts: str) -> list[tuple[str, str | None]]:
+              parts: str, build_params: dict[str, dict]) -> list[tuple[str, str | None]]:
     """Worker: one (layer, head), every index not yet done; returns (index, error or None)."""
     _single_thread()
     dump = open_dump(dump_path)
     data = load_head(dump, layer, head, window)
     out = []
     for name in names:
-        part = Path(parts) / _part_name(layer, head, name)
+        part = Path(parts) / _part_name(layer, head, name, build_params.get(name))
         if part.exists():
             continue
         try:
-            df = evaluate_index(name, data, k, str(dump.path), dump.model)
+            df = evaluate_index(name, data, k, str(dump.path), dump.model, build_params.get(name))
         except AnnsLabError as err:
             out.append((name, str(err)))
             continue
@@ -114,8 +118,12 @@ def _run_head(dump_path: str, layer: int, head: int, names: list[str], k: int, w
 
 def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: list[int] | None = None,
               heads: list[int] | None = None, k: int = 100, window: tuple[int, int] = (128, 512),
-              out: str | Path | None = None, jobs: int = 2, overwrite: bool = False, progress: bool = True) -> SweepResult:
-    """Run the sweep (see module doc) and return the combined results table."""
+              out: str | Path | None = None, jobs: int = 2, overwrite: bool = False, progress: bool = True,
+              build_params: dict[str, dict] | None = None) -> SweepResult:
+    """Run the sweep (see module doc) and return the combined results table.
+
+    ``build_params`` maps an index name to build parameters that replace its defaults.
+    """
     from tqdm.auto import tqdm
 
     from anns_lab.indexes import registry
@@ -123,8 +131,11 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     t_start = time.perf_counter()
     dump = open_dump(dump_path)
     names = list(indexes) if indexes else sorted(registry.available())
+    build_params = dict(build_params or {})
     for name in names:
-        registry.get(name)  # unknown names fail here, with suggestions, before any work
+        registry.create(name, **build_params.get(name, {}))  # unknown names or parameters fail here, before any work
+    for name in set(build_params) - set(names):
+        raise AnnsLabError(f"build parameters given for {name!r}, which is not among the swept indexes {names}")
     layers = layers if layers is not None else default_layers(dump.layers)
     for layer in layers:
         dump.scaling(layer)  # raises for a layer not in the dump
@@ -138,14 +149,14 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     _prepare(out, settings, overwrite)
     parts = out / "parts"
     todo = [(layer, h) for layer in layers for h in heads
-            if not all((parts / _part_name(layer, h, n)).exists() for n in names)]
+            if not all((parts / _part_name(layer, h, n, build_params.get(n))).exists() for n in names)]
     failures: list[tuple[str, int, int, str]] = []
     bar = tqdm(total=len(todo) * len(names), unit="index", desc=f"sweep {dump.path.name}", disable=not progress)
     if todo:
         # spawn, not fork: forking a process whose OpenMP/numba thread pools already run can deadlock.
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=max(1, min(jobs, len(todo))), mp_context=ctx) as pool:
-            futures = {pool.submit(_run_head, str(dump.path), layer, h, names, k, window, str(parts)): (layer, h)
+            futures = {pool.submit(_run_head, str(dump.path), layer, h, names, k, window, str(parts), build_params): (layer, h)
                        for layer, h in todo}
             for fut in as_completed(futures):
                 layer, h = futures[fut]
