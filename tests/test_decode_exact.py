@@ -198,3 +198,12 @@ def test_window_mode_equals_independent_window_attention(prefilled):
     for a, b in zip(run.logits, ref):
         assert _rel(a, b) < 1e-4
     assert max(_rel(a, b) for a, b in zip(run.logits, full.logits)) > 1e-3  # the window alone is not full attention
+
+
+def test_train_query_subsample_is_even_and_keeps_the_last():
+    from anns_lab.decode.engine import _subsample
+
+    q = np.arange(2 * 10 * 3, dtype=np.float32).reshape(2, 10, 3)
+    sub = _subsample(q, 4)
+    assert sub.shape == (2, 4, 3) and np.array_equal(sub[:, -1], q[:, -1]) and np.array_equal(sub[:, 0], q[:, 0])
+    assert _subsample(q, 0) is q and _subsample(q, 20) is q
