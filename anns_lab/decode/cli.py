@@ -54,10 +54,13 @@ def default_device() -> str:
               help="results.parquet of a sweep: use the index + parameters with the least scanned fraction at the target recall")
 @click.option("--target-recall", default=0.95, show_default=True)
 @click.option("--device", default=None, help="accelerator side: cuda when available, else cpu")
+@click.option("--torch-threads", default=0, show_default=True,
+              help="CPU threads of torch (the accelerator stand-in on CPU-only machines); 0 = torch's default")
 @click.option("--allow-extrapolation", is_flag=True, help="allow a context beyond the model's trained length")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the full results here")
 def decode(model, modes, params, build_params, topk, window, add_batch, train_queries, task, prompt, evaluation, context, samples,
-           seed, max_new_tokens, positions, free_tokens, chunk, from_sweep, target_recall, device, allow_extrapolation,
+           seed, max_new_tokens, positions, free_tokens, chunk, from_sweep, target_recall, device, torch_threads,
+           allow_extrapolation,
            json_path):
     """Generate with RetrievalAttention: static window on the accelerator + retrieved keys from a CPU index."""
     from anns_lab.decode import modes as modes_mod
@@ -79,6 +82,10 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
     from anns_lab.dumps.models import load_model
 
     device = device or default_device()
+    if torch_threads > 0:
+        import torch
+
+        torch.set_num_threads(torch_threads)
     lm = load_model(model, device=device)
     if from_sweep:
         picked, lines = modes_mod.pick_from_sweep(from_sweep, lm.name, target_recall, lm.long_range_layers)
