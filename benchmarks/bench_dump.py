@@ -47,8 +47,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice).")
     ap.add_argument("--keep", type=Path, default=None, help="Keep the dump in this folder instead of a temporary one.")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-dump-"))
     out = args.keep or tmp / "dump"
