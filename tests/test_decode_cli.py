@@ -35,7 +35,7 @@ def test_task_run_prints_table_and_writes_json(tiny_llama, tmp_path):
     for mode in data["modes"].values():
         s = mode["summary"]
         for key in ("accuracy", "prefill_s", "build_s", "retrieval_ms", "cpu_attention_ms", "accel_attention_ms",
-                    "merge_ms", "other_ms", "tokens_per_s"):
+                    "merge_ms", "insert_ms", "other_ms", "tokens_per_s"):
             assert key in s
         assert len(mode["samples"]) == 2
         assert {"answer", "expected", "score", "depth"} <= set(mode["samples"][0])

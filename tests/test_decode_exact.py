@@ -118,6 +118,9 @@ def test_tokens_leaving_the_window_are_inserted_and_found(prefilled):
         assert store.n_rows == last - settings.sink - settings.recent
         assert store.n_indexed == store.n_rows
         assert store.indexes[0].n_keys == store.n_rows
+    from anns_lab.decode.engine import summarize
+
+    assert summarize(run)["insert_ms"] > 0  # the insert is timed on its own, not hidden in another part
 
 
 def test_index_without_add_keeps_leaving_tokens_in_a_side_buffer(prefilled, monkeypatch):

@@ -13,7 +13,7 @@ depends on the active :class:`Retrieval` controller (a context variable):
 
 Timing per decode step is collected in :class:`StepTimes`. Both sides are timed on their own
 thread; ``overlap_s`` is the wall time of the concurrent section, so
-``other = step wall − Σ (overlap + merge)`` and parts may add up to more than the wall.
+``other = step wall − Σ (insert + overlap + merge)`` and parts may add up to more than the wall.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class StepTimes:
     cpu_attention: float = 0.0
     accel_attention: float = 0.0
     merge: float = 0.0
+    insert: float = 0.0  # moving tokens that left the window to the CPU store and into the indexes
     overlap: float = 0.0  # wall time of the concurrent sections
     scanned: list = field(default_factory=list)
 
@@ -105,12 +106,15 @@ class Retrieval:
         q = query[0, :, 0, :]
         store = self.stores.get(layer)
         future = None
-        t_start = time.perf_counter()
         if self.mode == "index" and store is not None:
             covered = self.sink + store.n_rows  # positions [sink, covered) are on the CPU
             if covered < lo:  # tokens that left the recent window since the last step
+                t0 = time.perf_counter()
                 store.extend(key[0, :, covered:lo].to("cpu", torch.float32).numpy(),
                              value[0, :, covered:lo].to("cpu", torch.float32).numpy())
+                self.times.insert += time.perf_counter() - t0
+        t_start = time.perf_counter()
+        if self.mode == "index" and store is not None:
             q_cpu = q.detach().to("cpu", torch.float32).numpy()
             future = self._executor().submit(store.side, q_cpu, scaling)
         # Accelerator side: the static window (sinks + recent), on the cache's own device.

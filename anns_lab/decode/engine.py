@@ -181,7 +181,7 @@ def summarize(run: ModeRun) -> dict:
     def ms(values) -> float:
         return 1000.0 * float(np.mean(values))
 
-    other = [w - (s.overlap + s.merge) for w, s in zip(run.step_s, run.steps)]
+    other = [w - (s.insert + s.overlap + s.merge) for w, s in zip(run.step_s, run.steps)]
     scanned = [x for s in run.steps for x in s.scanned]
     return {
         "steps": n,
@@ -189,6 +189,7 @@ def summarize(run: ModeRun) -> dict:
         "cpu_attention_ms": ms([s.cpu_attention for s in run.steps]),
         "accel_attention_ms": ms([s.accel_attention for s in run.steps]),
         "merge_ms": ms([s.merge for s in run.steps]),
+        "insert_ms": ms([s.insert for s in run.steps]),
         "other_ms": ms(other),
         "token_ms": ms(run.step_s),
         "tokens_per_s": n / float(np.sum(run.step_s)),
