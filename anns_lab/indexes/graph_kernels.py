@@ -557,22 +557,8 @@ def reachable_from(nbrs, degree, entries):
     n = nbrs.shape[0]
     seen = np.zeros(n, np.bool_)
     queue = np.empty(n, np.int64)
-    head = 0
-    tail = 0
     for e in entries:
-        if not seen[e]:
-            seen[e] = True
-            queue[tail] = e
-            tail += 1
-    while head < tail:
-        u = queue[head]
-        head += 1
-        for j in range(degree[u]):
-            v = nbrs[u, j]
-            if not seen[v]:
-                seen[v] = True
-                queue[tail] = v
-                tail += 1
+        _mark_from(nbrs, degree, e, seen, queue)
     return seen
 
 
