@@ -31,7 +31,7 @@ demo: setup
 	$(BIN)/anns-lab report results/smollm2-text-8192
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 clean:
 	rm -rf $(VENV)

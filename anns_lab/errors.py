@@ -19,3 +19,7 @@ class DumpError(AnnsLabError):
 
 class IndexConfigError(AnnsLabError):
     """An index name, parameter or input array is not acceptable."""
+
+
+class DecodeError(AnnsLabError):
+    """Bad decode input: mode, task, window, top-k, context."""

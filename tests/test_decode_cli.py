@@ -112,7 +112,7 @@ def test_from_sweep_picks_least_scanned_reaching_target_per_layer(tmp_path):
     assert mode.per_layer[1].build_params == {"R": 16}
     assert 5 not in mode.per_layer and any("layer 5: not in the table" in x for x in lines)
     assert mode.kind == "index"
-    from anns_lab.decode.attention import DecodeError
+    from anns_lab.errors import DecodeError
 
     with pytest.raises(DecodeError, match="no index .* reaches recall 0.999"):
         pick_from_sweep(str(path), "m", 0.999, [1])

@@ -32,13 +32,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from anns_lab.decode.kernels import attend_window, merge
 from anns_lab.decode.placement import LayerStore
-from anns_lab.errors import AnnsLabError
+from anns_lab.errors import DecodeError
 
 RETRIEVAL_IMPL = "anns_retrieval"
-
-
-class DecodeError(AnnsLabError):
-    """Bad decode input: mode, task, window, top-k, context."""
 
 
 @dataclass

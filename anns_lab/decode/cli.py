@@ -8,9 +8,8 @@ from pathlib import Path
 
 import click
 
-from anns_lab.decode.attention import DecodeError
-from anns_lab.decode.engine import Settings
 from anns_lab.dumps.tasks import TASKS
+from anns_lab.errors import DecodeError
 
 
 def _window(text: str) -> tuple[int, int]:
@@ -65,7 +64,7 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
     """Generate with RetrievalAttention: static window on the accelerator + retrieved keys from a CPU index."""
     from anns_lab.decode import modes as modes_mod
     from anns_lab.decode import runner
-    from anns_lab.decode.engine import Mode
+    from anns_lab.decode.engine import Mode, Settings
 
     sink, recent = _window(window)
     settings = Settings(sink=sink, recent=recent, topk=topk, add_batch=add_batch, chunk=chunk, train_queries=train_queries)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from anns_lab.decode.attention import DecodeError
+from anns_lab.errors import DecodeError
 from anns_lab.decode.engine import Mode
 from anns_lab.decode.placement import IndexPlan
 from anns_lab.errors import IndexConfigError

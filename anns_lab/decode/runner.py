@@ -12,7 +12,7 @@ import math
 import numpy as np
 import torch
 
-from anns_lab.decode.attention import DecodeError
+from anns_lab.errors import DecodeError
 from anns_lab.decode.engine import Mode, ModeRun, Settings, check_window, prefill, run_mode, summarize
 from anns_lab.dumps import tasks
 

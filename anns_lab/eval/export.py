@@ -6,7 +6,6 @@ then n·k uint32 ids, then n·k float32 scores (for MIPS the "distances" are inn
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np

@@ -12,6 +12,8 @@ queries, the candidate list as parallel arrays, and an epoch-stamped visited arr
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 from numba import njit, prange
 
@@ -651,7 +653,7 @@ class KeyStore:
     every index of the group can be given the same new keys by the decoder.
     """
 
-    _live: "weakref.WeakValueDictionary" = None  # type: ignore[assignment]
+    _live: weakref.WeakValueDictionary | None = None
 
     def __init__(self, keys: np.ndarray) -> None:
         self.buf = keys
@@ -659,8 +661,6 @@ class KeyStore:
 
     @classmethod
     def for_array(cls, keys: np.ndarray) -> "KeyStore":
-        import weakref
-
         if cls._live is None:
             cls._live = weakref.WeakValueDictionary()
         tag = _tag(keys)
