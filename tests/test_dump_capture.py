@@ -90,3 +90,9 @@ def test_smollm2_fixture_dump_is_real_and_shaped(smollm2_dump):
     # Post-RoPE keys differ in direction across positions; the first token is an attention sink for most queries.
     top1 = np.argmax(q @ k.T, axis=1)
     assert np.isfinite(k).all() and len(set(top1.tolist())) >= 1
+
+
+def test_gemma3_default_layers_are_the_global_ones(tiny_gemma3, tmp_path):
+    dump = run_dump(str(tiny_gemma3), tokens=20, decode_tokens=1, out=tmp_path / "d", progress=False).dump
+    assert dump.layers == [1, 3]  # layer_types: sliding, full, sliding, full
+    assert dump.manifest["sliding_window"] == {"1": None, "3": None}
