@@ -148,3 +148,13 @@ def test_build_params_make_their_own_rows(smollm2_dump, tmp_path):
     with pytest.raises(IndexConfigError, match="unknown parameter 'nlst'"):
         run_sweep(smollm2_dump.path, ["ivf"], [2], [0], window=WINDOW, out=tmp_path, progress=False,
                   build_params={"ivf": {"nlst": 20}})
+
+
+def test_quick_sweep_keeps_recall_and_never_mixes_with_a_full_one(smollm2_dump, sweep, tmp_path):
+    quick = run_sweep(smollm2_dump.path, ["ivf"], [15], [4], window=WINDOW, out=tmp_path, jobs=1, progress=False,
+                      quick=True).table
+    full = sweep.table.query("index == 'ivf' and layer == 15 and head == 4")
+    pd.testing.assert_series_equal(quick["recall"].reset_index(drop=True), full["recall"].reset_index(drop=True))
+    assert quick["mass_recovered"].isna().all() and quick["latency_us"].isna().all()
+    with pytest.raises(AnnsLabError, match="other settings"):
+        run_sweep(smollm2_dump.path, ["ivf"], [15], [4], window=WINDOW, out=tmp_path, progress=False)

@@ -61,7 +61,8 @@ def latest_dump() -> Path | None:
 @click.option("--overwrite", is_flag=True, help="Discard an existing sweep of other settings in --out.")
 @click.option("--build-param", "build_param", multiple=True, metavar="INDEX.NAME=VALUE",
               help="Override a build parameter, e.g. --build-param roargraph.M=16 (repeatable).")
-def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite, build_param) -> None:
+@click.option("--quick", is_flag=True, help="Skip attention-quality and batch-1 latency passes (for parameter scans).")
+def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite, build_param, quick) -> None:
     """Evaluate every index on recall@k against fraction of keys scanned, per (layer, head)."""
     from anns_lab.eval.sweep import run_sweep
 
@@ -76,7 +77,7 @@ def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite, bu
             dump_path = result.dump.path
     names = [n.strip() for n in indexes.split(",")] if indexes else None
     res = run_sweep(dump_path, names, _ints(layers), _ints(heads), k, _window(window), out, jobs, overwrite,
-                    build_params=_build_params(build_param))
+                    build_params=_build_params(build_param), quick=quick)
     t = res.table
     click.echo(f"sweep of {dump_path}: {len(t)} rows ({t.groupby(['layer', 'head']).ngroups} heads × "
                f"{t['index'].nunique()} indexes) in {res.path} ({res.seconds:.0f} s)")

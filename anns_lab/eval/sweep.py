@@ -58,8 +58,11 @@ def _single_thread() -> None:
 
 
 def evaluate_index(name: str, data: HeadData, k: int, dump_label: str, model: str,
-                   build_params: dict | None = None) -> pd.DataFrame:
-    """Build ``name`` (defaults overridden by ``build_params``) on one head; measure its grid in both directions."""
+                   build_params: dict | None = None, quick: bool = False) -> pd.DataFrame:
+    """Build ``name`` (defaults overridden by ``build_params``) on one head; measure its grid in both directions.
+
+    ``quick`` skips the attention-quality and batch-1 latency passes (their columns are NaN): for parameter scans.
+    """
     from anns_lab.indexes import registry
 
     index = registry.create(name, **(build_params or {}))
@@ -73,11 +76,11 @@ def evaluate_index(name: str, data: HeadData, k: int, dump_label: str, model: st
             res = index.search(queries, k, **params)
             batch_s = time.perf_counter() - t0
             lat = []
-            for q in queries[:LATENCY_QUERIES]:
+            for q in queries[:0 if quick else LATENCY_QUERIES]:
                 t0 = time.perf_counter()
                 index.search(q[None, :], k, **params)
                 lat.append(time.perf_counter() - t0)
-            mass, err = data.attention_quality(res.ids) if direction == "q2k" else (np.nan, np.nan)
+            mass, err = data.attention_quality(res.ids) if direction == "q2k" and not quick else (np.nan, np.nan)
             rows.append({
                 "dump": dump_label, "model": model, "layer": data.layer, "head": data.head, "kv_head": data.kv_head,
                 "index": name, "build_params": json.dumps(index.params, sort_keys=True),
@@ -86,14 +89,14 @@ def evaluate_index(name: str, data: HeadData, k: int, dump_label: str, model: st
                 "recall": float(metrics.recall_at_k(res.ids, data.exact(direction), k).mean()),
                 "scanned_fraction": float(res.n_scanned.mean() / len(data.keys)),
                 "mass_recovered": mass, "output_rel_error": err,
-                "latency_us": float(np.median(lat) * 1e6), "qps": len(queries) / batch_s,
+                "latency_us": float(np.median(lat) * 1e6) if lat else np.nan, "qps": len(queries) / batch_s,
                 "build_s": build_s, "index_bytes": int(index.nbytes),
             })
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
 def _run_head(dump_path: str, layer: int, head: int, names: list[str], k: int, window: tuple[int, int],
-              parts: str, build_params: dict[str, dict]) -> list[tuple[str, str | None]]:
+              parts: str, build_params: dict[str, dict], quick: bool) -> list[tuple[str, str | None]]:
     """Worker: one (layer, head), every index not yet done; returns (index, error or None)."""
     _single_thread()
     dump = open_dump(dump_path)
@@ -104,7 +107,7 @@ def _run_head(dump_path: str, layer: int, head: int, names: list[str], k: int, w
         if part.exists():
             continue
         try:
-            df = evaluate_index(name, data, k, str(dump.path), dump.model, build_params.get(name))
+            df = evaluate_index(name, data, k, str(dump.path), dump.model, build_params.get(name), quick)
         except AnnsLabError as err:
             out.append((name, str(err)))
             continue
@@ -119,10 +122,11 @@ def _run_head(dump_path: str, layer: int, head: int, names: list[str], k: int, w
 def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: list[int] | None = None,
               heads: list[int] | None = None, k: int = 100, window: tuple[int, int] = (128, 512),
               out: str | Path | None = None, jobs: int = 2, overwrite: bool = False, progress: bool = True,
-              build_params: dict[str, dict] | None = None) -> SweepResult:
+              build_params: dict[str, dict] | None = None, quick: bool = False) -> SweepResult:
     """Run the sweep (see module doc) and return the combined results table.
 
-    ``build_params`` maps an index name to build parameters that replace its defaults.
+    ``build_params`` maps an index name to build parameters that replace its defaults; ``quick``
+    records recall, scanned fraction, throughput and build cost only.
     """
     from tqdm.auto import tqdm
 
@@ -146,6 +150,8 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
         raise AnnsLabError("--k must be positive")
     out = Path(out) if out is not None else Path("results") / dump.path.name
     settings = {"dump": str(dump.path.resolve()), "dump_created": dump.manifest["created"], "k": k, "window": list(window)}
+    if quick:  # a quick sweep lacks columns a full one has: never mix their parts in one folder
+        settings["quick"] = True
     _prepare(out, settings, overwrite)
     parts = out / "parts"
     todo = [(layer, h) for layer in layers for h in heads
@@ -156,7 +162,8 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
         # spawn, not fork: forking a process whose OpenMP/numba thread pools already run can deadlock.
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=max(1, min(jobs, len(todo))), mp_context=ctx) as pool:
-            futures = {pool.submit(_run_head, str(dump.path), layer, h, names, k, window, str(parts), build_params): (layer, h)
+            futures = {pool.submit(_run_head, str(dump.path), layer, h, names, k, window, str(parts), build_params,
+                                   quick): (layer, h)
                        for layer, h in todo}
             for fut in as_completed(futures):
                 layer, h = futures[fut]
