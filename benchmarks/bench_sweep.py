@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from anns_lab.eval.report import _fmt, pareto, write_report
+from anns_lab.eval.report import fmt_fraction, pareto, write_report
 from anns_lab.eval.sweep import run_sweep
 
 
@@ -42,7 +42,7 @@ def main() -> None:
     print("\n| index | direction | scanned for recall 0.90 | 0.95 | 0.99 (median over heads) |")
     print("|---|---|---|---|---|")
     for r in pareto(t).to_dict("records"):
-        cells = " | ".join(_fmt(r[f"scan@{x:.2f}"]) for x in (0.90, 0.95, 0.99))
+        cells = " | ".join(fmt_fraction(r[f"scan@{x:.2f}"]) for x in (0.90, 0.95, 0.99))
         print(f"| {r['index']} | {r['direction']} | {cells} |")
     if res.failures:
         print("failures:", res.failures)

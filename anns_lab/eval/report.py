@@ -63,7 +63,8 @@ def curves(table: pd.DataFrame) -> pd.DataFrame:
             .reset_index())
 
 
-def _fmt(v: float) -> str:
+def fmt_fraction(v: float) -> str:
+    """A scanned fraction as a percentage, or "not reached" for inf/NaN."""
     return "not reached" if not np.isfinite(v) else f"{100 * v:.1f}%"
 
 
@@ -191,7 +192,7 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
              "| index | direction | heads | " + " | ".join(f"recall {t:.2f}" for t in TARGETS) + " | paper, Q→K at 0.95 |",
              "|---|---|---|" + "---|" * len(TARGETS) + "---|"]
     for r in par.to_dict("records"):
-        cells = [f"{_fmt(r[f'scan@{t:.2f}'])} ({r[f'reached@{t:.2f}']}/{r['heads']})" for t in TARGETS]
+        cells = [f"{fmt_fraction(r[f'scan@{t:.2f}'])} ({r[f'reached@{t:.2f}']}/{r['heads']})" for t in TARGETS]
         paper = PAPER_AT_095.get(r["index"], "—") if r["direction"] == "q2k" else "1–5% (K→K)"
         lines.append(f"| {r['index']} | {r['direction']} | {r['heads']} | " + " | ".join(cells) + f" | {paper} |")
     lines += ["", _comparison(par), "", "![recall vs scanned](recall_vs_scanned.png)", "",
@@ -220,12 +221,12 @@ def _comparison(par: pd.DataFrame) -> str:
     k = par[par["direction"] == "k2k"].set_index("index")["scan@0.95"]
     parts = []
     if "ivf" in q:
-        parts.append(f"IVF needs {_fmt(q['ivf'])} of the keys for recall 0.95 on Q→K against {_fmt(k.get('ivf', np.nan))} "
+        parts.append(f"IVF needs {fmt_fraction(q['ivf'])} of the keys for recall 0.95 on Q→K against {fmt_fraction(k.get('ivf', np.nan))} "
                      "on K→K; the paper reports 30–50% against 1–5%")
     best = q.drop(labels=["flat"], errors="ignore")
     if len(best):
         name = best.idxmin()
-        parts.append(f"the best index on Q→K is {name} at {_fmt(best.min())} (paper: 1–3% for its attention-aware "
+        parts.append(f"the best index on Q→K is {name} at {fmt_fraction(best.min())} (paper: 1–3% for its attention-aware "
                      "index at 128K tokens; shorter contexts need a larger fraction, since the number of keys a "
                      "query needs does not shrink with the context)")
     return ("Agreement with the paper: " + "; ".join(parts) + ".") if parts else ""
