@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from anns_lab.errors import IndexConfigError
-from anns_lab.indexes import graph_kernels as gk
+from anns_lab.indexes import graph_search as gs
 from anns_lab.indexes import registry
 from anns_lab.indexes.roargraph import RoarGraphIndex
 from anns_lab.indexes.robust_vamana import RobustVamanaIndex
@@ -98,7 +98,7 @@ def test_added_keys_are_found(cls):
     found = np.array([[t in row for t in trow] for row, trow in zip(res.ids, top)])
     assert found[selected].mean() >= 0.95, found[selected].mean()
     assert recall_at_k(res.ids, test, full, 20) >= 0.95
-    reach = gk.reachable_from(index._nbrs, index._degree, index.hubs)
+    reach = gs.reachable_from(index._nbrs, index._degree, index.hubs)
     assert reach.all(), f"{(~reach).sum()} keys unreachable after add"
 
 
@@ -121,7 +121,7 @@ def test_save_load_identical(cls, tmp_path):
 def test_every_key_reachable():
     keys, train, _ = ood_data(5)
     index = RoarGraphIndex().build(keys, train[:200])  # few queries: most keys are nobody's pivot
-    assert gk.reachable_from(index._nbrs, index._degree, index.entries()).all()
+    assert gs.reachable_from(index._nbrs, index._degree, index.entries()).all()
 
 
 @pytest.mark.parametrize("cls", QUERY_AWARE)

@@ -22,7 +22,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from anns_lab.indexes import graph_kernels as gk
+from anns_lab.indexes import graph_search as gs
 from anns_lab.indexes.base import Index, Param
 
 
@@ -78,7 +78,7 @@ def descend_batch(data, up_row, up_nbrs, up_deg, entry, max_level, queries):
     for qi in prange(nq):
         q = queries[qi]
         cur = entry
-        best = gk.dot(data[cur], q)
+        best = gs.dot(data[cur], q)
         cnt = 1
         for level in range(max_level, 0, -1):
             changed = True
@@ -88,7 +88,7 @@ def descend_batch(data, up_row, up_nbrs, up_deg, entry, max_level, queries):
                 node = cur  # keep scanning the old node's list after moving, as hnswlib does
                 for j in range(up_deg[r, level - 1]):
                     nb = up_nbrs[r, level - 1, j]
-                    s = gk.dot(data[nb], q)
+                    s = gs.dot(data[nb], q)
                     cnt += 1
                     if s > best:
                         best = s
@@ -135,7 +135,7 @@ class HNSWIndex(Index):
     def _search(self, queries: np.ndarray, k: int, ef: int):
         g = self.graph
         entries, descent = descend_batch(self._keys, g.up_row, g.up_nbrs, g.up_deg, g.entry, g.max_level, queries)
-        ids, scores, scanned = gk.beam_search_batch(self._keys, g.nbrs, g.degree, queries, entries, max(ef, k), k, numba.get_num_threads())
+        ids, scores, scanned = gs.beam_search_batch(self._keys, g.nbrs, g.degree, queries, entries, max(ef, k), k, numba.get_num_threads())
         return ids, scores, scanned + descent
 
     def max_scanned(self) -> int:

@@ -3,7 +3,7 @@
 Build, on keys K (n, d) and training queries Q (m, d):
 
 1. **Bipartite graph.** Each training query's exact top-``M_sq`` keys by inner product
-   (``graph_kernels.topk_ip``: blocked matmul, never an m × n matrix).
+   (``graph_build.topk_ip``: blocked matmul, never an m × n matrix).
 2. **Projection onto keys.** RoarGraph hangs each query's neighbours on its top-1 key (the
    pivot). On real attention the top-1 keys are a few hundred sinks and heavy hitters, which
    starves every other key, so here *each of the query's first* ``n_pivots`` *keys* is a pivot
@@ -30,7 +30,7 @@ prefill queries more than like early ones: post-RoPE drift).
 
 Decoder-facing: ``add`` links each new key through a search on the graph and through the
 kept recent queries (``keep_queries``) that select it (their top keys become its
-neighbours, and they its); ``save``/``load``; keys live in a :class:`graph_kernels.KeyStore`
+neighbours, and they its); ``save``/``load``; keys live in a :class:`key_store.KeyStore`
 shared by indexes built on the same array (one GQA group).
 """
 
@@ -41,7 +41,8 @@ import numba
 import numpy as np
 
 from anns_lab.errors import IndexConfigError
-from anns_lab.indexes import graph_kernels as gk
+from anns_lab.indexes import graph_build as gb, graph_search as gs
+from anns_lab.indexes.key_store import KeyStore
 from anns_lab.indexes.base import Index, Param
 
 
@@ -55,7 +56,7 @@ def query_hubs(keys: np.ndarray, queries: np.ndarray, n_hubs: int, seed: int) ->
     km = faiss.Kmeans(queries.shape[1], c, niter=10, seed=seed, verbose=False, min_points_per_centroid=1,
                       max_points_per_centroid=256)
     km.train(np.ascontiguousarray(queries))
-    top = gk.topk_ip(km.centroids, keys, 1)[:, 0].astype(np.int64)
+    top = gb.topk_ip(km.centroids, keys, 1)[:, 0].astype(np.int64)
     hubs = [mean_top] + [int(h) for h in top]
     return np.array(list(dict.fromkeys(hubs)), np.int64)  # unique, order kept
 
@@ -104,23 +105,23 @@ class RoarGraphIndex(Index):
         n = len(keys)
         threads = numba.get_num_threads()
         m_sq = min(p["M_sq"], n)
-        knn = gk.topk_ip(train_queries, keys, m_sq)
+        knn = gb.topk_ip(train_queries, keys, m_sq)
         weights = np.ones(len(train_queries), np.float32)
         if p["recent_frac"] > 0:
             weights[len(weights) - int(round(p["recent_frac"] * len(weights))):] = p["recent_weight"]
         nbrs = np.full((n, p["R"]), -1, np.int32)
         degree = np.zeros(n, np.int32)
-        ptr, occ_q, _ = gk.key_occurrences(knn, n, p["n_pivots"])
-        gk.project_rows(keys, knn, weights, ptr, occ_q, p["n_sel"], p["n_cand"], p["max_cand"], p["alpha"], p["M"],
+        ptr, occ_q, _ = gb.key_occurrences(knn, n, p["n_pivots"])
+        gb.project_rows(keys, knn, weights, ptr, occ_q, p["n_sel"], p["n_cand"], p["max_cand"], p["alpha"], p["M"],
                         nbrs, degree)
         pa = max(p["alpha"], 1.0)  # the reverse/enhancement prunes always use the RobustPrune rule
-        nbrs, degree = gk.add_reverse_edges(keys, nbrs, degree, pa, p["M"])
+        nbrs, degree = gb.add_reverse_edges(keys, nbrs, degree, pa, p["M"])
         self.hubs = query_hubs(keys, train_queries, p["n_hubs"], p["seed"])
         if p["enhance_L"] > 0:
-            nbrs, degree = gk.connect_by_search(keys, nbrs, degree, self.hubs, p["enhance_L"], pa, p["R"],
+            nbrs, degree = gb.connect_by_search(keys, nbrs, degree, self.hubs, p["enhance_L"], pa, p["R"],
                                                 p["M_link"], threads)
-        gk.link_unreachable(keys, nbrs, degree, self.hubs, p["R"])
-        self._store = gk.KeyStore.for_array(keys)
+        gb.link_unreachable(keys, nbrs, degree, self.hubs, p["R"])
+        self._store = KeyStore.for_array(keys)
         self._nbrs, self._degree = nbrs, degree
         keep = min(p["keep_queries"], len(train_queries))
         self._recent_q = np.ascontiguousarray(train_queries[len(train_queries) - keep:])
@@ -143,21 +144,21 @@ class RoarGraphIndex(Index):
         if len(self._recent_q):
             # Queries that select a new key (it enters their top-M_sq) make it a neighbour of their top keys.
             m_sq = min(p["M_sq"], n0 + t)
-            knn = gk.topk_ip(self._recent_q, allkeys, m_sq)
+            knn = gb.topk_ip(self._recent_q, allkeys, m_sq)
             sel = knn[np.isin(knn, new).any(axis=1)]
             if len(sel):
-                ptr, occ_q, _ = gk.key_occurrences(sel, n0 + t, m_sq)
+                ptr, occ_q, _ = gb.key_occurrences(sel, n0 + t, m_sq)
                 cand_rows = np.full((n0 + t, p["R"]), -1, np.int32)
                 cand_deg = np.zeros(n0 + t, np.int32)
-                gk.project_rows(allkeys, sel, np.ones(len(sel), np.float32), ptr, occ_q, p["n_sel"], p["n_cand"],
+                gb.project_rows(allkeys, sel, np.ones(len(sel), np.float32), ptr, occ_q, p["n_sel"], p["n_cand"],
                                 p["max_cand"], p["alpha"], p["M"], cand_rows, cand_deg)
                 for v in new:  # the new key's out-edges, then its reverse edges below
                     nbrs[v, : cand_deg[v]] = cand_rows[v, : cand_deg[v]]
                     degree[v] = cand_deg[v]
-                nbrs, degree = gk.link_back(allkeys, nbrs, degree, new, pa, p["R"])
-        nbrs, degree = gk.connect_by_search(allkeys, nbrs, degree, self.hubs, max(p["enhance_L"], 32), pa,
+                nbrs, degree = gb.link_back(allkeys, nbrs, degree, new, pa, p["R"])
+        nbrs, degree = gb.connect_by_search(allkeys, nbrs, degree, self.hubs, max(p["enhance_L"], 32), pa,
                                             p["R"], p["M_link"], numba.get_num_threads(), targets=new, prune_full=True)
-        gk.link_unreachable(allkeys, nbrs, degree, self.hubs, p["R"])
+        gb.link_unreachable(allkeys, nbrs, degree, self.hubs, p["R"])
         self._nbrs, self._degree = nbrs, degree
 
     # -- search ------------------------------------------------------------------------------------
@@ -171,7 +172,7 @@ class RoarGraphIndex(Index):
     def _search(self, queries: np.ndarray, k: int, L: int):
         e = self.entries()
         entries = np.broadcast_to(e, (len(queries), len(e)))
-        return gk.beam_search_batch(self._keys, self._nbrs, self._degree, queries, np.ascontiguousarray(entries),
+        return gs.beam_search_batch(self._keys, self._nbrs, self._degree, queries, np.ascontiguousarray(entries),
                                     max(L, k), k, numba.get_num_threads())
 
     # -- persistence -------------------------------------------------------------------------------
@@ -185,6 +186,6 @@ class RoarGraphIndex(Index):
                 "recent_q": self._recent_q}
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
-        self._store = gk.KeyStore(np.ascontiguousarray(arrays["keys"], dtype=np.float32))
+        self._store = KeyStore(np.ascontiguousarray(arrays["keys"], dtype=np.float32))
         self._nbrs, self._degree, self.hubs = arrays["nbrs"], arrays["degree"], arrays["hubs"].astype(np.int64)
         self._recent_q = np.ascontiguousarray(arrays["recent_q"], dtype=np.float32)

@@ -5,11 +5,11 @@ Build, on keys K (n, d) and training queries Q:
 1. Sample ``n_queries`` training queries (seeded; the newest ``recent_frac`` of them first
    when set) and add them as extra nodes: the build runs on [K; Q_s].
 2. A query node's row is its exact top-``R`` keys by inner product, kept unpruned and never
-   changed (``graph_kernels.vamana_pass_fixed``). Key nodes are inserted as in Vamana: greedy
+   changed (``graph_build.vamana_pass_fixed``). Key nodes are inserted as in Vamana: greedy
    search, RobustPrune (inner-product rule, α) over keys *and* query nodes, back-edges (never
    into a query row). Two sequential passes (α = 1, then ``alpha``) over a seeded permutation
    of all nodes, as ``vamana`` does.
-3. RobustStitch (``graph_kernels.robust_stitch``): in every key row each query neighbour is
+3. RobustStitch (``graph_build.robust_stitch``): in every key row each query neighbour is
    replaced by that query's keys and the row RobustPruned to R, so the final graph holds keys
    only and the query vectors are dropped.
 
@@ -17,8 +17,8 @@ Search: beam search of width max(L, k) from the entry points (the key of largest
 product with the mean training query, plus ``n_hubs - 1`` hubs as in ``roargraph``); every
 inner product is counted (entries included). ``add`` inserts new keys with one Vamana pass
 over them (queries are no longer part of the graph). After build and add, any key not reachable
-from the entries gets an in-edge (``graph_kernels.link_unreachable``). Keys live in a shared
-``graph_kernels.KeyStore`` (one copy per GQA group).
+from the entries gets an in-edge (``graph_build.link_unreachable``). Keys live in a shared
+``key_store.KeyStore`` (one copy per GQA group).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import numba
 import numpy as np
 
 from anns_lab.errors import IndexConfigError
-from anns_lab.indexes import graph_kernels as gk
+from anns_lab.indexes import graph_build as gb, graph_search as gs
+from anns_lab.indexes.key_store import KeyStore
 from anns_lab.indexes.base import Index, Param
 from anns_lab.indexes.roargraph import query_hubs
 
@@ -62,18 +63,18 @@ class RobustVamanaIndex(Index):
             pool = train_queries[len(train_queries) - max(1, int(round(p["recent_frac"] * len(train_queries)))):]
         take = min(p["n_queries"], len(pool))
         sample = np.ascontiguousarray(pool[np.sort(rng.choice(len(pool), take, replace=False))])
-        q_nbrs = gk.topk_ip(sample, keys, R)
+        q_nbrs = gb.topk_ip(sample, keys, R)
         data = np.ascontiguousarray(np.vstack([keys, sample]))  # build-time only; the final graph holds keys
-        nbrs, degree = gk.random_graph(n + take, R, p["seed"])
+        nbrs, degree = gb.random_graph(n + take, R, p["seed"])
         nbrs[n:], degree[n:] = q_nbrs, R
         self.hubs = query_hubs(keys, train_queries, p["n_hubs"], p["seed"])
         entry = int(self.hubs[0])
         order = rng.permutation(n + take).astype(np.int64)
         for alpha in (1.0, p["alpha"]):
-            gk.vamana_pass_fixed(data, nbrs, degree, order, entry, alpha, R, p["L"], n)
-        self._nbrs, self._degree = gk.robust_stitch(data, nbrs, degree, n, q_nbrs, p["alpha"], R)
-        gk.link_unreachable(keys, self._nbrs, self._degree, self.hubs, R)
-        self._store = gk.KeyStore.for_array(keys)
+            gb.vamana_pass_fixed(data, nbrs, degree, order, entry, alpha, R, p["L"], n)
+        self._nbrs, self._degree = gb.robust_stitch(data, nbrs, degree, n, q_nbrs, p["alpha"], R)
+        gb.link_unreachable(keys, self._nbrs, self._degree, self.hubs, R)
+        self._store = KeyStore.for_array(keys)
 
     @property
     def _keys(self) -> np.ndarray:
@@ -86,13 +87,13 @@ class RobustVamanaIndex(Index):
         nbrs = np.vstack([self._nbrs, np.full((t, R), -1, np.int32)])
         degree = np.concatenate([self._degree, np.zeros(t, np.int32)])
         order = np.arange(n0, n0 + t, dtype=np.int64)
-        gk.vamana_pass(allkeys, nbrs, degree, order, int(self.hubs[0]), self.params["alpha"], R, self.params["L"])
-        gk.link_unreachable(allkeys, nbrs, degree, self.hubs, R)  # back-edge prunes may strand a key
+        gb.vamana_pass(allkeys, nbrs, degree, order, int(self.hubs[0]), self.params["alpha"], R, self.params["L"])
+        gb.link_unreachable(allkeys, nbrs, degree, self.hubs, R)  # back-edge prunes may strand a key
         self._nbrs, self._degree = nbrs, degree
 
     def _search(self, queries: np.ndarray, k: int, L: int):
         entries = np.ascontiguousarray(np.broadcast_to(self.hubs, (len(queries), len(self.hubs))))
-        return gk.beam_search_batch(self._keys, self._nbrs, self._degree, queries, entries, max(L, k), k,
+        return gs.beam_search_batch(self._keys, self._nbrs, self._degree, queries, entries, max(L, k), k,
                                     numba.get_num_threads())
 
     @property
@@ -103,5 +104,5 @@ class RobustVamanaIndex(Index):
         return {"keys": self._keys, "nbrs": self._nbrs, "degree": self._degree, "hubs": self.hubs}
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
-        self._store = gk.KeyStore(np.ascontiguousarray(arrays["keys"], dtype=np.float32))
+        self._store = KeyStore(np.ascontiguousarray(arrays["keys"], dtype=np.float32))
         self._nbrs, self._degree, self.hubs = arrays["nbrs"], arrays["degree"], arrays["hubs"].astype(np.int64)

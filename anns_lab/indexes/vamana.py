@@ -2,7 +2,7 @@
 
 Inner product is the similarity throughout: the greedy search that inserts a key looks for
 the keys of largest inner product with it, and RobustPrune uses DiskANN's INNER_PRODUCT
-occlusion rule (see ``graph_kernels.robust_prune``). We tried the other MIPS route, the
+occlusion rule (see ``graph_build.robust_prune``). We tried the other MIPS route, the
 Euclidean graph over keys augmented to equal norm ([k, √(M² − |k|²)]), and dropped it: its
 recall@100 on Gaussian keys was half of this graph's at the same fraction scanned.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from anns_lab.indexes import graph_kernels as gk
+from anns_lab.indexes import graph_build as gb, graph_search as gs
 from anns_lab.indexes.base import Index, Param
 
 
@@ -41,11 +41,11 @@ class VamanaIndex(Index):
 
     def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
         R, L, seed = self.params["R"], self.params["L"], self.params["seed"]
-        nbrs, degree = gk.random_graph(len(keys), R, seed)
+        nbrs, degree = gb.random_graph(len(keys), R, seed)
         self.entry = entry_point(keys)
         order = np.random.default_rng(seed).permutation(len(keys)).astype(np.int64)
         for alpha in (1.0, self.params["alpha"]):
-            gk.vamana_pass(keys, nbrs, degree, order, self.entry, alpha, R, L)
+            gb.vamana_pass(keys, nbrs, degree, order, self.entry, alpha, R, L)
         self._keys, self._nbrs, self._degree = keys, nbrs, degree
 
     def _add(self, keys: np.ndarray) -> None:
@@ -56,12 +56,12 @@ class VamanaIndex(Index):
         nbrs = np.vstack([self._nbrs, np.full((len(keys), R), -1, np.int32)])
         degree = np.concatenate([self._degree, np.zeros(len(keys), np.int32)])
         order = np.arange(n0, len(allkeys), dtype=np.int64)
-        gk.vamana_pass(allkeys, nbrs, degree, order, self.entry, self.params["alpha"], R, self.params["L"])
+        gb.vamana_pass(allkeys, nbrs, degree, order, self.entry, self.params["alpha"], R, self.params["L"])
         self._keys, self._nbrs, self._degree = allkeys, nbrs, degree
 
     def _search(self, queries: np.ndarray, k: int, L: int):
         entries = np.full((len(queries), 1), self.entry, np.int64)
-        return gk.beam_search_batch(self._keys, self._nbrs, self._degree, queries, entries, max(L, k), k, numba.get_num_threads())
+        return gs.beam_search_batch(self._keys, self._nbrs, self._degree, queries, entries, max(L, k), k, numba.get_num_threads())
 
     def _arrays(self) -> dict[str, np.ndarray]:
         return {"keys": self._keys, "nbrs": self._nbrs, "degree": self._degree, "entry": np.array([self.entry], np.int64)}

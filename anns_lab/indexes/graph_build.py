@@ -1,121 +1,16 @@
-"""Numba kernels shared by every graph index: counted beam search, RobustPrune, the Vamana pass.
+"""Numba graph construction shared by the graph indexes: RobustPrune, the Vamana pass,
+RobustStitch, and the query-aware projection and connectivity passes of roargraph.
 
-A graph is a fixed-width adjacency array ``nbrs`` (n, R) int32 with ``degree`` (n,) int32
-(row i's neighbours are ``nbrs[i, :degree[i]]``). Similarity is always the inner product, so
-beam search is maximum-inner-product search, and RobustPrune uses DiskANN's inner-product
-occlusion rule.
-
-Style as in pynndescent: ``@njit(cache=True, nogil=True)``, ``prange`` over independent
-queries, the candidate list as parallel arrays, and an epoch-stamped visited array per thread
-(so it is cleared by bumping an integer, not by an O(n) fill per query).
+Similarity is always the inner product, so RobustPrune uses DiskANN's inner-product occlusion
+rule. Graph layout and search are in :mod:`anns_lab.indexes.graph_search`.
 """
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 from numba import njit, prange
 
-
-@njit(cache=True, nogil=True, inline="always")
-def dot(a: np.ndarray, b: np.ndarray) -> float:
-    """Inner product of two float32 vectors (a plain loop: numba vectorises it, no BLAS call overhead)."""
-    s = np.float32(0.0)
-    for i in range(a.shape[0]):
-        s += a[i] * b[i]
-    return s
-
-
-@njit(cache=True, nogil=True)
-def _insert(ids, scores, done, size, cap, node, score):
-    """Insert (node, score) into the descending candidate list; return (new size, insert position)."""
-    pos = size
-    while pos > 0 and scores[pos - 1] < score:
-        pos -= 1
-    if pos >= cap:
-        return size, pos
-    last = min(size, cap - 1)
-    for i in range(last, pos, -1):  # shift the tail right by one, dropping the worst if full
-        ids[i] = ids[i - 1]
-        scores[i] = scores[i - 1]
-        done[i] = done[i - 1]
-    ids[pos] = node
-    scores[pos] = score
-    done[pos] = False
-    return min(size + 1, cap), pos
-
-
-@njit(cache=True, nogil=True)
-def beam_search(data, nbrs, degree, query, entries, L, visited, epoch, expanded):
-    """Best-first search keeping the L best candidates, until every one of them is expanded.
-
-    Returns (ids, scores, size, n_scanned, n_expanded): the candidate list (descending, first
-    ``size`` valid), the number of inner products computed (entries included), and how many
-    expanded node ids were written into ``expanded`` (capacity permitting).
-    """
-    ids = np.empty(L, np.int64)
-    scores = np.empty(L, np.float32)
-    done = np.zeros(L, np.bool_)
-    size = 0
-    n_scanned = 0
-    for e in entries:
-        if visited[e] == epoch:
-            continue
-        visited[e] = epoch
-        n_scanned += 1
-        size, _ = _insert(ids, scores, done, size, L, e, dot(data[e], query))
-    n_expanded = 0
-    cur = 0  # every candidate before `cur` is expanded
-    while cur < size:
-        if done[cur]:
-            cur += 1
-            continue
-        done[cur] = True
-        node = ids[cur]
-        if n_expanded < expanded.shape[0]:
-            expanded[n_expanded] = node
-        n_expanded += 1
-        best = size
-        for j in range(degree[node]):
-            nb = nbrs[node, j]
-            if visited[nb] == epoch:
-                continue
-            visited[nb] = epoch
-            n_scanned += 1
-            s = dot(data[nb], query)
-            if size < L or s > scores[size - 1]:
-                size, pos = _insert(ids, scores, done, size, L, nb, s)
-                best = min(best, pos)
-        cur = min(cur + 1, best)
-    return ids, scores, size, n_scanned, min(n_expanded, expanded.shape[0])
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def beam_search_batch(data, nbrs, degree, queries, entries, L, k, n_threads):
-    """Beam search each query (row of ``entries`` = its entry nodes) on ``n_threads``; top-k, padded with -1/-inf.
-
-    ``n_threads`` is passed in (``numba.get_num_threads()``) because reading it inside would stop caching.
-    """
-    nq = queries.shape[0]
-    out_ids = np.full((nq, k), -1, np.int64)
-    out_scores = np.full((nq, k), -np.inf, np.float32)
-    n_scanned = np.zeros(nq, np.int64)
-    n_chunks = max(1, min(nq, n_threads))
-    no_expanded = np.empty(0, np.int64)
-    for c in prange(n_chunks):
-        visited = np.zeros(data.shape[0], np.int32)  # one per thread, reused through epochs
-        lo = c * nq // n_chunks
-        hi = (c + 1) * nq // n_chunks
-        for qi in range(lo, hi):
-            epoch = qi - lo + 1
-            ids, scores, size, scanned, _ = beam_search(data, nbrs, degree, queries[qi], entries[qi], L, visited, epoch, no_expanded)
-            m = min(size, k)
-            out_ids[qi, :m] = ids[:m]
-            out_scores[qi, :m] = scores[:m]
-            n_scanned[qi] = scanned
-    return out_ids, out_scores, n_scanned
-
+from anns_lab.indexes.graph_search import _mark_from, beam_search, dot, reachable_from
 
 @njit(cache=True, nogil=True)
 def robust_prune(data, p, candidates, alpha, R, out):
@@ -554,37 +449,6 @@ def connect_by_search(data, nbrs, degree, entries, L, alpha, R, R_link, n_thread
 
 
 @njit(cache=True, nogil=True)
-def reachable_from(nbrs, degree, entries):
-    """Boolean mask of the nodes reachable from ``entries`` (BFS)."""
-    n = nbrs.shape[0]
-    seen = np.zeros(n, np.bool_)
-    queue = np.empty(n, np.int64)
-    for e in entries:
-        _mark_from(nbrs, degree, e, seen, queue)
-    return seen
-
-
-@njit(cache=True, nogil=True)
-def _mark_from(nbrs, degree, start, seen, queue):
-    """BFS from ``start`` over nodes not yet ``seen``, marking them."""
-    head = 0
-    tail = 0
-    if not seen[start]:
-        seen[start] = True
-        queue[tail] = start
-        tail += 1
-    while head < tail:
-        u = queue[head]
-        head += 1
-        for j in range(degree[u]):
-            v = nbrs[u, j]
-            if not seen[v]:
-                seen[v] = True
-                queue[tail] = v
-                tail += 1
-
-
-@njit(cache=True, nogil=True)
 def link_unreachable(data, nbrs, degree, entries, R):
     """Guarantee reachability from ``entries``: each unreachable node t gets an in-edge, from a
     reachable out-neighbour of t (or one two hops out) with a free slot when there is one (t's
@@ -641,51 +505,3 @@ def link_unreachable(data, nbrs, degree, entries, R):
         if seen.all():
             break
     return linked
-
-
-class KeyStore:
-    """The physical key array of one KV head, shared by the indexes of its GQA group.
-
-    ``build`` wraps the caller's float32 array without a copy; indexes built on the same array
-    get the same store (looked up by buffer address and shape), so a GQA group holds its keys
-    once. ``append(start, keys)`` grows the store with spare capacity (amortised doubling);
-    when a sibling index already appended exactly these rows at ``start`` it is a no-op, so
-    every index of the group can be given the same new keys by the decoder.
-    """
-
-    _live: weakref.WeakValueDictionary | None = None
-
-    def __init__(self, keys: np.ndarray) -> None:
-        self.buf = keys
-        self.n = keys.shape[0]
-
-    @classmethod
-    def for_array(cls, keys: np.ndarray) -> "KeyStore":
-        if cls._live is None:
-            cls._live = weakref.WeakValueDictionary()
-        tag = _tag(keys)
-        store = cls._live.get(tag)
-        if store is None or _tag(store.buf) != tag:  # a store that has grown since is not this array any more
-            store = cls(keys)
-            cls._live[tag] = store
-        return store
-
-    def view(self, n: int) -> np.ndarray:
-        return self.buf[:n]
-
-    def append(self, start: int, keys: np.ndarray) -> None:
-        end = start + keys.shape[0]
-        if self.n >= end and np.array_equal(self.buf[start:end], keys):
-            return  # a sibling of the group already appended these rows
-        if self.n != start:
-            raise ValueError("KeyStore: the shared key array has diverged from this index")
-        if end > self.buf.shape[0]:
-            grown = np.empty((max(end, 2 * self.buf.shape[0]), self.buf.shape[1]), np.float32)
-            grown[: self.n] = self.buf[: self.n]
-            self.buf = grown
-        self.buf[start:end] = keys
-        self.n = end
-
-
-def _tag(a: np.ndarray) -> tuple:
-    return (a.__array_interface__["data"][0], a.shape, a.strides)
