@@ -131,10 +131,15 @@ class LayerStore:
             groups: dict[int, list[int]] = {}
             for h, index in enumerate(self.indexes):
                 groups.setdefault(id(index), []).append(h)
-            for heads in groups.values():
-                res = self.indexes[heads[0]].search(q[heads], k, **self.plan.search_params)
-                rows[heads] = res.ids
+            if len(groups) == self.n_heads:  # one index per query head: the class searches them all in one call
+                res = type(self.indexes[0]).search_group(self.indexes, q, k, **self.plan.search_params)
+                rows[:] = res.ids
                 scanned.extend((res.n_scanned / self.n_indexed).tolist())
+            else:  # a shared index per KV head: its group's queries in one batch
+                for heads in groups.values():
+                    res = self.indexes[heads[0]].search(q[heads], k, **self.plan.search_params)
+                    rows[heads] = res.ids
+                    scanned.extend((res.n_scanned / self.n_indexed).tolist())
             parts.append(rows)
         if self.n_rows > self.n_indexed:
             pending = np.arange(self.n_indexed, self.n_rows, dtype=np.int64)

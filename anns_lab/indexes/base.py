@@ -159,6 +159,16 @@ class Index:
             np.ascontiguousarray(n_scanned, dtype=np.int64),
         )
 
+    @classmethod
+    def search_group(cls, indexes: Sequence["Index"], queries: np.ndarray, k: int, **params: Any) -> SearchResult:
+        """Search ``indexes[i]`` with ``queries[i]`` (one query each, e.g. the query heads of a layer) in one call.
+
+        The default searches one index after another; an index class whose per-call cost matters
+        (one graph per query head in the decoder) overrides it with a single batched kernel.
+        """
+        parts = [index.search(queries[i: i + 1], k, **params) for i, index in enumerate(indexes)]
+        return SearchResult(*(np.concatenate(column) for column in zip(*parts)))
+
     def add(self, keys: Any) -> None:
         """Insert more keys; their ids continue after the existing ones."""
         self._require_built()

@@ -142,3 +142,16 @@ def _mark_from(nbrs, degree, start, seen, queue):
                 seen[v] = True
                 queue[tail] = v
                 tail += 1
+
+
+def search_graphs(indexes, queries: np.ndarray, k: int, L: int):
+    """Search graph ``indexes[i]`` (exposing ``graph_arrays()`` and ``entries_for(q)``) with ``queries[i]``.
+
+    Returns a ``SearchResult`` of ids (H, k), scores (H, k), n_scanned (H,).
+    """
+    from anns_lab.indexes.base import SearchResult
+
+    q = np.ascontiguousarray(queries, dtype=np.float32)
+    out = [beam_search_batch(*index.graph_arrays(), q[i: i + 1], index.entries_for(q[i: i + 1]), max(L, k), k, 1)
+           for i, index in enumerate(indexes)]
+    return SearchResult(*(np.concatenate(column) for column in zip(*out)))

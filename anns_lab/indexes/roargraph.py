@@ -169,11 +169,23 @@ class RoarGraphIndex(Index):
         recent = np.arange(self.n_keys - r, self.n_keys, dtype=np.int64)
         return np.array(list(dict.fromkeys([*self.hubs.tolist(), *recent.tolist()])), np.int64)
 
-    def _search(self, queries: np.ndarray, k: int, L: int):
+    def entries_for(self, queries: np.ndarray) -> np.ndarray:
+        """Entry nodes (nq, E) int64 of each query's search (every one is counted as scanned)."""
         e = self.entries()
-        entries = np.broadcast_to(e, (len(queries), len(e)))
-        return gs.beam_search_batch(self._keys, self._nbrs, self._degree, queries, np.ascontiguousarray(entries),
-                                    max(L, k), k, numba.get_num_threads())
+        return np.ascontiguousarray(np.broadcast_to(e, (len(queries), len(e))))
+
+    def graph_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(keys, nbrs, degree) as the search kernels take them (see :mod:`graph_search`)."""
+        return self._keys, self._nbrs, self._degree
+
+    def _search(self, queries: np.ndarray, k: int, L: int):
+        return gs.beam_search_batch(*self.graph_arrays(), queries, self.entries_for(queries), max(L, k), k,
+                                    numba.get_num_threads())
+
+    @classmethod
+    def search_group(cls, indexes, queries, k, L: int = 100):
+        """One kernel call for the query heads of a layer (the decoder's per-step search)."""
+        return gs.search_graphs(indexes, queries, k, L)
 
     # -- persistence -------------------------------------------------------------------------------
 
