@@ -10,6 +10,9 @@ import pytest
 # Tests never reach a hub; a missing model must fail at once.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# Decode tests run the model on this device (e.g. ANNS_LAB_TEST_DEVICE=cuda on a GPU machine; CI has none).
+TEST_DEVICE = os.environ.get("ANNS_LAB_TEST_DEVICE", "cpu")
+
 
 def _tiny_tokenizer(folder: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

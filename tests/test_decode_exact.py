@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import TEST_DEVICE
+
 from anns_lab.decode.engine import Mode, Settings, prefill, run_mode
 from anns_lab.decode.kernels import attend_rows, attend_window, merge
 from anns_lab.decode.placement import IndexPlan
@@ -83,7 +85,7 @@ SETTINGS = Settings(sink=4, recent=8, topk=PROMPT + STEPS - 12, add_batch=4, chu
 
 @pytest.fixture(scope="module", params=["tiny_llama", "tiny_gemma3"])
 def prefilled(request):
-    lm = load_model(str(request.getfixturevalue(request.param)))
+    lm = load_model(str(request.getfixturevalue(request.param)), device=TEST_DEVICE)
     ids = np.random.default_rng(3).integers(3, 400, size=PROMPT).tolist()
     pre = prefill(lm, ids, SETTINGS, capture_queries=True)
     full = run_mode(lm, pre, Mode("full"), SETTINGS, STEPS, keep_logits=True)

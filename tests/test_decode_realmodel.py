@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import TEST_DEVICE
+
 from anns_lab.decode.engine import Mode, Settings, prefill, run_mode
 from anns_lab.decode.placement import IndexPlan
 from anns_lab.indexes import registry
@@ -20,7 +22,7 @@ def smollm2_prefilled():
     from anns_lab.dumps.models import load_model
     from anns_lab.dumps.prompts import build_prompt
 
-    lm = load_model("smollm2")
+    lm = load_model("smollm2", device=TEST_DEVICE)
     ids = build_prompt("text", lm.tokenizer, PROMPT).ids
     pre = prefill(lm, ids, SETTINGS, capture_queries=True)
     full = run_mode(lm, pre, Mode("full"), SETTINGS, STEPS, keep_logits=True)
