@@ -168,7 +168,7 @@ def _masked_window_reference(lm, pre, settings, steps):
 
         if module.layer_idx in long_range and query.shape[2] == 1:
             n = key.shape[2]
-            allowed = torch.zeros(n, dtype=torch.bool)
+            allowed = torch.zeros(n, dtype=torch.bool, device=key.device)
             allowed[: settings.sink] = True
             allowed[max(0, n - settings.recent):] = True
             rep = query.shape[1] // key.shape[1]

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The decoder's CUDA path on a GPU machine: exactness tests with the model on CUDA, then the
+# per-token latency split of every mode (benchmarks/bench_decode.py) for each MODEL:CONTEXT given.
+#
+#   benchmarks/cuda_check.sh [--wheels DIR] [--tests] [MODEL:CONTEXT ...]
+#
+# --wheels DIR  install the wheels in DIR first (into /tmp/site, which goes first on PYTHONPATH):
+#               for machines without a package index (faiss-cpu, gguf, transformers as needed).
+# --tests       run the decode tests with ANNS_LAB_TEST_DEVICE=cuda ($TEST_ARGS overrides which).
+# Logs and JSON go to $LOGS (default ./cuda-check). Each stage runs even if an earlier one failed;
+# the exit status is that of the last failing stage.
+set -u
+LOGS=${LOGS:-cuda-check}
+mkdir -p "$LOGS"
+status=0
+run() {  # run NAME CMD...: log to $LOGS/NAME.log, remember a failure
+  local name=$1; shift
+  echo "== $name: $*"
+  local t0=$SECONDS
+  "$@" >"$LOGS/$name.log" 2>&1 || { status=$?; echo "!! $name failed ($status)"; }
+  echo "   $name: $((SECONDS - t0)) s"; tail -n 25 "$LOGS/$name.log"
+}
+
+tests=0
+while [ $# -gt 0 ]; do
+  case $1 in
+    --wheels) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$2"/*.whl || exit
+              export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}; shift 2 ;;
+    --tests) tests=1; shift ;;
+    *) break ;;
+  esac
+done
+
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$LOGS/install.log" 2>&1 || { cat "$LOGS/install.log"; exit 1; }
+nvidia-smi -L
+python3 - <<'EOF'
+import faiss, numba, numpy, torch, transformers
+print(f"torch {torch.__version__} cuda {torch.version.cuda} {torch.cuda.get_device_name(0)}; transformers {transformers.__version__}; "
+      f"numba {numba.__version__}; numpy {numpy.__version__}; faiss {faiss.__version__}; cpus {numba.config.NUMBA_NUM_THREADS}")
+EOF
+
+if [ $tests = 1 ]; then
+  run tests env ANNS_LAB_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider ${TEST_ARGS:-tests/test_decode_exact.py \
+      tests/test_decode_cli.py tests/test_decode_realmodel.py}
+fi
+for spec in "$@"; do
+  model=${spec%%:*}; context=${spec##*:}
+  run "bench-$model-$context" python3 benchmarks/bench_decode.py --model "$model" --context "$context" --device cuda \
+      ${BENCH_ARGS:-} --json "$LOGS/bench-$model-$context.json"
+done
+exit $status
