@@ -8,16 +8,9 @@ from pathlib import Path
 
 import click
 
+from anns_lab.cli_types import WINDOW
 from anns_lab.dumps.tasks import TASKS
 from anns_lab.errors import DecodeError
-
-
-def _window(text: str) -> tuple[int, int]:
-    try:
-        sink, recent = (int(x) for x in text.split(","))
-    except ValueError:
-        raise DecodeError(f"--window {text!r}: write SINK,RECENT, e.g. --window 128,512") from None
-    return sink, recent
 
 
 def default_device() -> str:
@@ -33,7 +26,7 @@ def default_device() -> str:
 @click.option("--param", "params", multiple=True, help="search parameter NAME=VALUE for the index modes (e.g. L=200)")
 @click.option("--build-param", "build_params", multiple=True, help="build parameter NAME=VALUE for the index modes")
 @click.option("--topk", default=100, show_default=True, help="keys retrieved per query head and step")
-@click.option("--window", "window", default="128,512", show_default=True, help="static window SINK,RECENT tokens")
+@click.option("--window", "window", type=WINDOW, default="128,512", show_default=True, help="static window: first SINK + most recent RECENT tokens")
 @click.option("--add-batch", default=64, show_default=True,
               help="tokens leaving the window are attended exactly from a side-buffer and inserted into the index in batches of this size")
 @click.option("--train-queries", default=0, show_default=True,
@@ -66,7 +59,7 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
     from anns_lab.decode import runner
     from anns_lab.decode.engine import Mode, Settings
 
-    sink, recent = _window(window)
+    sink, recent = window
     settings = Settings(sink=sink, recent=recent, topk=topk, add_batch=add_batch, chunk=chunk, train_queries=train_queries)
     if topk < 1:
         raise DecodeError(f"--topk must be at least 1, got {topk}")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from anns_lab.cli_types import WINDOW
 from anns_lab.errors import AnnsLabError
 
 
@@ -17,13 +18,6 @@ def _ints(text: str | None) -> list[int] | None:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise AnnsLabError(f"expected a comma-separated list of integers, got {text!r}") from None
-
-
-def _window(text: str) -> tuple[int, int]:
-    vals = _ints(text)
-    if not vals or len(vals) != 2 or min(vals) < 0:
-        raise AnnsLabError(f"--window takes two non-negative numbers 'sinks,recent' (e.g. 128,512), got {text!r}")
-    return vals[0], vals[1]
 
 
 def _build_params(items: tuple[str, ...]) -> dict[str, dict]:
@@ -55,7 +49,7 @@ def latest_dump() -> Path | None:
 @click.option("--layers", default=None, help="Comma-separated layers [default: three spread over the dump's layers].")
 @click.option("--heads", default=None, help="Comma-separated query heads [default: all].")
 @click.option("--k", type=int, default=100, show_default=True)
-@click.option("--window", default="128,512", show_default=True, help="Static window excluded from the index: sinks,recent.")
+@click.option("--window", type=WINDOW, default="128,512", show_default=True, help="Static window excluded from the index.")
 @click.option("--out", type=click.Path(), default=None, help="Results folder [default: results/<dump name>].")
 @click.option("--jobs", type=int, default=2, show_default=True, help="Parallel processes (one (layer, head) each).")
 @click.option("--overwrite", is_flag=True, help="Discard an existing sweep of other settings in --out.")
@@ -76,7 +70,7 @@ def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite, bu
             click.echo(result.summary())
             dump_path = result.dump.path
     names = [n.strip() for n in indexes.split(",")] if indexes else None
-    res = run_sweep(dump_path, names, _ints(layers), _ints(heads), k, _window(window), out, jobs, overwrite,
+    res = run_sweep(dump_path, names, _ints(layers), _ints(heads), k, window, out, jobs, overwrite,
                     build_params=_build_params(build_param), quick=quick)
     t = res.table
     click.echo(f"sweep of {dump_path}: {len(t)} rows ({t.groupby(['layer', 'head']).ngroups} heads × "
@@ -111,13 +105,13 @@ def report(results, dump_path, out) -> None:
 @click.option("--head", type=int, required=True)
 @click.option("--format", "fmt", type=click.Choice(["fbin"]), default="fbin", show_default=True)
 @click.option("--k", type=int, default=100, show_default=True)
-@click.option("--window", default="128,512", show_default=True)
+@click.option("--window", type=WINDOW, default="128,512", show_default=True)
 @click.option("--out", type=click.Path(), required=True)
 def export(dump_path, layer, head, fmt, k, window, out) -> None:
     """Keys, queries and ground truth of one (layer, head) in big-ann-benchmarks formats."""
     from anns_lab.dumps.store import open_dump
     from anns_lab.eval.export import export_fbin
 
-    files = export_fbin(open_dump(dump_path), layer, head, out, k, _window(window))
+    files = export_fbin(open_dump(dump_path), layer, head, out, k, window)
     for name, path in files.items():
         click.echo(f"{name:20s} {path}")
