@@ -113,15 +113,20 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int]) -> 
                           "lower --target-recall or sweep more thorough parameters")
 
     def plan(r) -> IndexPlan:
-        return IndexPlan(r["index"], json.loads(r["build_params"]), json.loads(r["search_params"]))
+        """The row's index with only the parameters that differ from the index's defaults (short to read)."""
+        cls = registry.get(r["index"])
+        build = {k: v for k, v in json.loads(r["build_params"]).items()
+                 if k not in cls.build_params or v != cls.build_params[k].default}
+        return IndexPlan(r["index"], build, json.loads(r["search_params"]))
 
     base = plan(overall)
     per_layer, lines = {}, [f"from sweep {path}: {base.describe()} reaches mean recall {overall['recall']:.3f} "
                             f"at {100 * overall['scanned_fraction']:.2f}% scanned (all layers of the table)"]
+    uncovered = []
     for layer in layers:
         sub = rows[rows["layer"] == layer]
         if sub.empty:
-            lines.append(f"  layer {layer}: not in the table, uses {base.describe()}")
+            uncovered.append(layer)
             continue
         r, top = best(sub)
         if r is None:
@@ -130,5 +135,19 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int]) -> 
         per_layer[layer] = plan(r)
         lines.append(f"  layer {layer}: {per_layer[layer].describe()} recall {r['recall']:.3f} at "
                      f"{100 * r['scanned_fraction']:.2f}% scanned")
+    if uncovered:
+        lines.append(f"  layers {_ranges(uncovered)}: not in the table, use {base.describe()}")
     name = f"sweep:{base.name}"
     return Mode(name, base, per_layer), lines
+
+
+def _ranges(values: list[int]) -> str:
+    """[0, 1, 3, 4, 5, 9] → '0-1, 3-5, 9'."""
+    out, start = [], None
+    for i, v in enumerate(values):
+        if start is None:
+            start = v
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            out.append(str(start) if start == v else f"{start}-{v}")
+            start = None
+    return ", ".join(out)
