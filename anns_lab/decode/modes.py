@@ -136,7 +136,9 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int]) -> 
         lines.append(f"  layer {layer}: {per_layer[layer].describe()} recall {r['recall']:.3f} at "
                      f"{100 * r['scanned_fraction']:.2f}% scanned")
     if uncovered:
-        lines.append(f"  layers {_ranges(uncovered)}: not in the table, use {base.describe()}")
+        many = len(uncovered) > 1
+        lines.append(f"  layer{'s' if many else ''} {_ranges(uncovered)}: not in the table, "
+                     f"use{'' if many else 's'} {base.describe()}")
     name = f"sweep:{base.name}"
     return Mode(name, base, per_layer), lines
 
