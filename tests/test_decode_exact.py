@@ -187,10 +187,10 @@ def _masked_window_reference(lm, pre, settings, steps):
     try:
         with torch.inference_mode():
             for _ in range(steps - 1):
-                out.append(logits)
+                out.append(logits.to("cpu"))  # run_mode keeps its logits on the CPU
                 ids.append(int(logits.argmax()))
                 logits = forward_tokens(lm, cache, ids, len(ids) - 1, len(ids))[0, -1].float()
-            out.append(logits)
+            out.append(logits.to("cpu"))
     finally:
         lm.model.set_attn_implementation("sdpa")
     return out

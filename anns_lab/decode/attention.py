@@ -8,7 +8,10 @@ depends on the active :class:`Retrieval` controller (a context variable):
   layers are kept when an attention-aware index will be built from them;
 - decode (t = 1) on a long-range layer in a retrieval mode: the accelerator attends over the
   static window W while a worker thread runs the CPU side (index search + numba attention over
-  the retrieved rows and the side-buffer); the two are merged exactly (kernels.merge);
+  the retrieved rows and the side-buffer); the two are merged exactly (kernels.merge). The
+  layer's device cache is then a :class:`~anns_lab.decode.cache.WindowLayer` holding W only;
+  the token it evicts each step comes to :meth:`Retrieval.evicted`, which moves it to the CPU
+  store (index modes) or drops it (``window``);
 - everything else (sliding-window layers, ``full`` mode): the model's own implementation.
 
 Timing per decode step is collected in :class:`StepTimes`. Both sides are timed on their own
@@ -94,30 +97,36 @@ class Retrieval:
             return out
         return self._retrieval_step(module, query, key, value, kwargs.get("scaling") or module.scaling)
 
+    def evicted(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Eviction hook of the window cache (decode/cache.py): tokens (1, G, t, d) leaving the recent window.
+
+        Index modes move them to the layer's CPU store (and from there into its indexes); ``window``
+        mode has no store and drops them.
+        """
+        store = self.stores.get(layer)
+        if store is None:
+            return
+        t0 = time.perf_counter()
+        store.extend(keys[0].to("cpu", torch.float32).numpy(), values[0].to("cpu", torch.float32).numpy())
+        self.times.insert += time.perf_counter() - t0
+
     def _retrieval_step(self, module, query, key, value, scaling):
         layer = module.layer_idx
-        n = key.shape[2]
-        sink = min(self.sink, n)
-        lo = max(sink, n - self.recent)  # first position of the recent window
+        if key.shape[2] > self.sink + self.recent:
+            # The device must hold the window only; anything beyond it would be attended twice or lost.
+            raise DecodeError(f"layer {layer}: {key.shape[2]} cached tokens on the device, more than the window of "
+                              f"{self.sink}+{self.recent}; retrieval decoding needs the window cache (decode.cache)")
         q = query[0, :, 0, :]
         store = self.stores.get(layer)
         future = None
-        if self.mode == "index" and store is not None:
-            covered = self.sink + store.n_rows  # positions [sink, covered) are on the CPU
-            if covered < lo:  # tokens that left the recent window since the last step
-                t0 = time.perf_counter()
-                store.extend(key[0, :, covered:lo].to("cpu", torch.float32).numpy(),
-                             value[0, :, covered:lo].to("cpu", torch.float32).numpy())
-                self.times.insert += time.perf_counter() - t0
         t_start = time.perf_counter()
         if self.mode == "index" and store is not None:
             q_cpu = q.detach().to("cpu", torch.float32).numpy()
             future = self._executor().submit(store.side, q_cpu, scaling)
-        # Accelerator side: the static window (sinks + recent), on the cache's own device.
+        # Accelerator side: the static window (sinks + recent) is the whole device cache of this layer; its
+        # slots are not in position order, which softmax attention without a mask does not care about.
         t0 = time.perf_counter()
-        wk = torch.cat([key[0, :, :sink], key[0, :, lo:]], dim=1)
-        wv = torch.cat([value[0, :, :sink], value[0, :, lo:]], dim=1)
-        o_w, m_w, z_w = attend_window(q, wk, wv, scaling)
+        o_w, m_w, z_w = attend_window(q, key[0], value[0], scaling)
         _sync(q.device)
         self.times.accel_attention += time.perf_counter() - t0
         if future is None:

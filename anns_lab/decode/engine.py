@@ -3,7 +3,10 @@
 A prefill is shared by every mode of a run (the cache is copied per mode), so ``full`` is
 measured on exactly the same prompt state as the retrieval modes. After the prefill each
 retrieval mode builds its indexes on the non-window prefill keys of every long-range layer
-(timed as ``build_s``) and decodes with :mod:`anns_lab.decode.attention`.
+(timed as ``build_s``) and decodes with :mod:`anns_lab.decode.attention`. In retrieval modes
+the decode cache is not a copy of the prefill cache: its long-range layers hold only the
+static window (:mod:`anns_lab.decode.cache`), the rest being in the CPU stores, so the
+accelerator's KV is O(window) rather than O(context); ``full`` decodes on a copy of the whole cache.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import numpy as np
 import torch
 
 from anns_lab.decode.attention import DecodeError, Retrieval, StepTimes, retrieving
+from anns_lab.decode.cache import device_kv_bytes, window_cache
 from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.dumps.run import forward_tokens
 
@@ -77,6 +81,7 @@ class ModeRun:
     steps: list[StepTimes]
     step_s: list[float]
     notes: list[str] = field(default_factory=list)
+    device_kv_bytes: int = 0  # keys + values held by the decode cache (on the accelerator) at the end of decoding
 
 
 def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool) -> Prefilled:
@@ -130,9 +135,12 @@ def _subsample(queries: np.ndarray | None, n: int) -> np.ndarray | None:
 
 
 def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, stop_ids=(),
-             teacher: list[int] | None = None, keep_logits: bool = False) -> ModeRun:
-    """Greedy decoding (or teacher forcing with ``teacher``) from a copy of the prefill state."""
-    cache = copy.deepcopy(pre.cache)
+             teacher: list[int] | None = None, keep_logits: bool = False, keep_cache: bool = False) -> ModeRun:
+    """Greedy decoding (or teacher forcing with ``teacher``) from a copy of the prefill state.
+
+    ``keep_cache`` keeps the decode cache on the result (``run.cache``, for inspection); by default it
+    is freed with the run's end, so that runs kept for their timings do not hold accelerator memory.
+    """
     stores, notes = ({}, []) if mode.kind != "index" else build_stores(lm, pre, mode, settings)
     build_s = sum(s.build_s for s in stores.values())
     if stores:
@@ -142,6 +150,11 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
     ctl = Retrieval(lm.long_range_layers, mode.kind, settings.sink, settings.recent, False)
     ctl.stores = stores
     ctl.phase = "decode"
+    with torch.inference_mode():  # the prefill's tensors are inference tensors; so are the copies
+        if mode.kind == "full":
+            cache = copy.deepcopy(pre.cache)
+        else:  # long-range layers keep the window only; the tokens they evict go to ctl.evicted
+            cache = window_cache(pre.cache, lm.long_range_layers, settings.sink, settings.recent, ctl.evicted)
     ids = list(pre.ids)
     logits = pre.logits
     out_tokens, all_logits, steps, step_s = [], [], [], []
@@ -164,7 +177,8 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
     if teacher is not None and keep_logits:
         all_logits.append(logits.detach().to("cpu"))
     decode_s = time.perf_counter() - t0
-    run = ModeRun(mode.name, out_tokens, all_logits, build_s, decode_s, steps, step_s, notes)
+    run = ModeRun(mode.name, out_tokens, all_logits, build_s, decode_s, steps, step_s, notes, device_kv_bytes(cache))
+    run.cache = cache if keep_cache else None
     run.stores = stores  # kept for inspection (tests, index sizes)
     return run
 
@@ -173,10 +187,11 @@ def summarize(run: ModeRun) -> dict:
     """Per generated token means (ms) of retrieval, CPU attention, accelerator attention, merge, other; tokens/s."""
     # The first decode step also compiles each index's search kernel (numba): left out when there are others.
     skip = 1 if len(run.step_s) >= 3 else 0
-    run = ModeRun(run.mode, run.tokens, [], run.build_s, run.decode_s, run.steps[skip:], run.step_s[skip:])
+    run = ModeRun(run.mode, run.tokens, [], run.build_s, run.decode_s, run.steps[skip:], run.step_s[skip:],
+                  device_kv_bytes=run.device_kv_bytes)
     n = len(run.step_s)
     if n == 0:
-        return {"steps": 0}
+        return {"steps": 0, "device_kv_bytes": run.device_kv_bytes}
 
     def ms(values) -> float:
         return 1000.0 * float(np.mean(values))
@@ -195,6 +210,7 @@ def summarize(run: ModeRun) -> dict:
         "tokens_per_s": n / float(np.sum(run.step_s)),
         "scanned_fraction": float(np.mean(scanned)) if scanned else None,
         "build_s": run.build_s,
+        "device_kv_bytes": run.device_kv_bytes,
         "warmup_steps_excluded": skip,
     }
 

@@ -41,7 +41,8 @@ def stop_ids(lm) -> set[int]:
 def _pool(runs: list[ModeRun]) -> dict:
     """Per-token timings over several runs of one mode (all their steps together)."""
     merged = ModeRun(runs[0].mode, [], [], sum(r.build_s for r in runs) / len(runs), sum(r.decode_s for r in runs),
-                     [s for r in runs for s in r.steps], [s for r in runs for s in r.step_s])
+                     [s for r in runs for s in r.steps], [s for r in runs for s in r.step_s],
+                     device_kv_bytes=max(r.device_kv_bytes for r in runs))
     return summarize(merged)
 
 
@@ -149,7 +150,7 @@ COLUMNS = [("accuracy", "acc %", "{:.1f}"), ("kl_mean", "KL", "{:.2e}"), ("top1_
            ("retrieval_ms", "retr ms", "{:.2f}"), ("cpu_attention_ms", "cpu-attn ms", "{:.2f}"),
            ("accel_attention_ms", "acc-attn ms", "{:.2f}"), ("merge_ms", "merge ms", "{:.2f}"), ("insert_ms", "insert ms", "{:.2f}"),
            ("other_ms", "other ms", "{:.2f}"), ("token_ms", "token ms", "{:.2f}"), ("tokens_per_s", "tok/s", "{:.2f}"),
-           ("scanned_fraction", "scanned %", "{:.2%}")]
+           ("scanned_fraction", "scanned %", "{:.2%}"), ("device_kv_bytes", "dev KV MiB", "{:.2f}")]
 
 
 def table(result: dict) -> str:
@@ -162,6 +163,8 @@ def table(result: dict) -> str:
         cells = [name]
         for key, _, fmt in cols:
             v = s.get(key)
+            if key == "device_kv_bytes" and v is not None:
+                v = v / 2**20
             if fmt.endswith("%}") and v is not None:
                 cells.append(fmt.format(v))
             else:
