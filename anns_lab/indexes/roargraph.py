@@ -11,11 +11,14 @@ Build, on keys K (n, d) and training queries Q (m, d):
    queries it pivots for, merged by id with summed query weights (co-occurrence), the
    ``max_cand`` heaviest kept, then RobustPrune (inner-product rule, ``alpha``) to ``M`` in
    that order (parallel over keys: ``prune_buckets``).
-3. **Reverse edges**, rows over ``M`` RobustPruned (two-phase, lock-free).
-4. **Connectivity enhancement.** Every key is searched for on the projected graph (beam
-   ``enhance_L``) and linked from the nodes it found (pruned to ``M_link``); rows may grow to
-   ``R`` ≥ M. Finally every key not reachable from the entry points gets an in-edge
-   (``link_unreachable``), so all keys are reachable.
+3. **Reverse edges**, rows over ``R`` RobustPruned (two-phase, lock-free). Capping them at ``R``
+   rather than ``M`` lets a heavy hitter link back to the many mid-ranked keys that chose it.
+4. **Reachability.** About half the keys of a real head are in no training query's top list and
+   have empty rows: they get their nearest keys as out-edges (``link_stranded``, one blocked
+   kNN), then every key not reachable from the entry points gets an in-edge
+   (``link_unreachable``). The published connectivity enhancement (every key searched for on
+   the graph and linked from what it found, beam ``enhance_L``) is off by default: on real
+   heads it filled rows with links to keys no query wants, costing scans, not recall.
 
 Search: beam search of width max(L, k) started from all entry points at once. The entry
 points are ``n_hubs`` hub keys — the top-1 key of each k-means centroid of the training
@@ -46,6 +49,9 @@ from anns_lab.indexes.key_store import KeyStore
 from anns_lab.indexes.base import Index, Param
 
 
+KMEANS_POINTS = 64  # training points per hub centroid (faiss subsamples): 256 took a quarter of the build
+
+
 def query_hubs(keys: np.ndarray, queries: np.ndarray, n_hubs: int, seed: int) -> np.ndarray:
     """Up to ``n_hubs`` distinct keys: the top-1 key of each k-means centroid of ``queries`` (plus the
     key of largest inner product with the mean query, always first)."""
@@ -54,11 +60,36 @@ def query_hubs(keys: np.ndarray, queries: np.ndarray, n_hubs: int, seed: int) ->
         return np.array([mean_top], np.int64)
     c = min(n_hubs, len(queries))
     km = faiss.Kmeans(queries.shape[1], c, niter=10, seed=seed, verbose=False, min_points_per_centroid=1,
-                      max_points_per_centroid=256)
+                      max_points_per_centroid=KMEANS_POINTS)
     km.train(np.ascontiguousarray(queries))
     top = gb.topk_ip(km.centroids, keys, 1)[:, 0].astype(np.int64)
     hubs = [mean_top] + [int(h) for h in top]
     return np.array(list(dict.fromkeys(hubs)), np.int64)  # unique, order kept
+
+
+def subsample(queries: np.ndarray, at_most: int) -> np.ndarray:
+    """At most ``at_most`` rows of ``queries`` at an even stride, counted back from the newest (always kept):
+    neighbouring prefill queries select nearly the same keys, so a stride loses little of the bipartite graph."""
+    m = len(queries)
+    if m <= at_most:
+        return queries
+    idx = np.round(np.linspace(m - 1, 0, at_most)).astype(np.int64)[::-1]
+    return np.ascontiguousarray(queries[np.unique(idx)])
+
+
+def link_stranded(keys: np.ndarray, nbrs: np.ndarray, degree: np.ndarray, entries: np.ndarray, k: int) -> None:
+    """Out-edges for the keys that the projection left unreachable with an empty row (keys in no training
+    query's top list: about half of them on real heads): their ``k`` nearest keys by inner product, one
+    blocked kNN for all of them. ``link_unreachable`` then finds each an in-edge among its (or its
+    neighbours') reachable neighbours instead of scanning every key per stranded key."""
+    stranded = np.flatnonzero(~gs.reachable_from(nbrs, degree, entries) & (degree == 0))
+    if len(stranded) == 0:
+        return
+    near = gb.topk_ip(keys[stranded], keys, k + 1)
+    for t, row in zip(stranded, near):
+        row = row[row != t][:k]
+        nbrs[t, : len(row)] = row
+        degree[t] = len(row)
 
 
 class RoarGraphIndex(Index):
@@ -68,15 +99,16 @@ class RoarGraphIndex(Index):
     uses_train_queries = True
     build_params = {
         "M": Param(12, 2, 512, help="out-degree of the projection (RobustPrune target)"),
-        "R": Param(24, 2, 1024, help="row capacity after connectivity enhancement (≥ M)"),
+        "R": Param(24, 2, 1024, help="row capacity after reverse edges and linking (≥ M)"),
         "M_sq": Param(100, 1, 4096, help="keys per training query in the bipartite graph (its exact top-M_sq)"),
         "n_pivots": Param(20, 1, 4096, help="pivot rank: each of a query's first n_pivots keys takes its other keys as candidates (1 = RoarGraph)"),
         "n_sel": Param(32, 1, 1 << 20, help="queries per pivot key (those where it ranks best; newest first on ties)"),
         "n_cand": Param(100, 2, 4096, help="how many of a query's keys are candidates of its pivots (≤ M_sq)"),
         "max_cand": Param(128, 2, 1 << 16, help="candidates per key kept (heaviest co-occurrence) before pruning"),
         "alpha": Param(1.2, 0.0, 4.0, help="RobustPrune α of the projection (inner-product rule; > 1 prunes less; 0 = no pruning)"),
-        "enhance_L": Param(64, 0, 4096, help="beam width of the connectivity-enhancement search (0 = skip it)"),
-        "M_link": Param(8, 1, 512, help="in-edges a key gets from the nodes its enhancement search found"),
+        "max_train": Param(1 << 20, 1, 1 << 30, help="training queries used at most: an even stride over them, the newest always kept (build time)"),
+        "enhance_L": Param(0, 0, 4096, help="beam width of the connectivity-enhancement search (0 = skip it)"),
+        "M_link": Param(8, 1, 512, help="links per key from the enhancement search / out-edges of a stranded key"),
         "n_hubs": Param(32, 1, 4096, help="entry hubs: top key of each k-means centroid of the training queries (all counted)"),
         "recent_entries": Param(0, 0, 4096, help="the newest keys (highest ids) also used as entry points (counted)"),
         "recent_frac": Param(0.0, 0.0, 1.0, help="newest fraction of training queries given recent_weight"),
@@ -105,6 +137,7 @@ class RoarGraphIndex(Index):
         n = len(keys)
         threads = numba.get_num_threads()
         m_sq = min(p["M_sq"], n)
+        train_queries = subsample(train_queries, p["max_train"])
         knn = gb.topk_ip(train_queries, keys, m_sq)
         weights = np.ones(len(train_queries), np.float32)
         if p["recent_frac"] > 0:
@@ -113,13 +146,14 @@ class RoarGraphIndex(Index):
         degree = np.zeros(n, np.int32)
         ptr, occ_q, _ = gb.key_occurrences(knn, n, p["n_pivots"])
         gb.project_rows(keys, knn, weights, ptr, occ_q, p["n_sel"], p["n_cand"], p["max_cand"], p["alpha"], p["M"],
-                        nbrs, degree)
+                        nbrs, degree, threads)
         pa = max(p["alpha"], 1.0)  # the reverse/enhancement prunes always use the RobustPrune rule
-        nbrs, degree = gb.add_reverse_edges(keys, nbrs, degree, pa, p["M"])
+        nbrs, degree = gb.add_reverse_edges(keys, nbrs, degree, pa, p["R"])
         self.hubs = query_hubs(keys, train_queries, p["n_hubs"], p["seed"])
         if p["enhance_L"] > 0:
             nbrs, degree = gb.connect_by_search(keys, nbrs, degree, self.hubs, p["enhance_L"], pa, p["R"],
                                                 p["M_link"], threads)
+        link_stranded(keys, nbrs, degree, self.hubs, p["M_link"])
         gb.link_unreachable(keys, nbrs, degree, self.hubs, p["R"])
         self._store = KeyStore.for_array(keys)
         self._nbrs, self._degree = nbrs, degree
@@ -151,7 +185,7 @@ class RoarGraphIndex(Index):
                 cand_rows = np.full((n0 + t, p["R"]), -1, np.int32)
                 cand_deg = np.zeros(n0 + t, np.int32)
                 gb.project_rows(allkeys, sel, np.ones(len(sel), np.float32), ptr, occ_q, p["n_sel"], p["n_cand"],
-                                p["max_cand"], p["alpha"], p["M"], cand_rows, cand_deg)
+                                p["max_cand"], p["alpha"], p["M"], cand_rows, cand_deg, numba.get_num_threads())
                 for v in new:  # the new key's out-edges, then its reverse edges below
                     nbrs[v, : cand_deg[v]] = cand_rows[v, : cand_deg[v]]
                     degree[v] = cand_deg[v]
