@@ -6,8 +6,9 @@ Two such partial results over disjoint sets merge into softmax attention over th
 with ``m = max(m_W, m_Ω)`` and ``w_S = e^{m_S−m} Z_S``, ``o = (w_W o_W + w_Ω o_Ω) / (w_W + w_Ω)``.
 An empty set has ``m = −inf`` and ``Z = 0`` and drops out of the merge.
 
-- :func:`attend_rows` is the CPU side: a numba kernel (``nogil=True``, so it runs beside
-  the accelerator's work in another thread) over rows gathered from the CPU key/value store.
+- :func:`attend_rows_and_range` is the CPU side: a numba kernel (``nogil=True``, so it runs
+  beside the accelerator's work in another thread) over each head's retrieved rows of the CPU
+  key/value store plus the side-buffer range (:func:`attend_rows`: the rows alone).
 - :func:`attend_window` is the accelerator side: plain torch on whatever device the cache is.
 - :func:`merge` works on numpy arrays and torch tensors alike.
 """
@@ -20,58 +21,83 @@ import numpy as np
 from numba import njit
 
 
+@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
+def _logit(q, key, scaling):
+    """q · key in float64 (SIMD: reassociated sum, far below the 1e-9 the exactness tests ask), times ``scaling``."""
+    s = 0.0
+    for c in range(q.shape[0]):
+        s += q[c] * np.float64(key[c])
+    return s * scaling
+
+
 @njit(cache=True, nogil=True)
-def attend_rows(q, keys, values, rows, scaling):
-    """Attention of each query head over its own rows of the CPU store.
+def attend_rows_and_range(q, keys, values, rows, lo, hi, scaling):
+    """Attention of each query head over its own rows of the CPU store plus the rows ``[lo, hi)`` shared by all heads.
 
     q (H, d) float32; keys, values (G, cap, d) float32 (query head h reads KV head h // (H/G));
-    rows (H, r) int64 row numbers, ``-1`` = no key; returns output (H, d), max logit (H,) and
-    normaliser (H,), all float64. A head with no rows gets output 0, max −inf, normaliser 0.
+    rows (H, r) int64 row numbers, ``-1`` = no key; ``[lo, hi)`` the side-buffer (every head
+    attends to all of it; empty when lo ≥ hi). Returns output (H, d), max logit (H,) and
+    normaliser (H,), all float64. A head with no key gets output 0, max −inf, normaliser 0.
     """
     n_heads, d = q.shape
     group = n_heads // keys.shape[0]
     r = rows.shape[1]
+    n_side = max(hi - lo, 0)
     out = np.zeros((n_heads, d), np.float64)
     mx = np.full(n_heads, -np.inf)
     zs = np.zeros(n_heads, np.float64)
-    logits = np.empty(r, np.float64)
+    logits = np.empty(r + n_side, np.float64)
+    qh = np.empty(d, np.float64)
     for h in range(n_heads):
         g = h // group
+        for c in range(d):
+            qh[c] = q[h, c]
         m = -np.inf
-        for j in range(r):
-            row = rows[h, j]
+        for j in range(r + n_side):
+            row = rows[h, j] if j < r else lo + (j - r)
             if row < 0:
                 logits[j] = -np.inf
                 continue
-            s = 0.0
-            for c in range(d):
-                s += np.float64(q[h, c]) * np.float64(keys[g, row, c])
-            s *= scaling
+            s = _logit(qh, keys[g, row], scaling)
             logits[j] = s
             if s > m:
                 m = s
         if m == -np.inf:
             continue
         z = 0.0
-        for j in range(r):
-            row = rows[h, j]
+        acc = out[h]
+        for j in range(r + n_side):
+            row = rows[h, j] if j < r else lo + (j - r)
             if row < 0:
                 continue
             w = math.exp(logits[j] - m)
             z += w
+            v = values[g, row]
             for c in range(d):
-                out[h, c] += w * values[g, row, c]
+                acc[c] += w * v[c]
         for c in range(d):
-            out[h, c] /= z
+            acc[c] /= z
         mx[h] = m
         zs[h] = z
     return out, mx, zs
 
 
+@njit(cache=True, nogil=True)
+def attend_rows(q, keys, values, rows, scaling):
+    """Attention of each query head over its own rows of the CPU store (:func:`attend_rows_and_range` without a range).
+
+    q (H, d) float32; keys, values (G, cap, d) float32 (query head h reads KV head h // (H/G));
+    rows (H, r) int64 row numbers, ``-1`` = no key; returns output (H, d), max logit (H,) and
+    normaliser (H,), all float64. A head with no rows gets output 0, max −inf, normaliser 0.
+    """
+    return attend_rows_and_range(q, keys, values, rows, 0, 0, scaling)
+
+
 def warmup() -> None:
     """Compile (or load from numba's cache) the CPU kernel before anything is timed."""
-    attend_rows(np.zeros((2, 4), np.float32), np.zeros((1, 3, 4), np.float32), np.zeros((1, 3, 4), np.float32),
-                np.zeros((2, 2), np.int64), 1.0)
+    q, kv, rows = np.zeros((2, 4), np.float32), np.zeros((1, 3, 4), np.float32), np.zeros((2, 2), np.int64)
+    attend_rows(q, kv, kv, rows, 1.0)
+    attend_rows_and_range(q, kv, kv, rows, 0, 1, 1.0)
 
 
 def attend_window(q, keys, values, scaling: float):

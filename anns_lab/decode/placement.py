@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from anns_lab.decode.kernels import attend_rows
+from anns_lab.decode.kernels import attend_rows_and_range
 from anns_lab.indexes import registry
+from anns_lab.indexes.base import resolve_params
+from anns_lab.indexes.graph_search import GraphGroup
 
 
 @dataclass
@@ -71,6 +73,9 @@ class LayerStore:
         self.add_batch = add_batch
         self.indexes: list = []  # per query head (a group may share one object)
         self.build_s = 0.0
+        self._shared: list[list[int]] = []  # heads of each distinct index (an index per KV head serves its group)
+        self._graphs: GraphGroup | None = None  # per-head graph indexes: one kernel call searches them all
+        self._beam = 0
 
     # -- build and grow ----------------------------------------------------------------------------
 
@@ -91,7 +96,22 @@ class LayerStore:
             shared = [cls(**self.plan.build_params).build(k) for k in per_kv]
             self.indexes = [shared[h // self.group] for h in range(self.n_heads)]
         self.n_indexed = n
+        self._prepare_search()
         self.build_s = time.perf_counter() - t0
+
+    def _prepare_search(self) -> None:
+        """Cache how a step searches: the head groups of shared indexes, or one GraphGroup of per-head graphs."""
+        groups: dict[int, list[int]] = {}
+        for h, index in enumerate(self.indexes):
+            groups.setdefault(id(index), []).append(h)
+        self._shared = list(groups.values())
+        self._graphs = None
+        if len(self._shared) == self.n_heads and self.indexes:
+            cls = type(self.indexes[0])
+            graph_like = all(hasattr(ix, "graph_arrays") and hasattr(ix, "entries_for") for ix in self.indexes)
+            if graph_like and set(cls.search_params) == {"L"} and all(type(ix) is cls for ix in self.indexes):
+                self._beam = resolve_params(cls.__name__, cls.search_params, self.plan.search_params)["L"]
+                self._graphs = GraphGroup(self.indexes)
 
     @property
     def supports_add(self) -> bool:
@@ -112,40 +132,46 @@ class LayerStore:
         self.n_rows += t
         if self.supports_add and self.n_rows - self.n_indexed >= self.add_batch:
             new = self.keys[:, self.n_indexed:self.n_rows]
-            seen = set()
-            for h, index in enumerate(self.indexes):
-                if id(index) not in seen:
-                    seen.add(id(index))
-                    index.add(np.ascontiguousarray(new[h // self.group]))
+            for heads in self._shared:
+                self.indexes[heads[0]].add(np.ascontiguousarray(new[heads[0] // self.group]))
             self.n_indexed = self.n_rows
+            if self._graphs is not None:
+                self._graphs.refresh()  # add() reallocates the graph arrays and may add entry points
 
     # -- the CPU side of a decode step ---------------------------------------------------------------
 
     def side(self, q: np.ndarray, scaling: float) -> SideResult:
-        """Search each head's index with its query, add the side-buffer rows, attend over them (GIL released)."""
+        """Search each head's index with its query, then attend over the hits and the side-buffer (GIL released).
+
+        Per-head graph indexes (roargraph) are searched in one kernel call (:class:`GraphGroup`);
+        an index shared by a KV head's group gets the group's queries in one batch; any other
+        per-head index class goes through its ``search_group``. The side-buffer rows
+        ``[n_indexed, n_rows)`` are passed to the attention kernel as a range, not gathered.
+        """
         t0 = time.perf_counter()
-        parts, scanned = [], []
+        q = np.ascontiguousarray(q, dtype=np.float32)
+        scanned = float("nan")
         if self.indexes and self.n_indexed:
             k = min(self.topk, self.n_indexed)
-            rows = np.empty((self.n_heads, k), np.int64)
-            groups: dict[int, list[int]] = {}
-            for h, index in enumerate(self.indexes):
-                groups.setdefault(id(index), []).append(h)
-            if len(groups) == self.n_heads:  # one index per query head: the class searches them all in one call
+            if self._graphs is not None:
+                res = self._graphs.search(q, k, self._beam)
+                rows = res.ids
+                scanned = float(res.n_scanned.mean()) / self.n_indexed
+            elif len(self._shared) == self.n_heads:  # one index per query head: the class searches them all in one call
                 res = type(self.indexes[0]).search_group(self.indexes, q, k, **self.plan.search_params)
-                rows[:] = res.ids
-                scanned.extend((res.n_scanned / self.n_indexed).tolist())
+                rows = np.ascontiguousarray(res.ids)
+                scanned = float(res.n_scanned.mean()) / self.n_indexed
             else:  # a shared index per KV head: its group's queries in one batch
-                for heads in groups.values():
+                rows = np.empty((self.n_heads, k), np.int64)
+                total = 0
+                for heads in self._shared:
                     res = self.indexes[heads[0]].search(q[heads], k, **self.plan.search_params)
                     rows[heads] = res.ids
-                    scanned.extend((res.n_scanned / self.n_indexed).tolist())
-            parts.append(rows)
-        if self.n_rows > self.n_indexed:
-            pending = np.arange(self.n_indexed, self.n_rows, dtype=np.int64)
-            parts.append(np.broadcast_to(pending, (self.n_heads, len(pending))))
+                    total += int(res.n_scanned.sum())
+                scanned = total / self.n_heads / self.n_indexed
+        else:
+            rows = np.empty((self.n_heads, 0), np.int64)
         t1 = time.perf_counter()
-        rows = np.ascontiguousarray(np.concatenate(parts, axis=1)) if parts else np.full((self.n_heads, 1), -1, np.int64)
-        out, m, z = attend_rows(np.ascontiguousarray(q, dtype=np.float32), self.keys, self.values, rows, float(scaling))
+        out, m, z = attend_rows_and_range(q, self.keys, self.values, rows, self.n_indexed, self.n_rows, float(scaling))
         t2 = time.perf_counter()
-        return SideResult(out, m, z, t1 - t0, t2 - t1, float(np.mean(scanned)) if scanned else float("nan"))
+        return SideResult(out, m, z, t1 - t0, t2 - t1, scanned)

@@ -23,6 +23,20 @@ def dot(a: np.ndarray, b: np.ndarray) -> float:
     return s
 
 
+@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
+def ip(a: np.ndarray, b: np.ndarray) -> float:
+    """Inner product of two float32 vectors, SIMD-vectorised (reassociated sum): the query-time kernel.
+
+    About 5x faster than :func:`dot` at d = 64 (which keeps the sequential sum the build kernels
+    were tuned with). Every query-time search (:func:`search_one`) uses it, so a key's score is
+    the same bits whichever entry point (``Index.search``, ``search_group``) computed it.
+    """
+    s = np.float32(0.0)
+    for i in range(a.shape[0]):
+        s += a[i] * b[i]
+    return s
+
+
 @njit(cache=True, nogil=True)
 def _insert(ids, scores, done, size, cap, node, score):
     """Insert (node, score) into the descending candidate list; return (new size, insert position)."""
@@ -87,29 +101,184 @@ def beam_search(data, nbrs, degree, query, entries, L, visited, epoch, expanded)
     return ids, scores, size, n_scanned, min(n_expanded, expanded.shape[0])
 
 
+# -- query-time search: best-first with two binary heaps ------------------------------------------
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _push_min(hs, hi, n, s, v):
+    """Push (s, v) on the min-heap ``hs``/``hi`` of size n; return the new size."""
+    i = n
+    while i > 0:
+        p = (i - 1) >> 1
+        if hs[p] <= s:
+            break
+        hs[i] = hs[p]
+        hi[i] = hi[p]
+        i = p
+    hs[i] = s
+    hi[i] = v
+    return n + 1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _sift_min(hs, hi, n, s, v):
+    """Put (s, v) at the root of the min-heap of size n and sift it down."""
+    i = 0
+    while True:
+        c = 2 * i + 1
+        if c >= n:
+            break
+        if c + 1 < n and hs[c + 1] < hs[c]:
+            c += 1
+        if hs[c] >= s:
+            break
+        hs[i] = hs[c]
+        hi[i] = hi[c]
+        i = c
+    hs[i] = s
+    hi[i] = v
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _push_max(hs, hi, n, s, v):
+    """Push (s, v) on the max-heap of size n; return the new size."""
+    i = n
+    while i > 0:
+        p = (i - 1) >> 1
+        if hs[p] >= s:
+            break
+        hs[i] = hs[p]
+        hi[i] = hi[p]
+        i = p
+    hs[i] = s
+    hi[i] = v
+    return n + 1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _pop_max(hs, hi, n):
+    """Drop the root of the max-heap of size n; return the new size."""
+    n -= 1
+    s = hs[n]
+    v = hi[n]
+    i = 0
+    while True:
+        c = 2 * i + 1
+        if c >= n:
+            break
+        if c + 1 < n and hs[c + 1] > hs[c]:
+            c += 1
+        if hs[c] <= s:
+            break
+        hs[i] = hs[c]
+        hi[i] = hi[c]
+        i = c
+    if n > 0:
+        hs[i] = s
+        hi[i] = v
+    return n
+
+
+@njit(cache=True, nogil=True)
+def search_one(data, nbrs, degree, query, entries, L, visited, epoch, heap_s, heap_i, out_ids, out_scores):
+    """Best-first beam search of one query; writes its top-k (k = ``len(out_ids)``) and returns n_scanned.
+
+    The same search as :func:`beam_search` (keep the ``L`` best nodes seen, expand the best
+    unexpanded one until all ``L`` are expanded: it stops when the best candidate left is worse
+    than the L-th best), with the beam as a min-heap and the frontier as a max-heap instead of a
+    sorted list (O(log L) per insert), and the SIMD inner product :func:`ip`. Every inner
+    product is counted, entry points included; ``entries`` equal to -1 are skipped.
+
+    ``visited`` (n,) int32 is marked with ``epoch`` (callers bump it per query, so it needs no
+    clearing); ``heap_s``/``heap_i`` are a workspace of at least n + L slots (the beam uses the
+    first L, the frontier the rest: each node is pushed at most once). ``out_ids``/``out_scores``
+    get the k best by descending score, padded with -1 / -inf.
+    """
+    rs = heap_s[:L]  # the beam: min-heap of the L best scores seen
+    ri = heap_i[:L]
+    cs = heap_s[L:]  # the frontier: max-heap of nodes that entered the beam, not yet expanded
+    ci = heap_i[L:]
+    nr = 0
+    nc = 0
+    n_scanned = 0
+    for e in entries:
+        if e < 0 or visited[e] == epoch:
+            continue
+        visited[e] = epoch
+        n_scanned += 1
+        s = ip(data[e], query)
+        if nr < L:
+            nr = _push_min(rs, ri, nr, s, e)
+        elif s > rs[0]:
+            _sift_min(rs, ri, nr, s, e)
+        else:
+            continue
+        nc = _push_max(cs, ci, nc, s, e)
+    fresh = np.empty(nbrs.shape[1], np.int64)  # the expanded node's unvisited neighbours
+    fresh_s = np.empty(nbrs.shape[1], np.float32)
+    while nc > 0:
+        if nr == L and cs[0] < rs[0]:
+            break  # every node of the beam is expanded
+        node = ci[0]
+        nc = _pop_max(cs, ci, nc)
+        # Three passes over the neighbours: pick the unvisited ones, score them all (no branch between
+        # the inner products, so their key rows load in parallel: the search is memory-bound), then
+        # update the heaps in neighbour order (the same result as one pass).
+        nf = 0
+        for j in range(degree[node]):
+            nb = nbrs[node, j]
+            if visited[nb] != epoch:
+                visited[nb] = epoch
+                fresh[nf] = nb
+                nf += 1
+        for j in range(nf):
+            fresh_s[j] = ip(data[fresh[j]], query)
+        n_scanned += nf
+        for j in range(nf):
+            nb = fresh[j]
+            s = fresh_s[j]
+            if nr < L:
+                nr = _push_min(rs, ri, nr, s, nb)
+            elif s > rs[0]:
+                _sift_min(rs, ri, nr, s, nb)
+            else:
+                continue
+            nc = _push_max(cs, ci, nc, s, nb)
+    k = out_ids.shape[0]
+    for j in range(nr, k):
+        out_ids[j] = -1
+        out_scores[j] = -np.inf
+    while nr > 0:  # pop the beam worst first: the node popped when nr nodes are left has rank nr - 1
+        nr -= 1
+        if nr < k:
+            out_ids[nr] = ri[0]
+            out_scores[nr] = rs[0]
+        if nr > 0:
+            _sift_min(rs, ri, nr, rs[nr], ri[nr])
+    return n_scanned
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def beam_search_batch(data, nbrs, degree, queries, entries, L, k, n_threads):
-    """Beam search each query (row of ``entries`` = its entry nodes) on ``n_threads``; top-k, padded with -1/-inf.
+    """Search each query (row of ``entries`` = its entry nodes, ``-1`` = none) on ``n_threads``; top-k, padded with -1/-inf.
 
-    ``n_threads`` is passed in (``numba.get_num_threads()``) because reading it inside would stop caching.
+    Best-first search with beam ``L`` (:func:`search_one`). ``n_threads`` is passed in
+    (``numba.get_num_threads()``) because reading it inside would stop caching.
     """
     nq = queries.shape[0]
     out_ids = np.full((nq, k), -1, np.int64)
     out_scores = np.full((nq, k), -np.inf, np.float32)
     n_scanned = np.zeros(nq, np.int64)
     n_chunks = max(1, min(nq, n_threads))
-    no_expanded = np.empty(0, np.int64)
     for c in prange(n_chunks):
         visited = np.zeros(data.shape[0], np.int32)  # one per thread, reused through epochs
+        heap_s = np.empty(data.shape[0] + L, np.float32)  # workspace of search_one (never more than n pushes)
+        heap_i = np.empty(data.shape[0] + L, np.int64)
         lo = c * nq // n_chunks
         hi = (c + 1) * nq // n_chunks
         for qi in range(lo, hi):
-            epoch = qi - lo + 1
-            ids, scores, size, scanned, _ = beam_search(data, nbrs, degree, queries[qi], entries[qi], L, visited, epoch, no_expanded)
-            m = min(size, k)
-            out_ids[qi, :m] = ids[:m]
-            out_scores[qi, :m] = scores[:m]
-            n_scanned[qi] = scanned
+            n_scanned[qi] = search_one(data, nbrs, degree, queries[qi], entries[qi], L, visited, qi - lo + 1,
+                                       heap_s, heap_i, out_ids[qi], out_scores[qi])
     return out_ids, out_scores, n_scanned
 
 
@@ -144,14 +313,131 @@ def _mark_from(nbrs, degree, start, seen, queue):
                 tail += 1
 
 
-def search_graphs(indexes, queries: np.ndarray, k: int, L: int):
-    """Search graph ``indexes[i]`` (exposing ``graph_arrays()`` and ``entries_for(q)``) with ``queries[i]``.
+@njit(cache=True, nogil=True)
+def search_heads(keys, nbrs, degree, entries, queries, L, visited, epoch, heap_s, heap_i, out_ids, out_scores, n_scanned):
+    """Search graph i (``keys[i]``, ``nbrs[i]``, ``degree[i]``, ``entries[i]``: numba typed Lists) with ``queries[i]``.
 
-    Returns a ``SearchResult`` of ids (H, k), scores (H, k), n_scanned (H,).
+    One call for all the query heads of a layer, on the calling thread (no parallel launch: the
+    decoder's CPU side runs on one worker next to the accelerator). ``visited`` (≥ the largest
+    graph) is shared by the searches, marked with ``epoch + i``; ``heap_s``/``heap_i`` are the
+    :func:`search_one` workspace (≥ largest graph + L). Writes top-k rows of ``out_ids`` /
+    ``out_scores`` and ``n_scanned``.
     """
-    from anns_lab.indexes.base import SearchResult
+    for i in range(queries.shape[0]):
+        n_scanned[i] = search_one(keys[i], nbrs[i], degree[i], queries[i], entries[i], L, visited, epoch + i,
+                                  heap_s, heap_i, out_ids[i], out_scores[i])
 
-    q = np.ascontiguousarray(queries, dtype=np.float32)
-    out = [beam_search_batch(*index.graph_arrays(), q[i: i + 1], index.entries_for(q[i: i + 1]), max(L, k), k, 1)
-           for i, index in enumerate(indexes)]
-    return SearchResult(*(np.concatenate(column) for column in zip(*out)))
+
+class GraphGroup:
+    """The arrays of several graph indexes, cached for :func:`search_heads` (one search per index, one call).
+
+    Each index exposes ``graph_arrays()`` → (keys, nbrs, degree) and ``entries_for(queries)``;
+    the entry points are assumed not to depend on the query (roargraph: hubs + newest keys), so
+    they are read once here. Build the group once after the indexes are built and call
+    :meth:`refresh` after any ``add`` (which reallocates keys/nbrs and may add entry points);
+    :meth:`current` says whether that is needed. Indexes of a GQA group share one key array
+    (``KeyStore``): the typed list holds that array once per head, without copying it.
+
+    The visited array and its epoch persist between calls, so a group is for one thread at a time.
+    """
+
+    def __init__(self, indexes) -> None:
+        import weakref
+
+        self._refs = [weakref.ref(ix) for ix in indexes]  # weak: a cached group must not keep its indexes alive
+        self.refresh()
+
+    @property
+    def indexes(self) -> list:
+        return [ref() for ref in self._refs]
+
+    def refresh(self) -> None:
+        from numba import typed, types
+
+        def ro(dtype, ndim):  # read-only element types: writable arrays go in as they are, read-only ones too
+            return types.Array(dtype, ndim, "C", readonly=True)
+
+        self.keys = typed.List.empty_list(ro(types.float32, 2))
+        self.nbrs = typed.List.empty_list(ro(types.int32, 2))
+        self.degree = typed.List.empty_list(ro(types.int32, 1))
+        self.entries = typed.List.empty_list(ro(types.int64, 1))
+        self._seen = []  # (nbrs, degree, n) per index, to tell when an add() has replaced them
+        for index in self.indexes:
+            keys, nbrs, degree = index.graph_arrays()
+            self.keys.append(np.ascontiguousarray(keys, dtype=np.float32))
+            self.nbrs.append(np.ascontiguousarray(nbrs, dtype=np.int32))
+            self.degree.append(np.ascontiguousarray(degree, dtype=np.int32))
+            probe = np.zeros((1, keys.shape[1]), np.float32)
+            self.entries.append(np.ascontiguousarray(index.entries_for(probe)[0], dtype=np.int64))
+            self._seen.append((nbrs, degree, keys.shape[0]))
+        self.n_max = max((k.shape[0] for k in self.keys), default=0)
+        self.visited = np.zeros(self.n_max, np.int32)
+        self.epoch = 0
+        self._heap_L = -1
+
+    def current(self) -> bool:
+        """True when no index has changed its arrays since the last refresh."""
+        for index, (nbrs, degree, n) in zip(self.indexes, self._seen):
+            if index is None:
+                return False
+            keys, nb, dg = index.graph_arrays()
+            if nb is not nbrs or dg is not degree or keys.shape[0] != n:
+                return False
+        return True
+
+    def search(self, queries: np.ndarray, k: int, L: int, out_ids: np.ndarray | None = None):
+        """Top-k of index i for ``queries[i]`` (beam max(L, k)); ``SearchResult`` of (H, k) ids, scores, (H,) n_scanned.
+
+        ``out_ids`` (H, k) int64, C-contiguous, may be given to receive the ids in place.
+        """
+        from anns_lab.indexes.base import SearchResult
+
+        h = len(self._refs)
+        q = np.ascontiguousarray(queries, dtype=np.float32)
+        if q.ndim != 2 or q.shape[0] != h:
+            raise ValueError(f"GraphGroup: {h} indexes need {h} queries, got shape {q.shape}")
+        beam = max(L, k)
+        if self._heap_L != beam:  # the search workspace: beam + frontier (each node pushed once)
+            self._heap_s = np.empty(self.n_max + beam, np.float32)
+            self._heap_i = np.empty(self.n_max + beam, np.int64)
+            self._heap_L = beam
+        if self.epoch + h >= 2**31 - 1:
+            self.visited[:] = 0
+            self.epoch = 0
+        ids = np.empty((h, k), np.int64) if out_ids is None else out_ids
+        scores = np.empty((h, k), np.float32)
+        n_scanned = np.empty(h, np.int64)
+        search_heads(self.keys, self.nbrs, self.degree, self.entries, q, beam, self.visited, self.epoch + 1,
+                     self._heap_s, self._heap_i, ids, scores, n_scanned)
+        self.epoch += h
+        return SearchResult(ids, scores, n_scanned)
+
+
+_GROUPS: "weakref.WeakKeyDictionary" = None  # first index → (ids of all, GraphGroup), for search_graphs
+
+
+def search_graphs(indexes, queries: np.ndarray, k: int, L: int):
+    """Search graph ``indexes[i]`` (exposing ``graph_arrays()`` and ``entries_for(q)``) with ``queries[i]``, in one kernel call.
+
+    Returns a ``SearchResult`` of ids (H, k), scores (H, k), n_scanned (H,): exactly what
+    ``indexes[i].search(queries[i:i+1], k, L=L)`` returns for each i. The :class:`GraphGroup`
+    of the same list of indexes is kept between calls (weakly, by the first index) and
+    refreshed when an index has changed; a caller searching the same indexes every step may
+    hold its own group instead and skip that check.
+    """
+    import weakref
+
+    global _GROUPS
+    if _GROUPS is None:
+        _GROUPS = weakref.WeakKeyDictionary()
+    indexes = list(indexes)
+    tag = tuple(id(ix) for ix in indexes)
+    hit = _GROUPS.get(indexes[0])
+    if hit is not None and hit[0] == tag and all(a is b for a, b in zip(hit[1].indexes, indexes)):  # ids alone could be reused
+        group = hit[1]
+        if not group.current():
+            group.refresh()
+    else:
+        group = GraphGroup(indexes)
+        _GROUPS[indexes[0]] = (tag, group)
+    return group.search(queries, k, L)

@@ -1,0 +1,239 @@
+"""CPU side of one decode step, per layer: ``LayerStore.side`` (search + gather + attention) in µs per call.
+
+    .venv/bin/python benchmarks/bench_cpu_side.py --dump dumps/smollm2-text-8192 --layers 2,15,28
+
+For each layer it builds, on the dump's real prefill keys outside the static window (128 + 512),
+one :class:`LayerStore` per mode (``flat``, ``ivf``, ``roargraph`` with ``--train-queries``
+evenly strided prefill queries, as ``bench_decode.py --train-queries`` does), puts ``--pending``
+decode-phase keys in the side-buffer (tokens that left the window, not yet added), and calls
+``side()`` with the dump's decode-phase queries (one query per head per call, as the decoder does).
+Modes are interleaved round by round and the median over rounds is reported, so a shared, noisy
+machine slows every mode alike; ratios within one run are the useful numbers.
+
+``--legacy`` adds ``<mode>-legacy`` rows: the side() of commit 3d8cf12 (per-head kernel calls for
+graph indexes, side-buffer rows materialised and concatenated, then ``attend_rows``), copied below,
+on the same stores — the before/after ratio of this rewrite measured in one run.
+
+Threads as in the decoder's CPU worker: numba and faiss on one thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import numpy as np
+
+
+def _legacy_kernels():
+    """The search and attention kernels of commit 3d8cf12: sorted-list beam search with the sequential ``dot``
+    (``graph_search.beam_search``, still used by the graph builds), parallel batch wrapper, scalar attention."""
+    import math
+
+    from numba import njit, prange
+
+    from anns_lab.indexes import graph_search as gs
+
+    @njit(nogil=True, parallel=True)
+    def beam_search_batch(data, nbrs, degree, queries, entries, L, k, n_threads):
+        nq = queries.shape[0]
+        out_ids = np.full((nq, k), -1, np.int64)
+        out_scores = np.full((nq, k), -np.inf, np.float32)
+        n_scanned = np.zeros(nq, np.int64)
+        n_chunks = max(1, min(nq, n_threads))
+        no_expanded = np.empty(0, np.int64)
+        for c in prange(n_chunks):
+            visited = np.zeros(data.shape[0], np.int32)
+            lo = c * nq // n_chunks
+            hi = (c + 1) * nq // n_chunks
+            for qi in range(lo, hi):
+                ids, scores, size, scanned, _ = gs.beam_search(data, nbrs, degree, queries[qi], entries[qi], L, visited,
+                                                               qi - lo + 1, no_expanded)
+                m = min(size, k)
+                out_ids[qi, :m] = ids[:m]
+                out_scores[qi, :m] = scores[:m]
+                n_scanned[qi] = scanned
+        return out_ids, out_scores, n_scanned
+
+    @njit(nogil=True)
+    def attend_rows(q, keys, values, rows, scaling):
+        n_heads, d = q.shape
+        group = n_heads // keys.shape[0]
+        r = rows.shape[1]
+        out = np.zeros((n_heads, d), np.float64)
+        mx = np.full(n_heads, -np.inf)
+        zs = np.zeros(n_heads, np.float64)
+        logits = np.empty(r, np.float64)
+        for h in range(n_heads):
+            g = h // group
+            m = -np.inf
+            for j in range(r):
+                row = rows[h, j]
+                if row < 0:
+                    logits[j] = -np.inf
+                    continue
+                s = 0.0
+                for c in range(d):
+                    s += np.float64(q[h, c]) * np.float64(keys[g, row, c])
+                s *= scaling
+                logits[j] = s
+                if s > m:
+                    m = s
+            if m == -np.inf:
+                continue
+            z = 0.0
+            for j in range(r):
+                row = rows[h, j]
+                if row < 0:
+                    continue
+                w = math.exp(logits[j] - m)
+                z += w
+                for c in range(d):
+                    out[h, c] += w * values[g, row, c]
+            for c in range(d):
+                out[h, c] /= z
+            mx[h] = m
+            zs[h] = z
+        return out, mx, zs
+
+    return beam_search_batch, attend_rows
+
+
+_LEGACY = None
+
+
+def legacy_side(store, q: np.ndarray, scaling: float):
+    """``LayerStore.side`` as of commit 3d8cf12: per-head kernel calls, side-buffer rows materialised and concatenated."""
+    from anns_lab.indexes.base import SearchResult
+
+    global _LEGACY
+    if _LEGACY is None:
+        _LEGACY = _legacy_kernels()
+    beam_search_batch, attend_rows = _LEGACY
+    t0 = time.perf_counter()
+    parts, scanned = [], []
+    if store.indexes and store.n_indexed:
+        k = min(store.topk, store.n_indexed)
+        rows = np.empty((store.n_heads, k), np.int64)
+        groups: dict[int, list[int]] = {}
+        for h, index in enumerate(store.indexes):
+            groups.setdefault(id(index), []).append(h)
+        if len(groups) == store.n_heads:
+            L = store.plan.search_params.get("L", 100)
+            qq = np.ascontiguousarray(q, dtype=np.float32)
+            out = [beam_search_batch(*index.graph_arrays(), qq[i: i + 1], index.entries_for(qq[i: i + 1]), max(L, k), k, 1)
+                   for i, index in enumerate(store.indexes)]
+            res = SearchResult(*(np.concatenate(column) for column in zip(*out)))
+            rows[:] = res.ids
+            scanned.extend((res.n_scanned / store.n_indexed).tolist())
+        else:
+            for heads in groups.values():
+                res = store.indexes[heads[0]].search(q[heads], k, **store.plan.search_params)
+                rows[heads] = res.ids
+                scanned.extend((res.n_scanned / store.n_indexed).tolist())
+        parts.append(rows)
+    if store.n_rows > store.n_indexed:
+        pending = np.arange(store.n_indexed, store.n_rows, dtype=np.int64)
+        parts.append(np.broadcast_to(pending, (store.n_heads, len(pending))))
+    t1 = time.perf_counter()
+    rows = np.ascontiguousarray(np.concatenate(parts, axis=1)) if parts else np.full((store.n_heads, 1), -1, np.int64)
+    out, m, z = attend_rows(np.ascontiguousarray(q, dtype=np.float32), store.keys, store.values, rows, float(scaling))
+    t2 = time.perf_counter()
+    return out, m, z, t1 - t0, t2 - t1
+
+
+def _split(res):
+    """SideResult → (out, m, z, retrieval s, attention s), the shape legacy_side returns."""
+    return res.out, res.m, res.z, res.retrieval_s, res.attention_s
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dump", default="dumps/smollm2-text-8192")
+    ap.add_argument("--layers", default="15", help="comma-separated layers of the dump")
+    ap.add_argument("--modes", default="flat,ivf,roargraph")
+    ap.add_argument("--param", action="append", default=[], help="search parameter NAME=VALUE (to every index declaring it)")
+    ap.add_argument("--topk", type=int, default=100)
+    ap.add_argument("--window", default="128,512")
+    ap.add_argument("--train-queries", type=int, default=1024)
+    ap.add_argument("--pending", type=int, default=16, help="decode keys in the side-buffer (left the window, not added)")
+    ap.add_argument("--calls", type=int, default=32, help="decode queries per round (one side() call each)")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--legacy", action="store_true", help="also time the pre-rewrite side() on the same stores")
+    a = ap.parse_args()
+
+    import faiss
+    import numba
+
+    from anns_lab.decode.engine import _subsample
+    from anns_lab.decode.kernels import warmup
+    from anns_lab.decode.modes import parse_modes, parse_params
+    from anns_lab.decode.placement import LayerStore
+    from anns_lab.dumps.store import open_dump
+
+    numba.set_num_threads(1)
+    faiss.omp_set_num_threads(1)
+    warmup()
+    dump = open_dump(a.dump)
+    sink, recent = (int(x) for x in a.window.split(","))
+    n_pre = int(dump.manifest["n_tokens"]["prefill"])
+    H, G = dump.n_heads, dump.n_kv_heads
+    modes = parse_modes(a.modes, parse_params(a.param), {})
+    print(f"{dump!r}\nwindow {sink}+{recent}, top-{a.topk}, {a.pending} side-buffer rows, {a.train_queries} train queries; "
+          f"{platform.processor() or platform.machine()}, median of {a.rounds} rounds x {a.calls} calls")
+    results = {}
+    for layer in (int(x) for x in a.layers.split(",")):
+        keys = np.stack([dump.keys(layer, g, "all") for g in range(G)])
+        values = np.stack([dump.values(layer, g, "all") for g in range(G)])
+        prefill_q = np.stack([dump.queries(layer, h, "prefill") for h in range(H)])
+        decode_q = np.stack([dump.queries(layer, h, "decode") for h in range(H)])  # (H, t, d)
+        scaling = dump.scaling(layer)
+        lo, hi = sink, n_pre - recent
+        pend = keys[:, n_pre: n_pre + a.pending]  # the first decode keys stand in for tokens that left the window
+        runs = {}
+        for mode in modes:
+            store = LayerStore(layer, H, keys[:, lo:hi], values[:, lo:hi], a.topk, mode.plan, add_batch=1 << 30)
+            store.build(_subsample(prefill_q, a.train_queries))
+            if a.pending:
+                store.extend(pend, values[:, n_pre: n_pre + a.pending])
+            runs[mode.name] = (lambda s: (lambda q: _split(s.side(q, scaling))))(store)
+            if a.legacy:
+                runs[mode.name + "-legacy"] = (lambda s: (lambda q: legacy_side(s, q, scaling)))(store)
+            print(f"layer {layer} {mode.plan.describe()}: built in {store.build_s:.1f} s", flush=True)
+        nq = decode_q.shape[1]
+        qs = [np.ascontiguousarray(decode_q[:, i % nq]) for i in range(a.calls)]
+        first = {name: fn(qs[0]) for name, fn in runs.items()}  # compile / load every kernel before timing
+        for name in runs:
+            if name.endswith("-legacy"):
+                diff = np.abs(first[name][0] - first[name.removesuffix("-legacy")][0]).max()
+                print(f"{name}: max |output − new output| = {diff:.2e}")
+        wall = {name: [] for name in runs}
+        split = {name: [] for name in runs}
+        for _ in range(a.rounds):
+            for name, fn in runs.items():
+                parts = []
+                t0 = time.perf_counter()
+                for q in qs:
+                    parts.append(fn(q)[3:5])
+                wall[name].append((time.perf_counter() - t0) / len(qs))
+                split[name].append(np.mean(parts, axis=0))
+        print(f"\nlayer {layer}: {hi - lo} indexed keys, H={H}, G={G}")
+        print("| mode | side() µs | retrieval µs | attention µs | retrieval × flat | retrieval × ivf |")
+        print("|---|---|---|---|---|---|")
+        med = {name: statistics.median(v) * 1e6 for name, v in wall.items()}
+        ret = {name: float(np.median([p[0] for p in v])) * 1e6 for name, v in split.items()}
+        att = {name: float(np.median([p[1] for p in v])) * 1e6 for name, v in split.items()}
+        for name in runs:
+            rel = [f"{ret[name] / ret[ref]:.2f}" if ref in ret else "–" for ref in ("flat", "ivf")]
+            print(f"| {name} | {med[name]:.0f} | {ret[name]:.0f} | {att[name]:.0f} | {rel[0]} | {rel[1]} |")
+        results[layer] = {"side": med, "retrieval": ret, "attention": att}
+    if len(results) > 1:
+        names = list(next(iter(results.values()))["side"])
+        for part in ("side", "retrieval"):
+            print(f"\nsum over layers, {part} µs: " + ", ".join(f"{n} {sum(r[part][n] for r in results.values()):.0f}" for n in names))
+
+
+if __name__ == "__main__":
+    main()

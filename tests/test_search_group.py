@@ -1,0 +1,212 @@
+"""One kernel call for a layer's per-head graph searches (``graph_search.search_heads`` / ``GraphGroup``).
+
+References are independent of the code under test: each index searched alone (``Index.search``),
+numpy exact top-k, the sorted-list ``beam_search`` of the graph builds, and a float64 numpy
+softmax for the decoder's CPU side.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from anns_lab.decode.kernels import attend_rows, attend_rows_and_range
+from anns_lab.decode.placement import IndexPlan, LayerStore
+from anns_lab.indexes import graph_search as gs
+from anns_lab.indexes.roargraph import RoarGraphIndex
+
+BUILD = dict(M=8, R=16, n_hubs=8, keep_queries=64)
+
+
+def _clustered(rng, n, d, centers=12, spread=0.3):
+    c = rng.normal(size=(centers, d))
+    return (c[rng.integers(0, centers, n)] + spread * rng.normal(size=(n, d))).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def gqa():
+    """Two KV heads × three query heads: each query head's roargraph on its KV head's (shared) key array."""
+    rng = np.random.default_rng(0)
+    g, group, n, d = 2, 3, 1500, 24
+    keys = [_clustered(rng, n, d) for _ in range(g)]
+    indexes = []
+    for h in range(g * group):
+        train = (_clustered(rng, 400, d) + rng.normal(size=d).astype(np.float32)).astype(np.float32)
+        indexes.append(RoarGraphIndex(**BUILD, recent_entries=4 * (h % 2)).build(keys[h // group], train))
+    queries = _clustered(rng, g * group, d)
+    return keys, indexes, queries, group
+
+
+def _alone(indexes, queries, k, L):
+    return [ix.search(queries[i: i + 1], k, L=L) for i, ix in enumerate(indexes)]
+
+
+def _assert_same(res, alone):
+    for i, r in enumerate(alone):
+        np.testing.assert_array_equal(res.ids[i], r.ids[0])
+        np.testing.assert_array_equal(res.scores[i], r.scores[0])
+        assert res.n_scanned[i] == r.n_scanned[0]
+
+
+@pytest.mark.parametrize("k,L", [(10, 40), (50, 20), (1, 1), (100, 100)])
+def test_group_search_equals_each_index_alone(gqa, k, L):
+    keys, indexes, queries, _ = gqa
+    res = gs.search_graphs(indexes, queries, k, L)
+    assert res.ids.shape == (len(indexes), k) and res.n_scanned.shape == (len(indexes),)
+    _assert_same(res, _alone(indexes, queries, k, L))
+    group = gs.GraphGroup(indexes)
+    for _ in range(3):  # the visited array is reused through epochs
+        _assert_same(group.search(queries, k, L), _alone(indexes, queries, k, L))
+    assert RoarGraphIndex.search_group(indexes, queries, k, L=L).ids.tolist() == res.ids.tolist()
+
+
+def test_gqa_group_holds_each_key_array_once(gqa):
+    keys, indexes, queries, group = gqa
+    grp = gs.GraphGroup(indexes)
+    for h in range(len(indexes)):
+        assert np.shares_memory(grp.keys[h], grp.keys[(h // group) * group])  # one physical array per KV head
+
+
+def test_exhaustive_beam_is_exact_top_k_and_counts_every_key(gqa):
+    """With L ≥ n every reachable key enters the beam: the result is numpy's exact top-k, each key scanned once."""
+    keys, indexes, queries, group = gqa
+    n = keys[0].shape[0]
+    res = gs.GraphGroup(indexes).search(queries, 30, n)
+    for h, q in enumerate(queries):
+        scores = keys[h // group].astype(np.float64) @ q.astype(np.float64)
+        exact = np.argsort(-scores)[:30]
+        np.testing.assert_array_equal(res.ids[h], exact)
+        np.testing.assert_allclose(res.scores[h], scores[exact], rtol=1e-5, atol=1e-5)
+        assert res.n_scanned[h] == n  # entry points included, no key counted twice
+
+
+def test_recall_against_numpy_exact(gqa):
+    keys, indexes, queries, group = gqa
+    rng = np.random.default_rng(5)
+    qs = [(queries + 0.3 * rng.normal(size=queries.shape)).astype(np.float32) for _ in range(10)]
+    recall = {}
+    for L in (32, 300):
+        hits = []
+        for q in qs:
+            res = gs.search_graphs(indexes, q, 20, L)
+            for h in range(len(indexes)):
+                exact = np.argsort(-(keys[h // group] @ q[h]))[:20]
+                hits.append(len(set(exact) & set(res.ids[h])) / 20)
+            assert np.all(res.n_scanned < keys[0].shape[0])  # a graph search, not a scan of everything
+        recall[L] = np.mean(hits)
+    assert recall[32] > 0.6 and recall[300] > 0.97 and recall[300] >= recall[32], recall
+
+
+def test_refresh_after_add(gqa):
+    keys, indexes, queries, group = gqa
+    rng = np.random.default_rng(1)
+    fresh = [RoarGraphIndex(**BUILD, recent_entries=8).build(keys[0].copy(), _clustered(rng, 300, keys[0].shape[1]))
+             for _ in range(2)]
+    q = queries[:2]
+    grp = gs.GraphGroup(fresh)
+    before = gs.search_graphs(fresh, q, 10, 30)  # caches a group for these indexes
+    new = _clustered(rng, 40, keys[0].shape[1]) * 3  # large norms: the new keys win the top-k
+    for ix in fresh:
+        ix.add(new)
+    assert not grp.current()
+    grp.refresh()
+    assert grp.current()
+    after = grp.search(q, 10, 30)
+    _assert_same(after, _alone(fresh, q, 10, 30))
+    assert (after.ids >= keys[0].shape[0]).any() and not (before.ids >= keys[0].shape[0]).any()
+    _assert_same(gs.search_graphs(fresh, q, 10, 30), _alone(fresh, q, 10, 30))  # the cached group notices the add
+
+
+def _int_graph(seed, n=600, d=8, r=10):
+    """Keys/queries whose inner products are exact in float32 (integers < 2^24) and all distinct (key j adds j < 4096)."""
+    rng = np.random.default_rng(seed)
+    keys = np.concatenate([rng.integers(-20, 21, (n, d)), np.arange(n)[:, None]], axis=1).astype(np.float32)
+    queries = np.concatenate([4096 * rng.integers(-20, 21, (5, d)), np.ones((5, 1))], axis=1).astype(np.float32)
+    nbrs = np.stack([rng.choice(n, r, replace=False) for _ in range(n)]).astype(np.int32)
+    degree = rng.integers(r // 2, r + 1, n).astype(np.int32)
+    return keys, queries, nbrs, degree
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_heap_search_is_the_sorted_list_beam_search(seed):
+    """search_one (heaps, SIMD inner product) against beam_search (sorted list, sequential sum) on exact scores."""
+    keys, queries, nbrs, degree = _int_graph(seed)
+    entries = np.array([0, 7, 7, -1, 99], np.int64)
+    for L in (1, 5, 32, 200):
+        for q in queries:
+            visited = np.zeros(len(keys), np.int32)
+            ids, scores, size, n_scanned, _ = gs.beam_search(keys, nbrs, degree, q, entries[entries >= 0], L, visited, 1,
+                                                             np.empty(0, np.int64))
+            k = min(L, 20)
+            out_ids, out_scores = np.empty(k, np.int64), np.empty(k, np.float32)
+            heap_s, heap_i = np.empty(len(keys) + L, np.float32), np.empty(len(keys) + L, np.int64)
+            got = gs.search_one(keys, nbrs, degree, q, entries, L, np.zeros(len(keys), np.int32), 1, heap_s, heap_i,
+                                out_ids, out_scores)
+            assert got == n_scanned
+            m = min(size, k)
+            np.testing.assert_array_equal(out_ids[:m], ids[:m])
+            np.testing.assert_array_equal(out_scores[:m], scores[:m])
+            assert np.all(out_ids[m:] == -1) and np.all(np.isneginf(out_scores[m:]))
+
+
+# -- the decoder's CPU side --------------------------------------------------------------------------
+
+
+def _softmax_ref(q, keys, values, rows, scaling):
+    logits = (keys[rows].astype(np.float64) @ q.astype(np.float64)) * scaling
+    w = np.exp(logits - logits.max())
+    return (w / w.sum()) @ values[rows].astype(np.float64), logits.max(), w.sum()
+
+
+def test_attend_rows_and_range_against_numpy():
+    rng = np.random.default_rng(2)
+    h, g, n, d = 6, 2, 200, 16
+    q = rng.normal(size=(h, d)).astype(np.float32)
+    keys = (3 * rng.normal(size=(g, n, d))).astype(np.float32)
+    values = rng.normal(size=(g, n, d)).astype(np.float32)
+    rows = np.stack([rng.choice(150, 30, replace=False) for _ in range(h)]).astype(np.int64)
+    rows[:, ::4] = -1
+    for lo, hi in [(150, 170), (150, 150), (0, 0)]:
+        out, m, z = attend_rows_and_range(q, keys, values, rows, lo, hi, 0.25)
+        for head in range(h):
+            sel = np.concatenate([rows[head][rows[head] >= 0], np.arange(lo, hi)])
+            o_ref, m_ref, z_ref = _softmax_ref(q[head], keys[head // 3], values[head // 3], sel, 0.25)
+            np.testing.assert_allclose(out[head], o_ref, rtol=1e-9, atol=1e-9)
+            np.testing.assert_allclose([m[head], z[head]], [m_ref, z_ref], rtol=1e-9)
+    out0, m0, z0 = attend_rows_and_range(q, keys, values, np.full((h, 3), -1, np.int64), 5, 5, 0.25)
+    assert np.all(out0 == 0) and np.all(np.isneginf(m0)) and np.all(z0 == 0)
+    np.testing.assert_array_equal(attend_rows(q, keys, values, rows, 0.25)[0],
+                                  attend_rows_and_range(q, keys, values, rows, 7, 3, 0.25)[0])  # empty range
+
+
+@pytest.mark.parametrize("name,params", [("roargraph", {"L": 40}), ("flat", {})])
+def test_layer_store_side_equals_per_index_search_then_attention(name, params):
+    """LayerStore.side (one GraphGroup call for roargraph) against each index searched alone + numpy attention,
+    before and after tokens leave the window (side-buffer) and are added to the indexes."""
+    rng = np.random.default_rng(3)
+    n_heads, g, n, d, topk = 4, 2, 500, 16, 24
+    keys = np.stack([_clustered(rng, n, d) for _ in range(g)])
+    values = rng.normal(size=(g, n, d)).astype(np.float32)
+    build = BUILD if name == "roargraph" else {}
+    store = LayerStore(0, n_heads, keys, values, topk, IndexPlan(name, build, params), add_batch=8)
+    store.build(np.stack([_clustered(rng, 200, d) for _ in range(n_heads)]))
+    assert (store._graphs is not None) == (name == "roargraph")
+
+    def check():
+        q = _clustered(rng, n_heads, d)
+        side = store.side(q, 0.3)
+        for h in range(n_heads):
+            r = store.indexes[h].search(q[h: h + 1], min(topk, store.n_indexed), **params)
+            sel = np.concatenate([r.ids[0][r.ids[0] >= 0], np.arange(store.n_indexed, store.n_rows)])
+            o_ref, m_ref, z_ref = _softmax_ref(q[h], store.keys[h // 2], store.values[h // 2], sel, 0.3)
+            np.testing.assert_allclose(side.out[h], o_ref, rtol=1e-9, atol=1e-9)
+            np.testing.assert_allclose([side.m[h], side.z[h]], [m_ref, z_ref], rtol=1e-9)
+        assert 0 < side.scanned <= 1
+
+    check()
+    for step in range(3):  # 5 tokens a step: side-buffer, an add of all 10 (≥ add_batch 8), side-buffer again
+        store.extend(_clustered(rng, 5, d)[None].repeat(g, 0) * (1 + step), rng.normal(size=(g, 5, d)).astype(np.float32))
+        check()
+    assert store.n_indexed == n + 10 and store.n_rows == n + 15
+    if store._graphs is not None:
+        assert store._graphs.current()
