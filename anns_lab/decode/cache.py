@@ -24,7 +24,7 @@ uses as the query offset. Its mask sizes describe the stored window (``kv_offset
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from transformers.cache_utils import DynamicLayer
@@ -51,7 +51,7 @@ class WindowLayer(DynamicLayer):
         self.cumulative_length = 0  # tokens seen, evicted or not: the true sequence length
 
     @classmethod
-    def from_layer(cls, layer, layer_idx: int, sink: int, recent: int, on_evict: EvictHook | None = None) -> "WindowLayer":
+    def from_layer(cls, layer, layer_idx: int, sink: int, recent: int, on_evict: EvictHook | None = None) -> WindowLayer:
         """The window of a full layer's cache (copied: the full tensors are not kept alive by the new layer)."""
         out = cls(layer_idx, sink, recent, on_evict)
         if layer.keys is None or layer.keys.numel() == 0:
