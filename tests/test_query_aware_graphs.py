@@ -153,3 +153,20 @@ def test_bad_input(cls):
     if cls is RoarGraphIndex:
         with pytest.raises(IndexConfigError, match="at least M"):
             cls(M=32, R=16).build(keys, train)
+
+
+def test_heap_search_matches_beam_search_and_allows_L_below_k():
+    """roargraph's two-heap kernel visits and returns what the shared beam search does (L ≥ k),
+    and for L < k still returns k keys: the best of everything it scanned."""
+    keys, train, test = ood_data(8)
+    index = RoarGraphIndex().build(keys, train)
+    data, nbrs, degree = index.graph_arrays()
+    for L in (20, 50):
+        ref = gs.beam_search_batch(data, nbrs, degree, test, index.entries_for(test), L, 20, 1)
+        res = index.search(test, 20, L=L)
+        assert np.array_equal(np.sort(ref[0], axis=1), np.sort(res.ids, axis=1)) and np.array_equal(ref[2], res.n_scanned)
+    one = index.search(test[:1], 20, L=30)
+    assert np.array_equal(one.ids[0], index.search(test, 20, L=30).ids[0])
+    narrow = index.search(test, 20, L=5)
+    assert (narrow.ids >= 0).all() and narrow.n_scanned.mean() < index.search(test, 20, L=20).n_scanned.mean()
+    assert recall_at_k(narrow.ids, test, keys, 20) > 0.5
