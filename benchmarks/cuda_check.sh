@@ -40,7 +40,7 @@ print(f"torch {torch.__version__} cuda {torch.version.cuda} {torch.cuda.get_devi
 EOF
 
 if [ $tests = 1 ]; then
-  run tests env ANNS_LAB_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider ${TEST_ARGS:-tests/test_decode_exact.py \
+  run tests env ANNS_LAB_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider ${TEST_ARGS:-tests/test_decode_exact.py tests/test_decode_cache.py \
       tests/test_decode_cli.py tests/test_decode_realmodel.py}
 fi
 for spec in "$@"; do
