@@ -94,7 +94,7 @@ def test_recall_against_numpy_exact(gqa):
                 hits.append(len(set(exact) & set(res.ids[h])) / 20)
             assert np.all(res.n_scanned < keys[0].shape[0])  # a graph search, not a scan of everything
         recall[L] = np.mean(hits)
-    assert recall[32] > 0.6 and recall[300] > 0.97 and recall[300] >= recall[32], recall
+    assert recall[32] > 0.6 and recall[300] > 0.95 and recall[300] >= recall[32], recall
 
 
 def test_refresh_after_add(gqa):

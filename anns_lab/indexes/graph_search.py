@@ -23,20 +23,6 @@ def dot(a: np.ndarray, b: np.ndarray) -> float:
     return s
 
 
-@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
-def ip(a: np.ndarray, b: np.ndarray) -> float:
-    """Inner product of two float32 vectors, SIMD-vectorised (reassociated sum): the query-time kernel.
-
-    About 5x faster than :func:`dot` at d = 64 (which keeps the sequential sum the build kernels
-    were tuned with). Every query-time search (:func:`search_one`) uses it, so a key's score is
-    the same bits whichever entry point (``Index.search``, ``search_group``) computed it.
-    """
-    s = np.float32(0.0)
-    for i in range(a.shape[0]):
-        s += a[i] * b[i]
-    return s
-
-
 @njit(cache=True, nogil=True)
 def _insert(ids, scores, done, size, cap, node, score):
     """Insert (node, score) into the descending candidate list; return (new size, insert position)."""
@@ -186,8 +172,9 @@ def search_one(data, nbrs, degree, query, entries, L, visited, epoch, heap_s, he
     The same search as :func:`beam_search` (keep the ``L`` best nodes seen, expand the best
     unexpanded one until all ``L`` are expanded: it stops when the best candidate left is worse
     than the L-th best), with the beam as a min-heap and the frontier as a max-heap instead of a
-    sorted list (O(log L) per insert), and the SIMD inner product :func:`ip`. Every inner
-    product is counted, entry points included; ``entries`` equal to -1 are skipped.
+    sorted list (O(log L) per insert). Scores are :func:`dot` (sequential float32 sum), as in
+    ``roargraph.heap_search``, so both return the same bits. Every inner product is counted,
+    entry points included; ``entries`` equal to -1 are skipped.
 
     ``visited`` (n,) int32 is marked with ``epoch`` (callers bump it per query, so it needs no
     clearing); ``heap_s``/``heap_i`` are a workspace of at least n + L slots (the beam uses the
@@ -206,7 +193,7 @@ def search_one(data, nbrs, degree, query, entries, L, visited, epoch, heap_s, he
             continue
         visited[e] = epoch
         n_scanned += 1
-        s = ip(data[e], query)
+        s = dot(data[e], query)
         if nr < L:
             nr = _push_min(rs, ri, nr, s, e)
         elif s > rs[0]:
@@ -232,7 +219,7 @@ def search_one(data, nbrs, degree, query, entries, L, visited, epoch, heap_s, he
                 fresh[nf] = nb
                 nf += 1
         for j in range(nf):
-            fresh_s[j] = ip(data[fresh[j]], query)
+            fresh_s[j] = dot(data[fresh[j]], query)
         n_scanned += nf
         for j in range(nf):
             nb = fresh[j]
@@ -386,7 +373,10 @@ class GraphGroup:
         return True
 
     def search(self, queries: np.ndarray, k: int, L: int, out_ids: np.ndarray | None = None):
-        """Top-k of index i for ``queries[i]`` (beam max(L, k)); ``SearchResult`` of (H, k) ids, scores, (H,) n_scanned.
+        """Top-k of index i for ``queries[i]`` with beam L; ``SearchResult`` of (H, k) ids, scores, (H,) n_scanned.
+
+        L ≥ k (the decoder's case: L=100, top-100) runs :func:`search_heads`; L < k, where an index
+        may define its own semantics (roargraph: beam L plus a top-k heap), asks each index.
 
         ``out_ids`` (H, k) int64, C-contiguous, may be given to receive the ids in place.
         """
@@ -396,7 +386,13 @@ class GraphGroup:
         q = np.ascontiguousarray(queries, dtype=np.float32)
         if q.ndim != 2 or q.shape[0] != h:
             raise ValueError(f"GraphGroup: {h} indexes need {h} queries, got shape {q.shape}")
-        beam = max(L, k)
+        if L < k:  # roargraph keeps a beam of L and a separate top-k then: its own search defines that case
+            parts = [ix.search(q[i: i + 1], k, L=L) for i, ix in enumerate(self.indexes)]
+            ids = np.concatenate([p.ids for p in parts])
+            if out_ids is not None:
+                out_ids[:] = ids
+            return SearchResult(ids, np.concatenate([p.scores for p in parts]), np.concatenate([p.n_scanned for p in parts]))
+        beam = L
         if self._heap_L != beam:  # the search workspace: beam + frontier (each node pushed once)
             self._heap_s = np.empty(self.n_max + beam, np.float32)
             self._heap_i = np.empty(self.n_max + beam, np.int64)
@@ -420,7 +416,8 @@ def search_graphs(indexes, queries: np.ndarray, k: int, L: int):
     """Search graph ``indexes[i]`` (exposing ``graph_arrays()`` and ``entries_for(q)``) with ``queries[i]``, in one kernel call.
 
     Returns a ``SearchResult`` of ids (H, k), scores (H, k), n_scanned (H,): exactly what
-    ``indexes[i].search(queries[i:i+1], k, L=L)`` returns for each i. The :class:`GraphGroup`
+    ``indexes[i].search(queries[i:i+1], k, L=L)`` returns for each i (for roargraph, whose own
+    kernel ``heap_search`` is the same search with the same :func:`dot`; tests check it). The :class:`GraphGroup`
     of the same list of indexes is kept between calls (weakly, by the first index) and
     refreshed when an index has changed; a caller searching the same indexes every step may
     hold its own group instead and skip that check.
