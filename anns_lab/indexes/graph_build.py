@@ -260,15 +260,16 @@ def key_occurrences(knn, n, max_rank):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def project_rows(data, knn, weights, ptr, occ_q, n_sel, n_cand, max_cand, alpha, M, nbrs, degree, n_threads=1):
+def project_rows(data, knn, weights, ptr, occ_q, occ_r, n_pivots, n_sel, n_cand, max_cand, alpha, M, nbrs, degree,
+                 n_threads=1):
     """Projection of the bipartite graph onto keys, one row per key p (rows split over ``n_threads`` chunks).
 
-    p is a pivot for the queries in its occurrence slice (``key_occurrences``: those where it
-    ranks below the pivot rank); it takes the first ``n_sel`` of them (best rank first) and
+    p is a pivot for the queries where it ranks below ``n_pivots`` (its occurrence slice from
+    ``key_occurrences`` is sorted by rank); it takes the first ``n_sel`` of them (best rank first) and
     their first ``n_cand`` keys as candidates, merges them by id with summed query weights,
     keeps the ``max_cand`` heaviest (ties: larger ip with p) and RobustPrunes them in that
     order to ``M`` (``alpha`` = 0: no pruning, just the heaviest M). Rows of keys that are
-    nobody's pivot stay empty (the reachability pass links them).
+    nobody's pivot stay empty (roargraph's ``link_tail`` and reachability passes link them).
 
     The merge uses a dense per-thread accumulator (O(candidates), no sort of the raw list) and
     computes ip(p, ·) only for the candidates heavy enough to be kept: this pass was a third
@@ -284,7 +285,9 @@ def project_rows(data, knn, weights, ptr, occ_q, n_sel, n_cand, max_cand, alpha,
         out = np.empty(M, np.int32)
         for p in range(c, n, n_chunks):  # interleaved: heavy rows (sinks) spread over the threads
             lo = ptr[p]
-            hi = min(ptr[p + 1], lo + n_sel)
+            hi = lo
+            while hi < min(ptr[p + 1], lo + n_sel) and occ_r[hi] < n_pivots:
+                hi += 1
             if hi == lo:
                 degree[p] = 0
                 continue

@@ -51,6 +51,7 @@ from anns_lab.indexes.key_store import KeyStore
 from anns_lab.indexes.base import Index, Param
 
 
+STRANDED_POOL = 8192  # candidate out-neighbours of a stranded key (see link_stranded)
 KMEANS_POINTS = 64  # training points per hub centroid (faiss subsamples): 256 took a quarter of the build
 
 
@@ -84,10 +85,16 @@ def link_stranded(keys: np.ndarray, nbrs: np.ndarray, degree: np.ndarray, entrie
     query's top list: about half of them on real heads): their ``k`` nearest keys by inner product, one
     blocked kNN for all of them. ``link_unreachable`` then finds each an in-edge among its (or its
     neighbours') reachable neighbours instead of scanning every key per stranded key."""
-    stranded = np.flatnonzero(~gs.reachable_from(nbrs, degree, entries) & (degree == 0))
+    reach = gs.reachable_from(nbrs, degree, entries)
+    stranded = np.flatnonzero(~reach & (degree == 0))
     if len(stranded) == 0:
         return
-    near = gb.topk_ip(keys[stranded], keys, k + 1)
+    # Nearest among (a stride of at most STRANDED_POOL) reachable keys: these keys are in no query's
+    # list, so they need a way in, not a fine neighbourhood; at 32K a full kNN of 27K stranded keys
+    # cost as much as the bipartite graph itself.
+    pool = np.flatnonzero(reach)
+    pool = pool[:: max(1, len(pool) // STRANDED_POOL)]
+    near = pool[gb.topk_ip(keys[stranded], keys[pool], k)]
     for t, row in zip(stranded, near):
         row = row[row != t][:k]
         nbrs[t, : len(row)] = row
@@ -244,6 +251,21 @@ def search_batch(data, nbrs, degree, queries, entries, L, k, n_threads):
     return out_ids, out_scores, n_scanned
 
 
+def link_tail(keys, nbrs, degree, knn, ptr, occ_q, occ_r, n_links, alpha, R):
+    """In-edges for the keys left rowless (in some query's top list, nobody's pivot): from the key
+    ranked just above it in each of its ``n_links`` best-ranked queries (a key a search for such a
+    query is likely to have reached), appended where the source row has room."""
+    tail = np.flatnonzero((degree == 0) & (np.diff(ptr) > 0))
+    props = np.full((len(tail), n_links), -1, np.int32)
+    for i, t in enumerate(tail):
+        o = np.arange(ptr[t], min(ptr[t + 1], ptr[t] + n_links))
+        r = occ_r[o]
+        src = knn[occ_q[o], np.maximum(r - 1, 0)]
+        props[i, : len(src)] = np.where(r > 0, src, -1)
+    ptr_in, src_in = gb._props_to_incoming(props, tail.astype(np.int64), len(keys))
+    return gb._merge_rows(keys, nbrs, degree, ptr_in, src_in, alpha, R, False)
+
+
 class RoarGraphIndex(Index):
     """Projected query→key bipartite graph with connectivity enhancement; counted multi-entry beam search."""
 
@@ -254,6 +276,7 @@ class RoarGraphIndex(Index):
         "R": Param(24, 2, 1024, help="row capacity after reverse edges and linking (≥ M)"),
         "M_sq": Param(100, 1, 4096, help="keys per training query in the bipartite graph (its exact top-M_sq)"),
         "n_pivots": Param(30, 1, 4096, help="pivot rank: each of a query's first n_pivots keys takes its other keys as candidates (1 = RoarGraph)"),
+        "tail_links": Param(4, 0, 4096, help="in-edges of a rowless key from the key ranked just above it in its best queries"),
         "n_sel": Param(32, 1, 1 << 20, help="queries per pivot key (those where it ranks best; newest first on ties)"),
         "n_cand": Param(100, 2, 4096, help="how many of a query's keys are candidates of its pivots (≤ M_sq)"),
         "max_cand": Param(128, 2, 1 << 16, help="candidates per key kept (heaviest co-occurrence) before pruning"),
@@ -296,11 +319,13 @@ class RoarGraphIndex(Index):
             weights[len(weights) - int(round(p["recent_frac"] * len(weights))):] = p["recent_weight"]
         nbrs = np.full((n, p["R"]), -1, np.int32)
         degree = np.zeros(n, np.int32)
-        ptr, occ_q, _ = gb.key_occurrences(knn, n, p["n_pivots"])
-        gb.project_rows(keys, knn, weights, ptr, occ_q, p["n_sel"], p["n_cand"], p["max_cand"], p["alpha"], p["M"],
-                        nbrs, degree, threads)
+        ptr, occ_q, occ_r = gb.key_occurrences(knn, n, m_sq)
+        gb.project_rows(keys, knn, weights, ptr, occ_q, occ_r, p["n_pivots"], p["n_sel"], p["n_cand"],
+                        p["max_cand"], p["alpha"], p["M"], nbrs, degree, threads)
         pa = max(p["alpha"], 1.0)  # the reverse/enhancement prunes always use the RobustPrune rule
         nbrs, degree = gb.add_reverse_edges(keys, nbrs, degree, pa, p["R"])
+        if p["tail_links"] > 0:
+            nbrs, degree = link_tail(keys, nbrs, degree, knn, ptr, occ_q, occ_r, p["tail_links"], pa, p["R"])
         self.hubs = query_hubs(keys, train_queries, p["n_hubs"], p["seed"])
         if p["enhance_L"] > 0:
             nbrs, degree = gb.connect_by_search(keys, nbrs, degree, self.hubs, p["enhance_L"], pa, p["R"],
@@ -333,11 +358,12 @@ class RoarGraphIndex(Index):
             knn = gb.topk_ip(self._recent_q, allkeys, m_sq)
             sel = knn[np.isin(knn, new).any(axis=1)]
             if len(sel):
-                ptr, occ_q, _ = gb.key_occurrences(sel, n0 + t, m_sq)
+                ptr, occ_q, occ_r = gb.key_occurrences(sel, n0 + t, m_sq)
                 cand_rows = np.full((n0 + t, p["R"]), -1, np.int32)
                 cand_deg = np.zeros(n0 + t, np.int32)
-                gb.project_rows(allkeys, sel, np.ones(len(sel), np.float32), ptr, occ_q, p["n_sel"], p["n_cand"],
-                                p["max_cand"], p["alpha"], p["M"], cand_rows, cand_deg, numba.get_num_threads())
+                gb.project_rows(allkeys, sel, np.ones(len(sel), np.float32), ptr, occ_q, occ_r, m_sq, p["n_sel"],
+                                p["n_cand"], p["max_cand"], p["alpha"], p["M"], cand_rows, cand_deg,
+                                numba.get_num_threads())
                 for v in new:  # the new key's out-edges, then its reverse edges below
                     nbrs[v, : cand_deg[v]] = cand_rows[v, : cand_deg[v]]
                     degree[v] = cand_deg[v]
@@ -350,10 +376,16 @@ class RoarGraphIndex(Index):
     # -- search ------------------------------------------------------------------------------------
 
     def entries(self) -> np.ndarray:
-        """Entry points of every search: the hubs, then the newest keys."""
+        """Entry points of every search: the hubs, then the newest keys (cached per key count: a batch-1
+        search should not rebuild them)."""
+        cached = self.__dict__.get("_entries")
+        if cached is not None and cached[0] == self.n_keys and cached[1] is self.hubs:
+            return cached[2]
         r = min(self.params["recent_entries"], self.n_keys)
         recent = np.arange(self.n_keys - r, self.n_keys, dtype=np.int64)
-        return np.array(list(dict.fromkeys([*self.hubs.tolist(), *recent.tolist()])), np.int64)
+        e = np.array(list(dict.fromkeys([*self.hubs.tolist(), *recent.tolist()])), np.int64)
+        self._entries = (self.n_keys, self.hubs, e)
+        return e
 
     def entries_for(self, queries: np.ndarray) -> np.ndarray:
         """Entry nodes (nq, E) int64 of each query's search (every one is counted as scanned)."""
