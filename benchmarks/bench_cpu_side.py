@@ -28,13 +28,69 @@ import numpy as np
 
 
 def _legacy_kernels():
-    """The search and attention kernels of commit 3d8cf12: sorted-list beam search with the sequential ``dot``
-    (``graph_search.beam_search``, still used by the graph builds), parallel batch wrapper, scalar attention."""
+    """The search and attention kernels of commit 3d8cf12, copied: sorted-list beam search with the sequential
+    inner product, its parallel batch wrapper (one call per head), scalar attention."""
     import math
 
     from numba import njit, prange
 
-    from anns_lab.indexes import graph_search as gs
+    @njit(nogil=True, inline="always")
+    def dot(a, b):  # the sequential sum of 3d8cf12 (graph_search.dot is explicit SIMD since)
+        s = np.float32(0.0)
+        for i in range(a.shape[0]):
+            s += a[i] * b[i]
+        return s
+
+    @njit(nogil=True)
+    def _insert(ids, scores, done, size, cap, node, score):
+        pos = size
+        while pos > 0 and scores[pos - 1] < score:
+            pos -= 1
+        if pos >= cap:
+            return size, pos
+        last = min(size, cap - 1)
+        for i in range(last, pos, -1):
+            ids[i] = ids[i - 1]
+            scores[i] = scores[i - 1]
+            done[i] = done[i - 1]
+        ids[pos] = node
+        scores[pos] = score
+        done[pos] = False
+        return min(size + 1, cap), pos
+
+    @njit(nogil=True)
+    def beam_search(data, nbrs, degree, query, entries, L, visited, epoch):
+        ids = np.empty(L, np.int64)
+        scores = np.empty(L, np.float32)
+        done = np.zeros(L, np.bool_)
+        size = 0
+        n_scanned = 0
+        for e in entries:
+            if visited[e] == epoch:
+                continue
+            visited[e] = epoch
+            n_scanned += 1
+            size, _ = _insert(ids, scores, done, size, L, e, dot(data[e], query))
+        cur = 0
+        while cur < size:
+            if done[cur]:
+                cur += 1
+                continue
+            done[cur] = True
+            node = ids[cur]
+            best = size
+            for j in range(degree[node]):
+                nb = nbrs[node, j]
+                if visited[nb] == epoch:
+                    continue
+                visited[nb] = epoch
+                n_scanned += 1
+                s = dot(data[nb], query)
+                if size < L or s > scores[size - 1]:
+                    size, pos = _insert(ids, scores, done, size, L, nb, s)
+                    best = min(best, pos)
+            cur = min(cur + 1, best)
+        return ids, scores, size, n_scanned
 
     @njit(nogil=True, parallel=True)
     def beam_search_batch(data, nbrs, degree, queries, entries, L, k, n_threads):
@@ -43,14 +99,12 @@ def _legacy_kernels():
         out_scores = np.full((nq, k), -np.inf, np.float32)
         n_scanned = np.zeros(nq, np.int64)
         n_chunks = max(1, min(nq, n_threads))
-        no_expanded = np.empty(0, np.int64)
         for c in prange(n_chunks):
             visited = np.zeros(data.shape[0], np.int32)
             lo = c * nq // n_chunks
             hi = (c + 1) * nq // n_chunks
             for qi in range(lo, hi):
-                ids, scores, size, scanned, _ = gs.beam_search(data, nbrs, degree, queries[qi], entries[qi], L, visited,
-                                                               qi - lo + 1, no_expanded)
+                ids, scores, size, scanned = beam_search(data, nbrs, degree, queries[qi], entries[qi], L, visited, qi - lo + 1)
                 m = min(size, k)
                 out_ids[qi, :m] = ids[:m]
                 out_scores[qi, :m] = scores[:m]

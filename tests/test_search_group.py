@@ -210,3 +210,33 @@ def test_layer_store_side_equals_per_index_search_then_attention(name, params):
     assert store.n_indexed == n + 10 and store.n_rows == n + 15
     if store._graphs is not None:
         assert store._graphs.current()
+
+
+def test_interleaved_heads_equal_one_search_at_a_time():
+    """search_heads (the heads' searches interleaved stage by stage) against search_one per head, graphs of
+    different sizes and entry lists, a workspace reused through epochs."""
+    from numba import typed
+
+    graphs = [_int_graph(seed, n=n) for seed, n in [(10, 600), (11, 450), (12, 700)]]
+    keys, nbrs, degree, entries = typed.List(), typed.List(), typed.List(), typed.List()
+    for i, (k, _, nb, dg) in enumerate(graphs):
+        keys.append(k)
+        nbrs.append(nb)
+        degree.append(dg)
+        entries.append(np.array([i, 3 * i + 1, -1, 5], np.int64))
+    n_max, h = 700, len(graphs)
+    for L, k in [(32, 10), (100, 100), (5, 5)]:
+        visited = np.zeros((h, n_max), np.int32)
+        heap_s, heap_i = np.empty((h, n_max + L), np.float32), np.empty((h, n_max + L), np.int64)
+        for epoch in (1, 2):
+            q = np.stack([g[1][epoch] for g in graphs])
+            ids, scores, scanned = np.empty((h, k), np.int64), np.empty((h, k), np.float32), np.empty(h, np.int64)
+            gs.search_heads(keys, nbrs, degree, entries, q, L, visited, epoch, heap_s, heap_i, ids, scores, scanned)
+            for i, (kk, _, nb, dg) in enumerate(graphs):
+                ref_ids, ref_scores = np.empty(k, np.int64), np.empty(k, np.float32)
+                ws, wi = np.empty(len(kk) + L, np.float32), np.empty(len(kk) + L, np.int64)
+                ref_n = gs.search_one(kk, nb, dg, q[i], entries[i], L, np.zeros(len(kk), np.int32), 1, ws, wi, ref_ids,
+                                      ref_scores)
+                np.testing.assert_array_equal(ids[i], ref_ids)
+                np.testing.assert_array_equal(scores[i], ref_scores)
+                assert scanned[i] == ref_n

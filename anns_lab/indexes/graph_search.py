@@ -11,6 +11,8 @@ queries, the candidate list as parallel arrays, and an epoch-stamped visited arr
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange
@@ -56,6 +58,30 @@ def _simd_dot(typingctx, a, b):
             xy = builder.fmul(builder.load(builder.gep(va_.data, [i])), builder.load(builder.gep(vb_.data, [i])))
             builder.store(builder.fadd(builder.load(total), xy), total)
         return builder.load(total)
+
+    return sig, codegen
+
+
+@intrinsic
+def _prefetch(typingctx, arr, i, j):
+    """Hint the cache line holding ``arr[i, j]`` (2-D) or ``arr[i]`` (1-D, j ignored) into the caches."""
+    if not isinstance(arr, nbtypes.Array) or arr.ndim not in (1, 2):
+        return None
+    sig = nbtypes.void(arr, i, j)
+
+    def codegen(context, builder, signature, args):
+        aryty, ity, jty = signature.args
+        ary = context.make_array(aryty)(context, builder, args[0])
+        idx = [context.cast(builder, args[1], ity, nbtypes.intp)]
+        if aryty.ndim == 2:
+            idx.append(context.cast(builder, args[2], jty, nbtypes.intp))
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, idx, wraparound=False)
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            "llvm.prefetch.p0i8")
+        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
 
     return sig, codegen
 
@@ -368,17 +394,140 @@ def _mark_from(nbrs, degree, start, seen, queue):
 
 @njit(cache=True, nogil=True)
 def search_heads(keys, nbrs, degree, entries, queries, L, visited, epoch, heap_s, heap_i, out_ids, out_scores, n_scanned):
-    """Search graph i (``keys[i]``, ``nbrs[i]``, ``degree[i]``, ``entries[i]``: numba typed Lists) with ``queries[i]``.
+    """Search graph i (``keys[i]``, ``nbrs[i]``, ``degree[i]``, ``entries[i]``: numba typed Lists) with ``queries[i]``:
+    one call for all the query heads of a layer, on the calling thread, the searches interleaved.
 
-    One call for all the query heads of a layer, on the calling thread (no parallel launch: the
-    decoder's CPU side runs on one worker next to the accelerator). ``visited`` (≥ the largest
-    graph) is shared by the searches, marked with ``epoch + i``; ``heap_s``/``heap_i`` are the
-    :func:`search_one` workspace (≥ largest graph + L). Writes top-k rows of ``out_ids`` /
-    ``out_scores`` and ``n_scanned``.
+    In the decoder a layer's graphs are cold (30 layers' keys and rows cycle through the caches
+    every token), so a search is a chain of dependent DRAM misses: the expanded node's row, then
+    its new neighbours' key rows. Here head i runs one stage and prefetches what its next stage
+    reads, and every other head runs a stage before head i comes back, so the misses of all heads
+    overlap. Stage A: read the popped node's row, mark its unvisited neighbours, prefetch their
+    keys. Stage B: score them, update the heaps, pop the next node, prefetch its row. Each head
+    performs exactly :func:`search_one`'s operations in the same order (same results and counts).
+
+    ``visited`` (H, ≥ n) int32 (a row per head: the searches run at once) marked with ``epoch``;
+    ``heap_s``/``heap_i`` (H, ≥ n + L).
     """
-    for i in range(queries.shape[0]):
-        n_scanned[i] = search_one(keys[i], nbrs[i], degree[i], queries[i], entries[i], L, visited, epoch + i,
-                                  heap_s, heap_i, out_ids[i], out_scores[i])
+    nh = queries.shape[0]
+    r_max = 1
+    for h in range(nh):
+        r_max = max(r_max, nbrs[h].shape[1])
+    fresh = np.empty((nh, r_max), np.int64)
+    fresh_s = np.empty(r_max, np.float32)
+    nf = np.zeros(nh, np.int64)
+    node_of = np.zeros(nh, np.int64)
+    nr = np.zeros(nh, np.int64)
+    nc = np.zeros(nh, np.int64)
+    stage = np.zeros(nh, np.int8)  # 0: A next, 1: B next, 2: finished
+    active = 0
+    for h in range(nh):  # the entry points (the same hubs every step), then the first pop
+        data = keys[h]
+        q = queries[h]
+        vis = visited[h]
+        rs = heap_s[h, :L]
+        ri = heap_i[h, :L]
+        cs = heap_s[h, L:]
+        ci = heap_i[h, L:]
+        count = 0
+        a = 0
+        b = 0
+        for e in entries[h]:
+            if e < 0 or vis[e] == epoch:
+                continue
+            vis[e] = epoch
+            count += 1
+            sc = dot(data[e], q)
+            if a < L:
+                a = _push_min(rs, ri, a, sc, e)
+            elif sc > rs[0]:
+                _sift_min(rs, ri, a, sc, e)
+            else:
+                continue
+            b = _push_max(cs, ci, b, sc, e)
+        n_scanned[h] = count
+        nr[h] = a
+        if b > 0 and not (a == L and cs[0] < rs[0]):
+            node = ci[0]
+            nc[h] = _pop_max(cs, ci, b)
+            node_of[h] = node
+            _prefetch(degree[h], node, 0)
+            row = nbrs[h]
+            for c in range(0, row.shape[1], 16):
+                _prefetch(row, node, c)
+            active += 1
+        else:
+            nc[h] = b
+            stage[h] = 2
+    while active > 0:
+        for h in range(nh):
+            if stage[h] == 0:
+                node = node_of[h]
+                vis = visited[h]
+                row = nbrs[h]
+                data = keys[h]
+                m = 0
+                for j in range(degree[h][node]):
+                    nb = row[node, j]
+                    if vis[nb] != epoch:
+                        vis[nb] = epoch
+                        fresh[h, m] = nb
+                        m += 1
+                        for c in range(0, data.shape[1], 16):
+                            _prefetch(data, nb, c)
+                nf[h] = m
+                stage[h] = 1
+            elif stage[h] == 1:
+                data = keys[h]
+                q = queries[h]
+                rs = heap_s[h, :L]
+                ri = heap_i[h, :L]
+                cs = heap_s[h, L:]
+                ci = heap_i[h, L:]
+                m = nf[h]
+                for j in range(m):
+                    fresh_s[j] = dot(data[fresh[h, j]], q)
+                n_scanned[h] += m
+                a = nr[h]
+                b = nc[h]
+                for j in range(m):
+                    nb = fresh[h, j]
+                    sc = fresh_s[j]
+                    if a < L:
+                        a = _push_min(rs, ri, a, sc, nb)
+                    elif sc > rs[0]:
+                        _sift_min(rs, ri, a, sc, nb)
+                    else:
+                        continue
+                    b = _push_max(cs, ci, b, sc, nb)
+                nr[h] = a
+                if b > 0 and not (a == L and cs[0] < rs[0]):
+                    node = ci[0]
+                    nc[h] = _pop_max(cs, ci, b)
+                    node_of[h] = node
+                    _prefetch(degree[h], node, 0)
+                    row = nbrs[h]
+                    for c in range(0, row.shape[1], 16):
+                        _prefetch(row, node, c)
+                    stage[h] = 0
+                else:
+                    nc[h] = b
+                    stage[h] = 2
+                    active -= 1
+    k = out_ids.shape[1]
+    for h in range(nh):  # each beam, best first, padded
+        rs = heap_s[h, :L]
+        ri = heap_i[h, :L]
+        a = nr[h]
+        for j in range(a, k):
+            out_ids[h, j] = -1
+            out_scores[h, j] = -np.inf
+        while a > 0:
+            a -= 1
+            if a < k:
+                out_ids[h, a] = ri[0]
+                out_scores[h, a] = rs[0]
+            if a > 0:
+                _sift_min(rs, ri, a, rs[a], ri[a])
 
 
 class GraphGroup:
@@ -391,7 +540,8 @@ class GraphGroup:
     :meth:`current` says whether that is needed. Indexes of a GQA group share one key array
     (``KeyStore``): the typed list holds that array once per head, without copying it.
 
-    The visited array and its epoch persist between calls, so a group is for one thread at a time.
+    The visited rows and heaps are a per-thread workspace shared by every group (the decoder's
+    worker searches one layer after another), sized by the largest group seen.
     """
 
     def __init__(self, indexes) -> None:
@@ -424,9 +574,6 @@ class GraphGroup:
             self.entries.append(np.ascontiguousarray(index.entries_for(probe)[0], dtype=np.int64))
             self._seen.append((nbrs, degree, keys.shape[0]))
         self.n_max = max((k.shape[0] for k in self.keys), default=0)
-        self.visited = np.zeros(self.n_max, np.int32)
-        self.epoch = 0
-        self._heap_L = -1
 
     def current(self) -> bool:
         """True when no index has changed its arrays since the last refresh."""
@@ -458,21 +605,32 @@ class GraphGroup:
             if out_ids is not None:
                 out_ids[:] = ids
             return SearchResult(ids, np.concatenate([p.scores for p in parts]), np.concatenate([p.n_scanned for p in parts]))
-        beam = L
-        if self._heap_L != beam:  # the search workspace: beam + frontier (each node pushed once)
-            self._heap_s = np.empty(self.n_max + beam, np.float32)
-            self._heap_i = np.empty(self.n_max + beam, np.int64)
-            self._heap_L = beam
-        if self.epoch + h >= 2**31 - 1:
-            self.visited[:] = 0
-            self.epoch = 0
+        visited, heap_s, heap_i, epoch = _workspace(h, self.n_max, L)
         ids = np.empty((h, k), np.int64) if out_ids is None else out_ids
         scores = np.empty((h, k), np.float32)
         n_scanned = np.empty(h, np.int64)
-        search_heads(self.keys, self.nbrs, self.degree, self.entries, q, beam, self.visited, self.epoch + 1,
-                     self._heap_s, self._heap_i, ids, scores, n_scanned)
-        self.epoch += h
+        search_heads(self.keys, self.nbrs, self.degree, self.entries, q, L, visited, epoch, heap_s, heap_i, ids, scores,
+                     n_scanned)
         return SearchResult(ids, scores, n_scanned)
+
+
+_LOCAL = threading.local()
+
+
+def _workspace(h: int, n: int, L: int):
+    """This thread's (visited (≥h, ≥n) int32, heap_s, heap_i (≥h, ≥n+L)) and a fresh epoch for one search_heads call."""
+    ws = getattr(_LOCAL, "ws", None)
+    if ws is None or ws[0].shape[0] < h or ws[0].shape[1] < n or ws[1].shape[1] < n + L:
+        hh = max(h, ws[0].shape[0] if ws else 0)
+        nn = max(n, ws[0].shape[1] if ws else 0)
+        width = max(nn + L, ws[1].shape[1] if ws else 0)
+        ws = [np.zeros((hh, nn), np.int32), np.empty((hh, width), np.float32), np.empty((hh, width), np.int64), 0]
+        _LOCAL.ws = ws
+    if ws[3] >= 2**31 - 2:
+        ws[0][:] = 0
+        ws[3] = 0
+    ws[3] += 1
+    return ws[0], ws[1], ws[2], ws[3]
 
 
 _GROUPS: "weakref.WeakKeyDictionary" = None  # first index → (ids of all, GraphGroup), for search_graphs
