@@ -8,7 +8,10 @@ evenly strided prefill queries, as ``bench_decode.py --train-queries`` does), pu
 decode-phase keys in the side-buffer (tokens that left the window, not yet added), and calls
 ``side()`` with the dump's decode-phase queries (one query per head per call, as the decoder does).
 Modes are interleaved round by round and the median over rounds is reported, so a shared, noisy
-machine slows every mode alike; ratios within one run are the useful numbers.
+machine slows every mode alike; ratios within one run are the useful numbers. By default each
+layer is timed on its own (its data stay in cache: a lower bound); with ``--cycle`` every call
+visits all the listed layers in turn, as a decode step does, so each layer's keys and graphs come
+back cold from memory — the graph searches' case in the decoder (``--layers 0-29:3 --cycle``).
 
 ``--legacy`` adds ``<mode>-legacy`` rows: the side() of commit 3d8cf12 (per-head kernel calls for
 graph indexes, side-buffer rows materialised and concatenated, then ``attend_rows``), copied below,
@@ -206,7 +209,9 @@ def _split(res):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dump", default="dumps/smollm2-text-8192")
-    ap.add_argument("--layers", default="15", help="comma-separated layers of the dump")
+    ap.add_argument("--layers", default="15", help="layers of the dump: 2,15,28 or 0-29 or 0-29:3")
+    ap.add_argument("--cycle", action="store_true",
+                    help="each call visits every layer in turn, as a decode step does (cold caches); else layer by layer")
     ap.add_argument("--modes", default="flat,ivf,roargraph")
     ap.add_argument("--param", action="append", default=[], help="search parameter NAME=VALUE (to every index declaring it)")
     ap.add_argument("--topk", type=int, default=100)
@@ -237,57 +242,89 @@ def main() -> None:
     modes = parse_modes(a.modes, parse_params(a.param), {})
     print(f"{dump!r}\nwindow {sink}+{recent}, top-{a.topk}, {a.pending} side-buffer rows, {a.train_queries} train queries; "
           f"{platform.processor() or platform.machine()}, median of {a.rounds} rounds x {a.calls} calls")
-    results = {}
-    for layer in (int(x) for x in a.layers.split(",")):
+    layers = _parse_layers(a.layers)
+    runs, queries, n_keys = {}, {}, 0
+    for layer in layers:
         keys = np.stack([dump.keys(layer, g, "all") for g in range(G)])
         values = np.stack([dump.values(layer, g, "all") for g in range(G)])
         prefill_q = np.stack([dump.queries(layer, h, "prefill") for h in range(H)])
         decode_q = np.stack([dump.queries(layer, h, "decode") for h in range(H)])  # (H, t, d)
         scaling = dump.scaling(layer)
         lo, hi = sink, n_pre - recent
+        n_keys = hi - lo
         pend = keys[:, n_pre: n_pre + a.pending]  # the first decode keys stand in for tokens that left the window
-        runs = {}
+        runs[layer] = {}
         for mode in modes:
             store = LayerStore(layer, H, keys[:, lo:hi], values[:, lo:hi], a.topk, mode.plan, add_batch=1 << 30)
             store.build(_subsample(prefill_q, a.train_queries))
             if a.pending:
                 store.extend(pend, values[:, n_pre: n_pre + a.pending])
-            runs[mode.name] = (lambda s: (lambda q: _split(s.side(q, scaling))))(store)
+            runs[layer][mode.name] = (lambda s, c: (lambda q: _split(s.side(q, c))))(store, scaling)
             if a.legacy:
-                runs[mode.name + "-legacy"] = (lambda s: (lambda q: legacy_side(s, q, scaling)))(store)
+                runs[layer][mode.name + "-legacy"] = (lambda s, c: (lambda q: legacy_side(s, q, c)))(store, scaling)
             print(f"layer {layer} {mode.plan.describe()}: built in {store.build_s:.1f} s", flush=True)
         nq = decode_q.shape[1]
-        qs = [np.ascontiguousarray(decode_q[:, i % nq]) for i in range(a.calls)]
-        first = {name: fn(qs[0]) for name, fn in runs.items()}  # compile / load every kernel before timing
-        for name in runs:
+        queries[layer] = [np.ascontiguousarray(decode_q[:, i % nq]) for i in range(a.calls)]
+        first = {name: fn(queries[layer][0]) for name, fn in runs[layer].items()}  # compile / load every kernel
+        for name in runs[layer]:
             if name.endswith("-legacy"):
                 diff = np.abs(first[name][0] - first[name.removesuffix("-legacy")][0]).max()
                 print(f"{name}: max |output − new output| = {diff:.2e}")
-        wall = {name: [] for name in runs}
-        split = {name: [] for name in runs}
+    names = list(runs[layers[0]])
+    if a.cycle:  # every call visits each layer in turn, as a decode step does: the layers' data are cold
+        wall, split = {n: [] for n in names}, {n: [] for n in names}
         for _ in range(a.rounds):
-            for name, fn in runs.items():
+            for name in names:
                 parts = []
                 t0 = time.perf_counter()
-                for q in qs:
-                    parts.append(fn(q)[3:5])
-                wall[name].append((time.perf_counter() - t0) / len(qs))
+                for i in range(a.calls):
+                    for layer in layers:
+                        parts.append(runs[layer][name](queries[layer][i])[3:5])
+                wall[name].append((time.perf_counter() - t0) / (a.calls * len(layers)))
                 split[name].append(np.mean(parts, axis=0))
-        print(f"\nlayer {layer}: {hi - lo} indexed keys, H={H}, G={G}")
-        print("| mode | side() µs | retrieval µs | attention µs | retrieval × flat | retrieval × ivf |")
-        print("|---|---|---|---|---|---|")
-        med = {name: statistics.median(v) * 1e6 for name, v in wall.items()}
-        ret = {name: float(np.median([p[0] for p in v])) * 1e6 for name, v in split.items()}
-        att = {name: float(np.median([p[1] for p in v])) * 1e6 for name, v in split.items()}
-        for name in runs:
-            rel = [f"{ret[name] / ret[ref]:.2f}" if ref in ret else "–" for ref in ("flat", "ivf")]
-            print(f"| {name} | {med[name]:.0f} | {ret[name]:.0f} | {att[name]:.0f} | {rel[0]} | {rel[1]} |")
-        results[layer] = {"side": med, "retrieval": ret, "attention": att}
+        _report(f"cycling {len(layers)} layers {a.layers} (µs per layer and step)", n_keys, H, G, wall, split)
+        return
+    results = {}
+    for layer in layers:
+        wall, split = {n: [] for n in names}, {n: [] for n in names}
+        for _ in range(a.rounds):
+            for name, fn in runs[layer].items():
+                parts = []
+                t0 = time.perf_counter()
+                for q in queries[layer]:
+                    parts.append(fn(q)[3:5])
+                wall[name].append((time.perf_counter() - t0) / len(queries[layer]))
+                split[name].append(np.mean(parts, axis=0))
+        results[layer] = _report(f"layer {layer}", n_keys, H, G, wall, split)
     if len(results) > 1:
-        names = list(next(iter(results.values()))["side"])
         for part in ("side", "retrieval"):
             print(f"\nsum over layers, {part} µs: " + ", ".join(f"{n} {sum(r[part][n] for r in results.values()):.0f}" for n in names))
 
+
+def _parse_layers(text: str) -> list[int]:
+    """``2,15,28`` or a range ``0-29`` or a strided range ``0-29:3``."""
+    out = []
+    for part in text.split(","):
+        if "-" in part:
+            span, _, step = part.partition(":")
+            lo, hi = (int(x) for x in span.split("-"))
+            out.extend(range(lo, hi + 1, int(step or 1)))
+        else:
+            out.append(int(part))
+    return out
+
+
+def _report(title, n_keys, H, G, wall, split) -> dict:
+    print(f"\n{title}: {n_keys} indexed keys, H={H}, G={G}")
+    print("| mode | side() µs | retrieval µs | attention µs | retrieval × flat | retrieval × ivf |")
+    print("|---|---|---|---|---|---|")
+    med = {name: statistics.median(v) * 1e6 for name, v in wall.items()}
+    ret = {name: float(np.median([p[0] for p in v])) * 1e6 for name, v in split.items()}
+    att = {name: float(np.median([p[1] for p in v])) * 1e6 for name, v in split.items()}
+    for name in wall:
+        rel = [f"{ret[name] / ret[ref]:.2f}" if ref in ret else "–" for ref in ("flat", "ivf")]
+        print(f"| {name} | {med[name]:.0f} | {ret[name]:.0f} | {att[name]:.0f} | {rel[0]} | {rel[1]} |")
+    return {"side": med, "retrieval": ret, "attention": att}
 
 if __name__ == "__main__":
     main()
