@@ -3,6 +3,7 @@
     anns-lab dump --model smollm2 --tokens 8192 --decode-tokens 64 --out dumps/smollm2-text-8192
     python benchmarks/bench_query_aware.py --dump dumps/smollm2-text-8192 \\
         [--indexes roargraph,robust-vamana,ivf,hnsw,vamana] [--layers 2,15,28] [--out results/bench-query-aware]
+        [--quick] [--build-param roargraph.NAME=VALUE ...]
 
 Runs the lab's own sweep (``anns_lab.eval.sweep.run_sweep``: static window 128 + 512
 excluded, decode queries as test queries, one thread per head, ``--jobs`` heads at once),
@@ -70,10 +71,19 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default="results/bench-query-aware")
     ap.add_argument("--overwrite", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="recall and cost only (no latency or attention-quality passes)")
+    ap.add_argument("--build-param", action="append", default=[], metavar="INDEX.NAME=VALUE",
+                    help="replace a build default, e.g. roargraph.tail_links=0 (repeatable)")
     args = ap.parse_args()
     heads = [int(h) for h in args.heads.split(",")] if args.heads else None
+    build_params: dict[str, dict] = {}
+    for item in args.build_param:
+        name, value = item.split("=", 1)
+        index, param = name.split(".", 1)
+        build_params.setdefault(index, {})[param] = json.loads(value)
     res = run_sweep(args.dump, indexes=args.indexes.split(","), layers=[int(x) for x in args.layers.split(",")],
-                    heads=heads, out=args.out, jobs=args.jobs, overwrite=args.overwrite)
+                    heads=heads, out=args.out, jobs=args.jobs, overwrite=args.overwrite, build_params=build_params,
+                    quick=args.quick)
     for f in res.failures:
         print("FAILED", f)
     s = summarise(res.table, args.target)
