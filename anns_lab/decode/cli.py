@@ -43,7 +43,7 @@ def default_device() -> str:
 @click.option("--free-tokens", default=64, show_default=True, help="fidelity: free-running greedy tokens")
 @click.option("--chunk", default=2048, show_default=True, help="prefill chunk size")
 @click.option("--from-sweep", "from_sweep", type=str, default=None,
-              help="results.parquet of a sweep: use the index + parameters with the least scanned fraction at the target recall")
+              help="a sweep's results.parquet (or folder): decode also with the index + parameters of least scanned fraction reaching --target-recall (in place of 'default')")
 @click.option("--target-recall", default=0.95, show_default=True)
 @click.option("--device", default=None, help="accelerator side: cuda when available, else cpu")
 @click.option("--torch-threads", default=0, show_default=True,
@@ -69,6 +69,8 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
         raise DecodeError("give exactly one of --task NAME or --prompt TEXT (or --eval fidelity)")
     if task is not None and task not in TASKS:
         raise DecodeError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
+    if from_sweep:  # the sweep's pick takes the place of the default index; modes named explicitly stay
+        modes = ",".join(t for t in modes.split(",") if t.strip() not in ("default", "")) or "full"
     mode_list = modes_mod.parse_modes(modes, modes_mod.parse_params(params),
                                       modes_mod.parse_params(build_params, "--build-param"))
     from anns_lab.dumps.models import load_model
@@ -82,7 +84,7 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
     if from_sweep:
         picked, lines = modes_mod.pick_from_sweep(from_sweep, lm.name, target_recall, lm.long_range_layers)
         click.echo("\n".join(lines))
-        mode_list = [m for m in mode_list if m.kind != "index"] + [picked]
+        mode_list = mode_list + [picked]
         if not any(m.name == "full" for m in mode_list):
             mode_list.insert(0, Mode("full"))
 
