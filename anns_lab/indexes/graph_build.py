@@ -261,13 +261,13 @@ def key_occurrences(knn, n, max_rank):
 
 @njit(cache=True, nogil=True, parallel=True)
 def project_rows(data, knn, weights, ptr, occ_q, occ_r, n_pivots, n_sel, n_cand, max_cand, alpha, M, nbrs, degree,
-                 n_threads=1):
+                 n_threads=1, key_weight=None):
     """Projection of the bipartite graph onto keys, one row per key p (rows split over ``n_threads`` chunks).
 
     p is a pivot for the queries where it ranks below ``n_pivots`` (its occurrence slice from
     ``key_occurrences`` is sorted by rank); it takes the first ``n_sel`` of them (best rank first) and
-    their first ``n_cand`` keys as candidates, merges them by id with summed query weights,
-    keeps the ``max_cand`` heaviest (ties: larger ip with p) and RobustPrunes them in that
+    their first ``n_cand`` keys as candidates, merges them by id with summed query weights
+    (times ``key_weight[v]`` when given), keeps the ``max_cand`` heaviest (ties: larger ip with p) and RobustPrunes them in that
     order to ``M`` (``alpha`` = 0: no pruning, just the heaviest M). Rows of keys that are
     nobody's pivot stay empty (roargraph's ``link_tail`` and reachability passes link them).
 
@@ -308,6 +308,8 @@ def project_rows(data, knn, weights, ptr, occ_q, occ_r, n_pivots, n_sel, n_cand,
             uw = np.empty(t, np.float32)
             for i in range(t):
                 uw[i] = acc[touched[i]]
+                if key_weight is not None:
+                    uw[i] *= key_weight[touched[i]]
             thr = np.partition(uw, t - max_cand)[t - max_cand] if t > max_cand else -np.inf
             m = 0
             uid = np.empty(t, np.int32)

@@ -8,8 +8,9 @@ Build, on keys K (n, d) and training queries Q (m, d):
    pivot). On real attention the top-1 keys are a few hundred sinks and heavy hitters, which
    starves every other key, so here *each of the query's first* ``n_pivots`` *keys* is a pivot
    (``n_pivots = 1`` is the published rule). A pivot's candidates are the other keys of the
-   queries it pivots for, merged by id with summed query weights (co-occurrence), the
-   ``max_cand`` heaviest kept, then RobustPrune (inner-product rule, ``alpha``) to ``M`` in
+   queries it pivots for, merged by id with summed query weights (co-occurrence) times
+   (the key's occurrences in all lists)^−``idf`` — sinks sit in every list and would head every
+   pivot's order — the ``max_cand`` heaviest kept, then RobustPrune (inner-product rule, ``alpha``) to ``M`` in
    that order (``graph_build.project_rows``, parallel over keys).
 3. **Reverse edges**, rows over ``R`` RobustPruned (two-phase, lock-free). Capping them at ``R``
    rather than ``M`` lets a heavy hitter link back to the many mid-ranked keys that chose it.
@@ -276,6 +277,7 @@ class RoarGraphIndex(Index):
         "R": Param(24, 2, 1024, help="row capacity after reverse edges and linking (≥ M)"),
         "M_sq": Param(100, 1, 4096, help="keys per training query in the bipartite graph (its exact top-M_sq)"),
         "n_pivots": Param(30, 1, 4096, help="pivot rank: each of a query's first n_pivots keys takes its other keys as candidates (1 = RoarGraph)"),
+        "idf": Param(0.25, 0.0, 4.0, help="candidate weight = co-occurrence × (key's total occurrences)^-idf"),
         "tail_links": Param(4, 0, 4096, help="in-edges of a rowless key from the key ranked just above it in its best queries"),
         "n_sel": Param(32, 1, 1 << 20, help="queries per pivot key (those where it ranks best; newest first on ties)"),
         "n_cand": Param(100, 2, 4096, help="how many of a query's keys are candidates of its pivots (≤ M_sq)"),
@@ -320,8 +322,11 @@ class RoarGraphIndex(Index):
         nbrs = np.full((n, p["R"]), -1, np.int32)
         degree = np.zeros(n, np.int32)
         ptr, occ_q, occ_r = gb.key_occurrences(knn, n, m_sq)
+        key_weight = None
+        if p["idf"] > 0:  # down-weight keys that are in every list (sinks) in each pivot's candidate order
+            key_weight = (np.diff(ptr).astype(np.float32) + 1.0) ** np.float32(-p["idf"])
         gb.project_rows(keys, knn, weights, ptr, occ_q, occ_r, p["n_pivots"], p["n_sel"], p["n_cand"],
-                        p["max_cand"], p["alpha"], p["M"], nbrs, degree, threads)
+                        p["max_cand"], p["alpha"], p["M"], nbrs, degree, threads, key_weight)
         pa = max(p["alpha"], 1.0)  # the reverse/enhancement prunes always use the RobustPrune rule
         nbrs, degree = gb.add_reverse_edges(keys, nbrs, degree, pa, p["R"])
         if p["tail_links"] > 0:
