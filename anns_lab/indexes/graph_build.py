@@ -12,6 +12,7 @@ from numba import njit, prange
 
 from anns_lab.indexes.graph_search import _mark_from, beam_search, dot, reachable_from
 
+
 @njit(cache=True, nogil=True)
 def robust_prune(data, p, candidates, alpha, R, out):
     """RobustPrune with inner-product similarity: write at most R diverse neighbours of ``p`` into ``out``.

@@ -47,10 +47,10 @@ import numpy as np
 from numba import njit, prange
 
 from anns_lab.errors import IndexConfigError
-from anns_lab.indexes import graph_build as gb, graph_search as gs
-from anns_lab.indexes.key_store import KeyStore
+from anns_lab.indexes import graph_build as gb
+from anns_lab.indexes import graph_search as gs
 from anns_lab.indexes.base import Index, Param
-
+from anns_lab.indexes.key_store import KeyStore
 
 STRANDED_POOL = 8192  # candidate out-neighbours of a stranded key (see link_stranded)
 KMEANS_POINTS = 64  # training points per hub centroid (faiss subsamples): 256 took a quarter of the build
