@@ -102,12 +102,14 @@ def as_matrix(owner: str, what: str, x: Any, dim: int | None = None) -> np.ndarr
         arr = arr[None, :]  # one query vector is a batch of one
     if arr.ndim != 2 or arr.shape[0] == 0 or arr.shape[1] == 0:
         raise IndexConfigError(f"{owner}: {what} must be a non-empty 2-D array (n, dim), got shape {arr.shape}")
-    if not np.issubdtype(arr.dtype, np.number) or np.iscomplexobj(arr):
-        raise IndexConfigError(f"{owner}: {what} must be real numbers, got dtype {arr.dtype}")
-    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    if arr.dtype != np.float32 or not arr.flags.c_contiguous:  # the common case skips these checks (batch-1 latency)
+        if not np.issubdtype(arr.dtype, np.number) or np.iscomplexobj(arr):
+            raise IndexConfigError(f"{owner}: {what} must be real numbers, got dtype {arr.dtype}")
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
     if dim is not None and arr.shape[1] != dim:
         raise IndexConfigError(f"{owner}: {what} have dimension {arr.shape[1]} but the index was built with dimension {dim}")
-    if not np.isfinite(arr).all():
+    # One float64 reduction: finite float32 values cannot overflow it, so a non-finite sum means NaN or inf.
+    if not math.isfinite(arr.sum(dtype=np.float64)):
         bad = int(np.flatnonzero(~np.isfinite(arr).all(axis=1))[0])
         raise IndexConfigError(f"{owner}: {what} contain NaN or infinite values (first at row {bad})")
     return arr
@@ -151,7 +153,7 @@ class Index:
             raise IndexConfigError(f"{self._owner()}: k must be a positive integer, got {k!r}")
         if k > self.n_keys:
             raise IndexConfigError(f"{self._owner()}: k={k} is larger than the number of keys ({self.n_keys})")
-        full = resolve_params(self._owner(), self.search_params, params)
+        full = self._search_params_for(params)
         ids, scores, n_scanned = self._search(q, int(k), **full)
         return SearchResult(
             np.ascontiguousarray(ids, dtype=np.int64),
@@ -168,6 +170,20 @@ class Index:
         """
         parts = [index.search(queries[i: i + 1], k, **params) for i, index in enumerate(indexes)]
         return SearchResult(*(np.concatenate(column) for column in zip(*parts)))
+
+    def _search_params_for(self, params: dict[str, Any]) -> dict[str, Any]:
+        """``resolve_params`` for search, remembered per distinct parameter set (batch-1 latency)."""
+        cache = self.__dict__.setdefault("_resolved", {})
+        try:
+            key = tuple(params.items())
+            full = cache.get(key)
+        except TypeError:  # an unhashable value: checked every time
+            return resolve_params(self._owner(), self.search_params, params)
+        if full is None:
+            full = resolve_params(self._owner(), self.search_params, params)
+            if len(cache) < 64:
+                cache[key] = full
+        return full
 
     def add(self, keys: Any) -> None:
         """Insert more keys; their ids continue after the existing ones."""

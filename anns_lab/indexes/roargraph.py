@@ -412,8 +412,8 @@ class RoarGraphIndex(Index):
     def search_group(cls, indexes, queries, k, L: int = 100):
         """One kernel call for the query heads of a layer (the decoder's per-step search).
 
-        ``graph_search.search_graphs`` runs its own beam search of width max(L, k): the same nodes
-        and results as :meth:`search` for L ≥ k (its L < k operating points are search-only)."""
+        ``graph_search.search_graphs`` runs the heads' beam searches interleaved in one kernel: the same
+        nodes and results as :meth:`search` for L ≥ k; for L < k it asks each index."""
         return gs.search_graphs(indexes, queries, k, L)
 
     # -- persistence -------------------------------------------------------------------------------
