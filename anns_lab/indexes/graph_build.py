@@ -7,6 +7,7 @@ rule. Graph layout and search are in :mod:`anns_lab.indexes.graph_search`.
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 from numba import njit, prange
 
@@ -260,9 +261,8 @@ def key_occurrences(knn, n, max_rank):
     return ptr, occ_q, occ_r
 
 
-@njit(cache=True, nogil=True, parallel=True)
 def project_rows(data, knn, weights, ptr, occ_q, occ_r, n_pivots, n_sel, n_cand, max_cand, alpha, M, nbrs, degree,
-                 n_threads=1, key_weight=None):
+                 n_threads=1, key_weight=None, rows=None):
     """Projection of the bipartite graph onto keys, one row per key p (rows split over ``n_threads`` chunks).
 
     p is a pivot for the queries where it ranks below ``n_pivots`` (its occurrence slice from
@@ -275,63 +275,87 @@ def project_rows(data, knn, weights, ptr, occ_q, occ_r, n_pivots, n_sel, n_cand,
     The merge uses a dense per-thread accumulator (O(candidates), no sort of the raw list) and
     computes ip(p, ·) only for the candidates heavy enough to be kept: this pass was a third
     of the build.
+
+    ``rows`` (int64), when given, restricts the pass to those keys (``add``: the new keys only);
+    every other row is left as it is.
     """
-    n = data.shape[0]
-    C = min(n_cand, knn.shape[1])
-    n_chunks = max(1, min(n, n_threads))
+    rows = np.arange(data.shape[0], dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
+    n_chunks = max(1, min(len(rows), n_threads))
+    args = (data, knn, weights, ptr, occ_q, occ_r, rows, n_pivots, n_sel, n_cand, max_cand, alpha, M, nbrs, degree,
+            key_weight)
+    if n_chunks == 1:
+        _project_chunk(*args, 0, 1)  # on the calling thread: no thread-pool launch (ms on a loaded machine)
+    else:
+        _project_par(*args, n_chunks)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _project_par(data, knn, weights, ptr, occ_q, occ_r, rows, n_pivots, n_sel, n_cand, max_cand, alpha, M, nbrs, degree,
+                 key_weight, n_chunks):
     for c in prange(n_chunks):
-        acc = np.zeros(n, np.float32)
-        stamp = np.full(n, -1, np.int64)  # stamp[v] == p: v already a candidate of row p
-        touched = np.empty(n, np.int32)
-        out = np.empty(M, np.int32)
-        for p in range(c, n, n_chunks):  # interleaved: heavy rows (sinks) spread over the threads
-            lo = ptr[p]
-            hi = lo
-            while hi < min(ptr[p + 1], lo + n_sel) and occ_r[hi] < n_pivots:
-                hi += 1
-            if hi == lo:
-                degree[p] = 0
-                continue
-            t = 0
-            for o in range(lo, hi):
-                q = occ_q[o]
-                w = weights[q]
-                for j in range(C):
-                    v = knn[q, j]
-                    if v == p:
-                        continue
-                    if stamp[v] != p:
-                        stamp[v] = p
-                        acc[v] = 0.0
-                        touched[t] = v
-                        t += 1
-                    acc[v] += w
-            uw = np.empty(t, np.float32)
-            for i in range(t):
-                uw[i] = acc[touched[i]]
-                if key_weight is not None:
-                    uw[i] *= key_weight[touched[i]]
-            thr = np.partition(uw, t - max_cand)[t - max_cand] if t > max_cand else -np.inf
-            m = 0
-            uid = np.empty(t, np.int32)
-            key = np.empty(t, np.float64)
-            sim = np.empty(t, np.float32)
-            for i in range(t):
-                if uw[i] >= thr:
-                    v = touched[i]
-                    uid[m] = v
-                    sim[m] = dot(data[p], data[v])
-                    key[m] = -(uw[i] * 1e6 + sim[m] * 1e-3)  # weight first, similarity breaks ties
-                    m += 1
-            o = np.argsort(key[:m], kind="mergesort")[: min(m, max_cand)]
-            if alpha > 0:
-                kept = robust_prune_ordered(data, p, uid[o], sim[o], alpha, M, out, 0)
-            else:
-                kept = min(M, o.shape[0])
-                for i in range(kept):
-                    out[i] = uid[o[i]]
-            nbrs[p, :kept] = out[:kept]
-            degree[p] = kept
+        _project_chunk(data, knn, weights, ptr, occ_q, occ_r, rows, n_pivots, n_sel, n_cand, max_cand, alpha, M, nbrs,
+                       degree, key_weight, c, n_chunks)
+
+
+@njit(cache=True, nogil=True)
+def _project_chunk(data, knn, weights, ptr, occ_q, occ_r, rows, n_pivots, n_sel, n_cand, max_cand, alpha, M, nbrs,
+                   degree, key_weight, c, n_chunks):
+    """Rows ``rows[c::n_chunks]`` of :func:`project_rows` (interleaved: heavy rows, the sinks, spread over chunks)."""
+    n, nr = data.shape[0], rows.shape[0]
+    C = min(n_cand, knn.shape[1])
+    acc = np.zeros(n, np.float32)
+    stamp = np.full(n, -1, np.int64)  # stamp[v] == p: v already a candidate of row p
+    touched = np.empty(n, np.int32)
+    out = np.empty(M, np.int32)
+    for ri in range(c, nr, n_chunks):
+        p = rows[ri]
+        lo = ptr[p]
+        hi = lo
+        while hi < min(ptr[p + 1], lo + n_sel) and occ_r[hi] < n_pivots:
+            hi += 1
+        if hi == lo:
+            degree[p] = 0
+            continue
+        t = 0
+        for o in range(lo, hi):
+            q = occ_q[o]
+            w = weights[q]
+            for j in range(C):
+                v = knn[q, j]
+                if v == p:
+                    continue
+                if stamp[v] != p:
+                    stamp[v] = p
+                    acc[v] = 0.0
+                    touched[t] = v
+                    t += 1
+                acc[v] += w
+        uw = np.empty(t, np.float32)
+        for i in range(t):
+            uw[i] = acc[touched[i]]
+            if key_weight is not None:
+                uw[i] *= key_weight[touched[i]]
+        thr = np.partition(uw, t - max_cand)[t - max_cand] if t > max_cand else -np.inf
+        m = 0
+        uid = np.empty(t, np.int32)
+        key = np.empty(t, np.float64)
+        sim = np.empty(t, np.float32)
+        for i in range(t):
+            if uw[i] >= thr:
+                v = touched[i]
+                uid[m] = v
+                sim[m] = dot(data[p], data[v])
+                key[m] = -(uw[i] * 1e6 + sim[m] * 1e-3)  # weight first, similarity breaks ties
+                m += 1
+        o = np.argsort(key[:m], kind="mergesort")[: min(m, max_cand)]
+        if alpha > 0:
+            kept = robust_prune_ordered(data, p, uid[o], sim[o], alpha, M, out, 0)
+        else:
+            kept = min(M, o.shape[0])
+            for i in range(kept):
+                out[i] = uid[o[i]]
+        nbrs[p, :kept] = out[:kept]
+        degree[p] = kept
 
 
 @njit(cache=True, nogil=True)
@@ -352,15 +376,37 @@ def _incoming(nbrs, degree, n):
     return ptr, src
 
 
-@njit(cache=True, nogil=True, parallel=True)
 def _merge_rows(data, nbrs, degree, ptr, src, alpha, R, prune_full):
-    """Each row u (prange): append the proposed ``src`` edges not already present; when the row
-    would exceed R, either RobustPrune the union (``prune_full``) or keep the first R."""
-    n = data.shape[0]
-    new_nbrs = nbrs.copy()
-    new_deg = degree.copy()
-    for u in prange(n):
-        lo, hi = ptr[u], ptr[u + 1]
+    """:func:`merge_into_rows` over every row, into copies of ``nbrs``/``degree`` (returned)."""
+    new_nbrs, new_deg = nbrs.copy(), degree.copy()
+    merge_into_rows(data, new_nbrs, new_deg, np.arange(data.shape[0], dtype=np.int64), ptr, src, alpha, R, prune_full,
+                    numba.get_num_threads())
+    return new_nbrs, new_deg
+
+
+def merge_into_rows(data, nbrs, degree, rows, ptr, src, alpha, R, prune_full, n_threads):
+    """Each row u = rows[i], in place: append the proposed edges ``src[ptr[i]:ptr[i+1]]`` not already
+    present; when the row would exceed R, either RobustPrune the union (``prune_full``) or keep the
+    first R. Lock-free over ``n_threads`` chunks: an iteration reads and writes its own row only
+    (``rows`` unique)."""
+    n_chunks = max(1, min(len(rows), n_threads))
+    if n_chunks == 1:
+        _merge_chunk(data, nbrs, degree, rows, ptr, src, alpha, R, prune_full, 0, 1)  # no thread-pool launch
+    else:
+        _merge_par(data, nbrs, degree, rows, ptr, src, alpha, R, prune_full, n_chunks)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _merge_par(data, nbrs, degree, rows, ptr, src, alpha, R, prune_full, n_chunks):
+    for c in prange(n_chunks):
+        _merge_chunk(data, nbrs, degree, rows, ptr, src, alpha, R, prune_full, c, n_chunks)
+
+
+@njit(cache=True, nogil=True)
+def _merge_chunk(data, nbrs, degree, rows, ptr, src, alpha, R, prune_full, c, n_chunks):
+    for i in range(c, rows.shape[0], n_chunks):
+        u = rows[i]
+        lo, hi = ptr[i], ptr[i + 1]
         if hi == lo:
             continue
         cand = np.empty(degree[u] + hi - lo, np.int32)
@@ -382,14 +428,28 @@ def _merge_rows(data, nbrs, degree, ptr, src, alpha, R, prune_full):
                 m += 1
         if m <= R or not prune_full:
             kk = min(m, R)
-            new_nbrs[u, :kk] = cand[:kk]
-            new_deg[u] = kk
+            nbrs[u, :kk] = cand[:kk]
+            degree[u] = kk
         else:
             out = np.empty(R, np.int32)
             kept = robust_prune(data, u, cand[:m].astype(np.int64), alpha, R, out)
-            new_nbrs[u, :kept] = out[:kept]
-            new_deg[u] = kept
-    return new_nbrs, new_deg
+            nbrs[u, :kept] = out[:kept]
+            degree[u] = kept
+
+
+def incoming_rows(props, targets):
+    """Proposals (target ``targets[i]`` ← each u ≥ 0 in ``props[i]``) grouped by u, for :func:`merge_into_rows`:
+    (rows u, ptr, src). Only the rows that receive something appear, so the cost follows the proposals,
+    not the graph size; each row's sources keep the targets' order."""
+    u = props.ravel()
+    src = np.repeat(np.asarray(targets, np.int32), props.shape[1])
+    keep = u >= 0
+    u, src = u[keep], src[keep]
+    order = np.argsort(u, kind="stable")
+    rows, counts = np.unique(u[order], return_counts=True)
+    ptr = np.zeros(len(rows) + 1, np.int64)
+    np.cumsum(counts, out=ptr[1:])
+    return rows.astype(np.int64), ptr, np.ascontiguousarray(src[order])
 
 
 def add_reverse_edges(data, nbrs, degree, alpha, R):
@@ -398,25 +458,37 @@ def add_reverse_edges(data, nbrs, degree, alpha, R):
     return _merge_rows(data, nbrs, degree, ptr, src, alpha, R, True)
 
 
-@njit(cache=True, nogil=True, parallel=True)
 def _search_self(data, nbrs, degree, entries, L, n_threads, targets, width, alpha, R_link):
-    """Each target key t (prange): beam search for t's own vector, RobustPrune the expanded nodes
-    to ``R_link``, and propose edges u→t from them (written to row t of ``props`` only)."""
-    nt = targets.shape[0]
-    props = np.full((nt, R_link), -1, np.int32)
-    n_chunks = max(1, min(nt, n_threads))
-    for c in prange(n_chunks):
-        visited = np.zeros(data.shape[0], np.int32)
-        expanded = np.empty(width, np.int64)
-        out = np.empty(R_link, np.int32)
-        lo = c * nt // n_chunks
-        hi = (c + 1) * nt // n_chunks
-        for i in range(lo, hi):
-            t = targets[i]
-            _, _, _, _, n_exp = beam_search(data, nbrs, degree, data[t], entries, L, visited, i - lo + 1, expanded)
-            kept = robust_prune(data, t, expanded[:n_exp], alpha, R_link, out)
-            props[i, :kept] = out[:kept]
+    """Each target key t: beam search for t's own vector, RobustPrune the expanded nodes to ``R_link``,
+    and propose edges u→t from them (written to row t of ``props`` only). Targets in ``n_threads`` chunks."""
+    props = np.full((len(targets), R_link), -1, np.int32)
+    n_chunks = max(1, min(len(targets), n_threads))
+    if n_chunks == 1:
+        _search_chunk(data, nbrs, degree, entries, L, targets, width, alpha, R_link, props, 0, 1)  # no thread-pool launch
+    else:
+        _search_par(data, nbrs, degree, entries, L, targets, width, alpha, R_link, props, n_chunks)
     return props
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _search_par(data, nbrs, degree, entries, L, targets, width, alpha, R_link, props, n_chunks):
+    for c in prange(n_chunks):
+        _search_chunk(data, nbrs, degree, entries, L, targets, width, alpha, R_link, props, c, n_chunks)
+
+
+@njit(cache=True, nogil=True)
+def _search_chunk(data, nbrs, degree, entries, L, targets, width, alpha, R_link, props, c, n_chunks):
+    nt = targets.shape[0]
+    visited = np.zeros(data.shape[0], np.int32)
+    expanded = np.empty(width, np.int64)
+    out = np.empty(R_link, np.int32)
+    lo = c * nt // n_chunks
+    hi = (c + 1) * nt // n_chunks
+    for i in range(lo, hi):
+        t = targets[i]
+        _, _, _, _, n_exp = beam_search(data, nbrs, degree, data[t], entries, L, visited, i - lo + 1, expanded)
+        kept = robust_prune(data, t, expanded[:n_exp], alpha, R_link, out)
+        props[i, :kept] = out[:kept]
 
 
 @njit(cache=True, nogil=True)
@@ -439,18 +511,20 @@ def _props_to_incoming(props, targets, n):
     return ptr, src
 
 
-def link_back(data, nbrs, degree, rows, alpha, R):
-    """Reverse edges of the given ``rows`` only: each u in row t's list gains t (RobustPrune over R)."""
+def link_back(data, nbrs, degree, rows, alpha, R, n_threads=1):
+    """Reverse edges of the given ``rows`` only, in place: each u in row t's list gains t (RobustPrune over R).
+    Touches only the rows that gain an edge (``add``: the new keys' neighbours)."""
     rows = np.asarray(rows, np.int64)
-    ptr, src = _props_to_incoming(np.ascontiguousarray(nbrs[rows]), rows, data.shape[0])
-    return _merge_rows(data, nbrs, degree, ptr, src, alpha, R, True)
+    targets, ptr, src = incoming_rows(nbrs[rows], rows)
+    merge_into_rows(data, nbrs, degree, targets, ptr, src, alpha, R, True, n_threads)
 
 
 def connect_by_search(data, nbrs, degree, entries, L, alpha, R, R_link, n_threads, targets=None, prune_full=False):
     """Connectivity enhancement: each target is searched for on the graph and linked *from* the
     nodes it found (pruned to ``R_link``), so a search that reaches that region reaches it.
 
-    Also gives each target with an empty row the found nodes as its out-edges. Two-phase.
+    Also gives each target with an empty row the found nodes as its out-edges. Two-phase (all
+    searches, then the row merges), in place; returns (nbrs, degree).
     """
     n = data.shape[0]
     targets = np.arange(n, dtype=np.int64) if targets is None else np.asarray(targets, np.int64)
@@ -460,8 +534,50 @@ def connect_by_search(data, nbrs, degree, entries, L, alpha, R, R_link, n_thread
             row = props[i][props[i] >= 0][:R]
             nbrs[t, : len(row)] = row
             degree[t] = len(row)
-    ptr, src = _props_to_incoming(props, targets, n)
-    return _merge_rows(data, nbrs, degree, ptr, src, alpha, R, prune_full)
+    rows, ptr, src = incoming_rows(props, targets)
+    merge_into_rows(data, nbrs, degree, rows, ptr, src, alpha, R, prune_full, n_threads)
+    return nbrs, degree
+
+
+@njit(cache=True, nogil=True)
+def merge_topk(ids, scores, queries, new_keys, first_id):
+    """Row q of (``ids``, ``scores``) is query q's top keys, best first (padded -1 / -inf): merge in,
+    in place, the new keys ``first_id + j`` whose inner product with ``queries[q]`` beats the row's
+    last score. Returns which rows changed. The rows stay each query's exact top-K over every key
+    added so far, for the cost of scoring the new keys only (serial: a few hundred × t dots)."""
+    nq, K = ids.shape
+    t = new_keys.shape[0]
+    changed = np.zeros(nq, np.bool_)
+    s = np.empty(t, np.float32)
+    cj = np.empty(t, np.int64)
+    cs = np.empty(t, np.float32)
+    for q in range(nq):
+        thr = scores[q, K - 1]
+        cnt = 0
+        for j in range(t):
+            s[j] = dot(queries[q], new_keys[j])
+            if s[j] > thr:
+                cj[cnt] = j
+                cs[cnt] = s[j]
+                cnt += 1
+        if cnt == 0:
+            continue
+        changed[q] = True
+        order = np.argsort(-cs[:cnt], kind="mergesort")
+        old_i = ids[q].copy()
+        old_s = scores[q].copy()
+        a = 0
+        b = 0
+        for r in range(K):  # merge two sorted lists; an old key wins ties (a < K: at most r of them taken)
+            if b < cnt and cs[order[b]] > old_s[a]:
+                ids[q, r] = first_id + cj[order[b]]
+                scores[q, r] = cs[order[b]]
+                b += 1
+            else:
+                ids[q, r] = old_i[a]
+                scores[q, r] = old_s[a]
+                a += 1
+    return changed
 
 
 @njit(cache=True, nogil=True)
