@@ -593,6 +593,7 @@ def link_unreachable(data, nbrs, degree, entries, R):
     queue = np.empty(n, np.int64)
     linked = 0
     for sweep in range(3):  # a replaced edge may strand a node: re-check
+        before = linked
         for t in range(n):
             if seen[t]:
                 continue
@@ -633,6 +634,8 @@ def link_unreachable(data, nbrs, degree, entries, R):
                 degree[src] += 1
             linked += 1
             _mark_from(nbrs, degree, t, seen, queue)
+        if linked == before:
+            break  # every node was reachable and the graph is unchanged: no second BFS (add calls this each time)
         seen = reachable_from(nbrs, degree, entries)
         if seen.all():
             break
