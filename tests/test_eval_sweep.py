@@ -128,7 +128,7 @@ def test_bad_input(smollm2_dump, sweep, tmp_path, tiny_llama):
     with pytest.raises(AnnsLabError, match="not .*dump"):
         report.write_report(sweep.path, tmp_path / "r", dump_path=tiny_llama)
     r = CliRunner().invoke(main, ["sweep", "--dump", str(smollm2_dump.path), "--indexes", "flat", "--window", "12"])
-    assert r.exit_code == 2 and "--window takes two" in r.output
+    assert r.exit_code == 2 and "SINK,RECENT" in r.output
 
 
 def test_default_layers_spread_over_depth():
