@@ -155,18 +155,35 @@ def test_bad_input(cls):
             cls(M=32, R=16).build(keys, train)
 
 
-def test_heap_search_matches_beam_search_and_allows_L_below_k():
-    """roargraph's two-heap kernel visits and returns what the shared beam search does (L ≥ k),
-    and for L < k still returns k keys: the best of everything it scanned."""
+def test_search_is_the_sorted_list_beam_search_and_allows_L_below_k():
+    """roargraph's search (graph_search.search_one: heaps) against the builds' sorted-list beam_search, in a
+    batch and one query at a time. The beam is L either way, so both scan the same nodes: for L ≥ k the same
+    top-k, scores and count; for L < k (below the entry points too) k ids, the best k of every node scanned."""
     keys, train, test = ood_data(8)
-    index = RoarGraphIndex().build(keys, train)
+    index = RoarGraphIndex(recent_entries=16).build(keys, train)
     data, nbrs, degree = index.graph_arrays()
-    for L in (20, 50):
-        ref = gs.beam_search_batch(data, nbrs, degree, test, index.entries_for(test), L, 20, 1)
-        res = index.search(test, 20, L=L)
-        assert np.array_equal(np.sort(ref[0], axis=1), np.sort(res.ids, axis=1)) and np.array_equal(ref[2], res.n_scanned)
-    one = index.search(test[:1], 20, L=30)
-    assert np.array_equal(one.ids[0], index.search(test, 20, L=30).ids[0])
+    entries, k = index.entries(), 20
+    assert len(entries) > 20  # the hubs and the newest keys: more entry points than L < k below
+    for L in (5, 12, 20, 50):
+        res = index.search(test, k, L=L)
+        for i, q in enumerate(test):
+            expanded = np.empty(len(data), np.int64)
+            ids, scores, _, n_scanned, ne = gs.beam_search(data, nbrs, degree, q, entries, L,
+                                                           np.zeros(len(data), np.int32), 1, expanded)
+            scanned = np.unique(np.concatenate([entries, *(nbrs[v, :degree[v]] for v in expanded[:ne])]))
+            assert res.n_scanned[i] == n_scanned == len(scanned)  # every node once, entry points included
+            if L >= k:
+                np.testing.assert_array_equal(res.ids[i], ids[:k])
+                np.testing.assert_array_equal(res.scores[i], scores[:k])
+            else:
+                s = np.array([gs.dot(data[v], q) for v in scanned], np.float32)  # the kernel's bits
+                best = np.argsort(-s, kind="stable")[:k]
+                np.testing.assert_array_equal(res.scores[i], s[best])
+                assert sorted(res.ids[i]) == sorted(scanned[best])
+        for i in range(0, len(test), 7):  # batch 1 (the per-thread workspace) gives the batch's answer
+            one = index.search(test[i: i + 1], k, L=L)
+            assert one.ids.tolist() == res.ids[i: i + 1].tolist() and one.n_scanned[0] == res.n_scanned[i]
+            np.testing.assert_array_equal(one.scores[0], res.scores[i])
     narrow = index.search(test, 20, L=5)
     assert (narrow.ids >= 0).all() and narrow.n_scanned.mean() < index.search(test, 20, L=20).n_scanned.mean()
     assert recall_at_k(narrow.ids, test, keys, 20) > 0.5

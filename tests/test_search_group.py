@@ -128,21 +128,29 @@ def _int_graph(seed, n=600, d=8, r=10):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_heap_search_is_the_sorted_list_beam_search(seed):
-    """search_one (heaps, SIMD inner product) against beam_search (sorted list, sequential sum) on exact scores."""
+def test_search_one_is_the_sorted_list_beam_search(seed):
+    """search_one (heaps, SIMD inner product) against beam_search (sorted list, sequential sum) on exact scores:
+    the same nodes scanned; for L ≥ k the same top-k; for L < k the exact best k of every node scanned."""
     keys, queries, nbrs, degree = _int_graph(seed)
     entries = np.array([0, 7, 7, -1, 99], np.int64)
-    for L in (1, 5, 32, 200):
+    for L, k in [(1, 1), (5, 5), (32, 20), (200, 20), (200, 700), (1, 20), (2, 20), (5, 20), (32, 50)]:
         for q in queries:
-            visited = np.zeros(len(keys), np.int32)
-            ids, scores, size, n_scanned, _ = gs.beam_search(keys, nbrs, degree, q, entries[entries >= 0], L, visited, 1,
-                                                             np.empty(0, np.int64))
-            k = min(L, 20)
+            expanded = np.empty(len(keys), np.int64)
+            ids, scores, size, n_scanned, ne = gs.beam_search(keys, nbrs, degree, q, entries[entries >= 0], L,
+                                                              np.zeros(len(keys), np.int32), 1, expanded)
             out_ids, out_scores = np.empty(k, np.int64), np.empty(k, np.float32)
-            heap_s, heap_i = np.empty(len(keys) + L, np.float32), np.empty(len(keys) + L, np.int64)
+            slots = gs.heap_slots(len(keys), L, k)
+            assert slots == len(keys) + L + (k if L < k else 0)
+            heap_s, heap_i = np.empty(slots, np.float32), np.empty(slots, np.int64)
             got = gs.search_one(keys, nbrs, degree, q, entries, L, np.zeros(len(keys), np.int32), 1, heap_s, heap_i,
                                 out_ids, out_scores)
             assert got == n_scanned
+            if L < k:  # the scanned nodes: the entry points and the rows of the expanded ones
+                ids = np.unique(np.concatenate([entries[entries >= 0], *(nbrs[v, :degree[v]] for v in expanded[:ne])]))
+                assert len(ids) == n_scanned
+                scores = keys[ids] @ q  # exact in float32 (integers), all distinct
+                order = np.argsort(-scores)
+                ids, scores, size = ids[order], scores[order], len(ids)
             m = min(size, k)
             np.testing.assert_array_equal(out_ids[:m], ids[:m])
             np.testing.assert_array_equal(out_scores[:m], scores[:m])
@@ -227,16 +235,20 @@ def test_interleaved_heads_equal_one_search_at_a_time():
     n_max, h = 700, len(graphs)
     for L, k in [(32, 10), (100, 100), (5, 5)]:
         visited = np.zeros((h, n_max), np.int32)
-        heap_s, heap_i = np.empty((h, n_max + L), np.float32), np.empty((h, n_max + L), np.int64)
+        slots = gs.heap_slots(n_max, L, k)
+        heap_s, heap_i = np.empty((h, slots), np.float32), np.empty((h, slots), np.int64)
         for epoch in (1, 2):
             q = np.stack([g[1][epoch] for g in graphs])
             ids, scores, scanned = np.empty((h, k), np.int64), np.empty((h, k), np.float32), np.empty(h, np.int64)
             gs.search_heads(keys, nbrs, degree, entries, q, L, visited, epoch, heap_s, heap_i, ids, scores, scanned)
             for i, (kk, _, nb, dg) in enumerate(graphs):
                 ref_ids, ref_scores = np.empty(k, np.int64), np.empty(k, np.float32)
-                ws, wi = np.empty(len(kk) + L, np.float32), np.empty(len(kk) + L, np.int64)
+                ws, wi = np.empty(gs.heap_slots(len(kk), L, k), np.float32), np.empty(gs.heap_slots(len(kk), L, k), np.int64)
                 ref_n = gs.search_one(kk, nb, dg, q[i], entries[i], L, np.zeros(len(kk), np.int32), 1, ws, wi, ref_ids,
                                       ref_scores)
                 np.testing.assert_array_equal(ids[i], ref_ids)
                 np.testing.assert_array_equal(scores[i], ref_scores)
                 assert scanned[i] == ref_n
+    with pytest.raises(ValueError, match="L >= k"):  # L < k (a top-k heap besides the beam) is search_one's
+        gs.search_heads(keys, nbrs, degree, entries, q, 5, visited, 3, heap_s, heap_i, np.empty((h, 6), np.int64),
+                        np.empty((h, 6), np.float32), scanned)

@@ -110,8 +110,8 @@ def dot(a: np.ndarray, b: np.ndarray) -> float:
 
     About 4x faster at d = 64 than the plain sequential loop (which LLVM cannot vectorise without
     fast-math reassociation, and with it vectorises differently in different callers). Here the
-    order is fixed (:func:`_simd_dot`), so the query-time searches (this module's, roargraph's
-    ``heap_search``) and the builds agree bit for bit. Non-contiguous inputs use the sequential sum.
+    order is fixed (:func:`_simd_dot`), so the query-time searches and the builds agree bit for
+    bit. Non-contiguous inputs use the sequential sum.
     """
     return _dot_any(a, b)
 
@@ -180,6 +180,13 @@ def beam_search(data, nbrs, degree, query, entries, L, visited, epoch, expanded)
 
 
 # -- query-time search: best-first with two binary heaps ------------------------------------------
+#
+# hnswlib's two-heap best-first search: a min-heap of the L best nodes scanned (the beam) and a
+# max-heap of the beam's nodes not yet expanded (the frontier); stop when the frontier's best is
+# worse than the worst of a full beam. It visits what beam_search visits, but every insertion is
+# O(log L) where the sorted list shifts O(L) entries: at L = 150–300 that shifting, not the 64-dim
+# inner products, was most of a query's time. With L < k a third heap keeps the k best of every
+# node scanned, so a narrow beam still returns k keys.
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -257,6 +264,63 @@ def _pop_max(hs, hi, n):
     return n
 
 
+def heap_slots(n: int, L: int, k: int) -> int:
+    """Workspace slots (per heap array) that :func:`search_one` / :func:`search_heads` need for n keys, beam L, top-k."""
+    return n + L + (k if L < k else 0)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _fresh(cands, visited, epoch, fresh):
+    """Copy the nodes of ``cands`` not yet visited (``-1`` skipped) into ``fresh`` in order, marking them; return how many."""
+    m = 0
+    for v in cands:
+        if v >= 0 and visited[v] != epoch:
+            visited[v] = epoch
+            fresh[m] = v
+            m += 1
+    return m
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _offer(rs, ri, cs, ci, nr, nc, L, s, v):
+    """Offer scanned node v (score s) to the beam (min-heap ``rs``/``ri`` of the L best, size nr); if it
+    enters, push it on the frontier (max-heap ``cs``/``ci``, size nc). Returns (nr, nc)."""
+    if nr < L:
+        nr = _push_min(rs, ri, nr, s, v)
+    elif s > rs[0]:
+        _sift_min(rs, ri, nr, s, v)
+    else:
+        return nr, nc
+    return nr, _push_max(cs, ci, nc, s, v)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _pop_next(rs, cs, ci, nr, nc, L):
+    """Pop the next node to expand: (node, nc), node -1 when the search is done (the frontier is empty, or its
+    best is worse than the worst of a full beam: every node of the beam is expanded)."""
+    if nc == 0 or (nr == L and cs[0] < rs[0]):
+        return -1, nc
+    node = ci[0]
+    return node, _pop_max(cs, ci, nc)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _drain(hs, hi, n, out_ids, out_scores):
+    """Pop the min-heap ``hs``/``hi`` of size n into ``out_ids``/``out_scores``: its k = ``len(out_ids)`` best,
+    best first, padded with -1 / -inf."""
+    k = out_ids.shape[0]
+    for j in range(n, k):
+        out_ids[j] = -1
+        out_scores[j] = -np.inf
+    while n > 0:  # worst first: the node popped when n nodes are left has rank n - 1
+        n -= 1
+        if n < k:
+            out_ids[n] = hi[0]
+            out_scores[n] = hs[0]
+        if n > 0:
+            _sift_min(hs, hi, n, hs[n], hi[n])
+
+
 @njit(cache=True, nogil=True)
 def search_one(data, nbrs, degree, query, entries, L, visited, epoch, heap_s, heap_i, out_ids, out_scores):
     """Best-first beam search of one query; writes its top-k (k = ``len(out_ids)``) and returns n_scanned.
@@ -264,95 +328,86 @@ def search_one(data, nbrs, degree, query, entries, L, visited, epoch, heap_s, he
     The same search as :func:`beam_search` (keep the ``L`` best nodes seen, expand the best
     unexpanded one until all ``L`` are expanded: it stops when the best candidate left is worse
     than the L-th best), with the beam as a min-heap and the frontier as a max-heap instead of a
-    sorted list (O(log L) per insert). Scores are :func:`dot` (sequential float32 sum), as in
-    ``roargraph.heap_search``, so both return the same bits. Every inner product is counted,
-    entry points included; ``entries`` equal to -1 are skipped.
+    sorted list (O(log L) per insert). The entry points are scored and offered first, in order
+    (``-1`` and repeats skipped); only those that enter the beam go on the frontier. Every inner
+    product (:func:`dot`) is counted once, entry points included.
 
-    ``visited`` (n,) int32 is marked with ``epoch`` (callers bump it per query, so it needs no
-    clearing); ``heap_s``/``heap_i`` are a workspace of at least n + L slots (the beam uses the
-    first L, the frontier the rest: each node is pushed at most once). ``out_ids``/``out_scores``
-    get the k best by descending score, padded with -1 / -inf.
+    L ≥ k: the output is the beam's best k. L < k: a third heap keeps the k best of every node
+    scanned (entry points included) and gives the output, so a narrow beam still returns k keys
+    (on a query-aware graph the rest of a query's top keys are neighbours of the best L); the
+    search itself (what is expanded, when it stops) is the same.
+
+    ``visited`` (≥ n,) int32 is marked with ``epoch`` (callers bump it per query, so it needs no
+    clearing); ``heap_s``/``heap_i`` are a workspace of at least :func:`heap_slots` (n + L, plus k
+    when L < k). ``out_ids``/``out_scores`` get the k best by descending score, padded with -1 / -inf.
     """
-    rs = heap_s[:L]  # the beam: min-heap of the L best scores seen
-    ri = heap_i[:L]
-    cs = heap_s[L:]  # the frontier: max-heap of nodes that entered the beam, not yet expanded
-    ci = heap_i[L:]
-    nr = 0
-    nc = 0
-    n_scanned = 0
-    for e in entries:
-        if e < 0 or visited[e] == epoch:
-            continue
-        visited[e] = epoch
-        n_scanned += 1
-        s = dot(data[e], query)
-        if nr < L:
-            nr = _push_min(rs, ri, nr, s, e)
-        elif s > rs[0]:
-            _sift_min(rs, ri, nr, s, e)
-        else:
-            continue
-        nc = _push_max(cs, ci, nc, s, e)
-    fresh = np.empty(nbrs.shape[1], np.int64)  # the expanded node's unvisited neighbours
-    fresh_s = np.empty(nbrs.shape[1], np.float32)
-    while nc > 0:
-        if nr == L and cs[0] < rs[0]:
-            break  # every node of the beam is expanded
-        node = ci[0]
-        nc = _pop_max(cs, ci, nc)
-        # Three passes over the neighbours: pick the unvisited ones, score them all (no branch between
-        # the inner products, so their key rows load in parallel: the search is memory-bound), then
-        # update the heaps in neighbour order (the same result as one pass).
-        nf = 0
-        for j in range(degree[node]):
-            nb = nbrs[node, j]
-            if visited[nb] != epoch:
-                visited[nb] = epoch
-                fresh[nf] = nb
-                nf += 1
-        for j in range(nf):
-            fresh_s[j] = dot(data[fresh[j]], query)
-        n_scanned += nf
-        for j in range(nf):
-            nb = fresh[j]
-            s = fresh_s[j]
-            if nr < L:
-                nr = _push_min(rs, ri, nr, s, nb)
-            elif s > rs[0]:
-                _sift_min(rs, ri, nr, s, nb)
-            else:
-                continue
-            nc = _push_max(cs, ci, nc, s, nb)
     k = out_ids.shape[0]
-    for j in range(nr, k):
-        out_ids[j] = -1
-        out_scores[j] = -np.inf
-    while nr > 0:  # pop the beam worst first: the node popped when nr nodes are left has rank nr - 1
-        nr -= 1
-        if nr < k:
-            out_ids[nr] = ri[0]
-            out_scores[nr] = rs[0]
-        if nr > 0:
-            _sift_min(rs, ri, nr, rs[nr], ri[nr])
+    kt = k if L < k else 0
+    # The workspace split (sliced here: a helper returning these views in a tuple hides from numba's dead-code
+    # elimination that they alias heap_s, and it drops stores into them that nothing reads later on).
+    rs = heap_s[:L]  # the beam
+    ri = heap_i[:L]
+    ts = heap_s[L:L + kt]  # the top-k heap (none when L ≥ k)
+    ti = heap_i[L:L + kt]
+    cs = heap_s[L + kt:]  # the frontier: each node is pushed on it at most once
+    ci = heap_i[L + kt:]
+    fresh = np.empty(max(nbrs.shape[1], entries.shape[0]), np.int64)  # the unvisited nodes of one step
+    fresh_s = np.empty(fresh.shape[0], np.float32)
+    m = _fresh(entries, visited, epoch, fresh)  # the entry points: scored and offered as an expanded row's
+    n_scanned = m
+    nr = nt = nc = 0
+    while True:
+        # All the inner products first, with no branch between them, so that their key rows load in parallel
+        # (the search is memory-bound); then the heap updates in order (the same result as one pass).
+        for j in range(m):
+            fresh_s[j] = dot(data[fresh[j]], query)
+        for j in range(m):
+            if kt > 0:  # written out: as an inline helper of its own this cost ~16 ns more per node (numba 0.68)
+                if nt < kt:
+                    nt = _push_min(ts, ti, nt, fresh_s[j], fresh[j])
+                elif fresh_s[j] > ts[0]:
+                    _sift_min(ts, ti, nt, fresh_s[j], fresh[j])
+            nr, nc = _offer(rs, ri, cs, ci, nr, nc, L, fresh_s[j], fresh[j])
+        node, nc = _pop_next(rs, cs, ci, nr, nc, L)
+        if node < 0:
+            break
+        m = _fresh(nbrs[node, :degree[node]], visited, epoch, fresh)
+        n_scanned += m
+    if kt > 0:
+        _drain(ts, ti, nt, out_ids, out_scores)
+    else:
+        _drain(rs, ri, nr, out_ids, out_scores)
     return n_scanned
+
+
+def search_single(data, nbrs, degree, query, entries, L: int, k: int):
+    """One query on the calling thread (batch 1, the decoding case) with this thread's workspace
+    (:func:`_workspace`: no n-sized allocation per query): (ids (1, k), scores (1, k), n_scanned (1,))."""
+    visited, heap_s, heap_i, epoch = _workspace(1, data.shape[0], L, k)
+    ids = np.empty((1, k), np.int64)
+    scores = np.empty((1, k), np.float32)
+    n = search_one(data, nbrs, degree, query, entries, L, visited[0], epoch, heap_s[0], heap_i[0], ids[0], scores[0])
+    return ids, scores, np.array([n], np.int64)
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def beam_search_batch(data, nbrs, degree, queries, entries, L, k, n_threads):
     """Search each query (row of ``entries`` = its entry nodes, ``-1`` = none) on ``n_threads``; top-k, padded with -1/-inf.
 
-    Best-first search with beam ``L`` (:func:`search_one`). ``n_threads`` is passed in
-    (``numba.get_num_threads()``) because reading it inside would stop caching.
+    Best-first search with beam ``L`` (:func:`search_one`; L < k returns the k best of every node
+    scanned). ``n_threads`` is passed in (``numba.get_num_threads()``) because reading it inside
+    would stop caching.
     """
     nq = queries.shape[0]
     out_ids = np.full((nq, k), -1, np.int64)
     out_scores = np.full((nq, k), -np.inf, np.float32)
     n_scanned = np.zeros(nq, np.int64)
     n_chunks = max(1, min(nq, n_threads))
+    slots = data.shape[0] + L + (k if L < k else 0)  # heap_slots
     for c in prange(n_chunks):
         visited = np.zeros(data.shape[0], np.int32)  # one per thread, reused through epochs
-        heap_s = np.empty(data.shape[0] + L, np.float32)  # workspace of search_one (never more than n pushes)
-        heap_i = np.empty(data.shape[0] + L, np.int64)
+        heap_s = np.empty(slots, np.float32)  # workspace of search_one
+        heap_i = np.empty(slots, np.int64)
         lo = c * nq // n_chunks
         hi = (c + 1) * nq // n_chunks
         for qi in range(lo, hi):
@@ -392,6 +447,22 @@ def _mark_from(nbrs, degree, start, seen, queue):
                 tail += 1
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _prefetch_keys(data, fresh, m):
+    """Prefetch the key rows of the m nodes ``fresh[:m]``."""
+    for j in range(m):
+        for c in range(0, data.shape[1], 16):
+            _prefetch(data, fresh[j], c)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _prefetch_row(nbrs, degree, node):
+    """Prefetch ``node``'s adjacency row and degree."""
+    _prefetch(degree, node, 0)
+    for c in range(0, nbrs.shape[1], 16):
+        _prefetch(nbrs, node, c)
+
+
 @njit(cache=True, nogil=True)
 def search_heads(keys, nbrs, degree, entries, queries, L, visited, epoch, heap_s, heap_i, out_ids, out_scores, n_scanned):
     """Search graph i (``keys[i]``, ``nbrs[i]``, ``degree[i]``, ``entries[i]``: numba typed Lists) with ``queries[i]``:
@@ -401,80 +472,39 @@ def search_heads(keys, nbrs, degree, entries, queries, L, visited, epoch, heap_s
     every token), so a search is a chain of dependent DRAM misses: the expanded node's row, then
     its new neighbours' key rows. Here head i runs one stage and prefetches what its next stage
     reads, and every other head runs a stage before head i comes back, so the misses of all heads
-    overlap. Stage A: read the popped node's row, mark its unvisited neighbours, prefetch their
-    keys. Stage B: score them, update the heaps, pop the next node, prefetch its row. Each head
-    performs exactly :func:`search_one`'s operations in the same order (same results and counts).
+    overlap. Stage A: read the popped node's row (first: the entry points), mark its unvisited
+    neighbours, prefetch their keys. Stage B: score them, update the heaps, pop the next node,
+    prefetch its row. Each head performs exactly :func:`search_one`'s operations in the same order
+    (same results and counts) for L ≥ k (k = ``out_ids.shape[1]``); L < k (a top-k heap besides
+    the beam) is search_one's alone.
 
     ``visited`` (H, ≥ n) int32 (a row per head: the searches run at once) marked with ``epoch``;
     ``heap_s``/``heap_i`` (H, ≥ n + L).
     """
+    if out_ids.shape[1] > L:
+        raise ValueError("search_heads needs L >= k: search_one keeps the top-k heap of L < k")
     nh = queries.shape[0]
-    r_max = 1
+    width = 1
     for h in range(nh):
-        r_max = max(r_max, nbrs[h].shape[1])
-    fresh = np.empty((nh, r_max), np.int64)
-    fresh_s = np.empty(r_max, np.float32)
+        width = max(width, nbrs[h].shape[1], entries[h].shape[0])
+    fresh = np.empty((nh, width), np.int64)
+    fresh_s = np.empty(width, np.float32)
     nf = np.zeros(nh, np.int64)
     node_of = np.zeros(nh, np.int64)
     nr = np.zeros(nh, np.int64)
     nc = np.zeros(nh, np.int64)
-    stage = np.zeros(nh, np.int8)  # 0: A next, 1: B next, 2: finished
-    active = 0
-    for h in range(nh):  # the entry points (the same hubs every step), then the first pop
-        data = keys[h]
-        q = queries[h]
-        vis = visited[h]
-        rs = heap_s[h, :L]
-        ri = heap_i[h, :L]
-        cs = heap_s[h, L:]
-        ci = heap_i[h, L:]
-        count = 0
-        a = 0
-        b = 0
-        for e in entries[h]:
-            if e < 0 or vis[e] == epoch:
-                continue
-            vis[e] = epoch
-            count += 1
-            sc = dot(data[e], q)
-            if a < L:
-                a = _push_min(rs, ri, a, sc, e)
-            elif sc > rs[0]:
-                _sift_min(rs, ri, a, sc, e)
-            else:
-                continue
-            b = _push_max(cs, ci, b, sc, e)
-        n_scanned[h] = count
-        nr[h] = a
-        if b > 0 and not (a == L and cs[0] < rs[0]):
-            node = ci[0]
-            nc[h] = _pop_max(cs, ci, b)
-            node_of[h] = node
-            _prefetch(degree[h], node, 0)
-            row = nbrs[h]
-            for c in range(0, row.shape[1], 16):
-                _prefetch(row, node, c)
-            active += 1
-        else:
-            nc[h] = b
-            stage[h] = 2
+    stage = np.ones(nh, np.int8)  # 0: A next, 1: B next, 2: finished
+    for h in range(nh):  # stage A of the entry points (the same hubs every step)
+        nf[h] = _fresh(entries[h], visited[h], epoch, fresh[h])
+        _prefetch_keys(keys[h], fresh[h], nf[h])
+        n_scanned[h] = 0
+    active = nh
     while active > 0:
         for h in range(nh):
             if stage[h] == 0:
                 node = node_of[h]
-                vis = visited[h]
-                row = nbrs[h]
-                data = keys[h]
-                m = 0
-                for j in range(degree[h][node]):
-                    nb = row[node, j]
-                    if vis[nb] != epoch:
-                        vis[nb] = epoch
-                        fresh[h, m] = nb
-                        m += 1
-                        for c in range(0, data.shape[1], 16):
-                            _prefetch(data, nb, c)
-                nf[h] = m
+                nf[h] = _fresh(nbrs[h][node, :degree[h][node]], visited[h], epoch, fresh[h])
+                _prefetch_keys(keys[h], fresh[h], nf[h])
                 stage[h] = 1
             elif stage[h] == 1:
                 data = keys[h]
@@ -484,50 +514,25 @@ def search_heads(keys, nbrs, degree, entries, queries, L, visited, epoch, heap_s
                 cs = heap_s[h, L:]
                 ci = heap_i[h, L:]
                 m = nf[h]
-                for j in range(m):
+                for j in range(m):  # as in search_one: the inner products, then the heap updates
                     fresh_s[j] = dot(data[fresh[h, j]], q)
                 n_scanned[h] += m
                 a = nr[h]
                 b = nc[h]
                 for j in range(m):
-                    nb = fresh[h, j]
-                    sc = fresh_s[j]
-                    if a < L:
-                        a = _push_min(rs, ri, a, sc, nb)
-                    elif sc > rs[0]:
-                        _sift_min(rs, ri, a, sc, nb)
-                    else:
-                        continue
-                    b = _push_max(cs, ci, b, sc, nb)
+                    a, b = _offer(rs, ri, cs, ci, a, b, L, fresh_s[j], fresh[h, j])
+                node, b = _pop_next(rs, cs, ci, a, b, L)
                 nr[h] = a
-                if b > 0 and not (a == L and cs[0] < rs[0]):
-                    node = ci[0]
-                    nc[h] = _pop_max(cs, ci, b)
+                nc[h] = b
+                if node >= 0:
                     node_of[h] = node
-                    _prefetch(degree[h], node, 0)
-                    row = nbrs[h]
-                    for c in range(0, row.shape[1], 16):
-                        _prefetch(row, node, c)
+                    _prefetch_row(nbrs[h], degree[h], node)
                     stage[h] = 0
                 else:
-                    nc[h] = b
                     stage[h] = 2
                     active -= 1
-    k = out_ids.shape[1]
     for h in range(nh):  # each beam, best first, padded
-        rs = heap_s[h, :L]
-        ri = heap_i[h, :L]
-        a = nr[h]
-        for j in range(a, k):
-            out_ids[h, j] = -1
-            out_scores[h, j] = -np.inf
-        while a > 0:
-            a -= 1
-            if a < k:
-                out_ids[h, a] = ri[0]
-                out_scores[h, a] = rs[0]
-            if a > 0:
-                _sift_min(rs, ri, a, rs[a], ri[a])
+        _drain(heap_s[h, :L], heap_i[h, :L], nr[h], out_ids[h], out_scores[h])
 
 
 class GraphGroup:
@@ -541,7 +546,8 @@ class GraphGroup:
     (``KeyStore``): the typed list holds that array once per head, without copying it.
 
     The visited rows and heaps are a per-thread workspace shared by every group (the decoder's
-    worker searches one layer after another), sized by the largest group seen.
+    worker searches one layer after another) and by :func:`search_single`, sized by the largest
+    search seen.
     """
 
     def __init__(self, indexes) -> None:
@@ -586,10 +592,8 @@ class GraphGroup:
         return True
 
     def search(self, queries: np.ndarray, k: int, L: int, out_ids: np.ndarray | None = None):
-        """Top-k of index i for ``queries[i]`` with beam L; ``SearchResult`` of (H, k) ids, scores, (H,) n_scanned.
-
-        L ≥ k (the decoder's case: L=100, top-100) runs :func:`search_heads`; L < k, where an index
-        may define its own semantics (roargraph: beam L plus a top-k heap), asks each index.
+        """Top-k of index i for ``queries[i]`` with beam L (:func:`search_heads`; L < k, the k best of every
+        node scanned: :func:`search_one` per index); ``SearchResult`` of (H, k) ids, scores, (H,) n_scanned.
 
         ``out_ids`` (H, k) int64, C-contiguous, may be given to receive the ids in place.
         """
@@ -599,31 +603,32 @@ class GraphGroup:
         q = np.ascontiguousarray(queries, dtype=np.float32)
         if q.ndim != 2 or q.shape[0] != h:
             raise ValueError(f"GraphGroup: {h} indexes need {h} queries, got shape {q.shape}")
-        if L < k:  # roargraph keeps a beam of L and a separate top-k then: its own search defines that case
-            parts = [ix.search(q[i: i + 1], k, L=L) for i, ix in enumerate(self.indexes)]
-            ids = np.concatenate([p.ids for p in parts])
-            if out_ids is not None:
-                out_ids[:] = ids
-            return SearchResult(ids, np.concatenate([p.scores for p in parts]), np.concatenate([p.n_scanned for p in parts]))
-        visited, heap_s, heap_i, epoch = _workspace(h, self.n_max, L)
+        visited, heap_s, heap_i, epoch = _workspace(h, self.n_max, L, k)
         ids = np.empty((h, k), np.int64) if out_ids is None else out_ids
         scores = np.empty((h, k), np.float32)
         n_scanned = np.empty(h, np.int64)
-        search_heads(self.keys, self.nbrs, self.degree, self.entries, q, L, visited, epoch, heap_s, heap_i, ids, scores,
-                     n_scanned)
+        if L < k:  # not the decoder's case: one search after another (each index's own search: the same kernel)
+            for i in range(h):
+                n_scanned[i] = search_one(self.keys[i], self.nbrs[i], self.degree[i], q[i], self.entries[i], L, visited[i],
+                                          epoch, heap_s[i], heap_i[i], ids[i], scores[i])
+        else:
+            search_heads(self.keys, self.nbrs, self.degree, self.entries, q, L, visited, epoch, heap_s, heap_i, ids,
+                         scores, n_scanned)
         return SearchResult(ids, scores, n_scanned)
 
 
 _LOCAL = threading.local()
 
 
-def _workspace(h: int, n: int, L: int):
-    """This thread's (visited (≥h, ≥n) int32, heap_s, heap_i (≥h, ≥n+L)) and a fresh epoch for one search_heads call."""
+def _workspace(h: int, n: int, L: int, k: int = 0):
+    """This thread's (visited (≥h, ≥n) int32, heap_s, heap_i (≥h, ≥ heap_slots(n, L, k))) and a fresh epoch,
+    for one search_heads call or one search_one per row."""
     ws = getattr(_LOCAL, "ws", None)
-    if ws is None or ws[0].shape[0] < h or ws[0].shape[1] < n or ws[1].shape[1] < n + L:
+    slots = heap_slots(n, L, k)
+    if ws is None or ws[0].shape[0] < h or ws[0].shape[1] < n or ws[1].shape[1] < slots:
         hh = max(h, ws[0].shape[0] if ws else 0)
         nn = max(n, ws[0].shape[1] if ws else 0)
-        width = max(nn + L, ws[1].shape[1] if ws else 0)
+        width = max(nn + slots - n, ws[1].shape[1] if ws else 0)
         ws = [np.zeros((hh, nn), np.int32), np.empty((hh, width), np.float32), np.empty((hh, width), np.int64), 0]
         _LOCAL.ws = ws
     if ws[3] >= 2**31 - 2:
@@ -640,8 +645,8 @@ def search_graphs(indexes, queries: np.ndarray, k: int, L: int):
     """Search graph ``indexes[i]`` (exposing ``graph_arrays()`` and ``entries_for(q)``) with ``queries[i]``, in one kernel call.
 
     Returns a ``SearchResult`` of ids (H, k), scores (H, k), n_scanned (H,): exactly what
-    ``indexes[i].search(queries[i:i+1], k, L=L)`` returns for each i (for roargraph, whose own
-    kernel ``heap_search`` is the same search with the same :func:`dot`; tests check it). The :class:`GraphGroup`
+    ``indexes[i].search(queries[i:i+1], k, L=L)`` returns for each i (for roargraph, whose search is
+    :func:`search_one`, the same operations in the same order; tests check it). The :class:`GraphGroup`
     of the same list of indexes is kept between calls (weakly, by the first index) and
     refreshed when an index has changed; a caller searching the same indexes every step may
     hold its own group instead and skip that check.

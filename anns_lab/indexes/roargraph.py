@@ -7,7 +7,8 @@ Build, on keys K (n, d) and training queries Q (m, d):
 2. **Projection onto keys.** RoarGraph hangs each query's neighbours on its top-1 key (the
    pivot). On real attention the top-1 keys are a few hundred sinks and heavy hitters, which
    starves every other key, so here *each of the query's first* ``n_pivots`` *keys* is a pivot
-   (``n_pivots = 1`` is the published rule). A pivot's candidates are the other keys of the
+   (``n_pivots = 1`` is the published rule; the default rank and ``M_sq`` grow with the number of keys,
+   :func:`auto_lists`). A pivot's candidates are the other keys of the
    queries it pivots for, merged by id with summed query weights (co-occurrence) times
    (the key's occurrences in all lists)^−``idf`` — sinks sit in every list and would head every
    pivot's order — the ``max_cand`` heaviest kept, then RobustPrune (inner-product rule, ``alpha``) to ``M`` in
@@ -29,8 +30,8 @@ Build, on keys K (n, d) and training queries Q (m, d):
    the graph and linked from what it found, beam ``enhance_L``) is off by default: on real
    heads it filled rows with links to keys no query wants, costing scans, not recall.
 
-Search: best-first search with a beam of width ``L`` (two heaps, :func:`heap_search`) started from
-all entry points at once; the k best of every node scanned are returned, so ``L`` < k is a valid,
+Search: best-first search with a beam of width ``L`` (two heaps, ``graph_search.search_one``) started
+from all entry points at once; the k best of every node scanned are returned, so ``L`` < k is a valid,
 cheaper operating point (the beam expands the best L, the rest of a query's top keys are their
 neighbours). The entry points are ``n_hubs`` hub keys — the top-1 key of each k-means centroid of
 the training queries (a coarse step: each hub's inner product is computed and counted like any
@@ -46,8 +47,8 @@ the top-``M_sq`` keys and scores of each kept recent query (``keep_queries``); `
 queries against the new keys only and merges a new key into the lists of the queries whose last
 score it beats (it is *selected*; the lists stay each query's exact top-``M_sq``). A selected key's
 row is projected from the selecting queries' lists as the build projects (co-occurrence, idf,
-RobustPrune; every rank a pivot, as the kept queries are few) and its neighbours get reverse edges
-(RobustPrune when full). Every new key is then searched for on the graph and linked from what the
+RobustPrune; every rank a pivot, as the kept queries are few), its neighbours get reverse edges
+(RobustPrune when full) and the changed lists get descent links. Every new key is then searched for on the graph and linked from what the
 search finds (its out-edges too when no kept query selected it, as the build's stranded keys get
 their nearest keys), and reachability from the hubs is restored (a pruned row may have cut a key's
 only way in). Only new rows and their neighbours' rows are written, in place; the adjacency grows
@@ -61,7 +62,6 @@ from __future__ import annotations
 import faiss
 import numba
 import numpy as np
-from numba import njit, prange
 
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes import graph_build as gb
@@ -134,156 +134,6 @@ def link_stranded(keys: np.ndarray, nbrs: np.ndarray, degree: np.ndarray, entrie
         row = row[row != t][:k]
         nbrs[t, : len(row)] = row
         degree[t] = len(row)
-
-
-# -- search kernel ------------------------------------------------------------------------------
-#
-# hnswlib's two-heap best-first search: a max-heap of candidates to expand and a min-heap of the
-# L best found so far; stop when the best candidate is worse than the worst of L full results.
-# It visits what graph_search.beam_search visits, but every insertion is O(log L) where the sorted
-# beam shifts O(L) entries: at L = 150–300 that shifting, not the 64-dim dots, was most of a
-# query's time. Every inner product is counted, entry points included.
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _sift_up(s, ids, i, sign):
-    """Restore a heap (min-heap of sign·s) upwards from slot i."""
-    while i > 0:
-        parent = (i - 1) >> 1
-        if sign * s[i] >= sign * s[parent]:
-            break
-        s[i], s[parent] = s[parent], s[i]
-        ids[i], ids[parent] = ids[parent], ids[i]
-        i = parent
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _sift_down(s, ids, size, sign):
-    """Restore a heap (min-heap of sign·s) downwards from the root."""
-    i = 0
-    while True:
-        c = 2 * i + 1
-        if c >= size:
-            break
-        if c + 1 < size and sign * s[c + 1] < sign * s[c]:
-            c += 1
-        if sign * s[i] <= sign * s[c]:
-            break
-        s[i], s[c] = s[c], s[i]
-        ids[i], ids[c] = ids[c], ids[i]
-        i = c
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _offer(s, ids, size, cap, node, score):
-    """Offer (node, score) to a min-heap of the ``cap`` best; returns (new size, whether it was kept)."""
-    if size < cap:
-        s[size] = score
-        ids[size] = node
-        _sift_up(s, ids, size, 1.0)
-        return size + 1, True
-    if score > s[0]:
-        s[0] = score
-        ids[0] = node
-        _sift_down(s, ids, size, 1.0)
-        return size, True
-    return size, False
-
-
-@njit(cache=True, nogil=True)
-def heap_search(data, nbrs, degree, query, entries, L, k, visited, epoch, cand_s, cand_i, out_ids, out_scores):
-    """Best-first search with a beam of the L best; writes the best k of every node scanned (descending,
-    padded -1/-inf) into ``out_ids``/``out_scores`` and returns n_scanned.
-
-    L < k is allowed: the beam (what is expanded, and when to stop) keeps L, a second heap the
-    best k, so a narrow beam still returns k keys (the top keys of a query sit next to each other
-    in this graph: expanding the best L finds most of the rest). ``visited`` is epoch-stamped;
-    ``cand_*`` are scratch of length ≥ n (the candidate heap never holds a node twice)."""
-    beam_s = np.empty(L, np.float32)
-    beam_i = np.empty(L, np.int64)
-    sep = L < k  # a separate heap of the k best
-    top_s = np.empty(k if sep else 0, np.float32)
-    top_i = np.empty(k if sep else 0, np.int64)
-    nbeam = 0
-    ntop = 0
-    ncand = 0
-    n_scanned = 0
-    for e in entries:
-        if visited[e] == epoch:
-            continue
-        visited[e] = epoch
-        n_scanned += 1
-        sc = gs.dot(data[e], query)
-        nbeam, _ = _offer(beam_s, beam_i, nbeam, L, e, sc)
-        if sep:
-            ntop, _ = _offer(top_s, top_i, ntop, k, e, sc)
-        cand_s[ncand] = sc  # every entry is a candidate, kept in the beam or not
-        cand_i[ncand] = e
-        ncand += 1
-        _sift_up(cand_s, cand_i, ncand - 1, -1.0)
-    while ncand > 0:
-        node = cand_i[0]
-        if nbeam == L and cand_s[0] < beam_s[0]:
-            break  # the best unexpanded candidate is worse than the whole beam
-        ncand -= 1
-        cand_s[0] = cand_s[ncand]
-        cand_i[0] = cand_i[ncand]
-        _sift_down(cand_s, cand_i, ncand, -1.0)
-        for j in range(degree[node]):
-            nb = nbrs[node, j]
-            if visited[nb] == epoch:
-                continue
-            visited[nb] = epoch
-            n_scanned += 1
-            sc = gs.dot(data[nb], query)
-            if sep:
-                ntop, _ = _offer(top_s, top_i, ntop, k, nb, sc)
-            nbeam, kept = _offer(beam_s, beam_i, nbeam, L, nb, sc)
-            if kept:
-                cand_s[ncand] = sc
-                cand_i[ncand] = nb
-                ncand += 1
-                _sift_up(cand_s, cand_i, ncand - 1, -1.0)
-    rs, ri, nr = (top_s, top_i, ntop) if sep else (beam_s, beam_i, nbeam)
-    order = np.argsort(-rs[:nr], kind="mergesort")
-    m = min(k, nr)
-    for t in range(m):
-        out_ids[t] = ri[order[t]]
-        out_scores[t] = rs[order[t]]
-    for t in range(m, k):
-        out_ids[t] = -1
-        out_scores[t] = -np.inf
-    return n_scanned
-
-
-@njit(cache=True, nogil=True)
-def search_one(data, nbrs, degree, query, entries, L, k):
-    """One query, no thread pool (batch 1, the decoding case): (ids (k,), scores (k,), n_scanned)."""
-    n = data.shape[0]
-    out_ids = np.empty(k, np.int64)
-    out_scores = np.empty(k, np.float32)
-    scanned = heap_search(data, nbrs, degree, query, entries, L, k, np.zeros(n, np.int32), 1,
-                          np.empty(n, np.float32), np.empty(n, np.int64), out_ids, out_scores)
-    return out_ids, out_scores, scanned
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def search_batch(data, nbrs, degree, queries, entries, L, k, n_threads):
-    """:func:`heap_search` for each query (row i of ``entries`` = its entry nodes), chunks of queries over threads."""
-    nq, n = queries.shape[0], data.shape[0]
-    out_ids = np.empty((nq, k), np.int64)
-    out_scores = np.empty((nq, k), np.float32)
-    n_scanned = np.zeros(nq, np.int64)
-    n_chunks = max(1, min(nq, n_threads))
-    for c in prange(n_chunks):
-        visited = np.zeros(n, np.int32)
-        cand_s = np.empty(n, np.float32)
-        cand_i = np.empty(n, np.int64)
-        lo, hi = c * nq // n_chunks, (c + 1) * nq // n_chunks
-        for qi in range(lo, hi):
-            n_scanned[qi] = heap_search(data, nbrs, degree, queries[qi], entries[qi], L, k, visited, qi - lo + 1,
-                                        cand_s, cand_i, out_ids[qi], out_scores[qi])
-    return out_ids, out_scores, n_scanned
 
 
 class RoarGraphIndex(Index):
@@ -458,17 +308,16 @@ class RoarGraphIndex(Index):
 
     def _search(self, queries: np.ndarray, k: int, L: int):
         keys, nbrs, degree = self.graph_arrays()
-        if len(queries) == 1:
-            ids, scores, scanned = search_one(keys, nbrs, degree, queries[0], self.entries(), L, k)
-            return ids[None], scores[None], np.array([scanned], np.int64)
-        return search_batch(keys, nbrs, degree, queries, self.entries_for(queries), L, k, numba.get_num_threads())
+        if len(queries) == 1:  # batch 1 (decoding): on this thread, with its reused workspace
+            return gs.search_single(keys, nbrs, degree, queries[0], self.entries(), L, k)
+        return gs.beam_search_batch(keys, nbrs, degree, queries, self.entries_for(queries), L, k, numba.get_num_threads())
 
     @classmethod
     def search_group(cls, indexes, queries, k, L: int = 100):
         """One kernel call for the query heads of a layer (the decoder's per-step search).
 
         ``graph_search.search_graphs`` runs the heads' beam searches interleaved in one kernel: the same
-        nodes and results as :meth:`search` for L ≥ k; for L < k it asks each index."""
+        nodes and results as :meth:`search` (``graph_search.search_one``), L < k included."""
         return gs.search_graphs(indexes, queries, k, L)
 
     # -- persistence -------------------------------------------------------------------------------
