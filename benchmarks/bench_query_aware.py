@@ -73,7 +73,7 @@ def main() -> None:
     ap.add_argument("--overwrite", action="store_true")
     ap.add_argument("--quick", action="store_true", help="recall and cost only (no latency or attention-quality passes)")
     ap.add_argument("--build-param", action="append", default=[], metavar="INDEX.NAME=VALUE",
-                    help="replace a build default, e.g. roargraph.tail_links=0 (repeatable)")
+                    help="replace a build default, e.g. roargraph.descent_links=0 (repeatable)")
     args = ap.parse_args()
     heads = [int(h) for h in args.heads.split(",")] if args.heads else None
     build_params: dict[str, dict] = {}

@@ -112,11 +112,16 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int]) -> 
         raise DecodeError(f"no index in {path} reaches recall {target} for {model} (best mean recall {top:.3f}); "
                           "lower --target-recall or sweep more thorough parameters")
 
+    notes: list[str] = []
+
     def plan(r) -> IndexPlan:
         """The row's index with only the parameters that differ from the index's defaults (short to read)."""
         cls = registry.get(r["index"])
-        build = {k: v for k, v in json.loads(r["build_params"]).items()
-                 if k not in cls.build_params or v != cls.build_params[k].default}
+        swept = json.loads(r["build_params"])
+        gone = sorted(set(swept) - set(cls.build_params))  # a table from an older version of the index
+        if gone and not any(r["index"] in line and "no longer has" in line for line in notes):
+            notes.append(f"{r['index']} no longer has the parameters {', '.join(gone)} of {path}: left out")
+        build = {k: v for k, v in swept.items() if k in cls.build_params and v != cls.build_params[k].default}
         return IndexPlan(r["index"], build, json.loads(r["search_params"]))
 
     base = plan(overall)
@@ -140,7 +145,7 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int]) -> 
         lines.append(f"  layer{'s' if many else ''} {_ranges(uncovered)}: not in the table, "
                      f"use{'' if many else 's'} {base.describe()}")
     name = f"sweep:{base.name}"
-    return Mode(name, base, per_layer), lines
+    return Mode(name, base, per_layer), lines + notes
 
 
 def _ranges(values: list[int]) -> str:
