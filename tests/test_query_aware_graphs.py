@@ -245,9 +245,9 @@ def test_add_keeps_recall_of_a_fresh_build(seed, drift):
         ra = recall_at_k(index.search(q, 20, L=L).ids, q, full, 20)
         rb = recall_at_k(fresh.search(q, 20, L=L).ids, q, full, 20)
         assert ra >= rb - 0.04, (L, ra, rb)
-    # Scans at L = 60 (recall ≈ 1 for both): like-the-old new keys, add scans 6-7% more than a fresh build
+    # Scans at L = 60 (recall ≈ 1 for both): like-the-old new keys, add scans 6-9% more than a fresh build
     # (seeds 0-3). With drift, a fresh build sees the wanted keys in all 2000 training queries' lists
-    # (descent links, hubs) where add sees the 256 kept queries: 17-40% more scans, the same recall.
+    # (descent links, hubs) where add sees the 256 kept queries: 16-33% more scans, the same recall.
     a, b = index.search(q, 20, L=60).n_scanned.mean(), fresh.search(q, 20, L=60).n_scanned.mean()
     assert a <= (1.5 if drift else 1.15) * b, (a, b)
 

@@ -47,8 +47,9 @@ the top-``M_sq`` keys and scores of each kept recent query (``keep_queries``); `
 queries against the new keys only and merges a new key into the lists of the queries whose last
 score it beats (it is *selected*; the lists stay each query's exact top-``M_sq``). A selected key's
 row is projected from the selecting queries' lists as the build projects (co-occurrence, idf,
-RobustPrune; every rank a pivot, as the kept queries are few), its neighbours get reverse edges
-(RobustPrune when full) and the changed lists get descent links. Every new key is then searched for on the graph and linked from what the
+RobustPrune; every rank a pivot, as the kept queries are few) and its neighbours get reverse edges
+(RobustPrune when full); no descent links (on SmolLM2 heads they doubled an add's cost, 3.3 → 6.5 ms per
+64 keys, for recall that moved along the same recall/scan curve). Every new key is then searched for on the graph and linked from what the
 search finds (its out-edges too when no kept query selected it, as the build's stranded keys get
 their nearest keys), and reachability from the hubs is restored (a pruned row may have cut a key's
 only way in). Only new rows and their neighbours' rows are written, in place; the adjacency grows
@@ -274,8 +275,6 @@ class RoarGraphIndex(Index):
                 gb.project_rows(data, sel, self._q_w[changed], ptr, occ_q, occ_r, m_sq, p["n_sel"], self.lists["n_cand"],
                                 p["max_cand"], p["alpha"], p["M"], nbrs, degree, threads, key_weight, rows=rows)
                 gb.link_back(data, nbrs, degree, rows, pa, p["R"], threads)
-                if p["descent_links"] > 0:  # as the build, over the lists that changed
-                    gb.link_descent(data, nbrs, degree, sel, p["descent_rank"], p["descent_links"], pa, p["R"], threads)
         # Every new key is also searched for and linked from the keys it finds (out-edges too for those no
         # kept query selected): in-edges from its own neighbourhood reach it from queries unlike the kept
         # ones (decode queries drift). On SmolLM2 8K heads: new-key recall +0 to +2 points, ~1 ms per 64 keys.
