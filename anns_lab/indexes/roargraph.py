@@ -17,7 +17,7 @@ Build, on keys K (n, d) and training queries Q (m, d):
    rather than ``M`` lets a heavy hitter link back to the many mid-ranked keys that chose it.
 4. **Descent links.** A search for a training query expands the keys above rank r of its list
    before the key at rank r; a key with no in-neighbour ranked above it in that list is found only
-   by luck. Wherever a list has such a gap (5–10% of the (query, key) pairs of a real head after
+   by luck. Wherever a list has such a gap (5–11% of the (query, key) pairs of a real head after
    step 3), the key is proposed to the row of the key above it most like it (largest ip); each key
    takes its ``descent_links`` most-proposed sources (``graph_build.link_descent``, RobustPrune over
    ``R``). This also links the keys that are in some list but nobody's pivot (no row, so no reverse
