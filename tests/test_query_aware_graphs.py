@@ -347,3 +347,22 @@ def test_descent_links_give_every_listed_key_a_way_down(seed):
 
     without, with_links = gaps(RoarGraphIndex(descent_links=0).build(keys, train)), gaps(RoarGraphIndex().build(keys, train))
     assert with_links < 0.7 * without, (with_links, without)  # measured: 0.41, 0.53
+
+
+def test_list_sizes_follow_the_number_of_keys_unless_given(tmp_path):
+    """M_sq / n_pivots / n_cand left at 0 come from ``auto_lists`` (100 / 20 up to 8K keys, growing with n);
+    given ones are kept; the resolved sizes survive save/load (an add must keep using them)."""
+    from anns_lab.indexes.roargraph import auto_lists
+
+    assert auto_lists(2000) == auto_lists(8192) == (100, 20)
+    m8, p8 = auto_lists(8192)
+    m32, p32 = auto_lists(32768)
+    assert (m32, p32) == (2 * m8, 4 * p8)  # M_sq ∝ √n, pivot rank ∝ n (under its M_sq / 2 cap here)
+    assert auto_lists(1 << 20)[1] == auto_lists(1 << 20)[0] // 2  # the cap
+    keys, train, _ = ood_data(3, n=600, m=200)
+    auto = RoarGraphIndex().build(keys, train)
+    assert auto.lists == {"M_sq": 100, "n_pivots": 20, "n_cand": 100} and auto._q_ids.shape[1] == 100
+    given = RoarGraphIndex(M_sq=60, n_pivots=7, n_cand=80).build(keys, train)
+    assert given.lists == {"M_sq": 60, "n_pivots": 7, "n_cand": 60} and given._q_ids.shape[1] == 60
+    given.save(tmp_path / "g")
+    assert RoarGraphIndex.load(tmp_path / "g").lists == given.lists

@@ -184,9 +184,7 @@ class RoarGraphIndex(Index):
         p = self.params
         n = len(keys)
         threads = numba.get_num_threads()
-        m_sq, n_pivots = auto_lists(n)
-        self.lists = {"M_sq": p["M_sq"] or m_sq, "n_pivots": p["n_pivots"] or n_pivots}
-        self.lists["n_cand"] = min(p["n_cand"] or self.lists["M_sq"], self.lists["M_sq"])
+        self.lists = self._list_sizes(n)
         m_sq = min(self.lists["M_sq"], n)
         train_queries = subsample(train_queries, p["max_train"])
         knn = gb.topk_ip(train_queries, keys, m_sq)
@@ -217,6 +215,13 @@ class RoarGraphIndex(Index):
         keep = min(p["keep_queries"], len(train_queries))
         self._recent_q = np.ascontiguousarray(train_queries[len(train_queries) - keep:])
         self._cache_lists(keys, knn[len(knn) - keep:], weights[len(weights) - keep:])
+
+    def _list_sizes(self, n: int) -> dict[str, int]:
+        """``M_sq``, ``n_pivots`` and ``n_cand`` as given, the ones left at 0 from :func:`auto_lists` (n keys)."""
+        p = self.params
+        auto_m_sq, auto_pivots = auto_lists(n)
+        m_sq = p["M_sq"] or auto_m_sq
+        return {"M_sq": m_sq, "n_pivots": p["n_pivots"] or auto_pivots, "n_cand": min(p["n_cand"] or m_sq, m_sq)}
 
     def _cache_lists(self, keys: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> None:
         """Keep each kept query's top keys ``ids`` with their scores, best first, padded to M_sq (-1 / -inf)
