@@ -138,15 +138,15 @@ def link_stranded(keys: np.ndarray, nbrs: np.ndarray, degree: np.ndarray, entrie
 
 
 class RoarGraphIndex(Index):
-    """Projected query→key bipartite graph with connectivity enhancement; counted multi-entry beam search."""
+    """Projected query→key bipartite graph (pivots beyond top-1, reverse edges, descent links); counted multi-entry beam search."""
 
     name = "roargraph"
     uses_train_queries = True
     build_params = {
         "M": Param(12, 2, 512, help="out-degree of the projection (RobustPrune target)"),
         "R": Param(24, 2, 1024, help="row capacity after reverse edges and linking (≥ M)"),
-        "M_sq": Param(0, 0, 4096, help="keys per training query in the bipartite graph (its exact top-M_sq); 0 = auto, see auto_lists"),
-        "n_pivots": Param(0, 0, 4096, help="pivot rank: each of a query's first n_pivots keys takes its other keys as candidates (1 = RoarGraph); 0 = auto"),
+        "M_sq": Param(0, 0, 4096, help="keys per training query in the bipartite graph (its exact top-M_sq); 0 = auto: 100 up to 8K keys, ∝ √n above (198 at 32K)"),
+        "n_pivots": Param(0, 0, 4096, help="pivot rank: each of a query's first n_pivots keys takes its other keys as candidates (1 = RoarGraph); 0 = auto: 20 up to 8K keys, ∝ n above, ≤ M_sq/2 (78 at 32K)"),
         "idf": Param(0.25, 0.0, 4.0, help="candidate weight = co-occurrence × (key's total occurrences)^-idf"),
         "descent_links": Param(2, 0, 64, help="in-edges per key from the key ranked above it that is most like it, where a training query's list has no way down to it (0 = off)"),
         "descent_rank": Param(100, 2, 4096, help="how deep into each training query's list descent_links looks"),
