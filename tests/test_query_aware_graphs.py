@@ -366,3 +366,21 @@ def test_list_sizes_follow_the_number_of_keys_unless_given(tmp_path):
     assert given.lists == {"M_sq": 60, "n_pivots": 7, "n_cand": 60} and given._q_ids.shape[1] == 60
     given.save(tmp_path / "g")
     assert RoarGraphIndex.load(tmp_path / "g").lists == given.lists
+
+
+def test_load_of_an_index_saved_with_a_parameter_since_removed(tmp_path):
+    """An index saved by an older version (here with ``tail_links``, since replaced by descent links) still
+    loads, with a warning naming the parameter, and searches exactly as saved."""
+    import json
+
+    keys, train, test = ood_data(4, n=800, m=300)
+    index = RoarGraphIndex().build(keys, train)
+    index.save(tmp_path / "old")
+    meta_file = tmp_path / "old" / "index.json"
+    meta = json.loads(meta_file.read_text())
+    meta["params"]["tail_links"] = 4
+    meta_file.write_text(json.dumps(meta))
+    with pytest.warns(UserWarning, match=r"no longer has \(tail_links\)"):
+        loaded = RoarGraphIndex.load(tmp_path / "old")
+    a, b = index.search(test, 20, L=30), loaded.search(test, 20, L=30)
+    assert np.array_equal(a.ids, b.ids) and np.array_equal(a.n_scanned, b.n_scanned)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import sys
 
-from anns_lab.errors import DecodeError
 from anns_lab.decode.engine import Mode
 from anns_lab.decode.placement import IndexPlan
-from anns_lab.errors import IndexConfigError
+from anns_lab.errors import DecodeError, IndexConfigError
 from anns_lab.indexes import registry
+from anns_lab.indexes.base import declared_only
 
 BASELINES = ("full", "window")
 ATTENTION_AWARE = "roargraph"
@@ -117,11 +117,10 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int]) -> 
     def plan(r) -> IndexPlan:
         """The row's index with only the parameters that differ from the index's defaults (short to read)."""
         cls = registry.get(r["index"])
-        swept = json.loads(r["build_params"])
-        gone = sorted(set(swept) - set(cls.build_params))  # a table from an older version of the index
+        swept, gone = declared_only(cls.build_params, json.loads(r["build_params"]))  # gone: a table of an older version
         if gone and not any(r["index"] in line and "no longer has" in line for line in notes):
             notes.append(f"{r['index']} no longer has the parameters {', '.join(gone)} of {path}: left out")
-        build = {k: v for k, v in swept.items() if k in cls.build_params and v != cls.build_params[k].default}
+        build = {k: v for k, v in swept.items() if v != cls.build_params[k].default}
         return IndexPlan(r["index"], build, json.loads(r["search_params"]))
 
     base = plan(overall)

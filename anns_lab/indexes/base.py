@@ -18,6 +18,7 @@ import difflib
 import itertools
 import json
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, NamedTuple, Sequence
@@ -93,6 +94,12 @@ def resolve_params(owner: str, declared: Mapping[str, Param], given: Mapping[str
             known = ", ".join(declared) or "none"
             raise IndexConfigError(f"{owner}: unknown parameter {name!r} (known: {known}){hint}")
     return {name: p.check(owner, name, given.get(name, p.default)) for name, p in declared.items()}
+
+
+def declared_only(declared: Mapping[str, Param], recorded: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``recorded`` parameters (a saved index's, a results table's) split into those still ``declared`` and the
+    sorted names an older version had that this one no longer declares (no code reads them any more)."""
+    return {k: v for k, v in recorded.items() if k in declared}, sorted(set(recorded) - set(declared))
 
 
 def as_matrix(owner: str, what: str, x: Any, dim: int | None = None) -> np.ndarray:
@@ -248,7 +255,11 @@ class Index:
         want = f"{cls.__module__}:{cls.__qualname__}"
         if meta.get("format") != FORMAT_VERSION or meta.get("class") != want:
             raise IndexConfigError(f"{cls.__name__}: {folder} holds {meta.get('class')} format {meta.get('format')}, not {want}")
-        index = cls(**meta["params"])
+        params, gone = declared_only(cls.build_params, meta["params"])
+        if gone:
+            warnings.warn(f"{cls.__name__}: {folder} was saved with parameters this version no longer has "
+                          f"({', '.join(gone)}); they are left out", stacklevel=2)
+        index = cls(**params)
         arrays = {key: np.load(folder / f"{key}.npy", allow_pickle=False) for key in meta["arrays"]}
         index.n_keys, index.dim = int(meta["n_keys"]), int(meta["dim"])
         index._restore(arrays)

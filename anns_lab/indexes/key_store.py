@@ -6,6 +6,7 @@ import weakref
 
 import numpy as np
 
+
 class KeyStore:
     """The physical key array of one KV head, shared by the indexes of its GQA group.
 
