@@ -133,6 +133,8 @@ class Index:
     search_grid: ClassVar[Mapping[str, Sequence[Any]]] = {}
     #: True when ``build`` uses ``train_queries`` (attention-aware indexes); others ignore them.
     uses_train_queries: ClassVar[bool] = False
+    #: True when ``build`` also takes ``train_topk``, the training queries' top keys computed elsewhere.
+    accepts_train_topk: ClassVar[bool] = False
 
     def __init__(self, **build_params: Any) -> None:
         self.params: dict[str, Any] = resolve_params(self._owner(), self.build_params, build_params)
@@ -141,16 +143,38 @@ class Index:
 
     # -- the protocol ---------------------------------------------------------------------------
 
-    def build(self, keys: Any, train_queries: Any | None = None) -> "Index":
-        """Index ``keys`` (n, d); attention-aware indexes also learn from ``train_queries`` (m, d)."""
+    def build(self, keys: Any, train_queries: Any | None = None, train_topk: Any | None = None) -> "Index":
+        """Index ``keys`` (n, d); attention-aware indexes also learn from ``train_queries`` (m, d), and those that
+        accept it take ``train_topk`` (m, c): each training query's top-c key ids by inner product, best first,
+        computed elsewhere (e.g. on the accelerator during the prefill) so the build need not."""
         keys = as_matrix(self._owner(), "keys", keys)
         if train_queries is not None:
             train_queries = as_matrix(self._owner(), "train_queries", train_queries, keys.shape[1])
         elif self.uses_train_queries:
             raise IndexConfigError(f"{self._owner()}: this index is built from train_queries; pass them to build()")
-        self._build(keys, train_queries)
+        if train_topk is None:
+            self._build(keys, train_queries)
+        else:
+            self._build(keys, train_queries, train_topk=self._check_topk(train_topk, train_queries, len(keys)))
         self.n_keys, self.dim = keys.shape
         return self
+
+    def _check_topk(self, topk: Any, train_queries: np.ndarray | None, n_keys: int) -> np.ndarray:
+        """``train_topk`` as a C-contiguous int32 (m, c) array of key ids, one row per training query, or raise."""
+        owner = self._owner()
+        if not self.accepts_train_topk:
+            raise IndexConfigError(f"{owner}: this index does not take train_topk")
+        if train_queries is None:
+            raise IndexConfigError(f"{owner}: train_topk needs the train_queries it was computed from")
+        arr = np.asarray(topk)
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise IndexConfigError(f"{owner}: train_topk must hold integer key ids, got dtype {arr.dtype}")
+        if arr.ndim != 2 or arr.shape[0] != len(train_queries) or arr.shape[1] == 0:
+            raise IndexConfigError(f"{owner}: train_topk must have shape ({len(train_queries)}, c ≥ 1), one row per "
+                                   f"training query, got {arr.shape}")
+        if arr.min() < 0 or arr.max() >= n_keys:
+            raise IndexConfigError(f"{owner}: train_topk holds ids outside [0, {n_keys}) (the keys given to build)")
+        return np.ascontiguousarray(arr, dtype=np.int32)
 
     def search(self, queries: Any, k: int, **params: Any) -> SearchResult:
         """Top-``k`` keys by inner product for each query, and how many vectors each query scanned."""
