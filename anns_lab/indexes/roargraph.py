@@ -72,6 +72,7 @@ from anns_lab.indexes import graph_build as gb
 from anns_lab.indexes import graph_search as gs
 from anns_lab.indexes.base import Index, Param
 from anns_lab.indexes.key_store import KeyStore
+from anns_lab.indexes.topk import topk_ip
 from anns_lab.indexes.train_lists import anchored_topk
 
 STRANDED_POOL = 8192  # candidate out-neighbours of a stranded key (see link_stranded)
@@ -94,7 +95,7 @@ def query_hubs(keys: np.ndarray, queries: np.ndarray, n_hubs: int, seed: int) ->
     km = faiss.Kmeans(queries.shape[1], c, niter=10, seed=seed, verbose=False, min_points_per_centroid=1,
                       max_points_per_centroid=KMEANS_POINTS)
     km.train(np.ascontiguousarray(queries))
-    top = gb.topk_ip(km.centroids, keys, 1)[:, 0].astype(np.int64)
+    top = topk_ip(km.centroids, keys, 1)[:, 0].astype(np.int64)
     hubs = [mean_top] + [int(h) for h in top]
     return np.array(list(dict.fromkeys(hubs)), np.int64)  # unique, order kept
 
@@ -143,7 +144,7 @@ def link_stranded(keys: np.ndarray, nbrs: np.ndarray, degree: np.ndarray, entrie
     # cost as much as the bipartite graph itself.
     pool = np.flatnonzero(reach)
     pool = pool[:: max(1, len(pool) // STRANDED_POOL)]
-    near = pool[gb.topk_ip(keys[stranded], keys[pool], k)]
+    near = pool[topk_ip(keys[stranded], keys[pool], k)]
     for t, row in zip(stranded, near):
         row = row[row != t][:k]
         nbrs[t, : len(row)] = row
@@ -389,5 +390,5 @@ class RoarGraphIndex(Index):
             self._q_scores = np.ascontiguousarray(arrays["q_scores"], dtype=np.float32)
             self._q_w = np.ascontiguousarray(arrays["q_w"], dtype=np.float32)
         else:  # saved before the lists were: recompute them (exact, as add keeps them)
-            ids = gb.topk_ip(self._recent_q, keys, self.lists["M_sq"]) if len(self._recent_q) else np.empty((0, 0), np.int32)
+            ids = topk_ip(self._recent_q, keys, self.lists["M_sq"]) if len(self._recent_q) else np.empty((0, 0), np.int32)
             self._cache_lists(keys, ids, np.ones(len(self._recent_q), np.float32))
