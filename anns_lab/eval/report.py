@@ -17,7 +17,7 @@ from anns_lab.dumps.store import atomic_write_bytes, open_dump
 from anns_lab.errors import AnnsLabError
 from anns_lab.eval import metrics
 from anns_lab.eval.heads import load_head
-from anns_lab.eval.sweep import COLUMNS, SETTINGS
+from anns_lab.eval.sweep import COLUMNS, SETTINGS, table_problem
 
 TARGETS = (0.90, 0.95, 0.99)
 # design.md §10: recall@100 ≥ 0.95 at 1–3% scanned for the attention-aware index, 30–50% for IVF (128K tokens).
@@ -31,11 +31,20 @@ def load_results(path: str | Path) -> tuple[pd.DataFrame, dict]:
     file = folder / "results.parquet" if path.is_dir() else path
     if not file.is_file():
         raise AnnsLabError(f"no results table at {file}; run `anns-lab sweep` first")
-    table = pd.read_parquet(file)
+    try:
+        table = pd.read_parquet(file)
+    except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
+        raise AnnsLabError(f"{file} is not an anns-lab results table ({type(err).__name__}: {err})") from None
     missing = set(COLUMNS) - set(table.columns)
     if missing:
         raise AnnsLabError(f"{file} is not an anns-lab results table (missing columns {sorted(missing)})")
-    settings = json.loads((folder / SETTINGS).read_text()) if (folder / SETTINGS).is_file() else {}
+    problem = table_problem(table)
+    if problem:
+        raise AnnsLabError(f"{file} holds a row no conforming index produces: {problem}; re-run the sweep")
+    try:
+        settings = json.loads((folder / SETTINGS).read_text()) if (folder / SETTINGS).is_file() else {}
+    except (OSError, ValueError) as err:
+        raise AnnsLabError(f"{folder / SETTINGS} is corrupt ({err}); re-run the sweep") from None
     return table, settings
 
 

@@ -63,7 +63,7 @@ def evaluate_index(name: str, data: HeadData, k: int, dump_label: str, model: st
 
     ``quick`` skips the attention-quality and batch-1 latency passes (their columns are NaN): for parameter scans.
     """
-    from anns_lab.indexes import registry
+    from anns_lab.indexes import protocol, registry
 
     index = registry.create(name, **(build_params or {}))
     t0 = time.perf_counter()
@@ -75,11 +75,15 @@ def evaluate_index(name: str, data: HeadData, k: int, dump_label: str, model: st
             t0 = time.perf_counter()
             res = index.search(queries, k, **params)
             batch_s = time.perf_counter() - t0
+            # Nothing that breaks the protocol enters the table: the part fails, naming the index and the rule.
+            protocol.check_result(f"{name} at {params}", res, len(queries), k, len(data.keys), index.max_scanned(),
+                                  queries, data.keys)
             lat = []
             for q in queries[:0 if quick else LATENCY_QUERIES]:
                 t0 = time.perf_counter()
-                index.search(q[None, :], k, **params)
+                one = index.search(q[None, :], k, **params)
                 lat.append(time.perf_counter() - t0)
+                protocol.check_result(f"{name} at {params}", one, 1, k, len(data.keys), index.max_scanned())
             mass, err = data.attention_quality(res.ids) if direction == "q2k" and not quick else (np.nan, np.nan)
             rows.append({
                 "dump": dump_label, "model": model, "layer": data.layer, "head": data.head, "kv_head": data.kv_head,
@@ -191,6 +195,23 @@ def _prepare(out: Path, settings: dict, overwrite: bool) -> None:
         raise AnnsLabError(f"{out} exists and is not a sweep folder; choose another --out")
     (out / "parts").mkdir(parents=True, exist_ok=True)
     atomic_write_json(sfile, settings)
+
+
+def table_problem(table: pd.DataFrame) -> str | None:
+    """The first row of a results table whose numbers no conforming index can produce, in words, or None.
+
+    The sweep never writes such a row; this guards readers (report, ``decode --from-sweep``) against
+    tables edited by hand or written by another tool.
+    """
+    checks = (("recall", (table["recall"] >= 0) & (table["recall"] <= 1), "is not in [0, 1]"),
+              ("scanned_fraction", (table["scanned_fraction"] > 0) & np.isfinite(table["scanned_fraction"]),
+               "is not a positive finite fraction"))
+    for column, ok, rule in checks:
+        if not ok.all():
+            r = table[~ok].iloc[0]
+            return (f"{column} {r[column]} of {r['index']} (layer {r['layer']}, head {r['head']}, "
+                    f"{r['search_params']}) {rule}")
+    return None
 
 
 def combine(out: Path) -> pd.DataFrame:
