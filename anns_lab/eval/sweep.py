@@ -20,16 +20,13 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from anns_lab.dumps.store import atomic_write_json, open_dump, write_table
+from anns_lab.dumps.store import open_dump, write_table
 from anns_lab.errors import AnnsLabError
 from anns_lab.eval import metrics
 from anns_lab.eval.heads import HeadData, default_layers, load_head
+from anns_lab.eval.table import COLUMNS, RESULTS, SETTINGS
+from anns_lab.io import atomic_write_json
 
-RESULTS = "results.parquet"
-SETTINGS = "sweep.json"
-COLUMNS = ["dump", "model", "layer", "head", "kv_head", "index", "build_params", "search_params", "direction", "k",
-           "n_keys", "n_queries", "recall", "scanned_fraction", "mass_recovered", "output_rel_error", "latency_us",
-           "qps", "build_s", "index_bytes"]
 LATENCY_QUERIES = 16
 
 
@@ -195,23 +192,6 @@ def _prepare(out: Path, settings: dict, overwrite: bool) -> None:
         raise AnnsLabError(f"{out} exists and is not a sweep folder; choose another --out")
     (out / "parts").mkdir(parents=True, exist_ok=True)
     atomic_write_json(sfile, settings)
-
-
-def table_problem(table: pd.DataFrame) -> str | None:
-    """The first row of a results table whose numbers no conforming index can produce, in words, or None.
-
-    The sweep never writes such a row; this guards readers (report, ``decode --from-sweep``) against
-    tables edited by hand or written by another tool.
-    """
-    checks = (("recall", (table["recall"] >= 0) & (table["recall"] <= 1), "is not in [0, 1]"),
-              ("scanned_fraction", (table["scanned_fraction"] > 0) & np.isfinite(table["scanned_fraction"]),
-               "is not a positive finite fraction"))
-    for column, ok, rule in checks:
-        if not ok.all():
-            r = table[~ok].iloc[0]
-            return (f"{column} {r[column]} of {r['index']} (layer {r['layer']}, head {r['head']}, "
-                    f"{r['search_params']}) {rule}")
-    return None
 
 
 def combine(out: Path) -> pd.DataFrame:
