@@ -32,7 +32,7 @@ def _fault(kind: str, ids: np.ndarray, scores: np.ndarray, scanned: np.ndarray):
     elif kind == "id_negative":
         ids[0, 0] = -7
     elif kind == "duplicate_id":
-        ids[1, 2] = ids[1, 1]
+        ids[-1, 2] = ids[-1, 1]
     elif kind == "nan_ids":  # a plugin returning float ids with NaN: int64 of NaN is a huge negative
         ids = np.full(ids.shape, np.nan)
     elif kind == "nan_scores":
@@ -107,3 +107,51 @@ def test_decode_from_sweep_refuses_a_table_with_rows_that_break_the_rules(tmp_pa
     pd.DataFrame([good, bad]).to_parquet(tmp_path / "r" / "results.parquet")
     with pytest.raises(AnnsLabError, match="scanned_fraction -1.0 of ivf"):
         modes.pick_from_sweep(str(tmp_path / "r"), "m", 0.9, [1])
+
+
+# -- the decoder's retrieval path ------------------------------------------------------------------
+
+
+def _store(monkeypatch, cls, attention_aware: bool):
+    from anns_lab.decode.placement import IndexPlan, LayerStore
+
+    cls = type(cls.__name__, (cls,), {"uses_train_queries": attention_aware, "name": "badplugin"})
+    monkeypatch.setattr("anns_lab.decode.placement.registry.get", lambda name: cls)
+    rng = np.random.default_rng(1)
+    keys, values = rng.standard_normal((2, 300, 16)).astype(np.float32), rng.standard_normal((2, 300, 16)).astype(np.float32)
+    store = LayerStore(3, 4, keys, values, topk=8, plan=IndexPlan("badplugin"), add_batch=1000)
+    store.build(rng.standard_normal((4, 40, 16)).astype(np.float32) if attention_aware else None)
+    return store, rng.standard_normal((4, 16)).astype(np.float32)
+
+
+class FaultyFlatTrain(Faulty):
+    def _build(self, keys, train_queries):  # an attention-aware index that ignores its queries
+        super()._build(keys, None)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in cast")
+@pytest.mark.parametrize("attention_aware", [False, True])
+@pytest.mark.parametrize("fault", ["zero_scanned", "too_many_scanned", "id_out_of_range", "duplicate_id",
+                                   "fewer_columns", "wrong_scores", "nan_scores", "padding_first"])
+def test_decoder_refuses_a_bad_result_before_it_reaches_the_kernel(monkeypatch, fault, attention_aware):
+    base = FaultyFlatTrain if attention_aware else Faulty
+    store, q = _store(monkeypatch, type("F", (base,), {"fault": fault}), attention_aware)
+    with pytest.raises(IndexResultError, match=r"badplugin \(layer 3\)"):
+        store.side(q, 0.25)
+
+
+@pytest.mark.parametrize("fault", ["zero_scanned", "id_out_of_range", "duplicate_id", "padding_first"])
+def test_decoder_checks_ids_and_counts_at_every_step(monkeypatch, fault):
+    class LateFault(Faulty):
+        calls = 0
+
+        def _search(self, queries, k):
+            LateFault.calls += 1
+            res = FlatIndex._search(self, queries, k)
+            return _fault(fault, *res) if LateFault.calls > 2 else res
+
+    store, q = _store(monkeypatch, LateFault, False)
+    good = store.side(q, 0.25)  # the two KV heads' indexes answer correctly on the first step
+    assert np.isfinite(good.out).all()
+    with pytest.raises(IndexResultError, match=r"badplugin \(layer 3\)"):
+        store.side(q, 0.25)
