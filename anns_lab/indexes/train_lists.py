@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from anns_lab.indexes.graph_search import dot
 from anns_lab.indexes.topk import topk_ip
 
 
@@ -57,14 +58,14 @@ def anchored_topk(queries: np.ndarray, keys: np.ndarray, k: int, stride: int, sp
 @njit(cache=True, nogil=True, parallel=True)
 def _rerank_gaps(queries, keys, a_lists, anchors, gaps, span, out, n_chunks):
     """For each gap g (queries strictly between anchors[g] and anchors[g + 1]): candidates = the lists of
-    anchors g - span + 1 … g + span (deduplicated), gathered once, scored against the gap's queries in one
-    matrix product; each query keeps its top k, best first."""
+    anchors g - span + 1 … g + span (deduplicated), gathered once, scored against each of the gap's queries; each query keeps its top k, best first."""
     n, d = keys.shape
     na, k = a_lists.shape
     for c in prange(n_chunks):
         stamp = np.full(n, -1, np.int64)
         cand = np.empty(2 * span * k, np.int64)
         block = np.empty((2 * span * k, d), np.float32)
+        s = np.empty(2 * span * k, np.float32)
         for gi in range(c, gaps.shape[0], n_chunks):
             g = gaps[gi]
             t = 0
@@ -78,10 +79,13 @@ def _rerank_gaps(queries, keys, a_lists, anchors, gaps, span, out, n_chunks):
             for i in range(t):
                 block[i] = keys[cand[i]]
             lo, hi = anchors[g] + 1, anchors[g + 1]
-            scores = np.dot(queries[lo:hi], block[:t].T)  # (gap, t): BLAS
             for r in range(hi - lo):
-                s = scores[r]
-                order = np.argsort(-s, kind="mergesort")[:k] if t <= 4 * k else _top_sorted(s, k)
+                # graph_search.dot, not np.dot: numba's BLAS calls on these small blocks cost ~15x more
+                # (OpenBLAS's thread pool on a loaded machine); the gathered block stays in cache for the gap.
+                q = queries[lo + r]
+                for i in range(t):
+                    s[i] = dot(block[i], q)
+                order = _top_sorted(s[:t], k)
                 for j in range(k):
                     out[lo + r, j] = cand[order[j]]
 
