@@ -90,7 +90,21 @@ def run_prompt(lm, modes: list[Mode], settings: Settings, text: str, max_new: in
     return _run_prompts(lm, modes, settings, [(ids, None)], max_new, "prompt", progress)
 
 
+def check_memory(lm, modes: list[Mode], settings: Settings, n_tokens: int) -> None:
+    """Refuse, before the prefill, a run whose estimated peak memory exceeds what is available
+    (:func:`memory.check_prefill`: KV cache, a chunk's activations, the kept queries, a mode's CPU store and
+    indexes or ``full``'s copy of the cache)."""
+    from anns_lab.dumps.memory import check_prefill
+
+    n_long = len(lm.long_range_layers)
+    check_prefill(lm.config, n_tokens, settings.chunk, f"decoding {n_tokens} tokens of {lm.name}", "--context",
+                  query_layers=n_long if any(m.uses_queries() for m in modes) else 0,
+                  index_layers=n_long if any(m.kind == "index" for m in modes) else 0,
+                  cache_copy=any(m.kind == "full" for m in modes))
+
+
 def _run_prompts(lm, modes, settings, prompts, max_new, task, progress) -> dict:
+    check_memory(lm, modes, settings, max(len(ids) for ids, _ in prompts) + max_new)
     capture = any(m.uses_queries() for m in modes)
     stops = stop_ids(lm)
     per_mode = {m.name: {"runs": [], "samples": []} for m in modes}
@@ -133,6 +147,7 @@ def run_fidelity(lm, modes: list[Mode], settings: Settings, context: int, positi
     steps = max(positions, free_tokens)
     check_context(lm, context + steps, allow_extrapolation)
     check_window(settings, context, modes, steps)
+    check_memory(lm, modes, settings, context + steps)
     ids = build_prompt("text", lm.tokenizer, context + positions).ids
     pre = prefill(lm, ids[:context], settings, any(m.uses_queries() for m in modes))
     teacher = ids[context:]

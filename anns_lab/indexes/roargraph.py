@@ -82,6 +82,7 @@ LIST_PARAMS = ("M_sq", "n_pivots", "n_cand")  # the sizes build resolves (0 = au
 KMEANS_POINTS = 64  # training points per hub centroid (faiss subsamples): 256 took a quarter of the build
 EXACT_PAIRS = 8192 * 8192  # (query, key) products of the exact lists before anchoring starts (auto list_stride)
 MAX_STRIDE = 64  # auto list_stride at most
+DESCENT_EXACT_ONLY = False
 LIST_SPAN = 2  # anchors on either side whose lists a query between them ranks (train_lists.anchored_topk)
 
 
@@ -206,7 +207,7 @@ class RoarGraphIndex(Index):
         if rows is not None:
             train_queries = np.ascontiguousarray(train_queries[rows])
             train_topk = None if train_topk is None else train_topk[rows]
-        knn = self._train_lists(keys, train_queries, m_sq, threads, train_topk)
+        knn, exact = self._train_lists(keys, train_queries, m_sq, threads, train_topk)
         weights = np.ones(len(train_queries), np.float32)
         if p["recent_frac"] > 0:
             weights[len(weights) - int(round(p["recent_frac"] * len(weights))):] = p["recent_weight"]
@@ -221,7 +222,8 @@ class RoarGraphIndex(Index):
         pa = max(p["alpha"], 1.0)  # the reverse/enhancement prunes always use the RobustPrune rule
         nbrs, degree = gb.add_reverse_edges(keys, nbrs, degree, pa, p["R"])
         if p["descent_links"] > 0:
-            gb.link_descent(keys, nbrs, degree, knn, p["descent_rank"], p["descent_links"], pa, p["R"], threads)
+            gb.link_descent(keys, nbrs, degree, knn if exact.all() or not DESCENT_EXACT_ONLY else knn[exact],
+                            p["descent_rank"], p["descent_links"], pa, p["R"], threads)
         self.hubs = query_hubs(keys, train_queries, p["n_hubs"], p["seed"])
         if p["enhance_L"] > 0:
             nbrs, degree = gb.connect_by_search(keys, nbrs, degree, self.hubs, p["enhance_L"], pa, p["R"],
@@ -235,17 +237,16 @@ class RoarGraphIndex(Index):
         self._recent_q = np.ascontiguousarray(train_queries[len(train_queries) - keep:])
         self._cache_lists(keys, knn[len(knn) - keep:], weights[len(weights) - keep:])
 
-    def _train_lists(self, keys, queries, m_sq: int, threads: int, given: np.ndarray | None) -> np.ndarray:
-        """Each training query's top-``m_sq`` keys, best first: ``given`` (precomputed, e.g. on the accelerator
+    def _train_lists(self, keys, queries, m_sq: int, threads: int, given: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """(lists, exact rows): each training query's top-``m_sq`` keys, best first: ``given`` (precomputed, e.g. on the accelerator
         during the prefill) when it has the columns, else :func:`train_lists.anchored_topk` (``list_stride``)."""
         if given is not None:
             if given.shape[1] < m_sq:
                 raise IndexConfigError(f"{self._owner()}: train_topk has {given.shape[1]} keys per query; this build needs "
                                        f"M_sq = {m_sq} ({type(self).__name__}.list_size({len(keys)}))")
-            return np.ascontiguousarray(given[:, :m_sq], np.int32)
+            return np.ascontiguousarray(given[:, :m_sq], np.int32), np.ones(len(given), np.bool_)
         stride = self.params["list_stride"] or auto_stride(len(queries), len(keys))
-        knn, _ = anchored_topk(queries, keys, m_sq, stride, LIST_SPAN, self.params["keep_queries"], threads)
-        return knn
+        return anchored_topk(queries, keys, m_sq, stride, LIST_SPAN, self.params["keep_queries"], threads)
 
     @classmethod
     def list_size(cls, n_keys: int, **build_params) -> int:
