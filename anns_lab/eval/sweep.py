@@ -23,7 +23,7 @@ import pyarrow as pa
 from anns_lab.dumps.store import open_dump, write_table
 from anns_lab.errors import AnnsLabError
 from anns_lab.eval import metrics
-from anns_lab.eval.heads import HeadData, default_layers, load_head
+from anns_lab.eval.heads import HeadData, check_k, default_layers, load_head
 from anns_lab.eval.table import COLUMNS, RESULTS, SETTINGS
 from anns_lab.io import atomic_write_json
 
@@ -147,8 +147,7 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     heads = heads if heads is not None else list(range(dump.n_heads))
     for h in heads:
         dump.kv_head_of(h)
-    if k < 1:
-        raise AnnsLabError("--k must be positive")
+    check_k(dump, window, k)  # before any index is built
     out = Path(out) if out is not None else Path("results") / dump.path.name
     settings = {"dump": str(dump.path.resolve()), "dump_created": dump.manifest["created"], "k": k, "window": list(window)}
     if quick:  # a quick sweep lacks columns a full one has: never mix their parts in one folder
@@ -190,8 +189,12 @@ def _prepare(out: Path, settings: dict, overwrite: bool) -> None:
         (out / RESULTS).unlink(missing_ok=True)
     elif out.exists() and any(out.iterdir()):
         raise AnnsLabError(f"{out} exists and is not a sweep folder; choose another --out")
-    (out / "parts").mkdir(parents=True, exist_ok=True)
-    atomic_write_json(sfile, settings)
+    try:
+        (out / "parts").mkdir(parents=True, exist_ok=True)
+        atomic_write_json(sfile, settings)
+    except OSError as err:
+        raise AnnsLabError(f"cannot write the sweep into {out}: {err.strerror or err} ({err.filename or out}); "
+                           "choose another --out") from None
 
 
 def combine(out: Path) -> pd.DataFrame:
