@@ -178,3 +178,163 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return not Path(f"/proc/{pid}/status").read_text().count("State:\tZ")
+
+
+# --- Ray: a real two-node cluster on 127.0.0.1, one per test module ----------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """End a `ray start --block` process and everything it started (its own session): TERM, then KILL."""
+    for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            continue
+    # Children of the group may outlive its leader for a moment; they are in the same group.
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(plugin_dir, tmp_path_factory):
+    """HOST:PORT of a Ray head (1 CPU) plus a second node (1 CPU) on 127.0.0.1, stopped at the module's end."""
+    pytest.importorskip("ray")
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    temp = Path(f"/tmp/anns-ray-{os.getpid()}")  # short: Ray's socket paths must stay under 108 characters
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(plugin_dir), os.environ.get("PYTHONPATH", "")]),
+                        "RAY_USAGE_STATS_ENABLED": "0"}
+    ray_cli = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--num-cpus", "1",
+               "--node-ip-address", "127.0.0.1", "--disable-usage-stats"]
+    logs = tmp_path_factory.mktemp("ray-logs")
+    procs = []
+    try:
+        procs.append(subprocess.Popen(ray_cli + ["--head", "--port", str(port), "--include-dashboard=false",
+                                                 "--temp-dir", str(temp)], env=env, start_new_session=True,
+                                      stdout=open(logs / "head.log", "w"), stderr=subprocess.STDOUT))
+        wait_for(lambda: _reachable(port) or procs[0].poll() is not None, "the Ray head to listen", timeout=120)
+        assert procs[0].poll() is None, (logs / "head.log").read_text()
+        procs.append(subprocess.Popen(ray_cli + ["--address", address], env=env, start_new_session=True,
+                                      stdout=open(logs / "node.log", "w"), stderr=subprocess.STDOUT))
+        wait_for(lambda: _alive_nodes(address) == 2 or procs[1].poll() is not None, "the second node", timeout=120,
+                 every=2)
+        assert procs[1].poll() is None, (logs / "node.log").read_text()
+        yield address
+    finally:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        for proc in reversed(procs):
+            _stop_group(proc)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _reachable(port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def _alive_nodes(address: str) -> int:
+    out = subprocess.run([sys.executable, "-c", "import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
+                          "print(sum(n['Alive'] for n in ray.nodes()))", address],
+                         capture_output=True, text=True, timeout=120)
+    return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else 0
+
+
+@pytest.mark.parametrize("data", ["auto", "ship"])
+def test_ray_table_equals_the_local_one(tiny_dump, local_table, ray_cluster, tmp_path, data):
+    logs = []
+    res = sweep(tiny_dump, tmp_path / "res", executor="ray", address=ray_cluster, ray_data=data, log=logs.append)
+    assert not res.failures
+    pd.testing.assert_frame_equal(res.table[SAME], local_table[SAME])
+    assert any("2 node(s), 2 CPUs" in line for line in logs)
+    assert any(("shared file system" if data == "auto" else "") in line for line in logs)
+
+
+def test_a_sweep_moves_between_executors(tiny_dump, local_table, ray_cluster, tmp_path):
+    for first, second in (("local", "ray"), ("ray", "local")):
+        out = tmp_path / first
+        sweep(tiny_dump, out, indexes=["flat"], executor=first, address=ray_cluster if first == "ray" else None)
+        kept = {p: p.stat().st_mtime_ns for p in (out / "parts").glob("*.parquet")}
+        assert len(kept) == 4
+        res = sweep(tiny_dump, out, executor=second, address=ray_cluster if second == "ray" else None)
+        assert all(p.stat().st_mtime_ns == t for p, t in kept.items())  # flat's parts were not redone
+        assert len(list((out / "parts").glob("*.parquet"))) == 8
+        pd.testing.assert_frame_equal(res.table[SAME], local_table[SAME])
+
+
+def test_ray_worker_killed_mid_sweep_is_retried_and_the_table_is_complete(tiny_dump, local_table, ray_cluster,
+                                                                         tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    box = {}
+    kw = dict(indexes=["faulty"], build_params={"faulty": {"pid_dir": str(pids), "sleep_s": 3.0}}, executor="ray",
+              address=ray_cluster)
+    thread = threading.Thread(target=lambda: box.setdefault("res", sweep(tiny_dump, tmp_path / "res", **kw)))
+    thread.start()
+    victim = wait_for(lambda: next(iter(pids.iterdir()), None), "a Ray worker to start building")
+    os.kill(_pid(victim), signal.SIGKILL)
+    thread.join(timeout=300)
+    assert not thread.is_alive()
+    res = box["res"]
+    assert not res.failures
+    assert len(list(pids.iterdir())) >= 5  # 4 parts, one of them built twice
+    got = res.table[SAME].reset_index(drop=True)
+    flat = local_table.query("index == 'flat'")[SAME].reset_index(drop=True)
+    pd.testing.assert_series_equal(got["recall"], flat["recall"])
+    assert set(zip(got["layer"], got["head"])) == {(1, 0), (1, 3), (3, 0), (3, 3)}
+
+
+@pytest.mark.parametrize("fault, needle", [("abort", "Ray worker died 2 time(s)"), ("exit", "SystemExit")])
+def test_ray_crashing_plugin_fails_its_own_parts(tiny_dump, local_table, ray_cluster, tmp_path, fault, needle):
+    out = tmp_path / "res"
+    res = sweep(tiny_dump, out, indexes=["flat", "faulty"], layers=[1], heads=[3], executor="ray",
+                address=ray_cluster, build_params={"faulty": {"fault": fault}}, max_attempts=2)
+    assert [(n, layer, head) for n, layer, head, _ in res.failures] == [("faulty", 1, 3)]
+    assert needle in res.failures[0][3]
+    pd.testing.assert_frame_equal(res.table[SAME].reset_index(drop=True),
+                                  local_table.query("index == 'flat' and layer == 1 and head == 3")[SAME]
+                                  .reset_index(drop=True))
+    rec = json.loads(next((out / "parts").glob("failed-*.json")).read_text())
+    assert (rec["index"], rec["layer"], rec["head"], rec["attempts"]) == ("faulty", 1, 3, 2 if fault == "abort" else 1)
+
+
+def test_ray_bad_input_is_one_error_and_writes_nothing(tiny_dump, ray_cluster, tmp_path, monkeypatch):
+    from anns_lab.errors import AnnsLabError
+
+    with pytest.raises(AnnsLabError, match="cannot reach a Ray cluster at 127.0.0.1:"):
+        sweep(tiny_dump, tmp_path / "a", executor="ray", address=f"127.0.0.1:{_free_port()}")
+    with pytest.raises(AnnsLabError, match=r"no node .* needing 8 CPU \(the largest node has 1 CPU\)"):
+        sweep(tiny_dump, tmp_path / "b", executor="ray", address=ray_cluster, cpus_per_task=8)
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if ray were not installed
+    with pytest.raises(AnnsLabError, match=r"pip install 'anns-lab\[ray\]'"):
+        sweep(tiny_dump, tmp_path / "c", executor="ray")
+    assert not any((tmp_path / x).exists() for x in "abc")
+
+
+def test_nothing_of_ray_is_imported_unless_asked(tiny_dump, tmp_path):
+    code = ("import sys; from anns_lab.cli import main; from anns_lab.eval.sweep import run_sweep; "
+            f"run_sweep({str(tiny_dump.path)!r}, ['flat'], [1], [0], k=10, window=(8, 64), out={str(tmp_path)!r}, "
+            "jobs=1, progress=False); assert 'ray' not in sys.modules, 'ray imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr

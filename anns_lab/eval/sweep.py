@@ -119,6 +119,12 @@ class SweepWork:
     def load(self, layer: int, head: int) -> HeadData:
         return load_head(open_dump(self.dump), layer, head, self.window)
 
+    def fingerprint(self) -> str | None:
+        try:
+            return json.loads((Path(self.dump) / "manifest.json").read_text()).get("created")
+        except (OSError, ValueError, AttributeError):
+            return None
+
     def evaluate(self, data: HeadData, index: str) -> pd.DataFrame:
         dump = open_dump(self.dump)
         return evaluate_index(index, data, self.k, str(dump.path), dump.model, self.build_params.get(index), self.quick)
@@ -129,13 +135,15 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
               out: str | Path | None = None, jobs: int = 2, overwrite: bool = False, progress: bool = True,
               build_params: dict[str, dict] | None = None, quick: bool = False, executor: str = "local",
               address: str | None = None, cpus_per_task: float = 1.0, max_attempts: int = MAX_ATTEMPTS,
-              retry_failed: bool = False, log=None) -> SweepResult:
+              retry_failed: bool = False, ray_data: str = "auto", log=None) -> SweepResult:
     """Run the sweep (see module doc) and return the combined results table.
 
     ``build_params`` maps an index name to build parameters that replace its defaults; ``quick``
     records recall, scanned fraction, throughput and build cost only. ``executor`` is ``local`` or
     ``ray`` (``address``: a cluster's, or ``auto``; none starts a local Ray); a part is attempted at
     most ``max_attempts`` times over all runs unless ``retry_failed`` clears its earlier failures.
+    ``ray_data``: ``path`` (nodes read the dump), ``ship`` (the driver sends each head), ``auto`` (path when
+    every node sees the dump).
     """
     from tqdm.auto import tqdm
 
@@ -166,7 +174,7 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     log = log or (lambda line: tqdm.write(line) if progress else None)
     # Connect (Ray) before the results folder is touched: a cluster that is unreachable or too small
     # for a task is one error and leaves nothing behind.
-    runner = open_executor(executor, jobs, address, cpus_per_task, log=log)
+    runner = open_executor(executor, jobs, address, cpus_per_task, ray_data, log=log)
     try:
         _prepare(out, settings, overwrite)
         return _run(runner, dump, out, names, layers, heads, k, window, build_params, quick, max_attempts,

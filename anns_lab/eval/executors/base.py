@@ -41,6 +41,11 @@ class Work(Protocol):
 
     def load(self, layer: int, head: int) -> Any: ...
 
+    def fingerprint(self) -> str | None:
+        """What identifies the input seen from this process (None when it is not there): the same on every
+        node means the nodes share its folder."""
+        ...
+
     def evaluate(self, data: Any, index: str) -> pd.DataFrame: ...
 
 
@@ -66,6 +71,16 @@ def error_text(err: BaseException) -> str:
         return f"SystemExit({err.code!r}): the index tried to end the process"
     text = str(err)
     return text if isinstance(err, AnnsLabError) else f"{type(err).__name__}: {text}"
+
+
+def load(work: Work, layer: int, head: int) -> tuple[Any, str | None]:
+    """``work.load`` with its error caught: a head that cannot be read fails its parts, not the sweep."""
+    try:
+        return work.load(layer, head), None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as err:  # noqa: BLE001
+        return None, error_text(err)
 
 
 def attempt(work: Work, data: Any, index: str) -> tuple[pd.DataFrame | None, str | None]:

@@ -15,7 +15,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
-from anns_lab.eval.executors.base import OnOutcome, Outcome, Part, Unit, Work, attempt, death_text, error_text
+from anns_lab.eval.executors.base import OnOutcome, Outcome, Part, Unit, Work, attempt, death_text, load
 
 LOADING = "<load>"  # what a worker is doing before its first index: reading the head
 
@@ -30,13 +30,7 @@ def _worker(conn: Connection, work: Work) -> None:
             return
         layer, head, names = unit
         conn.send(("start", LOADING))
-        data, load_error = None, None
-        try:
-            data = work.load(layer, head)
-        except KeyboardInterrupt:
-            raise
-        except BaseException as err:  # noqa: BLE001 - a head that cannot load fails its parts, not the sweep
-            load_error = error_text(err)
+        data, load_error = load(work, layer, head)
         for name in names:
             conn.send(("start", name))
             table, error = (None, load_error) if load_error else attempt(work, data, name)
