@@ -338,3 +338,41 @@ def test_nothing_of_ray_is_imported_unless_asked(tiny_dump, tmp_path):
             "jobs=1, progress=False); assert 'ray' not in sys.modules, 'ray imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
+
+
+# --- decode through Ray ------------------------------------------------------------------------------------------
+
+
+def test_ray_decode_gives_the_local_answers(tiny_llama, ray_cluster, tmp_path):
+    from click.testing import CliRunner
+
+    from anns_lab.cli import main
+
+    args = ["decode", "--model", str(tiny_llama), "--mode", "full,flat", "--task", "passkey", "--context", "200",
+            "--samples", "2", "--window", "4,16", "--topk", "20", "--max-new-tokens", "4"]
+    runs = {}
+    for executor in ("local", "ray"):
+        extra = ["--executor", "ray", "--address", ray_cluster] if executor == "ray" else []
+        r = CliRunner().invoke(main, args + extra + ["--json", str(tmp_path / f"{executor}.json")])
+        assert r.exit_code == 0, r.output
+        runs[executor] = json.loads((tmp_path / f"{executor}.json").read_text())
+    local, ray_ = runs["local"], runs["ray"]
+    assert ray_["executor"] == "ray" and ray_["device"] == "cpu"
+    assert set(ray_["modes"]) == {"full", "flat"}
+    for mode in ("full", "flat"):
+        assert ray_["modes"][mode]["samples"] == local["modes"][mode]["samples"]  # answers, scores, depths, seeds
+        for key in ("accuracy", "accuracy_ci95", "diff_vs_full", "diff_vs_full_ci95", "steps"):
+            assert ray_["modes"][mode]["summary"][key] == local["modes"][mode]["summary"][key]
+
+
+def test_ray_decode_bad_input(tiny_llama, tmp_path):
+    from click.testing import CliRunner
+
+    from anns_lab.cli import main
+
+    base = ["decode", "--model", str(tiny_llama), "--mode", "full", "--task", "passkey", "--context", "200",
+            "--window", "4,16", "--max-new-tokens", "2", "--executor", "ray"]
+    r = CliRunner().invoke(main, base + ["--address", f"127.0.0.1:{_free_port()}"])
+    assert r.exit_code == 2 and "cannot reach a Ray cluster" in r.output
+    r = CliRunner().invoke(main, base + ["--eval", "fidelity"])
+    assert r.exit_code == 2 and "--eval fidelity is one prefill" in r.output
