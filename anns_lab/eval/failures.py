@@ -12,7 +12,7 @@ import json
 import time
 from pathlib import Path
 
-from anns_lab.dumps.store import atomic_write_json
+from anns_lab.io import atomic_write_json
 from anns_lab.eval.executors.base import Outcome, Part
 
 PREFIX = "failed-"
