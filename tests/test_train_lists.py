@@ -61,8 +61,8 @@ def test_anchored_lists_recall_on_drifting_queries():
 
 
 def test_auto_stride_grows_with_the_context():
-    assert auto_stride(2000, 2000) == 1 and auto_stride(8192, 8192) == 4
-    assert auto_stride(32768, 32768) == 16 and auto_stride(131072, 131072) == 64 and auto_stride(10**6, 10**6) == 64
+    assert auto_stride(2000, 2000) == 1 and auto_stride(5000, 5000) == 1 and auto_stride(8192, 8192) == 2
+    assert auto_stride(32768, 32768) == 8 and auto_stride(131072, 131072) == 32 and auto_stride(10**6, 10**6) == 64
 
 
 def test_train_topk_given_equals_exact_build():

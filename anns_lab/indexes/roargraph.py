@@ -3,7 +3,7 @@
 Build, on keys K (n, d) and training queries Q (m, d):
 
 1. **Bipartite graph.** Each training query's top-``M_sq`` keys by inner product: exact for every
-   ``list_stride``-th query (auto: one per ~2048 keys, :func:`auto_stride`; all below ~3K keys) and the
+   ``list_stride``-th query (auto: one per ~4096 keys, :func:`auto_stride`; all below ~6K keys) and the
    newest ``keep_queries``, the others ranking (exactly) the keys of the neighbouring exact lists
    (``train_lists.anchored_topk``: exact lists for all would grow as n², the rest of the build as n);
    or the lists given to ``build`` as ``train_topk`` (computed where they are cheap, e.g. on the
@@ -81,7 +81,7 @@ ADD_SERIAL = 1024  # adds of up to this many keys run on the calling thread: a t
 ADD_SEARCH_L = 16  # beam of the search that links each added key (32: the same recall, 1.5x the time)
 LIST_PARAMS = ("M_sq", "n_pivots", "n_cand")  # the sizes build resolves (0 = auto), kept in self.lists and saved
 KMEANS_POINTS = 64  # training points per hub centroid (faiss subsamples): 256 took a quarter of the build
-KEYS_PER_ANCHOR = 2048  # auto list_stride: one exact list per this many keys' worth of queries
+KEYS_PER_ANCHOR = 4096  # auto list_stride: one exact list per this many keys' worth of queries (2048 scanned ~10% more at 32K)
 MAX_STRIDE = 64  # auto list_stride at most
 LIST_SPAN = 1  # anchors on either side whose lists a query between them ranks (2 doubles the re-rank; not better in the runs of BENCHMARKS "Scale")
 
@@ -112,9 +112,9 @@ def subsample(m: int, at_most: int) -> np.ndarray | None:
 
 def auto_stride(m: int, n: int) -> int:
     """Training queries per exact list (:mod:`train_lists`) for ``m`` queries over ``n`` keys: √(m·n) / KEYS_PER_ANCHOR,
-    in [1, MAX_STRIDE] (1 = every list exact, below ~3K keys; 4 at 8K, 16 at 32K, 64 at 128K): the exact part then
-    costs ~KEYS_PER_ANCHOR × m products, linear in the context instead of quadratic. Measured at 8K (stride 4 and 8)
-    and 32K (16): scanned fraction within noise of the exact lists (BENCHMARKS "Scale")."""
+    in [1, MAX_STRIDE] (1 = every list exact, below ~6K keys; 2 at 8K, 8 at 32K, 32 at 128K): the exact part then
+    costs ~KEYS_PER_ANCHOR × m products, linear in the context instead of quadratic. Measured at 8K and 32K
+    against the exact lists (BENCHMARKS "Scale": build cost and time to first token)."""
     return int(min(MAX_STRIDE, max(1, round((m * n) ** 0.5 / KEYS_PER_ANCHOR))))
 
 
@@ -172,7 +172,7 @@ class RoarGraphIndex(Index):
         "max_cand": Param(128, 2, 1 << 16, help="candidates per key kept (heaviest co-occurrence) before pruning"),
         "alpha": Param(1.2, 0.0, 4.0, help="RobustPrune α of the projection (inner-product rule; > 1 prunes less; 0 = no pruning)"),
         "max_train": Param(1 << 20, 1, 1 << 30, help="training queries used at most: an even stride over them, the newest always kept (build time)"),
-        "list_stride": Param(0, 0, 4096, help="training queries per exact top-M_sq list: the others rank their neighbouring exact lists' keys (1 = all exact; 0 = auto: √(m·n)/2048, 4 at 8K, 16 at 32K, ≤ 64)"),
+        "list_stride": Param(0, 0, 4096, help="training queries per exact top-M_sq list: the others rank their neighbouring exact lists' keys (1 = all exact; 0 = auto: √(m·n)/4096, 2 at 8K, 8 at 32K, ≤ 64)"),
         "enhance_L": Param(0, 0, 4096, help="beam width of the connectivity-enhancement search (0 = skip it)"),
         "M_link": Param(8, 1, 512, help="links per key from the enhancement search / out-edges of a stranded key"),
         "n_hubs": Param(32, 1, 4096, help="entry hubs: top key of each k-means centroid of the training queries (all counted)"),
