@@ -8,7 +8,7 @@ import pytest
 
 from anns_lab.eval import findings as F
 from anns_lab.eval.report import _pareto_view, pareto
-from anns_lab.eval.sweep import COLUMNS
+from anns_lab.eval.table import COLUMNS
 
 HEADS = [(2, 0), (15, 4), (28, 8)]
 

@@ -15,31 +15,17 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from anns_lab.dumps.store import atomic_write_bytes, open_dump
+from anns_lab.dumps.store import open_dump
 from anns_lab.errors import AnnsLabError
 from anns_lab.eval import figures, findings, html, paper
 from anns_lab.eval.findings import fmt_fraction  # noqa: F401 - benchmarks import it from here
-from anns_lab.eval.sweep import COLUMNS, SETTINGS
+from anns_lab.eval.table import SETTINGS, load_results
+from anns_lab.io import atomic_write_bytes
 
 TARGETS = (0.90, 0.95, 0.99)
 FIGURES = {"recall_vs_scanned.png": "Recall against keys scanned, Q→K and K→K (Fig. 3a / 6)",
            "mahalanobis.png": "Out-of-distribution queries (Fig. 3b)",
            "dynamic_vs_static.png": "Dynamic against static selection (Fig. 2)"}
-
-
-def load_results(path: str | Path) -> tuple[pd.DataFrame, dict]:
-    """The results table and its sweep settings, from a results.parquet or its folder."""
-    path = Path(path)
-    folder = path if path.is_dir() else path.parent
-    file = folder / "results.parquet" if path.is_dir() else path
-    if not file.is_file():
-        raise AnnsLabError(f"no results table at {file}; run `anns-lab sweep` first")
-    table = pd.read_parquet(file)
-    missing = set(COLUMNS) - set(table.columns)
-    if missing:
-        raise AnnsLabError(f"{file} is not an anns-lab results table (missing columns {sorted(missing)})")
-    settings = json.loads((folder / SETTINGS).read_text()) if (folder / SETTINGS).is_file() else {}
-    return table, settings
 
 
 def _least_scan(h: pd.DataFrame, t: float) -> float:
