@@ -145,16 +145,38 @@ def run_fidelity(lm, modes: list[Mode], settings: Settings, context: int, positi
     return out
 
 
-COLUMNS = [("accuracy", "acc %", "{:.1f}"), ("kl_mean", "KL", "{:.2e}"), ("top1_agreement", "top-1", "{:.3f}"),
+COLUMNS = [("accuracy", "accuracy %", "{:.1f}"), ("kl_mean", "KL", "{:.2e}"), ("top1_agreement", "top-1", "{:.3f}"),
            ("free_tokens_until_diff", "free=", "{:d}"), ("prefill_s", "prefill s", "{:.2f}"), ("build_s", "build s", "{:.2f}"),
            ("retrieval_ms", "retr ms", "{:.2f}"), ("cpu_attention_ms", "cpu-attn ms", "{:.2f}"),
-           ("accel_attention_ms", "acc-attn ms", "{:.2f}"), ("merge_ms", "merge ms", "{:.2f}"), ("insert_ms", "insert ms", "{:.2f}"),
+           ("accel_attention_ms", "accel-attn ms", "{:.2f}"), ("merge_ms", "merge ms", "{:.2f}"), ("insert_ms", "insert ms", "{:.2f}"),
            ("other_ms", "other ms", "{:.2f}"), ("token_ms", "token ms", "{:.2f}"), ("tokens_per_s", "tok/s", "{:.2f}"),
            ("scanned_fraction", "scanned %", "{:.2%}"), ("device_kv_bytes", "dev KV MiB", "{:.2f}")]
 
 
+# Printed under the table for the columns it shows: every column defined on screen.
+LEGEND = {
+    "accuracy": "share of task samples answered correctly",
+    "kl_mean": "mean KL divergence of the next-token distribution from full attention's (teacher-forced)",
+    "top1_agreement": "share of teacher-forced positions whose top-1 token equals full attention's",
+    "free_tokens_until_diff": "greedy tokens generated before the first difference from full attention",
+    "prefill_s": "full-attention prefill of the prompt, seconds (shared by every mode)",
+    "build_s": "building the mode's indexes from the prefill, seconds",
+    "retrieval_ms": "per token: index search on the CPU, summed over long-range layers",
+    "cpu_attention_ms": "per token: CPU attention over the retrieved keys",
+    "accel_attention_ms": "per token: accelerator attention (window modes: over the static window; full: over every key)",
+    "merge_ms": "per token: merging the two partial softmaxes",
+    "insert_ms": "per token: moving tokens that leave the window to the CPU store and index",
+    "other_ms": "per token: everything outside the long-range layers' attention (projections, MLPs, other layers); "
+                "the CPU and accelerator sides run concurrently, so the parts may sum to more than the token",
+    "token_ms": "per token: wall time of one decode step",
+    "tokens_per_s": "decode steps per second",
+    "scanned_fraction": "mean share of the CPU-held keys whose inner product a search computed",
+    "device_kv_bytes": "keys and values held on the accelerator at the end, MiB",
+}
+
+
 def table(result: dict) -> str:
-    """The per-mode summary as a fixed-width text table (modes as rows)."""
+    """The per-mode summary as a fixed-width text table (modes as rows) with a legend of its columns."""
     rows = [(name, m["summary"]) for name, m in result["modes"].items()]
     cols = [c for c in COLUMNS if any(s.get(c[0]) is not None for _, s in rows)]
     head = ["mode"] + [c[1] for c in cols]
@@ -172,4 +194,5 @@ def table(result: dict) -> str:
         body.append(cells)
     widths = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
     line = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
-    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in body])
+    legend = [f"  {label:>{max(len(c[1]) for c in cols)}}  {LEGEND[key]}" for key, label, _ in cols]
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in body] + [""] + legend)

@@ -42,7 +42,7 @@ def latest_dump() -> Path | None:
     return found[-1].parent if found else None
 
 
-@click.command()
+@click.command(short_help="Recall against keys scanned for every index, per (layer, head).")
 @click.option("--dump", "dump_path", type=click.Path(), default=None,
               help="Dump folder [default: the newest under dumps/, or make the default SmolLM2 dump first].")
 @click.option("--indexes", default=None, help="Comma-separated index names [default: every registered index].")
@@ -81,12 +81,16 @@ def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite, bu
         raise SystemExit(1)
 
 
-@click.command()
+@click.command(short_help="Findings, figures and an HTML page from a sweep's results.")
 @click.argument("results", type=click.Path(), required=False)
 @click.option("--dump", "dump_path", type=click.Path(), default=None, help="Check the results come from this dump.")
 @click.option("--out", type=click.Path(), default=None, help="Folder for report.md and figures [default: beside RESULTS].")
 def report(results, dump_path, out) -> None:
-    """Figures (paper Figs. 2, 3a, 3b, 6) and a Markdown report from a sweep's results."""
+    """Findings against the paper, figures (paper Figs. 2, 3a, 3b, 6) and tables from a sweep's results.
+
+    Writes report.md, a self-contained report.html and the figures as PNG files beside RESULTS
+    (default: the newest results/*/results.parquet).
+    """
     from anns_lab.eval.report import write_report
 
     if results is None:
@@ -99,7 +103,7 @@ def report(results, dump_path, out) -> None:
     click.echo(f"figures: {', '.join(str(p) for p in sorted(path.parent.glob('*.png')))}")
 
 
-@click.command()
+@click.command(short_help="Keys, queries and ground truth of one head as .fbin files.")
 @click.option("--dump", "dump_path", type=click.Path(), required=True)
 @click.option("--layer", type=int, required=True)
 @click.option("--head", type=int, required=True)
