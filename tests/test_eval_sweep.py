@@ -169,6 +169,21 @@ def test_bad_input(smollm2_dump, sweep, tmp_path, tiny_llama):
     assert r.exit_code == 2 and "SINK,RECENT" in r.output
 
 
+def test_cli_sweep_of_a_selection_gets_its_own_default_folder(smollm2_dump, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ["sweep", "--dump", str(smollm2_dump.path), "--indexes", "flat", "--layers", "2", "--heads", "0",
+            "--window", "16,128", "--jobs", "1"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    folder = tmp_path / "results" / f"{smollm2_dump.path.name}-flat-L2-H0"
+    assert (folder / RESULTS).is_file() and not (tmp_path / "results" / smollm2_dump.path.name).exists()
+    assert "(1 head × 1 index)" in r.output and "earlier sweeps" not in r.output
+    # A second index into the same folder: the sweep says the table holds the earlier rows too.
+    r = CliRunner().invoke(main, args[:3] + ["--indexes", "ivf", "--out", str(folder)] + args[5:])
+    assert r.exit_code == 0, r.output
+    assert "(1 head × 2 indexes)" in r.output and "come from earlier sweeps" in r.output
+
+
 def test_default_layers_spread_over_depth():
     assert default_layers(list(range(30))) == [2, 15, 28]
     assert default_layers([5, 11, 17]) == [5, 11, 17]

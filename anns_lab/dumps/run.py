@@ -185,10 +185,21 @@ def run_dump(model: str = "smollm2", *, source: str = "text", prompt_path: str |
     settings = {"model": canon, "model_source": str(where), "source": src, "prompt_path": str(Path(prompt_path).resolve()) if prompt_path else None,
                 "tokens": tokens, "decode_tokens": decode_tokens, "layers": layers, "dtype": dtype, "chunk": chunk, "seed": seed}
     t_start = time.perf_counter()
+    created = not out.exists()
     state = _prepare_folder(out, settings, overwrite)
     if state is None:
         return DumpResult(store.open_dump(out), time.perf_counter() - t_start, already_complete=True)
-    return _capture(out, settings, state, model, prompt_path, allow_extrapolation, allow_download, device, progress, t_start)
+    try:
+        return _capture(out, settings, state, model, prompt_path, allow_extrapolation, allow_download, device, progress,
+                        t_start)
+    except Exception:
+        # A failure before any layer finished (a model that is not there, a prompt too long) leaves nothing behind:
+        # there is no progress to resume, and a stray .staging/ would only confuse the next run.
+        if not state["done"]:
+            shutil.rmtree(out / STAGING, ignore_errors=True)
+            if created and out.is_dir() and not any(out.iterdir()):
+                out.rmdir()
+        raise
 
 
 def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation, allow_download, device, progress, t_start):

@@ -36,6 +36,30 @@ def _build_params(items: tuple[str, ...]) -> dict[str, dict]:
     return out
 
 
+def default_out(dump_path: str | Path, indexes: list[str] | None, layers: list[int] | None, heads: list[int] | None,
+                quick: bool) -> Path:
+    """``results/<dump>``, with the selection in the name when it is not the default one.
+
+    So a small sweep (``--indexes ivf,hnsw --heads 0,4``) never adds its rows to the demo's full sweep.
+    Build-parameter variants share their selection's folder (their parts are named apart).
+    """
+    parts = [Path(dump_path).resolve().name]
+    if indexes:
+        parts.append("+".join(indexes))
+    if layers is not None:
+        parts.append("L" + "+".join(map(str, layers)))
+    if heads is not None:
+        parts.append("H" + "+".join(map(str, heads)))
+    if quick:
+        parts.append("quick")
+    return Path("results") / "-".join(parts)
+
+
+def plural(n: int, word: str) -> str:
+    """``1 head``, ``2 heads``; ``1 index``, ``3 indexes``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}es" if word.endswith("x") else f"{n} {word}s"
+
+
 def latest_dump() -> Path | None:
     """The most recently finished dump under ./dumps, if any."""
     found = sorted(Path("dumps").glob("*/manifest.json"), key=lambda p: p.stat().st_mtime)
@@ -50,7 +74,8 @@ def latest_dump() -> Path | None:
 @click.option("--heads", default=None, help="Comma-separated query heads [default: all].")
 @click.option("--k", type=int, default=100, show_default=True)
 @click.option("--window", type=WINDOW, default="128,512", show_default=True, help="Static window excluded from the index.")
-@click.option("--out", type=click.Path(), default=None, help="Results folder [default: results/<dump name>].")
+@click.option("--out", type=click.Path(), default=None, help="Results folder [default: results/<dump name>, plus the selection when one is given, e.g. "
+                   "results/<dump>-ivf+hnsw-L15-H0+4].")
 @click.option("--jobs", type=int, default=2, show_default=True, help="Parallel processes (one (layer, head) each).")
 @click.option("--overwrite", is_flag=True, help="Discard an existing sweep of other settings in --out.")
 @click.option("--build-param", "build_param", multiple=True, metavar="INDEX.NAME=VALUE",
@@ -70,11 +95,19 @@ def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite, bu
             click.echo(result.summary())
             dump_path = result.dump.path
     names = [n.strip() for n in indexes.split(",")] if indexes else None
-    res = run_sweep(dump_path, names, _ints(layers), _ints(heads), k, window, out, jobs, overwrite,
+    layer_list, head_list = _ints(layers), _ints(heads)
+    if out is None:
+        out = default_out(dump_path, names, layer_list, head_list, quick)
+    res = run_sweep(dump_path, names, layer_list, head_list, k, window, out, jobs, overwrite,
                     build_params=_build_params(build_param), quick=quick)
     t = res.table
-    click.echo(f"sweep of {dump_path}: {len(t)} rows ({t.groupby(['layer', 'head']).ngroups} heads × "
-               f"{t['index'].nunique()} indexes) in {res.path} ({res.seconds:.0f} s)")
+    click.echo(f"sweep of {dump_path}: {len(t)} rows ({plural(t.groupby(['layer', 'head']).ngroups, 'head')} × "
+               f"{plural(t['index'].nunique(), 'index')}) in {res.path} ({res.seconds:.0f} s)")
+    others = t[~t["index"].isin(names or t["index"].unique()) | ~t["layer"].isin(layer_list or t["layer"].unique())
+               | ~t["head"].isin(head_list or t["head"].unique())]
+    if len(others):
+        click.echo(f"note: {len(others)} of these rows come from earlier sweeps into {res.path.parent} "
+                   f"(other indexes, layers or heads); `anns-lab report` covers them all")
     for name, layer, head, err in res.failures:
         click.echo(f"  FAILED {name} on layer {layer} head {head}: {err}", err=True)
     if res.failures:
