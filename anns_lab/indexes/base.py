@@ -26,6 +26,7 @@ from typing import Any, ClassVar, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from anns_lab.errors import IndexConfigError
+from anns_lab.indexes.key_store import KeyRows, KeyStore
 
 FORMAT_VERSION = 1
 #: Largest magnitude accepted in keys and queries: any inner product of two such vectors (|q·k| ≤ d·1e30) stays
@@ -150,13 +151,21 @@ class Index:
     # -- the protocol ---------------------------------------------------------------------------
 
     def build(self, keys: Any, train_queries: Any | None = None) -> "Index":
-        """Index ``keys`` (n, d); attention-aware indexes also learn from ``train_queries`` (m, d)."""
-        keys = as_matrix(self._owner(), "keys", keys)
+        """Index ``keys`` (n, d); attention-aware indexes also learn from ``train_queries`` (m, d).
+
+        ``keys`` may be :class:`KeyRows`, one head of a growable :class:`KeyStore` the caller owns (the
+        decoder's): an index that keeps float32 key rows reads them there instead of a copy of its own,
+        and the owner appends new rows to the store before calling ``add`` with them.
+        """
+        given = keys if isinstance(keys, KeyRows) else None
+        keys = as_matrix(self._owner(), "keys", keys.view(keys.n) if given is not None else keys)
         if train_queries is not None:
             train_queries = as_matrix(self._owner(), "train_queries", train_queries, keys.shape[1])
         elif self.uses_train_queries:
             raise IndexConfigError(f"{self._owner()}: this index is built from train_queries; pass them to build()")
+        self._given_rows = given
         self._build(keys, train_queries)
+        self.__dict__.pop("_given_rows", None)
         self.n_keys, self.dim = keys.shape
         return self
 
@@ -304,6 +313,12 @@ class Index:
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
         raise NotImplementedError
+
+    def _key_rows(self, keys: np.ndarray) -> KeyRows:
+        """Where to keep the float32 key rows (call from ``_build``): the caller's store given to ``build``, else a
+        store of the index's own around ``keys`` (no copy until ``add`` grows it)."""
+        given = self.__dict__.get("_given_rows")
+        return given if given is not None else KeyStore.own(keys)
 
     def _owner(self) -> str:
         return self.name or type(self).__name__
