@@ -117,3 +117,15 @@ def test_paper_column_names_each_direction_s_own_figure():
     assert view[("ivf", "q2k")] == "30–50%" and view[("ivf", "k2k")] == "1–5%"
     assert view[("flat", "q2k")] == view[("flat", "k2k")] == "100% (exact)"
     assert view[("roargraph", "q2k")].startswith("1–3%") and view[("roargraph", "k2k")] == "—"
+
+
+def test_ivf_reason_states_the_measured_factors_with_their_numbers():
+    diag = pd.DataFrame([{"n_keys": 7488, "k": 100, "k_share": 6, "q2k": 0.20, "k2k": 0.19, "k2k_l2": 0.13,
+                          "q2k_share": 0.10, "k2k_share": 0.09, "k2k_top_big_norm": 0.40, "q2k_top_big_norm": 0.02}] * 3)
+    text = F.ivf_reason(diag, 0.197, 0.41)
+    for expected in ("3 of the heads", "19.7%", "41.0%", "20.0%", "19.0%", "13.0%", "40%", "2%", "top 6", "7,488",
+                     "9.0%", "10.0%"):
+        assert expected in text, expected
+    par, _ = run({("ivf", "q2k"): 0.19, ("ivf", "k2k"): 0.41})
+    f = F.direction_gap(par, "ivf", text)
+    assert f.verdict == F.DISAGREES and f.text.endswith(text)

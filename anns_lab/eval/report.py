@@ -17,7 +17,8 @@ import pandas as pd
 
 from anns_lab.dumps.store import open_dump
 from anns_lab.errors import AnnsLabError
-from anns_lab.eval import figures, findings, html, paper
+from anns_lab.eval import figures, findings, html, ivf_gap, paper
+from anns_lab.eval.heads import load_head
 from anns_lab.eval.findings import fmt_fraction  # noqa: F401 - benchmarks import it from here
 from anns_lab.eval.table import SETTINGS, load_results
 from anns_lab.io import atomic_write_bytes
@@ -121,7 +122,7 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
             "mahalanobis.png": figures.mahalanobis_figure(maha),
             "dynamic_vs_static.png": figures.selection_decay_figure(decay, k)}
     medians = maha.groupby("kind")["distance"].median()
-    found = findings.from_sweep(par, kinds, n_keys)
+    found = findings.from_sweep(par, kinds, n_keys, {"ivf": _ivf_reason(dump, table, par, kinds, pairs, window, k)})
     found += [findings.out_of_distribution(medians.get("Q→K: decode queries", np.nan),
                                            medians.get("K→K: held-out keys", np.nan)),
               findings.dynamic_vs_static(decay["dynamic"].mean(), decay["static"].mean(),
@@ -150,6 +151,19 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
     page = html.page(f"anns-lab report: {dump.model}, {dump.path.name}", intro, found, sections, links)
     atomic_write_bytes(out / "report.html", page.encode("utf-8"))
     return out / "report.md"
+
+
+def _ivf_reason(dump, table: pd.DataFrame, par: pd.DataFrame, kinds: dict[str, str], pairs, window, k: int,
+                most: int = 9) -> str:
+    """The measured reason behind IVF's Q→K / K→K figures, on up to ``most`` heads spread over the sweep's ("" if no IVF)."""
+    q, kk = findings.scan(par, "ivf", "q2k"), findings.scan(par, "ivf", "k2k")
+    if kinds.get("ivf") != "key-only" or q is None or kk is None:
+        return ""
+    built = json.loads(table.loc[table["index"] == "ivf", "build_params"].iloc[0])
+    chosen = pairs[:: max(1, len(pairs) // most)][:most]
+    diag = pd.DataFrame([ivf_gap.diagnose(load_head(dump, layer, head, window), k, built.get("nlist") or None,
+                                          built.get("seed", ivf_gap.SEED)) for layer, head in chosen])
+    return findings.ivf_reason(diag, q.fraction, kk.fraction)
 
 
 def _pareto_view(par: pd.DataFrame, kinds: dict[str, str]) -> pd.DataFrame:
