@@ -121,10 +121,11 @@ def test_paper_column_names_each_direction_s_own_figure():
 
 def test_ivf_reason_states_the_measured_factors_with_their_numbers():
     diag = pd.DataFrame([{"n_keys": 7488, "k": 100, "k_share": 6, "q2k": 0.20, "k2k": 0.19, "k2k_l2": 0.13,
-                          "q2k_share": 0.10, "k2k_share": 0.09, "k2k_top_big_norm": 0.40, "q2k_top_big_norm": 0.02}] * 3)
+                          "q2k_share": 0.10, "k2k_share": 0.09, "k2k_top_big_norm": 0.40, "q2k_top_big_norm": 0.02,
+                          "nlist": 173, "q2k_lists": 20.0, "k2k_lists": 41.0}] * 3)
     text = F.ivf_reason(diag, 0.197, 0.41)
     for expected in ("3 of the heads", "19.7%", "41.0%", "20.0%", "19.0%", "13.0%", "40%", "2%", "top 6", "7,488",
-                     "9.0%", "10.0%"):
+                     "9.0%", "10.0%", "in 20 of the 173 lists", "in 41"):
         assert expected in text, expected
     par, _ = run({("ivf", "q2k"): 0.19, ("ivf", "k2k"): 0.41})
     f = F.direction_gap(par, "ivf", text)

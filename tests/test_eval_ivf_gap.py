@@ -32,3 +32,15 @@ def test_l2_curve_finds_l2_neighbours():
     keys = rng.standard_normal((2000, 8)).astype(np.float32)
     scanned, recall = ivf_gap.curve(keys, keys[:30] + 0.01, k=10, metric="l2")
     assert recall[-1] == 1.0 and recall[0] > 0.3  # a point's nearest keys share its list more often than not
+
+
+def test_lists_holding_counts_distinct_lists_of_the_exact_top_k():
+    rng = np.random.default_rng(2)
+    keys = rng.standard_normal((2000, 8)).astype(np.float32)
+    queries = rng.standard_normal((5, 8)).astype(np.float32)
+    trained = ivf_gap.lists(keys, 20)
+    top = metrics.exact_topk(metrics.exact_scores(queries, keys), 30)
+    by_hand = np.mean([len(set(trained[1][row].tolist())) for row in top])
+    assert ivf_gap.lists_holding(keys, queries, 30, trained) == pytest.approx(by_hand)
+    scanned, recall = ivf_gap.curve(keys, queries, 30, trained=trained)
+    assert len(scanned) == 20

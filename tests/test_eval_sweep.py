@@ -178,6 +178,7 @@ def test_cli_sweep_of_a_selection_gets_its_own_default_folder(smollm2_dump, tmp_
     folder = tmp_path / "results" / f"{smollm2_dump.path.name}-flat-L2-H0"
     assert (folder / RESULTS).is_file() and not (tmp_path / "results" / smollm2_dump.path.name).exists()
     assert "(1 head × 1 index)" in r.output and "earlier sweeps" not in r.output
+    assert "index kernels ready in" in r.output  # the sweep says what it does before its first part
     # A second index into the same folder: the sweep says the table holds the earlier rows too.
     r = CliRunner().invoke(main, args[:3] + ["--indexes", "ivf", "--out", str(folder)] + args[5:])
     assert r.exit_code == 0, r.output

@@ -150,6 +150,7 @@ def report(results, dump_path, out) -> None:
         results = found[-1]
     path = write_report(results, out, dump_path)
     click.echo(f"report: {path}")
+    click.echo(f"html:   {path.with_suffix('.html')} (self-contained; open it in a browser)")
     click.echo(f"figures: {', '.join(str(p) for p in sorted(path.parent.glob('*.png')))}")
 
 

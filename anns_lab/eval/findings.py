@@ -166,6 +166,9 @@ def ivf_reason(diag: pd.DataFrame, q_grid: float, k_grid: float) -> str:
     parts = [f"Why, measured on {len(diag)} of the heads with IVF's recall at every nprobe (the sweep doubles nprobe, "
              f"so its least fractions {pct(q_grid)} and {pct(k_grid)} are grid points): Q→K needs {pct(m['q2k'])} and "
              f"K→K {pct(m['k2k'])} (medians)."]
+    parts.append(f"The exact top-{int(diag['k'].iloc[0])} of a decode query lies in {m['q2k_lists']:.0f} of the "
+                 f"{int(m['nlist'])} lists, that of a held-out key in {m['k2k_lists']:.0f}: the list count a search must "
+                 "probe follows how scattered the answers are.")
     parts.append(f"A held-out key's inner-product top-{int(diag['k'].iloc[0])} is not its neighbourhood: "
                  f"{100 * m['k2k_top_big_norm']:.0f}% of it lies among the 10% largest-norm keys (Q→K: "
                  f"{100 * m['q2k_top_big_norm']:.0f}%), spread over many lists; by L2 distance, the in-distribution "

@@ -63,6 +63,14 @@ def curve(keys: np.ndarray, queries: np.ndarray, k: int = 100, metric: str = "ip
     return scanned, recall
 
 
+def lists_holding(keys: np.ndarray, queries: np.ndarray, k: int, trained: tuple[np.ndarray, np.ndarray],
+                  metric: str = "ip") -> float:
+    """Mean number of distinct lists that hold a query's exact top-k: how scattered its answers are."""
+    _, assign = trained
+    top = metrics.exact_topk(_scores(queries, keys, metric), k)
+    return float(np.mean([len(np.unique(assign[row])) for row in top]))
+
+
 def fraction_at(scanned: np.ndarray, recall: np.ndarray, target: float = 0.95) -> float:
     """Least fraction scanned whose recall reaches ``target`` (inf if none)."""
     ok = np.flatnonzero(recall >= target)
@@ -92,6 +100,9 @@ def diagnose(data, k: int = 100, nlist: int | None = None, seed: int = SEED, pap
     for name, queries, metric, kk in (("q2k", q, "ip", k), ("k2k", held, "ip", k), ("k2k_l2", held, "l2", k),
                                       ("q2k_share", q, "ip", k_share), ("k2k_share", held, "ip", k_share)):
         out[name] = fraction_at(*curve(keys, queries, kk, metric, trained=trained[metric]))
+    out["nlist"] = nlist
+    out["q2k_lists"] = lists_holding(keys, q, k, trained["ip"])
+    out["k2k_lists"] = lists_holding(keys, held, k, trained["ip"])
     norms = np.linalg.norm(keys, axis=1)
     big = norms >= np.quantile(norms, 0.9)
     out["k2k_top_big_norm"] = float(big[metrics.exact_topk(metrics.exact_scores(held, keys), k)].mean())
