@@ -85,16 +85,16 @@ def run_sample(lm, modes: list[Mode], settings: Settings, ids: list[int], max_ne
     ``say`` (a callable taking a line) hears what is happening before each long step and how long it took.
     """
     say = say or (lambda line: None)
-    say(f"prefill: {len(ids)} tokens through {lm.name} (full attention, chunks of {settings.chunk}) ...")
+    say(f"  prefill: {len(ids)} tokens through {lm.name} (full attention, chunks of {settings.chunk}) ...")
     pre = prefill(lm, ids, settings, any(m.uses_queries() for m in modes))
-    say(f"prefill: done in {pre.seconds:.1f} s")
+    say(f"  prefill: done in {pre.seconds:.1f} s")
     runs = {}
     for mode in modes:
         building = mode.kind == "index"
-        say(f"{mode.name}: " + ("building one index per layer and head from the prefill, then " if building else "")
+        say(f"  {mode.name}: " + ("building one index per layer and head from the prefill, then " if building else "")
             + f"decoding up to {max_new} tokens ...")
         run = run_mode(lm, pre, mode, settings, max_new, stops)
-        say(f"{mode.name}: " + (f"indexes built in {run.build_s:.1f} s, " if building else "")
+        say(f"  {mode.name}: " + (f"indexes built in {run.build_s:.1f} s, " if building else "")
             + f"{len(run.tokens)} tokens decoded in {run.decode_s:.1f} s")
         run.stores = None  # free the CPU copies and indexes
         runs[mode.name] = run
@@ -157,9 +157,9 @@ def run_fidelity(lm, modes: list[Mode], settings: Settings, context: int, positi
     check_window(settings, context, modes, steps)
     ids = build_prompt("text", lm.tokenizer, context + positions).ids
     say = progress or (lambda line: None)
-    say(f"prefill: {context} tokens through {lm.name} ...")
+    say(f"  prefill: {context} tokens through {lm.name} ...")
     pre = prefill(lm, ids[:context], settings, any(m.uses_queries() for m in modes))
-    say(f"prefill: done in {pre.seconds:.1f} s; full attention: {positions} teacher-forced + {free_tokens} free tokens ...")
+    say(f"  prefill: done in {pre.seconds:.1f} s; full attention: {positions} teacher-forced + {free_tokens} free tokens ...")
     teacher = ids[context:]
     full_tf = run_mode(lm, pre, Mode("full"), settings, 0, teacher=teacher, keep_logits=True)
     full_free = run_mode(lm, pre, Mode("full"), settings, free_tokens)
@@ -169,7 +169,7 @@ def run_fidelity(lm, modes: list[Mode], settings: Settings, context: int, positi
         if mode.name == "full":
             tf, free = full_tf, full_free
         else:
-            say(f"{mode.name}: " + ("building indexes from the prefill, then " if mode.kind == "index" else "")
+            say(f"  {mode.name}: " + ("building indexes from the prefill, then " if mode.kind == "index" else "")
                 + f"{positions} teacher-forced + {free_tokens} free tokens ...")
             tf = run_mode(lm, pre, mode, settings, 0, teacher=teacher, keep_logits=True)
             tf.stores = None
