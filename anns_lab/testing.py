@@ -8,14 +8,21 @@ Rules checked (``anns_lab.indexes.base`` states the result policy):
 - declarations: defaults in range, every grid value a valid search parameter;
 - results at every grid point: shapes and dtypes; ids in [0, n) or -1 padding that only
   trails; no id twice in a row; scores sorted and equal to q·k of the returned ids (padding
-  scores -inf); ``#returned ≤ n_scanned ≤ max_scanned()``; a batch gives the same answer as
-  its queries one at a time;
+  scores -inf); ``#returned ≤ n_scanned ≤ max_scanned()``; ``bytes_read`` int64 (nq,) and
+  non-negative; a batch gives the same answer (and counts) as its queries one at a time;
 - at the last (most thorough) grid point on easy data, recall@k against exact search
   ≥ ``min_recall`` (1.0 = exact; ties at the k-th score count as hits);
 - determinism: two builds with the same parameters give identical ids, scores and counts;
 - ``save``/``load`` and ``add`` when the class supports them;
 - clear ``IndexConfigError`` for NaN keys or queries, a dimension mismatch, k > n, unknown
-  or out-of-range parameters.
+  or out-of-range parameters;
+- estimators (``estimates = True``, see ``anns_lab.indexes.estimate``): every search returns an
+  Estimate (a top-k index none); sample ids valid, unique and disjoint from the exact ids,
+  weights positive and finite (0 at padding); summary ids valid and unique, each used summary
+  non-empty, its members disjoint from the exact and sample ids; ``summaries()`` a CSR grouping
+  of distinct key ids with one centroid key each; ``n_scanned`` ≥ exact + sampled + summary
+  terms; where the class claims ``unbiased``, the mean over seeds of the estimated normaliser
+  and numerator matches the exact one within 4 standard errors (synthetic data).
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ from typing import Any
 import numpy as np
 
 from anns_lab.errors import IndexConfigError
-from anns_lab.indexes.base import Index, SearchResult
+from anns_lab.indexes.base import Index, SearchResult, concat_results
+from anns_lab.indexes.estimate import estimate_terms
 
 
 def easy_data(n_keys: int = 1000, dim: int = 16, n_queries: int = 40, seed: int = 0) -> tuple[np.ndarray, ...]:
@@ -52,10 +60,12 @@ def recall_at_k(ids: np.ndarray, queries: np.ndarray, keys: np.ndarray, k: int) 
 def check_result(index: Index, res: SearchResult, queries: np.ndarray, keys: np.ndarray, k: int, where: str) -> None:
     """Assert the result policy for one search: shapes, ids, scores and counts."""
     nq, n = len(queries), len(keys)
-    ids, scores, scanned = res
+    ids, scores, scanned, n_bytes = res[:4]
     assert ids.shape == (nq, k) and ids.dtype == np.int64, f"{where}: ids must be int64 (nq, k), got {ids.dtype} {ids.shape}"
     assert scores.shape == (nq, k) and scores.dtype == np.float32, f"{where}: scores must be float32 (nq, k)"
     assert scanned.shape == (nq,) and scanned.dtype == np.int64, f"{where}: n_scanned must be int64 (nq,)"
+    assert n_bytes.shape == (nq,) and n_bytes.dtype == np.int64, f"{where}: bytes_read must be int64 (nq,)"
+    assert (n_bytes >= 0).all(), f"{where}: bytes_read must be non-negative"
     assert ((ids >= -1) & (ids < n)).all(), f"{where}: ids outside [0, {n}) and not the -1 padding"
     valid = ids >= 0
     assert (valid[:, :-1] >= valid[:, 1:]).all(), f"{where}: -1 padding must only trail each row"
@@ -70,19 +80,118 @@ def check_result(index: Index, res: SearchResult, queries: np.ndarray, keys: np.
     assert err.max() < 1e-5, f"{where}: returned scores differ from q·k of the returned ids (max rel err {err.max():.2e})"
     assert (scanned >= valid.sum(axis=1)).all(), f"{where}: n_scanned is below the number of returned ids"
     assert (scanned <= index.max_scanned()).all(), f"{where}: n_scanned {scanned.max()} exceeds max_scanned() = {index.max_scanned()}"
+    check_estimate(index, res, n, where)
+
+
+def check_estimate(index: Index, res: SearchResult, n: int, where: str) -> None:
+    """Assert the estimator rules for one search (anns_lab.indexes.estimate): a top-k index returns no Estimate."""
+    est = res.estimate
+    if not index.estimates:
+        assert est is None, f"{where}: a top-k index (estimates = False) returned an Estimate"
+        return
+    assert est is not None, f"{where}: an estimator (estimates = True) must return an Estimate"
+    nq = len(res.ids)
+    s_ids, s_w, c_ids = est.sample_ids, est.sample_weights, est.summary_ids
+    assert s_ids.dtype == np.int64 and s_ids.ndim == 2 and len(s_ids) == nq, f"{where}: sample_ids must be int64 (nq, s)"
+    assert s_w.dtype == np.float64 and s_w.shape == s_ids.shape, f"{where}: sample_weights must be float64 like sample_ids"
+    assert c_ids.dtype == np.int64 and c_ids.ndim == 2 and len(c_ids) == nq, f"{where}: summary_ids must be int64 (nq, c)"
+    assert ((s_ids >= -1) & (s_ids < n)).all(), f"{where}: sample ids outside [0, {n}) and not -1"
+    valid = s_ids >= 0
+    assert (np.isfinite(s_w) & (s_w > 0))[valid].all(), f"{where}: sample weights must be positive and finite"
+    assert (s_w[~valid] == 0).all(), f"{where}: padded sample slots must have weight 0"
+    summ = index.summaries()
+    if (c_ids >= 0).any():
+        assert summ is not None, f"{where}: summary ids given but summaries() is None"
+    if summ is not None:
+        n_c = len(summ.keys)
+        assert summ.keys.shape == (n_c, index.dim), f"{where}: summary keys must be (C, dim)"
+        assert np.isfinite(summ.keys).all(), f"{where}: summary keys must be finite"
+        assert summ.offsets.shape == (n_c + 1,) and summ.offsets[0] == 0, f"{where}: offsets must be (C+1,) from 0"
+        assert (np.diff(summ.offsets) >= 0).all() and summ.offsets[-1] == len(summ.members), \
+            f"{where}: offsets must rise to len(members)"
+        members = summ.members
+        assert ((members >= 0) & (members < n)).all() and len(np.unique(members)) == len(members), \
+            f"{where}: summary members must be distinct key ids"
+        assert ((c_ids >= -1) & (c_ids < n_c)).all(), f"{where}: summary ids outside [0, {n_c}) and not -1"
+    for row in range(nq):
+        exact = res.ids[row][res.ids[row] >= 0]
+        sample, _, used = est.row(row)
+        assert len(np.unique(sample)) == len(sample), f"{where}: query {row} samples an id twice"
+        assert not np.isin(sample, exact).any(), f"{where}: query {row} samples an id that is also exact"
+        counted = len(exact) + len(sample) + len(used)
+        assert res.n_scanned[row] >= counted, f"{where}: n_scanned {res.n_scanned[row]} is below the {counted} exact, " \
+                                             "sampled and summary terms the query's result needs"
+        if len(used):
+            assert len(np.unique(used)) == len(used), f"{where}: query {row} uses a summary twice"
+            assert (summ.counts[used] > 0).all(), f"{where}: query {row} uses an empty summary"
+            inside = np.concatenate([summ.members[summ.offsets[c]: summ.offsets[c + 1]] for c in used])
+            assert not np.isin(inside, np.concatenate([exact, sample])).any(), \
+                f"{where}: query {row} counts a key both in a summary and as an exact or sampled id"
+
+
+def estimated_sums(index: Index, res: SearchResult, queries: np.ndarray, keys: np.ndarray, values: np.ndarray,
+                   scaling: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per query, the estimated normaliser Σ e^l and numerator Σ e^l v (exact ids plus the estimate), float64."""
+    summ = index.summaries()
+    sums = summ.value_sums(values) if summ is not None else None
+    zs, nums = [], []
+    for row, q in enumerate(queries):
+        exact = res.ids[row][res.ids[row] >= 0]
+        l, w, v = estimate_terms(q, keys, values, scaling, *res.estimate.row(row), summ, sums)
+        l = np.concatenate([(keys[exact].astype(np.float64) @ q.astype(np.float64)) * scaling, l])
+        w = np.concatenate([np.ones(len(exact)), w])
+        v = np.concatenate([values[exact].astype(np.float64), v])
+        p = w * np.exp(l)
+        zs.append(p.sum())
+        nums.append(p @ v)
+    return np.array(zs), np.array(nums)
+
+
+def check_unbiased(cls: type[Index], params: dict, seeds: int = 200, k: int = 5, **build_params: Any) -> None:
+    """Assert the mean over ``seeds`` builds of the estimated normaliser and numerator is the exact one (4 std errors)."""
+    assert "seed" in cls.build_params, f"{cls.__name__} claims unbiased but has no seed build parameter"
+    rng = np.random.default_rng(7)
+    keys = rng.standard_normal((300, 8)).astype(np.float32)
+    values = rng.standard_normal((300, 3)).astype(np.float32)
+    queries = rng.standard_normal((4, 8)).astype(np.float32)
+    scaling = 0.5
+    logits = (queries.astype(np.float64) @ keys.astype(np.float64).T) * scaling
+    true_z = np.exp(logits).sum(axis=1)
+    true_num = np.exp(logits) @ values.astype(np.float64)
+    zs, nums = [], []
+    for seed in range(seeds):
+        index = cls(**{**build_params, "seed": seed}).build(keys)
+        z, num = estimated_sums(index, index.search(queries, k, **params), queries, keys, values, scaling)
+        zs.append(z)
+        nums.append(num)
+    zs, nums = np.array(zs), np.array(nums)
+    for what, got, true in (("normaliser", zs, true_z), ("numerator", nums, true_num)):
+        err = np.abs(got.mean(axis=0) - true)
+        bound = 4 * got.std(axis=0) / np.sqrt(seeds) + 1e-9 * np.abs(true)
+        assert (err <= bound).all(), f"{cls.__name__} {params}: the estimated {what} is biased " \
+                                     f"(|mean − exact| {err.max():.3g} > 4 std errors {bound.max():.3g})"
 
 
 def _sorted_rows(scores: np.ndarray, valid: np.ndarray) -> bool:
+    # Compare neighbours that are both real results (padding trails, so that is every pair that matters);
+    # zeros in the padded slots keep -inf - -inf (a RuntimeWarning) out of the subtraction.
     # Tolerate float32 ties that differ in the last bit.
-    s = np.where(valid, scores, -np.inf).astype(np.float64)
-    d = np.diff(s, axis=1)
-    return bool((d[np.isfinite(d)] <= 1e-6 * (1 + np.abs(s[:, 1:][np.isfinite(d)]))).all())
+    s = np.where(valid, scores, 0.0).astype(np.float64)
+    both = valid[:, :-1] & valid[:, 1:]
+    d = np.diff(s, axis=1)[both]
+    return bool((d <= 1e-6 * (1 + np.abs(s[:, 1:][both]))).all())
 
 
 def _same(a: SearchResult, b: SearchResult, what: str) -> None:
     assert np.array_equal(a.ids, b.ids), f"{what}: ids differ"
     assert np.array_equal(a.scores, b.scores), f"{what}: scores differ"
     assert np.array_equal(a.n_scanned, b.n_scanned), f"{what}: n_scanned differs"
+    assert np.array_equal(a.bytes_read, b.bytes_read), f"{what}: bytes_read differs"
+    assert (a.estimate is None) == (b.estimate is None), f"{what}: one has an estimate, the other not"
+    if a.estimate is not None:  # compared row by row: the padded widths of a batch and of one query differ
+        for i in range(len(a.ids)):
+            for x, y in zip(a.estimate.row(i), b.estimate.row(i)):
+                assert np.array_equal(x, y), f"{what}: the estimates of query {i} differ"
 
 
 def _expect_error(what: str, fn, *args, **kwargs) -> None:
@@ -128,8 +237,12 @@ def check_errors(cls: type[Index], index: Index, keys: np.ndarray, queries: np.n
             _expect_error(f"search parameter {name} below its range", index.search, queries, 5, **{name: p.low - 1})
 
 
-def check_index(cls: type[Index], min_recall: float = 1.0, k: int = 10, **build_params: Any) -> dict[str, Any]:
-    """Run every conformance rule on ``cls`` built with ``build_params``; return recall and scan measurements."""
+def check_index(cls: type[Index], min_recall: float = 1.0, k: int = 10, unbiased_at: dict | None = None,
+                **build_params: Any) -> dict[str, Any]:
+    """Run every conformance rule on ``cls`` built with ``build_params``; return recall and scan measurements.
+
+    A class that claims ``unbiased`` is checked at search parameters ``unbiased_at`` (default: its first grid point).
+    """
     check_declarations(cls)
     keys, queries, train = easy_data()
     train_q = train if cls.uses_train_queries else None
@@ -148,7 +261,7 @@ def check_index(cls: type[Index], min_recall: float = 1.0, k: int = 10, **build_
 
     one_by_one = [index.search(q[None], k, **top) for q in queries[:8]]
     batch = index.search(queries[:8], k, **top)
-    _same(SearchResult(*(np.concatenate(parts) for parts in zip(*one_by_one))), batch, "batch vs one query at a time")
+    _same(concat_results(one_by_one), batch, "batch vs one query at a time")
     check_result(index, index.search(queries, 1, **top), queries, keys, 1, "k=1")
     check_result(index, index.search(queries[:4], len(keys), **top), queries[:4], keys, len(keys), "k=n_keys")
 
@@ -175,4 +288,6 @@ def check_index(cls: type[Index], min_recall: float = 1.0, k: int = 10, **build_
         assert added_recall >= min_recall - 0.05, f"recall@{k} after add() is {added_recall:.4f}"
 
     check_errors(cls, index, keys, queries, build_params)
+    if cls.unbiased:
+        check_unbiased(cls, unbiased_at if unbiased_at is not None else grid[0], **build_params)
     return {"grid": grid, "recall": [p[0] for p in points], "mean_scanned": [p[1] for p in points]}

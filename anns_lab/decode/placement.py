@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from anns_lab.decode.kernels import attend_rows_and_range
+from anns_lab.decode.kernels import attend_rows_and_range, merge
 from anns_lab.indexes import registry
 from anns_lab.indexes.base import resolve_params
+from anns_lab.indexes.estimate import Estimate, estimate_terms, weighted_partial
 from anns_lab.indexes.graph_search import GraphGroup
 
 
@@ -76,6 +77,7 @@ class LayerStore:
         self._shared: list[list[int]] = []  # heads of each distinct index (an index per KV head serves its group)
         self._graphs: GraphGroup | None = None  # per-head graph indexes: one kernel call searches them all
         self._beam = 0
+        self._summaries: dict[int, tuple] = {}  # per head of an estimator with summaries: (Summaries, value sums)
 
     # -- build and grow ----------------------------------------------------------------------------
 
@@ -97,6 +99,7 @@ class LayerStore:
             self.indexes = [shared[h // self.group] for h in range(self.n_heads)]
         self.n_indexed = n
         self._prepare_search()
+        self._sum_values()
         self.build_s = time.perf_counter() - t0
 
     def _prepare_search(self) -> None:
@@ -112,6 +115,15 @@ class LayerStore:
             if graph_like and set(cls.search_params) == {"L"} and all(type(ix) is cls for ix in self.indexes):
                 self._beam = resolve_params(cls.__name__, cls.search_params, self.plan.search_params)["L"]
                 self._graphs = GraphGroup(self.indexes)
+
+    def _sum_values(self) -> None:
+        """Value sums of each estimator's summaries (the store owns the values): once per build and after add."""
+        self._summaries = {}
+        for heads in self._shared:
+            summ = self.indexes[heads[0]].summaries()
+            if summ is not None:
+                sums = summ.value_sums(self.values[heads[0] // self.group, : self.n_indexed])
+                self._summaries.update({h: (summ, sums) for h in heads})
 
     @property
     def supports_add(self) -> bool:
@@ -135,6 +147,7 @@ class LayerStore:
             for heads in self._shared:
                 self.indexes[heads[0]].add(np.ascontiguousarray(new[heads[0] // self.group]))
             self.n_indexed = self.n_rows
+            self._sum_values()
             if self._graphs is not None:
                 self._graphs.refresh()  # add() reallocates the graph arrays and may add entry points
 
@@ -151,6 +164,7 @@ class LayerStore:
         t0 = time.perf_counter()
         q = np.ascontiguousarray(q, dtype=np.float32)
         scanned = float("nan")
+        estimate = None
         if self.indexes and self.n_indexed:
             k = min(self.topk, self.n_indexed)
             if self._graphs is not None:
@@ -160,18 +174,46 @@ class LayerStore:
             elif len(self._shared) == self.n_heads:  # one index per query head: the class searches them all in one call
                 res = type(self.indexes[0]).search_group(self.indexes, q, k, **self.plan.search_params)
                 rows = np.ascontiguousarray(res.ids)
+                estimate = res.estimate
                 scanned = float(res.n_scanned.mean()) / self.n_indexed
             else:  # a shared index per KV head: its group's queries in one batch
                 rows = np.empty((self.n_heads, k), np.int64)
                 total = 0
+                parts = {}
                 for heads in self._shared:
                     res = self.indexes[heads[0]].search(q[heads], k, **self.plan.search_params)
                     rows[heads] = res.ids
+                    parts.update({h: (res.estimate, i) for i, h in enumerate(heads)})
                     total += int(res.n_scanned.sum())
                 scanned = total / self.n_heads / self.n_indexed
+                if all(e is not None for e, _ in parts.values()):
+                    estimate = Estimate.concat([_one_row(*parts[h]) for h in range(self.n_heads)])
         else:
             rows = np.empty((self.n_heads, 0), np.int64)
         t1 = time.perf_counter()
         out, m, z = attend_rows_and_range(q, self.keys, self.values, rows, self.n_indexed, self.n_rows, float(scaling))
+        if estimate is not None and not estimate.is_empty:
+            out, m, z = self._add_estimate(q, float(scaling), estimate, out, m, z)
         t2 = time.perf_counter()
         return SideResult(out, m, z, t1 - t0, t2 - t1, scanned)
+
+    def _add_estimate(self, q: np.ndarray, scaling: float, estimate: Estimate, out: np.ndarray, m: np.ndarray,
+                      z: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The exact partial (out, m, z) merged with each head's weighted estimate (samples and summaries)."""
+        o_e, m_e, z_e = np.zeros_like(out), np.full_like(m, -np.inf), np.zeros_like(z)
+        for h in range(self.n_heads):
+            g = h // self.group
+            summ, sums = self._summaries.get(h, (None, None))
+            terms = estimate_terms(q[h], self.keys[g], self.values[g], scaling, *estimate.row(h), summ, sums)
+            o_e[h], m_e[h], z_e[h] = weighted_partial(*terms)
+        keep = (z > 0) | (z_e > 0)  # a head with neither part stays empty (output 0, max −inf, normaliser 0)
+        with np.errstate(invalid="ignore", divide="ignore"):  # those heads' 0/0 is replaced below
+            merged = merge(out, m, z, o_e, m_e, z_e)
+            m_all = np.maximum(m, m_e)
+            z_all = np.where(z > 0, np.exp(m - m_all) * z, 0.0) + np.where(z_e > 0, np.exp(m_e - m_all) * z_e, 0.0)
+        return np.where(keep[:, None], merged, 0.0), np.where(keep, m_all, -np.inf), z_all
+
+
+def _one_row(estimate: Estimate, i: int) -> Estimate:
+    """Row ``i`` of ``estimate`` as a one-query Estimate."""
+    return Estimate(estimate.sample_ids[i: i + 1], estimate.sample_weights[i: i + 1], estimate.summary_ids[i: i + 1])

@@ -80,7 +80,8 @@ def evaluate_index(name: str, data: HeadData, k: int, dump_label: str, model: st
                 t0 = time.perf_counter()
                 index.search(q[None, :], k, **params)
                 lat.append(time.perf_counter() - t0)
-            mass, err = data.attention_quality(res.ids) if direction == "q2k" and not quick else (np.nan, np.nan)
+            mass, err = (data.attention_quality(res.ids, res.estimate, index.summaries())
+                         if direction == "q2k" and not quick else (np.nan, np.nan))
             rows.append({
                 "dump": dump_label, "model": model, "layer": data.layer, "head": data.head, "kv_head": data.kv_head,
                 "index": name, "build_params": json.dumps(index.params, sort_keys=True),
