@@ -16,7 +16,7 @@ from anns_lab.decode.cache import WindowLayer, device_kv_bytes, window_cache
 from anns_lab.decode.engine import Mode, Settings, prefill, run_mode, summarize
 from anns_lab.decode.placement import IndexPlan
 from anns_lab.dumps.models import load_model
-from anns_lab.dumps.run import forward_tokens
+from anns_lab.dumps.models import forward_tokens
 from anns_lab.errors import DecodeError
 
 

@@ -159,7 +159,7 @@ def _masked_window_reference(lm, pre, settings, steps):
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    from anns_lab.dumps.run import forward_tokens
+    from anns_lab.dumps.models import forward_tokens
 
     long_range = set(lm.long_range_layers)
 

@@ -21,7 +21,7 @@ import torch
 from anns_lab.decode.attention import DecodeError, Retrieval, StepTimes, retrieving
 from anns_lab.decode.cache import device_kv_bytes, window_cache
 from anns_lab.decode.placement import IndexPlan, LayerStore
-from anns_lab.dumps.run import forward_tokens
+from anns_lab.dumps.models import forward_tokens
 
 
 @dataclass

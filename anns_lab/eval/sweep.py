@@ -20,16 +20,13 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from anns_lab.dumps.store import atomic_write_json, open_dump, write_table
+from anns_lab.dumps.store import open_dump, write_table
 from anns_lab.errors import AnnsLabError
 from anns_lab.eval import metrics
 from anns_lab.eval.heads import HeadData, default_layers, load_head
+from anns_lab.eval.table import COLUMNS, RESULTS, SETTINGS
+from anns_lab.io import atomic_write_json
 
-RESULTS = "results.parquet"
-SETTINGS = "sweep.json"
-COLUMNS = ["dump", "model", "layer", "head", "kv_head", "index", "build_params", "search_params", "direction", "k",
-           "n_keys", "n_queries", "recall", "scanned_fraction", "mass_recovered", "output_rel_error", "latency_us",
-           "qps", "build_s", "index_bytes"]
 LATENCY_QUERIES = 16
 
 
