@@ -9,6 +9,11 @@ of the softmax's numerator and normaliser is unbiased over the ``seed`` (Horvitz
 There are no exact ids (every row of ``ids`` is padding); ``min_collisions = 0`` samples
 every key with ``p = 1``, which is exact attention.
 
+``center`` (default on, as MagicPIG does): keys are hashed after subtracting their mean μ (fixed at
+build), and θ is the angle between q and k − μ. Softmax is unchanged by the shift (it adds q·μ to
+every logit), but attention keys share a large common direction, and without it almost no key
+collides with an out-of-distribution query.
+
 Counting: ``n_scanned`` = sampled keys (their logits) + ``K·L`` hyperplanes; ``bytes_read`` =
 those vectors and the sampled keys' values as float32, plus the key codes compared (``n·L·⌈K/8⌉``
 bytes, a packed table's width).
@@ -42,6 +47,7 @@ class MagicPIG(SimHashLSH):
         "K": Param(8, 1, 30, help="bits per table"),
         "L": Param(64, 1, 1024, help="number of tables"),
         "seed": Param(0, 0, 2**31 - 1, help="hyperplane seed"),
+        "center": Param(True, help="hash keys minus their mean (MagicPIG's centering)"),
     }
     search_params = {"min_collisions": Param(2, 0, 1024, help="tables a key must share with the query (≤ L); "
                                                               "0 samples every key (exact)")}
@@ -50,16 +56,23 @@ class MagicPIG(SimHashLSH):
     unbiased = True
 
     def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
+        self._mean = keys.mean(axis=0) if self.params["center"] else np.zeros(keys.shape[1], np.float32)
         super()._build(keys, train_queries)
-        self._norms = np.linalg.norm(keys.astype(np.float64), axis=1)
+        self._codes = self._hash(keys - self._mean)  # queries are hashed as they are
+        self._norms = np.linalg.norm((keys - self._mean).astype(np.float64), axis=1)
 
     def _add(self, keys: np.ndarray) -> None:
-        super()._add(keys)
-        self._norms = np.linalg.norm(self._keys.astype(np.float64), axis=1)
+        self._keys = np.vstack([self._keys, keys])
+        self._codes = np.vstack([self._codes, self._hash(keys - self._mean)])
+        self._norms = np.concatenate([self._norms, np.linalg.norm((keys - self._mean).astype(np.float64), axis=1)])
+
+    def _arrays(self) -> dict[str, np.ndarray]:
+        return {**super()._arrays(), "mean": self._mean}
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
-        super()._restore(arrays)
-        self._norms = np.linalg.norm(self._keys.astype(np.float64), axis=1)
+        self._planes, self._keys, self._mean = arrays["planes"], arrays["keys"], arrays["mean"]
+        self._codes = self._hash(self._keys - self._mean)
+        self._norms = np.linalg.norm((self._keys - self._mean).astype(np.float64), axis=1)
 
     def _search(self, queries: np.ndarray, k: int, min_collisions: int):
         K, L = self.params["K"], self.params["L"]
@@ -70,7 +83,7 @@ class MagicPIG(SimHashLSH):
         n_scanned = np.zeros(nq, np.int64)
         for row, (q, code) in enumerate(zip(queries, self._hash(queries))):
             cand = np.flatnonzero((self._codes == code).sum(axis=1) >= min_collisions)
-            dots = self._keys[cand].astype(np.float64) @ q.astype(np.float64)
+            dots = (self._keys[cand] - self._mean).astype(np.float64) @ q.astype(np.float64)
             cos = dots / np.maximum(self._norms[cand] * np.linalg.norm(q.astype(np.float64)), 1e-30)
             p = sampling_probability(cos, K, L, min_collisions)
             keep = p > 0  # a key with p = 0 cannot have collided; guards the weight against rounding
