@@ -34,7 +34,7 @@ import numpy as np
 
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes.base import Index, SearchResult, concat_results
-from anns_lab.indexes.estimate import estimate_terms
+from anns_lab.indexes.estimate import estimate_problem, estimate_terms
 
 
 def easy_data(n_keys: int = 1000, dim: int = 16, n_queries: int = 40, seed: int = 0) -> tuple[np.ndarray, ...]:
@@ -84,49 +84,9 @@ def check_result(index: Index, res: SearchResult, queries: np.ndarray, keys: np.
 
 
 def check_estimate(index: Index, res: SearchResult, n: int, where: str) -> None:
-    """Assert the estimator rules for one search (anns_lab.indexes.estimate): a top-k index returns no Estimate."""
-    est = res.estimate
-    if not index.estimates:
-        assert est is None, f"{where}: a top-k index (estimates = False) returned an Estimate"
-        return
-    assert est is not None, f"{where}: an estimator (estimates = True) must return an Estimate"
-    nq = len(res.ids)
-    s_ids, s_w, c_ids = est.sample_ids, est.sample_weights, est.summary_ids
-    assert s_ids.dtype == np.int64 and s_ids.ndim == 2 and len(s_ids) == nq, f"{where}: sample_ids must be int64 (nq, s)"
-    assert s_w.dtype == np.float64 and s_w.shape == s_ids.shape, f"{where}: sample_weights must be float64 like sample_ids"
-    assert c_ids.dtype == np.int64 and c_ids.ndim == 2 and len(c_ids) == nq, f"{where}: summary_ids must be int64 (nq, c)"
-    assert ((s_ids >= -1) & (s_ids < n)).all(), f"{where}: sample ids outside [0, {n}) and not -1"
-    valid = s_ids >= 0
-    assert (np.isfinite(s_w) & (s_w > 0))[valid].all(), f"{where}: sample weights must be positive and finite"
-    assert (s_w[~valid] == 0).all(), f"{where}: padded sample slots must have weight 0"
-    summ = index.summaries()
-    if (c_ids >= 0).any():
-        assert summ is not None, f"{where}: summary ids given but summaries() is None"
-    if summ is not None:
-        n_c = len(summ.keys)
-        assert summ.keys.shape == (n_c, index.dim), f"{where}: summary keys must be (C, dim)"
-        assert np.isfinite(summ.keys).all(), f"{where}: summary keys must be finite"
-        assert summ.offsets.shape == (n_c + 1,) and summ.offsets[0] == 0, f"{where}: offsets must be (C+1,) from 0"
-        assert (np.diff(summ.offsets) >= 0).all() and summ.offsets[-1] == len(summ.members), \
-            f"{where}: offsets must rise to len(members)"
-        members = summ.members
-        assert ((members >= 0) & (members < n)).all() and len(np.unique(members)) == len(members), \
-            f"{where}: summary members must be distinct key ids"
-        assert ((c_ids >= -1) & (c_ids < n_c)).all(), f"{where}: summary ids outside [0, {n_c}) and not -1"
-    for row in range(nq):
-        exact = res.ids[row][res.ids[row] >= 0]
-        sample, _, used = est.row(row)
-        assert len(np.unique(sample)) == len(sample), f"{where}: query {row} samples an id twice"
-        assert not np.isin(sample, exact).any(), f"{where}: query {row} samples an id that is also exact"
-        counted = len(exact) + len(sample) + len(used)
-        assert res.n_scanned[row] >= counted, f"{where}: n_scanned {res.n_scanned[row]} is below the {counted} exact, " \
-                                             "sampled and summary terms the query's result needs"
-        if len(used):
-            assert len(np.unique(used)) == len(used), f"{where}: query {row} uses a summary twice"
-            assert (summ.counts[used] > 0).all(), f"{where}: query {row} uses an empty summary"
-            inside = np.concatenate([summ.members[summ.offsets[c]: summ.offsets[c + 1]] for c in used])
-            assert not np.isin(inside, np.concatenate([exact, sample])).any(), \
-                f"{where}: query {row} counts a key both in a summary and as an exact or sampled id"
+    """Assert the estimator rules for one search (:func:`anns_lab.indexes.estimate.estimate_problem`)."""
+    problem = estimate_problem(res, index.estimates, index.summaries(), n, index.dim)
+    assert problem is None, f"{where}: {problem}"
 
 
 def estimated_sums(index: Index, res: SearchResult, queries: np.ndarray, keys: np.ndarray, values: np.ndarray,

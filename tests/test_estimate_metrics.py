@@ -70,3 +70,33 @@ def test_weights_scale_the_estimated_mass():
     win = np.mean([metrics.mass_recovered((data.all_keys[: p + 1] @ data.test_queries[i]).astype(np.float64) * 0.4,
                                           data.window_positions(int(p))) for i, p in enumerate(data.test_pos)])
     np.testing.assert_allclose(two - win, 2 * (one - win), rtol=1e-9)
+
+
+def test_estimate_rules_catch_each_broken_estimate():
+    from anns_lab.indexes.base import SearchResult
+    from anns_lab.indexes.estimate import estimate_problem
+
+    ids = np.array([[0, 1]])
+    scores = np.zeros((1, 2), np.float32)
+    summ = Summaries(np.zeros((2, 4), np.float32), np.array([0, 2, 2]), np.array([5, 6]))
+
+    def problem(est, scanned=20, estimates=True, summaries=summ):
+        return estimate_problem(SearchResult(ids, scores, np.array([scanned]), np.array([0]), est), estimates,
+                                summaries, 10, 4)
+
+    good = Estimate.make([np.array([3, 4])], [np.array([2.0, 1.5])], [np.array([0])])
+    assert problem(good) is None
+    assert "top-k index" in problem(good, estimates=False)
+    assert "must return an Estimate" in problem(None)
+    assert "positive and finite" in problem(Estimate.make([np.array([3])], [np.array([-1.0])], nq=1))
+    assert "positive and finite" in problem(Estimate.make([np.array([3])], [np.array([np.inf])], nq=1))
+    assert "also exact" in problem(Estimate.make([np.array([1])], [np.array([1.0])], nq=1))
+    assert "twice" in problem(Estimate.make([np.array([3, 3])], [np.array([1.0, 1.0])], nq=1))
+    assert "outside" in problem(Estimate.make([np.array([10])], [np.array([1.0])], nq=1))
+    assert "empty summary" in problem(Estimate.make(None, None, [np.array([1])], nq=1))
+    both = Estimate.make([np.array([5])], [np.array([1.0])], [np.array([0])])
+    assert "both in a summary" in problem(both)
+    assert "below" in problem(good, scanned=4)
+    assert "summaries() is None" in problem(good, summaries=None)
+    bad_csr = Summaries(np.zeros((2, 4), np.float32), np.array([0, 3, 2]), np.array([5, 6]))
+    assert "offsets" in problem(good, summaries=bad_csr)

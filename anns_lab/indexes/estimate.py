@@ -135,3 +135,72 @@ def estimate_terms(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scaling:
         weight.append(counts)
         vals.append(value_sums[summary_ids] / counts[:, None])
     return np.concatenate(logit), np.concatenate(weight), np.concatenate(vals)
+
+
+def estimate_problem(res, estimates: bool, summaries: Summaries | None, n_keys: int, dim: int) -> str | None:
+    """The first estimator rule a search result breaks, in words, or None (docs/estimators.md lists them).
+
+    ``res`` is a SearchResult of an index whose class declares ``estimates``, holding ``n_keys`` keys
+    of dimension ``dim``; ``summaries`` is what its ``summaries()`` returns.
+    """
+    est = res.estimate
+    if not estimates:
+        return None if est is None else "a top-k index (estimates = False) returned an Estimate"
+    if est is None:
+        return "an estimator (estimates = True) must return an Estimate"
+    nq = len(res.ids)
+    s_ids, s_w, c_ids = est.sample_ids, est.sample_weights, est.summary_ids
+    if s_ids.dtype != np.int64 or s_ids.ndim != 2 or len(s_ids) != nq:
+        return "sample_ids must be int64 (nq, s)"
+    if s_w.dtype != np.float64 or s_w.shape != s_ids.shape:
+        return "sample_weights must be float64 of the shape of sample_ids"
+    if c_ids.dtype != np.int64 or c_ids.ndim != 2 or len(c_ids) != nq:
+        return "summary_ids must be int64 (nq, c)"
+    if not ((s_ids >= -1) & (s_ids < n_keys)).all():
+        return f"sample ids outside [0, {n_keys}) that are not the -1 padding"
+    valid = s_ids >= 0
+    if not (np.isfinite(s_w) & (s_w > 0))[valid].all():
+        return "sample weights must be positive and finite"
+    if (s_w[~valid] != 0).any():
+        return "padded sample slots must have weight 0"
+    if (c_ids >= 0).any() and summaries is None:
+        return "summary ids given but summaries() is None"
+    if summaries is not None:
+        problem = _summaries_problem(summaries, n_keys, dim)
+        if problem is not None:
+            return problem
+        if not ((c_ids >= -1) & (c_ids < len(summaries.keys))).all():
+            return f"summary ids outside [0, {len(summaries.keys)}) that are not -1"
+    for row in range(nq):
+        exact = res.ids[row][res.ids[row] >= 0]
+        sample, _, used = est.row(row)
+        if len(np.unique(sample)) != len(sample):
+            return f"query {row} samples an id twice"
+        if np.isin(sample, exact).any():
+            return f"query {row} samples an id that is also exact"
+        counted = len(exact) + len(sample) + len(used)
+        if res.n_scanned[row] < counted:
+            return f"n_scanned {res.n_scanned[row]} of query {row} is below its {counted} exact, sampled and summary terms"
+        if len(used):
+            if len(np.unique(used)) != len(used):
+                return f"query {row} uses a summary twice"
+            if (summaries.counts[used] <= 0).any():
+                return f"query {row} uses an empty summary"
+            inside = np.concatenate([summaries.members[summaries.offsets[c]: summaries.offsets[c + 1]] for c in used])
+            if np.isin(inside, np.concatenate([exact, sample])).any():
+                return f"query {row} counts a key both in a summary and as an exact or sampled id"
+    return None
+
+
+def _summaries_problem(summ: Summaries, n_keys: int, dim: int) -> str | None:
+    n_c = len(summ.keys)
+    if summ.keys.shape != (n_c, dim) or not np.isfinite(summ.keys).all():
+        return "summary keys must be finite, of shape (C, dim)"
+    if summ.offsets.shape != (n_c + 1,) or summ.offsets[0] != 0:
+        return "summary offsets must have shape (C + 1,) and start at 0"
+    if (np.diff(summ.offsets) < 0).any() or summ.offsets[-1] != len(summ.members):
+        return "summary offsets must rise to len(members)"
+    m = summ.members
+    if not ((m >= 0) & (m < n_keys)).all() or len(np.unique(m)) != len(m):
+        return "summary members must be distinct key ids"
+    return None
