@@ -60,7 +60,7 @@ def evaluate_index(name: str, data: HeadData, k: int, dump_label: str, model: st
 
     ``quick`` skips the attention-quality and batch-1 latency passes (their columns are NaN): for parameter scans.
     """
-    from anns_lab.indexes import registry
+    from anns_lab.indexes import protocol, registry
 
     index = registry.create(name, **(build_params or {}))
     t0 = time.perf_counter()
@@ -72,11 +72,16 @@ def evaluate_index(name: str, data: HeadData, k: int, dump_label: str, model: st
             t0 = time.perf_counter()
             res = index.search(queries, k, **params)
             batch_s = time.perf_counter() - t0
+            # Nothing that breaks the protocol enters the table: the part fails, naming the index and the rule.
+            protocol.check_result(f"{name} at {params}", res, len(queries), k, len(data.keys), index.max_scanned(),
+                                  queries, data.keys)
+            protocol.check_estimate(f"{name} at {params}", res, index)
             lat = []
             for q in queries[:0 if quick else LATENCY_QUERIES]:
                 t0 = time.perf_counter()
-                index.search(q[None, :], k, **params)
+                one = index.search(q[None, :], k, **params)
                 lat.append(time.perf_counter() - t0)
+                protocol.check_result(f"{name} at {params}", one, 1, k, len(data.keys), index.max_scanned())
             mass, err = (data.attention_quality(res.ids, res.estimate, index.summaries())
                          if direction == "q2k" and not quick else (np.nan, np.nan))
             rows.append({

@@ -92,7 +92,7 @@ class SearchResult(NamedTuple):
     ids: np.ndarray
     scores: np.ndarray
     n_scanned: np.ndarray
-    bytes_read: np.ndarray
+    bytes_read: np.ndarray | None = None  # search() always fills it; other constructors may leave it out
     #: Estimators only: the estimate of the softmax over the keys outside ``ids`` (None for a top-k index).
     estimate: Estimate | None = None
 
@@ -323,7 +323,7 @@ class Index:
 
 def concat_results(parts: Sequence[SearchResult]) -> SearchResult:
     """The rows of ``parts`` one after another (estimates concatenated too, when the parts have them)."""
-    arrays = [np.concatenate(column) for column in zip(*(p[:4] for p in parts))]
+    arrays = [None if any(c is None for c in column) else np.concatenate(column) for column in zip(*(p[:4] for p in parts))]
     estimates = [p.estimate for p in parts]
     return SearchResult(*arrays, None if any(e is None for e in estimates) else Estimate.concat(estimates))
 
