@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -10,7 +12,7 @@ from test_decode_realmodel import SETTINGS as REAL_SETTINGS
 from test_decode_realmodel import STEPS as REAL_STEPS
 from test_decode_realmodel import smollm2_prefilled  # noqa: F401 - a fixture
 
-from anns_lab.decode.engine import Mode, Settings, run_mode
+from anns_lab.decode.engine import Mode, run_mode
 from anns_lab.decode.placement import IndexPlan
 from anns_lab.indexes import registry
 
@@ -39,7 +41,7 @@ def test_covering_estimate_equals_full_attention(prefilled, name):
 @pytest.mark.parametrize("name", estimators())
 def test_partial_estimate_runs_and_stays_finite(prefilled, name):
     lm, pre, full = prefilled
-    settings = Settings(sink=4, recent=8, topk=2, add_batch=4, chunk=24)
+    settings = dataclasses.replace(SETTINGS, topk=2)
     build, search = {"magicpig": ({}, {"min_collisions": 3}), "vattention": ({}, {"nprobe": 1, "epsilon": 0.5}),
                      "retroinfer": ({"nlist": 4}, {"nprobe": 1})}[name]
     run = run_mode(lm, pre, Mode(name, IndexPlan(name, build, search)), settings, STEPS, keep_logits=True)
@@ -53,7 +55,7 @@ def test_partial_estimate_runs_and_stays_finite(prefilled, name):
 def test_smollm2_covering_estimate_equals_full(smollm2_prefilled, name):
     lm, pre, full = smollm2_prefilled
     build, search = COVERING[name]
-    settings = Settings(REAL_SETTINGS.sink, REAL_SETTINGS.recent, 100, REAL_SETTINGS.add_batch, REAL_SETTINGS.chunk)
+    settings = dataclasses.replace(REAL_SETTINGS, topk=100)
     run = run_mode(lm, pre, Mode(name, IndexPlan(name, build, search)), settings, REAL_STEPS, keep_logits=True)
     for a, b in zip(run.logits, full.logits):
         assert _rel(a, b) < 1e-4

@@ -7,6 +7,7 @@ import numpy as np
 from anns_lab.eval import metrics
 from anns_lab.eval.heads import HeadData
 from anns_lab.indexes.estimate import Estimate, Summaries, estimate_terms, weighted_partial
+from anns_lab.window import Window
 
 
 def _head(n: int = 400, d: int = 8, window=(8, 32), seed: int = 0) -> HeadData:
@@ -16,7 +17,7 @@ def _head(n: int = 400, d: int = 8, window=(8, 32), seed: int = 0) -> HeadData:
     key_pos = np.arange(window[0], n - window[1])
     test_q = rng.standard_normal((3, d)).astype(np.float32)
     return HeadData(0, 0, 0, np.ascontiguousarray(all_keys[key_pos]), key_pos, test_q, test_q,
-                    np.array([n, n + 1, n + 3]), test_q, all_keys, all_values, 0.4, window, n)
+                    np.array([n, n + 1, n + 3]), test_q, all_keys, all_values, 0.4, Window(*window), n, n - window[1])
 
 
 def test_weighted_partial_and_summary_terms_by_hand():
