@@ -193,16 +193,16 @@ class LayerStore:
             else:  # a shared index per KV head: its group's queries in one batch
                 res = SearchResult(np.empty((self.n_heads, k), np.int64), np.empty((self.n_heads, k), np.float32),
                                    np.empty(self.n_heads, np.int64))
-                parts: list = [None] * self.n_heads  # (estimate, its row) per head
+                parts: list = [None] * self.n_heads  # each head's one-row Estimate
                 for heads in self._shared:
                     part = self.indexes[heads[0]].search(q[heads], k, **self.plan.search_params)
                     self._check(part, q, k, heads)
                     for mine, got in zip(res[:3], part[:3]):
                         mine[heads] = got
                     for i, h in enumerate(heads):
-                        parts[h] = (part.estimate, i)
-                if all(e is not None for e, _ in parts):
-                    estimate = Estimate.concat([_one_row(*p) for p in parts])
+                        parts[h] = None if part.estimate is None else part.estimate.take(i)
+                if all(e is not None for e in parts):
+                    estimate = Estimate.concat(parts)
             if len(self._shared) == self.n_heads:
                 self._check(res, q, k, list(range(self.n_heads)))
             if self._bound is None:  # the full check has run: later steps check ids and counts only
@@ -234,7 +234,3 @@ class LayerStore:
             z_all = np.where(z > 0, np.exp(m - m_all) * z, 0.0) + np.where(z_e > 0, np.exp(m_e - m_all) * z_e, 0.0)
         return np.where(keep[:, None], merged, 0.0), np.where(keep, m_all, -np.inf), z_all
 
-
-def _one_row(estimate: Estimate, i: int) -> Estimate:
-    """Row ``i`` of ``estimate`` as a one-query Estimate."""
-    return Estimate(estimate.sample_ids[i: i + 1], estimate.sample_weights[i: i + 1], estimate.summary_ids[i: i + 1])

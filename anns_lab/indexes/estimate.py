@@ -96,6 +96,10 @@ class Estimate:
         s = self.sample_ids[i] >= 0
         return self.sample_ids[i, s], self.sample_weights[i, s], self.summary_ids[i][self.summary_ids[i] >= 0]
 
+    def take(self, i: int) -> "Estimate":
+        """Row ``i`` as a one-query Estimate."""
+        return Estimate(self.sample_ids[i: i + 1], self.sample_weights[i: i + 1], self.summary_ids[i: i + 1])
+
     @classmethod
     def concat(cls, parts: list["Estimate"]) -> "Estimate":
         """Rows of ``parts`` one after another (widths padded to the widest)."""
