@@ -137,7 +137,9 @@ def _same(a: SearchResult, b: SearchResult, what: str, scale: np.ndarray | None 
     if scale is None:
         assert np.array_equal(a.scores, b.scores), f"{what}: scores differ"
     else:
-        diff = np.where(a.ids >= 0, np.abs(a.scores.astype(np.float64) - b.scores) / scale, 0.0)
+        valid = a.ids >= 0  # padding's -inf minus -inf would be NaN: compared as zeros
+        diff = np.where(valid, np.abs(np.where(valid, a.scores, 0).astype(np.float64) - np.where(valid, b.scores, 0))
+                        / scale, 0.0)
         assert diff.max() < 1e-5, f"{what}: scores differ beyond float32 rounding (max rel diff {diff.max():.2e})"
     assert np.array_equal(a.bytes_read, b.bytes_read), f"{what}: bytes_read differs"
     assert (a.estimate is None) == (b.estimate is None), f"{what}: one has an estimate, the other not"
