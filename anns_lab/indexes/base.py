@@ -35,8 +35,12 @@ import numpy as np
 
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes.estimate import Estimate, Summaries
+from anns_lab.indexes.key_store import KeyRows, KeyStore
 
 FORMAT_VERSION = 1
+#: Largest magnitude accepted in keys and queries: any inner product of two such vectors (|q·k| ≤ d·1e30) stays
+#: far inside float32 (3.4e38) up to d = 10^8, so no index can overflow. Real activations are below 1e5.
+MAX_ABS = 1e15
 
 
 @dataclass(frozen=True)
@@ -127,10 +131,15 @@ def as_matrix(owner: str, what: str, x: Any, dim: int | None = None) -> np.ndarr
         arr = np.ascontiguousarray(arr, dtype=np.float32)
     if dim is not None and arr.shape[1] != dim:
         raise IndexConfigError(f"{owner}: {what} have dimension {arr.shape[1]} but the index was built with dimension {dim}")
-    # One float64 reduction: finite float32 values cannot overflow it, so a non-finite sum means NaN or inf.
-    if not math.isfinite(arr.sum(dtype=np.float64)):
-        bad = int(np.flatnonzero(~np.isfinite(arr).all(axis=1))[0])
-        raise IndexConfigError(f"{owner}: {what} contain NaN or infinite values (first at row {bad})")
+    # Two reductions: a NaN fails both comparisons, so this one test catches NaN, inf and too large.
+    if not (arr.max() <= MAX_ABS and arr.min() >= -MAX_ABS):
+        finite = np.isfinite(arr).all(axis=1)
+        if not finite.all():
+            bad = int(np.flatnonzero(~finite)[0])
+            raise IndexConfigError(f"{owner}: {what} contain NaN or infinite values (first at row {bad})")
+        bad = int(np.flatnonzero((np.abs(arr) > MAX_ABS).any(axis=1))[0])
+        raise IndexConfigError(f"{owner}: {what} have values beyond ±{MAX_ABS:.0e} (first at row {bad}): inner "
+                               "products of such vectors overflow float32; rescale them")
     return arr
 
 
@@ -158,13 +167,21 @@ class Index:
     # -- the protocol ---------------------------------------------------------------------------
 
     def build(self, keys: Any, train_queries: Any | None = None) -> "Index":
-        """Index ``keys`` (n, d); attention-aware indexes also learn from ``train_queries`` (m, d)."""
-        keys = as_matrix(self._owner(), "keys", keys)
+        """Index ``keys`` (n, d); attention-aware indexes also learn from ``train_queries`` (m, d).
+
+        ``keys`` may be :class:`KeyRows`, one head of a growable :class:`KeyStore` the caller owns (the
+        decoder's): an index that keeps float32 key rows reads them there instead of a copy of its own,
+        and the owner appends new rows to the store before calling ``add`` with them.
+        """
+        given = keys if isinstance(keys, KeyRows) else None
+        keys = as_matrix(self._owner(), "keys", keys.view(keys.n) if given is not None else keys)
         if train_queries is not None:
             train_queries = as_matrix(self._owner(), "train_queries", train_queries, keys.shape[1])
         elif self.uses_train_queries:
             raise IndexConfigError(f"{self._owner()}: this index is built from train_queries; pass them to build()")
+        self._given_rows = given
         self._build(keys, train_queries)
+        self.__dict__.pop("_given_rows", None)
         self.n_keys, self.dim = keys.shape
         return self
 
@@ -216,7 +233,7 @@ class Index:
                 col[heads] = part
             if res.estimate is not None:
                 for j, h in enumerate(heads):
-                    estimates[h] = res.estimate.take(j)
+                    estimates[h] = res.estimate.rows([j])
         return SearchResult(*out, None if any(e is None for e in estimates) else Estimate.concat(estimates))
 
     def summaries(self) -> Summaries | None:
@@ -329,6 +346,12 @@ class Index:
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
         raise NotImplementedError
+
+    def _key_rows(self, keys: np.ndarray) -> KeyRows:
+        """Where to keep the float32 key rows (call from ``_build``): the caller's store given to ``build``, else a
+        store of the index's own around ``keys`` (no copy until ``add`` grows it)."""
+        given = self.__dict__.get("_given_rows")
+        return given if given is not None else KeyStore.own(keys)
 
     def _owner(self) -> str:
         return self.name or type(self).__name__

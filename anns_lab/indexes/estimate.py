@@ -96,9 +96,9 @@ class Estimate:
         s = self.sample_ids[i] >= 0
         return self.sample_ids[i, s], self.sample_weights[i, s], self.summary_ids[i][self.summary_ids[i] >= 0]
 
-    def take(self, i: int) -> "Estimate":
-        """Row ``i`` as a one-query Estimate."""
-        return Estimate(self.sample_ids[i: i + 1], self.sample_weights[i: i + 1], self.summary_ids[i: i + 1])
+    def rows(self, which) -> "Estimate":
+        """The Estimate of queries ``which`` (a list of row numbers)."""
+        return Estimate(self.sample_ids[which], self.sample_weights[which], self.summary_ids[which])
 
     @classmethod
     def concat(cls, parts: list["Estimate"]) -> "Estimate":

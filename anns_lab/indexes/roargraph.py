@@ -54,8 +54,8 @@ search finds (its out-edges too when no kept query selected it, as the build's s
 their nearest keys), and reachability from the hubs is restored (a pruned row may have cut a key's
 only way in). Only new rows and their neighbours' rows are written, in place; the adjacency grows
 with spare capacity, so an add copies the graph only when it outgrows it. ``save``/``load`` (the cached lists
-included); keys live in a :class:`key_store.KeyStore` shared by indexes built on the same array
-(one GQA group).
+included); keys are read from the :class:`key_store.KeyStore` given to ``build`` (the decoder's, one per
+layer for all heads), or one of the index's own.
 """
 
 from __future__ import annotations
@@ -210,7 +210,7 @@ class RoarGraphIndex(Index):
                                                 p["M_link"], threads)
         link_stranded(keys, nbrs, degree, self.hubs, p["M_link"])
         gb.link_unreachable(keys, nbrs, degree, self.hubs, p["R"])
-        self._store = KeyStore.for_array(keys)
+        self._store = self._key_rows(keys)
         self._nbrs_buf, self._deg_buf = nbrs, degree
         self._expose(n)
         keep = min(p["keep_queries"], len(train_queries))
@@ -339,7 +339,7 @@ class RoarGraphIndex(Index):
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
         keys = np.ascontiguousarray(arrays["keys"], dtype=np.float32)
-        self._store = KeyStore(keys)
+        self._store = KeyStore.own(keys)
         self._nbrs_buf = np.ascontiguousarray(arrays["nbrs"], dtype=np.int32)
         self._deg_buf = np.ascontiguousarray(arrays["degree"], dtype=np.int32)
         self._expose(len(keys))
