@@ -153,8 +153,10 @@ class LayerStore:
                                       q[h:h + 1], self.keys[h // self.group, :self.n_indexed])
             self._bound = max(index.max_scanned() for index in self.indexes)  # later steps: ids and counts only
             for heads in self._groups():  # the estimator rules, per distinct index on its rows of the result
-                part = SearchResult(*(a[heads] for a in res[:4]), None if res.estimate is None else res.estimate.rows(heads))
-                protocol.check_estimate(owner, part, self.indexes[heads[0]])
+                if self.indexes[heads[0]].estimates or res.estimate is not None:
+                    part = SearchResult(res.ids[heads], res.scores[heads], res.n_scanned[heads], None,
+                                        None if res.estimate is None else res.estimate.rows(heads))
+                    protocol.check_estimate(owner, part, self.indexes[heads[0]])
         else:
             protocol.check_result(owner, res, self.n_heads, k, self.n_indexed, self._bound, check_scores=False)
 
