@@ -154,6 +154,8 @@ class Index:
     search_grid: ClassVar[Mapping[str, Sequence[Any]]] = {}
     #: True when ``build`` uses ``train_queries`` (attention-aware indexes); others ignore them.
     uses_train_queries: ClassVar[bool] = False
+    #: True when ``build`` also takes ``train_topk``, the training queries' top keys computed elsewhere.
+    accepts_train_topk: ClassVar[bool] = False
     #: True when ``search`` also returns an Estimate of the rest of the softmax (docs/estimators.md).
     estimates: ClassVar[bool] = False
     #: True when the estimate's normaliser and numerator are unbiased over the ``seed`` build parameter.
@@ -166,8 +168,10 @@ class Index:
 
     # -- the protocol ---------------------------------------------------------------------------
 
-    def build(self, keys: Any, train_queries: Any | None = None) -> "Index":
-        """Index ``keys`` (n, d); attention-aware indexes also learn from ``train_queries`` (m, d).
+    def build(self, keys: Any, train_queries: Any | None = None, train_topk: Any | None = None) -> "Index":
+        """Index ``keys`` (n, d); attention-aware indexes also learn from ``train_queries`` (m, d), and those that
+        accept it take ``train_topk`` (m, c): each training query's top-c key ids by inner product, best first,
+        computed elsewhere (e.g. on the accelerator during the prefill) so the build need not.
 
         ``keys`` may be :class:`KeyRows`, one head of a growable :class:`KeyStore` the caller owns (the
         decoder's): an index that keeps float32 key rows reads them there instead of a copy of its own,
@@ -180,10 +184,30 @@ class Index:
         elif self.uses_train_queries:
             raise IndexConfigError(f"{self._owner()}: this index is built from train_queries; pass them to build()")
         self._given_rows = given
-        self._build(keys, train_queries)
+        if train_topk is None:
+            self._build(keys, train_queries)
+        else:
+            self._build(keys, train_queries, train_topk=self._check_topk(train_topk, train_queries, len(keys)))
         self.__dict__.pop("_given_rows", None)
         self.n_keys, self.dim = keys.shape
         return self
+
+    def _check_topk(self, topk: Any, train_queries: np.ndarray | None, n_keys: int) -> np.ndarray:
+        """``train_topk`` as a C-contiguous int32 (m, c) array of key ids, one row per training query, or raise."""
+        owner = self._owner()
+        if not self.accepts_train_topk:
+            raise IndexConfigError(f"{owner}: this index does not take train_topk")
+        if train_queries is None:
+            raise IndexConfigError(f"{owner}: train_topk needs the train_queries it was computed from")
+        arr = np.asarray(topk)
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise IndexConfigError(f"{owner}: train_topk must hold integer key ids, got dtype {arr.dtype}")
+        if arr.ndim != 2 or arr.shape[0] != len(train_queries) or arr.shape[1] == 0:
+            raise IndexConfigError(f"{owner}: train_topk must have shape ({len(train_queries)}, c ≥ 1), one row per "
+                                   f"training query, got {arr.shape}")
+        if arr.min() < 0 or arr.max() >= n_keys:
+            raise IndexConfigError(f"{owner}: train_topk holds ids outside [0, {n_keys}) (the keys given to build)")
+        return np.ascontiguousarray(arr, dtype=np.int32)
 
     def search(self, queries: Any, k: int, **params: Any) -> SearchResult:
         """Top-``k`` keys by inner product for each query, and how many vectors each query scanned."""
