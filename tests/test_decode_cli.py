@@ -47,6 +47,14 @@ def test_task_run_prints_table_and_writes_json(tiny_llama, tmp_path):
     full = data["modes"]["full"]["summary"]
     assert full["accel_attention_ms"] > 0
     assert full["other_ms"] + full["accel_attention_ms"] == pytest.approx(full["token_ms"])
+    # Time to first token: prefill + build + the first decode step, and its ratio to full's, per mode.
+    assert "TTFT s" in res.output and "TTFT x full" in res.output
+    for mode in data["modes"].values():
+        s = mode["summary"]
+        assert s["first_step_s"] > 0
+        assert s["ttft_s"] == pytest.approx(s["prefill_s"] + s["build_s"] + s["first_step_s"])
+        assert s["ttft_x_full"] == pytest.approx(s["ttft_s"] / data["modes"]["full"]["summary"]["ttft_s"])
+    assert data["modes"]["full"]["summary"]["build_s"] == 0
 
 
 def test_prompt_and_fidelity(tiny_gemma3, tmp_path):
@@ -158,3 +166,11 @@ def test_from_sweep_on_the_command_line(tiny_llama, tmp_path):
     assert "from sweep" in res.output and "layer 1: vamana(R=16, L=100)" in res.output
     names = [line.split()[0] for line in res.output.splitlines() if line.startswith(("full", "window", "flat", "sweep:"))]
     assert names == ["full", "window", "flat", "sweep:vamana"]  # explicit modes stay; the pick replaces 'default'
+
+
+def test_every_table_column_is_defined_in_the_legend():
+    from anns_lab.decode.runner import COLUMNS as DECODE_COLUMNS, LEGEND
+
+    assert {key for key, _, _ in DECODE_COLUMNS} <= set(LEGEND)
+    labels = [label for _, label, _ in DECODE_COLUMNS]
+    assert len(set(labels)) == len(labels) and "acc %" not in labels  # no "acc" beside "acc-attn"
