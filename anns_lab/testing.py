@@ -8,8 +8,8 @@ Rules checked (``anns_lab.indexes.base`` states the result policy):
 - declarations: defaults in range, every grid value a valid search parameter;
 - results at every grid point: shapes and dtypes; ids in [0, n) or -1 padding that only
   trails; no id twice in a row; scores sorted and equal to q·k of the returned ids (padding
-  scores -inf); ``#returned ≤ n_scanned ≤ max_scanned()``; a batch gives the same answer as
-  its queries one at a time;
+  scores -inf); ``#returned ≤ n_scanned ≤ max_scanned()``; ``bytes_read`` int64 (nq,) and
+  non-negative; a batch gives the same answer (and counts) as its queries one at a time;
 - at the last (most thorough) grid point on easy data, recall@k against exact search
   ≥ ``min_recall`` (1.0 = exact; ties at the k-th score count as hits);
 - determinism: two builds with the same parameters give identical ids, scores and counts;
@@ -52,10 +52,12 @@ def recall_at_k(ids: np.ndarray, queries: np.ndarray, keys: np.ndarray, k: int) 
 def check_result(index: Index, res: SearchResult, queries: np.ndarray, keys: np.ndarray, k: int, where: str) -> None:
     """Assert the result policy for one search: shapes, ids, scores and counts."""
     nq, n = len(queries), len(keys)
-    ids, scores, scanned = res
+    ids, scores, scanned, n_bytes = res
     assert ids.shape == (nq, k) and ids.dtype == np.int64, f"{where}: ids must be int64 (nq, k), got {ids.dtype} {ids.shape}"
     assert scores.shape == (nq, k) and scores.dtype == np.float32, f"{where}: scores must be float32 (nq, k)"
     assert scanned.shape == (nq,) and scanned.dtype == np.int64, f"{where}: n_scanned must be int64 (nq,)"
+    assert n_bytes.shape == (nq,) and n_bytes.dtype == np.int64, f"{where}: bytes_read must be int64 (nq,)"
+    assert (n_bytes >= 0).all(), f"{where}: bytes_read must be non-negative"
     assert ((ids >= -1) & (ids < n)).all(), f"{where}: ids outside [0, {n}) and not the -1 padding"
     valid = ids >= 0
     assert (valid[:, :-1] >= valid[:, 1:]).all(), f"{where}: -1 padding must only trail each row"
@@ -83,6 +85,7 @@ def _same(a: SearchResult, b: SearchResult, what: str) -> None:
     assert np.array_equal(a.ids, b.ids), f"{what}: ids differ"
     assert np.array_equal(a.scores, b.scores), f"{what}: scores differ"
     assert np.array_equal(a.n_scanned, b.n_scanned), f"{what}: n_scanned differs"
+    assert np.array_equal(a.bytes_read, b.bytes_read), f"{what}: bytes_read differs"
 
 
 def _expect_error(what: str, fn, *args, **kwargs) -> None:

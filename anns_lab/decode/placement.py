@@ -50,6 +50,7 @@ class SideResult:
     retrieval_s: float
     attention_s: float
     scanned: float  # mean fraction of indexed keys scanned per query head (nan when nothing was searched)
+    bytes_read: int = 0  # index data read by this layer's searches, summed over its query heads
 
 
 class LayerStore:
@@ -151,16 +152,19 @@ class LayerStore:
         t0 = time.perf_counter()
         q = np.ascontiguousarray(q, dtype=np.float32)
         scanned = float("nan")
+        n_bytes = 0
         if self.indexes and self.n_indexed:
             k = min(self.topk, self.n_indexed)
             if self._graphs is not None:
                 res = self._graphs.search(q, k, self._beam)
                 rows = res.ids
                 scanned = float(res.n_scanned.mean()) / self.n_indexed
+                n_bytes = int(res.bytes_read.sum())
             elif len(self._shared) == self.n_heads:  # one index per query head: the class searches them all in one call
                 res = type(self.indexes[0]).search_group(self.indexes, q, k, **self.plan.search_params)
                 rows = np.ascontiguousarray(res.ids)
                 scanned = float(res.n_scanned.mean()) / self.n_indexed
+                n_bytes = int(res.bytes_read.sum())
             else:  # a shared index per KV head: its group's queries in one batch
                 rows = np.empty((self.n_heads, k), np.int64)
                 total = 0
@@ -168,10 +172,11 @@ class LayerStore:
                     res = self.indexes[heads[0]].search(q[heads], k, **self.plan.search_params)
                     rows[heads] = res.ids
                     total += int(res.n_scanned.sum())
+                    n_bytes += int(res.bytes_read.sum())
                 scanned = total / self.n_heads / self.n_indexed
         else:
             rows = np.empty((self.n_heads, 0), np.int64)
         t1 = time.perf_counter()
         out, m, z = attend_rows_and_range(q, self.keys, self.values, rows, self.n_indexed, self.n_rows, float(scaling))
         t2 = time.perf_counter()
-        return SideResult(out, m, z, t1 - t0, t2 - t1, scanned)
+        return SideResult(out, m, z, t1 - t0, t2 - t1, scanned, n_bytes)

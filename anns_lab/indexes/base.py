@@ -9,7 +9,10 @@ Result policy (the conformance kit checks it): ids are int64 row numbers of the 
 to ``build`` (then ``add``), sorted by descending score; if an index finds fewer than ``k``
 keys, the tail of the row is padded with id ``-1`` and score ``-inf``. ``n_scanned[i]`` is the
 number of vectors whose inner product with query ``i`` was computed, repeats included
-(centroids, hyperplanes and graph nodes all count).
+(centroids, hyperplanes and graph nodes all count). ``bytes_read[i]`` is the bytes of index data
+query ``i`` read: by default ``n_scanned[i] × dim × 4`` (every scanned vector read as a float32 key);
+an index that reads more (graph rows, inverted-list ids) or less (codes, page bounds) returns its
+own count as a fourth array from ``_search`` (each index's docstring says what it counts).
 """
 
 from __future__ import annotations
@@ -78,11 +81,12 @@ def _num(v: float) -> str:
 
 
 class SearchResult(NamedTuple):
-    """What ``search`` returns: ids (nq, k) int64, scores (nq, k) float32, n_scanned (nq,) int64."""
+    """What ``search`` returns: ids (nq, k) int64, scores (nq, k) float32, n_scanned (nq,) int64, bytes_read (nq,) int64."""
 
     ids: np.ndarray
     scores: np.ndarray
     n_scanned: np.ndarray
+    bytes_read: np.ndarray
 
 
 def resolve_params(owner: str, declared: Mapping[str, Param], given: Mapping[str, Any]) -> dict[str, Any]:
@@ -161,12 +165,20 @@ class Index:
         if k > self.n_keys:
             raise IndexConfigError(f"{self._owner()}: k={k} is larger than the number of keys ({self.n_keys})")
         full = self._search_params_for(params)
-        ids, scores, n_scanned = self._search(q, int(k), **full)
+        out = self._search(q, int(k), **full)
+        ids, scores, n_scanned = out[:3]
+        n_scanned = np.ascontiguousarray(n_scanned, dtype=np.int64)
+        bytes_read = out[3] if len(out) > 3 else n_scanned * self.key_bytes()
         return SearchResult(
             np.ascontiguousarray(ids, dtype=np.int64),
             np.ascontiguousarray(scores, dtype=np.float32),
-            np.ascontiguousarray(n_scanned, dtype=np.int64),
+            n_scanned,
+            np.ascontiguousarray(bytes_read, dtype=np.int64),
         )
+
+    def key_bytes(self) -> int:
+        """Bytes of one stored key (float32): what the default ``bytes_read`` charges per vector scanned."""
+        return 4 * int(self.dim)
 
     @classmethod
     def search_group(cls, indexes: Sequence["Index"], queries: np.ndarray, k: int, **params: Any) -> SearchResult:
