@@ -8,8 +8,9 @@ Rules checked (``anns_lab.indexes.base`` states the result policy):
 - declarations: defaults in range, every grid value a valid search parameter;
 - results at every grid point: shapes and dtypes; ids in [0, n) or -1 padding that only
   trails; no id twice in a row; scores sorted and equal to q·k of the returned ids (padding
-  scores -inf); ``#returned ≤ n_scanned ≤ max_scanned()``; ``bytes_read`` int64 (nq,) and
-  non-negative; a batch gives the same answer (and counts) as its queries one at a time;
+  scores -inf); ``#returned ≤ n_scanned ≤ max_scanned()``; a batch gives the same ids and
+  counts as its queries one at a time, scores within float32 rounding;
+  ``bytes_read`` int64 (nq,), non-negative, equal batch vs one at a time;
 - at the last (most thorough) grid point on easy data, recall@k against exact search
   ≥ ``min_recall`` (1.0 = exact; ties at the k-th score count as hits);
 - determinism: two builds with the same parameters give identical ids, scores and counts;
@@ -27,6 +28,7 @@ import numpy as np
 
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes.base import Index, SearchResult
+from anns_lab.indexes.protocol import result_problem
 
 
 def easy_data(n_keys: int = 1000, dim: int = 16, n_queries: int = 40, seed: int = 0) -> tuple[np.ndarray, ...]:
@@ -50,42 +52,26 @@ def recall_at_k(ids: np.ndarray, queries: np.ndarray, keys: np.ndarray, k: int) 
 
 
 def check_result(index: Index, res: SearchResult, queries: np.ndarray, keys: np.ndarray, k: int, where: str) -> None:
-    """Assert the result policy for one search: shapes, ids, scores and counts."""
-    nq, n = len(queries), len(keys)
-    ids, scores, scanned, n_bytes = res
-    assert ids.shape == (nq, k) and ids.dtype == np.int64, f"{where}: ids must be int64 (nq, k), got {ids.dtype} {ids.shape}"
-    assert scores.shape == (nq, k) and scores.dtype == np.float32, f"{where}: scores must be float32 (nq, k)"
-    assert scanned.shape == (nq,) and scanned.dtype == np.int64, f"{where}: n_scanned must be int64 (nq,)"
-    assert n_bytes.shape == (nq,) and n_bytes.dtype == np.int64, f"{where}: bytes_read must be int64 (nq,)"
-    assert (n_bytes >= 0).all(), f"{where}: bytes_read must be non-negative"
-    assert ((ids >= -1) & (ids < n)).all(), f"{where}: ids outside [0, {n}) and not the -1 padding"
-    valid = ids >= 0
-    assert (valid[:, :-1] >= valid[:, 1:]).all(), f"{where}: -1 padding must only trail each row"
-    assert np.isneginf(scores[~valid]).all(), f"{where}: padded slots must have score -inf"
-    for row in range(nq):
-        got = ids[row, valid[row]]
-        assert len(np.unique(got)) == len(got), f"{where}: query {row} returns an id twice"
-    assert _sorted_rows(scores, valid), f"{where}: scores must be sorted in descending order"
-    true = np.einsum("qd,qkd->qk", queries.astype(np.float64), keys[np.where(valid, ids, 0)].astype(np.float64))
-    scale = np.abs(queries).sum(axis=1, keepdims=True) * np.abs(keys).max() + 1e-6
-    err = np.where(valid, np.abs(scores - true) / scale, 0.0)
-    assert err.max() < 1e-5, f"{where}: returned scores differ from q·k of the returned ids (max rel err {err.max():.2e})"
-    assert (scanned >= valid.sum(axis=1)).all(), f"{where}: n_scanned is below the number of returned ids"
-    assert (scanned <= index.max_scanned()).all(), f"{where}: n_scanned {scanned.max()} exceeds max_scanned() = {index.max_scanned()}"
+    """Assert the result policy for one search (``anns_lab.indexes.protocol``): shapes, ids, scores and counts."""
+    problem = result_problem(res, len(queries), k, len(keys), index.max_scanned(), queries, keys)
+    assert problem is None, f"{where}: {problem}"
 
 
-def _sorted_rows(scores: np.ndarray, valid: np.ndarray) -> bool:
-    # Tolerate float32 ties that differ in the last bit.
-    s = np.where(valid, scores, -np.inf).astype(np.float64)
-    d = np.diff(s, axis=1)
-    return bool((d[np.isfinite(d)] <= 1e-6 * (1 + np.abs(s[:, 1:][np.isfinite(d)]))).all())
+def _score_scale(queries: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """(nq, 1) bound on |q·k| for any key: float32 rounding of a score is a small fraction of it."""
+    return np.abs(queries).sum(axis=1, keepdims=True) * np.abs(keys).max() + 1e-6
 
 
-def _same(a: SearchResult, b: SearchResult, what: str) -> None:
+def _same(a: SearchResult, b: SearchResult, what: str, scale: np.ndarray | None = None) -> None:
+    """Equal ids and counts; scores equal to the last bit, or within float32 rounding of ``scale`` when given."""
     assert np.array_equal(a.ids, b.ids), f"{what}: ids differ"
-    assert np.array_equal(a.scores, b.scores), f"{what}: scores differ"
     assert np.array_equal(a.n_scanned, b.n_scanned), f"{what}: n_scanned differs"
     assert np.array_equal(a.bytes_read, b.bytes_read), f"{what}: bytes_read differs"
+    if scale is None:
+        assert np.array_equal(a.scores, b.scores), f"{what}: scores differ"
+    else:
+        diff = np.where(a.ids >= 0, np.abs(a.scores.astype(np.float64) - b.scores) / scale, 0.0)
+        assert diff.max() < 1e-5, f"{what}: scores differ beyond float32 rounding (max rel diff {diff.max():.2e})"
 
 
 def _expect_error(what: str, fn, *args, **kwargs) -> None:
@@ -151,7 +137,10 @@ def check_index(cls: type[Index], min_recall: float = 1.0, k: int = 10, **build_
 
     one_by_one = [index.search(q[None], k, **top) for q in queries[:8]]
     batch = index.search(queries[:8], k, **top)
-    _same(SearchResult(*(np.concatenate(parts) for parts in zip(*one_by_one))), batch, "batch vs one query at a time")
+    # A batch may score through another BLAS kernel than one query (gemm vs gemv): ids and counts must agree,
+    # scores within float32 rounding (the built-ins' own tests ask them to agree to the last bit).
+    _same(SearchResult(*(np.concatenate(parts) for parts in zip(*one_by_one))), batch, "batch vs one query at a time",
+          _score_scale(queries[:8], keys))
     check_result(index, index.search(queries, 1, **top), queries, keys, 1, "k=1")
     check_result(index, index.search(queries[:4], len(keys), **top), queries[:4], keys, len(keys), "k=n_keys")
 

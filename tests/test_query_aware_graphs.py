@@ -8,6 +8,7 @@ from anns_lab.indexes import graph_search as gs
 from anns_lab.indexes import registry
 from anns_lab.indexes.roargraph import RoarGraphIndex
 from anns_lab.indexes.robust_vamana import RobustVamanaIndex
+from anns_lab.indexes.topk import topk_ip
 from anns_lab.testing import check_index, recall_at_k
 
 QUERY_AWARE = [RoarGraphIndex, RobustVamanaIndex]
@@ -197,7 +198,7 @@ def test_descent_links_give_mid_ranked_keys_in_edges(seed):
 
     keys, train, _ = ood_data(seed)
     train = train[:300]  # few queries: many keys are only mid-ranked
-    knn = gb.topk_ip(train, keys, 100)
+    knn = topk_ip(train, keys, 100)
     best = np.full(len(keys), 100)
     for r in range(99, -1, -1):
         best[knn[:, r]] = r
@@ -321,7 +322,7 @@ def test_descent_gaps_match_a_plain_reference():
 
     keys, train, _ = ood_data(7, n=600, m=80)
     index = RoarGraphIndex(descent_links=0).build(keys, train)
-    knn = gb.topk_ip(train, keys, 40)
+    knn = topk_ip(train, keys, 40)
     ptr, src = gb._incoming(index._nbrs, index._degree, len(keys))
     got = gb._descent_gaps(keys, knn, ptr, src, 2)
     ref = _descent_gaps_reference(keys, index._nbrs, index._degree, knn)
@@ -339,7 +340,7 @@ def test_descent_links_give_every_listed_key_a_way_down(seed):
     from anns_lab.indexes import graph_build as gb
 
     keys, train, _ = ood_data(seed)
-    knn = gb.topk_ip(train, keys, 100)
+    knn = topk_ip(train, keys, 100)
 
     def gaps(index):
         ptr, src = gb._incoming(index._nbrs, index._degree, len(keys))

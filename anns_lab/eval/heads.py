@@ -1,10 +1,19 @@
 """What one (layer, query head) of a dump gives the evaluation (design.md §7).
 
-Index keys are the prefill keys outside the static window (the first ``w0`` and last ``w1``
-prefill positions stay on the accelerator in the decoder). Training queries are the prefill
-queries; test queries are the decode queries, topped up with held-out final prefill queries
-when the dump has few. For K→K (paper Fig. 3a) a random sample of index keys is held out of
-the index and used as queries, so no query ever finds itself.
+Test queries are the decode queries, topped up with held-out final prefill queries when the
+dump has fewer than ``min_test``; training queries are the prefill queries before the first
+test query (never a test query). For K→K (paper Fig. 3a) a random sample of index keys is held
+out of the index and used as queries, so no query ever finds itself.
+
+Causality rule: a query is only ever scored against keys at or before its own position. Index
+keys are the prefill positions ``[w0, end)`` with ``end = min(n_prefill − w1, first test
+position)``: the first ``w0`` and last ``w1`` prefill positions stay on the accelerator in the
+decoder (the static window), and the held-out test positions never enter the index. So every
+index key precedes every test query, and the ground truth (exact search over the index keys,
+used by the sweep, ``--quick`` and ``export``) is causal for any window, ``0,0`` included. The
+keys from ``end`` up to a query's own position are the recent side of its window, attended
+exactly (as the decoder attends tokens not yet in its index). K→K queries are keys, not
+attention queries: they are scored against every index key.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import numpy as np
 from anns_lab.dumps.store import Dump
 from anns_lab.errors import AnnsLabError
 from anns_lab.eval import metrics
+from anns_lab.window import Window
 
 
 @dataclass
@@ -34,8 +44,9 @@ class HeadData:
     all_keys: np.ndarray        # every key of the KV head, by position (for attention mass and output)
     all_values: np.ndarray
     scaling: float
-    window: tuple[int, int]
+    window: Window
     n_prefill: int
+    index_end: int              # first position after the index keys: keys from here on are in the recent window
 
     def exact(self, direction: str) -> np.ndarray:
         """Exact scores (nq, n) of the direction's queries against the index keys (computed once)."""
@@ -46,9 +57,8 @@ class HeadData:
         return cache[direction]
 
     def window_positions(self, pos: int) -> np.ndarray:
-        """Positions the accelerator attends for a query at ``pos``: the sinks and the recent window."""
-        w0, w1 = self.window
-        return np.concatenate([np.arange(min(w0, pos + 1)), np.arange(max(self.n_prefill - w1, w0), pos + 1)])
+        """Positions attended exactly for a query at ``pos``: the sinks and the recent side, ``[index_end, pos]``."""
+        return self.window.positions(pos, self.index_end)
 
     def attention_quality(self, ids: np.ndarray) -> tuple[float, float]:
         """Mean attention mass kept and mean output relative error of retrieved ``ids`` ∪ window, over test queries.
@@ -73,20 +83,22 @@ def default_layers(layers: list[int]) -> list[int]:
     return sorted({layers[min(2, len(layers) - 1)], layers[len(layers) // 2], layers[max(len(layers) - 2, 0)]})
 
 
-def load_head(dump: Dump, layer: int, head: int, window: tuple[int, int] = (128, 512), min_test: int = 64,
+def load_head(dump: Dump, layer: int, head: int, window: Window | tuple[int, int] = Window(), min_test: int = 64,
               n_k2k: int = 64, seed: int = 0) -> HeadData:
     """Assemble :class:`HeadData` for one (layer, head) of ``dump``."""
     n = int(dump.manifest["n_tokens"]["prefill"])
-    w0, w1 = window
-    lo, hi = w0, n - w1
+    window = Window(*window)
+    extra = max(0, min_test - int(dump.manifest["n_tokens"]["decode"]))  # held-out last prefill queries
+    lo, hi = window.outside(n)
+    hi = min(hi, n - extra)  # causality: no index key at or after the first test query
     if hi - lo < max(200, n_k2k + 2):
-        raise AnnsLabError(f"the static window {w0},{w1} leaves {max(hi - lo, 0)} of {n} prefill keys to index; "
+        held = f" and the last {extra} held out as test queries" if extra > window.recent else ""
+        raise AnnsLabError(f"the static window {window}{held} leave {max(hi - lo, 0)} of {n} prefill keys to index; "
                            "use a longer dump or a smaller --window")
     g = dump.kv_head_of(head)
     all_keys = dump.keys(layer, g, "all")
     prefill_q = dump.queries(layer, head, "prefill")
     decode_q = dump.queries(layer, head, "decode")
-    extra = max(0, min_test - len(decode_q))  # held-out last prefill queries, never used for training
     test_q = np.concatenate([prefill_q[n - extra:], decode_q]) if extra else decode_q
     test_pos = np.concatenate([np.arange(n - extra, n), dump.positions("decode")]) if extra else dump.positions("decode")
     rng = np.random.default_rng(seed + 1000 * layer + head)
@@ -94,4 +106,4 @@ def load_head(dump: Dump, layer: int, head: int, window: tuple[int, int] = (128,
     key_pos = np.setdiff1d(np.arange(lo, hi), held)
     return HeadData(layer, head, g, np.ascontiguousarray(all_keys[key_pos]), key_pos, prefill_q[: n - extra],
                     np.ascontiguousarray(test_q), test_pos, np.ascontiguousarray(all_keys[held]), all_keys,
-                    dump.values(layer, g, "all"), dump.scaling(layer), (w0, w1), n)
+                    dump.values(layer, g, "all"), dump.scaling(layer), window, n, hi)

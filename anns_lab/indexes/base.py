@@ -182,13 +182,25 @@ class Index:
 
     @classmethod
     def search_group(cls, indexes: Sequence["Index"], queries: np.ndarray, k: int, **params: Any) -> SearchResult:
-        """Search ``indexes[i]`` with ``queries[i]`` (one query each, e.g. the query heads of a layer) in one call.
+        """Search ``indexes[i]`` (all of this class) with ``queries[i]``: one row per index, as ``search`` returns it.
 
-        The default searches one index after another; an index class whose per-call cost matters
-        (one graph per query head in the decoder) overrides it with a single batched kernel.
+        The decoder's only search: once per layer and step, one index per query head (an index
+        shared by a GQA group appears once per head of the group). The default searches each
+        distinct index once, with the queries of its rows in one batch. A class for which one
+        call over all the indexes is cheaper (the graph indexes: every head's beam search in
+        one kernel) overrides it; the result must be what the one-at-a-time searches return.
         """
-        parts = [index.search(queries[i: i + 1], k, **params) for i, index in enumerate(indexes)]
-        return SearchResult(*(np.concatenate(column) for column in zip(*parts)))
+        rows: dict[int, list[int]] = {}
+        for i, index in enumerate(indexes):
+            rows.setdefault(id(index), []).append(i)
+        out = None
+        for heads in rows.values():
+            res = indexes[heads[0]].search(queries[heads], k, **params)
+            if out is None:
+                out = type(res)(*(np.empty((len(indexes), *col.shape[1:]), col.dtype) for col in res))
+            for col, part in zip(out, res):
+                col[heads] = part
+        return out
 
     def _search_params_for(self, params: dict[str, Any]) -> dict[str, Any]:
         """``resolve_params`` for search, remembered per distinct parameter set (batch-1 latency)."""
@@ -222,8 +234,10 @@ class Index:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the index structures, keys included."""
-        return sum(a.nbytes for a in self._arrays().values())
+        """Bytes held by the index structures, keys included: what ``_arrays()`` saves, or else the numpy arrays
+        the index holds as attributes (override when a library holds the memory)."""
+        arrays = self._arrays().values() if self.supports_save else vars(self).values()
+        return sum(a.nbytes for a in arrays if isinstance(a, np.ndarray))
 
     @property
     def supports_add(self) -> bool:

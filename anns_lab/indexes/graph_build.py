@@ -185,20 +185,6 @@ def robust_stitch(data, nbrs, degree, n_keys, q_nbrs, alpha, R):
 # deterministic whatever the thread count.
 
 
-def topk_ip(queries: np.ndarray, keys: np.ndarray, k: int) -> np.ndarray:
-    """Exact top-``k`` keys (int32 ids, best first) of each query by inner product.
-
-    faiss's brute-force kNN: blocked matmul plus heaps, so memory stays at a block of
-    queries × keys, never the whole m × n matrix (the 32K case).
-    """
-    import faiss
-
-    k = min(k, keys.shape[0])
-    _, ids = faiss.knn(np.ascontiguousarray(queries, np.float32), np.ascontiguousarray(keys, np.float32), k,
-                       metric=faiss.METRIC_INNER_PRODUCT)
-    return ids.astype(np.int32)
-
-
 @njit(cache=True, nogil=True)
 def robust_prune_ordered(data, p, cand, sim_p, alpha, R, out, start):
     """RobustPrune over candidates already in priority order (``sim_p[i]`` = ip(p, cand[i])).

@@ -3,7 +3,7 @@
 Build, on keys K (n, d) and training queries Q (m, d):
 
 1. **Bipartite graph.** Each training query's exact top-``M_sq`` keys by inner product
-   (``graph_build.topk_ip``: blocked matmul, never an m × n matrix).
+   (``topk.topk_ip``: blocked matmul, never an m × n matrix).
 2. **Projection onto keys.** RoarGraph hangs each query's neighbours on its top-1 key (the
    pivot). On real attention the top-1 keys are a few hundred sinks and heavy hitters, which
    starves every other key, so here *each of the query's first* ``n_pivots`` *keys* is a pivot
@@ -71,6 +71,7 @@ from anns_lab.indexes import graph_build as gb
 from anns_lab.indexes import graph_search as gs
 from anns_lab.indexes.base import Index, Param
 from anns_lab.indexes.key_store import KeyStore
+from anns_lab.indexes.topk import topk_ip
 
 STRANDED_POOL = 8192  # candidate out-neighbours of a stranded key (see link_stranded)
 ADD_SERIAL = 1024  # adds of up to this many keys run on the calling thread: a thread-pool launch costs ms on a loaded machine
@@ -89,7 +90,7 @@ def query_hubs(keys: np.ndarray, queries: np.ndarray, n_hubs: int, seed: int) ->
     km = faiss.Kmeans(queries.shape[1], c, niter=10, seed=seed, verbose=False, min_points_per_centroid=1,
                       max_points_per_centroid=KMEANS_POINTS)
     km.train(np.ascontiguousarray(queries))
-    top = gb.topk_ip(km.centroids, keys, 1)[:, 0].astype(np.int64)
+    top = topk_ip(km.centroids, keys, 1)[:, 0].astype(np.int64)
     hubs = [mean_top] + [int(h) for h in top]
     return np.array(list(dict.fromkeys(hubs)), np.int64)  # unique, order kept
 
@@ -132,7 +133,7 @@ def link_stranded(keys: np.ndarray, nbrs: np.ndarray, degree: np.ndarray, entrie
     # cost as much as the bipartite graph itself.
     pool = np.flatnonzero(reach)
     pool = pool[:: max(1, len(pool) // STRANDED_POOL)]
-    near = pool[gb.topk_ip(keys[stranded], keys[pool], k)]
+    near = pool[topk_ip(keys[stranded], keys[pool], k)]
     for t, row in zip(stranded, near):
         row = row[row != t][:k]
         nbrs[t, : len(row)] = row
@@ -189,7 +190,7 @@ class RoarGraphIndex(Index):
         self.lists = self._list_sizes(n)
         m_sq = min(self.lists["M_sq"], n)
         train_queries = subsample(train_queries, p["max_train"])
-        knn = gb.topk_ip(train_queries, keys, m_sq)
+        knn = topk_ip(train_queries, keys, m_sq)
         weights = np.ones(len(train_queries), np.float32)
         if p["recent_frac"] > 0:
             weights[len(weights) - int(round(p["recent_frac"] * len(weights))):] = p["recent_weight"]
@@ -358,5 +359,5 @@ class RoarGraphIndex(Index):
             self._q_scores = np.ascontiguousarray(arrays["q_scores"], dtype=np.float32)
             self._q_w = np.ascontiguousarray(arrays["q_w"], dtype=np.float32)
         else:  # saved before the lists were: recompute them (exact, as add keeps them)
-            ids = gb.topk_ip(self._recent_q, keys, self.lists["M_sq"]) if len(self._recent_q) else np.empty((0, 0), np.int32)
+            ids = topk_ip(self._recent_q, keys, self.lists["M_sq"]) if len(self._recent_q) else np.empty((0, 0), np.int32)
             self._cache_lists(keys, ids, np.ones(len(self._recent_q), np.float32))

@@ -30,6 +30,7 @@ import numpy as np
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes import graph_build as gb, graph_search as gs
 from anns_lab.indexes.key_store import KeyStore
+from anns_lab.indexes.topk import topk_ip
 from anns_lab.indexes.base import Index, Param
 from anns_lab.indexes.roargraph import query_hubs
 
@@ -64,7 +65,7 @@ class RobustVamanaIndex(Index):
             pool = train_queries[len(train_queries) - max(1, int(round(p["recent_frac"] * len(train_queries)))):]
         take = min(p["n_queries"], len(pool))
         sample = np.ascontiguousarray(pool[np.sort(rng.choice(len(pool), take, replace=False))])
-        q_nbrs = gb.topk_ip(sample, keys, R)
+        q_nbrs = topk_ip(sample, keys, R)
         data = np.ascontiguousarray(np.vstack([keys, sample]))  # build-time only; the final graph holds keys
         nbrs, degree = gb.random_graph(n + take, R, p["seed"])
         nbrs[n:], degree[n:] = q_nbrs, R

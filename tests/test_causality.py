@@ -1,0 +1,72 @@
+"""Causality of the evaluation: a query is only ever scored against keys at or before its own position.
+
+A dump with 4 decode steps tops its 64 test queries up from the last 60 prompt positions, so
+for every window, ``0,0`` included, the ground truth, the index input and the export must
+leave out keys after a query; checked against a per-query causal mask in plain numpy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from anns_lab.dumps.run import run_dump
+from anns_lab.eval import export
+from anns_lab.eval.heads import load_head
+from anns_lab.eval.sweep import run_sweep
+
+N, DECODE, K = 400, 4, 10
+WINDOWS = [(0, 0), (0, 16), (16, 16), (8, 60), (16, 100), (32, 64)]
+
+
+@pytest.fixture(scope="module")
+def few_steps(tiny_llama, tmp_path_factory):
+    out = tmp_path_factory.mktemp("causal") / "d"
+    return run_dump(str(tiny_llama), tokens=N, decode_tokens=DECODE, layers="1", dtype="float32", chunk=128, out=out,
+                    progress=False).dump
+
+
+def causal_reference(dump, head: int, window: tuple[int, int], test_pos: np.ndarray, held: np.ndarray, k: int):
+    """Top-k scores per test query over the keys a query may see: at or before it, outside the static window,
+    neither a held-out K→K key nor a held-out test position."""
+    keys = dump.keys(1, dump.kv_head_of(head), "all").astype(np.float64)
+    queries = dump.queries(1, head, "all").astype(np.float64)
+    pos = np.arange(len(keys))
+    w0, w1 = window
+    outside = (pos >= w0) & (pos < N - w1) & ~np.isin(pos, held) & ~np.isin(pos, test_pos)
+    out = []
+    for p in test_pos:
+        allowed = outside & (pos <= p)
+        scores = keys[allowed] @ queries[p]
+        out.append(np.sort(scores)[::-1][:k])
+    return np.array(out)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_ground_truth_and_index_input_are_causal_for_every_window(few_steps, window):
+    d = load_head(few_steps, 1, 2, window)
+    assert len(d.test_pos) == 64 and d.test_pos.min() == N + DECODE - 64
+    assert d.key_pos.max() < d.test_pos.min(), "an index key comes after a test query"
+    held = np.setdiff1d(np.arange(window[0], d.index_end), d.key_pos)
+    assert len(held) == len(d.k2k_queries)
+    ref = causal_reference(few_steps, 2, window, d.test_pos, held, K)
+    lab = -np.sort(-d.exact("q2k"), axis=1)[:, :K]
+    np.testing.assert_allclose(lab, ref, rtol=1e-5, atol=1e-5)
+    # Each query's keys up to its own position are in exactly one place: the window, the index or the K→K hold-out.
+    for p in d.test_pos:
+        win = d.window_positions(int(p))
+        assert win.max() <= p and not np.intersect1d(win, d.key_pos).size
+        assert np.array_equal(np.union1d(np.union1d(win, d.key_pos[d.key_pos <= p]), held), np.arange(p + 1))
+
+
+def test_quick_sweep_and_export_with_no_static_window(few_steps, tmp_path):
+    res = run_sweep(few_steps.path, ["flat"], [1], [2], k=K, window=(0, 0), out=tmp_path / "s", jobs=1,
+                    progress=False, quick=True)
+    assert not res.failures and (res.table["recall"] == 1.0).all()
+    full = run_sweep(few_steps.path, ["flat"], [1], [2], k=K, window=(0, 0), out=tmp_path / "f", jobs=1, progress=False)
+    q2k = full.table[full.table["direction"] == "q2k"]
+    assert not full.failures and (q2k["mass_recovered"] <= 1 + 1e-9).all()
+    files = export.export_fbin(few_steps, 1, 2, tmp_path / "x", k=K, window=(0, 0))
+    d = load_head(few_steps, 1, 2, (0, 0))
+    ids, _ = export.read_gt(files["gt_q2k.bin"])
+    assert (d.key_pos[ids.astype(np.int64)] < d.test_pos[:, None]).all()
