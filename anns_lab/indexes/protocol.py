@@ -28,12 +28,6 @@ def result_problem(res, nq: int, k: int, n_keys: int, max_scanned: int, queries:
         return f"ids must be int64 of shape ({nq}, {k}), got {ids.dtype} {ids.shape}"
     if scanned.shape != (nq,) or scanned.dtype != np.int64:
         return f"n_scanned must be int64 of shape ({nq},), got {scanned.dtype} {scanned.shape}"
-    if len(res) > 3:
-        n_bytes = np.asarray(res[3])
-        if n_bytes.shape != (nq,) or n_bytes.dtype != np.int64:
-            return f"bytes_read must be int64 of shape ({nq},), got {n_bytes.dtype} {n_bytes.shape}"
-        if (n_bytes < 0).any():
-            return f"bytes_read {int(n_bytes.min())} is negative"
     lo, hi = int(ids.min()), int(ids.max())
     if lo < -1 or hi >= n_keys:
         return f"ids outside [0, {n_keys}) that are not the -1 padding (e.g. {lo if lo < -1 else hi})"
@@ -54,6 +48,12 @@ def result_problem(res, nq: int, k: int, n_keys: int, max_scanned: int, queries:
         return f"n_scanned {int(scanned.min())} is below 1 or below the number of returned ids"
     if int(scanned.max()) > max_scanned:
         return f"n_scanned {int(scanned.max())} exceeds the index's declared bound max_scanned() = {max_scanned}"
+    if len(res) > 3:
+        n_bytes = np.asarray(res[3])
+        if n_bytes.shape != (nq,) or n_bytes.dtype != np.int64:
+            return f"bytes_read must be int64 of shape ({nq},), got {n_bytes.dtype} {n_bytes.shape}"
+        if (n_bytes < 0).any():
+            return f"bytes_read {int(n_bytes.min())} is negative"
     if not check_scores:
         return None
     if scores.shape != (nq, k) or scores.dtype != np.float32:
