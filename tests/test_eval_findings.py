@@ -31,6 +31,7 @@ def synthetic(spec: dict[tuple[str, str], float | None]) -> pd.DataFrame:
                 rows.append({"dump": "d", "model": "m", "layer": layer, "head": head, "kv_head": 0, "index": index,
                              "build_params": "{}", "search_params": f'{{"p": {i}}}', "direction": direction, "k": 100,
                              "n_keys": 7500, "n_queries": 64, "recall": rec, "scanned_fraction": frac,
+                             "bytes_read": frac * 7500 * 256,
                              "mass_recovered": np.nan, "output_rel_error": np.nan, "latency_us": 1.0, "qps": 1.0,
                              "build_s": 0.1, "index_bytes": 1})
     return pd.DataFrame(rows, columns=COLUMNS)

@@ -70,6 +70,26 @@ def recall_vs_scanned(curves: pd.DataFrame, k: int, kinds: dict[str, str]) -> by
     return _png(fig)
 
 
+def recall_vs_bytes(curves: pd.DataFrame, k: int) -> bytes:
+    """Q→K recall@k and attention-output error against bytes of index data read per query, every index."""
+    plt, sns = _plots()
+    c = curves[curves["direction"] == "q2k"].sort_values("bytes_read")
+    order = sorted(c["index"].unique())
+    palette = dict(zip(order, sns.color_palette("tab10", len(order))))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, y, label in zip(axes, ("recall", "output_rel_error"), (f"recall@{k}", "attention output rel. error")):
+        sns.lineplot(data=c, x="bytes_read", y=y, hue="index", hue_order=order, palette=palette, marker="o", ax=ax,
+                     sort=False, estimator=None, legend=ax is axes[1])
+        ax.set_xscale("log")
+        ax.set(xlabel="bytes of index data read per query (median over heads)", ylabel=label)
+    axes[0].axhline(0.95, color="grey", ls=":", lw=1)
+    if c["output_rel_error"].gt(0).any():
+        axes[1].set_yscale("log")
+    axes[1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
+    fig.suptitle("Q→K: recall and output error against bytes read per query")
+    return _png(fig)
+
+
 def mahalanobis_per_head(dump, pairs: list[tuple[int, int]], window: tuple[int, int]) -> pd.DataFrame:
     """Mahalanobis distance to the indexed keys of every decode query and held-out key, per (layer, head)."""
     frames = []

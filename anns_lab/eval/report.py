@@ -2,7 +2,8 @@
 
 Writes ``report.md`` and a self-contained ``report.html`` (figures embedded, sortable tables)
 beside the results, plus the figures as PNG files: recall against keys scanned with Q→K and
-K→K overlaid (paper Fig. 3a / 6), Mahalanobis distances per head (Fig. 3b), and the decay of
+K→K overlaid (paper Fig. 3a / 6), recall and output error against bytes of index data read per
+query (a cost fair across index families), Mahalanobis distances per head (Fig. 3b), and the decay of
 a fixed top-k selection over decode steps (Fig. 2). Every finding is computed from the
 numbers (see :mod:`anns_lab.eval.findings`).
 """
@@ -25,27 +26,31 @@ from anns_lab.io import atomic_write_bytes
 
 TARGETS = (0.90, 0.95, 0.99)
 FIGURES = {"recall_vs_scanned.png": "Recall against keys scanned, Q→K and K→K (Fig. 3a / 6)",
+           "recall_vs_bytes.png": "Q→K: recall and output error against bytes read per query",
            "mahalanobis.png": "Out-of-distribution queries (Fig. 3b)",
            "dynamic_vs_static.png": "Dynamic against static selection (Fig. 2)"}
 
 
-def _least_scan(h: pd.DataFrame, t: float) -> float:
-    return h.loc[h["recall"] >= t, "scanned_fraction"].min()
+def _least(h: pd.DataFrame, t: float, column: str = "scanned_fraction") -> float:
+    return h.loc[h["recall"] >= t, column].min()
 
 
 def per_head(table: pd.DataFrame, targets=TARGETS) -> pd.DataFrame:
-    """Per (layer, head, index, direction): the least scanned fraction reaching each target (NaN: never), best recall."""
+    """Per (layer, head, index, direction): the least scanned fraction (``scan@t``) and bytes read per query
+    (``bytes@t``) reaching each recall target (NaN: never), and the best recall."""
     rows = []
     for (layer, head, index, direction), g in table.groupby(["layer", "head", "index", "direction"], sort=True):
         row = {"layer": layer, "head": head, "index": index, "direction": direction,
                "best_recall": float(g["recall"].max())}
-        row.update({f"scan@{t:.2f}": _least_scan(g, t) for t in targets})
+        row.update({f"scan@{t:.2f}": _least(g, t) for t in targets})
+        row.update({f"bytes@{t:.2f}": _least(g, t, "bytes_read") for t in targets})
         rows.append(row)
     return pd.DataFrame(rows)
 
 
 def pareto(table: pd.DataFrame, targets=TARGETS) -> pd.DataFrame:
-    """Per index and direction: median over heads of the least scanned fraction reaching each recall target."""
+    """Per index and direction: median over heads of the least scanned fraction reaching each recall target, and
+    of the least bytes read per query reaching it (``bytes@t``)."""
     heads = per_head(table, targets)
     rows = []
     for (index, direction), g in heads.groupby(["index", "direction"], sort=True):
@@ -55,6 +60,8 @@ def pareto(table: pd.DataFrame, targets=TARGETS) -> pd.DataFrame:
             # A head that never reaches the target counts as needing everything (scanned fraction ≥ 1).
             row[f"scan@{t:.2f}"] = float(np.median(np.where(np.isfinite(v), v, np.inf)))
             row[f"reached@{t:.2f}"] = int(np.isfinite(v).sum())
+            b = g[f"bytes@{t:.2f}"].to_numpy(dtype=float)
+            row[f"bytes@{t:.2f}"] = float(np.median(np.where(np.isfinite(b), b, np.inf)))
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -63,6 +70,7 @@ def curves(table: pd.DataFrame) -> pd.DataFrame:
     """Median recall and scanned fraction over heads, per index, direction and grid point."""
     return (table.groupby(["index", "direction", "search_params"], sort=False)
             .agg(recall=("recall", "median"), scanned_fraction=("scanned_fraction", "median"),
+                 bytes_read=("bytes_read", "median"),
                  mass_recovered=("mass_recovered", "median"), output_rel_error=("output_rel_error", "median"),
                  latency_us=("latency_us", "median"))
             .reset_index())
@@ -119,6 +127,7 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
     maha = figures.mahalanobis_per_head(dump, pairs, window)
     decay = pd.concat([figures.selection_decay(dump, layer, head, k) for layer, head in pairs], ignore_index=True)
     pngs = {"recall_vs_scanned.png": figures.recall_vs_scanned(c, k, kinds),
+            "recall_vs_bytes.png": figures.recall_vs_bytes(c, k),
             "mahalanobis.png": figures.mahalanobis_figure(maha),
             "dynamic_vs_static.png": figures.selection_decay_figure(decay, k)}
     medians = maha.groupby("kind")["distance"].median()
@@ -136,13 +145,16 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
              f"excluded); recall@{k}. The paper's figures are for 128K-token contexts of Llama-3-8B and Yi-9B "
              "(docs/paper.md); the metrics are defined in docs/metrics.md.")
     pareto_view = _pareto_view(par, kinds)
-    md = _markdown(dump, intro, found, pareto_view, maha, decay, c, k)
+    md = _markdown(dump, intro, found, pareto_view, par, maha, decay, c, k)
     atomic_write_bytes(out / "report.md", md.encode("utf-8"))
     links = sibling_sweeps(folder, str(settings.get("dump", "")))
     sections = [("Least fraction of keys scanned to reach a recall target (median over heads)",
                  "<p>A head that never reaches the target counts as needing more than every key; "
                  "(n/m) is how many of the heads reach it.</p>" + html.table(pareto_view, "pareto")),
                 (FIGURES["recall_vs_scanned.png"], html.figure(pngs["recall_vs_scanned.png"], "recall vs scanned")),
+                ("Least bytes of index data read per query to reach a recall target (Q→K, median over heads)",
+                 f"<p>{BYTES_NOTE}</p>" + html.table(_bytes_view(par), "bytes")
+                 + html.figure(pngs["recall_vs_bytes.png"], "recall and error vs bytes read")),
                 (FIGURES["mahalanobis.png"], html.figure(pngs["mahalanobis.png"], "mahalanobis")),
                 (FIGURES["dynamic_vs_static.png"], html.figure(pngs["dynamic_vs_static.png"], "dynamic vs static")),
                 ("Every head: least fraction scanned for each recall target",
@@ -177,6 +189,26 @@ def _pareto_view(par: pd.DataFrame, kinds: dict[str, str]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+BYTES_NOTE = ("Bytes read count every index the same way (full keys at 4 bytes per dimension, centroids, page bounds, "
+              "codes, graph adjacency rows; each index's docstring says what it counts), so families whose items are "
+              "cheaper or dearer than a full key compare fairly.")
+
+
+def fmt_bytes(v: float) -> str:
+    """Bytes per query as KiB, or "not reached" for inf/NaN."""
+    return "not reached" if not np.isfinite(v) else f"{v / 1024:.1f} KiB"
+
+
+def _bytes_view(par: pd.DataFrame) -> pd.DataFrame:
+    rows = []
+    for r in par[par["direction"] == "q2k"].to_dict("records"):
+        row = {"index": r["index"], "heads": r["heads"]}
+        row.update({f"recall {t:.2f}": f"{fmt_bytes(r[f'bytes@{t:.2f}'])} ({r[f'reached@{t:.2f}']}/{r['heads']})"
+                    for t in TARGETS})
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def _heads_view(heads: pd.DataFrame) -> pd.DataFrame:
     view = heads[["layer", "head", "index", "direction"]].copy()
     for t in TARGETS:
@@ -190,6 +222,7 @@ def _points_view(c: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame({"index": q["index"], "search params": q["search_params"],
                          "recall": q["recall"].map(lambda v: f"{v:.3f}"),
                          "scanned": q["scanned_fraction"].map(lambda v: f"{100 * v:.2f}%"),
+                         "KiB read": q["bytes_read"].map(lambda v: f"{v / 1024:.1f}"),
                          "mass kept": q["mass_recovered"].map(lambda v: f"{v:.4f}"),
                          "output rel. error": q["output_rel_error"].map(lambda v: f"{v:.4f}"),
                          "latency µs": q["latency_us"].map(lambda v: f"{v:.0f}")})
@@ -200,8 +233,8 @@ def _md_table(df: pd.DataFrame) -> list[str]:
     return lines + ["| " + " | ".join(str(v) for v in row) + " |" for row in df.itertuples(index=False)]
 
 
-def _markdown(dump, intro: str, found, pareto_view: pd.DataFrame, maha: pd.DataFrame, decay: pd.DataFrame,
-              c: pd.DataFrame, k: int) -> str:
+def _markdown(dump, intro: str, found, pareto_view: pd.DataFrame, par: pd.DataFrame, maha: pd.DataFrame,
+              decay: pd.DataFrame, c: pd.DataFrame, k: int) -> str:
     lines = [f"# anns-lab report: {dump.model}, {dump.path.name}", "", intro, "",
              "An HTML version with sortable tables and a per-head table is `report.html` beside this file.", "",
              "## Findings against the paper", ""]
@@ -210,7 +243,11 @@ def _markdown(dump, intro: str, found, pareto_view: pd.DataFrame, maha: pd.DataF
               "A head that never reaches the target counts as needing more than every key; (n/m) is how many of the "
               "heads reach it.", ""]
     lines += _md_table(pareto_view)
-    lines += ["", "![recall vs scanned](recall_vs_scanned.png)", "", f"## {FIGURES['mahalanobis.png']}", "",
+    lines += ["", "![recall vs scanned](recall_vs_scanned.png)", "",
+              "## Least bytes of index data read per query to reach a recall target (Q→K, median over heads)", "",
+              BYTES_NOTE, ""]
+    lines += _md_table(_bytes_view(par))
+    lines += ["", "![recall and error vs bytes read](recall_vs_bytes.png)", "", f"## {FIGURES['mahalanobis.png']}", "",
               "Median Mahalanobis distance to the distribution of the indexed keys, over every head:", ""]
     lines += [f"- {kind}: {v:.1f}" for kind, v in maha.groupby("kind")["distance"].median().items()]
     lines += ["", "![mahalanobis](mahalanobis.png)", "", f"## {FIGURES['dynamic_vs_static.png']}", "",
