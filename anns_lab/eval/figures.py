@@ -70,20 +70,29 @@ def recall_vs_scanned(curves: pd.DataFrame, k: int, kinds: dict[str, str]) -> by
     return _png(fig)
 
 
-def recall_vs_bytes(curves: pd.DataFrame, k: int) -> bytes:
+def recall_vs_bytes(curves: pd.DataFrame, k: int, kinds: dict[str, str]) -> bytes:
     """Q→K recall@k and attention-output error against bytes of index data read per query, every index."""
     plt, sns = _plots()
+    from matplotlib.ticker import NullFormatter
+
     c = curves[curves["direction"] == "q2k"].sort_values("bytes_read")
     order = sorted(c["index"].unique())
-    palette = dict(zip(order, sns.color_palette("tab10", len(order))))
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    colours = dict(zip(order, sns.color_palette("tab10", len(order))))
+    markers = dict(zip(order, MARKERS))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"wspace": 0.3})
     for ax, y, label in zip(axes, ("recall", "output_rel_error"), (f"recall@{k}", "attention output rel. error")):
-        sns.lineplot(data=c, x="bytes_read", y=y, hue="index", hue_order=order, palette=palette, marker="o", ax=ax,
-                     sort=False, estimator=None, legend=ax is axes[1])
-        ax.set_xscale("log")
-        ax.set(xlabel="bytes of index data read per query (median over heads)", ylabel=label)
+        for name in order:
+            sub = c[c["index"] == name]
+            exact = kinds.get(name) == "exact"
+            ax.plot(sub["bytes_read"], sub[y], color=colours[name], marker=markers[name], ms=13 if exact else 5,
+                    mfc="none" if exact else colours[name], mew=2 if exact else 1, zorder=5 if exact else 3,
+                    label=f"{name} ({kinds.get(name, '?')})")
+        if (c["bytes_read"] > 0).any():
+            ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set(xlabel="bytes of index data read per query\n(median over heads, log scale)", ylabel=label)
     axes[0].axhline(0.95, color="grey", ls=":", lw=1)
-    if c["output_rel_error"].gt(0).any():
+    if (c["output_rel_error"] > 0).any():
         axes[1].set_yscale("log")
     axes[1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
     fig.suptitle("Q→K: recall and output error against bytes read per query")

@@ -127,7 +127,7 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
     maha = figures.mahalanobis_per_head(dump, pairs, window)
     decay = pd.concat([figures.selection_decay(dump, layer, head, k) for layer, head in pairs], ignore_index=True)
     pngs = {"recall_vs_scanned.png": figures.recall_vs_scanned(c, k, kinds),
-            "recall_vs_bytes.png": figures.recall_vs_bytes(c, k),
+            "recall_vs_bytes.png": figures.recall_vs_bytes(c, k, kinds),
             "mahalanobis.png": figures.mahalanobis_figure(maha),
             "dynamic_vs_static.png": figures.selection_decay_figure(decay, k)}
     medians = maha.groupby("kind")["distance"].median()
