@@ -40,7 +40,9 @@ cheaper operating point (the beam expands the best L, the rest of a query's top 
 neighbours). The entry points are ``n_hubs`` hub keys — the top-1 key of each k-means centroid of
 the training queries (a coarse step: each hub's inner product is computed and counted like any
 node) — plus the ``recent_entries`` newest keys. ``n_scanned`` counts every inner product: hubs,
-recent entries and every node evaluated, once each.
+recent entries and every node evaluated, once each. ``bytes_read`` (``graph_search.bytes_read``): each
+scanned key (4·dim bytes), each expanded node's adjacency row (its degree and its neighbour ids, 4 bytes
+each) and the entry list (8 bytes per entry).
 
 Training-query weighting: the newest ``recent_frac`` of the training queries weigh
 ``recent_weight`` times more in the co-occurrence merge (decode queries look like late
@@ -354,8 +356,11 @@ class RoarGraphIndex(Index):
     def _search(self, queries: np.ndarray, k: int, L: int):
         keys, nbrs, degree = self.graph_arrays()
         if len(queries) == 1:  # batch 1 (decoding): on this thread, with its reused workspace
-            return gs.search_single(keys, nbrs, degree, queries[0], self.entries(), L, k)
-        return gs.beam_search_batch(keys, nbrs, degree, queries, self.entries_for(queries), L, k, numba.get_num_threads())
+            ids, scores, scanned, words = gs.search_single(keys, nbrs, degree, queries[0], self.entries(), L, k)
+        else:
+            ids, scores, scanned, words = gs.beam_search_batch(keys, nbrs, degree, queries, self.entries_for(queries), L, k,
+                                                               numba.get_num_threads())
+        return ids, scores, scanned, gs.bytes_read(self.dim, scanned, words, len(self.entries()))
 
     @classmethod
     def search_group(cls, indexes, queries, k, L: int = 100):

@@ -9,7 +9,9 @@ recall@100 on Gaussian keys was half of this graph's at the same fraction scanne
 Build: a seeded random R-regular graph, then two sequential passes over a seeded permutation
 (α = 1, then the given α), entry point = the key of largest inner product with the keys'
 mean. Search: beam search of width max(L, k) from that entry; ``n_scanned`` counts every
-node whose inner product with the query was computed (the entry included), once each.
+node whose inner product with the query was computed (the entry included), once each; ``bytes_read``
+(``graph_search.bytes_read``): each scanned key (4·dim bytes), each expanded node's adjacency row
+(degree + neighbour ids, 4 bytes each) and the entry id (8 bytes).
 """
 
 from __future__ import annotations
@@ -67,7 +69,9 @@ class VamanaIndex(Index):
 
     def _search(self, queries: np.ndarray, k: int, L: int):
         entries = np.full((len(queries), 1), self.entry, np.int64)
-        return gs.beam_search_batch(self._keys, self._nbrs, self._degree, queries, entries, max(L, k), k, numba.get_num_threads())
+        ids, scores, scanned, words = gs.beam_search_batch(self._keys, self._nbrs, self._degree, queries, entries, max(L, k),
+                                                           k, numba.get_num_threads())
+        return ids, scores, scanned, gs.bytes_read(self.dim, scanned, words, 1)
 
     def _arrays(self) -> dict[str, np.ndarray]:
         return {"keys": self._keys, "nbrs": self._nbrs, "degree": self._degree, "entry": np.array([self.entry], np.int64)}
