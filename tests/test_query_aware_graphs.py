@@ -4,12 +4,15 @@ import numpy as np
 import pytest
 
 from anns_lab.errors import IndexConfigError
-from anns_lab.indexes import graph_search as gs
+from anns_lab.indexes.graph.edges import reachable_from
+from anns_lab.indexes.graph.roar import descent_gaps
+from anns_lab.indexes.graph.simd import dot
 from anns_lab.indexes import registry
 from anns_lab.indexes.roargraph import RoarGraphIndex
 from anns_lab.indexes.robust_vamana import RobustVamanaIndex
 from anns_lab.indexes.topk import topk_ip
 from anns_lab.testing import check_index, recall_at_k
+from graph_reference import sorted_list_search
 
 QUERY_AWARE = [RoarGraphIndex, RobustVamanaIndex]
 
@@ -99,7 +102,7 @@ def test_added_keys_are_found(cls):
     found = np.array([[t in row for t in trow] for row, trow in zip(res.ids, top)])
     assert found[selected].mean() >= 0.95, found[selected].mean()
     assert recall_at_k(res.ids, test, full, 20) >= 0.95
-    reach = gs.reachable_from(index._nbrs, index._degree, index.hubs)
+    reach = reachable_from(index.graph_arrays(), index.hubs)
     assert reach.all(), f"{(~reach).sum()} keys unreachable after add"
 
 
@@ -122,7 +125,7 @@ def test_save_load_identical(cls, tmp_path):
 def test_every_key_reachable():
     keys, train, _ = ood_data(5)
     index = RoarGraphIndex().build(keys, train[:200])  # few queries: most keys are nobody's pivot
-    assert gs.reachable_from(index._nbrs, index._degree, index.entries()).all()
+    assert reachable_from(index.graph_arrays(), index.entries()).all()
 
 
 @pytest.mark.parametrize("cls", QUERY_AWARE)
@@ -157,7 +160,7 @@ def test_bad_input(cls):
 
 
 def test_search_is_the_sorted_list_beam_search_and_allows_L_below_k():
-    """roargraph's search (graph_search.search_one: heaps) against the builds' sorted-list beam_search, in a
+    """roargraph's search (graph.search.search_one: heaps) against a sorted-list beam search, in a
     batch and one query at a time. The beam is L either way, so both scan the same nodes: for L ≥ k the same
     top-k, scores and count; for L < k (below the entry points too) k ids, the best k of every node scanned."""
     keys, train, test = ood_data(8)
@@ -168,16 +171,14 @@ def test_search_is_the_sorted_list_beam_search_and_allows_L_below_k():
     for L in (5, 12, 20, 50):
         res = index.search(test, k, L=L)
         for i, q in enumerate(test):
-            expanded = np.empty(len(data), np.int64)
-            ids, scores, _, n_scanned, ne = gs.beam_search(data, nbrs, degree, q, entries, L,
-                                                           np.zeros(len(data), np.int32), 1, expanded)
-            scanned = np.unique(np.concatenate([entries, *(nbrs[v, :degree[v]] for v in expanded[:ne])]))
+            ids, scores, n_scanned, expanded = sorted_list_search(data, nbrs, degree, q, entries, L, dot)
+            scanned = np.unique(np.concatenate([entries, *(nbrs[v, :degree[v]] for v in expanded)]))
             assert res.n_scanned[i] == n_scanned == len(scanned)  # every node once, entry points included
             if L >= k:
                 np.testing.assert_array_equal(res.ids[i], ids[:k])
                 np.testing.assert_array_equal(res.scores[i], scores[:k])
             else:
-                s = np.array([gs.dot(data[v], q) for v in scanned], np.float32)  # the kernel's bits
+                s = np.array([dot(data[v], q) for v in scanned], np.float32)  # the kernel's bits
                 best = np.argsort(-s, kind="stable")[:k]
                 np.testing.assert_array_equal(res.scores[i], s[best])
                 assert sorted(res.ids[i]) == sorted(scanned[best])
@@ -194,8 +195,6 @@ def test_search_is_the_sorted_list_beam_search_and_allows_L_below_k():
 def test_descent_links_give_mid_ranked_keys_in_edges(seed):
     """Keys in some training query's top list but nobody's pivot (best rank ≥ n_pivots) have no row of
     their own, hence no reverse edges; ``descent_links`` gives them in-edges from keys ranked above them."""
-    from anns_lab.indexes import graph_build as gb
-
     keys, train, _ = ood_data(seed)
     train = train[:300]  # few queries: many keys are only mid-ranked
     knn = topk_ip(train, keys, 100)
@@ -270,7 +269,7 @@ def test_add_in_small_batches():
         n = many.n_keys
         _, nbrs, degree = many.graph_arrays()
         assert nbrs.shape[0] == degree.shape[0] == n and np.shares_memory(nbrs, many._nbrs_buf)
-        assert gs.reachable_from(nbrs, degree, many.entries()).all(), s
+        assert reachable_from(many.graph_arrays(), many.entries()).all(), s
         assert (degree[n0:] > 0).all() and (degree <= many.params["R"]).all()
         assert _exact_lists_match(many, keys[:n])
         if s == n0 + 56:
@@ -303,7 +302,7 @@ def test_load_of_an_index_saved_without_cached_lists(tmp_path):
 
 
 def _descent_gaps_reference(keys, nbrs, degree, knn):
-    """Plain-numpy (query, rank) → source of :func:`graph_build._descent_gaps`: -1 where the key has an
+    """Plain-numpy (query, rank) → source of :func:`graph.roar.descent_gaps`: -1 where the key has an
     in-neighbour ranked above it in that query's list, else the key above it with the largest ip."""
     incoming = [set() for _ in range(len(keys))]
     for p in range(len(keys)):
@@ -318,13 +317,10 @@ def _descent_gaps_reference(keys, nbrs, degree, knn):
 
 
 def test_descent_gaps_match_a_plain_reference():
-    from anns_lab.indexes import graph_build as gb
-
     keys, train, _ = ood_data(7, n=600, m=80)
     index = RoarGraphIndex(descent_links=0).build(keys, train)
     knn = topk_ip(train, keys, 40)
-    ptr, src = gb._incoming(index._nbrs, index._degree, len(keys))
-    got = gb._descent_gaps(keys, knn, ptr, src, 2)
+    got = descent_gaps(index.graph_arrays(), knn, 2)
     ref = _descent_gaps_reference(keys, index._nbrs, index._degree, knn)
     assert (got >= 0).sum() > 50  # the case is exercised
     assert np.array_equal(got >= 0, ref >= 0)
@@ -337,14 +333,11 @@ def test_descent_gaps_match_a_plain_reference():
 @pytest.mark.parametrize("seed", [8, 9])
 def test_descent_links_give_every_listed_key_a_way_down(seed):
     """``descent_links``: far fewer keys of a training query's top list lack an in-neighbour ranked above them."""
-    from anns_lab.indexes import graph_build as gb
-
     keys, train, _ = ood_data(seed)
     knn = topk_ip(train, keys, 100)
 
     def gaps(index):
-        ptr, src = gb._incoming(index._nbrs, index._degree, len(keys))
-        return int((gb._descent_gaps(keys, knn, ptr, src, 1) >= 0).sum())
+        return int((descent_gaps(index.graph_arrays(), knn, 1) >= 0).sum())
 
     without, with_links = gaps(RoarGraphIndex(descent_links=0).build(keys, train)), gaps(RoarGraphIndex().build(keys, train))
     assert with_links < 0.7 * without, (with_links, without)  # measured: 0.41, 0.53

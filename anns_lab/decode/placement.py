@@ -24,7 +24,7 @@ import numpy as np
 from anns_lab.decode.kernels import attend_rows_and_range
 from anns_lab.indexes import registry
 from anns_lab.indexes.base import resolve_params
-from anns_lab.indexes.graph_search import GraphGroup
+from anns_lab.indexes.graph.multi import GraphGroup
 
 
 @dataclass

@@ -22,8 +22,12 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from anns_lab.indexes import graph_search as gs
+from anns_lab.errors import IndexConfigError
 from anns_lab.indexes.base import Index, Param
+from anns_lab.indexes.graph import Graph
+from anns_lab.indexes.graph.search import search_batch
+from anns_lab.indexes.graph.simd import dot
+from anns_lab.indexes.persist import expect, expect_ids
 
 
 class HNSWGraph:
@@ -78,7 +82,7 @@ def descend_batch(data, up_row, up_nbrs, up_deg, entry, max_level, queries):
     for qi in prange(nq):
         q = queries[qi]
         cur = entry
-        best = gs.dot(data[cur], q)
+        best = dot(data[cur], q)
         cnt = 1
         for level in range(max_level, 0, -1):
             changed = True
@@ -88,7 +92,7 @@ def descend_batch(data, up_row, up_nbrs, up_deg, entry, max_level, queries):
                 node = cur  # keep scanning the old node's list after moving, as hnswlib does
                 for j in range(up_deg[r, level - 1]):
                     nb = up_nbrs[r, level - 1, j]
-                    s = gs.dot(data[nb], q)
+                    s = dot(data[nb], q)
                     cnt += 1
                     if s > best:
                         best = s
@@ -135,7 +139,8 @@ class HNSWIndex(Index):
     def _search(self, queries: np.ndarray, k: int, ef: int):
         g = self.graph
         entries, descent = descend_batch(self._keys, g.up_row, g.up_nbrs, g.up_deg, g.entry, g.max_level, queries)
-        ids, scores, scanned = gs.beam_search_batch(self._keys, g.nbrs, g.degree, queries, entries, max(ef, k), k, numba.get_num_threads())
+        ids, scores, scanned = search_batch(Graph(self._keys, g.nbrs, g.degree), queries, entries, max(ef, k), k,
+                                            numba.get_num_threads())
         return ids, scores, scanned + descent
 
     def max_scanned(self) -> int:
@@ -154,11 +159,19 @@ class HNSWIndex(Index):
             return {"hnswlib_index": np.fromfile(path, np.uint8), "keys": self._keys}
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
-        keys = np.ascontiguousarray(arrays["keys"], dtype=np.float32)
-        p = hnswlib.Index(space="ip", dim=keys.shape[1])
+        keys = expect(arrays, "keys", np.float32, (self.n_keys, self.dim), finite=True)
+        blob = expect(arrays, "hnswlib_index", np.uint8, (None,))
+        p = hnswlib.Index(space="ip", dim=self.dim)
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "hnsw.bin")
-            arrays["hnswlib_index"].tofile(path)
-            p.load_index(path, max_elements=len(keys))
+            blob.tofile(path)
+            p.load_index(path, max_elements=len(keys))  # RuntimeError on a malformed file: load says so
+        if p.get_current_count() != len(keys) or p.dim != self.dim:
+            raise IndexConfigError(f"array 'hnswlib_index' holds {p.get_current_count()} keys of dimension {p.dim}, "
+                                   f"not {len(keys)} × {self.dim}")
         p.set_num_threads(1)
         self._set(p, keys)
+        g, n = self.graph, len(keys)
+        for name, ids in (("layer 0", g.nbrs), ("upper layers", g.up_nbrs)):
+            expect_ids(f"hnswlib_index ({name})", ids[ids >= 0], 0, n)
+        expect_ids("hnswlib_index (entry point)", np.array([g.entry]), 0, n)

@@ -60,39 +60,24 @@ included); keys live in a :class:`key_store.KeyStore` shared by indexes built on
 
 from __future__ import annotations
 
-import faiss
 import numba
 import numpy as np
 
 from anns_lab.errors import IndexConfigError
-from anns_lab.indexes import graph_build as gb
-from anns_lab.indexes import graph_search as gs
 from anns_lab.indexes.base import Index, Param
+from anns_lab.indexes.graph import Graph, roar, saved_graph
+from anns_lab.indexes.graph.edges import add_reverse_edges, link_back, link_unreachable, reachable_from
+from anns_lab.indexes.graph.hubs import query_hubs, saved_hubs
+from anns_lab.indexes.graph.multi import search_graphs
+from anns_lab.indexes.graph.search import search_batch, search_single
 from anns_lab.indexes.key_store import KeyStore
+from anns_lab.indexes.persist import expect, expect_ids
 from anns_lab.indexes.topk import topk_ip
 
 STRANDED_POOL = 8192  # candidate out-neighbours of a stranded key (see link_stranded)
 ADD_SERIAL = 1024  # adds of up to this many keys run on the calling thread: a thread-pool launch costs ms on a loaded machine
 ADD_SEARCH_L = 16  # beam of the search that links each added key (32: the same recall, 1.5x the time)
 LIST_PARAMS = ("M_sq", "n_pivots", "n_cand")  # the sizes build resolves (0 = auto), kept in self.lists and saved
-KMEANS_POINTS = 64  # training points per hub centroid (faiss subsamples): 256 took a quarter of the build
-
-
-def query_hubs(keys: np.ndarray, queries: np.ndarray, n_hubs: int, seed: int) -> np.ndarray:
-    """Up to ``n_hubs`` distinct keys: the top-1 key of each k-means centroid of ``queries`` (plus the
-    key of largest inner product with the mean query, always first)."""
-    mean_top = int(np.argmax(keys @ queries.mean(axis=0)))
-    if n_hubs <= 1 or len(queries) < 2:
-        return np.array([mean_top], np.int64)
-    c = min(n_hubs, len(queries))
-    km = faiss.Kmeans(queries.shape[1], c, niter=10, seed=seed, verbose=False, min_points_per_centroid=1,
-                      max_points_per_centroid=KMEANS_POINTS)
-    km.train(np.ascontiguousarray(queries))
-    top = topk_ip(km.centroids, keys, 1)[:, 0].astype(np.int64)
-    hubs = [mean_top] + [int(h) for h in top]
-    return np.array(list(dict.fromkeys(hubs)), np.int64)  # unique, order kept
-
-
 def subsample(queries: np.ndarray, at_most: int) -> np.ndarray:
     """At most ``at_most`` rows of ``queries`` at an even stride, counted back from the newest (always kept):
     neighbouring prefill queries select nearly the same keys, so a stride loses little of the bipartite graph."""
@@ -122,7 +107,7 @@ def link_stranded(keys: np.ndarray, nbrs: np.ndarray, degree: np.ndarray, entrie
     query's top list: about half of them on real heads): their ``k`` nearest keys by inner product, one
     blocked kNN for all of them. ``link_unreachable`` then finds each an in-edge among its (or its
     neighbours') reachable neighbours instead of scanning every key per stranded key."""
-    reach = gs.reachable_from(nbrs, degree, entries)
+    reach = reachable_from(Graph(keys, nbrs, degree), entries)
     stranded = np.flatnonzero(~reach & (degree == 0))
     if len(stranded) == 0:
         return
@@ -192,24 +177,19 @@ class RoarGraphIndex(Index):
         weights = np.ones(len(train_queries), np.float32)
         if p["recent_frac"] > 0:
             weights[len(weights) - int(round(p["recent_frac"] * len(weights))):] = p["recent_weight"]
-        nbrs = np.full((n, p["R"]), -1, np.int32)
-        degree = np.zeros(n, np.int32)
-        ptr, occ_q, occ_r = gb.key_occurrences(knn, n, m_sq)
-        key_weight = None
-        if p["idf"] > 0:  # down-weight keys that are in every list (sinks) in each pivot's candidate order
-            key_weight = (np.diff(ptr).astype(np.float32) + 1.0) ** np.float32(-p["idf"])
-        gb.project_rows(keys, knn, weights, ptr, occ_q, occ_r, self.lists["n_pivots"], p["n_sel"], self.lists["n_cand"],
-                        p["max_cand"], p["alpha"], p["M"], nbrs, degree, threads, key_weight)
+        g = Graph(keys, np.full((n, p["R"]), -1, np.int32), np.zeros(n, np.int32))
+        roar.project_rows(g, roar.bipartite(knn, weights, n, m_sq, p["idf"]), self._sizes(self.lists["n_pivots"]),
+                          p["alpha"], threads)
         pa = max(p["alpha"], 1.0)  # the reverse/enhancement prunes always use the RobustPrune rule
-        nbrs, degree = gb.add_reverse_edges(keys, nbrs, degree, pa, p["R"])
+        add_reverse_edges(g, pa, p["R"], threads)
         if p["descent_links"] > 0:
-            gb.link_descent(keys, nbrs, degree, knn, p["descent_rank"], p["descent_links"], pa, p["R"], threads)
+            roar.link_descent(g, knn, p["descent_rank"], p["descent_links"], (pa, p["R"]), threads)
         self.hubs = query_hubs(keys, train_queries, p["n_hubs"], p["seed"])
         if p["enhance_L"] > 0:
-            nbrs, degree = gb.connect_by_search(keys, nbrs, degree, self.hubs, p["enhance_L"], pa, p["R"],
-                                                p["M_link"], threads)
+            roar.connect_by_search(g, self.hubs, p["enhance_L"], (pa, p["R"], p["M_link"]), threads)
+        nbrs, degree = g.nbrs, g.degree
         link_stranded(keys, nbrs, degree, self.hubs, p["M_link"])
-        gb.link_unreachable(keys, nbrs, degree, self.hubs, p["R"])
+        link_unreachable(g, self.hubs, p["R"])
         self._store = KeyStore.for_array(keys)
         self._nbrs_buf, self._deg_buf = nbrs, degree
         self._expose(n)
@@ -223,6 +203,11 @@ class RoarGraphIndex(Index):
         auto_m_sq, auto_pivots = auto_lists(n)
         m_sq = p["M_sq"] or auto_m_sq
         return {"M_sq": m_sq, "n_pivots": p["n_pivots"] or auto_pivots, "n_cand": min(p["n_cand"] or m_sq, m_sq)}
+
+    def _sizes(self, n_pivots: int) -> tuple:
+        """(n_pivots, n_sel, n_cand, max_cand, M) of :func:`roar.project_rows`."""
+        p = self.params
+        return n_pivots, p["n_sel"], self.lists["n_cand"], p["max_cand"], p["M"]
 
     def _cache_lists(self, keys: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> None:
         """Keep each kept query's top keys ``ids`` with their scores, best first, padded to M_sq (-1 / -inf)
@@ -265,28 +250,24 @@ class RoarGraphIndex(Index):
         self._store.append(n0, keys)
         data = self._store.view(n)
         self._expose(n)
-        nbrs, degree = self._nbrs, self._degree  # written in place: only the new rows and their neighbours' change
+        g = Graph(data, self._nbrs, self._degree)  # written in place: only the new rows and their neighbours' change
         threads = 1 if t <= ADD_SERIAL else numba.get_num_threads()
         new = np.arange(n0, n, dtype=np.int64)
         if len(self._recent_q):
-            changed = gb.merge_topk(self._q_ids, self._q_scores, self._recent_q, data[n0:], n0)
+            changed = roar.merge_topk(self._q_ids, self._q_scores, self._recent_q, data[n0:], n0)
             if changed.any():
                 m_sq = min(self.lists["M_sq"], n)
                 sel = np.ascontiguousarray(self._q_ids[changed, :m_sq])  # the selecting queries' updated lists
-                ptr, occ_q, occ_r = gb.key_occurrences(sel, n, m_sq)
-                rows = new[ptr[new + 1] > ptr[new]]
-                key_weight = None
-                if p["idf"] > 0:  # as the build, from the lists at hand
-                    key_weight = (np.diff(ptr).astype(np.float32) + 1.0) ** np.float32(-p["idf"])
-                gb.project_rows(data, sel, self._q_w[changed], ptr, occ_q, occ_r, m_sq, p["n_sel"], self.lists["n_cand"],
-                                p["max_cand"], p["alpha"], p["M"], nbrs, degree, threads, key_weight, rows=rows)
-                gb.link_back(data, nbrs, degree, rows, pa, p["R"], threads)
+                bip = roar.bipartite(sel, self._q_w[changed], n, m_sq, p["idf"])  # idf as the build, from these lists
+                rows = new[bip.ptr[new + 1] > bip.ptr[new]]
+                roar.project_rows(g, bip, self._sizes(m_sq), p["alpha"], threads, rows=rows)
+                link_back(g, rows, pa, p["R"], threads)
         # Every new key is also searched for and linked from the keys it finds (out-edges too for those no
         # kept query selected): in-edges from its own neighbourhood reach it from queries unlike the kept
-        # ones (decode queries drift). On SmolLM2 8K heads: new-key recall +0 to +2 points, ~1 ms per 64 keys.
-        gb.connect_by_search(data, nbrs, degree, self.hubs, max(p["enhance_L"], ADD_SEARCH_L), pa, p["R"], p["M_link"],
-                             threads, targets=new, prune_full=True)
-        gb.link_unreachable(data, nbrs, degree, self.hubs, p["R"])  # a pruned row may have cut a key's only way in
+        # ones (decode queries drift).
+        roar.connect_by_search(g, self.hubs, max(p["enhance_L"], ADD_SEARCH_L), (pa, p["R"], p["M_link"]), threads,
+                               targets=new, prune_full=True)
+        link_unreachable(g, self.hubs, p["R"])  # a pruned row may have cut a key's only way in
 
     # -- search ------------------------------------------------------------------------------------
 
@@ -307,23 +288,22 @@ class RoarGraphIndex(Index):
         e = self.entries()
         return np.ascontiguousarray(np.broadcast_to(e, (len(queries), len(e))))
 
-    def graph_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(keys, nbrs, degree) as the search kernels take them (see :mod:`graph_search`)."""
-        return self._keys, self._nbrs, self._degree
+    def graph_arrays(self) -> Graph:
+        """(keys, nbrs, degree) as the search kernels take them (:class:`graph.Graph`)."""
+        return Graph(self._keys, self._nbrs, self._degree)
 
     def _search(self, queries: np.ndarray, k: int, L: int):
-        keys, nbrs, degree = self.graph_arrays()
         if len(queries) == 1:  # batch 1 (decoding): on this thread, with its reused workspace
-            return gs.search_single(keys, nbrs, degree, queries[0], self.entries(), L, k)
-        return gs.beam_search_batch(keys, nbrs, degree, queries, self.entries_for(queries), L, k, numba.get_num_threads())
+            return search_single(self.graph_arrays(), queries[0], self.entries(), L, k)
+        return search_batch(self.graph_arrays(), queries, self.entries_for(queries), L, k, numba.get_num_threads())
 
     @classmethod
     def search_group(cls, indexes, queries, k, L: int = 100):
         """One kernel call for the query heads of a layer (the decoder's per-step search).
 
-        ``graph_search.search_graphs`` runs the heads' beam searches interleaved in one kernel: the same
-        nodes and results as :meth:`search` (``graph_search.search_one``), L < k included."""
-        return gs.search_graphs(indexes, queries, k, L)
+        ``graph.multi.search_graphs`` runs the heads' searches interleaved in one kernel: the same
+        nodes and results as :meth:`search` (``graph.search.search_one``), L < k included."""
+        return search_graphs(indexes, queries, k, L)
 
     # -- persistence -------------------------------------------------------------------------------
 
@@ -338,21 +318,22 @@ class RoarGraphIndex(Index):
                 "lists": np.array([self.lists[k] for k in LIST_PARAMS], np.int64)}
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
-        keys = np.ascontiguousarray(arrays["keys"], dtype=np.float32)
+        p, n = self.params, self.n_keys
+        if p["R"] < p["M"]:
+            raise IndexConfigError(f"parameter R={p['R']} is smaller than M={p['M']}")
+        keys, self._nbrs_buf, self._deg_buf = saved_graph(arrays, n, self.dim, p["R"])
         self._store = KeyStore(keys)
-        self._nbrs_buf = np.ascontiguousarray(arrays["nbrs"], dtype=np.int32)
-        self._deg_buf = np.ascontiguousarray(arrays["degree"], dtype=np.int32)
-        self._expose(len(keys))
-        self.hubs = arrays["hubs"].astype(np.int64)
-        if "lists" in arrays:
-            self.lists = dict(zip(LIST_PARAMS, arrays["lists"].tolist()))
-        else:  # saved before auto sizes existed: the parameters were explicit then
-            self.lists = {k: self.params[k] for k in LIST_PARAMS}
-        self._recent_q = np.ascontiguousarray(arrays["recent_q"], dtype=np.float32)
-        if "q_ids" in arrays:
-            self._q_ids = np.ascontiguousarray(arrays["q_ids"], dtype=np.int32)
-            self._q_scores = np.ascontiguousarray(arrays["q_scores"], dtype=np.float32)
-            self._q_w = np.ascontiguousarray(arrays["q_w"], dtype=np.float32)
-        else:  # saved before the lists were: recompute them (exact, as add keeps them)
-            ids = topk_ip(self._recent_q, keys, self.lists["M_sq"]) if len(self._recent_q) else np.empty((0, 0), np.int32)
-            self._cache_lists(keys, ids, np.ones(len(self._recent_q), np.float32))
+        self._expose(n)
+        self.hubs = saved_hubs(arrays, n)
+        self.lists = dict(zip(LIST_PARAMS, expect(arrays, "lists", np.int64, (len(LIST_PARAMS),)).tolist()))
+        m_sq = self.lists["M_sq"]
+        if not (1 <= m_sq <= self.build_params["M_sq"].high and 1 <= self.lists["n_cand"] <= m_sq
+                and 1 <= self.lists["n_pivots"] <= m_sq):
+            raise IndexConfigError(f"array 'lists' holds impossible list sizes {self.lists}")
+        self._recent_q = expect(arrays, "recent_q", np.float32, (None, self.dim), finite=True)
+        m = len(self._recent_q)
+        self._q_ids = expect_ids("q_ids", expect(arrays, "q_ids", np.int32, (m, m_sq)), -1, n)
+        self._q_scores = expect(arrays, "q_scores", np.float32, (m, m_sq))
+        if np.isnan(self._q_scores).any() or np.isposinf(self._q_scores).any():
+            raise IndexConfigError("array 'q_scores' holds NaN or +inf")
+        self._q_w = expect(arrays, "q_w", np.float32, (m,), finite=True)

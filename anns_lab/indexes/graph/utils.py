@@ -1,0 +1,218 @@
+"""Shared pieces of the graph kernels, in pynndescent's ``utils`` manner: binary heaps as parallel
+(score, id) arrays, epoch-stamped visited sets, the per-thread search workspace, and the one helper
+that runs a chunked kernel serially or on a thread pool.
+
+Heaps: the beam is a min-heap of the L best nodes scanned (its root is the worst), the frontier a
+max-heap of nodes not yet expanded (hnswlib's two-heap best-first search): every insertion is
+O(log L) where a sorted candidate list shifts O(L) entries.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True, nogil=True, inline="always")
+def push_min(hs, hi, n, s, v):
+    """Push (s, v) on the min-heap ``hs``/``hi`` of size n; return the new size."""
+    i = n
+    while i > 0:
+        p = (i - 1) >> 1
+        if hs[p] <= s:
+            break
+        hs[i] = hs[p]
+        hi[i] = hi[p]
+        i = p
+    hs[i] = s
+    hi[i] = v
+    return n + 1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def sift_min(hs, hi, n, s, v):
+    """Put (s, v) at the root of the min-heap of size n and sift it down."""
+    i = 0
+    while True:
+        c = 2 * i + 1
+        if c >= n:
+            break
+        if c + 1 < n and hs[c + 1] < hs[c]:
+            c += 1
+        if hs[c] >= s:
+            break
+        hs[i] = hs[c]
+        hi[i] = hi[c]
+        i = c
+    hs[i] = s
+    hi[i] = v
+
+
+@njit(cache=True, nogil=True, inline="always")
+def push_max(hs, hi, n, s, v):
+    """Push (s, v) on the max-heap of size n; return the new size."""
+    i = n
+    while i > 0:
+        p = (i - 1) >> 1
+        if hs[p] >= s:
+            break
+        hs[i] = hs[p]
+        hi[i] = hi[p]
+        i = p
+    hs[i] = s
+    hi[i] = v
+    return n + 1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def pop_max(hs, hi, n):
+    """Drop the root of the max-heap of size n; return the new size."""
+    n -= 1
+    s = hs[n]
+    v = hi[n]
+    i = 0
+    while True:
+        c = 2 * i + 1
+        if c >= n:
+            break
+        if c + 1 < n and hs[c + 1] > hs[c]:
+            c += 1
+        if hs[c] <= s:
+            break
+        hs[i] = hs[c]
+        hi[i] = hi[c]
+        i = c
+    if n > 0:
+        hs[i] = s
+        hi[i] = v
+    return n
+
+
+class Workspace(NamedTuple):
+    """Scratch arrays of one search, reused from query to query (no n-sized allocation per query).
+
+    ``visited`` (≥ n,) int32 is stamped with the query's epoch (bump it per query: no clearing);
+    ``heap_s``/``heap_i`` hold the beam, top-k and frontier heaps (≥ :func:`heap_slots`); ``expanded``
+    receives the expanded nodes in order, as far as it has room (the builds; empty at query time).
+    """
+
+    visited: np.ndarray
+    heap_s: np.ndarray
+    heap_i: np.ndarray
+    expanded: np.ndarray
+
+
+def heap_slots(n: int, L: int, k: int) -> int:
+    """Heap slots a search needs for n keys, beam L, top-k: the beam, the top-k heap when L < k, the frontier."""
+    return n + L + (k if L < k else 0)
+
+
+def workspace(n: int, L: int, k: int, expanded: int = 0) -> Workspace:
+    """A fresh :class:`Workspace` for searches of n keys, beam L, top-k, recording ``expanded`` nodes."""
+    slots = heap_slots(n, L, k)
+    return Workspace(np.zeros(n, np.int32), np.empty(slots, np.float32), np.empty(slots, np.int64),
+                     np.empty(expanded, np.int64))
+
+
+_LOCAL = threading.local()
+_NO_EXPANDED = np.empty(0, np.int64)
+
+
+def thread_workspace(h: int, n: int, L: int, k: int = 0) -> tuple[Workspace, list[Workspace], int]:
+    """This thread's workspace for h searches at once ((h, ≥n) visited, (h, ≥ heap_slots) heaps), its
+    rows as :class:`Workspace` values, and a fresh epoch; grown when too small, kept between calls."""
+    ws = getattr(_LOCAL, "ws", None)
+    slots = heap_slots(n, L, k)
+    if ws is None or ws[0].visited.shape[0] < h or ws[0].visited.shape[1] < n or ws[0].heap_s.shape[1] < slots:
+        old = ws[0] if ws else None
+        hh = max(h, old.visited.shape[0] if old else 0)
+        nn = max(n, old.visited.shape[1] if old else 0)
+        width = max(nn + slots - n, old.heap_s.shape[1] if old else 0)
+        full = Workspace(np.zeros((hh, nn), np.int32), np.empty((hh, width), np.float32),
+                         np.empty((hh, width), np.int64), _NO_EXPANDED)
+        ws = [full, [Workspace(full.visited[i], full.heap_s[i], full.heap_i[i], _NO_EXPANDED) for i in range(hh)], 0]
+        _LOCAL.ws = ws
+    if ws[2] >= 2**31 - 2:
+        ws[0].visited[:] = 0
+        ws[2] = 0
+    ws[2] += 1
+    return ws[0], ws[1], ws[2]
+
+
+_POOL: list = [None]
+
+
+def run_chunks(kernel, args: tuple, n_items: int, n_threads: int) -> None:
+    """Run ``kernel(*args, c, n_chunks)`` for every chunk c of ``n_items`` items over ``n_threads``.
+
+    One chunk runs on the calling thread (no pool hand-off: it costs ms on a loaded machine);
+    more run on a shared thread pool, which is parallel because every kernel is ``nogil``. Each
+    kernel decides which items chunk c owns and writes only their slots, so results do not depend
+    on the thread count. (Not numba's ``prange``: a parallel loop cannot capture the tuples the
+    kernels take.)
+    """
+    n_chunks = max(1, min(n_items, n_threads))
+    if n_chunks == 1:
+        kernel(*args, 0, 1)
+        return
+    pool = _POOL[0]
+    if pool is None or pool._max_workers < n_chunks:
+        pool = _POOL[0] = ThreadPoolExecutor(n_chunks, thread_name_prefix="anns-lab-graph")
+    for f in [pool.submit(kernel, *args, c, n_chunks) for c in range(n_chunks)]:
+        f.result()
+
+
+@njit(cache=True, nogil=True, inline="always")
+def mark_fresh(cands, visited, epoch, fresh):
+    """Copy the nodes of ``cands`` not yet visited (``-1`` skipped) into ``fresh`` in order, marking them; return how many."""
+    m = 0
+    for v in cands:
+        if v >= 0 and visited[v] != epoch:
+            visited[v] = epoch
+            fresh[m] = v
+            m += 1
+    return m
+
+
+@njit(cache=True, nogil=True, inline="always")
+def offer(rs, ri, cs, ci, nr, nc, L, s, v):
+    """Offer scanned node v (score s) to the beam (min-heap ``rs``/``ri`` of the L best, size nr); if it
+    enters, push it on the frontier (max-heap ``cs``/``ci``, size nc). Returns (nr, nc)."""
+    if nr < L:
+        nr = push_min(rs, ri, nr, s, v)
+    elif s > rs[0]:
+        sift_min(rs, ri, nr, s, v)
+    else:
+        return nr, nc
+    return nr, push_max(cs, ci, nc, s, v)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def pop_next(rs, cs, ci, nr, nc, L):
+    """Pop the next node to expand: (node, nc), node -1 when the search is done (the frontier is empty, or its
+    best is worse than the worst of a full beam: every node of the beam is expanded)."""
+    if nc == 0 or (nr == L and cs[0] < rs[0]):
+        return -1, nc
+    node = ci[0]
+    return node, pop_max(cs, ci, nc)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def drain(hs, hi, n, out_ids, out_scores):
+    """Pop the min-heap ``hs``/``hi`` of size n into ``out_ids``/``out_scores``: its k = ``len(out_ids)`` best,
+    best first, padded with -1 / -inf."""
+    k = out_ids.shape[0]
+    for j in range(n, k):
+        out_ids[j] = -1
+        out_scores[j] = -np.inf
+    while n > 0:  # worst first: the node popped when n nodes are left has rank n - 1
+        n -= 1
+        if n < k:
+            out_ids[n] = hi[0]
+            out_scores[n] = hs[0]
+        if n > 0:
+            sift_min(hs, hi, n, hs[n], hi[n])
