@@ -1,11 +1,18 @@
 """anns-lab: attention-query to key retrieval, from captured Q/K/V to a RetrievalAttention decoder.
 
-Stages (each imports only from the ones before it): ``dumps`` → ``indexes`` → ``eval`` → ``decode``.
+Floors, bottom to top; a module imports only from its own floor and those below it
+(``tests/test_layering.py`` checks every import):
+
+0. ``errors``, ``version``, ``io`` (atomic writes), ``window``, ``cli_types``;
+1. ``dumps``: models and prompts (used by the decoder too), capture and the Parquet format;
+2. ``indexes``: the protocol, the registry and the zoo;
+3. ``eval``: head data, metrics, the sweep, its results table (``eval.table``) and the report;
+4. ``decode``: the RetrievalAttention decoder;
+5. this package root, ``cli`` and ``testing`` (the conformance kit).
 """
 
 from anns_lab.errors import AnnsLabError
-
-__version__ = "0.1.0"
+from anns_lab.version import __version__
 
 __all__ = ["AnnsLabError", "open_dump", "__version__"]
 

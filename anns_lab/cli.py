@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from anns_lab import __version__
+from anns_lab.version import __version__
 from anns_lab.errors import AnnsLabError
 
 

@@ -4,22 +4,19 @@ from __future__ import annotations
 
 import click
 
+from anns_lab.window import Window, WindowError
+
 
 class WindowType(click.ParamType):
     """The static window ``SINK,RECENT``: first SINK and most recent RECENT tokens (design.md §8)."""
 
     name = "SINK,RECENT"
 
-    def convert(self, value, param, ctx) -> tuple[int, int]:
-        if isinstance(value, tuple):
-            return value
+    def convert(self, value, param, ctx) -> Window:
         try:
-            sink, recent = (int(x) for x in str(value).split(","))
-        except ValueError:
-            self.fail(f"{value!r}: write SINK,RECENT token counts, e.g. 128,512", param, ctx)
-        if sink < 0 or recent < 0:
-            self.fail(f"{value!r}: SINK,RECENT must be non-negative token counts", param, ctx)
-        return sink, recent
+            return Window(*value) if isinstance(value, tuple) else Window.parse(value)
+        except WindowError as err:
+            self.fail(str(err), param, ctx)
 
 
 WINDOW = WindowType()

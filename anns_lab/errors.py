@@ -21,5 +21,9 @@ class IndexConfigError(AnnsLabError):
     """An index name, parameter or input array is not acceptable."""
 
 
+class IndexResultError(AnnsLabError):
+    """An index (often a plugin) returned a result that breaks the protocol: the message names it and the rule."""
+
+
 class DecodeError(AnnsLabError):
     """Bad decode input: mode, task, window, top-k, context."""

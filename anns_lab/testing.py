@@ -27,6 +27,7 @@ import numpy as np
 
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes.base import Index, SearchResult
+from anns_lab.indexes.protocol import result_problem
 
 
 def easy_data(n_keys: int = 1000, dim: int = 16, n_queries: int = 40, seed: int = 0) -> tuple[np.ndarray, ...]:
@@ -50,36 +51,9 @@ def recall_at_k(ids: np.ndarray, queries: np.ndarray, keys: np.ndarray, k: int) 
 
 
 def check_result(index: Index, res: SearchResult, queries: np.ndarray, keys: np.ndarray, k: int, where: str) -> None:
-    """Assert the result policy for one search: shapes, ids, scores and counts."""
-    nq, n = len(queries), len(keys)
-    ids, scores, scanned = res
-    assert ids.shape == (nq, k) and ids.dtype == np.int64, f"{where}: ids must be int64 (nq, k), got {ids.dtype} {ids.shape}"
-    assert scores.shape == (nq, k) and scores.dtype == np.float32, f"{where}: scores must be float32 (nq, k)"
-    assert scanned.shape == (nq,) and scanned.dtype == np.int64, f"{where}: n_scanned must be int64 (nq,)"
-    assert ((ids >= -1) & (ids < n)).all(), f"{where}: ids outside [0, {n}) and not the -1 padding"
-    valid = ids >= 0
-    assert (valid[:, :-1] >= valid[:, 1:]).all(), f"{where}: -1 padding must only trail each row"
-    assert np.isneginf(scores[~valid]).all(), f"{where}: padded slots must have score -inf"
-    for row in range(nq):
-        got = ids[row, valid[row]]
-        assert len(np.unique(got)) == len(got), f"{where}: query {row} returns an id twice"
-    assert _sorted_rows(scores, valid), f"{where}: scores must be sorted in descending order"
-    true = np.einsum("qd,qkd->qk", queries.astype(np.float64), keys[np.where(valid, ids, 0)].astype(np.float64))
-    scale = np.abs(queries).sum(axis=1, keepdims=True) * np.abs(keys).max() + 1e-6
-    err = np.where(valid, np.abs(scores - true) / scale, 0.0)
-    assert err.max() < 1e-5, f"{where}: returned scores differ from q·k of the returned ids (max rel err {err.max():.2e})"
-    assert (scanned >= valid.sum(axis=1)).all(), f"{where}: n_scanned is below the number of returned ids"
-    assert (scanned <= index.max_scanned()).all(), f"{where}: n_scanned {scanned.max()} exceeds max_scanned() = {index.max_scanned()}"
-
-
-def _sorted_rows(scores: np.ndarray, valid: np.ndarray) -> bool:
-    # Compare neighbours that are both real results (padding trails, so that is every pair that matters);
-    # zeros in the padded slots keep -inf - -inf (a RuntimeWarning) out of the subtraction.
-    # Tolerate float32 ties that differ in the last bit.
-    s = np.where(valid, scores, 0.0).astype(np.float64)
-    both = valid[:, :-1] & valid[:, 1:]
-    d = np.diff(s, axis=1)[both]
-    return bool((d <= 1e-6 * (1 + np.abs(s[:, 1:][both]))).all())
+    """Assert the result policy for one search (``anns_lab.indexes.protocol``): shapes, ids, scores and counts."""
+    problem = result_problem(res, len(queries), k, len(keys), index.max_scanned(), queries, keys)
+    assert problem is None, f"{where}: {problem}"
 
 
 def _same(a: SearchResult, b: SearchResult, what: str) -> None:

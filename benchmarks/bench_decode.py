@@ -39,11 +39,11 @@ def main() -> None:
     from anns_lab.decode.engine import Settings
     from anns_lab.decode.modes import parse_modes, parse_params
     from anns_lab.dumps.models import load_model
+    from anns_lab.window import Window
 
     if a.device == "cpu":
         torch.set_num_threads(a.torch_threads)
-    sink, recent = (int(x) for x in a.window.split(","))
-    settings = Settings(sink=sink, recent=recent, topk=a.topk, add_batch=a.add_batch, chunk=2048,
+    settings = Settings(Window.parse(a.window), topk=a.topk, add_batch=a.add_batch, chunk=2048,
                         train_queries=a.train_queries)
     modes = parse_modes(a.modes, parse_params(a.param), {})
     t0 = time.perf_counter()

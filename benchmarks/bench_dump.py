@@ -22,7 +22,8 @@ import torch
 
 from anns_lab.dumps.models import load_model
 from anns_lab.dumps.prompts import build_prompt
-from anns_lab.dumps.run import forward_tokens, run_dump
+from anns_lab.dumps.models import forward_tokens
+from anns_lab.dumps.run import run_dump
 
 
 def plain_prefill_seconds(model: str, tokens: int, chunk: int) -> tuple[float, float]:

@@ -16,8 +16,9 @@ from anns_lab.decode.cache import WindowLayer, device_kv_bytes, window_cache
 from anns_lab.decode.engine import Mode, Settings, prefill, run_mode, summarize
 from anns_lab.decode.placement import IndexPlan
 from anns_lab.dumps.models import load_model
-from anns_lab.dumps.run import forward_tokens
+from anns_lab.dumps.models import forward_tokens
 from anns_lab.errors import DecodeError
+from anns_lab.window import Window
 
 
 def _tokens(positions, g=2, d=3) -> torch.Tensor:
@@ -36,7 +37,7 @@ def _positions(t: torch.Tensor) -> list[int]:
 @pytest.mark.parametrize("sink, recent", [(4, 8), (0, 5), (3, 1)])
 def test_ring_holds_exactly_the_window_and_evicts_in_order(sink, recent):
     evicted = []
-    layer = WindowLayer(7, sink, recent, lambda i, k, v: evicted.append((i, int(k[0, 0, 0, 0]), int(v[0, 1, 0, 2]))))
+    layer = WindowLayer(7, Window(sink, recent), lambda i, k, v: evicted.append((i, int(k[0, 0, 0, 0]), int(v[0, 1, 0, 2]))))
     n = sink + 3 * recent + 5  # the ring wraps several times
     for p in range(n):
         keys, values = layer.update(_tokens([p]), _tokens([p]))
@@ -52,7 +53,7 @@ def test_cut_from_a_full_layer_then_decode():
     full = DynamicLayer()
     full.update(_tokens(range(n)), _tokens(range(n)))
     evicted = []
-    layer = WindowLayer.from_layer(full, 0, sink, recent, lambda i, k, v: evicted.append(int(k[0, 0, 0, 0])))
+    layer = WindowLayer.from_layer(full, 0, Window(sink, recent), lambda i, k, v: evicted.append(int(k[0, 0, 0, 0])))
     assert layer.get_seq_length() == n and layer.stored == sink + recent
     assert _positions(layer.keys) == list(range(sink)) + list(range(n - recent, n))
     assert full.keys.shape[-2] == n  # the full cache is left as it was
@@ -63,14 +64,14 @@ def test_cut_from_a_full_layer_then_decode():
     # A short cache (nothing outside the window yet) is copied as it is and fills up by appending.
     short = DynamicLayer()
     short.update(_tokens(range(5)), _tokens(range(5)))
-    layer = WindowLayer.from_layer(short, 0, sink, recent)
+    layer = WindowLayer.from_layer(short, 0, Window(sink, recent))
     assert layer.get_seq_length() == 5 and _positions(layer.keys) == list(range(5))
     keys, _ = layer.update(_tokens(range(5, 12)), _tokens(range(5, 12)))
     assert _positions(keys) == list(range(12))
 
 
 def test_mask_sizes_describe_the_stored_window():
-    layer = WindowLayer(0, 2, 3)
+    layer = WindowLayer(0, Window(2, 3))
     assert layer.get_mask_sizes(4) == (4, 0)
     layer.update(_tokens(range(4)), _tokens(range(4)))
     assert layer.get_mask_sizes(1) == (5, 0)
@@ -82,8 +83,8 @@ def test_mask_sizes_describe_the_stored_window():
 
 def test_bad_use_is_refused():
     with pytest.raises(DecodeError, match="sink must be"):
-        WindowLayer(0, 2, 0)
-    layer = WindowLayer(3, 2, 3)
+        WindowLayer(0, Window(2, 0))
+    layer = WindowLayer(3, Window(2, 3))
     layer.update(_tokens(range(5)), _tokens(range(5)))
     with pytest.raises(DecodeError, match="one token per forward"):
         layer.update(_tokens([5, 6]), _tokens([5, 6]))
@@ -94,7 +95,7 @@ def test_bad_use_is_refused():
 
 
 def test_device_kv_bytes_counts_keys_and_values():
-    layer = WindowLayer(0, 2, 3)
+    layer = WindowLayer(0, Window(2, 3))
     layer.update(_tokens(range(4)), _tokens(range(4)))
     cache = type("C", (), {"layers": [layer, DynamicLayer()]})()
     assert device_kv_bytes(cache) == 2 * (1 * 2 * 4 * 3) * 4
@@ -104,7 +105,7 @@ def test_device_kv_bytes_counts_keys_and_values():
 
 PROMPT = 48
 STEPS = 40  # 3.5 rotations of the recent ring: a wrong slot or position would show
-SETTINGS = Settings(sink=4, recent=8, topk=PROMPT + STEPS - 12, add_batch=4, chunk=16)
+SETTINGS = Settings(Window(4, 8), topk=PROMPT + STEPS - 12, add_batch=4, chunk=16)
 
 
 @pytest.fixture(scope="module", params=["tiny_llama", "tiny_gemma3"])
@@ -130,7 +131,7 @@ def test_device_holds_the_window_only_and_decoding_stays_exact(prefilled):
         assert _rel(a, b) < 1e-4, step
     assert run.tokens == full.tokens
     seen = PROMPT + STEPS - 1  # tokens through the model by the last forward
-    window = SETTINGS.sink + SETTINGS.recent
+    window = SETTINGS.window.size
     for i, layer in enumerate(run.cache.layers):
         assert layer.get_seq_length() == seen  # true length, which transformers' masks and positions rely on
         if i in lm.long_range_layers:
@@ -153,7 +154,7 @@ def test_window_mode_drops_what_leaves_and_reports_device_bytes(prefilled):
     # The ring keeps exactly the window, step after step (a token kept too long or evicted too soon would show).
     for step, (a, b) in enumerate(zip(run.logits, _masked_window_reference(lm, pre, SETTINGS, STEPS))):
         assert _rel(a, b.to("cpu")) < 1e-4, step
-    window = SETTINGS.sink + SETTINGS.recent
+    window = SETTINGS.window.size
     for i in lm.long_range_layers:
         assert run.cache.layers[i].keys.shape[-2] == window
     assert run.device_kv_bytes == device_kv_bytes(run.cache)
@@ -169,7 +170,7 @@ def test_model_attention_on_the_window_cache_sees_the_window(prefilled):
     """The masks transformers builds from the window cache fit it: eager attention over it is window attention."""
     lm, pre, _ = prefilled
     run = run_mode(lm, pre, Mode("window"), SETTINGS, 2, keep_logits=True)
-    cache = window_cache(pre.cache, lm.long_range_layers, SETTINGS.sink, SETTINGS.recent)
+    cache = window_cache(pre.cache, lm.long_range_layers, SETTINGS.window)
     ids = list(pre.ids) + [int(pre.logits.argmax())]
     inner = lm.model.config._attn_implementation
     lm.model.set_attn_implementation("eager")  # materialises the masks (sdpa may skip them on one token)
@@ -183,7 +184,7 @@ def test_model_attention_on_the_window_cache_sees_the_window(prefilled):
 
 def test_retrieval_step_refuses_a_full_device_cache(prefilled):
     lm, pre, _ = prefilled
-    ctl = Retrieval(lm.long_range_layers, "window", SETTINGS.sink, SETTINGS.recent, False)
+    ctl = Retrieval(lm.long_range_layers, "window", SETTINGS.window, False)
     ctl.phase = "decode"
     ids = list(pre.ids) + [5]
     with torch.inference_mode(), retrieving(lm.model, ctl), pytest.raises(DecodeError, match="window cache"):

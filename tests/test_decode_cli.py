@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from anns_lab.cli import main
 from anns_lab.decode.modes import parse_modes, pick_from_sweep
-from anns_lab.eval.sweep import COLUMNS
+from anns_lab.eval.table import COLUMNS
 
 
 def _run(*args):

@@ -13,6 +13,7 @@ from anns_lab.decode.kernels import attend_rows, attend_window, merge
 from anns_lab.decode.placement import IndexPlan
 from anns_lab.dumps.models import load_model
 from anns_lab.indexes import registry
+from anns_lab.window import Window
 
 # Index modes checked for exactness; search parameters are each index's most thorough setting (capped).
 CANDIDATES = ("flat", "ivf", "hnsw", "vamana", "roargraph", "robust-vamana")
@@ -80,7 +81,7 @@ def test_merge_with_an_empty_side_and_torch_window_side():
 
 PROMPT = 64
 STEPS = 12
-SETTINGS = Settings(sink=4, recent=8, topk=PROMPT + STEPS - 12, add_batch=4, chunk=24)
+SETTINGS = Settings(Window(4, 8), topk=PROMPT + STEPS - 12, add_batch=4, chunk=24)
 
 
 @pytest.fixture(scope="module", params=["tiny_llama", "tiny_gemma3"])
@@ -110,14 +111,14 @@ def test_topk_covering_every_key_equals_full_attention(prefilled, name):
 
 def test_tokens_leaving_the_window_are_inserted_and_found(prefilled):
     lm, pre, full = prefilled
-    settings = Settings(sink=4, recent=8, topk=PROMPT + STEPS - 12, add_batch=1, chunk=24)
+    settings = Settings(Window(4, 8), topk=PROMPT + STEPS - 12, add_batch=1, chunk=24)
     run = run_mode(lm, pre, Mode("flat", IndexPlan("flat")), settings, STEPS, keep_logits=True)
     for a, b in zip(run.logits, full.logits):
         assert _rel(a, b) < 1e-4
     # After STEPS-1 decode forwards every position but the window is in the index, not in a side-buffer.
     last = PROMPT + STEPS - 1  # tokens in the cache at the last forward
     for store in run.stores.values():
-        assert store.n_rows == last - settings.sink - settings.recent
+        assert store.n_rows == last - settings.window.sink - settings.window.recent
         assert store.n_indexed == store.n_rows
         assert store.indexes[0].n_keys == store.n_rows
     from anns_lab.decode.engine import summarize
@@ -144,7 +145,7 @@ def test_index_without_add_keeps_leaving_tokens_in_a_side_buffer(prefilled, monk
 
 def test_small_topk_differs_but_runs(prefilled):
     lm, pre, full = prefilled
-    settings = Settings(sink=4, recent=8, topk=2, add_batch=4, chunk=24)
+    settings = Settings(Window(4, 8), topk=2, add_batch=4, chunk=24)
     run = run_mode(lm, pre, Mode("flat", IndexPlan("flat")), settings, STEPS, keep_logits=True)
     assert len(run.logits) == STEPS and max(_rel(a, b) for a, b in zip(run.logits, full.logits)) > 1e-4
 
@@ -159,7 +160,7 @@ def _masked_window_reference(lm, pre, settings, steps):
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    from anns_lab.dumps.run import forward_tokens
+    from anns_lab.dumps.models import forward_tokens
 
     long_range = set(lm.long_range_layers)
 
@@ -169,8 +170,8 @@ def _masked_window_reference(lm, pre, settings, steps):
         if module.layer_idx in long_range and query.shape[2] == 1:
             n = key.shape[2]
             allowed = torch.zeros(n, dtype=torch.bool, device=key.device)
-            allowed[: settings.sink] = True
-            allowed[max(0, n - settings.recent):] = True
+            allowed[: settings.window.sink] = True
+            allowed[max(0, n - settings.window.recent):] = True
             rep = query.shape[1] // key.shape[1]
             k = key.repeat_interleave(rep, dim=1)
             v = value.repeat_interleave(rep, dim=1)

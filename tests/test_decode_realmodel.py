@@ -10,11 +10,12 @@ from conftest import TEST_DEVICE
 from anns_lab.decode.engine import Mode, Settings, prefill, run_mode
 from anns_lab.decode.placement import IndexPlan
 from anns_lab.indexes import registry
+from anns_lab.window import Window
 
 pytestmark = pytest.mark.realmodel
 
 PROMPT, STEPS = 320, 10
-SETTINGS = Settings(sink=16, recent=64, topk=PROMPT + STEPS - 80, add_batch=4, chunk=128)
+SETTINGS = Settings(Window(16, 64), topk=PROMPT + STEPS - 80, add_batch=4, chunk=128)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def test_smollm2_small_window_changes_the_output(smollm2_prefilled):
     run = run_mode(lm, pre, Mode("window"), SETTINGS, STEPS, keep_logits=True)
     gap = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(run.logits, full.logits))
     assert gap > 1e-3
-    top100 = run_mode(lm, pre, Mode("flat", IndexPlan("flat")), Settings(16, 64, 100, 4, 128), STEPS, keep_logits=True)
+    top100 = run_mode(lm, pre, Mode("flat", IndexPlan("flat")), Settings(Window(16, 64), 100, 4, 128), STEPS, keep_logits=True)
     gap_top = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(top100.logits, full.logits))
     assert gap_top < gap  # retrieving the top-100 keys gets closer to full attention than the window alone
     assert torch.isfinite(torch.stack(top100.logits)).all()

@@ -14,6 +14,7 @@ from anns_lab.dumps import run as run_mod
 from anns_lab.dumps import store
 from anns_lab.dumps.run import parse_layers, run_dump
 from anns_lab.errors import DumpError, ModelNotAvailable, PromptError
+from anns_lab.io import atomic_write_json
 
 
 def small_dump(model_dir, out, **kw):
@@ -112,7 +113,7 @@ def test_resume_stops_the_forward_pass_at_the_deepest_missing_layer(tiny_llama, 
              "scaling": first.manifest["scaling"],
              "done": {k: v for k, v in first.manifest["files"].items() if k not in ("layer_000.parquet", "layer_001.parquet")}}
     (out / run_mod.STAGING).mkdir()
-    store.atomic_write_json(out / run_mod.STAGING / run_mod.PROGRESS, state)
+    atomic_write_json(out / run_mod.STAGING / run_mod.PROGRESS, state)
 
     seen: list[int] = []
     real_sink = run_mod.StagingSink

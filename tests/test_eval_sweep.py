@@ -13,7 +13,8 @@ from anns_lab.cli import main
 from anns_lab.errors import AnnsLabError, DumpError, IndexConfigError
 from anns_lab.eval import export, metrics, report
 from anns_lab.eval.heads import default_layers, load_head
-from anns_lab.eval.sweep import RESULTS, run_sweep
+from anns_lab.eval.sweep import run_sweep
+from anns_lab.eval.table import RESULTS
 
 pytestmark = pytest.mark.realmodel
 WINDOW = (16, 128)

@@ -36,6 +36,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from anns_lab.decode.kernels import attend_window, merge
 from anns_lab.decode.placement import LayerStore
 from anns_lab.errors import DecodeError
+from anns_lab.window import Window
 
 RETRIEVAL_IMPL = "anns_retrieval"
 
@@ -61,10 +62,10 @@ def _sync(device: torch.device) -> None:
 class Retrieval:
     """State of one generation: phase, mode, window, and the CPU stores of the long-range layers."""
 
-    def __init__(self, long_range: list[int], mode: str, sink: int, recent: int, capture_queries: bool):
+    def __init__(self, long_range: list[int], mode: str, window: Window, capture_queries: bool):
         self.long_range = set(long_range)
         self.mode = mode  # "full", "window", or "index"
-        self.sink, self.recent = sink, recent
+        self.window = window
         self.phase = "prefill"
         self.capture_queries = capture_queries
         self.queries: dict[int, list[torch.Tensor]] = {}
@@ -112,10 +113,10 @@ class Retrieval:
 
     def _retrieval_step(self, module, query, key, value, scaling):
         layer = module.layer_idx
-        if key.shape[2] > self.sink + self.recent:
+        if key.shape[2] > self.window.size:
             # The device must hold the window only; anything beyond it would be attended twice or lost.
             raise DecodeError(f"layer {layer}: {key.shape[2]} cached tokens on the device, more than the window of "
-                              f"{self.sink}+{self.recent}; retrieval decoding needs the window cache (decode.cache)")
+                              f"{self.window.size}; retrieval decoding needs the window cache (decode.cache)")
         q = query[0, :, 0, :]
         store = self.stores.get(layer)
         future = None

@@ -30,6 +30,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from anns_lab.errors import DecodeError
+from anns_lab.window import Window
 
 # hook(layer index, keys (batch, kv heads, t, d), values): the tokens leaving the recent window
 EvictHook = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -41,32 +42,32 @@ class WindowLayer(DynamicLayer):
     is_sliding = False  # the model's mask for full-attention layers is sized from this layer
     is_croppable = False  # evicted tokens are gone from the device: no rollback
 
-    def __init__(self, layer_idx: int, sink: int, recent: int, on_evict: EvictHook | None = None):
+    def __init__(self, layer_idx: int, window: Window, on_evict: EvictHook | None = None):
         super().__init__()
-        if sink < 0 or recent < 1:
-            raise DecodeError(f"window of sink {sink} and recent {recent} tokens: sink must be ≥ 0 and recent ≥ 1")
+        require_ring(window)
         self.layer_idx = layer_idx
-        self.sink, self.recent = sink, recent
+        self.window = window
         self.on_evict = on_evict
         self.cumulative_length = 0  # tokens seen, evicted or not: the true sequence length
 
     @classmethod
-    def from_layer(cls, layer, layer_idx: int, sink: int, recent: int, on_evict: EvictHook | None = None) -> WindowLayer:
+    def from_layer(cls, layer, layer_idx: int, window: Window, on_evict: EvictHook | None = None) -> WindowLayer:
         """The window of a full layer's cache (copied: the full tensors are not kept alive by the new layer)."""
-        out = cls(layer_idx, sink, recent, on_evict)
+        out = cls(layer_idx, window, on_evict)
+        sink, recent = window
         if layer.keys is None or layer.keys.numel() == 0:
             return out
         keys, values = layer.keys, layer.values
         n = keys.shape[-2]
         out.cumulative_length = n
         out._init_like(keys, values)
-        if n <= sink + recent:  # nothing has left the window yet: slot = position
+        if n <= window.size:  # nothing has left the window yet: slot = position
             out.keys, out.values = keys.clone(), values.clone()
             return out
         # The last `recent` positions [n − recent, n) go to their ring slots, sink + (p − sink) mod recent.
-        slots = sink + (torch.arange(n - recent, n, device=keys.device) - sink) % recent
-        out.keys = torch.empty(*keys.shape[:-2], sink + recent, keys.shape[-1], dtype=keys.dtype, device=keys.device)
-        out.values = torch.empty(*values.shape[:-2], sink + recent, values.shape[-1], dtype=values.dtype,
+        slots = window.slot(torch.arange(n - recent, n, device=keys.device))
+        out.keys = torch.empty(*keys.shape[:-2], window.size, keys.shape[-1], dtype=keys.dtype, device=keys.device)
+        out.values = torch.empty(*values.shape[:-2], window.size, values.shape[-1], dtype=values.dtype,
                                  device=values.device)
         out.keys[..., :sink, :] = keys[..., :sink, :]
         out.values[..., :sink, :] = values[..., :sink, :]
@@ -94,7 +95,7 @@ class WindowLayer(DynamicLayer):
         if not self.is_initialized:
             self._init_like(key_states, value_states)
         t = key_states.shape[-2]
-        cap = self.sink + self.recent
+        cap = self.window.size
         room = cap - self.stored
         if room >= t:  # still filling: slot = position, plain append
             self.keys = torch.cat([self.keys, key_states], dim=-2)
@@ -106,7 +107,7 @@ class WindowLayer(DynamicLayer):
             raise DecodeError(f"the window cache of layer {self.layer_idx} takes one token per forward once full "
                               f"({self.stored} of {cap} slots used, {t} new tokens)")
         p = self.cumulative_length
-        slot = self.sink + (p - self.sink) % self.recent  # holds position p − recent, which leaves the window now
+        slot = self.window.slot(p)  # holds position p − recent, which leaves the window now
         if self.on_evict is not None:
             self.on_evict(self.layer_idx, self.keys[..., slot:slot + 1, :], self.values[..., slot:slot + 1, :])
         self.keys[..., slot:slot + 1, :] = key_states
@@ -120,7 +121,7 @@ class WindowLayer(DynamicLayer):
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
         # Older transformers pass cache_position (a tensor) instead of the query length.
         q = int(query_length.shape[0]) if isinstance(query_length, torch.Tensor) else int(query_length)
-        return min(self.stored + q, self.sink + self.recent), 0
+        return min(self.stored + q, self.window.size), 0
 
     def crop(self, tokens_to_remove: int) -> None:
         raise DecodeError("a window cache cannot be cropped: evicted tokens are no longer on the device")
@@ -136,7 +137,13 @@ class WindowLayer(DynamicLayer):
         raise DecodeError("retrieval decoding runs batch 1")
 
 
-def window_cache(full, long_range: list[int], sink: int, recent: int, on_evict: EvictHook | None = None):
+def require_ring(window: Window) -> None:
+    """The decoder's window needs a ring of at least one recent slot: the token being decoded attends to itself there."""
+    if window.recent < 1:
+        raise DecodeError(f"--window {window}: sink must be ≥ 0 and recent ≥ 1 tokens")
+
+
+def window_cache(full, long_range: list[int], window: Window, on_evict: EvictHook | None = None):
     """A cache for retrieval decoding from a prefilled ``full`` cache, which is left untouched.
 
     Long-range layers become :class:`WindowLayer` (their window copied); other layers (Gemma-3's
@@ -144,7 +151,7 @@ def window_cache(full, long_range: list[int], sink: int, recent: int, on_evict: 
     """
     out = copy.copy(full)  # the cache object's own settings; its layer list is replaced below
     wanted = set(long_range)
-    out.layers = [WindowLayer.from_layer(layer, i, sink, recent, on_evict) if i in wanted else copy.deepcopy(layer)
+    out.layers = [WindowLayer.from_layer(layer, i, window, on_evict) if i in wanted else copy.deepcopy(layer)
                   for i, layer in enumerate(full.layers)]
     missing = wanted - set(range(len(full.layers)))
     if missing:

@@ -59,8 +59,7 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
     from anns_lab.decode import runner
     from anns_lab.decode.engine import Mode, Settings
 
-    sink, recent = window
-    settings = Settings(sink=sink, recent=recent, topk=topk, add_batch=add_batch, chunk=chunk, train_queries=train_queries)
+    settings = Settings(window=window, topk=topk, add_batch=add_batch, chunk=chunk, train_queries=train_queries)
     if topk < 1:
         raise DecodeError(f"--topk must be at least 1, got {topk}")
     if add_batch < 1 or chunk < 1:
@@ -101,12 +100,12 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
     else:
         result = runner.run_task(lm, mode_list, settings, task, context, samples, seed, max_new_tokens,
                                  allow_extrapolation, progress)
-    result |= {"model": lm.name, "device": device, "settings": {"sink": sink, "recent": recent, "topk": topk,
+    result |= {"model": lm.name, "device": device, "settings": {"sink": window.sink, "recent": window.recent, "topk": topk,
                "add_batch": add_batch, "chunk": chunk, "train_queries": train_queries},
                "plans": {m.name: ({"default": m.plan.describe(), **{str(k): p.describe() for k, p in m.per_layer.items()}}
                                   if m.plan else None) for m in mode_list}}
     click.echo(f"{lm.name}  {result['task']}  context {result['context']}  device {device}  "
-               f"window {sink}+{recent}  top-k {topk}")
+               f"window {window.sink}+{window.recent}  top-k {topk}")
     click.echo(runner.table(result))
     for name, m in result["modes"].items():
         for note in m.get("notes", []):

@@ -19,9 +19,10 @@ import numpy as np
 import torch
 
 from anns_lab.decode.attention import DecodeError, Retrieval, StepTimes, retrieving
-from anns_lab.decode.cache import device_kv_bytes, window_cache
+from anns_lab.decode.cache import device_kv_bytes, require_ring, window_cache
 from anns_lab.decode.placement import IndexPlan, LayerStore
-from anns_lab.dumps.run import forward_tokens
+from anns_lab.dumps.models import forward_tokens
+from anns_lab.window import Window
 
 
 @dataclass
@@ -50,8 +51,7 @@ class Mode:
 class Settings:
     """Window, top-k and insertion batch shared by every mode of a run."""
 
-    sink: int = 128
-    recent: int = 512
+    window: Window = Window()
     topk: int = 100
     add_batch: int = 64
     chunk: int = 2048
@@ -89,7 +89,7 @@ def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool) -> Pr
     from transformers import DynamicCache
 
     cache = DynamicCache(config=lm.model.config)
-    ctl = Retrieval(lm.long_range_layers, "full", settings.sink, settings.recent, capture_queries)
+    ctl = Retrieval(lm.long_range_layers, "full", settings.window, capture_queries)
     t0 = time.perf_counter()
     logits = None
     with torch.inference_mode(), retrieving(lm.model, ctl):
@@ -109,8 +109,7 @@ def build_stores(lm, pre: Prefilled, mode: Mode, settings: Settings) -> tuple[di
     """One LayerStore per long-range layer, holding the non-window prefill keys/values and its indexes."""
     cfg = lm.config
     n_heads = cfg.num_attention_heads
-    p = len(pre.ids)
-    lo, hi = settings.sink, max(settings.sink, p - settings.recent)
+    lo, hi = settings.window.outside(len(pre.ids))
     stores, notes = {}, []
     for layer in lm.long_range_layers:
         layer_cache = pre.cache.layers[layer]
@@ -147,14 +146,14 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
         from anns_lab.decode.kernels import warmup
 
         warmup()
-    ctl = Retrieval(lm.long_range_layers, mode.kind, settings.sink, settings.recent, False)
+    ctl = Retrieval(lm.long_range_layers, mode.kind, settings.window, False)
     ctl.stores = stores
     ctl.phase = "decode"
     with torch.inference_mode():  # the prefill's tensors are inference tensors; so are the copies
         if mode.kind == "full":
             cache = copy.deepcopy(pre.cache)
         else:  # long-range layers keep the window only; the tokens they evict go to ctl.evicted
-            cache = window_cache(pre.cache, lm.long_range_layers, settings.sink, settings.recent, ctl.evicted)
+            cache = window_cache(pre.cache, lm.long_range_layers, settings.window, ctl.evicted)
     ids = list(pre.ids)
     logits = pre.logits
     out_tokens, all_logits, steps, step_s = [], [], [], []
@@ -217,17 +216,17 @@ def summarize(run: ModeRun) -> dict:
 
 def check_window(settings: Settings, n_prompt: int, modes: list[Mode], max_new: int) -> None:
     """Refuse a window that covers the whole prompt, or a top-k of 0 / more than the CPU side will ever hold."""
-    if settings.sink < 0 or settings.recent < 1:
-        raise DecodeError(f"--window {settings.sink},{settings.recent}: sink must be ≥ 0 and recent ≥ 1 tokens")
+    w = settings.window
+    require_ring(w)
     if not any(m.kind != "full" for m in modes):
         return
-    if settings.sink + settings.recent >= n_prompt:
-        raise DecodeError(f"--window {settings.sink},{settings.recent} ({settings.sink + settings.recent} tokens) is not "
+    if w.size >= n_prompt:
+        raise DecodeError(f"--window {w} ({w.size} tokens) is not "
                           f"smaller than the context of {n_prompt} tokens: nothing would be retrieved; "
                           "use a smaller --window or a longer --context")
     if any(m.kind == "index" for m in modes):
-        most = n_prompt + max_new - settings.sink - settings.recent
+        most = n_prompt + max_new - w.size
         if settings.topk < 1 or settings.topk > most:
             raise DecodeError(f"--topk {settings.topk} must lie in [1, {most}]: {most} keys lie outside the window "
                               f"by the end of this run ({n_prompt} prompt + {max_new} new tokens, window "
-                              f"{settings.sink}+{settings.recent})")
+                              f"{w.sink}+{w.recent})")

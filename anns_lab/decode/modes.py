@@ -89,7 +89,7 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int]) -> 
     Recall and scanned fraction are averaged over the heads of a layer (Q→K rows only). Layers
     the table does not cover get the configuration that is best over all its layers.
     """
-    from anns_lab.eval.report import load_results
+    from anns_lab.eval.table import load_results
 
     table, _ = load_results(path)
     rows = table[table["direction"] == "q2k"]

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from anns_lab.decode.kernels import attend_rows_and_range
-from anns_lab.indexes import registry
-from anns_lab.indexes.base import resolve_params
+from anns_lab.indexes import protocol, registry
+from anns_lab.indexes.base import SearchResult, resolve_params
 from anns_lab.indexes.graph.multi import GraphGroup
 
 
@@ -76,6 +76,7 @@ class LayerStore:
         self._shared: list[list[int]] = []  # heads of each distinct index (an index per KV head serves its group)
         self._graphs: GraphGroup | None = None  # per-head graph indexes: one kernel call searches them all
         self._beam = 0
+        self._bound: int | None = None  # the indexes' max_scanned(), once a search after a build or add has been checked
 
     # -- build and grow ----------------------------------------------------------------------------
 
@@ -96,6 +97,7 @@ class LayerStore:
             shared = [cls(**self.plan.build_params).build(k) for k in per_kv]
             self.indexes = [shared[h // self.group] for h in range(self.n_heads)]
         self.n_indexed = n
+        self._bound = None
         self._prepare_search()
         self.build_s = time.perf_counter() - t0
 
@@ -135,10 +137,24 @@ class LayerStore:
             for heads in self._shared:
                 self.indexes[heads[0]].add(np.ascontiguousarray(new[heads[0] // self.group]))
             self.n_indexed = self.n_rows
+            self._bound = None
             if self._graphs is not None:
                 self._graphs.refresh()  # add() reallocates the graph arrays and may add entry points
 
     # -- the CPU side of a decode step ---------------------------------------------------------------
+
+    def _check(self, res: SearchResult, q: np.ndarray, k: int, heads: list[int]) -> None:
+        """The index protocol on the result for query ``heads`` (its ids index the store's rows, so a bad one must
+        never reach the kernel): every rule, scores against the keys, on the first search after a build or add,
+        then ids and counts (vectorised, a few µs)."""
+        owner = f"{self.plan.name} (layer {self.layer})"
+        if self._bound is None:  # first search since the indexes last changed
+            for i, h in enumerate(heads):
+                protocol.check_result(owner, tuple(a[i:i + 1] for a in res), 1, k, self.n_indexed,
+                                      self.indexes[h].max_scanned(), q[h:h + 1],
+                                      self.keys[h // self.group, :self.n_indexed])
+        else:
+            protocol.check_result(owner, res, len(heads), k, self.n_indexed, self._bound, check_scores=False)
 
     def side(self, q: np.ndarray, scaling: float) -> SideResult:
         """Search each head's index with its query, then attend over the hits and the side-buffer (GIL released).
@@ -155,20 +171,22 @@ class LayerStore:
             k = min(self.topk, self.n_indexed)
             if self._graphs is not None:
                 res = self._graphs.search(q, k, self._beam)
-                rows = res.ids
-                scanned = float(res.n_scanned.mean()) / self.n_indexed
             elif len(self._shared) == self.n_heads:  # one index per query head: the class searches them all in one call
                 res = type(self.indexes[0]).search_group(self.indexes, q, k, **self.plan.search_params)
-                rows = np.ascontiguousarray(res.ids)
-                scanned = float(res.n_scanned.mean()) / self.n_indexed
             else:  # a shared index per KV head: its group's queries in one batch
-                rows = np.empty((self.n_heads, k), np.int64)
-                total = 0
+                res = SearchResult(np.empty((self.n_heads, k), np.int64), np.empty((self.n_heads, k), np.float32),
+                                   np.empty(self.n_heads, np.int64))
                 for heads in self._shared:
-                    res = self.indexes[heads[0]].search(q[heads], k, **self.plan.search_params)
-                    rows[heads] = res.ids
-                    total += int(res.n_scanned.sum())
-                scanned = total / self.n_heads / self.n_indexed
+                    part = self.indexes[heads[0]].search(q[heads], k, **self.plan.search_params)
+                    self._check(part, q, k, heads)
+                    for mine, got in zip(res, part):
+                        mine[heads] = got
+            if len(self._shared) == self.n_heads:
+                self._check(res, q, k, list(range(self.n_heads)))
+            if self._bound is None:  # the full check has run: later steps check ids and counts only
+                self._bound = max(index.max_scanned() for index in self.indexes)
+            rows = np.ascontiguousarray(res.ids)
+            scanned = float(res.n_scanned.mean()) / self.n_indexed
         else:
             rows = np.empty((self.n_heads, 0), np.int64)
         t1 = time.perf_counter()

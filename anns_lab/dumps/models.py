@@ -194,3 +194,13 @@ def load_model(name: str, device: str = "cpu", allow_download: bool = False) -> 
     long_range = [i for i in range(n_layers) if types is None or types[i] == "full_attention"]
     context = int(getattr(cfg, "max_position_embeddings", 0) or 0)
     return LoadedModel(canon, str(where), model, tokenizer, context, long_range)
+
+
+def forward_tokens(lm, cache, ids: list[int], start: int, end: int):
+    """Run positions ``start:end`` of ``ids`` through the model on top of ``cache``; logits of the last position."""
+    import torch
+
+    model = lm.model
+    x = torch.tensor([ids[start:end]], device=model.device)
+    pos = torch.arange(start, end, device=model.device)
+    return model(input_ids=x, cache_position=pos, use_cache=True, logits_to_keep=1, **{lm.cache_kwarg: cache}).logits

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from anns_lab import __version__
 from anns_lab.dumps import store
 from anns_lab.errors import DumpError, PromptError
+from anns_lab.io import atomic_write_json
+from anns_lab.version import __version__
 
 STAGING = ".staging"
 PROGRESS = "progress.json"
@@ -156,7 +157,7 @@ def _prepare_folder(out: Path, settings: dict, overwrite: bool) -> dict | None:
         raise DumpError(f"{out} exists and is not a dump folder; refusing to write into it (choose another --out)")
     (out / STAGING).mkdir(parents=True, exist_ok=True)
     progress = {"settings": settings, "done": {}}
-    store.atomic_write_json(progress_path, progress)
+    atomic_write_json(progress_path, progress)
     return progress
 
 
@@ -190,22 +191,12 @@ def run_dump(model: str = "smollm2", *, source: str = "text", prompt_path: str |
     return _capture(out, settings, state, model, prompt_path, allow_extrapolation, allow_download, device, progress, t_start)
 
 
-def forward_tokens(lm, cache, ids: list[int], start: int, end: int):
-    """Run positions ``start:end`` of ``ids`` through the model on top of ``cache``; logits of the last position."""
-    import torch
-
-    model = lm.model
-    x = torch.tensor([ids[start:end]], device=model.device)
-    pos = torch.arange(start, end, device=model.device)
-    return model(input_ids=x, cache_position=pos, use_cache=True, logits_to_keep=1, **{lm.cache_kwarg: cache}).logits
-
-
 def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation, allow_download, device, progress, t_start):
     import torch
     from tqdm.auto import tqdm
 
     from anns_lab.dumps.capture import StopForward, capturing
-    from anns_lab.dumps.models import load_model
+    from anns_lab.dumps.models import forward_tokens, load_model
     from anns_lab.dumps.prompts import build_prompt
 
     staging = out / STAGING
@@ -267,7 +258,7 @@ def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation,
     if saved_ids is None:
         state["token_ids"] = ids
         done[store.TOKENS_FILE] = store.write_table(out / store.TOKENS_FILE, store.tokens_table(ids, n_prefill))
-        store.atomic_write_json(staging / PROGRESS, state)
+        atomic_write_json(staging / PROGRESS, state)
 
     t0 = time.perf_counter()
     for layer in tqdm(missing, desc="write layers", unit="layer", disable=not progress or len(missing) < 2):
@@ -275,7 +266,7 @@ def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation,
         name = store.layer_file(layer)
         done[name] = store.write_table(out / name, store.layer_table(arrays["q"], arrays["k"], arrays["v"]))
         state.setdefault("scaling", {})[str(layer)] = sink.scaling[layer]
-        store.atomic_write_json(staging / PROGRESS, state)
+        atomic_write_json(staging / PROGRESS, state)
         del sink.arrays[layer]
         for part in "qkv":
             (staging / f"layer_{layer:03d}.{part}.npy").unlink(missing_ok=True)
@@ -284,7 +275,7 @@ def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation,
     manifest = _manifest(settings, lm, prompt, layers, n_prefill, n_decode, n_heads, n_kv, d, state, {
         "load_s": t_loaded - t_start, "prefill_s": t_prefill, "prefill_cpu_s": c_prefill, "decode_s": t_decode, "write_s": t_write,
         "total_s": time.perf_counter() - t_start})
-    store.atomic_write_json(out / store.MANIFEST, manifest)
+    atomic_write_json(out / store.MANIFEST, manifest)
     shutil.rmtree(staging, ignore_errors=True)
     kept = len(layers) - len(missing)
     return DumpResult(store.open_dump(out), time.perf_counter() - t_start, resumed_layers=kept)

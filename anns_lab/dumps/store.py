@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from functools import cached_property
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from anns_lab.errors import DumpError
+from anns_lab.io import atomic_path
 
 FORMAT = "anns-lab-dump"
 FORMAT_VERSION = 2
@@ -50,40 +50,13 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file and a rename, so readers never see half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_json(path: Path, obj: dict) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode("utf-8"))
-
-
 def write_table(path: Path, table: pa.Table) -> dict:
     """Write one Parquet file atomically, as a single row group; returns its manifest entry."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         # Float columns neither compress nor dictionary-encode usefully; plain pages read fastest.
         pq.write_table(table, tmp, compression="none", use_dictionary=["phase"] if "phase" in table.column_names else False,
                        row_group_size=max(table.num_rows, 1), write_statistics=False)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        entry = {"rows": table.num_rows, "bytes": os.path.getsize(tmp), "sha256": sha256_file(Path(tmp))}
-        os.replace(tmp, path)
-        return entry
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        return {"rows": table.num_rows, "bytes": os.path.getsize(tmp), "sha256": sha256_file(tmp)}
 
 
 def head_field(name: str, dtype: np.dtype, d: int) -> pa.Field:

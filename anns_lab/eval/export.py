@@ -10,7 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from anns_lab.dumps.store import Dump, atomic_write_bytes, atomic_write_json
+from anns_lab.dumps.store import Dump
+from anns_lab.io import atomic_write_bytes, atomic_write_json
 from anns_lab.eval import metrics
 from anns_lab.eval.heads import load_head
 

@@ -25,6 +25,7 @@ import numpy as np
 from anns_lab.dumps.store import Dump
 from anns_lab.errors import AnnsLabError
 from anns_lab.eval import metrics
+from anns_lab.window import Window
 
 
 @dataclass
@@ -43,7 +44,7 @@ class HeadData:
     all_keys: np.ndarray        # every key of the KV head, by position (for attention mass and output)
     all_values: np.ndarray
     scaling: float
-    window: tuple[int, int]
+    window: Window
     n_prefill: int
     index_end: int              # first position after the index keys: keys from here on are in the recent window
 
@@ -57,8 +58,7 @@ class HeadData:
 
     def window_positions(self, pos: int) -> np.ndarray:
         """Positions attended exactly for a query at ``pos``: the sinks and the recent side, ``[index_end, pos]``."""
-        w0 = self.window[0]
-        return np.concatenate([np.arange(min(w0, pos + 1)), np.arange(max(self.index_end, w0), pos + 1)])
+        return self.window.positions(pos, self.index_end)
 
     def attention_quality(self, ids: np.ndarray) -> tuple[float, float]:
         """Mean attention mass kept and mean output relative error of retrieved ``ids`` ∪ window, over test queries.
@@ -83,16 +83,17 @@ def default_layers(layers: list[int]) -> list[int]:
     return sorted({layers[min(2, len(layers) - 1)], layers[len(layers) // 2], layers[max(len(layers) - 2, 0)]})
 
 
-def load_head(dump: Dump, layer: int, head: int, window: tuple[int, int] = (128, 512), min_test: int = 64,
+def load_head(dump: Dump, layer: int, head: int, window: Window | tuple[int, int] = Window(), min_test: int = 64,
               n_k2k: int = 64, seed: int = 0) -> HeadData:
     """Assemble :class:`HeadData` for one (layer, head) of ``dump``."""
     n = int(dump.manifest["n_tokens"]["prefill"])
-    w0, w1 = window
+    window = Window(*window)
     extra = max(0, min_test - int(dump.manifest["n_tokens"]["decode"]))  # held-out last prefill queries
-    lo, hi = w0, min(n - w1, n - extra)  # causality: no index key at or after the first test query
+    lo, hi = window.outside(n)
+    hi = min(hi, n - extra)  # causality: no index key at or after the first test query
     if hi - lo < max(200, n_k2k + 2):
-        held = f" and the last {extra} held out as test queries" if extra > w1 else ""
-        raise AnnsLabError(f"the static window {w0},{w1}{held} leave {max(hi - lo, 0)} of {n} prefill keys to index; "
+        held = f" and the last {extra} held out as test queries" if extra > window.recent else ""
+        raise AnnsLabError(f"the static window {window}{held} leave {max(hi - lo, 0)} of {n} prefill keys to index; "
                            "use a longer dump or a smaller --window")
     g = dump.kv_head_of(head)
     all_keys = dump.keys(layer, g, "all")
@@ -105,4 +106,4 @@ def load_head(dump: Dump, layer: int, head: int, window: tuple[int, int] = (128,
     key_pos = np.setdiff1d(np.arange(lo, hi), held)
     return HeadData(layer, head, g, np.ascontiguousarray(all_keys[key_pos]), key_pos, prefill_q[: n - extra],
                     np.ascontiguousarray(test_q), test_pos, np.ascontiguousarray(all_keys[held]), all_keys,
-                    dump.values(layer, g, "all"), dump.scaling(layer), (w0, w1), n, hi)
+                    dump.values(layer, g, "all"), dump.scaling(layer), window, n, hi)

@@ -7,36 +7,21 @@ attention mass kept by each decode step's own top-k against the first step's (Fi
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from anns_lab.dumps.store import atomic_write_bytes, open_dump
+from anns_lab.dumps.store import open_dump
 from anns_lab.errors import AnnsLabError
 from anns_lab.eval import metrics
 from anns_lab.eval.heads import load_head
-from anns_lab.eval.sweep import COLUMNS, SETTINGS
+from anns_lab.eval.table import load_results
+from anns_lab.io import atomic_write_bytes
 
 TARGETS = (0.90, 0.95, 0.99)
 # design.md §10: recall@100 ≥ 0.95 at 1–3% scanned for the attention-aware index, 30–50% for IVF (128K tokens).
 PAPER_AT_095 = {"roargraph": "1–3%", "ivf": "30–50%", "hnsw": "not reached (Fig. 3a)", "flat": "100%"}
-
-
-def load_results(path: str | Path) -> tuple[pd.DataFrame, dict]:
-    """The results table and its sweep settings, from a results.parquet or its folder."""
-    path = Path(path)
-    folder = path if path.is_dir() else path.parent
-    file = folder / "results.parquet" if path.is_dir() else path
-    if not file.is_file():
-        raise AnnsLabError(f"no results table at {file}; run `anns-lab sweep` first")
-    table = pd.read_parquet(file)
-    missing = set(COLUMNS) - set(table.columns)
-    if missing:
-        raise AnnsLabError(f"{file} is not an anns-lab results table (missing columns {sorted(missing)})")
-    settings = json.loads((folder / SETTINGS).read_text()) if (folder / SETTINGS).is_file() else {}
-    return table, settings
 
 
 def pareto(table: pd.DataFrame, targets=TARGETS) -> pd.DataFrame:

@@ -20,16 +20,13 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from anns_lab.dumps.store import atomic_write_json, open_dump, write_table
+from anns_lab.dumps.store import open_dump, write_table
 from anns_lab.errors import AnnsLabError
 from anns_lab.eval import metrics
 from anns_lab.eval.heads import HeadData, default_layers, load_head
+from anns_lab.eval.table import COLUMNS, RESULTS, SETTINGS
+from anns_lab.io import atomic_write_json
 
-RESULTS = "results.parquet"
-SETTINGS = "sweep.json"
-COLUMNS = ["dump", "model", "layer", "head", "kv_head", "index", "build_params", "search_params", "direction", "k",
-           "n_keys", "n_queries", "recall", "scanned_fraction", "mass_recovered", "output_rel_error", "latency_us",
-           "qps", "build_s", "index_bytes"]
 LATENCY_QUERIES = 16
 
 
@@ -63,7 +60,7 @@ def evaluate_index(name: str, data: HeadData, k: int, dump_label: str, model: st
 
     ``quick`` skips the attention-quality and batch-1 latency passes (their columns are NaN): for parameter scans.
     """
-    from anns_lab.indexes import registry
+    from anns_lab.indexes import protocol, registry
 
     index = registry.create(name, **(build_params or {}))
     t0 = time.perf_counter()
@@ -75,11 +72,15 @@ def evaluate_index(name: str, data: HeadData, k: int, dump_label: str, model: st
             t0 = time.perf_counter()
             res = index.search(queries, k, **params)
             batch_s = time.perf_counter() - t0
+            # Nothing that breaks the protocol enters the table: the part fails, naming the index and the rule.
+            protocol.check_result(f"{name} at {params}", res, len(queries), k, len(data.keys), index.max_scanned(),
+                                  queries, data.keys)
             lat = []
             for q in queries[:0 if quick else LATENCY_QUERIES]:
                 t0 = time.perf_counter()
-                index.search(q[None, :], k, **params)
+                one = index.search(q[None, :], k, **params)
                 lat.append(time.perf_counter() - t0)
+                protocol.check_result(f"{name} at {params}", one, 1, k, len(data.keys), index.max_scanned())
             mass, err = data.attention_quality(res.ids) if direction == "q2k" and not quick else (np.nan, np.nan)
             rows.append({
                 "dump": dump_label, "model": model, "layer": data.layer, "head": data.head, "kv_head": data.kv_head,

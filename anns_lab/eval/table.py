@@ -1,0 +1,58 @@
+"""The sweep's results table: its file names, its columns, and reading it back (no plotting, no index imports)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from anns_lab.errors import AnnsLabError
+
+RESULTS = "results.parquet"
+SETTINGS = "sweep.json"
+COLUMNS = ["dump", "model", "layer", "head", "kv_head", "index", "build_params", "search_params", "direction", "k",
+           "n_keys", "n_queries", "recall", "scanned_fraction", "mass_recovered", "output_rel_error", "latency_us",
+           "qps", "build_s", "index_bytes"]
+
+
+def load_results(path: str | Path) -> tuple[pd.DataFrame, dict]:
+    """The results table and its sweep settings, from a results.parquet or its folder."""
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    file = folder / RESULTS if path.is_dir() else path
+    if not file.is_file():
+        raise AnnsLabError(f"no results table at {file}; run `anns-lab sweep` first")
+    try:
+        table = pd.read_parquet(file)
+    except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
+        raise AnnsLabError(f"{file} is not an anns-lab results table ({type(err).__name__}: {err})") from None
+    missing = set(COLUMNS) - set(table.columns)
+    if missing:
+        raise AnnsLabError(f"{file} is not an anns-lab results table (missing columns {sorted(missing)})")
+    problem = table_problem(table)
+    if problem:
+        raise AnnsLabError(f"{file} holds a row no conforming index produces: {problem}; re-run the sweep")
+    try:
+        settings = json.loads((folder / SETTINGS).read_text()) if (folder / SETTINGS).is_file() else {}
+    except (OSError, ValueError) as err:
+        raise AnnsLabError(f"{folder / SETTINGS} is corrupt ({err}); re-run the sweep") from None
+    return table, settings
+
+
+def table_problem(table: pd.DataFrame) -> str | None:
+    """The first row of a results table whose numbers no conforming index can produce, in words, or None.
+
+    The sweep never writes such a row; this guards readers (report, ``decode --from-sweep``) against
+    tables edited by hand or written by another tool.
+    """
+    checks = (("recall", (table["recall"] >= 0) & (table["recall"] <= 1), "is not in [0, 1]"),
+              ("scanned_fraction", (table["scanned_fraction"] > 0) & np.isfinite(table["scanned_fraction"]),
+               "is not a positive finite fraction"))
+    for column, ok, rule in checks:
+        if not ok.all():
+            r = table[~ok].iloc[0]
+            return (f"{column} {r[column]} of {r['index']} (layer {r['layer']}, head {r['head']}, "
+                    f"{r['search_params']}) {rule}")
+    return None

@@ -1,0 +1,84 @@
+"""The result rules of the index protocol, in one place: the sweep, the decoder and the conformance kit apply them.
+
+A search result breaks the protocol when: its arrays are not ids int64 ``(nq, k)``, scores
+float32 ``(nq, k)``, n_scanned int64 ``(nq,)``; an id is outside ``[0, n_keys)`` and not the
+``-1`` padding, or padding comes before a valid id; a row returns an id twice; a valid id's
+score is not finite, padding's is not ``-inf``, or scores are not sorted in descending order;
+``n_scanned`` is below 1 or the number of returned ids, or above the index's ``max_scanned()``;
+and, when the queries and keys are given, a score differs from q·k of its id.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from anns_lab.errors import IndexResultError
+
+
+def result_problem(res, nq: int, k: int, n_keys: int, max_scanned: int, queries: np.ndarray | None = None,
+                   keys: np.ndarray | None = None, check_scores: bool = True) -> str | None:
+    """The first rule ``res`` = (ids, scores, n_scanned) breaks, in words, or None when it keeps them all.
+
+    ``check_scores=False`` skips the score rules (the decoder reads only ids and counts); ``queries``
+    and ``keys`` (float32, the rows the ids point to) add the check that scores equal q·k.
+    """
+    ids, scores, scanned = (np.asarray(a) for a in res)
+    if ids.shape != (nq, k) or ids.dtype != np.int64:
+        return f"ids must be int64 of shape ({nq}, {k}), got {ids.dtype} {ids.shape}"
+    if scanned.shape != (nq,) or scanned.dtype != np.int64:
+        return f"n_scanned must be int64 of shape ({nq},), got {scanned.dtype} {scanned.shape}"
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < -1 or hi >= n_keys:
+        return f"ids outside [0, {n_keys}) that are not the -1 padding (e.g. {lo if lo < -1 else hi})"
+    valid = ids >= 0
+    if lo == -1:  # some padding: it must trail, and counts as no id
+        if not (valid[:, :-1] >= valid[:, 1:]).all():
+            return "-1 padding must only trail each row"
+        # Padding replaced by distinct negatives, so a repeat is two equal neighbours after sorting.
+        distinct = np.sort(np.where(valid, ids, -2 - np.arange(k)), axis=1)
+        least = np.maximum(valid.sum(axis=1), 1)
+    else:  # the common case, a few vectorised calls: the decoder checks every step
+        distinct = np.sort(ids, axis=1)
+        least = k
+    twice = distinct[:, 1:] == distinct[:, :-1]
+    if twice.any():
+        return f"query {int(np.flatnonzero(twice.any(axis=1))[0])} returns an id twice"
+    if not (scanned >= least).all():
+        return f"n_scanned {int(scanned.min())} is below 1 or below the number of returned ids"
+    if int(scanned.max()) > max_scanned:
+        return f"n_scanned {int(scanned.max())} exceeds the index's declared bound max_scanned() = {max_scanned}"
+    if not check_scores:
+        return None
+    if scores.shape != (nq, k) or scores.dtype != np.float32:
+        return f"scores must be float32 of shape ({nq}, {k}), got {scores.dtype} {scores.shape}"
+    if not np.isfinite(scores[valid]).all():
+        return "a returned id has a score that is not finite"
+    if not np.isneginf(scores[~valid]).all():
+        return "padded slots must have score -inf"
+    if not _sorted_rows(scores, valid):
+        return "scores must be sorted in descending order"
+    if queries is not None and keys is not None:
+        true = np.einsum("qd,qkd->qk", queries.astype(np.float64), keys[np.where(valid, ids, 0)].astype(np.float64))
+        scale = np.abs(queries).sum(axis=1, keepdims=True) * np.abs(keys).max() + 1e-6
+        err = np.where(valid, np.abs(scores - true) / scale, 0.0)
+        if err.max() >= 1e-5:
+            return f"returned scores differ from q·k of the returned ids (max rel err {err.max():.2e})"
+    return None
+
+
+def _sorted_rows(scores: np.ndarray, valid: np.ndarray) -> bool:
+    """Whether each row's valid scores descend, tolerating float32 ties that differ in the last bit."""
+    # Compare neighbours that are both real results (padding trails, so that is every pair that matters);
+    # zeros in the padded slots keep -inf - -inf (a RuntimeWarning) out of the subtraction.
+    s = np.where(valid, scores, 0.0).astype(np.float64)
+    both = valid[:, :-1] & valid[:, 1:]
+    d = np.diff(s, axis=1)[both]
+    return bool((d <= 1e-6 * (1 + np.abs(s[:, 1:][both]))).all())
+
+
+def check_result(owner: str, res, nq: int, k: int, n_keys: int, max_scanned: int, queries: np.ndarray | None = None,
+                 keys: np.ndarray | None = None, check_scores: bool = True) -> None:
+    """Raise IndexResultError naming ``owner`` and the broken rule when ``res`` breaks the protocol."""
+    problem = result_problem(res, nq, k, n_keys, max_scanned, queries, keys, check_scores)
+    if problem is not None:
+        raise IndexResultError(f"{owner} broke the index protocol: {problem}")

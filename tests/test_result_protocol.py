@@ -1,0 +1,157 @@
+"""Results that break the index protocol never reach a sweep table, the report's ranking or the decoder.
+
+Each misbehaving index below is a working exact index with one fault (the issue's reproducers):
+the sweep's part fails with a message naming the index and the rule.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from anns_lab.decode import modes
+from anns_lab.dumps.run import run_dump
+from anns_lab.errors import AnnsLabError, IndexResultError
+from anns_lab.eval.heads import load_head
+from anns_lab.eval.sweep import COLUMNS, evaluate_index
+from anns_lab.indexes import protocol, registry
+from anns_lab.indexes.flat import FlatIndex
+
+
+def _fault(kind: str, ids: np.ndarray, scores: np.ndarray, scanned: np.ndarray):
+    ids, scores, scanned = ids.copy(), scores.copy(), scanned.copy()
+    if kind == "zero_scanned":
+        scanned[:] = 0
+    elif kind == "negative_scanned":
+        scanned[:] = -100 * scanned
+    elif kind == "too_many_scanned":
+        scanned[:] = 10 * scanned
+    elif kind == "id_out_of_range":
+        ids[0, 1] = 10 ** 6
+    elif kind == "id_negative":
+        ids[0, 0] = -7
+    elif kind == "duplicate_id":
+        ids[-1, 2] = ids[-1, 1]
+    elif kind == "nan_ids":  # a plugin returning float ids with NaN: int64 of NaN is a huge negative
+        ids = np.full(ids.shape, np.nan)
+    elif kind == "nan_scores":
+        scores[0, 0] = np.nan
+    elif kind == "fewer_columns":
+        ids, scores = ids[:, :-1], scores[:, :-1]
+    elif kind == "unsorted":
+        ids, scores = ids[:, ::-1], scores[:, ::-1]
+    elif kind == "wrong_scores":
+        scores = scores + 1.0
+    elif kind == "padding_first":
+        ids[0, 0], scores[0, 0] = -1, -np.inf
+    return ids, scores, scanned
+
+
+FAULTS = {"zero_scanned": "n_scanned 0 is below 1", "negative_scanned": "n_scanned -",
+          "too_many_scanned": "exceeds the index's declared bound", "id_out_of_range": "ids outside",
+          "id_negative": "ids outside", "duplicate_id": "returns an id twice", "nan_ids": "ids outside",
+          "nan_scores": "not finite", "fewer_columns": "ids must be int64 of shape", "unsorted": "sorted",
+          "wrong_scores": "differ from q·k", "padding_first": "padding must only trail"}
+
+
+class Faulty(FlatIndex):
+    fault = ""
+
+    def _search(self, queries, k):
+        return _fault(self.fault, *super()._search(queries, k))
+
+
+@pytest.fixture(scope="module")
+def head(tiny_llama, tmp_path_factory):
+    out = tmp_path_factory.mktemp("protocol") / "d"
+    dump = run_dump(str(tiny_llama), tokens=400, decode_tokens=4, layers="1", dtype="float32", chunk=128, out=out,
+                    progress=False).dump
+    return load_head(dump, 1, 0, (16, 16))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in cast")
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_sweep_part_fails_naming_the_index_and_the_rule(head, fault, monkeypatch):
+    cls = type("Faulty", (Faulty,), {"fault": fault, "name": "badplugin"})
+    monkeypatch.setattr(registry, "create", lambda name, **kw: cls(**kw))
+    with pytest.raises(IndexResultError, match="badplugin") as err:
+        evaluate_index("badplugin", head, 10, "d", "m", quick=True)
+    assert FAULTS[fault] in str(err.value)
+
+
+def test_a_conforming_index_passes(head, monkeypatch):
+    df = evaluate_index("flat", head, 10, "d", "m", quick=True)
+    assert (df["recall"] == 1.0).all()
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in cast")
+def test_result_problem_is_the_kits_rule_set():
+    rng = np.random.default_rng(0)
+    keys, q = rng.standard_normal((50, 8)).astype(np.float32), rng.standard_normal((3, 8)).astype(np.float32)
+    index = FlatIndex().build(keys)
+    res = index.search(q, 5)
+    assert protocol.result_problem(res, 3, 5, 50, index.max_scanned(), q, keys) is None
+    for fault, words in FAULTS.items():
+        bad = _fault(fault, *res)
+        got = protocol.result_problem(tuple(np.asarray(a, dtype=b.dtype if fault != "nan_ids" else np.int64)
+                                            for a, b in zip(bad, res)), 3, 5, 50, index.max_scanned(), q, keys)
+        assert got is not None and words in got, (fault, got)
+
+
+def test_decode_from_sweep_refuses_a_table_with_rows_that_break_the_rules(tmp_path):
+    good = {c: 0 for c in COLUMNS} | {"model": "m", "direction": "q2k", "index": "flat", "build_params": "{}",
+                                      "search_params": "{}", "recall": 1.0, "scanned_fraction": 1.0, "layer": 1}
+    bad = good | {"index": "ivf", "search_params": '{"nprobe": 1}', "scanned_fraction": -1.0}
+    (tmp_path / "r").mkdir()
+    pd.DataFrame([good, bad]).to_parquet(tmp_path / "r" / "results.parquet")
+    with pytest.raises(AnnsLabError, match="scanned_fraction -1.0 of ivf"):
+        modes.pick_from_sweep(str(tmp_path / "r"), "m", 0.9, [1])
+
+
+# -- the decoder's retrieval path ------------------------------------------------------------------
+
+
+def _store(monkeypatch, cls, attention_aware: bool):
+    from anns_lab.decode.placement import IndexPlan, LayerStore
+
+    cls = type(cls.__name__, (cls,), {"uses_train_queries": attention_aware, "name": "badplugin"})
+    monkeypatch.setattr("anns_lab.decode.placement.registry.get", lambda name: cls)
+    rng = np.random.default_rng(1)
+    keys, values = rng.standard_normal((2, 300, 16)).astype(np.float32), rng.standard_normal((2, 300, 16)).astype(np.float32)
+    store = LayerStore(3, 4, keys, values, topk=8, plan=IndexPlan("badplugin"), add_batch=1000)
+    store.build(rng.standard_normal((4, 40, 16)).astype(np.float32) if attention_aware else None)
+    return store, rng.standard_normal((4, 16)).astype(np.float32)
+
+
+class FaultyFlatTrain(Faulty):
+    def _build(self, keys, train_queries):  # an attention-aware index that ignores its queries
+        super()._build(keys, None)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in cast")
+@pytest.mark.parametrize("attention_aware", [False, True])
+@pytest.mark.parametrize("fault", ["zero_scanned", "too_many_scanned", "id_out_of_range", "duplicate_id",
+                                   "fewer_columns", "wrong_scores", "nan_scores", "padding_first"])
+def test_decoder_refuses_a_bad_result_before_it_reaches_the_kernel(monkeypatch, fault, attention_aware):
+    base = FaultyFlatTrain if attention_aware else Faulty
+    store, q = _store(monkeypatch, type("F", (base,), {"fault": fault}), attention_aware)
+    with pytest.raises(IndexResultError, match=r"badplugin \(layer 3\)"):
+        store.side(q, 0.25)
+
+
+@pytest.mark.parametrize("fault", ["zero_scanned", "id_out_of_range", "duplicate_id", "padding_first"])
+def test_decoder_checks_ids_and_counts_at_every_step(monkeypatch, fault):
+    class LateFault(Faulty):
+        calls = 0
+
+        def _search(self, queries, k):
+            LateFault.calls += 1
+            res = FlatIndex._search(self, queries, k)
+            return _fault(fault, *res) if LateFault.calls > 2 else res
+
+    store, q = _store(monkeypatch, LateFault, False)
+    good = store.side(q, 0.25)  # the two KV heads' indexes answer correctly on the first step
+    assert np.isfinite(good.out).all()
+    with pytest.raises(IndexResultError, match=r"badplugin \(layer 3\)"):
+        store.side(q, 0.25)
