@@ -282,23 +282,21 @@ def test_add_in_small_batches():
     assert recall_at_k(res.ids, test, keys, 20) >= 0.95
 
 
-def test_load_of_an_index_saved_without_cached_lists(tmp_path):
-    """An index saved before the kept queries' lists were saved gets them recomputed on load (what add keeps)."""
+def test_saves_of_an_older_format_or_with_unknown_parameters_are_refused(tmp_path):
+    """No compatibility shims: a save of format 1 (no checksums, no validation) or one naming a build parameter
+    this version does not have (``tail_links``, since replaced by descent links) is one clear IndexConfigError."""
     import json
 
-    keys, train, test = ood_data(12, n=800, m=600)
-    index = RoarGraphIndex().build(keys, train)
-    index.save(tmp_path / "idx")
-    meta = json.loads((tmp_path / "idx" / "index.json").read_text())
-    meta["arrays"] = [a for a in meta["arrays"] if not a.startswith("q_")]
-    (tmp_path / "idx" / "index.json").write_text(json.dumps(meta))
-    loaded = RoarGraphIndex.load(tmp_path / "idx")
-    assert np.array_equal(np.sort(loaded._q_ids, axis=1), np.sort(index._q_ids, axis=1))
-    assert np.allclose(loaded._q_scores, index._q_scores, rtol=1e-5, atol=1e-5)
-    more = keys[:50] * 1.02
-    index.add(more)
-    loaded.add(more)
-    assert recall_at_k(loaded.search(test, 10).ids, test, np.vstack([keys, more]), 10) >= 0.95
+    keys, train, _ = ood_data(12, n=800, m=300)
+    RoarGraphIndex().build(keys, train).save(tmp_path / "idx")
+    meta_file = tmp_path / "idx" / "index.json"
+    meta = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps({**meta, "format": 1}))
+    with pytest.raises(IndexConfigError, match="format 1.*build and save the index again"):
+        RoarGraphIndex.load(tmp_path / "idx")
+    meta_file.write_text(json.dumps({**meta, "params": {**meta["params"], "tail_links": 4}}))
+    with pytest.raises(IndexConfigError, match="unknown parameter 'tail_links'"):
+        RoarGraphIndex.load(tmp_path / "idx")
 
 
 def _descent_gaps_reference(keys, nbrs, degree, knn):
@@ -360,21 +358,3 @@ def test_list_sizes_follow_the_number_of_keys_unless_given(tmp_path):
     assert given.lists == {"M_sq": 60, "n_pivots": 7, "n_cand": 60} and given._q_ids.shape[1] == 60
     given.save(tmp_path / "g")
     assert RoarGraphIndex.load(tmp_path / "g").lists == given.lists
-
-
-def test_load_of_an_index_saved_with_a_parameter_since_removed(tmp_path):
-    """An index saved by an older version (here with ``tail_links``, since replaced by descent links) still
-    loads, with a warning naming the parameter, and searches exactly as saved."""
-    import json
-
-    keys, train, test = ood_data(4, n=800, m=300)
-    index = RoarGraphIndex().build(keys, train)
-    index.save(tmp_path / "old")
-    meta_file = tmp_path / "old" / "index.json"
-    meta = json.loads(meta_file.read_text())
-    meta["params"]["tail_links"] = 4
-    meta_file.write_text(json.dumps(meta))
-    with pytest.warns(UserWarning, match=r"no longer has \(tail_links\)"):
-        loaded = RoarGraphIndex.load(tmp_path / "old")
-    a, b = index.search(test, 20, L=30), loaded.search(test, 20, L=30)
-    assert np.array_equal(a.ids, b.ids) and np.array_equal(a.n_scanned, b.n_scanned)

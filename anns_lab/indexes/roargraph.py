@@ -1,61 +1,37 @@
 """``roargraph``: an attention-aware key graph built from the prefill queries (RoarGraph, Chen et al. VLDB 2024).
 
-Build, on keys K (n, d) and training queries Q (m, d):
+Build, on keys K (n, d) and training queries Q (m, d) (kernels in :mod:`graph.roar`):
 
-1. **Bipartite graph.** Each training query's exact top-``M_sq`` keys by inner product
-   (``topk.topk_ip``: blocked matmul, never an m × n matrix).
-2. **Projection onto keys.** RoarGraph hangs each query's neighbours on its top-1 key (the
-   pivot). On real attention the top-1 keys are a few hundred sinks and heavy hitters, which
-   starves every other key, so here *each of the query's first* ``n_pivots`` *keys* is a pivot
-   (``n_pivots = 1`` is the published rule; the default rank and ``M_sq`` grow with the number of keys,
-   :func:`auto_lists`). A pivot's candidates are the other keys of the
-   queries it pivots for, merged by id with summed query weights (co-occurrence) times
-   (the key's occurrences in all lists)^−``idf`` — sinks sit in every list and would head every
-   pivot's order — the ``max_cand`` heaviest kept, then RobustPrune (inner-product rule, ``alpha``) to ``M`` in
-   that order (``graph_build.project_rows``, parallel over keys).
-3. **Reverse edges**, rows over ``R`` RobustPruned (two-phase, lock-free). Capping them at ``R``
-   rather than ``M`` lets a heavy hitter link back to the many mid-ranked keys that chose it.
-4. **Descent links.** A search for a training query expands the keys above rank r of its list
-   before the key at rank r; a key with no in-neighbour ranked above it in that list is found only
-   by luck. Wherever a list has such a gap (5–11% of the (query, key) pairs of a real head after
-   step 3), the key is proposed to the row of the key above it most like it (largest ip); each key
-   takes its ``descent_links`` most-proposed sources (``graph_build.link_descent``, RobustPrune over
-   ``R``). This also links the keys that are in some list but nobody's pivot (no row, so no reverse
-   edges), which an earlier rule (an in-edge from the key ranked just above, ``tail_links``) did
-   less well: on Gemma-3 32K and SmolLM2 8K, descent links without it scan less than with both.
-5. **Reachability.** About half the keys of a real head are in no training query's top list and
-   have empty rows: they get their nearest keys as out-edges (``link_stranded``, one blocked
-   kNN), then every key not reachable from the entry points gets an in-edge
-   (``link_unreachable``). The published connectivity enhancement (every key searched for on
-   the graph and linked from what it found, beam ``enhance_L``) is off by default: on real
-   heads it filled rows with links to keys no query wants, costing scans, not recall.
+1. **Bipartite graph**: each training query's exact top-``M_sq`` keys (``topk.topk_ip``).
+2. **Projection onto keys.** RoarGraph hangs a query's keys on its top-1 key (the pivot); on real
+   attention the top-1 keys are a few hundred sinks and heavy hitters, which starves every other
+   key, so here each of a query's first ``n_pivots`` keys is a pivot (``n_pivots = 1`` is the
+   published rule; sizes grow with n, :func:`auto_lists`). A pivot's candidates are the other keys
+   of its queries, weighted by co-occurrence × (occurrences in all lists)^−``idf`` (sinks sit in
+   every list), the ``max_cand`` heaviest RobustPruned to ``M`` in that order.
+3. **Reverse edges**, rows capped at ``R`` > ``M`` so a heavy hitter links back to the keys that chose it.
+4. **Descent links**: a search for a training query expands the keys above rank r of its list
+   before rank r, so a key with no in-neighbour ranked above it is found only by luck; it gets
+   in-edges from the keys above it most like it (``descent_links`` per key).
+5. **Reachability**: keys in no list (empty rows) get their nearest keys as out-edges
+   (:func:`link_stranded`), then every key unreachable from the entry points gets an in-edge.
+   The published connectivity enhancement (``enhance_L``) is off by default: on real heads it
+   links keys no query wants.
 
-Search: best-first search with a beam of width ``L`` (two heaps, ``graph_search.search_one``) started
-from all entry points at once; the k best of every node scanned are returned, so ``L`` < k is a valid,
-cheaper operating point (the beam expands the best L, the rest of a query's top keys are their
-neighbours). The entry points are ``n_hubs`` hub keys — the top-1 key of each k-means centroid of
-the training queries (a coarse step: each hub's inner product is computed and counted like any
-node) — plus the ``recent_entries`` newest keys. ``n_scanned`` counts every inner product: hubs,
-recent entries and every node evaluated, once each.
+Search: the best-first search of :mod:`graph.search` with beam ``L`` from all entry points at once;
+the k best of every node scanned are returned, so ``L`` < k is a valid, cheaper operating point.
+The entry points, each counted like any node, are ``n_hubs`` hub keys (the top key of each k-means
+centroid of the training queries) plus the ``recent_entries`` newest keys. The newest
+``recent_frac`` of the training queries may weigh ``recent_weight`` times more (decode queries look
+like late prefill queries: post-RoPE drift).
 
-Training-query weighting: the newest ``recent_frac`` of the training queries weigh
-``recent_weight`` times more in the co-occurrence merge (decode queries look like late
-prefill queries more than like early ones: post-RoPE drift).
-
-Decoder-facing: ``add`` costs what the new keys cost, not what the index holds. The build caches
-the top-``M_sq`` keys and scores of each kept recent query (``keep_queries``); ``add`` scores those
-queries against the new keys only and merges a new key into the lists of the queries whose last
-score it beats (it is *selected*; the lists stay each query's exact top-``M_sq``). A selected key's
-row is projected from the selecting queries' lists as the build projects (co-occurrence, idf,
-RobustPrune; every rank a pivot, as the kept queries are few) and its neighbours get reverse edges
-(RobustPrune when full); no descent links (on SmolLM2 heads they doubled an add's cost, 3.3 → 6.5 ms per
-64 keys, for recall that moved along the same recall/scan curve). Every new key is then searched for on the graph and linked from what the
-search finds (its out-edges too when no kept query selected it, as the build's stranded keys get
-their nearest keys), and reachability from the hubs is restored (a pruned row may have cut a key's
-only way in). Only new rows and their neighbours' rows are written, in place; the adjacency grows
-with spare capacity, so an add copies the graph only when it outgrows it. ``save``/``load`` (the cached lists
-included); keys live in a :class:`key_store.KeyStore` shared by indexes built on the same array
-(one GQA group).
+``add`` costs what the new keys cost, not what the index holds: the kept recent queries'
+(``keep_queries``) exact top-``M_sq`` lists are cached; a new key that enters a list is projected
+from those lists as the build projects, its neighbours get reverse edges, every new key is
+searched for and linked from what it finds, and reachability is restored. Only new rows and their
+neighbours' rows are written, in place, into an adjacency grown with spare capacity. Keys live in a
+:class:`key_store.KeyStore` shared by the indexes of one GQA group. Design history and
+measurements: ``docs/notes/graph-indexes.md``.
 """
 
 from __future__ import annotations
@@ -76,7 +52,7 @@ from anns_lab.indexes.topk import topk_ip
 
 STRANDED_POOL = 8192  # candidate out-neighbours of a stranded key (see link_stranded)
 ADD_SERIAL = 1024  # adds of up to this many keys run on the calling thread: a thread-pool launch costs ms on a loaded machine
-ADD_SEARCH_L = 16  # beam of the search that links each added key (32: the same recall, 1.5x the time)
+ADD_SEARCH_L = 16  # beam of the search that links each added key (wider: the same recall, slower)
 LIST_PARAMS = ("M_sq", "n_pivots", "n_cand")  # the sizes build resolves (0 = auto), kept in self.lists and saved
 def subsample(queries: np.ndarray, at_most: int) -> np.ndarray:
     """At most ``at_most`` rows of ``queries`` at an even stride, counted back from the newest (always kept):
@@ -92,10 +68,8 @@ def auto_lists(n_keys: int) -> tuple[int, int]:
     """(M_sq, n_pivots) for ``n_keys`` keys: (100, 20) up to 8192 keys; above, M_sq grows as √n and the
     pivot rank as n, capped at M_sq / 2 (198 and 78 at 32K keys).
 
-    An empirical rule from the two sizes measured (BENCHMARKS "Query-aware graphs"): at 8K keys
-    (SmolLM2) pivot rank 20 and lists of 100 scan least; at 32K (Gemma-3) the lists hold fewer of
-    the keys a query needs and the keys are in fewer lists, so longer lists and deeper pivots win
-    (rank 100 with lists of 200: 2.7% against 3.2% with 100/100). Not measured beyond 32K keys.
+    An empirical rule from the two sizes measured (8K and 32K keys; ``docs/notes/graph-indexes.md``):
+    with more keys the lists hold fewer of the keys a query needs, so longer lists and deeper pivots win.
     """
     scale = max(1.0, n_keys / 8192)
     m_sq = int(round(100 * scale ** 0.5))

@@ -2,13 +2,12 @@
 
 Inner product is the similarity throughout: the greedy search that inserts a key looks for
 the keys of largest inner product with it, and RobustPrune uses DiskANN's INNER_PRODUCT
-occlusion rule (see ``graph.prune``). We tried the other MIPS route, the
-Euclidean graph over keys augmented to equal norm ([k, √(M² − |k|²)]), and dropped it: its
-recall@100 on Gaussian keys was half of this graph's at the same fraction scanned.
+occlusion rule (see ``graph.prune``), rather than a Euclidean graph over norm-augmented keys
+(the other MIPS route, which scanned more for the same recall: ``docs/notes/graph-indexes.md``).
 
 Build: a seeded random R-regular graph, then two sequential passes over a seeded permutation
 (α = 1, then the given α), entry point = the key of largest inner product with the keys'
-mean. Search: beam search of width max(L, k) from that entry; ``n_scanned`` counts every
+mean. Search: the best-first search of :mod:`graph.search` with beam max(L, k) from that entry; ``n_scanned`` counts every
 node whose inner product with the query was computed (the entry included), once each.
 """
 

@@ -15,9 +15,9 @@ import numpy as np
 from numba import njit
 
 from anns_lab.indexes.graph import Graph
-from anns_lab.indexes.graph.search import offer_all, score_fresh, search_one
+from anns_lab.indexes.graph.search import score_fresh, search_one
 from anns_lab.indexes.graph.simd import prefetch_keys, prefetch_row
-from anns_lab.indexes.graph.utils import drain, mark_fresh, pop_next, thread_workspace
+from anns_lab.indexes.graph.utils import drain, mark_fresh, offer_all, pop_next, thread_workspace
 
 
 @njit(cache=True, nogil=True)
@@ -63,7 +63,7 @@ def search_heads(graphs, queries, L, ws, epoch, out):
                 n_scanned[h] += m
                 rs, ri = ws.heap_s[h, :L], ws.heap_i[h, :L]
                 cs, ci = ws.heap_s[h, L:], ws.heap_i[h, L:]
-                a, b = offer_all(rs, ri, cs, ci, nr[h], nc[h], L, fresh[h], fresh_s, m)
+                a, b = offer_all(rs, ri, cs, ci, nr[h], nc[h], L, fresh[h, :m], fresh_s[:m])
                 node, b = pop_next(rs, cs, ci, a, b, L)
                 nr[h] = a
                 nc[h] = b
@@ -79,18 +79,11 @@ def search_heads(graphs, queries, L, ws, epoch, out):
 
 
 class GraphGroup:
-    """The arrays of several graph indexes, cached for :func:`search_heads` (one search per index, one call).
+    """The arrays of several graph indexes (``graph_arrays()``, ``entries_for(q)``), cached for :func:`search_heads`.
 
-    Each index exposes ``graph_arrays()`` → (keys, nbrs, degree) and ``entries_for(queries)``;
-    the entry points are assumed not to depend on the query (roargraph: hubs + newest keys), so
-    they are read once here. Build the group once after the indexes are built and call
-    :meth:`refresh` after any ``add`` (which reallocates keys/nbrs and may add entry points);
-    :meth:`current` says whether that is needed. Indexes of a GQA group share one key array
-    (``KeyStore``): the typed list holds that array once per head, without copying it.
-
-    The visited rows and heaps are a per-thread workspace shared by every group (the decoder's
-    worker searches one layer after another) and by :func:`search_single`, sized by the largest
-    search seen.
+    The entry points must not depend on the query (roargraph: hubs + newest keys): they are read
+    once. Call :meth:`refresh` after any ``add`` (:meth:`current` says whether one is needed). A GQA
+    group's shared key array is held once per head without a copy; the workspace is the thread's.
     """
 
     def __init__(self, indexes) -> None:
@@ -162,15 +155,9 @@ _GROUPS: "weakref.WeakKeyDictionary" = None  # first index → (ids of all, Grap
 
 
 def search_graphs(indexes, queries: np.ndarray, k: int, L: int):
-    """Search graph ``indexes[i]`` (exposing ``graph_arrays()`` and ``entries_for(q)``) with ``queries[i]``, in one kernel call.
-
-    Returns a ``SearchResult`` of ids (H, k), scores (H, k), n_scanned (H,): exactly what
-    ``indexes[i].search(queries[i:i+1], k, L=L)`` returns for each i (for roargraph, whose search is
-    :func:`search_one`, the same operations in the same order; tests check it). The :class:`GraphGroup`
-    of the same list of indexes is kept between calls (weakly, by the first index) and
-    refreshed when an index has changed; a caller searching the same indexes every step may
-    hold its own group instead and skip that check.
-    """
+    """Search graph index ``indexes[i]`` with ``queries[i]`` in one kernel call: a ``SearchResult`` equal to
+    ``indexes[i].search(queries[i:i+1], k, L=L)`` for each i. The :class:`GraphGroup` of the same indexes
+    is kept between calls (weakly, by the first index) and refreshed when an index has changed."""
     global _GROUPS
     if _GROUPS is None:
         _GROUPS = weakref.WeakKeyDictionary()

@@ -14,8 +14,8 @@ from numba import njit
 
 from anns_lab.indexes.graph import Graph
 from anns_lab.indexes.graph.simd import dot
-from anns_lab.indexes.graph.utils import (Workspace, drain, mark_fresh, offer, pop_next, push_min, run_chunks, sift_min,
-                                          thread_workspace)
+from anns_lab.indexes.graph.utils import (Workspace, drain, mark_fresh, offer_all, pop_next, push_min, run_chunks,
+                                          sift_min, thread_workspace)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -24,14 +24,6 @@ def score_fresh(data, query, fresh, m, fresh_s):
     so that their key rows load in parallel (the search is memory-bound)."""
     for j in range(m):
         fresh_s[j] = dot(data[fresh[j]], query)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def offer_all(rs, ri, cs, ci, nr, nc, L, fresh, fresh_s, m):
-    """Offer the m scored nodes to the beam (and those that enter it to the frontier), in order; (nr, nc)."""
-    for j in range(m):
-        nr, nc = offer(rs, ri, cs, ci, nr, nc, L, fresh_s[j], fresh[j])
-    return nr, nc
 
 
 @njit(cache=True, nogil=True)
@@ -68,7 +60,7 @@ def search_one(g, query, entries, L, ws, epoch, out_ids, out_scores):
                     nt = push_min(ts, ti, nt, fresh_s[j], fresh[j])
                 elif fresh_s[j] > ts[0]:
                     sift_min(ts, ti, nt, fresh_s[j], fresh[j])
-        nr, nc = offer_all(rs, ri, cs, ci, nr, nc, L, fresh, fresh_s, m)
+        nr, nc = offer_all(rs, ri, cs, ci, nr, nc, L, fresh[:m], fresh_s[:m])
         node, nc = pop_next(rs, cs, ci, nr, nc, L)
         if node < 0:
             break

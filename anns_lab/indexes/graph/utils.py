@@ -3,8 +3,8 @@
 that runs a chunked kernel serially or on a thread pool.
 
 Heaps: the beam is a min-heap of the L best nodes scanned (its root is the worst), the frontier a
-max-heap of nodes not yet expanded (hnswlib's two-heap best-first search): every insertion is
-O(log L) where a sorted candidate list shifts O(L) entries.
+min-heap of the negated scores of nodes not yet expanded (its root is the best): hnswlib's two-heap
+best-first search, O(log L) per insertion where a sorted candidate list shifts O(L) entries.
 """
 
 from __future__ import annotations
@@ -50,46 +50,6 @@ def sift_min(hs, hi, n, s, v):
         i = c
     hs[i] = s
     hi[i] = v
-
-
-@njit(cache=True, nogil=True, inline="always")
-def push_max(hs, hi, n, s, v):
-    """Push (s, v) on the max-heap of size n; return the new size."""
-    i = n
-    while i > 0:
-        p = (i - 1) >> 1
-        if hs[p] >= s:
-            break
-        hs[i] = hs[p]
-        hi[i] = hi[p]
-        i = p
-    hs[i] = s
-    hi[i] = v
-    return n + 1
-
-
-@njit(cache=True, nogil=True, inline="always")
-def pop_max(hs, hi, n):
-    """Drop the root of the max-heap of size n; return the new size."""
-    n -= 1
-    s = hs[n]
-    v = hi[n]
-    i = 0
-    while True:
-        c = 2 * i + 1
-        if c >= n:
-            break
-        if c + 1 < n and hs[c + 1] > hs[c]:
-            c += 1
-        if hs[c] <= s:
-            break
-        hs[i] = hs[c]
-        hi[i] = hi[c]
-        i = c
-    if n > 0:
-        hs[i] = s
-        hi[i] = v
-    return n
 
 
 class Workspace(NamedTuple):
@@ -179,26 +139,31 @@ def mark_fresh(cands, visited, epoch, fresh):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def offer(rs, ri, cs, ci, nr, nc, L, s, v):
-    """Offer scanned node v (score s) to the beam (min-heap ``rs``/``ri`` of the L best, size nr); if it
-    enters, push it on the frontier (max-heap ``cs``/``ci``, size nc). Returns (nr, nc)."""
-    if nr < L:
-        nr = push_min(rs, ri, nr, s, v)
-    elif s > rs[0]:
-        sift_min(rs, ri, nr, s, v)
-    else:
-        return nr, nc
-    return nr, push_max(cs, ci, nc, s, v)
+def offer_all(rs, ri, cs, ci, nr, nc, L, fresh, fresh_s):
+    """Offer the scored nodes ``fresh`` (scores ``fresh_s``), in order, to the beam (``rs``/``ri``, size nr,
+    at most L); each that enters it is pushed on the frontier (``cs``/``ci``, size nc). Returns (nr, nc)."""
+    for j in range(fresh.shape[0]):
+        s, v = fresh_s[j], fresh[j]
+        if nr < L:
+            nr = push_min(rs, ri, nr, s, v)
+        elif s > rs[0]:
+            sift_min(rs, ri, nr, s, v)
+        else:
+            continue
+        nc = push_min(cs, ci, nc, -s, v)
+    return nr, nc
 
 
 @njit(cache=True, nogil=True, inline="always")
 def pop_next(rs, cs, ci, nr, nc, L):
     """Pop the next node to expand: (node, nc), node -1 when the search is done (the frontier is empty, or its
     best is worse than the worst of a full beam: every node of the beam is expanded)."""
-    if nc == 0 or (nr == L and cs[0] < rs[0]):
+    if nc == 0 or (nr == L and -cs[0] < rs[0]):
         return -1, nc
     node = ci[0]
-    return node, pop_max(cs, ci, nc)
+    nc -= 1
+    sift_min(cs, ci, nc, cs[nc], ci[nc])
+    return node, nc
 
 
 @njit(cache=True, nogil=True, inline="always")
