@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from anns_lab.errors import IndexConfigError
+from anns_lab.indexes.graph import Graph
 from anns_lab.indexes.graph.edges import reachable_from
 from anns_lab.indexes.graph.roar import descent_gaps
 from anns_lab.indexes.graph.simd import dot
@@ -102,7 +103,7 @@ def test_added_keys_are_found(cls):
     found = np.array([[t in row for t in trow] for row, trow in zip(res.ids, top)])
     assert found[selected].mean() >= 0.95, found[selected].mean()
     assert recall_at_k(res.ids, test, full, 20) >= 0.95
-    reach = reachable_from(index.graph_arrays(), index.hubs)
+    reach = reachable_from(Graph(index._keys, index._nbrs, index._degree), index.hubs)
     assert reach.all(), f"{(~reach).sum()} keys unreachable after add"
 
 
