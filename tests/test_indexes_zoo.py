@@ -42,6 +42,17 @@ def test_conformance(name):
     check_index(indexes.get(name))
 
 
+@pytest.mark.parametrize("name", BUILTINS)
+def test_batch_equals_one_query_at_a_time_to_the_last_bit(built, name):
+    """The kit allows a plugin float32 rounding between a batch and single queries; the built-ins agree exactly."""
+    index, keys, queries = built[name, "ood"]
+    for params in (index.grid()[0], index.grid()[-1]):
+        batch = index.search(queries[:8], K, **params)
+        alone = [index.search(q[None], K, **params) for q in queries[:8]]
+        for got, want in zip(batch, zip(*alone)):
+            assert np.array_equal(got, np.concatenate(want)), params
+
+
 @pytest.mark.parametrize("data", ["random", "ood"])
 @pytest.mark.parametrize("name", BUILTINS)
 def test_against_exact_search(built, name, data):

@@ -49,11 +49,14 @@ def default_device() -> str:
 @click.option("--torch-threads", default=0, show_default=True,
               help="CPU threads of torch (the accelerator stand-in on CPU-only machines); 0 = torch's default")
 @click.option("--allow-extrapolation", is_flag=True, help="allow a context beyond the model's trained length")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="ray: one Ray task per sample (all its modes; one GPU each when the cluster has GPUs)")
+@click.option("--address", default=None, help="Ray cluster to join (HOST:PORT of its head, or 'auto'); none starts Ray here")
+@click.option("--cpus-per-task", type=float, default=1.0, show_default=True, help="Ray: CPUs reserved per sample task")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the full results here")
 def decode(model, modes, params, build_params, topk, window, add_batch, train_queries, task, prompt, evaluation, context, samples,
            seed, max_new_tokens, positions, free_tokens, chunk, from_sweep, target_recall, device, torch_threads,
-           allow_extrapolation,
-           json_path):
+           allow_extrapolation, executor, address, cpus_per_task, json_path):
     """Generate with RetrievalAttention: static window on the accelerator + retrieved keys from a CPU index."""
     from anns_lab.decode import modes as modes_mod
     from anns_lab.decode import runner
@@ -66,6 +69,11 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
         raise DecodeError("--add-batch and --chunk must be at least 1")
     if evaluation == "task" and (task is None) == (prompt is None):
         raise DecodeError("give exactly one of --task NAME or --prompt TEXT (or --eval fidelity)")
+    if executor == "ray" and evaluation == "fidelity":
+        raise DecodeError("--executor ray runs task and prompt evaluations (a task per sample); --eval fidelity is "
+                          "one prefill and runs here")
+    if executor == "local" and address is not None:
+        raise DecodeError("--address is for --executor ray")
     if task is not None and task not in TASKS:
         raise DecodeError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
     if from_sweep:  # the sweep's pick takes the place of the default index; modes named explicitly stay
@@ -90,21 +98,33 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
     def progress(line: str) -> None:
         click.echo(line, err=True)
 
+    remote = None
     if evaluation == "fidelity":
         if not any(m.name == "full" for m in mode_list):
             mode_list.insert(0, Mode("full"))
         result = runner.run_fidelity(lm, mode_list, settings, context, positions, free_tokens, allow_extrapolation,
                                      progress)
-    elif prompt is not None:
-        result = runner.run_prompt(lm, mode_list, settings, prompt, max_new_tokens, allow_extrapolation, progress)
     else:
-        result = runner.run_task(lm, mode_list, settings, task, context, samples, seed, max_new_tokens,
-                                 allow_extrapolation, progress)
-    result |= {"model": lm.name, "device": device, "settings": {"sink": window.sink, "recent": window.recent, "topk": topk,
+        if executor == "ray":
+            from anns_lab.decode.ray_samples import RaySamples
+
+            remote = RaySamples(address, model, cpus_per_task, log=progress)
+        try:
+            if prompt is not None:
+                result = runner.run_prompt(lm, mode_list, settings, prompt, max_new_tokens, allow_extrapolation,
+                                           progress, remote)
+            else:
+                result = runner.run_task(lm, mode_list, settings, task, context, samples, seed, max_new_tokens,
+                                         allow_extrapolation, progress, remote)
+        finally:
+            if remote is not None:
+                remote.close()
+    result |= {"model": lm.name, "device": remote.device if remote else device, "executor": executor,
+               "settings": {"sink": window.sink, "recent": window.recent, "topk": topk,
                "add_batch": add_batch, "chunk": chunk, "train_queries": train_queries},
                "plans": {m.name: ({"default": m.plan.describe(), **{str(k): p.describe() for k, p in m.per_layer.items()}}
                                   if m.plan else None) for m in mode_list}}
-    click.echo(f"{lm.name}  {result['task']}  context {result['context']}  device {device}  "
+    click.echo(f"{lm.name}  {result['task']}  context {result['context']}  device {result['device']}  "
                f"window {window.sink}+{window.recent}  top-k {topk}")
     click.echo(runner.table(result))
     for name, m in result["modes"].items():

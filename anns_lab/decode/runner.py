@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from anns_lab.errors import DecodeError
+from anns_lab.decode import stats
 from anns_lab.decode.engine import Mode, ModeRun, Settings, check_window, prefill, run_mode, summarize
 from anns_lab.dumps import tasks
 
@@ -52,8 +53,11 @@ def depths(samples: int) -> list[float]:
 
 
 def run_task(lm, modes: list[Mode], settings: Settings, task: str, context: int, samples: int, seed: int,
-             max_new: int | None = None, allow_extrapolation: bool = False, progress=None) -> dict:
-    """Every mode on ``samples`` samples of ``task``; one shared full-attention prefill per sample."""
+             max_new: int | None = None, allow_extrapolation: bool = False, progress=None, executor=None) -> dict:
+    """Every mode on ``samples`` samples of ``task``; one shared full-attention prefill per sample.
+
+    ``executor`` (e.g. :class:`anns_lab.decode.ray_samples.RaySamples`) runs the samples elsewhere; the
+    result is the same dict either way."""
     if task not in tasks.TASKS:
         raise DecodeError(f"unknown task {task!r}; known: {', '.join(tasks.TASKS)}")
     if samples < 1:
@@ -62,29 +66,42 @@ def run_task(lm, modes: list[Mode], settings: Settings, task: str, context: int,
     check_context(lm, context + max_new, allow_extrapolation)
     check_window(settings, context, modes, max_new)
     made = [tasks.make_sample(task, lm.tokenizer, context, seed + i, d) for i, d in enumerate(depths(samples))]
-    return _run_prompts(lm, modes, settings, [(s.ids, s) for s in made], max_new, task, progress)
+    return _run_prompts(lm, modes, settings, [(s.ids, s) for s in made], max_new, task, progress, executor)
 
 
 def run_prompt(lm, modes: list[Mode], settings: Settings, text: str, max_new: int | None = None,
-               allow_extrapolation: bool = False, progress=None) -> dict:
+               allow_extrapolation: bool = False, progress=None, executor=None) -> dict:
     ids = tasks.special_prefix(lm.tokenizer) + tasks.encode(lm.tokenizer, text)
     max_new = max_new or MAX_NEW["prompt"]
     check_context(lm, len(ids) + max_new, allow_extrapolation)
     check_window(settings, len(ids), modes, max_new)
-    return _run_prompts(lm, modes, settings, [(ids, None)], max_new, "prompt", progress)
+    return _run_prompts(lm, modes, settings, [(ids, None)], max_new, "prompt", progress, executor)
 
 
-def _run_prompts(lm, modes, settings, prompts, max_new, task, progress) -> dict:
-    capture = any(m.uses_queries() for m in modes)
+def run_sample(lm, modes: list[Mode], settings: Settings, ids: list[int], max_new: int, stops: set[int]) -> dict:
+    """One prompt: a shared full-attention prefill, then every mode; the unit a Ray task runs."""
+    pre = prefill(lm, ids, settings, any(m.uses_queries() for m in modes))
+    runs = {}
+    for mode in modes:
+        run = run_mode(lm, pre, mode, settings, max_new, stops)
+        run.stores = None  # free the CPU copies and indexes
+        runs[mode.name] = run
+    return {"prefill_s": pre.seconds, "runs": runs}
+
+
+def _run_prompts(lm, modes, settings, prompts, max_new, task, progress, executor=None) -> dict:
+    """Every prompt (here, or through ``executor.map_samples``), scored and merged into one result."""
     stops = stop_ids(lm)
     per_mode = {m.name: {"runs": [], "samples": []} for m in modes}
     prefill_s = []
-    for i, (ids, sample) in enumerate(prompts):
-        pre = prefill(lm, ids, settings, capture)
-        prefill_s.append(pre.seconds)
+    if executor is None:
+        done = (run_sample(lm, modes, settings, ids, max_new, stops) for ids, _ in prompts)
+    else:
+        done = executor.map_samples(modes, settings, [ids for ids, _ in prompts], max_new, stops)
+    for i, ((ids, sample), res) in enumerate(zip(prompts, done)):
+        prefill_s.append(res["prefill_s"])
         for mode in modes:
-            run = run_mode(lm, pre, mode, settings, max_new, stops)
-            run.stores = None  # free the CPU copies and indexes
+            run = res["runs"][mode.name]
             answer = lm.tokenizer.decode(run.tokens, skip_special_tokens=True)
             row = {"sample": i, "answer": answer}
             if sample is not None:
@@ -96,13 +113,23 @@ def _run_prompts(lm, modes, settings, prompts, max_new, task, progress) -> dict:
             if progress:
                 progress(f"sample {i + 1}/{len(prompts)} {mode.name}: {answer!r}"
                          + (f" (expected {sample.answers[0]!r}, score {row['score']:g})" if sample else ""))
-        del pre
     out = {"task": task, "context": len(prompts[0][0]), "modes": {}}
     for name, d in per_mode.items():
         summary = _pool(d["runs"]) | {"prefill_s": float(np.mean(prefill_s))}
         if task != "prompt":
-            summary["accuracy"] = 100.0 * float(np.mean([r["score"] for r in d["samples"]]))
+            summary |= _accuracy([r["score"] for r in d["samples"]],
+                                 [r["score"] for r in per_mode["full"]["samples"]] if "full" in per_mode else None)
         out["modes"][name] = {"summary": summary, "samples": d["samples"], "notes": d.get("notes", [])}
+    return out
+
+
+def _accuracy(scores: list[float], full: list[float] | None) -> dict:
+    """Accuracy (%) with its 95% Wilson interval; the paired difference to ``full`` with Newcombe's interval."""
+    lo, hi = stats.wilson(sum(scores), len(scores))
+    out = {"accuracy": 100.0 * float(np.mean(scores)), "accuracy_ci95": [100.0 * lo, 100.0 * hi]}
+    if full is not None:
+        d, dlo, dhi = stats.paired_difference(scores, full)
+        out |= {"diff_vs_full": 100.0 * d, "diff_vs_full_ci95": [100.0 * dlo, 100.0 * dhi]}
     return out
 
 
@@ -145,7 +172,8 @@ def run_fidelity(lm, modes: list[Mode], settings: Settings, context: int, positi
     return out
 
 
-COLUMNS = [("accuracy", "acc %", "{:.1f}"), ("kl_mean", "KL", "{:.2e}"), ("top1_agreement", "top-1", "{:.3f}"),
+COLUMNS = [("accuracy", "acc %", "{:.1f}"), ("accuracy_ci95", "acc 95% CI", "[{:.1f}, {:.1f}]"),
+           ("diff_vs_full", "Δ full", "{:+.1f}"), ("diff_vs_full_ci95", "Δ 95% CI", "[{:+.1f}, {:+.1f}]"), ("kl_mean", "KL", "{:.2e}"), ("top1_agreement", "top-1", "{:.3f}"),
            ("free_tokens_until_diff", "free=", "{:d}"), ("prefill_s", "prefill s", "{:.2f}"), ("build_s", "build s", "{:.2f}"),
            ("retrieval_ms", "retr ms", "{:.2f}"), ("cpu_attention_ms", "cpu-attn ms", "{:.2f}"),
            ("accel_attention_ms", "acc-attn ms", "{:.2f}"), ("merge_ms", "merge ms", "{:.2f}"), ("insert_ms", "insert ms", "{:.2f}"),
@@ -165,7 +193,9 @@ def table(result: dict) -> str:
             v = s.get(key)
             if key == "device_kv_bytes" and v is not None:
                 v = v / 2**20
-            if fmt.endswith("%}") and v is not None:
+            if isinstance(v, (list, tuple)):
+                cells.append(fmt.format(*v))
+            elif fmt.endswith("%}") and v is not None:
                 cells.append(fmt.format(v))
             else:
                 cells.append("-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v))

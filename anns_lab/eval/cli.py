@@ -56,9 +56,20 @@ def latest_dump() -> Path | None:
 @click.option("--build-param", "build_param", multiple=True, metavar="INDEX.NAME=VALUE",
               help="Override a build parameter, e.g. --build-param roargraph.M=16 (repeatable).")
 @click.option("--quick", is_flag=True, help="Skip attention-quality and batch-1 latency passes (for parameter scans).")
-def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite, build_param, quick) -> None:
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="local: --jobs worker processes here; ray: one task per (layer, head, index) on a Ray cluster.")
+@click.option("--address", default=None,
+              help="Ray cluster to join (HOST:PORT of its head, or 'auto'); none starts Ray on this machine.")
+@click.option("--cpus-per-task", type=float, default=1.0, show_default=True, help="Ray: CPUs reserved per task.")
+@click.option("--ray-data", type=click.Choice(["auto", "path", "ship"]), default="auto", show_default=True,
+              help="Ray: nodes read the dump at its path, or the driver ships each head's arrays (auto: path when every node has it).")
+@click.option("--max-attempts", type=int, default=3, show_default=True,
+              help="A failing part is tried at most this many times over all runs, then reported.")
+@click.option("--retry-failed", is_flag=True, help="Forget earlier failures (parts/failed-*.json) and try those parts again.")
+def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite, build_param, quick, executor, address,
+          cpus_per_task, ray_data, max_attempts, retry_failed) -> None:
     """Evaluate every index on recall@k against fraction of keys scanned, per (layer, head)."""
-    from anns_lab.eval.sweep import run_sweep
+    from anns_lab.eval.sweep import SweepInterrupted, run_sweep
 
     if dump_path is None:
         dump_path = latest_dump()
@@ -70,8 +81,14 @@ def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite, bu
             click.echo(result.summary())
             dump_path = result.dump.path
     names = [n.strip() for n in indexes.split(",")] if indexes else None
-    res = run_sweep(dump_path, names, _ints(layers), _ints(heads), k, window, out, jobs, overwrite,
-                    build_params=_build_params(build_param), quick=quick)
+    try:
+        res = run_sweep(dump_path, names, _ints(layers), _ints(heads), k, window, out, jobs, overwrite,
+                        build_params=_build_params(build_param), quick=quick, executor=executor, address=address,
+                        cpus_per_task=cpus_per_task, max_attempts=max_attempts, retry_failed=retry_failed,
+                        ray_data=ray_data)
+    except SweepInterrupted as stop:
+        click.echo(str(stop), err=True)
+        raise SystemExit(130) from None
     t = res.table
     click.echo(f"sweep of {dump_path}: {len(t)} rows ({t.groupby(['layer', 'head']).ngroups} heads × "
                f"{t['index'].nunique()} indexes) in {res.path} ({res.seconds:.0f} s)")

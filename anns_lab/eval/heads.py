@@ -83,9 +83,10 @@ def default_layers(layers: list[int]) -> list[int]:
     return sorted({layers[min(2, len(layers) - 1)], layers[len(layers) // 2], layers[max(len(layers) - 2, 0)]})
 
 
-def load_head(dump: Dump, layer: int, head: int, window: Window | tuple[int, int] = Window(), min_test: int = 64,
-              n_k2k: int = 64, seed: int = 0) -> HeadData:
-    """Assemble :class:`HeadData` for one (layer, head) of ``dump``."""
+def index_range(dump: Dump, window: Window | tuple[int, int] = Window(), min_test: int = 64,
+                n_k2k: int = 64) -> tuple[int, int, int]:
+    """``(lo, hi, extra)``: index keys (and K→K hold-outs) come from prefill positions ``[lo, hi)``; the last
+    ``extra`` prefill positions are test queries. Raises when too few keys are left (checked before any work)."""
     n = int(dump.manifest["n_tokens"]["prefill"])
     window = Window(*window)
     extra = max(0, min_test - int(dump.manifest["n_tokens"]["decode"]))  # held-out last prefill queries
@@ -95,6 +96,23 @@ def load_head(dump: Dump, layer: int, head: int, window: Window | tuple[int, int
         held = f" and the last {extra} held out as test queries" if extra > window.recent else ""
         raise AnnsLabError(f"the static window {window}{held} leave {max(hi - lo, 0)} of {n} prefill keys to index; "
                            "use a longer dump or a smaller --window")
+    return lo, hi, extra
+
+
+def check_k(dump: Dump, window: Window | tuple[int, int], k: int, n_k2k: int = 64) -> None:
+    """Refuse ``k`` below 1 or above the number of keys each index of this dump and window holds (before any work)."""
+    lo, hi, _ = index_range(dump, window, n_k2k=n_k2k)
+    if not 1 <= k <= hi - lo - n_k2k:
+        raise AnnsLabError(f"--k {k} must be between 1 and {hi - lo - n_k2k}, the number of keys each index holds "
+                           f"with this dump and --window {Window(*window)}")
+
+
+def load_head(dump: Dump, layer: int, head: int, window: Window | tuple[int, int] = Window(), min_test: int = 64,
+              n_k2k: int = 64, seed: int = 0) -> HeadData:
+    """Assemble :class:`HeadData` for one (layer, head) of ``dump``."""
+    n = int(dump.manifest["n_tokens"]["prefill"])
+    window = Window(*window)
+    lo, hi, extra = index_range(dump, window, min_test, n_k2k)
     g = dump.kv_head_of(head)
     all_keys = dump.keys(layer, g, "all")
     prefill_q = dump.queries(layer, head, "prefill")

@@ -1,18 +1,19 @@
 """``anns-lab sweep``: every index × every grid point × every (layer, head) of a dump, into one table.
 
-Work is split by (layer, head) over ``jobs`` processes, each single-threaded (one thread is
-what a decoder's retrieval gets per head, and it keeps timings comparable). Every finished
-(layer, head, index) is written at once to ``parts/`` (atomic), so an interrupted sweep
-continues where it stopped; ``results.parquet`` is the union of the parts, rewritten at the end.
+Work is split by (layer, head) over an executor (:mod:`anns_lab.eval.executors`: worker processes
+on this machine, or a Ray cluster), each worker single-threaded (one thread is what a decoder's
+retrieval gets per head, and it keeps timings comparable). The driver writes every finished
+(layer, head, index) at once to ``parts/`` (atomic), so an interrupted sweep continues where it
+stopped, on either executor; a part that fails leaves a record (:mod:`anns_lab.eval.failures`)
+so reruns retry it a bounded number of times. ``results.parquet`` is the union of the parts,
+rewritten at the end (also after Ctrl-C).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,12 +23,19 @@ import pyarrow as pa
 
 from anns_lab.dumps.store import open_dump, write_table
 from anns_lab.errors import AnnsLabError
+from anns_lab.eval import failures as failed
 from anns_lab.eval import metrics
-from anns_lab.eval.heads import HeadData, default_layers, load_head
+from anns_lab.eval.executors import Outcome, Part, open_executor
+from anns_lab.eval.heads import HeadData, check_k, default_layers, load_head
 from anns_lab.eval.table import COLUMNS, RESULTS, SETTINGS
 from anns_lab.io import atomic_write_json
 
 LATENCY_QUERIES = 16
+MAX_ATTEMPTS = 3
+
+
+class SweepInterrupted(AnnsLabError):
+    """Ctrl-C stopped the sweep; the finished parts are kept and the message says how to resume."""
 
 
 @dataclass
@@ -96,38 +104,47 @@ def evaluate_index(name: str, data: HeadData, k: int, dump_label: str, model: st
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
-def _run_head(dump_path: str, layer: int, head: int, names: list[str], k: int, window: tuple[int, int],
-              parts: str, build_params: dict[str, dict], quick: bool) -> list[tuple[str, str | None]]:
-    """Worker: one (layer, head), every index not yet done; returns (index, error or None)."""
-    _single_thread()
-    dump = open_dump(dump_path)
-    data = load_head(dump, layer, head, window)
-    out = []
-    for name in names:
-        part = Path(parts) / _part_name(layer, head, name, build_params.get(name))
-        if part.exists():
-            continue
+@dataclass(frozen=True)
+class SweepWork:
+    """What a worker needs to evaluate one part, on any executor (picklable: plain settings, no arrays)."""
+
+    dump: str
+    k: int
+    window: tuple[int, int]
+    build_params: dict
+    quick: bool
+
+    def setup_worker(self) -> None:
+        _single_thread()
+
+    def load(self, layer: int, head: int) -> HeadData:
+        return load_head(open_dump(self.dump), layer, head, self.window)
+
+    def fingerprint(self) -> str | None:
         try:
-            df = evaluate_index(name, data, k, str(dump.path), dump.model, build_params.get(name), quick)
-        except AnnsLabError as err:
-            out.append((name, str(err)))
-            continue
-        except Exception as err:  # noqa: BLE001 - a failing (plugin) index must not stop the sweep
-            out.append((name, f"{type(err).__name__}: {err}"))
-            continue
-        write_table(part, pa.Table.from_pandas(df, preserve_index=False))
-        out.append((name, None))
-    return out
+            return json.loads((Path(self.dump) / "manifest.json").read_text()).get("created")
+        except (OSError, ValueError, AttributeError):
+            return None
+
+    def evaluate(self, data: HeadData, index: str) -> pd.DataFrame:
+        dump = open_dump(self.dump)
+        return evaluate_index(index, data, self.k, str(dump.path), dump.model, self.build_params.get(index), self.quick)
 
 
 def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: list[int] | None = None,
               heads: list[int] | None = None, k: int = 100, window: tuple[int, int] = (128, 512),
               out: str | Path | None = None, jobs: int = 2, overwrite: bool = False, progress: bool = True,
-              build_params: dict[str, dict] | None = None, quick: bool = False) -> SweepResult:
+              build_params: dict[str, dict] | None = None, quick: bool = False, executor: str = "local",
+              address: str | None = None, cpus_per_task: float = 1.0, max_attempts: int = MAX_ATTEMPTS,
+              retry_failed: bool = False, ray_data: str = "auto", log=None) -> SweepResult:
     """Run the sweep (see module doc) and return the combined results table.
 
     ``build_params`` maps an index name to build parameters that replace its defaults; ``quick``
-    records recall, scanned fraction, throughput and build cost only.
+    records recall, scanned fraction, throughput and build cost only. ``executor`` is ``local`` or
+    ``ray`` (``address``: a cluster's, or ``auto``; none starts a local Ray); a part is attempted at
+    most ``max_attempts`` times over all runs unless ``retry_failed`` clears its earlier failures.
+    ``ray_data``: ``path`` (nodes read the dump), ``ship`` (the driver sends each head), ``auto`` (path when
+    every node sees the dump).
     """
     from tqdm.auto import tqdm
 
@@ -147,31 +164,71 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     heads = heads if heads is not None else list(range(dump.n_heads))
     for h in heads:
         dump.kv_head_of(h)
-    if k < 1:
-        raise AnnsLabError("--k must be positive")
+    check_k(dump, window, k)  # before any index is built
+    if max_attempts < 1:
+        raise AnnsLabError("--max-attempts must be at least 1")
     out = Path(out) if out is not None else Path("results") / dump.path.name
     settings = {"dump": str(dump.path.resolve()), "dump_created": dump.manifest["created"], "k": k, "window": list(window)}
     if quick:  # a quick sweep lacks columns a full one has: never mix their parts in one folder
         settings["quick"] = True
-    _prepare(out, settings, overwrite)
+    log = log or (lambda line: tqdm.write(line) if progress else None)
+    # Connect (Ray) before the results folder is touched: a cluster that is unreachable or too small
+    # for a task is one error and leaves nothing behind.
+    runner = open_executor(executor, jobs, address, cpus_per_task, ray_data, log=log)
+    try:
+        _prepare(out, settings, overwrite)
+        return _run(runner, dump, out, names, layers, heads, k, window, build_params, quick, max_attempts,
+                    retry_failed, progress, log, t_start)
+    finally:
+        runner.close()
+
+
+def _run(runner, dump, out, names, layers, heads, k, window, build_params, quick, max_attempts, retry_failed,
+         progress, log, t_start) -> SweepResult:
+    from tqdm.auto import tqdm
+
     parts = out / "parts"
-    todo = [(layer, h) for layer in layers for h in heads
-            if not all((parts / _part_name(layer, h, n, build_params.get(n))).exists() for n in names)]
+    if retry_failed and (n := failed.clear_all(parts)):
+        log(f"--retry-failed: {n} failed part(s) will be tried again")
+    part_file = {Part(layer, h, n): parts / _part_name(layer, h, n, build_params.get(n))
+                 for layer in layers for h in heads for n in names}
     failures: list[tuple[str, int, int, str]] = []
-    bar = tqdm(total=len(todo) * len(names), unit="index", desc=f"sweep {dump.path.name}", disable=not progress)
-    if todo:
-        # spawn, not fork: forking a process whose OpenMP/numba thread pools already run can deadlock.
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=max(1, min(jobs, len(todo))), mp_context=ctx) as pool:
-            futures = {pool.submit(_run_head, str(dump.path), layer, h, names, k, window, str(parts), build_params,
-                                   quick): (layer, h)
-                       for layer, h in todo}
-            for fut in as_completed(futures):
-                layer, h = futures[fut]
-                for name, err in fut.result():
-                    if err:
-                        failures.append((name, layer, h, err))
-                bar.update(len(names))
+    earlier: dict[Part, int] = {}
+    tries: dict[Part, int] = {}
+    for part, f in part_file.items():
+        if f.exists():
+            continue
+        rec = failed.previous(f)
+        earlier[part] = rec["attempts"] if rec else 0
+        if earlier[part] >= max_attempts:
+            failures.append((part.index, part.layer, part.head, failed.exhausted_message(part, rec)))
+        else:
+            tries[part] = max_attempts - earlier[part]
+    units = [(layer, h, [n for n in names if Part(layer, h, n) in tries]) for layer in layers for h in heads]
+    units = [u for u in units if u[2]]
+    bar = tqdm(total=len(tries), unit="index", desc=f"sweep {dump.path.name}", disable=not progress)
+
+    def on_outcome(o: Outcome) -> None:
+        f = part_file[o.part]
+        if o.table is not None:
+            write_table(f, pa.Table.from_pandas(o.table, preserve_index=False))
+            failed.clear(f)
+        else:
+            failed.record(f, o, build_params.get(o.part.index), earlier[o.part])
+            failures.append((o.part.index, o.part.layer, o.part.head, o.error))
+        bar.update(1)
+
+    work = SweepWork(str(dump.path), k, tuple(window), build_params, quick)
+    if units:
+        log(f"sweep {dump.path.name}: {len(tries)} parts on {runner.describe()}")
+        try:
+            runner.run(work, units, tries, on_outcome)
+        except KeyboardInterrupt:
+            bar.close()
+            combine(out)
+            done = sum(1 for f in part_file.values() if f.exists())
+            raise SweepInterrupted(f"interrupted: {done} of {len(part_file)} parts are finished and kept in {parts}; "
+                                   "run the same command again to resume") from None
     bar.close()
     table = combine(out)
     return SweepResult(table, out / RESULTS, failures, time.perf_counter() - t_start)
@@ -187,11 +244,16 @@ def _prepare(out: Path, settings: dict, overwrite: bool) -> None:
             raise AnnsLabError(f"{out} holds a sweep of other settings ({old}); pass --overwrite or choose another --out")
         for p in (out / "parts").glob("*.parquet"):
             p.unlink()
+        failed.clear_all(out / "parts")
         (out / RESULTS).unlink(missing_ok=True)
     elif out.exists() and any(out.iterdir()):
         raise AnnsLabError(f"{out} exists and is not a sweep folder; choose another --out")
-    (out / "parts").mkdir(parents=True, exist_ok=True)
-    atomic_write_json(sfile, settings)
+    try:
+        (out / "parts").mkdir(parents=True, exist_ok=True)
+        atomic_write_json(sfile, settings)
+    except OSError as err:
+        raise AnnsLabError(f"cannot write the sweep into {out}: {err.strerror or err} ({err.filename or out}); "
+                           "choose another --out") from None
 
 
 def combine(out: Path) -> pd.DataFrame:

@@ -4,7 +4,8 @@ Every index, built-in or plugin, is a subclass of :class:`Index` announced in th
 group ``anns_lab.indexes``; look indexes up with :func:`get` / :func:`create`.
 """
 
-from anns_lab.indexes.base import Index, Param, SearchResult
+from anns_lab.errors import IndexConfigError
+from anns_lab.indexes.base import Index, Param, SearchResult, pad_topk
 from anns_lab.indexes.registry import available, broken, create, get
 
-__all__ = ["Index", "Param", "SearchResult", "available", "broken", "create", "get"]
+__all__ = ["Index", "IndexConfigError", "Param", "SearchResult", "available", "broken", "create", "get", "pad_topk"]

@@ -24,7 +24,15 @@ from typing import Any, ClassVar, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from anns_lab.errors import IndexConfigError
+<<<<<<< HEAD
 from anns_lab.indexes.persist import load_index, save_index
+=======
+
+FORMAT_VERSION = 1
+#: Largest magnitude accepted in keys and queries: any inner product of two such vectors (|q·k| ≤ d·1e30) stays
+#: far inside float32 (3.4e38) up to d = 10^8, so no index can overflow. Real activations are below 1e5.
+MAX_ABS = 1e15
+>>>>>>> main
 
 
 @dataclass(frozen=True)
@@ -106,10 +114,15 @@ def as_matrix(owner: str, what: str, x: Any, dim: int | None = None) -> np.ndarr
         arr = np.ascontiguousarray(arr, dtype=np.float32)
     if dim is not None and arr.shape[1] != dim:
         raise IndexConfigError(f"{owner}: {what} have dimension {arr.shape[1]} but the index was built with dimension {dim}")
-    # One float64 reduction: finite float32 values cannot overflow it, so a non-finite sum means NaN or inf.
-    if not math.isfinite(arr.sum(dtype=np.float64)):
-        bad = int(np.flatnonzero(~np.isfinite(arr).all(axis=1))[0])
-        raise IndexConfigError(f"{owner}: {what} contain NaN or infinite values (first at row {bad})")
+    # Two reductions: a NaN fails both comparisons, so this one test catches NaN, inf and too large.
+    if not (arr.max() <= MAX_ABS and arr.min() >= -MAX_ABS):
+        finite = np.isfinite(arr).all(axis=1)
+        if not finite.all():
+            bad = int(np.flatnonzero(~finite)[0])
+            raise IndexConfigError(f"{owner}: {what} contain NaN or infinite values (first at row {bad})")
+        bad = int(np.flatnonzero((np.abs(arr) > MAX_ABS).any(axis=1))[0])
+        raise IndexConfigError(f"{owner}: {what} have values beyond ±{MAX_ABS:.0e} (first at row {bad}): inner "
+                               "products of such vectors overflow float32; rescale them")
     return arr
 
 
@@ -161,13 +174,25 @@ class Index:
 
     @classmethod
     def search_group(cls, indexes: Sequence["Index"], queries: np.ndarray, k: int, **params: Any) -> SearchResult:
-        """Search ``indexes[i]`` with ``queries[i]`` (one query each, e.g. the query heads of a layer) in one call.
+        """Search ``indexes[i]`` (all of this class) with ``queries[i]``: one row per index, as ``search`` returns it.
 
-        The default searches one index after another; an index class whose per-call cost matters
-        (one graph per query head in the decoder) overrides it with a single batched kernel.
+        The decoder's only search: once per layer and step, one index per query head (an index
+        shared by a GQA group appears once per head of the group). The default searches each
+        distinct index once, with the queries of its rows in one batch. A class for which one
+        call over all the indexes is cheaper (the graph indexes: every head's beam search in
+        one kernel) overrides it; the result must be what the one-at-a-time searches return.
         """
-        parts = [index.search(queries[i: i + 1], k, **params) for i, index in enumerate(indexes)]
-        return SearchResult(*(np.concatenate(column) for column in zip(*parts)))
+        rows: dict[int, list[int]] = {}
+        for i, index in enumerate(indexes):
+            rows.setdefault(id(index), []).append(i)
+        out = None
+        for heads in rows.values():
+            res = indexes[heads[0]].search(queries[heads], k, **params)
+            if out is None:
+                out = type(res)(*(np.empty((len(indexes), *col.shape[1:]), col.dtype) for col in res))
+            for col, part in zip(out, res):
+                col[heads] = part
+        return out
 
     def _search_params_for(self, params: dict[str, Any]) -> dict[str, Any]:
         """``resolve_params`` for search, remembered per distinct parameter set (batch-1 latency)."""
@@ -201,8 +226,10 @@ class Index:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the index structures, keys included."""
-        return sum(a.nbytes for a in self._arrays().values())
+        """Bytes held by the index structures, keys included: what ``_arrays()`` saves, or else the numpy arrays
+        the index holds as attributes (override when a library holds the memory)."""
+        arrays = self._arrays().values() if self.supports_save else vars(self).values()
+        return sum(a.nbytes for a in arrays if isinstance(a, np.ndarray))
 
     @property
     def supports_add(self) -> bool:

@@ -1,0 +1,65 @@
+"""Decode samples on a Ray cluster: one task per sample (its prefill shared by all its modes).
+
+A task asks for one GPU when the cluster has GPUs (the model then runs on CUDA there), else
+``cpus_per_task`` CPUs. Each worker process loads the model once and keeps it for its next samples;
+the model name must resolve on every node (an alias, a Hugging Face id in the node's cache, or a
+folder at the same path). Results come back to the driver, which scores and merges them exactly as
+a local run does (:func:`anns_lab.decode.runner._run_prompts`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from anns_lab.errors import DecodeError
+from anns_lab.eval.executors.ray_cluster import Cluster
+
+_MODELS: dict = {}  # per Ray worker process: (model, device) → loaded model
+
+
+def _sample_task(model: str, device: str, modes, settings, ids: list[int], max_new: int, stops: set[int]) -> dict:
+    from anns_lab.decode.runner import run_sample
+    from anns_lab.dumps.models import load_model
+
+    if (model, device) not in _MODELS:
+        _MODELS.clear()  # one model per worker: a second would double its memory
+        _MODELS[(model, device)] = load_model(model, device=device)
+    return run_sample(_MODELS[(model, device)], modes, settings, ids, max_new, stops)
+
+
+class RaySamples:
+    """``map_samples`` for :func:`anns_lab.decode.runner.run_task` on a Ray cluster."""
+
+    def __init__(self, address: str | None, model: str, cpus_per_task: float = 1.0, local_cpus: int = 2,
+                 log=print) -> None:
+        if cpus_per_task <= 0:
+            raise DecodeError("--cpus-per-task must be positive")
+        self.cluster = Cluster(address, local_cpus, log)
+        self.ray = self.cluster.ray
+        self.model = model
+        self.resources, self.device = {"CPU": float(cpus_per_task)}, "cpu"
+        if self.cluster.gpus() >= 1:
+            self.resources, self.device = self.resources | {"GPU": 1.0}, "cuda"
+        self.cluster.require(self.resources, "decode")
+        log(f"ray: one task per sample, each with {', '.join(f'{v:g} {k}' for k, v in self.resources.items())} "
+            f"(model on {self.device})")
+
+    def map_samples(self, modes, settings, prompts: list[list[int]], max_new: int, stops: set[int]) -> Iterator[dict]:
+        """Submit every sample at once; yield their results in sample order. Ctrl-C cancels what is left."""
+        task = self.ray.remote(_sample_task).options(num_cpus=self.resources["CPU"], num_gpus=self.resources.get("GPU", 0),
+                                                   max_retries=2)
+        refs = [task.remote(self.model, self.device, modes, settings, ids, max_new, stops) for ids in prompts]
+        try:
+            for ref in refs:
+                while not self.ray.wait([ref], timeout=1.0)[0]:  # wakes up for Ctrl-C
+                    pass
+                try:
+                    yield self.ray.get(ref)
+                except self.ray.exceptions.RayError as err:
+                    raise DecodeError(f"a decode sample failed on Ray: {str(err).strip().splitlines()[0]}") from None
+        finally:
+            for ref in refs:
+                self.ray.cancel(ref, force=True)
+
+    def close(self) -> None:
+        self.cluster.close()

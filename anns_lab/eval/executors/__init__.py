@@ -1,0 +1,32 @@
+"""Where a sweep's parts run: ``local`` (worker processes on this machine, the default) or ``ray`` (a Ray cluster).
+
+Both run the same work (:class:`base.Work`), fail a crashing part alone with a message naming it,
+retry a part whose worker died up to a bound, and stop at once on Ctrl-C. Nothing of Ray is
+imported unless the Ray executor is asked for.
+"""
+
+from __future__ import annotations
+
+from anns_lab.errors import AnnsLabError
+from anns_lab.eval.executors.base import Executor, Outcome, Part
+
+EXECUTORS = ("local", "ray")
+
+
+def open_executor(name: str, jobs: int = 2, address: str | None = None, cpus_per_task: float = 1.0,
+                  data: str = "auto", log=print) -> Executor:
+    """The executor ``name`` (connected and checked when it is Ray); raises AnnsLabError for bad settings."""
+    if name == "local":
+        if address is not None:
+            raise AnnsLabError("--address is for --executor ray; the local executor runs on this machine")
+        from anns_lab.eval.executors.local import LocalExecutor
+
+        return LocalExecutor(jobs, log)
+    if name == "ray":
+        from anns_lab.eval.executors.ray_executor import RayExecutor
+
+        return RayExecutor(address, jobs, cpus_per_task, data, log)
+    raise AnnsLabError(f"unknown executor {name!r}; known: {', '.join(EXECUTORS)}")
+
+
+__all__ = ["EXECUTORS", "Executor", "Outcome", "Part", "open_executor"]

@@ -1,0 +1,103 @@
+"""What every executor shares: the unit of work, its outcome, and the one way a part's error is caught."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import pandas as pd
+
+from anns_lab.errors import AnnsLabError
+
+
+@dataclass(frozen=True)
+class Part:
+    """One (layer, head, index) of a sweep: the unit that succeeds or fails on its own."""
+
+    layer: int
+    head: int
+    index: str
+
+    def __str__(self) -> str:
+        return f"index {self.index} on layer {self.layer} head {self.head}"
+
+
+@dataclass
+class Outcome:
+    """A part's final result in this run: its table, or its error and whether its worker process died."""
+
+    part: Part
+    table: pd.DataFrame | None
+    error: str | None = None
+    attempts: int = 1
+    crashed: bool = False
+
+
+class Work(Protocol):
+    """The sweep's work as executors see it: load a head once, evaluate an index on it (both picklable)."""
+
+    def setup_worker(self) -> None: ...
+
+    def load(self, layer: int, head: int) -> Any: ...
+
+    def fingerprint(self) -> str | None:
+        """What identifies the input seen from this process (None when it is not there): the same on every
+        node means the nodes share its folder."""
+        ...
+
+    def evaluate(self, data: Any, index: str) -> pd.DataFrame: ...
+
+
+#: A group of parts sharing one head: (layer, head, index names); ``tries`` bounds each part's attempts.
+Unit = tuple[int, int, list[str]]
+OnOutcome = Callable[[Outcome], None]
+
+
+class Executor(Protocol):
+    """Runs units, calls ``on_outcome`` on the driver for every finished part, and raises KeyboardInterrupt
+    (after stopping its workers) when interrupted."""
+
+    def describe(self) -> str: ...
+
+    def run(self, work: Work, units: list[Unit], tries: dict[Part, int], on_outcome: OnOutcome) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def error_text(err: BaseException) -> str:
+    """One line for a part's error; SystemExit gets a word, since its message alone is only a code."""
+    if isinstance(err, SystemExit):
+        return f"SystemExit({err.code!r}): the index tried to end the process"
+    text = str(err)
+    return text if isinstance(err, AnnsLabError) else f"{type(err).__name__}: {text}"
+
+
+def load(work: Work, layer: int, head: int) -> tuple[Any, str | None]:
+    """``work.load`` with its error caught: a head that cannot be read fails its parts, not the sweep."""
+    try:
+        return work.load(layer, head), None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as err:  # noqa: BLE001
+        return None, error_text(err)
+
+
+def attempt(work: Work, data: Any, index: str) -> tuple[pd.DataFrame | None, str | None]:
+    """``work.evaluate`` with every error of the index (SystemExit included) caught as its part's error."""
+    try:
+        return work.evaluate(data, index), None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as err:  # noqa: BLE001 - a plugin's error, even SystemExit, fails its own part only
+        return None, error_text(err)
+
+
+def death_text(exitcode: int | None) -> str:
+    """``exit code -6`` → ``killed by SIGABRT``: how a worker process ended."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            pass
+    return f"exit code {exitcode}"

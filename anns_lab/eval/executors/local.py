@@ -1,0 +1,155 @@
+"""The local executor: ``jobs`` single-threaded worker processes on this machine, each fed one head at a time.
+
+Not a ``ProcessPoolExecutor``: when one of its workers dies the whole pool breaks and no error names
+the part. Here each worker tells the driver which index it starts, so a worker that dies (``os.abort``,
+a segfault, the OOM killer, ``kill -9``) fails exactly that part; the driver starts a new worker and
+retries the part while its attempts last. Workers ignore SIGINT: on Ctrl-C the driver stops them
+(SIGTERM, then SIGKILL) and returns at once instead of waiting for queued heads.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import signal
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+
+from anns_lab.eval.executors.base import OnOutcome, Outcome, Part, Unit, Work, attempt, death_text, load
+
+LOADING = "<load>"  # what a worker is doing before its first index: reading the head
+
+
+def _worker(conn: Connection, work: Work) -> None:
+    """Worker main: for each (layer, head, names) received, load the head and evaluate each name."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
+    work.setup_worker()
+    while True:
+        unit = conn.recv()
+        if unit is None:
+            return
+        layer, head, names = unit
+        conn.send(("start", LOADING))
+        data, load_error = load(work, layer, head)
+        for name in names:
+            conn.send(("start", name))
+            table, error = (None, load_error) if load_error else attempt(work, data, name)
+            conn.send(("done", name, table, error))
+        conn.send(("idle",))
+
+
+@dataclass
+class _Slot:
+    proc: multiprocessing.process.BaseProcess
+    conn: Connection
+    unit: tuple[int, int, list[str]] | None = None
+    current: str | None = None
+    remaining: list[str] = field(default_factory=list)
+
+
+class LocalExecutor:
+    """``jobs`` spawned worker processes (spawn, not fork: forking running OpenMP/numba pools can deadlock)."""
+
+    def __init__(self, jobs: int, log=print) -> None:
+        self.jobs = max(1, int(jobs))
+        self.log = log
+
+    def describe(self) -> str:
+        return f"local: {self.jobs} single-threaded worker process{'es' if self.jobs > 1 else ''}"
+
+    def close(self) -> None:
+        pass
+
+    def run(self, work: Work, units: list[Unit], tries: dict[Part, int], on_outcome: OnOutcome) -> None:
+        """Evaluate every unit's names; a part whose worker dies is retried up to ``tries[part]`` attempts."""
+        ctx = multiprocessing.get_context("spawn")
+        queue: deque[Unit] = deque((layer, head, list(names)) for layer, head, names in units if names)
+        attempts: Counter[Part] = Counter()
+        slots: list[_Slot] = []
+        try:
+            while queue or any(s.unit for s in slots):
+                for slot in slots:
+                    if slot.unit is None and queue:
+                        slot.unit = queue.popleft()
+                        slot.remaining = list(slot.unit[2])
+                        slot.conn.send(slot.unit)
+                while queue and len(slots) < self.jobs:
+                    slots.append(self._start(ctx, work, queue.popleft()))
+                busy = [s for s in slots if s.unit]
+                wait([s.conn for s in busy] + [s.proc.sentinel for s in busy])
+                for slot in busy:
+                    if not self._drain(slot, attempts, on_outcome):
+                        slots.remove(slot)
+                        self._died(slot, attempts, tries, queue, on_outcome)
+        finally:
+            for slot in slots:
+                self._stop(slot)
+
+    def _start(self, ctx, work: Work, unit: Unit) -> _Slot:
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker, args=(child, work), daemon=True)
+        proc.start()
+        child.close()
+        slot = _Slot(proc, parent, unit, None, list(unit[2]))
+        parent.send(unit)
+        return slot
+
+    def _drain(self, slot: _Slot, attempts: Counter, on_outcome: OnOutcome) -> bool:
+        """Handle every message the worker sent; False when it has died."""
+        layer, head, _ = slot.unit
+        try:
+            while slot.conn.poll():
+                msg = slot.conn.recv()
+                if msg[0] == "start":
+                    slot.current = msg[1]
+                elif msg[0] == "done":
+                    _, name, table, error = msg
+                    part = Part(layer, head, name)
+                    attempts[part] += 1
+                    slot.remaining.remove(name)
+                    slot.current = None
+                    on_outcome(Outcome(part, table, error, attempts[part]))
+                else:  # idle: the unit is finished
+                    slot.unit, slot.current, slot.remaining = None, None, []
+                    return True
+        except (EOFError, OSError):
+            return False
+        return slot.proc.is_alive() or slot.unit is None
+
+    def _died(self, slot: _Slot, attempts: Counter, tries: dict[Part, int], queue: deque, on_outcome: OnOutcome) -> None:
+        """A worker died mid-unit: the part it was on fails (or is retried); the rest of the unit is requeued."""
+        slot.proc.join(timeout=5)
+        layer, head, _ = slot.unit
+        how = death_text(slot.proc.exitcode)
+        # Dying while reading the head counts against every part of the unit; otherwise only the current one.
+        suspects = list(slot.remaining) if slot.current in (None, LOADING) else [slot.current]
+        keep = [n for n in slot.remaining if n not in suspects]
+        for name in suspects:
+            part = Part(layer, head, name)
+            attempts[part] += 1
+            if attempts[part] < tries.get(part, 1):
+                self.log(f"worker process {how} while running {part}; retrying (attempt {attempts[part] + 1} "
+                         f"of {tries[part]})")
+                keep.insert(0, name)
+            else:
+                on_outcome(Outcome(part, None, f"worker process {how} while running it (attempt {attempts[part]})",
+                                   attempts[part], crashed=True))
+        if keep:
+            queue.appendleft((layer, head, keep))
+        slot.conn.close()
+
+    @staticmethod
+    def _stop(slot: _Slot) -> None:
+        if slot.proc.is_alive() and slot.unit is None:
+            try:
+                slot.conn.send(None)
+            except OSError:
+                pass
+            slot.proc.join(timeout=2)
+        if slot.proc.is_alive():
+            slot.proc.terminate()
+            slot.proc.join(timeout=5)
+        if slot.proc.is_alive():
+            slot.proc.kill()
+            slot.proc.join(timeout=5)
+        slot.conn.close()

@@ -1,0 +1,114 @@
+"""The Ray executor: one Ray task per (layer, head, index), ``cpus_per_task`` CPUs each, on a Ray cluster.
+
+A task per index (not per head) makes a worker that dies attributable to exactly one part; Ray
+retries it (``max_retries``: the part's attempts left) and the driver records it as failed only
+when they are used up. Workers read the dump through its path when every node sees the same dump
+there (a shared file system); otherwise the driver loads each head once and ships its arrays
+through the object store, released when the head's last task ends. The driver alone writes
+``parts/``, exactly as with the local executor, so a sweep may move between the two.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from anns_lab.errors import AnnsLabError
+from anns_lab.eval.executors.base import OnOutcome, Outcome, Part, Unit, Work, attempt, load
+from anns_lab.eval.executors.ray_cluster import Cluster
+
+DATA_MODES = ("auto", "path", "ship")
+
+
+def _part_task(work: Work, layer: int, head: int, index: str, data=None):
+    """Runs on a Ray worker: one part; its error (SystemExit included) comes back as text."""
+    work.setup_worker()
+    error = None
+    if data is None:
+        data, error = load(work, layer, head)
+    return (None, error) if error else attempt(work, data, index)
+
+
+def _fingerprint_task(work: Work) -> str | None:
+    return work.fingerprint()
+
+
+class RayExecutor:
+    """Sweep parts as Ray tasks; see the module doc."""
+
+    def __init__(self, address: str | None, jobs: int, cpus_per_task: float, data: str = "auto", log=print) -> None:
+        if data not in DATA_MODES:
+            raise AnnsLabError(f"data must be one of {DATA_MODES}, got {data!r}")
+        if cpus_per_task <= 0:
+            raise AnnsLabError("--cpus-per-task must be positive")
+        self.log, self.data, self.cpus_per_task = log, data, float(cpus_per_task)
+        self.cluster = Cluster(address, jobs, log)
+        self.ray = self.cluster.ray
+        self.cluster.require({"CPU": self.cpus_per_task}, "sweep")
+
+    def describe(self) -> str:
+        return f"{self.cluster.summary}, {self.cpus_per_task:g} CPU per task"
+
+    def close(self) -> None:
+        self.cluster.close()
+
+    def data_mode(self, work: Work) -> str:
+        """``path`` when every alive node sees the driver's input at its path, else ``ship``."""
+        if self.data != "auto":
+            return self.data
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        mine = work.fingerprint()
+        probe = self.ray.remote(_fingerprint_task)
+        refs = {n["NodeManagerAddress"] + " " + n["NodeID"][:8]: probe.options(
+            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(work)
+                for n in self.cluster.nodes()}
+        seen = dict(zip(refs, self.ray.get(list(refs.values()), timeout=300)))
+        missing = [node for node, fp in seen.items() if fp != mine]
+        if missing:
+            self.log(f"ray: the dump is not at its path on node(s) {', '.join(missing)}: the driver ships each head's "
+                     "arrays through the object store")
+            return "ship"
+        self.log("ray: every node reads the dump through its path (shared file system)")
+        return "path"
+
+    def run(self, work: Work, units: list[Unit], tries: dict[Part, int], on_outcome: OnOutcome) -> None:
+        """Submit parts (a bounded number in flight), report each as it ends; Ctrl-C cancels the rest."""
+        ray = self.ray
+        ship = self.data_mode(work) == "ship"
+        task = ray.remote(_part_task)
+        todo = deque(Part(layer, head, n) for layer, head, names in units for n in names)
+        left = {(layer, head): len(names) for layer, head, names in units}
+        heads: dict[tuple[int, int], object] = {}
+        inflight: dict[object, Part] = {}
+        limit = max(2, int(2 * self.cluster.cpus() / self.cpus_per_task))  # keeps workers fed, memory bounded
+        try:
+            while todo or inflight:
+                while todo and len(inflight) < limit:
+                    part = todo.popleft()
+                    key = (part.layer, part.head)
+                    if ship and key not in heads:
+                        heads[key] = ray.put(work.load(*key))
+                    ref = task.options(num_cpus=self.cpus_per_task, max_retries=tries.get(part, 1) - 1,
+                                       retry_exceptions=False).remote(work, part.layer, part.head, part.index,
+                                                                      heads.get(key))
+                    inflight[ref] = part
+                done, _ = ray.wait(list(inflight), num_returns=1, timeout=1.0)  # wakes up for Ctrl-C
+                for ref in done:
+                    part = inflight.pop(ref)
+                    on_outcome(self._outcome(ref, part, tries.get(part, 1)))
+                    left[(part.layer, part.head)] -= 1
+                    if not left[(part.layer, part.head)]:
+                        heads.pop((part.layer, part.head), None)  # its last task ended: free the shipped arrays
+        except KeyboardInterrupt:
+            for ref in inflight:
+                ray.cancel(ref, force=True)
+            raise
+
+    def _outcome(self, ref, part: Part, tries: int) -> Outcome:
+        try:
+            table, error = self.ray.get(ref)
+            return Outcome(part, table, error)
+        except self.ray.exceptions.RayError as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            return Outcome(part, None, f"its Ray worker died {tries} time(s) ({type(err).__name__}: {first})",
+                           tries, crashed=True)

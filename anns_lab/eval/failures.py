@@ -1,0 +1,61 @@
+"""Failed-part records of a sweep: ``parts/failed-<part>.json`` with the attempts made and the last error.
+
+A part that failed is tried again by the next run of the same sweep until it has used ``max_attempts``
+in all (a worker that died counts one attempt, and is retried at once while attempts last); after that
+it is reported without being run, so a rerun never loops on a part that kills its process.
+``--retry-failed`` (or ``--overwrite`` of other settings) removes the records.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from anns_lab.io import atomic_write_json
+from anns_lab.eval.executors.base import Outcome, Part
+
+PREFIX = "failed-"
+
+
+def record_path(part_file: Path) -> Path:
+    """``parts/L002_H00_ivf.parquet`` → ``parts/failed-L002_H00_ivf.json``."""
+    return part_file.with_name(PREFIX + part_file.stem + ".json")
+
+
+def previous(part_file: Path) -> dict | None:
+    """The record of an earlier failure of this part, or None (an unreadable record counts as none)."""
+    try:
+        rec = json.loads(record_path(part_file).read_text())
+        return rec if isinstance(rec, dict) and isinstance(rec.get("attempts"), int) else None
+    except (OSError, ValueError):
+        return None
+
+
+def record(part_file: Path, outcome: Outcome, build_params: dict | None, earlier: int) -> dict:
+    """Write (atomically) the record of a failed part; ``earlier`` attempts came from previous runs."""
+    rec = {"layer": outcome.part.layer, "head": outcome.part.head, "index": outcome.part.index,
+           "build_params": build_params or {}, "attempts": earlier + outcome.attempts, "error": outcome.error,
+           "worker_died": outcome.crashed, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    atomic_write_json(record_path(part_file), rec)
+    return rec
+
+
+def clear(part_file: Path) -> None:
+    record_path(part_file).unlink(missing_ok=True)
+
+
+def clear_all(parts: Path) -> int:
+    """Remove every failure record under ``parts``; returns how many there were."""
+    found = list(parts.glob(PREFIX + "*.json"))
+    for p in found:
+        p.unlink()
+    return len(found)
+
+
+def exhausted_message(part: Part, rec: dict) -> str:
+    return (f"failed {rec['attempts']} time(s) in earlier runs, not retried (last error: {rec['error']}); "
+            "pass --retry-failed to try it again")
+
+
+__all__ = ["Part", "clear", "clear_all", "exhausted_message", "previous", "record", "record_path"]

@@ -1,0 +1,45 @@
+"""Misbehaving index plugins for the executor tests (installed per test into a temporary entry-point folder).
+
+``faulty`` searches exactly like ``flat`` unless told otherwise: ``fault`` makes its search call
+``os.abort()`` or ``sys.exit(3)``; ``pid_dir`` makes its build leave a file ``<pid>-<ns>`` per build
+(so a test can find and kill the worker) and ``sleep_s`` keeps the build busy that long.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from anns_lab.indexes import Index, Param
+
+
+class FaultyIndex(Index):
+    """Exact search with injectable faults."""
+
+    build_params = {
+        "fault": Param("none", choices=("none", "abort", "exit"), help="what search does"),
+        "pid_dir": Param("", help="folder to leave <pid> files in at build"),
+        "sleep_s": Param(0.0, 0.0, 600.0, help="seconds the build sleeps"),
+    }
+
+    def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
+        if self.params["pid_dir"]:
+            (Path(self.params["pid_dir"]) / f"{os.getpid()}-{time.time_ns()}").write_text("")  # one file per build
+        time.sleep(self.params["sleep_s"])
+        self._keys = keys
+
+    def _search(self, queries: np.ndarray, k: int):
+        if self.params["fault"] == "abort":
+            os.abort()
+        if self.params["fault"] == "exit":
+            sys.exit(3)
+        s = queries @ self._keys.T
+        ids = np.argsort(-s, axis=1, kind="stable")[:, :k]
+        return ids, np.take_along_axis(s, ids, 1), np.full(len(queries), len(self._keys), np.int64)
+
+    def _arrays(self) -> dict[str, np.ndarray]:
+        return {"keys": self._keys}

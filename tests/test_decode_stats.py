@@ -1,0 +1,46 @@
+"""Accuracy intervals of decode: Wilson and Newcombe's paired difference against published values and by coverage."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from anns_lab.decode import runner, stats
+
+
+def test_wilson_matches_newcombe_1998_examples():
+    # Newcombe (1998) Stat Med 17:857, Table I: 81/263 -> 0.2553-0.3662; 0/10 -> 0-0.2775; 1/29 -> 0.0061-0.1718.
+    assert stats.wilson(81, 263) == pytest.approx((0.2553, 0.3662), abs=1e-4)
+    assert stats.wilson(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
+    assert stats.wilson(1, 29) == pytest.approx((0.0061, 0.1718), abs=1e-4)
+
+
+def test_paired_difference_matches_newcombe_1998_method_10():
+    # Newcombe (1998) Stat Med 17:2635, Table II, example (a): 36 both, 12 only first, 2 only second, 0 neither.
+    a = [1] * 36 + [1] * 12 + [0] * 2
+    b = [1] * 36 + [0] * 12 + [1] * 2
+    d, lo, hi = stats.paired_difference(a, b)
+    assert (d, lo, hi) == pytest.approx((0.2, 0.0569, 0.3404), abs=1e-4)
+    assert stats.paired_difference(b, a) == pytest.approx((-0.2, -0.3404, -0.0569), abs=1e-4)
+
+
+def test_paired_difference_covers_the_true_difference_about_95_percent():
+    rng = np.random.default_rng(0)
+    n, trials, hits = 60, 2000, 0
+    # Correlated pairs: P(both)=0.6, P(only a)=0.15, P(only b)=0.05, P(neither)=0.2 -> true difference 0.10.
+    cells = rng.choice(4, size=(trials, n), p=[0.6, 0.15, 0.05, 0.2])
+    for c in cells:
+        a = (c <= 1).astype(float)
+        b = ((c == 0) | (c == 2)).astype(float)
+        _, lo, hi = stats.paired_difference(list(a), list(b))
+        hits += lo <= 0.10 <= hi
+    assert 0.93 <= hits / trials <= 0.975
+
+
+def test_summary_has_intervals_and_the_table_shows_them():
+    acc = runner._accuracy([1, 1, 0, 1], [1, 1, 1, 1])
+    assert acc["accuracy"] == 75.0 and acc["diff_vs_full"] == -25.0
+    lo, hi = acc["accuracy_ci95"]
+    assert lo < 75 < hi and acc["diff_vs_full_ci95"][0] < -25 < acc["diff_vs_full_ci95"][1]
+    text = runner.table({"modes": {"flat": {"summary": acc}}})
+    assert "acc 95% CI" in text and "Δ 95% CI" in text and f"[{lo:.1f}, {hi:.1f}]" in text

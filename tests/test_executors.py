@@ -1,0 +1,378 @@
+"""Sweep executors: a part that crashes or exits fails alone, retries are bounded, Ctrl-C keeps finished parts,
+and a Ray cluster (started here on 127.0.0.1: a head and a second node) gives the local executor's table."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from anns_lab.eval import failures
+from anns_lab.eval.sweep import RESULTS, run_sweep
+
+HERE = Path(__file__).parent
+WINDOW = (8, 64)  # the recent window covers the prompt queries that top up the 8 decode queries
+K = 10
+SAME = ["layer", "head", "index", "build_params", "search_params", "direction", "n_keys", "n_queries", "recall",
+        "scanned_fraction", "mass_recovered", "output_rel_error"]  # everything but timings
+
+
+def wait_for(cond, what: str, timeout: float = 120.0, every: float = 0.2):
+    """Poll ``cond`` until true; fail (not hang) after ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = cond()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+@pytest.fixture(scope="session")
+def plugin_dir(tmp_path_factory) -> Path:
+    """A folder that registers the ``faulty`` index (tests/faulty_indexes.py) when on sys.path / PYTHONPATH."""
+    d = tmp_path_factory.mktemp("faulty-plugin")
+    shutil.copy(HERE / "faulty_indexes.py", d / "faulty_indexes.py")
+    info = d / "anns_lab_faulty-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: anns-lab-faulty\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[anns_lab.indexes]\nfaulty = faulty_indexes:FaultyIndex\n")
+    return d
+
+
+@pytest.fixture(autouse=True)
+def _faulty_registered(plugin_dir, monkeypatch):
+    monkeypatch.syspath_prepend(str(plugin_dir))  # spawned workers inherit sys.path
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(plugin_dir), os.environ.get("PYTHONPATH", "")]))
+
+
+@pytest.fixture(scope="module")
+def tiny_dump(tiny_llama, tmp_path_factory):
+    """A 4-layer, 4-head random-model dump: 400 prompt + 8 decode tokens (seconds to sweep)."""
+    from anns_lab.dumps.run import run_dump
+
+    out = tmp_path_factory.mktemp("tiny-dump") / "dump"
+    return run_dump(str(tiny_llama), tokens=400, decode_tokens=8, layers="1,3", dtype="float32", out=out,
+                    progress=False).dump
+
+
+def sweep(dump, out, **kw):
+    args = dict(indexes=["flat", "ivf"], layers=[1, 3], heads=[0, 3], k=K, window=WINDOW, out=out, jobs=2,
+                progress=False) | kw
+    return run_sweep(dump.path, **args)
+
+
+@pytest.fixture(scope="module")
+def local_table(tiny_dump, tmp_path_factory):
+    res = sweep(tiny_dump, tmp_path_factory.mktemp("local") / "res")
+    assert not res.failures
+    return res.table
+
+
+# --- the local executor ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fault, died", [("abort", True), ("exit", False)])
+def test_local_crashing_plugin_fails_its_own_parts_and_reruns_stop_retrying(tiny_dump, local_table, tmp_path,
+                                                                          fault, died):
+    out = tmp_path / "res"
+    kw = dict(indexes=["flat", "faulty"], layers=[3], build_params={"faulty": {"fault": fault}}, max_attempts=2)
+    res = sweep(tiny_dump, out, **kw)
+    # Every other part is finished and in the table, equal to a clean sweep's rows.
+    flat = local_table.query("index == 'flat' and layer == 3").reset_index(drop=True)
+    pd.testing.assert_frame_equal(res.table[SAME].reset_index(drop=True), flat[SAME])
+    assert (out / RESULTS).is_file()
+    assert sorted((name, layer, head) for name, layer, head, _ in res.failures) == [("faulty", 3, 0), ("faulty", 3, 3)]
+    for _, _, head, err in res.failures:
+        assert ("SIGABRT" in err) if died else ("SystemExit" in err)
+    recs = [json.loads(p.read_text()) for p in sorted((out / "parts").glob("failed-*.json"))]
+    assert [(r["index"], r["layer"], r["head"]) for r in recs] == [("faulty", 3, 0), ("faulty", 3, 3)]
+    # A dead worker is retried at once up to the bound; an exception is not retried within the run.
+    assert [r["attempts"] for r in recs] == ([2, 2] if died else [1, 1])
+    assert all(r["worker_died"] is died for r in recs)
+    again = sweep(tiny_dump, out, **kw)
+    if died:  # bound reached: reported without running
+        assert all("not retried" in err and "--retry-failed" in err for *_, err in again.failures)
+    else:  # one attempt left: run again, then at the bound
+        assert [json.loads(p.read_text())["attempts"] for p in sorted((out / "parts").glob("failed-*.json"))] == [2, 2]
+        assert all("not retried" in err for *_, err in sweep(tiny_dump, out, **kw).failures)
+    retried = sweep(tiny_dump, out, **kw, retry_failed=True)
+    assert len(retried.failures) == 2 and all("not retried" not in err for *_, err in retried.failures)
+    # The failures are named by the command line too, one line per part.
+    from click.testing import CliRunner
+
+    from anns_lab.cli import main
+
+    r = CliRunner().invoke(main, ["sweep", "--dump", str(tiny_dump.path), "--indexes", "flat,faulty", "--layers", "3",
+                                  "--heads", "0,3", "--k", K, "--window", "8,64", "--out", str(out),
+                                  "--build-param", f"faulty.fault={fault}", "--max-attempts", 2])
+    assert r.exit_code == 1
+    assert "FAILED faulty on layer 3 head 0" in r.output and "FAILED faulty on layer 3 head 3" in r.output
+
+
+def test_local_worker_killed_mid_sweep_is_retried_and_the_table_is_complete(tiny_dump, local_table, tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    box = {}
+    kw = dict(indexes=["flat", "faulty"], build_params={"faulty": {"pid_dir": str(pids), "sleep_s": 3.0}})
+    thread = threading.Thread(target=lambda: box.setdefault("res", sweep(tiny_dump, tmp_path / "res", **kw)))
+    thread.start()
+    victim = wait_for(lambda: next(iter(pids.iterdir()), None), "a worker to start building")
+    os.kill(_pid(victim), signal.SIGKILL)
+    thread.join(timeout=300)
+    assert not thread.is_alive()
+    res = box["res"]
+    assert not res.failures
+    assert len(list(pids.iterdir())) >= 5  # 4 heads, one of them built twice
+    flat = local_table.query("index == 'flat'").reset_index(drop=True)
+    got = res.table.query("index == 'faulty'")[SAME].reset_index(drop=True)
+    assert set(zip(got["layer"], got["head"])) == {(1, 0), (1, 3), (3, 0), (3, 3)}
+    # faulty is exact: its recall and attention numbers equal flat's on every head.
+    pd.testing.assert_series_equal(got["recall"], flat["recall"])
+    pd.testing.assert_series_equal(got["mass_recovered"], flat["mass_recovered"])
+    assert not list((tmp_path / "res" / "parts").glob("failed-*.json"))
+
+
+def test_ctrl_c_stops_within_seconds_and_keeps_finished_parts(tiny_dump, tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    out = tmp_path / "res"
+    cmd = [str(Path(sys.executable).parent / "anns-lab"), "sweep", "--dump", str(tiny_dump.path), "--indexes", "faulty",
+           "--layers", "1,3", "--heads", "0,1,2,3", "--k", str(K), "--window", "8,64", "--out", str(out), "--jobs", "1",
+           "--build-param", f"faulty.pid_dir={pids}", "--build-param", "faulty.sleep_s=2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: list((out / "parts").glob("*.parquet")) and len(list(pids.iterdir())) >= 2 or proc.poll() is not None,
+                 "the first part to finish")
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)  # the 6 heads still queued (2 s each) are not waited for
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "run the same command again to resume" in err and "Traceback" not in err
+    kept = sorted((out / "parts").glob("*.parquet"))
+    assert 1 <= len(kept) < 8
+    assert len(pd.read_parquet(out / RESULTS)) == sum(len(pd.read_parquet(p)) for p in kept)
+    for pid in {_pid(p) for p in pids.iterdir()}:  # no worker is left running
+        wait_for(lambda: not _alive(pid), f"worker {pid} to end", timeout=30)
+
+
+def _pid(build_file: Path) -> int:
+    return int(build_file.name.split("-")[0])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not Path(f"/proc/{pid}/status").read_text().count("State:\tZ")
+
+
+# --- Ray: a real two-node cluster on 127.0.0.1, one per test module ----------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """End a `ray start --block` process and everything it started (its own session): TERM, then KILL."""
+    for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            continue
+    # Children of the group may outlive its leader for a moment; they are in the same group.
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(plugin_dir, tmp_path_factory):
+    """HOST:PORT of a Ray head (1 CPU) plus a second node (1 CPU) on 127.0.0.1, stopped at the module's end."""
+    pytest.importorskip("ray")
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    temp = Path(f"/tmp/anns-ray-{os.getpid()}")  # short: Ray's socket paths must stay under 108 characters
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(plugin_dir), os.environ.get("PYTHONPATH", "")]),
+                        "RAY_USAGE_STATS_ENABLED": "0"}
+    ray_cli = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--num-cpus", "1",
+               "--node-ip-address", "127.0.0.1", "--disable-usage-stats"]
+    logs = tmp_path_factory.mktemp("ray-logs")
+    procs = []
+    try:
+        procs.append(subprocess.Popen(ray_cli + ["--head", "--port", str(port), "--include-dashboard=false",
+                                                 "--temp-dir", str(temp)], env=env, start_new_session=True,
+                                      stdout=open(logs / "head.log", "w"), stderr=subprocess.STDOUT))
+        wait_for(lambda: _reachable(port) or procs[0].poll() is not None, "the Ray head to listen", timeout=120)
+        assert procs[0].poll() is None, (logs / "head.log").read_text()
+        procs.append(subprocess.Popen(ray_cli + ["--address", address], env=env, start_new_session=True,
+                                      stdout=open(logs / "node.log", "w"), stderr=subprocess.STDOUT))
+        wait_for(lambda: _alive_nodes(address) == 2 or procs[1].poll() is not None, "the second node", timeout=120,
+                 every=2)
+        assert procs[1].poll() is None, (logs / "node.log").read_text()
+        yield address
+    finally:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        for proc in reversed(procs):
+            _stop_group(proc)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _reachable(port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def _alive_nodes(address: str) -> int:
+    out = subprocess.run([sys.executable, "-c", "import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
+                          "print(sum(n['Alive'] for n in ray.nodes()))", address],
+                         capture_output=True, text=True, timeout=120)
+    return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else 0
+
+
+@pytest.mark.parametrize("data", ["auto", "ship"])
+def test_ray_table_equals_the_local_one(tiny_dump, local_table, ray_cluster, tmp_path, data):
+    logs = []
+    res = sweep(tiny_dump, tmp_path / "res", executor="ray", address=ray_cluster, ray_data=data, log=logs.append)
+    assert not res.failures
+    pd.testing.assert_frame_equal(res.table[SAME], local_table[SAME])
+    assert any("2 node(s), 2 CPUs" in line for line in logs)
+    assert any(("shared file system" if data == "auto" else "") in line for line in logs)
+
+
+def test_a_sweep_moves_between_executors(tiny_dump, local_table, ray_cluster, tmp_path):
+    for first, second in (("local", "ray"), ("ray", "local")):
+        out = tmp_path / first
+        sweep(tiny_dump, out, indexes=["flat"], executor=first, address=ray_cluster if first == "ray" else None)
+        kept = {p: p.stat().st_mtime_ns for p in (out / "parts").glob("*.parquet")}
+        assert len(kept) == 4
+        res = sweep(tiny_dump, out, executor=second, address=ray_cluster if second == "ray" else None)
+        assert all(p.stat().st_mtime_ns == t for p, t in kept.items())  # flat's parts were not redone
+        assert len(list((out / "parts").glob("*.parquet"))) == 8
+        pd.testing.assert_frame_equal(res.table[SAME], local_table[SAME])
+
+
+def test_ray_worker_killed_mid_sweep_is_retried_and_the_table_is_complete(tiny_dump, local_table, ray_cluster,
+                                                                         tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    box = {}
+    kw = dict(indexes=["faulty"], build_params={"faulty": {"pid_dir": str(pids), "sleep_s": 3.0}}, executor="ray",
+              address=ray_cluster)
+    thread = threading.Thread(target=lambda: box.setdefault("res", sweep(tiny_dump, tmp_path / "res", **kw)))
+    thread.start()
+    victim = wait_for(lambda: next(iter(pids.iterdir()), None), "a Ray worker to start building")
+    os.kill(_pid(victim), signal.SIGKILL)
+    thread.join(timeout=300)
+    assert not thread.is_alive()
+    res = box["res"]
+    assert not res.failures
+    assert len(list(pids.iterdir())) >= 5  # 4 parts, one of them built twice
+    got = res.table[SAME].reset_index(drop=True)
+    flat = local_table.query("index == 'flat'")[SAME].reset_index(drop=True)
+    pd.testing.assert_series_equal(got["recall"], flat["recall"])
+    assert set(zip(got["layer"], got["head"])) == {(1, 0), (1, 3), (3, 0), (3, 3)}
+
+
+@pytest.mark.parametrize("fault, needle", [("abort", "Ray worker died 2 time(s)"), ("exit", "SystemExit")])
+def test_ray_crashing_plugin_fails_its_own_parts(tiny_dump, local_table, ray_cluster, tmp_path, fault, needle):
+    out = tmp_path / "res"
+    res = sweep(tiny_dump, out, indexes=["flat", "faulty"], layers=[1], heads=[3], executor="ray",
+                address=ray_cluster, build_params={"faulty": {"fault": fault}}, max_attempts=2)
+    assert [(n, layer, head) for n, layer, head, _ in res.failures] == [("faulty", 1, 3)]
+    assert needle in res.failures[0][3]
+    pd.testing.assert_frame_equal(res.table[SAME].reset_index(drop=True),
+                                  local_table.query("index == 'flat' and layer == 1 and head == 3")[SAME]
+                                  .reset_index(drop=True))
+    rec = json.loads(next((out / "parts").glob("failed-*.json")).read_text())
+    assert (rec["index"], rec["layer"], rec["head"], rec["attempts"]) == ("faulty", 1, 3, 2 if fault == "abort" else 1)
+
+
+def test_ray_bad_input_is_one_error_and_writes_nothing(tiny_dump, ray_cluster, tmp_path, monkeypatch):
+    from anns_lab.errors import AnnsLabError
+
+    with pytest.raises(AnnsLabError, match="cannot reach a Ray cluster at 127.0.0.1:"):
+        sweep(tiny_dump, tmp_path / "a", executor="ray", address=f"127.0.0.1:{_free_port()}")
+    with pytest.raises(AnnsLabError, match=r"no node .* needing 8 CPU \(the largest node has 1 CPU\)"):
+        sweep(tiny_dump, tmp_path / "b", executor="ray", address=ray_cluster, cpus_per_task=8)
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if ray were not installed
+    with pytest.raises(AnnsLabError, match=r"pip install 'anns-lab\[ray\]'"):
+        sweep(tiny_dump, tmp_path / "c", executor="ray")
+    assert not any((tmp_path / x).exists() for x in "abc")
+
+
+def test_nothing_of_ray_is_imported_unless_asked(tiny_dump, tmp_path):
+    code = ("import sys; from anns_lab.cli import main; from anns_lab.eval.sweep import run_sweep; "
+            f"run_sweep({str(tiny_dump.path)!r}, ['flat'], [1], [0], k=10, window=(8, 64), out={str(tmp_path)!r}, "
+            "jobs=1, progress=False); assert 'ray' not in sys.modules, 'ray imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+
+
+# --- decode through Ray ------------------------------------------------------------------------------------------
+
+
+def test_ray_decode_gives_the_local_answers(tiny_llama, ray_cluster, tmp_path):
+    from click.testing import CliRunner
+
+    from anns_lab.cli import main
+
+    args = ["decode", "--model", str(tiny_llama), "--mode", "full,flat", "--task", "passkey", "--context", "200",
+            "--samples", "2", "--window", "4,16", "--topk", "20", "--max-new-tokens", "4"]
+    runs = {}
+    for executor in ("local", "ray"):
+        extra = ["--executor", "ray", "--address", ray_cluster] if executor == "ray" else []
+        r = CliRunner().invoke(main, args + extra + ["--json", str(tmp_path / f"{executor}.json")])
+        assert r.exit_code == 0, r.output
+        runs[executor] = json.loads((tmp_path / f"{executor}.json").read_text())
+    local, ray_ = runs["local"], runs["ray"]
+    assert ray_["executor"] == "ray" and ray_["device"] == "cpu"
+    assert set(ray_["modes"]) == {"full", "flat"}
+    for mode in ("full", "flat"):
+        assert ray_["modes"][mode]["samples"] == local["modes"][mode]["samples"]  # answers, scores, depths, seeds
+        for key in ("accuracy", "accuracy_ci95", "diff_vs_full", "diff_vs_full_ci95", "steps"):
+            assert ray_["modes"][mode]["summary"][key] == local["modes"][mode]["summary"][key]
+
+
+def test_ray_decode_bad_input(tiny_llama, tmp_path):
+    from click.testing import CliRunner
+
+    from anns_lab.cli import main
+
+    base = ["decode", "--model", str(tiny_llama), "--mode", "full", "--task", "passkey", "--context", "200",
+            "--window", "4,16", "--max-new-tokens", "2", "--executor", "ray"]
+    r = CliRunner().invoke(main, base + ["--address", f"127.0.0.1:{_free_port()}"])
+    assert r.exit_code == 2 and "cannot reach a Ray cluster" in r.output
+    r = CliRunner().invoke(main, base + ["--eval", "fidelity"])
+    assert r.exit_code == 2 and "--eval fidelity is one prefill" in r.output

@@ -1,0 +1,55 @@
+"""The plugin contract: a new index of a few lines passes the conformance kit, no persistence or add needed."""
+
+import inspect
+
+import numpy as np
+
+from anns_lab.indexes import Index, IndexConfigError, pad_topk
+from anns_lab.testing import check_index
+
+
+class MatmulTopK(Index):
+    """Exact top-k by one ``queries @ keys.T`` (the README's example plugin)."""
+
+    name = "matmul"  # no parameters: the grid is one point, {}
+
+    def _build(self, keys, train_queries):
+        self.keys = keys
+
+    def _search(self, queries, k):
+        scores = queries @ self.keys.T
+        ids = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+        full = np.full(len(queries), len(self.keys), np.int64)
+        return (*pad_topk(ids, np.take_along_axis(scores, ids, 1)), full)
+
+
+def test_a_short_plugin_passes_the_kit():
+    assert len(inspect.getsource(MatmulTopK).splitlines()) <= 25
+    out = check_index(MatmulTopK)
+    assert out["recall"] == [1.0]
+    index = MatmulTopK().build(np.eye(4, dtype=np.float32))
+    assert not index.supports_save and not index.supports_add
+    assert index.nbytes == 4 * 4 * 4  # its key array, without _arrays()
+    try:
+        index.save("/nonexistent")
+    except IndexConfigError as err:
+        assert "save" in str(err)
+    else:
+        raise AssertionError("save() of an index without persistence must raise IndexConfigError")
+
+
+def test_default_search_group_batches_each_distinct_index():
+    """The protocol hook's default: one search per distinct index (a GQA group's heads share one) with its rows."""
+    rng = np.random.default_rng(0)
+    a, b = (MatmulTopK().build(rng.normal(size=(50, 8)).astype(np.float32)) for _ in range(2))
+    q = rng.normal(size=(5, 8)).astype(np.float32)
+    calls = []
+    for ix in (a, b):
+        ix._search = (lambda f: lambda queries, k: calls.append(len(queries)) or f(queries, k))(ix._search)
+    res = Index.search_group([a, a, b, a, b], q, 7)
+    assert sorted(calls) == [2, 3]
+    for i, ix in enumerate([a, a, b, a, b]):
+        want = ix.search(q[i], 7)
+        np.testing.assert_array_equal(res.ids[i], want.ids[0])
+        np.testing.assert_allclose(res.scores[i], want.scores[0], rtol=1e-6)
+        assert res.n_scanned[i] == 50
