@@ -24,15 +24,11 @@ from typing import Any, ClassVar, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from anns_lab.errors import IndexConfigError
-<<<<<<< HEAD
 from anns_lab.indexes.persist import load_index, save_index
-=======
 
-FORMAT_VERSION = 1
 #: Largest magnitude accepted in keys and queries: any inner product of two such vectors (|q·k| ≤ d·1e30) stays
 #: far inside float32 (3.4e38) up to d = 10^8, so no index can overflow. Real activations are below 1e5.
 MAX_ABS = 1e15
->>>>>>> main
 
 
 @dataclass(frozen=True)

@@ -124,7 +124,8 @@ def _read_arrays(folder: Path, meta: dict, bad) -> dict[str, np.ndarray]:
 
 def expect(arrays: dict[str, np.ndarray], name: str, dtype, shape: tuple, finite: bool = False) -> np.ndarray:
     """``arrays[name]`` as a C-contiguous array if it has this dtype and shape (``None``: any length) and,
-    with ``finite``, only finite values; else IndexConfigError naming the array."""
+    with ``finite``, only values within ±``base.MAX_ABS`` (what build accepts); else IndexConfigError naming it."""
+    from anns_lab.indexes.base import MAX_ABS  # base imports this module
     a = arrays.get(name)
     if not isinstance(a, np.ndarray):
         raise IndexConfigError(f"array {name!r} is missing")
@@ -132,8 +133,8 @@ def expect(arrays: dict[str, np.ndarray], name: str, dtype, shape: tuple, finite
     if a.dtype != np.dtype(dtype) or a.ndim != len(shape) or any(
             s is not None and s != t for s, t in zip(shape, a.shape)):
         raise IndexConfigError(f"array {name!r} is {a.dtype} of shape {a.shape}, expected {np.dtype(dtype)} of shape {want}")
-    if finite and not np.isfinite(a).all():
-        raise IndexConfigError(f"array {name!r} holds NaN or infinite values")
+    if finite and a.size and not (a.max() <= MAX_ABS and a.min() >= -MAX_ABS):  # NaN fails both
+        raise IndexConfigError(f"array {name!r} holds NaN, infinite or values beyond ±{MAX_ABS:.0e}")
     return np.ascontiguousarray(a)
 
 
