@@ -58,13 +58,15 @@ def run(tree: Path, args, spec: str) -> dict:
     cmd = [str(tree / ".venv/bin/python"), str(Path(__file__).resolve()), "--worker", spec, "--dump", args.dump,
            "--L", str(args.L), "--k", str(args.k)]
     env = {**os.environ, "NUMBA_NUM_THREADS": str(args.threads)}
-    proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, env=env, check=True)
+    proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, env=env)
+    if proc.returncode:
+        raise SystemExit(f"{tree}: {proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--old", type=Path, required=True)
+    ap.add_argument("--old", type=Path, help="the old commit's worktree (with its .venv)")
     ap.add_argument("--new", type=Path, default=Path("."))
     ap.add_argument("--dump", default="dumps/smollm2-text-8192")
     ap.add_argument("--heads", default="2/0,15/4,28/0", help="LAYER/HEAD list")

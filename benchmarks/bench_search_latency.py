@@ -59,7 +59,7 @@ def main() -> None:
             res = index.search(h.test_queries, a.k, L=L)
             if recall_at_k(res.ids, scores, a.k).mean() >= a.target:
                 break
-        g = index.graph_arrays()
+        g = tuple(index.graph_arrays())  # a plain tuple: numba dispatches it in C
         entries = index.entries()
         ws = workspace(len(g.data), L, a.k)  # the kernel's workspace: epoch-stamped, reused
         epoch = itertools.count(1)

@@ -263,8 +263,11 @@ class RoarGraphIndex(Index):
         return np.ascontiguousarray(np.broadcast_to(e, (len(queries), len(e))))
 
     def graph_arrays(self) -> Graph:
-        """(keys, nbrs, degree) as the search kernels take them (:class:`graph.Graph`)."""
-        return Graph(self._keys, self._nbrs, self._degree)
+        """(keys, nbrs, degree) as the search kernels take them (:class:`graph.Graph`; kept between searches)."""
+        g = self.__dict__.get("_graph")
+        if g is None or g.nbrs is not self._nbrs or len(g.data) != self.n_keys:  # an add has replaced them
+            g = self._graph = Graph(self._keys, self._nbrs, self._degree)
+        return g
 
     def _search(self, queries: np.ndarray, k: int, L: int):
         if len(queries) == 1:  # batch 1 (decoding): on this thread, with its reused workspace

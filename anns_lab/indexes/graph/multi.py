@@ -31,6 +31,7 @@ def search_heads(graphs, queries, L, ws, epoch, out):
     heaps) stamped with ``epoch``. Needs L ≥ k (the top-k heap of L < k is search_one's alone).
     """
     keys, nbrs, degree, entries = graphs
+    visited, heap_s, heap_i, _ = ws
     out_ids, out_scores, n_scanned = out
     if out_ids.shape[1] > L:
         raise ValueError("search_heads needs L >= k: search_one keeps the top-k heap of L < k")
@@ -46,7 +47,7 @@ def search_heads(graphs, queries, L, ws, epoch, out):
     nc = np.zeros(nh, np.int64)
     stage = np.ones(nh, np.int8)  # 0: A next, 1: B next, 2: finished
     for h in range(nh):  # stage A of the entry points (the same hubs every step)
-        nf[h] = mark_fresh(entries[h], ws.visited[h], epoch, fresh[h])
+        nf[h] = mark_fresh(entries[h], visited[h], epoch, fresh[h])
         prefetch_keys(keys[h], fresh[h], nf[h])
         n_scanned[h] = 0
     active = nh
@@ -54,15 +55,15 @@ def search_heads(graphs, queries, L, ws, epoch, out):
         for h in range(nh):
             if stage[h] == 0:
                 node = node_of[h]
-                nf[h] = mark_fresh(nbrs[h][node, :degree[h][node]], ws.visited[h], epoch, fresh[h])
+                nf[h] = mark_fresh(nbrs[h][node, :degree[h][node]], visited[h], epoch, fresh[h])
                 prefetch_keys(keys[h], fresh[h], nf[h])
                 stage[h] = 1
             elif stage[h] == 1:
                 m = nf[h]
                 score_fresh(keys[h], queries[h], fresh[h], m, fresh_s)
                 n_scanned[h] += m
-                rs, ri = ws.heap_s[h, :L], ws.heap_i[h, :L]
-                cs, ci = ws.heap_s[h, L:], ws.heap_i[h, L:]
+                rs, ri = heap_s[h, :L], heap_i[h, :L]
+                cs, ci = heap_s[h, L:], heap_i[h, L:]
                 a, b = offer_all(rs, ri, cs, ci, nr[h], nc[h], L, fresh[h, :m], fresh_s[:m])
                 node, b = pop_next(rs, cs, ci, a, b, L)
                 nr[h] = a
@@ -75,7 +76,7 @@ def search_heads(graphs, queries, L, ws, epoch, out):
                     stage[h] = 2
                     active -= 1
     for h in range(nh):  # each beam, best first, padded
-        drain(ws.heap_s[h, :L], ws.heap_i[h, :L], nr[h], out_ids[h], out_scores[h])
+        drain(heap_s[h, :L], heap_i[h, :L], nr[h], out_ids[h], out_scores[h])
 
 
 class GraphGroup:
@@ -144,7 +145,7 @@ class GraphGroup:
         n_scanned = np.empty(h, np.int64)
         if L < k:  # not the decoder's case: one search after another (each index's own search: the same kernel)
             for i in range(h):
-                g = Graph(self.keys[i], self.nbrs[i], self.degree[i])
+                g = (self.keys[i], self.nbrs[i], self.degree[i])
                 n_scanned[i], _ = search_one(g, q[i], self.entries[i], L, rows[i], epoch, ids[i], scores[i])
         else:
             search_heads(self.lists, q, L, ws, epoch, (ids, scores, n_scanned))

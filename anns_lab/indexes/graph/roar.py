@@ -13,7 +13,7 @@ from anns_lab.indexes.graph.edges import group_by, incoming, merge_into_rows, pr
 from anns_lab.indexes.graph.prune import prune_ordered, robust_prune
 from anns_lab.indexes.graph.search import search_one
 from anns_lab.indexes.graph.simd import dot
-from anns_lab.indexes.graph.utils import Workspace, run_chunks
+from anns_lab.indexes.graph.utils import run_chunks
 
 
 class Bipartite(NamedTuple):
@@ -126,7 +126,7 @@ def connect_by_search(g: Graph, entries, L: int, prune: tuple, n_threads: int, t
     targets = np.arange(n, dtype=np.int64) if targets is None else np.asarray(targets, np.int64)
     props = np.full((len(targets), R_link), -1, np.int32)
     search = (np.asarray(entries, np.int64), L, max(L, 1) * 4)
-    run_chunks(_search_chunk, (g, search, targets, alpha, props), len(targets), n_threads)
+    run_chunks(_search_chunk, (tuple(g), search, targets, alpha, props), len(targets), n_threads)
     for i, t in enumerate(targets):  # out-edges for rows that have none (new or isolated keys)
         if g.degree[t] == 0:
             row = props[i][props[i] >= 0][:R]
@@ -141,15 +141,16 @@ def _search_chunk(g, search, targets, alpha, props, c, n_chunks):
     """Targets [c·nt/n_chunks, (c+1)·nt/n_chunks): search for the target's own vector, RobustPrune the
     expanded nodes, write them to its row of ``props``."""
     entries, L, width = search
-    nt, n = targets.shape[0], g.data.shape[0]
-    ws = Workspace(np.zeros(n, np.int32), np.empty(n + L, np.float32), np.empty(n + L, np.int64), np.empty(width, np.int64))
+    data = g[0]
+    nt, n = targets.shape[0], data.shape[0]
+    ws = (np.zeros(n, np.int32), np.empty(n + L, np.float32), np.empty(n + L, np.int64), np.empty(width, np.int64))
     no_ids, no_scores = np.empty(0, np.int64), np.empty(0, np.float32)
     out = np.empty(props.shape[1], np.int32)
     lo = c * nt // n_chunks
     for i in range(lo, (c + 1) * nt // n_chunks):
         t = targets[i]
-        _, n_exp = search_one(g, g.data[t], entries, L, ws, i - lo + 1, no_ids, no_scores)
-        kept = robust_prune(g.data, t, ws.expanded[:n_exp], alpha, props.shape[1], out)
+        _, n_exp = search_one(g, data[t], entries, L, ws, i - lo + 1, no_ids, no_scores)
+        kept = robust_prune(data, t, ws[3][:n_exp], alpha, props.shape[1], out)
         props[i, :kept] = out[:kept]
 
 

@@ -14,7 +14,7 @@ from numba import njit
 
 from anns_lab.indexes.graph import Graph
 from anns_lab.indexes.graph.simd import dot
-from anns_lab.indexes.graph.utils import (Workspace, drain, mark_fresh, offer_all, pop_next, push_min, run_chunks,
+from anns_lab.indexes.graph.utils import (drain, mark_fresh, offer_all, pop_next, push_min, run_chunks,
                                           sift_min, thread_workspace)
 
 
@@ -33,23 +33,24 @@ def search_one(g, query, entries, L, ws, epoch, out_ids, out_scores):
 
     The entry points are scored and offered first, in order (``-1`` and repeats skipped); every inner
     product is counted once, entry points included. ``ws`` is a :class:`Workspace` (visited stamped
-    with ``epoch``; the expanded nodes go to ``ws.expanded`` as far as it has room).
+    with ``epoch``; the expanded nodes go to ``ws.expanded`` as far as it has room). Both tuples are
+    unpacked by position: callers pass plain tuples (numba dispatches those in C, a NamedTuple in Python).
     """
     data, nbrs, degree = g
+    visited, heap_s, heap_i, expanded = ws
     k = out_ids.shape[0]
     kt = k if L < k else 0
     # The workspace split (sliced here: a helper returning these views in a tuple hides from numba's dead-code
     # elimination that they alias heap_s, and it drops stores into them that nothing reads later on).
-    rs = ws.heap_s[:L]  # the beam
-    ri = ws.heap_i[:L]
-    ts = ws.heap_s[L:L + kt]  # the top-k heap (none when L ≥ k)
-    ti = ws.heap_i[L:L + kt]
-    cs = ws.heap_s[L + kt:]  # the frontier: each node is pushed on it at most once
-    ci = ws.heap_i[L + kt:]
-    expanded = ws.expanded
+    rs = heap_s[:L]  # the beam
+    ri = heap_i[:L]
+    ts = heap_s[L:L + kt]  # the top-k heap (none when L ≥ k)
+    ti = heap_i[L:L + kt]
+    cs = heap_s[L + kt:]  # the frontier: each node is pushed on it at most once
+    ci = heap_i[L + kt:]
     fresh = np.empty(max(nbrs.shape[1], entries.shape[0]), np.int64)  # the unvisited nodes of one step
     fresh_s = np.empty(fresh.shape[0], np.float32)
-    m = mark_fresh(entries, ws.visited, epoch, fresh)  # the entry points: scored and offered as an expanded row's
+    m = mark_fresh(entries, visited, epoch, fresh)  # the entry points: scored and offered as an expanded row's
     n_scanned = m
     n_exp = nr = nt = nc = 0
     while True:
@@ -67,7 +68,7 @@ def search_one(g, query, entries, L, ws, epoch, out_ids, out_scores):
         if n_exp < expanded.shape[0]:
             expanded[n_exp] = node
         n_exp += 1
-        m = mark_fresh(nbrs[node, :degree[node]], ws.visited, epoch, fresh)
+        m = mark_fresh(nbrs[node, :degree[node]], visited, epoch, fresh)
         n_scanned += m
     if kt > 0:
         drain(ts, ti, nt, out_ids, out_scores)
@@ -79,7 +80,8 @@ def search_one(g, query, entries, L, ws, epoch, out_ids, out_scores):
 def search_single(g: Graph, query: np.ndarray, entries: np.ndarray, L: int, k: int):
     """One query on the calling thread (batch 1, the decoding case) with this thread's workspace:
     (ids (1, k), scores (1, k), n_scanned (1,))."""
-    _, rows, epoch = thread_workspace(1, g.data.shape[0], L, k)
+    g = tuple(g)  # a plain tuple: see utils.workspace
+    _, rows, epoch = thread_workspace(1, g[0].shape[0], L, k)
     ids = np.empty((1, k), np.int64)
     scores = np.empty((1, k), np.float32)
     n, _ = search_one(g, query, entries, L, rows[0], epoch, ids[0], scores[0])
@@ -91,9 +93,8 @@ def _batch_chunk(g, queries, entries, L, out, c, n_chunks):
     """Queries [c·nq/n_chunks, (c+1)·nq/n_chunks) of :func:`search_batch`, on one workspace."""
     out_ids, out_scores, n_scanned = out
     nq = queries.shape[0]
-    slots = g.data.shape[0] + L + (out_ids.shape[1] if L < out_ids.shape[1] else 0)  # heap_slots
-    ws = Workspace(np.zeros(g.data.shape[0], np.int32), np.empty(slots, np.float32), np.empty(slots, np.int64),
-                   np.empty(0, np.int64))
+    slots = g[0].shape[0] + L + (out_ids.shape[1] if L < out_ids.shape[1] else 0)  # heap_slots
+    ws = (np.zeros(g[0].shape[0], np.int32), np.empty(slots, np.float32), np.empty(slots, np.int64), np.empty(0, np.int64))
     lo = c * nq // n_chunks
     for qi in range(lo, (c + 1) * nq // n_chunks):
         n, _ = search_one(g, queries[qi], entries[qi], L, ws, qi - lo + 1, out_ids[qi], out_scores[qi])
@@ -105,6 +106,6 @@ def search_batch(g: Graph, queries: np.ndarray, entries: np.ndarray, L: int, k: 
     (ids (nq, k), scores (nq, k), n_scanned (nq,)), padded with -1 / -inf."""
     nq = queries.shape[0]
     out = (np.full((nq, k), -1, np.int64), np.full((nq, k), -np.inf, np.float32), np.zeros(nq, np.int64))
-    run_chunks(_batch_chunk, (g, queries, entries, L, out), nq, n_threads)
+    run_chunks(_batch_chunk, (tuple(g), queries, entries, L, out), nq, n_threads)
     return out
 

@@ -9,6 +9,7 @@ best-first search, O(log L) per insertion where a sorted candidate list shifts O
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -71,11 +72,12 @@ def heap_slots(n: int, L: int, k: int) -> int:
     return n + L + (k if L < k else 0)
 
 
-def workspace(n: int, L: int, k: int, expanded: int = 0) -> Workspace:
-    """A fresh :class:`Workspace` for searches of n keys, beam L, top-k, recording ``expanded`` nodes."""
+def workspace(n: int, L: int, k: int, expanded: int = 0) -> tuple:
+    """A fresh :class:`Workspace`, as a plain tuple, for searches of n keys, beam L, top-k, recording
+    ``expanded`` nodes. The kernels unpack it by position; numba dispatches a plain tuple in C, a
+    NamedTuple through Python (µs per call, the batch-1 latency)."""
     slots = heap_slots(n, L, k)
-    return Workspace(np.zeros(n, np.int32), np.empty(slots, np.float32), np.empty(slots, np.int64),
-                     np.empty(expanded, np.int64))
+    return np.zeros(n, np.int32), np.empty(slots, np.float32), np.empty(slots, np.int64), np.empty(expanded, np.int64)
 
 
 _LOCAL = threading.local()
@@ -84,26 +86,26 @@ _NO_EXPANDED = np.empty(0, np.int64)
 
 def thread_workspace(h: int, n: int, L: int, k: int = 0) -> tuple[Workspace, list[Workspace], int]:
     """This thread's workspace for h searches at once ((h, ≥n) visited, (h, ≥ heap_slots) heaps), its
-    rows as :class:`Workspace` values, and a fresh epoch; grown when too small, kept between calls."""
+    rows as :class:`Workspace` tuples, and a fresh epoch; grown when too small, kept between calls."""
     ws = getattr(_LOCAL, "ws", None)
     slots = heap_slots(n, L, k)
-    if ws is None or ws[0].visited.shape[0] < h or ws[0].visited.shape[1] < n or ws[0].heap_s.shape[1] < slots:
+    if ws is None or ws[0][0].shape[0] < h or ws[0][0].shape[1] < n or ws[0][1].shape[1] < slots:
         old = ws[0] if ws else None
-        hh = max(h, old.visited.shape[0] if old else 0)
-        nn = max(n, old.visited.shape[1] if old else 0)
-        width = max(nn + slots - n, old.heap_s.shape[1] if old else 0)
-        full = Workspace(np.zeros((hh, nn), np.int32), np.empty((hh, width), np.float32),
-                         np.empty((hh, width), np.int64), _NO_EXPANDED)
-        ws = [full, [Workspace(full.visited[i], full.heap_s[i], full.heap_i[i], _NO_EXPANDED) for i in range(hh)], 0]
+        hh = max(h, old[0].shape[0] if old else 0)
+        nn = max(n, old[0].shape[1] if old else 0)
+        width = max(nn + slots - n, old[1].shape[1] if old else 0)
+        full = (np.zeros((hh, nn), np.int32), np.empty((hh, width), np.float32), np.empty((hh, width), np.int64),
+                _NO_EXPANDED)  # plain tuples: numba dispatches them in C, a NamedTuple through Python (µs per call)
+        ws = [full, [(full[0][i], full[1][i], full[2][i], _NO_EXPANDED) for i in range(hh)], 0]
         _LOCAL.ws = ws
     if ws[2] >= 2**31 - 2:
-        ws[0].visited[:] = 0
+        ws[0][0][:] = 0
         ws[2] = 0
     ws[2] += 1
     return ws[0], ws[1], ws[2]
 
 
-_POOL: list = [None]
+_POOL: list = [None, 0]  # the pool and the process that made it (a forked child must not use its parent's)
 
 
 def run_chunks(kernel, args: tuple, n_items: int, n_threads: int) -> None:
@@ -119,9 +121,10 @@ def run_chunks(kernel, args: tuple, n_items: int, n_threads: int) -> None:
     if n_chunks == 1:
         kernel(*args, 0, 1)
         return
-    pool = _POOL[0]
-    if pool is None or pool._max_workers < n_chunks:
-        pool = _POOL[0] = ThreadPoolExecutor(n_chunks, thread_name_prefix="anns-lab-graph")
+    pool, pid = _POOL
+    if pool is None or pool._max_workers < n_chunks or pid != os.getpid():
+        pool = ThreadPoolExecutor(n_chunks, thread_name_prefix="anns-lab-graph")
+        _POOL[:] = [pool, os.getpid()]
     for f in [pool.submit(kernel, *args, c, n_chunks) for c in range(n_chunks)]:
         f.result()
 

@@ -8,7 +8,7 @@ from numba import njit
 from anns_lab.indexes.graph import Graph
 from anns_lab.indexes.graph.prune import robust_prune
 from anns_lab.indexes.graph.search import search_one
-from anns_lab.indexes.graph.utils import Workspace, run_chunks
+from anns_lab.indexes.graph.utils import run_chunks
 
 
 @njit(cache=True, nogil=True)
@@ -42,14 +42,14 @@ def vamana_pass(g: Graph, order: np.ndarray, entry: int, alpha: float, R: int, L
     Rows ≥ ``n_free`` are fixed (OOD-DiskANN's query nodes): such a p keeps its preset row unpruned
     and only proposes back-edges to its neighbours; no back-edge is ever written into a fixed row.
     """
-    _vamana_pass(g, order, entry, alpha, R, L, len(g.degree) if n_free is None else n_free)
+    _vamana_pass(tuple(g), order, entry, alpha, R, L, len(g.degree) if n_free is None else n_free)
 
 
 @njit(cache=True, nogil=True)
 def _vamana_pass(g, order, entry, alpha, R, L, n_free):
     data, nbrs, degree = g
     n = data.shape[0]
-    ws = Workspace(np.zeros(n, np.int32), np.empty(n + L, np.float32), np.empty(n + L, np.int64), np.empty(n, np.int64))
+    ws = (np.zeros(n, np.int32), np.empty(n + L, np.float32), np.empty(n + L, np.int64), np.empty(n, np.int64))
     entries = np.array([entry], np.int64)
     no_ids, no_scores = np.empty(0, np.int64), np.empty(0, np.float32)
     pruned = np.empty(R, np.int32)
@@ -59,7 +59,7 @@ def _vamana_pass(g, order, entry, alpha, R, L, n_free):
         p = order[step]
         if p < n_free:
             _, n_exp = search_one(g, data[p], entries, L, ws, step + 1, no_ids, no_scores)
-            cand[:n_exp] = ws.expanded[:n_exp]
+            cand[:n_exp] = ws[3][:n_exp]
             m = n_exp + degree[p]
             cand[n_exp:m] = nbrs[p, :degree[p]]
             kept = robust_prune(data, p, cand[:m], alpha, R, pruned)
