@@ -12,6 +12,7 @@ import pytest
 
 from anns_lab.decode.kernels import attend_rows, attend_rows_and_range
 from anns_lab.decode.placement import IndexPlan, LayerStore
+from anns_lab.indexes import Index
 from anns_lab.indexes.graph import Graph
 from anns_lab.indexes.graph import multi as gs
 from anns_lab.indexes.graph.search import search_one
@@ -191,9 +192,9 @@ def test_attend_rows_and_range_against_numpy():
 
 
 @pytest.mark.parametrize("name,params", [("roargraph", {"L": 40}), ("flat", {})])
-def test_layer_store_side_equals_per_index_search_then_attention(name, params):
-    """LayerStore.side (one GraphGroup call for roargraph) against each index searched alone + numpy attention,
-    before and after tokens leave the window (side-buffer) and are added to the indexes."""
+def test_layer_store_side_equals_per_index_search_then_attention(name, params, monkeypatch):
+    """LayerStore.side (one search_group call per step: one graph kernel call for roargraph) against each index
+    searched alone + numpy attention, before and after tokens leave the window (side-buffer) and are added."""
     rng = np.random.default_rng(3)
     n_heads, g, n, d, topk = 4, 2, 500, 16, 24
     keys = np.stack([_clustered(rng, n, d) for _ in range(g)])
@@ -201,7 +202,10 @@ def test_layer_store_side_equals_per_index_search_then_attention(name, params):
     build = BUILD if name == "roargraph" else {}
     store = LayerStore(0, n_heads, keys, values, topk, IndexPlan(name, build, params), add_batch=8)
     store.build(np.stack([_clustered(rng, 200, d) for _ in range(n_heads)]))
-    assert (store._graphs is not None) == (name == "roargraph")
+    cls = type(store.indexes[0])
+    assert (cls.search_group.__func__ is not Index.search_group.__func__) == (name == "roargraph")
+    calls, original = [], cls.search_group
+    monkeypatch.setattr(cls, "search_group", classmethod(lambda c, *a, **kw: calls.append(1) or original(*a, **kw)))
 
     def check():
         q = _clustered(rng, n_heads, d)
@@ -219,8 +223,9 @@ def test_layer_store_side_equals_per_index_search_then_attention(name, params):
         store.extend(_clustered(rng, 5, d)[None].repeat(g, 0) * (1 + step), rng.normal(size=(g, 5, d)).astype(np.float32))
         check()
     assert store.n_indexed == n + 10 and store.n_rows == n + 15
-    if store._graphs is not None:
-        assert store._graphs.current()
+    assert len(calls) == 4  # one search_group call per step, the decoder's only way into the indexes
+    if name == "roargraph":  # the keys are held once, by the store: every head's graph reads its buffer
+        assert all(np.shares_memory(ix.graph_arrays()[0], store.keys) for ix in store.indexes)
 
 
 def test_interleaved_heads_equal_one_search_at_a_time():

@@ -232,6 +232,7 @@ def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation,
     from tqdm.auto import tqdm
 
     from anns_lab.dumps.capture import StopForward, capturing
+    from anns_lab.dumps.memory import check_prefill
     from anns_lab.dumps.models import forward_tokens, load_model
     from anns_lab.dumps.prompts import build_prompt
 
@@ -246,6 +247,8 @@ def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation,
     if lm.context and n_prefill > lm.context and not allow_extrapolation:
         raise PromptError(f"{n_prefill} prompt tokens exceed {lm.name}'s context of {lm.context} tokens; "
                           "use fewer --tokens, or pass --allow-extrapolation to go beyond it")
+    check_prefill(cfg, n_prefill + n_decode, settings["chunk"], f"a dump of {n_prefill} + {n_decode} tokens of {lm.name}",
+                  "--tokens")
     n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
     done = state["done"]

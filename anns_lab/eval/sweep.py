@@ -83,13 +83,15 @@ def evaluate_index(name: str, data: HeadData, k: int, dump_label: str, model: st
             # Nothing that breaks the protocol enters the table: the part fails, naming the index and the rule.
             protocol.check_result(f"{name} at {params}", res, len(queries), k, len(data.keys), index.max_scanned(),
                                   queries, data.keys)
+            protocol.check_estimate(f"{name} at {params}", res, index)
             lat = []
             for q in queries[:0 if quick else LATENCY_QUERIES]:
                 t0 = time.perf_counter()
                 one = index.search(q[None, :], k, **params)
                 lat.append(time.perf_counter() - t0)
                 protocol.check_result(f"{name} at {params}", one, 1, k, len(data.keys), index.max_scanned())
-            mass, err = data.attention_quality(res.ids) if direction == "q2k" and not quick else (np.nan, np.nan)
+            mass, err = (data.attention_quality(res.ids, res.estimate, index.summaries())
+                         if direction == "q2k" and not quick else (np.nan, np.nan))
             rows.append({
                 "dump": dump_label, "model": model, "layer": data.layer, "head": data.head, "kv_head": data.kv_head,
                 "index": name, "build_params": json.dumps(index.params, sort_keys=True),

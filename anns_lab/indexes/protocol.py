@@ -5,7 +5,9 @@ float32 ``(nq, k)``, n_scanned int64 ``(nq,)``; an id is outside ``[0, n_keys)``
 ``-1`` padding, or padding comes before a valid id; a row returns an id twice; a valid id's
 score is not finite, padding's is not ``-inf``, or scores are not sorted in descending order;
 ``n_scanned`` is below 1 or the number of returned ids, or above the index's ``max_scanned()``;
-and, when the queries and keys are given, a score differs from q·k of its id.
+and, when the queries and keys are given, a score differs from q·k of its id. The estimator rules
+(an Estimate exactly when the class ``estimates``; valid, disjoint, positively weighted terms) are
+:func:`anns_lab.indexes.estimate.estimate_problem`, applied by :func:`check_estimate`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from anns_lab.errors import IndexResultError
+from anns_lab.indexes.estimate import estimate_problem
 
 
 def result_problem(res, nq: int, k: int, n_keys: int, max_scanned: int, queries: np.ndarray | None = None,
@@ -22,7 +25,7 @@ def result_problem(res, nq: int, k: int, n_keys: int, max_scanned: int, queries:
     ``check_scores=False`` skips the score rules (the decoder reads only ids and counts); ``queries``
     and ``keys`` (float32, the rows the ids point to) add the check that scores equal q·k.
     """
-    ids, scores, scanned = (np.asarray(a) for a in res)
+    ids, scores, scanned = (np.asarray(a) for a in res[:3])
     if ids.shape != (nq, k) or ids.dtype != np.int64:
         return f"ids must be int64 of shape ({nq}, {k}), got {ids.dtype} {ids.shape}"
     if scanned.shape != (nq,) or scanned.dtype != np.int64:
@@ -80,5 +83,12 @@ def check_result(owner: str, res, nq: int, k: int, n_keys: int, max_scanned: int
                  keys: np.ndarray | None = None, check_scores: bool = True) -> None:
     """Raise IndexResultError naming ``owner`` and the broken rule when ``res`` breaks the protocol."""
     problem = result_problem(res, nq, k, n_keys, max_scanned, queries, keys, check_scores)
+    if problem is not None:
+        raise IndexResultError(f"{owner} broke the index protocol: {problem}")
+
+
+def check_estimate(owner: str, res, index) -> None:
+    """Raise IndexResultError when ``res`` (one ``index``'s SearchResult) breaks the estimator rules (estimate_problem)."""
+    problem = estimate_problem(res, index.estimates, index.summaries(), index.n_keys, index.dim)
     if problem is not None:
         raise IndexResultError(f"{owner} broke the index protocol: {problem}")

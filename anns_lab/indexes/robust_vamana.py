@@ -17,8 +17,8 @@ Search: beam search of width max(L, k) from the entry points (the key of largest
 product with the mean training query, plus ``n_hubs - 1`` hubs as in ``roargraph``); every
 inner product is counted (entries included). ``add`` inserts new keys with one Vamana pass
 over them (queries are no longer part of the graph). After build and add, any key not reachable
-from the entries gets an in-edge (``graph.edges.link_unreachable``). Keys live in a shared
-``key_store.KeyStore`` (one copy per GQA group).
+from the entries gets an in-edge (``graph.edges.link_unreachable``). Keys are read from the
+``key_store.KeyStore`` given to ``build`` (the decoder's: one copy per GQA group), or the index's own.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class RobustVamanaIndex(Index):
         self._nbrs, self._degree = robust_stitch(Graph(data, nbrs, degree), n, q_nbrs, p["alpha"], R,
                                                  numba.get_num_threads())
         link_unreachable(Graph(keys, self._nbrs, self._degree), self.hubs, R)
-        self._store = KeyStore.for_array(keys)
+        self._store = self._key_rows(keys)
 
     @property
     def _keys(self) -> np.ndarray:
@@ -111,5 +111,5 @@ class RobustVamanaIndex(Index):
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
         keys, self._nbrs, self._degree = saved_graph(arrays, self.n_keys, self.dim, self.params["R"])
-        self._store = KeyStore(keys)
+        self._store = KeyStore.own(keys)
         self.hubs = saved_hubs(arrays, self.n_keys)

@@ -20,6 +20,7 @@ from anns_lab.indexes.base import Index, Param
 from anns_lab.indexes.graph import Graph, saved_graph
 from anns_lab.indexes.graph.search import search_batch
 from anns_lab.indexes.graph.vamana import random_graph, vamana_pass
+from anns_lab.indexes.key_store import KeyStore
 from anns_lab.indexes.persist import expect, expect_ids
 
 
@@ -48,18 +49,23 @@ class VamanaIndex(Index):
         order = np.random.default_rng(seed).permutation(len(keys)).astype(np.int64)
         for alpha in (1.0, self.params["alpha"]):
             vamana_pass(Graph(keys, nbrs, degree), order, self.entry, alpha, R, L)
-        self._keys, self._nbrs, self._degree = keys, nbrs, degree
+        self._store, self._nbrs, self._degree = self._key_rows(keys), nbrs, degree
+
+    @property
+    def _keys(self) -> np.ndarray:
+        return self._store.view(self.n_keys or self._store.n)
 
     def _add(self, keys: np.ndarray) -> None:
         # Insert the new rows with one α pass over them (the old rows keep their edges).
-        n0 = len(self._keys)
-        allkeys = np.ascontiguousarray(np.vstack([self._keys, keys]))
+        n0 = self.n_keys
+        self._store.append(n0, keys)
+        allkeys = self._store.view(n0 + len(keys))
         R = self.params["R"]
         nbrs = np.vstack([self._nbrs, np.full((len(keys), R), -1, np.int32)])
         degree = np.concatenate([self._degree, np.zeros(len(keys), np.int32)])
         order = np.arange(n0, len(allkeys), dtype=np.int64)
         vamana_pass(Graph(allkeys, nbrs, degree), order, self.entry, self.params["alpha"], R, self.params["L"])
-        self._keys, self._nbrs, self._degree = allkeys, nbrs, degree
+        self._nbrs, self._degree = nbrs, degree
 
     def _search(self, queries: np.ndarray, k: int, L: int):
         entries = np.full((len(queries), 1), self.entry, np.int64)
@@ -70,5 +76,6 @@ class VamanaIndex(Index):
         return {"keys": self._keys, "nbrs": self._nbrs, "degree": self._degree, "entry": np.array([self.entry], np.int64)}
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
-        self._keys, self._nbrs, self._degree = saved_graph(arrays, self.n_keys, self.dim, self.params["R"])
+        keys, self._nbrs, self._degree = saved_graph(arrays, self.n_keys, self.dim, self.params["R"])
+        self._store = KeyStore.own(keys)
         self.entry = int(expect_ids("entry", expect(arrays, "entry", np.int64, (1,)), 0, self.n_keys)[0])
