@@ -136,6 +136,7 @@ def _same(a: SearchResult, b: SearchResult, what: str, scale: np.ndarray | None 
     """Equal ids and counts; scores equal to the last bit, or within float32 rounding of ``scale`` when given."""
     assert np.array_equal(a.ids, b.ids), f"{what}: ids differ"
     assert np.array_equal(a.n_scanned, b.n_scanned), f"{what}: n_scanned differs"
+    assert np.array_equal(a.bytes_read, b.bytes_read), f"{what}: bytes_read differs"
     if scale is None:
         assert np.array_equal(a.scores, b.scores), f"{what}: scores differ"
     else:

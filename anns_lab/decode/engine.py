@@ -209,6 +209,7 @@ def summarize(run: ModeRun) -> dict:
         "token_ms": ms(run.step_s),
         "tokens_per_s": n / float(np.sum(run.step_s)),
         "scanned_fraction": float(np.mean(scanned)) if scanned else None,
+        "bytes_read_per_token": float(np.mean([s.bytes_read for s in run.steps])) if scanned else None,
         "build_s": run.build_s,
         "first_step_s": first_step,
         "device_kv_bytes": run.device_kv_bytes,

@@ -51,6 +51,7 @@ class SideResult:
     retrieval_s: float
     attention_s: float
     scanned: float  # mean fraction of indexed keys scanned per query head (nan when nothing was searched)
+    bytes_read: int = 0  # index data read by this layer's searches, summed over its query heads
 
 
 class LayerStore:
@@ -171,6 +172,7 @@ class LayerStore:
         t0 = time.perf_counter()
         q = np.ascontiguousarray(q, dtype=np.float32)
         scanned = float("nan")
+        n_bytes = 0
         estimate = None
         if self.indexes and self.n_indexed:
             k = min(self.topk, self.n_indexed)
@@ -179,6 +181,7 @@ class LayerStore:
             estimate = res.estimate
             rows = np.ascontiguousarray(res.ids)
             scanned = float(res.n_scanned.mean()) / self.n_indexed
+            n_bytes = int(res.bytes_read.sum())
         else:
             rows = np.empty((self.n_heads, 0), np.int64)
         t1 = time.perf_counter()
@@ -186,7 +189,7 @@ class LayerStore:
         if estimate is not None and not estimate.is_empty:
             out, m, z = self._add_estimate(q, float(scaling), estimate, out, m, z)
         t2 = time.perf_counter()
-        return SideResult(out, m, z, t1 - t0, t2 - t1, scanned)
+        return SideResult(out, m, z, t1 - t0, t2 - t1, scanned, n_bytes)
 
     def _add_estimate(self, q: np.ndarray, scaling: float, estimate: Estimate, out: np.ndarray, m: np.ndarray,
                       z: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -212,7 +212,8 @@ COLUMNS = [("accuracy", "acc %", "{:.1f}"), ("accuracy_ci95", "acc 95% CI", "[{:
            ("retrieval_ms", "retr ms", "{:.2f}"), ("cpu_attention_ms", "cpu-attn ms", "{:.2f}"),
            ("accel_attention_ms", "acc-attn ms", "{:.2f}"), ("merge_ms", "merge ms", "{:.2f}"), ("insert_ms", "insert ms", "{:.2f}"),
            ("other_ms", "other ms", "{:.2f}"), ("token_ms", "token ms", "{:.2f}"), ("tokens_per_s", "tok/s", "{:.2f}"),
-           ("scanned_fraction", "scanned %", "{:.2%}"), ("device_kv_bytes", "dev KV MiB", "{:.2f}")]
+           ("scanned_fraction", "scanned %", "{:.2%}"), ("bytes_read_per_token", "read KiB/tok", "{:.1f}"),
+           ("device_kv_bytes", "dev KV MiB", "{:.2f}")]
 
 
 def table(result: dict) -> str:
@@ -227,6 +228,8 @@ def table(result: dict) -> str:
             v = s.get(key)
             if key == "device_kv_bytes" and v is not None:
                 v = v / 2**20
+            if key == "bytes_read_per_token" and v is not None:
+                v = v / 2**10
             if isinstance(v, (list, tuple)):
                 cells.append(fmt.format(*v))
             elif fmt.endswith("%}") and v is not None:

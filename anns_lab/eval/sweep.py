@@ -99,6 +99,7 @@ def evaluate_index(name: str, data: HeadData, k: int, dump_label: str, model: st
                 "n_keys": len(data.keys), "n_queries": len(queries),
                 "recall": float(metrics.recall_at_k(res.ids, data.exact(direction), k).mean()),
                 "scanned_fraction": float(res.n_scanned.mean() / len(data.keys)),
+                "bytes_read": float(res.bytes_read.mean()),
                 "mass_recovered": mass, "output_rel_error": err,
                 "latency_us": float(np.median(lat) * 1e6) if lat else np.nan, "qps": len(queries) / batch_s,
                 "build_s": build_s, "index_bytes": int(index.nbytes),

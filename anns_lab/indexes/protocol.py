@@ -1,7 +1,8 @@
 """The result rules of the index protocol, in one place: the sweep, the decoder and the conformance kit apply them.
 
 A search result breaks the protocol when: its arrays are not ids int64 ``(nq, k)``, scores
-float32 ``(nq, k)``, n_scanned int64 ``(nq,)``; an id is outside ``[0, n_keys)`` and not the
+float32 ``(nq, k)``, n_scanned int64 ``(nq,)`` (and bytes_read int64 ``(nq,)`` when the result
+carries it, as every ``SearchResult`` does); bytes_read is negative; an id is outside ``[0, n_keys)`` and not the
 ``-1`` padding, or padding comes before a valid id; a row returns an id twice; a valid id's
 score is not finite, padding's is not ``-inf``, or scores are not sorted in descending order;
 ``n_scanned`` is below 1 or the number of returned ids, or above the index's ``max_scanned()``;
@@ -20,7 +21,7 @@ from anns_lab.indexes.estimate import estimate_problem
 
 def result_problem(res, nq: int, k: int, n_keys: int, max_scanned: int, queries: np.ndarray | None = None,
                    keys: np.ndarray | None = None, check_scores: bool = True) -> str | None:
-    """The first rule ``res`` = (ids, scores, n_scanned) breaks, in words, or None when it keeps them all.
+    """The first rule ``res`` = (ids, scores, n_scanned[, bytes_read]) breaks, in words, or None when it keeps them all.
 
     ``check_scores=False`` skips the score rules (the decoder reads only ids and counts); ``queries``
     and ``keys`` (float32, the rows the ids point to) add the check that scores equal q·k.
@@ -50,6 +51,12 @@ def result_problem(res, nq: int, k: int, n_keys: int, max_scanned: int, queries:
         return f"n_scanned {int(scanned.min())} is below 1 or below the number of returned ids"
     if int(scanned.max()) > max_scanned:
         return f"n_scanned {int(scanned.max())} exceeds the index's declared bound max_scanned() = {max_scanned}"
+    if len(res) > 3 and res[3] is not None:
+        n_bytes = np.asarray(res[3])
+        if n_bytes.shape != (nq,) or n_bytes.dtype != np.int64:
+            return f"bytes_read must be int64 of shape ({nq},), got {n_bytes.dtype} {n_bytes.shape}"
+        if (n_bytes < 0).any():
+            return f"bytes_read {int(n_bytes.min())} is negative"
     if not check_scores:
         return None
     if scores.shape != (nq, k) or scores.dtype != np.float32:

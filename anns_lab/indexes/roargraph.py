@@ -24,7 +24,9 @@ Build, on keys K (n, d) and training queries Q (m, d) (kernels in :mod:`graph.ro
 Search: the best-first search of :mod:`graph.search` with beam ``L`` from all entry points at once;
 the k best of every node scanned are returned, so ``L`` < k is a valid, cheaper operating point.
 The entry points, each counted like any node, are ``n_hubs`` hub keys (the top key of each k-means
-centroid of the training queries) plus the ``recent_entries`` newest keys. The newest
+centroid of the training queries) plus the ``recent_entries`` newest keys. ``bytes_read``
+(``graph.search.bytes_read``): each scanned key (4·dim bytes), each expanded node's adjacency row (its
+degree and neighbour ids, 4 bytes each) and the entry list (8 bytes per entry). The newest
 ``recent_frac`` of the training queries may weigh ``recent_weight`` times more (decode queries look
 like late prefill queries: post-RoPE drift).
 
@@ -48,7 +50,7 @@ from anns_lab.indexes.graph import Graph, roar, saved_graph
 from anns_lab.indexes.graph.edges import add_reverse_edges, link_back, link_unreachable, reachable_from
 from anns_lab.indexes.graph.hubs import query_hubs, saved_hubs
 from anns_lab.indexes.graph.multi import search_graphs
-from anns_lab.indexes.graph.search import search_batch, search_single
+from anns_lab.indexes.graph.search import bytes_read, search_batch, search_single
 from anns_lab.indexes.key_store import KeyStore
 from anns_lab.indexes.persist import expect, expect_ids
 from anns_lab.indexes.topk import topk_ip
@@ -310,8 +312,11 @@ class RoarGraphIndex(Index):
 
     def _search(self, queries: np.ndarray, k: int, L: int):
         if len(queries) == 1:  # batch 1 (decoding): on this thread, with its reused workspace
-            return search_single(self.graph_arrays(), queries[0], self.entries(), L, k)
-        return search_batch(self.graph_arrays(), queries, self.entries_for(queries), L, k, numba.get_num_threads())
+            ids, scores, scanned, words = search_single(self.graph_arrays(), queries[0], self.entries(), L, k)
+        else:
+            ids, scores, scanned, words = search_batch(self.graph_arrays(), queries, self.entries_for(queries), L, k,
+                                                       numba.get_num_threads())
+        return ids, scores, scanned, bytes_read(self.dim, scanned, words, len(self.entries()))
 
     @classmethod
     def search_group(cls, indexes, queries, k, L: int = 100):

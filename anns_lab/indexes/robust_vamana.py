@@ -15,7 +15,8 @@ Build, on keys K (n, d) and training queries Q:
 
 Search: beam search of width max(L, k) from the entry points (the key of largest inner
 product with the mean training query, plus ``n_hubs - 1`` hubs as in ``roargraph``); every
-inner product is counted (entries included). ``add`` inserts new keys with one Vamana pass
+inner product is counted (entries included); ``bytes_read`` as ``vamana``'s (keys scanned, adjacency rows of the
+expanded nodes, the entry list). ``add`` inserts new keys with one Vamana pass
 over them (queries are no longer part of the graph). After build and add, any key not reachable
 from the entries gets an in-edge (``graph.edges.link_unreachable``). Keys are read from the
 ``key_store.KeyStore`` given to ``build`` (the decoder's: one copy per GQA group), or the index's own.
@@ -31,7 +32,7 @@ from anns_lab.indexes.base import Index, Param
 from anns_lab.indexes.graph import Graph, saved_graph
 from anns_lab.indexes.graph.edges import link_unreachable
 from anns_lab.indexes.graph.hubs import query_hubs, saved_hubs
-from anns_lab.indexes.graph.search import search_batch
+from anns_lab.indexes.graph.search import bytes_read, search_batch
 from anns_lab.indexes.graph.vamana import random_graph, robust_stitch, vamana_pass
 from anns_lab.indexes.key_store import KeyStore
 from anns_lab.indexes.topk import topk_ip
@@ -99,8 +100,9 @@ class RobustVamanaIndex(Index):
 
     def _search(self, queries: np.ndarray, k: int, L: int):
         entries = np.ascontiguousarray(np.broadcast_to(self.hubs, (len(queries), len(self.hubs))))
-        return search_batch(Graph(self._keys, self._nbrs, self._degree), queries, entries, max(L, k), k,
-                            numba.get_num_threads())
+        ids, scores, scanned, words = search_batch(Graph(self._keys, self._nbrs, self._degree), queries, entries,
+                                                   max(L, k), k, numba.get_num_threads())
+        return ids, scores, scanned, bytes_read(self.dim, scanned, words, len(self.hubs))
 
     @property
     def nbytes(self) -> int:

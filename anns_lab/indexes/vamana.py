@@ -7,8 +7,10 @@ occlusion rule (see ``graph.prune``), rather than a Euclidean graph over norm-au
 
 Build: a seeded random R-regular graph, then two sequential passes over a seeded permutation
 (α = 1, then the given α), entry point = the key of largest inner product with the keys'
-mean. Search: the best-first search of :mod:`graph.search` with beam max(L, k) from that entry; ``n_scanned`` counts every
-node whose inner product with the query was computed (the entry included), once each.
+mean. Search: the best-first search of :mod:`graph.search` with beam max(L, k) from that entry;
+``n_scanned`` counts every node whose inner product with the query was computed (the entry included),
+once each; ``bytes_read`` (``graph.search.bytes_read``): each scanned key (4·dim bytes), each expanded
+node's adjacency row (degree + neighbour ids, 4 bytes each) and the entry id (8 bytes).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 
 from anns_lab.indexes.base import Index, Param
 from anns_lab.indexes.graph import Graph, saved_graph
-from anns_lab.indexes.graph.search import search_batch
+from anns_lab.indexes.graph.search import bytes_read, search_batch
 from anns_lab.indexes.graph.vamana import random_graph, vamana_pass
 from anns_lab.indexes.key_store import KeyStore
 from anns_lab.indexes.persist import expect, expect_ids
@@ -69,8 +71,9 @@ class VamanaIndex(Index):
 
     def _search(self, queries: np.ndarray, k: int, L: int):
         entries = np.full((len(queries), 1), self.entry, np.int64)
-        return search_batch(Graph(self._keys, self._nbrs, self._degree), queries, entries, max(L, k), k,
-                            numba.get_num_threads())
+        ids, scores, scanned, words = search_batch(Graph(self._keys, self._nbrs, self._degree), queries, entries, max(L, k),
+                                                   k, numba.get_num_threads())
+        return ids, scores, scanned, bytes_read(self.dim, scanned, words, 1)
 
     def _arrays(self) -> dict[str, np.ndarray]:
         return {"keys": self._keys, "nbrs": self._nbrs, "degree": self._degree, "entry": np.array([self.entry], np.int64)}

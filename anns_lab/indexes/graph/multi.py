@@ -15,7 +15,7 @@ import numpy as np
 from numba import njit
 
 from anns_lab.indexes.graph import Graph
-from anns_lab.indexes.graph.search import score_fresh, search_one
+from anns_lab.indexes.graph.search import bytes_read, score_fresh, search_one
 from anns_lab.indexes.graph.simd import prefetch_keys, prefetch_row
 from anns_lab.indexes.graph.utils import drain, mark_fresh, offer_all, pop_next, thread_workspace
 
@@ -23,7 +23,8 @@ from anns_lab.indexes.graph.utils import drain, mark_fresh, offer_all, pop_next,
 @njit(cache=True, nogil=True)
 def search_heads(graphs, queries, L, ws, epoch, out):
     """Search graph h of ``graphs`` = (keys, nbrs, degree, entries) (numba typed lists) with ``queries[h]``,
-    all heads on the calling thread, interleaved; writes ``out`` = (ids (H, k), scores (H, k), n_scanned (H,)).
+    all heads on the calling thread, interleaved; writes ``out`` = (ids (H, k), scores (H, k), n_scanned (H,),
+    n_words (H,)).
 
     Stage A: read the popped node's row (first: the entry points), mark its unvisited neighbours,
     prefetch their keys. Stage B: score them, update the heaps, pop the next node, prefetch its
@@ -32,7 +33,7 @@ def search_heads(graphs, queries, L, ws, epoch, out):
     """
     keys, nbrs, degree, entries = graphs
     visited, heap_s, heap_i, _ = ws
-    out_ids, out_scores, n_scanned = out
+    out_ids, out_scores, n_scanned, n_words = out
     if out_ids.shape[1] > L:
         raise ValueError("search_heads needs L >= k: search_one keeps the top-k heap of L < k")
     nh = queries.shape[0]
@@ -49,13 +50,14 @@ def search_heads(graphs, queries, L, ws, epoch, out):
     for h in range(nh):  # stage A of the entry points (the same hubs every step)
         nf[h] = mark_fresh(entries[h], visited[h], epoch, fresh[h])
         prefetch_keys(keys[h], fresh[h], nf[h])
-        n_scanned[h] = 0
+        n_scanned[h] = n_words[h] = 0
     active = nh
     while active > 0:
         for h in range(nh):
             if stage[h] == 0:
                 node = node_of[h]
                 nf[h] = mark_fresh(nbrs[h][node, :degree[h][node]], visited[h], epoch, fresh[h])
+                n_words[h] += 1 + degree[h][node]
                 prefetch_keys(keys[h], fresh[h], nf[h])
                 stage[h] = 1
             elif stage[h] == 1:
@@ -142,14 +144,16 @@ class GraphGroup:
         ws, rows, epoch = thread_workspace(h, self.n_max, L, k)
         ids = np.empty((h, k), np.int64) if out_ids is None else out_ids
         scores = np.empty((h, k), np.float32)
-        n_scanned = np.empty(h, np.int64)
+        n_scanned, n_words = np.empty(h, np.int64), np.empty(h, np.int64)
         if L < k:  # not the decoder's case: one search after another (each index's own search: the same kernel)
             for i in range(h):
                 g = (self.keys[i], self.nbrs[i], self.degree[i])
-                n_scanned[i], _ = search_one(g, q[i], self.entries[i], L, rows[i], epoch, ids[i], scores[i])
+                n_scanned[i], n_words[i], _ = search_one(g, q[i], self.entries[i], L, rows[i], epoch, ids[i], scores[i])
         else:
-            search_heads(self.lists, q, L, ws, epoch, (ids, scores, n_scanned))
-        return SearchResult(ids, scores, n_scanned)
+            search_heads(self.lists, q, L, ws, epoch, (ids, scores, n_scanned, n_words))
+        n_bytes = np.array([bytes_read(self.keys[i].shape[1], n_scanned[i], n_words[i], len(self.entries[i]))
+                            for i in range(h)], np.int64)
+        return SearchResult(ids, scores, n_scanned, n_bytes)
 
 
 _GROUPS: "weakref.WeakKeyDictionary" = None  # first index → (ids of all, GraphGroup), for search_graphs

@@ -149,7 +149,7 @@ def _search_chunk(g, search, targets, alpha, props, c, n_chunks):
     lo = c * nt // n_chunks
     for i in range(lo, (c + 1) * nt // n_chunks):
         t = targets[i]
-        _, n_exp = search_one(g, data[t], entries, L, ws, i - lo + 1, no_ids, no_scores)
+        _, _, n_exp = search_one(g, data[t], entries, L, ws, i - lo + 1, no_ids, no_scores)
         kept = robust_prune(data, t, ws[3][:n_exp], alpha, props.shape[1], out)
         props[i, :kept] = out[:kept]
 

@@ -29,10 +29,11 @@ def score_fresh(data, query, fresh, m, fresh_s):
 @njit(cache=True, nogil=True)
 def search_one(g, query, entries, L, ws, epoch, out_ids, out_scores):
     """Best-first search of ``g`` (:class:`Graph`) for one query from ``entries`` with beam L; writes the
-    top-k (k = ``len(out_ids)``, padded with -1 / -inf) and returns (n_scanned, nodes expanded).
+    top-k (k = ``len(out_ids)``, padded with -1 / -inf) and returns (n_scanned, n_words, nodes expanded).
 
     The entry points are scored and offered first, in order (``-1`` and repeats skipped); every inner
-    product is counted once, entry points included. ``ws`` is a :class:`Workspace` (visited stamped
+    product is counted once, entry points included, and so is every adjacency word read (``n_words``:
+    an expanded node's degree and its neighbour ids). ``ws`` is a :class:`Workspace` (visited stamped
     with ``epoch``; the expanded nodes go to ``ws.expanded`` as far as it has room). Both tuples are
     unpacked by position: callers pass plain tuples (numba dispatches those in C, a NamedTuple in Python).
     """
@@ -52,7 +53,7 @@ def search_one(g, query, entries, L, ws, epoch, out_ids, out_scores):
     fresh_s = np.empty(fresh.shape[0], np.float32)
     m = mark_fresh(entries, visited, epoch, fresh)  # the entry points: scored and offered as an expanded row's
     n_scanned = m
-    n_exp = nr = nt = nc = 0
+    n_words = n_exp = nr = nt = nc = 0
     while True:
         score_fresh(data, query, fresh, m, fresh_s)
         if kt > 0:  # written out: as an inline helper of its own this cost ~16 ns more per node (numba 0.68)
@@ -70,42 +71,51 @@ def search_one(g, query, entries, L, ws, epoch, out_ids, out_scores):
         n_exp += 1
         m = mark_fresh(nbrs[node, :degree[node]], visited, epoch, fresh)
         n_scanned += m
+        n_words += 1 + degree[node]
     if kt > 0:
         drain(ts, ti, nt, out_ids, out_scores)
     elif k > 0:
         drain(rs, ri, nr, out_ids, out_scores)
-    return n_scanned, min(n_exp, expanded.shape[0])
+    return n_scanned, n_words, min(n_exp, expanded.shape[0])
 
 
 def search_single(g: Graph, query: np.ndarray, entries: np.ndarray, L: int, k: int):
     """One query on the calling thread (batch 1, the decoding case) with this thread's workspace:
-    (ids (1, k), scores (1, k), n_scanned (1,))."""
+    (ids (1, k), scores (1, k), n_scanned (1,), n_words (1,))."""
     g = tuple(g)  # a plain tuple: see utils.workspace
     _, rows, epoch = thread_workspace(1, g[0].shape[0], L, k)
     ids = np.empty((1, k), np.int64)
     scores = np.empty((1, k), np.float32)
-    n, _ = search_one(g, query, entries, L, rows[0], epoch, ids[0], scores[0])
-    return ids, scores, np.array([n], np.int64)
+    n, w, _ = search_one(g, query, entries, L, rows[0], epoch, ids[0], scores[0])
+    return ids, scores, np.array([n], np.int64), np.array([w], np.int64)
 
 
 @njit(cache=True, nogil=True)
 def _batch_chunk(g, queries, entries, L, out, c, n_chunks):
     """Queries [c·nq/n_chunks, (c+1)·nq/n_chunks) of :func:`search_batch`, on one workspace."""
-    out_ids, out_scores, n_scanned = out
+    out_ids, out_scores, n_scanned, n_words = out
     nq = queries.shape[0]
     slots = g[0].shape[0] + L + (out_ids.shape[1] if L < out_ids.shape[1] else 0)  # heap_slots
     ws = (np.zeros(g[0].shape[0], np.int32), np.empty(slots, np.float32), np.empty(slots, np.int64), np.empty(0, np.int64))
     lo = c * nq // n_chunks
     for qi in range(lo, (c + 1) * nq // n_chunks):
-        n, _ = search_one(g, queries[qi], entries[qi], L, ws, qi - lo + 1, out_ids[qi], out_scores[qi])
+        n, w, _ = search_one(g, queries[qi], entries[qi], L, ws, qi - lo + 1, out_ids[qi], out_scores[qi])
         n_scanned[qi] = n
+        n_words[qi] = w
 
 
 def search_batch(g: Graph, queries: np.ndarray, entries: np.ndarray, L: int, k: int, n_threads: int):
     """Search each query (row of ``entries`` = its entry nodes, ``-1`` = none) on ``n_threads``:
-    (ids (nq, k), scores (nq, k), n_scanned (nq,)), padded with -1 / -inf."""
+    (ids (nq, k), scores (nq, k), n_scanned (nq,), n_words (nq,)), padded with -1 / -inf."""
     nq = queries.shape[0]
-    out = (np.full((nq, k), -1, np.int64), np.full((nq, k), -np.inf, np.float32), np.zeros(nq, np.int64))
+    out = (np.full((nq, k), -1, np.int64), np.full((nq, k), -np.inf, np.float32), np.zeros(nq, np.int64),
+           np.zeros(nq, np.int64))
     run_chunks(_batch_chunk, (tuple(g), queries, entries, L, out), nq, n_threads)
     return out
 
+
+
+def bytes_read(dim: int, n_scanned, n_words, n_entries: int) -> np.ndarray:
+    """Bytes of index data per query of a graph search: each scanned key (float32, ``dim``), each adjacency
+    word read (int32: an expanded node's degree and neighbour ids) and the entry-point list (int64 ids)."""
+    return 4 * dim * np.asarray(n_scanned, np.int64) + 4 * np.asarray(n_words, np.int64) + 8 * n_entries

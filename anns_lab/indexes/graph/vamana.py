@@ -58,7 +58,7 @@ def _vamana_pass(g, order, entry, alpha, R, L, n_free):
     for step in range(order.shape[0]):
         p = order[step]
         if p < n_free:
-            _, n_exp = search_one(g, data[p], entries, L, ws, step + 1, no_ids, no_scores)
+            _, _, n_exp = search_one(g, data[p], entries, L, ws, step + 1, no_ids, no_scores)
             cand[:n_exp] = ws[3][:n_exp]
             m = n_exp + degree[p]
             cand[n_exp:m] = nbrs[p, :degree[p]]
