@@ -142,13 +142,16 @@ def test_local_worker_killed_mid_sweep_is_retried_and_the_table_is_complete(tiny
     assert not list((tmp_path / "res" / "parts").glob("failed-*.json"))
 
 
-def test_ctrl_c_stops_within_seconds_and_keeps_finished_parts(tiny_dump, tmp_path):
+@pytest.mark.parametrize("executor", ["local", "ray"])
+def test_ctrl_c_stops_within_seconds_and_keeps_finished_parts(tiny_dump, tmp_path, executor, request):
     pids = tmp_path / "pids"
     pids.mkdir()
     out = tmp_path / "res"
     cmd = [str(Path(sys.executable).parent / "anns-lab"), "sweep", "--dump", str(tiny_dump.path), "--indexes", "faulty",
            "--layers", "1,3", "--heads", "0,1,2,3", "--k", str(K), "--window", "8,64", "--out", str(out), "--jobs", "1",
-           "--build-param", f"faulty.pid_dir={pids}", "--build-param", "faulty.sleep_s=2"]
+           "--build-param", f"faulty.pid_dir={pids}", "--build-param", "faulty.sleep_s=2", "--executor", executor]
+    if executor == "ray":
+        cmd += ["--address", request.getfixturevalue("ray_cluster")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: list((out / "parts").glob("*.parquet")) and len(list(pids.iterdir())) >= 2 or proc.poll() is not None,
