@@ -215,12 +215,17 @@ def _stop_group(proc: subprocess.Popen) -> None:
 @pytest.fixture(scope="module")
 def ray_cluster(plugin_dir, tmp_path_factory):
     """HOST:PORT of a Ray head (1 CPU) plus a second node (1 CPU) on 127.0.0.1, stopped at the module's end."""
+    # Ray enables token authentication when ~/.ray/auth_token exists (any earlier `ray.init()` there writes
+    # one); this loopback-only test cluster and its drivers run without, whatever the home folder holds.
+    env_patch = pytest.MonkeyPatch()
+    env_patch.setenv("RAY_AUTH_MODE", "disabled")
     pytest.importorskip("ray")
     port = _free_port()
     address = f"127.0.0.1:{port}"
     temp = Path(f"/tmp/anns-ray-{os.getpid()}")  # short: Ray's socket paths must stay under 108 characters
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(plugin_dir), os.environ.get("PYTHONPATH", "")]),
-                        "RAY_USAGE_STATS_ENABLED": "0"}
+                        "RAY_USAGE_STATS_ENABLED": "0",
+                        "RAY_AUTH_MODE": "disabled"}
     ray_cli = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--num-cpus", "1",
                "--node-ip-address", "127.0.0.1", "--disable-usage-stats"]
     logs = tmp_path_factory.mktemp("ray-logs")
@@ -245,6 +250,7 @@ def ray_cluster(plugin_dir, tmp_path_factory):
         for proc in reversed(procs):
             _stop_group(proc)
         shutil.rmtree(temp, ignore_errors=True)
+        env_patch.undo()
 
 
 def _reachable(port: int) -> bool:

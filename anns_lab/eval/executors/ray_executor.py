@@ -101,8 +101,7 @@ class RayExecutor:
                     if not left[(part.layer, part.head)]:
                         heads.pop((part.layer, part.head), None)  # its last task ended: free the shipped arrays
         except KeyboardInterrupt:
-            for ref in inflight:
-                ray.cancel(ref, force=True)
+            self.cluster.abandon(list(inflight))
             raise
 
     def _outcome(self, ref, part: Part, tries: int) -> Outcome:
