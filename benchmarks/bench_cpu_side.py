@@ -15,7 +15,10 @@ back cold from memory — the graph searches' case in the decoder (``--layers 0-
 
 ``--legacy`` adds ``<mode>-legacy`` rows: the side() of commit 3d8cf12 (per-head kernel calls for
 graph indexes, side-buffer rows materialised and concatenated, then ``attend_rows``), copied below,
-on the same stores — the before/after ratio of this rewrite measured in one run.
+on the same stores — the before/after ratio of this rewrite measured in one run. ``--held`` adds
+``<mode>-held`` rows for per-head graph indexes: the side() of commit ae1a1ea, whose store held a
+``GraphGroup`` and called its kernel directly, where side() now goes through the index protocol's
+``search_group`` (which finds the cached group itself) — the cost of that hook, in one run.
 
 Threads as in the decoder's CPU worker: numba and faiss on one thread.
 """
@@ -163,8 +166,6 @@ _LEGACY = None
 
 def legacy_side(store, q: np.ndarray, scaling: float):
     """``LayerStore.side`` as of commit 3d8cf12: per-head kernel calls, side-buffer rows materialised and concatenated."""
-    from anns_lab.indexes.base import SearchResult
-
     global _LEGACY
     if _LEGACY is None:
         _LEGACY = _legacy_kernels()
@@ -182,9 +183,9 @@ def legacy_side(store, q: np.ndarray, scaling: float):
             qq = np.ascontiguousarray(q, dtype=np.float32)
             out = [beam_search_batch(*index.graph_arrays(), qq[i: i + 1], index.entries_for(qq[i: i + 1]), max(L, k), k, 1)
                    for i, index in enumerate(store.indexes)]
-            res = SearchResult(*(np.concatenate(column) for column in zip(*out)))
-            rows[:] = res.ids
-            scanned.extend((res.n_scanned / store.n_indexed).tolist())
+            ids, n_scanned = (np.concatenate(column) for column in list(zip(*out))[::2])  # the legacy kernel: no bytes
+            rows[:] = ids
+            scanned.extend((n_scanned / store.n_indexed).tolist())
         else:
             for heads in groups.values():
                 res = store.indexes[heads[0]].search(q[heads], k, **store.plan.search_params)
@@ -199,6 +200,21 @@ def legacy_side(store, q: np.ndarray, scaling: float):
     out, m, z = attend_rows(np.ascontiguousarray(q, dtype=np.float32), store.keys, store.values, rows, float(scaling))
     t2 = time.perf_counter()
     return out, m, z, t1 - t0, t2 - t1
+
+
+def held_side(store, group, L: int, q: np.ndarray, scaling: float):
+    """``LayerStore.side`` of commit ae1a1ea: the store's own ``GraphGroup``, searched directly (no protocol hook)."""
+    from anns_lab.decode.kernels import attend_rows_and_range
+
+    t0 = time.perf_counter()
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    k = min(store.topk, store.n_indexed)
+    res = group.search(q, k, L)
+    store._check(res, q, k)
+    t1 = time.perf_counter()
+    out, m, z = attend_rows_and_range(q, store.keys, store.values, np.ascontiguousarray(res.ids), store.n_indexed,
+                                      store.n_rows, float(scaling))
+    return out, m, z, t1 - t0, time.perf_counter() - t1
 
 
 def _split(res):
@@ -221,6 +237,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=32, help="decode queries per round (one side() call each)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--legacy", action="store_true", help="also time the pre-rewrite side() on the same stores")
+    ap.add_argument("--held", action="store_true", help="also time side() with a held GraphGroup (per-head graph modes)")
     a = ap.parse_args()
 
     import faiss
@@ -262,13 +279,18 @@ def main() -> None:
             runs[layer][mode.name] = (lambda s, c: (lambda q: _split(s.side(q, c))))(store, scaling)
             if a.legacy:
                 runs[layer][mode.name + "-legacy"] = (lambda s, c: (lambda q: legacy_side(s, q, c)))(store, scaling)
+            if a.held and len({id(ix) for ix in store.indexes}) == H:
+                from anns_lab.indexes.graph_search import GraphGroup
+
+                group, L = GraphGroup(store.indexes), {**{"L": 100}, **mode.plan.search_params}["L"]
+                runs[layer][mode.name + "-held"] = (lambda s, g, c: (lambda q: held_side(s, g, L, q, c)))(store, group, scaling)
             print(f"layer {layer} {mode.plan.describe()}: built in {store.build_s:.1f} s", flush=True)
         nq = decode_q.shape[1]
         queries[layer] = [np.ascontiguousarray(decode_q[:, i % nq]) for i in range(a.calls)]
         first = {name: fn(queries[layer][0]) for name, fn in runs[layer].items()}  # compile / load every kernel
         for name in runs[layer]:
-            if name.endswith("-legacy"):
-                diff = np.abs(first[name][0] - first[name.removesuffix("-legacy")][0]).max()
+            if name.endswith(("-legacy", "-held")):
+                diff = np.abs(first[name][0] - first[name.rsplit("-", 1)[0]][0]).max()
                 print(f"{name}: max |output − new output| = {diff:.2e}")
     names = list(runs[layers[0]])
     if a.cycle:  # every call visits each layer in turn, as a decode step does: the layers' data are cold

@@ -42,6 +42,14 @@ def test_task_run_prints_table_and_writes_json(tiny_llama, tmp_path):
     # Needles at depths spread over the context.
     assert [r["depth"] for r in data["modes"]["full"]["samples"]] == [0.05, 0.95]
     assert data["modes"]["flat"]["summary"]["retrieval_ms"] > 0
+    # Time to first token: prefill + build + the first decode step, and its ratio to full's, per mode.
+    assert "TTFT s" in res.output and "TTFT x full" in res.output
+    for mode in data["modes"].values():
+        s = mode["summary"]
+        assert s["first_step_s"] > 0
+        assert s["ttft_s"] == pytest.approx(s["prefill_s"] + s["build_s"] + s["first_step_s"])
+        assert s["ttft_x_full"] == pytest.approx(s["ttft_s"] / data["modes"]["full"]["summary"]["ttft_s"])
+    assert data["modes"]["full"]["summary"]["build_s"] == 0
 
 
 def test_prompt_and_fidelity(tiny_gemma3, tmp_path):

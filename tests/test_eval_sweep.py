@@ -59,6 +59,7 @@ def test_rows_agree_with_an_independent_recomputation(sweep, smollm2_dump):
     rec = np.mean([(s[i, ids[ids >= 0]] >= kth[i] - 1e-6).sum() / 100 for i, ids in enumerate(res.ids)])
     assert row["recall"] == pytest.approx(rec, abs=1e-3)
     assert row["scanned_fraction"] == pytest.approx(res.n_scanned.mean() / len(data.keys))
+    assert row["bytes_read"] == pytest.approx(res.bytes_read.mean())
     assert 0 < row["recall"] < 1 and 0 < row["scanned_fraction"] < 1
 
 
@@ -79,7 +80,7 @@ def test_resumed_sweep_adds_no_rows_and_redoes_only_missing_parts(sweep, smollm2
 def test_report_numbers_equal_the_table(sweep, tmp_path):
     path = report.write_report(sweep.path, tmp_path / "rep")
     text = path.read_text()
-    for fig in ("recall_vs_scanned.png", "mahalanobis.png", "dynamic_vs_static.png"):
+    for fig in ("recall_vs_scanned.png", "recall_vs_bytes.png", "mahalanobis.png", "dynamic_vs_static.png"):
         assert (tmp_path / "rep" / fig).stat().st_size > 10_000
         assert fig in text
     t = sweep.table
@@ -89,6 +90,10 @@ def test_report_numbers_equal_the_table(sweep, tmp_path):
     expected = f"{100 * np.median(per_head):.1f}%"
     line = next(ln for ln in text.splitlines() if ln.startswith("| ivf | q2k |"))
     assert line.split("|")[5].strip().startswith(expected)
+    # The bytes table: least bytes read per query reaching 0.95 per head, median, in KiB.
+    per_head = [g.loc[g["recall"] >= 0.95, "bytes_read"].min() for _, g in ivf.groupby(["layer", "head"])]
+    line = next(ln for ln in text.split("## Least bytes")[1].splitlines() if ln.startswith("| ivf |"))
+    assert line.split("|")[4].strip().startswith(f"{np.median(per_head) / 1024:.1f} KiB")
     assert "Mahalanobis" in text and "dynamic top-100" in text
 
 

@@ -59,6 +59,9 @@ def test_decoder_uses_models_and_prompts_not_the_capture():
     for path in sorted((ROOT / "decode").rglob("*.py")):
         used = set(map(_resolve, _imports(path)))
         assert not used & {"anns_lab.dumps.run", "anns_lab.dumps.capture", "anns_lab.dumps.store"}, path
+        # Indexes are reached through the protocol (Index.search_group), never their kernels or attributes.
+        assert not any(m.startswith("anns_lab.indexes.graph") for m in used), path
+        assert not any(word in path.read_text() for word in ("entries_for", "graph_arrays", "GraphGroup")), path
 
 
 def test_floor_table_knows_every_package():

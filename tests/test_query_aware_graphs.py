@@ -6,6 +6,7 @@ import pytest
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes import graph_search as gs
 from anns_lab.indexes import registry
+from anns_lab.indexes.key_store import KeyStore
 from anns_lab.indexes.roargraph import RoarGraphIndex
 from anns_lab.indexes.robust_vamana import RobustVamanaIndex
 from anns_lab.indexes.topk import topk_ip
@@ -128,17 +129,18 @@ def test_every_key_reachable():
 @pytest.mark.parametrize("cls", QUERY_AWARE)
 def test_gqa_group_shares_keys(cls):
     keys, train, test = ood_data(6, n=800, m=600)
-    a = cls().build(keys, train)
-    b = cls().build(keys, train[::-1].copy())
+    store = KeyStore(keys)  # the owner of the group's keys (the decoder's layer store)
+    a = cls().build(store.head(0), train)
+    b = cls().build(store.head(0), train[::-1].copy())
     assert np.shares_memory(a._keys, keys) and np.shares_memory(a._keys, b._keys)
     new = keys[:40] * 1.01
+    store.append(new[None])  # the same tokens leave the window for every head of the group: stored once
     a.add(new)
-    b.add(new)  # the same tokens leave the window for every head of the group: stored once
+    b.add(new)
     assert np.shares_memory(a._keys, b._keys) and a._keys.shape == (840, keys.shape[1])
     assert not np.shares_memory(a._keys, keys)  # growing never writes into the caller's array
-    a.add(keys[:40] * 2.0)
-    with pytest.raises(ValueError, match="diverged"):
-        b.add(keys[:40] * 3.0)  # a diverged group is an error, not silent corruption
+    with pytest.raises(IndexConfigError, match="key store"):
+        b.add(keys[:40] * 3.0)  # rows the owner did not append are an error, not silent corruption
 
 
 @pytest.mark.parametrize("cls", QUERY_AWARE)

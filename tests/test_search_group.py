@@ -12,6 +12,7 @@ import pytest
 
 from anns_lab.decode.kernels import attend_rows, attend_rows_and_range
 from anns_lab.decode.placement import IndexPlan, LayerStore
+from anns_lab.indexes import Index
 from anns_lab.indexes import graph_search as gs
 from anns_lab.indexes.roargraph import RoarGraphIndex
 
@@ -46,6 +47,7 @@ def _assert_same(res, alone):
         np.testing.assert_array_equal(res.ids[i], r.ids[0])
         np.testing.assert_array_equal(res.scores[i], r.scores[0])
         assert res.n_scanned[i] == r.n_scanned[0]
+        assert res.bytes_read[i] == r.bytes_read[0]
 
 
 @pytest.mark.parametrize("k,L", [(10, 40), (50, 20), (1, 1), (100, 100)])
@@ -68,7 +70,8 @@ def test_gqa_group_holds_each_key_array_once(gqa):
 
 
 def test_exhaustive_beam_is_exact_top_k_and_counts_every_key(gqa):
-    """With L ≥ n every reachable key enters the beam: the result is numpy's exact top-k, each key scanned once."""
+    """With L ≥ n every reachable key enters the beam: the result is numpy's exact top-k, each key scanned once,
+    every row read once (bytes_read: every key, every row's degree and ids, the entry list)."""
     keys, indexes, queries, group = gqa
     n = keys[0].shape[0]
     res = gs.GraphGroup(indexes).search(queries, 30, n)
@@ -78,6 +81,9 @@ def test_exhaustive_beam_is_exact_top_k_and_counts_every_key(gqa):
         np.testing.assert_array_equal(res.ids[h], exact)
         np.testing.assert_allclose(res.scores[h], scores[exact], rtol=1e-5, atol=1e-5)
         assert res.n_scanned[h] == n  # entry points included, no key counted twice
+        ix = indexes[h]
+        rows = n + int(ix._degree.sum())  # every node expanded: its degree word and its ids
+        assert res.bytes_read[h] == n * 4 * keys[0].shape[1] + 4 * rows + 8 * len(ix.entries())
 
 
 def test_recall_against_numpy_exact(gqa):
@@ -130,7 +136,8 @@ def _int_graph(seed, n=600, d=8, r=10):
 @pytest.mark.parametrize("seed", range(4))
 def test_search_one_is_the_sorted_list_beam_search(seed):
     """search_one (heaps, SIMD inner product) against beam_search (sorted list, sequential sum) on exact scores:
-    the same nodes scanned; for L ≥ k the same top-k; for L < k the exact best k of every node scanned."""
+    the same nodes scanned and adjacency words read (1 + degree per expanded node); for L ≥ k the same top-k; for
+    L < k the exact best k of every node scanned."""
     keys, queries, nbrs, degree = _int_graph(seed)
     entries = np.array([0, 7, 7, -1, 99], np.int64)
     for L, k in [(1, 1), (5, 5), (32, 20), (200, 20), (200, 700), (1, 20), (2, 20), (5, 20), (32, 50)]:
@@ -142,9 +149,10 @@ def test_search_one_is_the_sorted_list_beam_search(seed):
             slots = gs.heap_slots(len(keys), L, k)
             assert slots == len(keys) + L + (k if L < k else 0)
             heap_s, heap_i = np.empty(slots, np.float32), np.empty(slots, np.int64)
-            got = gs.search_one(keys, nbrs, degree, q, entries, L, np.zeros(len(keys), np.int32), 1, heap_s, heap_i,
-                                out_ids, out_scores)
+            got, words = gs.search_one(keys, nbrs, degree, q, entries, L, np.zeros(len(keys), np.int32), 1, heap_s,
+                                       heap_i, out_ids, out_scores)
             assert got == n_scanned
+            assert words == ne + int(degree[expanded[:ne]].sum())
             if L < k:  # the scanned nodes: the entry points and the rows of the expanded ones
                 ids = np.unique(np.concatenate([entries[entries >= 0], *(nbrs[v, :degree[v]] for v in expanded[:ne])]))
                 assert len(ids) == n_scanned
@@ -188,9 +196,9 @@ def test_attend_rows_and_range_against_numpy():
 
 
 @pytest.mark.parametrize("name,params", [("roargraph", {"L": 40}), ("flat", {})])
-def test_layer_store_side_equals_per_index_search_then_attention(name, params):
-    """LayerStore.side (one GraphGroup call for roargraph) against each index searched alone + numpy attention,
-    before and after tokens leave the window (side-buffer) and are added to the indexes."""
+def test_layer_store_side_equals_per_index_search_then_attention(name, params, monkeypatch):
+    """LayerStore.side (one search_group call per step: one graph kernel call for roargraph) against each index
+    searched alone + numpy attention, before and after tokens leave the window (side-buffer) and are added."""
     rng = np.random.default_rng(3)
     n_heads, g, n, d, topk = 4, 2, 500, 16, 24
     keys = np.stack([_clustered(rng, n, d) for _ in range(g)])
@@ -198,7 +206,10 @@ def test_layer_store_side_equals_per_index_search_then_attention(name, params):
     build = BUILD if name == "roargraph" else {}
     store = LayerStore(0, n_heads, keys, values, topk, IndexPlan(name, build, params), add_batch=8)
     store.build(np.stack([_clustered(rng, 200, d) for _ in range(n_heads)]))
-    assert (store._graphs is not None) == (name == "roargraph")
+    cls = type(store.indexes[0])
+    assert (cls.search_group.__func__ is not Index.search_group.__func__) == (name == "roargraph")
+    calls, original = [], cls.search_group
+    monkeypatch.setattr(cls, "search_group", classmethod(lambda c, *a, **kw: calls.append(1) or original(*a, **kw)))
 
     def check():
         q = _clustered(rng, n_heads, d)
@@ -216,8 +227,9 @@ def test_layer_store_side_equals_per_index_search_then_attention(name, params):
         store.extend(_clustered(rng, 5, d)[None].repeat(g, 0) * (1 + step), rng.normal(size=(g, 5, d)).astype(np.float32))
         check()
     assert store.n_indexed == n + 10 and store.n_rows == n + 15
-    if store._graphs is not None:
-        assert store._graphs.current()
+    assert len(calls) == 4  # one search_group call per step, the decoder's only way into the indexes
+    if name == "roargraph":  # the keys are held once, by the store: every head's graph reads its buffer
+        assert all(np.shares_memory(ix.graph_arrays()[0], store.keys) for ix in store.indexes)
 
 
 def test_interleaved_heads_equal_one_search_at_a_time():
@@ -240,15 +252,16 @@ def test_interleaved_heads_equal_one_search_at_a_time():
         for epoch in (1, 2):
             q = np.stack([g[1][epoch] for g in graphs])
             ids, scores, scanned = np.empty((h, k), np.int64), np.empty((h, k), np.float32), np.empty(h, np.int64)
-            gs.search_heads(keys, nbrs, degree, entries, q, L, visited, epoch, heap_s, heap_i, ids, scores, scanned)
+            words = np.empty(h, np.int64)
+            gs.search_heads(keys, nbrs, degree, entries, q, L, visited, epoch, heap_s, heap_i, ids, scores, scanned, words)
             for i, (kk, _, nb, dg) in enumerate(graphs):
                 ref_ids, ref_scores = np.empty(k, np.int64), np.empty(k, np.float32)
                 ws, wi = np.empty(gs.heap_slots(len(kk), L, k), np.float32), np.empty(gs.heap_slots(len(kk), L, k), np.int64)
-                ref_n = gs.search_one(kk, nb, dg, q[i], entries[i], L, np.zeros(len(kk), np.int32), 1, ws, wi, ref_ids,
-                                      ref_scores)
+                ref_n, ref_w = gs.search_one(kk, nb, dg, q[i], entries[i], L, np.zeros(len(kk), np.int32), 1, ws, wi,
+                                             ref_ids, ref_scores)
                 np.testing.assert_array_equal(ids[i], ref_ids)
                 np.testing.assert_array_equal(scores[i], ref_scores)
-                assert scanned[i] == ref_n
+                assert scanned[i] == ref_n and words[i] == ref_w
     with pytest.raises(ValueError, match="L >= k"):  # L < k (a top-k heap besides the beam) is search_one's
         gs.search_heads(keys, nbrs, degree, entries, q, 5, visited, 3, heap_s, heap_i, np.empty((h, 6), np.int64),
-                        np.empty((h, 6), np.float32), scanned)
+                        np.empty((h, 6), np.float32), scanned, words)

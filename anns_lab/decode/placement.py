@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from anns_lab.decode.kernels import attend_rows_and_range
+from anns_lab.decode.kernels import attend_rows_and_range, merge
 from anns_lab.indexes import protocol, registry
-from anns_lab.indexes.base import SearchResult, resolve_params
-from anns_lab.indexes.graph_search import GraphGroup
+from anns_lab.indexes.base import SearchResult
+from anns_lab.indexes.estimate import Estimate, estimate_terms, weighted_partial
+from anns_lab.indexes.key_store import KeyStore
 
 
 @dataclass
@@ -50,6 +51,7 @@ class SideResult:
     retrieval_s: float
     attention_s: float
     scanned: float  # mean fraction of indexed keys scanned per query head (nan when nothing was searched)
+    bytes_read: int = 0  # index data read by this layer's searches, summed over its query heads
 
 
 class LayerStore:
@@ -59,23 +61,17 @@ class LayerStore:
                  plan: IndexPlan | None, add_batch: int):
         self.layer = layer
         self.n_heads = n_heads
-        g, n, d = keys.shape
-        self.group = n_heads // g
-        cap = max(16, 2 * n)
-        self.keys = np.zeros((g, cap, d), np.float32)
-        self.values = np.zeros((g, cap, d), np.float32)
-        self.keys[:, :n] = keys
-        self.values[:, :n] = values
-        self.n_rows = n
+        self.group = n_heads // keys.shape[0]
+        cap = max(16, 2 * keys.shape[1])
+        # The one copy of the layer's CPU keys: the indexes are built on its heads and read them there.
+        self.key_store, self.value_store = KeyStore(keys, cap), KeyStore(values, cap)
         self.n_indexed = 0
         self.topk = topk
         self.plan = plan
         self.add_batch = add_batch
         self.indexes: list = []  # per query head (a group may share one object)
         self.build_s = 0.0
-        self._shared: list[list[int]] = []  # heads of each distinct index (an index per KV head serves its group)
-        self._graphs: GraphGroup | None = None  # per-head graph indexes: one kernel call searches them all
-        self._beam = 0
+        self._summaries: dict[int, tuple] = {}  # per head of an estimator with summaries: (Summaries, value sums)
         self._bound: int | None = None  # the indexes' max_scanned(), once a search after a build or add has been checked
 
     # -- build and grow ----------------------------------------------------------------------------
@@ -86,34 +82,48 @@ class LayerStore:
             return
         t0 = time.perf_counter()
         cls = registry.get(self.plan.name)
-        n = self.n_rows
-        per_kv = [np.ascontiguousarray(self.keys[g, :n]) for g in range(self.keys.shape[0])]  # one array per group
+        rows = [self.key_store.head(g) for g in range(self.key_store.buf.shape[0])]
         if cls.uses_train_queries:
             if queries is None:
                 raise ValueError("attention-aware index needs the prefill queries")
-            self.indexes = [cls(**self.plan.build_params).build(per_kv[h // self.group], np.ascontiguousarray(queries[h]))
+            self.indexes = [cls(**self.plan.build_params).build(rows[h // self.group], np.ascontiguousarray(queries[h]))
                             for h in range(self.n_heads)]
         else:
-            shared = [cls(**self.plan.build_params).build(k) for k in per_kv]
+            shared = [cls(**self.plan.build_params).build(r) for r in rows]
             self.indexes = [shared[h // self.group] for h in range(self.n_heads)]
-        self.n_indexed = n
+        self.n_indexed = self.n_rows
         self._bound = None
-        self._prepare_search()
+        self._sum_values()
         self.build_s = time.perf_counter() - t0
 
-    def _prepare_search(self) -> None:
-        """Cache how a step searches: the head groups of shared indexes, or one GraphGroup of per-head graphs."""
+    @property
+    def keys(self) -> np.ndarray:
+        """(G, capacity, d) keys, rows ``[0, n_rows)`` valid (the buffer is replaced when it grows)."""
+        return self.key_store.buf
+
+    @property
+    def values(self) -> np.ndarray:
+        return self.value_store.buf
+
+    @property
+    def n_rows(self) -> int:
+        return self.key_store.n
+
+    def _groups(self) -> list[list[int]]:
+        """The heads of each distinct index (an index per KV head serves its GQA group)."""
         groups: dict[int, list[int]] = {}
         for h, index in enumerate(self.indexes):
             groups.setdefault(id(index), []).append(h)
-        self._shared = list(groups.values())
-        self._graphs = None
-        if len(self._shared) == self.n_heads and self.indexes:
-            cls = type(self.indexes[0])
-            graph_like = all(hasattr(ix, "graph_arrays") and hasattr(ix, "entries_for") for ix in self.indexes)
-            if graph_like and set(cls.search_params) == {"L"} and all(type(ix) is cls for ix in self.indexes):
-                self._beam = resolve_params(cls.__name__, cls.search_params, self.plan.search_params)["L"]
-                self._graphs = GraphGroup(self.indexes)
+        return list(groups.values())
+
+    def _sum_values(self) -> None:
+        """Value sums of each estimator's summaries (the store owns the values): once per build and after add."""
+        self._summaries = {}
+        for heads in self._groups():
+            summ = self.indexes[heads[0]].summaries()
+            if summ is not None:
+                sums = summ.value_sums(self.values[heads[0] // self.group, : self.n_indexed])
+                self._summaries.update({h: (summ, sums) for h in heads})
 
     @property
     def supports_add(self) -> bool:
@@ -121,75 +131,79 @@ class LayerStore:
 
     def extend(self, keys: np.ndarray, values: np.ndarray) -> None:
         """Append tokens that left the recent window (G, t, d) to the store, then to the indexes when a batch is full."""
-        t = keys.shape[1]
-        if self.n_rows + t > self.keys.shape[1]:
-            cap = max(self.n_rows + t, 2 * self.keys.shape[1])
-            for name in ("keys", "values"):
-                old = getattr(self, name)
-                grown = np.zeros((old.shape[0], cap, old.shape[2]), np.float32)
-                grown[:, : self.n_rows] = old[:, : self.n_rows]
-                setattr(self, name, grown)
-        self.keys[:, self.n_rows:self.n_rows + t] = keys
-        self.values[:, self.n_rows:self.n_rows + t] = values
-        self.n_rows += t
+        self.key_store.append(keys)
+        self.value_store.append(values)
         if self.supports_add and self.n_rows - self.n_indexed >= self.add_batch:
             new = self.keys[:, self.n_indexed:self.n_rows]
-            for heads in self._shared:
-                self.indexes[heads[0]].add(np.ascontiguousarray(new[heads[0] // self.group]))
+            for h, index in {id(ix): (h, ix) for h, ix in reversed(list(enumerate(self.indexes)))}.values():
+                index.add(new[h // self.group])  # once per distinct index: rows its store (ours) holds already
             self.n_indexed = self.n_rows
+            self._sum_values()
             self._bound = None
-            if self._graphs is not None:
-                self._graphs.refresh()  # add() reallocates the graph arrays and may add entry points
 
     # -- the CPU side of a decode step ---------------------------------------------------------------
 
-    def _check(self, res: SearchResult, q: np.ndarray, k: int, heads: list[int]) -> None:
-        """The index protocol on the result for query ``heads`` (its ids index the store's rows, so a bad one must
-        never reach the kernel): every rule, scores against the keys, on the first search after a build or add,
-        then ids and counts (vectorised, a few µs)."""
+    def _check(self, res: SearchResult, q: np.ndarray, k: int) -> None:
+        """The index protocol on the heads' results (their ids index the store's rows, so a bad one must never reach
+        the kernel): every rule, scores against the keys, on the first search after a build or add, then ids and
+        counts (vectorised, a few µs)."""
         owner = f"{self.plan.name} (layer {self.layer})"
         if self._bound is None:  # first search since the indexes last changed
-            for i, h in enumerate(heads):
-                protocol.check_result(owner, tuple(a[i:i + 1] for a in res), 1, k, self.n_indexed,
-                                      self.indexes[h].max_scanned(), q[h:h + 1],
-                                      self.keys[h // self.group, :self.n_indexed])
+            for h, index in enumerate(self.indexes):
+                protocol.check_result(owner, tuple(a[h:h + 1] for a in res[:3]), 1, k, self.n_indexed, index.max_scanned(),
+                                      q[h:h + 1], self.keys[h // self.group, :self.n_indexed])
+            self._bound = max(index.max_scanned() for index in self.indexes)  # later steps: ids and counts only
+            for heads in self._groups():  # the estimator rules, per distinct index on its rows of the result
+                if self.indexes[heads[0]].estimates or res.estimate is not None:
+                    part = SearchResult(res.ids[heads], res.scores[heads], res.n_scanned[heads], None,
+                                        None if res.estimate is None else res.estimate.rows(heads))
+                    protocol.check_estimate(owner, part, self.indexes[heads[0]])
         else:
-            protocol.check_result(owner, res, len(heads), k, self.n_indexed, self._bound, check_scores=False)
+            protocol.check_result(owner, res, self.n_heads, k, self.n_indexed, self._bound, check_scores=False)
 
     def side(self, q: np.ndarray, scaling: float) -> SideResult:
         """Search each head's index with its query, then attend over the hits and the side-buffer (GIL released).
 
-        Per-head graph indexes (roargraph) are searched in one kernel call (:class:`GraphGroup`);
-        an index shared by a KV head's group gets the group's queries in one batch; any other
-        per-head index class goes through its ``search_group``. The side-buffer rows
-        ``[n_indexed, n_rows)`` are passed to the attention kernel as a range, not gathered.
+        Every index class is searched through its ``search_group`` (the protocol's hook: one call for
+        the layer's heads; roargraph runs every head's graph search in one kernel, the default one
+        batch per index shared by a GQA group). The side-buffer rows ``[n_indexed, n_rows)`` are
+        passed to the attention kernel as a range, not gathered.
         """
         t0 = time.perf_counter()
         q = np.ascontiguousarray(q, dtype=np.float32)
         scanned = float("nan")
+        n_bytes = 0
+        estimate = None
         if self.indexes and self.n_indexed:
             k = min(self.topk, self.n_indexed)
-            if self._graphs is not None:
-                res = self._graphs.search(q, k, self._beam)
-            elif len(self._shared) == self.n_heads:  # one index per query head: the class searches them all in one call
-                res = type(self.indexes[0]).search_group(self.indexes, q, k, **self.plan.search_params)
-            else:  # a shared index per KV head: its group's queries in one batch
-                res = SearchResult(np.empty((self.n_heads, k), np.int64), np.empty((self.n_heads, k), np.float32),
-                                   np.empty(self.n_heads, np.int64))
-                for heads in self._shared:
-                    part = self.indexes[heads[0]].search(q[heads], k, **self.plan.search_params)
-                    self._check(part, q, k, heads)
-                    for mine, got in zip(res, part):
-                        mine[heads] = got
-            if len(self._shared) == self.n_heads:
-                self._check(res, q, k, list(range(self.n_heads)))
-            if self._bound is None:  # the full check has run: later steps check ids and counts only
-                self._bound = max(index.max_scanned() for index in self.indexes)
+            res = type(self.indexes[0]).search_group(self.indexes, q, k, **self.plan.search_params)
+            self._check(res, q, k)
+            estimate = res.estimate
             rows = np.ascontiguousarray(res.ids)
             scanned = float(res.n_scanned.mean()) / self.n_indexed
+            n_bytes = int(res.bytes_read.sum())
         else:
             rows = np.empty((self.n_heads, 0), np.int64)
         t1 = time.perf_counter()
         out, m, z = attend_rows_and_range(q, self.keys, self.values, rows, self.n_indexed, self.n_rows, float(scaling))
+        if estimate is not None and not estimate.is_empty:
+            out, m, z = self._add_estimate(q, float(scaling), estimate, out, m, z)
         t2 = time.perf_counter()
-        return SideResult(out, m, z, t1 - t0, t2 - t1, scanned)
+        return SideResult(out, m, z, t1 - t0, t2 - t1, scanned, n_bytes)
+
+    def _add_estimate(self, q: np.ndarray, scaling: float, estimate: Estimate, out: np.ndarray, m: np.ndarray,
+                      z: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The exact partial (out, m, z) merged with each head's weighted estimate (samples and summaries)."""
+        o_e, m_e, z_e = np.zeros_like(out), np.full_like(m, -np.inf), np.zeros_like(z)
+        for h in range(self.n_heads):
+            g = h // self.group
+            summ, sums = self._summaries.get(h, (None, None))
+            terms = estimate_terms(q[h], self.keys[g], self.values[g], scaling, *estimate.row(h), summ, sums)
+            o_e[h], m_e[h], z_e[h] = weighted_partial(*terms)
+        keep = (z > 0) | (z_e > 0)  # a head with neither part stays empty (output 0, max −inf, normaliser 0)
+        with np.errstate(invalid="ignore", divide="ignore"):  # those heads' 0/0 is replaced below
+            merged = merge(out, m, z, o_e, m_e, z_e)
+            m_all = np.maximum(m, m_e)
+            z_all = np.where(z > 0, np.exp(m - m_all) * z, 0.0) + np.where(z_e > 0, np.exp(m_e - m_all) * z_e, 0.0)
+        return np.where(keep[:, None], merged, 0.0), np.where(keep, m_all, -np.inf), z_all
+

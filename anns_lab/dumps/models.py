@@ -102,15 +102,18 @@ def _bundled_gguf(spec: ModelSpec) -> Path:
 
 def _converted(gguf: Path, key: str) -> Path:
     """A float32 safetensors copy of a GGUF model: dequantising takes ~15-45 s, loading the copy ~1 s."""
-    stat = gguf.stat()
-    target = cache_dir() / "converted" / f"{key}-{stat.st_size}"
+    target = _converted_path(gguf, key)
     if (target / "config.json").is_file():
         return target
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as err:  # noqa: BLE001 - the gguf reader raises many kinds for a file that is not a model
+        raise ModelNotAvailable(f"{gguf} is not a GGUF model transformers can read "
+                                f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
     # GGUF weights are dequantised to plain float32 tensors on load; only the marker blocks saving.
@@ -127,6 +130,25 @@ def _converted(gguf: Path, key: str) -> Path:
         if not (target / "config.json").is_file():
             raise
     return target
+
+
+def _converted_path(gguf: Path, key: str) -> Path:
+    return cache_dir() / "converted" / f"{key}-{gguf.stat().st_size}"
+
+
+def layer_count(where: Path | str, canon: str) -> int | None:
+    """The model's number of layers read from its config.json alone (no weights), or None when there is none yet."""
+    import json
+
+    if isinstance(where, Path) and where.suffix == ".gguf":
+        where = _converted_path(where, canon)
+    config = Path(where) / "config.json"
+    try:
+        cfg = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None
+    n = cfg.get("num_hidden_layers", (cfg.get("text_config") or {}).get("num_hidden_layers"))
+    return n if isinstance(n, int) and n > 0 else None
 
 
 def _unknown(name: str) -> ModelNotAvailable:
@@ -148,7 +170,13 @@ def resolve(name: str) -> tuple[str, Path | str, str | None]:
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelNotAvailable(f"GGUF file {path} does not exist")
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ModelNotAvailable(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
         return canonical_name(name), path, None
+    if path.is_file():
+        raise ModelNotAvailable(f"{path} is a file but not a model: give a .gguf file or a folder with config.json "
+                                "and weights")
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if not (path / "config.json").is_file() and len(ggufs) == 1:

@@ -47,14 +47,26 @@ def build_prompt(source: str, tokenizer, n_tokens: int | None, seed: int = 0, pa
     raise PromptError(f"unknown prompt source {source!r}; choose one of: {', '.join(SOURCES)}, or give --prompt PATH")
 
 
-def _from_file(path: Path, tokenizer, n_tokens: int | None) -> Prompt:
+def read_prompt_file(path: str | Path) -> tuple[str, bytes]:
+    """The text and bytes of a ``--prompt`` file, or a PromptError if it is missing, not UTF-8 or empty."""
+    path = Path(path)
     if not path.is_file():
-        raise PromptError(f"prompt file {path} does not exist")
-    raw = path.read_bytes()
+        raise PromptError(f"prompt file {path} does not exist" + (" (it is a folder)" if path.is_dir() else ""))
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise PromptError(f"prompt file {path} cannot be read ({err.strerror})") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
         raise PromptError(f"prompt file {path} is not UTF-8 text ({err})") from None
+    if not text.strip():
+        raise PromptError(f"prompt file {path} is empty: give a file with the text to prefill")
+    return text, raw
+
+
+def _from_file(path: Path, tokenizer, n_tokens: int | None) -> Prompt:
+    text, raw = read_prompt_file(path)
     ids = tasks.special_prefix(tokenizer) + tasks.encode(tokenizer, text)
     if n_tokens is not None and len(ids) < n_tokens:
         raise PromptError(f"prompt file {path} has {len(ids)} tokens, fewer than --tokens {n_tokens}; "

@@ -27,18 +27,24 @@ PROGRESS = "progress.json"
 DTYPES = {"float16": np.float16, "float32": np.float32}
 
 
-def parse_layers(spec: str, n_layers: int, default: list[int]) -> list[int]:
-    """``all``, ``default``, ``2,15,28``, ``0:30:2`` (start:stop:step), ``3-7``, or a mix, → sorted layers."""
+def parse_layers(spec: str, n_layers: int | None, default: list[int]) -> list[int]:
+    """``all``, ``default``, ``2,15,28``, ``0:30:2`` (start:stop:step), ``3-7``, or a mix, → sorted layers.
+
+    With ``n_layers`` None (the model not known yet) only the syntax is checked and [] is returned.
+    """
     spec = spec.strip().lower()
     if spec == "all":
-        return list(range(n_layers))
+        return list(range(n_layers or 0))
     if spec == "default":
         return list(default)
     out: set[int] = set()
     try:
         for part in filter(None, (p.strip() for p in spec.split(","))):
             if ":" in part:
-                out.update(range(n_layers)[slice(*(int(x) if x else None for x in part.split(":")))])
+                bounds = [int(x) if x else None for x in part.split(":")]
+                if len(bounds) > 3 or (len(bounds) == 3 and bounds[2] == 0):
+                    raise ValueError(part)
+                out.update(range(n_layers or 0)[slice(*bounds)])
             elif "-" in part[1:]:
                 a, b = part.split("-", 1)
                 out.update(range(int(a), int(b) + 1))
@@ -46,6 +52,8 @@ def parse_layers(spec: str, n_layers: int, default: list[int]) -> list[int]:
                 out.add(int(part))
     except ValueError:
         raise DumpError(f"cannot read --layers {spec!r}; use all, default, a list (2,15,28) or a range (0:30:2)") from None
+    if n_layers is None:
+        return []
     bad = sorted(x for x in out if not 0 <= x < n_layers)
     if bad or not out:
         raise DumpError(f"--layers {spec!r} selects {bad or 'no layers'}; the model has layers 0..{n_layers - 1}")
@@ -146,7 +154,13 @@ def _prepare_folder(out: Path, settings: dict, overwrite: bool) -> dict | None:
                             "pass --overwrite to replace it, or choose another --out")
         _clear(out)
     elif progress_path.is_file():
-        progress = json.loads(progress_path.read_text())
+        try:
+            progress = json.loads(progress_path.read_text())
+            assert isinstance(progress, dict) and isinstance(progress.get("done"), dict)
+        except (OSError, ValueError, AssertionError):
+            if not overwrite:
+                raise DumpError(f"{progress_path} is corrupt; pass --overwrite to discard the unfinished dump") from None
+            progress = {}
         if progress.get("settings") == settings:
             return progress
         if not overwrite:
@@ -155,9 +169,13 @@ def _prepare_folder(out: Path, settings: dict, overwrite: bool) -> dict | None:
         _clear(out)
     elif out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DumpError(f"{out} exists and is not a dump folder; refusing to write into it (choose another --out)")
-    (out / STAGING).mkdir(parents=True, exist_ok=True)
     progress = {"settings": settings, "done": {}}
-    atomic_write_json(progress_path, progress)
+    try:
+        (out / STAGING).mkdir(parents=True, exist_ok=True)
+        atomic_write_json(progress_path, progress)
+    except OSError as err:
+        raise DumpError(f"cannot write the dump into {out}: {err.strerror or err} ({err.filename or out}); "
+                        "choose another --out") from None
     return progress
 
 
@@ -173,22 +191,40 @@ def run_dump(model: str = "smollm2", *, source: str = "text", prompt_path: str |
              out: str | Path | None = None, overwrite: bool = False, allow_extrapolation: bool = False,
              allow_download: bool = False, device: str = "cpu", progress: bool = True) -> DumpResult:
     """Capture a dump (see module doc); returns the opened dump and timings."""
-    from anns_lab.dumps.models import resolve
+    from anns_lab.dumps.models import layer_count, resolve
+    from anns_lab.dumps.prompts import read_prompt_file
 
     if dtype not in DTYPES:
         raise DumpError(f"--dtype must be one of {', '.join(DTYPES)}")
     if chunk < 1 or decode_tokens < 0:
         raise DumpError("--chunk must be ≥ 1 and --decode-tokens ≥ 0")
+    # Everything checkable without the weights fails here, before the model load and before any folder is touched.
+    if tokens is not None and tokens < 1:
+        raise PromptError("--tokens must be a positive number of tokens")
+    if seed < 0:
+        raise DumpError(f"--seed must be a non-negative integer, got {seed}")
+    if prompt_path:
+        read_prompt_file(prompt_path)
     src = "file" if prompt_path else source
     out = Path(out) if out is not None else default_out(model, src, tokens)
-    canon, where, _ = resolve(model)  # fails fast on unknown models, before any folder is touched
+    canon, where, _ = resolve(model)  # fails fast on unknown models
+    parse_layers(layers, layer_count(where, canon), [])  # the syntax always; the range when config.json is at hand
     settings = {"model": canon, "model_source": str(where), "source": src, "prompt_path": str(Path(prompt_path).resolve()) if prompt_path else None,
                 "tokens": tokens, "decode_tokens": decode_tokens, "layers": layers, "dtype": dtype, "chunk": chunk, "seed": seed}
     t_start = time.perf_counter()
+    existed = out.exists()
     state = _prepare_folder(out, settings, overwrite)
     if state is None:
         return DumpResult(store.open_dump(out), time.perf_counter() - t_start, already_complete=True)
-    return _capture(out, settings, state, model, prompt_path, allow_extrapolation, allow_download, device, progress, t_start)
+    try:
+        return _capture(out, settings, state, model, prompt_path, allow_extrapolation, allow_download, device, progress,
+                        t_start)
+    except BaseException:
+        if not state["done"]:  # nothing captured yet: leave the folder as it was, so a corrected command is not refused
+            shutil.rmtree(out / STAGING, ignore_errors=True)
+            if not existed and out.is_dir() and not any(out.iterdir()):
+                out.rmdir()
+        raise
 
 
 def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation, allow_download, device, progress, t_start):
@@ -196,6 +232,7 @@ def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation,
     from tqdm.auto import tqdm
 
     from anns_lab.dumps.capture import StopForward, capturing
+    from anns_lab.dumps.memory import check_prefill
     from anns_lab.dumps.models import forward_tokens, load_model
     from anns_lab.dumps.prompts import build_prompt
 
@@ -210,6 +247,8 @@ def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation,
     if lm.context and n_prefill > lm.context and not allow_extrapolation:
         raise PromptError(f"{n_prefill} prompt tokens exceed {lm.name}'s context of {lm.context} tokens; "
                           "use fewer --tokens, or pass --allow-extrapolation to go beyond it")
+    check_prefill(cfg, n_prefill + n_decode, settings["chunk"], f"a dump of {n_prefill} + {n_decode} tokens of {lm.name}",
+                  "--tokens")
     n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
     done = state["done"]
@@ -275,7 +314,7 @@ def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation,
     manifest = _manifest(settings, lm, prompt, layers, n_prefill, n_decode, n_heads, n_kv, d, state, {
         "load_s": t_loaded - t_start, "prefill_s": t_prefill, "prefill_cpu_s": c_prefill, "decode_s": t_decode, "write_s": t_write,
         "total_s": time.perf_counter() - t_start})
-    atomic_write_json(out / store.MANIFEST, manifest)
+    atomic_write_json(out / store.MANIFEST, store.sealed(manifest))
     shutil.rmtree(staging, ignore_errors=True)
     kept = len(layers) - len(missing)
     return DumpResult(store.open_dump(out), time.perf_counter() - t_start, resumed_layers=kept)

@@ -2,7 +2,7 @@
 
 Layout of a dump folder (format version 2)::
 
-    manifest.json        settings, model, prompt, shapes, GQA map, phases, files with sha256
+    manifest.json        settings, model, prompt, shapes, GQA map, phases, files with sha256, its own sha256
     tokens.parquet       position, token_id, phase
     layer_LLL.parquet    position, q0..q{H-1}, k0..k{G-1}, v0..v{G-1}; one row per position,
                          each head one fixed_size_binary[head_dim · itemsize] column holding the
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from functools import cached_property
 from pathlib import Path
@@ -106,11 +107,66 @@ def read_manifest(path: Path) -> dict:
         manifest = json.loads(mpath.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise DumpError(f"{mpath} is corrupt ({err})") from None
-    if manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise DumpError(f"{mpath} is not an anns-lab dump manifest")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise DumpError(f"{path} has dump format version {manifest.get('format_version')}; this anns-lab reads version {FORMAT_VERSION}")
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise DumpError(f"{mpath} is corrupt or was edited: {problem}; re-create the dump")
+    if "manifest_sha256" in manifest and sealed(manifest)["manifest_sha256"] != manifest["manifest_sha256"]:
+        raise DumpError(f"{mpath} fails its own checksum (manifest_sha256): it was edited or is corrupt; re-create the dump")
     return manifest
+
+
+def sealed(manifest: dict) -> dict:
+    """``manifest`` with ``manifest_sha256``: the sha256 of its canonical JSON without that field, so any edit
+    of a value no file can confirm (a layer's scaling, say) is caught on read. Dumps made before it have none."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=True).encode()).hexdigest()
+    return body | {"manifest_sha256": digest}
+
+
+def _manifest_problem(m: dict) -> str | None:
+    """The first field every reader relies on that is missing or inconsistent, in words (None: all present).
+
+    Shapes are checked against the files themselves when a column is read (see ``Dump._read``).
+    """
+    def count(v, low: int) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+    for key, kind in (("model", dict), ("layers", list), ("gqa", list), ("n_tokens", dict), ("scaling", dict),
+                      ("files", dict), ("created", str)):
+        if not isinstance(m.get(key), kind):
+            return f"{key!r} is missing or not a {kind.__name__}"
+    if not isinstance(m["model"].get("name"), str):
+        return "model.name is missing"
+    for key in ("n_heads", "n_kv_heads", "head_dim"):
+        if not count(m.get(key), 1):
+            return f"{key!r} must be a positive integer, got {m.get(key)!r}"
+    n_tokens = m["n_tokens"]
+    if not (count(n_tokens.get("prefill"), 1) and count(n_tokens.get("decode"), 0)):
+        return f"n_tokens {n_tokens!r} must hold a positive 'prefill' and a non-negative 'decode' count"
+    h, g = m["n_heads"], m["n_kv_heads"]
+    if h % g or m["gqa"] != [x // (h // g) for x in range(h)]:
+        return f"gqa must map each of the {h} query heads to its KV head (of {g}) in order, got {m['gqa']!r}"
+    layers = m["layers"]
+    if not layers or not all(count(x, 0) for x in layers) or len(set(layers)) != len(layers):
+        return f"layers must be distinct non-negative integers, got {layers!r}"
+    rows = n_tokens["prefill"] + n_tokens["decode"]
+    for name in [TOKENS_FILE] + [layer_file(x) for x in layers]:
+        entry = m["files"].get(name)
+        if not isinstance(entry, dict) or not count(entry.get("bytes"), 0) or not isinstance(entry.get("sha256"), str):
+            return f"files has no valid entry (bytes, sha256) for {name}"
+        if entry.get("rows") != rows:
+            return f"files[{name!r}] has {entry.get('rows')!r} rows, but n_tokens says {rows}"
+    if set(m["files"]) != {TOKENS_FILE, *(layer_file(x) for x in layers)}:
+        return f"files lists {sorted(set(m['files']) - {TOKENS_FILE, *(layer_file(x) for x in layers)})}, not files of its layers"
+    for x in layers:
+        v = m["scaling"].get(str(x))
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+            return f"scaling of layer {x} must be a positive number, got {v!r}"
+    return None
 
 
 class Dump:
@@ -125,6 +181,7 @@ class Dump:
         self.manifest = read_manifest(self.path)
         self._verify = verify
         self._verified: set[str] = set()
+        self._heads_checked: set[str] = set()
         for name, entry in self.manifest["files"].items():
             f = self.path / name
             if not f.is_file():
@@ -201,6 +258,11 @@ class Dump:
     def _phase_rows(self) -> dict[str, tuple[int, int]]:
         n = self.manifest["n_tokens"]
         p, d = int(n["prefill"]), int(n["decode"])
+        # The phases are checked against the tokens file itself (checksummed), not only the manifest.
+        phases = self._read(TOKENS_FILE, "phase", rows=p + d)
+        if int((phases == "prefill").sum()) != p:
+            raise DumpError(f"{self.path / TOKENS_FILE} marks {int((phases == 'prefill').sum())} positions as prefill, "
+                            f"the manifest says {p}: the manifest was edited or belongs to other files")
         return {"prefill": (0, p), "decode": (p, p + d), "all": (0, p + d)}
 
     def _rows(self, phase: str) -> tuple[int, int]:
@@ -217,6 +279,20 @@ class Dump:
         if not 0 <= head < n:
             raise DumpError(f"{kind} head {head} is out of range: this dump has {n} {kind} heads (0..{n - 1})")
 
+    def _check_heads(self, name: str) -> None:
+        """The layer file's head columns against the manifest's head counts (once per file)."""
+        if name in self._heads_checked:
+            return
+        try:
+            names = set(pq.read_schema(self.path / name).names)
+        except (pa.ArrowException, OSError) as err:
+            raise DumpError(f"cannot read {self.path / name}: {str(err).splitlines()[0]}") from None
+        want = {"position"} | {f"q{h}" for h in range(self.n_heads)} | {f"{p}{g}" for p in "kv" for g in range(self.n_kv_heads)}
+        if names != want:
+            raise DumpError(f"{self.path / name} holds columns for other head counts than the manifest's "
+                            f"{self.n_heads} query / {self.n_kv_heads} KV heads: the manifest was edited or belongs to other files")
+        self._heads_checked.add(name)
+
     def _check_sha(self, name: str) -> None:
         if name in self._verified:
             return
@@ -224,19 +300,26 @@ class Dump:
             raise DumpError(f"dump file {self.path / name} fails its sha256 checksum: it is corrupt; re-create the dump")
         self._verified.add(name)
 
-    def _read(self, name: str, column: str) -> np.ndarray:
+    def _read(self, name: str, column: str, rows: int | None = None) -> np.ndarray:
         if self._verify:
             self._check_sha(name)
         try:
             table = pq.read_table(self.path / name, columns=[column], memory_map=True)
         except (pa.ArrowException, OSError) as err:
-            raise DumpError(f"cannot read column {column} of {self.path / name}: {err}") from None
+            raise DumpError(f"cannot read column {column} of {self.path / name}: {str(err).splitlines()[0]}") from None
         chunks = table.column(column).chunks
         arr = chunks[0] if len(chunks) == 1 else pa.concat_arrays(chunks)
+        n = self._phase_rows["all"][1] if rows is None else rows
+        if len(arr) != n:
+            raise DumpError(f"{self.path / name} has {len(arr)} rows but the manifest's n_tokens add up to {n}: "
+                            "the manifest was edited or belongs to other files")
         if pa.types.is_fixed_size_binary(arr.type):
             meta = table.schema.field(column).metadata or {}
             dtype = np.dtype(meta.get(b"dtype", b"float32").decode()).newbyteorder("<")
             d = arr.type.byte_width // dtype.itemsize
+            if d != self.head_dim:
+                raise DumpError(f"column {column} of {self.path / name} holds vectors of dimension {d}, but the "
+                                f"manifest says head_dim {self.head_dim}: the manifest was edited or belongs to other files")
             flat = np.frombuffer(arr.buffers()[1], dtype=dtype, count=(arr.offset + len(arr)) * d)
             flat.flags.writeable = False  # a view of the mapped file: writing would corrupt or fault
             return flat[arr.offset * d:].reshape(len(arr), d)
@@ -246,6 +329,7 @@ class Dump:
 
     def _column(self, layer: int, column: str, phase: str) -> np.ndarray:
         self._check_layer(layer)
+        self._check_heads(layer_file(layer))
         lo, hi = self._rows(phase)
         arr = self._read(layer_file(layer), column)[lo:hi]
         return arr if arr.dtype == np.float32 else arr.astype(np.float32)

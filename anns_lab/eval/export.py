@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 
 from anns_lab.dumps.store import Dump
+from anns_lab.errors import AnnsLabError
 from anns_lab.io import atomic_write_bytes, atomic_write_json
 from anns_lab.eval import metrics
-from anns_lab.eval.heads import load_head
+from anns_lab.eval.heads import check_k, load_head
 
 
 def fbin_bytes(x: np.ndarray) -> bytes:
@@ -43,9 +44,14 @@ def read_gt(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
 def export_fbin(dump: Dump, layer: int, head: int, out: str | Path, k: int = 100,
                 window: tuple[int, int] = (128, 512)) -> dict[str, Path]:
     """Write keys, train/test queries, K→K queries and both ground truths of one (layer, head); returns the paths."""
+    check_k(dump, window, k)  # before the folder is made: a refused export leaves nothing behind
     data = load_head(dump, layer, head, window)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise AnnsLabError(f"cannot write the export into {out}: {err.strerror or err} ({err.filename or out}); "
+                           "choose another --out") from None
     files = {"base.fbin": data.keys, "train_queries.fbin": data.train_queries,
              "test_queries.fbin": data.test_queries, "k2k_queries.fbin": data.k2k_queries}
     for name, arr in files.items():

@@ -25,6 +25,7 @@ import numpy as np
 from anns_lab.dumps.store import Dump
 from anns_lab.errors import AnnsLabError
 from anns_lab.eval import metrics
+from anns_lab.indexes.estimate import Estimate, Summaries, estimate_terms, weighted_partial
 from anns_lab.window import Window
 
 
@@ -60,12 +61,17 @@ class HeadData:
         """Positions attended exactly for a query at ``pos``: the sinks and the recent side, ``[index_end, pos]``."""
         return self.window.positions(pos, self.index_end)
 
-    def attention_quality(self, ids: np.ndarray) -> tuple[float, float]:
+    def attention_quality(self, ids: np.ndarray, estimate: Estimate | None = None,
+                          summaries: Summaries | None = None) -> tuple[float, float]:
         """Mean attention mass kept and mean output relative error of retrieved ``ids`` ∪ window, over test queries.
 
         The reference is full causal attention over every key. The K→K held-out keys are in neither the
         index nor the window, so their weight always counts as lost: a small downward bias (64 of ~n keys).
+        With an ``estimate`` (an estimator's), output and mass come from the exact part plus the estimate
+        (:meth:`estimated_quality`); without one, from the exact set alone.
         """
+        if estimate is not None:
+            return self.estimated_quality(ids, estimate, summaries)
         mass, err = [], []
         for i, pos in enumerate(self.test_pos):
             logits = (self.all_keys[: pos + 1] @ self.test_queries[i]).astype(np.float64) * self.scaling
@@ -73,6 +79,31 @@ class HeadData:
             subset = np.concatenate([self.window_positions(int(pos)), self.key_pos[row]])
             mass.append(metrics.mass_recovered(logits, subset))
             err.append(metrics.output_rel_error(logits, self.all_values[: pos + 1].astype(np.float64), subset))
+        return float(np.mean(mass)), float(np.mean(err))
+
+    def estimated_quality(self, ids: np.ndarray, estimate: Estimate,
+                          summaries: Summaries | None) -> tuple[float, float]:
+        """:meth:`attention_quality` of exact ``ids`` ∪ window plus the weighted ``estimate`` (ids = index rows).
+
+        Mass is the estimated normaliser over the full one: the kept share for exact sets, an estimate
+        of 1 (above 1 when it overestimates) for an estimator; the error is the estimated output's.
+        """
+        key_values = self.all_values[self.key_pos]  # values by index row, as the index's ids count
+        sums = summaries.value_sums(key_values) if summaries is not None else None
+        mass, err = [], []
+        for i, pos in enumerate(self.test_pos):
+            logits = (self.all_keys[: pos + 1] @ self.test_queries[i]).astype(np.float64) * self.scaling
+            values = self.all_values[: pos + 1].astype(np.float64)
+            row = ids[i][ids[i] >= 0]
+            exact = np.unique(np.concatenate([self.window_positions(int(pos)), self.key_pos[row]]))
+            l, w, v = estimate_terms(self.test_queries[i], self.keys, key_values, self.scaling, *estimate.row(i),
+                                     summaries, sums)
+            o, m, z = weighted_partial(np.concatenate([logits[exact], l]), np.concatenate([np.ones(len(exact)), w]),
+                                       np.concatenate([values[exact], v]))
+            top = logits.max()
+            full = metrics.attention_over(logits, values)
+            mass.append(float(z * np.exp(m - top) / np.exp(logits - top).sum()))
+            err.append(float(np.linalg.norm(o - full) / np.linalg.norm(full)))
         return float(np.mean(mass)), float(np.mean(err))
 
 
@@ -83,9 +114,10 @@ def default_layers(layers: list[int]) -> list[int]:
     return sorted({layers[min(2, len(layers) - 1)], layers[len(layers) // 2], layers[max(len(layers) - 2, 0)]})
 
 
-def load_head(dump: Dump, layer: int, head: int, window: Window | tuple[int, int] = Window(), min_test: int = 64,
-              n_k2k: int = 64, seed: int = 0) -> HeadData:
-    """Assemble :class:`HeadData` for one (layer, head) of ``dump``."""
+def index_range(dump: Dump, window: Window | tuple[int, int] = Window(), min_test: int = 64,
+                n_k2k: int = 64) -> tuple[int, int, int]:
+    """``(lo, hi, extra)``: index keys (and K→K hold-outs) come from prefill positions ``[lo, hi)``; the last
+    ``extra`` prefill positions are test queries. Raises when too few keys are left (checked before any work)."""
     n = int(dump.manifest["n_tokens"]["prefill"])
     window = Window(*window)
     extra = max(0, min_test - int(dump.manifest["n_tokens"]["decode"]))  # held-out last prefill queries
@@ -95,6 +127,23 @@ def load_head(dump: Dump, layer: int, head: int, window: Window | tuple[int, int
         held = f" and the last {extra} held out as test queries" if extra > window.recent else ""
         raise AnnsLabError(f"the static window {window}{held} leave {max(hi - lo, 0)} of {n} prefill keys to index; "
                            "use a longer dump or a smaller --window")
+    return lo, hi, extra
+
+
+def check_k(dump: Dump, window: Window | tuple[int, int], k: int, n_k2k: int = 64) -> None:
+    """Refuse ``k`` below 1 or above the number of keys each index of this dump and window holds (before any work)."""
+    lo, hi, _ = index_range(dump, window, n_k2k=n_k2k)
+    if not 1 <= k <= hi - lo - n_k2k:
+        raise AnnsLabError(f"--k {k} must be between 1 and {hi - lo - n_k2k}, the number of keys each index holds "
+                           f"with this dump and --window {Window(*window)}")
+
+
+def load_head(dump: Dump, layer: int, head: int, window: Window | tuple[int, int] = Window(), min_test: int = 64,
+              n_k2k: int = 64, seed: int = 0) -> HeadData:
+    """Assemble :class:`HeadData` for one (layer, head) of ``dump``."""
+    n = int(dump.manifest["n_tokens"]["prefill"])
+    window = Window(*window)
+    lo, hi, extra = index_range(dump, window, min_test, n_k2k)
     g = dump.kv_head_of(head)
     all_keys = dump.keys(layer, g, "all")
     prefill_q = dump.queries(layer, head, "prefill")

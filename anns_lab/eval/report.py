@@ -1,6 +1,7 @@
 """``anns-lab report``: the paper's figures and a Pareto table, from a sweep's results and its dump.
 
 Figures (PNG, seaborn): recall@k against fraction scanned for Q→K and K→K (paper Fig. 3a / 6),
+recall and output error against bytes of index data read per query (a cost fair across index families),
 Mahalanobis distance of queries and held-out keys to the key distribution (Fig. 3b), and the
 attention mass kept by each decode step's own top-k against the first step's (Fig. 2).
 """
@@ -25,7 +26,8 @@ PAPER_AT_095 = {"roargraph": "1–3%", "ivf": "30–50%", "hnsw": "not reached (
 
 
 def pareto(table: pd.DataFrame, targets=TARGETS) -> pd.DataFrame:
-    """Per index and direction: median over heads of the least scanned fraction reaching each recall target."""
+    """Per index and direction: median over heads of the least scanned fraction reaching each recall target, and
+    of the least bytes read per query reaching it (``bytes@t``)."""
     rows = []
     for (index, direction), g in table.groupby(["index", "direction"], sort=True):
         row = {"index": index, "direction": direction, "heads": g.groupby(["layer", "head"]).ngroups}
@@ -35,6 +37,8 @@ def pareto(table: pd.DataFrame, targets=TARGETS) -> pd.DataFrame:
             # A head that never reaches the target counts as needing everything (scanned fraction ≥ 1).
             row[f"scan@{t:.2f}"] = float(np.median([v if np.isfinite(v) else np.inf for v in per_head]))
             row[f"reached@{t:.2f}"] = len(reached)
+            per_head = [h.loc[h["recall"] >= t, "bytes_read"].min() for _, h in g.groupby(["layer", "head"])]
+            row[f"bytes@{t:.2f}"] = float(np.median([v if np.isfinite(v) else np.inf for v in per_head]))
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -43,6 +47,7 @@ def curves(table: pd.DataFrame) -> pd.DataFrame:
     """Median recall and scanned fraction over heads, per index, direction and grid point."""
     return (table.groupby(["index", "direction", "search_params"], sort=False)
             .agg(recall=("recall", "median"), scanned_fraction=("scanned_fraction", "median"),
+                 bytes_read=("bytes_read", "median"),
                  mass_recovered=("mass_recovered", "median"), output_rel_error=("output_rel_error", "median"),
                  latency_us=("latency_us", "median"))
             .reset_index())
@@ -86,6 +91,31 @@ def plot_recall(table: pd.DataFrame, path: Path, k: int) -> None:
         ax.axhline(0.95, color="grey", ls=":", lw=1)
         ax.set(title=title, xlabel="fraction of keys scanned (median over heads)", ylabel=f"recall@{k}")
     fig.suptitle("Recall against keys scanned (paper Fig. 3a / Fig. 6)")
+    _save(fig, path)
+    plt.close(fig)
+
+
+def fmt_bytes(v: float) -> str:
+    """Bytes per query as KiB, or "not reached" for inf/NaN."""
+    return "not reached" if not np.isfinite(v) else f"{v / 1024:.1f} KiB"
+
+
+def plot_bytes(table: pd.DataFrame, path: Path, k: int) -> None:
+    """Recall@k and output error against bytes of index data read per query, Q→K, every index (median over heads)."""
+    plt, sns = _plots()
+    c = curves(table)
+    c = c[c["direction"] == "q2k"].sort_values("bytes_read")
+    order = sorted(c["index"].unique())
+    palette = dict(zip(order, sns.color_palette("tab10", len(order))))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, y, label in zip(axes, ("recall", "output_rel_error"), (f"recall@{k}", "attention output rel. error")):
+        sns.lineplot(data=c, x="bytes_read", y=y, hue="index", hue_order=order, palette=palette, marker="o", ax=ax,
+                     sort=False, estimator=None)
+        ax.set_xscale("log")
+        ax.set(xlabel="bytes of index data read per query (median over heads)", ylabel=label)
+    axes[0].axhline(0.95, color="grey", ls=":", lw=1)
+    axes[1].set_yscale("log")
+    fig.suptitle("Q→K: recall and output error against bytes read per query")
     _save(fig, path)
     plt.close(fig)
 
@@ -162,6 +192,7 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
     pairs = sorted({(int(r.layer), int(r.head)) for r in table[["layer", "head"]].itertuples()})
 
     plot_recall(table, out / "recall_vs_scanned.png", k)
+    plot_bytes(table, out / "recall_vs_bytes.png", k)
     maha = plot_mahalanobis(dump, pairs, window, out / "mahalanobis.png")
     dyn = plot_dynamic(dump, pairs, k, out / "dynamic_vs_static.png")
     par = pareto(table)
@@ -180,7 +211,7 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
         cells = [f"{fmt_fraction(r[f'scan@{t:.2f}'])} ({r[f'reached@{t:.2f}']}/{r['heads']})" for t in TARGETS]
         paper = PAPER_AT_095.get(r["index"], "—") if r["direction"] == "q2k" else "1–5% (K→K)"
         lines.append(f"| {r['index']} | {r['direction']} | {r['heads']} | " + " | ".join(cells) + f" | {paper} |")
-    lines += ["", _comparison(par), "", "![recall vs scanned](recall_vs_scanned.png)", "",
+    lines += ["", _comparison(par), "", "![recall vs scanned](recall_vs_scanned.png)", "", *_bytes_section(par), "",
               "## Out-of-distribution queries (Fig. 3b)", "",
               "Median Mahalanobis distance to the distribution of the indexed keys:", ""]
     lines += [f"- {r.kind}: {r.distance:.1f}" for r in maha.itertuples()]
@@ -190,14 +221,28 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
     lines += ["", "Paper (Llama-3-8B, 100K tokens, top-1000): dynamic 0.89, static 0.71.", "",
               "![dynamic vs static](dynamic_vs_static.png)", "",
               "## Every operating point (median over heads, Q→K)", "",
-              "| index | search params | recall | scanned | mass kept | output rel. error | latency µs |",
-              "|---|---|---|---|---|---|---|"]
+              "| index | search params | recall | scanned | KiB read | mass kept | output rel. error | latency µs |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in c[c["direction"] == "q2k"].itertuples(index=False):
         lines.append(f"| {r.index} | `{r.search_params}` | {r.recall:.3f} | {100 * r.scanned_fraction:.2f}% | "
-                     f"{r.mass_recovered:.4f} | {r.output_rel_error:.4f} | {r.latency_us:.0f} |")
+                     f"{r.bytes_read / 1024:.1f} | {r.mass_recovered:.4f} | {r.output_rel_error:.4f} | {r.latency_us:.0f} |")
     report = out / "report.md"
     atomic_write_bytes(report, ("\n".join(lines) + "\n").encode("utf-8"))
     return report
+
+
+def _bytes_section(par: pd.DataFrame) -> list[str]:
+    """The Pareto table by bytes read per query (Q→K) and its figure."""
+    lines = ["## Least bytes of index data read per query to reach a recall target (Q→K, median over heads)", "",
+             "Bytes read count every index the same way (full keys at 4 bytes per dimension, centroids, page bounds, "
+             "codes, graph adjacency rows; each index's docstring says what it counts), so families whose items are "
+             "cheaper or dearer than a full key compare fairly.", "",
+             "| index | heads | " + " | ".join(f"recall {t:.2f}" for t in TARGETS) + " |",
+             "|---|---|" + "---|" * len(TARGETS)]
+    for r in par[par["direction"] == "q2k"].to_dict("records"):
+        cells = [f"{fmt_bytes(r[f'bytes@{t:.2f}'])} ({r[f'reached@{t:.2f}']}/{r['heads']})" for t in TARGETS]
+        lines.append(f"| {r['index']} | {r['heads']} | " + " | ".join(cells) + " |")
+    return lines + ["", "![recall and error vs bytes read](recall_vs_bytes.png)"]
 
 
 def _comparison(par: pd.DataFrame) -> str:

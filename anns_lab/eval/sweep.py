@@ -26,7 +26,7 @@ from anns_lab.errors import AnnsLabError
 from anns_lab.eval import failures as failed
 from anns_lab.eval import metrics
 from anns_lab.eval.executors import Outcome, Part, open_executor
-from anns_lab.eval.heads import HeadData, default_layers, load_head
+from anns_lab.eval.heads import HeadData, check_k, default_layers, load_head
 from anns_lab.eval.table import COLUMNS, RESULTS, SETTINGS
 from anns_lab.io import atomic_write_json
 
@@ -89,13 +89,15 @@ def evaluate_index(name: str, data: HeadData, k: int, dump_label: str, model: st
             # Nothing that breaks the protocol enters the table: the part fails, naming the index and the rule.
             protocol.check_result(f"{name} at {params}", res, len(queries), k, len(data.keys), index.max_scanned(),
                                   queries, data.keys)
+            protocol.check_estimate(f"{name} at {params}", res, index)
             lat = []
             for q in queries[:0 if quick else LATENCY_QUERIES]:
                 t0 = time.perf_counter()
                 one = index.search(q[None, :], k, **params)
                 lat.append(time.perf_counter() - t0)
                 protocol.check_result(f"{name} at {params}", one, 1, k, len(data.keys), index.max_scanned())
-            mass, err = data.attention_quality(res.ids) if direction == "q2k" and not quick else (np.nan, np.nan)
+            mass, err = (data.attention_quality(res.ids, res.estimate, index.summaries())
+                         if direction == "q2k" and not quick else (np.nan, np.nan))
             rows.append({
                 "dump": dump_label, "model": model, "layer": data.layer, "head": data.head, "kv_head": data.kv_head,
                 "index": name, "build_params": json.dumps(index.params, sort_keys=True),
@@ -103,6 +105,7 @@ def evaluate_index(name: str, data: HeadData, k: int, dump_label: str, model: st
                 "n_keys": len(data.keys), "n_queries": len(queries),
                 "recall": float(metrics.recall_at_k(res.ids, data.exact(direction), k).mean()),
                 "scanned_fraction": float(res.n_scanned.mean() / len(data.keys)),
+                "bytes_read": float(res.bytes_read.mean()),
                 "mass_recovered": mass, "output_rel_error": err,
                 "latency_us": float(np.median(lat) * 1e6) if lat else np.nan, "qps": len(queries) / batch_s,
                 "build_s": build_s, "index_bytes": int(index.nbytes),
@@ -173,8 +176,7 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     heads = heads if heads is not None else list(range(dump.n_heads))
     for h in heads:
         dump.kv_head_of(h)
-    if k < 1:
-        raise AnnsLabError("--k must be positive")
+    check_k(dump, window, k)  # before any index is built
     if max_attempts < 1:
         raise AnnsLabError("--max-attempts must be at least 1")
     out = Path(out) if out is not None else Path("results") / dump.path.name
@@ -258,8 +260,12 @@ def _prepare(out: Path, settings: dict, overwrite: bool) -> None:
         (out / RESULTS).unlink(missing_ok=True)
     elif out.exists() and any(out.iterdir()):
         raise AnnsLabError(f"{out} exists and is not a sweep folder; choose another --out")
-    (out / "parts").mkdir(parents=True, exist_ok=True)
-    atomic_write_json(sfile, settings)
+    try:
+        (out / "parts").mkdir(parents=True, exist_ok=True)
+        atomic_write_json(sfile, settings)
+    except OSError as err:
+        raise AnnsLabError(f"cannot write the sweep into {out}: {err.strerror or err} ({err.filename or out}); "
+                           "choose another --out") from None
 
 
 def combine(out: Path) -> pd.DataFrame:

@@ -2,7 +2,9 @@
 
 A graph is a fixed-width adjacency array ``nbrs`` (n, R) int32 with ``degree`` (n,) int32
 (row i's neighbours are ``nbrs[i, :degree[i]]``). Every inner product a search computes is
-counted (``n_scanned``), entry points included.
+counted (``n_scanned``), entry points included, and so is every adjacency word read (``n_words``:
+an expanded node's degree and its ``degree`` neighbour ids, int32 each), from which
+:func:`bytes_read` gives the bytes of index data a query read.
 
 Style as in pynndescent: ``@njit(cache=True, nogil=True)``, ``prange`` over independent
 queries, the candidate list as parallel arrays, and an epoch-stamped visited array per thread
@@ -18,6 +20,12 @@ from llvmlite import ir
 from numba import njit, prange
 from numba.core import cgutils, types as nbtypes
 from numba.extending import intrinsic, overload
+
+def bytes_read(dim: int, n_scanned: np.ndarray, n_words: np.ndarray, n_entries: int) -> np.ndarray:
+    """Bytes of index data per query of a graph search: each scanned key (float32, ``dim``), each adjacency
+    word read (int32: an expanded node's degree and neighbour ids) and the entry-point list (int64 ids)."""
+    return 4 * dim * np.asarray(n_scanned, np.int64) + 4 * np.asarray(n_words, np.int64) + 8 * n_entries
+
 
 _LANES = 8  # float32 lanes of the explicit SIMD accumulator (one AVX register)
 
@@ -323,14 +331,15 @@ def _drain(hs, hi, n, out_ids, out_scores):
 
 @njit(cache=True, nogil=True)
 def search_one(data, nbrs, degree, query, entries, L, visited, epoch, heap_s, heap_i, out_ids, out_scores):
-    """Best-first beam search of one query; writes its top-k (k = ``len(out_ids)``) and returns n_scanned.
+    """Best-first beam search of one query; writes its top-k (k = ``len(out_ids)``) and returns (n_scanned, n_words).
 
     The same search as :func:`beam_search` (keep the ``L`` best nodes seen, expand the best
     unexpanded one until all ``L`` are expanded: it stops when the best candidate left is worse
     than the L-th best), with the beam as a min-heap and the frontier as a max-heap instead of a
     sorted list (O(log L) per insert). The entry points are scored and offered first, in order
     (``-1`` and repeats skipped); only those that enter the beam go on the frontier. Every inner
-    product (:func:`dot`) is counted once, entry points included.
+    product (:func:`dot`) is counted once, entry points included; ``n_words`` counts the adjacency
+    read (1 + degree words per expanded node).
 
     L ≥ k: the output is the beam's best k. L < k: a third heap keeps the k best of every node
     scanned (entry points included) and gives the output, so a narrow beam still returns k keys
@@ -355,6 +364,7 @@ def search_one(data, nbrs, degree, query, entries, L, visited, epoch, heap_s, he
     fresh_s = np.empty(fresh.shape[0], np.float32)
     m = _fresh(entries, visited, epoch, fresh)  # the entry points: scored and offered as an expanded row's
     n_scanned = m
+    n_words = 0
     nr = nt = nc = 0
     while True:
         # All the inner products first, with no branch between them, so that their key rows load in parallel
@@ -373,21 +383,22 @@ def search_one(data, nbrs, degree, query, entries, L, visited, epoch, heap_s, he
             break
         m = _fresh(nbrs[node, :degree[node]], visited, epoch, fresh)
         n_scanned += m
+        n_words += 1 + degree[node]
     if kt > 0:
         _drain(ts, ti, nt, out_ids, out_scores)
     else:
         _drain(rs, ri, nr, out_ids, out_scores)
-    return n_scanned
+    return n_scanned, n_words
 
 
 def search_single(data, nbrs, degree, query, entries, L: int, k: int):
     """One query on the calling thread (batch 1, the decoding case) with this thread's workspace
-    (:func:`_workspace`: no n-sized allocation per query): (ids (1, k), scores (1, k), n_scanned (1,))."""
+    (:func:`_workspace`: no n-sized allocation per query): (ids (1, k), scores (1, k), n_scanned (1,), n_words (1,))."""
     visited, heap_s, heap_i, epoch = _workspace(1, data.shape[0], L, k)
     ids = np.empty((1, k), np.int64)
     scores = np.empty((1, k), np.float32)
-    n = search_one(data, nbrs, degree, query, entries, L, visited[0], epoch, heap_s[0], heap_i[0], ids[0], scores[0])
-    return ids, scores, np.array([n], np.int64)
+    n, w = search_one(data, nbrs, degree, query, entries, L, visited[0], epoch, heap_s[0], heap_i[0], ids[0], scores[0])
+    return ids, scores, np.array([n], np.int64), np.array([w], np.int64)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -396,12 +407,13 @@ def beam_search_batch(data, nbrs, degree, queries, entries, L, k, n_threads):
 
     Best-first search with beam ``L`` (:func:`search_one`; L < k returns the k best of every node
     scanned). ``n_threads`` is passed in (``numba.get_num_threads()``) because reading it inside
-    would stop caching.
+    would stop caching. Returns (ids, scores, n_scanned, n_words).
     """
     nq = queries.shape[0]
     out_ids = np.full((nq, k), -1, np.int64)
     out_scores = np.full((nq, k), -np.inf, np.float32)
     n_scanned = np.zeros(nq, np.int64)
+    n_words = np.zeros(nq, np.int64)
     n_chunks = max(1, min(nq, n_threads))
     slots = data.shape[0] + L + (k if L < k else 0)  # heap_slots
     for c in prange(n_chunks):
@@ -411,9 +423,9 @@ def beam_search_batch(data, nbrs, degree, queries, entries, L, k, n_threads):
         lo = c * nq // n_chunks
         hi = (c + 1) * nq // n_chunks
         for qi in range(lo, hi):
-            n_scanned[qi] = search_one(data, nbrs, degree, queries[qi], entries[qi], L, visited, qi - lo + 1,
-                                       heap_s, heap_i, out_ids[qi], out_scores[qi])
-    return out_ids, out_scores, n_scanned
+            n_scanned[qi], n_words[qi] = search_one(data, nbrs, degree, queries[qi], entries[qi], L, visited, qi - lo + 1,
+                                                    heap_s, heap_i, out_ids[qi], out_scores[qi])
+    return out_ids, out_scores, n_scanned, n_words
 
 
 @njit(cache=True, nogil=True)
@@ -464,7 +476,8 @@ def _prefetch_row(nbrs, degree, node):
 
 
 @njit(cache=True, nogil=True)
-def search_heads(keys, nbrs, degree, entries, queries, L, visited, epoch, heap_s, heap_i, out_ids, out_scores, n_scanned):
+def search_heads(keys, nbrs, degree, entries, queries, L, visited, epoch, heap_s, heap_i, out_ids, out_scores, n_scanned,
+                 n_words):
     """Search graph i (``keys[i]``, ``nbrs[i]``, ``degree[i]``, ``entries[i]``: numba typed Lists) with ``queries[i]``:
     one call for all the query heads of a layer, on the calling thread, the searches interleaved.
 
@@ -479,7 +492,7 @@ def search_heads(keys, nbrs, degree, entries, queries, L, visited, epoch, heap_s
     the beam) is search_one's alone.
 
     ``visited`` (H, ≥ n) int32 (a row per head: the searches run at once) marked with ``epoch``;
-    ``heap_s``/``heap_i`` (H, ≥ n + L).
+    ``heap_s``/``heap_i`` (H, ≥ n + L); ``n_scanned``/``n_words`` (H,) int64 receive search_one's counts.
     """
     if out_ids.shape[1] > L:
         raise ValueError("search_heads needs L >= k: search_one keeps the top-k heap of L < k")
@@ -498,12 +511,14 @@ def search_heads(keys, nbrs, degree, entries, queries, L, visited, epoch, heap_s
         nf[h] = _fresh(entries[h], visited[h], epoch, fresh[h])
         _prefetch_keys(keys[h], fresh[h], nf[h])
         n_scanned[h] = 0
+        n_words[h] = 0
     active = nh
     while active > 0:
         for h in range(nh):
             if stage[h] == 0:
                 node = node_of[h]
                 nf[h] = _fresh(nbrs[h][node, :degree[h][node]], visited[h], epoch, fresh[h])
+                n_words[h] += 1 + degree[h][node]
                 _prefetch_keys(keys[h], fresh[h], nf[h])
                 stage[h] = 1
             elif stage[h] == 1:
@@ -593,7 +608,7 @@ class GraphGroup:
 
     def search(self, queries: np.ndarray, k: int, L: int, out_ids: np.ndarray | None = None):
         """Top-k of index i for ``queries[i]`` with beam L (:func:`search_heads`; L < k, the k best of every
-        node scanned: :func:`search_one` per index); ``SearchResult`` of (H, k) ids, scores, (H,) n_scanned.
+        node scanned: :func:`search_one` per index); ``SearchResult`` of (H, k) ids, scores, (H,) n_scanned, bytes_read.
 
         ``out_ids`` (H, k) int64, C-contiguous, may be given to receive the ids in place.
         """
@@ -607,14 +622,17 @@ class GraphGroup:
         ids = np.empty((h, k), np.int64) if out_ids is None else out_ids
         scores = np.empty((h, k), np.float32)
         n_scanned = np.empty(h, np.int64)
+        n_words = np.empty(h, np.int64)
         if L < k:  # not the decoder's case: one search after another (each index's own search: the same kernel)
             for i in range(h):
-                n_scanned[i] = search_one(self.keys[i], self.nbrs[i], self.degree[i], q[i], self.entries[i], L, visited[i],
-                                          epoch, heap_s[i], heap_i[i], ids[i], scores[i])
+                n_scanned[i], n_words[i] = search_one(self.keys[i], self.nbrs[i], self.degree[i], q[i], self.entries[i], L,
+                                                      visited[i], epoch, heap_s[i], heap_i[i], ids[i], scores[i])
         else:
             search_heads(self.keys, self.nbrs, self.degree, self.entries, q, L, visited, epoch, heap_s, heap_i, ids,
-                         scores, n_scanned)
-        return SearchResult(ids, scores, n_scanned)
+                         scores, n_scanned, n_words)
+        n_bytes = np.array([bytes_read(self.keys[i].shape[1], n_scanned[i], n_words[i], len(self.entries[i]))
+                            for i in range(h)], np.int64)
+        return SearchResult(ids, scores, n_scanned, n_bytes)
 
 
 _LOCAL = threading.local()
@@ -644,7 +662,7 @@ _GROUPS: "weakref.WeakKeyDictionary" = None  # first index → (ids of all, Grap
 def search_graphs(indexes, queries: np.ndarray, k: int, L: int):
     """Search graph ``indexes[i]`` (exposing ``graph_arrays()`` and ``entries_for(q)``) with ``queries[i]``, in one kernel call.
 
-    Returns a ``SearchResult`` of ids (H, k), scores (H, k), n_scanned (H,): exactly what
+    Returns a ``SearchResult`` of ids (H, k), scores (H, k), n_scanned (H,), bytes_read (H,): exactly what
     ``indexes[i].search(queries[i:i+1], k, L=L)`` returns for each i (for roargraph, whose search is
     :func:`search_one`, the same operations in the same order; tests check it). The :class:`GraphGroup`
     of the same list of indexes is kept between calls (weakly, by the first index) and

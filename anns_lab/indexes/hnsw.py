@@ -8,6 +8,10 @@ with ``max(ef, k)`` on layer 0. Results and counts therefore come from the same 
 same algorithm (the tests check the ids against ``hnswlib.knn_query``). ``n_scanned`` counts
 every inner product computed: each neighbour evaluated during the descent (a node may be
 evaluated again on a lower layer, and then counts again) plus each node evaluated on layer 0.
+``bytes_read`` (``graph_search.bytes_read``): every scanned node's vector (4·dim bytes, repeats
+included), every neighbour list read at every layer (hnswlib's count word plus its ids, 4 bytes
+each: each time the descent scans a node's upper-layer list, and each node expanded on layer 0)
+and the entry point's id (8 bytes).
 
 hnswlib inserts with one thread so that a seeded build is deterministic.
 """
@@ -71,21 +75,25 @@ class HNSWGraph:
 
 @njit(cache=True, nogil=True, parallel=True)
 def descend_batch(data, up_row, up_nbrs, up_deg, entry, max_level, queries):
-    """hnswlib's greedy descent through layers max_level..1 per query: (layer-0 entry, inner products computed)."""
+    """hnswlib's greedy descent through layers max_level..1 per query: (layer-0 entry, inner products computed,
+    adjacency words read: count word + ids of each list scanned)."""
     nq = queries.shape[0]
     entries = np.empty((nq, 1), np.int64)
     counts = np.zeros(nq, np.int64)
+    words = np.zeros(nq, np.int64)
     for qi in prange(nq):
         q = queries[qi]
         cur = entry
         best = gs.dot(data[cur], q)
         cnt = 1
+        w = 0
         for level in range(max_level, 0, -1):
             changed = True
             while changed:
                 changed = False
                 r = up_row[cur]
                 node = cur  # keep scanning the old node's list after moving, as hnswlib does
+                w += 1 + up_deg[r, level - 1]
                 for j in range(up_deg[r, level - 1]):
                     nb = up_nbrs[r, level - 1, j]
                     s = gs.dot(data[nb], q)
@@ -98,7 +106,8 @@ def descend_batch(data, up_row, up_nbrs, up_deg, entry, max_level, queries):
                     changed = False
         entries[qi, 0] = cur
         counts[qi] = cnt
-    return entries, counts
+        words[qi] = w
+    return entries, counts, words
 
 
 class HNSWIndex(Index):
@@ -134,9 +143,12 @@ class HNSWIndex(Index):
 
     def _search(self, queries: np.ndarray, k: int, ef: int):
         g = self.graph
-        entries, descent = descend_batch(self._keys, g.up_row, g.up_nbrs, g.up_deg, g.entry, g.max_level, queries)
-        ids, scores, scanned = gs.beam_search_batch(self._keys, g.nbrs, g.degree, queries, entries, max(ef, k), k, numba.get_num_threads())
-        return ids, scores, scanned + descent
+        entries, descent, descent_words = descend_batch(self._keys, g.up_row, g.up_nbrs, g.up_deg, g.entry, g.max_level,
+                                                        queries)
+        ids, scores, scanned, words = gs.beam_search_batch(self._keys, g.nbrs, g.degree, queries, entries, max(ef, k), k,
+                                                           numba.get_num_threads())
+        scanned = scanned + descent
+        return ids, scores, scanned, gs.bytes_read(self.dim, scanned, words + descent_words, 1)
 
     def max_scanned(self) -> int:
         return self.n_keys + self.graph.max_descent()

@@ -1,55 +1,73 @@
-"""The physical key array of one KV head, shared by the graph indexes of its GQA group."""
+"""Key rows owned once: a growable store the caller keeps, and the view of one head an index reads from it."""
 
 from __future__ import annotations
 
-import weakref
+from typing import NamedTuple
 
 import numpy as np
 
+from anns_lab.errors import IndexConfigError
+
 
 class KeyStore:
-    """The physical key array of one KV head, shared by the indexes of its GQA group.
+    """Growable float32 rows of G heads: ``buf`` (G, capacity, d), rows ``[0, n)`` valid.
 
-    ``build`` wraps the caller's float32 array without a copy; indexes built on the same array
-    get the same store (looked up by buffer address and shape), so a GQA group holds its keys
-    once. ``append(start, keys)`` grows the store with spare capacity (amortised doubling);
-    when a sibling index already appended exactly these rows at ``start`` it is a no-op, so
-    every index of the group can be given the same new keys by the decoder.
+    The owner of the keys (the decoder's layer store) appends to it; an index built on
+    ``store.head(g)`` reads head g's rows from the same buffer, so the keys exist once however
+    many indexes (a GQA group's query heads) use them. Capacity grows by doubling, so the
+    buffer is replaced now and then: readers take a fresh :meth:`view` rather than keep one.
     """
 
-    _live: weakref.WeakValueDictionary | None = None
+    def __init__(self, rows: np.ndarray, capacity: int = 0) -> None:
+        rows = rows if rows.ndim == 3 else rows[None]
+        if capacity > rows.shape[1]:
+            self.buf = np.zeros((rows.shape[0], capacity, rows.shape[2]), np.float32)
+            self.buf[:, : rows.shape[1]] = rows
+        else:  # wrap the caller's array: no copy until the first append
+            self.buf = rows
+        self.n = rows.shape[1]
 
-    def __init__(self, keys: np.ndarray) -> None:
-        self.buf = keys
-        self.n = keys.shape[0]
+    def head(self, g: int) -> "KeyRows":
+        """Head ``g``'s rows, for indexes to be built on (the store's owner appends to it)."""
+        return KeyRows(self, g)
 
     @classmethod
-    def for_array(cls, keys: np.ndarray) -> "KeyStore":
-        if cls._live is None:
-            cls._live = weakref.WeakValueDictionary()
-        tag = _tag(keys)
-        store = cls._live.get(tag)
-        if store is None or _tag(store.buf) != tag:  # a store that has grown since is not this array any more
-            store = cls(keys)
-            cls._live[tag] = store
-        return store
+    def own(cls, keys: np.ndarray) -> "KeyRows":
+        """Rows of an index's own around ``keys`` (n, d): no copy until the index's ``add`` appends."""
+        return KeyRows(cls(keys), 0, owned=True)
 
-    def view(self, n: int) -> np.ndarray:
-        return self.buf[:n]
-
-    def append(self, start: int, keys: np.ndarray) -> None:
-        end = start + keys.shape[0]
-        if self.n >= end and np.array_equal(self.buf[start:end], keys):
-            return  # a sibling of the group already appended these rows
-        if self.n != start:
-            raise ValueError("KeyStore: the shared key array has diverged from this index")
-        if end > self.buf.shape[0]:
-            grown = np.empty((max(end, 2 * self.buf.shape[0]), self.buf.shape[1]), np.float32)
-            grown[: self.n] = self.buf[: self.n]
+    def append(self, rows: np.ndarray) -> None:
+        """Add rows (G, t, d) after the last."""
+        end = self.n + rows.shape[1]
+        if end > self.buf.shape[1]:
+            grown = np.empty((self.buf.shape[0], max(end, 2 * self.buf.shape[1]), self.buf.shape[2]), np.float32)
+            grown[:, : self.n] = self.buf[:, : self.n]
             self.buf = grown
-        self.buf[start:end] = keys
+        self.buf[:, self.n:end] = rows
         self.n = end
 
 
-def _tag(a: np.ndarray) -> tuple:
-    return (a.__array_interface__["data"][0], a.shape, a.strides)
+class KeyRows(NamedTuple):
+    """Head ``g`` of a :class:`KeyStore`: what an index holds in place of its own copy of the keys."""
+
+    store: KeyStore
+    g: int
+    owned: bool = False  # the index's own store: its add appends; else the store's owner does
+
+    @property
+    def n(self) -> int:
+        return self.store.n
+
+    def view(self, n: int) -> np.ndarray:
+        """Rows ``[0, n)`` (C-contiguous: a slice of one head of the buffer)."""
+        return self.store.buf[self.g, :n]
+
+    def append(self, start: int, rows: np.ndarray) -> None:
+        """Make rows ``[start, start + t)`` hold ``rows`` (t, d): appended to a store of the index's own; already
+        there (checked) in a store the caller owns, which appends them before calling the index's ``add``."""
+        end = start + len(rows)
+        if self.owned and self.store.n == start:
+            self.store.append(rows[None])
+        elif self.owned or self.store.n < end or not np.array_equal(self.view(end)[start:], rows):
+            raise IndexConfigError(f"add(): rows {start}..{end} are not those of the key store the index was built on "
+                                   "(its owner appends them before calling add)")

@@ -2,8 +2,11 @@
 
 Build, on keys K (n, d) and training queries Q (m, d):
 
-1. **Bipartite graph.** Each training query's exact top-``M_sq`` keys by inner product
-   (``topk.topk_ip``: blocked matmul, never an m × n matrix).
+1. **Bipartite graph.** Each training query's top-``M_sq`` keys by inner product: exact while
+   m·n is small; above, exact for every ``list_stride``-th query and the newest ``keep_queries``, the
+   others ranking (exactly) the keys of the neighbouring exact lists (``train_lists.anchored_topk``:
+   the exact lists grow as n², the rest of the build as n); or the lists given to ``build`` as
+   ``train_topk`` (computed where they are cheap, e.g. on the accelerator during the prefill).
 2. **Projection onto keys.** RoarGraph hangs each query's neighbours on its top-1 key (the
    pivot). On real attention the top-1 keys are a few hundred sinks and heavy hitters, which
    starves every other key, so here *each of the query's first* ``n_pivots`` *keys* is a pivot
@@ -36,7 +39,9 @@ cheaper operating point (the beam expands the best L, the rest of a query's top 
 neighbours). The entry points are ``n_hubs`` hub keys — the top-1 key of each k-means centroid of
 the training queries (a coarse step: each hub's inner product is computed and counted like any
 node) — plus the ``recent_entries`` newest keys. ``n_scanned`` counts every inner product: hubs,
-recent entries and every node evaluated, once each.
+recent entries and every node evaluated, once each. ``bytes_read`` (``graph_search.bytes_read``): each
+scanned key (4·dim bytes), each expanded node's adjacency row (its degree and its neighbour ids, 4 bytes
+each) and the entry list (8 bytes per entry).
 
 Training-query weighting: the newest ``recent_frac`` of the training queries weigh
 ``recent_weight`` times more in the co-occurrence merge (decode queries look like late
@@ -54,8 +59,8 @@ search finds (its out-edges too when no kept query selected it, as the build's s
 their nearest keys), and reachability from the hubs is restored (a pruned row may have cut a key's
 only way in). Only new rows and their neighbours' rows are written, in place; the adjacency grows
 with spare capacity, so an add copies the graph only when it outgrows it. ``save``/``load`` (the cached lists
-included); keys live in a :class:`key_store.KeyStore` shared by indexes built on the same array
-(one GQA group).
+included); keys are read from the :class:`key_store.KeyStore` given to ``build`` (the decoder's, one per
+layer for all heads), or one of the index's own.
 """
 
 from __future__ import annotations
@@ -70,12 +75,17 @@ from anns_lab.indexes import graph_search as gs
 from anns_lab.indexes.base import Index, Param
 from anns_lab.indexes.key_store import KeyStore
 from anns_lab.indexes.topk import topk_ip
+from anns_lab.indexes.train_lists import anchored_topk
 
 STRANDED_POOL = 8192  # candidate out-neighbours of a stranded key (see link_stranded)
 ADD_SERIAL = 1024  # adds of up to this many keys run on the calling thread: a thread-pool launch costs ms on a loaded machine
 ADD_SEARCH_L = 16  # beam of the search that links each added key (32: the same recall, 1.5x the time)
 LIST_PARAMS = ("M_sq", "n_pivots", "n_cand")  # the sizes build resolves (0 = auto), kept in self.lists and saved
 KMEANS_POINTS = 64  # training points per hub centroid (faiss subsamples): 256 took a quarter of the build
+EXACT_PAIRS = 8192 * 8192  # (query, key) products of the exact lists before anchoring starts (auto list_stride)
+MAX_STRIDE = 64  # auto list_stride at most
+DESCENT_EXACT_ONLY = False
+LIST_SPAN = 2  # anchors on either side whose lists a query between them ranks (train_lists.anchored_topk)
 
 
 def query_hubs(keys: np.ndarray, queries: np.ndarray, n_hubs: int, seed: int) -> np.ndarray:
@@ -93,14 +103,20 @@ def query_hubs(keys: np.ndarray, queries: np.ndarray, n_hubs: int, seed: int) ->
     return np.array(list(dict.fromkeys(hubs)), np.int64)  # unique, order kept
 
 
-def subsample(queries: np.ndarray, at_most: int) -> np.ndarray:
-    """At most ``at_most`` rows of ``queries`` at an even stride, counted back from the newest (always kept):
-    neighbouring prefill queries select nearly the same keys, so a stride loses little of the bipartite graph."""
-    m = len(queries)
+def subsample(m: int, at_most: int) -> np.ndarray | None:
+    """Rows to keep of ``m`` training queries: at most ``at_most`` at an even stride, counted back from the newest
+    (always kept); None when all are kept. Neighbouring prefill queries select nearly the same keys, so a stride
+    loses little of the bipartite graph."""
     if m <= at_most:
-        return queries
-    idx = np.round(np.linspace(m - 1, 0, at_most)).astype(np.int64)[::-1]
-    return np.ascontiguousarray(queries[np.unique(idx)])
+        return None
+    return np.unique(np.round(np.linspace(m - 1, 0, at_most)).astype(np.int64))
+
+
+def auto_stride(m: int, n: int) -> int:
+    """Training queries per exact list (:mod:`train_lists`) for ``m`` queries over ``n`` keys: 1 (every list exact)
+    while m·n ≤ EXACT_PAIRS, above it the stride that keeps the exact part near EXACT_PAIRS inner products
+    (at most MAX_STRIDE). The rest of the build grows as n; the exact lists as m·n."""
+    return int(min(MAX_STRIDE, max(1, round(m * n / EXACT_PAIRS))))
 
 
 def auto_lists(n_keys: int) -> tuple[int, int]:
@@ -143,6 +159,7 @@ class RoarGraphIndex(Index):
 
     name = "roargraph"
     uses_train_queries = True
+    accepts_train_topk = True
     build_params = {
         "M": Param(12, 2, 512, help="out-degree of the projection (RobustPrune target)"),
         "R": Param(24, 2, 1024, help="row capacity after reverse edges and linking (≥ M)"),
@@ -156,6 +173,7 @@ class RoarGraphIndex(Index):
         "max_cand": Param(128, 2, 1 << 16, help="candidates per key kept (heaviest co-occurrence) before pruning"),
         "alpha": Param(1.2, 0.0, 4.0, help="RobustPrune α of the projection (inner-product rule; > 1 prunes less; 0 = no pruning)"),
         "max_train": Param(1 << 20, 1, 1 << 30, help="training queries used at most: an even stride over them, the newest always kept (build time)"),
+        "list_stride": Param(0, 0, 4096, help="training queries per exact top-M_sq list: the others rank their neighbouring exact lists' keys (1 = all exact; 0 = auto: 1 up to 8192² query-key pairs, then ∝ m·n)"),
         "enhance_L": Param(0, 0, 4096, help="beam width of the connectivity-enhancement search (0 = skip it)"),
         "M_link": Param(8, 1, 512, help="links per key from the enhancement search / out-edges of a stranded key"),
         "n_hubs": Param(32, 1, 4096, help="entry hubs: top key of each k-means centroid of the training queries (all counted)"),
@@ -180,15 +198,18 @@ class RoarGraphIndex(Index):
         if p["R"] < p["M"]:
             raise IndexConfigError(f"{self._owner()}: R={p['R']} must be at least M={p['M']}")
 
-    def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
+    def _build(self, keys: np.ndarray, train_queries: np.ndarray | None, train_topk: np.ndarray | None = None) -> None:
         self._check(keys, train_queries)
         p = self.params
         n = len(keys)
         threads = numba.get_num_threads()
         self.lists = self._list_sizes(n)
         m_sq = min(self.lists["M_sq"], n)
-        train_queries = subsample(train_queries, p["max_train"])
-        knn = topk_ip(train_queries, keys, m_sq)
+        rows = subsample(len(train_queries), p["max_train"])
+        if rows is not None:
+            train_queries = np.ascontiguousarray(train_queries[rows])
+            train_topk = None if train_topk is None else train_topk[rows]
+        knn, exact = self._train_lists(keys, train_queries, m_sq, threads, train_topk)
         weights = np.ones(len(train_queries), np.float32)
         if p["recent_frac"] > 0:
             weights[len(weights) - int(round(p["recent_frac"] * len(weights))):] = p["recent_weight"]
@@ -203,19 +224,37 @@ class RoarGraphIndex(Index):
         pa = max(p["alpha"], 1.0)  # the reverse/enhancement prunes always use the RobustPrune rule
         nbrs, degree = gb.add_reverse_edges(keys, nbrs, degree, pa, p["R"])
         if p["descent_links"] > 0:
-            gb.link_descent(keys, nbrs, degree, knn, p["descent_rank"], p["descent_links"], pa, p["R"], threads)
+            gb.link_descent(keys, nbrs, degree, knn if exact.all() or not DESCENT_EXACT_ONLY else knn[exact],
+                            p["descent_rank"], p["descent_links"], pa, p["R"], threads)
         self.hubs = query_hubs(keys, train_queries, p["n_hubs"], p["seed"])
         if p["enhance_L"] > 0:
             nbrs, degree = gb.connect_by_search(keys, nbrs, degree, self.hubs, p["enhance_L"], pa, p["R"],
                                                 p["M_link"], threads)
         link_stranded(keys, nbrs, degree, self.hubs, p["M_link"])
         gb.link_unreachable(keys, nbrs, degree, self.hubs, p["R"])
-        self._store = KeyStore.for_array(keys)
+        self._store = self._key_rows(keys)
         self._nbrs_buf, self._deg_buf = nbrs, degree
         self._expose(n)
         keep = min(p["keep_queries"], len(train_queries))
         self._recent_q = np.ascontiguousarray(train_queries[len(train_queries) - keep:])
         self._cache_lists(keys, knn[len(knn) - keep:], weights[len(weights) - keep:])
+
+    def _train_lists(self, keys, queries, m_sq: int, threads: int, given: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """(lists, exact rows): each training query's top-``m_sq`` keys, best first: ``given`` (precomputed, e.g. on the accelerator
+        during the prefill) when it has the columns, else :func:`train_lists.anchored_topk` (``list_stride``)."""
+        if given is not None:
+            if given.shape[1] < m_sq:
+                raise IndexConfigError(f"{self._owner()}: train_topk has {given.shape[1]} keys per query; this build needs "
+                                       f"M_sq = {m_sq} ({type(self).__name__}.list_size({len(keys)}))")
+            return np.ascontiguousarray(given[:, :m_sq], np.int32), np.ones(len(given), np.bool_)
+        stride = self.params["list_stride"] or auto_stride(len(queries), len(keys))
+        return anchored_topk(queries, keys, m_sq, stride, LIST_SPAN, self.params["keep_queries"], threads)
+
+    @classmethod
+    def list_size(cls, n_keys: int, **build_params) -> int:
+        """How many keys per training query (M_sq) a build over ``n_keys`` keys uses: the width a precomputed
+        ``train_topk`` must have at least."""
+        return min(cls(**build_params)._list_sizes(n_keys)["M_sq"], n_keys)
 
     def _list_sizes(self, n: int) -> dict[str, int]:
         """``M_sq``, ``n_pivots`` and ``n_cand`` as given, the ones left at 0 from :func:`auto_lists` (n keys)."""
@@ -314,8 +353,11 @@ class RoarGraphIndex(Index):
     def _search(self, queries: np.ndarray, k: int, L: int):
         keys, nbrs, degree = self.graph_arrays()
         if len(queries) == 1:  # batch 1 (decoding): on this thread, with its reused workspace
-            return gs.search_single(keys, nbrs, degree, queries[0], self.entries(), L, k)
-        return gs.beam_search_batch(keys, nbrs, degree, queries, self.entries_for(queries), L, k, numba.get_num_threads())
+            ids, scores, scanned, words = gs.search_single(keys, nbrs, degree, queries[0], self.entries(), L, k)
+        else:
+            ids, scores, scanned, words = gs.beam_search_batch(keys, nbrs, degree, queries, self.entries_for(queries), L, k,
+                                                               numba.get_num_threads())
+        return ids, scores, scanned, gs.bytes_read(self.dim, scanned, words, len(self.entries()))
 
     @classmethod
     def search_group(cls, indexes, queries, k, L: int = 100):
@@ -339,7 +381,7 @@ class RoarGraphIndex(Index):
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
         keys = np.ascontiguousarray(arrays["keys"], dtype=np.float32)
-        self._store = KeyStore(keys)
+        self._store = KeyStore.own(keys)
         self._nbrs_buf = np.ascontiguousarray(arrays["nbrs"], dtype=np.int32)
         self._deg_buf = np.ascontiguousarray(arrays["degree"], dtype=np.int32)
         self._expose(len(keys))

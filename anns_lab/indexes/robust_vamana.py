@@ -15,10 +15,11 @@ Build, on keys K (n, d) and training queries Q:
 
 Search: beam search of width max(L, k) from the entry points (the key of largest inner
 product with the mean training query, plus ``n_hubs - 1`` hubs as in ``roargraph``); every
-inner product is counted (entries included). ``add`` inserts new keys with one Vamana pass
+inner product is counted (entries included); ``bytes_read`` as ``vamana``'s (keys scanned, adjacency rows of the
+expanded nodes, the entry list). ``add`` inserts new keys with one Vamana pass
 over them (queries are no longer part of the graph). After build and add, any key not reachable
-from the entries gets an in-edge (``graph_build.link_unreachable``). Keys live in a shared
-``key_store.KeyStore`` (one copy per GQA group).
+from the entries gets an in-edge (``graph_build.link_unreachable``). Keys are read from the
+``key_store.KeyStore`` given to ``build`` (the decoder's: one copy per GQA group), or the index's own.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class RobustVamanaIndex(Index):
             gb.vamana_pass_fixed(data, nbrs, degree, order, entry, alpha, R, p["L"], n)
         self._nbrs, self._degree = gb.robust_stitch(data, nbrs, degree, n, q_nbrs, p["alpha"], R)
         gb.link_unreachable(keys, self._nbrs, self._degree, self.hubs, R)
-        self._store = KeyStore.for_array(keys)
+        self._store = self._key_rows(keys)
 
     @property
     def _keys(self) -> np.ndarray:
@@ -94,8 +95,9 @@ class RobustVamanaIndex(Index):
 
     def _search(self, queries: np.ndarray, k: int, L: int):
         entries = np.ascontiguousarray(np.broadcast_to(self.hubs, (len(queries), len(self.hubs))))
-        return gs.beam_search_batch(self._keys, self._nbrs, self._degree, queries, entries, max(L, k), k,
-                                    numba.get_num_threads())
+        ids, scores, scanned, words = gs.beam_search_batch(self._keys, self._nbrs, self._degree, queries, entries,
+                                                           max(L, k), k, numba.get_num_threads())
+        return ids, scores, scanned, gs.bytes_read(self.dim, scanned, words, len(self.hubs))
 
     @property
     def nbytes(self) -> int:
@@ -105,5 +107,5 @@ class RobustVamanaIndex(Index):
         return {"keys": self._keys, "nbrs": self._nbrs, "degree": self._degree, "hubs": self.hubs}
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
-        self._store = KeyStore(np.ascontiguousarray(arrays["keys"], dtype=np.float32))
+        self._store = KeyStore.own(np.ascontiguousarray(arrays["keys"], dtype=np.float32))
         self._nbrs, self._degree, self.hubs = arrays["nbrs"], arrays["degree"], arrays["hubs"].astype(np.int64)

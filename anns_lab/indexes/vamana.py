@@ -9,7 +9,9 @@ recall@100 on Gaussian keys was half of this graph's at the same fraction scanne
 Build: a seeded random R-regular graph, then two sequential passes over a seeded permutation
 (α = 1, then the given α), entry point = the key of largest inner product with the keys'
 mean. Search: beam search of width max(L, k) from that entry; ``n_scanned`` counts every
-node whose inner product with the query was computed (the entry included), once each.
+node whose inner product with the query was computed (the entry included), once each; ``bytes_read``
+(``graph_search.bytes_read``): each scanned key (4·dim bytes), each expanded node's adjacency row
+(degree + neighbour ids, 4 bytes each) and the entry id (8 bytes).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 
 from anns_lab.indexes import graph_build as gb, graph_search as gs
 from anns_lab.indexes.base import Index, Param
+from anns_lab.indexes.key_store import KeyStore
 
 
 def entry_point(keys: np.ndarray) -> int:
@@ -46,26 +49,34 @@ class VamanaIndex(Index):
         order = np.random.default_rng(seed).permutation(len(keys)).astype(np.int64)
         for alpha in (1.0, self.params["alpha"]):
             gb.vamana_pass(keys, nbrs, degree, order, self.entry, alpha, R, L)
-        self._keys, self._nbrs, self._degree = keys, nbrs, degree
+        self._store, self._nbrs, self._degree = self._key_rows(keys), nbrs, degree
+
+    @property
+    def _keys(self) -> np.ndarray:
+        return self._store.view(self.n_keys or self._store.n)
 
     def _add(self, keys: np.ndarray) -> None:
         # Insert the new rows with one α pass over them (the old rows keep their edges).
-        n0 = len(self._keys)
-        allkeys = np.ascontiguousarray(np.vstack([self._keys, keys]))
+        n0 = self.n_keys
+        self._store.append(n0, keys)
+        allkeys = self._store.view(n0 + len(keys))
         R = self.params["R"]
         nbrs = np.vstack([self._nbrs, np.full((len(keys), R), -1, np.int32)])
         degree = np.concatenate([self._degree, np.zeros(len(keys), np.int32)])
         order = np.arange(n0, len(allkeys), dtype=np.int64)
         gb.vamana_pass(allkeys, nbrs, degree, order, self.entry, self.params["alpha"], R, self.params["L"])
-        self._keys, self._nbrs, self._degree = allkeys, nbrs, degree
+        self._nbrs, self._degree = nbrs, degree
 
     def _search(self, queries: np.ndarray, k: int, L: int):
         entries = np.full((len(queries), 1), self.entry, np.int64)
-        return gs.beam_search_batch(self._keys, self._nbrs, self._degree, queries, entries, max(L, k), k, numba.get_num_threads())
+        ids, scores, scanned, words = gs.beam_search_batch(self._keys, self._nbrs, self._degree, queries, entries, max(L, k),
+                                                           k, numba.get_num_threads())
+        return ids, scores, scanned, gs.bytes_read(self.dim, scanned, words, 1)
 
     def _arrays(self) -> dict[str, np.ndarray]:
         return {"keys": self._keys, "nbrs": self._nbrs, "degree": self._degree, "entry": np.array([self.entry], np.int64)}
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
-        self._keys, self._nbrs, self._degree = arrays["keys"], arrays["nbrs"], arrays["degree"]
+        self._store = KeyStore.own(np.ascontiguousarray(arrays["keys"], dtype=np.float32))
+        self._nbrs, self._degree = arrays["nbrs"], arrays["degree"]
         self.entry = int(arrays["entry"][0])

@@ -1,0 +1,266 @@
+"""Hostile and careless input, from the issue's reproducers: one clear error line (or a correct result), nothing lost.
+
+Covers bad dump arguments caught before the model loads, edited manifests (and a seeded fuzz of
+them), unwritable --out folders, garbage models and progress files, results that are not a table,
+export and sweep --k out of range, keys of extreme magnitude, and the conformance kit's hostile-input rules.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from anns_lab import open_dump
+from anns_lab.cli import main
+from anns_lab.dumps import run as run_mod
+from anns_lab.dumps import store
+from anns_lab.dumps.run import run_dump
+from anns_lab.errors import AnnsLabError, DumpError, IndexConfigError, ModelNotAvailable, PromptError
+from anns_lab.eval import export
+from anns_lab.eval.heads import load_head
+from anns_lab.eval.sweep import run_sweep
+from anns_lab.indexes import registry
+from anns_lab.indexes.flat import FlatIndex
+from anns_lab.testing import check_index
+
+N, DECODE = 400, 4
+
+
+@pytest.fixture(scope="module")
+def dump(tiny_llama, tmp_path_factory):
+    out = tmp_path_factory.mktemp("hostile") / "d"
+    return run_dump(str(tiny_llama), tokens=N, decode_tokens=DECODE, layers="1,3", dtype="float32", chunk=128, out=out,
+                    progress=False).dump
+
+
+def one_line_error(args: list[str], *words: str) -> str:
+    """Run the CLI; assert exit status 2 with one ``Error:`` line and no traceback; return the line."""
+    r = CliRunner().invoke(main, [str(a) for a in args])
+    assert r.exit_code == 2, (r.exit_code, r.output, r.exception)
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and "Traceback" not in r.output, r.output
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    return lines[0]
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if the model's weights are loaded."""
+    def refuse(*a, **kw):
+        raise AssertionError("the model was loaded before the bad argument was refused")
+
+    monkeypatch.setattr("anns_lab.dumps.models.load_model", refuse)
+
+
+# -- item 6: dump arguments are checked before the model load and before anything is written ---------
+
+
+@pytest.mark.parametrize("kw, error, words", [
+    ({"prompt": ""}, PromptError, "is empty"),
+    ({"prompt": " \n\t"}, PromptError, "is empty"),
+    ({"prompt": b"\xff\xfe bad"}, PromptError, "not UTF-8"),
+    ({"tokens": 0}, PromptError, "--tokens must be a positive"),
+    ({"layers": "x"}, DumpError, "cannot read --layers"),
+    ({"layers": "1:2:0"}, DumpError, "cannot read --layers"),
+    ({"layers": "99"}, DumpError, "the model has layers 0..3"),
+    ({"seed": -1}, DumpError, "--seed must be a non-negative"),
+])
+def test_dump_arguments_fail_before_the_model_load_and_leave_nothing(tiny_llama, tmp_path, no_model_load, kw, error,
+                                                                     words):
+    args = {"tokens": 30, "decode_tokens": 1, "out": tmp_path / "d", "progress": False}
+    if "prompt" in kw:
+        f = tmp_path / "p.txt"
+        f.write_bytes(kw.pop("prompt") if isinstance(kw.get("prompt"), bytes) else kw.pop("prompt").encode())
+        args |= {"prompt_path": f, "tokens": None}
+    with pytest.raises(error, match=words):
+        run_dump(str(tiny_llama), **(args | kw))
+    assert not (tmp_path / "d").exists()
+
+
+def test_a_failure_before_any_capture_leaves_the_folder_as_found_so_the_fix_runs(tiny_llama, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("Only a few words here.")
+    out = tmp_path / "d"
+    with pytest.raises(PromptError, match="fewer than --tokens 100"):  # needs the tokenizer: after the load
+        run_dump(str(tiny_llama), prompt_path=short, tokens=100, out=out, progress=False)
+    assert not out.exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(PromptError):
+        run_dump(str(tiny_llama), prompt_path=short, tokens=100, out=tmp_path / "empty", progress=False)
+    assert (tmp_path / "empty").is_dir() and not any((tmp_path / "empty").iterdir())
+    fixed = run_dump(str(tiny_llama), prompt_path=short, tokens=None, decode_tokens=1, layers="0", out=out,
+                     progress=False)
+    assert fixed.dump.manifest["n_tokens"]["decode"] == 1  # the corrected command is not refused
+
+
+def test_sweep_k_beyond_the_keys_fails_before_building_anything(dump, tmp_path, monkeypatch):
+    built = []
+    real = FlatIndex.build
+    monkeypatch.setattr(FlatIndex, "build", lambda self, *a, **kw: built.append(1) or real(self, *a, **kw))
+    for k in (100000, 0):
+        with pytest.raises(AnnsLabError, match=f"--k {k} must be between 1 and 276"):
+            run_sweep(dump.path, ["flat"], [1], [0], k=k, window=(0, 0), out=tmp_path / "s", jobs=1, progress=False)
+    assert not built and not (tmp_path / "s").exists()
+
+
+# -- item 7: one clear line, never a traceback --------------------------------------------------------
+
+
+def _edited(dump, tmp_path, edit) -> str:
+    folder = tmp_path / "edited"
+    shutil.copytree(dump.path, folder)
+    m = json.loads((folder / store.MANIFEST).read_text())
+    m.pop("manifest_sha256")  # as in a dump made before manifests carried their own checksum: each field is checked
+    m = edit(m)
+    (folder / store.MANIFEST).write_text(json.dumps(m))
+    return str(folder)
+
+
+def _drop(key):
+    def edit(m):
+        del m[key]
+        return m
+    return edit
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda m: [m], "is not an anns-lab dump manifest"),
+    (_drop("files"), "'files' is missing"),
+    (_drop("scaling"), "'scaling' is missing"),
+    (lambda m: m | {"n_heads": 6}, "gqa must map each of the 6 query heads"),
+    (lambda m: m | {"gqa": [0, 1, 0, 1]}, "gqa must map"),
+    (lambda m: m | {"n_kv_heads": 1, "gqa": [0, 0, 0, 0]}, "other head counts"),
+    (lambda m: m | {"n_tokens": {"prefill": N, "decode": DECODE + 10}}, "has 404 rows, but n_tokens says 414"),
+    (lambda m: m | {"head_dim": 8}, "dimension 16, but the manifest says head_dim 8"),
+    (lambda m: m | {"layers": [1, 2, 3]}, "no valid entry"),
+    (lambda m: m | {"scaling": {"1": "x", "3": 0.25}}, "scaling of layer 1"),
+])
+def test_an_edited_manifest_is_one_error_line(dump, tmp_path, edit, words):
+    folder = _edited(dump, tmp_path, edit)
+    one_line_error(["export", "--dump", folder, "--layer", 1, "--head", 0, "--k", 10, "--window", "0,0", "--out",
+                    tmp_path / "x"], words)
+    assert not (tmp_path / "x").exists()
+
+
+def test_phases_are_checked_against_the_tokens_file_when_the_edit_is_consistent(dump, tmp_path):
+    def edit(m):
+        m["n_tokens"] = {"prefill": N - 40, "decode": DECODE + 40}  # adds up to the files' rows: only the tokens tell
+        return m
+
+    folder = _edited(dump, tmp_path, edit)
+    one_line_error(["export", "--dump", folder, "--layer", 1, "--head", 0, "--k", 10, "--window", "0,0", "--out",
+                    tmp_path / "x"], "marks 400 positions as prefill, the manifest says 360")
+    assert not (tmp_path / "x").exists()
+
+
+def test_out_below_a_file_is_one_error_line(dump, tiny_llama, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    one_line_error(["dump", "--model", tiny_llama, "--tokens", 24, "--out", blocker / "sub"], "cannot write the dump")
+    one_line_error(["sweep", "--dump", dump.path, "--indexes", "flat", "--layers", 1, "--heads", 0, "--k", 10,
+                    "--window", "0,0", "--out", blocker / "sub"], "cannot write the sweep")
+    one_line_error(["export", "--dump", dump.path, "--layer", 1, "--head", 0, "--k", 10, "--window", "0,0",
+                    "--out", blocker / "sub"], "cannot write the export")
+    assert blocker.read_text() == "x"
+
+
+def test_garbage_models_and_files_named_as_models(tmp_path):
+    gguf = tmp_path / "junk.gguf"
+    gguf.write_bytes(np.random.default_rng(0).bytes(4096))
+    one_line_error(["dump", "--model", gguf, "--tokens", 24, "--out", tmp_path / "d"], "not a GGUF file")
+    fake = tmp_path / "GGUF-but-not-a-model.gguf"
+    fake.write_bytes(b"GGUF" + bytes(64))
+    with pytest.raises(ModelNotAvailable, match="not a GGUF model transformers can read"):
+        from anns_lab.dumps.models import _converted
+
+        _converted(fake, "fake-test-model")
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    one_line_error(["dump", "--model", text, "--tokens", 24, "--out", tmp_path / "d"], "is a file but not a model")
+    assert not (tmp_path / "d").exists()
+
+
+def test_seed_below_zero_is_one_error_line(tiny_llama, tmp_path):
+    one_line_error(["dump", "--model", tiny_llama, "--source", "passkey", "--tokens", 64, "--seed", -1,
+                    "--out", tmp_path / "d"], "--seed must be a non-negative")
+
+
+def test_garbage_progress_file_is_refused_then_discarded_with_overwrite(tiny_llama, tmp_path):
+    out = tmp_path / "d"
+    (out / run_mod.STAGING).mkdir(parents=True)
+    (out / run_mod.STAGING / run_mod.PROGRESS).write_text("{not json")
+    args = ["dump", "--model", tiny_llama, "--tokens", 24, "--decode-tokens", 1, "--layers", 0, "--out", out]
+    one_line_error(args, "is corrupt; pass --overwrite")
+    r = CliRunner().invoke(main, [str(a) for a in args] + ["--overwrite"])
+    assert r.exit_code == 0, r.output
+    assert open_dump(out).manifest["n_tokens"] == {"prefill": 24, "decode": 1}
+
+
+def test_report_on_a_file_that_is_not_a_results_table(tmp_path):
+    f = tmp_path / "random.parquet"
+    f.write_bytes(np.random.default_rng(1).bytes(1000))
+    one_line_error(["report", f], "is not an anns-lab results table")
+
+
+@pytest.mark.parametrize("k", [100000, 0])
+def test_export_k_out_of_range_leaves_no_folder(dump, tmp_path, k):
+    one_line_error(["export", "--dump", dump.path, "--layer", 1, "--head", 0, "--k", k, "--out", tmp_path / "x",
+                    "--window", "0,0"], f"--k {k} must be between 1 and")
+    assert not (tmp_path / "x").exists()
+
+
+# -- item 8: extreme magnitudes ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["flat", "roargraph", "hnsw"])
+def test_extreme_magnitudes_are_refused_and_large_ones_searched_exactly(name):
+    cls = registry.get(name)
+    rng = np.random.default_rng(0)
+    keys, queries = rng.standard_normal((300, 8)).astype(np.float32), rng.standard_normal((5, 8)).astype(np.float32)
+    train = rng.standard_normal((100, 8)).astype(np.float32) if cls.uses_train_queries else None
+    with pytest.raises(IndexConfigError, match="beyond ±1e\\+15.*overflow float32"):
+        cls().build(keys * 1e30, train)
+    index = cls().build(keys * 1e12, train)
+    with pytest.raises(IndexConfigError, match="beyond ±1e\\+15"):
+        index.search(queries * 1e30, 5)
+    res = index.search(queries * 1e3, 5, **index.grid()[-1])
+    exact = np.argsort(-(queries.astype(np.float64) @ keys.astype(np.float64).T), axis=1)[:, :5]
+    assert (res.ids >= 0).all() and np.isfinite(res.scores).all()
+    if name == "flat":
+        np.testing.assert_array_equal(res.ids, exact)
+
+
+# -- the conformance kit's hostile-input rules --------------------------------------------------------
+
+
+class TrustingAdd(FlatIndex):
+    """Skips the base class's checks in add(): NaN keys go straight into the index."""
+
+    def add(self, keys):
+        self._add(np.asarray(keys, np.float32))
+        self.n_keys += len(keys)
+
+
+class TrustingSearch(FlatIndex):
+    """Overrides search() without the base class's checks: huge queries overflow into inf scores."""
+
+    def search(self, queries, k, **params):
+        from anns_lab.indexes.base import SearchResult
+
+        q = np.ascontiguousarray(queries, np.float32)
+        if not np.isfinite(q).all() or q.ndim != 2 or q.shape[1] != self.dim or not 1 <= k <= self.n_keys:
+            raise IndexConfigError("bad input")
+        return SearchResult(*self._search(q, k))
+
+
+@pytest.mark.parametrize("cls, words", [(TrustingAdd, "add() of keys with NaN"),
+                                        (TrustingSearch, "queries with magnitude beyond MAX_ABS")])
+def test_kit_catches_a_plugin_that_lets_hostile_input_through(cls, words):
+    with pytest.raises(AssertionError) as err:
+        check_index(cls)
+    assert str(err.value).startswith(words), err.value
