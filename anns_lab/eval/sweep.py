@@ -218,7 +218,13 @@ def _run(runner, dump, out, names, layers, heads, k, window, build_params, quick
             tries[part] = max_attempts - earlier[part]
     units = [(layer, h, [n for n in names if Part(layer, h, n) in tries]) for layer in layers for h in heads]
     units = [u for u in units if u[2]]
-    bar = tqdm(total=len(tries), unit="index", desc=f"sweep {dump.path.name}", disable=not progress)
+    if units and progress:
+        from anns_lab.indexes.warmup import warm_up
+
+        log("preparing the index kernels (numba compiles them on the first run of an installation: 1-3 min) ...")
+        log(f"index kernels ready in {warm_up(sorted({u for _, _, ns in units for u in ns}), dump.head_dim, build_params):.0f} s")
+    # smoothing=0: the estimate uses the mean rate since the start, steady where parts finish in bursts.
+    bar = tqdm(total=len(tries), unit="index", desc=f"sweep {dump.path.name}", disable=not progress, smoothing=0)
 
     def on_outcome(o: Outcome) -> None:
         f = part_file[o.part]
