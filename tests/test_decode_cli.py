@@ -29,7 +29,8 @@ def test_task_run_prints_table_and_writes_json(tiny_llama, tmp_path):
     res = _run("--model", tiny_llama, "--mode", "full,window,flat", "--task", "passkey", "--context", 200,
                "--samples", 2, "--window", "4,16", "--topk", 20, "--max-new-tokens", 4, "--json", out)
     assert res.exit_code == 0, res.output
-    assert "retr ms" in res.output and "acc %" in res.output
+    assert "retr ms" in res.output and "accuracy %" in res.output
+    assert "other ms  per token: everything outside" in res.output  # every column defined under the table
     data = json.loads(out.read_text())
     assert data["task"] == "passkey" and data["context"] == 200 and set(data["modes"]) == {"full", "window", "flat"}
     for mode in data["modes"].values():
@@ -42,6 +43,10 @@ def test_task_run_prints_table_and_writes_json(tiny_llama, tmp_path):
     # Needles at depths spread over the context.
     assert [r["depth"] for r in data["modes"]["full"]["samples"]] == [0.05, 0.95]
     assert data["modes"]["flat"]["summary"]["retrieval_ms"] > 0
+    # "other" is everything outside long-range attention in every mode: full's attention is not inside it.
+    full = data["modes"]["full"]["summary"]
+    assert full["accel_attention_ms"] > 0
+    assert full["other_ms"] + full["accel_attention_ms"] == pytest.approx(full["token_ms"])
     # Time to first token: prefill + build + the first decode step, and its ratio to full's, per mode.
     assert "TTFT s" in res.output and "TTFT x full" in res.output
     for mode in data["modes"].values():
@@ -162,3 +167,11 @@ def test_from_sweep_on_the_command_line(tiny_llama, tmp_path):
     assert "from sweep" in res.output and "layer 1: vamana(R=16, L=100)" in res.output
     names = [line.split()[0] for line in res.output.splitlines() if line.startswith(("full", "window", "flat", "sweep:"))]
     assert names == ["full", "window", "flat", "sweep:vamana"]  # explicit modes stay; the pick replaces 'default'
+
+
+def test_every_table_column_is_defined_in_the_legend():
+    from anns_lab.decode.runner import COLUMNS as DECODE_COLUMNS, LEGEND
+
+    assert {key for key, _, _ in DECODE_COLUMNS} <= set(LEGEND)
+    labels = [label for _, label, _ in DECODE_COLUMNS]
+    assert len(set(labels)) == len(labels) and "acc %" not in labels  # no "acc" beside "acc-attn"
