@@ -17,7 +17,9 @@ from anns_lab.indexes import registry
 def warm_up(names: list[str], dim: int, build_params: dict[str, dict] | None = None) -> float:
     """Build and search a tiny index of each of ``names`` once; returns the seconds it took.
 
-    Failures are ignored: the real work reports them with the real data.
+    Failures are ignored: the real work reports them with the real data. Only the lab's own indexes are
+    warmed (they hold its numba kernels): a plugin's code runs in workers only, where an ``os.abort`` or a
+    ``SystemExit`` fails its own part instead of the process that called this.
     """
     rng = np.random.default_rng(0)
     keys = rng.standard_normal((1024, dim)).astype(np.float32)
@@ -25,6 +27,8 @@ def warm_up(names: list[str], dim: int, build_params: dict[str, dict] | None = N
     t0 = time.perf_counter()
     for name in names:
         try:
+            if not registry.get(name).__module__.startswith("anns_lab."):
+                continue
             index = registry.create(name, **(build_params or {}).get(name, {}))
             index.build(keys, queries if index.uses_train_queries else None)
             params = index.grid()[0] if index.grid() else {}
