@@ -8,8 +8,9 @@ Rules checked (``anns_lab.indexes.base`` states the result policy):
 - declarations: defaults in range, every grid value a valid search parameter;
 - results at every grid point: shapes and dtypes; ids in [0, n) or -1 padding that only
   trails; no id twice in a row; scores sorted and equal to q·k of the returned ids (padding
-  scores -inf); ``#returned ≤ n_scanned ≤ max_scanned()``; a batch gives the same ids and
-  counts as its queries one at a time, scores within float32 rounding;
+  scores -inf); ``#returned ≤ n_scanned ≤ max_scanned()``; ``bytes_read`` int64 (nq,) and
+  non-negative; a batch gives the same ids, counts and estimate as its queries one at a time,
+  scores within float32 rounding;
 - at the last (most thorough) grid point on easy data, recall@k against exact search
   ≥ ``min_recall`` (1.0 = exact; ties at the k-th score count as hits);
 - determinism: two builds with the same parameters give identical ids, scores and counts;
@@ -17,7 +18,14 @@ Rules checked (``anns_lab.indexes.base`` states the result policy):
 - clear ``IndexConfigError`` for hostile input: NaN, infinite or overflowing (beyond
   ``MAX_ABS``) keys, queries, train queries or added keys, a dimension mismatch, queries that
   are not a non-empty 2-D numeric array, k > n, k not a positive integer, search before build,
-  unknown or out-of-range parameters; and the index answers as before afterwards.
+  unknown or out-of-range parameters; and the index answers as before afterwards;
+- estimators (``estimates = True``, see ``anns_lab.indexes.estimate``): every search returns an
+  Estimate (a top-k index none); sample ids valid, unique and disjoint from the exact ids,
+  weights positive and finite (0 at padding); summary ids valid and unique, each used summary
+  non-empty, its members disjoint from the exact and sample ids; ``summaries()`` a CSR grouping
+  of distinct key ids with one centroid key each; ``n_scanned`` ≥ exact + sampled + summary
+  terms; where the class claims ``unbiased``, the mean over seeds of the estimated normaliser
+  and numerator matches the exact one within 4 standard errors (synthetic data).
 """
 
 from __future__ import annotations
@@ -28,7 +36,8 @@ from typing import Any
 import numpy as np
 
 from anns_lab.errors import IndexConfigError
-from anns_lab.indexes.base import MAX_ABS, Index, SearchResult
+from anns_lab.indexes.base import MAX_ABS, Index, SearchResult, concat_results
+from anns_lab.indexes.estimate import estimate_problem, estimate_terms
 from anns_lab.indexes.protocol import result_problem
 
 
@@ -56,6 +65,66 @@ def check_result(index: Index, res: SearchResult, queries: np.ndarray, keys: np.
     """Assert the result policy for one search (``anns_lab.indexes.protocol``): shapes, ids, scores and counts."""
     problem = result_problem(res, len(queries), k, len(keys), index.max_scanned(), queries, keys)
     assert problem is None, f"{where}: {problem}"
+    check_estimate(index, res, len(keys), where)
+
+
+def check_estimate(index: Index, res: SearchResult, n: int, where: str) -> None:
+    """Assert the estimator rules for one search (:func:`anns_lab.indexes.estimate.estimate_problem`)."""
+    problem = estimate_problem(res, index.estimates, index.summaries(), n, index.dim)
+    assert problem is None, f"{where}: {problem}"
+
+
+def estimated_sums(index: Index, res: SearchResult, queries: np.ndarray, keys: np.ndarray, values: np.ndarray,
+                   scaling: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per query, the estimated normaliser Σ e^l and numerator Σ e^l v (exact ids plus the estimate), float64."""
+    summ = index.summaries()
+    sums = summ.value_sums(values) if summ is not None else None
+    zs, nums = [], []
+    for row, q in enumerate(queries):
+        exact = res.ids[row][res.ids[row] >= 0]
+        l, w, v = estimate_terms(q, keys, values, scaling, *res.estimate.row(row), summ, sums)
+        l = np.concatenate([(keys[exact].astype(np.float64) @ q.astype(np.float64)) * scaling, l])
+        w = np.concatenate([np.ones(len(exact)), w])
+        v = np.concatenate([values[exact].astype(np.float64), v])
+        p = w * np.exp(l)
+        zs.append(p.sum())
+        nums.append(p @ v)
+    return np.array(zs), np.array(nums)
+
+
+def check_unbiased(cls: type[Index], params: dict, seeds: int = 200, k: int = 5, **build_params: Any) -> None:
+    """Assert the mean over ``seeds`` builds of the estimated normaliser and numerator is the exact one (4 std errors)."""
+    assert "seed" in cls.build_params, f"{cls.__name__} claims unbiased but has no seed build parameter"
+    rng = np.random.default_rng(7)
+    keys = rng.standard_normal((300, 8)).astype(np.float32)
+    values = rng.standard_normal((300, 3)).astype(np.float32)
+    queries = rng.standard_normal((4, 8)).astype(np.float32)
+    scaling = 0.5
+    logits = (queries.astype(np.float64) @ keys.astype(np.float64).T) * scaling
+    true_z = np.exp(logits).sum(axis=1)
+    true_num = np.exp(logits) @ values.astype(np.float64)
+    zs, nums = [], []
+    for seed in range(seeds):
+        index = cls(**{**build_params, "seed": seed}).build(keys)
+        z, num = estimated_sums(index, index.search(queries, k, **params), queries, keys, values, scaling)
+        zs.append(z)
+        nums.append(num)
+    zs, nums = np.array(zs), np.array(nums)
+    for what, got, true in (("normaliser", zs, true_z), ("numerator", nums, true_num)):
+        err = np.abs(got.mean(axis=0) - true)
+        bound = 4 * got.std(axis=0) / np.sqrt(seeds) + 1e-9 * np.abs(true)
+        assert (err <= bound).all(), f"{cls.__name__} {params}: the estimated {what} is biased " \
+                                     f"(|mean − exact| {err.max():.3g} > 4 std errors {bound.max():.3g})"
+
+
+def _sorted_rows(scores: np.ndarray, valid: np.ndarray) -> bool:
+    # Compare neighbours that are both real results (padding trails, so that is every pair that matters);
+    # zeros in the padded slots keep -inf - -inf (a RuntimeWarning) out of the subtraction.
+    # Tolerate float32 ties that differ in the last bit.
+    s = np.where(valid, scores, 0.0).astype(np.float64)
+    both = valid[:, :-1] & valid[:, 1:]
+    d = np.diff(s, axis=1)[both]
+    return bool((d <= 1e-6 * (1 + np.abs(s[:, 1:][both]))).all())
 
 
 def _score_scale(queries: np.ndarray, keys: np.ndarray) -> np.ndarray:
@@ -67,11 +136,20 @@ def _same(a: SearchResult, b: SearchResult, what: str, scale: np.ndarray | None 
     """Equal ids and counts; scores equal to the last bit, or within float32 rounding of ``scale`` when given."""
     assert np.array_equal(a.ids, b.ids), f"{what}: ids differ"
     assert np.array_equal(a.n_scanned, b.n_scanned), f"{what}: n_scanned differs"
+    assert np.array_equal(a.bytes_read, b.bytes_read), f"{what}: bytes_read differs"
     if scale is None:
         assert np.array_equal(a.scores, b.scores), f"{what}: scores differ"
     else:
-        diff = np.where(a.ids >= 0, np.abs(a.scores.astype(np.float64) - b.scores) / scale, 0.0)
+        valid = a.ids >= 0  # padding's -inf minus -inf would be NaN: compared as zeros
+        diff = np.where(valid, np.abs(np.where(valid, a.scores, 0).astype(np.float64) - np.where(valid, b.scores, 0))
+                        / scale, 0.0)
         assert diff.max() < 1e-5, f"{what}: scores differ beyond float32 rounding (max rel diff {diff.max():.2e})"
+    assert np.array_equal(a.bytes_read, b.bytes_read), f"{what}: bytes_read differs"
+    assert (a.estimate is None) == (b.estimate is None), f"{what}: one has an estimate, the other not"
+    if a.estimate is not None:  # compared row by row: the padded widths of a batch and of one query differ
+        for i in range(len(a.ids)):
+            for x, y in zip(a.estimate.row(i), b.estimate.row(i)):
+                assert np.array_equal(x, y), f"{what}: the estimates of query {i} differ"
 
 
 def _expect_error(what: str, fn, *args, **kwargs) -> None:
@@ -132,8 +210,12 @@ def check_errors(cls: type[Index], index: Index, keys: np.ndarray, queries: np.n
     _same(before, index.search(queries, 5), "search after refused hostile input")
 
 
-def check_index(cls: type[Index], min_recall: float = 1.0, k: int = 10, **build_params: Any) -> dict[str, Any]:
-    """Run every conformance rule on ``cls`` built with ``build_params``; return recall and scan measurements."""
+def check_index(cls: type[Index], min_recall: float = 1.0, k: int = 10, unbiased_at: dict | None = None,
+                **build_params: Any) -> dict[str, Any]:
+    """Run every conformance rule on ``cls`` built with ``build_params``; return recall and scan measurements.
+
+    A class that claims ``unbiased`` is checked at search parameters ``unbiased_at`` (default: its first grid point).
+    """
     check_declarations(cls)
     keys, queries, train = easy_data()
     train_q = train if cls.uses_train_queries else None
@@ -154,8 +236,7 @@ def check_index(cls: type[Index], min_recall: float = 1.0, k: int = 10, **build_
     batch = index.search(queries[:8], k, **top)
     # A batch may score through another BLAS kernel than one query (gemm vs gemv): ids and counts must agree,
     # scores within float32 rounding (the built-ins' own tests ask them to agree to the last bit).
-    _same(SearchResult(*(np.concatenate(parts) for parts in zip(*one_by_one))), batch, "batch vs one query at a time",
-          _score_scale(queries[:8], keys))
+    _same(concat_results(one_by_one), batch, "batch vs one query at a time", _score_scale(queries[:8], keys))
     check_result(index, index.search(queries, 1, **top), queries, keys, 1, "k=1")
     check_result(index, index.search(queries[:4], len(keys), **top), queries[:4], keys, len(keys), "k=n_keys")
 
@@ -182,4 +263,6 @@ def check_index(cls: type[Index], min_recall: float = 1.0, k: int = 10, **build_
         assert added_recall >= min_recall - 0.05, f"recall@{k} after add() is {added_recall:.4f}"
 
     check_errors(cls, index, keys, queries, build_params)
+    if cls.unbiased:
+        check_unbiased(cls, unbiased_at if unbiased_at is not None else grid[0], **build_params)
     return {"grid": grid, "recall": [p[0] for p in points], "mean_scanned": [p[1] for p in points]}

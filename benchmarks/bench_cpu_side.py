@@ -166,8 +166,6 @@ _LEGACY = None
 
 def legacy_side(store, q: np.ndarray, scaling: float):
     """``LayerStore.side`` as of commit 3d8cf12: per-head kernel calls, side-buffer rows materialised and concatenated."""
-    from anns_lab.indexes.base import SearchResult
-
     global _LEGACY
     if _LEGACY is None:
         _LEGACY = _legacy_kernels()
@@ -185,9 +183,9 @@ def legacy_side(store, q: np.ndarray, scaling: float):
             qq = np.ascontiguousarray(q, dtype=np.float32)
             out = [beam_search_batch(*index.graph_arrays(), qq[i: i + 1], index.entries_for(qq[i: i + 1]), max(L, k), k, 1)
                    for i, index in enumerate(store.indexes)]
-            res = SearchResult(*(np.concatenate(column) for column in zip(*out)))
-            rows[:] = res.ids
-            scanned.extend((res.n_scanned / store.n_indexed).tolist())
+            ids, n_scanned = (np.concatenate(column) for column in list(zip(*out))[::2])  # the legacy kernel: no bytes
+            rows[:] = ids
+            scanned.extend((n_scanned / store.n_indexed).tolist())
         else:
             for heads in groups.values():
                 res = store.indexes[heads[0]].search(q[heads], k, **store.plan.search_params)
@@ -282,7 +280,7 @@ def main() -> None:
             if a.legacy:
                 runs[layer][mode.name + "-legacy"] = (lambda s, c: (lambda q: legacy_side(s, q, c)))(store, scaling)
             if a.held and len({id(ix) for ix in store.indexes}) == H:
-                from anns_lab.indexes.graph_search import GraphGroup
+                from anns_lab.indexes.graph.multi import GraphGroup
 
                 group, L = GraphGroup(store.indexes), {**{"L": 100}, **mode.plan.search_params}["L"]
                 runs[layer][mode.name + "-held"] = (lambda s, g, c: (lambda q: held_side(s, g, L, q, c)))(store, group, scaling)

@@ -28,7 +28,7 @@ def main() -> None:
 
     from anns_lab.decode.engine import _subsample
     from anns_lab.dumps.store import open_dump
-    from anns_lab.indexes.graph_search import GraphGroup
+    from anns_lab.indexes.graph.multi import GraphGroup
     from anns_lab.indexes.key_store import KeyStore
     from anns_lab.indexes.roargraph import RoarGraphIndex
 

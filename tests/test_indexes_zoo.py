@@ -76,7 +76,9 @@ def test_against_exact_search(built, name, data):
 
 def test_flat_scans_everything(built):
     index, keys, queries = built["flat", "random"]
-    assert (index.search(queries, K).n_scanned == N).all()
+    res = index.search(queries, K)
+    assert (res.n_scanned == N).all()
+    assert (res.bytes_read == N * 4 * keys.shape[1]).all()  # every key read once as float32
 
 
 @pytest.mark.parametrize("nprobe", [1, 3, 10, 1000])
@@ -91,21 +93,25 @@ def test_ivf_scanned_equals_probed_list_sizes_plus_nlist(built, nprobe):
     faiss.cvar.indexIVF_stats.reset()
     res = index.search(queries, K, nprobe=nprobe)
     assert np.array_equal(res.n_scanned, sizes[probed].sum(axis=1) + fi.nlist)
+    d = keys.shape[1]  # bytes: every centroid, then each probed list's vectors and int64 ids
+    assert np.array_equal(res.bytes_read, 4 * d * fi.nlist + (4 * d + 8) * sizes[probed].sum(axis=1))
     assert faiss.cvar.indexIVF_stats.ndis == sizes[probed].sum()
     assert sizes.sum() == N
 
 
 def reference_search(data, nbrs, degree, query, entry, ef):
-    """hnswlib's searchBaseLayerST, written independently with two heaps; returns (ids best first, count)."""
+    """hnswlib's searchBaseLayerST, written independently with two heaps; returns (ids best first, count,
+    adjacency words read: 1 + degree per expanded node)."""
     visited = {entry}
     s = float(data[entry] @ query)
-    count = 1
+    count, words = 1, 0
     candidates = [(-s, entry)]  # max-heap of candidates by score
     top = [(s, entry)]  # min-heap of the best ef
     while candidates:
         neg, node = heapq.heappop(candidates)
         if -neg < top[0][0] and len(top) == ef:
             break
+        words += 1 + int(degree[node])
         for nb in nbrs[node, : degree[node]]:
             if nb in visited:
                 continue
@@ -117,24 +123,25 @@ def reference_search(data, nbrs, degree, query, entry, ef):
                 heapq.heappush(top, (s, int(nb)))
                 if len(top) > ef:
                     heapq.heappop(top)
-    return [i for _, i in sorted(top, reverse=True)], count
+    return [i for _, i in sorted(top, reverse=True)], count, words
 
 
 def reference_descent(keys, graph, query):
-    """hnswlib's greedy descent through the upper layers; returns (entry for layer 0, count)."""
-    cur, count = graph.entry, 1
+    """hnswlib's greedy descent through the upper layers; returns (entry for layer 0, count, list words read)."""
+    cur, count, words = graph.entry, 1, 0
     best = float(keys[cur] @ query)
     for level in range(graph.max_level, 0, -1):
         changed = True
         while changed:
             changed = False
             r = graph.up_row[cur]
+            words += 1 + int(graph.up_deg[r, level - 1])
             for nb in graph.up_nbrs[r, level - 1, : graph.up_deg[r, level - 1]]:
                 count += 1
                 s = float(keys[nb] @ query)
                 if s > best:
                     best, cur, changed = s, int(nb), True
-    return cur, count
+    return cur, count, words
 
 
 @pytest.mark.parametrize("ef", [100, 400])
@@ -146,10 +153,11 @@ def test_hnsw_matches_hnswlib_and_an_independent_count(built, ef):
     assert (labels == res.ids).mean() >= 0.999  # the same graph, the same algorithm
     g = index.graph
     for qi in range(10):
-        entry, up = reference_descent(keys, g, queries[qi])
-        ids, count = reference_search(keys, g.nbrs, g.degree, queries[qi], entry, max(ef, K))
+        entry, up, up_words = reference_descent(keys, g, queries[qi])
+        ids, count, words = reference_search(keys, g.nbrs, g.degree, queries[qi], entry, max(ef, K))
         assert ids[:K] == res.ids[qi].tolist()
         assert res.n_scanned[qi] == up + count
+        assert res.bytes_read[qi] == 4 * keys.shape[1] * (up + count) + 4 * (up_words + words) + 8
 
 
 @pytest.mark.parametrize("L", [100, 300])
@@ -157,9 +165,10 @@ def test_vamana_count_matches_an_independent_search(built, L):
     index, keys, queries = built["vamana", "ood"]
     res = index.search(queries, K, L=L)
     for qi in range(10):
-        ids, count = reference_search(keys, index._nbrs, index._degree, queries[qi], index.entry, L)
+        ids, count, words = reference_search(keys, index._nbrs, index._degree, queries[qi], index.entry, L)
         assert ids[:K] == res.ids[qi].tolist()
         assert res.n_scanned[qi] == count
+        assert res.bytes_read[qi] == 4 * keys.shape[1] * count + 4 * words + 8
 
 
 def test_vamana_graph_is_pruned_and_reachable(built):

@@ -93,10 +93,14 @@ def test_result_problem_is_the_kits_rule_set():
     res = index.search(q, 5)
     assert protocol.result_problem(res, 3, 5, 50, index.max_scanned(), q, keys) is None
     for fault, words in FAULTS.items():
-        bad = _fault(fault, *res)
+        bad = _fault(fault, *res[:3])
         got = protocol.result_problem(tuple(np.asarray(a, dtype=b.dtype if fault != "nan_ids" else np.int64)
                                             for a, b in zip(bad, res)), 3, 5, 50, index.max_scanned(), q, keys)
         assert got is not None and words in got, (fault, got)
+    for n_bytes, words in ((res.bytes_read - res.bytes_read - 1, "bytes_read -1 is negative"),
+                           (res.bytes_read.astype(np.float64), "bytes_read must be int64")):
+        got = protocol.result_problem((*res[:3], n_bytes), 3, 5, 50, index.max_scanned(), q, keys)
+        assert got is not None and words in got, got
 
 
 def test_decode_from_sweep_refuses_a_table_with_rows_that_break_the_rules(tmp_path):

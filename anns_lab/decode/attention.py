@@ -52,6 +52,7 @@ class StepTimes:
     insert: float = 0.0  # moving tokens that left the window to the CPU store and into the indexes
     overlap: float = 0.0  # wall time of the concurrent sections
     scanned: list = field(default_factory=list)
+    bytes_read: int = 0  # index data read by the step's searches, all layers and query heads
 
 
 def _sync(device: torch.device) -> None:
@@ -94,7 +95,11 @@ class Retrieval:
             t0 = time.perf_counter()
             out = inner(module, query, key, value, attention_mask, **kwargs)
             _sync(query.device)
-            self.times.accel_attention += time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0
+            self.times.accel_attention += elapsed
+            # Counted as this layer's attention section, as in the retrieval modes, so "other" means the same
+            # (everything outside long-range attention) in every mode.
+            self.times.overlap += elapsed
             return out
         return self._retrieval_step(module, query, key, value, kwargs.get("scaling") or module.scaling)
 
@@ -139,6 +144,7 @@ class Retrieval:
         self.times.cpu_attention += side.attention_s
         if side.scanned == side.scanned:
             self.times.scanned.append(side.scanned)
+        self.times.bytes_read += side.bytes_read
         t0 = time.perf_counter()
         dev = q.device
         o = merge(o_w.double(), m_w.double(), z_w.double(), torch.from_numpy(side.out).to(dev),

@@ -186,11 +186,12 @@ def summarize(run: ModeRun) -> dict:
     """Per generated token means (ms) of retrieval, CPU attention, accelerator attention, merge, other; tokens/s."""
     # The first decode step also compiles each index's search kernel (numba): left out when there are others.
     skip = 1 if len(run.step_s) >= 3 else 0
+    first_step = run.step_s[0] if run.step_s else None  # the first token to use the index (kept in time to first token)
     run = ModeRun(run.mode, run.tokens, [], run.build_s, run.decode_s, run.steps[skip:], run.step_s[skip:],
                   device_kv_bytes=run.device_kv_bytes)
     n = len(run.step_s)
     if n == 0:
-        return {"steps": 0, "device_kv_bytes": run.device_kv_bytes}
+        return {"steps": 0, "device_kv_bytes": run.device_kv_bytes, "build_s": run.build_s, "first_step_s": first_step}
 
     def ms(values) -> float:
         return 1000.0 * float(np.mean(values))
@@ -208,7 +209,9 @@ def summarize(run: ModeRun) -> dict:
         "token_ms": ms(run.step_s),
         "tokens_per_s": n / float(np.sum(run.step_s)),
         "scanned_fraction": float(np.mean(scanned)) if scanned else None,
+        "bytes_read_per_token": float(np.mean([s.bytes_read for s in run.steps])) if scanned else None,
         "build_s": run.build_s,
+        "first_step_s": first_step,
         "device_kv_bytes": run.device_kv_bytes,
         "warmup_steps_excluded": skip,
     }

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from anns_lab.decode.kernels import attend_rows_and_range
+from anns_lab.decode.kernels import attend_rows_and_range, merge
 from anns_lab.indexes import protocol, registry
 from anns_lab.indexes.base import SearchResult
+from anns_lab.indexes.estimate import Estimate, estimate_terms, weighted_partial
 from anns_lab.indexes.key_store import KeyStore
 
 
@@ -51,6 +52,7 @@ class SideResult:
     retrieval_s: float
     attention_s: float
     scanned: float  # mean fraction of indexed keys scanned per query head (nan when nothing was searched)
+    bytes_read: int = 0  # index data read by this layer's searches, summed over its query heads
 
 
 class LayerStore:
@@ -70,6 +72,7 @@ class LayerStore:
         self.add_batch = add_batch
         self.indexes: list = []  # per query head (a group may share one object)
         self.build_s = 0.0
+        self._summaries: dict[int, tuple] = {}  # per head of an estimator with summaries: (Summaries, value sums)
         self._bound: int | None = None  # the indexes' max_scanned(), once a search after a build or add has been checked
 
     # -- build and grow ----------------------------------------------------------------------------
@@ -91,6 +94,7 @@ class LayerStore:
             self.indexes = [shared[h // self.group] for h in range(self.n_heads)]
         self.n_indexed = self.n_rows
         self._bound = None
+        self._sum_values()
         self.build_s = time.perf_counter() - t0
 
     @property
@@ -106,6 +110,22 @@ class LayerStore:
     def n_rows(self) -> int:
         return self.key_store.n
 
+    def _groups(self) -> list[list[int]]:
+        """The heads of each distinct index (an index per KV head serves its GQA group)."""
+        groups: dict[int, list[int]] = {}
+        for h, index in enumerate(self.indexes):
+            groups.setdefault(id(index), []).append(h)
+        return list(groups.values())
+
+    def _sum_values(self) -> None:
+        """Value sums of each estimator's summaries (the store owns the values): once per build and after add."""
+        self._summaries = {}
+        for heads in self._groups():
+            summ = self.indexes[heads[0]].summaries()
+            if summ is not None:
+                sums = summ.value_sums(self.values[heads[0] // self.group, : self.n_indexed])
+                self._summaries.update({h: (summ, sums) for h in heads})
+
     @property
     def supports_add(self) -> bool:
         return bool(self.indexes) and self.indexes[0].supports_add
@@ -119,6 +139,7 @@ class LayerStore:
             for h, index in {id(ix): (h, ix) for h, ix in reversed(list(enumerate(self.indexes)))}.values():
                 index.add(new[h // self.group])  # once per distinct index: rows its store (ours) holds already
             self.n_indexed = self.n_rows
+            self._sum_values()
             self._bound = None
 
     # -- the CPU side of a decode step ---------------------------------------------------------------
@@ -130,9 +151,14 @@ class LayerStore:
         owner = f"{self.plan.name} (layer {self.layer})"
         if self._bound is None:  # first search since the indexes last changed
             for h, index in enumerate(self.indexes):
-                protocol.check_result(owner, tuple(a[h:h + 1] for a in res), 1, k, self.n_indexed, index.max_scanned(),
+                protocol.check_result(owner, tuple(a[h:h + 1] for a in res[:3]), 1, k, self.n_indexed, index.max_scanned(),
                                       q[h:h + 1], self.keys[h // self.group, :self.n_indexed])
             self._bound = max(index.max_scanned() for index in self.indexes)  # later steps: ids and counts only
+            for heads in self._groups():  # the estimator rules, per distinct index on its rows of the result
+                if self.indexes[heads[0]].estimates or res.estimate is not None:
+                    part = SearchResult(res.ids[heads], res.scores[heads], res.n_scanned[heads], None,
+                                        None if res.estimate is None else res.estimate.rows(heads))
+                    protocol.check_estimate(owner, part, self.indexes[heads[0]])
         else:
             protocol.check_result(owner, res, self.n_heads, k, self.n_indexed, self._bound, check_scores=False)
 
@@ -147,15 +173,38 @@ class LayerStore:
         t0 = time.perf_counter()
         q = np.ascontiguousarray(q, dtype=np.float32)
         scanned = float("nan")
+        n_bytes = 0
+        estimate = None
         if self.indexes and self.n_indexed:
             k = min(self.topk, self.n_indexed)
             res = type(self.indexes[0]).search_group(self.indexes, q, k, **self.plan.search_params)
             self._check(res, q, k)
+            estimate = res.estimate
             rows = np.ascontiguousarray(res.ids)
             scanned = float(res.n_scanned.mean()) / self.n_indexed
+            n_bytes = int(res.bytes_read.sum())
         else:
             rows = np.empty((self.n_heads, 0), np.int64)
         t1 = time.perf_counter()
         out, m, z = attend_rows_and_range(q, self.keys, self.values, rows, self.n_indexed, self.n_rows, float(scaling))
+        if estimate is not None and not estimate.is_empty:
+            out, m, z = self._add_estimate(q, float(scaling), estimate, out, m, z)
         t2 = time.perf_counter()
-        return SideResult(out, m, z, t1 - t0, t2 - t1, scanned)
+        return SideResult(out, m, z, t1 - t0, t2 - t1, scanned, n_bytes)
+
+    def _add_estimate(self, q: np.ndarray, scaling: float, estimate: Estimate, out: np.ndarray, m: np.ndarray,
+                      z: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The exact partial (out, m, z) merged with each head's weighted estimate (samples and summaries)."""
+        o_e, m_e, z_e = np.zeros_like(out), np.full_like(m, -np.inf), np.zeros_like(z)
+        for h in range(self.n_heads):
+            g = h // self.group
+            summ, sums = self._summaries.get(h, (None, None))
+            terms = estimate_terms(q[h], self.keys[g], self.values[g], scaling, *estimate.row(h), summ, sums)
+            o_e[h], m_e[h], z_e[h] = weighted_partial(*terms)
+        keep = (z > 0) | (z_e > 0)  # a head with neither part stays empty (output 0, max −inf, normaliser 0)
+        with np.errstate(invalid="ignore", divide="ignore"):  # those heads' 0/0 is replaced below
+            merged = merge(out, m, z, o_e, m_e, z_e)
+            m_all = np.maximum(m, m_e)
+            z_all = np.where(z > 0, np.exp(m - m_all) * z, 0.0) + np.where(z_e > 0, np.exp(m_e - m_all) * z_e, 0.0)
+        return np.where(keep[:, None], merged, 0.0), np.where(keep, m_all, -np.inf), z_all
+

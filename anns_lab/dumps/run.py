@@ -232,6 +232,7 @@ def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation,
     from tqdm.auto import tqdm
 
     from anns_lab.dumps.capture import StopForward, capturing
+    from anns_lab.dumps.memory import check_prefill
     from anns_lab.dumps.models import forward_tokens, load_model
     from anns_lab.dumps.prompts import build_prompt
 
@@ -246,6 +247,8 @@ def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation,
     if lm.context and n_prefill > lm.context and not allow_extrapolation:
         raise PromptError(f"{n_prefill} prompt tokens exceed {lm.name}'s context of {lm.context} tokens; "
                           "use fewer --tokens, or pass --allow-extrapolation to go beyond it")
+    check_prefill(cfg, n_prefill + n_decode, settings["chunk"], f"a dump of {n_prefill} + {n_decode} tokens of {lm.name}",
+                  "--tokens")
     n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
     done = state["done"]
@@ -264,7 +267,10 @@ def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation,
 
     cache = DynamicCache(config=model.config)
     t_prefill = t_decode = c_prefill = 0.0
-    bar = tqdm(total=n_prefill + n_decode, unit="tok", desc=f"dump {lm.name}", disable=not progress or not missing)
+    # Two bars: a decode step costs about as much as a whole prefill chunk, so one bar over all tokens would
+    # sit at 99% for the whole of the decode steps.
+    quiet = not progress or not missing
+    bar = tqdm(total=n_prefill, unit="tok", desc=f"dump {lm.name} prefill", disable=quiet)
 
     def forward(start: int, end: int):
         sink.row = start
@@ -282,6 +288,8 @@ def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation,
                 logits = forward(start, end)
                 bar.update(end - start)
             t_prefill, c_prefill = time.perf_counter() - t0, time.process_time() - c0
+            bar.close()
+            bar = tqdm(total=n_decode, unit="step", desc=f"dump {lm.name} decode", disable=quiet or not n_decode)
             t0 = time.perf_counter()
             for step in range(n_decode):
                 pos = n_prefill + step

@@ -286,7 +286,7 @@ class Dump:
         try:
             names = set(pq.read_schema(self.path / name).names)
         except (pa.ArrowException, OSError) as err:
-            raise DumpError(f"cannot read {self.path / name}: {err}") from None
+            raise DumpError(f"cannot read {self.path / name}: {str(err).splitlines()[0]}") from None
         want = {"position"} | {f"q{h}" for h in range(self.n_heads)} | {f"{p}{g}" for p in "kv" for g in range(self.n_kv_heads)}
         if names != want:
             raise DumpError(f"{self.path / name} holds columns for other head counts than the manifest's "
@@ -306,7 +306,7 @@ class Dump:
         try:
             table = pq.read_table(self.path / name, columns=[column], memory_map=True)
         except (pa.ArrowException, OSError) as err:
-            raise DumpError(f"cannot read column {column} of {self.path / name}: {err}") from None
+            raise DumpError(f"cannot read column {column} of {self.path / name}: {str(err).splitlines()[0]}") from None
         chunks = table.column(column).chunks
         arr = chunks[0] if len(chunks) == 1 else pa.concat_arrays(chunks)
         n = self._phase_rows["all"][1] if rows is None else rows

@@ -1,4 +1,4 @@
-"""What one (layer, query head) of a dump gives the evaluation (design.md §7).
+"""What one (layer, query head) of a dump gives the evaluation (docs/metrics.md).
 
 Test queries are the decode queries, topped up with held-out final prefill queries when the
 dump has fewer than ``min_test``; training queries are the prefill queries before the first
@@ -25,6 +25,7 @@ import numpy as np
 from anns_lab.dumps.store import Dump
 from anns_lab.errors import AnnsLabError
 from anns_lab.eval import metrics
+from anns_lab.indexes.estimate import Estimate, Summaries, estimate_terms, weighted_partial
 from anns_lab.window import Window
 
 
@@ -60,12 +61,17 @@ class HeadData:
         """Positions attended exactly for a query at ``pos``: the sinks and the recent side, ``[index_end, pos]``."""
         return self.window.positions(pos, self.index_end)
 
-    def attention_quality(self, ids: np.ndarray) -> tuple[float, float]:
+    def attention_quality(self, ids: np.ndarray, estimate: Estimate | None = None,
+                          summaries: Summaries | None = None) -> tuple[float, float]:
         """Mean attention mass kept and mean output relative error of retrieved ``ids`` ∪ window, over test queries.
 
         The reference is full causal attention over every key. The K→K held-out keys are in neither the
         index nor the window, so their weight always counts as lost: a small downward bias (64 of ~n keys).
+        With an ``estimate`` (an estimator's), output and mass come from the exact part plus the estimate
+        (:meth:`estimated_quality`); without one, from the exact set alone.
         """
+        if estimate is not None:
+            return self.estimated_quality(ids, estimate, summaries)
         mass, err = [], []
         for i, pos in enumerate(self.test_pos):
             logits = (self.all_keys[: pos + 1] @ self.test_queries[i]).astype(np.float64) * self.scaling
@@ -73,6 +79,31 @@ class HeadData:
             subset = np.concatenate([self.window_positions(int(pos)), self.key_pos[row]])
             mass.append(metrics.mass_recovered(logits, subset))
             err.append(metrics.output_rel_error(logits, self.all_values[: pos + 1].astype(np.float64), subset))
+        return float(np.mean(mass)), float(np.mean(err))
+
+    def estimated_quality(self, ids: np.ndarray, estimate: Estimate,
+                          summaries: Summaries | None) -> tuple[float, float]:
+        """:meth:`attention_quality` of exact ``ids`` ∪ window plus the weighted ``estimate`` (ids = index rows).
+
+        Mass is the estimated normaliser over the full one: the kept share for exact sets, an estimate
+        of 1 (above 1 when it overestimates) for an estimator; the error is the estimated output's.
+        """
+        key_values = self.all_values[self.key_pos]  # values by index row, as the index's ids count
+        sums = summaries.value_sums(key_values) if summaries is not None else None
+        mass, err = [], []
+        for i, pos in enumerate(self.test_pos):
+            logits = (self.all_keys[: pos + 1] @ self.test_queries[i]).astype(np.float64) * self.scaling
+            values = self.all_values[: pos + 1].astype(np.float64)
+            row = ids[i][ids[i] >= 0]
+            exact = np.unique(np.concatenate([self.window_positions(int(pos)), self.key_pos[row]]))
+            l, w, v = estimate_terms(self.test_queries[i], self.keys, key_values, self.scaling, *estimate.row(i),
+                                     summaries, sums)
+            o, m, z = weighted_partial(np.concatenate([logits[exact], l]), np.concatenate([np.ones(len(exact)), w]),
+                                       np.concatenate([values[exact], v]))
+            top = logits.max()
+            full = metrics.attention_over(logits, values)
+            mass.append(float(z * np.exp(m - top) / np.exp(logits - top).sum()))
+            err.append(float(np.linalg.norm(o - full) / np.linalg.norm(full)))
         return float(np.mean(mass)), float(np.mean(err))
 
 

@@ -13,7 +13,7 @@ from anns_lab.errors import AnnsLabError
 RESULTS = "results.parquet"
 SETTINGS = "sweep.json"
 COLUMNS = ["dump", "model", "layer", "head", "kv_head", "index", "build_params", "search_params", "direction", "k",
-           "n_keys", "n_queries", "recall", "scanned_fraction", "mass_recovered", "output_rel_error", "latency_us",
+           "n_keys", "n_queries", "recall", "scanned_fraction", "bytes_read", "mass_recovered", "output_rel_error", "latency_us",
            "qps", "build_s", "index_bytes"]
 
 
@@ -49,7 +49,8 @@ def table_problem(table: pd.DataFrame) -> str | None:
     """
     checks = (("recall", (table["recall"] >= 0) & (table["recall"] <= 1), "is not in [0, 1]"),
               ("scanned_fraction", (table["scanned_fraction"] > 0) & np.isfinite(table["scanned_fraction"]),
-               "is not a positive finite fraction"))
+               "is not a positive finite fraction"),
+              ("bytes_read", (table["bytes_read"] >= 0) & np.isfinite(table["bytes_read"]), "is not a non-negative number"))
     for column, ok, rule in checks:
         if not ok.all():
             r = table[~ok].iloc[0]

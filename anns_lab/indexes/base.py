@@ -9,16 +9,22 @@ Result policy (the conformance kit checks it): ids are int64 row numbers of the 
 to ``build`` (then ``add``), sorted by descending score; if an index finds fewer than ``k``
 keys, the tail of the row is padded with id ``-1`` and score ``-inf``. ``n_scanned[i]`` is the
 number of vectors whose inner product with query ``i`` was computed, repeats included
-(centroids, hyperplanes and graph nodes all count).
+(centroids, hyperplanes and graph nodes all count). ``bytes_read[i]`` is the bytes of index data
+query ``i`` read: by default ``n_scanned[i] × dim × 4`` (every scanned vector read as a float32 key);
+an index that reads more (graph rows, inverted-list ids) or less (codes, page bounds) returns its
+own count as a fourth array from ``_search`` (each index's docstring says what it counts).
+
+Estimators (``estimates = True``) also return an :class:`~anns_lab.indexes.estimate.Estimate` of the
+softmax over the keys outside ``ids`` (weighted samples and/or summary terms) as a fifth item of
+``_search`` (``bytes_read`` may then be ``None`` for the default); its cost is part of ``n_scanned`` and
+``bytes_read``. An index with summary terms returns them from ``summaries()``. See docs/estimators.md.
 """
 
 from __future__ import annotations
 
 import difflib
 import itertools
-import json
 import math
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, NamedTuple, Sequence
@@ -26,9 +32,10 @@ from typing import Any, ClassVar, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from anns_lab.errors import IndexConfigError
+from anns_lab.indexes.estimate import Estimate, Summaries
 from anns_lab.indexes.key_store import KeyRows, KeyStore
+from anns_lab.indexes.persist import load_index, save_index
 
-FORMAT_VERSION = 1
 #: Largest magnitude accepted in keys and queries: any inner product of two such vectors (|q·k| ≤ d·1e30) stays
 #: far inside float32 (3.4e38) up to d = 10^8, so no index can overflow. Real activations are below 1e5.
 MAX_ABS = 1e15
@@ -82,11 +89,14 @@ def _num(v: float) -> str:
 
 
 class SearchResult(NamedTuple):
-    """What ``search`` returns: ids (nq, k) int64, scores (nq, k) float32, n_scanned (nq,) int64."""
+    """What ``search`` returns: ids (nq, k) int64, scores (nq, k) float32, n_scanned (nq,) int64, bytes_read (nq,) int64."""
 
     ids: np.ndarray
     scores: np.ndarray
     n_scanned: np.ndarray
+    bytes_read: np.ndarray | None = None  # search() always fills it; other constructors may leave it out
+    #: Estimators only: the estimate of the softmax over the keys outside ``ids`` (None for a top-k index).
+    estimate: Estimate | None = None
 
 
 def resolve_params(owner: str, declared: Mapping[str, Param], given: Mapping[str, Any]) -> dict[str, Any]:
@@ -98,12 +108,6 @@ def resolve_params(owner: str, declared: Mapping[str, Param], given: Mapping[str
             known = ", ".join(declared) or "none"
             raise IndexConfigError(f"{owner}: unknown parameter {name!r} (known: {known}){hint}")
     return {name: p.check(owner, name, given.get(name, p.default)) for name, p in declared.items()}
-
-
-def declared_only(declared: Mapping[str, Param], recorded: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """``recorded`` parameters (a saved index's, a results table's) split into those still ``declared`` and the
-    sorted names an older version had that this one no longer declares (no code reads them any more)."""
-    return {k: v for k, v in recorded.items() if k in declared}, sorted(set(recorded) - set(declared))
 
 
 def as_matrix(owner: str, what: str, x: Any, dim: int | None = None) -> np.ndarray:
@@ -142,6 +146,12 @@ class Index:
     search_grid: ClassVar[Mapping[str, Sequence[Any]]] = {}
     #: True when ``build`` uses ``train_queries`` (attention-aware indexes); others ignore them.
     uses_train_queries: ClassVar[bool] = False
+    #: True when ``build`` also takes ``train_topk``, the training queries' top keys computed elsewhere.
+    accepts_train_topk: ClassVar[bool] = False
+    #: True when ``search`` also returns an Estimate of the rest of the softmax (docs/estimators.md).
+    estimates: ClassVar[bool] = False
+    #: True when the estimate's normaliser and numerator are unbiased over the ``seed`` build parameter.
+    unbiased: ClassVar[bool] = False
 
     def __init__(self, **build_params: Any) -> None:
         self.params: dict[str, Any] = resolve_params(self._owner(), self.build_params, build_params)
@@ -150,8 +160,10 @@ class Index:
 
     # -- the protocol ---------------------------------------------------------------------------
 
-    def build(self, keys: Any, train_queries: Any | None = None) -> "Index":
-        """Index ``keys`` (n, d); attention-aware indexes also learn from ``train_queries`` (m, d).
+    def build(self, keys: Any, train_queries: Any | None = None, train_topk: Any | None = None) -> "Index":
+        """Index ``keys`` (n, d); attention-aware indexes also learn from ``train_queries`` (m, d), and those that
+        accept it take ``train_topk`` (m, c): each training query's top-c key ids by inner product, best first,
+        computed elsewhere (e.g. on the accelerator during the prefill) so the build need not.
 
         ``keys`` may be :class:`KeyRows`, one head of a growable :class:`KeyStore` the caller owns (the
         decoder's): an index that keeps float32 key rows reads them there instead of a copy of its own,
@@ -164,10 +176,30 @@ class Index:
         elif self.uses_train_queries:
             raise IndexConfigError(f"{self._owner()}: this index is built from train_queries; pass them to build()")
         self._given_rows = given
-        self._build(keys, train_queries)
+        if train_topk is None:
+            self._build(keys, train_queries)
+        else:
+            self._build(keys, train_queries, train_topk=self._check_topk(train_topk, train_queries, len(keys)))
         self.__dict__.pop("_given_rows", None)
         self.n_keys, self.dim = keys.shape
         return self
+
+    def _check_topk(self, topk: Any, train_queries: np.ndarray | None, n_keys: int) -> np.ndarray:
+        """``train_topk`` as a C-contiguous int32 (m, c) array of key ids, one row per training query, or raise."""
+        owner = self._owner()
+        if not self.accepts_train_topk:
+            raise IndexConfigError(f"{owner}: this index does not take train_topk")
+        if train_queries is None:
+            raise IndexConfigError(f"{owner}: train_topk needs the train_queries it was computed from")
+        arr = np.asarray(topk)
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise IndexConfigError(f"{owner}: train_topk must hold integer key ids, got dtype {arr.dtype}")
+        if arr.ndim != 2 or arr.shape[0] != len(train_queries) or arr.shape[1] == 0:
+            raise IndexConfigError(f"{owner}: train_topk must have shape ({len(train_queries)}, c ≥ 1), one row per "
+                                   f"training query, got {arr.shape}")
+        if arr.min() < 0 or arr.max() >= n_keys:
+            raise IndexConfigError(f"{owner}: train_topk holds ids outside [0, {n_keys}) (the keys given to build)")
+        return np.ascontiguousarray(arr, dtype=np.int32)
 
     def search(self, queries: Any, k: int, **params: Any) -> SearchResult:
         """Top-``k`` keys by inner product for each query, and how many vectors each query scanned."""
@@ -178,12 +210,22 @@ class Index:
         if k > self.n_keys:
             raise IndexConfigError(f"{self._owner()}: k={k} is larger than the number of keys ({self.n_keys})")
         full = self._search_params_for(params)
-        ids, scores, n_scanned = self._search(q, int(k), **full)
+        out = self._search(q, int(k), **full)
+        ids, scores, n_scanned = out[:3]
+        n_scanned = np.ascontiguousarray(n_scanned, dtype=np.int64)
+        bytes_read = out[3] if len(out) > 3 and out[3] is not None else n_scanned * self.key_bytes()
+        estimate = out[4] if len(out) > 4 else None
         return SearchResult(
             np.ascontiguousarray(ids, dtype=np.int64),
             np.ascontiguousarray(scores, dtype=np.float32),
-            np.ascontiguousarray(n_scanned, dtype=np.int64),
+            n_scanned,
+            np.ascontiguousarray(bytes_read, dtype=np.int64),
+            estimate,
         )
+
+    def key_bytes(self) -> int:
+        """Bytes of one stored key (float32): what the default ``bytes_read`` charges per vector scanned."""
+        return 4 * int(self.dim)
 
     @classmethod
     def search_group(cls, indexes: Sequence["Index"], queries: np.ndarray, k: int, **params: Any) -> SearchResult:
@@ -198,14 +240,21 @@ class Index:
         rows: dict[int, list[int]] = {}
         for i, index in enumerate(indexes):
             rows.setdefault(id(index), []).append(i)
-        out = None
+        out, estimates = None, [None] * len(indexes)
         for heads in rows.values():
             res = indexes[heads[0]].search(queries[heads], k, **params)
             if out is None:
-                out = type(res)(*(np.empty((len(indexes), *col.shape[1:]), col.dtype) for col in res))
-            for col, part in zip(out, res):
+                out = [np.empty((len(indexes), *col.shape[1:]), col.dtype) for col in res[:4]]
+            for col, part in zip(out, res[:4]):
                 col[heads] = part
-        return out
+            if res.estimate is not None:
+                for j, h in enumerate(heads):
+                    estimates[h] = res.estimate.rows([j])
+        return SearchResult(*out, None if any(e is None for e in estimates) else Estimate.concat(estimates))
+
+    def summaries(self) -> Summaries | None:
+        """The summary terms an estimate may use (centroid keys and their members); None when it uses none."""
+        return None
 
     def _search_params_for(self, params: dict[str, Any]) -> dict[str, Any]:
         """``resolve_params`` for search, remembered per distinct parameter set (batch-1 latency)."""
@@ -255,46 +304,16 @@ class Index:
     # -- persistence: .npy files (allow_pickle=False) plus one JSON file, never pickle ------------
 
     def save(self, path: str | Path) -> None:
-        """Write the index to folder ``path`` (``index.json`` plus one ``.npy`` per array)."""
+        """Write the index to folder ``path`` (``index.json`` with a sha256 per array, one ``.npy`` per array)."""
         self._require_built()
         if not self.supports_save:
             raise IndexConfigError(f"{self._owner()}: this index does not support save()")
-        folder = Path(path)
-        folder.mkdir(parents=True, exist_ok=True)
-        arrays = self._arrays()
-        for key, arr in arrays.items():
-            np.save(folder / f"{key}.npy", np.ascontiguousarray(arr), allow_pickle=False)
-        meta = {
-            "format": FORMAT_VERSION,
-            "class": f"{type(self).__module__}:{type(self).__qualname__}",
-            "params": self.params,
-            "n_keys": self.n_keys,
-            "dim": self.dim,
-            "arrays": sorted(arrays),
-        }
-        # Written last: a folder without index.json is an unfinished save.
-        (folder / "index.json").write_text(json.dumps(meta, indent=1))
+        save_index(self, path)
 
     @classmethod
     def load(cls, path: str | Path) -> "Index":
-        """Read an index written by ``save``."""
-        folder = Path(path)
-        meta_file = folder / "index.json"
-        if not meta_file.is_file():
-            raise IndexConfigError(f"{cls.__name__}: {folder} holds no saved index (index.json missing)")
-        meta = json.loads(meta_file.read_text())
-        want = f"{cls.__module__}:{cls.__qualname__}"
-        if meta.get("format") != FORMAT_VERSION or meta.get("class") != want:
-            raise IndexConfigError(f"{cls.__name__}: {folder} holds {meta.get('class')} format {meta.get('format')}, not {want}")
-        params, gone = declared_only(cls.build_params, meta["params"])
-        if gone:
-            warnings.warn(f"{cls.__name__}: {folder} was saved with parameters this version no longer has "
-                          f"({', '.join(gone)}); they are left out", stacklevel=2)
-        index = cls(**params)
-        arrays = {key: np.load(folder / f"{key}.npy", allow_pickle=False) for key in meta["arrays"]}
-        index.n_keys, index.dim = int(meta["n_keys"]), int(meta["dim"])
-        index._restore(arrays)
-        return index
+        """Read an index written by ``save``; anything missing, corrupt or inconsistent is one IndexConfigError."""
+        return load_index(cls, path)
 
     # -- for subclasses ----------------------------------------------------------------------------
 
@@ -312,6 +331,8 @@ class Index:
         raise NotImplementedError
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
+        """Set the index up from ``_arrays()``'s arrays (``n_keys``/``dim`` already set); check each array's
+        dtype, shape and id range first (``persist.expect``), raising IndexConfigError: they come from a file."""
         raise NotImplementedError
 
     def _key_rows(self, keys: np.ndarray) -> KeyRows:
@@ -326,6 +347,13 @@ class Index:
     def _require_built(self) -> None:
         if self.dim is None:
             raise IndexConfigError(f"{self._owner()}: call build() before using the index")
+
+
+def concat_results(parts: Sequence[SearchResult]) -> SearchResult:
+    """The rows of ``parts`` one after another (estimates concatenated too, when the parts have them)."""
+    arrays = [None if any(c is None for c in column) else np.concatenate(column) for column in zip(*(p[:4] for p in parts))]
+    estimates = [p.estimate for p in parts]
+    return SearchResult(*arrays, None if any(e is None for e in estimates) else Estimate.concat(estimates))
 
 
 def pad_topk(ids: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

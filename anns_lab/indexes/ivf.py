@@ -4,7 +4,8 @@ Counting: a query scores all ``nlist`` centroids, then every key of its ``nprobe
 lists, so ``n_scanned = nlist + Σ sizes of the probed lists``. The per-query sum is taken from
 the coarse assignment we pass to faiss's ``search_preassigned``; faiss's own counter
 ``indexIVF_stats.ndis`` (which excludes the centroids) must equal its total over the batch,
-and the search raises if it does not.
+and the search raises if it does not. ``bytes_read``: the ``nlist`` centroids and every vector of the
+probed lists (4·dim bytes each, float32) plus the probed lists' ids (8 bytes each, faiss ``idx_t``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes.base import Index, Param, pad_topk
+from anns_lab.indexes.persist import expect
 
 
 def auto_nlist(n_keys: int) -> int:
@@ -57,14 +59,15 @@ class IVFIndex(Index):
     def _search(self, queries: np.ndarray, k: int, nprobe: int):
         nprobe = min(nprobe, self.nlist)
         coarse_scores, probed = self._index.quantizer.search(queries, nprobe)
-        n_scanned = self.nlist + self.list_sizes()[probed].sum(axis=1)
+        listed = self.list_sizes()[probed].sum(axis=1)
+        n_scanned = self.nlist + listed
         self._index.nprobe = nprobe  # faiss's wrapper checks the assignment width against it
         faiss.cvar.indexIVF_stats.reset()
         scores, ids = self._index.search_preassigned(queries, k, probed, coarse_scores)
         if faiss.cvar.indexIVF_stats.ndis != int(n_scanned.sum()) - self.nlist * len(queries):
             raise RuntimeError("IVF scan count disagrees with faiss indexIVF_stats.ndis")
         ids, scores = pad_topk(ids, scores)
-        return ids, scores, n_scanned
+        return ids, scores, n_scanned, n_scanned * self.key_bytes() + 8 * listed
 
     def grid(self) -> list[dict]:
         # Clip to nlist and end on nprobe = nlist, so the top of every sweep is exhaustive.
@@ -81,4 +84,8 @@ class IVFIndex(Index):
         return {"faiss_index": faiss.serialize_index(self._index)}  # faiss's own write_index format
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
-        self._set(faiss.deserialize_index(arrays["faiss_index"]))
+        index = faiss.deserialize_index(expect(arrays, "faiss_index", np.uint8, (None,)))  # RuntimeError: load says so
+        if (not isinstance(index, faiss.IndexIVFFlat) or index.metric_type != faiss.METRIC_INNER_PRODUCT
+                or index.d != self.dim or index.ntotal != self.n_keys):
+            raise IndexConfigError(f"array 'faiss_index' is not an inner-product IVF-Flat of {self.n_keys} keys × {self.dim}")
+        self._set(index)

@@ -1,11 +1,14 @@
 """The result rules of the index protocol, in one place: the sweep, the decoder and the conformance kit apply them.
 
 A search result breaks the protocol when: its arrays are not ids int64 ``(nq, k)``, scores
-float32 ``(nq, k)``, n_scanned int64 ``(nq,)``; an id is outside ``[0, n_keys)`` and not the
+float32 ``(nq, k)``, n_scanned int64 ``(nq,)`` (and bytes_read int64 ``(nq,)`` when the result
+carries it, as every ``SearchResult`` does); bytes_read is negative; an id is outside ``[0, n_keys)`` and not the
 ``-1`` padding, or padding comes before a valid id; a row returns an id twice; a valid id's
 score is not finite, padding's is not ``-inf``, or scores are not sorted in descending order;
 ``n_scanned`` is below 1 or the number of returned ids, or above the index's ``max_scanned()``;
-and, when the queries and keys are given, a score differs from q·k of its id.
+and, when the queries and keys are given, a score differs from q·k of its id. The estimator rules
+(an Estimate exactly when the class ``estimates``; valid, disjoint, positively weighted terms) are
+:func:`anns_lab.indexes.estimate.estimate_problem`, applied by :func:`check_estimate`.
 """
 
 from __future__ import annotations
@@ -13,16 +16,17 @@ from __future__ import annotations
 import numpy as np
 
 from anns_lab.errors import IndexResultError
+from anns_lab.indexes.estimate import estimate_problem
 
 
 def result_problem(res, nq: int, k: int, n_keys: int, max_scanned: int, queries: np.ndarray | None = None,
                    keys: np.ndarray | None = None, check_scores: bool = True) -> str | None:
-    """The first rule ``res`` = (ids, scores, n_scanned) breaks, in words, or None when it keeps them all.
+    """The first rule ``res`` = (ids, scores, n_scanned[, bytes_read]) breaks, in words, or None when it keeps them all.
 
     ``check_scores=False`` skips the score rules (the decoder reads only ids and counts); ``queries``
     and ``keys`` (float32, the rows the ids point to) add the check that scores equal q·k.
     """
-    ids, scores, scanned = (np.asarray(a) for a in res)
+    ids, scores, scanned = (np.asarray(a) for a in res[:3])
     if ids.shape != (nq, k) or ids.dtype != np.int64:
         return f"ids must be int64 of shape ({nq}, {k}), got {ids.dtype} {ids.shape}"
     if scanned.shape != (nq,) or scanned.dtype != np.int64:
@@ -47,6 +51,12 @@ def result_problem(res, nq: int, k: int, n_keys: int, max_scanned: int, queries:
         return f"n_scanned {int(scanned.min())} is below 1 or below the number of returned ids"
     if int(scanned.max()) > max_scanned:
         return f"n_scanned {int(scanned.max())} exceeds the index's declared bound max_scanned() = {max_scanned}"
+    if len(res) > 3 and res[3] is not None:
+        n_bytes = np.asarray(res[3])
+        if n_bytes.shape != (nq,) or n_bytes.dtype != np.int64:
+            return f"bytes_read must be int64 of shape ({nq},), got {n_bytes.dtype} {n_bytes.shape}"
+        if (n_bytes < 0).any():
+            return f"bytes_read {int(n_bytes.min())} is negative"
     if not check_scores:
         return None
     if scores.shape != (nq, k) or scores.dtype != np.float32:
@@ -80,5 +90,12 @@ def check_result(owner: str, res, nq: int, k: int, n_keys: int, max_scanned: int
                  keys: np.ndarray | None = None, check_scores: bool = True) -> None:
     """Raise IndexResultError naming ``owner`` and the broken rule when ``res`` breaks the protocol."""
     problem = result_problem(res, nq, k, n_keys, max_scanned, queries, keys, check_scores)
+    if problem is not None:
+        raise IndexResultError(f"{owner} broke the index protocol: {problem}")
+
+
+def check_estimate(owner: str, res, index) -> None:
+    """Raise IndexResultError when ``res`` (one ``index``'s SearchResult) breaks the estimator rules (estimate_problem)."""
+    problem = estimate_problem(res, index.estimates, index.summaries(), index.n_keys, index.dim)
     if problem is not None:
         raise IndexResultError(f"{owner} broke the index protocol: {problem}")

@@ -1,0 +1,99 @@
+"""The training queries' top-k key lists of the query-aware builds: exact, or exact at anchors and re-ranked between.
+
+The exact lists cost m × n inner products (every training query against every key): at 32K keys
+and 32K queries of dimension 256 that is ~8 s of one core, most of a roargraph build, and it grows
+as n² with the context. Neighbouring prefill queries share most of their top keys (the sinks, the
+heavy hitters, the passage being read), so :func:`anchored_topk` computes exact lists only for
+*anchor* queries (every ``stride``-th, counted back from the newest, plus the newest ``exact_tail``)
+and ranks, for each query between two anchors, the union of the lists of the ``span`` anchors on
+either side by its exact inner products: m·n/stride + m·2·span·k products instead of m·n.
+
+Rows of anchors are exact (:func:`topk.topk_ip`'s); rows between them are the exact order of
+their candidates, so a key is missed only when no nearby anchor has it in its list.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from anns_lab.indexes.graph.simd import dot
+from anns_lab.indexes.topk import topk_ip
+
+
+def anchor_ids(m: int, stride: int, exact_tail: int) -> np.ndarray:
+    """Sorted ids of the anchor queries among ``m``: every ``stride``-th counted back from the newest
+    (m - 1), the first, and the newest ``exact_tail`` (decode queries resemble the newest most)."""
+    if stride <= 1 or m <= 2:
+        return np.arange(m, dtype=np.int64)
+    ids = np.r_[0, np.arange(m - 1, -1, -stride), np.arange(max(0, m - exact_tail), m)]
+    return np.unique(ids).astype(np.int64)
+
+
+def anchored_topk(queries: np.ndarray, keys: np.ndarray, k: int, stride: int, span: int = 2,
+                  exact_tail: int = 256, n_threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(lists (m, k) int32 best first, exact (m,) bool): exact lists at the anchors (:func:`anchor_ids`),
+    elsewhere the top ``k`` by exact inner product among the keys listed by the ``span`` anchors on either side.
+
+    ``stride`` ≤ 1 is :func:`topk.topk_ip` for every query (all rows exact).
+    """
+    queries = np.ascontiguousarray(queries, np.float32)
+    keys = np.ascontiguousarray(keys, np.float32)
+    m = len(queries)
+    k = min(k, len(keys))
+    anchors = anchor_ids(m, stride, exact_tail)
+    exact = np.zeros(m, np.bool_)
+    exact[anchors] = True
+    if len(anchors) == m:
+        return topk_ip(queries, keys, k), exact
+    out = np.empty((m, k), np.int32)
+    a_lists = topk_ip(queries[anchors], keys, k)
+    out[anchors] = a_lists
+    gaps = np.flatnonzero(np.diff(anchors) > 1)  # anchor pairs with queries between them
+    n_chunks = max(1, min(len(gaps), n_threads))
+    _rerank_gaps(queries, keys, a_lists, anchors, gaps, max(1, span), out, n_chunks)
+    return out, exact
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _rerank_gaps(queries, keys, a_lists, anchors, gaps, span, out, n_chunks):
+    """For each gap g (queries strictly between anchors[g] and anchors[g + 1]): candidates = the lists of
+    anchors g - span + 1 … g + span (deduplicated), gathered once, scored against each of the gap's queries; each query keeps its top k, best first."""
+    n, d = keys.shape
+    na, k = a_lists.shape
+    for c in prange(n_chunks):
+        stamp = np.full(n, -1, np.int64)
+        cand = np.empty(2 * span * k, np.int64)
+        block = np.empty((2 * span * k, d), np.float32)
+        s = np.empty(2 * span * k, np.float32)
+        for gi in range(c, gaps.shape[0], n_chunks):
+            g = gaps[gi]
+            t = 0
+            for a in range(max(0, g - span + 1), min(na, g + span + 1)):
+                for j in range(k):
+                    v = a_lists[a, j]
+                    if stamp[v] != g:
+                        stamp[v] = g
+                        cand[t] = v
+                        t += 1
+            for i in range(t):
+                block[i] = keys[cand[i]]
+            lo, hi = anchors[g] + 1, anchors[g + 1]
+            for r in range(hi - lo):
+                # graph.simd.dot, not np.dot: numba's BLAS calls on these small blocks cost ~15x more
+                # (OpenBLAS's thread pool on a loaded machine); the gathered block stays in cache for the gap.
+                q = queries[lo + r]
+                for i in range(t):
+                    s[i] = dot(block[i], q)
+                order = _top_sorted(s[:t], k)
+                for j in range(k):
+                    out[lo + r, j] = cand[order[j]]
+
+
+@njit(cache=True, nogil=True)
+def _top_sorted(s, k):
+    """Indices of the ``k`` largest entries of ``s``, largest first (a partition, then a sort of k)."""
+    thr = np.partition(s, s.shape[0] - k)[s.shape[0] - k]
+    idx = np.flatnonzero(s >= thr)
+    order = np.argsort(-s[idx], kind="mergesort")[:k]
+    return idx[order]

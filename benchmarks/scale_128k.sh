@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The paper's scale (issue 13): Gemma-3-270M at 128K tokens, end to end, each step's time and peak memory.
+#
+#   benchmarks/scale_128k.sh                                   # 131,072 tokens: a bigger machine or a GPU
+#   MODEL=smollm2 TOKENS=2048 LAYERS=2,15 QUICK=1 benchmarks/scale_128k.sh   # the same steps at small size
+#
+# 1. `anns-lab dump` beyond the 32K training length (--allow-extrapolation: the results say so), chunked
+#    prefill (CHUNK tokens; the memory estimate refuses a chunk that cannot fit and names one that does);
+# 2. the sweep (benchmarks/bench_query_aware.py: IVF, roargraph, robust-vamana, hnsw side by side, every head
+#    of the global layers, scanned fraction at recall 0.95 and build s per head);
+# 3. `anns-lab decode` on niah and passkey, every mode on one shared prefill per sample (time to first token,
+#    retrieval per token against flat and IVF).
+# Each step writes under OUT; "peak RSS" lines come from GNU time. Steps already done are skipped (the dump and
+# the sweep resume; delete OUT/decode-*.json to rerun a decode).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MODEL=${MODEL:-gemma3-270m}
+TOKENS=${TOKENS:-131072}
+CHUNK=${CHUNK:-1024}
+DECODE_TOKENS=${DECODE_TOKENS:-16}
+SAMPLES=${SAMPLES:-2}
+JOBS=${JOBS:-2}
+LAB=${LAB:-.venv/bin/anns-lab}
+PY=${PY:-.venv/bin/python}
+DUMP=${DUMP:-dumps/$MODEL-text-$TOKENS}
+OUT=${OUT:-results/scale-$MODEL-$TOKENS}
+INDEXES=${INDEXES:-ivf,roargraph,robust-vamana,hnsw}
+MODES=${MODES:-full,flat,ivf,roargraph}
+if [ -z "${LAYERS:-}" ]; then
+  case "$MODEL" in gemma3-270m) LAYERS=5,11,17 ;; *) LAYERS=2,15,28 ;; esac
+fi
+mkdir -p "$OUT"
+timed() {  # timed NAME CMD...: run CMD, keep its output and GNU time's report in OUT/NAME.log
+  local name=$1; shift
+  echo "== $name: $*"
+  /usr/bin/time -v "$@" 2>&1 | tee "$OUT/$name.log"
+  grep -E "Maximum resident set size|Elapsed \(wall clock\)|User time|System time" "$OUT/$name.log" \
+    | sed "s/^\s*/$name: /"
+}
+timed dump "$LAB" dump --model "$MODEL" --tokens "$TOKENS" --decode-tokens "$DECODE_TOKENS" --chunk "$CHUNK" \
+  --allow-extrapolation --out "$DUMP"
+timed sweep "$PY" benchmarks/bench_query_aware.py --dump "$DUMP" --indexes "$INDEXES" --layers "$LAYERS" \
+  --jobs "$JOBS" --out "$OUT/sweep" ${QUICK:+--quick}
+for task in niah passkey; do
+  [ -f "$OUT/decode-$task.json" ] && continue
+  timed "decode-$task" "$LAB" decode --model "$MODEL" --task "$task" --context "$TOKENS" --samples "$SAMPLES" \
+    --mode "$MODES" --chunk "$CHUNK" --allow-extrapolation --json "$OUT/decode-$task.json"
+done
+echo "results in $OUT"

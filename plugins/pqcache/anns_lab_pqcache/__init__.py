@@ -1,0 +1,85 @@
+"""PQCache-style product quantization (Zhang et al., "PQCache: Product Quantization-based KVCache for
+Long Context LLM Inference", SIGMOD 2025).
+
+Build: faiss product quantization of the keys (``M`` sub-vectors of d/M dimensions, ``2^nbits``
+codewords each, k-means on the keys as PQCache; its defaults M = 2, nbits = 6). Search: the query's
+approximate inner product with every key from its codes (asymmetric distance computation, faiss
+``IndexPQ`` with inner product), the ``pool`` keys of largest approximate score re-ranked by their
+exact inner product, and the top-k of those returned.
+
+Counting: the ADC table is the query's products with every codeword: M × 2^nbits products of d/M
+dimensions, as many multiplications as ``2^nbits`` full inner products, so ``n_scanned = 2^nbits +
+pool``; the n code lookups are additions, not inner products, and are charged in bytes:
+``bytes_read = 4·d·2^nbits`` (the codebooks, float32) ``+ code_size · n`` (every key's code: ⌈M·nbits/8⌉
+bytes) ``+ 4·d · pool`` (the re-ranked keys).
+"""
+
+from __future__ import annotations
+
+import faiss
+import numpy as np
+
+from anns_lab.errors import IndexConfigError
+from anns_lab.indexes import Index, Param
+
+POOLS = (100, 150, 200, 300, 400, 600, 800, 1200, 1600, 2400, 3200, 4800, 6400, 9600, 12800, 19200, 25600)
+
+
+class PQCacheIndex(Index):
+    """PQCache: PQ codes of the keys (faiss), approximate scores over all codes, exact re-ranking of a pool."""
+
+    build_params = {
+        "M": Param(2, 1, 256, help="sub-vectors per key (PQCache: 2); must divide the dimension"),
+        "nbits": Param(6, 1, 12, help="bits per sub-vector code, 2^nbits codewords (PQCache: 6)"),
+        "seed": Param(1234, 0, 2**31 - 1, help="k-means seed of the codebooks"),
+    }
+    search_params = {"pool": Param(400, 1, 1 << 30, help="keys of best approximate score re-ranked exactly (≥ k)")}
+    search_grid = {"pool": POOLS}
+
+    def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
+        M, nbits = self.params["M"], self.params["nbits"]
+        if keys.shape[1] % M:
+            raise IndexConfigError(f"{self._owner()}: M={M} does not divide the key dimension {keys.shape[1]}")
+        if len(keys) < 2 ** nbits:
+            raise IndexConfigError(f"{self._owner()}: {len(keys)} keys cannot train 2^{nbits} codewords")
+        index = faiss.IndexPQ(keys.shape[1], M, nbits, faiss.METRIC_INNER_PRODUCT)
+        index.pq.cp.seed = self.params["seed"]
+        index.train(keys)
+        index.add(keys)
+        self._pq, self._keys = index, keys
+
+    @property
+    def ksub(self) -> int:
+        return 2 ** self.params["nbits"]
+
+    def _search(self, queries: np.ndarray, k: int, pool: int):
+        pool = min(max(pool, k), self.n_keys)
+        _, cand = self._pq.search(queries, pool)  # ADC over every code
+        ids = np.full((len(queries), k), -1, np.int64)
+        scores = np.full((len(queries), k), -np.inf, np.float32)
+        for row, (q, c) in enumerate(zip(queries, cand)):
+            c = c[c >= 0]
+            s = self._keys[c] @ q
+            top = np.argsort(-s, kind="stable")[:k]
+            ids[row, : len(top)], scores[row, : len(top)] = c[top], s[top]
+        d = queries.shape[1]
+        n_scanned = np.full(len(queries), self.ksub + pool, np.int64)
+        n_bytes = 4 * d * self.ksub + self._pq.code_size * self.n_keys + 4 * d * pool
+        return ids, scores, n_scanned, np.full(len(queries), n_bytes, np.int64)
+
+    def grid(self) -> list[dict]:
+        return [{"pool": p} for p in sorted({min(p, self.n_keys) for p in self.search_grid["pool"]} | {self.n_keys})]
+
+    def max_scanned(self) -> int:
+        return self.n_keys + self.ksub
+
+    def _add(self, keys: np.ndarray) -> None:
+        self._pq.add(keys)  # encoded with the codebooks of the build, as PQCache encodes new tokens
+        self._keys = np.ascontiguousarray(np.vstack([self._keys, keys]))
+
+    def _arrays(self) -> dict[str, np.ndarray]:
+        return {"faiss_index": faiss.serialize_index(self._pq), "keys": self._keys}
+
+    def _restore(self, arrays: dict[str, np.ndarray]) -> None:
+        self._pq = faiss.deserialize_index(arrays["faiss_index"])
+        self._keys = np.ascontiguousarray(arrays["keys"], dtype=np.float32)

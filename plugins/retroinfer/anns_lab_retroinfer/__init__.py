@@ -1,0 +1,108 @@
+"""RetroInfer-style clustered estimate (VLDB 2026): exact tokens of the best clusters, the rest from centroids.
+
+Keys are grouped by k-means (faiss, ``nlist`` clusters; ``nlist ≥ n`` makes every key its own
+cluster). A query scores every centroid, attends exactly to every key of the ``nprobe`` best
+clusters (the top-k of them as ``ids``, the others as samples of weight 1), and estimates
+each remaining cluster ``c`` from its centroid (the mean of its member keys): ``n_c·e^{l_c}``
+in the normaliser and ``e^{l_c}·Σ_{i∈c} v_i`` in the numerator. The value sums are the
+consumer's, from :meth:`summaries` (members per cluster). ``estimate_frac`` of the remaining
+clusters, best first, are estimated; the others are dropped. Not unbiased: every member of an
+estimated cluster is given its centroid's logit. With single-key clusters it is exact.
+
+Counting: ``n_scanned`` = ``nlist`` centroids + the probed clusters' keys; ``bytes_read`` = those
+vectors, the values of the exact keys beyond the top-k and the estimated clusters' value sums, as float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import faiss
+import numpy as np
+
+from anns_lab.errors import IndexConfigError
+from anns_lab.indexes import Index, Param
+from anns_lab.indexes.estimate import Estimate, Summaries
+
+
+class RetroInfer(Index):
+    """k-means clusters: keys of the nprobe best clusters exact, the other clusters estimated from centroid and value sum."""
+
+    build_params = {
+        "nlist": Param(0, 0, 1 << 24, help="k-means clusters; 0 = auto (n/16, RetroInfer's ~16 keys per cluster); "
+                                           "≥ n: one cluster per key"),
+        "niter": Param(10, 1, 1000, help="k-means iterations"),
+        "seed": Param(1234, 0, 2**31 - 1, help="k-means seed"),
+    }
+    search_params = {
+        "nprobe": Param(8, 1, 1 << 24, help="clusters attended exactly (clipped to nlist)"),
+        "estimate_frac": Param(1.0, 0.0, 1.0, help="share of the other clusters, best first, estimated from centroids"),
+    }
+    search_grid = {"nprobe": (1, 2, 4, 8, 16, 32, 64, 128)}
+    estimates = True
+
+    def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
+        n, d = keys.shape
+        nlist = self.params["nlist"] or max(1, n // 16)
+        if nlist >= n:
+            assign = np.arange(n)
+        else:
+            km = faiss.Kmeans(d, nlist, niter=self.params["niter"], seed=self.params["seed"],
+                              min_points_per_centroid=1, max_points_per_centroid=1 << 30)
+            km.train(keys)
+            assign = km.index.search(keys, 1)[1][:, 0]
+        self._set(keys, assign)
+
+    def _set(self, keys: np.ndarray, assign: np.ndarray) -> None:
+        self._keys = keys
+        members = np.argsort(assign, kind="stable").astype(np.int64)
+        counts = np.bincount(assign, minlength=assign.max() + 1)
+        sums = np.zeros((len(counts), keys.shape[1]), np.float64)
+        np.add.at(sums, assign, keys)
+        used = counts > 0  # empty clusters (k-means may leave some) are dropped
+        keep = np.flatnonzero(used)
+        centroids = (sums[keep] / counts[keep, None]).astype(np.float32)
+        offsets = np.concatenate([[0], np.cumsum(counts[keep])]).astype(np.int64)
+        self._summ = Summaries(centroids, offsets, members)
+        self._assign = assign
+
+    def summaries(self) -> Summaries:
+        return self._summ
+
+    def _search(self, queries: np.ndarray, k: int, nprobe: int, estimate_frac: float):
+        summ = self._summ
+        n_c = len(summ.keys)
+        nprobe = min(nprobe, n_c)
+        cscores = queries @ summ.keys.T
+        order = np.argsort(-cscores, axis=1, kind="stable")
+        nq, d = queries.shape
+        ids = np.full((nq, k), -1, np.int64)
+        scores = np.full((nq, k), -np.inf, np.float32)
+        samples, summary_ids = [], []
+        n_scanned = np.zeros(nq, np.int64)
+        for row, q in enumerate(queries):
+            probed = order[row, :nprobe]
+            exact = np.concatenate([summ.members[summ.offsets[c]: summ.offsets[c + 1]] for c in probed])
+            s = self._keys[exact] @ q
+            best = np.argsort(-s, kind="stable")
+            top = best[:k]
+            ids[row, : len(top)], scores[row, : len(top)] = exact[top], s[top]
+            samples.append(np.sort(exact[best[k:]]))
+            rest = order[row, nprobe:]
+            summary_ids.append(rest[: math.ceil(estimate_frac * len(rest))])
+            n_scanned[row] = n_c + len(exact)
+        estimate = Estimate.make(samples, [np.ones(len(s)) for s in samples], summary_ids, nq=nq)
+        return ids, scores, n_scanned, (n_scanned + estimate.n_terms()) * 4 * d, estimate
+
+    def grid(self) -> list[dict]:
+        n_c = len(self._summ.keys)
+        return [{"nprobe": v} for v in sorted({min(v, n_c) for v in self.search_grid["nprobe"]} | {n_c})]
+
+    def max_scanned(self) -> int:
+        return self.n_keys + len(self._summ.keys)
+
+    def _arrays(self) -> dict[str, np.ndarray]:
+        return {"keys": self._keys, "assign": self._assign}
+
+    def _restore(self, arrays: dict[str, np.ndarray]) -> None:
+        self._set(arrays["keys"], arrays["assign"])

@@ -1,0 +1,46 @@
+"""RetroInfer plugin: the conformance kit, single-key clusters are exact, summaries are the k-means groups."""
+
+import numpy as np
+
+from anns_lab import indexes
+from anns_lab.testing import check_index, easy_data, estimated_sums
+from anns_lab_retroinfer import RetroInfer
+
+
+def test_conformance():
+    check_index(RetroInfer)
+
+
+def test_registered_through_entry_point():
+    assert indexes.get("retroinfer") is RetroInfer
+
+
+def _exact_sums(queries, keys, values, scaling):
+    w = np.exp((queries.astype(np.float64) @ keys.astype(np.float64).T) * scaling)
+    return w.sum(axis=1), w @ values.astype(np.float64)
+
+
+def test_single_key_clusters_are_exact():
+    keys, queries, _ = easy_data(n_keys=300)
+    values = np.random.default_rng(1).standard_normal((300, 5)).astype(np.float32)
+    index = RetroInfer(nlist=10_000).build(keys)
+    z, num = estimated_sums(index, index.search(queries, 10, nprobe=2), queries, keys, values, 0.3)
+    tz, tnum = _exact_sums(queries, keys, values, 0.3)
+    np.testing.assert_allclose(z, tz, rtol=1e-9)
+    np.testing.assert_allclose(num, tnum, rtol=1e-9, atol=1e-9)
+
+
+def test_centroids_are_member_means_and_error_falls_with_nprobe():
+    keys, queries, _ = easy_data(n_keys=600)
+    values = np.random.default_rng(2).standard_normal((600, 4)).astype(np.float32)
+    index = RetroInfer(nlist=40).build(keys)
+    summ = index.summaries()
+    for c in range(len(summ.keys)):
+        members = summ.members[summ.offsets[c]: summ.offsets[c + 1]]
+        np.testing.assert_allclose(summ.keys[c], keys[members].mean(axis=0), rtol=1e-5, atol=1e-6)
+    tz, tnum = _exact_sums(queries, keys, values, 0.3)
+    errors = []
+    for nprobe in (1, 8, 40):
+        z, num = estimated_sums(index, index.search(queries, 10, nprobe=nprobe), queries, keys, values, 0.3)
+        errors.append(float(np.median(np.linalg.norm(num / z[:, None] - tnum / tz[:, None], axis=1))))
+    assert errors[0] > errors[1] > errors[2] and errors[2] < 1e-9

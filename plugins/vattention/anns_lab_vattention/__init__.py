@@ -1,0 +1,114 @@
+"""vAttention-style estimator (ICLR 2026): exact top-k plus a uniform sample of the rest, budget from (ε, δ).
+
+The top-k comes from the lab's IVF index (``nprobe`` lists). The rest R (every key not in the
+top-k) is estimated from a uniform sample without replacement, each sampled key weighted
+``|R|/b``: unbiased for R's share of the softmax numerator and normaliser.
+
+Budget. With ``m`` the largest logit seen, the normaliser is ``D = D_top + D_R``, ``D_R = Σ_R
+e^{τ(l−m)}`` (τ = ``temperature``, the softmax scale; 0 means 1/√dim). A pilot of ``pilot``
+uniform keys of R, drawn independently of the sample, gives the mean μ̂ and standard deviation
+σ̂ of ``e^{τ(l−m)}`` over R. By the central limit theorem with the finite-population
+correction, ``P(|D̂_R − D_R| > ε·D) ≤ δ`` when ``b ≥ n₀ / (1 + (n₀ − 1)/|R|)`` with
+``n₀ = (z_{1−δ/2} · |R| · σ̂ / (ε · (D_top + |R|·μ̂)))²``: the CLT-based budget of vAttention, on
+the normaliser (an approximation: σ̂ and μ̂ are estimates, and the CLT is asymptotic).
+b is at least ``min(pilot, |R|)`` and at most ``|R|`` (then every weight is 1 and the result is exact).
+
+Sampling is seeded by ``seed`` and the query's bytes, so a search is deterministic; over seeds it
+is unbiased. Counting: ``n_scanned`` = IVF's + pilot + sample keys; ``bytes_read`` = IVF's + 4·dim for each
+of those keys and each sampled key's value.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from statistics import NormalDist
+
+import numpy as np
+
+from anns_lab.indexes import Index, Param
+from anns_lab.indexes.estimate import Estimate
+from anns_lab.indexes.ivf import IVFIndex
+
+
+def query_rng(seed: int, q: np.ndarray) -> np.random.Generator:
+    """A generator seeded by ``seed`` and the query's bytes: the same query draws the same sample in any batch."""
+    return np.random.default_rng([seed, zlib.crc32(np.ascontiguousarray(q).tobytes())])
+
+
+def budget(rest_logits: np.ndarray, top_logits: np.ndarray, n_rest: int, epsilon: float, delta: float,
+           floor: int) -> int:
+    """Sample size for relative error ε of the normaliser with probability 1 − δ (CLT bound; module doc)."""
+    if n_rest == 0:
+        return 0
+    m = max(rest_logits.max(initial=-np.inf), top_logits.max(initial=-np.inf))
+    e = np.exp(rest_logits - m)
+    mu, sigma = float(e.mean()), float(e.std(ddof=1)) if len(e) > 1 else 0.0
+    total = float(np.exp(top_logits - m).sum()) + n_rest * mu
+    z = NormalDist().inv_cdf(1 - delta / 2)
+    n0 = (z * n_rest * sigma / (epsilon * total)) ** 2
+    b = math.ceil(n0 / (1 + (n0 - 1) / n_rest)) if n0 > 0 else 0
+    return int(min(n_rest, max(b, floor)))
+
+
+class VAttention(Index):
+    """Exact top-k (IVF) + a uniform sample of the rest weighted |R|/b; b from (ε, δ) by a CLT bound."""
+
+    build_params = {
+        "nlist": Param(0, 0, 1 << 20, help="IVF lists for the top-k; 0 = auto (2·√n)"),
+        "seed": Param(1234, 0, 2**31 - 1, help="k-means and sampling seed"),
+    }
+    search_params = {
+        "nprobe": Param(16, 1, 1 << 20, help="IVF lists probed for the top-k"),
+        "epsilon": Param(0.1, 1e-9, 10.0, help="relative error of the softmax normaliser"),
+        "delta": Param(0.05, 1e-9, 0.999, help="probability that the error exceeds ε"),
+        "pilot": Param(32, 2, 1 << 20, help="uniform keys scored to estimate the budget"),
+        "temperature": Param(0.0, 0.0, 1e6, help="softmax scale of q·k; 0 = 1/√dim"),
+    }
+    search_grid = {"nprobe": (4, 16, 64), "epsilon": (0.3, 0.1, 0.03)}
+    estimates = True
+    unbiased = True
+
+    def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
+        self._ivf = IVFIndex(nlist=self.params["nlist"], seed=self.params["seed"]).build(keys)
+        self._keys = keys
+
+    def _search(self, queries: np.ndarray, k: int, nprobe: int, epsilon: float, delta: float, pilot: int,
+                temperature: float):
+        tau = temperature or 1 / math.sqrt(queries.shape[1])
+        top = self._ivf.search(queries, k, nprobe=nprobe)
+        n = len(self._keys)
+        samples, weights = [], []
+        extra = np.zeros(len(queries), np.int64)
+        for row, q in enumerate(queries):
+            exact = top.ids[row][top.ids[row] >= 0]
+            outside = np.ones(n, bool)
+            outside[exact] = False
+            rest = np.flatnonzero(outside)
+            rng = query_rng(self.params["seed"], q)
+            probe = rest[rng.choice(len(rest), min(pilot, len(rest)), replace=False)]
+            b = budget(tau * (self._keys[probe] @ q), tau * top.scores[row][top.ids[row] >= 0].astype(np.float64),
+                       len(rest), epsilon, delta, min(pilot, len(rest)))
+            pick = rest[np.sort(rng.choice(len(rest), b, replace=False))]
+            samples.append(pick)
+            weights.append(np.full(b, len(rest) / b) if b else np.zeros(0))
+            extra[row] = len(probe) + b
+        estimate = Estimate.make(samples, weights, nq=len(queries))
+        n_scanned = top.n_scanned + extra
+        bytes_read = top.bytes_read + (extra + estimate.n_terms()) * 4 * queries.shape[1]
+        return top.ids, top.scores, n_scanned, bytes_read, estimate
+
+    def max_scanned(self) -> int:
+        return self._ivf.max_scanned() + 2 * self.n_keys
+
+    def grid(self) -> list[dict]:
+        points = {(min(p, self._ivf.nlist), e): None for p in self.search_grid["nprobe"] for e in self.search_grid["epsilon"]}
+        return [{"nprobe": p, "epsilon": e} for p, e in points]
+
+    @property
+    def nbytes(self) -> int:
+        return self._ivf.nbytes + self._keys.nbytes
+
+    def _add(self, keys: np.ndarray) -> None:
+        self._ivf.add(keys)
+        self._keys = np.vstack([self._keys, keys])

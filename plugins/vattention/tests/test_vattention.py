@@ -1,0 +1,35 @@
+"""vAttention plugin: the conformance kit (with its unbiasedness check), the budget, exactness at full budget."""
+
+import numpy as np
+
+from anns_lab import indexes
+from anns_lab.testing import check_index, easy_data, estimated_sums
+from anns_lab_vattention import VAttention, budget
+
+
+def test_conformance_and_unbiased():
+    check_index(VAttention)  # VAttention claims unbiased: the kit averages 200 seeded builds
+
+
+def test_registered_through_entry_point():
+    assert indexes.get("vattention") is VAttention
+
+
+def test_budget_grows_as_epsilon_and_delta_fall():
+    rng = np.random.default_rng(0)
+    rest, top = rng.normal(size=64), rng.normal(size=10) + 2
+    sizes = [budget(rest, top, 5000, e, d, 32) for e, d in ((0.3, 0.1), (0.1, 0.1), (0.03, 0.1), (0.03, 0.01))]
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1] <= 5000
+    assert budget(np.zeros(64), top, 5000, 0.01, 0.01, 32) == 32  # no spread: the pilot floor is enough
+
+
+def test_full_budget_is_exact():
+    keys, queries, _ = easy_data(n_keys=400)
+    values = np.random.default_rng(1).standard_normal((400, 3)).astype(np.float32)
+    index = VAttention().build(keys)
+    res = index.search(queries, 10, nprobe=1, epsilon=1e-9)
+    assert (res.estimate.sample_weights[res.estimate.sample_ids >= 0] == 1.0).all()
+    z, num = estimated_sums(index, res, queries, keys, values, 0.25)
+    w = np.exp((queries.astype(np.float64) @ keys.astype(np.float64).T) * 0.25)
+    np.testing.assert_allclose(z, w.sum(axis=1), rtol=1e-9)
+    np.testing.assert_allclose(num, w @ values.astype(np.float64), rtol=1e-9, atol=1e-9)

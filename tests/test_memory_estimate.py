@@ -1,0 +1,71 @@
+"""Peak memory foreseen before a prefill (dump and decode): the estimate's parts and the one clear refusal."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from click.testing import CliRunner
+
+from anns_lab.cli import main
+from anns_lab.dumps.memory import GIB, MemoryEstimateError, available_bytes, check_prefill, prefill_estimate
+from anns_lab.dumps.run import run_dump
+
+GEMMA_LIKE = SimpleNamespace(num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                             hidden_size=640, intermediate_size=2048, sliding_window=512,
+                             layer_types=["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 12)
+
+
+def test_estimate_parts():
+    est = prefill_estimate(GEMMA_LIKE, 131072, 2048)
+    # KV: one full layer over every token plus 17 sliding layers over their window, K and V, float32.
+    assert est.parts["KV cache"] == 2 * 256 * 4 * (131072 + 17 * 512)
+    assert est.parts["attention scores of a 2048-token chunk"] == 2 * 2048 * 4 * 131072 * 4
+    small = prefill_estimate(GEMMA_LIKE, 131072, 512)
+    assert small.total < est.total and small.parts["KV cache"] == est.parts["KV cache"]
+    decode = prefill_estimate(GEMMA_LIKE, 131072, 2048, query_layers=3, index_layers=3, cache_copy=True)
+    assert decode.parts["prefill queries kept"] == 3 * 4 * 131072 * 256 * 4
+    assert decode.total > est.total + decode.parts["copy of the KV cache (full)"]
+
+
+def test_refusal_names_the_chunk_that_fits(monkeypatch):
+    need_512 = prefill_estimate(GEMMA_LIKE, 131072, 512).total
+    monkeypatch.setenv("ANNS_LAB_MEMORY_LIMIT", str(need_512 + 1))
+    assert available_bytes() == need_512 + 1
+    with pytest.raises(MemoryEstimateError, match=r"--chunk 512 \(about") as err:
+        check_prefill(GEMMA_LIKE, 131072, 2048, "a dump", "--tokens")
+    assert "KV cache" in str(err.value) and "GiB is available" in str(err.value)
+    check_prefill(GEMMA_LIKE, 131072, 512, "a dump", "--tokens")  # fits: no error
+    monkeypatch.setenv("ANNS_LAB_MEMORY_LIMIT", "0.01G")
+    with pytest.raises(MemoryEstimateError, match="even --chunk 128 would not fit: lower --tokens"):
+        check_prefill(GEMMA_LIKE, 131072, 2048, "a dump", "--tokens")
+    monkeypatch.setenv("ANNS_LAB_MEMORY_LIMIT", "lots")
+    with pytest.raises(Exception, match="ANNS_LAB_MEMORY_LIMIT"):
+        available_bytes()
+
+
+def test_machine_has_memory():
+    assert available_bytes() > 0.1 * GIB
+
+
+def test_dump_refused_before_the_prefill(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("ANNS_LAB_MEMORY_LIMIT", "1K")
+    with pytest.raises(MemoryEstimateError, match="a dump of 100 \\+ 2 tokens"):
+        run_dump(str(tiny_llama), tokens=100, decode_tokens=2, out=tmp_path / "d", progress=False)
+    assert not list((tmp_path / "d").glob("**/*.npy")) and not (tmp_path / "d" / "manifest.json").exists()
+
+
+def test_decode_refused_before_the_prefill(tiny_llama, monkeypatch):
+    monkeypatch.setenv("ANNS_LAB_MEMORY_LIMIT", "1K")
+    res = CliRunner().invoke(main, ["decode", "--model", str(tiny_llama), "--task", "passkey", "--context", "200",
+                                    "--mode", "full,roargraph", "--window", "4,16", "--topk", "20"])
+    assert res.exit_code == 2, res.output
+    lines = [x for x in res.output.splitlines() if x.startswith("Error:")]
+    assert len(lines) == 1 and "decoding" in lines[0] and "GiB is available" in lines[0], res.output
+
+
+def test_decode_prompt_longer_than_the_context_is_refused(tiny_llama):
+    res = CliRunner().invoke(main, ["decode", "--model", str(tiny_llama), "--prompt", "green grass " * 400,
+                                    "--mode", "full", "--max-new-tokens", "2"])
+    assert res.exit_code == 2, res.output
+    assert "exceed" in res.output and "--allow-extrapolation" in res.output

@@ -1,0 +1,90 @@
+"""The training queries' top lists (train_lists) and precomputed lists given to build (train_topk)."""
+
+import numpy as np
+import pytest
+
+from anns_lab.errors import IndexConfigError
+from anns_lab.indexes import registry
+from anns_lab.indexes.roargraph import RoarGraphIndex, auto_stride
+from anns_lab.indexes.train_lists import anchor_ids, anchored_topk
+
+
+def drifting(seed, n=3000, m=1200, d=32):
+    """Keys and a sequence of queries that drift slowly (neighbours share most of their top keys)."""
+    rng = np.random.default_rng(seed)
+    keys = rng.standard_normal((n, d)).astype(np.float32)
+    walk = np.cumsum(rng.standard_normal((m, d)) * 0.15, axis=0) + rng.standard_normal(d)
+    return keys, (walk + 0.3 * rng.standard_normal((m, d))).astype(np.float32)
+
+
+def exact_lists(queries, keys, k):
+    s = queries.astype(np.float64) @ keys.T.astype(np.float64)
+    return np.argsort(-s, axis=1, kind="stable")[:, :k], s
+
+
+def test_anchor_ids():
+    a = anchor_ids(100, 8, 5)
+    assert a[0] == 0 and a[-1] == 99 and list(a[-5:]) == [95, 96, 97, 98, 99]
+    assert set(range(99, -1, -8)) <= set(a.tolist()) and len(a) == len(set(a.tolist()))
+    assert list(anchor_ids(10, 1, 0)) == list(range(10))
+
+
+@pytest.mark.parametrize("stride,span", [(1, 2), (4, 1), (8, 2), (50, 3)])
+def test_anchored_lists_exact_where_claimed(stride, span):
+    keys, q = drifting(stride)
+    k = 40
+    ref, s = exact_lists(q, keys, k)
+    lists, exact = anchored_topk(q, keys, k, stride, span, exact_tail=30, n_threads=2)
+    assert lists.shape == (len(q), k) and lists.dtype == np.int32
+    assert exact.sum() == len(anchor_ids(len(q), stride, 30))
+    # exact rows: the true top-k (as a set, with its order by score: ties of float32 sums aside)
+    for i in np.flatnonzero(exact):
+        assert set(lists[i]) == set(ref[i]), i
+    # other rows: distinct keys, best first, and the exact top-k of the union of the neighbouring anchors' lists
+    anchors = np.flatnonzero(exact)
+    for i in np.flatnonzero(~exact)[::7]:
+        row = lists[i]
+        assert len(set(row)) == k
+        assert np.all(np.diff(s[i, row]) <= 1e-4)
+        g = np.searchsorted(anchors, i) - 1
+        cand = np.unique(ref[anchors[max(0, g - span + 1): g + span + 1]])
+        best = cand[np.argsort(-s[i, cand], kind="stable")[:k]]
+        assert set(row) == set(best), i
+
+
+def test_anchored_lists_recall_on_drifting_queries():
+    keys, q = drifting(0)
+    ref, _ = exact_lists(q, keys, 40)
+    lists, exact = anchored_topk(q, keys, 40, 8, 2, exact_tail=0)
+    recall = np.mean([len(np.intersect1d(a, b)) / 40 for a, b in zip(lists[~exact], ref[~exact])])
+    assert recall > 0.8, recall
+
+
+def test_auto_stride_exact_up_to_8k():
+    assert auto_stride(8192, 8192) == 1 and auto_stride(2000, 2000) == 1
+    assert auto_stride(32768, 32768) == 16 and auto_stride(131072, 131072) == 64
+
+
+def test_train_topk_given_equals_exact_build():
+    keys, q = drifting(3)
+    a = RoarGraphIndex(list_stride=1).build(keys, q)
+    m_sq = RoarGraphIndex.list_size(len(keys))
+    ref, _ = exact_lists(q, keys, m_sq + 5)  # wider than needed: the first M_sq are used
+    b = RoarGraphIndex().build(keys, q, train_topk=ref)
+    for x, y in zip(a.graph_arrays()[1:], b.graph_arrays()[1:]):
+        assert np.array_equal(x, y)
+
+
+def test_train_topk_bad_input():
+    keys, q = drifting(4, n=500, m=100)
+    ref, _ = exact_lists(q, keys, 100)
+    with pytest.raises(IndexConfigError, match="shape"):
+        RoarGraphIndex().build(keys, q, train_topk=ref[:50])
+    with pytest.raises(IndexConfigError, match="outside"):
+        RoarGraphIndex().build(keys, q, train_topk=ref + 1000)
+    with pytest.raises(IndexConfigError, match="integer"):
+        RoarGraphIndex().build(keys, q, train_topk=ref.astype(np.float32))
+    with pytest.raises(IndexConfigError, match="M_sq"):
+        RoarGraphIndex().build(keys, q, train_topk=ref[:, :10])
+    with pytest.raises(IndexConfigError, match="does not take train_topk"):
+        registry.create("hnsw").build(keys, q, train_topk=ref)
