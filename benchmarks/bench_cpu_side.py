@@ -280,7 +280,7 @@ def main() -> None:
             if a.legacy:
                 runs[layer][mode.name + "-legacy"] = (lambda s, c: (lambda q: legacy_side(s, q, c)))(store, scaling)
             if a.held and len({id(ix) for ix in store.indexes}) == H:
-                from anns_lab.indexes.graph_search import GraphGroup
+                from anns_lab.indexes.graph.multi import GraphGroup
 
                 group, L = GraphGroup(store.indexes), {**{"L": 100}, **mode.plan.search_params}["L"]
                 runs[layer][mode.name + "-held"] = (lambda s, g, c: (lambda q: held_side(s, g, L, q, c)))(store, group, scaling)
