@@ -133,15 +133,16 @@ def test_from_sweep_picks_least_scanned_reaching_target_per_layer(tmp_path):
         pick_from_sweep(str(path), "x", 0.9, [1])
 
 
-def test_from_sweep_leaves_out_parameters_the_index_no_longer_has(tmp_path):
-    """A table swept with an older version of an index (a build parameter since removed) still plans a mode."""
+def test_from_sweep_refuses_parameters_the_index_does_not_have(tmp_path):
+    """A table swept with an older version of an index (a build parameter since removed) is refused: sweep again."""
+    from anns_lab.errors import DecodeError
+
     path = tmp_path / "results.parquet"
     df = pd.read_parquet(_results(path))
     df["build_params"] = json.dumps({"R": 16, "tail_links": 4})
     df.to_parquet(path)
-    mode, lines = pick_from_sweep(str(path), "m", 0.95, [1, 3])
-    assert mode.plan.build_params == {"R": 16} and mode.per_layer[1].build_params == {"R": 16}
-    assert sum("no longer has the parameters tail_links" in x for x in lines) == 1
+    with pytest.raises(DecodeError, match=r"parameters this version does not have \(tail_links\); sweep again"):
+        pick_from_sweep(str(path), "m", 0.95, [1, 3])
 
 
 def test_default_mode_is_attention_aware_when_registered():

@@ -257,7 +257,7 @@ LEGEND = {
     "token_ms": "per token: wall time of one decode step",
     "tokens_per_s": "decode steps per second",
     "scanned_fraction": "mean share of the CPU-held keys whose inner product a search computed",
-    "bytes_read_per_token": "per token: index data read by the searches over all long-range layers and heads, KiB",
+    "bytes_read_per_token": "per token: bytes the CPU-side searches read, as the indexes report them, KiB",
     "device_kv_bytes": "keys and values held on the accelerator at the end, MiB",
 }
 
