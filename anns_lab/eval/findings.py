@@ -37,10 +37,11 @@ def fmt_fraction(v: float) -> str:
 
 
 def index_kinds(table: pd.DataFrame) -> dict[str, str]:
-    """Each index of the table as "exact", "attention-aware", "key-only" or "unknown" (not installed here).
+    """Each index of the table as "exact", "estimator", "attention-aware", "key-only" or "unknown" (not installed).
 
-    Exact: every row scans all keys with recall 1 (flat). Attention-aware: its class builds with the
-    prefill queries (``uses_train_queries``). Key-only: any other registered index.
+    Exact: every row scans all keys with recall 1 (flat). Estimator: its class estimates the softmax
+    beyond its ids (``estimates``; recall describes only its exact part). Attention-aware: its class
+    builds with the prefill queries (``uses_train_queries``). Key-only: any other registered index.
     """
     from anns_lab.indexes import registry
 
@@ -50,7 +51,8 @@ def index_kinds(table: pd.DataFrame) -> dict[str, str]:
         if (g["scanned_fraction"] >= 0.999).all() and (g["recall"] >= 0.999).all():
             kinds[name] = "exact"
         elif name in classes:
-            kinds[name] = "attention-aware" if classes[name].uses_train_queries else "key-only"
+            cls = classes[name]
+            kinds[name] = "estimator" if cls.estimates else "attention-aware" if cls.uses_train_queries else "key-only"
         else:
             kinds[name] = "unknown"
     return kinds
