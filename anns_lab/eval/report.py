@@ -15,7 +15,7 @@ import pandas as pd
 
 from anns_lab.dumps.store import open_dump
 from anns_lab.errors import AnnsLabError
-from anns_lab.eval import metrics
+from anns_lab.eval import costs, metrics
 from anns_lab.eval.heads import load_head
 from anns_lab.eval.table import load_results
 from anns_lab.io import atomic_write_bytes
@@ -211,7 +211,7 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
         cells = [f"{fmt_fraction(r[f'scan@{t:.2f}'])} ({r[f'reached@{t:.2f}']}/{r['heads']})" for t in TARGETS]
         paper = PAPER_AT_095.get(r["index"], "—") if r["direction"] == "q2k" else "1–5% (K→K)"
         lines.append(f"| {r['index']} | {r['direction']} | {r['heads']} | " + " | ".join(cells) + f" | {paper} |")
-    lines += ["", _comparison(par), "", "![recall vs scanned](recall_vs_scanned.png)", "", *_bytes_section(par), "",
+    lines += ["", _comparison(par), "", "![recall vs scanned](recall_vs_scanned.png)", "", *_bytes_section(par), "", *_at_target_section(table), "",
               "## Out-of-distribution queries (Fig. 3b)", "",
               "Median Mahalanobis distance to the distribution of the indexed keys:", ""]
     lines += [f"- {r.kind}: {r.distance:.1f}" for r in maha.itertuples()]
@@ -243,6 +243,12 @@ def _bytes_section(par: pd.DataFrame) -> list[str]:
         cells = [f"{fmt_bytes(r[f'bytes@{t:.2f}'])} ({r[f'reached@{t:.2f}']}/{r['heads']})" for t in TARGETS]
         lines.append(f"| {r['index']} | {r['heads']} | " + " | ".join(cells) + " |")
     return lines + ["", "![recall and error vs bytes read](recall_vs_bytes.png)"]
+
+
+def _at_target_section(table: pd.DataFrame, target: float = 0.95) -> list[str]:
+    """Every index's cheapest point at ``target`` per head (Q→K), with its output error (eval.costs)."""
+    return [f"## Each index at recall {target:.2f}, head by head (Q→K)", "",
+            *costs.markdown_at_target(costs.at_target(table, target), target)]
 
 
 def _comparison(par: pd.DataFrame) -> str:
