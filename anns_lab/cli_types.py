@@ -8,7 +8,7 @@ from anns_lab.window import Window, WindowError
 
 
 class WindowType(click.ParamType):
-    """The static window ``SINK,RECENT``: first SINK and most recent RECENT tokens (design.md §8)."""
+    """The static window ``SINK,RECENT``: first SINK and most recent RECENT tokens (docs/decoder.md)."""
 
     name = "SINK,RECENT"
 

@@ -73,6 +73,15 @@ def main() -> None:
     print(f"| Ray start-up (`ray.init`, apart) | | {start_s:.1f} | |")
     print(f"\nper (layer, head): {per_head:.1f} worker-seconds ({args.jobs} × local wall / {heads} heads); "
           f"keys per head {int(local.table['n_keys'].iloc[0])}")
+    print(build_split(local.table, per_head))
+
+
+def build_split(table: pd.DataFrame, per_head: float) -> str:
+    """Median build seconds per head of each index, and the rest of a part's cost (searches, ground truth, quality)."""
+    builds = table.groupby(["index", "layer", "head"])["build_s"].first().groupby("index").median()
+    rest = per_head - float(builds.sum())
+    return ("build s per head (median): " + ", ".join(f"{name} {s:.2f}" for name, s in builds.items())
+            + f"; rest of the part {rest:.1f} s")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 Per head: build with the defaults (numba on 1 thread), pick the smallest L of the index's grid
 whose recall@100 on the head's test queries reaches the target, then time one query at a time
 through ``Index.search`` (the protocol: checks, the per-thread workspace and wrapping) and through
-the bare kernel (``graph_search.search_one`` on a workspace and output arrays allocated once per
+the bare kernel (``graph.search.search_one`` on a workspace and output arrays allocated once per
 head), alternating per query, best of ``--repeat`` per query, median over queries. The two columns
 come from the same run, so their ratio holds under load.
 """
@@ -42,7 +42,8 @@ def main() -> None:
     from anns_lab.dumps.store import open_dump
     from anns_lab.eval.heads import load_head
     from anns_lab.eval.metrics import exact_scores, recall_at_k
-    from anns_lab.indexes import graph_search as gs
+    from anns_lab.indexes.graph.search import search_one
+    from anns_lab.indexes.graph.utils import workspace
     from anns_lab.indexes import registry
 
     numba.set_num_threads(1)
@@ -58,20 +59,17 @@ def main() -> None:
             res = index.search(h.test_queries, a.k, L=L)
             if recall_at_k(res.ids, scores, a.k).mean() >= a.target:
                 break
-        keys, nbrs, degree = index.graph_arrays()
+        g = tuple(index.graph_arrays())  # a plain tuple: numba dispatches it in C
         entries = index.entries()
-        visited = np.zeros(len(keys), np.int32)  # the kernel's workspace: epoch-stamped, reused
+        ws = workspace(len(g.data), L, a.k)  # the kernel's workspace: epoch-stamped, reused
         epoch = itertools.count(1)
-        slots = gs.heap_slots(len(keys), L, a.k)
-        heap_s, heap_i = np.empty(slots, np.float32), np.empty(slots, np.int64)
         out_ids, out_scores = np.empty(a.k, np.int64), np.empty(a.k, np.float32)
         proto, kernel = [], []
         for q in h.test_queries:
             q1 = np.ascontiguousarray(q[None])
             index.search(q1, a.k, L=L)  # warm
             proto.append(best_of(lambda: index.search(q1, a.k, L=L), a.repeat))
-            kernel.append(best_of(lambda: gs.search_one(keys, nbrs, degree, q1[0], entries, L, visited, next(epoch),
-                                                        heap_s, heap_i, out_ids, out_scores), a.repeat))
+            kernel.append(best_of(lambda: search_one(g, q1[0], entries, L, ws, next(epoch), out_ids, out_scores), a.repeat))
         scanned = float(np.mean(res.n_scanned))
         rows.append((spec, L, scanned, 1e6 * np.median(proto), 1e6 * np.median(kernel)))
         print(f"{spec}: L={L} scanned {scanned:.0f} of {len(h.keys)}  Index.search {rows[-1][3]:.1f} µs  "

@@ -29,7 +29,8 @@ def test_task_run_prints_table_and_writes_json(tiny_llama, tmp_path):
     res = _run("--model", tiny_llama, "--mode", "full,window,flat", "--task", "passkey", "--context", 200,
                "--samples", 2, "--window", "4,16", "--topk", 20, "--max-new-tokens", 4, "--json", out)
     assert res.exit_code == 0, res.output
-    assert "retr ms" in res.output and "acc %" in res.output
+    assert "retr ms" in res.output and "accuracy %" in res.output
+    assert "other ms  per token: everything outside" in res.output  # every column defined under the table
     data = json.loads(out.read_text())
     assert data["task"] == "passkey" and data["context"] == 200 and set(data["modes"]) == {"full", "window", "flat"}
     for mode in data["modes"].values():
@@ -42,6 +43,10 @@ def test_task_run_prints_table_and_writes_json(tiny_llama, tmp_path):
     # Needles at depths spread over the context.
     assert [r["depth"] for r in data["modes"]["full"]["samples"]] == [0.05, 0.95]
     assert data["modes"]["flat"]["summary"]["retrieval_ms"] > 0
+    # "other" is everything outside long-range attention in every mode: full's attention is not inside it.
+    full = data["modes"]["full"]["summary"]
+    assert full["accel_attention_ms"] > 0
+    assert full["other_ms"] + full["accel_attention_ms"] == pytest.approx(full["token_ms"])
     # Time to first token: prefill + build + the first decode step, and its ratio to full's, per mode.
     assert "TTFT s" in res.output and "TTFT x full" in res.output
     for mode in data["modes"].values():
@@ -128,15 +133,16 @@ def test_from_sweep_picks_least_scanned_reaching_target_per_layer(tmp_path):
         pick_from_sweep(str(path), "x", 0.9, [1])
 
 
-def test_from_sweep_leaves_out_parameters_the_index_no_longer_has(tmp_path):
-    """A table swept with an older version of an index (a build parameter since removed) still plans a mode."""
+def test_from_sweep_refuses_parameters_the_index_does_not_have(tmp_path):
+    """A table swept with an older version of an index (a build parameter since removed) is refused: sweep again."""
+    from anns_lab.errors import DecodeError
+
     path = tmp_path / "results.parquet"
     df = pd.read_parquet(_results(path))
     df["build_params"] = json.dumps({"R": 16, "tail_links": 4})
     df.to_parquet(path)
-    mode, lines = pick_from_sweep(str(path), "m", 0.95, [1, 3])
-    assert mode.plan.build_params == {"R": 16} and mode.per_layer[1].build_params == {"R": 16}
-    assert sum("no longer has the parameters tail_links" in x for x in lines) == 1
+    with pytest.raises(DecodeError, match=r"parameters this version does not have \(tail_links\); sweep again"):
+        pick_from_sweep(str(path), "m", 0.95, [1, 3])
 
 
 def test_default_mode_is_attention_aware_when_registered():
@@ -161,3 +167,11 @@ def test_from_sweep_on_the_command_line(tiny_llama, tmp_path):
     assert "from sweep" in res.output and "layer 1: vamana(R=16, L=100)" in res.output
     names = [line.split()[0] for line in res.output.splitlines() if line.startswith(("full", "window", "flat", "sweep:"))]
     assert names == ["full", "window", "flat", "sweep:vamana"]  # explicit modes stay; the pick replaces 'default'
+
+
+def test_every_table_column_is_defined_in_the_legend():
+    from anns_lab.decode.runner import COLUMNS as DECODE_COLUMNS, LEGEND
+
+    assert {key for key, _, _ in DECODE_COLUMNS} <= set(LEGEND)
+    labels = [label for _, label, _ in DECODE_COLUMNS]
+    assert len(set(labels)) == len(labels) and "acc %" not in labels  # no "acc" beside "acc-attn"

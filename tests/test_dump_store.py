@@ -234,6 +234,11 @@ def test_unknown_and_missing_models(tmp_path):
     with pytest.raises(ModelNotAvailable, match="does not exist"):
         run_dump(str(tmp_path / "no-such-model.gguf"), out=tmp_path / "z", progress=False)
     assert not (tmp_path / "x").exists()
+    assert not (tmp_path / "y").exists()  # a model that fails to load leaves no .staging/ behind
+    (tmp_path / "kept").mkdir()  # a folder the user made stays, empty
+    with pytest.raises(ModelNotAvailable):
+        run_dump("llama3", tokens=16, out=tmp_path / "kept", progress=False)
+    assert (tmp_path / "kept").is_dir() and not any((tmp_path / "kept").iterdir())
 
 
 def test_cli_reports_errors_in_one_line(tmp_path):

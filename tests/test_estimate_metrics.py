@@ -101,3 +101,17 @@ def test_estimate_rules_catch_each_broken_estimate():
     assert "summaries() is None" in problem(good, summaries=None)
     bad_csr = Summaries(np.zeros((2, 4), np.float32), np.array([0, 3, 2]), np.array([5, 6]))
     assert "offsets" in problem(good, summaries=bad_csr)
+
+
+def test_report_names_estimators_as_their_own_kind():
+    import pandas as pd
+
+    from anns_lab.eval.findings import index_kinds
+    from anns_lab.indexes import registry
+
+    names = [n for n in ("flat", "ivf", "magicpig", "retroinfer") if n in registry.available()]
+    table = pd.DataFrame({"index": names, "scanned_fraction": [1.0 if n == "flat" else 0.1 for n in names],
+                          "recall": [1.0 if n == "flat" else 0.5 for n in names]})
+    kinds = index_kinds(table)
+    assert kinds["flat"] == "exact" and kinds["ivf"] == "key-only"
+    assert all(kinds[n] == "estimator" for n in names if registry.get(n).estimates)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import base64
 import json
+import re
+import shutil
+import subprocess
 
 import numpy as np
 import pandas as pd
@@ -97,6 +101,39 @@ def test_report_numbers_equal_the_table(sweep, tmp_path):
     assert "Mahalanobis" in text and "dynamic top-100" in text
 
 
+def rendered_dom(page) -> str:
+    """The DOM of ``page`` after headless Chromium has loaded it and run its scripts."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert browser, "Chromium is missing: `make setup` installs it (apt-get install chromium, as root)"
+    out = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", page.as_uri()],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def test_html_report_renders_its_figures_and_tables_in_a_browser(sweep, tmp_path):
+    # A second sweep of the same dump beside this one: the page links to it.
+    other = sweep.path.parent.parent / "other"
+    other.mkdir(exist_ok=True)
+    (other / "sweep.json").write_text((sweep.path.parent / "sweep.json").read_text())
+    report.write_report(sweep.path)
+    page = sweep.path.parent / "report.html"
+    assert "http" not in re.sub(r'<img [^>]*>', "", page.read_text()).replace("http-equiv", "")  # nothing to fetch
+    dom = rendered_dom(page)
+    imgs = re.findall(r'<img [^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"', dom)
+    assert len(imgs) == len(report.FIGURES) == 4 and all(base64.b64decode(b).startswith(b"\x89PNG") for b in imgs)
+    t = sweep.table
+    def rows(table_id):
+        body = re.search(rf'<table class="sortable" id="{table_id}">.*?<tbody>(.*?)</tbody>', dom, re.S).group(1)
+        return body.count("<tr>")
+    assert rows("pareto") == t.groupby(["index", "direction"]).ngroups == 6
+    assert rows("per-head") == t.groupby(["layer", "head", "index", "direction"]).ngroups == 24
+    assert rows("points") == t[t["direction"] == "q2k"].groupby(["index", "search_params"]).ngroups
+    findings = re.search(r'<ul id="findings">(.*?)</ul>', dom, re.S).group(1)
+    assert findings.count("<li>") >= 6 and "IVF reaches recall 0.95 on Q→K" in findings
+    assert 'href="../other/report.html"' in dom
+
+
 def test_queries_are_out_of_distribution_for_keys(smollm2_dump):
     d = load_head(smollm2_dump, 15, 0, WINDOW)
     q = np.median(metrics.mahalanobis(d.test_queries, d.keys))
@@ -135,6 +172,22 @@ def test_bad_input(smollm2_dump, sweep, tmp_path, tiny_llama):
         report.write_report(sweep.path, tmp_path / "r", dump_path=tiny_llama)
     r = CliRunner().invoke(main, ["sweep", "--dump", str(smollm2_dump.path), "--indexes", "flat", "--window", "12"])
     assert r.exit_code == 2 and "SINK,RECENT" in r.output
+
+
+def test_cli_sweep_of_a_selection_gets_its_own_default_folder(smollm2_dump, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ["sweep", "--dump", str(smollm2_dump.path), "--indexes", "flat", "--layers", "2", "--heads", "0",
+            "--window", "16,128", "--jobs", "1"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    folder = tmp_path / "results" / f"{smollm2_dump.path.name}-flat-L2-H0"
+    assert (folder / RESULTS).is_file() and not (tmp_path / "results" / smollm2_dump.path.name).exists()
+    assert "(1 head × 1 index)" in r.output and "earlier sweeps" not in r.output
+    assert "index kernels ready in" in r.output  # the sweep says what it does before its first part
+    # A second index into the same folder: the sweep says the table holds the earlier rows too.
+    r = CliRunner().invoke(main, args[:3] + ["--indexes", "ivf", "--out", str(folder)] + args[5:])
+    assert r.exit_code == 0, r.output
+    assert "(1 head × 2 indexes)" in r.output and "come from earlier sweeps" in r.output
 
 
 def test_default_layers_spread_over_depth():

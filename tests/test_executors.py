@@ -142,13 +142,16 @@ def test_local_worker_killed_mid_sweep_is_retried_and_the_table_is_complete(tiny
     assert not list((tmp_path / "res" / "parts").glob("failed-*.json"))
 
 
-def test_ctrl_c_stops_within_seconds_and_keeps_finished_parts(tiny_dump, tmp_path):
+@pytest.mark.parametrize("executor", ["local", "ray"])
+def test_ctrl_c_stops_within_seconds_and_keeps_finished_parts(tiny_dump, tmp_path, executor, request):
     pids = tmp_path / "pids"
     pids.mkdir()
     out = tmp_path / "res"
     cmd = [str(Path(sys.executable).parent / "anns-lab"), "sweep", "--dump", str(tiny_dump.path), "--indexes", "faulty",
            "--layers", "1,3", "--heads", "0,1,2,3", "--k", str(K), "--window", "8,64", "--out", str(out), "--jobs", "1",
-           "--build-param", f"faulty.pid_dir={pids}", "--build-param", "faulty.sleep_s=2"]
+           "--build-param", f"faulty.pid_dir={pids}", "--build-param", "faulty.sleep_s=2", "--executor", executor]
+    if executor == "ray":
+        cmd += ["--address", request.getfixturevalue("ray_cluster")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: list((out / "parts").glob("*.parquet")) and len(list(pids.iterdir())) >= 2 or proc.poll() is not None,
@@ -212,12 +215,17 @@ def _stop_group(proc: subprocess.Popen) -> None:
 @pytest.fixture(scope="module")
 def ray_cluster(plugin_dir, tmp_path_factory):
     """HOST:PORT of a Ray head (1 CPU) plus a second node (1 CPU) on 127.0.0.1, stopped at the module's end."""
+    # Ray enables token authentication when ~/.ray/auth_token exists (any earlier `ray.init()` there writes
+    # one); this loopback-only test cluster and its drivers run without, whatever the home folder holds.
+    env_patch = pytest.MonkeyPatch()
+    env_patch.setenv("RAY_AUTH_MODE", "disabled")
     pytest.importorskip("ray")
     port = _free_port()
     address = f"127.0.0.1:{port}"
     temp = Path(f"/tmp/anns-ray-{os.getpid()}")  # short: Ray's socket paths must stay under 108 characters
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(plugin_dir), os.environ.get("PYTHONPATH", "")]),
-                        "RAY_USAGE_STATS_ENABLED": "0"}
+                        "RAY_USAGE_STATS_ENABLED": "0",
+                        "RAY_AUTH_MODE": "disabled"}
     ray_cli = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--num-cpus", "1",
                "--node-ip-address", "127.0.0.1", "--disable-usage-stats"]
     logs = tmp_path_factory.mktemp("ray-logs")
@@ -242,6 +250,7 @@ def ray_cluster(plugin_dir, tmp_path_factory):
         for proc in reversed(procs):
             _stop_group(proc)
         shutil.rmtree(temp, ignore_errors=True)
+        env_patch.undo()
 
 
 def _reachable(port: int) -> bool:

@@ -4,13 +4,17 @@ import numpy as np
 import pytest
 
 from anns_lab.errors import IndexConfigError
-from anns_lab.indexes import graph_search as gs
+from anns_lab.indexes.graph import Graph
+from anns_lab.indexes.graph.edges import reachable_from
+from anns_lab.indexes.graph.roar import descent_gaps
+from anns_lab.indexes.graph.simd import dot
 from anns_lab.indexes import registry
 from anns_lab.indexes.key_store import KeyStore
 from anns_lab.indexes.roargraph import RoarGraphIndex
 from anns_lab.indexes.robust_vamana import RobustVamanaIndex
 from anns_lab.indexes.topk import topk_ip
 from anns_lab.testing import check_index, recall_at_k
+from graph_reference import sorted_list_search
 
 QUERY_AWARE = [RoarGraphIndex, RobustVamanaIndex]
 
@@ -100,7 +104,7 @@ def test_added_keys_are_found(cls):
     found = np.array([[t in row for t in trow] for row, trow in zip(res.ids, top)])
     assert found[selected].mean() >= 0.95, found[selected].mean()
     assert recall_at_k(res.ids, test, full, 20) >= 0.95
-    reach = gs.reachable_from(index._nbrs, index._degree, index.hubs)
+    reach = reachable_from(Graph(index._keys, index._nbrs, index._degree), index.hubs)
     assert reach.all(), f"{(~reach).sum()} keys unreachable after add"
 
 
@@ -123,7 +127,7 @@ def test_save_load_identical(cls, tmp_path):
 def test_every_key_reachable():
     keys, train, _ = ood_data(5)
     index = RoarGraphIndex().build(keys, train[:200])  # few queries: most keys are nobody's pivot
-    assert gs.reachable_from(index._nbrs, index._degree, index.entries()).all()
+    assert reachable_from(index.graph_arrays(), index.entries()).all()
 
 
 @pytest.mark.parametrize("cls", QUERY_AWARE)
@@ -159,7 +163,7 @@ def test_bad_input(cls):
 
 
 def test_search_is_the_sorted_list_beam_search_and_allows_L_below_k():
-    """roargraph's search (graph_search.search_one: heaps) against the builds' sorted-list beam_search, in a
+    """roargraph's search (graph.search.search_one: heaps) against a sorted-list beam search, in a
     batch and one query at a time. The beam is L either way, so both scan the same nodes: for L ≥ k the same
     top-k, scores and count; for L < k (below the entry points too) k ids, the best k of every node scanned."""
     keys, train, test = ood_data(8)
@@ -170,16 +174,14 @@ def test_search_is_the_sorted_list_beam_search_and_allows_L_below_k():
     for L in (5, 12, 20, 50):
         res = index.search(test, k, L=L)
         for i, q in enumerate(test):
-            expanded = np.empty(len(data), np.int64)
-            ids, scores, _, n_scanned, ne = gs.beam_search(data, nbrs, degree, q, entries, L,
-                                                           np.zeros(len(data), np.int32), 1, expanded)
-            scanned = np.unique(np.concatenate([entries, *(nbrs[v, :degree[v]] for v in expanded[:ne])]))
+            ids, scores, n_scanned, expanded = sorted_list_search(data, nbrs, degree, q, entries, L, dot)
+            scanned = np.unique(np.concatenate([entries, *(nbrs[v, :degree[v]] for v in expanded)]))
             assert res.n_scanned[i] == n_scanned == len(scanned)  # every node once, entry points included
             if L >= k:
                 np.testing.assert_array_equal(res.ids[i], ids[:k])
                 np.testing.assert_array_equal(res.scores[i], scores[:k])
             else:
-                s = np.array([gs.dot(data[v], q) for v in scanned], np.float32)  # the kernel's bits
+                s = np.array([dot(data[v], q) for v in scanned], np.float32)  # the kernel's bits
                 best = np.argsort(-s, kind="stable")[:k]
                 np.testing.assert_array_equal(res.scores[i], s[best])
                 assert sorted(res.ids[i]) == sorted(scanned[best])
@@ -196,8 +198,6 @@ def test_search_is_the_sorted_list_beam_search_and_allows_L_below_k():
 def test_descent_links_give_mid_ranked_keys_in_edges(seed):
     """Keys in some training query's top list but nobody's pivot (best rank ≥ n_pivots) have no row of
     their own, hence no reverse edges; ``descent_links`` gives them in-edges from keys ranked above them."""
-    from anns_lab.indexes import graph_build as gb
-
     keys, train, _ = ood_data(seed)
     train = train[:300]  # few queries: many keys are only mid-ranked
     knn = topk_ip(train, keys, 100)
@@ -272,7 +272,7 @@ def test_add_in_small_batches():
         n = many.n_keys
         _, nbrs, degree = many.graph_arrays()
         assert nbrs.shape[0] == degree.shape[0] == n and np.shares_memory(nbrs, many._nbrs_buf)
-        assert gs.reachable_from(nbrs, degree, many.entries()).all(), s
+        assert reachable_from(many.graph_arrays(), many.entries()).all(), s
         assert (degree[n0:] > 0).all() and (degree <= many.params["R"]).all()
         assert _exact_lists_match(many, keys[:n])
         if s == n0 + 56:
@@ -285,27 +285,25 @@ def test_add_in_small_batches():
     assert recall_at_k(res.ids, test, keys, 20) >= 0.95
 
 
-def test_load_of_an_index_saved_without_cached_lists(tmp_path):
-    """An index saved before the kept queries' lists were saved gets them recomputed on load (what add keeps)."""
+def test_saves_of_an_older_format_or_with_unknown_parameters_are_refused(tmp_path):
+    """No compatibility shims: a save of format 1 (no checksums, no validation) or one naming a build parameter
+    this version does not have (``tail_links``, since replaced by descent links) is one clear IndexConfigError."""
     import json
 
-    keys, train, test = ood_data(12, n=800, m=600)
-    index = RoarGraphIndex().build(keys, train)
-    index.save(tmp_path / "idx")
-    meta = json.loads((tmp_path / "idx" / "index.json").read_text())
-    meta["arrays"] = [a for a in meta["arrays"] if not a.startswith("q_")]
-    (tmp_path / "idx" / "index.json").write_text(json.dumps(meta))
-    loaded = RoarGraphIndex.load(tmp_path / "idx")
-    assert np.array_equal(np.sort(loaded._q_ids, axis=1), np.sort(index._q_ids, axis=1))
-    assert np.allclose(loaded._q_scores, index._q_scores, rtol=1e-5, atol=1e-5)
-    more = keys[:50] * 1.02
-    index.add(more)
-    loaded.add(more)
-    assert recall_at_k(loaded.search(test, 10).ids, test, np.vstack([keys, more]), 10) >= 0.95
+    keys, train, _ = ood_data(12, n=800, m=300)
+    RoarGraphIndex().build(keys, train).save(tmp_path / "idx")
+    meta_file = tmp_path / "idx" / "index.json"
+    meta = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps({**meta, "format": 1}))
+    with pytest.raises(IndexConfigError, match="format 1.*build and save the index again"):
+        RoarGraphIndex.load(tmp_path / "idx")
+    meta_file.write_text(json.dumps({**meta, "params": {**meta["params"], "tail_links": 4}}))
+    with pytest.raises(IndexConfigError, match="unknown parameter 'tail_links'"):
+        RoarGraphIndex.load(tmp_path / "idx")
 
 
 def _descent_gaps_reference(keys, nbrs, degree, knn):
-    """Plain-numpy (query, rank) → source of :func:`graph_build._descent_gaps`: -1 where the key has an
+    """Plain-numpy (query, rank) → source of :func:`graph.roar.descent_gaps`: -1 where the key has an
     in-neighbour ranked above it in that query's list, else the key above it with the largest ip."""
     incoming = [set() for _ in range(len(keys))]
     for p in range(len(keys)):
@@ -320,13 +318,10 @@ def _descent_gaps_reference(keys, nbrs, degree, knn):
 
 
 def test_descent_gaps_match_a_plain_reference():
-    from anns_lab.indexes import graph_build as gb
-
     keys, train, _ = ood_data(7, n=600, m=80)
     index = RoarGraphIndex(descent_links=0).build(keys, train)
     knn = topk_ip(train, keys, 40)
-    ptr, src = gb._incoming(index._nbrs, index._degree, len(keys))
-    got = gb._descent_gaps(keys, knn, ptr, src, 2)
+    got = descent_gaps(index.graph_arrays(), knn, 2)
     ref = _descent_gaps_reference(keys, index._nbrs, index._degree, knn)
     assert (got >= 0).sum() > 50  # the case is exercised
     assert np.array_equal(got >= 0, ref >= 0)
@@ -339,14 +334,11 @@ def test_descent_gaps_match_a_plain_reference():
 @pytest.mark.parametrize("seed", [8, 9])
 def test_descent_links_give_every_listed_key_a_way_down(seed):
     """``descent_links``: far fewer keys of a training query's top list lack an in-neighbour ranked above them."""
-    from anns_lab.indexes import graph_build as gb
-
     keys, train, _ = ood_data(seed)
     knn = topk_ip(train, keys, 100)
 
     def gaps(index):
-        ptr, src = gb._incoming(index._nbrs, index._degree, len(keys))
-        return int((gb._descent_gaps(keys, knn, ptr, src, 1) >= 0).sum())
+        return int((descent_gaps(index.graph_arrays(), knn, 1) >= 0).sum())
 
     without, with_links = gaps(RoarGraphIndex(descent_links=0).build(keys, train)), gaps(RoarGraphIndex().build(keys, train))
     assert with_links < 0.7 * without, (with_links, without)  # measured: 0.41, 0.53
@@ -369,21 +361,3 @@ def test_list_sizes_follow_the_number_of_keys_unless_given(tmp_path):
     assert given.lists == {"M_sq": 60, "n_pivots": 7, "n_cand": 60} and given._q_ids.shape[1] == 60
     given.save(tmp_path / "g")
     assert RoarGraphIndex.load(tmp_path / "g").lists == given.lists
-
-
-def test_load_of_an_index_saved_with_a_parameter_since_removed(tmp_path):
-    """An index saved by an older version (here with ``tail_links``, since replaced by descent links) still
-    loads, with a warning naming the parameter, and searches exactly as saved."""
-    import json
-
-    keys, train, test = ood_data(4, n=800, m=300)
-    index = RoarGraphIndex().build(keys, train)
-    index.save(tmp_path / "old")
-    meta_file = tmp_path / "old" / "index.json"
-    meta = json.loads(meta_file.read_text())
-    meta["params"]["tail_links"] = 4
-    meta_file.write_text(json.dumps(meta))
-    with pytest.warns(UserWarning, match=r"no longer has \(tail_links\)"):
-        loaded = RoarGraphIndex.load(tmp_path / "old")
-    a, b = index.search(test, 20, L=30), loaded.search(test, 20, L=30)
-    assert np.array_equal(a.ids, b.ids) and np.array_equal(a.n_scanned, b.n_scanned)

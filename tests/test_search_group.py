@@ -1,7 +1,7 @@
-"""One kernel call for a layer's per-head graph searches (``graph_search.search_heads`` / ``GraphGroup``).
+"""One kernel call for a layer's per-head graph searches (``graph.multi.search_heads`` / ``GraphGroup``).
 
 References are independent of the code under test: each index searched alone (``Index.search``),
-numpy exact top-k, the sorted-list ``beam_search`` of the graph builds, and a float64 numpy
+numpy exact top-k, a plain-Python sorted-list beam search (``graph_reference``), and a float64 numpy
 softmax for the decoder's CPU side.
 """
 
@@ -13,8 +13,12 @@ import pytest
 from anns_lab.decode.kernels import attend_rows, attend_rows_and_range
 from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.indexes import Index
-from anns_lab.indexes import graph_search as gs
+from anns_lab.indexes.graph import Graph
+from anns_lab.indexes.graph import multi as gs
+from anns_lab.indexes.graph.search import search_one
+from anns_lab.indexes.graph.utils import Workspace, heap_slots
 from anns_lab.indexes.roargraph import RoarGraphIndex
+from graph_reference import sorted_list_search
 
 BUILD = dict(M=8, R=16, n_hubs=8, keep_queries=64)
 
@@ -135,26 +139,25 @@ def _int_graph(seed, n=600, d=8, r=10):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_search_one_is_the_sorted_list_beam_search(seed):
-    """search_one (heaps, SIMD inner product) against beam_search (sorted list, sequential sum) on exact scores:
-    the same nodes scanned and adjacency words read (1 + degree per expanded node); for L ≥ k the same top-k; for
-    L < k the exact best k of every node scanned."""
+    """search_one (heaps, SIMD inner product) against a sorted-list search (numpy inner product) on exact scores:
+    the same nodes scanned, expanded and adjacency words read (1 + degree per expanded node); for L ≥ k the same
+    top-k; for L < k the exact best k of every node scanned."""
     keys, queries, nbrs, degree = _int_graph(seed)
     entries = np.array([0, 7, 7, -1, 99], np.int64)
     for L, k in [(1, 1), (5, 5), (32, 20), (200, 20), (200, 700), (1, 20), (2, 20), (5, 20), (32, 50)]:
         for q in queries:
-            expanded = np.empty(len(keys), np.int64)
-            ids, scores, size, n_scanned, ne = gs.beam_search(keys, nbrs, degree, q, entries[entries >= 0], L,
-                                                              np.zeros(len(keys), np.int32), 1, expanded)
+            ids, scores, n_scanned, expanded = sorted_list_search(keys, nbrs, degree, q, entries, L, np.dot)
+            size = len(ids)
             out_ids, out_scores = np.empty(k, np.int64), np.empty(k, np.float32)
-            slots = gs.heap_slots(len(keys), L, k)
+            slots = heap_slots(len(keys), L, k)
             assert slots == len(keys) + L + (k if L < k else 0)
-            heap_s, heap_i = np.empty(slots, np.float32), np.empty(slots, np.int64)
-            got, words = gs.search_one(keys, nbrs, degree, q, entries, L, np.zeros(len(keys), np.int32), 1, heap_s,
-                                       heap_i, out_ids, out_scores)
-            assert got == n_scanned
-            assert words == ne + int(degree[expanded[:ne]].sum())
+            ws = Workspace(np.zeros(len(keys), np.int32), np.empty(slots, np.float32), np.empty(slots, np.int64),
+                           np.empty(len(keys), np.int64))
+            got, words, ne = search_one(Graph(keys, nbrs, degree), q, entries, L, ws, 1, out_ids, out_scores)
+            assert got == n_scanned and np.array_equal(ws.expanded[:ne], expanded)  # the builds' expanded nodes too
+            assert words == ne + int(degree[expanded].sum())
             if L < k:  # the scanned nodes: the entry points and the rows of the expanded ones
-                ids = np.unique(np.concatenate([entries[entries >= 0], *(nbrs[v, :degree[v]] for v in expanded[:ne])]))
+                ids = np.unique(np.concatenate([entries[entries >= 0], *(nbrs[v, :degree[v]] for v in expanded)]))
                 assert len(ids) == n_scanned
                 scores = keys[ids] @ q  # exact in float32 (integers), all distinct
                 order = np.argsort(-scores)
@@ -245,23 +248,24 @@ def test_interleaved_heads_equal_one_search_at_a_time():
         degree.append(dg)
         entries.append(np.array([i, 3 * i + 1, -1, 5], np.int64))
     n_max, h = 700, len(graphs)
+    lists = (keys, nbrs, degree, entries)
     for L, k in [(32, 10), (100, 100), (5, 5)]:
-        visited = np.zeros((h, n_max), np.int32)
-        slots = gs.heap_slots(n_max, L, k)
-        heap_s, heap_i = np.empty((h, slots), np.float32), np.empty((h, slots), np.int64)
+        slots = heap_slots(n_max, L, k)
+        ws = Workspace(np.zeros((h, n_max), np.int32), np.empty((h, slots), np.float32), np.empty((h, slots), np.int64),
+                       np.empty(0, np.int64))
         for epoch in (1, 2):
             q = np.stack([g[1][epoch] for g in graphs])
             ids, scores, scanned = np.empty((h, k), np.int64), np.empty((h, k), np.float32), np.empty(h, np.int64)
             words = np.empty(h, np.int64)
-            gs.search_heads(keys, nbrs, degree, entries, q, L, visited, epoch, heap_s, heap_i, ids, scores, scanned, words)
+            gs.search_heads(lists, q, L, ws, epoch, (ids, scores, scanned, words))
             for i, (kk, _, nb, dg) in enumerate(graphs):
                 ref_ids, ref_scores = np.empty(k, np.int64), np.empty(k, np.float32)
-                ws, wi = np.empty(gs.heap_slots(len(kk), L, k), np.float32), np.empty(gs.heap_slots(len(kk), L, k), np.int64)
-                ref_n, ref_w = gs.search_one(kk, nb, dg, q[i], entries[i], L, np.zeros(len(kk), np.int32), 1, ws, wi,
-                                             ref_ids, ref_scores)
+                s1 = heap_slots(len(kk), L, k)
+                w1 = Workspace(np.zeros(len(kk), np.int32), np.empty(s1, np.float32), np.empty(s1, np.int64),
+                               np.empty(0, np.int64))
+                ref_n, ref_w, _ = search_one(Graph(kk, nb, dg), q[i], entries[i], L, w1, 1, ref_ids, ref_scores)
                 np.testing.assert_array_equal(ids[i], ref_ids)
                 np.testing.assert_array_equal(scores[i], ref_scores)
                 assert scanned[i] == ref_n and words[i] == ref_w
     with pytest.raises(ValueError, match="L >= k"):  # L < k (a top-k heap besides the beam) is search_one's
-        gs.search_heads(keys, nbrs, degree, entries, q, 5, visited, 3, heap_s, heap_i, np.empty((h, 6), np.int64),
-                        np.empty((h, 6), np.float32), scanned, words)
+        gs.search_heads(lists, q, 5, ws, 3, (np.empty((h, 6), np.int64), np.empty((h, 6), np.float32), scanned, words))

@@ -1,4 +1,4 @@
-"""``anns-lab decode``: RetrievalAttention generation (design.md §8) and the modes it is compared with.
+"""``anns-lab decode``: RetrievalAttention generation (docs/decoder.md) and the modes it is compared with.
 
 - :mod:`kernels` — partial attention (numba CPU side, torch accelerator side) and the exact merge;
 - :mod:`placement` — a long-range layer's CPU keys/values, its indexes and the side-buffer;

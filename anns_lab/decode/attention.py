@@ -95,7 +95,11 @@ class Retrieval:
             t0 = time.perf_counter()
             out = inner(module, query, key, value, attention_mask, **kwargs)
             _sync(query.device)
-            self.times.accel_attention += time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0
+            self.times.accel_attention += elapsed
+            # Counted as this layer's attention section, as in the retrieval modes, so "other" means the same
+            # (everything outside long-range attention) in every mode.
+            self.times.overlap += elapsed
             return out
         return self._retrieval_step(module, query, key, value, kwargs.get("scaling") or module.scaling)
 

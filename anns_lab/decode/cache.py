@@ -1,4 +1,4 @@
-"""The accelerator's KV cache during retrieval decoding: only the static window W (design.md §8).
+"""The accelerator's KV cache during retrieval decoding: only the static window W (docs/decoder.md).
 
 After the prefill, each long-range layer's cache is cut down to the sink (positions
 ``[0, sink)``) and the most recent ``recent`` positions; everything else lives in the CPU

@@ -19,7 +19,7 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@click.command()
+@click.command(short_help="Generate with retrieval attention; accuracy and time per token.")
 @click.option("--model", default="smollm2", show_default=True, help="model alias, local folder or HF id")
 @click.option("--mode", "modes", default="full,default", show_default=True,
               help="comma list: full, window, flat, ivf, any registered index; 'default' = attention-aware index")
@@ -36,15 +36,16 @@ def default_device() -> str:
 @click.option("--eval", "evaluation", type=click.Choice(["task", "fidelity"]), default="task", show_default=True,
               help="fidelity: teacher-forced KL and top-1 agreement against full attention on real text")
 @click.option("--context", default=2048, show_default=True, help="prompt tokens (task and fidelity)")
-@click.option("--samples", default=1, show_default=True)
-@click.option("--seed", default=0, show_default=True)
+@click.option("--samples", default=1, show_default=True, help="task prompts per mode, their needles at depths spread over the context")
+@click.option("--seed", default=0, show_default=True, help="seed of the first task prompt (its key, needle and values); sample i uses SEED+i")
 @click.option("--max-new-tokens", type=int, default=None, help="generated tokens (default per task)")
 @click.option("--positions", default=256, show_default=True, help="fidelity: teacher-forced positions")
 @click.option("--free-tokens", default=64, show_default=True, help="fidelity: free-running greedy tokens")
 @click.option("--chunk", default=2048, show_default=True, help="prefill chunk size")
 @click.option("--from-sweep", "from_sweep", type=str, default=None,
               help="a sweep's results.parquet (or folder): decode also with the index + parameters of least scanned fraction reaching --target-recall (in place of 'default')")
-@click.option("--target-recall", default=0.95, show_default=True)
+@click.option("--target-recall", default=0.95, show_default=True,
+              help="with --from-sweep: least Q→K recall (mean over a layer's heads) of the index and parameters picked from the sweep")
 @click.option("--device", default=None, help="accelerator side: cuda when available, else cpu")
 @click.option("--torch-threads", default=0, show_default=True,
               help="CPU threads of torch (the accelerator stand-in on CPU-only machines); 0 = torch's default")

@@ -1,4 +1,4 @@
-"""Partial softmax attention and its exact merge (design.md §8).
+"""Partial softmax attention and its exact merge (docs/decoder.md).
 
 Each side of a decode step attends over its own set of keys and returns ``(output, max
 logit, normaliser)``: ``o = Σ e^{l_i−m} v_i / Z`` with ``m = max l_i`` and ``Z = Σ e^{l_i−m}``.

@@ -9,7 +9,6 @@ from anns_lab.decode.engine import Mode
 from anns_lab.decode.placement import IndexPlan
 from anns_lab.errors import DecodeError, IndexConfigError
 from anns_lab.indexes import registry
-from anns_lab.indexes.base import declared_only
 
 BASELINES = ("full", "window")
 ATTENTION_AWARE = "roargraph"
@@ -112,14 +111,14 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int]) -> 
         raise DecodeError(f"no index in {path} reaches recall {target} for {model} (best mean recall {top:.3f}); "
                           "lower --target-recall or sweep more thorough parameters")
 
-    notes: list[str] = []
-
     def plan(r) -> IndexPlan:
         """The row's index with only the parameters that differ from the index's defaults (short to read)."""
         cls = registry.get(r["index"])
-        swept, gone = declared_only(cls.build_params, json.loads(r["build_params"]))  # gone: a table of an older version
-        if gone and not any(r["index"] in line and "no longer has" in line for line in notes):
-            notes.append(f"{r['index']} no longer has the parameters {', '.join(gone)} of {path}: left out")
+        swept = json.loads(r["build_params"])
+        gone = sorted(set(swept) - set(cls.build_params))
+        if gone:
+            raise DecodeError(f"{path} was swept with {r['index']} parameters this version does not have "
+                              f"({', '.join(gone)}); sweep again")
         build = {k: v for k, v in swept.items() if v != cls.build_params[k].default}
         return IndexPlan(r["index"], build, json.loads(r["search_params"]))
 
@@ -144,7 +143,7 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int]) -> 
         lines.append(f"  layer{'s' if many else ''} {_ranges(uncovered)}: not in the table, "
                      f"use{'' if many else 's'} {base.describe()}")
     name = f"sweep:{base.name}"
-    return Mode(name, base, per_layer), lines + notes
+    return Mode(name, base, per_layer), lines
 
 
 def _ranges(values: list[int]) -> str:

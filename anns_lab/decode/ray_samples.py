@@ -57,9 +57,9 @@ class RaySamples:
                     yield self.ray.get(ref)
                 except self.ray.exceptions.RayError as err:
                     raise DecodeError(f"a decode sample failed on Ray: {str(err).strip().splitlines()[0]}") from None
-        finally:
-            for ref in refs:
-                self.ray.cancel(ref, force=True)
+        except KeyboardInterrupt:
+            self.cluster.abandon(refs)
+            raise
 
     def close(self) -> None:
         self.cluster.close()

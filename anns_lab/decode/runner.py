@@ -107,12 +107,24 @@ def check_memory(lm, modes: list[Mode], settings: Settings, n_tokens: int) -> No
                   cache_copy=any(m.kind == "full" for m in modes))
 
 
-def run_sample(lm, modes: list[Mode], settings: Settings, ids: list[int], max_new: int, stops: set[int]) -> dict:
-    """One prompt: a shared full-attention prefill, then every mode; the unit a Ray task runs."""
+def run_sample(lm, modes: list[Mode], settings: Settings, ids: list[int], max_new: int, stops: set[int],
+               say=None) -> dict:
+    """One prompt: a shared full-attention prefill, then every mode; the unit a Ray task runs.
+
+    ``say`` (a callable taking a line) hears what is happening before each long step and how long it took.
+    """
+    say = say or (lambda line: None)
+    say(f"  prefill: {len(ids)} tokens through {lm.name} (full attention, chunks of {settings.chunk}) ...")
     pre = prefill(lm, ids, settings, any(m.uses_queries() for m in modes))
+    say(f"  prefill: done in {pre.seconds:.1f} s")
     runs = {}
     for mode in modes:
+        building = mode.kind == "index"
+        say(f"  {mode.name}: " + ("building one index per layer and head from the prefill, then " if building else "")
+            + f"decoding up to {max_new} tokens ...")
         run = run_mode(lm, pre, mode, settings, max_new, stops)
+        say(f"  {mode.name}: " + (f"indexes built in {run.build_s:.1f} s, " if building else "")
+            + f"{len(run.tokens)} tokens decoded in {run.decode_s:.1f} s")
         run.stores = None  # free the CPU copies and indexes
         runs[mode.name] = run
     return {"prefill_s": pre.seconds, "runs": runs}
@@ -125,7 +137,7 @@ def _run_prompts(lm, modes, settings, prompts, max_new, task, progress, executor
     per_mode = {m.name: {"runs": [], "samples": []} for m in modes}
     prefill_s = []
     if executor is None:
-        done = (run_sample(lm, modes, settings, ids, max_new, stops) for ids, _ in prompts)
+        done = (run_sample(lm, modes, settings, ids, max_new, stops, progress) for ids, _ in prompts)
     else:
         done = executor.map_samples(modes, settings, [ids for ids, _ in prompts], max_new, stops)
     for i, ((ids, sample), res) in enumerate(zip(prompts, done)):
@@ -176,7 +188,10 @@ def run_fidelity(lm, modes: list[Mode], settings: Settings, context: int, positi
     check_window(settings, context, modes, steps)
     check_memory(lm, modes, settings, context + steps)
     ids = build_prompt("text", lm.tokenizer, context + positions).ids
+    say = progress or (lambda line: None)
+    say(f"  prefill: {context} tokens through {lm.name} ...")
     pre = prefill(lm, ids[:context], settings, any(m.uses_queries() for m in modes))
+    say(f"  prefill: done in {pre.seconds:.1f} s; full attention: {positions} teacher-forced + {free_tokens} free tokens ...")
     teacher = ids[context:]
     full_tf = run_mode(lm, pre, Mode("full"), settings, 0, teacher=teacher, keep_logits=True)
     full_free = run_mode(lm, pre, Mode("full"), settings, free_tokens)
@@ -186,6 +201,8 @@ def run_fidelity(lm, modes: list[Mode], settings: Settings, context: int, positi
         if mode.name == "full":
             tf, free = full_tf, full_free
         else:
+            say(f"  {mode.name}: " + ("building indexes from the prefill, then " if mode.kind == "index" else "")
+                + f"{positions} teacher-forced + {free_tokens} free tokens ...")
             tf = run_mode(lm, pre, mode, settings, 0, teacher=teacher, keep_logits=True)
             tf.stores = None
             free = run_mode(lm, pre, mode, settings, free_tokens)
@@ -205,19 +222,47 @@ def run_fidelity(lm, modes: list[Mode], settings: Settings, context: int, positi
     return out
 
 
-COLUMNS = [("accuracy", "acc %", "{:.1f}"), ("accuracy_ci95", "acc 95% CI", "[{:.1f}, {:.1f}]"),
+COLUMNS = [("accuracy", "accuracy %", "{:.1f}"), ("accuracy_ci95", "acc. 95% CI", "[{:.1f}, {:.1f}]"),
            ("diff_vs_full", "Δ full", "{:+.1f}"), ("diff_vs_full_ci95", "Δ 95% CI", "[{:+.1f}, {:+.1f}]"), ("kl_mean", "KL", "{:.2e}"), ("top1_agreement", "top-1", "{:.3f}"),
            ("free_tokens_until_diff", "free=", "{:d}"), ("prefill_s", "prefill s", "{:.2f}"), ("build_s", "build s", "{:.2f}"),
            ("first_step_s", "1st step s", "{:.3f}"), ("ttft_s", "TTFT s", "{:.2f}"), ("ttft_x_full", "TTFT x full", "{:.2f}"),
            ("retrieval_ms", "retr ms", "{:.2f}"), ("cpu_attention_ms", "cpu-attn ms", "{:.2f}"),
-           ("accel_attention_ms", "acc-attn ms", "{:.2f}"), ("merge_ms", "merge ms", "{:.2f}"), ("insert_ms", "insert ms", "{:.2f}"),
+           ("accel_attention_ms", "accel-attn ms", "{:.2f}"), ("merge_ms", "merge ms", "{:.2f}"), ("insert_ms", "insert ms", "{:.2f}"),
            ("other_ms", "other ms", "{:.2f}"), ("token_ms", "token ms", "{:.2f}"), ("tokens_per_s", "tok/s", "{:.2f}"),
            ("scanned_fraction", "scanned %", "{:.2%}"), ("bytes_read_per_token", "read KiB/tok", "{:.1f}"),
            ("device_kv_bytes", "dev KV MiB", "{:.2f}")]
 
 
+# Printed under the table for the columns it shows: every column defined on screen.
+LEGEND = {
+    "accuracy": "share of task samples answered correctly",
+    "accuracy_ci95": "95% Wilson interval of the accuracy over the samples",
+    "diff_vs_full": "accuracy minus full attention's on the same samples, points",
+    "diff_vs_full_ci95": "95% interval of that paired difference (Newcombe)",
+    "kl_mean": "mean KL divergence of the next-token distribution from full attention's (teacher-forced)",
+    "top1_agreement": "share of teacher-forced positions whose top-1 token equals full attention's",
+    "free_tokens_until_diff": "greedy tokens generated before the first difference from full attention",
+    "prefill_s": "full-attention prefill of the prompt, seconds (shared by every mode)",
+    "build_s": "building the mode's indexes from the prefill, seconds",
+    "first_step_s": "the first decode step (it also compiles the search kernels), seconds",
+    "ttft_s": "time to first token: prefill + index build + the first decode step, seconds",
+    "ttft_x_full": "that time over full attention's",
+    "retrieval_ms": "per token: index search on the CPU, summed over long-range layers",
+    "cpu_attention_ms": "per token: CPU attention over the retrieved keys",
+    "accel_attention_ms": "per token: accelerator attention (window modes: over the static window; full: over every key)",
+    "merge_ms": "per token: merging the two partial softmaxes",
+    "insert_ms": "per token: moving tokens that leave the window to the CPU store and index",
+    "other_ms": "per token: everything outside the long-range layers' attention (projections, MLPs, other layers); "
+                "the CPU and accelerator sides run concurrently, so the parts may sum to more than the token",
+    "token_ms": "per token: wall time of one decode step",
+    "tokens_per_s": "decode steps per second",
+    "scanned_fraction": "mean share of the CPU-held keys whose inner product a search computed",
+    "device_kv_bytes": "keys and values held on the accelerator at the end, MiB",
+}
+
+
 def table(result: dict) -> str:
-    """The per-mode summary as a fixed-width text table (modes as rows)."""
+    """The per-mode summary as a fixed-width text table (modes as rows) with a legend of its columns."""
     rows = [(name, m["summary"]) for name, m in result["modes"].items()]
     cols = [c for c in COLUMNS if any(s.get(c[0]) is not None for _, s in rows)]
     head = ["mode"] + [c[1] for c in cols]
@@ -239,4 +284,5 @@ def table(result: dict) -> str:
         body.append(cells)
     widths = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
     line = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
-    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in body])
+    legend = [f"  {label:>{max(len(c[1]) for c in cols)}}  {LEGEND[key]}" for key, label, _ in cols]
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in body] + [""] + legend)

@@ -7,7 +7,7 @@ import click
 from anns_lab.dumps.prompts import SOURCES
 
 
-@click.command()
+@click.command(short_help="Capture post-RoPE Q/K/V of a model on a prompt into a dump folder.")
 @click.option("--model", default="smollm2", show_default=True,
               help="smollm2, gemma3-270m, llama3, yi-6b, yi-9b, a local model folder or .gguf file, or a Hugging Face id.")
 @click.option("--source", type=click.Choice(SOURCES), default="text", show_default=True,

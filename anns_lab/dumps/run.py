@@ -267,7 +267,10 @@ def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation,
 
     cache = DynamicCache(config=model.config)
     t_prefill = t_decode = c_prefill = 0.0
-    bar = tqdm(total=n_prefill + n_decode, unit="tok", desc=f"dump {lm.name}", disable=not progress or not missing)
+    # Two bars: a decode step costs about as much as a whole prefill chunk, so one bar over all tokens would
+    # sit at 99% for the whole of the decode steps.
+    quiet = not progress or not missing
+    bar = tqdm(total=n_prefill, unit="tok", desc=f"dump {lm.name} prefill", disable=quiet)
 
     def forward(start: int, end: int):
         sink.row = start
@@ -285,6 +288,8 @@ def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation,
                 logits = forward(start, end)
                 bar.update(end - start)
             t_prefill, c_prefill = time.perf_counter() - t0, time.process_time() - c0
+            bar.close()
+            bar = tqdm(total=n_decode, unit="step", desc=f"dump {lm.name} decode", disable=quiet or not n_decode)
             t0 = time.perf_counter()
             for step in range(n_decode):
                 pos = n_prefill + step

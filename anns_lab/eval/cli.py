@@ -36,13 +36,37 @@ def _build_params(items: tuple[str, ...]) -> dict[str, dict]:
     return out
 
 
+def default_out(dump_path: str | Path, indexes: list[str] | None, layers: list[int] | None, heads: list[int] | None,
+                quick: bool) -> Path:
+    """``results/<dump>``, with the selection in the name when it is not the default one.
+
+    So a small sweep (``--indexes ivf,hnsw --heads 0,4``) never adds its rows to the demo's full sweep.
+    Build-parameter variants share their selection's folder (their parts are named apart).
+    """
+    parts = [Path(dump_path).resolve().name]
+    if indexes:
+        parts.append("+".join(indexes))
+    if layers is not None:
+        parts.append("L" + "+".join(map(str, layers)))
+    if heads is not None:
+        parts.append("H" + "+".join(map(str, heads)))
+    if quick:
+        parts.append("quick")
+    return Path("results") / "-".join(parts)
+
+
+def plural(n: int, word: str) -> str:
+    """``1 head``, ``2 heads``; ``1 index``, ``3 indexes``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}es" if word.endswith("x") else f"{n} {word}s"
+
+
 def latest_dump() -> Path | None:
     """The most recently finished dump under ./dumps, if any."""
     found = sorted(Path("dumps").glob("*/manifest.json"), key=lambda p: p.stat().st_mtime)
     return found[-1].parent if found else None
 
 
-@click.command()
+@click.command(short_help="Recall against keys scanned for every index, per (layer, head).")
 @click.option("--dump", "dump_path", type=click.Path(), default=None,
               help="Dump folder [default: the newest under dumps/, or make the default SmolLM2 dump first].")
 @click.option("--indexes", default=None, help="Comma-separated index names [default: every registered index].")
@@ -50,7 +74,8 @@ def latest_dump() -> Path | None:
 @click.option("--heads", default=None, help="Comma-separated query heads [default: all].")
 @click.option("--k", type=int, default=100, show_default=True)
 @click.option("--window", type=WINDOW, default="128,512", show_default=True, help="Static window excluded from the index.")
-@click.option("--out", type=click.Path(), default=None, help="Results folder [default: results/<dump name>].")
+@click.option("--out", type=click.Path(), default=None, help="Results folder [default: results/<dump name>, plus the selection when one is given, e.g. "
+                   "results/<dump>-ivf+hnsw-L15-H0+4].")
 @click.option("--jobs", type=int, default=2, show_default=True, help="Parallel processes (one (layer, head) each).")
 @click.option("--overwrite", is_flag=True, help="Discard an existing sweep of other settings in --out.")
 @click.option("--build-param", "build_param", multiple=True, metavar="INDEX.NAME=VALUE",
@@ -81,8 +106,11 @@ def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite, bu
             click.echo(result.summary())
             dump_path = result.dump.path
     names = [n.strip() for n in indexes.split(",")] if indexes else None
+    layer_list, head_list = _ints(layers), _ints(heads)
+    if out is None:
+        out = default_out(dump_path, names, layer_list, head_list, quick)
     try:
-        res = run_sweep(dump_path, names, _ints(layers), _ints(heads), k, window, out, jobs, overwrite,
+        res = run_sweep(dump_path, names, layer_list, head_list, k, window, out, jobs, overwrite,
                         build_params=_build_params(build_param), quick=quick, executor=executor, address=address,
                         cpus_per_task=cpus_per_task, max_attempts=max_attempts, retry_failed=retry_failed,
                         ray_data=ray_data)
@@ -90,20 +118,29 @@ def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite, bu
         click.echo(str(stop), err=True)
         raise SystemExit(130) from None
     t = res.table
-    click.echo(f"sweep of {dump_path}: {len(t)} rows ({t.groupby(['layer', 'head']).ngroups} heads × "
-               f"{t['index'].nunique()} indexes) in {res.path} ({res.seconds:.0f} s)")
+    click.echo(f"sweep of {dump_path}: {len(t)} rows ({plural(t.groupby(['layer', 'head']).ngroups, 'head')} × "
+               f"{plural(t['index'].nunique(), 'index')}) in {res.path} ({res.seconds:.0f} s)")
+    others = t[~t["index"].isin(names or t["index"].unique()) | ~t["layer"].isin(layer_list or t["layer"].unique())
+               | ~t["head"].isin(head_list or t["head"].unique())]
+    if len(others):
+        click.echo(f"note: {len(others)} of these rows come from earlier sweeps into {res.path.parent} "
+                   f"(other indexes, layers or heads); `anns-lab report` covers them all")
     for name, layer, head, err in res.failures:
         click.echo(f"  FAILED {name} on layer {layer} head {head}: {err}", err=True)
     if res.failures:
         raise SystemExit(1)
 
 
-@click.command()
+@click.command(short_help="Findings, figures and an HTML page from a sweep's results.")
 @click.argument("results", type=click.Path(), required=False)
 @click.option("--dump", "dump_path", type=click.Path(), default=None, help="Check the results come from this dump.")
 @click.option("--out", type=click.Path(), default=None, help="Folder for report.md and figures [default: beside RESULTS].")
 def report(results, dump_path, out) -> None:
-    """Figures (paper Figs. 2, 3a, 3b, 6) and a Markdown report from a sweep's results."""
+    """Findings against the paper, figures (paper Figs. 2, 3a, 3b, 6) and tables from a sweep's results.
+
+    Writes report.md, a self-contained report.html and the figures as PNG files beside RESULTS
+    (default: the newest results/*/results.parquet).
+    """
     from anns_lab.eval.report import write_report
 
     if results is None:
@@ -113,10 +150,11 @@ def report(results, dump_path, out) -> None:
         results = found[-1]
     path = write_report(results, out, dump_path)
     click.echo(f"report: {path}")
+    click.echo(f"html:   {path.with_suffix('.html')} (self-contained; open it in a browser)")
     click.echo(f"figures: {', '.join(str(p) for p in sorted(path.parent.glob('*.png')))}")
 
 
-@click.command()
+@click.command(short_help="Keys, queries and ground truth of one head as .fbin files.")
 @click.option("--dump", "dump_path", type=click.Path(), required=True)
 @click.option("--layer", type=int, required=True)
 @click.option("--head", type=int, required=True)

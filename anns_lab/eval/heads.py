@@ -1,4 +1,4 @@
-"""What one (layer, query head) of a dump gives the evaluation (design.md §7).
+"""What one (layer, query head) of a dump gives the evaluation (docs/metrics.md).
 
 Test queries are the decode queries, topped up with held-out final prefill queries when the
 dump has fewer than ``min_test``; training queries are the prefill queries before the first

@@ -1,4 +1,4 @@
-"""Metric functions of design.md §7, each on plain arrays so tests can check them by hand.
+"""Metric functions (docs/metrics.md), each on plain arrays so tests can check them by hand.
 
 Scores are inner products q·k. "Ties at the k-th score count as hits": a returned key whose
 exact score is at least the k-th largest exact score is a true top-k key.

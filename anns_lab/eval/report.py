@@ -1,13 +1,16 @@
-"""``anns-lab report``: the paper's figures and a Pareto table, from a sweep's results and its dump.
+"""``anns-lab report``: findings, figures and tables from a sweep's results and its dump.
 
-Figures (PNG, seaborn): recall@k against fraction scanned for Q→K and K→K (paper Fig. 3a / 6),
-recall and output error against bytes of index data read per query (a cost fair across index families),
-Mahalanobis distance of queries and held-out keys to the key distribution (Fig. 3b), and the
-attention mass kept by each decode step's own top-k against the first step's (Fig. 2).
+Writes ``report.md`` and a self-contained ``report.html`` (figures embedded, sortable tables)
+beside the results, plus the figures as PNG files: recall against keys scanned with Q→K and
+K→K overlaid (paper Fig. 3a / 6), recall and output error against bytes of index data read per
+query (a cost fair across index families), Mahalanobis distances per head (Fig. 3b), and the decay of
+a fixed top-k selection over decode steps (Fig. 2). Every finding is computed from the
+numbers (see :mod:`anns_lab.eval.findings`).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -15,30 +18,50 @@ import pandas as pd
 
 from anns_lab.dumps.store import open_dump
 from anns_lab.errors import AnnsLabError
-from anns_lab.eval import costs, metrics
+from anns_lab.eval import costs, figures, findings, html, ivf_gap, paper
 from anns_lab.eval.heads import load_head
-from anns_lab.eval.table import load_results
+from anns_lab.eval.findings import fmt_fraction  # noqa: F401 - benchmarks import it from here
+from anns_lab.eval.table import SETTINGS, load_results
 from anns_lab.io import atomic_write_bytes
 
 TARGETS = (0.90, 0.95, 0.99)
-# design.md §10: recall@100 ≥ 0.95 at 1–3% scanned for the attention-aware index, 30–50% for IVF (128K tokens).
-PAPER_AT_095 = {"roargraph": "1–3%", "ivf": "30–50%", "hnsw": "not reached (Fig. 3a)", "flat": "100%"}
+FIGURES = {"recall_vs_scanned.png": "Recall against keys scanned, Q→K and K→K (Fig. 3a / 6)",
+           "recall_vs_bytes.png": "Q→K: recall and output error against bytes read per query",
+           "mahalanobis.png": "Out-of-distribution queries (Fig. 3b)",
+           "dynamic_vs_static.png": "Dynamic against static selection (Fig. 2)"}
+
+
+def _least(h: pd.DataFrame, t: float, column: str = "scanned_fraction") -> float:
+    return h.loc[h["recall"] >= t, column].min()
+
+
+def per_head(table: pd.DataFrame, targets=TARGETS) -> pd.DataFrame:
+    """Per (layer, head, index, direction): the least scanned fraction (``scan@t``) and bytes read per query
+    (``bytes@t``) reaching each recall target (NaN: never), and the best recall."""
+    rows = []
+    for (layer, head, index, direction), g in table.groupby(["layer", "head", "index", "direction"], sort=True):
+        row = {"layer": layer, "head": head, "index": index, "direction": direction,
+               "best_recall": float(g["recall"].max())}
+        row.update({f"scan@{t:.2f}": _least(g, t) for t in targets})
+        row.update({f"bytes@{t:.2f}": _least(g, t, "bytes_read") for t in targets})
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def pareto(table: pd.DataFrame, targets=TARGETS) -> pd.DataFrame:
     """Per index and direction: median over heads of the least scanned fraction reaching each recall target, and
     of the least bytes read per query reaching it (``bytes@t``)."""
+    heads = per_head(table, targets)
     rows = []
-    for (index, direction), g in table.groupby(["index", "direction"], sort=True):
-        row = {"index": index, "direction": direction, "heads": g.groupby(["layer", "head"]).ngroups}
+    for (index, direction), g in heads.groupby(["index", "direction"], sort=True):
+        row = {"index": index, "direction": direction, "heads": len(g), "best_recall": float(g["best_recall"].median())}
         for t in targets:
-            per_head = [h.loc[h["recall"] >= t, "scanned_fraction"].min() for _, h in g.groupby(["layer", "head"])]
-            reached = [v for v in per_head if np.isfinite(v)]
+            v = g[f"scan@{t:.2f}"].to_numpy(dtype=float)
             # A head that never reaches the target counts as needing everything (scanned fraction ≥ 1).
-            row[f"scan@{t:.2f}"] = float(np.median([v if np.isfinite(v) else np.inf for v in per_head]))
-            row[f"reached@{t:.2f}"] = len(reached)
-            per_head = [h.loc[h["recall"] >= t, "bytes_read"].min() for _, h in g.groupby(["layer", "head"])]
-            row[f"bytes@{t:.2f}"] = float(np.median([v if np.isfinite(v) else np.inf for v in per_head]))
+            row[f"scan@{t:.2f}"] = float(np.median(np.where(np.isfinite(v), v, np.inf)))
+            row[f"reached@{t:.2f}"] = int(np.isfinite(v).sum())
+            b = g[f"bytes@{t:.2f}"].to_numpy(dtype=float)
+            row[f"bytes@{t:.2f}"] = float(np.median(np.where(np.isfinite(b), b, np.inf)))
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -53,128 +76,35 @@ def curves(table: pd.DataFrame) -> pd.DataFrame:
             .reset_index())
 
 
-def fmt_fraction(v: float) -> str:
-    """A scanned fraction as a percentage, or "not reached" for inf/NaN."""
-    return "not reached" if not np.isfinite(v) else f"{100 * v:.1f}%"
+def paper_figure(index: str, direction: str, kind: str) -> str:
+    """What the paper reports for this kind of index in this direction at recall 0.95 ("—": no figure)."""
+    if kind == "exact":
+        return "100% (exact)"
+    if direction == "q2k":
+        if kind == "attention-aware":
+            return f"{paper.Q2K_ATTENTION_AWARE} (attention-aware)"
+        return {"ivf": str(paper.Q2K_IVF), "hnsw": "not reached"}.get(index, "—")
+    return str(paper.K2K_IVF) if index == "ivf" else "—"
 
 
-def _plots():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import seaborn as sns
-
-    sns.set_theme(style="whitegrid", context="notebook")
-    return plt, sns
-
-
-def _save(fig, path: Path) -> None:
-    import io
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
-    atomic_write_bytes(path, buf.getvalue())
-
-
-def plot_recall(table: pd.DataFrame, path: Path, k: int) -> None:
-    plt, sns = _plots()
-    c = curves(table)
-    order = sorted(c["index"].unique())
-    palette = dict(zip(order, sns.color_palette("tab10", len(order))))
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for ax, direction, title in zip(axes, ("q2k", "k2k"), ("Q→K (decode queries)", "K→K (held-out keys)")):
-        sub = c[c["direction"] == direction].sort_values("scanned_fraction")
-        sns.lineplot(data=sub, x="scanned_fraction", y="recall", hue="index", hue_order=order, palette=palette,
-                     marker="o", ax=ax, sort=False, estimator=None)
-        ax.set_xscale("log")
-        ax.axhline(0.95, color="grey", ls=":", lw=1)
-        ax.set(title=title, xlabel="fraction of keys scanned (median over heads)", ylabel=f"recall@{k}")
-    fig.suptitle("Recall against keys scanned (paper Fig. 3a / Fig. 6)")
-    _save(fig, path)
-    plt.close(fig)
-
-
-def fmt_bytes(v: float) -> str:
-    """Bytes per query as KiB, or "not reached" for inf/NaN."""
-    return "not reached" if not np.isfinite(v) else f"{v / 1024:.1f} KiB"
-
-
-def plot_bytes(table: pd.DataFrame, path: Path, k: int) -> None:
-    """Recall@k and output error against bytes of index data read per query, Q→K, every index (median over heads)."""
-    plt, sns = _plots()
-    c = curves(table)
-    c = c[c["direction"] == "q2k"].sort_values("bytes_read")
-    order = sorted(c["index"].unique())
-    palette = dict(zip(order, sns.color_palette("tab10", len(order))))
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, y, label in zip(axes, ("recall", "output_rel_error"), (f"recall@{k}", "attention output rel. error")):
-        sns.lineplot(data=c, x="bytes_read", y=y, hue="index", hue_order=order, palette=palette, marker="o", ax=ax,
-                     sort=False, estimator=None)
-        ax.set_xscale("log")
-        ax.set(xlabel="bytes of index data read per query (median over heads)", ylabel=label)
-    axes[0].axhline(0.95, color="grey", ls=":", lw=1)
-    axes[1].set_yscale("log")
-    fig.suptitle("Q→K: recall and output error against bytes read per query")
-    _save(fig, path)
-    plt.close(fig)
-
-
-def plot_mahalanobis(dump, pairs: list[tuple[int, int]], window, path: Path) -> pd.DataFrame:
-    plt, sns = _plots()
-    rows = []
-    for layer, head in pairs:
-        d = load_head(dump, layer, head, window)
-        for kind, pts in (("Q→K: decode queries", d.test_queries), ("K→K: held-out keys", d.k2k_queries)):
-            for v in metrics.mahalanobis(pts, d.keys):
-                rows.append({"kind": kind, "distance": v, "layer": layer})
-    df = pd.DataFrame(rows)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    sns.histplot(data=df, x="distance", hue="kind", stat="density", common_norm=False, element="step", ax=ax)
-    ax.set(title="Mahalanobis distance to the key distribution (paper Fig. 3b)", xlabel="distance")
-    _save(fig, path)
-    plt.close(fig)
-    return df.groupby("kind")["distance"].median().reset_index()
-
-
-def dynamic_vs_static(dump, layer: int, head: int, k: int) -> tuple[float, float]:
-    """Mean attention mass of each decode step's own top-k, and of the first step's top-k kept fixed (Fig. 2)."""
-    q = dump.queries(layer, head, "decode")
-    pos = dump.positions("decode")
-    keys = dump.keys(layer, dump.kv_head_of(head), "all")
-    scale = dump.scaling(layer)
-    first = None
-    dyn, sta = [], []
-    n_prefill = int(dump.manifest["n_tokens"]["prefill"])
-    for i, p in enumerate(pos):
-        logits = (keys[: p + 1] @ q[i]).astype(np.float64) * scale
-        top = np.argpartition(logits[:n_prefill], -k)[-k:]
-        first = top if first is None else first
-        dyn.append(metrics.mass_recovered(logits, top))
-        sta.append(metrics.mass_recovered(logits, first))
-    return float(np.mean(dyn)), float(np.mean(sta))
-
-
-def plot_dynamic(dump, pairs, k: int, path: Path) -> pd.DataFrame:
-    plt, sns = _plots()
-    rows = []
-    for layer, head in pairs:
-        dyn, sta = dynamic_vs_static(dump, layer, head, k)
-        rows += [{"head": f"L{layer}H{head}", "selection": f"dynamic top-{k}", "mass": dyn},
-                 {"head": f"L{layer}H{head}", "selection": f"static top-{k} (first step)", "mass": sta}]
-    df = pd.DataFrame(rows)
-    fig, ax = plt.subplots(figsize=(max(7, 0.35 * len(pairs)), 4.5))
-    sns.lineplot(data=df, x="head", y="mass", hue="selection", marker="o", ax=ax, sort=False)
-    ax.tick_params(axis="x", rotation=90)
-    ax.set(title="Attention mass recovered over decode steps (paper Fig. 2)", xlabel="layer / head",
-           ylabel="mean recovered mass")
-    _save(fig, path)
-    plt.close(fig)
-    return df
+def sibling_sweeps(folder: Path, dump: str) -> list[tuple[str, str]]:
+    """(name, relative link to its report.html) of the other sweep folders beside ``folder`` of the same dump."""
+    out = []
+    for settings in sorted(folder.resolve().parent.glob(f"*/{SETTINGS}")):
+        other = settings.parent
+        if other == folder.resolve():
+            continue
+        try:
+            same = json.loads(settings.read_text()).get("dump") == dump
+        except (OSError, json.JSONDecodeError):
+            continue
+        if same:
+            out.append((other.name, f"../{other.name}/report.html"))
+    return out
 
 
 def write_report(results: str | Path, out: str | Path | None = None, dump_path: str | Path | None = None) -> Path:
-    """Write figures and ``report.md`` next to the results (or into ``out``); returns the report path."""
+    """Write figures, ``report.md`` and ``report.html`` next to the results (or into ``out``); returns report.md."""
     table, settings = load_results(results)
     if table.empty:
         raise AnnsLabError(f"{results} holds no rows; the sweep produced nothing to report")
@@ -190,79 +120,147 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
     k = int(table["k"].iloc[0])
     window = tuple(settings.get("window", (128, 512)))
     pairs = sorted({(int(r.layer), int(r.head)) for r in table[["layer", "head"]].itertuples()})
+    n_keys = int(table["n_keys"].median())
 
-    plot_recall(table, out / "recall_vs_scanned.png", k)
-    plot_bytes(table, out / "recall_vs_bytes.png", k)
-    maha = plot_mahalanobis(dump, pairs, window, out / "mahalanobis.png")
-    dyn = plot_dynamic(dump, pairs, k, out / "dynamic_vs_static.png")
-    par = pareto(table)
-    c = curves(table)
+    kinds = findings.index_kinds(table)
+    par, heads, c = pareto(table), per_head(table), curves(table)
+    maha = figures.mahalanobis_per_head(dump, pairs, window)
+    decay = pd.concat([figures.selection_decay(dump, layer, head, k) for layer, head in pairs], ignore_index=True)
+    pngs = {"recall_vs_scanned.png": figures.recall_vs_scanned(c, k, kinds),
+            "recall_vs_bytes.png": figures.recall_vs_bytes(c, k, kinds),
+            "mahalanobis.png": figures.mahalanobis_figure(maha),
+            "dynamic_vs_static.png": figures.selection_decay_figure(decay, k)}
+    medians = maha.groupby("kind")["distance"].median()
+    found = findings.from_sweep(par, kinds, n_keys, {"ivf": _ivf_reason(dump, table, par, kinds, pairs, window, k)})
+    found += [findings.out_of_distribution(medians.get("Q→K: decode queries", np.nan),
+                                           medians.get("K→K: held-out keys", np.nan)),
+              findings.dynamic_vs_static(decay["dynamic"].mean(), decay["static"].mean(),
+                                         int(decay["step"].nunique()), k)]
+    for name, png in pngs.items():
+        atomic_write_bytes(out / name, png)
 
-    lines = [f"# anns-lab report: {dump.model}, {dump.path.name}", "",
-             f"Dump `{dump.path}`: {dump.manifest['n_tokens']['prefill']} prefill + {dump.manifest['n_tokens']['decode']} "
-             f"decode tokens; {len(pairs)} (layer, head) pairs, layers {sorted({p[0] for p in pairs})}; "
-             f"keys indexed per head: {int(table['n_keys'].median())} (static window {window[0]},{window[1]} excluded); k = {k}.",
-             "", "## Least fraction of keys scanned to reach a recall target (median over heads)", "",
-             "A head that never reaches the target counts as needing more than every key. "
-             "The paper's figure is for 128K-token contexts on Llama-3-8B / Yi (design.md §10).", "",
-             "| index | direction | heads | " + " | ".join(f"recall {t:.2f}" for t in TARGETS) + " | paper, Q→K at 0.95 |",
-             "|---|---|---|" + "---|" * len(TARGETS) + "---|"]
+    intro = (f"Dump `{dump.path}` ({dump.model}): {dump.manifest['n_tokens']['prefill']} prefill + "
+             f"{dump.manifest['n_tokens']['decode']} decode tokens; {len(pairs)} (layer, head) pairs of layers "
+             f"{sorted({p[0] for p in pairs})}; {n_keys:,} keys indexed per head (static window {window[0]},{window[1]} "
+             f"excluded); recall@{k}. The paper's figures are for 128K-token contexts of Llama-3-8B and Yi-9B "
+             "(docs/paper.md); the metrics are defined in docs/metrics.md.")
+    pareto_view = _pareto_view(par, kinds)
+    points = costs.at_target(table, 0.95)
+    md = _markdown(dump, intro, found, pareto_view, par, maha, decay, c, k, costs.markdown_at_target(points, 0.95))
+    atomic_write_bytes(out / "report.md", md.encode("utf-8"))
+    links = sibling_sweeps(folder, str(settings.get("dump", "")))
+    sections = [("Least fraction of keys scanned to reach a recall target (median over heads)",
+                 "<p>A head that never reaches the target counts as needing more than every key; "
+                 "(n/m) is how many of the heads reach it.</p>" + html.table(pareto_view, "pareto")),
+                (FIGURES["recall_vs_scanned.png"], html.figure(pngs["recall_vs_scanned.png"], "recall vs scanned")),
+                ("Least bytes of index data read per query to reach a recall target (Q→K, median over heads)",
+                 f"<p>{BYTES_NOTE}</p>" + html.table(_bytes_view(par), "bytes")
+                 + html.figure(pngs["recall_vs_bytes.png"], "recall and error vs bytes read")),
+                 (AT_TARGET, html.table(costs.summary_at_target(points).round(4), "at-target")
+                  + html.table(points.round(4), "at-target-heads")),
+                (FIGURES["mahalanobis.png"], html.figure(pngs["mahalanobis.png"], "mahalanobis")),
+                (FIGURES["dynamic_vs_static.png"], html.figure(pngs["dynamic_vs_static.png"], "dynamic vs static")),
+                ("Every head: least fraction scanned for each recall target",
+                 html.table(_heads_view(heads), "per-head")),
+                ("Every operating point (median over heads, Q→K)", html.table(_points_view(c), "points"))]
+    page = html.page(f"anns-lab report: {dump.model}, {dump.path.name}", intro, found, sections, links)
+    atomic_write_bytes(out / "report.html", page.encode("utf-8"))
+    return out / "report.md"
+
+
+def _ivf_reason(dump, table: pd.DataFrame, par: pd.DataFrame, kinds: dict[str, str], pairs, window, k: int,
+                most: int = 9) -> str:
+    """The measured reason behind IVF's Q→K / K→K figures, on up to ``most`` heads spread over the sweep's ("" if no IVF)."""
+    q, kk = findings.scan(par, "ivf", "q2k"), findings.scan(par, "ivf", "k2k")
+    if kinds.get("ivf") != "key-only" or q is None or kk is None:
+        return ""
+    built = json.loads(table.loc[table["index"] == "ivf", "build_params"].iloc[0])
+    chosen = pairs[:: max(1, len(pairs) // most)][:most]
+    diag = pd.DataFrame([ivf_gap.diagnose(load_head(dump, layer, head, window), k, built.get("nlist") or None,
+                                          built.get("seed", ivf_gap.SEED)) for layer, head in chosen])
+    return findings.ivf_reason(diag, q.fraction, kk.fraction)
+
+
+def _pareto_view(par: pd.DataFrame, kinds: dict[str, str]) -> pd.DataFrame:
+    rows = []
     for r in par.to_dict("records"):
-        cells = [f"{fmt_fraction(r[f'scan@{t:.2f}'])} ({r[f'reached@{t:.2f}']}/{r['heads']})" for t in TARGETS]
-        paper = PAPER_AT_095.get(r["index"], "—") if r["direction"] == "q2k" else "1–5% (K→K)"
-        lines.append(f"| {r['index']} | {r['direction']} | {r['heads']} | " + " | ".join(cells) + f" | {paper} |")
-    lines += ["", _comparison(par), "", "![recall vs scanned](recall_vs_scanned.png)", "", *_bytes_section(par), "", *_at_target_section(table), "",
-              "## Out-of-distribution queries (Fig. 3b)", "",
-              "Median Mahalanobis distance to the distribution of the indexed keys:", ""]
-    lines += [f"- {r.kind}: {r.distance:.1f}" for r in maha.itertuples()]
-    lines += ["", "![mahalanobis](mahalanobis.png)", "", "## Dynamic against static selection (Fig. 2)", ""]
-    means = dyn.groupby("selection")["mass"].mean()
-    lines += [f"- {sel}: mean recovered attention mass {v:.3f}" for sel, v in means.items()]
-    lines += ["", "Paper (Llama-3-8B, 100K tokens, top-1000): dynamic 0.89, static 0.71.", "",
-              "![dynamic vs static](dynamic_vs_static.png)", "",
-              "## Every operating point (median over heads, Q→K)", "",
-              "| index | search params | recall | scanned | KiB read | mass kept | output rel. error | latency µs |",
-              "|---|---|---|---|---|---|---|---|"]
-    for r in c[c["direction"] == "q2k"].itertuples(index=False):
-        lines.append(f"| {r.index} | `{r.search_params}` | {r.recall:.3f} | {100 * r.scanned_fraction:.2f}% | "
-                     f"{r.bytes_read / 1024:.1f} | {r.mass_recovered:.4f} | {r.output_rel_error:.4f} | {r.latency_us:.0f} |")
-    report = out / "report.md"
-    atomic_write_bytes(report, ("\n".join(lines) + "\n").encode("utf-8"))
-    return report
+        row = {"index": r["index"], "direction": r["direction"], "heads": r["heads"]}
+        for t in TARGETS:
+            row[f"recall {t:.2f}"] = f"{fmt_fraction(r[f'scan@{t:.2f}'])} ({r[f'reached@{t:.2f}']}/{r['heads']})"
+        row["paper at 0.95"] = paper_figure(r["index"], r["direction"], kinds.get(r["index"], "unknown"))
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
-def _bytes_section(par: pd.DataFrame) -> list[str]:
-    """The Pareto table by bytes read per query (Q→K) and its figure."""
-    lines = ["## Least bytes of index data read per query to reach a recall target (Q→K, median over heads)", "",
-             "Bytes read count every index the same way (full keys at 4 bytes per dimension, centroids, page bounds, "
-             "codes, graph adjacency rows; each index's docstring says what it counts), so families whose items are "
-             "cheaper or dearer than a full key compare fairly.", "",
-             "| index | heads | " + " | ".join(f"recall {t:.2f}" for t in TARGETS) + " |",
-             "|---|---|" + "---|" * len(TARGETS)]
+BYTES_NOTE = ("Bytes read count every index the same way (full keys at 4 bytes per dimension, centroids, page bounds, "
+              "codes, graph adjacency rows; each index's docstring says what it counts), so families whose items are "
+              "cheaper or dearer than a full key compare fairly.")
+
+
+def fmt_bytes(v: float) -> str:
+    """Bytes per query as KiB, or "not reached" for inf/NaN."""
+    return "not reached" if not np.isfinite(v) else f"{v / 1024:.1f} KiB"
+
+
+def _bytes_view(par: pd.DataFrame) -> pd.DataFrame:
+    rows = []
     for r in par[par["direction"] == "q2k"].to_dict("records"):
-        cells = [f"{fmt_bytes(r[f'bytes@{t:.2f}'])} ({r[f'reached@{t:.2f}']}/{r['heads']})" for t in TARGETS]
-        lines.append(f"| {r['index']} | {r['heads']} | " + " | ".join(cells) + " |")
-    return lines + ["", "![recall and error vs bytes read](recall_vs_bytes.png)"]
+        row = {"index": r["index"], "heads": r["heads"]}
+        row.update({f"recall {t:.2f}": f"{fmt_bytes(r[f'bytes@{t:.2f}'])} ({r[f'reached@{t:.2f}']}/{r['heads']})"
+                    for t in TARGETS})
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
-def _at_target_section(table: pd.DataFrame, target: float = 0.95) -> list[str]:
-    """Every index's cheapest point at ``target`` per head (Q→K), with its output error (eval.costs)."""
-    return [f"## Each index at recall {target:.2f}, head by head (Q→K)", "",
-            *costs.markdown_at_target(costs.at_target(table, target), target)]
+def _heads_view(heads: pd.DataFrame) -> pd.DataFrame:
+    view = heads[["layer", "head", "index", "direction"]].copy()
+    for t in TARGETS:
+        view[f"scan@{t:.2f}"] = heads[f"scan@{t:.2f}"].map(fmt_fraction)
+    view["best recall"] = heads["best_recall"].map(lambda v: f"{v:.3f}")
+    return view
 
 
-def _comparison(par: pd.DataFrame) -> str:
-    """One sentence on where our numbers agree with the paper's and where not."""
-    q = par[par["direction"] == "q2k"].set_index("index")["scan@0.95"]
-    k = par[par["direction"] == "k2k"].set_index("index")["scan@0.95"]
-    parts = []
-    if "ivf" in q:
-        parts.append(f"IVF needs {fmt_fraction(q['ivf'])} of the keys for recall 0.95 on Q→K against {fmt_fraction(k.get('ivf', np.nan))} "
-                     "on K→K; the paper reports 30–50% against 1–5%")
-    best = q.drop(labels=["flat"], errors="ignore")
-    if len(best):
-        name = best.idxmin()
-        parts.append(f"the best index on Q→K is {name} at {fmt_fraction(best.min())} (paper: 1–3% for its attention-aware "
-                     "index at 128K tokens; shorter contexts need a larger fraction, since the number of keys a "
-                     "query needs does not shrink with the context)")
-    return ("Agreement with the paper: " + "; ".join(parts) + ".") if parts else ""
+def _points_view(c: pd.DataFrame) -> pd.DataFrame:
+    q = c[c["direction"] == "q2k"]
+    return pd.DataFrame({"index": q["index"], "search params": q["search_params"],
+                         "recall": q["recall"].map(lambda v: f"{v:.3f}"),
+                         "scanned": q["scanned_fraction"].map(lambda v: f"{100 * v:.2f}%"),
+                         "KiB read": q["bytes_read"].map(lambda v: f"{v / 1024:.1f}"),
+                         "mass kept": q["mass_recovered"].map(lambda v: f"{v:.4f}"),
+                         "output rel. error": q["output_rel_error"].map(lambda v: f"{v:.4f}"),
+                         "latency µs": q["latency_us"].map(lambda v: f"{v:.0f}")})
+
+
+def _md_table(df: pd.DataFrame) -> list[str]:
+    lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
+    return lines + ["| " + " | ".join(str(v) for v in row) + " |" for row in df.itertuples(index=False)]
+
+
+AT_TARGET = "Each index at recall 0.95, head by head (Q→K): scanned fraction, bytes read, output error"
+
+
+def _markdown(dump, intro: str, found, pareto_view: pd.DataFrame, par: pd.DataFrame, maha: pd.DataFrame,
+              decay: pd.DataFrame, c: pd.DataFrame, k: int, at_target: list[str]) -> str:
+    lines = [f"# anns-lab report: {dump.model}, {dump.path.name}", "", intro, "",
+             "An HTML version with sortable tables and a per-head table is `report.html` beside this file.", "",
+             "## Findings against the paper", ""]
+    lines += [f.markdown() for f in found]
+    lines += ["", "## Least fraction of keys scanned to reach a recall target (median over heads)", "",
+              "A head that never reaches the target counts as needing more than every key; (n/m) is how many of the "
+              "heads reach it.", ""]
+    lines += _md_table(pareto_view)
+    lines += ["", "![recall vs scanned](recall_vs_scanned.png)", "",
+              "## Least bytes of index data read per query to reach a recall target (Q→K, median over heads)", "",
+              BYTES_NOTE, ""]
+    lines += _md_table(_bytes_view(par))
+    lines += ["", "![recall and error vs bytes read](recall_vs_bytes.png)", "", f"## {AT_TARGET}", "", *at_target, "",
+              f"## {FIGURES['mahalanobis.png']}", "",
+              "Median Mahalanobis distance to the distribution of the indexed keys, over every head:", ""]
+    lines += [f"- {kind}: {v:.1f}" for kind, v in maha.groupby("kind")["distance"].median().items()]
+    lines += ["", "![mahalanobis](mahalanobis.png)", "", f"## {FIGURES['dynamic_vs_static.png']}", "",
+              f"- dynamic top-{k} (each step's own): mean recovered attention mass {decay['dynamic'].mean():.3f}",
+              f"- static top-{k} (the first step's, kept fixed): {decay['static'].mean():.3f}, "
+              f"{decay.loc[decay['step'] == decay['step'].max(), 'static'].mean():.3f} at the last step", "",
+              "![dynamic vs static](dynamic_vs_static.png)", "", "## Every operating point (median over heads, Q→K)", ""]
+    lines += _md_table(_points_view(c).assign(**{"search params": lambda d: "`" + d["search params"] + "`"}))
+    return "\n".join(lines) + "\n"

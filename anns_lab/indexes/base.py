@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import difflib
 import itertools
-import json
 import math
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, NamedTuple, Sequence
@@ -36,8 +34,8 @@ import numpy as np
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes.estimate import Estimate, Summaries
 from anns_lab.indexes.key_store import KeyRows, KeyStore
+from anns_lab.indexes.persist import load_index, save_index
 
-FORMAT_VERSION = 1
 #: Largest magnitude accepted in keys and queries: any inner product of two such vectors (|q·k| ≤ d·1e30) stays
 #: far inside float32 (3.4e38) up to d = 10^8, so no index can overflow. Real activations are below 1e5.
 MAX_ABS = 1e15
@@ -110,12 +108,6 @@ def resolve_params(owner: str, declared: Mapping[str, Param], given: Mapping[str
             known = ", ".join(declared) or "none"
             raise IndexConfigError(f"{owner}: unknown parameter {name!r} (known: {known}){hint}")
     return {name: p.check(owner, name, given.get(name, p.default)) for name, p in declared.items()}
-
-
-def declared_only(declared: Mapping[str, Param], recorded: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """``recorded`` parameters (a saved index's, a results table's) split into those still ``declared`` and the
-    sorted names an older version had that this one no longer declares (no code reads them any more)."""
-    return {k: v for k, v in recorded.items() if k in declared}, sorted(set(recorded) - set(declared))
 
 
 def as_matrix(owner: str, what: str, x: Any, dim: int | None = None) -> np.ndarray:
@@ -312,46 +304,16 @@ class Index:
     # -- persistence: .npy files (allow_pickle=False) plus one JSON file, never pickle ------------
 
     def save(self, path: str | Path) -> None:
-        """Write the index to folder ``path`` (``index.json`` plus one ``.npy`` per array)."""
+        """Write the index to folder ``path`` (``index.json`` with a sha256 per array, one ``.npy`` per array)."""
         self._require_built()
         if not self.supports_save:
             raise IndexConfigError(f"{self._owner()}: this index does not support save()")
-        folder = Path(path)
-        folder.mkdir(parents=True, exist_ok=True)
-        arrays = self._arrays()
-        for key, arr in arrays.items():
-            np.save(folder / f"{key}.npy", np.ascontiguousarray(arr), allow_pickle=False)
-        meta = {
-            "format": FORMAT_VERSION,
-            "class": f"{type(self).__module__}:{type(self).__qualname__}",
-            "params": self.params,
-            "n_keys": self.n_keys,
-            "dim": self.dim,
-            "arrays": sorted(arrays),
-        }
-        # Written last: a folder without index.json is an unfinished save.
-        (folder / "index.json").write_text(json.dumps(meta, indent=1))
+        save_index(self, path)
 
     @classmethod
     def load(cls, path: str | Path) -> "Index":
-        """Read an index written by ``save``."""
-        folder = Path(path)
-        meta_file = folder / "index.json"
-        if not meta_file.is_file():
-            raise IndexConfigError(f"{cls.__name__}: {folder} holds no saved index (index.json missing)")
-        meta = json.loads(meta_file.read_text())
-        want = f"{cls.__module__}:{cls.__qualname__}"
-        if meta.get("format") != FORMAT_VERSION or meta.get("class") != want:
-            raise IndexConfigError(f"{cls.__name__}: {folder} holds {meta.get('class')} format {meta.get('format')}, not {want}")
-        params, gone = declared_only(cls.build_params, meta["params"])
-        if gone:
-            warnings.warn(f"{cls.__name__}: {folder} was saved with parameters this version no longer has "
-                          f"({', '.join(gone)}); they are left out", stacklevel=2)
-        index = cls(**params)
-        arrays = {key: np.load(folder / f"{key}.npy", allow_pickle=False) for key in meta["arrays"]}
-        index.n_keys, index.dim = int(meta["n_keys"]), int(meta["dim"])
-        index._restore(arrays)
-        return index
+        """Read an index written by ``save``; anything missing, corrupt or inconsistent is one IndexConfigError."""
+        return load_index(cls, path)
 
     # -- for subclasses ----------------------------------------------------------------------------
 
@@ -369,6 +331,8 @@ class Index:
         raise NotImplementedError
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
+        """Set the index up from ``_arrays()``'s arrays (``n_keys``/``dim`` already set); check each array's
+        dtype, shape and id range first (``persist.expect``), raising IndexConfigError: they come from a file."""
         raise NotImplementedError
 
     def _key_rows(self, keys: np.ndarray) -> KeyRows:

@@ -17,7 +17,7 @@ def _param_lines(title: str, params: dict[str, Param]) -> list[str]:
     return lines
 
 
-@click.command()
+@click.command(short_help="List registered indexes with their parameters and grids.")
 def indexes() -> None:
     """List registered indexes (entry-point group anns_lab.indexes) and any that fail to load."""
     broken = registry.broken()

@@ -6,6 +6,7 @@ import faiss
 import numpy as np
 
 from anns_lab.indexes.base import Index, pad_topk
+from anns_lab.indexes.persist import expect
 
 
 class FlatIndex(Index):
@@ -29,4 +30,4 @@ class FlatIndex(Index):
         return {"keys": faiss.rev_swig_ptr(self._index.get_xb(), self._index.ntotal * self._index.d).reshape(-1, self._index.d)}
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
-        self._build(arrays["keys"].astype(np.float32), None)
+        self._build(expect(arrays, "keys", np.float32, (self.n_keys, self.dim), finite=True), None)

@@ -8,7 +8,7 @@ with ``max(ef, k)`` on layer 0. Results and counts therefore come from the same 
 same algorithm (the tests check the ids against ``hnswlib.knn_query``). ``n_scanned`` counts
 every inner product computed: each neighbour evaluated during the descent (a node may be
 evaluated again on a lower layer, and then counts again) plus each node evaluated on layer 0.
-``bytes_read`` (``graph_search.bytes_read``): every scanned node's vector (4·dim bytes, repeats
+``bytes_read`` (``graph.search.bytes_read``): every scanned node's vector (4·dim bytes, repeats
 included), every neighbour list read at every layer (hnswlib's count word plus its ids, 4 bytes
 each: each time the descent scans a node's upper-layer list, and each node expanded on layer 0)
 and the entry point's id (8 bytes).
@@ -26,8 +26,12 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from anns_lab.indexes import graph_search as gs
+from anns_lab.errors import IndexConfigError
 from anns_lab.indexes.base import Index, Param
+from anns_lab.indexes.graph import Graph
+from anns_lab.indexes.graph.search import bytes_read, search_batch
+from anns_lab.indexes.graph.simd import dot
+from anns_lab.indexes.persist import expect, expect_ids
 
 
 class HNSWGraph:
@@ -84,7 +88,7 @@ def descend_batch(data, up_row, up_nbrs, up_deg, entry, max_level, queries):
     for qi in prange(nq):
         q = queries[qi]
         cur = entry
-        best = gs.dot(data[cur], q)
+        best = dot(data[cur], q)
         cnt = 1
         w = 0
         for level in range(max_level, 0, -1):
@@ -96,7 +100,7 @@ def descend_batch(data, up_row, up_nbrs, up_deg, entry, max_level, queries):
                 w += 1 + up_deg[r, level - 1]
                 for j in range(up_deg[r, level - 1]):
                     nb = up_nbrs[r, level - 1, j]
-                    s = gs.dot(data[nb], q)
+                    s = dot(data[nb], q)
                     cnt += 1
                     if s > best:
                         best = s
@@ -145,10 +149,10 @@ class HNSWIndex(Index):
         g = self.graph
         entries, descent, descent_words = descend_batch(self._keys, g.up_row, g.up_nbrs, g.up_deg, g.entry, g.max_level,
                                                         queries)
-        ids, scores, scanned, words = gs.beam_search_batch(self._keys, g.nbrs, g.degree, queries, entries, max(ef, k), k,
-                                                           numba.get_num_threads())
+        ids, scores, scanned, words = search_batch(Graph(self._keys, g.nbrs, g.degree), queries, entries, max(ef, k), k,
+                                                   numba.get_num_threads())
         scanned = scanned + descent
-        return ids, scores, scanned, gs.bytes_read(self.dim, scanned, words + descent_words, 1)
+        return ids, scores, scanned, bytes_read(self.dim, scanned, words + descent_words, 1)
 
     def max_scanned(self) -> int:
         return self.n_keys + self.graph.max_descent()
@@ -166,11 +170,19 @@ class HNSWIndex(Index):
             return {"hnswlib_index": np.fromfile(path, np.uint8), "keys": self._keys}
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
-        keys = np.ascontiguousarray(arrays["keys"], dtype=np.float32)
-        p = hnswlib.Index(space="ip", dim=keys.shape[1])
+        keys = expect(arrays, "keys", np.float32, (self.n_keys, self.dim), finite=True)
+        blob = expect(arrays, "hnswlib_index", np.uint8, (None,))
+        p = hnswlib.Index(space="ip", dim=self.dim)
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "hnsw.bin")
-            arrays["hnswlib_index"].tofile(path)
-            p.load_index(path, max_elements=len(keys))
+            blob.tofile(path)
+            p.load_index(path, max_elements=len(keys))  # RuntimeError on a malformed file: load says so
+        if p.get_current_count() != len(keys) or p.dim != self.dim:
+            raise IndexConfigError(f"array 'hnswlib_index' holds {p.get_current_count()} keys of dimension {p.dim}, "
+                                   f"not {len(keys)} × {self.dim}")
         p.set_num_threads(1)
         self._set(p, keys)
+        g, n = self.graph, len(keys)
+        for name, ids in (("layer 0", g.nbrs), ("upper layers", g.up_nbrs)):
+            expect_ids(f"hnswlib_index ({name})", ids[ids >= 0], 0, n)
+        expect_ids("hnswlib_index (entry point)", np.array([g.entry]), 0, n)

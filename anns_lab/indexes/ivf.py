@@ -17,6 +17,7 @@ import numpy as np
 
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes.base import Index, Param, pad_topk
+from anns_lab.indexes.persist import expect
 
 
 def auto_nlist(n_keys: int) -> int:
@@ -83,4 +84,8 @@ class IVFIndex(Index):
         return {"faiss_index": faiss.serialize_index(self._index)}  # faiss's own write_index format
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
-        self._set(faiss.deserialize_index(arrays["faiss_index"]))
+        index = faiss.deserialize_index(expect(arrays, "faiss_index", np.uint8, (None,)))  # RuntimeError: load says so
+        if (not isinstance(index, faiss.IndexIVFFlat) or index.metric_type != faiss.METRIC_INNER_PRODUCT
+                or index.d != self.dim or index.ntotal != self.n_keys):
+            raise IndexConfigError(f"array 'faiss_index' is not an inner-product IVF-Flat of {self.n_keys} keys × {self.dim}")
+        self._set(index)

@@ -5,11 +5,11 @@ Build, on keys K (n, d) and training queries Q:
 1. Sample ``n_queries`` training queries (seeded; the newest ``recent_frac`` of them first
    when set) and add them as extra nodes: the build runs on [K; Q_s].
 2. A query node's row is its exact top-``R`` keys by inner product, kept unpruned and never
-   changed (``graph_build.vamana_pass_fixed``). Key nodes are inserted as in Vamana: greedy
+   changed (``graph.vamana.vamana_pass``). Key nodes are inserted as in Vamana: greedy
    search, RobustPrune (inner-product rule, α) over keys *and* query nodes, back-edges (never
    into a query row). Two sequential passes (α = 1, then ``alpha``) over a seeded permutation
    of all nodes, as ``vamana`` does.
-3. RobustStitch (``graph_build.robust_stitch``): in every key row each query neighbour is
+3. RobustStitch (``graph.vamana.robust_stitch``): in every key row each query neighbour is
    replaced by that query's keys and the row RobustPruned to R, so the final graph holds keys
    only and the query vectors are dropped.
 
@@ -18,7 +18,7 @@ product with the mean training query, plus ``n_hubs - 1`` hubs as in ``roargraph
 inner product is counted (entries included); ``bytes_read`` as ``vamana``'s (keys scanned, adjacency rows of the
 expanded nodes, the entry list). ``add`` inserts new keys with one Vamana pass
 over them (queries are no longer part of the graph). After build and add, any key not reachable
-from the entries gets an in-edge (``graph_build.link_unreachable``). Keys are read from the
+from the entries gets an in-edge (``graph.edges.link_unreachable``). Keys are read from the
 ``key_store.KeyStore`` given to ``build`` (the decoder's: one copy per GQA group), or the index's own.
 """
 
@@ -28,11 +28,14 @@ import numba
 import numpy as np
 
 from anns_lab.errors import IndexConfigError
-from anns_lab.indexes import graph_build as gb, graph_search as gs
+from anns_lab.indexes.base import Index, Param
+from anns_lab.indexes.graph import Graph, saved_graph
+from anns_lab.indexes.graph.edges import link_unreachable
+from anns_lab.indexes.graph.hubs import query_hubs, saved_hubs
+from anns_lab.indexes.graph.search import bytes_read, search_batch
+from anns_lab.indexes.graph.vamana import random_graph, robust_stitch, vamana_pass
 from anns_lab.indexes.key_store import KeyStore
 from anns_lab.indexes.topk import topk_ip
-from anns_lab.indexes.base import Index, Param
-from anns_lab.indexes.roargraph import query_hubs
 
 
 class RobustVamanaIndex(Index):
@@ -67,15 +70,16 @@ class RobustVamanaIndex(Index):
         sample = np.ascontiguousarray(pool[np.sort(rng.choice(len(pool), take, replace=False))])
         q_nbrs = topk_ip(sample, keys, R)
         data = np.ascontiguousarray(np.vstack([keys, sample]))  # build-time only; the final graph holds keys
-        nbrs, degree = gb.random_graph(n + take, R, p["seed"])
+        nbrs, degree = random_graph(n + take, R, p["seed"])
         nbrs[n:], degree[n:] = q_nbrs, R
         self.hubs = query_hubs(keys, train_queries, p["n_hubs"], p["seed"])
         entry = int(self.hubs[0])
         order = rng.permutation(n + take).astype(np.int64)
         for alpha in (1.0, p["alpha"]):
-            gb.vamana_pass_fixed(data, nbrs, degree, order, entry, alpha, R, p["L"], n)
-        self._nbrs, self._degree = gb.robust_stitch(data, nbrs, degree, n, q_nbrs, p["alpha"], R)
-        gb.link_unreachable(keys, self._nbrs, self._degree, self.hubs, R)
+            vamana_pass(Graph(data, nbrs, degree), order, entry, alpha, R, p["L"], n_free=n)
+        self._nbrs, self._degree = robust_stitch(Graph(data, nbrs, degree), n, q_nbrs, p["alpha"], R,
+                                                 numba.get_num_threads())
+        link_unreachable(Graph(keys, self._nbrs, self._degree), self.hubs, R)
         self._store = self._key_rows(keys)
 
     @property
@@ -89,15 +93,16 @@ class RobustVamanaIndex(Index):
         nbrs = np.vstack([self._nbrs, np.full((t, R), -1, np.int32)])
         degree = np.concatenate([self._degree, np.zeros(t, np.int32)])
         order = np.arange(n0, n0 + t, dtype=np.int64)
-        gb.vamana_pass(allkeys, nbrs, degree, order, int(self.hubs[0]), self.params["alpha"], R, self.params["L"])
-        gb.link_unreachable(allkeys, nbrs, degree, self.hubs, R)  # back-edge prunes may strand a key
+        g = Graph(allkeys, nbrs, degree)
+        vamana_pass(g, order, int(self.hubs[0]), self.params["alpha"], R, self.params["L"])
+        link_unreachable(g, self.hubs, R)  # back-edge prunes may strand a key
         self._nbrs, self._degree = nbrs, degree
 
     def _search(self, queries: np.ndarray, k: int, L: int):
         entries = np.ascontiguousarray(np.broadcast_to(self.hubs, (len(queries), len(self.hubs))))
-        ids, scores, scanned, words = gs.beam_search_batch(self._keys, self._nbrs, self._degree, queries, entries,
-                                                           max(L, k), k, numba.get_num_threads())
-        return ids, scores, scanned, gs.bytes_read(self.dim, scanned, words, len(self.hubs))
+        ids, scores, scanned, words = search_batch(Graph(self._keys, self._nbrs, self._degree), queries, entries,
+                                                   max(L, k), k, numba.get_num_threads())
+        return ids, scores, scanned, bytes_read(self.dim, scanned, words, len(self.hubs))
 
     @property
     def nbytes(self) -> int:
@@ -107,5 +112,6 @@ class RobustVamanaIndex(Index):
         return {"keys": self._keys, "nbrs": self._nbrs, "degree": self._degree, "hubs": self.hubs}
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
-        self._store = KeyStore.own(np.ascontiguousarray(arrays["keys"], dtype=np.float32))
-        self._nbrs, self._degree, self.hubs = arrays["nbrs"], arrays["degree"], arrays["hubs"].astype(np.int64)
+        keys, self._nbrs, self._degree = saved_graph(arrays, self.n_keys, self.dim, self.params["R"])
+        self._store = KeyStore.own(keys)
+        self.hubs = saved_hubs(arrays, self.n_keys)

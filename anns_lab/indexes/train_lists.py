@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from anns_lab.indexes.graph_search import dot
+from anns_lab.indexes.graph.simd import dot
 from anns_lab.indexes.topk import topk_ip
 
 
@@ -80,7 +80,7 @@ def _rerank_gaps(queries, keys, a_lists, anchors, gaps, span, out, n_chunks):
                 block[i] = keys[cand[i]]
             lo, hi = anchors[g] + 1, anchors[g + 1]
             for r in range(hi - lo):
-                # graph_search.dot, not np.dot: numba's BLAS calls on these small blocks cost ~15x more
+                # graph.simd.dot, not np.dot: numba's BLAS calls on these small blocks cost ~15x more
                 # (OpenBLAS's thread pool on a loaded machine); the gathered block stays in cache for the gap.
                 q = queries[lo + r]
                 for i in range(t):

@@ -2,16 +2,15 @@
 
 Inner product is the similarity throughout: the greedy search that inserts a key looks for
 the keys of largest inner product with it, and RobustPrune uses DiskANN's INNER_PRODUCT
-occlusion rule (see ``graph_build.robust_prune``). We tried the other MIPS route, the
-Euclidean graph over keys augmented to equal norm ([k, √(M² − |k|²)]), and dropped it: its
-recall@100 on Gaussian keys was half of this graph's at the same fraction scanned.
+occlusion rule (see ``graph.prune``), rather than a Euclidean graph over norm-augmented keys
+(the other MIPS route, which scanned more for the same recall: ``docs/notes/graph-indexes.md``).
 
 Build: a seeded random R-regular graph, then two sequential passes over a seeded permutation
 (α = 1, then the given α), entry point = the key of largest inner product with the keys'
-mean. Search: beam search of width max(L, k) from that entry; ``n_scanned`` counts every
-node whose inner product with the query was computed (the entry included), once each; ``bytes_read``
-(``graph_search.bytes_read``): each scanned key (4·dim bytes), each expanded node's adjacency row
-(degree + neighbour ids, 4 bytes each) and the entry id (8 bytes).
+mean. Search: the best-first search of :mod:`graph.search` with beam max(L, k) from that entry;
+``n_scanned`` counts every node whose inner product with the query was computed (the entry included),
+once each; ``bytes_read`` (``graph.search.bytes_read``): each scanned key (4·dim bytes), each expanded
+node's adjacency row (degree + neighbour ids, 4 bytes each) and the entry id (8 bytes).
 """
 
 from __future__ import annotations
@@ -19,9 +18,12 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from anns_lab.indexes import graph_build as gb, graph_search as gs
 from anns_lab.indexes.base import Index, Param
+from anns_lab.indexes.graph import Graph, saved_graph
+from anns_lab.indexes.graph.search import bytes_read, search_batch
+from anns_lab.indexes.graph.vamana import random_graph, vamana_pass
 from anns_lab.indexes.key_store import KeyStore
+from anns_lab.indexes.persist import expect, expect_ids
 
 
 def entry_point(keys: np.ndarray) -> int:
@@ -44,11 +46,11 @@ class VamanaIndex(Index):
 
     def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
         R, L, seed = self.params["R"], self.params["L"], self.params["seed"]
-        nbrs, degree = gb.random_graph(len(keys), R, seed)
+        nbrs, degree = random_graph(len(keys), R, seed)
         self.entry = entry_point(keys)
         order = np.random.default_rng(seed).permutation(len(keys)).astype(np.int64)
         for alpha in (1.0, self.params["alpha"]):
-            gb.vamana_pass(keys, nbrs, degree, order, self.entry, alpha, R, L)
+            vamana_pass(Graph(keys, nbrs, degree), order, self.entry, alpha, R, L)
         self._store, self._nbrs, self._degree = self._key_rows(keys), nbrs, degree
 
     @property
@@ -64,19 +66,19 @@ class VamanaIndex(Index):
         nbrs = np.vstack([self._nbrs, np.full((len(keys), R), -1, np.int32)])
         degree = np.concatenate([self._degree, np.zeros(len(keys), np.int32)])
         order = np.arange(n0, len(allkeys), dtype=np.int64)
-        gb.vamana_pass(allkeys, nbrs, degree, order, self.entry, self.params["alpha"], R, self.params["L"])
+        vamana_pass(Graph(allkeys, nbrs, degree), order, self.entry, self.params["alpha"], R, self.params["L"])
         self._nbrs, self._degree = nbrs, degree
 
     def _search(self, queries: np.ndarray, k: int, L: int):
         entries = np.full((len(queries), 1), self.entry, np.int64)
-        ids, scores, scanned, words = gs.beam_search_batch(self._keys, self._nbrs, self._degree, queries, entries, max(L, k),
-                                                           k, numba.get_num_threads())
-        return ids, scores, scanned, gs.bytes_read(self.dim, scanned, words, 1)
+        ids, scores, scanned, words = search_batch(Graph(self._keys, self._nbrs, self._degree), queries, entries, max(L, k),
+                                                   k, numba.get_num_threads())
+        return ids, scores, scanned, bytes_read(self.dim, scanned, words, 1)
 
     def _arrays(self) -> dict[str, np.ndarray]:
         return {"keys": self._keys, "nbrs": self._nbrs, "degree": self._degree, "entry": np.array([self.entry], np.int64)}
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
-        self._store = KeyStore.own(np.ascontiguousarray(arrays["keys"], dtype=np.float32))
-        self._nbrs, self._degree = arrays["nbrs"], arrays["degree"]
-        self.entry = int(arrays["entry"][0])
+        keys, self._nbrs, self._degree = saved_graph(arrays, self.n_keys, self.dim, self.params["R"])
+        self._store = KeyStore.own(keys)
+        self.entry = int(expect_ids("entry", expect(arrays, "entry", np.int64, (1,)), 0, self.n_keys)[0])

@@ -37,6 +37,10 @@ class Outcome:
 class Work(Protocol):
     """The sweep's work as executors see it: load a head once, evaluate an index on it (both picklable)."""
 
+    def worker_env(self) -> dict[str, str]:
+        """Environment a worker process must start with (thread-pool sizes are read at load time)."""
+        ...
+
     def setup_worker(self) -> None: ...
 
     def load(self, layer: int, head: int) -> Any: ...

@@ -10,6 +10,7 @@ retries the part while its attempts last. Workers ignore SIGINT: on Ctrl-C the d
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -88,7 +89,17 @@ class LocalExecutor:
     def _start(self, ctx, work: Work, unit: Unit) -> _Slot:
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_worker, args=(child, work), daemon=True)
-        proc.start()
+        env = work.worker_env()
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # a spawned child starts with the parent's environment of this moment
+        try:
+            proc.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         child.close()
         slot = _Slot(proc, parent, unit, None, list(unit[2]))
         parent.send(unit)

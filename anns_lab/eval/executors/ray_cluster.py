@@ -79,6 +79,16 @@ class Cluster:
         raise AnnsLabError(f"no node of {self.summary} can run a {what} task needing {need} (the largest node has {have}); "
                            "lower the request or add a node that has it")
 
+    def abandon(self, refs: list) -> None:
+        """Stop tasks the driver no longer waits for (Ctrl-C). A driver that started or joined Ray here ends its
+        job on close, and Ray then ends the job's workers; cancelling one by one instead can race a task that is
+        just finishing (Ray 2.60 aborts the driver on that race), so only a borrowed connection cancels."""
+        if self.owned or not refs:
+            return
+        ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
+        for ref in set(refs) - set(ready):
+            self.ray.cancel(ref)
+
     def close(self) -> None:
         if self.owned and self.ray.is_initialized():
             self.ray.shutdown()

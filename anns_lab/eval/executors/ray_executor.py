@@ -4,7 +4,8 @@ A task per index (not per head) makes a worker that dies attributable to exactly
 retries it (``max_retries``: the part's attempts left) and the driver records it as failed only
 when they are used up. Workers read the dump through its path when every node sees the same dump
 there (a shared file system); otherwise the driver loads each head once and ships its arrays
-through the object store, released when the head's last task ends. The driver alone writes
+through the object store, released when the head's last task ends. Ray itself sizes a worker's
+thread pools to its ``num_cpus`` (OMP_NUM_THREADS). The driver alone writes
 ``parts/``, exactly as with the local executor, so a sweep may move between the two.
 """
 
@@ -100,8 +101,7 @@ class RayExecutor:
                     if not left[(part.layer, part.head)]:
                         heads.pop((part.layer, part.head), None)  # its last task ended: free the shipped arrays
         except KeyboardInterrupt:
-            for ref in inflight:
-                ray.cancel(ref, force=True)
+            self.cluster.abandon(list(inflight))
             raise
 
     def _outcome(self, ref, part: Part, tries: int) -> Outcome:

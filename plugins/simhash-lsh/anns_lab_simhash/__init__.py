@@ -14,6 +14,7 @@ import numpy as np
 
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes import Index, Param
+from anns_lab.indexes.persist import expect
 
 
 class SimHashLSH(Index):
@@ -65,5 +66,7 @@ class SimHashLSH(Index):
         return {"keys": self._keys, "planes": self._planes}
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
-        self._planes, self._keys = arrays["planes"], arrays["keys"]
+        K, L = self.params["K"], self.params["L"]
+        self._planes = expect(arrays, "planes", np.float32, (L * K, self.dim), finite=True)
+        self._keys = expect(arrays, "keys", np.float32, (self.n_keys, self.dim), finite=True)
         self._codes = self._hash(self._keys)

@@ -1,0 +1,251 @@
+"""The report's findings: one sentence per rule, each computed from the sweep's numbers and the paper's.
+
+Every rule returns a :class:`Finding` whose verdict is "agrees", "disagrees" or "not measured"
+and whose sentence carries both numbers (ours and the paper's). Nothing here is a template
+filled in regardless of the data: a sweep without the indexes a rule needs says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from anns_lab.eval import paper
+
+AGREES, DISAGREES, NOT_MEASURED = "agrees", "disagrees", "not measured"
+TARGET = 0.95  # the paper's recall@100 target
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One finding: a short topic, the verdict against the paper, and the sentence with the numbers."""
+
+    topic: str
+    verdict: str
+    text: str
+
+    def markdown(self) -> str:
+        """One list item: topic, verdict in bold, sentence."""
+        return f"- **{self.topic}: {self.verdict}.** {self.text}"
+
+
+def fmt_fraction(v: float) -> str:
+    """A scanned fraction as a percentage, or "not reached" for inf/NaN."""
+    return "not reached" if not np.isfinite(v) else f"{100 * v:.1f}%"
+
+
+def index_kinds(table: pd.DataFrame) -> dict[str, str]:
+    """Each index of the table as "exact", "estimator", "attention-aware", "key-only" or "unknown" (not installed).
+
+    Exact: every row scans all keys with recall 1 (flat). Estimator: its class estimates the softmax
+    beyond its ids (``estimates``; recall describes only its exact part). Attention-aware: its class
+    builds with the prefill queries (``uses_train_queries``). Key-only: any other registered index.
+    """
+    from anns_lab.indexes import registry
+
+    classes = registry.available()
+    kinds = {}
+    for name, g in table.groupby("index"):
+        if (g["scanned_fraction"] >= 0.999).all() and (g["recall"] >= 0.999).all():
+            kinds[name] = "exact"
+        elif name in classes:
+            cls = classes[name]
+            kinds[name] = "estimator" if cls.estimates else "attention-aware" if cls.uses_train_queries else "key-only"
+        else:
+            kinds[name] = "unknown"
+    return kinds
+
+
+@dataclass(frozen=True)
+class Scan:
+    """The Pareto summary of one index in one direction at the target recall."""
+
+    index: str
+    fraction: float  # median over heads; inf when most heads never reach the target
+    reached: int
+    heads: int
+    best_recall: float  # median over heads of the best recall on the grid
+
+    @property
+    def text(self) -> str:
+        if np.isfinite(self.fraction):
+            return f"{fmt_fraction(self.fraction)} of the keys ({self.reached}/{self.heads} heads reach it)"
+        return (f"more than all the keys on most heads ({self.heads - self.reached} of {self.heads} heads never reach it; "
+                f"median best recall {self.best_recall:.2f})")
+
+
+def scan(par: pd.DataFrame, index: str, direction: str) -> Scan | None:
+    """The :class:`Scan` of ``index`` in ``direction`` from :func:`report.pareto`'s table, or None if absent."""
+    row = par[(par["index"] == index) & (par["direction"] == direction)]
+    if row.empty:
+        return None
+    r = row.iloc[0]
+    return Scan(index, float(r[f"scan@{TARGET:.2f}"]), int(r[f"reached@{TARGET:.2f}"]), int(r["heads"]),
+                float(r["best_recall"]))
+
+
+def _best(par: pd.DataFrame, names: list[str], direction: str = "q2k") -> Scan | None:
+    scans = [s for s in (scan(par, n, direction) for n in names) if s is not None]
+    if not scans:
+        return None
+    return min(scans, key=lambda s: (s.fraction, -s.best_recall))
+
+
+def _of_kind(kinds: dict[str, str], kind: str) -> list[str]:
+    return sorted(n for n, k in kinds.items() if k == kind)
+
+
+def attention_aware_q2k(par: pd.DataFrame, kinds: dict[str, str], n_keys: int) -> Finding:
+    """The best attention-aware index on Q→K against the paper's 1–3%."""
+    topic = "Attention-aware index on Q→K (Fig. 6)"
+    best = _best(par, _of_kind(kinds, "attention-aware"))
+    ref = paper.Q2K_ATTENTION_AWARE
+    if best is None:
+        return Finding(topic, NOT_MEASURED, "No index built with the prefill queries (such as roargraph) is in this "
+                       f"sweep, so the paper's {ref} for one is not compared with anything here.")
+    place = ref.place(best.fraction)
+    verdict = AGREES if place == "within" or place == "below" else DISAGREES
+    text = (f"{best.index} reaches recall {TARGET} on Q→K with {best.text}, median over heads; the paper reports "
+            f"{ref} ({ref.source}).")
+    if verdict == DISAGREES:
+        text += (f" This sweep indexes {n_keys:,} keys per head against the paper's ~128K; the keys a query needs do "
+                 "not shrink with the context, so a shorter one needs a larger fraction.")
+    return Finding(topic, verdict, text)
+
+
+def ivf_q2k(par: pd.DataFrame) -> Finding:
+    """IVF on Q→K against the paper's 30–50%."""
+    topic = "IVF on Q→K (Fig. 3a)"
+    ref = paper.Q2K_IVF
+    s = scan(par, "ivf", "q2k")
+    if s is None:
+        return Finding(topic, NOT_MEASURED, f"IVF is not in this sweep; the paper's IVF needs {ref} on Q→K.")
+    place = ref.place(s.fraction)
+    verdict = AGREES if place == "within" else DISAGREES
+    where = "" if place == "within" else f", {place} the paper's range"
+    return Finding(topic, verdict, f"IVF reaches recall {TARGET} on Q→K with {s.text}; the paper reports {ref} "
+                   f"({ref.source}){where}.")
+
+
+def direction_gap(par: pd.DataFrame, index: str, reason: str = "") -> Finding | None:
+    """Q→K against K→K for one key-only index: the paper finds Q→K the far harder search.
+
+    ``reason``: measured sentences on why (for IVF, :func:`ivf_reason`), appended to the finding.
+    """
+    q, k = scan(par, index, "q2k"), scan(par, index, "k2k")
+    if q is None or k is None:
+        return None
+    topic = f"{index}: Q→K against K→K (Fig. 3a)"
+    ref = f"IVF {paper.Q2K_IVF} against {paper.K2K_IVF}"
+    if not np.isfinite(q.fraction) and not np.isfinite(k.fraction):
+        return Finding(topic, NOT_MEASURED, f"{index} reaches recall {TARGET} in neither direction on most heads "
+                       f"(median best recall {q.best_recall:.2f} on Q→K, {k.best_recall:.2f} on K→K), so the gap the "
+                       f"paper reports ({ref}) cannot be read here.")
+    harder_q = q.fraction > k.fraction
+    verdict = AGREES if harder_q else DISAGREES
+    if np.isfinite(q.fraction) and np.isfinite(k.fraction) and min(q.fraction, k.fraction) > 0:
+        ratio = max(q.fraction, k.fraction) / min(q.fraction, k.fraction)
+        how = f" ({ratio:.1f}× the keys)"
+    else:
+        how = ""
+    which = "Q→K is the harder search" + how + ", as in the paper" if harder_q else \
+        "K→K is the harder search" + how + ", the reverse of the paper"
+    text = f"{index} needs {q.text} on Q→K and {k.text} on K→K: {which} ({ref})."
+    if index == "ivf" and np.isfinite(k.fraction):
+        text += f" Its K→K figure is {paper.K2K_IVF.place(k.fraction)} the paper's {paper.K2K_IVF}."
+    return Finding(topic, verdict, text + (" " + reason if reason else ""))
+
+
+def ivf_reason(diag: pd.DataFrame, q_grid: float, k_grid: float) -> str:
+    """Why IVF's two directions compare as they do, from :func:`anns_lab.eval.ivf_gap.diagnose` rows (one per head).
+
+    ``q_grid`` / ``k_grid``: the sweep's own least fractions (read off its nprobe grid).
+    """
+    m = diag.median(numeric_only=True)
+    pct = lambda v: fmt_fraction(float(v))  # noqa: E731
+    parts = [f"Why, measured on {len(diag)} of the heads with IVF's recall at every nprobe (the sweep doubles nprobe, "
+             f"so its least fractions {pct(q_grid)} and {pct(k_grid)} are grid points): Q→K needs {pct(m['q2k'])} and "
+             f"K→K {pct(m['k2k'])} (medians)."]
+    parts.append(f"The exact top-{int(diag['k'].iloc[0])} of a decode query lies in {m['q2k_lists']:.0f} of the "
+                 f"{int(m['nlist'])} lists, that of a held-out key in {m['k2k_lists']:.0f}: the list count a search must "
+                 "probe follows how scattered the answers are.")
+    parts.append(f"A held-out key's inner-product top-{int(diag['k'].iloc[0])} is not its neighbourhood: "
+                 f"{100 * m['k2k_top_big_norm']:.0f}% of it lies among the 10% largest-norm keys (Q→K: "
+                 f"{100 * m['q2k_top_big_norm']:.0f}%), spread over many lists; by L2 distance, the in-distribution "
+                 f"search ANN benchmarks measure, K→K needs {pct(m['k2k_l2'])}.")
+    parts.append(f"The paper asks for the top 100 of ~128K keys; the same share here is the top {int(m['k_share'])} "
+                 f"of {int(m['n_keys']):,}, for which K→K needs {pct(m['k2k_share'])} and Q→K {pct(m['q2k_share'])}: "
+                 "at this context length a top-100 covers a far larger part of the keys than in the paper.")
+    return " ".join(parts)
+
+
+def hnsw_q2k(par: pd.DataFrame) -> Finding | None:
+    """HNSW on Q→K: the paper's curve never reaches 0.95."""
+    s = scan(par, "hnsw", "q2k")
+    if s is None:
+        return None
+    topic = "HNSW on Q→K (Fig. 3a)"
+    if np.isfinite(s.fraction):
+        return Finding(topic, DISAGREES, f"HNSW reaches recall {TARGET} on Q→K with {s.text}; in the paper its Q→K "
+                       "curve stays at low recall.")
+    return Finding(topic, AGREES, f"HNSW does not reach recall {TARGET} on Q→K: it needs {s.text}; in the paper its Q→K "
+                   "curve also stays at low recall.")
+
+
+def aware_vs_key_only(par: pd.DataFrame, kinds: dict[str, str]) -> Finding:
+    """The paper's central result: an index built with the queries needs far fewer keys on Q→K than key-only ones."""
+    topic = "Attention-aware against key-only indexes on Q→K (the central result)"
+    ref = f"{paper.Q2K_ATTENTION_AWARE} against IVF's {paper.Q2K_IVF}"
+    aware = _best(par, _of_kind(kinds, "attention-aware"))
+    key_only = _best(par, _of_kind(kinds, "key-only"))
+    if aware is None or key_only is None:
+        missing = "attention-aware index (such as roargraph)" if aware is None else "index built from keys alone"
+        return Finding(topic, NOT_MEASURED, f"This sweep has no {missing}, so the paper's comparison ({ref}) is not "
+                       "measured.")
+    if np.isfinite(aware.fraction) and np.isfinite(key_only.fraction):
+        better = aware.fraction < key_only.fraction
+        gap = f" ({key_only.fraction / aware.fraction:.1f}× fewer keys)" if better and aware.fraction > 0 else ""
+    else:
+        better = np.isfinite(aware.fraction)
+        gap = ""
+    verdict = AGREES if better else DISAGREES
+    others = ", ".join(_of_kind(kinds, "key-only"))
+    text = (f"The best attention-aware index, {aware.index}, reaches recall {TARGET} on Q→K with {aware.text}; the best "
+            f"of the key-only indexes ({others}), {key_only.index}, needs {key_only.text}{gap}. The paper: {ref}.")
+    return Finding(topic, verdict, text)
+
+
+def out_of_distribution(q_median: float, k_median: float) -> Finding:
+    """Mahalanobis distance of decode queries against held-out keys (Fig. 3b): queries lie far out."""
+    topic = "Queries are out of distribution (Fig. 3b)"
+    if not (np.isfinite(q_median) and np.isfinite(k_median)):
+        return Finding(topic, NOT_MEASURED, "No Mahalanobis distances could be computed.")
+    farther = q_median > k_median
+    text = (f"Decode queries lie at a median Mahalanobis distance of {q_median:.1f} from the indexed keys' "
+            f"distribution, held-out keys at {k_median:.1f} ({q_median / k_median:.1f}×); the paper finds queries "
+            "far outside the keys' distribution.")
+    return Finding(topic, AGREES if farther else DISAGREES, text)
+
+
+def dynamic_vs_static(dynamic: float, static: float, steps: int, k: int) -> Finding:
+    """Attention mass of each step's own top-k against the first step's kept fixed (Fig. 2)."""
+    topic = "Dynamic against static selection (Fig. 2)"
+    if steps < 2 or not (np.isfinite(dynamic) and np.isfinite(static)):
+        return Finding(topic, NOT_MEASURED, f"The dump has {steps} decode step(s); a fixed selection needs at least "
+                       "two to decay.")
+    text = (f"Each decode step's own top-{k} keeps {dynamic:.2f} of the attention mass on average, the first step's "
+            f"top-{k} kept for all {steps} steps {static:.2f}; the paper: {paper.DYNAMIC_MASS:.2f} against "
+            f"{paper.STATIC_MASS:.2f} ({paper.FIG2_SETTING}).")
+    return Finding(topic, AGREES if dynamic > static else DISAGREES, text)
+
+
+def from_sweep(par: pd.DataFrame, kinds: dict[str, str], n_keys: int, reasons: dict[str, str] | None = None
+               ) -> list[Finding]:
+    """The findings that the results table decides, central result first; ``reasons`` per index for the gap."""
+    out = [aware_vs_key_only(par, kinds), attention_aware_q2k(par, kinds, n_keys), ivf_q2k(par)]
+    out += [f for f in (hnsw_q2k(par),) if f is not None]
+    out += [f for f in (direction_gap(par, n, (reasons or {}).get(n, "")) for n in _of_kind(kinds, "key-only"))
+            if f is not None]
+    return out

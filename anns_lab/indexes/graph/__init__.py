@@ -1,0 +1,46 @@
+"""Graph kernels (numba) shared by the graph indexes: one idea per module.
+
+- :mod:`.simd`: the fixed-order SIMD inner product and the prefetch intrinsic.
+- :mod:`.utils`: heaps, visited sets, the per-thread workspace, the serial-or-chunked runner.
+- :mod:`.search`: the one best-first search (query time and build time).
+- :mod:`.multi`: one kernel call searching the graphs of several heads, interleaved.
+- :mod:`.edges`: CSR of reverse edges, row merges, reachability.
+- :mod:`.prune`: the RobustPrune occlusion rule (inner product).
+- :mod:`.vamana`: the Vamana insertion pass and OOD-DiskANN's RobustStitch.
+- :mod:`.roar`: RoarGraph's projection, descent links, top-list upkeep and connectivity passes.
+- :mod:`.hubs`: entry points from the training queries.
+
+A graph is a fixed-width adjacency ``nbrs`` (n, R) int32 with ``degree`` (n,) int32 (row i's
+neighbours are ``nbrs[i, :degree[i]]``) over the key rows ``data`` (n, d) float32, passed as one
+:class:`Graph`. Similarity is always the inner product; every inner product a search computes is
+counted (``n_scanned``), entry points included. Style as in pynndescent: ``@njit(cache=True,
+nogil=True)``, parallel arrays, epoch-stamped visited arrays, lock-free two-phase updates (a
+parallel phase writes only slots fixed beforehand, then each row is owned by one iteration), so
+a seeded build is deterministic whatever the thread count.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from anns_lab.indexes.persist import expect, expect_ids
+
+
+class Graph(NamedTuple):
+    """One graph as the kernels take it: key rows, adjacency rows and their lengths."""
+
+    data: np.ndarray  # (n, d) float32, C-contiguous
+    nbrs: np.ndarray  # (n, R) int32, -1 past the degree
+    degree: np.ndarray  # (n,) int32
+
+
+def saved_graph(arrays: dict[str, np.ndarray], n: int, dim: int, R: int) -> Graph:
+    """The :class:`Graph` of a saved index's ``keys``/``nbrs``/``degree`` arrays, for n keys of dimension
+    ``dim`` and rows of width R, or IndexConfigError: finite keys, degrees in [0, R], every edge a key id."""
+    keys = expect(arrays, "keys", np.float32, (n, dim), finite=True)
+    nbrs = expect(arrays, "nbrs", np.int32, (n, R))
+    degree = expect_ids("degree", expect(arrays, "degree", np.int32, (n,)), 0, R + 1)
+    expect_ids("nbrs", nbrs[np.arange(R) < degree[:, None]], 0, n)
+    return Graph(keys, nbrs, degree)

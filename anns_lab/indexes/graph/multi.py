@@ -1,0 +1,179 @@
+"""One kernel call that searches the graphs of several heads (a layer's query heads in the decoder).
+
+A decoder's graphs are cold (30 layers' keys and rows cycle through the caches every token), so
+one search is a chain of dependent DRAM misses: the expanded node's row, then its new neighbours'
+key rows. Here the searches are interleaved: head h runs one stage and prefetches what its next
+stage reads, and every other head runs a stage before h comes back, so the misses of all heads
+overlap. Each head performs exactly :func:`search.search_one`'s operations in the same order.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+from numba import njit
+
+from anns_lab.indexes.graph import Graph
+from anns_lab.indexes.graph.search import bytes_read, score_fresh, search_one
+from anns_lab.indexes.graph.simd import prefetch_keys, prefetch_row
+from anns_lab.indexes.graph.utils import drain, mark_fresh, offer_all, pop_next, thread_workspace
+
+
+@njit(cache=True, nogil=True)
+def search_heads(graphs, queries, L, ws, epoch, out):
+    """Search graph h of ``graphs`` = (keys, nbrs, degree, entries) (numba typed lists) with ``queries[h]``,
+    all heads on the calling thread, interleaved; writes ``out`` = (ids (H, k), scores (H, k), n_scanned (H,),
+    n_words (H,)).
+
+    Stage A: read the popped node's row (first: the entry points), mark its unvisited neighbours,
+    prefetch their keys. Stage B: score them, update the heaps, pop the next node, prefetch its
+    row. ``ws`` is a :class:`utils.Workspace` with a row per head ((H, ≥ n) visited, (H, ≥ n + L)
+    heaps) stamped with ``epoch``. Needs L ≥ k (the top-k heap of L < k is search_one's alone).
+    """
+    keys, nbrs, degree, entries = graphs
+    visited, heap_s, heap_i, _ = ws
+    out_ids, out_scores, n_scanned, n_words = out
+    if out_ids.shape[1] > L:
+        raise ValueError("search_heads needs L >= k: search_one keeps the top-k heap of L < k")
+    nh = queries.shape[0]
+    width = 1
+    for h in range(nh):
+        width = max(width, nbrs[h].shape[1], entries[h].shape[0])
+    fresh = np.empty((nh, width), np.int64)
+    fresh_s = np.empty(width, np.float32)
+    nf = np.zeros(nh, np.int64)
+    node_of = np.zeros(nh, np.int64)
+    nr = np.zeros(nh, np.int64)
+    nc = np.zeros(nh, np.int64)
+    stage = np.ones(nh, np.int8)  # 0: A next, 1: B next, 2: finished
+    for h in range(nh):  # stage A of the entry points (the same hubs every step)
+        nf[h] = mark_fresh(entries[h], visited[h], epoch, fresh[h])
+        prefetch_keys(keys[h], fresh[h], nf[h])
+        n_scanned[h] = n_words[h] = 0
+    active = nh
+    while active > 0:
+        for h in range(nh):
+            if stage[h] == 0:
+                node = node_of[h]
+                nf[h] = mark_fresh(nbrs[h][node, :degree[h][node]], visited[h], epoch, fresh[h])
+                n_words[h] += 1 + degree[h][node]
+                prefetch_keys(keys[h], fresh[h], nf[h])
+                stage[h] = 1
+            elif stage[h] == 1:
+                m = nf[h]
+                score_fresh(keys[h], queries[h], fresh[h], m, fresh_s)
+                n_scanned[h] += m
+                rs, ri = heap_s[h, :L], heap_i[h, :L]
+                cs, ci = heap_s[h, L:], heap_i[h, L:]
+                a, b = offer_all(rs, ri, cs, ci, nr[h], nc[h], L, fresh[h, :m], fresh_s[:m])
+                node, b = pop_next(rs, cs, ci, a, b, L)
+                nr[h] = a
+                nc[h] = b
+                if node >= 0:
+                    node_of[h] = node
+                    prefetch_row(nbrs[h], degree[h], node)
+                    stage[h] = 0
+                else:
+                    stage[h] = 2
+                    active -= 1
+    for h in range(nh):  # each beam, best first, padded
+        drain(heap_s[h, :L], heap_i[h, :L], nr[h], out_ids[h], out_scores[h])
+
+
+class GraphGroup:
+    """The arrays of several graph indexes (``graph_arrays()``, ``entries_for(q)``), cached for :func:`search_heads`.
+
+    The entry points must not depend on the query (roargraph: hubs + newest keys): they are read
+    once. Call :meth:`refresh` after any ``add`` (:meth:`current` says whether one is needed). A GQA
+    group's shared key array is held once per head without a copy; the workspace is the thread's.
+    """
+
+    def __init__(self, indexes) -> None:
+        self._refs = [weakref.ref(ix) for ix in indexes]  # weak: a cached group must not keep its indexes alive
+        self.refresh()
+
+    @property
+    def indexes(self) -> list:
+        return [ref() for ref in self._refs]
+
+    def refresh(self) -> None:
+        from numba import typed, types
+
+        def ro(dtype, ndim):  # read-only element types: writable arrays go in as they are, read-only ones too
+            return types.Array(dtype, ndim, "C", readonly=True)
+
+        self.keys = typed.List.empty_list(ro(types.float32, 2))
+        self.nbrs = typed.List.empty_list(ro(types.int32, 2))
+        self.degree = typed.List.empty_list(ro(types.int32, 1))
+        self.entries = typed.List.empty_list(ro(types.int64, 1))
+        self._seen = []  # (nbrs, degree, n) per index, to tell when an add() has replaced them
+        for index in self.indexes:
+            keys, nbrs, degree = index.graph_arrays()
+            self.keys.append(np.ascontiguousarray(keys, dtype=np.float32))
+            self.nbrs.append(np.ascontiguousarray(nbrs, dtype=np.int32))
+            self.degree.append(np.ascontiguousarray(degree, dtype=np.int32))
+            probe = np.zeros((1, keys.shape[1]), np.float32)
+            self.entries.append(np.ascontiguousarray(index.entries_for(probe)[0], dtype=np.int64))
+            self._seen.append((nbrs, degree, keys.shape[0]))
+        self.lists = (self.keys, self.nbrs, self.degree, self.entries)
+        self.n_max = max((k.shape[0] for k in self.keys), default=0)
+
+    def current(self) -> bool:
+        """True when no index has changed its arrays since the last refresh."""
+        for index, (nbrs, degree, n) in zip(self.indexes, self._seen):
+            if index is None:
+                return False
+            keys, nb, dg = index.graph_arrays()
+            if nb is not nbrs or dg is not degree or keys.shape[0] != n:
+                return False
+        return True
+
+    def search(self, queries: np.ndarray, k: int, L: int, out_ids: np.ndarray | None = None):
+        """Top-k of index i for ``queries[i]`` with beam L (:func:`search_heads`; L < k, the k best of every
+        node scanned: :func:`search_one` per index); ``SearchResult`` of (H, k) ids, scores, (H,) n_scanned.
+
+        ``out_ids`` (H, k) int64, C-contiguous, may be given to receive the ids in place.
+        """
+        from anns_lab.indexes.base import SearchResult
+
+        h = len(self._refs)
+        q = np.ascontiguousarray(queries, dtype=np.float32)
+        if q.ndim != 2 or q.shape[0] != h:
+            raise ValueError(f"GraphGroup: {h} indexes need {h} queries, got shape {q.shape}")
+        ws, rows, epoch = thread_workspace(h, self.n_max, L, k)
+        ids = np.empty((h, k), np.int64) if out_ids is None else out_ids
+        scores = np.empty((h, k), np.float32)
+        n_scanned, n_words = np.empty(h, np.int64), np.empty(h, np.int64)
+        if L < k:  # not the decoder's case: one search after another (each index's own search: the same kernel)
+            for i in range(h):
+                g = (self.keys[i], self.nbrs[i], self.degree[i])
+                n_scanned[i], n_words[i], _ = search_one(g, q[i], self.entries[i], L, rows[i], epoch, ids[i], scores[i])
+        else:
+            search_heads(self.lists, q, L, ws, epoch, (ids, scores, n_scanned, n_words))
+        n_bytes = np.array([bytes_read(self.keys[i].shape[1], n_scanned[i], n_words[i], len(self.entries[i]))
+                            for i in range(h)], np.int64)
+        return SearchResult(ids, scores, n_scanned, n_bytes)
+
+
+_GROUPS: "weakref.WeakKeyDictionary" = None  # first index → (ids of all, GraphGroup), for search_graphs
+
+
+def search_graphs(indexes, queries: np.ndarray, k: int, L: int):
+    """Search graph index ``indexes[i]`` with ``queries[i]`` in one kernel call: a ``SearchResult`` equal to
+    ``indexes[i].search(queries[i:i+1], k, L=L)`` for each i. The :class:`GraphGroup` of the same indexes
+    is kept between calls (weakly, by the first index) and refreshed when an index has changed."""
+    global _GROUPS
+    if _GROUPS is None:
+        _GROUPS = weakref.WeakKeyDictionary()
+    indexes = list(indexes)
+    tag = tuple(id(ix) for ix in indexes)
+    hit = _GROUPS.get(indexes[0])
+    if hit is not None and hit[0] == tag and all(a is b for a, b in zip(hit[1].indexes, indexes)):  # ids alone could be reused
+        group = hit[1]
+        if not group.current():
+            group.refresh()
+    else:
+        group = GraphGroup(indexes)
+        _GROUPS[indexes[0]] = (tag, group)
+    return group.search(queries, k, L)

@@ -1,0 +1,256 @@
+"""RoarGraph's passes: the bipartite query→key lists projected onto keys, descent links, the upkeep of
+the kept queries' top lists on ``add``, and connectivity by search (see ``indexes/roargraph.py``)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+from numba import njit
+
+from anns_lab.indexes.graph import Graph
+from anns_lab.indexes.graph.edges import group_by, incoming, merge_into_rows, proposals_by_row
+from anns_lab.indexes.graph.prune import prune_ordered, robust_prune
+from anns_lab.indexes.graph.search import search_one
+from anns_lab.indexes.graph.simd import dot
+from anns_lab.indexes.graph.utils import run_chunks
+
+
+class Bipartite(NamedTuple):
+    """The training queries' top key lists and their reverse side, as :func:`project_rows` reads them."""
+
+    knn: np.ndarray  # (m, c) int32: query q's top keys, best first
+    weights: np.ndarray  # (m,) float32: query weights in the co-occurrence merge
+    ptr: np.ndarray  # (n + 1,) int64: key p's (query, rank) pairs are occ_q/occ_r[ptr[p]:ptr[p + 1]]
+    occ_q: np.ndarray  # int32, sorted by rank, newest query first
+    occ_r: np.ndarray  # int32
+    key_weight: np.ndarray  # (n,) float32: (the key's occurrences + 1)^-idf
+
+
+def bipartite(knn: np.ndarray, weights: np.ndarray, n: int, max_rank: int, idf: float) -> Bipartite:
+    """The :class:`Bipartite` of lists ``knn`` over n keys, ranks below ``max_rank``: for key p, the (query,
+    rank) pairs with knn[query, rank] == p, sorted by rank, newest query first."""
+    m, P = knn.shape[0], min(max_rank, knn.shape[1])
+    ptr, order = group_by(np.ascontiguousarray(knn[::-1, :P].T).ravel(), n)  # rank-major, newest query first
+    occ_q, occ_r = (m - 1 - order % m).astype(np.int32), (order // m).astype(np.int32)
+    key_weight = np.ones(n, np.float32)
+    if idf > 0:  # down-weight keys that are in every list (sinks) in each pivot's candidate order
+        key_weight = (np.diff(ptr).astype(np.float32) + 1.0) ** np.float32(-idf)
+    return Bipartite(knn, np.ascontiguousarray(weights, np.float32), ptr, occ_q, occ_r, key_weight)
+
+
+def project_rows(g: Graph, bip: Bipartite, sizes: tuple, alpha: float, n_threads: int, rows=None) -> None:
+    """Projection of the bipartite graph onto keys, one row per key p, in place.
+
+    ``sizes`` = (n_pivots, n_sel, n_cand, max_cand, M). p is a pivot for the queries where it ranks
+    below ``n_pivots``; it takes the first ``n_sel`` of them (best rank first) and their first ``n_cand``
+    keys as candidates, merges them by id with summed query weights times ``key_weight``, keeps the
+    ``max_cand`` heaviest (ties: larger ip with p) and RobustPrunes them in that order to ``M``
+    (``alpha`` = 0: no pruning, the heaviest M). Rows of keys that are nobody's pivot stay empty.
+    The merge uses a dense per-chunk accumulator and computes ip(p, ·) only for the candidates heavy
+    enough to be kept. ``rows`` (int64), when given, restricts the pass to those keys.
+    """
+    rows = np.arange(g.data.shape[0], dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
+    run_chunks(_project_chunk, (g, bip, rows, tuple(int(s) for s in sizes), float(alpha)), len(rows), n_threads)
+
+
+@njit(cache=True, nogil=True)
+def _project_chunk(g, bip, rows, sizes, alpha, c, n_chunks):
+    """Rows ``rows[c::n_chunks]`` of :func:`project_rows` (interleaved: heavy rows, the sinks, spread over chunks)."""
+    data, nbrs, degree = g
+    n_pivots, n_sel, n_cand, max_cand, M = sizes
+    n = data.shape[0]
+    acc = np.zeros(n, np.float32)
+    stamp = np.full(n, -1, np.int64)  # stamp[v] == p: v already a candidate of row p
+    touched = np.empty(n, np.int32)
+    out = np.empty(M, np.int32)
+    for ri in range(c, rows.shape[0], n_chunks):
+        p = rows[ri]
+        lo = hi = bip.ptr[p]
+        while hi < min(bip.ptr[p + 1], lo + n_sel) and bip.occ_r[hi] < n_pivots:
+            hi += 1
+        t = _co_occurrences(bip, p, lo, hi, min(n_cand, bip.knn.shape[1]), acc, stamp, touched)
+        if t == 0:
+            degree[p] = 0
+            continue
+        uw = acc[touched[:t]] * bip.key_weight[touched[:t]]
+        thr = np.partition(uw, t - max_cand)[t - max_cand] if t > max_cand else -np.inf
+        m = 0
+        uid = np.empty(t, np.int32)
+        key = np.empty(t, np.float64)
+        sim = np.empty(t, np.float32)
+        for i in range(t):
+            if uw[i] >= thr:
+                uid[m] = touched[i]
+                sim[m] = dot(data[p], data[touched[i]])
+                key[m] = -(uw[i] * 1e6 + sim[m] * 1e-3)  # weight first, similarity breaks ties
+                m += 1
+        o = np.argsort(key[:m], kind="mergesort")[: min(m, max_cand)]
+        if alpha > 0:
+            kept = prune_ordered(data, p, uid[o], sim[o], alpha, M, out, 0)
+        else:
+            kept = min(M, o.shape[0])
+            out[:kept] = uid[o[:kept]]
+        nbrs[p, :kept] = out[:kept]
+        degree[p] = kept
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _co_occurrences(bip, p, lo, hi, C, acc, stamp, touched):
+    """Merge the first C keys of the queries ``occ_q[lo:hi]`` by id into ``acc`` (summed query weights);
+    the distinct keys go to ``touched``; returns how many."""
+    t = 0
+    for o in range(lo, hi):
+        q = bip.occ_q[o]
+        w = bip.weights[q]
+        for j in range(C):
+            v = bip.knn[q, j]
+            if v == p:
+                continue
+            if stamp[v] != p:
+                stamp[v] = p
+                acc[v] = 0.0
+                touched[t] = v
+                t += 1
+            acc[v] += w
+    return t
+
+
+def connect_by_search(g: Graph, entries, L: int, prune: tuple, n_threads: int, targets=None, prune_full=False) -> None:
+    """Connectivity enhancement, in place: each target is searched for on the graph and linked *from* the
+    nodes it found (RobustPruned to ``R_link``; ``prune`` = (alpha, R, R_link)), so a search that reaches
+    that region reaches it. A target with an empty row also gets the found nodes as out-edges.
+    Two-phase: all searches, then the row merges."""
+    alpha, R, R_link = prune
+    n = g.data.shape[0]
+    targets = np.arange(n, dtype=np.int64) if targets is None else np.asarray(targets, np.int64)
+    props = np.full((len(targets), R_link), -1, np.int32)
+    search = (np.asarray(entries, np.int64), L, max(L, 1) * 4)
+    run_chunks(_search_chunk, (tuple(g), search, targets, alpha, props), len(targets), n_threads)
+    for i, t in enumerate(targets):  # out-edges for rows that have none (new or isolated keys)
+        if g.degree[t] == 0:
+            row = props[i][props[i] >= 0][:R]
+            g.nbrs[t, : len(row)] = row
+            g.degree[t] = len(row)
+    rows, ptr, src = proposals_by_row(props, targets, n)
+    merge_into_rows(g, rows, ptr, src, alpha, R, prune_full, n_threads)
+
+
+@njit(cache=True, nogil=True)
+def _search_chunk(g, search, targets, alpha, props, c, n_chunks):
+    """Targets [c·nt/n_chunks, (c+1)·nt/n_chunks): search for the target's own vector, RobustPrune the
+    expanded nodes, write them to its row of ``props``."""
+    entries, L, width = search
+    data = g[0]
+    nt, n = targets.shape[0], data.shape[0]
+    ws = (np.zeros(n, np.int32), np.empty(n + L, np.float32), np.empty(n + L, np.int64), np.empty(width, np.int64))
+    no_ids, no_scores = np.empty(0, np.int64), np.empty(0, np.float32)
+    out = np.empty(props.shape[1], np.int32)
+    lo = c * nt // n_chunks
+    for i in range(lo, (c + 1) * nt // n_chunks):
+        t = targets[i]
+        _, _, n_exp = search_one(g, data[t], entries, L, ws, i - lo + 1, no_ids, no_scores)
+        kept = robust_prune(data, t, ws[3][:n_exp], alpha, props.shape[1], out)
+        props[i, :kept] = out[:kept]
+
+
+def link_descent(g: Graph, knn: np.ndarray, depth: int, per_key: int, prune: tuple, n_threads: int = 1) -> int:
+    """In-edges along the training queries' top lists, in place: wherever key u at rank r of a query's
+    top-``depth`` has no in-neighbour ranked above it in that list (a search for that query, which
+    expands the keys above u first, has no way to u), u is proposed to the row of the key ranked above
+    it most similar to u. Each u takes its ``per_key`` most-proposed sources (ties: smaller id); the
+    sources' rows gain u, RobustPruned over R (``prune`` = (alpha, R)). Returns the number of gaps."""
+    n = g.data.shape[0]
+    knn = np.ascontiguousarray(knn[:, :min(depth, knn.shape[1])])
+    gaps = descent_gaps(g, knn, n_threads)
+    qi, r = np.nonzero(gaps >= 0)
+    if len(qi) == 0:
+        return 0
+    pairs, count = np.unique(gaps[qi, r].astype(np.int64) * n + knn[qi, r], return_counts=True)
+    v, u = (pairs // n).astype(np.int32), (pairs % n).astype(np.int64)
+    order = np.lexsort((v, -count, u))  # by target, most proposed first
+    v, u = v[order], u[order]
+    start = np.r_[True, u[1:] != u[:-1]]
+    rank = np.arange(len(u)) - np.flatnonzero(start)[np.cumsum(start) - 1]
+    keep = rank < per_key
+    targets = u[start]
+    props = np.full((len(targets), per_key), -1, np.int32)
+    props[np.cumsum(start)[keep] - 1, rank[keep]] = v[keep]
+    rows, rptr, rsrc = proposals_by_row(props, targets, n)
+    merge_into_rows(g, rows, rptr, rsrc, prune[0], prune[1], True, n_threads)
+    return len(qi)
+
+
+def descent_gaps(g: Graph, knn: np.ndarray, n_threads: int = 1) -> np.ndarray:
+    """(m, depth) int32: for key ``knn[q, r]`` with no in-neighbour ranked above it in query q's list, the
+    key ranked above it with the largest inner product with it; -1 elsewhere (and at rank 0)."""
+    gaps = np.full(knn.shape, -1, np.int32)
+    run_chunks(_gaps_chunk, (g.data, np.ascontiguousarray(knn), incoming(g), gaps), len(knn), n_threads)
+    return gaps
+
+
+@njit(cache=True, nogil=True)
+def _gaps_chunk(data, knn, csr_in, out, c, n_chunks):
+    """Queries q ≡ c (mod n_chunks) of :func:`descent_gaps`."""
+    ptr_in, src_in = csr_in
+    m, depth = knn.shape
+    mark = np.full(data.shape[0], -1, np.int64)  # mark[v] == q: v is in query q's list, at rank rk[v]
+    rk = np.zeros(data.shape[0], np.int32)
+    for q in range(c, m, n_chunks):
+        for r in range(depth):
+            mark[knn[q, r]] = q
+            rk[knn[q, r]] = r
+        for r in range(1, depth):
+            u = knn[q, r]
+            reached = False
+            for t in range(ptr_in[u], ptr_in[u + 1]):
+                if mark[src_in[t]] == q and rk[src_in[t]] < r:
+                    reached = True
+                    break
+            if reached:
+                continue
+            best = -np.inf
+            for s in range(r):
+                sim = dot(data[knn[q, s]], data[u])
+                if sim > best:
+                    best = sim
+                    out[q, r] = knn[q, s]
+
+
+@njit(cache=True, nogil=True)
+def merge_topk(ids, scores, queries, new_keys, first_id):
+    """Row q of (``ids``, ``scores``) is query q's top keys, best first (padded -1 / -inf): merge in, in place,
+    the new keys ``first_id + j`` whose inner product with ``queries[q]`` beats the row's last score.
+    Returns which rows changed. The rows stay each query's exact top-K over every key added so far,
+    for the cost of scoring the new keys only."""
+    nq, K = ids.shape
+    t = new_keys.shape[0]
+    changed = np.zeros(nq, np.bool_)
+    s = np.empty(t, np.float32)
+    cj = np.empty(t, np.int64)
+    cs = np.empty(t, np.float32)
+    for q in range(nq):
+        cnt = 0
+        for j in range(t):
+            s[j] = dot(queries[q], new_keys[j])
+            if s[j] > scores[q, K - 1]:
+                cj[cnt] = j
+                cs[cnt] = s[j]
+                cnt += 1
+        if cnt == 0:
+            continue
+        changed[q] = True
+        order = np.argsort(-cs[:cnt], kind="mergesort")
+        old_i = ids[q].copy()
+        old_s = scores[q].copy()
+        a = b = 0
+        for r in range(K):  # merge two sorted lists; an old key wins ties (a < K: at most r of them taken)
+            if b < cnt and cs[order[b]] > old_s[a]:
+                ids[q, r] = first_id + cj[order[b]]
+                scores[q, r] = cs[order[b]]
+                b += 1
+            else:
+                ids[q, r] = old_i[a]
+                scores[q, r] = old_s[a]
+                a += 1
+    return changed

@@ -1,0 +1,121 @@
+"""The two LLVM intrinsics under every graph kernel: a fixed-order SIMD inner product and a cache prefetch."""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit
+from numba.core import cgutils, types as nbtypes
+from numba.extending import intrinsic, overload
+
+_LANES = 8  # float32 lanes of the explicit SIMD accumulator (one AVX register)
+
+
+@intrinsic
+def _simd_dot(typingctx, a, b):
+    """Inner product of two C-contiguous float32 vectors with an explicit 8-lane vector accumulator.
+
+    The summation order is written out in the IR (lane j sums elements j, j+8, …; then a fixed
+    pairwise tree over the lanes; then the tail in order) and carries no fast-math flags, so LLVM
+    may not reorder it: every kernel that calls :func:`dot` gets the same bits, vectorised.
+    """
+    if not all(isinstance(x, nbtypes.Array) and x.ndim == 1 and x.layout == "C" and x.dtype == nbtypes.float32
+               for x in (a, b)):
+        return None
+    sig = nbtypes.float32(a, b)
+
+    def codegen(context, builder, signature, args):
+        va_ = context.make_array(signature.args[0])(context, builder, args[0])
+        vb_ = context.make_array(signature.args[1])(context, builder, args[1])
+        n = builder.extract_value(va_.shape, 0)
+        vec = ir.VectorType(ir.FloatType(), _LANES)
+        width = ir.Constant(n.type, _LANES)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * _LANES))
+        n_vec = builder.udiv(n, width)
+        with cgutils.for_range(builder, n_vec) as loop:
+            i = builder.mul(loop.index, width)
+            x = builder.load(builder.bitcast(builder.gep(va_.data, [i]), vec.as_pointer()), align=4)
+            y = builder.load(builder.bitcast(builder.gep(vb_.data, [i]), vec.as_pointer()), align=4)
+            builder.store(builder.fadd(builder.load(acc), builder.fmul(x, y)), acc)
+        v = builder.load(acc)
+        lanes = [builder.extract_element(v, ir.Constant(ir.IntType(32), j)) for j in range(_LANES)]
+        while len(lanes) > 1:
+            half = len(lanes) // 2
+            lanes = [builder.fadd(lanes[j], lanes[j + half]) for j in range(half)]
+        total = cgutils.alloca_once_value(builder, lanes[0])
+        with cgutils.for_range_slice(builder, builder.mul(n_vec, width), n, ir.Constant(n.type, 1), inc=True) as (i, _):
+            xy = builder.fmul(builder.load(builder.gep(va_.data, [i])), builder.load(builder.gep(vb_.data, [i])))
+            builder.store(builder.fadd(builder.load(total), xy), total)
+        return builder.load(total)
+
+    return sig, codegen
+
+
+@intrinsic
+def _prefetch(typingctx, arr, i, j):
+    """Hint the cache line holding ``arr[i, j]`` (2-D) or ``arr[i]`` (1-D, j ignored) into the caches."""
+    if not isinstance(arr, nbtypes.Array) or arr.ndim not in (1, 2):
+        return None
+    sig = nbtypes.void(arr, i, j)
+
+    def codegen(context, builder, signature, args):
+        aryty, ity, jty = signature.args
+        ary = context.make_array(aryty)(context, builder, args[0])
+        idx = [context.cast(builder, args[1], ity, nbtypes.intp)]
+        if aryty.ndim == 2:
+            idx.append(context.cast(builder, args[2], jty, nbtypes.intp))
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, idx, wraparound=False)
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            "llvm.prefetch.p0i8")
+        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _dot_any(a, b):
+    """Typing stub of :func:`dot`'s two implementations."""
+
+
+@overload(_dot_any, inline="always")
+def _dot_any_impl(a, b):
+    if all(isinstance(x, nbtypes.Array) and x.layout == "C" and x.dtype == nbtypes.float32 for x in (a, b)):
+        return lambda a, b: _simd_dot(a, b)
+
+    def sequential(a, b):
+        s = np.float32(0.0)
+        for i in range(a.shape[0]):
+            s += a[i] * b[i]
+        return s
+
+    return sequential
+
+
+@njit(cache=True, nogil=True, inline="always")
+def dot(a: np.ndarray, b: np.ndarray) -> float:
+    """Inner product of two float32 vectors (no BLAS call overhead): explicit 8-lane SIMD for contiguous rows.
+
+    About 4x faster at d = 64 than the plain sequential loop (which LLVM cannot vectorise without
+    fast-math reassociation, and with it vectorises differently in different callers). Here the
+    order is fixed (:func:`_simd_dot`), so the query-time searches and the builds agree bit for
+    bit. Non-contiguous inputs use the sequential sum.
+    """
+    return _dot_any(a, b)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def prefetch_keys(data, fresh, m):
+    """Prefetch the key rows of the m nodes ``fresh[:m]``."""
+    for j in range(m):
+        for c in range(0, data.shape[1], 16):
+            _prefetch(data, fresh[j], c)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def prefetch_row(nbrs, degree, node):
+    """Prefetch ``node``'s adjacency row and degree."""
+    _prefetch(degree, node, 0)
+    for c in range(0, nbrs.shape[1], 16):
+        _prefetch(nbrs, node, c)

@@ -1,0 +1,103 @@
+"""Output error at equal bytes read: estimators against top-k indexes, per head and median over heads.
+
+For each (layer, head) of a dump, every index is built once and searched at every grid point with
+the decode-step queries (the sweep's Q→K protocol, k = 100, window 128 + 512); each point gives the
+mean ``bytes_read`` per query and the sweep's ``output_rel_error`` (exact part plus the estimate for
+estimators). Per head and index: the least error among the points within a byte budget, budgets
+being fractions of one full key scan (n_keys × dim × 4 bytes, what ``flat`` reads). Prints the
+median over heads per index and budget (a head with no point within the budget: not reached) and
+writes every point to ``--csv``.
+
+    python benchmarks/bench_estimators.py --dump /work/dumps/smollm2-text-8192 --layers 2,15,28 --heads 0,4 --csv out.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import pandas as pd
+
+from anns_lab.dumps.store import open_dump
+from anns_lab.eval.heads import load_head
+from anns_lab.indexes import registry
+
+INDEXES = "flat,roargraph,magicpig,vattention,retroinfer"
+BUDGETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
+
+
+def measure(dump, layer: int, head: int, names: list[str], k: int = 100) -> list[dict]:
+    """Every grid point of every index on one head: bytes read per query, output error, mass, scanned fraction."""
+    import faiss
+    import numba
+
+    faiss.omp_set_num_threads(1)
+    numba.set_num_threads(1)
+    data = load_head(dump, layer, head)
+    rows = []
+    for name in names:
+        index = registry.create(name)
+        t0 = time.process_time()
+        index.build(data.keys, data.train_queries if index.uses_train_queries else None)
+        build_cpu = time.process_time() - t0
+        for params in index.grid():
+            res = index.search(data.test_queries, k, **params)
+            mass, err = data.attention_quality(res.ids, res.estimate, index.summaries())
+            rows.append({"layer": layer, "head": head, "index": name, "params": str(params), "n_keys": len(data.keys),
+                         "full_scan_bytes": len(data.keys) * 4 * data.keys.shape[1],
+                         "bytes_read": float(res.bytes_read.mean()), "scanned": float(res.n_scanned.mean()) / len(data.keys),
+                         "mass": mass, "output_rel_error": err, "build_cpu_s": build_cpu})
+    return rows
+
+
+def within_budgets(points: pd.DataFrame, budgets=BUDGETS) -> pd.DataFrame:
+    """Per (layer, head, index, budget): least output error with bytes read ≤ budget × one full key scan (inf if none)."""
+    frac = points["bytes_read"] / points["full_scan_bytes"]
+    out = []
+    for (layer, head, index), g in points.assign(fraction=frac).groupby(["layer", "head", "index"]):
+        for b in budgets:
+            ok = g[g["fraction"] <= b * (1 + 1e-9)]
+            out.append({"layer": layer, "head": head, "index": index, "budget": b,
+                        "error": float(ok["output_rel_error"].min()) if len(ok) else np.inf})
+    return pd.DataFrame(out)
+
+
+def markdown(best: pd.DataFrame, what: str = "median") -> list[str]:
+    """One row per index, one column per budget: the median over heads (– = not reached by half the heads)."""
+    med = best.groupby(["index", "budget"])["error"].median().unstack("budget")
+    lines = ["| index | " + " | ".join(f"≤ {b:g}× scan" for b in med.columns) + " |", "|---|" + "---|" * len(med.columns)]
+    for index, row in med.iterrows():
+        lines.append(f"| {index} | " + " | ".join("–" if not np.isfinite(v) else f"{v:.4f}" for v in row) + " |")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dump", required=True)
+    ap.add_argument("--layers", required=True)
+    ap.add_argument("--heads", required=True)
+    ap.add_argument("--indexes", default=INDEXES)
+    ap.add_argument("--csv")
+    args = ap.parse_args()
+    dump = open_dump(args.dump)
+    names = args.indexes.split(",")
+    rows = []
+    for layer in map(int, args.layers.split(",")):
+        for head in map(int, args.heads.split(",")):
+            rows += measure(dump, layer, head, names)
+            print(f"layer {layer} head {head} done", flush=True)
+    points = pd.DataFrame(rows)
+    if args.csv:
+        points.to_csv(args.csv, index=False)
+    best = within_budgets(points)
+    print(f"\nleast output rel. error within bytes read per query (× one full key scan), median over "
+          f"{best.groupby(['layer', 'head']).ngroups} heads:")
+    print("\n".join(markdown(best)))
+    print("\nper head:")
+    per = best.pivot_table(index=["layer", "head", "index"], columns="budget", values="error")
+    print(per.to_string(float_format=lambda v: f"{v:.4f}"))
+
+
+if __name__ == "__main__":
+    main()

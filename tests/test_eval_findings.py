@@ -1,0 +1,133 @@
+"""Each finding rule of the report, on synthetic results tables that agree and that disagree with the paper."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from anns_lab.eval import findings as F
+from anns_lab.eval.report import _pareto_view, pareto
+from anns_lab.eval.table import COLUMNS
+
+HEADS = [(2, 0), (15, 4), (28, 8)]
+
+
+def synthetic(spec: dict[tuple[str, str], float | None]) -> pd.DataFrame:
+    """A results table where ``index`` in ``direction`` first reaches recall 0.95 at the given scanned fraction.
+
+    None: the index tops out at recall 0.7 (never reaches 0.95). "flat" is exact (one point at 1, 1).
+    """
+    rows = []
+    for layer, head in HEADS:
+        for (index, direction), at in spec.items():
+            if index == "flat":
+                points = [(1.0, 1.0)]
+            elif at is None:
+                points = [(0.1, 0.4), (0.5, 0.6), (0.9, 0.7)]
+            else:
+                points = [(at / 2, 0.8), (at, 0.96), (min(2 * at, 1.0), 0.99)]
+            for i, (frac, rec) in enumerate(points):
+                rows.append({"dump": "d", "model": "m", "layer": layer, "head": head, "kv_head": 0, "index": index,
+                             "build_params": "{}", "search_params": f'{{"p": {i}}}', "direction": direction, "k": 100,
+                             "n_keys": 7500, "n_queries": 64, "recall": rec, "scanned_fraction": frac,
+                             "bytes_read": frac * 7500 * 256,
+                             "mass_recovered": np.nan, "output_rel_error": np.nan, "latency_us": 1.0, "qps": 1.0,
+                             "build_s": 0.1, "index_bytes": 1})
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def run(spec):
+    table = synthetic(spec)
+    kinds = F.index_kinds(table)
+    return pareto(table), kinds
+
+
+def test_pareto_reads_the_synthetic_table_back():
+    par, kinds = run({("ivf", "q2k"): 0.4, ("hnsw", "q2k"): None, ("flat", "q2k"): 1.0})
+    assert kinds == {"ivf": "key-only", "hnsw": "key-only", "flat": "exact"}
+    assert F.scan(par, "ivf", "q2k").fraction == pytest.approx(0.4)
+    assert F.scan(par, "hnsw", "q2k").fraction == np.inf and F.scan(par, "hnsw", "q2k").reached == 0
+
+
+def test_central_result_agrees_disagrees_or_is_not_measured():
+    f = F.aware_vs_key_only(*run({("roargraph", "q2k"): 0.02, ("ivf", "q2k"): 0.4, ("hnsw", "q2k"): None}))
+    assert f.verdict == F.AGREES and "roargraph" in f.text and "2.0%" in f.text and "40.0%" in f.text
+    assert "20.0× fewer" in f.text and "1–3%" in f.text and "30–50%" in f.text
+    f = F.aware_vs_key_only(*run({("roargraph", "q2k"): 0.5, ("ivf", "q2k"): 0.2}))
+    assert f.verdict == F.DISAGREES and "50.0%" in f.text and "20.0%" in f.text
+    f = F.aware_vs_key_only(*run({("ivf", "q2k"): 0.2, ("hnsw", "q2k"): 0.3}))
+    assert f.verdict == F.NOT_MEASURED and "no attention-aware index" in f.text
+    assert "20.0%" not in f.text  # IVF is never set against the attention-aware figure
+
+
+def test_attention_aware_q2k_against_one_to_three_percent():
+    par, kinds = run({("roargraph", "q2k"): 0.02})
+    f = F.attention_aware_q2k(par, kinds, 7500)
+    assert f.verdict == F.AGREES and "2.0%" in f.text and "1–3%" in f.text
+    par, kinds = run({("roargraph", "q2k"): 0.08, ("robust-vamana", "q2k"): 0.12})
+    f = F.attention_aware_q2k(par, kinds, 7500)
+    assert f.verdict == F.DISAGREES and "roargraph" in f.text and "8.0%" in f.text and "7,500 keys" in f.text
+    par, kinds = run({("ivf", "q2k"): 0.02})
+    assert F.attention_aware_q2k(par, kinds, 7500).verdict == F.NOT_MEASURED
+
+
+def test_ivf_q2k_against_thirty_to_fifty_percent():
+    assert F.ivf_q2k(run({("ivf", "q2k"): 0.4})[0]).verdict == F.AGREES
+    f = F.ivf_q2k(run({("ivf", "q2k"): 0.19})[0])
+    assert f.verdict == F.DISAGREES and "19.0%" in f.text and "below the paper's range" in f.text
+    assert F.ivf_q2k(run({("hnsw", "q2k"): 0.4})[0]).verdict == F.NOT_MEASURED
+
+
+def test_hnsw_q2k_never_reaching_the_target():
+    f = F.hnsw_q2k(run({("hnsw", "q2k"): None})[0])
+    assert f.verdict == F.AGREES and "3 of 3 heads never reach it" in f.text and "0.70" in f.text
+    f = F.hnsw_q2k(run({("hnsw", "q2k"): 0.3})[0])
+    assert f.verdict == F.DISAGREES and "30.0%" in f.text
+    assert F.hnsw_q2k(run({("ivf", "q2k"): 0.3})[0]) is None
+
+
+def test_direction_gap_as_in_the_paper_or_reversed():
+    par, _ = run({("ivf", "q2k"): 0.4, ("ivf", "k2k"): 0.03})
+    f = F.direction_gap(par, "ivf")
+    assert f.verdict == F.AGREES and "40.0%" in f.text and "3.0%" in f.text and "13.3×" in f.text
+    assert "within the paper's 1–5%" in f.text
+    par, _ = run({("ivf", "q2k"): 0.19, ("ivf", "k2k"): 0.41})
+    f = F.direction_gap(par, "ivf")
+    assert f.verdict == F.DISAGREES and "reverse" in f.text and "19.0%" in f.text and "41.0%" in f.text
+    par, _ = run({("hnsw", "q2k"): None, ("hnsw", "k2k"): 0.15})
+    assert F.direction_gap(par, "hnsw").verdict == F.AGREES
+    par, _ = run({("hnsw", "q2k"): None, ("hnsw", "k2k"): None})
+    assert F.direction_gap(par, "hnsw").verdict == F.NOT_MEASURED
+
+
+def test_out_of_distribution_and_dynamic_selection():
+    f = F.out_of_distribution(25.0, 9.0)
+    assert f.verdict == F.AGREES and "25.0" in f.text and "9.0" in f.text and "2.8×" in f.text
+    assert F.out_of_distribution(8.0, 9.0).verdict == F.DISAGREES
+    f = F.dynamic_vs_static(0.9, 0.7, 64, 100)
+    assert f.verdict == F.AGREES and "0.90" in f.text and "0.70" in f.text and "0.89" in f.text and "0.71" in f.text
+    assert F.dynamic_vs_static(0.7, 0.8, 64, 100).verdict == F.DISAGREES
+    assert F.dynamic_vs_static(0.9, 0.9, 1, 100).verdict == F.NOT_MEASURED
+
+
+def test_paper_column_names_each_direction_s_own_figure():
+    par, kinds = run({("ivf", "q2k"): 0.4, ("ivf", "k2k"): 0.03, ("flat", "q2k"): 1.0, ("flat", "k2k"): 1.0,
+                      ("roargraph", "q2k"): 0.02, ("roargraph", "k2k"): 0.05})
+    view = _pareto_view(par, kinds).set_index(["index", "direction"])["paper at 0.95"]
+    assert view[("ivf", "q2k")] == "30–50%" and view[("ivf", "k2k")] == "1–5%"
+    assert view[("flat", "q2k")] == view[("flat", "k2k")] == "100% (exact)"
+    assert view[("roargraph", "q2k")].startswith("1–3%") and view[("roargraph", "k2k")] == "—"
+
+
+def test_ivf_reason_states_the_measured_factors_with_their_numbers():
+    diag = pd.DataFrame([{"n_keys": 7488, "k": 100, "k_share": 6, "q2k": 0.20, "k2k": 0.19, "k2k_l2": 0.13,
+                          "q2k_share": 0.10, "k2k_share": 0.09, "k2k_top_big_norm": 0.40, "q2k_top_big_norm": 0.02,
+                          "nlist": 173, "q2k_lists": 20.0, "k2k_lists": 41.0}] * 3)
+    text = F.ivf_reason(diag, 0.197, 0.41)
+    for expected in ("3 of the heads", "19.7%", "41.0%", "20.0%", "19.0%", "13.0%", "40%", "2%", "top 6", "7,488",
+                     "9.0%", "10.0%", "in 20 of the 173 lists", "in 41"):
+        assert expected in text, expected
+    par, _ = run({("ivf", "q2k"): 0.19, ("ivf", "k2k"): 0.41})
+    f = F.direction_gap(par, "ivf", text)
+    assert f.verdict == F.DISAGREES and f.text.endswith(text)
