@@ -280,7 +280,7 @@ def main() -> None:
             if a.legacy:
                 runs[layer][mode.name + "-legacy"] = (lambda s, c: (lambda q: legacy_side(s, q, c)))(store, scaling)
             if a.held and len({id(ix) for ix in store.indexes}) == H:
-                from anns_lab.indexes.graph_search import GraphGroup
+                from anns_lab.indexes.graph.multi import GraphGroup
 
                 group, L = GraphGroup(store.indexes), {**{"L": 100}, **mode.plan.search_params}["L"]
                 runs[layer][mode.name + "-held"] = (lambda s, g, c: (lambda q: held_side(s, g, L, q, c)))(store, group, scaling)
@@ -295,8 +295,8 @@ def main() -> None:
     names = list(runs[layers[0]])
     if a.cycle:  # every call visits each layer in turn, as a decode step does: the layers' data are cold
         wall, split = {n: [] for n in names}, {n: [] for n in names}
-        for _ in range(a.rounds):
-            for name in names:
+        for r in range(a.rounds):
+            for name in names[:: 1 - 2 * (r % 2)]:  # the order flips every round: a mode's caches are not always warmed by the one before
                 parts = []
                 t0 = time.perf_counter()
                 for i in range(a.calls):

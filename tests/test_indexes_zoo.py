@@ -49,7 +49,7 @@ def test_batch_equals_one_query_at_a_time_to_the_last_bit(built, name):
     for params in (index.grid()[0], index.grid()[-1]):
         batch = index.search(queries[:8], K, **params)
         alone = [index.search(q[None], K, **params) for q in queries[:8]]
-        for got, want in zip(batch, zip(*alone)):
+        for got, want in zip(batch[:4], zip(*(a[:4] for a in alone))):  # the arrays (a built-in has no estimate)
             assert np.array_equal(got, np.concatenate(want)), params
 
 

@@ -14,7 +14,7 @@ import weakref
 import numpy as np
 from numba import njit
 
-from anns_lab.indexes.graph import Graph
+from anns_lab.indexes.base import SearchResult
 from anns_lab.indexes.graph.search import bytes_read, score_fresh, search_one
 from anns_lab.indexes.graph.simd import prefetch_keys, prefetch_row
 from anns_lab.indexes.graph.utils import drain, mark_fresh, offer_all, pop_next, thread_workspace
@@ -129,20 +129,15 @@ class GraphGroup:
                 return False
         return True
 
-    def search(self, queries: np.ndarray, k: int, L: int, out_ids: np.ndarray | None = None):
+    def search(self, queries: np.ndarray, k: int, L: int) -> SearchResult:
         """Top-k of index i for ``queries[i]`` with beam L (:func:`search_heads`; L < k, the k best of every
-        node scanned: :func:`search_one` per index); ``SearchResult`` of (H, k) ids, scores, (H,) n_scanned.
-
-        ``out_ids`` (H, k) int64, C-contiguous, may be given to receive the ids in place.
-        """
-        from anns_lab.indexes.base import SearchResult
-
+        node scanned: :func:`search_one` per index): (H, k) ids and scores, (H,) n_scanned and bytes_read."""
         h = len(self._refs)
         q = np.ascontiguousarray(queries, dtype=np.float32)
         if q.ndim != 2 or q.shape[0] != h:
             raise ValueError(f"GraphGroup: {h} indexes need {h} queries, got shape {q.shape}")
         ws, rows, epoch = thread_workspace(h, self.n_max, L, k)
-        ids = np.empty((h, k), np.int64) if out_ids is None else out_ids
+        ids = np.empty((h, k), np.int64)
         scores = np.empty((h, k), np.float32)
         n_scanned, n_words = np.empty(h, np.int64), np.empty(h, np.int64)
         if L < k:  # not the decoder's case: one search after another (each index's own search: the same kernel)
@@ -156,24 +151,23 @@ class GraphGroup:
         return SearchResult(ids, scores, n_scanned, n_bytes)
 
 
-_GROUPS: "weakref.WeakKeyDictionary" = None  # first index → (ids of all, GraphGroup), for search_graphs
+_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # first index → (ids of all, GraphGroup)
 
 
 def search_graphs(indexes, queries: np.ndarray, k: int, L: int):
     """Search graph index ``indexes[i]`` with ``queries[i]`` in one kernel call: a ``SearchResult`` equal to
     ``indexes[i].search(queries[i:i+1], k, L=L)`` for each i. The :class:`GraphGroup` of the same indexes
     is kept between calls (weakly, by the first index) and refreshed when an index has changed."""
-    global _GROUPS
-    if _GROUPS is None:
-        _GROUPS = weakref.WeakKeyDictionary()
     indexes = list(indexes)
     tag = tuple(id(ix) for ix in indexes)
+    stamp = tuple(ix.n_keys for ix in indexes)  # a graph's arrays change only in add(), which raises n_keys
     hit = _GROUPS.get(indexes[0])
     if hit is not None and hit[0] == tag and all(a is b for a, b in zip(hit[1].indexes, indexes)):  # ids alone could be reused
         group = hit[1]
-        if not group.current():
-            group.refresh()
+        if hit[2] == stamp:  # cheaper than current(): the decoder calls this for every layer and step
+            return group.search(queries, k, L)
+        group.refresh()
     else:
         group = GraphGroup(indexes)
-        _GROUPS[indexes[0]] = (tag, group)
+    _GROUPS[indexes[0]] = (tag, group, stamp)
     return group.search(queries, k, L)
