@@ -295,8 +295,8 @@ def main() -> None:
     names = list(runs[layers[0]])
     if a.cycle:  # every call visits each layer in turn, as a decode step does: the layers' data are cold
         wall, split = {n: [] for n in names}, {n: [] for n in names}
-        for _ in range(a.rounds):
-            for name in names:
+        for r in range(a.rounds):
+            for name in names[:: 1 - 2 * (r % 2)]:  # the order flips every round: a mode's caches are not always warmed by the one before
                 parts = []
                 t0 = time.perf_counter()
                 for i in range(a.calls):

@@ -10,8 +10,9 @@ until ``add_batch`` of them have gathered, when they are inserted into the index
 
 Indexes: one per (layer, query head) when the index learns from queries (attention-aware);
 otherwise its keys are those of the KV head, so one index serves the whole GQA group (the
-same object, searched with the group's queries in one batch). Either way a group's indexes
-are built on one physical key array.
+same object, searched with the group's queries in one batch). Either way the indexes are built
+on the heads of the layer's :class:`~anns_lab.indexes.key_store.KeyStore`, the one copy of its
+CPU keys, and every step searches them with one ``search_group`` call (the index protocol's hook).
 """
 
 from __future__ import annotations

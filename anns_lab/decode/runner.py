@@ -257,6 +257,7 @@ LEGEND = {
     "token_ms": "per token: wall time of one decode step",
     "tokens_per_s": "decode steps per second",
     "scanned_fraction": "mean share of the CPU-held keys whose inner product a search computed",
+    "bytes_read_per_token": "per token: bytes the CPU-side searches read, as the indexes report them, KiB",
     "device_kv_bytes": "keys and values held on the accelerator at the end, MiB",
 }
 
@@ -284,5 +285,6 @@ def table(result: dict) -> str:
         body.append(cells)
     widths = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
     line = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
-    legend = [f"  {label:>{max(len(c[1]) for c in cols)}}  {LEGEND[key]}" for key, label, _ in cols]
+    # A column without a legend entry still prints (tests/test_decode_cli.py asks for every entry).
+    legend = [f"  {label:>{max(len(c[1]) for c in cols)}}  {LEGEND.get(key, '')}" for key, label, _ in cols]
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in body] + [""] + legend)

@@ -160,12 +160,14 @@ def search_graphs(indexes, queries: np.ndarray, k: int, L: int):
     is kept between calls (weakly, by the first index) and refreshed when an index has changed."""
     indexes = list(indexes)
     tag = tuple(id(ix) for ix in indexes)
+    stamp = tuple(ix.n_keys for ix in indexes)  # a graph's arrays change only in add(), which raises n_keys
     hit = _GROUPS.get(indexes[0])
     if hit is not None and hit[0] == tag and all(a is b for a, b in zip(hit[1].indexes, indexes)):  # ids alone could be reused
         group = hit[1]
-        if not group.current():
-            group.refresh()
+        if hit[2] == stamp:  # cheaper than current(): the decoder calls this for every layer and step
+            return group.search(queries, k, L)
+        group.refresh()
     else:
         group = GraphGroup(indexes)
-        _GROUPS[indexes[0]] = (tag, group)
+    _GROUPS[indexes[0]] = (tag, group, stamp)
     return group.search(queries, k, L)
