@@ -232,6 +232,7 @@ def ray_cluster(plugin_dir, tmp_path_factory):
     procs = []
     try:
         procs.append(subprocess.Popen(ray_cli + ["--head", "--port", str(port), "--include-dashboard=false",
+                                                 "--ray-client-server-port", str(_free_port()),
                                                  "--temp-dir", str(temp)], env=env, start_new_session=True,
                                       stdout=open(logs / "head.log", "w"), stderr=subprocess.STDOUT))
         wait_for(lambda: _reachable(port) or procs[0].poll() is not None, "the Ray head to listen", timeout=120)

@@ -18,7 +18,7 @@ import pandas as pd
 
 from anns_lab.dumps.store import open_dump
 from anns_lab.errors import AnnsLabError
-from anns_lab.eval import figures, findings, html, ivf_gap, paper
+from anns_lab.eval import costs, figures, findings, html, ivf_gap, paper
 from anns_lab.eval.heads import load_head
 from anns_lab.eval.findings import fmt_fraction  # noqa: F401 - benchmarks import it from here
 from anns_lab.eval.table import SETTINGS, load_results
@@ -145,7 +145,8 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
              f"excluded); recall@{k}. The paper's figures are for 128K-token contexts of Llama-3-8B and Yi-9B "
              "(docs/paper.md); the metrics are defined in docs/metrics.md.")
     pareto_view = _pareto_view(par, kinds)
-    md = _markdown(dump, intro, found, pareto_view, par, maha, decay, c, k)
+    points = costs.at_target(table, 0.95)
+    md = _markdown(dump, intro, found, pareto_view, par, maha, decay, c, k, costs.markdown_at_target(points, 0.95))
     atomic_write_bytes(out / "report.md", md.encode("utf-8"))
     links = sibling_sweeps(folder, str(settings.get("dump", "")))
     sections = [("Least fraction of keys scanned to reach a recall target (median over heads)",
@@ -155,6 +156,8 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
                 ("Least bytes of index data read per query to reach a recall target (Q→K, median over heads)",
                  f"<p>{BYTES_NOTE}</p>" + html.table(_bytes_view(par), "bytes")
                  + html.figure(pngs["recall_vs_bytes.png"], "recall and error vs bytes read")),
+                 (AT_TARGET, html.table(costs.summary_at_target(points).round(4), "at-target")
+                  + html.table(points.round(4), "at-target-heads")),
                 (FIGURES["mahalanobis.png"], html.figure(pngs["mahalanobis.png"], "mahalanobis")),
                 (FIGURES["dynamic_vs_static.png"], html.figure(pngs["dynamic_vs_static.png"], "dynamic vs static")),
                 ("Every head: least fraction scanned for each recall target",
@@ -233,8 +236,11 @@ def _md_table(df: pd.DataFrame) -> list[str]:
     return lines + ["| " + " | ".join(str(v) for v in row) + " |" for row in df.itertuples(index=False)]
 
 
+AT_TARGET = "Each index at recall 0.95, head by head (Q→K): scanned fraction, bytes read, output error"
+
+
 def _markdown(dump, intro: str, found, pareto_view: pd.DataFrame, par: pd.DataFrame, maha: pd.DataFrame,
-              decay: pd.DataFrame, c: pd.DataFrame, k: int) -> str:
+              decay: pd.DataFrame, c: pd.DataFrame, k: int, at_target: list[str]) -> str:
     lines = [f"# anns-lab report: {dump.model}, {dump.path.name}", "", intro, "",
              "An HTML version with sortable tables and a per-head table is `report.html` beside this file.", "",
              "## Findings against the paper", ""]
@@ -247,7 +253,8 @@ def _markdown(dump, intro: str, found, pareto_view: pd.DataFrame, par: pd.DataFr
               "## Least bytes of index data read per query to reach a recall target (Q→K, median over heads)", "",
               BYTES_NOTE, ""]
     lines += _md_table(_bytes_view(par))
-    lines += ["", "![recall and error vs bytes read](recall_vs_bytes.png)", "", f"## {FIGURES['mahalanobis.png']}", "",
+    lines += ["", "![recall and error vs bytes read](recall_vs_bytes.png)", "", f"## {AT_TARGET}", "", *at_target, "",
+              f"## {FIGURES['mahalanobis.png']}", "",
               "Median Mahalanobis distance to the distribution of the indexed keys, over every head:", ""]
     lines += [f"- {kind}: {v:.1f}" for kind, v in maha.groupby("kind")["distance"].median().items()]
     lines += ["", "![mahalanobis](mahalanobis.png)", "", f"## {FIGURES['dynamic_vs_static.png']}", "",

@@ -1,0 +1,67 @@
+"""Each index's cheapest operating point at a recall target, per head: scanned fraction, bytes read and output error.
+
+The per-head view behind the Pareto medians: where an index does not reach the target on a head, its best
+recall there is shown instead, so a median never hides a head that failed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+
+def at_target(table: pd.DataFrame, target: float = 0.95, direction: str = "q2k") -> pd.DataFrame:
+    """Per (index, layer, head): the grid point of least bytes read with recall ≥ ``target`` (``reached`` True),
+    or, where none reaches it, the point of best recall (``reached`` False)."""
+    rows = []
+    t = table[table["direction"] == direction]
+    for (index, layer, head), g in t.groupby(["index", "layer", "head"], sort=True):
+        ok = g[g["recall"] >= target]
+        best = ok.loc[ok["bytes_read"].idxmin()] if len(ok) else g.loc[g["recall"].idxmax()]
+        rows.append({"index": index, "layer": int(layer), "head": int(head), "reached": bool(len(ok)),
+                     "recall": float(best["recall"]), "scanned_fraction": float(best["scanned_fraction"]),
+                     "bytes_read": float(best["bytes_read"]), "output_rel_error": float(best["output_rel_error"]),
+                     "search_params": best["search_params"]})
+    return pd.DataFrame(rows)
+
+
+def summary_at_target(points: pd.DataFrame) -> pd.DataFrame:
+    """Per index: heads reaching the target, and the medians over those heads of scanned fraction, KiB read and
+    output error (NaN when no head reaches it)."""
+    out = []
+    for index, g in points.groupby("index", sort=True):
+        r = g[g["reached"]]
+        out.append({"index": index, "heads": len(g), "reached": len(r),
+                    "scanned_fraction": float(r["scanned_fraction"].median()) if len(r) else np.nan,
+                    "kib_read": float(r["bytes_read"].median() / 1024) if len(r) else np.nan,
+                    "output_rel_error": float(r["output_rel_error"].median()) if len(r) else np.nan,
+                    "best_recall_unreached": float(g.loc[~g["reached"], "recall"].max()) if (~g["reached"]).any() else np.nan})
+    return pd.DataFrame(out)
+
+
+def markdown_at_target(points: pd.DataFrame, target: float = 0.95) -> list[str]:
+    """Markdown lines: the per-index summary, then every head (cells "KiB read / scanned % / output error", or
+    "best r" where the target is not reached)."""
+    lines = [f"| index | heads reaching {target:.2f} | scanned (median) | KiB read (median) | output rel. error (median) "
+             "| best recall where not reached |", "|---|---|---|---|---|---|"]
+    for r in summary_at_target(points).itertuples(index=False):
+        fmt = lambda v, f: "—" if not np.isfinite(v) else f.format(v)  # noqa: E731
+        lines.append(f"| {r.index} | {r.reached}/{r.heads} | {fmt(100 * r.scanned_fraction, '{:.2f}%')} | "
+                     f"{fmt(r.kib_read, '{:.1f}')} | {fmt(r.output_rel_error, '{:.4f}')} | {fmt(r.best_recall_unreached, '{:.3f}')} |")
+    names = sorted(points["index"].unique())
+    lines += ["", "Per head (KiB read / scanned / output rel. error at the least-bytes point reaching "
+              f"{target:.2f}; *best r* = not reached, best recall r):", "",
+              "| layer | head | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for (layer, head), g in points.groupby(["layer", "head"], sort=True):
+        cells = []
+        for name in names:
+            p = g[g["index"] == name]
+            if p.empty:
+                cells.append("")
+            elif p["reached"].iloc[0]:
+                cells.append(f"{p['bytes_read'].iloc[0] / 1024:.0f} / {100 * p['scanned_fraction'].iloc[0]:.1f}% / "
+                             f"{p['output_rel_error'].iloc[0]:.3f}")
+            else:
+                cells.append(f"*best {p['recall'].iloc[0]:.3f}*")
+        lines.append(f"| {layer} | {head} | " + " | ".join(cells) + " |")
+    return lines
