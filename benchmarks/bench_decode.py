@@ -2,6 +2,9 @@
 
     .venv/bin/python benchmarks/bench_decode.py --model smollm2 --context 8192 --json bench-decode-smollm2.json
 
+    .venv/bin/python benchmarks/bench_decode.py --model smollm2 --context 8192 --modes full,roargraph \
+        --variant roargraph-exact=roargraph:list_stride=1 --new-tokens 8     # time to first token, old vs new build
+
 Prints the paper's Table 5 shape (retrieval / CPU attention / accelerator attention / merge /
 other per token) and the retrieval time of each index mode as a ratio to ``flat`` and ``ivf``.
 """
@@ -32,11 +35,14 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--torch-threads", type=int, default=1,
                     help="threads of the accelerator stand-in on CPU (default 1: the other core runs the CPU side)")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL=INDEX:NAME=VALUE,...",
+                    help="one more mode: INDEX with these build parameters, shown as LABEL (e.g. "
+                         "roargraph-exact=roargraph:list_stride=1, the build before issue 13, beside the defaults)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
 
     from anns_lab.decode import runner
-    from anns_lab.decode.engine import Settings
+    from anns_lab.decode.engine import Mode, Settings
     from anns_lab.decode.modes import parse_modes, parse_params
     from anns_lab.dumps.models import load_model
     from anns_lab.window import Window
@@ -46,6 +52,11 @@ def main() -> None:
     settings = Settings(Window.parse(a.window), topk=a.topk, add_batch=a.add_batch, chunk=2048,
                         train_queries=a.train_queries)
     modes = parse_modes(a.modes, parse_params(a.param), {})
+    for v in a.variant:  # same prefill, same search parameters, other build parameters
+        label, spec = v.split("=", 1)
+        index, _, build = spec.partition(":")
+        base = parse_modes(index, parse_params(a.param), parse_params([b for b in build.split(",") if b], "--variant"))[0]
+        modes.append(Mode(label, base.plan))
     t0 = time.perf_counter()
     lm = load_model(a.model, device=a.device)
     result = runner.run_task(lm, modes, settings, a.task, a.context, a.samples, 0, a.new_tokens,

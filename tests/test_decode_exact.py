@@ -213,3 +213,31 @@ def test_train_query_subsample_is_even_and_keeps_the_last():
     sub = _subsample(q, 4)
     assert sub.shape == (2, 4, 3) and np.array_equal(sub[:, -1], q[:, -1]) and np.array_equal(sub[:, 0], q[:, 0])
     assert _subsample(q, 0) is q and _subsample(q, 20) is q
+
+
+def test_training_lists_on_the_device_give_the_same_graphs(prefilled):
+    """decode's training lists computed where the prefill's keys are (device_lists: torch on the model's device)
+    build the same roargraph indexes as the lists the build computes itself, and decode the same tokens."""
+    import dataclasses
+
+    lm, pre, _ = prefilled
+    plan = Mode("roargraph", IndexPlan("roargraph"))
+    runs = [run_mode(lm, pre, plan, dataclasses.replace(SETTINGS, lists_on_device=on), STEPS) for on in (False, True)]
+    assert runs[0].tokens == runs[1].tokens
+    for layer, store in runs[0].stores.items():
+        for a, b in zip(store.indexes, runs[1].stores[layer].indexes):
+            for x, y in zip(a.graph_arrays()[1:], b.graph_arrays()[1:]):
+                assert np.array_equal(x, y)
+
+
+def test_device_lists_are_the_exact_top_keys():
+    from anns_lab.decode.device_lists import train_topk
+    from anns_lab.indexes.topk import topk_ip
+
+    rng = np.random.default_rng(0)
+    keys = rng.standard_normal((2, 300, 16)).astype(np.float32)
+    queries = rng.standard_normal((4, 50, 16)).astype(np.float32)
+    got = train_topk(queries, torch.from_numpy(keys), 20, group=2)
+    assert got.shape == (4, 50, 20) and got.dtype == np.int32
+    for h in range(4):
+        assert np.array_equal(got[h], topk_ip(queries[h], keys[h // 2], 20))

@@ -60,15 +60,15 @@ def test_anchored_lists_recall_on_drifting_queries():
     assert recall > 0.8, recall
 
 
-def test_auto_stride_exact_up_to_8k():
-    assert auto_stride(8192, 8192) == 1 and auto_stride(2000, 2000) == 1
-    assert auto_stride(32768, 32768) == 16 and auto_stride(131072, 131072) == 64
+def test_auto_stride_grows_with_the_context():
+    assert auto_stride(2000, 2000) == 1 and auto_stride(5000, 5000) == 1 and auto_stride(8192, 8192) == 2
+    assert auto_stride(32768, 32768) == 8 and auto_stride(131072, 131072) == 32 and auto_stride(10**6, 10**6) == 64
 
 
 def test_train_topk_given_equals_exact_build():
     keys, q = drifting(3)
     a = RoarGraphIndex(list_stride=1).build(keys, q)
-    m_sq = RoarGraphIndex.list_size(len(keys))
+    m_sq = RoarGraphIndex.train_topk_width(len(keys))
     ref, _ = exact_lists(q, keys, m_sq + 5)  # wider than needed: the first M_sq are used
     b = RoarGraphIndex().build(keys, q, train_topk=ref)
     for x, y in zip(a.graph_arrays()[1:], b.graph_arrays()[1:]):

@@ -56,6 +56,7 @@ class Settings:
     add_batch: int = 64
     chunk: int = 2048
     train_queries: int = 0  # prefill queries given to attention-aware indexes, evenly strided (0 = all)
+    lists_on_device: bool | None = None  # training lists of the indexes on the accelerator (None: when it is CUDA)
 
 
 @dataclass
@@ -117,12 +118,30 @@ def build_stores(lm, pre: Prefilled, mode: Mode, settings: Settings) -> tuple[di
         values = layer_cache.values[0, :, lo:hi].to("cpu", torch.float32).numpy()
         plan = mode.plan_for(layer)
         store = LayerStore(layer, n_heads, keys, values, settings.topk, plan, settings.add_batch)
-        store.build(_subsample(pre.queries.get(layer), settings.train_queries))
+        queries = _subsample(pre.queries.get(layer), settings.train_queries)
+        store.build(queries, _device_lists(lm, plan, queries, layer_cache.keys[0, :, lo:hi], settings))
         stores[layer] = store
     first = next(iter(stores.values()), None)
     if first is not None and first.indexes and not first.supports_add:
         notes.append(f"{first.plan.name} has no add(): tokens leaving the window are kept exactly in a CPU side-buffer")
     return stores, notes
+
+
+def _device_lists(lm, plan, queries: np.ndarray | None, keys: torch.Tensor, settings: Settings) -> np.ndarray | None:
+    """The training queries' top lists computed where the keys are (``device_lists``), for an index that takes
+    them, when ``settings.lists_on_device`` (default: the model is on CUDA); else None (the build computes them)."""
+    on = settings.lists_on_device if settings.lists_on_device is not None else torch.device(lm.model.device).type == "cuda"
+    if not on or plan is None or queries is None:
+        return None
+    from anns_lab.indexes import registry
+
+    cls = registry.get(plan.name)
+    if not (cls.uses_train_queries and cls.accepts_train_topk):
+        return None
+    from anns_lab.decode.device_lists import train_topk
+
+    width = cls.train_topk_width(keys.shape[1], **plan.build_params)
+    return train_topk(queries, keys, width, queries.shape[0] // keys.shape[0])
 
 
 def _subsample(queries: np.ndarray | None, n: int) -> np.ndarray | None:

@@ -77,8 +77,9 @@ class LayerStore:
 
     # -- build and grow ----------------------------------------------------------------------------
 
-    def build(self, queries: np.ndarray | None) -> None:
-        """Build the indexes on every row held now; ``queries`` (H, t, d) are the prefill queries (attention-aware only)."""
+    def build(self, queries: np.ndarray | None, train_topk: np.ndarray | None = None) -> None:
+        """Build the indexes on every row held now; ``queries`` (H, t, d) are the prefill queries (attention-aware only),
+        ``train_topk`` (H, t, c) their top keys when computed elsewhere (``device_lists``)."""
         if self.plan is None or self.n_rows == 0:
             return
         t0 = time.perf_counter()
@@ -87,7 +88,8 @@ class LayerStore:
         if cls.uses_train_queries:
             if queries is None:
                 raise ValueError("attention-aware index needs the prefill queries")
-            self.indexes = [cls(**self.plan.build_params).build(rows[h // self.group], np.ascontiguousarray(queries[h]))
+            self.indexes = [cls(**self.plan.build_params).build(rows[h // self.group], np.ascontiguousarray(queries[h]),
+                                                                **({} if train_topk is None else {"train_topk": train_topk[h]}))
                             for h in range(self.n_heads)]
         else:
             shared = [cls(**self.plan.build_params).build(r) for r in rows]

@@ -184,6 +184,12 @@ class Index:
         self.n_keys, self.dim = keys.shape
         return self
 
+    @classmethod
+    def train_topk_width(cls, n_keys: int, **build_params: Any) -> int:
+        """Top keys per training query that a build over ``n_keys`` keys reads from ``train_topk`` (indexes that
+        accept it): the width to compute elsewhere."""
+        raise IndexConfigError(f"{cls.name or cls.__name__}: this index does not take train_topk")
+
     def _check_topk(self, topk: Any, train_queries: np.ndarray | None, n_keys: int) -> np.ndarray:
         """``train_topk`` as a C-contiguous int32 (m, c) array of key ids, one row per training query, or raise."""
         owner = self._owner()

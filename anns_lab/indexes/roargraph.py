@@ -2,10 +2,11 @@
 
 Build, on keys K (n, d) and training queries Q (m, d) (kernels in :mod:`graph.roar`):
 
-1. **Bipartite graph**: each training query's top-``M_sq`` keys: exact while m·n is small; above,
-   exact for every ``list_stride``-th query and the newest ``keep_queries``, the others ranking the
-   keys of the neighbouring exact lists (``train_lists.anchored_topk``: exact lists grow as n²);
-   or the lists given to ``build`` as ``train_topk`` (computed where they are cheap).
+1. **Bipartite graph**: each training query's top-``M_sq`` keys: exact for every ``list_stride``-th
+   query (auto: one per ~4096 keys, :func:`auto_stride`; all below ~6K keys) and the newest
+   ``keep_queries``, the others ranking the keys of the neighbouring exact lists
+   (``train_lists.anchored_topk``: exact lists for all grow as n²); or the lists given to ``build``
+   as ``train_topk`` (computed where they are cheap: ``decode.device_lists`` on the accelerator).
 2. **Projection onto keys.** RoarGraph hangs a query's keys on its top-1 key (the pivot); on real
    attention the top-1 keys are a few hundred sinks and heavy hitters, which starves every other
    key, so here each of a query's first ``n_pivots`` keys is a pivot (``n_pivots = 1`` is the
@@ -56,14 +57,13 @@ from anns_lab.indexes.persist import expect, expect_ids
 from anns_lab.indexes.topk import topk_ip
 from anns_lab.indexes.train_lists import anchored_topk
 
-STRANDED_POOL = 8192  # candidate out-neighbours of a stranded key (see link_stranded)
+STRANDED_POOL = 2048  # candidate out-neighbours of a stranded key (see link_stranded; 8192 scanned the same at 8K, cost +1.2 s per head at 32K)
 ADD_SERIAL = 1024  # adds of up to this many keys run on the calling thread: a thread-pool launch costs ms on a loaded machine
 ADD_SEARCH_L = 16  # beam of the search that links each added key (wider: the same recall, slower)
 LIST_PARAMS = ("M_sq", "n_pivots", "n_cand")  # the sizes build resolves (0 = auto), kept in self.lists and saved
-EXACT_PAIRS = 8192 * 8192  # (query, key) products of the exact lists before anchoring starts (auto list_stride)
+KEYS_PER_ANCHOR = 4096  # auto list_stride: one exact list per this many keys' worth of queries (2048 scanned ~10% more at 32K)
 MAX_STRIDE = 64  # auto list_stride at most
-DESCENT_EXACT_ONLY = False
-LIST_SPAN = 2  # anchors on either side whose lists a query between them ranks (train_lists.anchored_topk)
+LIST_SPAN = 1  # anchors on either side whose lists a query between them ranks (2 doubles the re-rank; not better in the runs of BENCHMARKS "Scale")
 
 
 def subsample(m: int, at_most: int) -> np.ndarray | None:
@@ -76,10 +76,11 @@ def subsample(m: int, at_most: int) -> np.ndarray | None:
 
 
 def auto_stride(m: int, n: int) -> int:
-    """Training queries per exact list (:mod:`train_lists`) for ``m`` queries over ``n`` keys: 1 (every list exact)
-    while m·n ≤ EXACT_PAIRS, above it the stride that keeps the exact part near EXACT_PAIRS inner products
-    (at most MAX_STRIDE). The rest of the build grows as n; the exact lists as m·n."""
-    return int(min(MAX_STRIDE, max(1, round(m * n / EXACT_PAIRS))))
+    """Training queries per exact list (:mod:`train_lists`) for ``m`` queries over ``n`` keys: √(m·n) / KEYS_PER_ANCHOR,
+    in [1, MAX_STRIDE] (1 = every list exact, below ~6K keys; 2 at 8K, 8 at 32K, 32 at 128K): the exact part then
+    costs ~KEYS_PER_ANCHOR × m products, linear in the context instead of quadratic. Measured at 8K and 32K
+    against the exact lists (BENCHMARKS "Scale": build cost and time to first token)."""
+    return int(min(MAX_STRIDE, max(1, round((m * n) ** 0.5 / KEYS_PER_ANCHOR))))
 
 
 def auto_lists(n_keys: int) -> tuple[int, int]:
@@ -134,7 +135,7 @@ class RoarGraphIndex(Index):
         "max_cand": Param(128, 2, 1 << 16, help="candidates per key kept (heaviest co-occurrence) before pruning"),
         "alpha": Param(1.2, 0.0, 4.0, help="RobustPrune α of the projection (inner-product rule; > 1 prunes less; 0 = no pruning)"),
         "max_train": Param(1 << 20, 1, 1 << 30, help="training queries used at most: an even stride over them, the newest always kept (build time)"),
-        "list_stride": Param(0, 0, 4096, help="training queries per exact top-M_sq list: the others rank their neighbouring exact lists' keys (1 = all exact; 0 = auto: 1 up to 8192² query-key pairs, then ∝ m·n)"),
+        "list_stride": Param(0, 0, 4096, help="training queries per exact top-M_sq list: the others rank their neighbouring exact lists' keys (1 = all exact; 0 = auto: √(m·n)/4096, 2 at 8K, 8 at 32K, ≤ 64)"),
         "enhance_L": Param(0, 0, 4096, help="beam width of the connectivity-enhancement search (0 = skip it)"),
         "M_link": Param(8, 1, 512, help="links per key from the enhancement search / out-edges of a stranded key"),
         "n_hubs": Param(32, 1, 4096, help="entry hubs: top key of each k-means centroid of the training queries (all counted)"),
@@ -180,7 +181,9 @@ class RoarGraphIndex(Index):
         pa = max(p["alpha"], 1.0)  # the reverse/enhancement prunes always use the RobustPrune rule
         add_reverse_edges(g, pa, p["R"], threads)
         if p["descent_links"] > 0:
-            roar.link_descent(g, knn if exact.all() or not DESCENT_EXACT_ONLY else knn[exact], p["descent_rank"],
+            # From the exact lists only: an anchored list's order between anchors is approximate, and the
+            # exact ones alone cost 1/stride (at 32K: 1.0 s -> 0.1 s per head).
+            roar.link_descent(g, knn if exact.all() else knn[exact], p["descent_rank"],
                               p["descent_links"], (pa, p["R"]), threads)
         self.hubs = query_hubs(keys, train_queries, p["n_hubs"], p["seed"])
         if p["enhance_L"] > 0:
@@ -201,13 +204,13 @@ class RoarGraphIndex(Index):
         if given is not None:
             if given.shape[1] < m_sq:
                 raise IndexConfigError(f"{self._owner()}: train_topk has {given.shape[1]} keys per query; this build needs "
-                                       f"M_sq = {m_sq} ({type(self).__name__}.list_size({len(keys)}))")
+                                       f"M_sq = {m_sq} ({type(self).__name__}.train_topk_width({len(keys)}))")
             return np.ascontiguousarray(given[:, :m_sq], np.int32), np.ones(len(given), np.bool_)
         stride = self.params["list_stride"] or auto_stride(len(queries), len(keys))
         return anchored_topk(queries, keys, m_sq, stride, LIST_SPAN, self.params["keep_queries"], threads)
 
     @classmethod
-    def list_size(cls, n_keys: int, **build_params) -> int:
+    def train_topk_width(cls, n_keys: int, **build_params) -> int:
         """How many keys per training query (M_sq) a build over ``n_keys`` keys uses: the width a precomputed
         ``train_topk`` must have at least."""
         return min(cls(**build_params)._list_sizes(n_keys)["M_sq"], n_keys)

@@ -66,7 +66,7 @@ def search_heads(graphs, queries, L, ws, epoch, out):
                 n_scanned[h] += m
                 rs, ri = heap_s[h, :L], heap_i[h, :L]
                 cs, ci = heap_s[h, L:], heap_i[h, L:]
-                a, b = offer_all(rs, ri, cs, ci, nr[h], nc[h], L, fresh[h, :m], fresh_s[:m])
+                a, b = offer_all(rs, ri, cs, ci, nr[h], nc[h], fresh[h, :m], fresh_s[:m])
                 node, b = pop_next(rs, cs, ci, a, b, L)
                 nr[h] = a
                 nc[h] = b

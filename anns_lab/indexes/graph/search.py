@@ -62,7 +62,7 @@ def search_one(g, query, entries, L, ws, epoch, out_ids, out_scores):
                     nt = push_min(ts, ti, nt, fresh_s[j], fresh[j])
                 elif fresh_s[j] > ts[0]:
                     sift_min(ts, ti, nt, fresh_s[j], fresh[j])
-        nr, nc = offer_all(rs, ri, cs, ci, nr, nc, L, fresh[:m], fresh_s[:m])
+        nr, nc = offer_all(rs, ri, cs, ci, nr, nc, fresh[:m], fresh_s[:m])
         node, nc = pop_next(rs, cs, ci, nr, nc, L)
         if node < 0:
             break

@@ -142,9 +142,10 @@ def mark_fresh(cands, visited, epoch, fresh):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def offer_all(rs, ri, cs, ci, nr, nc, L, fresh, fresh_s):
+def offer_all(rs, ri, cs, ci, nr, nc, fresh, fresh_s):
     """Offer the scored nodes ``fresh`` (scores ``fresh_s``), in order, to the beam (``rs``/``ri``, size nr,
-    at most L); each that enters it is pushed on the frontier (``cs``/``ci``, size nc). Returns (nr, nc)."""
+    at most L = ``len(rs)``); each that enters it is pushed on the frontier (``cs``/``ci``, size nc). Returns (nr, nc)."""
+    L = rs.shape[0]
     for j in range(fresh.shape[0]):
         s, v = fresh_s[j], fresh[j]
         if nr < L:

@@ -1,0 +1,128 @@
+"""Roargraph build cost against scanned fraction, old build vs new, in one run on real dump heads (issue 13).
+
+    .venv/bin/python benchmarks/bench_build_scale.py --dump /work/dumps/gemma3-270m-text-32768
+    .venv/bin/python benchmarks/bench_build_scale.py --dump /work/dumps/smollm2-text-8192 --layers 2,15,28
+    .venv/bin/python benchmarks/bench_build_scale.py --synthetic 131072 --dump /work/dumps/gemma3-270m-text-32768
+
+Per head (window 128 + 512 excluded, decode queries as test queries, as the sweep): each variant's build CPU
+seconds (one thread: numba and faiss pinned to 1) and its fraction of keys scanned at recall@100 = 0.95
+(interpolated over roargraph's search grid). Variants are ``;``-separated: build parameters ``NAME=VALUE``
+and module constants ``rg.NAME=VALUE`` joined by ``,``; the default pair is **old** (every training list
+exact, the stranded-key pool of 8192: the build before issue 13) and **new** (the defaults). Prints the
+per-head rows, the medians and the same-run ratios new/old.
+
+``--synthetic N``: time the build (no recall) at N keys and N training queries of the dump's dimension, made
+by tiling a real head's keys and prefill queries N / n times with a 5% perturbation (a stand-in for a
+128K-token dump: the structure of real attention, repeated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import faiss
+import numba
+import numpy as np
+
+import anns_lab
+from anns_lab.eval.heads import default_layers, load_head
+from anns_lab.indexes import roargraph as rg
+from anns_lab.indexes.roargraph import RoarGraphIndex
+from anns_lab.indexes.topk import topk_ip
+
+VARIANTS = "old:list_stride=1,rg.STRANDED_POOL=8192;new:"
+CONSTANTS = ("STRANDED_POOL", "LIST_SPAN", "KEYS_PER_ANCHOR")
+
+
+def parse(variant: str) -> tuple[str, dict, dict]:
+    name, _, spec = variant.partition(":")
+    params, consts = {}, {}
+    for item in filter(None, spec.split(",")):
+        k, v = item.split("=")
+        (consts if k.startswith("rg.") else params)[k.removeprefix("rg.")] = int(v) if v.lstrip("-").isdigit() else float(v)
+    return name, params, consts
+
+
+def scan_at(pts, target):
+    prev = None
+    for f, r in pts:
+        if r >= target:
+            return f if prev is None else prev[0] + (f - prev[0]) * (target - prev[1]) / (r - prev[1])
+        prev = (f, r)
+    return np.nan
+
+
+def build(keys, queries, params, consts):
+    saved = {k: getattr(rg, k) for k in CONSTANTS}
+    try:
+        for k, v in consts.items():
+            setattr(rg, k, v)
+        t = time.process_time()
+        index = RoarGraphIndex(**params).build(keys, queries)
+        return index, time.process_time() - t
+    finally:
+        for k, v in saved.items():
+            setattr(rg, k, v)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dump", required=True)
+    ap.add_argument("--layers", default=None, help="default: three spread over the dump's layers")
+    ap.add_argument("--heads", default=None, help="query heads (default all)")
+    ap.add_argument("--variants", default=VARIANTS)
+    ap.add_argument("--target", type=float, default=0.95)
+    ap.add_argument("--synthetic", type=int, default=0, help="time builds at this many keys (tiled real heads)")
+    a = ap.parse_args()
+    numba.set_num_threads(1)
+    faiss.omp_set_num_threads(1)
+    dump = anns_lab.open_dump(a.dump)
+    layers = [int(x) for x in a.layers.split(",")] if a.layers else default_layers(dump.layers)
+    heads = [int(x) for x in a.heads.split(",")] if a.heads else list(range(dump.n_heads))
+    variants = [parse(v) for v in a.variants.split(";")]
+    RoarGraphIndex(list_stride=4).build(*[np.random.default_rng(0).standard_normal((s, dump.head_dim), dtype=np.float32)
+                                          for s in (3000, 800)])  # compile outside the timings
+    print(f"{a.dump}: layers {layers}, heads {heads}; {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; "
+          "build = CPU s on one thread", flush=True)
+    rows = []
+    for layer in layers:
+        for head in heads:
+            hd = load_head(dump, layer, head)
+            keys, queries = hd.keys, hd.train_queries
+            if a.synthetic:
+                rng = np.random.default_rng(layer * 100 + head)
+                reps = -(-a.synthetic // len(keys))
+                tile = lambda x, n: np.ascontiguousarray(np.concatenate(  # noqa: E731
+                    [x + 0.05 * x.std(0) * rng.standard_normal(x.shape, dtype=np.float32) for _ in range(reps)])[:n])
+                keys, queries = tile(keys, a.synthetic), tile(queries, a.synthetic)
+            truth = None if a.synthetic else topk_ip(hd.test_queries, keys, 100)
+            row = {"head": f"{layer}/{head}"}
+            for name, params, consts in variants:
+                index, secs = build(keys, queries, params, consts)
+                row[f"{name} build s"] = secs
+                if truth is not None:
+                    pts = []
+                    for g in index.grid():
+                        r = index.search(hd.test_queries, 100, **g)
+                        rec = np.mean([len(np.intersect1d(r.ids[j], truth[j])) / 100 for j in range(len(truth))])
+                        pts.append((r.n_scanned.mean() / len(keys), rec))
+                    row[f"{name} scanned %"] = 100 * scan_at(pts, a.target)
+            rows.append(row)
+            print("  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
+    cols = [c for c in rows[0] if c != "head"]
+    print(f"\nmedian over {len(rows)} heads (n = {len(keys)} keys, m = {len(queries)} training queries):")
+    for c in cols:
+        print(f"  {c}: {np.nanmedian([r[c] for r in rows]):.3f}")
+    names = [v[0] for v in variants]
+    for other in names[1:]:
+        for what in ("build s", "scanned %"):
+            a_, b_ = f"{names[0]} {what}", f"{other} {what}"
+            if a_ in rows[0]:
+                print(f"  median per-head ratio {other}/{names[0]} {what}: "
+                      f"{np.nanmedian([r[b_] / r[a_] for r in rows]):.3f}")
+
+
+if __name__ == "__main__":
+    main()
