@@ -222,7 +222,7 @@ def run_fidelity(lm, modes: list[Mode], settings: Settings, context: int, positi
     return out
 
 
-COLUMNS = [("accuracy", "accuracy %", "{:.1f}"), ("accuracy_ci95", "acc. 95% CI", "[{:.1f}, {:.1f}]"),
+COLUMNS = [("accuracy", "accuracy %", "{:.1f}"), ("accuracy_ci95", "acc 95% CI", "[{:.1f}, {:.1f}]"),
            ("diff_vs_full", "Δ full", "{:+.1f}"), ("diff_vs_full_ci95", "Δ 95% CI", "[{:+.1f}, {:+.1f}]"), ("kl_mean", "KL", "{:.2e}"), ("top1_agreement", "top-1", "{:.3f}"),
            ("free_tokens_until_diff", "free=", "{:d}"), ("prefill_s", "prefill s", "{:.2f}"), ("build_s", "build s", "{:.2f}"),
            ("first_step_s", "1st step s", "{:.3f}"), ("ttft_s", "TTFT s", "{:.2f}"), ("ttft_x_full", "TTFT x full", "{:.2f}"),
