@@ -217,13 +217,18 @@ def test_layer_store_side_equals_per_index_search_then_attention(name, params, m
     def check():
         q = _clustered(rng, n_heads, d)
         side = store.side(q, 0.3)
+        n_bytes = 0
         for h in range(n_heads):
             r = store.indexes[h].search(q[h: h + 1], min(topk, store.n_indexed), **params)
+            n_bytes += int(r.bytes_read[0])
             sel = np.concatenate([r.ids[0][r.ids[0] >= 0], np.arange(store.n_indexed, store.n_rows)])
             o_ref, m_ref, z_ref = _softmax_ref(q[h], store.keys[h // 2], store.values[h // 2], sel, 0.3)
             np.testing.assert_allclose(side.out[h], o_ref, rtol=1e-9, atol=1e-9)
             np.testing.assert_allclose([side.m[h], side.z[h]], [m_ref, z_ref], rtol=1e-9)
         assert 0 < side.scanned <= 1
+        assert side.bytes_read == n_bytes  # the layer's index data read: every head's search, summed
+        if name == "flat":
+            assert side.bytes_read == n_heads * store.n_indexed * 4 * d
 
     check()
     for step in range(3):  # 5 tokens a step: side-buffer, an add of all 10 (≥ add_batch 8), side-buffer again
