@@ -232,7 +232,6 @@ def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation,
     from tqdm.auto import tqdm
 
     from anns_lab.dumps.capture import StopForward, capturing
-    from anns_lab.dumps.memory import check_prefill
     from anns_lab.dumps.models import forward_tokens, load_model
     from anns_lab.dumps.prompts import build_prompt
 
@@ -243,12 +242,7 @@ def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation,
     layers = parse_layers(settings["layers"], cfg.num_hidden_layers, lm.long_range_layers)
     prompt = build_prompt(settings["source"], lm.tokenizer, settings["tokens"], settings["seed"], prompt_path)
     n_prefill, n_decode = len(prompt.ids), settings["decode_tokens"]
-    # The prompt must fit the trained context; a few decode steps past its end are the usual long-context setting.
-    if lm.context and n_prefill > lm.context and not allow_extrapolation:
-        raise PromptError(f"{n_prefill} prompt tokens exceed {lm.name}'s context of {lm.context} tokens; "
-                          "use fewer --tokens, or pass --allow-extrapolation to go beyond it")
-    check_prefill(cfg, n_prefill + n_decode, settings["chunk"], f"a dump of {n_prefill} + {n_decode} tokens of {lm.name}",
-                  "--tokens")
+    _check_fits(lm, n_prefill, n_decode, settings["chunk"], allow_extrapolation)
     n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
     done = state["done"]
@@ -304,7 +298,34 @@ def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation,
         done[store.TOKENS_FILE] = store.write_table(out / store.TOKENS_FILE, store.tokens_table(ids, n_prefill))
         atomic_write_json(staging / PROGRESS, state)
 
-    t0 = time.perf_counter()
+    t_write = _write_layers(out, missing, sink, state, progress)
+
+    manifest = _manifest(settings, lm, prompt, layers, n_prefill, n_decode, n_heads, n_kv, d, state, {
+        "load_s": t_loaded - t_start, "prefill_s": t_prefill, "prefill_cpu_s": c_prefill, "decode_s": t_decode, "write_s": t_write,
+        "total_s": time.perf_counter() - t_start})
+    atomic_write_json(out / store.MANIFEST, store.sealed(manifest))
+    shutil.rmtree(staging, ignore_errors=True)
+    kept = len(layers) - len(missing)
+    return DumpResult(store.open_dump(out), time.perf_counter() - t_start, resumed_layers=kept)
+
+
+def _check_fits(lm, n_prefill: int, n_decode: int, chunk: int, allow_extrapolation: bool) -> None:
+    """Refuse a prompt beyond the model's context (unless extrapolation is allowed) or a prefill that would not fit in memory."""
+    from anns_lab.dumps.memory import check_prefill
+
+    # The prompt must fit the trained context; a few decode steps past its end are the usual long-context setting.
+    if lm.context and n_prefill > lm.context and not allow_extrapolation:
+        raise PromptError(f"{n_prefill} prompt tokens exceed {lm.name}'s context of {lm.context} tokens; "
+                          "use fewer --tokens, or pass --allow-extrapolation to go beyond it")
+    check_prefill(lm.config, n_prefill + n_decode, chunk, f"a dump of {n_prefill} + {n_decode} tokens of {lm.name}",
+                  "--tokens")
+
+
+def _write_layers(out, missing: list[int], sink, state: dict, progress: bool) -> float:
+    """Write each captured layer's Parquet file (recording it in the progress file), drop its staging maps; seconds taken."""
+    from tqdm.auto import tqdm
+
+    staging, done, t0 = out / STAGING, state["done"], time.perf_counter()
     for layer in tqdm(missing, desc="write layers", unit="layer", disable=not progress or len(missing) < 2):
         arrays = sink.arrays[layer]
         name = store.layer_file(layer)
@@ -314,15 +335,7 @@ def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation,
         del sink.arrays[layer]
         for part in "qkv":
             (staging / f"layer_{layer:03d}.{part}.npy").unlink(missing_ok=True)
-    t_write = time.perf_counter() - t0
-
-    manifest = _manifest(settings, lm, prompt, layers, n_prefill, n_decode, n_heads, n_kv, d, state, {
-        "load_s": t_loaded - t_start, "prefill_s": t_prefill, "prefill_cpu_s": c_prefill, "decode_s": t_decode, "write_s": t_write,
-        "total_s": time.perf_counter() - t_start})
-    atomic_write_json(out / store.MANIFEST, store.sealed(manifest))
-    shutil.rmtree(staging, ignore_errors=True)
-    kept = len(layers) - len(missing)
-    return DumpResult(store.open_dump(out), time.perf_counter() - t_start, resumed_layers=kept)
+    return time.perf_counter() - t0
 
 
 def _manifest(settings, lm, prompt, layers, n_prefill, n_decode, n_heads, n_kv, d, state, timing) -> dict:
