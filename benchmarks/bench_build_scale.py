@@ -25,12 +25,14 @@ import time
 import faiss
 import numba
 import numpy as np
+import pandas as pd
 
 import anns_lab
 from anns_lab.eval.heads import default_layers, load_head
 from anns_lab.indexes import roargraph as rg
 from anns_lab.indexes.roargraph import RoarGraphIndex
-from anns_lab.indexes.topk import topk_ip
+from anns_lab.eval.metrics import exact_scores, recall_at_k
+from bench_query_aware import at_target
 
 VARIANTS = "old:list_stride=1,rg.STRANDED_POOL=8192;new:"
 CONSTANTS = ("STRANDED_POOL", "LIST_SPAN", "KEYS_PER_ANCHOR")
@@ -46,12 +48,8 @@ def parse(variant: str) -> tuple[str, dict, dict]:
 
 
 def scan_at(pts, target):
-    prev = None
-    for f, r in pts:
-        if r >= target:
-            return f if prev is None else prev[0] + (f - prev[0]) * (target - prev[1]) / (r - prev[1])
-        prev = (f, r)
-    return np.nan
+    """Scanned fraction at ``target`` recall, interpolated as ``bench_query_aware`` does (NaN if never reached)."""
+    return at_target(pd.DataFrame(pts, columns=["scanned_fraction", "recall"]).assign(latency_us=np.nan), target)[0]
 
 
 def build(keys, queries, params, consts):
@@ -97,7 +95,7 @@ def main() -> None:
                 tile = lambda x, n: np.ascontiguousarray(np.concatenate(  # noqa: E731
                     [x + 0.05 * x.std(0) * rng.standard_normal(x.shape, dtype=np.float32) for _ in range(reps)])[:n])
                 keys, queries = tile(keys, a.synthetic), tile(queries, a.synthetic)
-            truth = None if a.synthetic else topk_ip(hd.test_queries, keys, 100)
+            truth = None if a.synthetic else exact_scores(hd.test_queries, keys)
             row = {"head": f"{layer}/{head}"}
             for name, params, consts in variants:
                 index, secs = build(keys, queries, params, consts)
@@ -106,7 +104,7 @@ def main() -> None:
                     pts = []
                     for g in index.grid():
                         r = index.search(hd.test_queries, 100, **g)
-                        rec = np.mean([len(np.intersect1d(r.ids[j], truth[j])) / 100 for j in range(len(truth))])
+                        rec = float(recall_at_k(r.ids, truth, 100).mean())  # ties at the 100th score count, as in the sweep
                         pts.append((r.n_scanned.mean() / len(keys), rec))
                     row[f"{name} scanned %"] = 100 * scan_at(pts, a.target)
             rows.append(row)

@@ -15,18 +15,11 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import time
 
 import numpy as np
+from bench_search_latency import best_of
 
 
-def best_of(fn, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def main() -> None:
