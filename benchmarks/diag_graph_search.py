@@ -10,8 +10,8 @@ expanded, ties aside; the returned keys are the best k of all scanned, as the ke
 Every scanned key is attributed to where it came from: the entry points, the expansion of a key in the
 query's exact top-100 ("in-region"), or the expansion of any other key. Also: how many inner products
 the search spends before it first scans a top-100 key, after it scans the last one it will find (what a
-perfect stop rule would save), the exact rank of the best entry point, and, for the missed top-100 keys,
-whether any found top-100 key links to them (a way in that the search did not take) or none does.
+perfect stop rule would save), the exact rank of the best entry point, and how many of the missed top-100
+keys have no in-edge from any of the query's top-100 keys (reachable only through keys outside the region).
 """
 
 from __future__ import annotations
@@ -101,12 +101,11 @@ def diagnose_head(dump, layer: int, head: int, build_params: dict, target: float
         found = np.zeros(n, bool)
         found[order] = True
         missed = np.flatnonzero(good & ~found)
-        found_good = np.flatnonzero(good & found)
-        linked = np.zeros(n, bool)
-        for u in found_good:
+        linked = np.zeros(n, bool)  # keys with an in-edge from one of the query's top-100 keys
+        for u in np.flatnonzero(good):
             linked[g[1][u, : g[2][u]]] = True
         stats["missed"] = len(missed)
-        stats["missed_linked_from_found"] = int(linked[missed].sum())
+        stats["missed_no_region_in_edge"] = int((~linked[missed]).sum())
         ranks = np.argsort(-exact[qi])
         rank_of = np.empty(n, np.int64)
         rank_of[ranks] = np.arange(n)
@@ -133,7 +132,7 @@ def main() -> None:
     heads = [int(h) for h in args.heads.split(",")] if args.heads else range(dump.n_heads)
     out = []
     cols = ["scanned", "entry", "from_region", "from_outside", "useful", "before_first_hit", "after_last_hit",
-            "expanded", "expanded_in_region", "missed", "missed_linked_from_found", "best_entry_rank"]
+            "expanded", "expanded_in_region", "missed", "missed_no_region_in_edge", "best_entry_rank"]
     print("layer/head L recall " + " ".join(cols))
     for layer in [int(x) for x in args.layers.split(",")]:
         for head in heads:
