@@ -39,19 +39,38 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
+def best_within(points: pd.DataFrame, cost: str, y: str, higher_is_better: bool) -> pd.DataFrame:
+    """One index's best ``y`` within each ``cost``: its grid points by cost, each kept where the running best improves.
+
+    A grid of one parameter is already ordered by cost; one of several (vattention's nprobe × ε) is not, and
+    drawn point after point it zigzags. The last point stays, so the curve reaches the grid's largest cost.
+    """
+    s = points.dropna(subset=[y]).sort_values(cost, kind="stable")
+    best = s[y].cummax() if higher_is_better else s[y].cummin()
+    keep = np.array(best.ne(best.shift()), dtype=bool)
+    keep[-1:] = True
+    return s.assign(**{y: best})[keep]
+
+
+def _has_topk(curves: pd.DataFrame, name: str) -> bool:
+    """Whether an index returns top-k ids at all (a pure sampler, like magicpig, returns none: recall 0 throughout)."""
+    return bool((curves.loc[curves["index"] == name, "recall"] > 0).any())
+
+
 def recall_vs_scanned(curves: pd.DataFrame, k: int, kinds: dict[str, str]) -> bytes:
     """Median recall@k against median fraction scanned; one colour and marker per index, Q→K solid, K→K dashed."""
     plt, sns = _plots()
     from matplotlib.lines import Line2D
 
-    order = sorted(curves["index"].unique())
+    order = [n for n in sorted(curves["index"].unique()) if _has_topk(curves, n)]
     colours = dict(zip(order, sns.color_palette("tab10", len(order))))
     markers = dict(zip(order, MARKERS))
     fig, ax = plt.subplots(figsize=(8.5, 5))
     for name in order:
         exact = kinds.get(name) == "exact"
         for direction, (_, style) in DIRECTIONS.items():
-            sub = curves[(curves["index"] == name) & (curves["direction"] == direction)].sort_values("scanned_fraction")
+            sub = best_within(curves[(curves["index"] == name) & (curves["direction"] == direction)],
+                              "scanned_fraction", "recall", True)
             if sub.empty:
                 continue
             # An exact index is one point at (1, 1), where IVF's exhaustive end lies too: draw it large and hollow, on top.
@@ -60,7 +79,8 @@ def recall_vs_scanned(curves: pd.DataFrame, k: int, kinds: dict[str, str]) -> by
                     lw=1.6, zorder=5 if exact else 3, alpha=0.9)
     ax.set_xscale("log")
     ax.axhline(0.95, color="grey", ls=":", lw=1)
-    ax.set(xlabel="fraction of keys scanned (median over heads, log scale)", ylabel=f"recall@{k} (median over heads)",
+    ax.set(xlabel="fraction of keys scanned (median over heads, log scale)",
+           ylabel=f"recall@{k} (median over heads;\nbest grid point within each cost)",
            title="Recall against keys scanned: Q→K solid, K→K dashed (paper Fig. 3a / 6)")
     handles = [Line2D([], [], color=colours[n], marker=markers[n], ls="-", mfc="none" if kinds.get(n) == "exact" else
                       colours[n], label=f"{n} ({kinds.get(n, '?')})") for n in order]
@@ -71,18 +91,25 @@ def recall_vs_scanned(curves: pd.DataFrame, k: int, kinds: dict[str, str]) -> by
 
 
 def recall_vs_bytes(curves: pd.DataFrame, k: int, kinds: dict[str, str]) -> bytes:
-    """Q→K recall@k and attention-output error against bytes of index data read per query, every index."""
+    """Q→K recall@k and attention-output error against bytes of index data read per query, every index.
+
+    Each index's curve is its best grid point within each byte budget (:func:`best_within`); an index with no
+    top-k ids (a pure sampler) is only in the error panel, where estimators and top-k indexes meet.
+    """
     plt, sns = _plots()
     from matplotlib.ticker import NullFormatter
 
-    c = curves[curves["direction"] == "q2k"].sort_values("bytes_read")
+    c = curves[curves["direction"] == "q2k"]
     order = sorted(c["index"].unique())
-    colours = dict(zip(order, sns.color_palette("tab10", len(order))))
+    colours = dict(zip(order, sns.color_palette("tab10" if len(order) <= 10 else "tab20", len(order))))
     markers = dict(zip(order, MARKERS))
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"wspace": 0.3})
-    for ax, y, label in zip(axes, ("recall", "output_rel_error"), (f"recall@{k}", "attention output rel. error")):
+    for ax, y, label in zip(axes, ("recall", "output_rel_error"),
+                            (f"recall@{k}", "attention output rel. error (log scale)")):
         for name in order:
-            sub = c[c["index"] == name]
+            if y == "recall" and not _has_topk(c, name):
+                continue
+            sub = best_within(c[c["index"] == name], "bytes_read", y, y == "recall")
             exact = kinds.get(name) == "exact"
             ax.plot(sub["bytes_read"], sub[y], color=colours[name], marker=markers[name], ms=13 if exact else 5,
                     mfc="none" if exact else colours[name], mew=2 if exact else 1, zorder=5 if exact else 3,
@@ -95,7 +122,8 @@ def recall_vs_bytes(curves: pd.DataFrame, k: int, kinds: dict[str, str]) -> byte
     if (c["output_rel_error"] > 0).any():
         axes[1].set_yscale("log")
     axes[1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
-    fig.suptitle("Q→K: recall and output error against bytes read per query")
+    fig.suptitle("Q→K: recall and attention-output error against bytes read per query\n"
+                 "(each index: its best grid point within each byte budget, median over heads)", y=1.02)
     return _png(fig)
 
 
