@@ -126,7 +126,7 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
     par, heads, c = pareto(table), per_head(table), curves(table)
     maha = figures.mahalanobis_per_head(dump, pairs, window)
     decay = pd.concat([figures.selection_decay(dump, layer, head, k) for layer, head in pairs], ignore_index=True)
-    pngs = {"recall_vs_scanned.png": figures.recall_vs_scanned(c, k, kinds),
+    pngs = {"recall_vs_scanned.png": figures.recall_vs_scanned(c, k, kinds, _best_attention_aware(par, kinds)),
             "recall_vs_bytes.png": figures.recall_vs_bytes(c, k, kinds),
             "mahalanobis.png": figures.mahalanobis_figure(maha),
             "dynamic_vs_static.png": figures.selection_decay_figure(decay, k)}
@@ -179,6 +179,12 @@ def _ivf_reason(dump, table: pd.DataFrame, par: pd.DataFrame, kinds: dict[str, s
     diag = pd.DataFrame([ivf_gap.diagnose(load_head(dump, layer, head, window), k, built.get("nlist") or None,
                                           built.get("seed", ivf_gap.SEED)) for layer, head in chosen])
     return findings.ivf_reason(diag, q.fraction, kk.fraction)
+
+
+def _best_attention_aware(par: pd.DataFrame, kinds: dict[str, str]) -> str | None:
+    """The attention-aware index that reaches recall 0.95 on Q→K with the fewest keys (median over heads)."""
+    aware = par[(par["direction"] == "q2k") & par["index"].map(lambda n: kinds.get(n) == "attention-aware")]
+    return None if aware.empty else str(aware.sort_values(["scan@0.95", "index"]).iloc[0]["index"])
 
 
 def _pareto_view(par: pd.DataFrame, kinds: dict[str, str]) -> pd.DataFrame:
