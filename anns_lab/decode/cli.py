@@ -42,6 +42,9 @@ def default_device() -> str:
 @click.option("--positions", default=256, show_default=True, help="fidelity: teacher-forced positions")
 @click.option("--free-tokens", default=64, show_default=True, help="fidelity: free-running greedy tokens")
 @click.option("--chunk", default=2048, show_default=True, help="prefill chunk size")
+@click.option("--build-during-prefill/--build-after-prefill", default=True, show_default=True,
+              help="start a layer's index builds on a CPU thread once the prompt's last chunk has passed that layer "
+                   "(the overlap is not counted in TTFT), or only after the whole prefill")
 @click.option("--from-sweep", "from_sweep", type=str, default=None,
               help="a sweep's results.parquet (or folder): decode also with the index + parameters of least scanned fraction reaching --target-recall (in place of 'default')")
 @click.option("--target-recall", default=0.95, show_default=True,
@@ -56,14 +59,15 @@ def default_device() -> str:
 @click.option("--cpus-per-task", type=float, default=1.0, show_default=True, help="Ray: CPUs reserved per sample task")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the full results here")
 def decode(model, modes, params, build_params, topk, window, add_batch, train_queries, task, prompt, evaluation, context, samples,
-           seed, max_new_tokens, positions, free_tokens, chunk, from_sweep, target_recall, device, torch_threads,
+           seed, max_new_tokens, positions, free_tokens, chunk, build_during_prefill, from_sweep, target_recall, device, torch_threads,
            allow_extrapolation, executor, address, cpus_per_task, json_path):
     """Generate with RetrievalAttention: static window on the accelerator + retrieved keys from a CPU index."""
     from anns_lab.decode import modes as modes_mod
     from anns_lab.decode import runner
     from anns_lab.decode.engine import Mode, Settings
 
-    settings = Settings(window=window, topk=topk, add_batch=add_batch, chunk=chunk, train_queries=train_queries)
+    settings = Settings(window=window, topk=topk, add_batch=add_batch, chunk=chunk, train_queries=train_queries,
+                        build_during_prefill=build_during_prefill)
     if topk < 1:
         raise DecodeError(f"--topk must be at least 1, got {topk}")
     if add_batch < 1 or chunk < 1:
@@ -122,7 +126,8 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
                 remote.close()
     result |= {"model": lm.name, "device": remote.device if remote else device, "executor": executor,
                "settings": {"sink": window.sink, "recent": window.recent, "topk": topk,
-               "add_batch": add_batch, "chunk": chunk, "train_queries": train_queries},
+               "add_batch": add_batch, "chunk": chunk, "train_queries": train_queries,
+               "build_during_prefill": build_during_prefill},
                "plans": {m.name: ({"default": m.plan.describe(), **{str(k): p.describe() for k, p in m.per_layer.items()}}
                                   if m.plan else None) for m in mode_list}}
     click.echo(f"{lm.name}  {result['task']}  context {result['context']}  device {result['device']}  "
