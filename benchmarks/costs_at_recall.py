@@ -2,6 +2,7 @@
 bytes read per query, output error), from one or more sweep results folders.
 
     python benchmarks/costs_at_recall.py results/smollm2-text-8192 [more folders] [--target 0.95] [--indexes ivf,quest]
+        [--versus roargraph]     # per head: roargraph's bytes at the target against the least of the others
 
 The numbers come from the sweep tables as they are (``anns_lab.eval.costs``); folders are concatenated, so
 indexes swept in separate runs of the same dump appear side by side.
@@ -11,10 +12,29 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
 import pandas as pd
 
 from anns_lab.eval import costs
 from anns_lab.eval.table import load_results
+
+
+def versus(points: pd.DataFrame, name: str) -> pd.DataFrame:
+    """Per head: ``name``'s bytes read at the target and the least bytes of any other index reaching it there.
+
+    ``ratio`` = other / ``name`` (> 1: ``name`` reads fewer); inf where no other index reaches the target, NaN
+    where ``name`` does not.
+    """
+    rows = []
+    for (layer, head), g in points.groupby(["layer", "head"], sort=True):
+        me, others = g[g["index"] == name], g[(g["index"] != name) & g["reached"]]
+        mine = float(me["bytes_read"].iloc[0]) if len(me) and me["reached"].iloc[0] else np.nan
+        best = others.loc[others["bytes_read"].idxmin()] if len(others) else None
+        rows.append({"layer": layer, "head": head, f"{name} KiB": mine / 1024,
+                     "least other": best["index"] if best is not None else "none",
+                     "its KiB": float(best["bytes_read"]) / 1024 if best is not None else np.inf,
+                     "ratio": (float(best["bytes_read"]) if best is not None else np.inf) / mine})
+    return pd.DataFrame(rows)
 
 
 def main() -> None:
@@ -22,14 +42,23 @@ def main() -> None:
     ap.add_argument("results", nargs="+")
     ap.add_argument("--target", type=float, default=0.95)
     ap.add_argument("--indexes", help="comma-separated indexes to show [default: every index in the tables]")
+    ap.add_argument("--versus", help="an index to set against the least bytes of every other, head by head")
     a = ap.parse_args()
     table = pd.concat([load_results(r)[0] for r in a.results], ignore_index=True)
     if a.indexes:
         table = table[table["index"].isin(a.indexes.split(","))]
     for dump, t in table.groupby("dump"):
         print(f"### {dump}: keys per head {int(t['n_keys'].median())}\n")
-        print("\n".join(costs.markdown_at_target(costs.at_target(t, a.target), a.target)))
+        points = costs.at_target(t, a.target)
+        print("\n".join(costs.markdown_at_target(points, a.target)))
         print()
+        if a.versus:
+            v = versus(points, a.versus)
+            won = int((v["ratio"] > 1).sum())
+            print(f"{a.versus} reads fewer bytes than every other index at {a.target} on {won} of {len(v)} heads; "
+                  f"ratio (least other / {a.versus}) min {v['ratio'].min():.2f}, median {v['ratio'].median():.2f}\n")
+            print(v.to_string(index=False, float_format=lambda x: f"{x:.2f}"))
+            print()
 
 
 if __name__ == "__main__":
