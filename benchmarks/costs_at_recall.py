@@ -2,7 +2,7 @@
 bytes read per query, output error), from one or more sweep results folders.
 
     python benchmarks/costs_at_recall.py results/smollm2-text-8192 [more folders] [--target 0.95] [--indexes ivf,quest]
-        [--versus roargraph]     # per head: roargraph's bytes at the target against the least of the others
+        [--versus roargraph]     # per head, compact: KiB read by each index, roargraph's against the least other's
 
 The numbers come from the sweep tables as they are (``anns_lab.eval.costs``); folders are concatenated, so
 indexes swept in separate runs of the same dump appear side by side.
@@ -37,6 +37,27 @@ def versus(points: pd.DataFrame, name: str) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def compact(points: pd.DataFrame, name: str) -> list[str]:
+    """Markdown, one row per head: KiB read at the target per index (*best r* where not reached), ``name``'s
+    scanned fraction and output error, and the least other index's bytes over ``name``'s."""
+    names = sorted(points["index"].unique(), key=lambda n: (n != name, n))
+    v = versus(points, name).set_index(["layer", "head"])
+    lines = ["| layer, head | " + " | ".join(names) + f" | {name} scanned / error | least other / {name} |",
+             "|---|" + "---|" * (len(names) + 2)]
+    for (layer, head), g in points.groupby(["layer", "head"], sort=True):
+        cells = []
+        for n in names:
+            p = g[g["index"] == n]
+            cells.append("" if p.empty else f"{p['bytes_read'].iloc[0] / 1024:,.0f}" if p["reached"].iloc[0]
+                         else f"*best {p['recall'].iloc[0]:.3f}*")
+        me = g[g["index"] == name]
+        mine = (f"{100 * me['scanned_fraction'].iloc[0]:.1f}% / {me['output_rel_error'].iloc[0]:.3f}"
+                if len(me) and me["reached"].iloc[0] else "–")
+        r = v.loc[(layer, head)]
+        lines.append(f"| {layer}, {head} | " + " | ".join(cells) + f" | {mine} | {r['ratio']:.2f} ({r['least other']}) |")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", nargs="+")
@@ -57,7 +78,7 @@ def main() -> None:
             won = int((v["ratio"] > 1).sum())
             print(f"{a.versus} reads fewer bytes than every other index at {a.target} on {won} of {len(v)} heads; "
                   f"ratio (least other / {a.versus}) min {v['ratio'].min():.2f}, median {v['ratio'].median():.2f}\n")
-            print(v.to_string(index=False, float_format=lambda x: f"{x:.2f}"))
+            print("\n".join(compact(points, a.versus)))
             print()
 
 
