@@ -106,8 +106,10 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def build_stores(lm, pre: Prefilled, mode: Mode, settings: Settings) -> tuple[dict[int, LayerStore], list[str]]:
-    """One LayerStore per long-range layer, holding the non-window prefill keys/values and its indexes."""
+def build_stores(lm, pre: Prefilled, mode: Mode, settings: Settings,
+                 steps: int = 64) -> tuple[dict[int, LayerStore], list[str]]:
+    """One LayerStore per long-range layer, holding the non-window prefill keys/values and its indexes, with room
+    for the ``steps`` tokens a run of that many steps moves out of the window."""
     cfg = lm.config
     n_heads = cfg.num_attention_heads
     lo, hi = settings.window.outside(len(pre.ids))
@@ -117,7 +119,7 @@ def build_stores(lm, pre: Prefilled, mode: Mode, settings: Settings) -> tuple[di
         keys = layer_cache.keys[0, :, lo:hi].to("cpu", torch.float32).numpy()
         values = layer_cache.values[0, :, lo:hi].to("cpu", torch.float32).numpy()
         plan = mode.plan_for(layer)
-        store = LayerStore(layer, n_heads, keys, values, settings.topk, plan, settings.add_batch)
+        store = LayerStore(layer, n_heads, keys, values, settings.topk, plan, settings.add_batch, steps)
         queries = _subsample(pre.queries.get(layer), settings.train_queries)
         store.build(queries, _device_lists(lm, plan, queries, layer_cache.keys[0, :, lo:hi], settings))
         stores[layer] = store
@@ -159,7 +161,8 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
     ``keep_cache`` keeps the decode cache on the result (``run.cache``, for inspection); by default it
     is freed with the run's end, so that runs kept for their timings do not hold accelerator memory.
     """
-    stores, notes = ({}, []) if mode.kind != "index" else build_stores(lm, pre, mode, settings)
+    n_steps = len(teacher) if teacher is not None else max_new
+    stores, notes = ({}, []) if mode.kind != "index" else build_stores(lm, pre, mode, settings, n_steps)
     build_s = sum(s.build_s for s in stores.values())
     if stores:
         from anns_lab.decode.kernels import warmup
@@ -176,7 +179,6 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
     ids = list(pre.ids)
     logits = pre.logits
     out_tokens, all_logits, steps, step_s = [], [], [], []
-    n_steps = len(teacher) if teacher is not None else max_new
     t0 = time.perf_counter()
     with torch.inference_mode(), retrieving(lm.model, ctl):
         for i in range(n_steps):
