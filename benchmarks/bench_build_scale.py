@@ -11,6 +11,9 @@ and module constants ``rg.NAME=VALUE`` joined by ``,``; the default pair is **ol
 exact, the stranded-key pool of 8192: the build before issue 13) and **new** (the defaults). Prints the
 per-head rows, the medians and the same-run ratios new/old.
 
+``--pieces``: also split each build's CPU seconds into its parts (exact anchor lists, re-rank between anchors,
+key occurrences, projection, reverse edges, descent links, hubs, stranded keys, reachability, the kept lists).
+
 ``--synthetic N``: time the build (no recall) at N keys and N training queries of the dump's dimension, made
 by tiling a real head's keys and prefill queries N / n times with a 5% perturbation (a stand-in for a
 128K-token dump: the structure of real attention, repeated).
@@ -19,6 +22,7 @@ by tiling a real head's keys and prefill queries N / n times with a 5% perturbat
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import time
 
@@ -30,6 +34,8 @@ import pandas as pd
 import anns_lab
 from anns_lab.eval.heads import default_layers, load_head
 from anns_lab.indexes import roargraph as rg
+from anns_lab.indexes import train_lists as tl
+from anns_lab.indexes.graph import roar
 from anns_lab.indexes.roargraph import RoarGraphIndex
 from anns_lab.eval.metrics import exact_scores, recall_at_k
 from bench_query_aware import at_target
@@ -45,6 +51,25 @@ def parse(variant: str) -> tuple[str, dict, dict]:
         k, v = item.split("=")
         (consts if k.startswith("rg.") else params)[k.removeprefix("rg.")] = int(v) if v.lstrip("-").isdigit() else float(v)
     return name, params, consts
+
+
+PIECES = collections.defaultdict(float)  # CPU seconds per part of the builds timed since the last clear
+TIMED = [(tl, "topk_ip", "anchors"), (tl, "_rerank_gaps", "rerank"), (roar, "bipartite", "occurrences"),
+         (roar, "project_rows", "projection"), (rg, "add_reverse_edges", "reverse"), (roar, "link_descent", "descent"),
+         (rg, "query_hubs", "hubs"), (rg, "link_stranded", "stranded"), (rg, "link_unreachable", "reachability"),
+         (RoarGraphIndex, "_cache_lists", "kept lists")]
+
+
+def time_pieces() -> None:
+    """Wrap the build's parts (module attributes the build looks up at call time) with CPU timers into PIECES."""
+    for owner, attr, label in TIMED:
+        def timed(*args, _f=getattr(owner, attr), _label=label, **kwargs):
+            t = time.process_time()
+            try:
+                return _f(*args, **kwargs)
+            finally:
+                PIECES[_label] += time.process_time() - t
+        setattr(owner, attr, timed)
 
 
 def scan_at(pts, target):
@@ -73,7 +98,10 @@ def main() -> None:
     ap.add_argument("--variants", default=VARIANTS)
     ap.add_argument("--target", type=float, default=0.95)
     ap.add_argument("--synthetic", type=int, default=0, help="time builds at this many keys (tiled real heads)")
+    ap.add_argument("--pieces", action="store_true", help="split each build's CPU seconds into its parts")
     a = ap.parse_args()
+    if a.pieces:
+        time_pieces()
     numba.set_num_threads(1)
     faiss.omp_set_num_threads(1)
     dump = anns_lab.open_dump(a.dump)
@@ -98,8 +126,12 @@ def main() -> None:
             truth = None if a.synthetic else exact_scores(hd.test_queries, keys)
             row = {"head": f"{layer}/{head}"}
             for name, params, consts in variants:
+                PIECES.clear()
                 index, secs = build(keys, queries, params, consts)
                 row[f"{name} build s"] = secs
+                if a.pieces:
+                    print(f"  {layer}/{head} {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in PIECES.items())
+                          + f", rest {secs - sum(PIECES.values()):.2f}", flush=True)
                 if truth is not None:
                     pts = []
                     for g in index.grid():

@@ -9,6 +9,11 @@ median over heads per index and budget (a head with no point within the budget: 
 writes every point to ``--csv``.
 
     python benchmarks/bench_estimators.py --dump /work/dumps/smollm2-text-8192 --layers 2,15,28 --heads 0,4 --csv out.csv
+    python benchmarks/bench_estimators.py --results results/smollm2-text-8192     # the points an `anns-lab sweep` measured
+
+``--results`` reads the same points from sweep folders instead of measuring them: the sweep's Q→K rows are
+this protocol (same heads, grids and metric), so one sweep of every index gives these tables and the
+report's figures from one run.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import numpy as np
 import pandas as pd
 
 from anns_lab.dumps.store import open_dump
+from anns_lab.errors import AnnsLabError
 from anns_lab.eval.heads import load_head
+from anns_lab.eval.table import load_results
 from anns_lab.indexes import registry
 
 INDEXES = "flat,roargraph,magicpig,vattention,retroinfer"
@@ -51,6 +58,19 @@ def measure(dump, layer: int, head: int, names: list[str], k: int = 100) -> list
     return rows
 
 
+def from_sweep(folders: list[str], names: list[str]) -> pd.DataFrame:
+    """The points of ``names`` from sweep results (Q→K rows), in :func:`measure`'s columns (build time: wall, not CPU)."""
+    t = pd.concat([load_results(f)[0] for f in folders], ignore_index=True)
+    t = t[(t["direction"] == "q2k") & t["index"].isin(names)]
+    if t.empty or t["output_rel_error"].isna().any():
+        raise AnnsLabError(f"{folders}: no Q→K rows of {names} with output error (a --quick sweep has none)")
+    dim = t["dump"].map({p: open_dump(p).head_dim for p in t["dump"].unique()})
+    return pd.DataFrame({"layer": t["layer"], "head": t["head"], "index": t["index"], "params": t["search_params"],
+                         "n_keys": t["n_keys"], "full_scan_bytes": t["n_keys"] * 4 * dim, "bytes_read": t["bytes_read"],
+                         "scanned": t["scanned_fraction"], "mass": t["mass_recovered"],
+                         "output_rel_error": t["output_rel_error"], "build_s": t["build_s"]}).reset_index(drop=True)
+
+
 def within_budgets(points: pd.DataFrame, budgets=BUDGETS) -> pd.DataFrame:
     """Per (layer, head, index, budget): least output error with bytes read ≤ budget × one full key scan (inf if none)."""
     frac = points["bytes_read"] / points["full_scan_bytes"]
@@ -74,20 +94,26 @@ def markdown(best: pd.DataFrame, what: str = "median") -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dump", required=True)
-    ap.add_argument("--layers", required=True)
-    ap.add_argument("--heads", required=True)
+    ap.add_argument("--dump")
+    ap.add_argument("--layers")
+    ap.add_argument("--heads")
+    ap.add_argument("--results", nargs="+", help="sweep folders to read the points from instead of measuring")
     ap.add_argument("--indexes", default=INDEXES)
     ap.add_argument("--csv")
     args = ap.parse_args()
-    dump = open_dump(args.dump)
     names = args.indexes.split(",")
-    rows = []
-    for layer in map(int, args.layers.split(",")):
-        for head in map(int, args.heads.split(",")):
-            rows += measure(dump, layer, head, names)
-            print(f"layer {layer} head {head} done", flush=True)
-    points = pd.DataFrame(rows)
+    if args.results:
+        points = from_sweep(args.results, names)
+    elif args.dump and args.layers and args.heads:
+        dump = open_dump(args.dump)
+        rows = []
+        for layer in map(int, args.layers.split(",")):
+            for head in map(int, args.heads.split(",")):
+                rows += measure(dump, layer, head, names)
+                print(f"layer {layer} head {head} done", flush=True)
+        points = pd.DataFrame(rows)
+    else:
+        ap.error("give --results, or --dump with --layers and --heads")
     if args.csv:
         points.to_csv(args.csv, index=False)
     best = within_budgets(points)

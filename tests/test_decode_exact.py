@@ -111,7 +111,7 @@ def test_topk_covering_every_key_equals_full_attention(prefilled, name):
 
 def test_tokens_leaving_the_window_are_inserted_and_found(prefilled):
     lm, pre, full = prefilled
-    settings = Settings(Window(4, 8), topk=PROMPT + STEPS - 12, add_batch=1, chunk=24)
+    settings = Settings(Window(4, 8), topk=PROMPT + STEPS - 12, add_batch=1, chunk=24, steps=STEPS)
     run = run_mode(lm, pre, Mode("flat", IndexPlan("flat")), settings, STEPS, keep_logits=True)
     for a, b in zip(run.logits, full.logits):
         assert _rel(a, b) < 1e-4
@@ -247,6 +247,47 @@ def test_training_lists_on_the_device_give_the_same_graphs(prefilled):
         for a, b in zip(store.indexes, runs[1].stores[layer].indexes):
             for x, y in zip(a.graph_arrays()[1:], b.graph_arrays()[1:]):
                 assert np.array_equal(x, y)
+
+
+def test_builds_during_the_prefill_give_the_same_indexes_and_tokens(prefilled):
+    """Index builds started as the prefill's last chunk passes each long-range layer (builds.EarlyBuilds) make the
+    same graphs, logits and tokens as builds after the prefill, and the hidden part is a part of the build."""
+    lm, pre, full = prefilled
+    modes = [Mode("roargraph", IndexPlan("roargraph")), Mode("flat", IndexPlan("flat"))]
+    early = prefill(lm, pre.ids, SETTINGS, capture_queries=True, build_modes=[Mode("full"), *modes])
+    assert early.early is not None and set(early.early.ready_at) == set(lm.long_range_layers)
+    # every layer was complete, and its builds queued, before the prefill ended (the last chunk still running)
+    assert max(early.early.ready_at.values()) <= early.early.prefill_end
+    assert torch.equal(early.logits, pre.logits)
+    early.early.wait()
+    for mode in modes:
+        a = run_mode(lm, early, mode, SETTINGS, STEPS, keep_logits=True)
+        b = run_mode(lm, pre, mode, SETTINGS, STEPS, keep_logits=True)
+        assert a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+        assert 0.0 <= a.build_hidden_s <= a.build_s and b.build_hidden_s == 0.0
+        for layer, store in a.stores.items():
+            for x, y in zip(store.indexes, b.stores[layer].indexes):
+                if mode.name == "roargraph":
+                    assert all(np.array_equal(u, v) for u, v in zip(x.graph_arrays(), y.graph_arrays()))
+        assert not early.early.has(mode.name)  # handed over once
+
+
+def test_cpu_bytes_per_key_counts_the_store_and_each_index_once(prefilled):
+    """The table's CPU B/key: keys and values held, plus each distinct index's own arrays (flat: faiss's copy
+    of the keys it indexed; roargraph: its graphs, the keys read from the store not counted again)."""
+    from anns_lab.decode.engine import summarize
+
+    lm, pre, _ = prefilled
+    runs = {name: run_mode(lm, pre, Mode(name, IndexPlan(name)), SETTINGS, STEPS) for name in ("flat", "roargraph")}
+    store = runs["flat"].stores[lm.long_range_layers[0]]
+    G, d = store.keys.shape[0], store.keys.shape[2]
+    assert store.cpu_bytes() == 4 * G * d * (2 * store.n_rows + store.n_indexed)
+    for run in runs.values():
+        assert run.cpu_keys == sum(s.n_rows for s in run.stores.values())
+        assert summarize(run)["cpu_bytes_per_key"] == run.cpu_bytes / run.cpu_keys
+    rg = runs["roargraph"].stores[lm.long_range_layers[0]]
+    graphs = sum(ix.nbytes - ix.n_keys * ix.dim * 4 for ix in rg.indexes)  # one index per query head
+    assert rg.cpu_bytes() == 4 * G * d * 2 * rg.n_rows + graphs
 
 
 def test_device_lists_are_the_exact_top_keys():

@@ -115,3 +115,24 @@ def test_report_names_estimators_as_their_own_kind():
     kinds = index_kinds(table)
     assert kinds["flat"] == "exact" and kinds["ivf"] == "key-only"
     assert all(kinds[n] == "estimator" for n in names if registry.get(n).estimates)
+
+
+def test_attention_quality_against_full_attention_by_hand_before_and_after_its_cache():
+    data = _head()
+    ids = np.tile(np.arange(0, 40, 3), (3, 1))
+    ids[1, :5] = -1
+    mass, err = [], []
+    for i, pos in enumerate(data.test_pos):
+        logits = data.scaling * (data.all_keys[: pos + 1].astype(np.float64) @ data.test_queries[i].astype(np.float64))
+        p = np.exp(logits - logits.max())
+        full = (p / p.sum()) @ data.all_values[: pos + 1].astype(np.float64)
+        keep = np.zeros(pos + 1, bool)
+        keep[data.window.positions(int(pos), data.index_end)] = True
+        keep[data.key_pos[ids[i][ids[i] >= 0]]] = True
+        part = (p[keep] / p[keep].sum()) @ data.all_values[: pos + 1][keep].astype(np.float64)
+        mass.append(p[keep].sum() / p.sum())
+        err.append(np.linalg.norm(part - full) / np.linalg.norm(full))
+    first = data.attention_quality(ids)  # fills the per-query reference cache
+    np.testing.assert_allclose(first, (np.mean(mass), np.mean(err)), rtol=1e-5)
+    assert data.attention_quality(ids) == first  # from the cache: the same numbers
+    assert _head().attention_quality(ids) == first

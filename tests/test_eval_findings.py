@@ -95,6 +95,11 @@ def test_direction_gap_as_in_the_paper_or_reversed():
     par, _ = run({("ivf", "q2k"): 0.19, ("ivf", "k2k"): 0.41})
     f = F.direction_gap(par, "ivf")
     assert f.verdict == F.DISAGREES and "reverse" in f.text and "19.0%" in f.text and "41.0%" in f.text
+    par, _ = run({("ivf", "q2k"): 0.252, ("ivf", "k2k"): 0.222})
+    f = F.direction_gap(par, "ivf")
+    assert f.verdict == F.DISAGREES and "about as many keys (1.1×)" in f.text and "25.2%" in f.text
+    par, _ = run({("ivf", "q2k"): 0.20, ("ivf", "k2k"): 0.40})
+    assert "reverse" in F.direction_gap(par, "ivf").text and "2.0×" in F.direction_gap(par, "ivf").text
     par, _ = run({("hnsw", "q2k"): None, ("hnsw", "k2k"): 0.15})
     assert F.direction_gap(par, "hnsw").verdict == F.AGREES
     par, _ = run({("hnsw", "q2k"): None, ("hnsw", "k2k"): None})

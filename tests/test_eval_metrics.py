@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from anns_lab.eval import metrics
@@ -41,3 +42,20 @@ def test_mahalanobis_matches_a_known_distribution():
     ref = rng.multivariate_normal(np.zeros(3), cov, size=200_000)
     d = metrics.mahalanobis(np.array([[2.0, 0, 0], [0, 0, 0.5], [0, 0, 0]]), ref)
     np.testing.assert_allclose(d, [1.0, 1.0, 0.0], atol=0.02)
+
+
+@pytest.mark.parametrize("lower", [False, True])
+def test_figure_frontier_keeps_exactly_the_undominated_points(lower):
+    from anns_lab.eval.figures import frontier
+
+    rng = np.random.default_rng(3)
+    pts = pd.DataFrame({"x": rng.integers(0, 30, 200).astype(float), "y": rng.integers(0, 40, 200) / 40})
+    f = frontier(pts, "x", "y", lower_is_better=lower)
+    better = (lambda a, b: a < b) if lower else (lambda a, b: a > b)
+    # Brute force: a point is on the frontier iff no point at the same or lower cost is better, and it is the first
+    # (cheapest) point reaching its value.
+    expected = {(x, y) for x, y in zip(pts["x"], pts["y"])
+                if not any(better(y2, y) for x2, y2 in zip(pts["x"], pts["y"]) if x2 <= x)
+                and not any(y2 == y and x2 < x for x2, y2 in zip(pts["x"], pts["y"]))}
+    assert set(zip(f["x"], f["y"])) == expected
+    assert f["x"].is_monotonic_increasing and (f["y"].is_monotonic_decreasing if lower else f["y"].is_monotonic_increasing)

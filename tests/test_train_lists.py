@@ -6,6 +6,7 @@ import pytest
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes import registry
 from anns_lab.indexes.roargraph import RoarGraphIndex, auto_stride
+from anns_lab.indexes.graph.simd import dot, dot4
 from anns_lab.indexes.train_lists import anchor_ids, anchored_topk
 
 
@@ -50,6 +51,15 @@ def test_anchored_lists_exact_where_claimed(stride, span):
         cand = np.unique(ref[anchors[max(0, g - span + 1): g + span + 1]])
         best = cand[np.argsort(-s[i, cand], kind="stable")[:k]]
         assert set(row) == set(best), i
+
+
+@pytest.mark.parametrize("d", [64, 256, 37])
+def test_dot4_is_four_dots_bit_for_bit(d):
+    """The re-rank's four-at-once inner product (graph.simd.dot4) gives dot's bits for each pair (the tail past
+    the 8-lane blocks included), so the anchored lists do not depend on which kernel scored them."""
+    rng = np.random.default_rng(d)
+    a, *bs = (rng.standard_normal(d).astype(np.float32) * 10 for _ in range(5))
+    assert dot4(a, *bs) == tuple(dot(a, b) for b in bs)
 
 
 def test_anchored_lists_recall_on_drifting_queries():

@@ -70,6 +70,7 @@ class Retrieval:
         self.phase = "prefill"
         self.capture_queries = capture_queries
         self.queries: dict[int, list[torch.Tensor]] = {}
+        self.layer_done = None  # prefill: called with a long-range layer once its keys and queries are complete
         self.stores: dict[int, LayerStore] = {}
         self.inner = "sdpa"
         self.times = StepTimes()
@@ -85,6 +86,8 @@ class Retrieval:
         if self.phase == "prefill":
             if self.capture_queries:
                 self.queries.setdefault(layer, []).append(query[0].detach().to("cpu", torch.float32))
+            if self.layer_done is not None:  # the prompt's last chunk: this layer's cache and queries are final
+                self.layer_done(layer)
             return inner(module, query, key, value, attention_mask, **kwargs)
         if query.shape[0] != 1 or query.shape[2] != 1:
             raise DecodeError("retrieval decoding runs batch 1, one token per step")
@@ -169,9 +172,14 @@ class Retrieval:
         return t
 
     def prefill_queries(self, layer: int) -> np.ndarray | None:
-        """(H, t, d) float32 prefill queries of ``layer``, if captured."""
+        """(H, t, d) float32 prefill queries of ``layer``, if captured (concatenated once: the early builds and the
+        prefill's result share the array)."""
         parts = self.queries.get(layer)
-        return torch.cat(parts, dim=1).numpy() if parts else None
+        if not parts:
+            return None
+        if len(parts) > 1:
+            self.queries[layer] = parts = [torch.cat(parts, dim=1)]
+        return parts[0].numpy()
 
 
 def _one_thread() -> None:

@@ -47,6 +47,9 @@ def default_device() -> str:
 @click.option("--positions", default=256, show_default=True, help="fidelity: teacher-forced positions")
 @click.option("--free-tokens", default=64, show_default=True, help="fidelity: free-running greedy tokens")
 @click.option("--chunk", default=2048, show_default=True, help="prefill chunk size")
+@click.option("--build-during-prefill/--build-after-prefill", default=True, show_default=True,
+              help="start a layer's index builds on a CPU thread once the prompt's last chunk has passed that layer "
+                   "(the overlap is not counted in TTFT), or only after the whole prefill")
 @click.option("--from-sweep", "from_sweep", type=str, default=None,
               help="a sweep's results.parquet (or folder): decode also with the index + parameters of least scanned fraction reaching --target-recall (in place of 'default')")
 @click.option("--target-recall", default=0.95, show_default=True,
@@ -61,13 +64,14 @@ def default_device() -> str:
 @click.option("--cpus-per-task", type=float, default=1.0, show_default=True, help="Ray: CPUs reserved per sample task")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the full results here")
 def decode(model, modes, params, build_params, topk, window, add_batch, train_queries, task, prompt, evaluation, context, samples,
-           seed, max_new_tokens, positions, free_tokens, chunk, from_sweep, target_recall, device, torch_threads,
+           seed, max_new_tokens, positions, free_tokens, chunk, build_during_prefill, from_sweep, target_recall, device, torch_threads,
            allow_extrapolation, executor, address, cpus_per_task, json_path):
     """Generate with RetrievalAttention: static window on the accelerator + retrieved keys from a CPU index."""
     from anns_lab.decode import runner
     from anns_lab.decode.engine import Settings
 
-    settings = Settings(window=window, topk=topk, add_batch=add_batch, chunk=chunk, train_queries=train_queries)
+    settings = Settings(window=window, topk=topk, add_batch=add_batch, chunk=chunk, train_queries=train_queries,
+                        build_during_prefill=build_during_prefill)
     _check_options(settings, evaluation, task, prompt, executor, address)
     mode_list = _parse_mode_list(modes, params, build_params, from_sweep)
     device = device or default_device()
@@ -165,8 +169,8 @@ def _run_description(model: str, device: str, executor: str, settings: Settings,
     """What the result records about the run besides its numbers: model, device, settings, each mode's plan."""
     return {"model": model, "device": device, "executor": executor,
             "settings": {"sink": settings.window.sink, "recent": settings.window.recent, "topk": settings.topk,
-                         "add_batch": settings.add_batch, "chunk": settings.chunk,
-                         "train_queries": settings.train_queries},
+                         "add_batch": settings.add_batch, "chunk": settings.chunk, "train_queries": settings.train_queries,
+                         "build_during_prefill": settings.build_during_prefill},
             "plans": {m.name: ({"default": m.plan.describe(), **{str(k): p.describe() for k, p in m.per_layer.items()}}
                                if m.plan else None) for m in mode_list}}
 

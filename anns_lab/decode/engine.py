@@ -1,9 +1,10 @@
 """The generation loop: one full-attention chunked prefill, then greedy decoding per mode.
 
 A prefill is shared by every mode of a run (the cache is copied per mode), so ``full`` is
-measured on exactly the same prompt state as the retrieval modes. After the prefill each
-retrieval mode builds its indexes on the non-window prefill keys of every long-range layer
-(timed as ``build_s``) and decodes with :mod:`anns_lab.decode.attention`. In retrieval modes
+measured on exactly the same prompt state as the retrieval modes. Each retrieval mode builds its
+indexes on the non-window prefill keys of every long-range layer (timed as ``build_s``), from the
+moment the prompt's last chunk has passed that layer (:mod:`anns_lab.decode.builds`: the part that
+overlaps the prefill is ``build_hidden_s``), and decodes with :mod:`anns_lab.decode.attention`. In retrieval modes
 the decode cache is not a copy of the prefill cache: its long-range layers hold only the
 static window (:mod:`anns_lab.decode.cache`), the rest being in the CPU stores, so the
 accelerator's KV is O(window) rather than O(context); ``full`` decodes on a copy of the whole cache.
@@ -19,8 +20,9 @@ import numpy as np
 import torch
 
 from anns_lab.decode.attention import DecodeError, Retrieval, StepTimes, retrieving
+from anns_lab.decode.builds import EarlyBuilds, _subsample, build_stores  # noqa: F401 (_subsample: re-exported)
 from anns_lab.decode.cache import device_kv_bytes, require_ring, window_cache
-from anns_lab.decode.placement import IndexPlan, LayerStore
+from anns_lab.decode.placement import IndexPlan
 from anns_lab.dumps.models import forward_tokens
 from anns_lab.window import Window
 
@@ -57,6 +59,8 @@ class Settings:
     chunk: int = 2048
     train_queries: int = 0  # prefill queries given to attention-aware indexes, evenly strided (0 = all)
     lists_on_device: bool | None = None  # training lists of the indexes on the accelerator (None: when it is CUDA)
+    build_during_prefill: bool = True  # start a layer's index builds once the prompt's last chunk has passed it (builds.EarlyBuilds)
+    steps: int = 64  # decode steps of a mode at most: the CPU stores reserve a row per step past the prompt's
 
 
 @dataclass
@@ -68,6 +72,7 @@ class Prefilled:
     logits: torch.Tensor
     queries: dict[int, np.ndarray]
     seconds: float
+    early: EarlyBuilds | None = None  # the index modes' builds started during the prefill (run_mode takes them)
 
 
 @dataclass
@@ -83,75 +88,47 @@ class ModeRun:
     step_s: list[float]
     notes: list[str] = field(default_factory=list)
     device_kv_bytes: int = 0  # keys + values held by the decode cache (on the accelerator) at the end of decoding
+    build_hidden_s: float = 0.0  # of build_s, the seconds that ran while the prefill was still running
+    cpu_bytes: int = 0  # CPU-side stores and indexes of the long-range layers at the end of decoding
+    cpu_keys: int = 0  # tokens those stores held, summed over the layers
 
 
-def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool) -> Prefilled:
-    """Chunked full-attention prefill of ``ids``; keeps long-range layers' queries when asked."""
+def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool, build_modes: list[Mode] = ()) -> Prefilled:
+    """Chunked full-attention prefill of ``ids``; keeps long-range layers' queries when asked. The index modes
+    ``build_modes`` start their builds while it runs (:class:`builds.EarlyBuilds`, when
+    ``settings.build_during_prefill``): call ``pre.early.wait()`` before decoding."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=lm.model.config)
     ctl = Retrieval(lm.long_range_layers, "full", settings.window, capture_queries)
+    early = None
+    if settings.build_during_prefill and any(m.kind == "index" for m in build_modes):
+        early = EarlyBuilds(lm, len(ids), [m for m in build_modes if m.kind == "index"], settings, cache,
+                            ctl.prefill_queries if capture_queries else (lambda layer: None))
     t0 = time.perf_counter()
     logits = None
-    with torch.inference_mode(), retrieving(lm.model, ctl):
-        for start in range(0, len(ids), settings.chunk):
-            logits = forward_tokens(lm, cache, ids, start, min(start + settings.chunk, len(ids)))
-    _sync(lm.model.device)
+    try:
+        with torch.inference_mode(), retrieving(lm.model, ctl):
+            for start in range(0, len(ids), settings.chunk):
+                end = min(start + settings.chunk, len(ids))
+                if end == len(ids) and early is not None:
+                    ctl.layer_done = early.layer_done  # the last chunk completes each long-range layer as it passes it
+                logits = forward_tokens(lm, cache, ids, start, end)
+        _sync(lm.model.device)
+    except BaseException:
+        if early is not None:
+            early.close()
+        raise
+    seconds = time.perf_counter() - t0
+    if early is not None:
+        early.prefill_done()
     queries = {layer: ctl.prefill_queries(layer) for layer in lm.long_range_layers} if capture_queries else {}
-    return Prefilled(list(ids), cache, logits[0, -1].float(), queries, time.perf_counter() - t0)
+    return Prefilled(list(ids), cache, logits[0, -1].float(), queries, seconds, early)
 
 
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def build_stores(lm, pre: Prefilled, mode: Mode, settings: Settings,
-                 steps: int = 64) -> tuple[dict[int, LayerStore], list[str]]:
-    """One LayerStore per long-range layer, holding the non-window prefill keys/values and its indexes, with room
-    for the ``steps`` tokens a run of that many steps moves out of the window."""
-    cfg = lm.config
-    n_heads = cfg.num_attention_heads
-    lo, hi = settings.window.outside(len(pre.ids))
-    stores, notes = {}, []
-    for layer in lm.long_range_layers:
-        layer_cache = pre.cache.layers[layer]
-        keys = layer_cache.keys[0, :, lo:hi].to("cpu", torch.float32).numpy()
-        values = layer_cache.values[0, :, lo:hi].to("cpu", torch.float32).numpy()
-        plan = mode.plan_for(layer)
-        store = LayerStore(layer, n_heads, keys, values, settings.topk, plan, settings.add_batch, steps)
-        queries = _subsample(pre.queries.get(layer), settings.train_queries)
-        store.build(queries, _device_lists(lm, plan, queries, layer_cache.keys[0, :, lo:hi], settings))
-        stores[layer] = store
-    first = next(iter(stores.values()), None)
-    if first is not None and first.indexes and not first.supports_add:
-        notes.append(f"{first.plan.name} has no add(): tokens leaving the window are kept exactly in a CPU side-buffer")
-    return stores, notes
-
-
-def _device_lists(lm, plan, queries: np.ndarray | None, keys: torch.Tensor, settings: Settings) -> np.ndarray | None:
-    """The training queries' top lists computed where the keys are (``device_lists``), for an index that takes
-    them, when ``settings.lists_on_device`` (default: the model is on CUDA); else None (the build computes them)."""
-    on = settings.lists_on_device if settings.lists_on_device is not None else torch.device(lm.model.device).type == "cuda"
-    if not on or plan is None or queries is None:
-        return None
-    from anns_lab.indexes import registry
-
-    cls = registry.get(plan.name)
-    if not (cls.uses_train_queries and cls.accepts_train_topk):
-        return None
-    from anns_lab.decode.device_lists import train_topk
-
-    width = cls.train_topk_width(keys.shape[1], **plan.build_params)
-    return train_topk(queries, keys, width, queries.shape[0] // keys.shape[0])
-
-
-def _subsample(queries: np.ndarray | None, n: int) -> np.ndarray | None:
-    """At most ``n`` prefill queries (H, t, d), evenly spaced and always including the last one."""
-    if queries is None or n <= 0 or queries.shape[1] <= n:
-        return queries
-    pick = np.linspace(queries.shape[1] - 1, 0, n).round().astype(np.int64)[::-1]
-    return np.ascontiguousarray(queries[:, pick])
 
 
 def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, stop_ids=(),
@@ -161,9 +138,11 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
     ``keep_cache`` keeps the decode cache on the result (``run.cache``, for inspection); by default it
     is freed with the run's end, so that runs kept for their timings do not hold accelerator memory.
     """
-    n_steps = len(teacher) if teacher is not None else max_new
-    stores, notes = ({}, []) if mode.kind != "index" else build_stores(lm, pre, mode, settings, n_steps)
-    build_s = sum(s.build_s for s in stores.values())
+    stores, notes, build_s, hidden_s = {}, [], 0.0, 0.0
+    if mode.kind == "index" and pre.early is not None and pre.early.has(mode.name):
+        stores, notes, build_s, hidden_s = pre.early.take(mode.name)
+    elif mode.kind == "index":
+        stores, notes, build_s = build_stores(lm, pre, mode, settings)
     if stores:
         from anns_lab.decode.kernels import warmup
 
@@ -179,6 +158,7 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
     ids = list(pre.ids)
     logits = pre.logits
     out_tokens, all_logits, steps, step_s = [], [], [], []
+    n_steps = len(teacher) if teacher is not None else max_new
     t0 = time.perf_counter()
     with torch.inference_mode(), retrieving(lm.model, ctl):
         for i in range(n_steps):
@@ -197,7 +177,8 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
     if teacher is not None and keep_logits:
         all_logits.append(logits.detach().to("cpu"))
     decode_s = time.perf_counter() - t0
-    run = ModeRun(mode.name, out_tokens, all_logits, build_s, decode_s, steps, step_s, notes, device_kv_bytes(cache))
+    run = ModeRun(mode.name, out_tokens, all_logits, build_s, decode_s, steps, step_s, notes, device_kv_bytes(cache),
+                  hidden_s, sum(s.cpu_bytes() for s in stores.values()), sum(s.n_rows for s in stores.values()))
     run.cache = cache if keep_cache else None
     run.stores = stores  # kept for inspection (tests, index sizes)
     return run
@@ -208,11 +189,13 @@ def summarize(run: ModeRun) -> dict:
     # The first decode step also compiles each index's search kernel (numba): left out when there are others.
     skip = 1 if len(run.step_s) >= 3 else 0
     first_step = run.step_s[0] if run.step_s else None  # the first token to use the index (kept in time to first token)
+    cpu = {"cpu_bytes_per_key": run.cpu_bytes / run.cpu_keys} if run.cpu_keys else {}
     run = ModeRun(run.mode, run.tokens, [], run.build_s, run.decode_s, run.steps[skip:], run.step_s[skip:],
-                  device_kv_bytes=run.device_kv_bytes)
+                  device_kv_bytes=run.device_kv_bytes, build_hidden_s=run.build_hidden_s)
     n = len(run.step_s)
     if n == 0:
-        return {"steps": 0, "device_kv_bytes": run.device_kv_bytes, "build_s": run.build_s, "first_step_s": first_step}
+        return {"steps": 0, "device_kv_bytes": run.device_kv_bytes, "build_s": run.build_s,
+                "build_hidden_s": run.build_hidden_s, "first_step_s": first_step} | cpu
 
     def ms(values) -> float:
         return 1000.0 * float(np.mean(values))
@@ -232,10 +215,11 @@ def summarize(run: ModeRun) -> dict:
         "scanned_fraction": float(np.mean(scanned)) if scanned else None,
         "bytes_read_per_token": float(np.mean([s.bytes_read for s in run.steps])) if scanned else None,
         "build_s": run.build_s,
+        "build_hidden_s": run.build_hidden_s,
         "first_step_s": first_step,
         "device_kv_bytes": run.device_kv_bytes,
         "warmup_steps_excluded": skip,
-    }
+    } | cpu
 
 
 def check_window(settings: Settings, n_prompt: int, modes: list[Mode], max_new: int) -> None:

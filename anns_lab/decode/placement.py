@@ -131,6 +131,19 @@ class LayerStore:
                 sums = summ.value_sums(self.values[heads[0] // self.group, : self.n_indexed])
                 self._summaries.update({h: (summ, sums) for h in heads})
 
+    def cpu_bytes(self) -> int:
+        """Bytes of the layer's CPU side: the keys and values held (rows ``[0, n_rows)``; the buffers' spare capacity is
+        untouched) and each distinct index's ``nbytes`` less the arrays it reads from this store (an index with its
+        own copy of the keys, as faiss's flat, counts that copy)."""
+        own = 0
+        for heads in self._groups():
+            index = self.indexes[heads[0]]
+            arrays = index._arrays().values() if index.supports_save else vars(index).values()
+            shared = sum(a.nbytes for a in arrays if isinstance(a, np.ndarray) and np.may_share_memory(a, self.keys))
+            own += index.nbytes - shared
+        held = self.keys[:, : self.n_rows]
+        return 2 * held.nbytes + own  # values: the keys' shape
+
     @property
     def supports_add(self) -> bool:
         return bool(self.indexes) and self.indexes[0].supports_add

@@ -7,6 +7,7 @@ attention, merge and everything else, and tokens/s.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -43,20 +44,22 @@ def _pool(runs: list[ModeRun]) -> dict:
     """Per-token timings over several runs of one mode (all their steps together); first-step latency averaged."""
     merged = ModeRun(runs[0].mode, [], [], sum(r.build_s for r in runs) / len(runs), sum(r.decode_s for r in runs),
                      [s for r in runs for s in r.steps], [s for r in runs for s in r.step_s],
-                     device_kv_bytes=max(r.device_kv_bytes for r in runs))
+                     device_kv_bytes=max(r.device_kv_bytes for r in runs),
+                     build_hidden_s=sum(r.build_hidden_s for r in runs) / len(runs),
+                     cpu_bytes=sum(r.cpu_bytes for r in runs), cpu_keys=sum(r.cpu_keys for r in runs))
     firsts = [r.step_s[0] for r in runs if r.step_s]
     return summarize(merged) | {"first_step_s": float(np.mean(firsts)) if firsts else None}
 
 
 def time_to_first_token(modes: dict) -> None:
-    """Add ``ttft_s`` to each mode's summary: prefill + index build (all of it after the prefill) + the first
-    decode step (the first token whose attention goes through the index), and ``ttft_x_full``, the ratio to
-    ``full``'s when it ran. The prompt's last logits give one token before the build; the first step is the
-    first that needs the index, so this is what the build delays."""
+    """Add ``ttft_s`` to each mode's summary: prefill + the index build not hidden behind it (``build_s`` −
+    ``build_hidden_s``) + the first decode step (the first token whose attention goes through the index), and
+    ``ttft_x_full``, the ratio to ``full``'s when it ran. The prompt's last logits give one token before the
+    build; the first step is the first that needs the index, so this is what the build delays."""
     for m in modes.values():
         s = m["summary"]
         if s.get("prefill_s") is not None and s.get("first_step_s") is not None:
-            s["ttft_s"] = s["prefill_s"] + (s.get("build_s") or 0.0) + s["first_step_s"]
+            s["ttft_s"] = s["prefill_s"] + (s.get("build_s") or 0.0) - (s.get("build_hidden_s") or 0.0) + s["first_step_s"]
     full = modes.get("full", {}).get("summary", {}).get("ttft_s")
     for m in modes.values():
         if full and m["summary"].get("ttft_s") is not None:
@@ -94,16 +97,19 @@ def run_prompt(lm, modes: list[Mode], settings: Settings, text: str, max_new: in
     return _run_prompts(lm, modes, settings, [(ids, None)], max_new, "prompt", progress, executor)
 
 
-def check_memory(lm, modes: list[Mode], settings: Settings, n_tokens: int) -> None:
+def check_memory(lm, modes: list[Mode], settings: Settings, n_tokens: int, builds_at_once: bool = False) -> None:
     """Refuse, before the prefill, a run whose estimated peak memory exceeds what is available
     (:func:`memory.check_prefill`: KV cache, a chunk's activations, the kept queries, a mode's CPU store and
     indexes or ``full``'s copy of the cache)."""
     from anns_lab.dumps.memory import check_prefill
 
     n_long = len(lm.long_range_layers)
+    # Builds during the prefill (``builds_at_once``: run_sample's) hold every index mode's stores at once.
+    n_index = sum(m.kind == "index" for m in modes)
+    n_index = n_index if builds_at_once else min(1, n_index)
     check_prefill(lm.config, n_tokens, settings.chunk, f"decoding {n_tokens} tokens of {lm.name}", "--context",
                   query_layers=n_long if any(m.uses_queries() for m in modes) else 0,
-                  index_layers=n_long if any(m.kind == "index" for m in modes) else 0,
+                  index_layers=n_long * n_index,
                   cache_copy=any(m.kind == "full" for m in modes))
 
 
@@ -115,15 +121,19 @@ def run_sample(lm, modes: list[Mode], settings: Settings, ids: list[int], max_ne
     """
     say = say or (lambda line: None)
     say(f"  prefill: {len(ids)} tokens through {lm.name} (full attention, chunks of {settings.chunk}) ...")
-    pre = prefill(lm, ids, settings, any(m.uses_queries() for m in modes))
+    pre = prefill(lm, ids, settings, any(m.uses_queries() for m in modes), modes)
     say(f"  prefill: done in {pre.seconds:.1f} s")
+    if pre.early is not None:  # no mode decodes while builds still share the CPU
+        say("  index builds: started during the prefill's last chunk; finishing ...")
+        pre.early.wait()
     runs = {}
     for mode in modes:
         building = mode.kind == "index"
         say(f"  {mode.name}: " + ("building one index per layer and head from the prefill, then " if building else "")
             + f"decoding up to {max_new} tokens ...")
         run = run_mode(lm, pre, mode, settings, max_new, stops)
-        say(f"  {mode.name}: " + (f"indexes built in {run.build_s:.1f} s, " if building else "")
+        say(f"  {mode.name}: " + (f"indexes built in {run.build_s:.1f} s ({run.build_hidden_s:.1f} s during the prefill), "
+                                  if building else "")
             + f"{len(run.tokens)} tokens decoded in {run.decode_s:.1f} s")
         run.stores = None  # free the CPU copies and indexes
         runs[mode.name] = run
@@ -132,7 +142,8 @@ def run_sample(lm, modes: list[Mode], settings: Settings, ids: list[int], max_ne
 
 def _run_prompts(lm, modes, settings, prompts, max_new, task, progress, executor=None) -> dict:
     """Every prompt (here, or through ``executor.map_samples``), scored and merged into one result."""
-    check_memory(lm, modes, settings, max(len(ids) for ids, _ in prompts) + max_new)
+    settings = dataclasses.replace(settings, steps=max_new)  # the CPU stores' room for the tokens to come
+    check_memory(lm, modes, settings, max(len(ids) for ids, _ in prompts) + max_new, settings.build_during_prefill)
     stops = stop_ids(lm)
     per_mode = {m.name: {"runs": [], "samples": []} for m in modes}
     prefill_s = []
@@ -187,6 +198,7 @@ def run_fidelity(lm, modes: list[Mode], settings: Settings, context: int, positi
     check_context(lm, context + steps, allow_extrapolation)
     check_window(settings, context, modes, steps)
     check_memory(lm, modes, settings, context + steps)
+    settings = dataclasses.replace(settings, steps=steps)
     ids = build_prompt("text", lm.tokenizer, context + positions).ids
     say = progress or (lambda line: None)
     say(f"  prefill: {context} tokens through {lm.name} ...")
@@ -225,12 +237,13 @@ def run_fidelity(lm, modes: list[Mode], settings: Settings, context: int, positi
 COLUMNS = [("accuracy", "accuracy %", "{:.1f}"), ("accuracy_ci95", "acc 95% CI", "[{:.1f}, {:.1f}]"),
            ("diff_vs_full", "Δ full", "{:+.1f}"), ("diff_vs_full_ci95", "Δ 95% CI", "[{:+.1f}, {:+.1f}]"), ("kl_mean", "KL", "{:.2e}"), ("top1_agreement", "top-1", "{:.3f}"),
            ("free_tokens_until_diff", "free=", "{:d}"), ("prefill_s", "prefill s", "{:.2f}"), ("build_s", "build s", "{:.2f}"),
+           ("build_hidden_s", "hidden s", "{:.2f}"),
            ("first_step_s", "1st step s", "{:.3f}"), ("ttft_s", "TTFT s", "{:.2f}"), ("ttft_x_full", "TTFT x full", "{:.2f}"),
            ("retrieval_ms", "retr ms", "{:.2f}"), ("cpu_attention_ms", "cpu-attn ms", "{:.2f}"),
            ("accel_attention_ms", "accel-attn ms", "{:.2f}"), ("merge_ms", "merge ms", "{:.2f}"), ("insert_ms", "insert ms", "{:.2f}"),
            ("other_ms", "other ms", "{:.2f}"), ("token_ms", "token ms", "{:.2f}"), ("tokens_per_s", "tok/s", "{:.2f}"),
            ("scanned_fraction", "scanned %", "{:.2%}"), ("bytes_read_per_token", "read KiB/tok", "{:.1f}"),
-           ("device_kv_bytes", "dev KV MiB", "{:.2f}")]
+           ("device_kv_bytes", "dev KV MiB", "{:.2f}"), ("cpu_bytes_per_key", "CPU B/key", "{:.0f}")]
 
 
 # Printed under the table for the columns it shows: every column defined on screen.
@@ -243,9 +256,10 @@ LEGEND = {
     "top1_agreement": "share of teacher-forced positions whose top-1 token equals full attention's",
     "free_tokens_until_diff": "greedy tokens generated before the first difference from full attention",
     "prefill_s": "full-attention prefill of the prompt, seconds (shared by every mode)",
-    "build_s": "building the mode's indexes from the prefill, seconds",
+    "build_s": "building the mode's indexes from the prefill (each layer's from when the prompt's last chunk has passed it), seconds",
+    "build_hidden_s": "of that build, seconds that ran while the prefill was still running (not in TTFT)",
     "first_step_s": "the first decode step (it also compiles the search kernels), seconds",
-    "ttft_s": "time to first token: prefill + index build + the first decode step, seconds",
+    "ttft_s": "time to first token: prefill + the index build not hidden behind it + the first decode step, seconds",
     "ttft_x_full": "that time over full attention's",
     "retrieval_ms": "per token: index search on the CPU, summed over long-range layers",
     "cpu_attention_ms": "per token: CPU attention over the retrieved keys",
@@ -259,6 +273,8 @@ LEGEND = {
     "scanned_fraction": "mean share of the CPU-held keys whose inner product a search computed",
     "bytes_read_per_token": "per token: bytes the CPU-side searches read, as the indexes report them, KiB",
     "device_kv_bytes": "keys and values held on the accelerator at the end, MiB",
+    "cpu_bytes_per_key": "CPU-side stores and indexes at the end, bytes per token held there and long-range layer "
+                         "(keys and values of its KV heads, every index of its query heads)",
 }
 
 

@@ -1,6 +1,7 @@
 """The report's figures (PNG bytes, matplotlib/seaborn), each answering one question of the paper.
 
-- recall against keys scanned, Q→K and K→K overlaid per index (Fig. 3a / 6): the gap between them;
+- recall against keys scanned, Q→K and K→K overlaid in one panel per index (Fig. 3a / 6): the gap between them;
+- recall and attention-output error against bytes read per query, every index on one cost;
 - Mahalanobis distance of decode queries and held-out keys, per head (Fig. 3b): how far out queries lie;
 - attention mass of a fixed selection against each step's own top-k, step by step (Fig. 2).
 """
@@ -39,54 +40,102 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
-def recall_vs_scanned(curves: pd.DataFrame, k: int, kinds: dict[str, str]) -> bytes:
-    """Median recall@k against median fraction scanned; one colour and marker per index, Q→K solid, K→K dashed."""
+def _styles(names, kinds: dict[str, str], sns) -> dict[str, dict]:
+    """One colour and marker per index, the same in every figure of a report (tab20 has room for 20 names)."""
+    order = sorted(names)
+    palette = sns.color_palette("tab10" if len(order) <= 10 else "tab20", len(order))
+    return {n: {"color": c, "marker": MARKERS[i % len(MARKERS)], "label": f"{n} ({kinds.get(n, '?')})"}
+            for i, (n, c) in enumerate(zip(order, palette))}
+
+
+def frontier(points: pd.DataFrame, x: str, y: str, lower_is_better: bool = False) -> pd.DataFrame:
+    """The operating points no cheaper point beats: the best ``y`` reached at or below each ``x``.
+
+    Grids with several parameters put points of worse recall at higher cost; the frontier is what a user
+    tuning the index would pick, and what "least cost to reach a target" reads off.
+    """
+    p = points.sort_values([x, y], ascending=[True, lower_is_better])
+    best = p[y].cummin() if lower_is_better else p[y].cummax()
+    keep = p[y] == best
+    keep &= ~best.duplicated()
+    return p[keep]
+
+
+def recall_vs_scanned(curves: pd.DataFrame, k: int, kinds: dict[str, str], reference: str | None = None) -> bytes:
+    """One panel per top-k index: median recall@k against median fraction scanned, Q→K solid and K→K dashed.
+
+    The paper's point is the gap between the two directions for the same index, so each index gets its own
+    panel with both; the ``reference`` index's Q→K frontier (the report passes the best attention-aware one) is
+    drawn in grey in every other panel for scale.
+    Estimators are left out (their recall describes only their exact part: see the bytes figure).
+    """
     plt, sns = _plots()
     from matplotlib.lines import Line2D
 
-    order = sorted(curves["index"].unique())
-    colours = dict(zip(order, sns.color_palette("tab10", len(order))))
-    markers = dict(zip(order, MARKERS))
-    fig, ax = plt.subplots(figsize=(8.5, 5))
-    for name in order:
-        exact = kinds.get(name) == "exact"
-        for direction, (_, style) in DIRECTIONS.items():
-            sub = curves[(curves["index"] == name) & (curves["direction"] == direction)].sort_values("scanned_fraction")
+    styles = _styles(curves["index"].unique(), kinds, sns)
+    names = sorted(n for n in curves["index"].unique() if kinds.get(n) not in ("estimator", "exact"))
+    q = curves[(curves["direction"] == "q2k") & (curves["index"] == reference)]
+    ref_name = reference if len(q) else None
+    ref = frontier(q, "scanned_fraction", "recall") if ref_name else None
+    cols = min(4, max(1, len(names)))
+    rows = -(-max(1, len(names)) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.3 * cols, 2.8 * rows + 0.8), sharex=True, sharey=True,
+                             squeeze=False)
+    for ax in axes.flat[len(names):]:
+        ax.set_visible(False)
+    for ax, name in zip(axes.flat, names):
+        st = styles[name]
+        if ref is not None and name != ref_name:
+            ax.plot(ref["scanned_fraction"], ref["recall"], color="0.6", lw=2.5, alpha=0.6, zorder=1)
+        for direction, (_, ls) in DIRECTIONS.items():
+            sub = curves[(curves["index"] == name) & (curves["direction"] == direction)]
             if sub.empty:
                 continue
-            # An exact index is one point at (1, 1), where IVF's exhaustive end lies too: draw it large and hollow, on top.
-            ax.plot(sub["scanned_fraction"], sub["recall"], ls=style, color=colours[name], marker=markers[name],
-                    ms=13 if exact else 5, mfc="none" if exact else colours[name], mew=2 if exact else 1,
-                    lw=1.6, zorder=5 if exact else 3, alpha=0.9)
-    ax.set_xscale("log")
-    ax.axhline(0.95, color="grey", ls=":", lw=1)
-    ax.set(xlabel="fraction of keys scanned (median over heads, log scale)", ylabel=f"recall@{k} (median over heads)",
-           title="Recall against keys scanned: Q→K solid, K→K dashed (paper Fig. 3a / 6)")
-    handles = [Line2D([], [], color=colours[n], marker=markers[n], ls="-", mfc="none" if kinds.get(n) == "exact" else
-                      colours[n], label=f"{n} ({kinds.get(n, '?')})") for n in order]
-    handles += [Line2D([], [], color="black", ls=style, label=label) for label, style in DIRECTIONS.values()]
+            ax.plot(sub["scanned_fraction"], sub["recall"], ls="none", marker=st["marker"], ms=3, color=st["color"],
+                    alpha=0.35)
+            f = frontier(sub, "scanned_fraction", "recall")
+            ax.plot(f["scanned_fraction"], f["recall"], ls=ls, lw=1.8, color=st["color"], marker=st["marker"], ms=4)
+        ax.axhline(0.95, color="grey", ls=":", lw=1)
+        ax.set_title(st["label"], fontsize=10)
+        ax.set_xscale("log")
+        ax.set_ylim(-0.02, 1.02)
+    for col in range(cols):
+        # The lowest panel in use in each column carries the axis (the last row may be short).
+        ax = axes[max(0, len(names) - 1 - col) // cols, col]
+        ax.xaxis.set_tick_params(labelbottom=True)
+        ax.set_xlabel("fraction of keys scanned")
+    for ax in axes[:, 0]:
+        ax.set_ylabel(f"recall@{k}")
+    handles = [Line2D([], [], color="black", ls=ls, label=label) for label, ls in DIRECTIONS.values()]
+    if ref is not None:
+        handles.append(Line2D([], [], color="0.6", lw=2.5, alpha=0.6, label=f"{ref_name} Q→K (reference)"))
     handles.append(Line2D([], [], color="grey", ls=":", label="recall 0.95"))
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
+    fig.legend(handles=handles, loc="upper center", ncol=len(handles), frameon=False, bbox_to_anchor=(0.5, 1.0))
+    fig.suptitle("Recall against keys scanned, medians over heads; lines: best recall at that cost, dots: every grid "
+                 "point (paper Fig. 3a / 6)", y=1.04, fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
     return _png(fig)
 
 
 def recall_vs_bytes(curves: pd.DataFrame, k: int, kinds: dict[str, str]) -> bytes:
-    """Q→K recall@k and attention-output error against bytes of index data read per query, every index."""
+    """Q→K recall@k (top-k indexes) and attention-output error (every index, estimators too) against bytes read."""
     plt, sns = _plots()
     from matplotlib.ticker import NullFormatter
 
-    c = curves[curves["direction"] == "q2k"].sort_values("bytes_read")
-    order = sorted(c["index"].unique())
-    colours = dict(zip(order, sns.color_palette("tab10", len(order))))
-    markers = dict(zip(order, MARKERS))
+    c = curves[curves["direction"] == "q2k"]
+    styles = _styles(curves["index"].unique(), kinds, sns)
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"wspace": 0.3})
-    for ax, y, label in zip(axes, ("recall", "output_rel_error"), (f"recall@{k}", "attention output rel. error")):
-        for name in order:
-            sub = c[c["index"] == name]
-            exact = kinds.get(name) == "exact"
-            ax.plot(sub["bytes_read"], sub[y], color=colours[name], marker=markers[name], ms=13 if exact else 5,
-                    mfc="none" if exact else colours[name], mew=2 if exact else 1, zorder=5 if exact else 3,
-                    label=f"{name} ({kinds.get(name, '?')})")
+    panels = ((axes[0], "recall", f"recall@{k} (top-k indexes)", False),
+              (axes[1], "output_rel_error", "attention output rel. error (every index)", True))
+    for ax, y, label, lower in panels:
+        for name in sorted(c["index"].unique()):
+            if y == "recall" and kinds.get(name) == "estimator":
+                continue
+            st, exact = styles[name], kinds.get(name) == "exact"
+            f = frontier(c[c["index"] == name], "bytes_read", y, lower_is_better=lower)
+            ax.plot(f["bytes_read"], f[y], color=st["color"], marker=st["marker"], ms=13 if exact else 5,
+                    mfc="none" if exact else st["color"], mew=2 if exact else 1, zorder=5 if exact else 3,
+                    lw=1.6, label=st["label"])
         if (c["bytes_read"] > 0).any():
             ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(NullFormatter())
@@ -94,8 +143,9 @@ def recall_vs_bytes(curves: pd.DataFrame, k: int, kinds: dict[str, str]) -> byte
     axes[0].axhline(0.95, color="grey", ls=":", lw=1)
     if (c["output_rel_error"] > 0).any():
         axes[1].set_yscale("log")
-    axes[1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
-    fig.suptitle("Q→K: recall and output error against bytes read per query")
+    handles, labels = axes[1].get_legend_handles_labels()
+    axes[1].legend(handles, labels, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
+    fig.suptitle("Q→K: recall and output error against bytes read per query (each line: the best value at that cost)")
     return _png(fig)
 
 

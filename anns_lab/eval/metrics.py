@@ -50,9 +50,13 @@ def mass_recovered(logits: np.ndarray, subset: np.ndarray) -> float:
     return float(w[np.unique(subset)].sum() / w.sum())
 
 
-def output_rel_error(logits: np.ndarray, values: np.ndarray, subset: np.ndarray) -> float:
-    """‖o_subset − o_full‖ / ‖o_full‖: what attention over only ``subset`` costs the output."""
-    full = attention_over(logits, values)
+def output_rel_error(logits: np.ndarray, values: np.ndarray, subset: np.ndarray,
+                     full: np.ndarray | None = None) -> float:
+    """‖o_subset − o_full‖ / ‖o_full‖: what attention over only ``subset`` costs the output.
+
+    ``full``: ``attention_over(logits, values)`` when the caller already has it (it is the same for every subset).
+    """
+    full = attention_over(logits, values) if full is None else full
     part = attention_over(logits, values, np.unique(subset))
     return float(np.linalg.norm(part - full) / np.linalg.norm(full))
 

@@ -126,7 +126,7 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
     par, heads, c = pareto(table), per_head(table), curves(table)
     maha = figures.mahalanobis_per_head(dump, pairs, window)
     decay = pd.concat([figures.selection_decay(dump, layer, head, k) for layer, head in pairs], ignore_index=True)
-    pngs = {"recall_vs_scanned.png": figures.recall_vs_scanned(c, k, kinds),
+    pngs = {"recall_vs_scanned.png": figures.recall_vs_scanned(c, k, kinds, _best_attention_aware(par, kinds)),
             "recall_vs_bytes.png": figures.recall_vs_bytes(c, k, kinds),
             "mahalanobis.png": figures.mahalanobis_figure(maha),
             "dynamic_vs_static.png": figures.selection_decay_figure(decay, k)}
@@ -146,12 +146,12 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
              "(docs/paper.md); the metrics are defined in docs/metrics.md.")
     pareto_view = _pareto_view(par, kinds)
     points = costs.at_target(table, 0.95)
-    md = _markdown(dump, intro, found, pareto_view, par, maha, decay, c, k, costs.markdown_at_target(points, 0.95))
+    md = _markdown(dump, intro, found, pareto_view, _pareto_note(kinds), par, maha, decay, c, k,
+                   costs.markdown_at_target(points, 0.95))
     atomic_write_bytes(out / "report.md", md.encode("utf-8"))
     links = sibling_sweeps(folder, str(settings.get("dump", "")))
     sections = [("Least fraction of keys scanned to reach a recall target (median over heads)",
-                 "<p>A head that never reaches the target counts as needing more than every key; "
-                 "(n/m) is how many of the heads reach it.</p>" + html.table(pareto_view, "pareto")),
+                 f"<p>{_pareto_note(kinds)}</p>" + html.table(pareto_view, "pareto")),
                 (FIGURES["recall_vs_scanned.png"], html.figure(pngs["recall_vs_scanned.png"], "recall vs scanned")),
                 ("Least bytes of index data read per query to reach a recall target (Q→K, median over heads)",
                  f"<p>{BYTES_NOTE}</p>" + html.table(_bytes_view(par), "bytes")
@@ -179,6 +179,24 @@ def _ivf_reason(dump, table: pd.DataFrame, par: pd.DataFrame, kinds: dict[str, s
     diag = pd.DataFrame([ivf_gap.diagnose(load_head(dump, layer, head, window), k, built.get("nlist") or None,
                                           built.get("seed", ivf_gap.SEED)) for layer, head in chosen])
     return findings.ivf_reason(diag, q.fraction, kk.fraction)
+
+
+def _pareto_note(kinds: dict[str, str]) -> str:
+    """What the Pareto table's cells mean, and why estimators are read by their output error instead."""
+    note = ("A head that never reaches the target counts as needing more than every key; (n/m) is how many of the "
+            "heads reach it.")
+    estimators = sorted(n for n, kind in kinds.items() if kind == "estimator")
+    if estimators:
+        note += (f" Estimators ({', '.join(estimators)}) return a weighted sample or cluster summaries beyond their "
+                 "exact ids, and recall counts only those ids (an estimator with no exact part has recall 0): compare "
+                 "them by attention-output error against bytes read (the figure and table below).")
+    return note
+
+
+def _best_attention_aware(par: pd.DataFrame, kinds: dict[str, str]) -> str | None:
+    """The attention-aware index that reaches recall 0.95 on Q→K with the fewest keys (median over heads)."""
+    aware = par[(par["direction"] == "q2k") & par["index"].map(lambda n: kinds.get(n) == "attention-aware")]
+    return None if aware.empty else str(aware.sort_values(["scan@0.95", "index"]).iloc[0]["index"])
 
 
 def _pareto_view(par: pd.DataFrame, kinds: dict[str, str]) -> pd.DataFrame:
@@ -239,15 +257,14 @@ def _md_table(df: pd.DataFrame) -> list[str]:
 AT_TARGET = "Each index at recall 0.95, head by head (Q→K): scanned fraction, bytes read, output error"
 
 
-def _markdown(dump, intro: str, found, pareto_view: pd.DataFrame, par: pd.DataFrame, maha: pd.DataFrame,
-              decay: pd.DataFrame, c: pd.DataFrame, k: int, at_target: list[str]) -> str:
+def _markdown(dump, intro: str, found, pareto_view: pd.DataFrame, pareto_note: str, par: pd.DataFrame,
+              maha: pd.DataFrame, decay: pd.DataFrame, c: pd.DataFrame, k: int, at_target: list[str]) -> str:
     lines = [f"# anns-lab report: {dump.model}, {dump.path.name}", "", intro, "",
              "An HTML version with sortable tables and a per-head table is `report.html` beside this file.", "",
              "## Findings against the paper", ""]
     lines += [f.markdown() for f in found]
     lines += ["", "## Least fraction of keys scanned to reach a recall target (median over heads)", "",
-              "A head that never reaches the target counts as needing more than every key; (n/m) is how many of the "
-              "heads reach it.", ""]
+              pareto_note, ""]
     lines += _md_table(pareto_view)
     lines += ["", "![recall vs scanned](recall_vs_scanned.png)", "",
               "## Least bytes of index data read per query to reach a recall target (Q→K, median over heads)", "",

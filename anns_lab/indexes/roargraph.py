@@ -109,11 +109,9 @@ def link_stranded(keys: np.ndarray, nbrs: np.ndarray, degree: np.ndarray, entrie
     # cost as much as the bipartite graph itself.
     pool = np.flatnonzero(reach)
     pool = pool[:: max(1, len(pool) // STRANDED_POOL)]
-    near = pool[topk_ip(keys[stranded], keys[pool], k)]
-    for t, row in zip(stranded, near):
-        row = row[row != t][:k]
-        nbrs[t, : len(row)] = row
-        degree[t] = len(row)
+    near = pool[topk_ip(keys[stranded], keys[pool], k)]  # a stranded key is unreachable, so never in the pool
+    nbrs[stranded, : near.shape[1]] = near
+    degree[stranded] = near.shape[1]
 
 
 class RoarGraphIndex(Index):

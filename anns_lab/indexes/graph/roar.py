@@ -9,10 +9,10 @@ import numpy as np
 from numba import njit
 
 from anns_lab.indexes.graph import Graph
-from anns_lab.indexes.graph.edges import group_by, incoming, merge_into_rows, proposals_by_row
+from anns_lab.indexes.graph.edges import incoming, merge_into_rows, proposals_by_row
 from anns_lab.indexes.graph.prune import prune_ordered, robust_prune
 from anns_lab.indexes.graph.search import search_one
-from anns_lab.indexes.graph.simd import dot
+from anns_lab.indexes.graph.simd import dot, dot_rows, prefetch_keys
 from anns_lab.indexes.graph.utils import run_chunks
 
 
@@ -30,13 +30,38 @@ class Bipartite(NamedTuple):
 def bipartite(knn: np.ndarray, weights: np.ndarray, n: int, max_rank: int, idf: float) -> Bipartite:
     """The :class:`Bipartite` of lists ``knn`` over n keys, ranks below ``max_rank``: for key p, the (query,
     rank) pairs with knn[query, rank] == p, sorted by rank, newest query first."""
-    m, P = knn.shape[0], min(max_rank, knn.shape[1])
-    ptr, order = group_by(np.ascontiguousarray(knn[::-1, :P].T).ravel(), n)  # rank-major, newest query first
-    occ_q, occ_r = (m - 1 - order % m).astype(np.int32), (order // m).astype(np.int32)
+    ptr, occ_q, occ_r = _occurrences(knn, min(max_rank, knn.shape[1]), n)
     key_weight = np.ones(n, np.float32)
     if idf > 0:  # down-weight keys that are in every list (sinks) in each pivot's candidate order
         key_weight = (np.diff(ptr).astype(np.float32) + 1.0) ** np.float32(-idf)
     return Bipartite(knn, np.ascontiguousarray(weights, np.float32), ptr, occ_q, occ_r, key_weight)
+
+
+@njit(cache=True, nogil=True)
+def _occurrences(knn, P, n):
+    """(ptr, occ_q, occ_r) of :class:`Bipartite` for the first P ranks of ``knn``: a counting sort by key, filled
+    rank-major, newest query first (so each key's pairs come sorted by rank, newest first); negative ids left out.
+    One pass to count and one to fill (no (m·P,) index array, as a generic group_by over the transpose needs)."""
+    m = knn.shape[0]
+    ptr = np.zeros(n + 1, np.int64)
+    for q in range(m):
+        for r in range(P):
+            if knn[q, r] >= 0:
+                ptr[knn[q, r] + 1] += 1
+    for v in range(n):
+        ptr[v + 1] += ptr[v]
+    fill = ptr[:-1].copy()
+    occ_q = np.empty(ptr[n], np.int32)
+    occ_r = np.empty(ptr[n], np.int32)
+    for r in range(P):
+        for q in range(m - 1, -1, -1):
+            v = knn[q, r]
+            if v >= 0:
+                i = fill[v]
+                occ_q[i] = q
+                occ_r[i] = r
+                fill[v] = i + 1
+    return ptr, occ_q, occ_r
 
 
 def project_rows(g: Graph, bip: Bipartite, sizes: tuple, alpha: float, n_threads: int, rows=None) -> None:
@@ -60,31 +85,36 @@ def _project_chunk(g, bip, rows, sizes, alpha, c, n_chunks):
     data, nbrs, degree = g
     n_pivots, n_sel, n_cand, max_cand, M = sizes
     n = data.shape[0]
-    acc = np.zeros(n, np.float32)
-    stamp = np.full(n, -1, np.int64)  # stamp[v] == p: v already a candidate of row p
+    acc = np.full(n, -1.0, np.float32)  # summed weights of row p's candidates; -1: not a candidate (weights are ≥ 0)
     touched = np.empty(n, np.int32)
+    # per-row scratch, allocated once per chunk (a row has at most n candidates)
+    uw, w, sim = np.empty(n, np.float32), np.empty(n, np.float32), np.empty(n, np.float32)
+    uid = np.empty(n, np.int32)
+    key = np.empty(n, np.float64)
     out = np.empty(M, np.int32)
     for ri in range(c, rows.shape[0], n_chunks):
         p = rows[ri]
         lo = hi = bip.ptr[p]
         while hi < min(bip.ptr[p + 1], lo + n_sel) and bip.occ_r[hi] < n_pivots:
             hi += 1
-        t = _co_occurrences(bip, p, lo, hi, min(n_cand, bip.knn.shape[1]), acc, stamp, touched)
+        t = _co_occurrences(bip, p, lo, hi, min(n_cand, bip.knn.shape[1]), acc, touched)
         if t == 0:
             degree[p] = 0
             continue
-        uw = acc[touched[:t]] * bip.key_weight[touched[:t]]
-        thr = np.partition(uw, t - max_cand)[t - max_cand] if t > max_cand else -np.inf
+        for i in range(t):
+            v = touched[i]
+            uw[i] = acc[v] * bip.key_weight[v]
+            acc[v] = -1.0  # reset by the touched list: one array read per update (was a stamp array beside it)
+        thr = np.partition(uw[:t], t - max_cand)[t - max_cand] if t > max_cand else -np.inf
         m = 0
-        uid = np.empty(t, np.int32)
-        key = np.empty(t, np.float64)
-        sim = np.empty(t, np.float32)
         for i in range(t):
             if uw[i] >= thr:
                 uid[m] = touched[i]
-                sim[m] = dot(data[p], data[touched[i]])
-                key[m] = -(uw[i] * 1e6 + sim[m] * 1e-3)  # weight first, similarity breaks ties
+                w[m] = uw[i]
                 m += 1
+        dot_rows(data[p], data, uid[:m], sim[:m])
+        for i in range(m):
+            key[i] = -(w[i] * 1e6 + sim[i] * 1e-3)  # weight first, similarity breaks ties
         o = np.argsort(key[:m], kind="mergesort")[: min(m, max_cand)]
         if alpha > 0:
             kept = prune_ordered(data, p, uid[o], sim[o], alpha, M, out, 0)
@@ -96,19 +126,20 @@ def _project_chunk(g, bip, rows, sizes, alpha, c, n_chunks):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _co_occurrences(bip, p, lo, hi, C, acc, stamp, touched):
-    """Merge the first C keys of the queries ``occ_q[lo:hi]`` by id into ``acc`` (summed query weights);
-    the distinct keys go to ``touched``; returns how many."""
+def _co_occurrences(bip, p, lo, hi, C, acc, touched):
+    """Merge the first C keys of the queries ``occ_q[lo:hi]`` by id into ``acc`` (summed query weights; entries
+    < 0 are keys not seen yet); the distinct keys go to ``touched``; returns how many."""
     t = 0
     for o in range(lo, hi):
         q = bip.occ_q[o]
         w = bip.weights[q]
+        if o + 1 < hi:  # the next query's list: a random row of a large array, fetched while this one is merged
+            prefetch_keys(bip.knn, bip.occ_q[o + 1:o + 2], 1)
         for j in range(C):
             v = bip.knn[q, j]
             if v == p:
                 continue
-            if stamp[v] != p:
-                stamp[v] = p
+            if acc[v] < 0:
                 acc[v] = 0.0
                 touched[t] = v
                 t += 1
@@ -196,6 +227,7 @@ def _gaps_chunk(data, knn, csr_in, out, c, n_chunks):
     m, depth = knn.shape
     mark = np.full(data.shape[0], -1, np.int64)  # mark[v] == q: v is in query q's list, at rank rk[v]
     rk = np.zeros(data.shape[0], np.int32)
+    sims = np.empty(depth, np.float32)
     for q in range(c, m, n_chunks):
         for r in range(depth):
             mark[knn[q, r]] = q
@@ -209,11 +241,11 @@ def _gaps_chunk(data, knn, csr_in, out, c, n_chunks):
                     break
             if reached:
                 continue
+            dot_rows(data[u], data, knn[q, :r], sims)
             best = -np.inf
             for s in range(r):
-                sim = dot(data[knn[q, s]], data[u])
-                if sim > best:
-                    best = sim
+                if sims[s] > best:
+                    best = sims[s]
                     out[q, r] = knn[q, s]
 
 

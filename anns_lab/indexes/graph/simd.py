@@ -1,4 +1,5 @@
-"""The two LLVM intrinsics under every graph kernel: a fixed-order SIMD inner product and a cache prefetch."""
+"""The LLVM intrinsics under every graph kernel: a fixed-order SIMD inner product (one pair, or one row against
+four at once with the same bits) and a cache prefetch."""
 
 from __future__ import annotations
 
@@ -11,6 +12,41 @@ from numba.extending import intrinsic, overload
 _LANES = 8  # float32 lanes of the explicit SIMD accumulator (one AVX register)
 
 
+def _emit_dots(context, builder, a, bs) -> list:
+    """IR of the inner products of the float32 array ``a`` with each of ``bs`` (same length), in :func:`_simd_dot`'s
+    order for every pair: lane j sums elements j, j+8, …; a fixed pairwise tree over the lanes; the tail in order.
+    Each pair has its own accumulator; ``a`` is loaded once for all of them."""
+    n = builder.extract_value(a.shape, 0)
+    vec = ir.VectorType(ir.FloatType(), _LANES)
+    width = ir.Constant(n.type, _LANES)
+    accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * _LANES)) for _ in bs]
+    n_vec = builder.udiv(n, width)
+    with cgutils.for_range(builder, n_vec) as loop:
+        i = builder.mul(loop.index, width)
+        x = builder.load(builder.bitcast(builder.gep(a.data, [i]), vec.as_pointer()), align=4)
+        for acc, b in zip(accs, bs):
+            y = builder.load(builder.bitcast(builder.gep(b.data, [i]), vec.as_pointer()), align=4)
+            builder.store(builder.fadd(builder.load(acc), builder.fmul(x, y)), acc)
+    totals = []
+    for acc in accs:
+        v = builder.load(acc)
+        lanes = [builder.extract_element(v, ir.Constant(ir.IntType(32), j)) for j in range(_LANES)]
+        while len(lanes) > 1:
+            half = len(lanes) // 2
+            lanes = [builder.fadd(lanes[j], lanes[j + half]) for j in range(half)]
+        totals.append(cgutils.alloca_once_value(builder, lanes[0]))
+    with cgutils.for_range_slice(builder, builder.mul(n_vec, width), n, ir.Constant(n.type, 1), inc=True) as (i, _):
+        x = builder.load(builder.gep(a.data, [i]))
+        for total, b in zip(totals, bs):
+            xy = builder.fmul(x, builder.load(builder.gep(b.data, [i])))
+            builder.store(builder.fadd(builder.load(total), xy), total)
+    return [builder.load(t) for t in totals]
+
+
+def _f32_rows(*xs) -> bool:
+    return all(isinstance(x, nbtypes.Array) and x.ndim == 1 and x.layout == "C" and x.dtype == nbtypes.float32 for x in xs)
+
+
 @intrinsic
 def _simd_dot(typingctx, a, b):
     """Inner product of two C-contiguous float32 vectors with an explicit 8-lane vector accumulator.
@@ -19,34 +55,28 @@ def _simd_dot(typingctx, a, b):
     pairwise tree over the lanes; then the tail in order) and carries no fast-math flags, so LLVM
     may not reorder it: every kernel that calls :func:`dot` gets the same bits, vectorised.
     """
-    if not all(isinstance(x, nbtypes.Array) and x.ndim == 1 and x.layout == "C" and x.dtype == nbtypes.float32
-               for x in (a, b)):
+    if not _f32_rows(a, b):
         return None
     sig = nbtypes.float32(a, b)
 
     def codegen(context, builder, signature, args):
-        va_ = context.make_array(signature.args[0])(context, builder, args[0])
-        vb_ = context.make_array(signature.args[1])(context, builder, args[1])
-        n = builder.extract_value(va_.shape, 0)
-        vec = ir.VectorType(ir.FloatType(), _LANES)
-        width = ir.Constant(n.type, _LANES)
-        acc = cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * _LANES))
-        n_vec = builder.udiv(n, width)
-        with cgutils.for_range(builder, n_vec) as loop:
-            i = builder.mul(loop.index, width)
-            x = builder.load(builder.bitcast(builder.gep(va_.data, [i]), vec.as_pointer()), align=4)
-            y = builder.load(builder.bitcast(builder.gep(vb_.data, [i]), vec.as_pointer()), align=4)
-            builder.store(builder.fadd(builder.load(acc), builder.fmul(x, y)), acc)
-        v = builder.load(acc)
-        lanes = [builder.extract_element(v, ir.Constant(ir.IntType(32), j)) for j in range(_LANES)]
-        while len(lanes) > 1:
-            half = len(lanes) // 2
-            lanes = [builder.fadd(lanes[j], lanes[j + half]) for j in range(half)]
-        total = cgutils.alloca_once_value(builder, lanes[0])
-        with cgutils.for_range_slice(builder, builder.mul(n_vec, width), n, ir.Constant(n.type, 1), inc=True) as (i, _):
-            xy = builder.fmul(builder.load(builder.gep(va_.data, [i])), builder.load(builder.gep(vb_.data, [i])))
-            builder.store(builder.fadd(builder.load(total), xy), total)
-        return builder.load(total)
+        arrs = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args)]
+        return _emit_dots(context, builder, arrs[0], arrs[1:])[0]
+
+    return sig, codegen
+
+
+@intrinsic
+def _simd_dot4(typingctx, a, b0, b1, b2, b3):
+    """The four inner products ``a``·``b_j``, each bit for bit :func:`_simd_dot`'s: one load of ``a`` feeds four
+    independent accumulators (a lone dot waits on its one accumulator's add latency)."""
+    if not _f32_rows(a, b0, b1, b2, b3):
+        return None
+    sig = nbtypes.UniTuple(nbtypes.float32, 4)(a, b0, b1, b2, b3)
+
+    def codegen(context, builder, signature, args):
+        arrs = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args)]
+        return context.make_tuple(builder, signature.return_type, _emit_dots(context, builder, arrs[0], arrs[1:]))
 
     return sig, codegen
 
@@ -103,6 +133,24 @@ def dot(a: np.ndarray, b: np.ndarray) -> float:
     bit. Non-contiguous inputs use the sequential sum.
     """
     return _dot_any(a, b)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def dot4(a: np.ndarray, b0: np.ndarray, b1: np.ndarray, b2: np.ndarray, b3: np.ndarray) -> tuple:
+    """(a·b0, a·b1, a·b2, a·b3) for C-contiguous float32 rows, each equal bit for bit to :func:`dot`'s; 1.5x the
+    throughput of four dots at d = 256 (``train_lists``'s re-rank, measured in BENCHMARKS "Scale")."""
+    return _simd_dot4(a, b0, b1, b2, b3)
+
+
+@njit(cache=True, nogil=True)
+def dot_rows(a: np.ndarray, data: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
+    """``out[i] = dot(a, data[ids[i]])`` for every i, four rows per :func:`dot4` (the same bits as one dot each)."""
+    m = ids.shape[0]
+    for i in range(0, m - 3, 4):
+        out[i], out[i + 1], out[i + 2], out[i + 3] = dot4(a, data[ids[i]], data[ids[i + 1]], data[ids[i + 2]],
+                                                          data[ids[i + 3]])
+    for i in range(m - m % 4, m):
+        out[i] = dot(a, data[ids[i]])
 
 
 @njit(cache=True, nogil=True, inline="always")

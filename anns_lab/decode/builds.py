@@ -1,0 +1,132 @@
+"""A decode's index builds: one :class:`LayerStore` per long-range layer, built after the prefill or while it runs.
+
+A long-range layer's keys, values and queries are complete once the prompt's last chunk has passed that
+layer, while the later layers of that chunk still compute. :class:`EarlyBuilds` starts each such layer's
+builds (every index mode's) on a worker thread at that moment, so the build time that overlaps the prefill is
+hidden from the time to first token. The stores are the ones :func:`build_stores` makes after the prefill
+(same inputs, same builds): decoding is bit-identical either way. Only the prefill's last chunk overlaps: an
+earlier chunk leaves every layer incomplete (a layer-major prefill would let layer L's build start after
+L + 1 of the layers' passes over the whole prompt).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from anns_lab.decode.placement import IndexPlan, LayerStore
+
+
+def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, settings, queries: np.ndarray | None) -> LayerStore:
+    """The layer's CPU store of its non-window prefill keys/values (read from ``cache``, ``n_ids`` tokens long),
+    with its indexes built from the layer's prefill ``queries`` (H, t, d)."""
+    lo, hi = settings.window.outside(n_ids)
+    layer_cache = cache.layers[layer]
+    keys = layer_cache.keys[0, :, lo:hi].to("cpu", torch.float32).numpy()
+    values = layer_cache.values[0, :, lo:hi].to("cpu", torch.float32).numpy()
+    store = LayerStore(layer, lm.config.num_attention_heads, keys, values, settings.topk, plan, settings.add_batch,
+                       settings.steps)
+    queries = _subsample(queries, settings.train_queries)
+    store.build(queries, _device_lists(lm, plan, queries, layer_cache.keys[0, :, lo:hi], settings))
+    return store
+
+
+def build_stores(lm, pre, mode, settings) -> tuple[dict[int, LayerStore], list[str], float]:
+    """One LayerStore per long-range layer of ``mode``, built after the prefill ``pre``: (stores, notes, seconds)."""
+    t0 = time.perf_counter()
+    stores = {layer: layer_store(lm, pre.cache, len(pre.ids), layer, mode.plan_for(layer), settings, pre.queries.get(layer))
+              for layer in lm.long_range_layers}
+    return stores, store_notes(stores), time.perf_counter() - t0
+
+
+def store_notes(stores: dict[int, LayerStore]) -> list[str]:
+    first = next(iter(stores.values()), None)
+    if first is not None and first.indexes and not first.supports_add:
+        return [f"{first.plan.name} has no add(): tokens leaving the window are kept exactly in a CPU side-buffer"]
+    return []
+
+
+class EarlyBuilds:
+    """The index modes' stores, built on one worker thread from the moment the prefill's last chunk passes each layer.
+
+    ``layer_done(layer)`` (from the attention hook, prefill thread) queues that layer's builds, mode by mode;
+    ``prefill_done()`` marks the end of the prefill; ``take(mode)`` waits for that mode's stores and returns
+    them with the wall seconds of its builds and the part of those that ran before the prefill ended (hidden).
+    Builds run one at a time, so each mode's seconds are its own builds' (a later mode's builds wait for the
+    earlier ones without that wait being counted: as if it were the only mode).
+    """
+
+    def __init__(self, lm, n_ids: int, modes: list, settings, cache, queries_of):
+        self.lm, self.n_ids, self.modes, self.settings, self.cache = lm, n_ids, modes, settings, cache
+        self.queries_of = queries_of  # layer -> (H, t, d) prefill queries or None, once the layer is complete
+        self.jobs: dict[str, dict[int, Future]] = {m.name: {} for m in modes}
+        self.prefill_end: float | None = None
+        self.ready_at: dict[int, float] = {}  # perf_counter when each layer was complete and its builds queued
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="anns-early-build")
+
+    def layer_done(self, layer: int) -> None:
+        self.ready_at[layer] = time.perf_counter()
+        queries = self.queries_of(layer)
+        for mode in self.modes:
+            self.jobs[mode.name][layer] = self._pool.submit(self._build, layer, mode.plan_for(layer), queries)
+
+    def _build(self, layer: int, plan, queries) -> tuple[LayerStore, float, float]:
+        t0 = time.perf_counter()
+        with torch.inference_mode():  # the prefill's tensors are inference tensors (mode is per thread)
+            store = layer_store(self.lm, self.cache, self.n_ids, layer, plan, self.settings, queries)
+        return store, t0, time.perf_counter()
+
+    def prefill_done(self) -> None:
+        self.prefill_end = time.perf_counter()
+
+    def wait(self) -> None:
+        """Block until every queued build has finished (decoding must not share the CPU with them); re-raises a build's error."""
+        for jobs in self.jobs.values():
+            for f in jobs.values():
+                f.result()
+        self.close()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def has(self, name: str) -> bool:
+        return bool(self.jobs.get(name))
+
+    def take(self, name: str) -> tuple[dict[int, LayerStore], list[str], float, float]:
+        """(stores, notes, build seconds, of which hidden behind the prefill) of mode ``name``; its jobs are handed
+        over once (a second run of the mode builds afresh)."""
+        jobs = self.jobs.pop(name)
+        done = {layer: f.result() for layer, f in sorted(jobs.items())}
+        stores = {layer: d[0] for layer, d in done.items()}
+        end = self.prefill_end if self.prefill_end is not None else float("inf")
+        total = sum(t1 - t0 for _, t0, t1 in done.values())
+        hidden = sum(max(0.0, min(t1, end) - t0) for _, t0, t1 in done.values())
+        return stores, store_notes(stores), total, hidden
+
+
+def _device_lists(lm, plan, queries: np.ndarray | None, keys: torch.Tensor, settings) -> np.ndarray | None:
+    """The training queries' top lists computed where the keys are (``device_lists``), for an index that takes
+    them, when ``settings.lists_on_device`` (default: the model is on CUDA); else None (the build computes them)."""
+    on = settings.lists_on_device if settings.lists_on_device is not None else torch.device(lm.model.device).type == "cuda"
+    if not on or plan is None or queries is None:
+        return None
+    from anns_lab.indexes import registry
+
+    cls = registry.get(plan.name)
+    if not (cls.uses_train_queries and cls.accepts_train_topk):
+        return None
+    from anns_lab.decode.device_lists import train_topk
+
+    width = cls.train_topk_width(keys.shape[1], **plan.build_params)
+    return train_topk(queries, keys, width, queries.shape[0] // keys.shape[0])
+
+
+def _subsample(queries: np.ndarray | None, n: int) -> np.ndarray | None:
+    """At most ``n`` prefill queries (H, t, d), evenly spaced and always including the last one."""
+    if queries is None or n <= 0 or queries.shape[1] <= n:
+        return queries
+    pick = np.linspace(queries.shape[1] - 1, 0, n).round().astype(np.int64)[::-1]
+    return np.ascontiguousarray(queries[:, pick])
