@@ -5,8 +5,9 @@
 Prefills SmolLM2 on ``--context`` tokens of the offline text, decodes ``--new-tokens`` greedy tokens in
 one index mode (tokens leave the window and are added every ``--add-batch``), then reports the bytes of
 distinct key buffers held by the layer stores and their indexes (each buffer counted once, however many
-arrays view it) and the process's resident set (VmRSS, after gc). Runs on any commit of the lab that has
-``decode.engine.prefill/run_mode``: point ``PYTHONPATH`` at an older tree to measure it in the same way.
+arrays view it), of the stores' value buffers, and the process's resident set (VmRSS, after gc). Runs on
+any commit of the lab that has ``decode.engine.prefill/run_mode``: point ``PYTHONPATH`` at an older tree to
+measure it in the same way.
 """
 
 from __future__ import annotations
@@ -72,11 +73,12 @@ def main() -> None:
     run = engine.run_mode(lm, pre, engine.Mode(a.mode, IndexPlan(a.mode)), settings, a.new_tokens)
     gc.collect()
     own, extra = key_bytes(run.stores)
+    value_bytes = sum({id(_root(s.values)): _root(s.values).nbytes for s in run.stores.values()}.values())
     n_indexed = next(iter(run.stores.values())).n_indexed
     print(f"{anns_lab.__file__}\nSmolLM2 context {a.context} + {len(run.tokens)} new tokens, {a.mode}, "
           f"{n_indexed} keys indexed per layer, {time.perf_counter() - t0:.0f} s")
     print(f"key buffers: stores {own / 2**20:.1f} MiB, indexes' own copies {extra / 2**20:.1f} MiB; "
-          f"VmRSS {rss_mib():.0f} MiB")
+          f"value buffers {value_bytes / 2**20:.1f} MiB; VmRSS {rss_mib():.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ attention, merge and everything else, and tokens/s.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -141,6 +142,7 @@ def run_sample(lm, modes: list[Mode], settings: Settings, ids: list[int], max_ne
 
 def _run_prompts(lm, modes, settings, prompts, max_new, task, progress, executor=None) -> dict:
     """Every prompt (here, or through ``executor.map_samples``), scored and merged into one result."""
+    settings = dataclasses.replace(settings, steps=max_new)  # the CPU stores' room for the tokens to come
     check_memory(lm, modes, settings, max(len(ids) for ids, _ in prompts) + max_new, settings.build_during_prefill)
     stops = stop_ids(lm)
     per_mode = {m.name: {"runs": [], "samples": []} for m in modes}
@@ -196,6 +198,7 @@ def run_fidelity(lm, modes: list[Mode], settings: Settings, context: int, positi
     check_context(lm, context + steps, allow_extrapolation)
     check_window(settings, context, modes, steps)
     check_memory(lm, modes, settings, context + steps)
+    settings = dataclasses.replace(settings, steps=steps)
     ids = build_prompt("text", lm.tokenizer, context + positions).ids
     say = progress or (lambda line: None)
     say(f"  prefill: {context} tokens through {lm.name} ...")
