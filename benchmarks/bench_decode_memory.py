@@ -13,6 +13,7 @@ measure it in the same way.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import time
 
@@ -65,7 +66,9 @@ def main() -> None:
         window = {"window": Window(128, 512)}
     except ImportError:  # a tree from before the Window value
         window = {"sink": 128, "recent": 512}
-    settings = engine.Settings(**window, topk=100, add_batch=a.add_batch, chunk=2048)
+    # Room for the run's tokens, as the decoder's runner reserves it (trees before that field: their own rule).
+    steps = {"steps": a.new_tokens} if "steps" in {f.name for f in dataclasses.fields(engine.Settings)} else {}
+    settings = engine.Settings(**window, topk=100, add_batch=a.add_batch, chunk=2048, **steps)
     lm = load_model("smollm2")
     ids = build_prompt("text", lm.tokenizer, a.context).ids
     t0 = time.perf_counter()
