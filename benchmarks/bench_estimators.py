@@ -96,7 +96,7 @@ def per_head_markdown(best: pd.DataFrame, exact: str = "flat") -> list[str]:
     """Markdown, one row per head: the exact top-k's error, each top-k index's least error within 0.1× of a scan,
     each estimator's within 0.25× / 0.5×, and the estimators' best over the exact top-k's error at 0.25×."""
     cell = lambda v: "–" if not np.isfinite(v) else f"{v:.4f}"  # noqa: E731
-    err = best.set_index(["layer", "head", "index", "budget"])["error"]
+    err = best.set_index(["layer", "head", "index", "budget"])["error"].to_dict()
     names = sorted(best["index"].unique())
     est = [n for n in names if registry.get(n).estimates]
     topk = [n for n in names if n != exact and n not in est]
@@ -104,10 +104,11 @@ def per_head_markdown(best: pd.DataFrame, exact: str = "flat") -> list[str]:
              + " | ".join(f"{n} ≤ 0.25× / 0.5×" for n in est) + " | best estimator ≤ 0.25× / top-k error |",
              "|---|---|" + "---|" * (len(topk) + len(est) + 1)]
     for (layer, head), _ in best.groupby(["layer", "head"], sort=True):
-        ref = err[(layer, head, exact, 1.0)]
-        cells = [cell(err[(layer, head, n, 0.1)]) for n in topk]
-        cells += [f"{cell(err[(layer, head, n, 0.25)])} / {cell(err[(layer, head, n, 0.5)])}" for n in est]
-        low = min(err[(layer, head, n, 0.25)] for n in est)
+        e = lambda n, b: err.get((layer, head, n, b), np.nan)  # noqa: E731  (NaN: not swept on this head)
+        ref = e(exact, 1.0)
+        cells = [cell(e(n, 0.1)) for n in topk]
+        cells += [f"{cell(e(n, 0.25))} / {cell(e(n, 0.5))}" for n in est]
+        low = min((e(n, 0.25) for n in est), default=np.nan)
         lines.append(f"| {layer}, {head} | {ref:.4f} | " + " | ".join(cells) + f" | {low / ref:.2f} |")
     return lines
 
