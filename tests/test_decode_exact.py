@@ -111,7 +111,7 @@ def test_topk_covering_every_key_equals_full_attention(prefilled, name):
 
 def test_tokens_leaving_the_window_are_inserted_and_found(prefilled):
     lm, pre, full = prefilled
-    settings = Settings(Window(4, 8), topk=PROMPT + STEPS - 12, add_batch=1, chunk=24)
+    settings = Settings(Window(4, 8), topk=PROMPT + STEPS - 12, add_batch=1, chunk=24, steps=STEPS)
     run = run_mode(lm, pre, Mode("flat", IndexPlan("flat")), settings, STEPS, keep_logits=True)
     for a, b in zip(run.logits, full.logits):
         assert _rel(a, b) < 1e-4
@@ -121,9 +121,28 @@ def test_tokens_leaving_the_window_are_inserted_and_found(prefilled):
         assert store.n_rows == last - settings.window.sink - settings.window.recent
         assert store.n_indexed == store.n_rows
         assert store.indexes[0].n_keys == store.n_rows
+        # Sized for the prompt's rows plus one per step at the start, so it never had to grow.
+        assert store.keys.shape[1] == store.values.shape[1] == PROMPT - 12 + STEPS
     from anns_lab.decode.engine import summarize
 
     assert summarize(run)["insert_ms"] > 0  # the insert is timed on its own, not hidden in another part
+
+
+def test_store_grows_past_its_reserve_and_keeps_every_row():
+    from anns_lab.decode.placement import LayerStore
+
+    rng = np.random.default_rng(5)
+    keys, values = rng.standard_normal((2, 40, 8), np.float32), rng.standard_normal((2, 40, 8), np.float32)
+    store = LayerStore(0, 4, keys, values, topk=5, plan=IndexPlan("flat"), add_batch=3, reserve=2)
+    store.build(None)
+    assert store.keys.shape[1] == 42
+    new_k, new_v = rng.standard_normal((2, 7, 8), np.float32), rng.standard_normal((2, 7, 8), np.float32)
+    for t in range(7):  # one token per step, as the decoder appends them
+        store.extend(new_k[:, t:t + 1], new_v[:, t:t + 1])
+    assert store.n_rows == 47 and store.keys.shape[1] >= 47
+    np.testing.assert_array_equal(store.keys[:, :47], np.concatenate([keys, new_k], axis=1))
+    np.testing.assert_array_equal(store.values[:, :47], np.concatenate([values, new_v], axis=1))
+    assert store.n_indexed == 46 and store.indexes[0].n_keys == 46  # two full batches of 3 inserted
 
 
 def test_index_without_add_keeps_leaving_tokens_in_a_side_buffer(prefilled, monkeypatch):

@@ -27,7 +27,8 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
     layer_cache = cache.layers[layer]
     keys = layer_cache.keys[0, :, lo:hi].to("cpu", torch.float32).numpy()
     values = layer_cache.values[0, :, lo:hi].to("cpu", torch.float32).numpy()
-    store = LayerStore(layer, lm.config.num_attention_heads, keys, values, settings.topk, plan, settings.add_batch)
+    store = LayerStore(layer, lm.config.num_attention_heads, keys, values, settings.topk, plan, settings.add_batch,
+                       settings.steps)
     queries = _subsample(queries, settings.train_queries)
     store.build(queries, _device_lists(lm, plan, queries, layer_cache.keys[0, :, lo:hi], settings))
     return store

@@ -5,12 +5,17 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from anns_lab.cli_types import WINDOW
 from anns_lab.dumps.tasks import TASKS
 from anns_lab.errors import DecodeError
+from anns_lab.io import atomic_write_bytes
+
+if TYPE_CHECKING:
+    from anns_lab.decode.engine import Mode, Settings
 
 
 def default_device() -> str:
@@ -62,51 +67,24 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
            seed, max_new_tokens, positions, free_tokens, chunk, build_during_prefill, from_sweep, target_recall, device, torch_threads,
            allow_extrapolation, executor, address, cpus_per_task, json_path):
     """Generate with RetrievalAttention: static window on the accelerator + retrieved keys from a CPU index."""
-    from anns_lab.decode import modes as modes_mod
     from anns_lab.decode import runner
-    from anns_lab.decode.engine import Mode, Settings
+    from anns_lab.decode.engine import Settings
 
     settings = Settings(window=window, topk=topk, add_batch=add_batch, chunk=chunk, train_queries=train_queries,
                         build_during_prefill=build_during_prefill)
-    if topk < 1:
-        raise DecodeError(f"--topk must be at least 1, got {topk}")
-    if add_batch < 1 or chunk < 1:
-        raise DecodeError("--add-batch and --chunk must be at least 1")
-    if evaluation == "task" and (task is None) == (prompt is None):
-        raise DecodeError("give exactly one of --task NAME or --prompt TEXT (or --eval fidelity)")
-    if executor == "ray" and evaluation == "fidelity":
-        raise DecodeError("--executor ray runs task and prompt evaluations (a task per sample); --eval fidelity is "
-                          "one prefill and runs here")
-    if executor == "local" and address is not None:
-        raise DecodeError("--address is for --executor ray")
-    if task is not None and task not in TASKS:
-        raise DecodeError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
-    if from_sweep:  # the sweep's pick takes the place of the default index; modes named explicitly stay
-        modes = ",".join(t for t in modes.split(",") if t.strip() not in ("default", "")) or "full"
-    mode_list = modes_mod.parse_modes(modes, modes_mod.parse_params(params),
-                                      modes_mod.parse_params(build_params, "--build-param"))
-    from anns_lab.dumps.models import load_model
-
+    _check_options(settings, evaluation, task, prompt, executor, address)
+    mode_list = _parse_mode_list(modes, params, build_params, from_sweep)
     device = device or default_device()
-    if torch_threads > 0:
-        import torch
-
-        torch.set_num_threads(torch_threads)
-    lm = load_model(model, device=device)
+    lm = _load(model, device, torch_threads)
     if from_sweep:
-        picked, lines = modes_mod.pick_from_sweep(from_sweep, lm.name, target_recall, lm.long_range_layers)
-        click.echo("\n".join(lines))
-        mode_list = mode_list + [picked]
-        if not any(m.name == "full" for m in mode_list):
-            mode_list.insert(0, Mode("full"))
+        mode_list = _with_sweep_pick(mode_list, from_sweep, lm, target_recall)
 
     def progress(line: str) -> None:
         click.echo(line, err=True)
 
     remote = None
     if evaluation == "fidelity":
-        if not any(m.name == "full" for m in mode_list):
-            mode_list.insert(0, Mode("full"))
+        mode_list = _with_full(mode_list)
         result = runner.run_fidelity(lm, mode_list, settings, context, positions, free_tokens, allow_extrapolation,
                                      progress)
     else:
@@ -124,23 +102,97 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
         finally:
             if remote is not None:
                 remote.close()
-    result |= {"model": lm.name, "device": remote.device if remote else device, "executor": executor,
-               "settings": {"sink": window.sink, "recent": window.recent, "topk": topk,
-               "add_batch": add_batch, "chunk": chunk, "train_queries": train_queries,
-               "build_during_prefill": build_during_prefill},
-               "plans": {m.name: ({"default": m.plan.describe(), **{str(k): p.describe() for k, p in m.per_layer.items()}}
-                                  if m.plan else None) for m in mode_list}}
-    click.echo(f"{lm.name}  {result['task']}  context {result['context']}  device {result['device']}  "
-               f"window {window.sink}+{window.recent}  top-k {topk}")
+    result |= _run_description(lm.name, remote.device if remote else device, executor, settings, mode_list)
+    _print_result(result, settings, prompt is not None)
+    if json_path:
+        _write_json(Path(json_path), result)
+    sys.stdout.flush()
+
+
+def _check_options(settings: Settings, evaluation: str, task: str | None, prompt: str | None, executor: str,
+                   address: str | None) -> None:
+    """Refuse inconsistent options before anything is loaded, one :class:`DecodeError` each."""
+    if settings.topk < 1:
+        raise DecodeError(f"--topk must be at least 1, got {settings.topk}")
+    if settings.add_batch < 1 or settings.chunk < 1:
+        raise DecodeError("--add-batch and --chunk must be at least 1")
+    if evaluation == "task" and (task is None) == (prompt is None):
+        raise DecodeError("give exactly one of --task NAME or --prompt TEXT (or --eval fidelity)")
+    if executor == "ray" and evaluation == "fidelity":
+        raise DecodeError("--executor ray runs task and prompt evaluations (a task per sample); --eval fidelity is "
+                          "one prefill and runs here")
+    if executor == "local" and address is not None:
+        raise DecodeError("--address is for --executor ray")
+    if task is not None and task not in TASKS:
+        raise DecodeError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
+
+
+def _parse_mode_list(modes: str, params: tuple[str, ...], build_params: tuple[str, ...],
+                     from_sweep: str | None) -> list[Mode]:
+    """The modes of ``--mode`` with their parameters; with ``--from-sweep`` the sweep's pick replaces 'default'."""
+    from anns_lab.decode import modes as modes_mod
+
+    if from_sweep:  # modes named explicitly stay
+        modes = ",".join(t for t in modes.split(",") if t.strip() not in ("default", "")) or "full"
+    return modes_mod.parse_modes(modes, modes_mod.parse_params(params),
+                                 modes_mod.parse_params(build_params, "--build-param"))
+
+
+def _load(model: str, device: str, torch_threads: int):
+    """The model on ``device``, torch limited to ``torch_threads`` CPU threads when > 0."""
+    from anns_lab.dumps.models import load_model
+
+    if torch_threads > 0:
+        import torch
+
+        torch.set_num_threads(torch_threads)
+    return load_model(model, device=device)
+
+
+def _with_full(mode_list: list[Mode]) -> list[Mode]:
+    """``mode_list`` with ``full`` first when it is missing (the reference of fidelity and of a sweep's pick)."""
+    from anns_lab.decode.engine import Mode
+
+    return mode_list if any(m.name == "full" for m in mode_list) else [Mode("full"), *mode_list]
+
+
+def _with_sweep_pick(mode_list: list[Mode], from_sweep: str, lm, target_recall: float) -> list[Mode]:
+    """Add the sweep's pick for ``lm`` (and ``full``), printing what was picked and why."""
+    from anns_lab.decode import modes as modes_mod
+
+    picked, lines = modes_mod.pick_from_sweep(from_sweep, lm.name, target_recall, lm.long_range_layers)
+    click.echo("\n".join(lines))
+    return _with_full(mode_list + [picked])
+
+
+def _run_description(model: str, device: str, executor: str, settings: Settings, mode_list: list[Mode]) -> dict:
+    """What the result records about the run besides its numbers: model, device, settings, each mode's plan."""
+    return {"model": model, "device": device, "executor": executor,
+            "settings": {"sink": settings.window.sink, "recent": settings.window.recent, "topk": settings.topk,
+                         "add_batch": settings.add_batch, "chunk": settings.chunk, "train_queries": settings.train_queries,
+                         "build_during_prefill": settings.build_during_prefill},
+            "plans": {m.name: ({"default": m.plan.describe(), **{str(k): p.describe() for k, p in m.per_layer.items()}}
+                               if m.plan else None) for m in mode_list}}
+
+
+def _print_result(result: dict, settings: Settings, prompt: bool) -> None:
+    """The headline, the per-mode table, each mode's notes and, for a free prompt, each mode's answer."""
+    from anns_lab.decode import runner
+
+    w = settings.window
+    click.echo(f"{result['model']}  {result['task']}  context {result['context']}  device {result['device']}  "
+               f"window {w.sink}+{w.recent}  top-k {settings.topk}")
     click.echo(runner.table(result))
     for name, m in result["modes"].items():
         for note in m.get("notes", []):
             click.echo(f"note ({name}): {note}")
-    if prompt is not None:
+    if prompt:
         for name, m in result["modes"].items():
             click.echo(f"[{name}] {m['samples'][0]['answer']}")
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(result, indent=1, default=float))
-        click.echo(f"wrote {json_path}", err=True)
-    sys.stdout.flush()
+
+
+def _write_json(path: Path, result: dict) -> None:
+    """The full result as JSON, written atomically (numpy scalars as floats)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, json.dumps(result, indent=1, default=float).encode("utf-8"))
+    click.echo(f"wrote {path}", err=True)

@@ -60,6 +60,7 @@ class Settings:
     train_queries: int = 0  # prefill queries given to attention-aware indexes, evenly strided (0 = all)
     lists_on_device: bool | None = None  # training lists of the indexes on the accelerator (None: when it is CUDA)
     build_during_prefill: bool = True  # start a layer's index builds once the prompt's last chunk has passed it (builds.EarlyBuilds)
+    steps: int = 64  # decode steps of a mode at most: the CPU stores reserve a row per step past the prompt's
 
 
 @dataclass

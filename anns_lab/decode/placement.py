@@ -59,11 +59,14 @@ class LayerStore:
     """CPU keys/values of one layer outside the static window, with the layer's indexes."""
 
     def __init__(self, layer: int, n_heads: int, keys: np.ndarray, values: np.ndarray, topk: int,
-                 plan: IndexPlan | None, add_batch: int):
+                 plan: IndexPlan | None, add_batch: int, reserve: int = 64):
+        """``reserve``: rows to allocate beyond the prompt's for tokens that will leave the window (the decoder
+        passes its number of steps); a longer run grows the buffers by doubling (``KeyStore.append``)."""
         self.layer = layer
         self.n_heads = n_heads
         self.group = n_heads // keys.shape[0]
-        cap = max(16, 2 * keys.shape[1])
+        # At least one spare row, so that the store always copies: the caller's arrays may view the model's cache.
+        cap = max(16, keys.shape[1] + max(1, reserve))
         # The one copy of the layer's CPU keys: the indexes are built on its heads and read them there.
         self.key_store, self.value_store = KeyStore(keys, cap), KeyStore(values, cap)
         self.n_indexed = 0

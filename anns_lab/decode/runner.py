@@ -7,6 +7,7 @@ attention, merge and everything else, and tokens/s.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -141,6 +142,7 @@ def run_sample(lm, modes: list[Mode], settings: Settings, ids: list[int], max_ne
 
 def _run_prompts(lm, modes, settings, prompts, max_new, task, progress, executor=None) -> dict:
     """Every prompt (here, or through ``executor.map_samples``), scored and merged into one result."""
+    settings = dataclasses.replace(settings, steps=max_new)  # the CPU stores' room for the tokens to come
     check_memory(lm, modes, settings, max(len(ids) for ids, _ in prompts) + max_new, settings.build_during_prefill)
     stops = stop_ids(lm)
     per_mode = {m.name: {"runs": [], "samples": []} for m in modes}
@@ -196,6 +198,7 @@ def run_fidelity(lm, modes: list[Mode], settings: Settings, context: int, positi
     check_context(lm, context + steps, allow_extrapolation)
     check_window(settings, context, modes, steps)
     check_memory(lm, modes, settings, context + steps)
+    settings = dataclasses.replace(settings, steps=steps)
     ids = build_prompt("text", lm.tokenizer, context + positions).ids
     say = progress or (lambda line: None)
     say(f"  prefill: {context} tokens through {lm.name} ...")
@@ -275,27 +278,26 @@ LEGEND = {
 }
 
 
+def cell(summary: dict, key: str, fmt: str) -> str:
+    """One mode's ``key`` as the table prints it (``fmt`` from :data:`COLUMNS`; bytes in KiB or MiB; '-' when missing)."""
+    v = summary.get(key)
+    if key == "device_kv_bytes" and v is not None:
+        v = v / 2**20
+    if key == "bytes_read_per_token" and v is not None:
+        v = v / 2**10
+    if isinstance(v, (list, tuple)):
+        return fmt.format(*v)
+    if fmt.endswith("%}") and v is not None:
+        return fmt.format(v)
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+
+
 def table(result: dict) -> str:
     """The per-mode summary as a fixed-width text table (modes as rows) with a legend of its columns."""
     rows = [(name, m["summary"]) for name, m in result["modes"].items()]
     cols = [c for c in COLUMNS if any(s.get(c[0]) is not None for _, s in rows)]
     head = ["mode"] + [c[1] for c in cols]
-    body = []
-    for name, s in rows:
-        cells = [name]
-        for key, _, fmt in cols:
-            v = s.get(key)
-            if key == "device_kv_bytes" and v is not None:
-                v = v / 2**20
-            if key == "bytes_read_per_token" and v is not None:
-                v = v / 2**10
-            if isinstance(v, (list, tuple)):
-                cells.append(fmt.format(*v))
-            elif fmt.endswith("%}") and v is not None:
-                cells.append(fmt.format(v))
-            else:
-                cells.append("-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v))
-        body.append(cells)
+    body = [[name] + [cell(s, key, fmt) for key, _, fmt in cols] for name, s in rows]
     widths = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
     line = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
     # A column without a legend entry still prints (tests/test_decode_cli.py asks for every entry).

@@ -21,11 +21,12 @@ _SKIP_PARTS = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "ensurepip",
 _MIN_DOCSTRING_CHARS = 300
 
 
-def _stdlib_docstrings() -> list[str]:
-    root = Path(sysconfig.get_paths()["stdlib"])
+def docstrings_under(root: Path, skip_parts: set[str] = _SKIP_PARTS, min_chars: int = _MIN_DOCSTRING_CHARS) -> list[str]:
+    """The docstrings (module, class, function) of at least ``min_chars`` characters of every ``*.py`` under
+    ``root``, in sorted path order, skipping files under a folder named in ``skip_parts``."""
     out: list[str] = []
     for path in sorted(root.rglob("*.py")):
-        if _SKIP_PARTS.intersection(path.relative_to(root).parts):
+        if skip_parts.intersection(path.relative_to(root).parts):
             continue
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -34,7 +35,7 @@ def _stdlib_docstrings() -> list[str]:
         for node in ast.walk(tree):
             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 doc = ast.get_docstring(node)
-                if doc and len(doc) >= _MIN_DOCSTRING_CHARS:
+                if doc and len(doc) >= min_chars:
                     out.append(doc.strip())
     return out
 
@@ -50,7 +51,7 @@ def corpus() -> str:
     from pydoc_data.topics import topics
 
     parts = [topics[key].strip() for key in sorted(topics)]
-    parts += _stdlib_docstrings()
+    parts += docstrings_under(Path(sysconfig.get_paths()["stdlib"]))
     text = "\n\n".join(parts)
     cached.parent.mkdir(parents=True, exist_ok=True)
     tmp = cached.with_suffix(f".{os.getpid()}.tmp")

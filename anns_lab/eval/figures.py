@@ -133,9 +133,14 @@ def recall_vs_bytes(curves: pd.DataFrame, k: int, kinds: dict[str, str]) -> byte
                 continue
             st, exact = styles[name], kinds.get(name) == "exact"
             f = frontier(c[c["index"] == name], "bytes_read", y, lower_is_better=lower)
+            # The attention-aware index is drawn over the key-only ones, whose error curves pile up on the same floor.
             ax.plot(f["bytes_read"], f[y], color=st["color"], marker=st["marker"], ms=13 if exact else 5,
-                    mfc="none" if exact else st["color"], mew=2 if exact else 1, zorder=5 if exact else 3,
-                    lw=1.6, label=st["label"])
+                    mfc="none" if exact else st["color"], mew=2 if exact else 1,
+                    zorder=5 if exact else 4 if kinds.get(name) == "attention-aware" else 3, lw=1.6, label=st["label"])
+            if exact and y == "output_rel_error" and len(f):
+                # Every top-k set's error stops at the exact top-k's: the line estimators must get under.
+                ax.axhline(float(f[y].min()), color=st["color"], ls=":", lw=1.2, zorder=2,
+                           label=f"exact top-{k} error ({name})")
         if (c["bytes_read"] > 0).any():
             ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(NullFormatter())

@@ -212,6 +212,49 @@ def link_descent(g: Graph, knn: np.ndarray, depth: int, per_key: int, prune: tup
     return len(qi)
 
 
+def drop_rare_edges(g: Graph, bip: Bipartite, min_frac: float, n_threads: int = 1) -> int:
+    """Query-judged edges, in place: drop edge p → u where fewer than ``min_frac`` of the training lists that
+    hold p also hold u (a search that reaches p for such a query scans u in vain); a row keeps at least
+    its most co-occurring edge, in order. ``bip`` gives each key's lists (``bipartite`` over the whole
+    lists). Rows of keys in no list are left alone. Returns the number of edges dropped."""
+    dropped = np.zeros(g.data.shape[0], np.int64)
+    run_chunks(_rare_chunk, (g, bip.ptr, bip.occ_q, bip.knn.shape[0], np.float64(min_frac), dropped), len(dropped),
+               n_threads)
+    return int(dropped.sum())
+
+
+@njit(cache=True, nogil=True)
+def _rare_chunk(g, ptr, occ_q, m, min_frac, dropped, c, n_chunks):
+    """Rows p ≡ c (mod n_chunks) of :func:`drop_rare_edges` (a row is read and written by its owner only)."""
+    _, nbrs, degree = g
+    stamp = np.full(m, -1, np.int64)  # stamp[q] == p: query q's list holds p
+    count = np.empty(nbrs.shape[1], np.int64)
+    for p in range(c, nbrs.shape[0], n_chunks):
+        if ptr[p + 1] == ptr[p] or degree[p] == 0:
+            continue
+        for j in range(ptr[p], ptr[p + 1]):
+            stamp[occ_q[j]] = p
+        best = 0
+        for t in range(degree[p]):
+            u = nbrs[p, t]
+            s = 0
+            for j in range(ptr[u], ptr[u + 1]):
+                if stamp[occ_q[j]] == p:
+                    s += 1
+            count[t] = s
+            if s > count[best]:
+                best = t
+        need = min_frac * (ptr[p + 1] - ptr[p])
+        kept = 0
+        for t in range(degree[p]):
+            if count[t] >= need or t == best:
+                nbrs[p, kept] = nbrs[p, t]
+                kept += 1
+        dropped[p] = degree[p] - kept
+        nbrs[p, kept:degree[p]] = -1
+        degree[p] = kept
+
+
 def descent_gaps(g: Graph, knn: np.ndarray, n_threads: int = 1) -> np.ndarray:
     """(m, depth) int32: for key ``knn[q, r]`` with no in-neighbour ranked above it in query q's list, the
     key ranked above it with the largest inner product with it; -1 elsewhere (and at rank 0)."""
