@@ -14,13 +14,14 @@ Build, on keys K (n, d) and training queries Q (m, d) (kernels in :mod:`graph.ro
    of its queries, weighted by co-occurrence × (occurrences in all lists)^−``idf`` (sinks sit in
    every list), the ``max_cand`` heaviest RobustPruned to ``M`` in that order.
 3. **Reverse edges**, rows capped at ``R`` > ``M`` so a heavy hitter links back to the keys that chose it.
-4. **Descent links**: a search for a training query expands the keys above rank r of its list
-   before rank r, so a key with no in-neighbour ranked above it is found only by luck; it gets
-   in-edges from the keys above it most like it (``descent_links`` per key).
-5. **Query-judged edges** (``min_cooc``): an edge p → u that fewer than 5% of the training lists holding p
-   also hold is dropped (:func:`graph.roar.drop_rare_edges`): a search that reaches p for such a query
+4. **Query-judged edges** (``min_cooc``): an edge p → u that fewer than 10% of the training lists holding
+   p also hold is dropped (:func:`graph.roar.drop_rare_edges`): a search that reaches p for such a query
    scans u in vain (at recall 0.95 most inner products go to keys outside the query's top-100 reached from
    keys inside it: ``benchmarks/diag_graph_search.py``).
+5. **Descent links**: a search for a training query expands the keys above rank r of its list
+   before rank r, so a key with no in-neighbour ranked above it is found only by luck; it gets
+   in-edges from the keys above it most like it (``descent_links`` per key); this also restores the
+   ways down that step 4 cut.
 6. **Reachability**: keys in no list (empty rows) get their nearest keys as out-edges
    (:func:`link_stranded`), then every key unreachable from the entry points gets an in-edge.
    The published connectivity enhancement (``enhance_L``) is off by default: on real heads it
@@ -132,7 +133,7 @@ class RoarGraphIndex(Index):
         "idf": Param(0.25, 0.0, 4.0, help="candidate weight = co-occurrence × (key's total occurrences)^-idf"),
         "descent_links": Param(2, 0, 64, help="in-edges per key from the key ranked above it that is most like it, where a training query's list has no way down to it (0 = off)"),
         "descent_rank": Param(100, 2, 4096, help="how deep into each training query's list descent_links looks"),
-        "min_cooc": Param(0.05, 0.0, 1.0, help="drop edge p→u when fewer than this fraction of the training lists holding p also hold u (0 = keep all)"),
+        "min_cooc": Param(0.1, 0.0, 1.0, help="drop edge p→u when fewer than this fraction of the training lists holding p also hold u (0 = keep all)"),
         "n_sel": Param(32, 1, 1 << 20, help="queries per pivot key (those where it ranks best; newest first on ties)"),
         "n_cand": Param(0, 0, 4096, help="how many of a query's keys are candidates of its pivots (≤ M_sq); 0 = M_sq"),
         "max_cand": Param(128, 2, 1 << 16, help="candidates per key kept (heaviest co-occurrence) before pruning"),
@@ -183,13 +184,13 @@ class RoarGraphIndex(Index):
         roar.project_rows(g, bip, self._sizes(self.lists["n_pivots"]), p["alpha"], threads)
         pa = max(p["alpha"], 1.0)  # the reverse/enhancement prunes always use the RobustPrune rule
         add_reverse_edges(g, pa, p["R"], threads)
+        if p["min_cooc"] > 0:  # before the descent links, which then restore a way down where it cut one
+            roar.drop_rare_edges(g, bip, p["min_cooc"], threads)
         if p["descent_links"] > 0:
             # From the exact lists only: an anchored list's order between anchors is approximate, and the
             # exact ones alone cost 1/stride (at 32K: 1.0 s -> 0.1 s per head).
             roar.link_descent(g, knn if exact.all() else knn[exact], p["descent_rank"],
                               p["descent_links"], (pa, p["R"]), threads)
-        if p["min_cooc"] > 0:
-            roar.drop_rare_edges(g, bip, p["min_cooc"], threads)
         self.hubs = query_hubs(keys, train_queries, p["n_hubs"], p["seed"])
         if p["enhance_L"] > 0:
             roar.connect_by_search(g, self.hubs, p["enhance_L"], (pa, p["R"], p["M_link"]), threads)
