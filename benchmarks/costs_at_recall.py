@@ -5,7 +5,8 @@ bytes read per query, output error), from one or more sweep results folders.
         [--versus roargraph]     # per head, compact: KiB read by each index, roargraph's against the least other's
 
 The numbers come from the sweep tables as they are (``anns_lab.eval.costs``); folders are concatenated, so
-indexes swept in separate runs of the same dump appear side by side.
+indexes swept in separate runs of the same dump appear side by side, and an index in a later folder replaces
+its rows from earlier ones (``old-sweep rerun-of-one-index``).
 """
 
 from __future__ import annotations
@@ -65,7 +66,12 @@ def main() -> None:
     ap.add_argument("--indexes", help="comma-separated indexes to show [default: every index in the tables]")
     ap.add_argument("--versus", help="an index to set against the least bytes of every other, head by head")
     a = ap.parse_args()
-    table = pd.concat([load_results(r)[0] for r in a.results], ignore_index=True)
+    table = pd.DataFrame()
+    for folder in a.results:  # an index of a later folder replaces its rows of earlier ones (a re-sweep of one index)
+        t = load_results(folder)[0]
+        if len(table):
+            table = table[~table.set_index(["dump", "index"]).index.isin(t.set_index(["dump", "index"]).index)]
+        table = pd.concat([table, t], ignore_index=True)
     if a.indexes:
         table = table[table["index"].isin(a.indexes.split(","))]
     for dump, t in table.groupby("dump"):

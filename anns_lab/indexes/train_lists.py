@@ -98,14 +98,17 @@ def _rerank_gaps(queries, keys, a_lists, anchors, gaps, span, out, n_chunks, wid
 @njit(cache=True, nogil=True)
 def _top_sorted(s, k, keys, out):
     """``out[:k]`` = indices of the ``k`` largest entries of ``s``, largest first, ties by smaller index (what a
-    stable sort of −s gives). One in-place sort of 64-bit keys (the score's bits made order-preserving, negated,
-    above the index) in the caller's buffer ``keys``: ~1.7x faster than a partition and an argsort of k floats."""
+    stable sort of −s gives), from 64-bit keys in the caller's buffer ``keys`` (the score's bits made
+    order-preserving and negated, above the index): a partition at k and a sort of those k, ~1.7x faster than a
+    partition and an argsort of k floats."""
     u = s.view(np.uint32)
     for i in range(s.shape[0]):
         b = np.uint64(u[i]) if s[i] != 0 else np.uint64(0)  # -0.0 ties with +0.0
         up = (b ^ np.uint64(0xFFFFFFFF)) if b >> np.uint64(31) else (b | np.uint64(0x80000000))  # ascending as s
         keys[i] = ((up ^ np.uint64(0xFFFFFFFF)) << np.uint64(32)) | np.uint64(i)  # descending score, then index
     kk = keys[: s.shape[0]]
+    if kk.shape[0] > k:  # keys are distinct (the index is in them): the k smallest, then their order
+        kk = np.partition(kk, k - 1)[:k]
     kk.sort()
     for j in range(k):
         out[j] = np.int64(kk[j] & np.uint64(0xFFFFFFFF))
