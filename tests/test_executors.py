@@ -152,7 +152,10 @@ def test_ctrl_c_stops_within_seconds_and_keeps_finished_parts(tiny_dump, tmp_pat
            "--build-param", f"faulty.pid_dir={pids}", "--build-param", "faulty.sleep_s=2", "--executor", executor]
     if executor == "ray":
         cmd += ["--address", request.getfixturevalue("ray_cluster")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A shell without job control starts `cmd &` with SIGINT ignored, which Python then keeps: give the sweep
+    # the default disposition a terminal's Ctrl-C meets, whatever launched this test.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         wait_for(lambda: list((out / "parts").glob("*.parquet")) and len(list(pids.iterdir())) >= 2 or proc.poll() is not None,
                  "the first part to finish")
