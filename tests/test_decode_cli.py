@@ -177,3 +177,24 @@ def test_every_table_column_is_defined_in_the_legend():
     assert {key for key, _, _ in DECODE_COLUMNS} <= set(LEGEND)
     labels = [label for _, label, _ in DECODE_COLUMNS]
     assert len(set(labels)) == len(labels) and "acc %" not in labels  # no "acc" beside "acc-attn"
+
+
+def test_json_is_written_after_each_sample(tiny_llama, tmp_path, monkeypatch):
+    """A long run stopped midway keeps the samples it finished: the JSON is rewritten after each one."""
+    from anns_lab.decode import cli
+
+    seen = []
+    real = cli._write_json
+    monkeypatch.setattr(cli, "_write_json", lambda path, result: (seen.append(json.loads(json.dumps(result, default=float))),
+                                                                   real(path, result)))
+    out = tmp_path / "r.json"
+    res = _run("--model", tiny_llama, "--mode", "full,flat", "--task", "passkey", "--context", 200, "--samples", 2,
+               "--window", "4,16", "--topk", 20, "--max-new-tokens", 3, "--json", out)
+    assert res.exit_code == 0, res.output
+    first, final = seen[0], json.loads(out.read_text())
+    assert first["partial"] is True and first["samples_done"] == 1 and first["samples_total"] == 2
+    assert first["model"] == final["model"]
+    for name in ("full", "flat"):
+        assert len(first["modes"][name]["samples"]) == 1 and len(final["modes"][name]["samples"]) == 2
+        assert first["modes"][name]["samples"][0] == final["modes"][name]["samples"][0]
+    assert "partial" not in final

@@ -62,7 +62,8 @@ def default_device() -> str:
               help="ray: one Ray task per sample (all its modes; one GPU each when the cluster has GPUs)")
 @click.option("--address", default=None, help="Ray cluster to join (HOST:PORT of its head, or 'auto'); none starts Ray here")
 @click.option("--cpus-per-task", type=float, default=1.0, show_default=True, help="Ray: CPUs reserved per sample task")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the full results here")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="write the full results here (after each sample; \"partial\": true until the last)")
 def decode(model, modes, params, build_params, topk, window, add_batch, train_queries, task, prompt, evaluation, context, samples,
            seed, max_new_tokens, positions, free_tokens, chunk, build_during_prefill, from_sweep, target_recall, device, torch_threads,
            allow_extrapolation, executor, address, cpus_per_task, json_path):
@@ -83,6 +84,12 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
         click.echo(line, err=True)
 
     remote = None
+
+    def partial(res: dict) -> None:  # after each sample: a run stopped midway keeps what it finished
+        describe = _run_description(lm.name, remote.device if remote else device, executor, settings, mode_list)
+        _write_json(Path(json_path), res | describe | {"partial": res["samples_done"] < res["samples_total"]})
+
+    on_sample = partial if json_path else None
     if evaluation == "fidelity":
         mode_list = _with_full(mode_list)
         result = runner.run_fidelity(lm, mode_list, settings, context, positions, free_tokens, allow_extrapolation,
@@ -95,10 +102,10 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
         try:
             if prompt is not None:
                 result = runner.run_prompt(lm, mode_list, settings, prompt, max_new_tokens, allow_extrapolation,
-                                           progress, remote)
+                                           progress, remote, on_sample)
             else:
                 result = runner.run_task(lm, mode_list, settings, task, context, samples, seed, max_new_tokens,
-                                         allow_extrapolation, progress, remote)
+                                         allow_extrapolation, progress, remote, on_sample)
         finally:
             if remote is not None:
                 remote.close()

@@ -74,7 +74,8 @@ def depths(samples: int) -> list[float]:
 
 
 def run_task(lm, modes: list[Mode], settings: Settings, task: str, context: int, samples: int, seed: int,
-             max_new: int | None = None, allow_extrapolation: bool = False, progress=None, executor=None) -> dict:
+             max_new: int | None = None, allow_extrapolation: bool = False, progress=None, executor=None,
+             on_sample=None) -> dict:
     """Every mode on ``samples`` samples of ``task``; one shared full-attention prefill per sample.
 
     ``executor`` (e.g. :class:`anns_lab.decode.ray_samples.RaySamples`) runs the samples elsewhere; the
@@ -87,16 +88,16 @@ def run_task(lm, modes: list[Mode], settings: Settings, task: str, context: int,
     check_context(lm, context + max_new, allow_extrapolation)
     check_window(settings, context, modes, max_new)
     made = [tasks.make_sample(task, lm.tokenizer, context, seed + i, d) for i, d in enumerate(depths(samples))]
-    return _run_prompts(lm, modes, settings, [(s.ids, s) for s in made], max_new, task, progress, executor)
+    return _run_prompts(lm, modes, settings, [(s.ids, s) for s in made], max_new, task, progress, executor, on_sample)
 
 
 def run_prompt(lm, modes: list[Mode], settings: Settings, text: str, max_new: int | None = None,
-               allow_extrapolation: bool = False, progress=None, executor=None) -> dict:
+               allow_extrapolation: bool = False, progress=None, executor=None, on_sample=None) -> dict:
     ids = tasks.special_prefix(lm.tokenizer) + tasks.encode(lm.tokenizer, text)
     max_new = max_new or MAX_NEW["prompt"]
     check_context(lm, len(ids) + max_new, allow_extrapolation)
     check_window(settings, len(ids), modes, max_new)
-    return _run_prompts(lm, modes, settings, [(ids, None)], max_new, "prompt", progress, executor)
+    return _run_prompts(lm, modes, settings, [(ids, None)], max_new, "prompt", progress, executor, on_sample)
 
 
 def check_memory(lm, modes: list[Mode], settings: Settings, n_tokens: int, builds_at_once: bool = False) -> None:
@@ -142,8 +143,12 @@ def run_sample(lm, modes: list[Mode], settings: Settings, ids: list[int], max_ne
     return {"prefill_s": pre.seconds, "runs": runs}
 
 
-def _run_prompts(lm, modes, settings, prompts, max_new, task, progress, executor=None) -> dict:
-    """Every prompt (here, or through ``executor.map_samples``), scored and merged into one result."""
+def _run_prompts(lm, modes, settings, prompts, max_new, task, progress, executor=None, on_sample=None) -> dict:
+    """Every prompt (here, or through ``executor.map_samples``), scored and merged into one result.
+
+    ``on_sample(result)``: called after each prompt with the result of the prompts so far, so that a long run
+    stopped midway keeps what it finished.
+    """
     settings = dataclasses.replace(settings, steps=max_new)  # the CPU stores' room for the tokens to come
     check_memory(lm, modes, settings, max(len(ids) for ids, _ in prompts) + max_new, settings.build_during_prefill)
     stops = stop_ids(lm)
@@ -168,13 +173,21 @@ def _run_prompts(lm, modes, settings, prompts, max_new, task, progress, executor
             if progress:
                 progress(f"sample {i + 1}/{len(prompts)} {mode.name}: {answer!r}"
                          + (f" (expected {sample.answers[0]!r}, score {row['score']:g})" if sample else ""))
-    out = {"task": task, "context": len(prompts[0][0]), "modes": {}}
+        if on_sample is not None:
+            on_sample(_merged(per_mode, prefill_s, task, len(prompts[0][0])) | {"samples_done": i + 1,
+                                                                               "samples_total": len(prompts)})
+    return _merged(per_mode, prefill_s, task, len(prompts[0][0]))
+
+
+def _merged(per_mode: dict, prefill_s: list[float], task: str, context: int) -> dict:
+    """The result of the samples run so far: per mode, pooled timings, accuracy and the samples themselves."""
+    out = {"task": task, "context": context, "modes": {}}
     for name, d in per_mode.items():
         summary = _pool(d["runs"]) | {"prefill_s": float(np.mean(prefill_s))}
         if task != "prompt":
             summary |= _accuracy([r["score"] for r in d["samples"]],
                                  [r["score"] for r in per_mode["full"]["samples"]] if "full" in per_mode else None)
-        out["modes"][name] = {"summary": summary, "samples": d["samples"], "notes": d.get("notes", [])}
+        out["modes"][name] = {"summary": summary, "samples": list(d["samples"]), "notes": d.get("notes", [])}
     time_to_first_token(out["modes"])
     return out
 

@@ -1,0 +1,1 @@
+/work/wt/lead/plugins/quest-pages/anns_lab_quest/__init__.py
