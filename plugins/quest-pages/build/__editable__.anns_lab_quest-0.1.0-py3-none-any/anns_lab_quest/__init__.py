@@ -1,1 +1,0 @@
-/work/wt/lead/plugins/quest-pages/anns_lab_quest/__init__.py
