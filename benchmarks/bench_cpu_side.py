@@ -243,7 +243,7 @@ def main() -> None:
     import faiss
     import numba
 
-    from anns_lab.decode.engine import _subsample
+    from anns_lab.decode.builds import subsample
     from anns_lab.decode.kernels import warmup
     from anns_lab.decode.modes import parse_modes, parse_params
     from anns_lab.decode.placement import LayerStore
@@ -273,7 +273,7 @@ def main() -> None:
         runs[layer] = {}
         for mode in modes:
             store = LayerStore(layer, H, keys[:, lo:hi], values[:, lo:hi], a.topk, mode.plan, add_batch=1 << 30)
-            store.build(_subsample(prefill_q, a.train_queries))
+            store.build(subsample(prefill_q, a.train_queries))
             if a.pending:
                 store.extend(pend, values[:, n_pre: n_pre + a.pending])
             runs[layer][mode.name] = (lambda s, c: (lambda q: _split(s.side(q, c))))(store, scaling)

@@ -26,7 +26,7 @@ def main() -> None:
 
     import numba
 
-    from anns_lab.decode.engine import _subsample
+    from anns_lab.decode.builds import subsample
     from anns_lab.dumps.store import open_dump
     from anns_lab.indexes.graph.multi import GraphGroup
     from anns_lab.indexes.key_store import KeyStore
@@ -36,7 +36,7 @@ def main() -> None:
     d = open_dump(a.dump)
     n, H, G = int(d.manifest["n_tokens"]["prefill"]), d.n_heads, d.n_kv_heads
     store = KeyStore(np.stack([d.keys(a.layer, g, "prefill")[128: n - 512] for g in range(G)]))
-    indexes = [RoarGraphIndex().build(store.head(h // (H // G)), _subsample(d.queries(a.layer, h, "prefill")[None], 1024)[0])
+    indexes = [RoarGraphIndex().build(store.head(h // (H // G)), subsample(d.queries(a.layer, h, "prefill")[None], 1024)[0])
                for h in range(H)]
     queries = [np.ascontiguousarray(q) for q in np.stack([d.queries(a.layer, h, "decode") for h in range(H)], 1)]
     group = GraphGroup(indexes)

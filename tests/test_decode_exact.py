@@ -226,12 +226,12 @@ def test_window_mode_equals_independent_window_attention(prefilled):
 
 
 def test_train_query_subsample_is_even_and_keeps_the_last():
-    from anns_lab.decode.engine import _subsample
+    from anns_lab.decode.builds import subsample
 
     q = np.arange(2 * 10 * 3, dtype=np.float32).reshape(2, 10, 3)
-    sub = _subsample(q, 4)
+    sub = subsample(q, 4)
     assert sub.shape == (2, 4, 3) and np.array_equal(sub[:, -1], q[:, -1]) and np.array_equal(sub[:, 0], q[:, 0])
-    assert _subsample(q, 0) is q and _subsample(q, 20) is q
+    assert subsample(q, 0) is q and subsample(q, 20) is q
 
 
 def test_training_lists_on_the_device_give_the_same_graphs(prefilled):

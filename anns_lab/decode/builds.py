@@ -29,7 +29,7 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
     values = layer_cache.values[0, :, lo:hi].to("cpu", torch.float32).numpy()
     store = LayerStore(layer, lm.config.num_attention_heads, keys, values, settings.topk, plan, settings.add_batch,
                        settings.steps)
-    queries = _subsample(queries, settings.train_queries)
+    queries = subsample(queries, settings.train_queries)
     store.build(queries, _device_lists(lm, plan, queries, layer_cache.keys[0, :, lo:hi], settings))
     return store
 
@@ -124,7 +124,7 @@ def _device_lists(lm, plan, queries: np.ndarray | None, keys: torch.Tensor, sett
     return train_topk(queries, keys, width, queries.shape[0] // keys.shape[0])
 
 
-def _subsample(queries: np.ndarray | None, n: int) -> np.ndarray | None:
+def subsample(queries: np.ndarray | None, n: int) -> np.ndarray | None:
     """At most ``n`` prefill queries (H, t, d), evenly spaced and always including the last one."""
     if queries is None or n <= 0 or queries.shape[1] <= n:
         return queries

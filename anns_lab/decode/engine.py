@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from anns_lab.decode.attention import DecodeError, Retrieval, StepTimes, retrieving
-from anns_lab.decode.builds import EarlyBuilds, _subsample, build_stores  # noqa: F401 (_subsample: re-exported)
+from anns_lab.decode.builds import EarlyBuilds, build_stores
 from anns_lab.decode.cache import device_kv_bytes, require_ring, window_cache
 from anns_lab.decode.placement import IndexPlan
 from anns_lab.dumps.models import forward_tokens
