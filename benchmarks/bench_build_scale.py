@@ -41,8 +41,8 @@ from anns_lab.indexes.roargraph import RoarGraphIndex
 from anns_lab.eval.metrics import exact_scores, recall_at_k
 from bench_query_aware import at_target
 
-VARIANTS = "old:list_stride=1,coarse_bf16=0,rg.STRANDED_POOL=8192;new:"
-CONSTANTS = ("STRANDED_POOL", "LIST_SPAN", "KEYS_PER_ANCHOR")
+VARIANTS = "old:list_stride=1,coarse_bf16=0,rg.STRANDED_POOL=8192,rg.FAR_POOL=0;new:"
+CONSTANTS = ("STRANDED_POOL", "FAR_POOL", "LIST_SPAN", "KEYS_PER_ANCHOR")
 
 
 def parse(variant: str) -> tuple[str, dict, dict]:

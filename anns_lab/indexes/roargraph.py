@@ -60,9 +60,11 @@ from anns_lab.indexes.graph.multi import search_graphs
 from anns_lab.indexes.graph.search import bytes_read, search_batch, search_single
 from anns_lab.indexes.key_store import KeyStore
 from anns_lab.indexes.persist import expect, expect_ids
-from anns_lab.indexes.train_lists import anchored_topk, topk_ip_fast
+from anns_lab.indexes.topk import topk_ip
+from anns_lab.indexes.train_lists import anchored_topk
 
 STRANDED_POOL = 2048  # candidate out-neighbours of a stranded key (see link_stranded; 8192 scanned the same at 8K, cost +1.2 s per head at 32K)
+FAR_POOL = 2048  # link_unreachable: in-edge sources of a key with no reachable node near it in the graph, a stride over all keys (0 = all: up to 0.4 s per 32K head)
 ADD_SERIAL = 1024  # adds of up to this many keys run on the calling thread: a thread-pool launch costs ms on a loaded machine
 ADD_SEARCH_L = 16  # beam of the search that links each added key (wider: the same recall, slower)
 LIST_PARAMS = ("M_sq", "n_pivots", "n_cand")  # the sizes build resolves (0 = auto), kept in self.lists and saved
@@ -100,13 +102,11 @@ def auto_lists(n_keys: int) -> tuple[int, int]:
     return m_sq, min(m_sq // 2, int(round(20 * scale)))
 
 
-def link_stranded(keys: np.ndarray, nbrs: np.ndarray, degree: np.ndarray, entries: np.ndarray, k: int,
-                  coarse: bool = False) -> None:
+def link_stranded(keys: np.ndarray, nbrs: np.ndarray, degree: np.ndarray, entries: np.ndarray, k: int) -> None:
     """Out-edges for the keys that the projection left unreachable with an empty row (keys in no training
     query's top list: about half of them on real heads): their ``k`` nearest keys by inner product, one
     blocked kNN for all of them. ``link_unreachable`` then finds each an in-edge among its (or its
-    neighbours') reachable neighbours instead of scanning every key per stranded key. ``coarse``: the kNN from a
-    bfloat16 product, re-ranked (:func:`train_lists.topk_ip_fast`)."""
+    neighbours') reachable neighbours instead of scanning every key per stranded key."""
     reach = reachable_from(Graph(keys, nbrs, degree), entries)
     stranded = np.flatnonzero(~reach & (degree == 0))
     if len(stranded) == 0:
@@ -116,7 +116,8 @@ def link_stranded(keys: np.ndarray, nbrs: np.ndarray, degree: np.ndarray, entrie
     # cost as much as the bipartite graph itself.
     pool = np.flatnonzero(reach)
     pool = pool[:: max(1, len(pool) // STRANDED_POOL)]
-    near = pool[topk_ip_fast(keys[stranded], keys[pool], k, coarse)]  # a stranded key is unreachable, so never in the pool
+    # faiss's float32 kNN: topk_ip_bf16 saves nothing against a pool of 2048 (its selection pass costs what its product saves)
+    near = pool[topk_ip(keys[stranded], keys[pool], k)]  # a stranded key is unreachable, so never in the pool
     nbrs[stranded, : near.shape[1]] = near
     degree[stranded] = near.shape[1]
 
@@ -142,7 +143,7 @@ class RoarGraphIndex(Index):
         "alpha": Param(1.2, 0.0, 4.0, help="RobustPrune α of the projection (inner-product rule; > 1 prunes less; 0 = no pruning)"),
         "max_train": Param(1 << 20, 1, 1 << 30, help="training queries used at most: an even stride over them, the newest always kept (build time)"),
         "list_stride": Param(0, 0, 4096, help="training queries per exact top-M_sq list: the others rank their neighbouring exact lists' keys (1 = all exact; 0 = auto: √(m·n)/4096, 2 at 8K, 8 at 32K, ≤ 64)"),
-        "coarse_bf16": Param(1, 0, 1, help="1: exact lists and stranded keys' links rank the best k + 32 keys of a bfloat16 product in float32 (where the CPU multiplies bf16 natively; ~1.6x faster); 0: faiss's float32 kNN"),
+        "coarse_bf16": Param(1, 0, 1, help="1: the exact lists rank the best M_sq + 32 keys of a bfloat16 product in float32 (where the CPU multiplies bf16 natively; ~1.6x faster); 0: faiss's float32 kNN"),
         "enhance_L": Param(0, 0, 4096, help="beam width of the connectivity-enhancement search (0 = skip it)"),
         "M_link": Param(8, 1, 512, help="links per key from the enhancement search / out-edges of a stranded key"),
         "n_hubs": Param(32, 1, 4096, help="entry hubs: top key of each k-means centroid of the training queries (all counted)"),
@@ -198,8 +199,8 @@ class RoarGraphIndex(Index):
         if p["enhance_L"] > 0:
             roar.connect_by_search(g, self.hubs, p["enhance_L"], (pa, p["R"], p["M_link"]), threads)
         nbrs, degree = g.nbrs, g.degree
-        link_stranded(keys, nbrs, degree, self.hubs, p["M_link"], bool(p["coarse_bf16"]))
-        link_unreachable(g, self.hubs, p["R"])
+        link_stranded(keys, nbrs, degree, self.hubs, p["M_link"])
+        link_unreachable(g, self.hubs, p["R"], FAR_POOL)
         self._store = self._key_rows(keys)
         self._nbrs_buf, self._deg_buf = nbrs, degree
         self._expose(n)
@@ -246,7 +247,8 @@ class RoarGraphIndex(Index):
         self._q_ids = np.full((len(q), K), -1, np.int32)
         self._q_scores = np.full((len(q), K), -np.inf, np.float32)
         if len(q):
-            s = np.einsum("qd,qkd->qk", q, keys[ids])
+            s = np.empty(ids.shape, np.float32)
+            roar.list_scores(q, keys, ids, s)
             order = np.argsort(-s, axis=1, kind="stable")
             self._q_ids[:, : ids.shape[1]] = np.take_along_axis(ids, order, 1)
             self._q_scores[:, : ids.shape[1]] = np.take_along_axis(s, order, 1)

@@ -177,7 +177,7 @@ def _rank_coarse(s16, queries, keys, want, out, c, n_chunks):
     scores made order-preserving: one counting pass finds the bin, one more collects the keys in and above it."""
     nb, n = s16.shape
     k = out.shape[1]
-    hist = np.zeros(4096, np.int64)
+    hist = np.zeros(4096, np.int32)
     ordered = np.empty(n, np.uint16)
     cand = np.empty(n, np.int64)
     sc = np.empty(n, np.float32)
@@ -193,7 +193,11 @@ def _rank_coarse(s16, queries, keys, want, out, c, n_chunks):
         while top > 0 and count < want:
             top -= 1
             count += hist[top]
-        hist[:] = 0
+        if n < 4096:  # clear what this row counted (short rows: the stranded keys' pool of 2048)
+            for j in range(n):
+                hist[ordered[j] >> np.uint16(4)] = 0
+        else:
+            hist[:] = 0
         lowest = np.uint16(top << 4)
         t = 0
         for j in range(n):

@@ -345,6 +345,13 @@ def _gaps_chunk(data, knn, csr_in, out, c, n_chunks):
 
 
 @njit(cache=True, nogil=True)
+def list_scores(queries, keys, ids, out):
+    """``out[q, j]`` = ip(queries[q], keys[ids[q, j]]) (:func:`dot`'s sums; no gather of the listed key rows)."""
+    for q in range(ids.shape[0]):
+        dot_rows(queries[q], keys, ids[q], out[q])
+
+
+@njit(cache=True, nogil=True)
 def merge_topk(ids, scores, queries, new_keys, first_id):
     """Row q of (``ids``, ``scores``) is query q's top keys, best first (padded -1 / -inf): merge in, in place,
     the new keys ``first_id + j`` whose inner product with ``queries[q]`` beats the row's last score.
