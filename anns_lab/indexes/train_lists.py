@@ -130,6 +130,8 @@ def _top_sorted(s, k, keys, out, ordered):
 
 
 BF16_MARGIN = 32  # keys past k handed from the bfloat16 pass to the exact ranking (16 already kept every exact top-198 key of a Gemma 32K head)
+COARSE_SAMPLE = 8  # _rank_coarse judges a row's threshold bin from every 8th bfloat16 score first
+COARSE_SLACK = 8  # sampled scores above the sample's share of `want`: the full pass is then rarely needed
 BF16_BLOCK = 512  # queries per bfloat16 product: a 512 × n block of 2-byte scores (32 MiB at 32K keys)
 
 
@@ -170,40 +172,60 @@ def topk_ip_bf16(queries: np.ndarray, keys: np.ndarray, k: int, margin: int = BF
     return out
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _bf16_order(b):
+    """Raw bfloat16 bits made order-preserving (ascending as the value) as uint16."""
+    return (b ^ np.uint16(0xFFFF)) if b >> np.uint16(15) else (b | np.uint16(0x8000))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _lowest_bin(row, hist, step, need):
+    """The highest 12-bit bin b such that every ``step``-th score of ``row`` in bins ≥ b number at least ``need``
+    (0 if none); ``hist`` is zero before and after."""
+    for j in range(0, row.shape[0], step):
+        hist[_bf16_order(row[j]) >> np.uint16(4)] += 1
+    top, count = 4095, hist[4095]
+    while top > 0 and count < need:
+        top -= 1
+        count += hist[top]
+    for j in range(0, row.shape[0], step):
+        hist[_bf16_order(row[j]) >> np.uint16(4)] = 0
+    return top
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _at_least(row, lowest, cand):
+    """Indices of the scores of ``row`` whose ordered bits are ≥ ``lowest``, into ``cand``; returns how many."""
+    t = 0
+    for j in range(row.shape[0]):
+        if _bf16_order(row[j]) >= lowest:
+            cand[t] = j
+            t += 1
+    return t
+
+
 @njit(cache=True, nogil=True)
 def _rank_coarse(s16, queries, keys, want, out, c, n_chunks):
-    """Rows r ≡ c (mod n_chunks) of ``out`` (its k = out.shape[1]): the top k by :func:`dot` among the keys of the ``want`` best bfloat16
-    scores ``s16[r]`` (raw bits; those of the bin reaching ``want`` included). The bins are the top 12 bits of the
-    scores made order-preserving: one counting pass finds the bin, one more collects the keys in and above it."""
+    """Rows r ≡ c (mod n_chunks) of ``out`` (its k = out.shape[1]): the top k by :func:`dot` among the keys of the
+    ``want`` best bfloat16 scores ``s16[r]`` (raw bits; those of the bin reaching ``want`` included). The bins are
+    the top 12 bits of the scores made order-preserving; the bin is first judged from every COARSE_SAMPLE-th score
+    (a counting pass over all n costs more than the product saves at 128K), from all of them when that sample
+    left fewer than ``want`` keys in and above it."""
     nb, n = s16.shape
     k = out.shape[1]
     hist = np.zeros(4096, np.int32)
-    ordered = np.empty(n, np.uint16)
     cand = np.empty(n, np.int64)
     sc = np.empty(n, np.float32)
     sort_keys = np.empty(n, np.uint64)
     order = np.empty(k, np.int64)
     for r in range(c, nb, n_chunks):
-        for j in range(n):
-            b = s16[r, j]
-            b = (b ^ np.uint16(0xFFFF)) if b >> np.uint16(15) else (b | np.uint16(0x8000))  # ascending as the score
-            ordered[j] = b
-            hist[b >> np.uint16(4)] += 1
-        top, count = 4095, hist[4095]
-        while top > 0 and count < want:
-            top -= 1
-            count += hist[top]
-        if n < 4096:  # clear what this row counted (short rows: the stranded keys' pool of 2048)
-            for j in range(n):
-                hist[ordered[j] >> np.uint16(4)] = 0
-        else:
-            hist[:] = 0
-        lowest = np.uint16(top << 4)
+        row = s16[r]
         t = 0
-        for j in range(n):
-            if ordered[j] >= lowest:
-                cand[t] = j
-                t += 1
+        if n >= 64 * COARSE_SAMPLE:
+            top = _lowest_bin(row, hist, COARSE_SAMPLE, want // COARSE_SAMPLE + COARSE_SLACK)
+            t = _at_least(row, np.uint16(top << 4), cand)
+        if t < want:
+            t = _at_least(row, np.uint16(_lowest_bin(row, hist, 1, want) << 4), cand)
         dot_rows(queries[r], keys, cand[:t], sc[:t])
         _top_sorted(sc[:t], k, sort_keys, order, k)
         for j in range(k):
