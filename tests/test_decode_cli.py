@@ -95,10 +95,15 @@ def test_bad_input_is_one_clear_error(tiny_llama, args, needle):
     assert needle in _error(_run(*flat))
 
 
-def test_extrapolation_is_allowed_when_asked(tiny_llama):
+def test_extrapolation_is_allowed_when_asked_and_said(tiny_llama, tmp_path):
     res = _run("--model", tiny_llama, "--task", "passkey", "--context", 520, "--mode", "full", "--max-new-tokens", 2,
-               "--allow-extrapolation")
+               "--allow-extrapolation", "--json", tmp_path / "r.json")
     assert res.exit_code == 0, res.output
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["context"] > data["model_context"] > 0
+    assert f"extrapolated: {data['context']:,} tokens are beyond {data['model']}'s trained context of {data['model_context']:,}" in res.output
+    within = _run("--model", tiny_llama, "--task", "passkey", "--context", 200, "--mode", "full", "--max-new-tokens", 2)
+    assert within.exit_code == 0 and "extrapolated" not in within.output
 
 
 def _results(path):

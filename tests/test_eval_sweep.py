@@ -14,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from anns_lab.cli import main
+from anns_lab.dumps.store import open_dump
 from anns_lab.errors import AnnsLabError, DumpError, IndexConfigError
 from anns_lab.eval import export, metrics, report
 from anns_lab.eval.heads import default_layers, load_head
@@ -99,6 +100,20 @@ def test_report_numbers_equal_the_table(sweep, tmp_path):
     line = next(ln for ln in text.split("## Least bytes")[1].splitlines() if ln.startswith("| ivf |"))
     assert line.split("|")[4].strip().startswith(f"{np.median(per_head) / 1024:.1f} KiB")
     assert "Mahalanobis" in text and "dynamic top-100" in text
+
+
+def test_report_says_when_the_dump_is_beyond_the_models_context(sweep, tmp_path, monkeypatch):
+    plain = report.write_report(sweep.path, tmp_path / "plain").read_text()
+    assert "extrapolated" not in plain.lower()
+
+    def short_context(path):  # the same dump, as if the model had been trained on fewer tokens than it holds
+        dump = open_dump(path)
+        dump.manifest["model"]["context"] = dump.manifest["n_tokens"]["prefill"] - 1
+        return dump
+
+    monkeypatch.setattr(report, "open_dump", short_context)
+    text = report.write_report(sweep.path, tmp_path / "beyond").read_text()
+    assert "Extrapolated:" in text and "--allow-extrapolation" in text
 
 
 def rendered_dom(page) -> str:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import click
 
 from anns_lab.cli_types import WINDOW
+from anns_lab.dumps.models import extrapolation_note
 from anns_lab.dumps.tasks import TASKS
 from anns_lab.errors import DecodeError
 from anns_lab.io import atomic_write_bytes
@@ -86,7 +87,7 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
     remote = None
 
     def partial(res: dict) -> None:  # after each sample: a run stopped midway keeps what it finished
-        describe = _run_description(lm.name, remote.device if remote else device, executor, settings, mode_list)
+        describe = _run_description(lm, remote.device if remote else device, executor, settings, mode_list)
         _write_json(Path(json_path), res | describe | {"partial": res["samples_done"] < res["samples_total"]})
 
     on_sample = partial if json_path else None
@@ -109,7 +110,7 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
         finally:
             if remote is not None:
                 remote.close()
-    result |= _run_description(lm.name, remote.device if remote else device, executor, settings, mode_list)
+    result |= _run_description(lm, remote.device if remote else device, executor, settings, mode_list)
     _print_result(result, settings, prompt is not None)
     if json_path:
         _write_json(Path(json_path), result)
@@ -172,9 +173,10 @@ def _with_sweep_pick(mode_list: list[Mode], from_sweep: str, lm, target_recall: 
     return _with_full(mode_list + [picked])
 
 
-def _run_description(model: str, device: str, executor: str, settings: Settings, mode_list: list[Mode]) -> dict:
-    """What the result records about the run besides its numbers: model, device, settings, each mode's plan."""
-    return {"model": model, "device": device, "executor": executor,
+def _run_description(lm, device: str, executor: str, settings: Settings, mode_list: list[Mode]) -> dict:
+    """What the result records about the run besides its numbers: model (and its trained context), device, settings,
+    each mode's plan."""
+    return {"model": lm.name, "model_context": lm.context, "device": device, "executor": executor,
             "settings": {"sink": settings.window.sink, "recent": settings.window.recent, "topk": settings.topk,
                          "add_batch": settings.add_batch, "chunk": settings.chunk, "train_queries": settings.train_queries,
                          "build_during_prefill": settings.build_during_prefill},
@@ -189,6 +191,9 @@ def _print_result(result: dict, settings: Settings, prompt: bool) -> None:
     w = settings.window
     click.echo(f"{result['model']}  {result['task']}  context {result['context']}  device {result['device']}  "
                f"window {w.sink}+{w.recent}  top-k {settings.topk}")
+    note = extrapolation_note(result["model"], result["context"], result.get("model_context"))
+    if note:
+        click.echo(note)
     click.echo(runner.table(result))
     for name, m in result["modes"].items():
         for note in m.get("notes", []):

@@ -69,6 +69,14 @@ class LoadedModel:
         return "cache" if "cache" in inspect.signature(type(self.model).forward).parameters else "past_key_values"
 
 
+def extrapolation_note(model: str, n_tokens: int, context: int | None) -> str | None:
+    """One sentence for results whose ``n_tokens`` go beyond ``model``'s trained ``context`` (None within it)."""
+    if not context or n_tokens <= context:
+        return None
+    return (f"extrapolated: {n_tokens:,} tokens are beyond {model}'s trained context of {context:,} "
+            "(--allow-extrapolation); positions past it were never trained, for full attention as for every index")
+
+
 def cache_dir() -> Path:
     """Where converted models are kept (``$ANNS_LAB_CACHE`` or ``~/.cache/anns-lab``)."""
     return Path(os.environ.get("ANNS_LAB_CACHE", Path.home() / ".cache" / "anns-lab"))

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from anns_lab.dumps.models import extrapolation_note
 from anns_lab.dumps.store import open_dump
 from anns_lab.errors import AnnsLabError
 from anns_lab.eval import costs, figures, findings, html, ivf_gap, paper
@@ -144,6 +145,9 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
              f"{sorted({p[0] for p in pairs})}; {n_keys:,} keys indexed per head (static window {window[0]},{window[1]} "
              f"excluded); recall@{k}. The paper's figures are for 128K-token contexts of Llama-3-8B and Yi-9B "
              "(docs/paper.md); the metrics are defined in docs/metrics.md.")
+    beyond = extrapolation_note(dump.model, dump.manifest["n_tokens"]["prefill"], dump.manifest.get("model", {}).get("context"))
+    if beyond:
+        intro += f" **{beyond[0].upper()}{beyond[1:]}.**"
     pareto_view = _pareto_view(par, kinds)
     points = costs.at_target(table, 0.95)
     md = _markdown(dump, intro, found, pareto_view, _pareto_note(kinds), par, maha, decay, c, k,
