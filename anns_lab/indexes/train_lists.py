@@ -182,9 +182,12 @@ def _bf16_order(b):
 def _lowest_bin(row, hist, step, need):
     """The highest 12-bit bin b such that every ``step``-th score of ``row`` in bins ≥ b number at least ``need``
     (0 if none); ``hist`` is zero before and after."""
+    top = 0
     for j in range(0, row.shape[0], step):
-        hist[_bf16_order(row[j]) >> np.uint16(4)] += 1
-    top, count = 4095, hist[4095]
+        b = np.int64(_bf16_order(row[j]) >> np.uint16(4))
+        hist[b] += 1
+        top = max(top, b)
+    count = hist[top]  # from the highest bin counted down (not from 4095: the scores fill a few hundred bins)
     while top > 0 and count < need:
         top -= 1
         count += hist[top]
