@@ -5,14 +5,14 @@
     .venv/bin/python benchmarks/bench_build_scale.py --synthetic 131072 --dump /work/dumps/gemma3-270m-text-32768
 
 Per head (window 128 + 512 excluded, decode queries as test queries, as the sweep): each variant's build CPU
-seconds (one thread: numba and faiss pinned to 1) and its fraction of keys scanned at recall@100 = 0.95
+seconds (one thread: numba, faiss and torch pinned to 1) and its fraction of keys scanned at recall@100 = 0.95
 (interpolated over roargraph's search grid). Variants are ``;``-separated: build parameters ``NAME=VALUE``
 and module constants ``rg.NAME=VALUE`` joined by ``,``; the default pair is **old** (every training list
 exact, the stranded-key pool of 8192: the build before issue 13) and **new** (the defaults). Prints the
 per-head rows, the medians and the same-run ratios new/old.
 
 ``--pieces``: also split each build's CPU seconds into its parts (exact anchor lists, re-rank between anchors,
-key occurrences, projection, reverse edges, descent links, hubs, stranded keys, reachability, the kept lists).
+key occurrences, projection, reverse edges, min_cooc's filter, descent links, hubs, stranded keys, reachability, the kept lists).
 
 ``--synthetic N``: time the build (no recall) at N keys and N training queries of the dump's dimension, made
 by tiling a real head's keys and prefill queries N / n times with a 5% perturbation (a stand-in for a
@@ -30,6 +30,7 @@ import faiss
 import numba
 import numpy as np
 import pandas as pd
+import torch
 
 import anns_lab
 from anns_lab.eval.heads import default_layers, load_head
@@ -40,8 +41,8 @@ from anns_lab.indexes.roargraph import RoarGraphIndex
 from anns_lab.eval.metrics import exact_scores, recall_at_k
 from bench_query_aware import at_target
 
-VARIANTS = "old:list_stride=1,rg.STRANDED_POOL=8192;new:"
-CONSTANTS = ("STRANDED_POOL", "LIST_SPAN", "KEYS_PER_ANCHOR")
+VARIANTS = "old:list_stride=1,coarse_bf16=0,rg.STRANDED_POOL=8192,rg.FAR_POOL=0;new:"
+CONSTANTS = ("STRANDED_POOL", "FAR_POOL", "LIST_SPAN", "KEYS_PER_ANCHOR")
 
 
 def parse(variant: str) -> tuple[str, dict, dict]:
@@ -54,8 +55,9 @@ def parse(variant: str) -> tuple[str, dict, dict]:
 
 
 PIECES = collections.defaultdict(float)  # CPU seconds per part of the builds timed since the last clear
-TIMED = [(tl, "topk_ip", "anchors"), (tl, "_rerank_gaps", "rerank"), (roar, "bipartite", "occurrences"),
-         (roar, "project_rows", "projection"), (rg, "add_reverse_edges", "reverse"), (roar, "link_descent", "descent"),
+TIMED = [(tl, "topk_ip_fast", "anchors"), (tl, "_rerank_gaps", "rerank"), (roar, "bipartite", "occurrences"),
+         (roar, "project_rows", "projection"), (rg, "add_reverse_edges", "reverse"), (roar, "drop_rare_edges", "min_cooc"),
+         (roar, "link_descent", "descent"),
          (rg, "query_hubs", "hubs"), (rg, "link_stranded", "stranded"), (rg, "link_unreachable", "reachability"),
          (RoarGraphIndex, "_cache_lists", "kept lists")]
 
@@ -104,6 +106,7 @@ def main() -> None:
         time_pieces()
     numba.set_num_threads(1)
     faiss.omp_set_num_threads(1)
+    torch.set_num_threads(1)  # coarse_bf16's product
     dump = anns_lab.open_dump(a.dump)
     layers = [int(x) for x in a.layers.split(",")] if a.layers else default_layers(dump.layers)
     heads = [int(x) for x in a.heads.split(",")] if a.heads else list(range(dump.n_heads))

@@ -400,6 +400,23 @@ def test_drop_rare_edges_matches_a_plain_reference(min_frac):
     assert np.array_equal(degree, ref_degree) and np.array_equal(nbrs, ref_nbrs)
 
 
+@pytest.mark.parametrize("bitset_keys", [0, 40, 10**6])
+def test_drop_rare_edges_bitsets_match_the_reference(bitset_keys, monkeypatch):
+    """Edges counted by popcount (both ends with a bitset of their lists), by bit tests (one end) or by stamps
+    (neither): the same rows as the plain reference, whichever keys have bitsets."""
+    from anns_lab.indexes.graph import roar
+
+    keys, train, _ = ood_data(13, n=600, m=400)
+    index = RoarGraphIndex(M_sq=40).build(keys, train)
+    knn = topk_ip(train, keys, 40).astype(np.int32)
+    nbrs, degree = index._nbrs.copy(), index._degree.copy()
+    ref_nbrs, ref_degree = _rare_edges_reference(nbrs, degree, knn, 0.1)
+    monkeypatch.setattr(roar, "RARE_BITSET_BYTES", bitset_keys * ((len(train) + 63) // 64) * 8)
+    bip = roar.bipartite(knn, np.ones(len(knn), np.float32), len(keys), knn.shape[1], 0.0)
+    assert roar.drop_rare_edges(Graph(keys, nbrs, degree), bip, 0.1, 2) > 0
+    assert np.array_equal(degree, ref_degree) and np.array_equal(nbrs, ref_nbrs)
+
+
 def test_min_cooc_keeps_every_key_reachable_and_recall():
     """A build that drops rare edges still reaches every key, and its recall stays that of the full graph
     (within 0.03 at equal beam) on out-of-distribution queries."""

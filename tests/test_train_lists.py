@@ -98,3 +98,38 @@ def test_train_topk_bad_input():
         RoarGraphIndex().build(keys, q, train_topk=ref[:, :10])
     with pytest.raises(IndexConfigError, match="does not take train_topk"):
         registry.create("hnsw").build(keys, q, train_topk=ref)
+
+
+@pytest.mark.parametrize("d,scale", [(32, 1.0), (256, 8.0)])
+def test_bf16_coarse_lists_are_the_exact_lists(d, scale):
+    """topk_ip_bf16 (a bfloat16 product, its best k + margin ranked in float32) gives the exact top-k, in order."""
+    from anns_lab.indexes.train_lists import topk_ip_bf16
+
+    keys, q = drifting(d, n=4000, m=300, d=d)
+    keys, q = keys * scale, q * scale  # Gemma-like norms: bfloat16's rounding grows with the scores
+    ref, s = exact_lists(q, keys, 60)
+    got = topk_ip_bf16(q, keys, 60, n_threads=2)
+    assert got.shape == ref.shape and got.dtype == np.int32
+    for i in range(len(q)):
+        assert set(got[i]) == set(ref[i]), i
+        assert np.all(np.diff(s[i, got[i]]) <= 1e-4 * scale * scale)
+
+
+def test_anchored_lists_coarse_anchors_exact():
+    keys, q = drifting(5)
+    ref, _ = exact_lists(q, keys, 40)
+    lists, exact = anchored_topk(q, keys, 40, 8, 1, exact_tail=30, coarse=True)
+    plain, _ = anchored_topk(q, keys, 40, 8, 1, exact_tail=30)
+    for i in np.flatnonzero(exact):
+        assert set(lists[i]) == set(ref[i]), i
+    assert np.mean([len(np.intersect1d(a, b)) for a, b in zip(lists, plain)]) / 40 > 0.999
+
+
+def test_anchored_lists_ordered_prefix():
+    """``ordered``: the same top-k sets, the same first ``ordered`` keys in the same order (what the build reads)."""
+    keys, q = drifting(6)
+    full, exact = anchored_topk(q, keys, 40, 8, 1, exact_tail=30)
+    part, exact2 = anchored_topk(q, keys, 40, 8, 1, exact_tail=30, ordered=10)
+    assert np.array_equal(exact, exact2) and np.array_equal(full[exact], part[exact])
+    assert np.array_equal(full[:, :10], part[:, :10])
+    assert all(set(a) == set(b) for a, b in zip(full, part)) and not np.array_equal(full, part)

@@ -5,7 +5,8 @@ Build, on keys K (n, d) and training queries Q (m, d) (kernels in :mod:`graph.ro
 1. **Bipartite graph**: each training query's top-``M_sq`` keys: exact for every ``list_stride``-th
    query (auto: one per ~4096 keys, :func:`auto_stride`; all below ~6K keys) and the newest
    ``keep_queries``, the others ranking the keys of the neighbouring exact lists
-   (``train_lists.anchored_topk``: exact lists for all grow as n²); or the lists given to ``build``
+   (``train_lists.anchored_topk``: exact lists for all grow as n²; the exact ones from a bfloat16 product's
+   best M_sq + 32, re-ranked in float32, ``coarse_bf16``); or the lists given to ``build``
    as ``train_topk`` (computed where they are cheap: ``decode.device_lists`` on the accelerator).
 2. **Projection onto keys.** RoarGraph hangs a query's keys on its top-1 key (the pivot); on real
    attention the top-1 keys are a few hundred sinks and heavy hitters, which starves every other
@@ -63,6 +64,7 @@ from anns_lab.indexes.topk import topk_ip
 from anns_lab.indexes.train_lists import anchored_topk
 
 STRANDED_POOL = 2048  # candidate out-neighbours of a stranded key (see link_stranded; 8192 scanned the same at 8K, cost +1.2 s per head at 32K)
+FAR_POOL = 2048  # link_unreachable: in-edge sources of a key with no reachable node near it in the graph, a stride over all keys (0 = all: up to 0.4 s per 32K head)
 ADD_SERIAL = 1024  # adds of up to this many keys run on the calling thread: a thread-pool launch costs ms on a loaded machine
 ADD_SEARCH_L = 16  # beam of the search that links each added key (wider: the same recall, slower)
 LIST_PARAMS = ("M_sq", "n_pivots", "n_cand")  # the sizes build resolves (0 = auto), kept in self.lists and saved
@@ -114,6 +116,7 @@ def link_stranded(keys: np.ndarray, nbrs: np.ndarray, degree: np.ndarray, entrie
     # cost as much as the bipartite graph itself.
     pool = np.flatnonzero(reach)
     pool = pool[:: max(1, len(pool) // STRANDED_POOL)]
+    # faiss's float32 kNN: topk_ip_bf16 saves nothing against a pool of 2048 (its selection pass costs what its product saves)
     near = pool[topk_ip(keys[stranded], keys[pool], k)]  # a stranded key is unreachable, so never in the pool
     nbrs[stranded, : near.shape[1]] = near
     degree[stranded] = near.shape[1]
@@ -140,6 +143,7 @@ class RoarGraphIndex(Index):
         "alpha": Param(1.2, 0.0, 4.0, help="RobustPrune α of the projection (inner-product rule; > 1 prunes less; 0 = no pruning)"),
         "max_train": Param(1 << 20, 1, 1 << 30, help="training queries used at most: an even stride over them, the newest always kept (build time)"),
         "list_stride": Param(0, 0, 4096, help="training queries per exact top-M_sq list: the others rank their neighbouring exact lists' keys (1 = all exact; 0 = auto: √(m·n)/4096, 2 at 8K, 8 at 32K, ≤ 64)"),
+        "coarse_bf16": Param(1, 0, 1, help="1: the exact lists rank the best M_sq + 32 keys of a bfloat16 product in float32 (where the CPU multiplies bf16 natively; ~1.6x faster); 0: faiss's float32 kNN"),
         "enhance_L": Param(0, 0, 4096, help="beam width of the connectivity-enhancement search (0 = skip it)"),
         "M_link": Param(8, 1, 512, help="links per key from the enhancement search / out-edges of a stranded key"),
         "n_hubs": Param(32, 1, 4096, help="entry hubs: top key of each k-means centroid of the training queries (all counted)"),
@@ -196,7 +200,7 @@ class RoarGraphIndex(Index):
             roar.connect_by_search(g, self.hubs, p["enhance_L"], (pa, p["R"], p["M_link"]), threads)
         nbrs, degree = g.nbrs, g.degree
         link_stranded(keys, nbrs, degree, self.hubs, p["M_link"])
-        link_unreachable(g, self.hubs, p["R"])
+        link_unreachable(g, self.hubs, p["R"], FAR_POOL)
         self._store = self._key_rows(keys)
         self._nbrs_buf, self._deg_buf = nbrs, degree
         self._expose(n)
@@ -213,7 +217,10 @@ class RoarGraphIndex(Index):
                                        f"M_sq = {m_sq} ({type(self).__name__}.train_topk_width({len(keys)}))")
             return np.ascontiguousarray(given[:, :m_sq], np.int32), np.ones(len(given), np.bool_)
         stride = self.params["list_stride"] or auto_stride(len(queries), len(keys))
-        return anchored_topk(queries, keys, m_sq, stride, LIST_SPAN, self.params["keep_queries"], threads)
+        # The build reads a list's order only below the pivot rank, and below n_cand when that cuts the list.
+        ordered = max(self.lists["n_pivots"], self.lists["n_cand"] if self.lists["n_cand"] < m_sq else 0)
+        return anchored_topk(queries, keys, m_sq, stride, LIST_SPAN, self.params["keep_queries"], threads,
+                             coarse=bool(self.params["coarse_bf16"]), ordered=ordered)
 
     @classmethod
     def train_topk_width(cls, n_keys: int, **build_params) -> int:
@@ -240,7 +247,8 @@ class RoarGraphIndex(Index):
         self._q_ids = np.full((len(q), K), -1, np.int32)
         self._q_scores = np.full((len(q), K), -np.inf, np.float32)
         if len(q):
-            s = np.einsum("qd,qkd->qk", q, keys[ids])
+            s = np.empty(ids.shape, np.float32)
+            roar.list_scores(q, keys, ids, s)
             order = np.argsort(-s, axis=1, kind="stable")
             self._q_ids[:, : ids.shape[1]] = np.take_along_axis(ids, order, 1)
             self._q_scores[:, : ids.shape[1]] = np.take_along_axis(s, order, 1)

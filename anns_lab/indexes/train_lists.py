@@ -10,6 +10,12 @@ either side by its exact inner products: m·n/stride + m·2·span·k products in
 
 Rows of anchors are exact (:func:`topk.topk_ip`'s); rows between them are the exact order of
 their candidates, so a key is missed only when no nearby anchor has it in its list.
+
+With ``coarse=True`` the anchors' m·n/stride products, the largest part of the build left, are done in
+bfloat16 (:func:`topk_ip_bf16`: ~2.4x the float32 throughput of one core where the CPU has AVX512-BF16 or
+AMX) and only each anchor's best ``k + BF16_MARGIN`` by those scores are ranked by their float32 inner
+products: an anchor's list then misses a key of its exact top-k only when bfloat16's rounding (~0.1% of a
+score) moved it more than BF16_MARGIN ranks, which never happened on the measured heads (BENCHMARKS "Scale").
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from anns_lab.indexes.graph.simd import dot4
+from anns_lab.indexes.graph.simd import dot4, dot_rows
+from anns_lab.indexes.graph.utils import run_chunks
 from anns_lab.indexes.topk import topk_ip
 
 
@@ -31,11 +38,15 @@ def anchor_ids(m: int, stride: int, exact_tail: int) -> np.ndarray:
 
 
 def anchored_topk(queries: np.ndarray, keys: np.ndarray, k: int, stride: int, span: int = 2,
-                  exact_tail: int = 256, n_threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
+                  exact_tail: int = 256, n_threads: int = 1, coarse: bool = False,
+                  ordered: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(lists (m, k) int32 best first, exact (m,) bool): exact lists at the anchors (:func:`anchor_ids`),
     elsewhere the top ``k`` by exact inner product among the keys listed by the ``span`` anchors on either side.
+    ``ordered`` > 0: a row between anchors is best first in its first ``ordered`` keys only, the rest of its top
+    k in no set order (a caller that reads only the set past a rank skips most of the sort).
 
-    ``stride`` ≤ 1 is :func:`topk.topk_ip` for every query (all rows exact).
+    ``stride`` ≤ 1 is :func:`topk.topk_ip` for every query (all rows exact). ``coarse``: the anchors' lists by
+    :func:`topk_ip_bf16` where :func:`bf16_native` (their rows are still flagged in ``exact``: ranked over all keys).
     """
     queries = np.ascontiguousarray(queries, np.float32)
     keys = np.ascontiguousarray(keys, np.float32)
@@ -45,22 +56,22 @@ def anchored_topk(queries: np.ndarray, keys: np.ndarray, k: int, stride: int, sp
     exact = np.zeros(m, np.bool_)
     exact[anchors] = True
     if len(anchors) == m:
-        return topk_ip(queries, keys, k), exact
+        return topk_ip_fast(queries, keys, k, coarse, n_threads), exact
     out = np.empty((m, k), np.int32)
-    a_lists = topk_ip(queries[anchors], keys, k)
+    a_lists = topk_ip_fast(queries[anchors], keys, k, coarse, n_threads)
     out[anchors] = a_lists
     gaps = np.flatnonzero(np.diff(anchors) > 1)  # anchor pairs with queries between them
     n_chunks = max(1, min(len(gaps), n_threads))
     widest = int(np.diff(anchors).max()) - 1  # most queries in one gap
-    _rerank_gaps(queries, keys, a_lists, anchors, gaps, max(1, span), out, n_chunks, widest)
+    _rerank_gaps(queries, keys, a_lists, anchors, gaps, max(1, span), out, n_chunks, widest, min(ordered or k, k))
     return out, exact
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _rerank_gaps(queries, keys, a_lists, anchors, gaps, span, out, n_chunks, widest):
+def _rerank_gaps(queries, keys, a_lists, anchors, gaps, span, out, n_chunks, widest, ordered):
     """For each gap g (queries strictly between anchors[g] and anchors[g + 1], at most ``widest``): candidates = the
     lists of anchors g - span + 1 … g + span (deduplicated), scored against each of the gap's queries; each query
-    keeps its top k, best first."""
+    keeps its top k, its first ``ordered`` best first."""
     n = keys.shape[0]
     na, k = a_lists.shape
     for c in prange(n_chunks):
@@ -90,17 +101,17 @@ def _rerank_gaps(queries, keys, a_lists, anchors, gaps, span, out, n_chunks, wid
                         row, queries[lo + r], queries[min(lo + r + 1, hi - 1)], queries[min(lo + r + 2, hi - 1)],
                         queries[min(lo + r + 3, hi - 1)])
             for r in range(hi - lo):
-                _top_sorted(s[r, :t], k, sort_keys, order)
+                _top_sorted(s[r, :t], k, sort_keys, order, ordered)
                 for j in range(k):
                     out[lo + r, j] = cand[order[j]]
 
 
 @njit(cache=True, nogil=True)
-def _top_sorted(s, k, keys, out):
-    """``out[:k]`` = indices of the ``k`` largest entries of ``s``, largest first, ties by smaller index (what a
-    stable sort of −s gives), from 64-bit keys in the caller's buffer ``keys`` (the score's bits made
-    order-preserving and negated, above the index): a partition at k and a sort of those k, ~1.7x faster than a
-    partition and an argsort of k floats."""
+def _top_sorted(s, k, keys, out, ordered):
+    """``out[:k]`` = indices of the ``k`` largest entries of ``s``, the first ``ordered`` of them largest first, ties
+    by smaller index (what a stable sort of −s gives), from 64-bit keys in the caller's buffer ``keys`` (the score's
+    bits made order-preserving and negated, above the index): a partition at k and a sort of those k (of the
+    ``ordered`` best, partitioned again, when fewer), ~1.7x faster than a partition and an argsort of k floats."""
     u = s.view(np.uint32)
     for i in range(s.shape[0]):
         b = np.uint64(u[i]) if s[i] != 0 else np.uint64(0)  # -0.0 ties with +0.0
@@ -109,6 +120,116 @@ def _top_sorted(s, k, keys, out):
     kk = keys[: s.shape[0]]
     if kk.shape[0] > k:  # keys are distinct (the index is in them): the k smallest, then their order
         kk = np.partition(kk, k - 1)[:k]
-    kk.sort()
+    if ordered < k:
+        kk = np.partition(kk, ordered - 1)
+        kk[:ordered].sort()
+    else:
+        kk.sort()
     for j in range(k):
         out[j] = np.int64(kk[j] & np.uint64(0xFFFFFFFF))
+
+
+BF16_MARGIN = 32  # keys past k handed from the bfloat16 pass to the exact ranking (16 already kept every exact top-198 key of a Gemma 32K head)
+COARSE_SAMPLE = 8  # _rank_coarse judges a row's threshold bin from every 8th bfloat16 score first
+COARSE_SLACK = 8  # sampled scores above the sample's share of `want`: the full pass is then rarely needed
+BF16_BLOCK = 512  # queries per bfloat16 product: a 512 × n block of 2-byte scores (32 MiB at 32K keys)
+
+
+def bf16_native() -> bool:
+    """Whether torch multiplies bfloat16 matrices natively here (AVX512-BF16 or AMX): elsewhere its bf16
+    product is no faster than faiss's float32 one."""
+    import torch
+
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def topk_ip_fast(queries: np.ndarray, keys: np.ndarray, k: int, coarse: bool, n_threads: int = 1) -> np.ndarray:
+    """Top-``k`` keys by inner product, best first: :func:`topk_ip_bf16` when ``coarse`` and :func:`bf16_native`,
+    else faiss's exact kNN (:func:`topk.topk_ip`)."""
+    if coarse and bf16_native():
+        return topk_ip_bf16(queries, keys, k, n_threads=n_threads)
+    return topk_ip(queries, keys, k)
+
+
+def topk_ip_bf16(queries: np.ndarray, keys: np.ndarray, k: int, margin: int = BF16_MARGIN, n_threads: int = 1) -> np.ndarray:
+    """Top-``k`` keys (int32 ids, best first) of each query by float32 inner product, among its best ``k + margin``
+    by a bfloat16 product (torch's, on its threads): the same lists as :func:`topk.topk_ip` unless rounding to
+    bfloat16 moved a top-k key more than ``margin`` ranks (order: :func:`graph.simd.dot`'s sums)."""
+    import torch
+
+    queries = np.ascontiguousarray(queries, np.float32)
+    keys = np.ascontiguousarray(keys, np.float32)
+    k = min(k, len(keys))
+    if k + margin >= len(keys):
+        return topk_ip(queries, keys, k)
+    kb = torch.from_numpy(keys).to(torch.bfloat16)
+    out = np.empty((len(queries), k), np.int32)
+    for i in range(0, len(queries), BF16_BLOCK):
+        q = queries[i:i + BF16_BLOCK]
+        s = torch.from_numpy(q).to(torch.bfloat16) @ kb.T
+        run_chunks(_rank_coarse, (s.view(torch.int16).numpy().view(np.uint16), q, keys, k + margin, out[i:i + BF16_BLOCK]),
+                   len(q), n_threads)
+    return out
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _bf16_order(b):
+    """Raw bfloat16 bits made order-preserving (ascending as the value) as uint16."""
+    return (b ^ np.uint16(0xFFFF)) if b >> np.uint16(15) else (b | np.uint16(0x8000))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _lowest_bin(row, hist, step, need):
+    """The highest 12-bit bin b such that every ``step``-th score of ``row`` in bins ≥ b number at least ``need``
+    (0 if none); ``hist`` is zero before and after."""
+    top = 0
+    for j in range(0, row.shape[0], step):
+        b = np.int64(_bf16_order(row[j]) >> np.uint16(4))
+        hist[b] += 1
+        top = max(top, b)
+    count = hist[top]  # from the highest bin counted down (not from 4095: the scores fill a few hundred bins)
+    while top > 0 and count < need:
+        top -= 1
+        count += hist[top]
+    for j in range(0, row.shape[0], step):
+        hist[_bf16_order(row[j]) >> np.uint16(4)] = 0
+    return top
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _at_least(row, lowest, cand):
+    """Indices of the scores of ``row`` whose ordered bits are ≥ ``lowest``, into ``cand``; returns how many."""
+    t = 0
+    for j in range(row.shape[0]):
+        if _bf16_order(row[j]) >= lowest:
+            cand[t] = j
+            t += 1
+    return t
+
+
+@njit(cache=True, nogil=True)
+def _rank_coarse(s16, queries, keys, want, out, c, n_chunks):
+    """Rows r ≡ c (mod n_chunks) of ``out`` (its k = out.shape[1]): the top k by :func:`dot` among the keys of the
+    ``want`` best bfloat16 scores ``s16[r]`` (raw bits; those of the bin reaching ``want`` included). The bins are
+    the top 12 bits of the scores made order-preserving; the bin is first judged from every COARSE_SAMPLE-th score
+    (a counting pass over all n costs more than the product saves at 128K), from all of them when that sample
+    left fewer than ``want`` keys in and above it."""
+    nb, n = s16.shape
+    k = out.shape[1]
+    hist = np.zeros(4096, np.int32)
+    cand = np.empty(n, np.int64)
+    sc = np.empty(n, np.float32)
+    sort_keys = np.empty(n, np.uint64)
+    order = np.empty(k, np.int64)
+    for r in range(c, nb, n_chunks):
+        row = s16[r]
+        t = 0
+        if n >= 64 * COARSE_SAMPLE:
+            top = _lowest_bin(row, hist, COARSE_SAMPLE, want // COARSE_SAMPLE + COARSE_SLACK)
+            t = _at_least(row, np.uint16(top << 4), cand)
+        if t < want:
+            t = _at_least(row, np.uint16(_lowest_bin(row, hist, 1, want) << 4), cand)
+        dot_rows(queries[r], keys, cand[:t], sc[:t])
+        _top_sorted(sc[:t], k, sort_keys, order, k)
+        for j in range(k):
+            out[r, j] = cand[order[j]]

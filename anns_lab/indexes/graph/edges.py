@@ -151,12 +151,20 @@ def _source_near(g, t, seen, R):
 
 
 @njit(cache=True, nogil=True)
-def _source_far(g, t, seen, R):
+def _source_far(g, t, seen, R, step):
     """The reachable node of largest inner product with t that has a free slot, else ``-2 - u`` for the
-    reachable node u of largest inner product (whose last edge t will replace)."""
+    reachable node u of largest inner product (whose last edge t will replace), among every ``step``-th node
+    (all nodes when that stride holds no reachable one)."""
+    src = _source_among(g, t, seen, R, step) if step > 1 else -1
+    return src if src != -1 else _source_among(g, t, seen, R, 1)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _source_among(g, t, seen, R, step):
+    """:func:`_source_far`'s choice among nodes 0, step, 2·step, …; -1 when none of them is reachable."""
     src = full = -1
     bs = fs = -np.inf
-    for u in range(g.data.shape[0]):
+    for u in range(0, g.data.shape[0], step):
         if seen[u]:
             s = dot(g.data[u], g.data[t])
             if g.degree[u] < R and s > bs:
@@ -169,13 +177,15 @@ def _source_far(g, t, seen, R):
 
 
 @njit(cache=True, nogil=True)
-def link_unreachable(g, entries, R):
+def link_unreachable(g, entries, R, far_pool=0):
     """Guarantee reachability from ``entries``: each unreachable node t gets an in-edge, from a reachable
     node near t in the graph (:func:`_source_near`: t's out-neighbours are its similar keys), else by
-    inner product (:func:`_source_far`). Reachability is updated incrementally (BFS from t only),
+    inner product (:func:`_source_far`, among a stride of about ``far_pool`` nodes when > 0: a way in, not
+    a fine neighbourhood). Reachability is updated incrementally (BFS from t only),
     so this is O(edges) plus a scan per node with no reachable out-neighbour. Returns how many
     in-edges were added."""
     n = g.data.shape[0]
+    step = max(1, n // far_pool) if far_pool > 0 else 1
     seen = reachable_from(g, entries)
     queue = np.empty(n, np.int64)
     linked = 0
@@ -184,7 +194,7 @@ def link_unreachable(g, entries, R):
         for t in range(n):
             if not seen[t]:
                 src = _source_near(g, t, seen, R)
-                src = _source_far(g, t, seen, R) if src < 0 else src
+                src = _source_far(g, t, seen, R, step) if src < 0 else src
                 if src >= 0:
                     g.nbrs[src, g.degree[src]] = t
                     g.degree[src] += 1

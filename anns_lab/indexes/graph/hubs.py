@@ -7,7 +7,6 @@ import numpy as np
 
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes.persist import expect, expect_ids
-from anns_lab.indexes.topk import topk_ip
 
 KMEANS_POINTS = 64  # training points per hub centroid (faiss subsamples): 256 took a quarter of the build
 
@@ -22,7 +21,7 @@ def query_hubs(keys: np.ndarray, queries: np.ndarray, n_hubs: int, seed: int) ->
     km = faiss.Kmeans(queries.shape[1], c, niter=10, seed=seed, verbose=False, min_points_per_centroid=1,
                       max_points_per_centroid=KMEANS_POINTS)
     km.train(np.ascontiguousarray(queries))
-    top = topk_ip(km.centroids, keys, 1)[:, 0].astype(np.int64)
+    top = np.argmax(km.centroids @ keys.T, axis=1)  # one matmul: faiss's kNN took 3x longer for these few queries at k = 1
     hubs = [mean_top] + [int(h) for h in top]
     return np.array(list(dict.fromkeys(hubs)), np.int64)  # unique, order kept
 

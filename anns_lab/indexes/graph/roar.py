@@ -12,7 +12,7 @@ from anns_lab.indexes.graph import Graph
 from anns_lab.indexes.graph.edges import incoming, merge_into_rows, proposals_by_row
 from anns_lab.indexes.graph.prune import prune_ordered, robust_prune
 from anns_lab.indexes.graph.search import search_one
-from anns_lab.indexes.graph.simd import dot, dot_rows, prefetch_keys
+from anns_lab.indexes.graph.simd import common_bits, dot, dot_rows, prefetch_keys
 from anns_lab.indexes.graph.utils import run_chunks
 
 
@@ -128,7 +128,9 @@ def _project_chunk(g, bip, rows, sizes, alpha, c, n_chunks):
 @njit(cache=True, nogil=True, inline="always")
 def _co_occurrences(bip, p, lo, hi, C, acc, touched):
     """Merge the first C keys of the queries ``occ_q[lo:hi]`` by id into ``acc`` (summed query weights; entries
-    < 0 are keys not seen yet); the distinct keys go to ``touched``; returns how many."""
+    < 0 are keys not seen yet); the distinct keys but p go to ``touched``, in the order first seen; returns how many.
+    Branch-free per key (every key is written to ``touched``, the count advances on a first sighting): whether a
+    key was seen before is a coin flip to the branch predictor on real lists."""
     t = 0
     for o in range(lo, hi):
         q = bip.occ_q[o]
@@ -137,13 +139,17 @@ def _co_occurrences(bip, p, lo, hi, C, acc, touched):
             prefetch_keys(bip.knn, bip.occ_q[o + 1:o + 2], 1)
         for j in range(C):
             v = bip.knn[q, j]
-            if v == p:
-                continue
-            if acc[v] < 0:
-                acc[v] = 0.0
-                touched[t] = v
-                t += 1
-            acc[v] += w
+            a = acc[v]
+            touched[t] = v
+            t += a < 0
+            acc[v] = max(a, np.float32(0.0)) + w
+    if acc[p] >= 0:  # p is in its own queries' lists: not its own candidate
+        acc[p] = -1.0
+        i = 0
+        while touched[i] != p:
+            i += 1
+        touched[i:t - 1] = touched[i + 1:t]
+        t -= 1
     return t
 
 
@@ -212,35 +218,87 @@ def link_descent(g: Graph, knn: np.ndarray, depth: int, per_key: int, prune: tup
     return len(qi)
 
 
+RARE_BITSET_BYTES = 128 << 20  # drop_rare_edges: memory for the list bitsets of the keys held by the most lists (a real 128K head: 6,653 keys in ≥ m/64 lists, 109 MB; 64 MB cost 1.37 s against 0.94)
+
+
 def drop_rare_edges(g: Graph, bip: Bipartite, min_frac: float, n_threads: int = 1) -> int:
     """Query-judged edges, in place: drop edge p → u where fewer than ``min_frac`` of the training lists that
     hold p also hold u (a search that reaches p for such a query scans u in vain); a row keeps at least
     its most co-occurring edge, in order. ``bip`` gives each key's lists (``bipartite`` over the whole
-    lists). Rows of keys in no list are left alone. Returns the number of edges dropped."""
+    lists). Rows of keys in no list are left alone. Returns the number of edges dropped.
+
+    Counting an edge costs the lists of its side held by fewer: a key in at least m/64 of the m lists (the
+    sinks and heavy hitters, in up to half of them) has a bitset of its lists, so an edge between two such
+    keys is a popcount of m/64 words and an edge to one of them tests the other side's lists in its bitset
+    (counting by u's lists alone cost ~0.3 s per 32K head, most of it on edges into sinks)."""
+    m = bip.knn.shape[0]
+    occ = np.diff(bip.ptr)
+    words = (m + 63) // 64
+    heavy = np.flatnonzero(occ >= words)
+    if len(heavy) * words * 8 > RARE_BITSET_BYTES:  # keep the keys in the most lists: the others are counted as before
+        heavy = heavy[np.argsort(-occ[heavy], kind="stable")[: RARE_BITSET_BYTES // (words * 8)]]
+    lists = _list_bitsets(bip.ptr, bip.occ_q, heavy.astype(np.int64), words, len(occ))
     dropped = np.zeros(g.data.shape[0], np.int64)
-    run_chunks(_rare_chunk, (g, bip.ptr, bip.occ_q, bip.knn.shape[0], np.float64(min_frac), dropped), len(dropped),
-               n_threads)
+    run_chunks(_rare_chunk, (g, bip.ptr, bip.occ_q, lists, m, np.float64(min_frac), dropped), len(dropped), n_threads)
     return int(dropped.sum())
 
 
 @njit(cache=True, nogil=True)
-def _rare_chunk(g, ptr, occ_q, m, min_frac, dropped, c, n_chunks):
+def _list_bitsets(ptr, occ_q, heavy, words, n):
+    """(bits (len(heavy), words) uint64: bit q of row h set when query q's list holds key heavy[h]; slot (n,): each
+    key's row in bits, -1 for keys without one)."""
+    slot = np.full(n, -1, np.int64)
+    bits = np.zeros((heavy.shape[0], words), np.uint64)
+    for h in range(heavy.shape[0]):
+        p = heavy[h]
+        slot[p] = h
+        for j in range(ptr[p], ptr[p + 1]):
+            q = occ_q[j]
+            bits[h, q >> 6] |= np.uint64(1) << np.uint64(q & 63)
+    return bits, slot
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _in_bitset(occ_q, lo, hi, bits):
+    """How many of the queries ``occ_q[lo:hi]`` have their bit set in ``bits``."""
+    s = 0
+    for j in range(lo, hi):
+        q = occ_q[j]
+        s += (bits[q >> 6] >> np.uint64(q & 63)) & np.uint64(1)
+    return s
+
+
+@njit(cache=True, nogil=True)
+def _rare_chunk(g, ptr, occ_q, lists, m, min_frac, dropped, c, n_chunks):
     """Rows p ≡ c (mod n_chunks) of :func:`drop_rare_edges` (a row is read and written by its owner only)."""
     _, nbrs, degree = g
-    stamp = np.full(m, -1, np.int64)  # stamp[q] == p: query q's list holds p
+    bits, slot = lists
+    stamp = np.full(m, -1, np.int64)  # stamp[q] == p: query q's list holds p (rows without a bitset)
     count = np.empty(nbrs.shape[1], np.int64)
     for p in range(c, nbrs.shape[0], n_chunks):
         if ptr[p + 1] == ptr[p] or degree[p] == 0:
             continue
-        for j in range(ptr[p], ptr[p + 1]):
-            stamp[occ_q[j]] = p
+        hp = slot[p]
+        stamped = False
         best = 0
         for t in range(degree[p]):
             u = nbrs[p, t]
-            s = 0
-            for j in range(ptr[u], ptr[u + 1]):
-                if stamp[occ_q[j]] == p:
-                    s += 1
+            hu = slot[u]
+            if hp >= 0 and hu >= 0:
+                s = common_bits(bits[hp], bits[hu])
+            elif hu >= 0:  # p is in fewer lists than u
+                s = _in_bitset(occ_q, ptr[p], ptr[p + 1], bits[hu])
+            elif hp >= 0:
+                s = _in_bitset(occ_q, ptr[u], ptr[u + 1], bits[hp])
+            else:
+                if not stamped:
+                    for j in range(ptr[p], ptr[p + 1]):
+                        stamp[occ_q[j]] = p
+                    stamped = True
+                s = 0
+                for j in range(ptr[u], ptr[u + 1]):
+                    if stamp[occ_q[j]] == p:
+                        s += 1
             count[t] = s
             if s > count[best]:
                 best = t
@@ -290,6 +348,13 @@ def _gaps_chunk(data, knn, csr_in, out, c, n_chunks):
                 if sims[s] > best:
                     best = sims[s]
                     out[q, r] = knn[q, s]
+
+
+@njit(cache=True, nogil=True)
+def list_scores(queries, keys, ids, out):
+    """``out[q, j]`` = ip(queries[q], keys[ids[q, j]]) (:func:`dot`'s sums; no gather of the listed key rows)."""
+    for q in range(ids.shape[0]):
+        dot_rows(queries[q], keys, ids[q], out[q])
 
 
 @njit(cache=True, nogil=True)

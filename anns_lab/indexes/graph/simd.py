@@ -1,5 +1,5 @@
 """The LLVM intrinsics under every graph kernel: a fixed-order SIMD inner product (one pair, or one row against
-four at once with the same bits) and a cache prefetch."""
+four at once with the same bits), a cache prefetch and a population count."""
 
 from __future__ import annotations
 
@@ -103,6 +103,29 @@ def _prefetch(typingctx, arr, i, j):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@intrinsic
+def _ctpop(typingctx, x):
+    """Set bits of a uint64 (``llvm.ctpop``: one instruction where the CPU has POPCNT)."""
+    if x != nbtypes.uint64:
+        return None
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [i64]), "llvm.ctpop.i64")
+        return builder.call(fn, [args[0]])
+
+    return nbtypes.uint64(x), codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def common_bits(a: np.ndarray, b: np.ndarray) -> int:
+    """Bits set in both uint64 arrays (the size of the intersection of two bitsets)."""
+    s = 0
+    for i in range(a.shape[0]):
+        s += _ctpop(a[i] & b[i])
+    return s
 
 
 def _dot_any(a, b):
