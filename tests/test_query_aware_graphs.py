@@ -428,3 +428,24 @@ def test_min_cooc_keeps_every_key_reachable_and_recall():
         r_full = recall_at_k(full.search(test, 50, L=L).ids, test, keys, 50)
         r_thin = recall_at_k(thin.search(test, 50, L=L).ids, test, keys, 50)
         assert r_thin >= r_full - 0.03, (L, r_thin, r_full)
+
+
+@pytest.mark.parametrize("far_pool", [0, 16])
+def test_link_unreachable_reaches_closed_clusters(far_pool):
+    """Clusters whose edges stay inside them (no reachable node near them in the graph) get an in-edge by inner
+    product, from every reachable node (far_pool 0) or a stride of them: afterwards every node is reachable."""
+    from anns_lab.indexes.graph.edges import link_unreachable
+
+    rng = np.random.default_rng(7)
+    n, R = 400, 6
+    keys = rng.standard_normal((n, 16)).astype(np.float32)
+    nbrs = np.full((n, R), -1, np.int32)
+    degree = np.zeros(n, np.int32)
+    for lo in range(0, n, 20):  # 20 clusters of 20 nodes, each a ring with chords: closed to the others
+        for i in range(lo, lo + 20):
+            nbrs[i, :3] = [lo + (i - lo + s) % 20 for s in (1, 5, 11)]
+            degree[i] = 3
+    g = Graph(keys, nbrs, degree)
+    assert not reachable_from(g, np.array([0])).all()
+    assert link_unreachable(g, np.array([0]), R, far_pool) >= 19
+    assert reachable_from(g, np.array([0])).all() and (degree <= R).all()

@@ -64,7 +64,7 @@ from anns_lab.indexes.topk import topk_ip
 from anns_lab.indexes.train_lists import anchored_topk
 
 STRANDED_POOL = 2048  # candidate out-neighbours of a stranded key (see link_stranded; 8192 scanned the same at 8K, cost +1.2 s per head at 32K)
-FAR_POOL = 2048  # link_unreachable: in-edge sources of a key with no reachable node near it in the graph, a stride over all keys (0 = all: up to 0.4 s per 32K head)
+FAR_POOL = 512  # link_unreachable: in-edge sources of a key with no reachable node near it in the graph, a stride over all keys (0 = all: up to 0.4 s per 32K head, 141 s on a real 128K head; 2048 left 1.5-2.3 s there)
 ADD_SERIAL = 1024  # adds of up to this many keys run on the calling thread: a thread-pool launch costs ms on a loaded machine
 ADD_SEARCH_L = 16  # beam of the search that links each added key (wider: the same recall, slower)
 LIST_PARAMS = ("M_sq", "n_pivots", "n_cand")  # the sizes build resolves (0 = auto), kept in self.lists and saved

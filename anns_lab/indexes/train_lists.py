@@ -138,9 +138,12 @@ BF16_BLOCK = 512  # queries per bfloat16 product: a 512 × n block of 2-byte sco
 def bf16_native() -> bool:
     """Whether torch multiplies bfloat16 matrices natively here (AVX512-BF16 or AMX): elsewhere its bf16
     product is no faster than faiss's float32 one."""
-    import torch
+    import torch  # once per process (~1 s; the decoder has it loaded already)
 
-    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a private probe: a torch without it multiplies on the float32 path
+        return False
 
 
 def topk_ip_fast(queries: np.ndarray, keys: np.ndarray, k: int, coarse: bool, n_threads: int = 1) -> np.ndarray:
