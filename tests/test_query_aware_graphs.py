@@ -477,3 +477,22 @@ def test_co_occurrences_when_a_pivots_lists_hold_every_key():
     t = roar._co_occurrences(bip, 0, lo, hi, C, acc, touched)
     assert t == n - 1 and touched[:t].tolist() == list(ref)
     assert acc[0] == -1.0 and acc[touched[:t]].tolist() == list(ref.values())
+
+
+def test_query_hubs_are_the_top_key_of_each_centroid():
+    """Hubs: the mean query's top key, then each k-means centroid's top key by inner product (float64 reference),
+    distinct, in that order."""
+    import faiss
+
+    from anns_lab.indexes.graph.hubs import KMEANS_POINTS, query_hubs
+
+    rng = np.random.default_rng(11)
+    keys = rng.standard_normal((500, 16)).astype(np.float32)
+    q = (rng.standard_normal((300, 16)) + 1.0).astype(np.float32)
+    km = faiss.Kmeans(16, 8, niter=10, seed=5, verbose=False, min_points_per_centroid=1,
+                      max_points_per_centroid=KMEANS_POINTS)
+    km.train(q)
+    k64 = keys.astype(np.float64)
+    ref = [int(np.argmax(k64 @ q.mean(axis=0, dtype=np.float64)))]
+    ref += np.argmax(km.centroids.astype(np.float64) @ k64.T, axis=1).tolist()
+    assert query_hubs(keys, q, 8, seed=5).tolist() == list(dict.fromkeys(ref))
