@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pandas as pd
 import pytest
@@ -27,8 +28,9 @@ def _error(result) -> str:
 def test_task_run_prints_table_and_writes_json(tiny_llama, tmp_path):
     out = tmp_path / "r.json"
     res = _run("--model", tiny_llama, "--mode", "full,window,flat", "--task", "passkey", "--context", 200,
-               "--samples", 2, "--window", "4,16", "--topk", 20, "--max-new-tokens", 4, "--json", out)
+               "--samples", 2, "--window", "4,16", "--topk", 20, "--max-new-tokens", 4, "--json", out, "--chunk", 64)
     assert res.exit_code == 0, res.output
+    assert re.search(r"prefill \S+: +100%.*200/200 \[", res.output)  # the prefill's progress bar over its 4 chunks
     assert "retr ms" in res.output and "accuracy %" in res.output
     assert "other ms  per token: everything outside" in res.output  # every column defined under the table
     data = json.loads(out.read_text())

@@ -449,3 +449,31 @@ def test_link_unreachable_reaches_closed_clusters(far_pool):
     assert not reachable_from(g, np.array([0])).all()
     assert link_unreachable(g, np.array([0]), R, far_pool) >= 19
     assert reachable_from(g, np.array([0])).all() and (degree <= R).all()
+
+
+def test_co_occurrences_when_a_pivots_lists_hold_every_key():
+    """The projection's merge against a plain first-seen-order dict, on lists that together hold all n keys (the
+    branch-free merge then writes one slot past the n - 1 candidates): the pivot left out, weights summed."""
+    from anns_lab.indexes.graph import roar
+
+    rng = np.random.default_rng(3)
+    n, m, C = 30, 12, 10
+    knn = np.empty((m, C), np.int32)
+    for q in range(m):  # key 0 in every list, the other 29 keys 108 times in all
+        row = [0] + [(q * 9 + j) % (n - 1) + 1 for j in range(C - 1)]
+        knn[q] = rng.permutation(row)
+    weights = rng.random(m).astype(np.float32)
+    bip = roar.bipartite(knn, weights, n, C, 0.0)
+    lo, hi = bip.ptr[0], bip.ptr[1]
+    ref = {}
+    for o in range(lo, hi):
+        q = bip.occ_q[o]
+        for v in knn[q]:
+            if v != 0:
+                ref[int(v)] = np.float32(ref.get(int(v), np.float32(0.0)) + weights[q])
+    assert len(ref) == n - 1
+    acc = np.full(n, -1.0, np.float32)
+    touched = np.full(n + 1, -7, np.int32)
+    t = roar._co_occurrences(bip, 0, lo, hi, C, acc, touched)
+    assert t == n - 1 and touched[:t].tolist() == list(ref)
+    assert acc[0] == -1.0 and acc[touched[:t]].tolist() == list(ref.values())

@@ -133,3 +133,41 @@ def test_anchored_lists_ordered_prefix():
     assert np.array_equal(exact, exact2) and np.array_equal(full[exact], part[exact])
     assert np.array_equal(full[:, :10], part[:, :10])
     assert all(set(a) == set(b) for a, b in zip(full, part)) and not np.array_equal(full, part)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_coarse_lists_take_the_float32_path_without_native_bf16(native, monkeypatch):
+    """``coarse``: topk_ip_bf16 only where bf16_native says so; elsewhere faiss's exact kNN, whatever this CPU is."""
+    from anns_lab.indexes import train_lists
+
+    keys, q = drifting(8, n=2000, m=200)
+    ref, _ = exact_lists(q, keys, 40)
+    calls = []
+    real = train_lists.topk_ip_bf16
+    monkeypatch.setattr(train_lists, "bf16_native", lambda: native)
+    monkeypatch.setattr(train_lists, "topk_ip_bf16", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    lists, exact = anchored_topk(q, keys, 40, 8, 1, exact_tail=30, coarse=True)
+    assert bool(calls) == native
+    for i in np.flatnonzero(exact):
+        assert set(lists[i]) == set(ref[i]), i
+
+
+def test_bf16_native_is_false_where_bf16_is_emulated_or_unprobed(monkeypatch):
+    """oneDNN's probe says yes on any AVX512 x86 core: without AVX512-BF16 or AMX-BF16 the float32 path is taken;
+    a torch without the probe takes it too."""
+    import llvmlite.binding
+    import torch
+
+    from anns_lab.indexes import train_lists
+
+    monkeypatch.setattr(train_lists.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True, raising=False)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
+    features = {"avx512f": True, "avx512bw": True, "avx512bf16": False, "amx-bf16": False}
+    monkeypatch.setattr(llvmlite.binding, "get_host_cpu_features", lambda: features)
+    assert not train_lists.bf16_native()
+    features["avx512bf16"] = True
+    assert train_lists.bf16_native()
+    monkeypatch.delattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", raising=False)
+    monkeypatch.setattr(torch.ops, "mkldnn", object())  # a torch without the private probe
+    assert not train_lists.bf16_native()

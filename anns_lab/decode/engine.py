@@ -93,10 +93,13 @@ class ModeRun:
     cpu_keys: int = 0  # tokens those stores held, summed over the layers
 
 
-def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool, build_modes: list[Mode] = ()) -> Prefilled:
+def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool, build_modes: list[Mode] = (),
+            progress: bool = False) -> Prefilled:
     """Chunked full-attention prefill of ``ids``; keeps long-range layers' queries when asked. The index modes
     ``build_modes`` start their builds while it runs (:class:`builds.EarlyBuilds`, when
-    ``settings.build_during_prefill``): call ``pre.early.wait()`` before decoding."""
+    ``settings.build_during_prefill``): call ``pre.early.wait()`` before decoding. ``progress``: a progress bar
+    over the chunks (on stderr) when the prompt spans several."""
+    from tqdm.auto import tqdm
     from transformers import DynamicCache
 
     cache = DynamicCache(config=lm.model.config)
@@ -107,6 +110,7 @@ def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool, build
                             ctl.prefill_queries if capture_queries else (lambda layer: None))
     t0 = time.perf_counter()
     logits = None
+    bar = tqdm(total=len(ids), unit="tok", desc=f"prefill {lm.name}", disable=not progress or len(ids) <= settings.chunk)
     try:
         with torch.inference_mode(), retrieving(lm.model, ctl):
             for start in range(0, len(ids), settings.chunk):
@@ -114,11 +118,14 @@ def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool, build
                 if end == len(ids) and early is not None:
                     ctl.layer_done = early.layer_done  # the last chunk completes each long-range layer as it passes it
                 logits = forward_tokens(lm, cache, ids, start, end)
+                bar.update(end - start)
         _sync(lm.model.device)
     except BaseException:
         if early is not None:
             early.close()
         raise
+    finally:
+        bar.close()
     seconds = time.perf_counter() - t0
     if early is not None:
         early.prefill_done()

@@ -122,9 +122,10 @@ def run_sample(lm, modes: list[Mode], settings: Settings, ids: list[int], max_ne
 
     ``say`` (a callable taking a line) hears what is happening before each long step and how long it took.
     """
+    bar = say is not None
     say = say or (lambda line: None)
     say(f"  prefill: {len(ids)} tokens through {lm.name} (full attention, chunks of {settings.chunk}) ...")
-    pre = prefill(lm, ids, settings, any(m.uses_queries() for m in modes), modes)
+    pre = prefill(lm, ids, settings, any(m.uses_queries() for m in modes), modes, progress=bar)
     say(f"  prefill: done in {pre.seconds:.1f} s")
     if pre.early is not None:  # no mode decodes while builds still share the CPU
         say("  index builds: started during the prefill's last chunk; finishing ...")
@@ -217,7 +218,7 @@ def run_fidelity(lm, modes: list[Mode], settings: Settings, context: int, positi
     ids = build_prompt("text", lm.tokenizer, context + positions).ids
     say = progress or (lambda line: None)
     say(f"  prefill: {context} tokens through {lm.name} ...")
-    pre = prefill(lm, ids[:context], settings, any(m.uses_queries() for m in modes))
+    pre = prefill(lm, ids[:context], settings, any(m.uses_queries() for m in modes), progress=progress is not None)
     say(f"  prefill: done in {pre.seconds:.1f} s; full attention: {positions} teacher-forced + {free_tokens} free tokens ...")
     teacher = ids[context:]
     full_tf = run_mode(lm, pre, Mode("full"), settings, 0, teacher=teacher, keep_logits=True)

@@ -20,6 +20,8 @@ score) moved it more than BF16_MARGIN ranks, which never happened on the measure
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 from numba import njit, prange
 
@@ -141,9 +143,27 @@ def bf16_native() -> bool:
     import torch  # once per process (~1 s; the decoder has it loaded already)
 
     try:
-        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        ok = bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # a private probe: a torch without it multiplies on the float32 path
         return False
+    if ok and platform.machine().lower() in X86_MACHINES:
+        # oneDNN's probe says yes on every AVX512 core, where it emulates bfloat16 (slower than float32)
+        return _x86_bf16_instructions()
+    return ok
+
+
+X86_MACHINES = ("x86_64", "amd64", "i386", "i686", "x86")
+
+
+def _x86_bf16_instructions() -> bool:
+    """Whether this x86 CPU has AVX512-BF16 or AMX-BF16 (LLVM's host features, which numba already loads)."""
+    import llvmlite.binding as llvm
+
+    try:
+        features = llvm.get_host_cpu_features()
+    except RuntimeError:  # LLVM could not read them: the float32 path is never wrong
+        return False
+    return bool(features.get("avx512bf16") or features.get("amx-bf16"))
 
 
 def topk_ip_fast(queries: np.ndarray, keys: np.ndarray, k: int, coarse: bool, n_threads: int = 1) -> np.ndarray:

@@ -86,7 +86,7 @@ def _project_chunk(g, bip, rows, sizes, alpha, c, n_chunks):
     n_pivots, n_sel, n_cand, max_cand, M = sizes
     n = data.shape[0]
     acc = np.full(n, -1.0, np.float32)  # summed weights of row p's candidates; -1: not a candidate (weights are ≥ 0)
-    touched = np.empty(n, np.int32)
+    touched = np.empty(n + 1, np.int32)  # + 1: _co_occurrences writes each key one past the distinct ones, even when all n are
     # per-row scratch, allocated once per chunk (a row has at most n candidates)
     uw, w, sim = np.empty(n, np.float32), np.empty(n, np.float32), np.empty(n, np.float32)
     uid = np.empty(n, np.int32)
@@ -128,7 +128,8 @@ def _project_chunk(g, bip, rows, sizes, alpha, c, n_chunks):
 @njit(cache=True, nogil=True, inline="always")
 def _co_occurrences(bip, p, lo, hi, C, acc, touched):
     """Merge the first C keys of the queries ``occ_q[lo:hi]`` by id into ``acc`` (summed query weights; entries
-    < 0 are keys not seen yet); the distinct keys but p go to ``touched``, in the order first seen; returns how many.
+    < 0 are keys not seen yet); the distinct keys but p go to ``touched`` (room for n + 1), in the order first seen;
+    returns how many.
     Branch-free per key (every key is written to ``touched``, the count advances on a first sighting): whether a
     key was seen before is a coin flip to the branch predictor on real lists."""
     t = 0
