@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from anns_lab.cli import main
 from anns_lab.decode.modes import parse_modes, pick_from_sweep
+from anns_lab.dumps.models import extrapolation_note
 from anns_lab.eval.table import COLUMNS
 
 
@@ -103,7 +104,13 @@ def test_extrapolation_is_allowed_when_asked_and_said(tiny_llama, tmp_path):
     assert res.exit_code == 0, res.output
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["context"] > data["model_context"] > 0
-    assert f"extrapolated: {data['context']:,} tokens are beyond {data['model']}'s trained context of {data['model_context']:,}" in res.output
+    # The check counts prompt + generated tokens, and so does the sentence.
+    n = data["context"] + 2
+    assert data["extrapolated"] == extrapolation_note(data["model"], n, data["model_context"])
+    assert f"extrapolated: {n:,} tokens are beyond {data['model']}'s trained context of {data['model_context']:,}" in res.output
+    edge = _run("--model", tiny_llama, "--task", "passkey", "--context", data["model_context"] - 1, "--mode", "full",
+                "--max-new-tokens", 2, "--allow-extrapolation")  # the prompt fits, the generated tokens do not
+    assert edge.exit_code == 0 and "extrapolated:" in edge.output
     within = _run("--model", tiny_llama, "--task", "passkey", "--context", 200, "--mode", "full", "--max-new-tokens", 2)
     assert within.exit_code == 0 and "extrapolated" not in within.output
 

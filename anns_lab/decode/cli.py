@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 import click
 
 from anns_lab.cli_types import WINDOW
-from anns_lab.dumps.models import extrapolation_note
 from anns_lab.dumps.tasks import TASKS
 from anns_lab.errors import DecodeError
 from anns_lab.io import atomic_write_bytes
@@ -191,9 +190,8 @@ def _print_result(result: dict, settings: Settings, prompt: bool) -> None:
     w = settings.window
     click.echo(f"{result['model']}  {result['task']}  context {result['context']}  device {result['device']}  "
                f"window {w.sink}+{w.recent}  top-k {settings.topk}")
-    note = extrapolation_note(result["model"], result["context"], result.get("model_context"))
-    if note:
-        click.echo(note)
+    if result.get("extrapolated"):
+        click.echo(result["extrapolated"])
     click.echo(runner.table(result))
     for name, m in result["modes"].items():
         for note in m.get("notes", []):

@@ -17,6 +17,7 @@ from anns_lab.errors import DecodeError
 from anns_lab.decode import stats
 from anns_lab.decode.engine import Mode, ModeRun, Settings, check_window, prefill, run_mode, summarize
 from anns_lab.dumps import tasks
+from anns_lab.dumps.models import extrapolation_note
 
 # Enough for the answer with the preamble models write first: Gemma-3 once spent 14 tokens on
 # "magic_number = 114874" and lost the needle's last digit.
@@ -24,10 +25,13 @@ MAX_NEW = {"passkey": 8, "number_string": 14, "kv_retrieval": 40, "niah": 24, "n
            "niah_multivalue": 56, "prompt": 32}
 
 
-def check_context(lm, n_tokens: int, allow_extrapolation: bool) -> None:
+def check_context(lm, n_tokens: int, allow_extrapolation: bool) -> str | None:
+    """Refuse ``n_tokens`` (prompt + generated) beyond the model's context unless allowed; when allowed, the
+    sentence the results carry (``extrapolated``), else None."""
     if lm.context and n_tokens > lm.context and not allow_extrapolation:
         raise DecodeError(f"{n_tokens} tokens (prompt + generated) exceed {lm.name}'s context of {lm.context} tokens; "
                           "use a shorter --context, or pass --allow-extrapolation to go beyond it")
+    return extrapolation_note(lm.name, n_tokens, lm.context)
 
 
 def stop_ids(lm) -> set[int]:
@@ -85,19 +89,20 @@ def run_task(lm, modes: list[Mode], settings: Settings, task: str, context: int,
     if samples < 1:
         raise DecodeError("--samples must be at least 1")
     max_new = max_new or MAX_NEW[task]
-    check_context(lm, context + max_new, allow_extrapolation)
+    note = check_context(lm, context + max_new, allow_extrapolation)
     check_window(settings, context, modes, max_new)
     made = [tasks.make_sample(task, lm.tokenizer, context, seed + i, d) for i, d in enumerate(depths(samples))]
-    return _run_prompts(lm, modes, settings, [(s.ids, s) for s in made], max_new, task, progress, executor, on_sample)
+    return _run_prompts(lm, modes, settings, [(s.ids, s) for s in made], max_new, task, progress, executor, on_sample,
+                        note)
 
 
 def run_prompt(lm, modes: list[Mode], settings: Settings, text: str, max_new: int | None = None,
                allow_extrapolation: bool = False, progress=None, executor=None, on_sample=None) -> dict:
     ids = tasks.special_prefix(lm.tokenizer) + tasks.encode(lm.tokenizer, text)
     max_new = max_new or MAX_NEW["prompt"]
-    check_context(lm, len(ids) + max_new, allow_extrapolation)
+    note = check_context(lm, len(ids) + max_new, allow_extrapolation)
     check_window(settings, len(ids), modes, max_new)
-    return _run_prompts(lm, modes, settings, [(ids, None)], max_new, "prompt", progress, executor, on_sample)
+    return _run_prompts(lm, modes, settings, [(ids, None)], max_new, "prompt", progress, executor, on_sample, note)
 
 
 def check_memory(lm, modes: list[Mode], settings: Settings, n_tokens: int, builds_at_once: bool = False) -> None:
@@ -144,11 +149,12 @@ def run_sample(lm, modes: list[Mode], settings: Settings, ids: list[int], max_ne
     return {"prefill_s": pre.seconds, "runs": runs}
 
 
-def _run_prompts(lm, modes, settings, prompts, max_new, task, progress, executor=None, on_sample=None) -> dict:
+def _run_prompts(lm, modes, settings, prompts, max_new, task, progress, executor=None, on_sample=None,
+                 extrapolated: str | None = None) -> dict:
     """Every prompt (here, or through ``executor.map_samples``), scored and merged into one result.
 
     ``on_sample(result)``: called after each prompt with the result of the prompts so far, so that a long run
-    stopped midway keeps what it finished.
+    stopped midway keeps what it finished. ``extrapolated``: :func:`check_context`'s sentence, kept in the result.
     """
     settings = dataclasses.replace(settings, steps=max_new)  # the CPU stores' room for the tokens to come
     check_memory(lm, modes, settings, max(len(ids) for ids, _ in prompts) + max_new, settings.build_during_prefill)
@@ -175,14 +181,14 @@ def _run_prompts(lm, modes, settings, prompts, max_new, task, progress, executor
                 progress(f"sample {i + 1}/{len(prompts)} {mode.name}: {answer!r}"
                          + (f" (expected {sample.answers[0]!r}, score {row['score']:g})" if sample else ""))
         if on_sample is not None:
-            on_sample(_merged(per_mode, prefill_s, task, len(prompts[0][0])) | {"samples_done": i + 1,
-                                                                               "samples_total": len(prompts)})
-    return _merged(per_mode, prefill_s, task, len(prompts[0][0]))
+            on_sample(_merged(per_mode, prefill_s, task, len(prompts[0][0]), extrapolated)
+                      | {"samples_done": i + 1, "samples_total": len(prompts)})
+    return _merged(per_mode, prefill_s, task, len(prompts[0][0]), extrapolated)
 
 
-def _merged(per_mode: dict, prefill_s: list[float], task: str, context: int) -> dict:
+def _merged(per_mode: dict, prefill_s: list[float], task: str, context: int, extrapolated: str | None = None) -> dict:
     """The result of the samples run so far: per mode, pooled timings, accuracy and the samples themselves."""
-    out = {"task": task, "context": context, "modes": {}}
+    out = {"task": task, "context": context, "extrapolated": extrapolated, "modes": {}}
     for name, d in per_mode.items():
         summary = _pool(d["runs"]) | {"prefill_s": float(np.mean(prefill_s))}
         if task != "prompt":
@@ -211,7 +217,7 @@ def run_fidelity(lm, modes: list[Mode], settings: Settings, context: int, positi
     if positions < 1 or free_tokens < 1:
         raise DecodeError("--positions and --free-tokens must be at least 1")
     steps = max(positions, free_tokens)
-    check_context(lm, context + steps, allow_extrapolation)
+    note = check_context(lm, context + steps, allow_extrapolation)
     check_window(settings, context, modes, steps)
     check_memory(lm, modes, settings, context + steps)
     settings = dataclasses.replace(settings, steps=steps)
@@ -224,7 +230,8 @@ def run_fidelity(lm, modes: list[Mode], settings: Settings, context: int, positi
     full_tf = run_mode(lm, pre, Mode("full"), settings, 0, teacher=teacher, keep_logits=True)
     full_free = run_mode(lm, pre, Mode("full"), settings, free_tokens)
     ref_logp = torch.stack(full_tf.logits).double().log_softmax(-1)
-    out = {"task": "fidelity", "context": context, "positions": positions, "free_tokens": free_tokens, "modes": {}}
+    out = {"task": "fidelity", "context": context, "extrapolated": note, "positions": positions, "free_tokens": free_tokens,
+           "modes": {}}
     for mode in modes:
         if mode.name == "full":
             tf, free = full_tf, full_free
