@@ -479,12 +479,16 @@ def test_co_occurrences_when_a_pivots_lists_hold_every_key():
     assert acc[0] == -1.0 and acc[touched[:t]].tolist() == list(ref.values())
 
 
-def test_query_hubs_are_the_top_key_of_each_centroid():
+@pytest.mark.parametrize("block", [256, 3])  # 3: the centroids scored in blocks, the last one partial
+def test_query_hubs_are_the_top_key_of_each_centroid(block, monkeypatch):
     """Hubs: the mean query's top key, then each k-means centroid's top key by inner product (float64 reference),
     distinct, in that order."""
     import faiss
 
+    from anns_lab.indexes.graph import hubs
     from anns_lab.indexes.graph.hubs import KMEANS_POINTS, query_hubs
+
+    monkeypatch.setattr(hubs, "HUB_BLOCK", block)
 
     rng = np.random.default_rng(11)
     keys = rng.standard_normal((500, 16)).astype(np.float32)

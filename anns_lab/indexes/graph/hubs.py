@@ -8,6 +8,7 @@ import numpy as np
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes.persist import expect, expect_ids
 
+HUB_BLOCK = 256  # centroids scored against every key at once (256 x 128K float32 = 128 MiB)
 KMEANS_POINTS = 64  # training points per hub centroid (faiss subsamples): 256 took a quarter of the build
 
 
@@ -21,7 +22,9 @@ def query_hubs(keys: np.ndarray, queries: np.ndarray, n_hubs: int, seed: int) ->
     km = faiss.Kmeans(queries.shape[1], c, niter=10, seed=seed, verbose=False, min_points_per_centroid=1,
                       max_points_per_centroid=KMEANS_POINTS)
     km.train(np.ascontiguousarray(queries))
-    top = np.argmax(km.centroids @ keys.T, axis=1)  # one matmul: faiss's kNN took 3x longer for these few queries at k = 1
+    # Matmuls of HUB_BLOCK centroids (faiss's kNN took 3x longer at k = 1 for the default 32): the scores of
+    # all n_hubs at once would be n_hubs x n floats (2 GiB at 4096 hubs on 128K keys).
+    top = np.concatenate([np.argmax(km.centroids[i:i + HUB_BLOCK] @ keys.T, axis=1) for i in range(0, c, HUB_BLOCK)])
     hubs = [mean_top] + [int(h) for h in top]
     return np.array(list(dict.fromkeys(hubs)), np.int64)  # unique, order kept
 
