@@ -299,7 +299,7 @@ class RoarGraphIndex(Index):
         # ones (decode queries drift).
         roar.connect_by_search(g, self.hubs, max(p["enhance_L"], ADD_SEARCH_L), (pa, p["R"], p["M_link"]), threads,
                                targets=new, prune_full=True)
-        link_unreachable(g, self.hubs, p["R"])  # a pruned row may have cut a key's only way in
+        link_unreachable(g, self.hubs, p["R"], FAR_POOL)  # a pruned row may have cut a key's only way in
 
     # -- search ------------------------------------------------------------------------------------
 
