@@ -1,5 +1,7 @@
 """The training queries' top lists (train_lists) and precomputed lists given to build (train_topk)."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -108,7 +110,11 @@ def test_bf16_coarse_lists_are_the_exact_lists(d, scale):
     keys, q = drifting(d, n=4000, m=300, d=d)
     keys, q = keys * scale, q * scale  # Gemma-like norms: bfloat16's rounding grows with the scores
     ref, s = exact_lists(q, keys, 60)
-    got = topk_ip_bf16(q, keys, 60, n_threads=2)
+    keys.setflags(write=False)  # as a dump's memory-mapped arrays: read without a warning (torch's from_numpy warns)
+    q.setflags(write=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = topk_ip_bf16(q, keys, 60, n_threads=2)
     assert got.shape == ref.shape and got.dtype == np.int32
     for i in range(len(q)):
         assert set(got[i]) == set(ref[i]), i

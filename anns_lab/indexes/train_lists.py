@@ -185,11 +185,11 @@ def topk_ip_bf16(queries: np.ndarray, keys: np.ndarray, k: int, margin: int = BF
     k = min(k, len(keys))
     if k + margin >= len(keys):
         return topk_ip(queries, keys, k)
-    kb = torch.from_numpy(keys).to(torch.bfloat16)
+    kb = torch.tensor(keys, dtype=torch.bfloat16)  # a copy: the keys may be a read-only view of a dump
     out = np.empty((len(queries), k), np.int32)
     for i in range(0, len(queries), BF16_BLOCK):
         q = queries[i:i + BF16_BLOCK]
-        s = torch.from_numpy(q).to(torch.bfloat16) @ kb.T
+        s = torch.tensor(q, dtype=torch.bfloat16) @ kb.T
         run_chunks(_rank_coarse, (s.view(torch.int16).numpy().view(np.uint16), q, keys, k + margin, out[i:i + BF16_BLOCK]),
                    len(q), n_threads)
     return out
