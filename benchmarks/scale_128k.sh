@@ -11,7 +11,7 @@
 # 3. `anns-lab decode` on niah and passkey, every mode on one shared prefill per sample (time to first token,
 #    retrieval per token against flat and IVF).
 # Each step writes under OUT; "peak RSS" lines come from GNU time. Steps already done are skipped (the dump and
-# the sweep resume; delete OUT/decode-*.json to rerun a decode).
+# the sweep resume; a decode whose JSON is complete is skipped: delete OUT/decode-*.json to rerun it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-gemma3-270m}
@@ -42,7 +42,8 @@ timed dump "$LAB" dump --model "$MODEL" --tokens "$TOKENS" --decode-tokens "$DEC
 timed sweep "$PY" benchmarks/bench_query_aware.py --dump "$DUMP" --indexes "$INDEXES" --layers "$LAYERS" \
   --jobs "$JOBS" --out "$OUT/sweep" ${QUICK:+--quick}
 for task in niah passkey; do
-  [ -f "$OUT/decode-$task.json" ] && continue
+  # done = written and not partial (a decode stopped midway leaves "partial": true)
+  [ -f "$OUT/decode-$task.json" ] && ! grep -q '"partial": true' "$OUT/decode-$task.json" && continue
   timed "decode-$task" "$LAB" decode --model "$MODEL" --task "$task" --context "$TOKENS" --samples "$SAMPLES" \
     --mode "$MODES" --chunk "$CHUNK" --allow-extrapolation --json "$OUT/decode-$task.json"
 done
