@@ -479,6 +479,39 @@ def test_co_occurrences_when_a_pivots_lists_hold_every_key():
     assert acc[0] == -1.0 and acc[touched[:t]].tolist() == list(ref.values())
 
 
+@pytest.mark.parametrize("n,bucket_bits", [(700, 9), (700, 2), (5, 9), (1, 0)])
+def test_occurrences_match_a_plain_reference(n, bucket_bits):
+    """The bipartite graph's key occurrences (a two-pass counting sort through buckets of 2^bucket_bits keys)
+    against a plain sort: each key's (query, rank) pairs by rank, newest query first, negative ids left out, only
+    ranks below P."""
+    from anns_lab.indexes.graph import roar
+
+    rng = np.random.default_rng(n)
+    m, C = 90, min(n, 40)
+    knn = np.array([rng.permutation(n)[:C] for _ in range(m)], np.int32)
+    knn[rng.random(knn.shape) < 0.05] = -1
+    for P in (C, C // 2 + 1):
+        ptr, occ_q, occ_r = roar._occurrences(knn, P, n, bucket_bits)
+        assert len(ptr) == n + 1 and ptr[0] == 0
+        for v in range(n):
+            q, r = np.nonzero(knn[:, :P] == v)
+            ref = sorted(zip(r.tolist(), (-q).tolist()))
+            got = list(zip(occ_r[ptr[v]:ptr[v + 1]].tolist(), (-occ_q[ptr[v]:ptr[v + 1]]).tolist()))
+            assert got == ref, v
+
+
+def test_kth_largest_is_numpys_partition():
+    """The projection's threshold (graph.utils.kth_largest) against np.partition, with repeats and k = len(x)."""
+    from anns_lab.indexes.graph.utils import kth_largest
+
+    rng = np.random.default_rng(4)
+    for n, k in [(2300, 128), (129, 128), (128, 128), (50, 1), (500, 77)]:
+        for x in (rng.random(n), rng.integers(1, 5, n) * 0.25, np.sort(rng.random(n)), np.sort(rng.random(n))[::-1]):
+            x = x.astype(np.float32)
+            got = kth_largest(x, k, np.empty(k, np.float32), np.empty(k, np.int64))
+            assert got == np.partition(x, n - k)[n - k]
+
+
 @pytest.mark.parametrize("block", [256, 3])  # 3: the centroids scored in blocks, the last one partial
 def test_query_hubs_are_the_top_key_of_each_centroid(block, monkeypatch):
     """Hubs: the mean query's top key, then each k-means centroid's top key by inner product (float64 reference),

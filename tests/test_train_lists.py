@@ -177,3 +177,22 @@ def test_bf16_native_is_false_where_bf16_is_emulated_or_unprobed(monkeypatch):
     monkeypatch.delattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", raising=False)
     monkeypatch.setattr(torch.ops, "mkldnn", object())  # a torch without the private probe
     assert not train_lists.bf16_native()
+
+
+@pytest.mark.parametrize("n,k,ordered", [(747, 399, 199), (400, 399, 399), (50, 50, 10), (9, 1, 1), (300, 120, 120)])
+def test_top_sorted_against_a_stable_argsort(n, k, ordered):
+    """The re-rank's selection (train_lists._top_sorted, quickselect by _select_smallest): the top k of a stable
+    argsort of −s as a set, its first ``ordered`` in order; on random scores, sorted ones (the anchors' lists order
+    their candidates), with ties and signed zeros."""
+    from anns_lab.indexes.train_lists import _top_sorted
+
+    rng = np.random.default_rng(n + k)
+    cases = [rng.standard_normal(n), np.sort(rng.standard_normal(n))[::-1], np.sort(rng.standard_normal(n)),
+             np.round(rng.standard_normal(n) * 2), np.where(rng.random(n) < 0.5, 0.0, -0.0)]
+    keys, out = np.empty(n, np.uint64), np.empty(k, np.int64)
+    for s in cases:
+        s = s.astype(np.float32)
+        ref = np.argsort(-s, kind="stable")
+        _top_sorted(s, k, keys, out, ordered)
+        assert out[:ordered].tolist() == ref[:ordered].tolist()
+        assert sorted(out.tolist()) == sorted(ref[:k].tolist())

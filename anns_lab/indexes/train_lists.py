@@ -121,14 +121,59 @@ def _top_sorted(s, k, keys, out, ordered):
         keys[i] = ((up ^ np.uint64(0xFFFFFFFF)) << np.uint64(32)) | np.uint64(i)  # descending score, then index
     kk = keys[: s.shape[0]]
     if kk.shape[0] > k:  # keys are distinct (the index is in them): the k smallest, then their order
-        kk = np.partition(kk, k - 1)[:k]
+        _select_smallest(kk, k)
+        kk = kk[:k]
     if ordered < k:
-        kk = np.partition(kk, ordered - 1)
+        _select_smallest(kk, ordered)
         kk[:ordered].sort()
     else:
         kk.sort()
     for j in range(k):
         out[j] = np.int64(kk[j] & np.uint64(0xFFFFFFFF))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _partition_at(a, lo, hi, piv):
+    """Lomuto partition of ``a[lo:hi]`` around ``a[piv]``, branch-free (every element is swapped; only the count moves):
+    returns the pivot's final index, smaller values before it, the others after."""
+    p = a[piv]
+    a[piv] = a[lo]
+    a[lo] = p
+    i = lo + 1
+    for j in range(lo + 1, hi):
+        x = a[j]
+        a[j] = a[i]
+        a[i] = x
+        i += x < p
+    i -= 1
+    a[lo] = a[i]
+    a[i] = p
+    return i
+
+
+@njit(cache=True, nogil=True)
+def _select_smallest(a, k):
+    """Rearrange ``a`` (distinct values) in place so that ``a[:k]`` holds its ``k`` smallest, in no set order (1 ≤ k ≤
+    len(a)): quickselect with a median-of-three pivot and :func:`_partition_at`. numba's ``np.partition`` copies twice and
+    mispredicts on every other compare of the re-rank's random scores (~1.6x slower: BENCHMARKS "Scale", fourth pass)."""
+    lo, hi = 0, a.shape[0]
+    kth = k - 1
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        x, y, z = a[lo], a[mid], a[hi - 1]
+        if (x < y) != (x < z):
+            piv = lo
+        elif (y < x) != (y < z):
+            piv = mid
+        else:
+            piv = hi - 1
+        pos = _partition_at(a, lo, hi, piv)
+        if pos == kth:
+            return
+        if pos < kth:
+            lo = pos + 1
+        else:
+            hi = pos
 
 
 BF16_MARGIN = 32  # keys past k handed from the bfloat16 pass to the exact ranking (16 already kept every exact top-198 key of a Gemma 32K head)
