@@ -401,12 +401,14 @@ def test_drop_rare_edges_matches_a_plain_reference(min_frac):
 
 
 @pytest.mark.parametrize("bitset_keys", [0, 40, 10**6])
-def test_drop_rare_edges_bitsets_match_the_reference(bitset_keys, monkeypatch):
+@pytest.mark.parametrize("m", [400, 3000])  # 3000: keys in hundreds of lists, so counts stop early (RARE_BLOCK)
+def test_drop_rare_edges_bitsets_match_the_reference(bitset_keys, m, monkeypatch):
     """Edges counted by popcount (both ends with a bitset of their lists), by bit tests (one end) or by stamps
-    (neither): the same rows as the plain reference, whichever keys have bitsets."""
+    (neither), each count stopping once the edge is kept: the same rows as the plain reference, whichever keys
+    have bitsets."""
     from anns_lab.indexes.graph import roar
 
-    keys, train, _ = ood_data(13, n=600, m=400)
+    keys, train, _ = ood_data(13, n=600, m=m)
     index = RoarGraphIndex(M_sq=40).build(keys, train)
     knn = topk_ip(train, keys, 40).astype(np.int32)
     nbrs, degree = index._nbrs.copy(), index._degree.copy()

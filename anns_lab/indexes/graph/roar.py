@@ -299,13 +299,32 @@ def _list_bitsets(ptr, occ_q, heavy, words, n):
     return bits, slot
 
 
+RARE_BLOCK = 64  # _rare_chunk counts an edge's common lists in blocks of this many, stopping once it has enough
+
+
 @njit(cache=True, nogil=True, inline="always")
-def _in_bitset(occ_q, lo, hi, bits):
-    """How many of the queries ``occ_q[lo:hi]`` have their bit set in ``bits``."""
+def _in_bitset(occ_q, lo, hi, bits, need):
+    """How many of the queries ``occ_q[lo:hi]`` have their bit set in ``bits``, or a count ≥ ``need`` once it
+    reaches that (counted in blocks of RARE_BLOCK)."""
     s = 0
-    for j in range(lo, hi):
-        q = occ_q[j]
-        s += (bits[q >> 6] >> np.uint64(q & 63)) & np.uint64(1)
+    for b in range(lo, hi, RARE_BLOCK):
+        for j in range(b, min(hi, b + RARE_BLOCK)):
+            q = np.uint32(occ_q[j])
+            s += (bits[q >> 6] >> np.uint64(q & 63)) & np.uint64(1)
+        if s >= need:
+            break
+    return s
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _in_stamped(occ_q, lo, hi, stamp, p, need):
+    """How many of the queries ``occ_q[lo:hi]`` are stamped ``p``, or a count ≥ ``need`` once it reaches that."""
+    s = 0
+    for b in range(lo, hi, RARE_BLOCK):
+        for j in range(b, min(hi, b + RARE_BLOCK)):
+            s += stamp[np.uint32(occ_q[j])] == p
+        if s >= need:
+            break
     return s
 
 
@@ -314,7 +333,9 @@ def _rare_chunk(g, ptr, occ_q, lists, m, min_frac, dropped, c, n_chunks):
     """Rows p ≡ c (mod n_chunks) of :func:`drop_rare_edges` (a row is read and written by its owner only)."""
     _, nbrs, degree = g
     bits, slot = lists
-    stamp = np.full(m, -1, np.int64)  # stamp[q] == p: query q's list holds p (rows without a bitset)
+    # stamp[q] == p: query q's list holds p (rows without a bitset). int32 and unsigned indices (ids are never
+    # negative): numba's wraparound test on a signed index was ~1/3 of this loop, most of the filter's time
+    stamp = np.full(m, -1, np.int32)
     count = np.empty(nbrs.shape[1], np.int64)
     for p in range(c, nbrs.shape[0], n_chunks):
         if ptr[p + 1] == ptr[p] or degree[p] == 0:
@@ -322,28 +343,27 @@ def _rare_chunk(g, ptr, occ_q, lists, m, min_frac, dropped, c, n_chunks):
         hp = slot[p]
         stamped = False
         best = 0
+        # A count stops once it reaches `need` (the edge is kept): the same edges, since the most co-occurring edge
+        # that a row keeps anyway matters only when no count reaches `need`, and then every count is exact.
+        need = min_frac * (ptr[p + 1] - ptr[p])
         for t in range(degree[p]):
             u = nbrs[p, t]
             hu = slot[u]
             if hp >= 0 and hu >= 0:
                 s = common_bits(bits[hp], bits[hu])
             elif hu >= 0:  # p is in fewer lists than u
-                s = _in_bitset(occ_q, ptr[p], ptr[p + 1], bits[hu])
+                s = _in_bitset(occ_q, ptr[p], ptr[p + 1], bits[hu], need)
             elif hp >= 0:
-                s = _in_bitset(occ_q, ptr[u], ptr[u + 1], bits[hp])
+                s = _in_bitset(occ_q, ptr[u], ptr[u + 1], bits[hp], need)
             else:
                 if not stamped:
                     for j in range(ptr[p], ptr[p + 1]):
-                        stamp[occ_q[j]] = p
+                        stamp[np.uint32(occ_q[j])] = p
                     stamped = True
-                s = 0
-                for j in range(ptr[u], ptr[u + 1]):
-                    if stamp[occ_q[j]] == p:
-                        s += 1
+                s = _in_stamped(occ_q, ptr[u], ptr[u + 1], stamp, p, need)
             count[t] = s
             if s > count[best]:
                 best = t
-        need = min_frac * (ptr[p + 1] - ptr[p])
         kept = 0
         for t in range(degree[p]):
             if count[t] >= need or t == best:
