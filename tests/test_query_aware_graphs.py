@@ -504,14 +504,16 @@ def test_occurrences_match_a_plain_reference(n, bucket_bits):
 
 def test_kth_largest_is_numpys_partition():
     """The projection's threshold (graph.utils.kth_largest) against np.partition, with repeats and k = len(x)."""
-    from anns_lab.indexes.graph.utils import kth_largest
+    from anns_lab.indexes.graph.utils import kth_largest, kth_scratch
 
     rng = np.random.default_rng(4)
     for n, k in [(2300, 128), (129, 128), (128, 128), (50, 1), (500, 77)]:
-        for x in (rng.random(n), rng.integers(1, 5, n) * 0.25, np.sort(rng.random(n)), np.sort(rng.random(n))[::-1]):
+        scratch = kth_scratch(n, k)
+        for x in (rng.random(n), rng.integers(1, 5, n) * 0.25, np.sort(rng.random(n)), np.sort(rng.random(n))[::-1],
+                  rng.standard_normal(n) * 100, np.where(rng.random(n) < 0.5, 0.0, -0.0), 1 + rng.random(n) * 1e-6):
             x = x.astype(np.float32)
-            got = kth_largest(x, k, np.empty(k, np.float32), np.empty(k, np.int64))
-            assert got == np.partition(x, n - k)[n - k]
+            assert kth_largest(x, k, scratch) == np.partition(x, n - k)[n - k]
+            assert not scratch[0].any()  # the histogram is left zero for the next call
 
 
 @pytest.mark.parametrize("block", [256, 3])  # 3: the centroids scored in blocks, the last one partial

@@ -13,7 +13,7 @@ from anns_lab.indexes.graph.edges import incoming, merge_into_rows, proposals_by
 from anns_lab.indexes.graph.prune import prune_ordered, robust_prune
 from anns_lab.indexes.graph.search import search_one
 from anns_lab.indexes.graph.simd import common_bits, dot, dot_rows, prefetch_keys
-from anns_lab.indexes.graph.utils import kth_largest, run_chunks
+from anns_lab.indexes.graph.utils import kth_largest, kth_scratch, run_chunks
 
 
 class Bipartite(NamedTuple):
@@ -128,7 +128,7 @@ def _project_chunk(g, bip, rows, sizes, alpha, c, n_chunks):
     uid = np.empty(n, np.int32)
     key = np.empty(n, np.float64)
     out = np.empty(M, np.int32)
-    hs, hi_ = np.empty(max_cand, np.float32), np.empty(max_cand, np.int64)  # kth_largest's heap
+    kth = kth_scratch(n, max_cand)
     for ri in range(c, rows.shape[0], n_chunks):
         p = rows[ri]
         lo = hi = bip.ptr[p]
@@ -142,7 +142,7 @@ def _project_chunk(g, bip, rows, sizes, alpha, c, n_chunks):
             v = touched[i]
             uw[i] = acc[v] * bip.key_weight[v]
             acc[v] = -1.0  # reset by the touched list: one array read per update (was a stamp array beside it)
-        thr = kth_largest(uw[:t], max_cand, hs, hi_) if t > max_cand else -np.inf
+        thr = kth_largest(uw[:t], max_cand, kth) if t > max_cand else -np.inf
         m = 0
         for i in range(t):
             if uw[i] >= thr:
