@@ -8,7 +8,7 @@ import pytest
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes import registry
 from anns_lab.indexes.roargraph import RoarGraphIndex, auto_stride
-from anns_lab.indexes.graph.simd import dot, dot4
+from anns_lab.indexes.graph.simd import dot, dot2x4, dot4
 from anns_lab.indexes.train_lists import anchor_ids, anchored_topk
 
 
@@ -62,6 +62,14 @@ def test_dot4_is_four_dots_bit_for_bit(d):
     rng = np.random.default_rng(d)
     a, *bs = (rng.standard_normal(d).astype(np.float32) * 10 for _ in range(5))
     assert dot4(a, *bs) == tuple(dot(a, b) for b in bs)
+
+
+@pytest.mark.parametrize("d", [64, 256, 37, 5])
+def test_dot2x4_is_eight_dots_bit_for_bit(d):
+    """The re-rank's two-rows-by-four inner products (graph.simd.dot2x4): dot's bits for each pair, a0's four first."""
+    rng = np.random.default_rng(d + 1)
+    a0, a1, *bs = (rng.standard_normal(d).astype(np.float32) * 10 for _ in range(6))
+    assert dot2x4(a0, a1, *bs) == tuple(dot(a, b) for a in (a0, a1) for b in bs)
 
 
 def test_anchored_lists_recall_on_drifting_queries():

@@ -25,7 +25,7 @@ import platform
 import numpy as np
 from numba import njit, prange
 
-from anns_lab.indexes.graph.simd import dot4, dot_rows
+from anns_lab.indexes.graph.simd import dot2x4, dot4, dot_rows
 from anns_lab.indexes.graph.utils import run_chunks
 from anns_lab.indexes.topk import topk_ip
 
@@ -96,10 +96,19 @@ def _rerank_gaps(queries, keys, a_lists, anchors, gaps, span, out, n_chunks, wid
             # Candidate-major: each key row is read once and scored against all the gap's queries, four at a time
             # (graph.simd.dot4: the same bits as dot; a short last group repeats the gap's last query). Not numba's
             # BLAS: on these small blocks its calls cost ~15x more (OpenBLAS's thread pool on a loaded machine).
-            for i in range(t):
-                row = keys[cand[i]]
+            # Two key rows at a time against four queries (dot2x4: eight accumulators, where dot4's four wait on the
+            # adds' latency), the odd last row by dot4.
+            for i in range(0, t - 1, 2):
+                row0, row1 = keys[cand[i]], keys[cand[i + 1]]
                 for r in range(0, hi - lo, 4):
-                    s[r, i], s[r + 1, i], s[r + 2, i], s[r + 3, i] = dot4(
+                    (s[r, i], s[r + 1, i], s[r + 2, i], s[r + 3, i],
+                     s[r, i + 1], s[r + 1, i + 1], s[r + 2, i + 1], s[r + 3, i + 1]) = dot2x4(
+                        row0, row1, queries[lo + r], queries[min(lo + r + 1, hi - 1)],
+                        queries[min(lo + r + 2, hi - 1)], queries[min(lo + r + 3, hi - 1)])
+            if t % 2:
+                row = keys[cand[t - 1]]
+                for r in range(0, hi - lo, 4):
+                    s[r, t - 1], s[r + 1, t - 1], s[r + 2, t - 1], s[r + 3, t - 1] = dot4(
                         row, queries[lo + r], queries[min(lo + r + 1, hi - 1)], queries[min(lo + r + 2, hi - 1)],
                         queries[min(lo + r + 3, hi - 1)])
             for r in range(hi - lo):
