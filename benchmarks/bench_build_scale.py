@@ -143,7 +143,8 @@ def main() -> None:
                         pts.append((r.n_scanned.mean() / len(keys), rec))
                     row[f"{name} scanned %"] = 100 * scan_at(pts, a.target)
             rows.append(row)
-            print("  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
+            print("  ".join(f"{k} {v:.3f}" if "scanned" in k else f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                            for k, v in row.items()), flush=True)
     cols = [c for c in rows[0] if c != "head"]
     print(f"\nmedian over {len(rows)} heads (n = {len(keys)} keys, m = {len(queries)} training queries):")
     for c in cols:
