@@ -27,9 +27,15 @@ Build, on keys K (n, d) and training queries Q (m, d) (kernels in :mod:`graph.ro
    (:func:`link_stranded`), then every key unreachable from the entry points gets an in-edge.
    The published connectivity enhancement (``enhance_L``) is off by default: on real heads it
    links keys no query wants.
+7. **Row order** (``cooc_order``): each row sorted by how many of the key's training lists also hold the
+   neighbour, most first (:func:`graph.roar.order_rows_by_cooc`): the order the search's row stop walks.
 
 Search: the best-first search of :mod:`graph.search` with beam ``L`` from all entry points at once;
 the k best of every node scanned are returned, so ``L`` < k is a valid, cheaper operating point.
+An expansion walks its node's row in order and stops once its misses (neighbours outside the beam)
+reach ``row_misses`` + ``row_credit`` × hits (neighbours in it): a row whose first neighbours fall
+outside the beam leads out of the query's region (``graph.search``, "Row stop"; 0 = full rows). Keys
+added after the build are scanned wherever a walk stops short of them (their in-edges sit at the rows' ends).
 The entry points, each counted like any node, are ``n_hubs`` hub keys (the top key of each k-means
 centroid of the training queries) plus the ``recent_entries`` newest keys. ``bytes_read``
 (``graph.search.bytes_read``): each scanned key (4·dim bytes), each expanded node's adjacency row (its
@@ -40,7 +46,8 @@ like late prefill queries: post-RoPE drift).
 ``add`` costs what the new keys cost, not what the index holds: the kept recent queries'
 (``keep_queries``) exact top-``M_sq`` lists are cached; a new key that enters a list is projected
 from those lists as the build projects, its neighbours get reverse edges, every new key is
-searched for and linked from what it finds, and reachability is restored. Only new rows and their
+searched for and linked from what it finds, and reachability is restored (a row pruned on the way keeps
+its order, new edges last). Only new rows and their
 neighbours' rows are written, in place, into an adjacency grown with spare capacity. Keys are read from the
 :class:`key_store.KeyStore` given to ``build`` (the decoder's, one per layer for all heads), or one of
 the index's own. Design history and measurements: ``docs/notes/graph-indexes.md``.
