@@ -457,12 +457,14 @@ def test_drop_rare_edges_matches_a_plain_reference(min_frac):
 
 
 @pytest.mark.parametrize("bitset_keys", [0, 40, 10**6])
-def test_drop_rare_edges_bitsets_match_the_reference(bitset_keys, monkeypatch):
+@pytest.mark.parametrize("m", [400, 3000])  # 3000: keys in hundreds of lists, so counts stop early (RARE_BLOCK)
+def test_drop_rare_edges_bitsets_match_the_reference(bitset_keys, m, monkeypatch):
     """Edges counted by popcount (both ends with a bitset of their lists), by bit tests (one end) or by stamps
-    (neither): the same rows as the plain reference, whichever keys have bitsets."""
+    (neither), each count stopping once the edge is kept: the same rows as the plain reference, whichever keys
+    have bitsets."""
     from anns_lab.indexes.graph import roar
 
-    keys, train, _ = ood_data(13, n=600, m=400)
+    keys, train, _ = ood_data(13, n=600, m=m)
     index = RoarGraphIndex(M_sq=40).build(keys, train)
     knn = topk_ip(train, keys, 40).astype(np.int32)
     nbrs, degree = index._nbrs.copy(), index._degree.copy()
@@ -533,6 +535,41 @@ def test_co_occurrences_when_a_pivots_lists_hold_every_key():
     t = roar._co_occurrences(bip, 0, lo, hi, C, acc, touched)
     assert t == n - 1 and touched[:t].tolist() == list(ref)
     assert acc[0] == -1.0 and acc[touched[:t]].tolist() == list(ref.values())
+
+
+@pytest.mark.parametrize("n,bucket_bits", [(700, 9), (700, 2), (5, 9), (1, 0)])
+def test_occurrences_match_a_plain_reference(n, bucket_bits):
+    """The bipartite graph's key occurrences (a two-pass counting sort through buckets of 2^bucket_bits keys)
+    against a plain sort: each key's (query, rank) pairs by rank, newest query first, negative ids left out, only
+    ranks below P."""
+    from anns_lab.indexes.graph import roar
+
+    rng = np.random.default_rng(n)
+    m, C = 90, min(n, 40)
+    knn = np.array([rng.permutation(n)[:C] for _ in range(m)], np.int32)
+    knn[rng.random(knn.shape) < 0.05] = -1
+    for P in (C, C // 2 + 1):
+        ptr, occ_q, occ_r = roar._occurrences(knn, P, n, bucket_bits)
+        assert len(ptr) == n + 1 and ptr[0] == 0
+        for v in range(n):
+            q, r = np.nonzero(knn[:, :P] == v)
+            ref = sorted(zip(r.tolist(), (-q).tolist()))
+            got = list(zip(occ_r[ptr[v]:ptr[v + 1]].tolist(), (-occ_q[ptr[v]:ptr[v + 1]]).tolist()))
+            assert got == ref, v
+
+
+def test_kth_largest_is_numpys_partition():
+    """The projection's threshold (graph.utils.kth_largest) against np.partition, with repeats and k = len(x)."""
+    from anns_lab.indexes.graph.utils import kth_largest, kth_scratch
+
+    rng = np.random.default_rng(4)
+    for n, k in [(2300, 128), (129, 128), (128, 128), (50, 1), (500, 77)]:
+        scratch = kth_scratch(n, k)
+        for x in (rng.random(n), rng.integers(1, 5, n) * 0.25, np.sort(rng.random(n)), np.sort(rng.random(n))[::-1],
+                  rng.standard_normal(n) * 100, np.where(rng.random(n) < 0.5, 0.0, -0.0), 1 + rng.random(n) * 1e-6):
+            x = x.astype(np.float32)
+            assert kth_largest(x, k, scratch) == np.partition(x, n - k)[n - k]
+            assert not scratch[0].any()  # the histogram is left zero for the next call
 
 
 @pytest.mark.parametrize("block", [256, 3])  # 3: the centroids scored in blocks, the last one partial

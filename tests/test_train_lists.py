@@ -8,7 +8,7 @@ import pytest
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes import registry
 from anns_lab.indexes.roargraph import RoarGraphIndex, auto_stride
-from anns_lab.indexes.graph.simd import dot, dot4
+from anns_lab.indexes.graph.simd import dot, dot2x4, dot4
 from anns_lab.indexes.train_lists import anchor_ids, anchored_topk
 
 
@@ -62,6 +62,14 @@ def test_dot4_is_four_dots_bit_for_bit(d):
     rng = np.random.default_rng(d)
     a, *bs = (rng.standard_normal(d).astype(np.float32) * 10 for _ in range(5))
     assert dot4(a, *bs) == tuple(dot(a, b) for b in bs)
+
+
+@pytest.mark.parametrize("d", [64, 256, 37, 5])
+def test_dot2x4_is_eight_dots_bit_for_bit(d):
+    """The re-rank's two-rows-by-four inner products (graph.simd.dot2x4): dot's bits for each pair, a0's four first."""
+    rng = np.random.default_rng(d + 1)
+    a0, a1, *bs = (rng.standard_normal(d).astype(np.float32) * 10 for _ in range(6))
+    assert dot2x4(a0, a1, *bs) == tuple(dot(a, b) for a in (a0, a1) for b in bs)
 
 
 def test_anchored_lists_recall_on_drifting_queries():
@@ -177,3 +185,22 @@ def test_bf16_native_is_false_where_bf16_is_emulated_or_unprobed(monkeypatch):
     monkeypatch.delattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", raising=False)
     monkeypatch.setattr(torch.ops, "mkldnn", object())  # a torch without the private probe
     assert not train_lists.bf16_native()
+
+
+@pytest.mark.parametrize("n,k,ordered", [(747, 399, 199), (400, 399, 399), (50, 50, 10), (9, 1, 1), (300, 120, 120)])
+def test_top_sorted_against_a_stable_argsort(n, k, ordered):
+    """The re-rank's selection (train_lists._top_sorted, quickselect by _select_smallest): the top k of a stable
+    argsort of −s as a set, its first ``ordered`` in order; on random scores, sorted ones (the anchors' lists order
+    their candidates), with ties and signed zeros."""
+    from anns_lab.indexes.train_lists import _top_sorted
+
+    rng = np.random.default_rng(n + k)
+    cases = [rng.standard_normal(n), np.sort(rng.standard_normal(n))[::-1], np.sort(rng.standard_normal(n)),
+             np.round(rng.standard_normal(n) * 2), np.where(rng.random(n) < 0.5, 0.0, -0.0)]
+    keys, out = np.empty(n, np.uint64), np.empty(k, np.int64)
+    for s in cases:
+        s = s.astype(np.float32)
+        ref = np.argsort(-s, kind="stable")
+        _top_sorted(s, k, keys, out, ordered)
+        assert out[:ordered].tolist() == ref[:ordered].tolist()
+        assert sorted(out.tolist()) == sorted(ref[:k].tolist())

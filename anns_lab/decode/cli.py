@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import click
 
 from anns_lab.cli_types import WINDOW
+from anns_lab.dumps.cli import ROPE_HELP, ROPE_SCALING
 from anns_lab.dumps.tasks import TASKS
 from anns_lab.errors import DecodeError
 from anns_lab.io import atomic_write_bytes
@@ -58,6 +59,7 @@ def default_device() -> str:
 @click.option("--torch-threads", default=0, show_default=True,
               help="CPU threads of torch (the accelerator stand-in on CPU-only machines); 0 = torch's default")
 @click.option("--allow-extrapolation", is_flag=True, help="allow a context beyond the model's trained length")
+@click.option("--rope-scaling", type=ROPE_SCALING, default=None, help=ROPE_HELP)
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               help="ray: one Ray task per sample (all its modes; one GPU each when the cluster has GPUs)")
 @click.option("--address", default=None, help="Ray cluster to join (HOST:PORT of its head, or 'auto'); none starts Ray here")
@@ -66,7 +68,7 @@ def default_device() -> str:
               help="write the full results here (after each sample; \"partial\": true until the last)")
 def decode(model, modes, params, build_params, topk, window, add_batch, train_queries, task, prompt, evaluation, context, samples,
            seed, max_new_tokens, positions, free_tokens, chunk, build_during_prefill, from_sweep, target_recall, device, torch_threads,
-           allow_extrapolation, executor, address, cpus_per_task, json_path):
+           allow_extrapolation, rope_scaling, executor, address, cpus_per_task, json_path):
     """Generate with RetrievalAttention: static window on the accelerator + retrieved keys from a CPU index."""
     from anns_lab.decode import runner
     from anns_lab.decode.engine import Settings
@@ -76,7 +78,7 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
     _check_options(settings, evaluation, task, prompt, executor, address)
     mode_list = _parse_mode_list(modes, params, build_params, from_sweep)
     device = device or default_device()
-    lm = _load(model, device, torch_threads)
+    lm = _load(model, device, torch_threads, rope_scaling)
     if from_sweep:
         mode_list = _with_sweep_pick(mode_list, from_sweep, lm, target_recall)
 
@@ -98,7 +100,7 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
         if executor == "ray":
             from anns_lab.decode.ray_samples import RaySamples
 
-            remote = RaySamples(address, model, cpus_per_task, log=progress)
+            remote = RaySamples(address, model, cpus_per_task, log=progress, rope_scaling=rope_scaling)
         try:
             if prompt is not None:
                 result = runner.run_prompt(lm, mode_list, settings, prompt, max_new_tokens, allow_extrapolation,
@@ -145,15 +147,15 @@ def _parse_mode_list(modes: str, params: tuple[str, ...], build_params: tuple[st
                                  modes_mod.parse_params(build_params, "--build-param"))
 
 
-def _load(model: str, device: str, torch_threads: int):
-    """The model on ``device``, torch limited to ``torch_threads`` CPU threads when > 0."""
+def _load(model: str, device: str, torch_threads: int, rope_scaling=None):
+    """The model on ``device`` (its RoPE scaled when asked), torch limited to ``torch_threads`` CPU threads when > 0."""
     from anns_lab.dumps.models import load_model
 
     if torch_threads > 0:
         import torch
 
         torch.set_num_threads(torch_threads)
-    return load_model(model, device=device)
+    return load_model(model, device=device, rope_scaling=rope_scaling)
 
 
 def _with_full(mode_list: list[Mode]) -> list[Mode]:
@@ -175,7 +177,8 @@ def _with_sweep_pick(mode_list: list[Mode], from_sweep: str, lm, target_recall: 
 def _run_description(lm, device: str, executor: str, settings: Settings, mode_list: list[Mode]) -> dict:
     """What the result records about the run besides its numbers: model (and its trained context), device, settings,
     each mode's plan."""
-    return {"model": lm.name, "model_context": lm.context, "device": device, "executor": executor,
+    return {"model": lm.name, "model_context": lm.context,
+            "rope_scaling": str(lm.rope_scaling) if lm.rope_scaling else None, "device": device, "executor": executor,
             "settings": {"sink": settings.window.sink, "recent": settings.window.recent, "topk": settings.topk,
                          "add_batch": settings.add_batch, "chunk": settings.chunk, "train_queries": settings.train_queries,
                          "build_during_prefill": settings.build_during_prefill},

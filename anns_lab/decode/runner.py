@@ -31,7 +31,7 @@ def check_context(lm, n_tokens: int, allow_extrapolation: bool) -> str | None:
     if lm.context and n_tokens > lm.context and not allow_extrapolation:
         raise DecodeError(f"{n_tokens} tokens (prompt + generated) exceed {lm.name}'s context of {lm.context} tokens; "
                           "use a shorter --context, or pass --allow-extrapolation to go beyond it")
-    return extrapolation_note(lm.name, n_tokens, lm.context)
+    return extrapolation_note(lm.name, n_tokens, lm.context, str(lm.rope_scaling) if lm.rope_scaling else None)
 
 
 def stop_ids(lm) -> set[int]:

@@ -4,7 +4,28 @@ from __future__ import annotations
 
 import click
 
+from anns_lab.dumps.models import RopeScaling
 from anns_lab.dumps.prompts import SOURCES
+
+
+class RopeScalingType(click.ParamType):
+    """``KIND:FACTOR``: RoPE position scaling of the model's long-range layers (:class:`dumps.models.RopeScaling`);
+    ``anns-lab decode`` takes it too."""
+
+    name = "KIND:FACTOR"
+
+    def convert(self, value, param, ctx) -> RopeScaling:
+        if isinstance(value, RopeScaling):
+            return value
+        try:
+            return RopeScaling.parse(value)
+        except ValueError as err:
+            self.fail(str(err), param, ctx)
+
+
+ROPE_SCALING = RopeScalingType()
+ROPE_HELP = ("scale the RoPE positions of the model's long-range layers: linear:4 maps 4x the trained context into "
+             "it (dynamic, yarn also; the model was not trained so: still an extrapolation)")
 
 
 @click.command(short_help="Capture post-RoPE Q/K/V of a model on a prompt into a dump folder.")
@@ -23,10 +44,11 @@ from anns_lab.dumps.prompts import SOURCES
 @click.option("--out", type=click.Path(), default=None, help="Dump folder [default: dumps/<model>-<source>-<tokens>].")
 @click.option("--overwrite", is_flag=True, help="Replace an existing dump made with other settings.")
 @click.option("--allow-extrapolation", is_flag=True, help="Allow more tokens than the model's context length.")
+@click.option("--rope-scaling", type=ROPE_SCALING, default=None, help=ROPE_HELP)
 @click.option("--allow-download", is_flag=True, help="Let transformers fetch weights from a hub (off: offline only).")
 @click.option("--device", default="cpu", show_default=True, help="Torch device for the model (cpu, cuda).")
 def dump(model, source, prompt_path, tokens, decode_tokens, layers, dtype, chunk, seed, out, overwrite,
-         allow_extrapolation, allow_download, device) -> None:
+         allow_extrapolation, rope_scaling, allow_download, device) -> None:
     """Capture post-RoPE Q/K/V of a model's prefill and decode steps into a Parquet dump."""
     from anns_lab.dumps.run import run_dump
 
@@ -34,5 +56,6 @@ def dump(model, source, prompt_path, tokens, decode_tokens, layers, dtype, chunk
         tokens = 8192
     result = run_dump(model, source=source, prompt_path=prompt_path, tokens=tokens, decode_tokens=decode_tokens,
                       layers=layers, dtype=dtype, chunk=chunk, seed=seed, out=out, overwrite=overwrite,
-                      allow_extrapolation=allow_extrapolation, allow_download=allow_download, device=device)
+                      allow_extrapolation=allow_extrapolation, rope_scaling=rope_scaling, allow_download=allow_download,
+                      device=device)
     click.echo(result.summary())

@@ -46,6 +46,48 @@ MODELS: dict[str, ModelSpec] = {
 }
 
 
+ROPE_KINDS = ("linear", "dynamic", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE position scaling of a model's long-range layers (``linear:4``: positions divided by 4, so 4x the
+    trained context maps into it; ``dynamic`` NTK and ``yarn`` stretch the low frequencies only). Gemma-3's larger
+    models reach 128K this way (linear, factor 8); a model not trained with it is still extrapolating."""
+
+    kind: str
+    factor: float
+
+    @classmethod
+    def parse(cls, spec: str) -> RopeScaling:
+        """``KIND:FACTOR`` (e.g. ``linear:4``) → :class:`RopeScaling`; ValueError with the expected form otherwise."""
+        kind, _, factor = spec.partition(":")
+        try:
+            value = float(factor)
+        except ValueError:
+            value = float("nan")
+        if kind not in ROPE_KINDS or not value > 1.0 or value != value:
+            raise ValueError(f"{spec!r}: expected KIND:FACTOR with KIND one of {', '.join(ROPE_KINDS)} and FACTOR > 1 "
+                             "(e.g. linear:4)")
+        return cls(kind, value)
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.factor:g}"
+
+    def apply(self, config) -> None:
+        """Scale ``config``'s RoPE in place: the long-range (full-attention) layer type's parameters where the
+        config has one set per layer type (Gemma-3: the sliding layers see at most their window), else all."""
+        cfg = config.get_text_config()
+        params = getattr(cfg, "rope_parameters", None)
+        if not params:
+            raise ModelNotAvailable(f"--rope-scaling {self}: the model's config has no RoPE parameters to scale")
+        per_type = set(params) <= set(getattr(cfg, "layer_types", None) or ())
+        scaled = params["full_attention"] if per_type and "full_attention" in params else params
+        scaled.update(rope_type=self.kind, factor=self.factor)
+        if self.kind == "yarn":
+            scaled["original_max_position_embeddings"] = cfg.max_position_embeddings
+
+
 @dataclass
 class LoadedModel:
     """A causal LM ready for capture, with the facts later stages need."""
@@ -56,6 +98,7 @@ class LoadedModel:
     tokenizer: object
     context: int
     long_range_layers: list[int]
+    rope_scaling: RopeScaling | None = None
 
     @property
     def config(self):
@@ -69,10 +112,14 @@ class LoadedModel:
         return "cache" if "cache" in inspect.signature(type(self.model).forward).parameters else "past_key_values"
 
 
-def extrapolation_note(model: str, n_tokens: int, context: int | None) -> str | None:
+def extrapolation_note(model: str, n_tokens: int, context: int | None, rope_scaling: str | None = None) -> str | None:
     """One sentence for results whose ``n_tokens`` go beyond ``model``'s trained ``context`` (None within it)."""
     if not context or n_tokens <= context:
         return None
+    if rope_scaling:
+        return (f"extrapolated: {n_tokens:,} tokens are beyond {model}'s trained context of {context:,} "
+                f"(--allow-extrapolation), with its long-range layers' RoPE positions scaled ({rope_scaling}), "
+                "which it was never trained with; for full attention as for every index")
     return (f"extrapolated: {n_tokens:,} tokens are beyond {model}'s trained context of {context:,} "
             "(--allow-extrapolation); positions past it were never trained, for full attention as for every index")
 
@@ -199,10 +246,12 @@ def resolve(name: str) -> tuple[str, Path | str, str | None]:
     raise _unknown(name)
 
 
-def load_model(name: str, device: str = "cpu", allow_download: bool = False) -> LoadedModel:
-    """Load ``name`` (alias, local folder, .gguf file or HF id) as float32, offline unless ``allow_download``."""
+def load_model(name: str, device: str = "cpu", allow_download: bool = False,
+               rope_scaling: RopeScaling | None = None) -> LoadedModel:
+    """Load ``name`` (alias, local folder, .gguf file or HF id) as float32, offline unless ``allow_download``;
+    with ``rope_scaling``, its long-range layers' RoPE positions scaled."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from transformers.utils import logging as hf_logging
 
@@ -213,7 +262,10 @@ def load_model(name: str, device: str = "cpu", allow_download: bool = False) -> 
     local_only = not allow_download
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=local_only)
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, local_files_only=local_only,
+        config = AutoConfig.from_pretrained(where, local_files_only=local_only)
+        if rope_scaling is not None:
+            rope_scaling.apply(config)
+        model = AutoModelForCausalLM.from_pretrained(where, config=config, dtype=torch.float32, local_files_only=local_only,
                                                      attn_implementation="sdpa")
     except (OSError, ValueError) as err:
         spec = MODELS.get(name)
@@ -229,7 +281,7 @@ def load_model(name: str, device: str = "cpu", allow_download: bool = False) -> 
     types = getattr(cfg, "layer_types", None)
     long_range = [i for i in range(n_layers) if types is None or types[i] == "full_attention"]
     context = int(getattr(cfg, "max_position_embeddings", 0) or 0)
-    return LoadedModel(canon, str(where), model, tokenizer, context, long_range)
+    return LoadedModel(canon, str(where), model, tokenizer, context, long_range, rope_scaling)
 
 
 def forward_tokens(lm, cache, ids: list[int], start: int, end: int):

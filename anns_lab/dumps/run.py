@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from anns_lab.dumps import store
+from anns_lab.dumps.models import RopeScaling
 from anns_lab.errors import DumpError, PromptError
 from anns_lab.io import atomic_write_json
 from anns_lab.version import __version__
@@ -189,7 +190,8 @@ def _clear(out: Path) -> None:
 def run_dump(model: str = "smollm2", *, source: str = "text", prompt_path: str | None = None, tokens: int | None = 8192,
              decode_tokens: int = 64, layers: str = "default", dtype: str = "float16", chunk: int = 2048, seed: int = 0,
              out: str | Path | None = None, overwrite: bool = False, allow_extrapolation: bool = False,
-             allow_download: bool = False, device: str = "cpu", progress: bool = True) -> DumpResult:
+             rope_scaling: RopeScaling | str | None = None, allow_download: bool = False, device: str = "cpu",
+             progress: bool = True) -> DumpResult:
     """Capture a dump (see module doc); returns the opened dump and timings."""
     from anns_lab.dumps.models import layer_count, resolve
     from anns_lab.dumps.prompts import read_prompt_file
@@ -203,6 +205,11 @@ def run_dump(model: str = "smollm2", *, source: str = "text", prompt_path: str |
         raise PromptError("--tokens must be a positive number of tokens")
     if seed < 0:
         raise DumpError(f"--seed must be a non-negative integer, got {seed}")
+    if isinstance(rope_scaling, str):
+        try:
+            rope_scaling = RopeScaling.parse(rope_scaling)
+        except ValueError as err:
+            raise DumpError(f"--rope-scaling {err}") from None
     if prompt_path:
         read_prompt_file(prompt_path)
     src = "file" if prompt_path else source
@@ -211,6 +218,8 @@ def run_dump(model: str = "smollm2", *, source: str = "text", prompt_path: str |
     parse_layers(layers, layer_count(where, canon), [])  # the syntax always; the range when config.json is at hand
     settings = {"model": canon, "model_source": str(where), "source": src, "prompt_path": str(Path(prompt_path).resolve()) if prompt_path else None,
                 "tokens": tokens, "decode_tokens": decode_tokens, "layers": layers, "dtype": dtype, "chunk": chunk, "seed": seed}
+    if rope_scaling is not None:  # only when set: dumps made before the option resume as they are
+        settings["rope_scaling"] = str(rope_scaling)
     t_start = time.perf_counter()
     existed = out.exists()
     state = _prepare_folder(out, settings, overwrite)
@@ -218,7 +227,7 @@ def run_dump(model: str = "smollm2", *, source: str = "text", prompt_path: str |
         return DumpResult(store.open_dump(out), time.perf_counter() - t_start, already_complete=True)
     try:
         return _capture(out, settings, state, model, prompt_path, allow_extrapolation, allow_download, device, progress,
-                        t_start)
+                        t_start, rope_scaling)
     except BaseException:
         if not state["done"]:  # nothing captured yet: leave the folder as it was, so a corrected command is not refused
             shutil.rmtree(out / STAGING, ignore_errors=True)
@@ -227,7 +236,8 @@ def run_dump(model: str = "smollm2", *, source: str = "text", prompt_path: str |
         raise
 
 
-def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation, allow_download, device, progress, t_start):
+def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation, allow_download, device, progress, t_start,
+             rope_scaling):
     import torch
     from tqdm.auto import tqdm
 
@@ -236,7 +246,7 @@ def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation,
     from anns_lab.dumps.prompts import build_prompt
 
     staging = out / STAGING
-    lm = load_model(model_name, device=device, allow_download=allow_download)
+    lm = load_model(model_name, device=device, allow_download=allow_download, rope_scaling=rope_scaling)
     cfg = lm.config
     t_loaded = time.perf_counter()
     layers = parse_layers(settings["layers"], cfg.num_hidden_layers, lm.long_range_layers)
@@ -354,7 +364,7 @@ def _manifest(settings, lm, prompt, layers, n_prefill, n_decode, n_heads, n_kv, 
         "settings": settings,
         "model": {"name": lm.name, "source": lm.source, "architecture": type(lm.model).__name__,
                   "context": lm.context, "long_range_layers": lm.long_range_layers,
-                  "config": json.loads(cfg.to_json_string(use_diff=False))},
+                  "rope_scaling": settings.get("rope_scaling"), "config": json.loads(cfg.to_json_string(use_diff=False))},
         "tokenizer": {"class": type(tok).__name__, "vocab_size": len(tok), "bos_token_id": tok.bos_token_id,
                       "eos_token_id": tok.eos_token_id},
         "prompt": {"source": prompt.source, "params": prompt.params},

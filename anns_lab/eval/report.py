@@ -145,7 +145,9 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
              f"{sorted({p[0] for p in pairs})}; {n_keys:,} keys indexed per head (static window {window[0]},{window[1]} "
              f"excluded); recall@{k}. The paper's figures are for 128K-token contexts of Llama-3-8B and Yi-9B "
              "(docs/paper.md); the metrics are defined in docs/metrics.md.")
-    beyond = extrapolation_note(dump.model, dump.manifest["n_tokens"]["prefill"], dump.manifest.get("model", {}).get("context"))
+    model_facts = dump.manifest.get("model", {})
+    beyond = extrapolation_note(dump.model, dump.manifest["n_tokens"]["prefill"], model_facts.get("context"),
+                                model_facts.get("rope_scaling"))
     if beyond:
         intro += f" **{beyond[0].upper()}{beyond[1:]}.**"
     pareto_view = _pareto_view(par, kinds)

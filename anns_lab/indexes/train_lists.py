@@ -25,7 +25,7 @@ import platform
 import numpy as np
 from numba import njit, prange
 
-from anns_lab.indexes.graph.simd import dot4, dot_rows
+from anns_lab.indexes.graph.simd import dot2x4, dot4, dot_rows
 from anns_lab.indexes.graph.utils import run_chunks
 from anns_lab.indexes.topk import topk_ip
 
@@ -96,10 +96,19 @@ def _rerank_gaps(queries, keys, a_lists, anchors, gaps, span, out, n_chunks, wid
             # Candidate-major: each key row is read once and scored against all the gap's queries, four at a time
             # (graph.simd.dot4: the same bits as dot; a short last group repeats the gap's last query). Not numba's
             # BLAS: on these small blocks its calls cost ~15x more (OpenBLAS's thread pool on a loaded machine).
-            for i in range(t):
-                row = keys[cand[i]]
+            # Two key rows at a time against four queries (dot2x4: eight accumulators, where dot4's four wait on the
+            # adds' latency), the odd last row by dot4.
+            for i in range(0, t - 1, 2):
+                row0, row1 = keys[cand[i]], keys[cand[i + 1]]
                 for r in range(0, hi - lo, 4):
-                    s[r, i], s[r + 1, i], s[r + 2, i], s[r + 3, i] = dot4(
+                    (s[r, i], s[r + 1, i], s[r + 2, i], s[r + 3, i],
+                     s[r, i + 1], s[r + 1, i + 1], s[r + 2, i + 1], s[r + 3, i + 1]) = dot2x4(
+                        row0, row1, queries[lo + r], queries[min(lo + r + 1, hi - 1)],
+                        queries[min(lo + r + 2, hi - 1)], queries[min(lo + r + 3, hi - 1)])
+            if t % 2:
+                row = keys[cand[t - 1]]
+                for r in range(0, hi - lo, 4):
+                    s[r, t - 1], s[r + 1, t - 1], s[r + 2, t - 1], s[r + 3, t - 1] = dot4(
                         row, queries[lo + r], queries[min(lo + r + 1, hi - 1)], queries[min(lo + r + 2, hi - 1)],
                         queries[min(lo + r + 3, hi - 1)])
             for r in range(hi - lo):
@@ -121,14 +130,59 @@ def _top_sorted(s, k, keys, out, ordered):
         keys[i] = ((up ^ np.uint64(0xFFFFFFFF)) << np.uint64(32)) | np.uint64(i)  # descending score, then index
     kk = keys[: s.shape[0]]
     if kk.shape[0] > k:  # keys are distinct (the index is in them): the k smallest, then their order
-        kk = np.partition(kk, k - 1)[:k]
+        _select_smallest(kk, k)
+        kk = kk[:k]
     if ordered < k:
-        kk = np.partition(kk, ordered - 1)
+        _select_smallest(kk, ordered)
         kk[:ordered].sort()
     else:
         kk.sort()
     for j in range(k):
         out[j] = np.int64(kk[j] & np.uint64(0xFFFFFFFF))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _partition_at(a, lo, hi, piv):
+    """Lomuto partition of ``a[lo:hi]`` around ``a[piv]``, branch-free (every element is swapped; only the count moves):
+    returns the pivot's final index, smaller values before it, the others after."""
+    p = a[piv]
+    a[piv] = a[lo]
+    a[lo] = p
+    i = lo + 1
+    for j in range(lo + 1, hi):
+        x = a[j]
+        a[j] = a[i]
+        a[i] = x
+        i += x < p
+    i -= 1
+    a[lo] = a[i]
+    a[i] = p
+    return i
+
+
+@njit(cache=True, nogil=True)
+def _select_smallest(a, k):
+    """Rearrange ``a`` (distinct values) in place so that ``a[:k]`` holds its ``k`` smallest, in no set order (1 ≤ k ≤
+    len(a)): quickselect with a median-of-three pivot and :func:`_partition_at`. numba's ``np.partition`` copies twice and
+    mispredicts on every other compare of the re-rank's random scores (~1.6x slower: BENCHMARKS "Scale", fourth pass)."""
+    lo, hi = 0, a.shape[0]
+    kth = k - 1
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        x, y, z = a[lo], a[mid], a[hi - 1]
+        if (x < y) != (x < z):
+            piv = lo
+        elif (y < x) != (y < z):
+            piv = mid
+        else:
+            piv = hi - 1
+        pos = _partition_at(a, lo, hi, piv)
+        if pos == kth:
+            return
+        if pos < kth:
+            lo = pos + 1
+        else:
+            hi = pos
 
 
 BF16_MARGIN = 32  # keys past k handed from the bfloat16 pass to the exact ranking (16 already kept every exact top-198 key of a Gemma 32K head)

@@ -13,7 +13,7 @@ from anns_lab.indexes.graph.edges import incoming, merge_into_rows, proposals_by
 from anns_lab.indexes.graph.prune import prune_ordered, robust_prune
 from anns_lab.indexes.graph.search import search_one
 from anns_lab.indexes.graph.simd import common_bits, dot, dot_rows, prefetch_keys
-from anns_lab.indexes.graph.utils import run_chunks
+from anns_lab.indexes.graph.utils import kth_largest, kth_scratch, run_chunks
 
 
 class Bipartite(NamedTuple):
@@ -30,18 +30,25 @@ class Bipartite(NamedTuple):
 def bipartite(knn: np.ndarray, weights: np.ndarray, n: int, max_rank: int, idf: float) -> Bipartite:
     """The :class:`Bipartite` of lists ``knn`` over n keys, ranks below ``max_rank``: for key p, the (query,
     rank) pairs with knn[query, rank] == p, sorted by rank, newest query first."""
-    ptr, occ_q, occ_r = _occurrences(knn, min(max_rank, knn.shape[1]), n)
+    ptr, occ_q, occ_r = _occurrences(knn, min(max_rank, knn.shape[1]), n, OCC_BUCKET_BITS)
     key_weight = np.ones(n, np.float32)
     if idf > 0:  # down-weight keys that are in every list (sinks) in each pivot's candidate order
         key_weight = (np.diff(ptr).astype(np.float32) + 1.0) ** np.float32(-idf)
     return Bipartite(knn, np.ascontiguousarray(weights, np.float32), ptr, occ_q, occ_r, key_weight)
 
 
+OCC_BUCKET_BITS = 9  # _occurrences: keys per bucket of its first pass, as bits (512: ~255 write streams at 128K keys, each bucket ~2 MB to sort)
+
+
 @njit(cache=True, nogil=True)
-def _occurrences(knn, P, n):
+def _occurrences(knn, P, n, bucket_bits):
     """(ptr, occ_q, occ_r) of :class:`Bipartite` for the first P ranks of ``knn``: a counting sort by key, filled
     rank-major, newest query first (so each key's pairs come sorted by rank, newest first); negative ids left out.
-    One pass to count and one to fill (no (m·P,) index array, as a generic group_by over the transpose needs)."""
+
+    The fill runs in two passes for memory locality (a direct fill writes to ~n places at once, one cache miss per
+    pair: ~1 s of a 128K build): the pairs go first, in fill order, to the regions of buckets of 2^``bucket_bits``
+    keys (few write streams), the key's low bits packed above the rank; then each bucket's region, a few MB, is
+    counting-sorted by key in place (stable: the fill order within each key is kept)."""
     m = knn.shape[0]
     ptr = np.zeros(n + 1, np.int64)
     for q in range(m):
@@ -50,17 +57,46 @@ def _occurrences(knn, P, n):
                 ptr[knn[q, r] + 1] += 1
     for v in range(n):
         ptr[v + 1] += ptr[v]
-    fill = ptr[:-1].copy()
     occ_q = np.empty(ptr[n], np.int32)
     occ_r = np.empty(ptr[n], np.int32)
+    rank_bits = 1
+    while (1 << rank_bits) < P:
+        rank_bits += 1
+    shift = min(bucket_bits, 31 - rank_bits)  # the key's low bits and the rank share occ_r's 31 bits
+    size = 1 << shift
+    n_buckets = (n + size - 1) >> shift
+    fill = np.empty(max(n_buckets, size), np.int64)
+    for b in range(n_buckets):
+        fill[b] = ptr[b << shift]
     for r in range(P):
         for q in range(m - 1, -1, -1):
             v = knn[q, r]
             if v >= 0:
-                i = fill[v]
+                b = v >> shift
+                i = fill[b]
                 occ_q[i] = q
-                occ_r[i] = r
-                fill[v] = i + 1
+                occ_r[i] = r | ((v & (size - 1)) << rank_bits)
+                fill[b] = i + 1
+    widest = 0
+    for b in range(n_buckets):
+        widest = max(widest, ptr[min(n, (b + 1) << shift)] - ptr[b << shift])
+    tq = np.empty(widest, np.int32)
+    tr = np.empty(widest, np.int32)
+    low = (1 << rank_bits) - 1
+    for b in range(n_buckets):
+        v0 = b << shift
+        v1 = min(n, v0 + size)
+        lo, hi = ptr[v0], ptr[v1]
+        tq[: hi - lo] = occ_q[lo:hi]
+        tr[: hi - lo] = occ_r[lo:hi]
+        fill[: v1 - v0] = ptr[v0:v1]
+        for i in range(hi - lo):
+            x = tr[i]
+            k = x >> rank_bits
+            j = fill[k]
+            occ_q[j] = tq[i]
+            occ_r[j] = x & low
+            fill[k] = j + 1
     return ptr, occ_q, occ_r
 
 
@@ -92,6 +128,7 @@ def _project_chunk(g, bip, rows, sizes, alpha, c, n_chunks):
     uid = np.empty(n, np.int32)
     key = np.empty(n, np.float64)
     out = np.empty(M, np.int32)
+    kth = kth_scratch(n, max_cand)
     for ri in range(c, rows.shape[0], n_chunks):
         p = rows[ri]
         lo = hi = bip.ptr[p]
@@ -105,7 +142,7 @@ def _project_chunk(g, bip, rows, sizes, alpha, c, n_chunks):
             v = touched[i]
             uw[i] = acc[v] * bip.key_weight[v]
             acc[v] = -1.0  # reset by the touched list: one array read per update (was a stamp array beside it)
-        thr = np.partition(uw[:t], t - max_cand)[t - max_cand] if t > max_cand else -np.inf
+        thr = kth_largest(uw[:t], max_cand, kth) if t > max_cand else -np.inf
         m = 0
         for i in range(t):
             if uw[i] >= thr:
@@ -138,10 +175,13 @@ def _co_occurrences(bip, p, lo, hi, C, acc, touched):
         w = bip.weights[q]
         if o + 1 < hi:  # the next query's list: a random row of a large array, fetched while this one is merged
             prefetch_keys(bip.knn, bip.occ_q[o + 1:o + 2], 1)
+        row = bip.knn[q]
         for j in range(C):
-            v = bip.knn[q, j]
+            # Unsigned indices: list ids and t are never negative, and numba's wraparound test on a signed index
+            # (two per key) cost ~40% of this loop (11/2 at 128K: 2.3 -> 1.3 s of merging).
+            v = np.uint32(row[j])
             a = acc[v]
-            touched[t] = v
+            touched[np.uint64(t)] = v
             t += a < 0
             acc[v] = max(a, np.float32(0.0)) + w
     if acc[p] >= 0:  # p is in its own queries' lists: not its own candidate
@@ -268,19 +308,39 @@ def _list_bitsets(ptr, occ_q, heavy, words, n):
     return bits, slot
 
 
+RARE_BLOCK = 64  # _rare_chunk counts an edge's common lists in blocks of this many, stopping once it has enough
+
+
 @njit(cache=True, nogil=True, inline="always")
-def _in_bitset(occ_q, lo, hi, bits):
-    """How many of the queries ``occ_q[lo:hi]`` have their bit set in ``bits``."""
+def _in_bitset(occ_q, lo, hi, bits, need):
+    """How many of the queries ``occ_q[lo:hi]`` have their bit set in ``bits``, or a count ≥ ``need`` once it
+    reaches that (counted in blocks of RARE_BLOCK)."""
     s = 0
-    for j in range(lo, hi):
-        q = occ_q[j]
-        s += (bits[q >> 6] >> np.uint64(q & 63)) & np.uint64(1)
+    for b in range(lo, hi, RARE_BLOCK):
+        for j in range(b, min(hi, b + RARE_BLOCK)):
+            q = np.uint32(occ_q[j])
+            s += (bits[q >> 6] >> np.uint64(q & 63)) & np.uint64(1)
+        if s >= need:
+            break
     return s
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _edge_counts(nbrs, degree, p, ptr, occ_q, lists, stamp, count):
-    """``count[t]`` = how many of key p's training lists also hold its t-th neighbour (t < degree[p])."""
+def _in_stamped(occ_q, lo, hi, stamp, p, need):
+    """How many of the queries ``occ_q[lo:hi]`` are stamped ``p``, or a count ≥ ``need`` once it reaches that."""
+    s = 0
+    for b in range(lo, hi, RARE_BLOCK):
+        for j in range(b, min(hi, b + RARE_BLOCK)):
+            s += stamp[np.uint32(occ_q[j])] == p
+        if s >= need:
+            break
+    return s
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _edge_counts(nbrs, degree, p, ptr, occ_q, lists, stamp, need, count):
+    """``count[t]`` = how many of key p's training lists also hold its t-th neighbour (t < degree[p]), or a count
+    ≥ ``need`` once it reaches that (``need`` = inf: exact counts). ``stamp`` (m,) int32 is scratch."""
     bits, slot = lists
     hp = slot[p]
     stamped = False
@@ -290,18 +350,15 @@ def _edge_counts(nbrs, degree, p, ptr, occ_q, lists, stamp, count):
         if hp >= 0 and hu >= 0:
             s = common_bits(bits[hp], bits[hu])
         elif hu >= 0:  # p is in fewer lists than u
-            s = _in_bitset(occ_q, ptr[p], ptr[p + 1], bits[hu])
+            s = _in_bitset(occ_q, ptr[p], ptr[p + 1], bits[hu], need)
         elif hp >= 0:
-            s = _in_bitset(occ_q, ptr[u], ptr[u + 1], bits[hp])
+            s = _in_bitset(occ_q, ptr[u], ptr[u + 1], bits[hp], need)
         else:
             if not stamped:
                 for j in range(ptr[p], ptr[p + 1]):
-                    stamp[occ_q[j]] = p
+                    stamp[np.uint32(occ_q[j])] = p
                 stamped = True
-            s = 0
-            for j in range(ptr[u], ptr[u + 1]):
-                if stamp[occ_q[j]] == p:
-                    s += 1
+            s = _in_stamped(occ_q, ptr[u], ptr[u + 1], stamp, p, need)
         count[t] = s
 
 
@@ -309,17 +366,21 @@ def _edge_counts(nbrs, degree, p, ptr, occ_q, lists, stamp, count):
 def _rare_chunk(g, ptr, occ_q, lists, m, min_frac, dropped, c, n_chunks):
     """Rows p ≡ c (mod n_chunks) of :func:`drop_rare_edges` (a row is read and written by its owner only)."""
     _, nbrs, degree = g
-    stamp = np.full(m, -1, np.int64)  # stamp[q] == p: query q's list holds p (rows without a bitset)
+    # stamp[q] == p: query q's list holds p (rows without a bitset). int32 and unsigned indices (ids are never
+    # negative): numba's wraparound test on a signed index was ~1/3 of this loop, most of the filter's time
+    stamp = np.full(m, -1, np.int32)
     count = np.empty(nbrs.shape[1], np.int64)
     for p in range(c, nbrs.shape[0], n_chunks):
         if ptr[p + 1] == ptr[p] or degree[p] == 0:
             continue
-        _edge_counts(nbrs, degree, p, ptr, occ_q, lists, stamp, count)
+        # A count stops once it reaches `need` (the edge is kept): the same edges, since the most co-occurring edge
+        # that a row keeps anyway matters only when no count reaches `need`, and then every count is exact.
+        need = min_frac * (ptr[p + 1] - ptr[p])
+        _edge_counts(nbrs, degree, p, ptr, occ_q, lists, stamp, need, count)
         best = 0
         for t in range(degree[p]):
             if count[t] > count[best]:
                 best = t
-        need = min_frac * (ptr[p + 1] - ptr[p])
         kept = 0
         for t in range(degree[p]):
             if count[t] >= need or t == best:
@@ -332,7 +393,7 @@ def _rare_chunk(g, ptr, occ_q, lists, m, min_frac, dropped, c, n_chunks):
 
 def order_rows_by_cooc(g: Graph, bip: Bipartite, n_threads: int = 1) -> None:
     """Sort each row, in place, by how many of the key's training lists also hold the neighbour, most first
-    (ties keep their order): the order in which a partial expansion (``graph.search``, ``E``) scans a row.
+    (ties keep their order): the order in which the search's row stop (``graph.search``) walks a row.
     Rows of keys in no list are left as they are. The edges do not change."""
     m = bip.knn.shape[0]
     run_chunks(_order_chunk, (g, bip.ptr, bip.occ_q, _heavy_bitsets(bip), m), g.data.shape[0], n_threads)
@@ -342,13 +403,13 @@ def order_rows_by_cooc(g: Graph, bip: Bipartite, n_threads: int = 1) -> None:
 def _order_chunk(g, ptr, occ_q, lists, m, c, n_chunks):
     """Rows p ≡ c (mod n_chunks) of :func:`order_rows_by_cooc`."""
     _, nbrs, degree = g
-    stamp = np.full(m, -1, np.int64)
+    stamp = np.full(m, -1, np.int32)
     count = np.empty(nbrs.shape[1], np.int64)
     for p in range(c, nbrs.shape[0], n_chunks):
         d = degree[p]
         if ptr[p + 1] == ptr[p] or d < 2:
             continue
-        _edge_counts(nbrs, degree, p, ptr, occ_q, lists, stamp, count)
+        _edge_counts(nbrs, degree, p, ptr, occ_q, lists, stamp, np.inf, count)
         o = np.argsort(-count[:d], kind="mergesort")
         nbrs[p, :d] = nbrs[p, :d][o]
 

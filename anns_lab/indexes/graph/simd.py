@@ -16,30 +16,40 @@ def _emit_dots(context, builder, a, bs) -> list:
     """IR of the inner products of the float32 array ``a`` with each of ``bs`` (same length), in :func:`_simd_dot`'s
     order for every pair: lane j sums elements j, j+8, …; a fixed pairwise tree over the lanes; the tail in order.
     Each pair has its own accumulator; ``a`` is loaded once for all of them."""
-    n = builder.extract_value(a.shape, 0)
+    return _emit_dot_grid(context, builder, [a], bs)
+
+
+def _emit_dot_grid(context, builder, as_, bs) -> list:
+    """:func:`_emit_dots` for every pair of ``as_`` × ``bs`` (a-major): each row is loaded once per 8 lanes for all its
+    pairs, so r rows against c others cost r + c loads for r·c accumulators."""
+    n = builder.extract_value(as_[0].shape, 0)
     vec = ir.VectorType(ir.FloatType(), _LANES)
     width = ir.Constant(n.type, _LANES)
-    accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * _LANES)) for _ in bs]
+    accs = [[cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * _LANES)) for _ in bs] for _ in as_]
     n_vec = builder.udiv(n, width)
     with cgutils.for_range(builder, n_vec) as loop:
         i = builder.mul(loop.index, width)
-        x = builder.load(builder.bitcast(builder.gep(a.data, [i]), vec.as_pointer()), align=4)
-        for acc, b in zip(accs, bs):
-            y = builder.load(builder.bitcast(builder.gep(b.data, [i]), vec.as_pointer()), align=4)
-            builder.store(builder.fadd(builder.load(acc), builder.fmul(x, y)), acc)
+        xs = [builder.load(builder.bitcast(builder.gep(a.data, [i]), vec.as_pointer()), align=4) for a in as_]
+        ys = [builder.load(builder.bitcast(builder.gep(b.data, [i]), vec.as_pointer()), align=4) for b in bs]
+        for x, row in zip(xs, accs):
+            for acc, y in zip(row, ys):
+                builder.store(builder.fadd(builder.load(acc), builder.fmul(x, y)), acc)
     totals = []
-    for acc in accs:
-        v = builder.load(acc)
-        lanes = [builder.extract_element(v, ir.Constant(ir.IntType(32), j)) for j in range(_LANES)]
-        while len(lanes) > 1:
-            half = len(lanes) // 2
-            lanes = [builder.fadd(lanes[j], lanes[j + half]) for j in range(half)]
-        totals.append(cgutils.alloca_once_value(builder, lanes[0]))
+    for row in accs:
+        for acc in row:
+            v = builder.load(acc)
+            lanes = [builder.extract_element(v, ir.Constant(ir.IntType(32), j)) for j in range(_LANES)]
+            while len(lanes) > 1:
+                half = len(lanes) // 2
+                lanes = [builder.fadd(lanes[j], lanes[j + half]) for j in range(half)]
+            totals.append(cgutils.alloca_once_value(builder, lanes[0]))
     with cgutils.for_range_slice(builder, builder.mul(n_vec, width), n, ir.Constant(n.type, 1), inc=True) as (i, _):
-        x = builder.load(builder.gep(a.data, [i]))
-        for total, b in zip(totals, bs):
-            xy = builder.fmul(x, builder.load(builder.gep(b.data, [i])))
-            builder.store(builder.fadd(builder.load(total), xy), total)
+        ys = [builder.load(builder.gep(b.data, [i])) for b in bs]
+        for r, a in enumerate(as_):
+            x = builder.load(builder.gep(a.data, [i]))
+            for c, y in enumerate(ys):
+                total = totals[r * len(bs) + c]
+                builder.store(builder.fadd(builder.load(total), builder.fmul(x, y)), total)
     return [builder.load(t) for t in totals]
 
 
@@ -77,6 +87,21 @@ def _simd_dot4(typingctx, a, b0, b1, b2, b3):
     def codegen(context, builder, signature, args):
         arrs = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args)]
         return context.make_tuple(builder, signature.return_type, _emit_dots(context, builder, arrs[0], arrs[1:]))
+
+    return sig, codegen
+
+
+@intrinsic
+def _simd_dot2x4(typingctx, a0, a1, b0, b1, b2, b3):
+    """The eight inner products a_i·b_j (a0's four, then a1's), each bit for bit :func:`_simd_dot`'s: two rows against
+    four share their loads (6 per 8 lanes for 8 accumulators, where :func:`_simd_dot4` needs 5 for 4)."""
+    if not _f32_rows(a0, a1, b0, b1, b2, b3):
+        return None
+    sig = nbtypes.UniTuple(nbtypes.float32, 8)(a0, a1, b0, b1, b2, b3)
+
+    def codegen(context, builder, signature, args):
+        arrs = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args)]
+        return context.make_tuple(builder, signature.return_type, _emit_dot_grid(context, builder, arrs[:2], arrs[2:]))
 
     return sig, codegen
 
@@ -163,6 +188,13 @@ def dot4(a: np.ndarray, b0: np.ndarray, b1: np.ndarray, b2: np.ndarray, b3: np.n
     """(a·b0, a·b1, a·b2, a·b3) for C-contiguous float32 rows, each equal bit for bit to :func:`dot`'s; 1.5x the
     throughput of four dots at d = 256 (``train_lists``'s re-rank, measured in BENCHMARKS "Scale")."""
     return _simd_dot4(a, b0, b1, b2, b3)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def dot2x4(a0: np.ndarray, a1: np.ndarray, b0: np.ndarray, b1: np.ndarray, b2: np.ndarray, b3: np.ndarray) -> tuple:
+    """(a0·b0, a0·b1, a0·b2, a0·b3, a1·b0, …, a1·b3) for C-contiguous float32 rows, each equal bit for bit to :func:`dot`'s
+    (``train_lists``'s re-rank: two candidate keys against four of a gap's queries)."""
+    return _simd_dot2x4(a0, a1, b0, b1, b2, b3)
 
 
 @njit(cache=True, nogil=True)
