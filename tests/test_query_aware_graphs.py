@@ -358,6 +358,24 @@ def test_saves_of_an_older_format_or_with_unknown_parameters_are_refused(tmp_pat
         RoarGraphIndex.load(tmp_path / "idx")
 
 
+def test_a_save_from_before_the_row_order_is_refused(tmp_path):
+    """A roargraph saved before rows were stored in co-occurrence order (no ``n_built`` array) would be searched with
+    the default row stop over rows in build order, its added keys' edges walked as built ones, and claim
+    ``cooc_order`` 1: one clear IndexConfigError instead (no compatibility shims)."""
+    import json
+
+    keys, train, _ = ood_data(12, n=800, m=300)
+    RoarGraphIndex().build(keys, train).save(tmp_path / "idx")
+    meta_file = tmp_path / "idx" / "index.json"
+    meta = json.loads(meta_file.read_text())
+    params = {k: v for k, v in meta["params"].items() if k != "cooc_order"}
+    meta_file.write_text(json.dumps({**meta, "params": params, "arrays": [a for a in meta["arrays"] if a != "n_built"],
+                                     "sha256": {a: s for a, s in meta["sha256"].items() if a != "n_built"}}))
+    (tmp_path / "idx" / "n_built.npy").unlink()
+    with pytest.raises(IndexConfigError, match="n_built.*build and save the index again"):
+        RoarGraphIndex.load(tmp_path / "idx")
+
+
 def _descent_gaps_reference(keys, nbrs, degree, knn):
     """Plain-numpy (query, rank) → source of :func:`graph.roar.descent_gaps`: -1 where the key has an
     in-neighbour ranked above it in that query's list, else the key above it with the largest ip."""

@@ -384,8 +384,12 @@ class RoarGraphIndex(Index):
         self._store = KeyStore.own(keys)
         self._expose(n)
         self.hubs = saved_hubs(arrays, n)
-        # Saves before the row stop have no n_built: their keys all count as built (added in-edges walked in order).
-        self.n_built = int(expect(arrays, "n_built", np.int64, (1,))[0]) if "n_built" in arrays else n
+        # A save from before the row order has no n_built: its rows are in build order (the default row stop would
+        # walk them as if by co-occurrence) and its added keys are not known. No shim: refused.
+        if "n_built" not in arrays:
+            raise IndexConfigError("it has no array 'n_built' (saved before rows were stored in co-occurrence order, "
+                                   "which the row stop walks); build and save the index again")
+        self.n_built = int(expect(arrays, "n_built", np.int64, (1,))[0])
         if not 1 <= self.n_built <= n:
             raise IndexConfigError(f"array 'n_built' holds {self.n_built}, not a key count in [1, {n}]")
         self.lists = dict(zip(LIST_PARAMS, expect(arrays, "lists", np.int64, (len(LIST_PARAMS),)).tolist()))
