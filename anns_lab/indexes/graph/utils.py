@@ -58,13 +58,15 @@ class Workspace(NamedTuple):
 
     ``visited`` (≥ n,) int32 is stamped with the query's epoch (bump it per query: no clearing);
     ``heap_s``/``heap_i`` hold the beam, top-k and frontier heaps (≥ :func:`heap_slots`); ``expanded``
-    receives the expanded nodes in order, as far as it has room (the builds; empty at query time).
+    receives the expanded nodes in order, as far as it has room (the builds; empty at query time);
+    ``memo`` (≥ n,) float32 the score of each node scanned (the row stop of ``search``; empty for full rows).
     """
 
     visited: np.ndarray
     heap_s: np.ndarray
     heap_i: np.ndarray
     expanded: np.ndarray
+    memo: np.ndarray
 
 
 def heap_slots(n: int, L: int, k: int) -> int:
@@ -77,7 +79,8 @@ def workspace(n: int, L: int, k: int, expanded: int = 0) -> tuple:
     ``expanded`` nodes. The kernels unpack it by position; numba dispatches a plain tuple in C, a
     NamedTuple through Python (µs per call, the batch-1 latency)."""
     slots = heap_slots(n, L, k)
-    return np.zeros(n, np.int32), np.empty(slots, np.float32), np.empty(slots, np.int64), np.empty(expanded, np.int64)
+    return (np.zeros(n, np.int32), np.empty(slots, np.float32), np.empty(slots, np.int64), np.empty(expanded, np.int64),
+            np.empty(n, np.float32))
 
 
 _LOCAL = threading.local()
@@ -95,8 +98,8 @@ def thread_workspace(h: int, n: int, L: int, k: int = 0) -> tuple[Workspace, lis
         nn = max(n, old[0].shape[1] if old else 0)
         width = max(nn + slots - n, old[1].shape[1] if old else 0)
         full = (np.zeros((hh, nn), np.int32), np.empty((hh, width), np.float32), np.empty((hh, width), np.int64),
-                _NO_EXPANDED)  # plain tuples: numba dispatches them in C, a NamedTuple through Python (µs per call)
-        ws = [full, [(full[0][i], full[1][i], full[2][i], _NO_EXPANDED) for i in range(hh)], 0]
+                _NO_EXPANDED, np.empty((hh, nn), np.float32))  # plain tuples: numba dispatches them in C, a NamedTuple through Python (µs per call)
+        ws = [full, [(full[0][i], full[1][i], full[2][i], _NO_EXPANDED, full[4][i]) for i in range(hh)], 0]
         _LOCAL.ws = ws
     if ws[2] >= 2**31 - 2:
         ws[0][0][:] = 0

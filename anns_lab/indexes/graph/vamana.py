@@ -49,7 +49,8 @@ def vamana_pass(g: Graph, order: np.ndarray, entry: int, alpha: float, R: int, L
 def _vamana_pass(g, order, entry, alpha, R, L, n_free):
     data, nbrs, degree = g
     n = data.shape[0]
-    ws = (np.zeros(n, np.int32), np.empty(n + L, np.float32), np.empty(n + L, np.int64), np.empty(n, np.int64))
+    ws = (np.zeros(n, np.int32), np.empty(n + L, np.float32), np.empty(n + L, np.int64), np.empty(n, np.int64),
+          np.empty(0, np.float32))  # no memo: full rows
     entries = np.array([entry], np.int64)
     no_ids, no_scores = np.empty(0, np.int64), np.empty(0, np.float32)
     pruned = np.empty(R, np.int32)
@@ -58,7 +59,7 @@ def _vamana_pass(g, order, entry, alpha, R, L, n_free):
     for step in range(order.shape[0]):
         p = order[step]
         if p < n_free:
-            _, _, n_exp = search_one(g, data[p], entries, L, ws, step + 1, no_ids, no_scores)
+            _, _, n_exp = search_one(g, data[p], entries, L, ws, step + 1, no_ids, no_scores, (0, 0.0, 0))  # full rows
             cand[:n_exp] = ws[3][:n_exp]
             m = n_exp + degree[p]
             cand[n_exp:m] = nbrs[p, :degree[p]]
