@@ -7,6 +7,19 @@ import math
 import numpy as np
 
 
+def insert_sorted(ids: list, scores: list, done: list, node: int, s: float, L: int) -> bool:
+    """Put ``node`` (score ``s``) into the best-first list of at most L (ties after the earlier node, not expanded);
+    whether it entered."""
+    pos = len(scores)
+    while pos > 0 and scores[pos - 1] < s:
+        pos -= 1
+    if pos >= L:
+        return False
+    ids.insert(pos, node), scores.insert(pos, s), done.insert(pos, False)
+    del ids[L:], scores[L:], done[L:]
+    return True
+
+
 def sorted_list_search(data, nbrs, degree, query, entries, L, dot):
     """Keep the L best nodes scanned in a sorted list, expand the best unexpanded one until all are expanded.
 
@@ -22,13 +35,7 @@ def sorted_list_search(data, nbrs, degree, query, entries, L, dot):
         nonlocal n_scanned
         seen.add(node)
         n_scanned += 1
-        s = dot(data[node], query)
-        pos = len(scores)
-        while pos > 0 and scores[pos - 1] < s:
-            pos -= 1
-        if pos < L:
-            ids.insert(pos, node), scores.insert(pos, s), done.insert(pos, False)
-            del ids[L:], scores[L:], done[L:]
+        insert_sorted(ids, scores, done, node, dot(data[node], query), L)
 
     for e in entries:
         if e >= 0 and e not in seen:
@@ -64,16 +71,8 @@ def row_stop_search(data, nbrs, degree, query, entries, L, stop, dot):
     n_words = 0
 
     def insert(node) -> bool:
-        s = dot(data[node], query)
-        score_of[node] = s
-        pos = len(scores)
-        while pos > 0 and scores[pos - 1] < s:
-            pos -= 1
-        if pos >= L:
-            return False
-        ids.insert(pos, node), scores.insert(pos, s), done.insert(pos, False)
-        del ids[L:], scores[L:], done[L:]
-        return True
+        s = score_of[node] = dot(data[node], query)
+        return insert_sorted(ids, scores, done, node, s, L)
 
     for e in entries:
         if e >= 0 and int(e) not in score_of:
