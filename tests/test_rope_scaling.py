@@ -50,6 +50,27 @@ def test_only_the_long_range_layers_are_scaled(tiny_gemma3, tiny_llama):
     assert np.allclose(one_set.inv_freq.numpy(), load_model(str(tiny_llama)).model.model.rotary_emb.inv_freq.numpy() / 2)
 
 
+def test_configs_without_a_full_attention_rope_are_refused():
+    from types import SimpleNamespace
+
+    from anns_lab.errors import ModelNotAvailable
+
+    def config(rope, layer_types=None):
+        text = SimpleNamespace(rope_parameters=rope, layer_types=layer_types, max_position_embeddings=512)
+        return SimpleNamespace(get_text_config=lambda: text)
+
+    scaling = RopeScaling("linear", 4.0)
+    for cfg in (config(None), config({"sliding_attention": {"rope_theta": 1e4}}, ["sliding_attention"])):
+        with pytest.raises(ModelNotAvailable, match="rope-scaling linear:4"):
+            scaling.apply(cfg)
+    per_type = config({"sliding_attention": {"rope_theta": 1e4}, "full_attention": {"rope_theta": 1e6}},
+                      ["sliding_attention", "full_attention"])
+    scaling.apply(per_type)
+    assert per_type.get_text_config().rope_parameters == {"sliding_attention": {"rope_theta": 1e4},
+                                                          "full_attention": {"rope_theta": 1e6, "rope_type": "linear",
+                                                                             "factor": 4.0}}
+
+
 def test_dump_keys_are_rotated_by_the_scaled_positions(tiny_gemma3, tmp_path):
     """Layer 1 (global) sees layer 0's (sliding, unscaled) output in both models, so its keys before RoPE are the same:
     the scaled dump's keys are the plain dump's turned back by t and forward by t / 4."""

@@ -66,7 +66,7 @@ class RopeScaling:
             value = float(factor)
         except ValueError:
             value = float("nan")
-        if kind not in ROPE_KINDS or not value > 1.0 or value != value:
+        if kind not in ROPE_KINDS or not value > 1.0:  # NaN fails the comparison too
             raise ValueError(f"{spec!r}: expected KIND:FACTOR with KIND one of {', '.join(ROPE_KINDS)} and FACTOR > 1 "
                              "(e.g. linear:4)")
         return cls(kind, value)
@@ -81,11 +81,15 @@ class RopeScaling:
         params = getattr(cfg, "rope_parameters", None)
         if not params:
             raise ModelNotAvailable(f"--rope-scaling {self}: the model's config has no RoPE parameters to scale")
-        per_type = set(params) <= set(getattr(cfg, "layer_types", None) or ())
-        scaled = params["full_attention"] if per_type and "full_attention" in params else params
-        scaled.update(rope_type=self.kind, factor=self.factor)
+        layer_types = set(getattr(cfg, "layer_types", None) or ())
+        if set(params) <= layer_types:  # one parameter set per layer type
+            if "full_attention" not in params:
+                raise ModelNotAvailable(f"--rope-scaling {self}: the model's RoPE parameters are per layer type "
+                                        f"({', '.join(sorted(params))}) with none for full attention")
+            params = params["full_attention"]
+        params.update(rope_type=self.kind, factor=self.factor)
         if self.kind == "yarn":
-            scaled["original_max_position_embeddings"] = cfg.max_position_embeddings
+            params["original_max_position_embeddings"] = cfg.max_position_embeddings
 
 
 @dataclass
