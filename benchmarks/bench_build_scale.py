@@ -6,8 +6,9 @@
 
 Per head (window 128 + 512 excluded, decode queries as test queries, as the sweep): each variant's build CPU
 seconds (one thread: numba, faiss and torch pinned to 1) and its fraction of keys scanned at recall@100 = 0.95
-(interpolated over roargraph's search grid). Variants are ``;``-separated: build parameters ``NAME=VALUE``
-and module constants ``rg.NAME=VALUE`` joined by ``,``; the default pair is **old** (every training list
+(interpolated over roargraph's search grid). Variants are ``;``-separated: build parameters ``NAME=VALUE``,
+module constants ``rg.NAME=VALUE`` and the training queries ``group=head|group|strided`` (the head's own, or its
+GQA group's: ``anns_lab.indexes.group_queries``; one graph then serves the group) joined by ``,``; the default pair is **old** (every training list
 exact, the stranded-key pool of 8192: the build before issue 13) and **new** (the defaults). Prints the
 per-head rows, the medians and the same-run ratios new/old.
 
@@ -51,6 +52,9 @@ def parse(variant: str) -> tuple[str, dict, dict]:
     params, consts = {}, {}
     for item in filter(None, spec.split(",")):
         k, v = item.split("=")
+        if k == "group":
+            consts[k] = v
+            continue
         (consts if k.startswith("rg.") else params)[k.removeprefix("rg.")] = int(v) if v.lstrip("-").isdigit() else float(v)
     return name, params, consts
 
@@ -85,6 +89,8 @@ def build(keys, queries, params, consts):
     saved = {k: getattr(rg, k) for k in CONSTANTS}
     try:
         for k, v in consts.items():
+            if k == "group":
+                continue
             setattr(rg, k, v)
         t = time.process_time()
         index = RoarGraphIndex(**params).build(keys, queries)
@@ -113,6 +119,8 @@ def main() -> None:
     layers = [int(x) for x in a.layers.split(",")] if a.layers else default_layers(dump.layers)
     heads = [int(x) for x in a.heads.split(",")] if a.heads else list(range(dump.n_heads))
     variants = [parse(v) for v in a.variants.split(";")]
+    if a.synthetic and any(v[2].get("group", "head") != "head" for v in variants):
+        raise SystemExit("--synthetic tiles one head's queries: group= variants are not supported with it")
     RoarGraphIndex(list_stride=4).build(*[np.random.default_rng(0).standard_normal((s, dump.head_dim), dtype=np.float32)
                                           for s in (3000, 800)])  # compile outside the timings
     print(f"{a.dump}: layers {layers}, heads {heads}; {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; "
@@ -122,6 +130,8 @@ def main() -> None:
         for head in heads:
             hd = load_head(dump, layer, head)
             keys, queries = hd.keys, hd.train_queries
+            grouped = {v[2]["group"]: load_head(dump, layer, head, train_group=v[2]["group"]).train_queries
+                       for v in variants if v[2].get("group", "head") != "head"}
             if a.synthetic:
                 rng = np.random.default_rng(layer * 100 + head)
                 reps = -(-a.synthetic // len(keys))
@@ -132,7 +142,7 @@ def main() -> None:
             row = {"head": f"{layer}/{head}"}
             for name, params, consts in variants:
                 PIECES.clear()
-                index, secs = build(keys, queries, params, consts)
+                index, secs = build(keys, grouped.get(consts.get("group"), queries), params, consts)
                 row[f"{name} build s"] = secs
                 if a.pieces:
                     print(f"  {layer}/{head} {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in PIECES.items())

@@ -74,6 +74,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="recall and cost only (no latency or attention-quality passes)")
     ap.add_argument("--build-param", action="append", default=[], metavar="INDEX.NAME=VALUE",
                     help="replace a build default, e.g. roargraph.descent_links=0 (repeatable)")
+    ap.add_argument("--train-group", default="head", choices=("head", "group", "strided"),
+                    help="attention-aware indexes' training queries: the head's own or its GQA group's (anns_lab.indexes.group_queries)")
     args = ap.parse_args()
     heads = [int(h) for h in args.heads.split(",")] if args.heads else None
     build_params: dict[str, dict] = {}
@@ -83,7 +85,7 @@ def main() -> None:
         build_params.setdefault(index, {})[param] = json.loads(value)
     res = run_sweep(args.dump, indexes=args.indexes.split(","), layers=[int(x) for x in args.layers.split(",")],
                     heads=heads, out=args.out, jobs=args.jobs, overwrite=args.overwrite, build_params=build_params,
-                    quick=args.quick)
+                    quick=args.quick, train_group=args.train_group)
     for f in res.failures:
         print("FAILED", f)
     s = summarise(res.table, args.target)

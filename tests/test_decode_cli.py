@@ -89,6 +89,7 @@ def test_prompt_and_fidelity(tiny_gemma3, tmp_path):
     (["--param", "L"], "NAME=VALUE"),
     (["--mode", "flat", "--param", "nprobe=4"], "no selected index mode declares it"),
     (["--mode", "ivf", "--param", "nprobe=0"], "nprobe"),
+    (["--train-group", "pooled"], "'pooled' is not one of 'head', 'group', 'strided'"),
 ])
 def test_bad_input_is_one_clear_error(tiny_llama, args, needle):
     base = {"--model": tiny_llama, "--task": "passkey", "--context": 200, "--mode": "full,flat", "--window": "4,16"}
@@ -96,6 +97,21 @@ def test_bad_input_is_one_clear_error(tiny_llama, args, needle):
         base[flag] = value
     flat = [str(x) for kv in base.items() for x in kv]
     assert needle in _error(_run(*flat))
+
+
+@pytest.mark.parametrize("group", [None, "strided"])
+def test_train_group_is_recorded_in_the_json(tiny_llama, tmp_path, group):
+    """--train-group reaches the decode (one graph per KV head: the run's answer is full's with a top-k over every key)
+    and the JSON records it; without it, the default."""
+    from anns_lab.indexes.group_queries import DEFAULT
+
+    out = tmp_path / "r.json"
+    res = _run("--model", tiny_llama, "--mode", "full,roargraph", "--task", "passkey", "--context", 200, "--window", "4,16",
+               "--topk", 180, "--max-new-tokens", 3, "--json", out, *(["--train-group", group] if group else []))
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert data["settings"]["train_group"] == (group or DEFAULT)
+    assert data["modes"]["roargraph"]["samples"][0]["answer"] == data["modes"]["full"]["samples"][0]["answer"]
 
 
 def test_extrapolation_is_allowed_when_asked_and_said(tiny_llama, tmp_path):

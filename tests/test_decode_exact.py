@@ -109,6 +109,31 @@ def test_topk_covering_every_key_equals_full_attention(prefilled, name):
     assert set(run.stores) == set(lm.long_range_layers)
 
 
+@pytest.mark.parametrize("group", ["group", "strided"])
+def test_one_graph_per_kv_head_serves_its_group_and_equals_full_attention(prefilled, group):
+    """--train-group group|strided: one roargraph per KV head, the same object for each query head of its group
+    (added to once per step batch), trained on the group's queries; with a top-k covering every key the tokens and
+    logits are full attention's, and the CPU bytes count each shared graph once."""
+    import dataclasses
+
+    lm, pre, full = prefilled
+    settings = dataclasses.replace(SETTINGS, train_group=group)
+    run = run_mode(lm, pre, Mode("roargraph", IndexPlan("roargraph", {}, thorough("roargraph"))), settings, STEPS,
+                   keep_logits=True)
+    assert run.tokens == full.tokens and all(_rel(a, b) < 1e-4 for a, b in zip(run.logits, full.logits))
+    for layer, store in run.stores.items():
+        t = pre.queries[layer].shape[1]  # prefill queries per query head
+        G, d = store.keys.shape[0], store.keys.shape[2]
+        per = store.n_heads // G
+        assert all(store.indexes[h] is store.indexes[per * (h // per)] for h in range(store.n_heads))
+        assert len({id(ix) for ix in store.indexes}) == G
+        assert store.indexes[0].n_keys == store.n_indexed
+        kept = min(t * (per if group == "group" else 1), store.indexes[0].params["keep_queries"])
+        assert len(store.indexes[0]._recent_q) == kept  # trained on the group's rows: all g·t or one head's t
+        graphs = sum(ix.nbytes - ix.n_keys * ix.dim * 4 for ix in store.indexes[::per])
+        assert store.cpu_bytes() == 4 * G * d * 2 * store.n_rows + graphs
+
+
 def test_tokens_leaving_the_window_are_inserted_and_found(prefilled):
     lm, pre, full = prefilled
     settings = Settings(Window(4, 8), topk=PROMPT + STEPS - 12, add_batch=1, chunk=24, steps=STEPS)
@@ -234,14 +259,17 @@ def test_train_query_subsample_is_even_and_keeps_the_last():
     assert subsample(q, 0) is q and subsample(q, 20) is q
 
 
-def test_training_lists_on_the_device_give_the_same_graphs(prefilled):
+@pytest.mark.parametrize("group", ["head", "group", "strided"])
+def test_training_lists_on_the_device_give_the_same_graphs(prefilled, group):
     """decode's training lists computed where the prefill's keys are (device_lists: torch on the model's device)
-    build the same roargraph indexes as the lists the build computes itself, and decode the same tokens."""
+    build the same roargraph indexes as the lists the build computes itself, and decode the same tokens; with one
+    graph per KV head (``--train-group``) too, the lists then being those of the group's training queries."""
     import dataclasses
 
     lm, pre, _ = prefilled
     plan = Mode("roargraph", IndexPlan("roargraph"))
-    runs = [run_mode(lm, pre, plan, dataclasses.replace(SETTINGS, lists_on_device=on), STEPS) for on in (False, True)]
+    runs = [run_mode(lm, pre, plan, dataclasses.replace(SETTINGS, lists_on_device=on, train_group=group), STEPS)
+            for on in (False, True)]
     assert runs[0].tokens == runs[1].tokens
     for layer, store in runs[0].stores.items():
         for a, b in zip(store.indexes, runs[1].stores[layer].indexes):

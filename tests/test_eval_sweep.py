@@ -224,6 +224,26 @@ def test_build_params_make_their_own_rows(smollm2_dump, tmp_path):
                   build_params={"ivf": {"nlst": 20}})
 
 
+def test_group_training_is_recorded_and_never_mixes_with_per_head_graphs(smollm2_dump, tmp_path):
+    """--train-group: the sweep's settings record it, roargraph's rows come from the group's training queries (other
+    graphs than the per-head ones), and a folder of one setting refuses the other."""
+    from anns_lab.eval.table import SETTINGS
+
+    head = run_sweep(smollm2_dump.path, ["roargraph"], [2], [1], window=WINDOW, out=tmp_path / "head", jobs=1,
+                     progress=False, quick=True).table
+    group = run_sweep(smollm2_dump.path, ["roargraph"], [2], [1], window=WINDOW, out=tmp_path / "group", jobs=1,
+                      progress=False, quick=True, train_group="group").table
+    assert json.loads((tmp_path / "group" / SETTINGS).read_text())["train_group"] == "group"
+    assert "train_group" not in json.loads((tmp_path / "head" / SETTINGS).read_text())  # as sweeps before the option
+    assert len(head) == len(group) and not np.array_equal(head["scanned_fraction"], group["scanned_fraction"])
+    with pytest.raises(AnnsLabError, match="other settings"):
+        run_sweep(smollm2_dump.path, ["roargraph"], [2], [1], window=WINDOW, out=tmp_path / "group", progress=False,
+                  quick=True)
+    with pytest.raises(AnnsLabError, match="choose one of head, group, strided"):
+        run_sweep(smollm2_dump.path, ["roargraph"], [2], [1], window=WINDOW, out=tmp_path / "x", progress=False,
+                  train_group="pooled")
+
+
 def test_quick_sweep_keeps_recall_and_never_mixes_with_a_full_one(smollm2_dump, sweep, tmp_path):
     quick = run_sweep(smollm2_dump.path, ["ivf"], [15], [4], window=WINDOW, out=tmp_path, jobs=1, progress=False,
                       quick=True).table

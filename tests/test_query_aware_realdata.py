@@ -78,3 +78,39 @@ def test_anchored_lists_keep_recall(heads, lh):
             r = [recall_at_k(ix.search(data.test_queries, K, L=L).ids, data.test_queries, data.keys, K)
                  for ix in (exact, anchored)]
             assert r[1] >= r[0] - LIST_TOLERANCE, (L, "row stop", r)
+
+
+GROUP_TOLERANCE = {50: 0.06, 100: 0.03, 200: 0.03}  # recall@100 one graph per KV head may lose per query head (measured below)
+
+
+@pytest.mark.parametrize("mode", ["group", "strided"])
+def test_one_graph_per_kv_head_keeps_recall_for_every_head_of_its_group(smollm2_dump, mode):
+    """One roargraph trained on the GQA group's prefill queries (--train-group; group: all 3 heads' 6,000, strided: one
+    head's 2,000, round robin by position), searched with the decode queries of each of the group's query heads (layer 15,
+    KV head 1: query heads 3, 4, 5): recall within GROUP_TOLERANCE of that head's own graph at L 50, 100, 200 (measured:
+    at most 0.045 / 0.015 / 0.009 lower). Not every group keeps it: layer 2's head 1 loses 0.14-0.15 at L 100, which is
+    why one graph per query head stays the default (BENCHMARKS "Query-aware graphs")."""
+    for head in (3, 4, 5):
+        own = load_head(smollm2_dump, 15, head, window=(16, 128))
+        grouped = load_head(smollm2_dump, 15, head, window=(16, 128), train_group=mode)
+        assert len(grouped.train_queries) == len(own.train_queries) * (3 if mode == "group" else 1)
+        assert np.array_equal(grouped.keys, own.keys) and np.array_equal(grouped.test_queries, own.test_queries)
+        graphs = [RoarGraphIndex().build(own.keys, q) for q in (own.train_queries, grouped.train_queries)]
+        for L, tol in GROUP_TOLERANCE.items():
+            r = [recall_at_k(ix.search(own.test_queries, K, L=L).ids, own.test_queries, own.keys, K) for ix in graphs]
+            assert r[1] >= r[0] - tol, (head, L, r)
+
+
+def test_group_training_queries_are_the_groups_before_the_first_test_query(smollm2_dump):
+    """Causality for the group: every training row is some group head's prefill query before the first test position,
+    and each (head, position) appears once (group) or each position once (strided)."""
+    own = load_head(smollm2_dump, 2, 4, window=(16, 128))
+    t = len(own.train_queries)
+    assert own.test_pos.min() >= t  # the per-head rule the group keeps
+    rows = {m: load_head(smollm2_dump, 2, 4, window=(16, 128), train_group=m).train_queries for m in ("group", "strided")}
+    group_q = np.stack([smollm2_dump.queries(2, h, "prefill")[:t] for h in (3, 4, 5)])  # (3, t, d)
+    flat = {row.tobytes(): (h, p) for h in range(3) for p, row in enumerate(group_q[h])}
+    got = [flat[r.tobytes()] for r in rows["group"]]
+    assert sorted(got) == [(h, p) for h in range(3) for p in range(t)]
+    got = [flat[r.tobytes()] for r in rows["strided"]]
+    assert sorted(p for _, p in got) == list(range(t))

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 
 from anns_lab.decode.placement import IndexPlan, LayerStore
+from anns_lab.indexes import registry
+from anns_lab.indexes.group_queries import group_queries
 
 
 def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, settings, queries: np.ndarray | None) -> LayerStore:
@@ -30,7 +32,13 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
     store = LayerStore(layer, lm.config.num_attention_heads, keys, values, settings.topk, plan, settings.add_batch,
                        settings.steps)
     queries = subsample(queries, settings.train_queries)
-    store.build(queries, _device_lists(lm, plan, queries, layer_cache.keys[0, :, lo:hi], settings))
+    per_kv = (queries is not None and plan is not None and settings.train_group != "head"
+              and registry.get(plan.name).uses_train_queries)
+    if per_kv:  # one training set per KV head: its GQA group's queries
+        group = queries.shape[0] // keys.shape[0]
+        queries = np.stack([group_queries(list(queries[g * group:(g + 1) * group]), settings.train_group)
+                            for g in range(keys.shape[0])])
+    store.build(queries, _device_lists(lm, plan, queries, layer_cache.keys[0, :, lo:hi], settings), per_kv_head=per_kv)
     return store
 
 
@@ -113,8 +121,6 @@ def _device_lists(lm, plan, queries: np.ndarray | None, keys: torch.Tensor, sett
     on = settings.lists_on_device if settings.lists_on_device is not None else torch.device(lm.model.device).type == "cuda"
     if not on or plan is None or queries is None:
         return None
-    from anns_lab.indexes import registry
-
     cls = registry.get(plan.name)
     if not (cls.uses_train_queries and cls.accepts_train_topk):
         return None

@@ -13,6 +13,8 @@ from anns_lab.cli_types import WINDOW
 from anns_lab.dumps.cli import ROPE_HELP, ROPE_SCALING
 from anns_lab.dumps.tasks import TASKS
 from anns_lab.errors import DecodeError
+from anns_lab.indexes.group_queries import DEFAULT as GROUP_DEFAULT
+from anns_lab.indexes.group_queries import MODES as GROUP_MODES
 from anns_lab.io import atomic_write_bytes
 
 if TYPE_CHECKING:
@@ -37,6 +39,9 @@ def default_device() -> str:
               help="tokens leaving the window are attended exactly from a side-buffer and inserted into the index in batches of this size")
 @click.option("--train-queries", default=0, show_default=True,
               help="prefill queries given to attention-aware indexes, evenly strided (0 = all)")
+@click.option("--train-group", type=click.Choice(GROUP_MODES), default=GROUP_DEFAULT, show_default=True,
+              help="attention-aware indexes: one per KV head trained on its GQA group's queries (group: all of them; "
+                   "strided: one head's count, round robin over the heads by position), or 'head': one per query head")
 @click.option("--task", type=str, default=None, help=f"synthetic task: {', '.join(TASKS)}")
 @click.option("--prompt", type=str, default=None, help="free-form prompt text (instead of --task)")
 @click.option("--eval", "evaluation", type=click.Choice(["task", "fidelity"]), default="task", show_default=True,
@@ -66,7 +71,7 @@ def default_device() -> str:
 @click.option("--cpus-per-task", type=float, default=1.0, show_default=True, help="Ray: CPUs reserved per sample task")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="write the full results here (after each sample; \"partial\": true until the last)")
-def decode(model, modes, params, build_params, topk, window, add_batch, train_queries, task, prompt, evaluation, context, samples,
+def decode(model, modes, params, build_params, topk, window, add_batch, train_queries, train_group, task, prompt, evaluation, context, samples,
            seed, max_new_tokens, positions, free_tokens, chunk, build_during_prefill, from_sweep, target_recall, device, torch_threads,
            allow_extrapolation, rope_scaling, executor, address, cpus_per_task, json_path):
     """Generate with RetrievalAttention: static window on the accelerator + retrieved keys from a CPU index."""
@@ -74,7 +79,7 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
     from anns_lab.decode.engine import Settings
 
     settings = Settings(window=window, topk=topk, add_batch=add_batch, chunk=chunk, train_queries=train_queries,
-                        build_during_prefill=build_during_prefill)
+                        train_group=train_group, build_during_prefill=build_during_prefill)
     _check_options(settings, evaluation, task, prompt, executor, address)
     mode_list = _parse_mode_list(modes, params, build_params, from_sweep)
     device = device or default_device()
@@ -181,7 +186,7 @@ def _run_description(lm, device: str, executor: str, settings: Settings, mode_li
             "rope_scaling": str(lm.rope_scaling) if lm.rope_scaling else None, "device": device, "executor": executor,
             "settings": {"sink": settings.window.sink, "recent": settings.window.recent, "topk": settings.topk,
                          "add_batch": settings.add_batch, "chunk": settings.chunk, "train_queries": settings.train_queries,
-                         "build_during_prefill": settings.build_during_prefill},
+                         "train_group": settings.train_group, "build_during_prefill": settings.build_during_prefill},
             "plans": {m.name: ({"default": m.plan.describe(), **{str(k): p.describe() for k, p in m.per_layer.items()}}
                                if m.plan else None) for m in mode_list}}
 

@@ -8,9 +8,11 @@ tokens that have left the recent window since, attended exactly (every step, all
 until ``add_batch`` of them have gathered, when they are inserted into the indexes with
 ``add``. An index without ``add`` keeps them in the side-buffer for good (still exact).
 
-Indexes: one per (layer, query head) when the index learns from queries (attention-aware);
-otherwise its keys are those of the KV head, so one index serves the whole GQA group (the
-same object, searched with the group's queries in one batch). Either way the indexes are built
+Indexes: one per (layer, query head) when the index learns from queries (attention-aware), on that
+head's prefill queries; otherwise its keys are those of the KV head, so one index serves the whole GQA
+group (the same object, searched with the group's queries in one batch). ``--train-group group|strided``
+makes the attention-aware ones so too: one per KV head, trained on its group's queries
+(:mod:`anns_lab.indexes.group_queries`). Either way the indexes are built
 on the heads of the layer's :class:`~anns_lab.indexes.key_store.KeyStore`, the one copy of its
 CPU keys, and every step searches them with one ``search_group`` call (the index protocol's hook).
 """
@@ -80,9 +82,11 @@ class LayerStore:
 
     # -- build and grow ----------------------------------------------------------------------------
 
-    def build(self, queries: np.ndarray | None, train_topk: np.ndarray | None = None) -> None:
+    def build(self, queries: np.ndarray | None, train_topk: np.ndarray | None = None, per_kv_head: bool = False) -> None:
         """Build the indexes on every row held now; ``queries`` (H, t, d) are the prefill queries (attention-aware only),
-        ``train_topk`` (H, t, c) their top keys when computed elsewhere (``device_lists``)."""
+        ``train_topk`` (H, t, c) their top keys when computed elsewhere (``device_lists``). ``per_kv_head``: queries and
+        lists are (G, m, ·), one set per KV head (its GQA group's, :mod:`indexes.group_queries`), and one
+        attention-aware index per KV head serves its group, as every other index does."""
         if self.plan is None or self.n_rows == 0:
             return
         t0 = time.perf_counter()
@@ -91,9 +95,11 @@ class LayerStore:
         if cls.uses_train_queries:
             if queries is None:
                 raise ValueError("attention-aware index needs the prefill queries")
-            self.indexes = [cls(**self.plan.build_params).build(rows[h // self.group], np.ascontiguousarray(queries[h]),
-                                                                **({} if train_topk is None else {"train_topk": train_topk[h]}))
-                            for h in range(self.n_heads)]
+            per = len(rows) if per_kv_head else self.n_heads
+            built = [cls(**self.plan.build_params).build(rows[i if per_kv_head else i // self.group], np.ascontiguousarray(queries[i]),
+                                                         **({} if train_topk is None else {"train_topk": train_topk[i]}))
+                     for i in range(per)]
+            self.indexes = [built[h // self.group] for h in range(self.n_heads)] if per_kv_head else built
         else:
             shared = [cls(**self.plan.build_params).build(r) for r in rows]
             self.indexes = [shared[h // self.group] for h in range(self.n_heads)]

@@ -25,6 +25,7 @@ import numpy as np
 from anns_lab.dumps.store import Dump
 from anns_lab.errors import AnnsLabError
 from anns_lab.eval import metrics
+from anns_lab.indexes import group_queries
 from anns_lab.indexes.estimate import Estimate, Summaries, estimate_terms, weighted_partial
 from anns_lab.window import Window
 
@@ -153,8 +154,9 @@ def check_k(dump: Dump, window: Window | tuple[int, int], k: int, n_k2k: int = 6
 
 
 def load_head(dump: Dump, layer: int, head: int, window: Window | tuple[int, int] = Window(), min_test: int = 64,
-              n_k2k: int = 64, seed: int = 0) -> HeadData:
-    """Assemble :class:`HeadData` for one (layer, head) of ``dump``."""
+              n_k2k: int = 64, seed: int = 0, train_group: str = group_queries.DEFAULT) -> HeadData:
+    """Assemble :class:`HeadData` for one (layer, head) of ``dump``; ``train_group`` picks the training queries
+    (:mod:`indexes.group_queries`: the head's own, or its GQA group's, each before the first test position)."""
     n = int(dump.manifest["n_tokens"]["prefill"])
     window = Window(*window)
     lo, hi, extra = index_range(dump, window, min_test, n_k2k)
@@ -167,6 +169,11 @@ def load_head(dump: Dump, layer: int, head: int, window: Window | tuple[int, int
     rng = np.random.default_rng(seed + 1000 * layer + head)
     held = np.sort(rng.choice(np.arange(lo, hi), size=n_k2k, replace=False))
     key_pos = np.setdiff1d(np.arange(lo, hi), held)
-    return HeadData(layer, head, g, np.ascontiguousarray(all_keys[key_pos]), key_pos, prefill_q[: n - extra],
+    # The group's heads in id order, whichever of them is evaluated: every head of a KV head gets the same graph.
+    group = [h for h in range(dump.n_heads) if dump.kv_head_of(h) == g] if train_group != "head" else [head]
+    train_q = group_queries.group_queries(
+        [prefill_q[: n - extra] if h == head else dump.queries(layer, h, "prefill")[: n - extra] for h in group],
+        train_group)
+    return HeadData(layer, head, g, np.ascontiguousarray(all_keys[key_pos]), key_pos, train_q,
                     np.ascontiguousarray(test_q), test_pos, np.ascontiguousarray(all_keys[held]), all_keys,
                     dump.values(layer, g, "all"), dump.scaling(layer), window, n, hi)

@@ -28,6 +28,7 @@ from anns_lab.eval import metrics
 from anns_lab.eval.executors import Outcome, Part, open_executor
 from anns_lab.eval.heads import HeadData, check_k, default_layers, load_head
 from anns_lab.eval.table import COLUMNS, RESULTS, SETTINGS
+from anns_lab.indexes import group_queries
 from anns_lab.io import atomic_write_json
 
 LATENCY_QUERIES = 16
@@ -122,6 +123,7 @@ class SweepWork:
     window: tuple[int, int]
     build_params: dict
     quick: bool
+    train_group: str = group_queries.DEFAULT
 
     def worker_env(self) -> dict[str, str]:
         return dict(WORKER_ENV)
@@ -130,7 +132,7 @@ class SweepWork:
         _single_thread()
 
     def load(self, layer: int, head: int) -> HeadData:
-        return load_head(open_dump(self.dump), layer, head, self.window)
+        return load_head(open_dump(self.dump), layer, head, self.window, train_group=self.train_group)
 
     def fingerprint(self) -> str | None:
         try:
@@ -148,7 +150,8 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
               out: str | Path | None = None, jobs: int = 2, overwrite: bool = False, progress: bool = True,
               build_params: dict[str, dict] | None = None, quick: bool = False, executor: str = "local",
               address: str | None = None, cpus_per_task: float = 1.0, max_attempts: int = MAX_ATTEMPTS,
-              retry_failed: bool = False, ray_data: str = "auto", log=None) -> SweepResult:
+              retry_failed: bool = False, ray_data: str = "auto", train_group: str = group_queries.DEFAULT,
+              log=None) -> SweepResult:
     """Run the sweep (see module doc) and return the combined results table.
 
     ``build_params`` maps an index name to build parameters that replace its defaults; ``quick``
@@ -156,7 +159,8 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     ``ray`` (``address``: a cluster's, or ``auto``; none starts a local Ray); a part is attempted at
     most ``max_attempts`` times over all runs unless ``retry_failed`` clears its earlier failures.
     ``ray_data``: ``path`` (nodes read the dump), ``ship`` (the driver sends each head), ``auto`` (path when
-    every node sees the dump).
+    every node sees the dump). ``train_group``: the attention-aware indexes' training queries
+    (:mod:`indexes.group_queries`; each query head's index is built, on its own held-out keys, from them).
     """
     from tqdm.auto import tqdm
 
@@ -177,12 +181,15 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     for h in heads:
         dump.kv_head_of(h)
     check_k(dump, window, k)  # before any index is built
+    group_queries.check_mode(train_group)
     if max_attempts < 1:
         raise AnnsLabError("--max-attempts must be at least 1")
     out = Path(out) if out is not None else Path("results") / dump.path.name
     settings = {"dump": str(dump.path.resolve()), "dump_created": dump.manifest["created"], "k": k, "window": list(window)}
     if quick:  # a quick sweep lacks columns a full one has: never mix their parts in one folder
         settings["quick"] = True
+    if train_group != "head":  # sweeps from before the option trained per query head: their folders stay valid
+        settings["train_group"] = train_group
     log = log or (lambda line: tqdm.write(line) if progress else None)
     # Connect (Ray) before the results folder is touched: a cluster that is unreachable or too small
     # for a task is one error and leaves nothing behind.
@@ -190,13 +197,13 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     try:
         _prepare(out, settings, overwrite)
         return _run(runner, dump, out, names, layers, heads, k, window, build_params, quick, max_attempts,
-                    retry_failed, progress, log, t_start)
+                    retry_failed, progress, log, t_start, train_group)
     finally:
         runner.close()
 
 
 def _run(runner, dump, out, names, layers, heads, k, window, build_params, quick, max_attempts, retry_failed,
-         progress, log, t_start) -> SweepResult:
+         progress, log, t_start, train_group) -> SweepResult:
     from tqdm.auto import tqdm
 
     parts = out / "parts"
@@ -236,7 +243,7 @@ def _run(runner, dump, out, names, layers, heads, k, window, build_params, quick
             failures.append((o.part.index, o.part.layer, o.part.head, o.error))
         bar.update(1)
 
-    work = SweepWork(str(dump.path), k, tuple(window), build_params, quick)
+    work = SweepWork(str(dump.path), k, tuple(window), build_params, quick, train_group)
     if units:
         log(f"sweep {dump.path.name}: {len(tries)} parts on {runner.describe()}")
         try:
