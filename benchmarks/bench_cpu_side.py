@@ -18,7 +18,11 @@ graph indexes, side-buffer rows materialised and concatenated, then ``attend_row
 on the same stores — the before/after ratio of this rewrite measured in one run. ``--held`` adds
 ``<mode>-held`` rows for per-head graph indexes: the side() of commit ae1a1ea, whose store held a
 ``GraphGroup`` and called its kernel directly, where side() now goes through the index protocol's
-``search_group`` (which finds the cached group itself) — the cost of that hook, in one run.
+``search_group`` (which finds the cached group itself) — the cost of that hook, in one run. ``--full-rows`` adds
+``<mode>-fullrows`` rows: the same indexes searched with full rows (``row_misses=0``). ``--stats`` first
+decomposes each mode's retrieval per query head and step (keys scanned, graph nodes expanded, adjacency words, KiB
+read, from one pass over the same calls) and then prints µs per scanned key and per expanded node next to the
+times; every round's thread CPU time is reported beside its wall time.
 
 Threads as in the decoder's CPU worker: numba and faiss on one thread.
 """
@@ -26,6 +30,8 @@ Threads as in the decoder's CPU worker: numba and faiss on one thread.
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import platform
 import statistics
 import time
@@ -218,6 +224,45 @@ def held_side(store, group, L: int, stop: tuple, q: np.ndarray, scaling: float):
     return out, m, z, t1 - t0, time.perf_counter() - t1
 
 
+def graph_counts(store, q: np.ndarray) -> np.ndarray | None:
+    """Per query head, (scanned, expanded, adjacency words) of the head's own search (``graph.search.search_one``,
+    the search ``search_group`` interleaves) for the query ``q[h]``; None for an index without graph arrays."""
+    from anns_lab.indexes.graph.search import search_one, typed_stop
+    from anns_lab.indexes.graph.utils import workspace
+
+    if not store.indexes or not hasattr(store.indexes[0], "graph_arrays"):
+        return None
+    k = min(store.topk, store.n_indexed)
+    out = np.empty((store.n_heads, 3), np.int64)
+    for h, index in enumerate(store.indexes):
+        p = index._search_params_for(store.plan.search_params)
+        g = tuple(index.graph_arrays())
+        ws = workspace(len(g[0]), p["L"], k, expanded=len(g[0]))
+        stop = typed_stop((p.get("row_misses", 0), p.get("row_credit", 0.0), getattr(index, "n_built", len(g[0]))))
+        ids, scores = np.empty(k, np.int64), np.empty(k, np.float32)
+        n, words, n_exp = search_one(g, np.ascontiguousarray(q[h], np.float32), index.entries(), p["L"], ws, 1, ids, scores,
+                                     stop)
+        out[h] = n, n_exp, words
+    return out
+
+
+def _stats(store, qs: list) -> dict:
+    """Means per query head and step over the calls ``qs``: keys scanned and KiB read (from side()), graph nodes
+    expanded and adjacency words (:func:`graph_counts`; nan for other indexes)."""
+    scanned, kib, exp, words = [], [], [], []
+    for q in qs:
+        res = store.side(q, 1.0)
+        scanned.append(res.scanned * store.n_indexed)
+        kib.append(res.bytes_read / store.n_heads / 1024)
+        c = graph_counts(store, q)
+        if c is not None:
+            assert abs(c[:, 0].mean() - scanned[-1]) < 1e-6 * max(1.0, scanned[-1]), "graph_counts is not side()'s search"
+        exp.append(np.nan if c is None else c[:, 1].mean())
+        words.append(np.nan if c is None else c[:, 2].mean())
+    return {"scanned": float(np.mean(scanned)), "expanded": float(np.mean(exp)), "words": float(np.mean(words)),
+            "kib": float(np.mean(kib))}
+
+
 def _split(res):
     """SideResult → (out, m, z, retrieval s, attention s), the shape legacy_side returns."""
     return res.out, res.m, res.z, res.retrieval_s, res.attention_s
@@ -239,6 +284,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--legacy", action="store_true", help="also time the pre-rewrite side() on the same stores")
     ap.add_argument("--held", action="store_true", help="also time side() with a held GraphGroup (per-head graph modes)")
+    ap.add_argument("--full-rows", action="store_true",
+                    help="also time each mode with a row stop with full rows (row_misses=0) on the same stores")
+    ap.add_argument("--stats", action="store_true",
+                    help="decompose retrieval: scanned, expanded, adjacency words, KiB read per head and step; µs per key")
     a = ap.parse_args()
 
     import faiss
@@ -261,7 +310,7 @@ def main() -> None:
     print(f"{dump!r}\nwindow {sink}+{recent}, top-{a.topk}, {a.pending} side-buffer rows, {a.train_queries} train queries; "
           f"{platform.processor() or platform.machine()}, median of {a.rounds} rounds x {a.calls} calls")
     layers = _parse_layers(a.layers)
-    runs, queries, n_keys = {}, {}, 0
+    runs, queries, n_keys, stores = {}, {}, 0, {}
     for layer in layers:
         keys = np.stack([dump.keys(layer, g, "all") for g in range(G)])
         values = np.stack([dump.values(layer, g, "all") for g in range(G)])
@@ -278,6 +327,12 @@ def main() -> None:
             if a.pending:
                 store.extend(pend, values[:, n_pre: n_pre + a.pending])
             runs[layer][mode.name] = (lambda s, c: (lambda q: _split(s.side(q, c))))(store, scaling)
+            stores[layer, mode.name] = store
+            if a.full_rows and "row_misses" in store.indexes[0].search_params:  # the same indexes, searched with full rows
+                full = copy.copy(store)
+                full.plan = dataclasses.replace(mode.plan, search_params={**mode.plan.search_params, "row_misses": 0})
+                runs[layer][mode.name + "-fullrows"] = (lambda s, c: (lambda q: _split(s.side(q, c))))(full, scaling)
+                stores[layer, mode.name + "-fullrows"] = full
             if a.legacy:
                 runs[layer][mode.name + "-legacy"] = (lambda s, c: (lambda q: legacy_side(s, q, c)))(store, scaling)
             if a.held and len({id(ix) for ix in store.indexes}) == H:
@@ -296,31 +351,40 @@ def main() -> None:
                 diff = np.abs(first[name][0] - first[name.rsplit("-", 1)[0]][0]).max()
                 print(f"{name}: max |output − new output| = {diff:.2e}")
     names = list(runs[layers[0]])
+    stats = None
+    if a.stats:  # one untimed pass over the same calls: what each mode's retrieval does per head and step
+        stats = {}
+        for name in names:
+            if (layers[0], name) in stores:
+                per = [_stats(stores[layer, name], queries[layer]) for layer in layers]
+                stats[name] = {key: float(np.mean([p[key] for p in per])) for key in per[0]}
     if a.cycle:  # every call visits each layer in turn, as a decode step does: the layers' data are cold
-        wall, split = {n: [] for n in names}, {n: [] for n in names}
+        wall, split, cpu = {n: [] for n in names}, {n: [] for n in names}, {n: [] for n in names}
         for r in range(a.rounds):
             for name in names[:: 1 - 2 * (r % 2)]:  # the order flips every round: a mode's caches are not always warmed by the one before
                 parts = []
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 for i in range(a.calls):
                     for layer in layers:
                         parts.append(runs[layer][name](queries[layer][i])[3:5])
+                cpu[name].append((time.thread_time() - c0) / (a.calls * len(layers)))
                 wall[name].append((time.perf_counter() - t0) / (a.calls * len(layers)))
                 split[name].append(np.mean(parts, axis=0))
-        _report(f"cycling {len(layers)} layers {a.layers} (µs per layer and step)", n_keys, H, G, wall, split)
+        _report(f"cycling {len(layers)} layers {a.layers} (µs per layer and step)", n_keys, H, G, wall, split, cpu, stats)
         return
     results = {}
     for layer in layers:
-        wall, split = {n: [] for n in names}, {n: [] for n in names}
+        wall, split, cpu = {n: [] for n in names}, {n: [] for n in names}, {n: [] for n in names}
         for _ in range(a.rounds):
             for name, fn in runs[layer].items():
                 parts = []
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 for q in queries[layer]:
                     parts.append(fn(q)[3:5])
+                cpu[name].append((time.thread_time() - c0) / len(queries[layer]))
                 wall[name].append((time.perf_counter() - t0) / len(queries[layer]))
                 split[name].append(np.mean(parts, axis=0))
-        results[layer] = _report(f"layer {layer}", n_keys, H, G, wall, split)
+        results[layer] = _report(f"layer {layer}", n_keys, H, G, wall, split, cpu)
     if len(results) > 1:
         for part in ("side", "retrieval"):
             print(f"\nsum over layers, {part} µs: " + ", ".join(f"{n} {sum(r[part][n] for r in results.values()):.0f}" for n in names))
@@ -339,17 +403,29 @@ def _parse_layers(text: str) -> list[int]:
     return out
 
 
-def _report(title, n_keys, H, G, wall, split) -> dict:
+def _report(title, n_keys, H, G, wall, split, cpu, stats=None) -> dict:
+    """Print the medians over rounds (side() wall and thread CPU, its retrieval and attention parts) and, with
+    ``stats``, the retrieval's decomposition per query head and step; return the medians."""
     print(f"\n{title}: {n_keys} indexed keys, H={H}, G={G}")
-    print("| mode | side() µs | retrieval µs | attention µs | retrieval × flat | retrieval × ivf |")
-    print("|---|---|---|---|---|---|")
+    print("| mode | side() µs | side() CPU µs | retrieval µs | attention µs | retrieval × flat | retrieval × ivf |")
+    print("|---|---|---|---|---|---|---|")
     med = {name: statistics.median(v) * 1e6 for name, v in wall.items()}
+    med_cpu = {name: statistics.median(v) * 1e6 for name, v in cpu.items()}
     ret = {name: float(np.median([p[0] for p in v])) * 1e6 for name, v in split.items()}
     att = {name: float(np.median([p[1] for p in v])) * 1e6 for name, v in split.items()}
     for name in wall:
         rel = [f"{ret[name] / ret[ref]:.2f}" if ref in ret else "–" for ref in ("flat", "ivf")]
-        print(f"| {name} | {med[name]:.0f} | {ret[name]:.0f} | {att[name]:.0f} | {rel[0]} | {rel[1]} |")
-    return {"side": med, "retrieval": ret, "attention": att}
+        print(f"| {name} | {med[name]:.0f} | {med_cpu[name]:.0f} | {ret[name]:.0f} | {att[name]:.0f} | {rel[0]} | {rel[1]} |")
+    if stats:
+        print("\nper query head and step (retrieval µs / (H × scanned), / (H × expanded)):")
+        print("| mode | scanned | expanded | adjacency words | KiB read | retrieval µs | ns per scanned key | ns per expanded node |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name, s in stats.items():
+            per_key = ret[name] * 1e3 / (H * s["scanned"])
+            per_node = ret[name] * 1e3 / (H * s["expanded"]) if s["expanded"] == s["expanded"] else float("nan")
+            print(f"| {name} | {s['scanned']:.1f} | {s['expanded']:.1f} | {s['words']:.1f} | {s['kib']:.1f} | {ret[name]:.0f} | "
+                  f"{per_key:.1f} | {per_node:.1f} |")
+    return {"side": med, "cpu": med_cpu, "retrieval": ret, "attention": att}
 
 if __name__ == "__main__":
     main()

@@ -41,10 +41,8 @@ def main() -> None:
     queries = [np.ascontiguousarray(q) for q in np.stack([d.queries(a.layer, h, "decode") for h in range(H)], 1)]
     group = GraphGroup(indexes)
     for k, L in ((1, 1), (100, 100)):
-        sp = indexes[0]._search_params_for({"L": L})  # the hook's row stop (GraphGroup.search's own default is full rows)
-        stop = (sp["row_misses"], sp["row_credit"])
         calls = {"search_group": lambda q: RoarGraphIndex.search_group(indexes, q, k, L=L),
-                 "held GraphGroup": lambda q: group.search(q, k, L, stop)}
+                 "held GraphGroup": lambda q: group.search(q, k, L)}  # both: the index's default row stop
         times = {name: [] for name in calls}
         for _ in range(a.rounds):
             for name, fn in calls.items():

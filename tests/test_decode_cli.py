@@ -177,6 +177,28 @@ def test_from_sweep_refuses_parameters_the_index_does_not_have(tmp_path):
         pick_from_sweep(str(path), "m", 0.95, [1, 3])
 
 
+def test_from_sweep_runs_rows_from_before_the_row_stop_with_full_rows(tmp_path):
+    """A roargraph row swept before the row stop existed (search parameters: L only) measured full rows: the pick runs
+    it with row_misses=0 and says so; a row that names its row stop keeps it, with no such line."""
+    from anns_lab.indexes.roargraph import RoarGraphIndex
+
+    path = tmp_path / "results.parquet"
+    df = pd.read_parquet(_results(path))
+    df = df[df["index"] == "vamana"].assign(index="roargraph", build_params=json.dumps({"M": 12}))
+    df.to_parquet(path)
+    mode, lines = pick_from_sweep(str(path), "m", 0.95, [1, 3])
+    assert mode.plan.name == "roargraph" and mode.plan.build_params == {} and mode.plan.search_params == {"L": 200, "row_misses": 0}
+    assert mode.per_layer[1].search_params == {"L": 100, "row_misses": 0}
+    assert [x for x in lines if "predate" in x] == [
+        "  roargraph rows of the table predate row_misses: run with row_misses=0, the search they measured"]
+    assert RoarGraphIndex.search_params["row_misses"].default != 0  # the index's default is the row stop
+    df["search_params"] = df["search_params"].map(lambda p: json.dumps({**json.loads(p), "row_misses": 6, "row_credit": 0.3}))
+    df.to_parquet(path)
+    mode, lines = pick_from_sweep(str(path), "m", 0.95, [1, 3])
+    assert mode.plan.search_params == {"L": 200, "row_misses": 6, "row_credit": 0.3}
+    assert not any("predate" in x for x in lines)
+
+
 def test_default_mode_is_attention_aware_when_registered():
     from anns_lab.indexes import registry
 

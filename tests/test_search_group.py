@@ -74,6 +74,20 @@ def test_group_search_equals_each_index_alone(gqa, k, L, stop):
                      [ix.search(queries[i: i + 1], k, L=L) for i, ix in enumerate(indexes)])
 
 
+def test_a_default_group_search_is_each_index_default_search(gqa):
+    """GraphGroup.search and search_graphs without L or a row stop search as each index's own default search does
+    (the defaults live in RoarGraphIndex.search_params: a group search must not fall back to full rows)."""
+    keys, indexes, queries, _ = gqa
+    own = [ix.search(queries[i: i + 1], 10) for i, ix in enumerate(indexes)]
+    _assert_same(gs.GraphGroup(indexes).search(queries, 10), own)
+    _assert_same(gs.search_graphs(indexes, queries, 10), own)
+    _assert_same(RoarGraphIndex.search_group(indexes, queries, 10), own)
+    L = RoarGraphIndex.search_params["L"].default
+    assert gs.own_defaults(RoarGraphIndex, None, None) == (L, DEFAULT_STOP)
+    full = gs.GraphGroup(indexes).search(queries, 10, L, FULL_ROWS[:2])  # what the old default searched
+    assert any(full.n_scanned[i] != r.n_scanned[0] for i, r in enumerate(own))  # so this test tells the two apart
+
+
 def test_gqa_group_holds_each_key_array_once(gqa):
     keys, indexes, queries, group = gqa
     grp = gs.GraphGroup(indexes)
@@ -86,7 +100,7 @@ def test_exhaustive_beam_is_exact_top_k_and_counts_every_key(gqa):
     every row read once (bytes_read: every key, every row's degree and ids, the entry list)."""
     keys, indexes, queries, group = gqa
     n = keys[0].shape[0]
-    res = gs.GraphGroup(indexes).search(queries, 30, n)
+    res = gs.GraphGroup(indexes).search(queries, 30, n, FULL_ROWS[:2])
     for h, q in enumerate(queries):
         scores = keys[h // group].astype(np.float64) @ q.astype(np.float64)
         exact = np.argsort(-scores)[:30]
@@ -106,7 +120,7 @@ def test_recall_against_numpy_exact(gqa):
     for L in (32, 300):
         hits = []
         for q in qs:
-            res = gs.search_graphs(indexes, q, 20, L)
+            res = gs.search_graphs(indexes, q, 20, L, FULL_ROWS[:2])
             for h in range(len(indexes)):
                 exact = np.argsort(-(keys[h // group] @ q[h]))[:20]
                 hits.append(len(set(exact) & set(res.ids[h])) / 20)
@@ -122,17 +136,17 @@ def test_refresh_after_add(gqa):
              for _ in range(2)]
     q = queries[:2]
     grp = gs.GraphGroup(fresh)
-    before = gs.search_graphs(fresh, q, 10, 30)  # caches a group for these indexes
+    before = gs.search_graphs(fresh, q, 10, 30, FULL_ROWS[:2])  # caches a group for these indexes
     new = _clustered(rng, 40, keys[0].shape[1]) * 3  # large norms: the new keys win the top-k
     for ix in fresh:
         ix.add(new)
     assert not grp.current()
     grp.refresh()
     assert grp.current()
-    after = grp.search(q, 10, 30)
+    after = grp.search(q, 10, 30, FULL_ROWS[:2])
     _assert_same(after, _alone(fresh, q, 10, 30))
     assert (after.ids >= keys[0].shape[0]).any() and not (before.ids >= keys[0].shape[0]).any()
-    _assert_same(gs.search_graphs(fresh, q, 10, 30), _alone(fresh, q, 10, 30))  # the cached group notices the add
+    _assert_same(gs.search_graphs(fresh, q, 10, 30, FULL_ROWS[:2]), _alone(fresh, q, 10, 30))  # the cached group notices the add
 
 
 def _int_graph(seed, n=600, d=8, r=10):
@@ -292,15 +306,9 @@ def test_interleaved_heads_equal_one_search_at_a_time(stop):
     """search_heads (the heads' searches interleaved stage by stage) against search_one per head, graphs of
     different sizes and entry lists, a workspace reused through epochs, full rows and row stops (one head with
     keys added after its build)."""
-    from numba import typed
-
     graphs = [_int_graph(seed, n=n) for seed, n in [(10, 600), (11, 450), (12, 700)]]
-    keys, nbrs, degree, entries = typed.List(), typed.List(), typed.List(), typed.List()
-    for i, (k, _, nb, dg) in enumerate(graphs):
-        keys.append(k)
-        nbrs.append(nb)
-        degree.append(dg)
-        entries.append(np.array([i, 3 * i + 1, -1, 5], np.int64))
+    keys, nbrs, degree = (tuple(g[i] for g in graphs) for i in (0, 2, 3))
+    entries = tuple(np.array([i, 3 * i + 1, -1, 5], np.int64) for i in range(len(graphs)))
     n_max, h = 700, len(graphs)
     added = np.array([600, 400, 700], np.int64)
     lists = (keys, nbrs, degree, entries, added)

@@ -111,8 +111,11 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int]) -> 
         raise DecodeError(f"no index in {path} reaches recall {target} for {model} (best mean recall {top:.3f}); "
                           "lower --target-recall or sweep more thorough parameters")
 
+    older = {}  # index → the search parameters its rows predate, run as before they existed
+
     def plan(r) -> IndexPlan:
-        """The row's index with only the parameters that differ from the index's defaults (short to read)."""
+        """The row's index with only the parameters that differ from the index's defaults (short to read); a search
+        parameter the row predates gets the index's value for "as before it existed" (``search_params_before``)."""
         cls = registry.get(r["index"])
         swept = json.loads(r["build_params"])
         gone = sorted(set(swept) - set(cls.build_params))
@@ -120,7 +123,11 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int]) -> 
             raise DecodeError(f"{path} was swept with {r['index']} parameters this version does not have "
                               f"({', '.join(gone)}); sweep again")
         build = {k: v for k, v in swept.items() if v != cls.build_params[k].default}
-        return IndexPlan(r["index"], build, json.loads(r["search_params"]))
+        search = json.loads(r["search_params"])
+        before = {k: v for k, v in cls.search_params_before.items() if k not in search}
+        if before:
+            older.setdefault(r["index"], before)
+        return IndexPlan(r["index"], build, {**search, **before})
 
     base = plan(overall)
     per_layer, lines = {}, [f"from sweep {path}: {base.describe()} reaches mean recall {overall['recall']:.3f} "
@@ -142,6 +149,9 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int]) -> 
         many = len(uncovered) > 1
         lines.append(f"  layer{'s' if many else ''} {_ranges(uncovered)}: not in the table, "
                      f"use{'' if many else 's'} {base.describe()}")
+    for index, before in older.items():
+        lines.append(f"  {index} rows of the table predate {', '.join(before)}: run with "
+                     f"{', '.join(f'{k}={v}' for k, v in before.items())}, the search they measured")
     name = f"sweep:{base.name}"
     return Mode(name, base, per_layer), lines
 

@@ -144,6 +144,9 @@ class Index:
     search_params: ClassVar[Mapping[str, Param]] = {}
     #: Values of each search parameter to sweep, cheapest first; the last point is the most thorough.
     search_grid: ClassVar[Mapping[str, Sequence[Any]]] = {}
+    #: Search parameters added after results tables were swept, each with the value that searches as the index did
+    #: before it existed: ``decode --from-sweep`` runs a swept row that lacks one with that value (what it measured).
+    search_params_before: ClassVar[Mapping[str, Any]] = {}
     #: True when ``build`` uses ``train_queries`` (attention-aware indexes); others ignore them.
     uses_train_queries: ClassVar[bool] = False
     #: True when ``build`` also takes ``train_topk``, the training queries' top keys computed elsewhere.

@@ -168,6 +168,7 @@ class RoarGraphIndex(Index):
         "row_credit": Param(0.3, 0.0, 1024.0, help="row stop: misses allowed per hit (neighbour in the beam) of the walk"),
     }
     search_grid = {"L": (50, 60, 70, 80, 90, 100, 120, 150, 200, 250, 300, 400, 500, 600, 800, 1200)}
+    search_params_before = {"row_misses": 0}  # tables swept before the row stop searched every row in full
 
     # -- build -------------------------------------------------------------------------------------
 

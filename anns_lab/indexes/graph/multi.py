@@ -20,17 +20,35 @@ from anns_lab.indexes.graph.simd import prefetch_keys, prefetch_row
 from anns_lab.indexes.graph.utils import drain, mark_fresh, offer_all, pop_next, thread_workspace
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _walk(row, pos, deg, need, full, first_added, visited, memo, epoch, worst, fresh):
+    """One stage of an expansion's walk along ``row[:deg]`` from ``pos`` (``search_one``'s step): the whole row
+    (``full``), the added keys (ids ≥ ``first_added``) of its rest once the walk has stopped (``need`` ≤ 0), or
+    :func:`search.walk_row`. Returns (fresh nodes, next position, hits, misses, adjacency words read)."""
+    if full:
+        return mark_fresh(row[:deg], visited, epoch, fresh), deg, 0, 0, deg
+    if need <= 0:
+        return mark_added(row[pos:deg], first_added, visited, epoch, fresh), deg, 0, 0, deg - pos
+    m, at, a, x = walk_row(row[:deg], pos, need, visited, epoch, memo, worst, fresh)
+    return m, at, a, x, at - pos
+
+
 @njit(cache=True, nogil=True)
 def search_heads(graphs, queries, L, stop, ws, epoch, out):
-    """Search graph h of ``graphs`` = (keys, nbrs, degree, entries, added) (numba typed lists; ``added`` (H,):
-    the first id added after each build) with ``queries[h]``, all heads on the calling thread, interleaved, row
-    stop (``stop`` = (C, ρ), A = ``added[h]``); writes ``out`` = (ids (H, k), scores (H, k), n_scanned (H,), n_words (H,)).
+    """Search graph h of ``graphs`` = (keys, nbrs, degree, entries, added) (tuples of arrays, one per head;
+    ``added`` (H,): the first id added after each build) with ``queries[h]``, all heads on the calling thread,
+    interleaved, row stop ``stop`` = (C, ρ) (A = ``added[h]``); writes ``out`` = (ids (H, k), scores (H, k),
+    n_scanned (H,), n_words (H,)).
 
-    Stage A: read the expanded node's row (first: the entry points) as far as this stage of its walk goes,
-    mark its unvisited neighbours, prefetch their keys. Stage B: score them, update the heaps; go on along the
-    row (stage A) or pop the next node and prefetch its row. ``ws`` is a :class:`utils.Workspace` with a row per
-    head ((H, ≥ n) visited and memo, (H, ≥ n + L) heaps) stamped with ``epoch``. Needs L ≥ k (the top-k heap
-    of L < k is search_one's alone).
+    A head's turn is one stage. A: the expanded node's row has arrived: walk its first stage (mark the unvisited
+    neighbours, prefetch their keys). B: score them, update the heaps; if the walk goes on along the same row
+    (in cache now), walk its next stage at once and prefetch those keys; else pop the next node and prefetch its
+    row. ``ws`` is a :class:`utils.Workspace` with a row per head ((H, ≥ n) visited and memo, (H, ≥ n + L) heaps)
+    stamped with ``epoch``. Needs L ≥ k (the top-k heap of L < k is search_one's alone).
+
+    The per-head arrays come as tuples, not numba typed lists: a typed list's item is a call into numba's C
+    helpers (and a reference count) on every access, ~12% of a cold layer's search (BENCHMARKS "CPU side per
+    layer"); a tuple is compiled per head count.
     """
     keys, nbrs, degree, entries, added = graphs
     visited, heap_s, heap_i, _, memo = ws
@@ -46,7 +64,7 @@ def search_heads(graphs, queries, L, stop, ws, epoch, out):
     fresh_s = np.empty(width, np.float32)
     nf = np.zeros(nh, np.int64)
     node_of = np.full(nh, -1, np.int64)  # per head: the node being expanded, its row position and degree,
-    pos = np.zeros(nh, np.int64)  # its walk's hits and misses, and the misses still to stop it
+    pos = np.zeros(nh, np.int64)  # its walk's hits and misses, and the misses that stop its first stage
     deg = np.zeros(nh, np.int64)
     hits = np.zeros(nh, np.int64)
     misses = np.zeros(nh, np.int64)
@@ -61,58 +79,81 @@ def search_heads(graphs, queries, L, stop, ws, epoch, out):
     active = nh
     while active > 0:
         for h in range(nh):
-            if stage[h] == 0:
-                node, p, d = node_of[h], pos[h], deg[h]
-                if full:
-                    nf[h] = mark_fresh(nbrs[h][node, :d], visited[h], epoch, fresh[h])
-                    n_words[h] += d
-                    pos[h] = d
-                elif need[h] <= 0:  # the walk stopped: the rest's added keys
-                    nf[h] = mark_added(nbrs[h][node, p:d], added[h], visited[h], epoch, fresh[h])
-                    n_words[h] += d - p
-                    pos[h] = d
-                else:
-                    worst = heap_s[h, 0] if nr[h] == L else -np.inf
-                    m, at, a, x = walk_row(nbrs[h][node, :d], p, need[h], visited[h], epoch, memo[h], worst, fresh[h])
-                    nf[h] = m
-                    n_words[h] += at - p
-                    pos[h], hits[h], misses[h] = at, hits[h] + a, misses[h] + x
-                prefetch_keys(keys[h], fresh[h], nf[h])
+            st = stage[h]
+            if st == 2:
+                continue
+            data = keys[h]
+            if st == 0:
+                worst = heap_s[h, 0] if nr[h] == L else -np.inf
+                m, at, a, x, w = _walk(nbrs[h][node_of[h]], 0, deg[h], need[h], full, added[h], visited[h], memo[h],
+                                       epoch, worst, fresh[h])
+                nf[h] = m
+                n_words[h] += w
+                pos[h], hits[h], misses[h] = at, hits[h] + a, misses[h] + x
+                prefetch_keys(data, fresh[h], m)
                 stage[h] = 1
-            elif stage[h] == 1:
-                m = nf[h]
-                score_fresh(keys[h], queries[h], fresh[h], m, fresh_s)
-                n_scanned[h] += m
-                if not full:
-                    for j in range(m):
-                        memo[h, fresh[h, j]] = fresh_s[j]
-                rs, ri = heap_s[h, :L], heap_i[h, :L]
-                cs, ci = heap_s[h, L:], heap_i[h, L:]
-                a, b = offer_all(rs, ri, cs, ci, nr[h], nc[h], fresh[h, :m], fresh_s[:m])
-                hits[h] += b - nc[h]  # a node enters the frontier exactly when it enters the beam
-                misses[h] += m - (b - nc[h])
-                nr[h] = a
-                nc[h] = b
-                sh = (stop[0], stop[1], added[h])
-                need[h] = row_need(sh, hits[h], misses[h]) if node_of[h] >= 0 and pos[h] < deg[h] else 0
-                if node_of[h] >= 0 and pos[h] < deg[h] and (need[h] > 0 or added[h] < keys[h].shape[0]):
-                    stage[h] = 0  # the walk goes on along the same row (read already), or its added keys
+                continue
+            m = nf[h]
+            score_fresh(data, queries[h], fresh[h], m, fresh_s)
+            n_scanned[h] += m
+            if not full:
+                for j in range(m):
+                    memo[h, fresh[h, j]] = fresh_s[j]
+            rs, ri = heap_s[h, :L], heap_i[h, :L]
+            cs, ci = heap_s[h, L:], heap_i[h, L:]
+            a, b = offer_all(rs, ri, cs, ci, nr[h], nc[h], fresh[h, :m], fresh_s[:m])
+            hits[h] += b - nc[h]  # a node enters the frontier exactly when it enters the beam
+            misses[h] += m - (b - nc[h])
+            nr[h] = a
+            nc[h] = b
+            node = node_of[h]
+            if node >= 0 and pos[h] < deg[h]:
+                nd = row_need((stop[0], stop[1], added[h]), hits[h], misses[h])
+                if nd > 0 or added[h] < data.shape[0]:  # the walk goes on along the same row, or its added keys
+                    worst = rs[0] if a == L else -np.inf
+                    m, at, x1, x2, w = _walk(nbrs[h][node], pos[h], deg[h], nd, full, added[h], visited[h], memo[h],
+                                             epoch, worst, fresh[h])
+                    nf[h] = m
+                    n_words[h] += w
+                    pos[h], hits[h], misses[h] = at, hits[h] + x1, misses[h] + x2
+                    prefetch_keys(data, fresh[h], m)
                     continue
-                node, b = pop_next(rs, cs, ci, a, b, L)
-                nc[h] = b
-                if node >= 0:
-                    node_of[h] = node
-                    deg[h] = degree[h][node]
-                    pos[h] = hits[h] = misses[h] = 0
-                    need[h] = row_need(sh, 0, 0)
-                    n_words[h] += 1
-                    prefetch_row(nbrs[h], degree[h], node)
-                    stage[h] = 0
-                else:
-                    stage[h] = 2
-                    active -= 1
+            node, b = pop_next(rs, cs, ci, a, b, L)
+            nc[h] = b
+            if node >= 0:
+                node_of[h] = node
+                dg = degree[h]
+                deg[h] = dg[node]
+                pos[h] = hits[h] = misses[h] = 0
+                need[h] = row_need((stop[0], stop[1], added[h]), 0, 0)
+                n_words[h] += 1
+                prefetch_row(nbrs[h], dg, node)
+                stage[h] = 0
+            else:
+                stage[h] = 2
+                active -= 1
     for h in range(nh):  # each beam, best first, padded
         drain(heap_s[h, :L], heap_i[h, :L], nr[h], out_ids[h], out_scores[h])
+
+
+def own_defaults(cls, L: int | None, stop: tuple | None) -> tuple[int, tuple]:
+    """(L, row stop (C, ρ)) with each None replaced by the index class ``cls``'s own default search parameters (``L``, and
+    ``row_misses``/``row_credit`` where it declares them, else full rows): a group search with defaults is then the
+    index's own default search, and the defaults live in one place, the index class's ``search_params``."""
+    params = cls.search_params
+    if L is None:
+        L = params["L"].default
+    if stop is None:
+        stop = (params["row_misses"].default, params["row_credit"].default) if "row_misses" in params else (0, 0.0)
+    return L, stop
+
+
+def _kernel_array(a: np.ndarray, dtype) -> np.ndarray:
+    """``a`` as :func:`search_heads`' tuples hold it: C-contiguous, aligned, ``dtype``, a read-only view (no copy
+    where it already is so), so that every head's array has one numba type and a tuple of them is homogeneous."""
+    view = np.require(a, dtype, ["C", "A"]).view()
+    view.flags.writeable = False
+    return view
 
 
 class GraphGroup:
@@ -120,11 +161,12 @@ class GraphGroup:
 
     The entry points must not depend on the query (roargraph: hubs + newest keys): they are read
     once. Call :meth:`refresh` after any ``add`` (:meth:`current` says whether one is needed). A GQA
-    group's shared key array is held once per head without a copy; the workspace is the thread's.
+    group's shared key array is held once per head without a copy (read-only views); the workspace is the thread's.
     """
 
     def __init__(self, indexes) -> None:
         self._refs = [weakref.ref(ix) for ix in indexes]  # weak: a cached group must not keep its indexes alive
+        self._cls = type(indexes[0])  # whose search_params give the defaults (own_defaults)
         self.refresh()
 
     @property
@@ -132,26 +174,19 @@ class GraphGroup:
         return [ref() for ref in self._refs]
 
     def refresh(self) -> None:
-        from numba import typed, types
-
-        def ro(dtype, ndim):  # read-only element types: writable arrays go in as they are, read-only ones too
-            return types.Array(dtype, ndim, "C", readonly=True)
-
-        self.keys = typed.List.empty_list(ro(types.float32, 2))
-        self.nbrs = typed.List.empty_list(ro(types.int32, 2))
-        self.degree = typed.List.empty_list(ro(types.int32, 1))
-        self.entries = typed.List.empty_list(ro(types.int64, 1))
+        keys, nbrs, degree, entries, seen = [], [], [], [], []
         self.added = np.empty(len(self._refs), np.int64)  # the first key id each index added after its build
-        self._seen = []  # (nbrs, degree, n) per index, to tell when an add() has replaced them
-        for index in self.indexes:
-            keys, nbrs, degree = index.graph_arrays()
-            self.keys.append(np.ascontiguousarray(keys, dtype=np.float32))
-            self.nbrs.append(np.ascontiguousarray(nbrs, dtype=np.int32))
-            self.degree.append(np.ascontiguousarray(degree, dtype=np.int32))
-            probe = np.zeros((1, keys.shape[1]), np.float32)
-            self.entries.append(np.ascontiguousarray(index.entries_for(probe)[0], dtype=np.int64))
-            self.added[len(self._seen)] = getattr(index, "n_built", keys.shape[0])
-            self._seen.append((nbrs, degree, keys.shape[0]))
+        for i, index in enumerate(self.indexes):
+            k, nb, dg = index.graph_arrays()
+            keys.append(_kernel_array(k, np.float32))
+            nbrs.append(_kernel_array(nb, np.int32))
+            degree.append(_kernel_array(dg, np.int32))
+            probe = np.zeros((1, k.shape[1]), np.float32)
+            entries.append(_kernel_array(index.entries_for(probe)[0], np.int64))
+            self.added[i] = getattr(index, "n_built", k.shape[0])
+            seen.append((nb, dg, k.shape[0]))
+        self._seen = seen  # (nbrs, degree, n) per index, to tell when an add() has replaced them
+        self.keys, self.nbrs, self.degree, self.entries = tuple(keys), tuple(nbrs), tuple(degree), tuple(entries)
         self.lists = (self.keys, self.nbrs, self.degree, self.entries, self.added)
         self.n_max = max((k.shape[0] for k in self.keys), default=0)
 
@@ -165,9 +200,11 @@ class GraphGroup:
                 return False
         return True
 
-    def search(self, queries: np.ndarray, k: int, L: int, stop: tuple = (0, 0.0)) -> SearchResult:
+    def search(self, queries: np.ndarray, k: int, L: int | None = None, stop: tuple | None = None) -> SearchResult:
         """Top-k of index i for ``queries[i]`` with beam L and row stop ``stop`` = (C, ρ) (:func:`search_heads`; L < k,
-        the k best of every node scanned: :func:`search_one` per index): (H, k) ids and scores, (H,) n_scanned and bytes_read."""
+        the k best of every node scanned: :func:`search_one` per index), each None: the indexes' own default
+        (:func:`own_defaults`): (H, k) ids and scores, (H,) n_scanned and bytes_read."""
+        L, stop = own_defaults(self._cls, L, stop)
         h = len(self._refs)
         q = np.ascontiguousarray(queries, dtype=np.float32)
         if q.ndim != 2 or q.shape[0] != h:
@@ -192,10 +229,11 @@ class GraphGroup:
 _GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # first index → (ids of all, GraphGroup)
 
 
-def search_graphs(indexes, queries: np.ndarray, k: int, L: int, stop: tuple = (0, 0.0)):
-    """Search graph index ``indexes[i]`` with ``queries[i]`` in one kernel call, beam L and row stop ``stop`` = (C, ρ): a
-    ``SearchResult`` equal to each index's own search of ``queries[i:i+1]`` with them. The :class:`GraphGroup` of the same indexes
-    is kept between calls (weakly, by the first index) and refreshed when an index has changed."""
+def search_graphs(indexes, queries: np.ndarray, k: int, L: int | None = None, stop: tuple | None = None):
+    """Search graph index ``indexes[i]`` with ``queries[i]`` in one kernel call, beam L and row stop ``stop`` = (C, ρ) (None:
+    the indexes' own defaults): a ``SearchResult`` equal to each index's own search of ``queries[i:i+1]`` with them. The
+    :class:`GraphGroup` of the same indexes is kept between calls (weakly, by the first index) and refreshed when an index
+    has changed."""
     indexes = list(indexes)
     tag = tuple(id(ix) for ix in indexes)
     stamp = tuple(ix.n_keys for ix in indexes)  # a graph's arrays change only in add(), which raises n_keys
