@@ -4,9 +4,9 @@ The query heads of a GQA group read the same keys, so one attention-aware graph 
 it is trained on all their queries (``"group"``), or on as many as one head has, taken round robin over
 the heads by position (``"strided"``: position p from head p mod g, counted back from the newest).
 ``"head"`` is one graph per query head on its own queries: the default, since one graph for a group scanned
-6-9% more keys at recall 0.95 on SmolLM2 (3 heads per group) and 40-50% more on Gemma-3 (4) than the heads' own
-graphs, whatever its degree or co-occurrence rules (BENCHMARKS.md "Query-aware graphs"): the keys one head's
-decode queries want are not what the others' lists link.
+8-12% more keys at recall 0.95 on SmolLM2 (3 heads per group) and 32-50% more on Gemma-3 (4) than the heads' own
+graphs (median over heads), whatever its degree or co-occurrence rules (BENCHMARKS.md "Query-aware graphs"): the
+keys one head's decode queries want are not what the others' lists link.
 
 The index sees only an (m, d) array, and what it assumes of the row order is kept: the newest ``tail``
 rows are the latest positions, interleaved by position (the exact tail of :func:`train_lists.anchor_ids`,
