@@ -50,29 +50,34 @@ def search_heads(graphs, queries, L, stop, ws, epoch, out):
     helpers (and a reference count) on every access, ~12% of a cold layer's search (BENCHMARKS "CPU side per
     layer"); a tuple is compiled per head count.
     """
-    keys, nbrs, degree, entries, added = graphs
-    visited, heap_s, heap_i, _, memo = ws
-    out_ids, out_scores, n_scanned, n_words = out
-    if out_ids.shape[1] > L:
+    if out[0].shape[1] > L:
         raise ValueError("search_heads needs L >= k: search_one keeps the top-k heap of L < k")
-    full = stop[0] <= 0
-    nh = queries.shape[0]
+    nbrs, entries, nh = graphs[1], graphs[3], queries.shape[0]
     width = 1
     for h in range(nh):
         width = max(width, nbrs[h].shape[1], entries[h].shape[0])
-    fresh = np.empty((nh, width), np.int64)
-    fresh_s = np.empty(width, np.float32)
-    nf = np.zeros(nh, np.int64)
-    node_of = np.full(nh, -1, np.int64)  # per head: the node being expanded, its row position and degree,
-    pos = np.zeros(nh, np.int64)  # its walk's hits and misses, and the misses that stop its first stage
-    deg = np.zeros(nh, np.int64)
-    hits = np.zeros(nh, np.int64)
-    misses = np.zeros(nh, np.int64)
-    need = np.zeros(nh, np.int64)
-    nr = np.zeros(nh, np.int64)
-    nc = np.zeros(nh, np.int64)
-    stage = np.ones(nh, np.int8)  # 0: A next, 1: B next, 2: finished
+    scratch = (np.empty((nh, width), np.int64), np.empty(width, np.float32), np.zeros((9, nh), np.int64),
+               np.ones(nh, np.int8))
+    _search_heads(graphs, queries, L, stop, ws, epoch, out, scratch)
+
+
+@njit(cache=True, nogil=True, _nrt=False)
+def _search_heads(graphs, queries, L, stop, ws, epoch, out, scratch):
+    """:func:`search_heads` on its allocated ``scratch`` = (fresh (H, width), their scores (width,), per-head state
+    (9, H) zeros, stage (H,) ones). Compiled without numba's reference counting (``_nrt=False``: it allocates
+    nothing): each array view the loop takes (a head's workspace row, heap, key row) would otherwise cost an
+    atomic increment and decrement, ~10% of a cold layer's search (BENCHMARKS "CPU side per layer")."""
+    keys, nbrs, degree, entries, added = graphs
+    visited, heap_s, heap_i, _, memo = ws
+    out_ids, out_scores, n_scanned, n_words = out
+    fresh, fresh_s, state, stage = scratch  # stage: 0: A next, 1: B next, 2: finished
+    full = stop[0] <= 0
+    nh = queries.shape[0]
+    nf, nr, nc = state[0], state[1], state[2]  # per head: fresh nodes, beam and frontier sizes; the node being
+    node_of, pos, deg = state[3], state[4], state[5]  # expanded, its row position and degree, its walk's hits and
+    hits, misses, need = state[6], state[7], state[8]  # misses, and the misses that stop its first stage
     for h in range(nh):  # stage A of the entry points (the same hubs every step)
+        node_of[h] = -1
         nf[h] = mark_fresh(entries[h], visited[h], epoch, fresh[h])
         prefetch_keys(keys[h], fresh[h], nf[h])
         n_scanned[h] = n_words[h] = 0
