@@ -199,6 +199,22 @@ def test_from_sweep_runs_rows_from_before_the_row_stop_with_full_rows(tmp_path):
     assert not any("predate" in x for x in lines)
 
 
+def test_from_sweep_runs_rows_of_a_current_sweep_with_their_row_stop(tmp_path):
+    """A roargraph row as the sweep writes it now (evaluate_index: every build parameter, the grid's search parameters
+    only, so L alone) measured the default row stop: the pick must not run it with full rows."""
+    from anns_lab.indexes.roargraph import RoarGraphIndex
+
+    index = RoarGraphIndex()
+    assert set(index.grid()[0]) == {"L"}  # what the sweep records of the search (evaluate_index)
+    path = tmp_path / "results.parquet"
+    df = pd.read_parquet(_results(path))
+    df = df[df["index"] == "vamana"].assign(index="roargraph", build_params=json.dumps(index.params, sort_keys=True))
+    df.to_parquet(path)
+    mode, lines = pick_from_sweep(str(path), "m", 0.95, [1, 3])
+    assert mode.plan.search_params == {"L": 200} and mode.per_layer[1].search_params == {"L": 100}
+    assert not any("predate" in x for x in lines)
+
+
 def test_default_mode_is_attention_aware_when_registered():
     from anns_lab.indexes import registry
 

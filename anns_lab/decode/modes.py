@@ -124,7 +124,10 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int]) -> 
                               f"({', '.join(gone)}); sweep again")
         build = {k: v for k, v in swept.items() if v != cls.build_params[k].default}
         search = json.loads(r["search_params"])
-        before = {k: v for k, v in cls.search_params_before.items() if k not in search}
+        # The sweep records its grid's search parameters only (roargraph: L), so a missing one alone does not date a
+        # row; the build parameters it records are all of them (search_params_since).
+        before = {k: v for k, v in cls.search_params_before.items()
+                  if k not in search and cls.search_params_since.get(k) not in swept}
         if before:
             older.setdefault(r["index"], before)
         return IndexPlan(r["index"], build, {**search, **before})
