@@ -171,6 +171,13 @@ def check_declarations(cls: type[Index]) -> None:
         assert len(values) > 0, f"search_grid[{name!r}] is empty"
         for v in values:
             cls.search_params[name].check(cls.__name__, name, v)
+    # decode --from-sweep puts these into a plan: a wrong one would fail only at the decode's first search
+    for name, v in cls.search_params_before.items():
+        assert name in cls.search_params, f"search_params_before names {name!r}, which is not a declared search parameter"
+        cls.search_params[name].check(cls.__name__, name, v)
+    for name, build in cls.search_params_since.items():
+        assert name in cls.search_params_before, f"search_params_since names {name!r}, which is not in search_params_before"
+        assert build in cls.build_params, f"search_params_since[{name!r}] = {build!r} is not a declared build parameter"
 
 
 def check_errors(cls: type[Index], index: Index, keys: np.ndarray, queries: np.ndarray, build_params: dict) -> None:

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from anns_lab.cli import main
 from anns_lab.decode.modes import parse_modes, pick_from_sweep
 from anns_lab.dumps.models import extrapolation_note
+from anns_lab.errors import DecodeError
 from anns_lab.eval.table import COLUMNS
 
 
@@ -197,6 +198,40 @@ def test_from_sweep_runs_rows_from_before_the_row_stop_with_full_rows(tmp_path):
     mode, lines = pick_from_sweep(str(path), "m", 0.95, [1, 3])
     assert mode.plan.search_params == {"L": 200, "row_misses": 6, "row_credit": 0.3}
     assert not any("predate" in x for x in lines)
+
+
+def test_from_sweep_runs_rows_of_a_current_sweep_with_their_row_stop(tmp_path):
+    """A roargraph row as the sweep writes it now (evaluate_index: every build parameter, the grid's search parameters
+    only, so L alone) measured the default row stop: the pick must not run it with full rows."""
+    from anns_lab.indexes.roargraph import RoarGraphIndex
+
+    index = RoarGraphIndex()
+    assert set(index.grid()[0]) == {"L"}  # what the sweep records of the search (evaluate_index)
+    path = tmp_path / "results.parquet"
+    df = pd.read_parquet(_results(path))
+    df = df[df["index"] == "vamana"].assign(index="roargraph", build_params=json.dumps(index.params, sort_keys=True))
+    df.to_parquet(path)
+    mode, lines = pick_from_sweep(str(path), "m", 0.95, [1, 3])
+    assert mode.plan.search_params == {"L": 200} and mode.per_layer[1].search_params == {"L": 100}
+    assert not any("predate" in x for x in lines)
+
+
+def test_from_sweep_refuses_an_attention_aware_pick_of_another_train_group(tmp_path):
+    """A sweep with --train-group group measured one graph per KV head: picking its roargraph rows for a decode that builds
+    one graph per query head (or the reverse) would run graphs it never measured. A key-only pick does not care."""
+    from anns_lab.eval.table import SETTINGS
+
+    df = pd.read_parquet(_results(tmp_path / "results.parquet"))
+    df.assign(index=df["index"].replace("vamana", "roargraph")).to_parquet(tmp_path / "results.parquet")
+    (tmp_path / SETTINGS).write_text(json.dumps({"k": 100, "train_group": "group"}))
+    with pytest.raises(DecodeError, match="swept with --train-group group.*pass --train-group group"):
+        pick_from_sweep(str(tmp_path), "m", 0.95, [1, 3])
+    assert pick_from_sweep(str(tmp_path), "m", 0.95, [1, 3], "group")[0].plan.name == "roargraph"
+    (tmp_path / SETTINGS).write_text(json.dumps({"k": 100}))  # a sweep from before the option: per query head
+    with pytest.raises(DecodeError, match="swept with --train-group head"):
+        pick_from_sweep(str(tmp_path), "m", 0.95, [1, 3], "strided")
+    df.to_parquet(tmp_path / "results.parquet")  # vamana learns from no queries: any --train-group runs what it measured
+    assert pick_from_sweep(str(tmp_path), "m", 0.95, [1, 3], "strided")[0].plan.name == "vamana"
 
 
 def test_default_mode_is_attention_aware_when_registered():

@@ -53,3 +53,27 @@ def test_default_search_group_batches_each_distinct_index():
         np.testing.assert_array_equal(res.ids[i], want.ids[0])
         np.testing.assert_allclose(res.scores[i], want.scores[0], rtol=1e-6)
         assert res.n_scanned[i] == 50
+
+
+def test_the_kit_refuses_a_search_param_before_that_the_index_does_not_declare():
+    """``search_params_before`` names search parameters a row may predate (decode --from-sweep adds them to its plan):
+    one the index does not declare, or a value out of its range, would fail only at the decode's first search, after the
+    model and the builds; ``search_params_since`` must name a declared build parameter. The kit says so at once."""
+    import pytest
+
+    from anns_lab.indexes import Param
+    from anns_lab.indexes.roargraph import RoarGraphIndex
+    from anns_lab.testing import check_declarations
+
+    class Beam(MatmulTopK):
+        search_params = {"beam": Param(8, 1, 64)}
+        search_params_before = {"beam": 64}
+        search_params_since = {"beam": "width"}
+        build_params = {"width": Param(1, 1, 4)}
+
+    check_declarations(Beam)
+    check_declarations(RoarGraphIndex)
+    for bad in ({"search_params_before": {"L": 1}}, {"search_params_before": {"beam": 0}},
+                {"search_params_since": {"beam": "depth"}}, {"search_params_since": {"nope": "width"}}):
+        with pytest.raises((AssertionError, IndexConfigError)):
+            check_declarations(type("Bad", (Beam,), bad))

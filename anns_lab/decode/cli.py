@@ -85,7 +85,7 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
     device = device or default_device()
     lm = _load(model, device, torch_threads, rope_scaling)
     if from_sweep:
-        mode_list = _with_sweep_pick(mode_list, from_sweep, lm, target_recall)
+        mode_list = _with_sweep_pick(mode_list, from_sweep, lm, target_recall, train_group)
 
     def progress(line: str) -> None:
         click.echo(line, err=True)
@@ -170,11 +170,11 @@ def _with_full(mode_list: list[Mode]) -> list[Mode]:
     return mode_list if any(m.name == "full" for m in mode_list) else [Mode("full"), *mode_list]
 
 
-def _with_sweep_pick(mode_list: list[Mode], from_sweep: str, lm, target_recall: float) -> list[Mode]:
+def _with_sweep_pick(mode_list: list[Mode], from_sweep: str, lm, target_recall: float, train_group: str) -> list[Mode]:
     """Add the sweep's pick for ``lm`` (and ``full``), printing what was picked and why."""
     from anns_lab.decode import modes as modes_mod
 
-    picked, lines = modes_mod.pick_from_sweep(from_sweep, lm.name, target_recall, lm.long_range_layers)
+    picked, lines = modes_mod.pick_from_sweep(from_sweep, lm.name, target_recall, lm.long_range_layers, train_group)
     click.echo("\n".join(lines))
     return _with_full(mode_list + [picked])
 

@@ -8,7 +8,7 @@ import sys
 from anns_lab.decode.engine import Mode
 from anns_lab.decode.placement import IndexPlan
 from anns_lab.errors import DecodeError, IndexConfigError
-from anns_lab.indexes import registry
+from anns_lab.indexes import group_queries, registry
 
 BASELINES = ("full", "window")
 ATTENTION_AWARE = "roargraph"
@@ -82,15 +82,17 @@ def parse_modes(spec: str, search: dict, build: dict) -> list[Mode]:
     return modes
 
 
-def pick_from_sweep(path: str, model: str, target: float, layers: list[int]) -> tuple[Mode, list[str]]:
+def pick_from_sweep(path: str, model: str, target: float, layers: list[int],
+                    train_group: str = group_queries.DEFAULT) -> tuple[Mode, list[str]]:
     """The index + parameters with the least scanned fraction reaching ``target`` recall, per layer where possible.
 
     Recall and scanned fraction are averaged over the heads of a layer (Q→K rows only). Layers
-    the table does not cover get the configuration that is best over all its layers.
+    the table does not cover get the configuration that is best over all its layers. An attention-aware pick
+    needs the decode's ``train_group`` to be the sweep's (its rows measured those graphs).
     """
     from anns_lab.eval.table import load_results
 
-    table, _ = load_results(path)
+    table, settings = load_results(path)
     rows = table[table["direction"] == "q2k"]
     models = sorted(rows["model"].unique())
     rows = rows[rows["model"] == model]
@@ -124,7 +126,10 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int]) -> 
                               f"({', '.join(gone)}); sweep again")
         build = {k: v for k, v in swept.items() if v != cls.build_params[k].default}
         search = json.loads(r["search_params"])
-        before = {k: v for k, v in cls.search_params_before.items() if k not in search}
+        # The sweep records its grid's search parameters only (roargraph: L), so a missing one alone does not date a
+        # row; the build parameters it records are all of them (search_params_since).
+        before = {k: v for k, v in cls.search_params_before.items()
+                  if k not in search and cls.search_params_since.get(k) not in swept}
         if before:
             older.setdefault(r["index"], before)
         return IndexPlan(r["index"], build, {**search, **before})
@@ -152,6 +157,11 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int]) -> 
     for index, before in older.items():
         lines.append(f"  {index} rows of the table predate {', '.join(before)}: run with "
                      f"{', '.join(f'{k}={v}' for k, v in before.items())}, the search they measured")
+    swept_group = settings.get("train_group", group_queries.DEFAULT)  # sweeps before the option: per query head
+    aware = sorted({p.name for p in (base, *per_layer.values()) if registry.get(p.name).uses_train_queries})
+    if aware and swept_group != train_group:
+        raise DecodeError(f"{path} was swept with --train-group {swept_group}: its {', '.join(aware)} rows measured those "
+                          f"graphs, not the decode's --train-group {train_group}; pass --train-group {swept_group}")
     name = f"sweep:{base.name}"
     return Mode(name, base, per_layer), lines
 

@@ -147,6 +147,10 @@ class Index:
     #: Search parameters added after results tables were swept, each with the value that searches as the index did
     #: before it existed: ``decode --from-sweep`` runs a swept row that lacks one with that value (what it measured).
     search_params_before: ClassVar[Mapping[str, Any]] = {}
+    #: For a parameter of ``search_params_before``, a build parameter added in the same version: a swept row records only
+    #: its grid's search parameters but every build parameter, so a row naming that build parameter was swept after the
+    #: search parameter existed (measured with its default); none: every row that lacks the search parameter predates it.
+    search_params_since: ClassVar[Mapping[str, str]] = {}
     #: True when ``build`` uses ``train_queries`` (attention-aware indexes); others ignore them.
     uses_train_queries: ClassVar[bool] = False
     #: True when ``build`` also takes ``train_topk``, the training queries' top keys computed elsewhere.

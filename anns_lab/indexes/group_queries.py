@@ -12,7 +12,8 @@ The index sees only an (m, d) array, and what it assumes of the row order is kep
 rows are the latest positions, interleaved by position (the exact tail of :func:`train_lists.anchor_ids`,
 the kept queries of ``add``, ``recent_frac``); the rows before them are per head in position order
 (head-major), so neighbouring rows are one head's neighbouring queries, as the anchored lists'
-re-rank between anchors assumes.
+re-rank between anchors assumes. That holds while roargraph's ``keep_queries`` and ``recent_frac`` × m stay within
+``tail`` (the defaults: 256 and 0): rows past it are the last head's older queries, not the group's newest.
 """
 
 from __future__ import annotations
