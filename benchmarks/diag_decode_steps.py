@@ -20,6 +20,7 @@ import sys
 
 import numpy as np
 
+from anns_lab.decode.modes import parse_params
 from anns_lab.dumps.store import open_dump
 from anns_lab.eval.heads import load_head
 from anns_lab.eval.metrics import exact_scores, exact_topk, recall_at_k
@@ -29,15 +30,11 @@ K = 100
 
 
 def variants(items: list[str]) -> list[tuple[str, dict]]:
-    """``NAME:P=V,P=V`` → (name, search params)."""
+    """``NAME:P=V,P=V`` → (name, search params), parsed as ``anns-lab decode --param`` is (one clear error)."""
     out = []
     for item in items:
         name, _, spec = item.partition(":")
-        params = {}
-        for part in filter(None, spec.split(",")):
-            key, _, value = part.partition("=")
-            params[key] = float(value) if "." in value else int(value)
-        out.append((name, params))
+        out.append((name, parse_params([p for p in spec.split(",") if p], "--variant")))
     return out
 
 
