@@ -24,14 +24,15 @@ def continuations(tokens: np.ndarray, n_max: int = N_MAX, cap: int = 8) -> np.nd
     ``n_max`` tokens) that occurs before, latest first; empty when not even the last token occurred before."""
     tokens = np.asarray(tokens)
     n = len(tokens)
+    if n < 2:
+        return np.empty(0, np.int64)
+    ends = np.flatnonzero(tokens[:n - 1] == tokens[n - 1])  # where an earlier occurrence of each suffix would end
     for length in range(min(n_max, n - 1), 0, -1):
-        span = n - length  # candidate starts 0 .. span-1 end before the suffix itself starts matching at n-length
-        hit = np.ones(span, bool)
-        for j in range(length):
-            hit &= tokens[j:span + j] == tokens[n - length + j]
-        after = np.flatnonzero(hit) + length  # the position after each occurrence
-        if len(after):
-            return after[::-1][:cap].astype(np.int64)
+        ok = ends >= length - 1
+        for j in range(1, length):
+            ok[ok] = tokens[ends[ok] - j] == tokens[n - 1 - j]
+        if ok.any():
+            return (ends[ok][::-1][:cap] + 1).astype(np.int64)
     return np.empty(0, np.int64)
 
 
@@ -42,10 +43,21 @@ class CopyHints:
         self.cap = cap
         self.n_max = n_max
         self.positions: np.ndarray | None = None
+        self._tokens = np.empty(0, np.int64)  # the sequence so far (its own copy: a list → array per step costs ms at 128K)
+        self._n = 0
 
     def update(self, ids: list[int]) -> None:
-        """Set the hints for the step whose input is the last of ``ids`` (the sequence so far)."""
-        self.positions = continuations(np.asarray(ids), self.n_max, self.cap) if self.cap > 0 else None
+        """Set the hints for the step whose input is the last of ``ids`` (the sequence so far: the previous call's plus
+        the tokens appended since)."""
+        if self.cap <= 0:
+            return
+        if len(ids) > len(self._tokens):
+            grown = np.empty(max(len(ids), 2 * len(self._tokens)) + 64, np.int64)
+            grown[:self._n] = self._tokens[:self._n]
+            self._tokens = grown
+        self._tokens[self._n:len(ids)] = ids[self._n:]
+        self._n = len(ids)
+        self.positions = continuations(self._tokens[:self._n], self.n_max, self.cap)
 
     def rows(self, first: int) -> np.ndarray | None:
         """The hints as rows of a CPU store whose row 0 is position ``first`` (the window's sink size)."""
