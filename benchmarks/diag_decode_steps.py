@@ -23,7 +23,7 @@ import sys
 
 import numpy as np
 
-from anns_lab.decode.copy_hints import continuations
+from anns_lab.decode.copy_hints import CopyHints
 from anns_lab.decode.modes import parse_params
 from anns_lab.dumps.store import open_dump
 from anns_lab.eval.heads import load_head
@@ -53,9 +53,10 @@ def step_report(ids: np.ndarray, scores: np.ndarray, steps: slice, n_keys: int, 
 
 def hint_ids(tokens: np.ndarray, n_prefill: int, n_dec: int, key_pos: np.ndarray, cap: int) -> list[np.ndarray]:
     """Per decode step, the copy hints the decoder would give (positions → key ids of this head's key set)."""
-    out = []
+    out, hints = [], CopyHints(cap)
     for t in range(n_dec):
-        pos = continuations(tokens[:n_prefill + t + 1], cap=cap)
+        hints.update(tokens[:n_prefill + t + 1].tolist())
+        pos = hints.positions
         at = np.searchsorted(key_pos, pos)
         ok = at < len(key_pos)
         ok[ok] = key_pos[at[ok]] == pos[ok]  # positions in the window or held out are not keys of the index

@@ -73,11 +73,29 @@ def test_layer_store_searches_enter_at_the_hints(name):
 
 
 def test_copy_hints_follow_the_sequence_as_it_grows():
-    """The decoder calls update with the prompt, then once per generated token: each step's hints are those of the
-    whole sequence so far."""
+    """The decoder calls update with the prompt, then once per generated token: each step's hints are the sequence's
+    continuations, then those of the CARRY steps before it moved on by one position per step (repeats once, all
+    before the current position)."""
+    from anns_lab.decode.copy_hints import CARRY
+
     rng = np.random.default_rng(11)
     tokens = rng.integers(0, 6, 300).tolist()
     hints = CopyHints(cap=5)
     for n in [200, *range(201, 300)]:
         hints.update(tokens[:n])
-        np.testing.assert_array_equal(hints.positions, _reference(tokens[:n], 3, 5))
+        ages = range(min(CARRY, n - 200) + 1)
+        want = [p + age for age in ages for p in _reference(tokens[:n - age], 3, 5) if p + age < n]
+        np.testing.assert_array_equal(hints.positions, list(dict.fromkeys(want)))
+
+
+def test_a_copy_goes_on_past_a_token_the_text_does_not_have():
+    """The model writes "20 21 99" where the text read "20 21 8 3": 99 matches nowhere, but the step before pointed at
+    the 8, so this step's hints name the 3 (and the next step's the digit after it)."""
+    text = [5, 6, 20, 21, 8, 3, 1, 9, 5, 6, 7]
+    hints = CopyHints(cap=4)
+    hints.update(text + [20, 21])
+    assert 4 in hints.positions.tolist()  # after "20 21": the 8 at position 4
+    hints.update(text + [20, 21, 99])
+    assert 5 in hints.positions.tolist()  # the 3
+    hints.update(text + [20, 21, 99, 42])
+    assert 6 in hints.positions.tolist()  # the 1: two steps on

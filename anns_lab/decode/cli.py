@@ -43,8 +43,9 @@ def default_device() -> str:
               help="attention-aware indexes: one per KV head trained on its GQA group's queries (group: all of them; "
                    "strided: one head's count, round robin over the heads by position), or 'head': one per query head")
 @click.option("--copy-hints", default=8, show_default=True,
-              help="per step, the positions after the latest N earlier occurrences of the text's last 1-3 tokens also "
-                   "enter the searches of indexes that take hints (roargraph; counted as scanned); 0 = none")
+              help="per step, the positions after the latest N earlier occurrences of the text's last 1-3 tokens (and the "
+                   "two steps before's, moved on) also enter the searches of indexes that take hints (roargraph; counted "
+                   "as scanned); 0 = none")
 @click.option("--task", type=str, default=None, help=f"synthetic task: {', '.join(TASKS)}")
 @click.option("--prompt", type=str, default=None, help="free-form prompt text (instead of --task)")
 @click.option("--eval", "evaluation", type=click.Choice(["task", "fidelity"]), default="task", show_default=True,

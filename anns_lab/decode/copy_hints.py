@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 N_MAX = 3  # longest suffix matched: 4 found the same keys on the 128K niah dump's copying heads, 1-2 match too often
+CARRY = 2  # earlier steps whose continuations a step's hints carry on (cap·(1 + CARRY) hints at most)
 
 
 def continuations(tokens: np.ndarray, n_max: int = N_MAX, cap: int = 8) -> np.ndarray:
@@ -37,27 +38,39 @@ def continuations(tokens: np.ndarray, n_max: int = N_MAX, cap: int = 8) -> np.nd
 
 
 class CopyHints:
-    """The copy hints of one generation: positions for the next step's searches (``cap`` 0: none)."""
+    """The copy hints of one generation: positions for the next step's searches (``cap`` 0: none).
 
-    def __init__(self, cap: int, n_max: int = N_MAX) -> None:
+    A step's hints are its own continuations and those of the ``carry`` steps before it, moved on by one position per
+    step: a copy goes on where it was even after the model writes a token the text does not have there (": \n"
+    where the needle reads ": "), when the context then matches nowhere."""
+
+    def __init__(self, cap: int, n_max: int = N_MAX, carry: int = CARRY) -> None:
         self.cap = cap
         self.n_max = n_max
+        self.carry = carry
         self.positions: np.ndarray | None = None
         self._tokens = np.empty(0, np.int64)  # the sequence so far (its own copy: a list → array per step costs ms at 128K)
         self._n = 0
+        self._recent: list[np.ndarray] = []  # the continuations of the last steps, newest first
 
     def update(self, ids: list[int]) -> None:
         """Set the hints for the step whose input is the last of ``ids`` (the sequence so far: the previous call's plus
-        the tokens appended since)."""
+        the tokens appended since; one token per call carries the earlier steps' continuations on)."""
         if self.cap <= 0:
             return
-        if len(ids) > len(self._tokens):
-            grown = np.empty(max(len(ids), 2 * len(self._tokens)) + 64, np.int64)
+        n = len(ids)
+        if n > len(self._tokens):
+            grown = np.empty(max(n, 2 * len(self._tokens)) + 64, np.int64)
             grown[:self._n] = self._tokens[:self._n]
             self._tokens = grown
-        self._tokens[self._n:len(ids)] = ids[self._n:]
-        self._n = len(ids)
-        self.positions = continuations(self._tokens[:self._n], self.n_max, self.cap)
+        self._tokens[self._n:n] = ids[self._n:]
+        fresh = continuations(self._tokens[:n], self.n_max, self.cap)
+        self._recent = [fresh, *self._recent[:self.carry]] if n == self._n + 1 else [fresh]
+        self._n = n
+        moved = np.concatenate([p + age for age, p in enumerate(self._recent)])
+        moved = moved[moved < n]
+        _, first = np.unique(moved, return_index=True)
+        self.positions = moved[np.sort(first)]
 
     def rows(self, first: int) -> np.ndarray | None:
         """The hints as rows of a CPU store whose row 0 is position ``first`` (the window's sink size)."""
