@@ -255,9 +255,13 @@ def test_from_sweep_on_the_command_line(tiny_llama, tmp_path):
     table["build_params"] = json.dumps({"R": 16})
     table.to_parquet(path)
     res = _run("--model", tiny_llama, "--task", "passkey", "--context", 200, "--window", "4,16", "--topk", 20,
-               "--max-new-tokens", 3, "--from-sweep", path, "--target-recall", 0.95, "--mode", "window,flat,default")
+               "--max-new-tokens", 3, "--from-sweep", path, "--target-recall", 0.95, "--mode", "window,flat,default",
+               "--json", tmp_path / "r.json")
     assert res.exit_code == 0, res.output
     assert "from sweep" in res.output and "layer 1: vamana(R=16, L=100)" in res.output
+    recorded = json.loads((tmp_path / "r.json").read_text())["from_sweep"]  # the pick and why, as printed
+    assert recorded["path"] == str(path) and recorded["target_recall"] == 0.95
+    assert any("layer 1: vamana(R=16, L=100)" in line for line in recorded["pick"])
     names = [line.split()[0] for line in res.output.splitlines() if line.startswith(("full", "window", "flat", "sweep:"))]
     assert names == ["full", "window", "flat", "sweep:vamana"]  # explicit modes stay; the pick replaces 'default'
 

@@ -88,8 +88,10 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
     mode_list = _parse_mode_list(modes, params, build_params, from_sweep)
     device = device or default_device()
     lm = _load(model, device, torch_threads, rope_scaling)
+    pick = None
     if from_sweep:
-        mode_list = _with_sweep_pick(mode_list, from_sweep, lm, target_recall, train_group)
+        mode_list, lines = _with_sweep_pick(mode_list, from_sweep, lm, target_recall, train_group)
+        pick = {"path": str(from_sweep), "target_recall": target_recall, "pick": lines}
 
     def progress(line: str) -> None:
         click.echo(line, err=True)
@@ -97,7 +99,7 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
     remote = None
 
     def partial(res: dict) -> None:  # after each sample: a run stopped midway keeps what it finished
-        describe = _run_description(lm, remote.device if remote else device, executor, settings, mode_list)
+        describe = _run_description(lm, remote.device if remote else device, executor, settings, mode_list, pick)
         _write_json(Path(json_path), res | describe | {"partial": res["samples_done"] < res["samples_total"]})
 
     on_sample = partial if json_path else None
@@ -120,7 +122,7 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
         finally:
             if remote is not None:
                 remote.close()
-    result |= _run_description(lm, remote.device if remote else device, executor, settings, mode_list)
+    result |= _run_description(lm, remote.device if remote else device, executor, settings, mode_list, pick)
     _print_result(result, settings, prompt is not None)
     if json_path:
         _write_json(Path(json_path), result)
@@ -176,19 +178,21 @@ def _with_full(mode_list: list[Mode]) -> list[Mode]:
     return mode_list if any(m.name == "full" for m in mode_list) else [Mode("full"), *mode_list]
 
 
-def _with_sweep_pick(mode_list: list[Mode], from_sweep: str, lm, target_recall: float, train_group: str) -> list[Mode]:
-    """Add the sweep's pick for ``lm`` (and ``full``), printing what was picked and why."""
+def _with_sweep_pick(mode_list: list[Mode], from_sweep: str, lm, target_recall: float,
+                     train_group: str) -> tuple[list[Mode], list[str]]:
+    """Add the sweep's pick for ``lm`` (and ``full``), printing what was picked and why (the lines, also returned)."""
     from anns_lab.decode import modes as modes_mod
 
     picked, lines = modes_mod.pick_from_sweep(from_sweep, lm.name, target_recall, lm.long_range_layers, train_group)
     click.echo("\n".join(lines))
-    return _with_full(mode_list + [picked])
+    return _with_full(mode_list + [picked]), lines
 
 
-def _run_description(lm, device: str, executor: str, settings: Settings, mode_list: list[Mode]) -> dict:
+def _run_description(lm, device: str, executor: str, settings: Settings, mode_list: list[Mode],
+                     pick: dict | None = None) -> dict:
     """What the result records about the run besides its numbers: model (and its trained context), device, settings,
-    each mode's plan."""
-    return {"model": lm.name, "model_context": lm.context,
+    each mode's plan, and with ``--from-sweep`` what was picked and why (``pick``: the lines printed)."""
+    return ({"from_sweep": pick} if pick else {}) | {"model": lm.name, "model_context": lm.context,
             "rope_scaling": str(lm.rope_scaling) if lm.rope_scaling else None, "device": device, "executor": executor,
             "settings": {"sink": settings.window.sink, "recent": settings.window.recent, "topk": settings.topk,
                          "add_batch": settings.add_batch, "chunk": settings.chunk, "train_queries": settings.train_queries,
