@@ -100,7 +100,7 @@ def test_bad_input_is_one_clear_error(tiny_llama, args, needle):
     assert needle in _error(_run(*flat))
 
 
-@pytest.mark.parametrize("group", [None, "strided"])
+@pytest.mark.parametrize("group", [None, "strided", "unlisted"])
 def test_train_group_is_recorded_in_the_json(tiny_llama, tmp_path, group):
     """--train-group reaches the decode (one graph per KV head: the run's answer is full's with a top-k over every key)
     and the JSON records it; without it, the default."""
