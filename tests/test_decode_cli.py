@@ -91,6 +91,7 @@ def test_prompt_and_fidelity(tiny_gemma3, tmp_path):
     (["--mode", "flat", "--param", "nprobe=4"], "no selected index mode declares it"),
     (["--mode", "ivf", "--param", "nprobe=0"], "nprobe"),
     (["--train-group", "pooled"], "'pooled' is not one of 'head', 'group', 'strided'"),
+    (["--copy-hints", -1], "--copy-hints must be 0"),
 ])
 def test_bad_input_is_one_clear_error(tiny_llama, args, needle):
     base = {"--model": tiny_llama, "--task": "passkey", "--context": 200, "--mode": "full,flat", "--window": "4,16"}
@@ -100,18 +101,21 @@ def test_bad_input_is_one_clear_error(tiny_llama, args, needle):
     assert needle in _error(_run(*flat))
 
 
-@pytest.mark.parametrize("group", [None, "strided", "unlisted"])
-def test_train_group_is_recorded_in_the_json(tiny_llama, tmp_path, group):
-    """--train-group reaches the decode (one graph per KV head: the run's answer is full's with a top-k over every key)
-    and the JSON records it; without it, the default."""
+@pytest.mark.parametrize("group, hints", [(None, None), ("strided", 0), ("unlisted", None)])
+def test_train_group_is_recorded_in_the_json(tiny_llama, tmp_path, group, hints):
+    """--train-group and --copy-hints reach the decode (one graph per KV head: the run's answer is full's with a top-k over
+    every key) and the JSON records them; without them, the defaults."""
+    from anns_lab.decode.engine import Settings
     from anns_lab.indexes.group_queries import DEFAULT
 
     out = tmp_path / "r.json"
     res = _run("--model", tiny_llama, "--mode", "full,roargraph", "--task", "passkey", "--context", 200, "--window", "4,16",
-               "--topk", 180, "--max-new-tokens", 3, "--json", out, *(["--train-group", group] if group else []))
+               "--topk", 180, "--max-new-tokens", 3, "--json", out, *(["--train-group", group] if group else []),
+               *(["--copy-hints", hints] if hints is not None else []))
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())
     assert data["settings"]["train_group"] == (group or DEFAULT)
+    assert data["settings"]["copy_hints"] == (Settings.copy_hints if hints is None else hints)
     assert data["modes"]["roargraph"]["samples"][0]["answer"] == data["modes"]["full"]["samples"][0]["answer"]
 
 

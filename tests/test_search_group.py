@@ -301,11 +301,14 @@ def test_search_one_with_a_row_stop_is_the_reference_walk(seed, stop):
                 np.testing.assert_array_equal(ws[3][:full[2]], got_exp)
 
 
+@pytest.mark.parametrize("hints", [[], [7, 5, 300, 420]])
 @pytest.mark.parametrize("stop", [FULL_ROWS[:2], (6, 0.3), (1, 0.0)])
-def test_interleaved_heads_equal_one_search_at_a_time(stop):
+def test_interleaved_heads_equal_one_search_at_a_time(stop, hints):
     """search_heads (the heads' searches interleaved stage by stage) against search_one per head, graphs of
     different sizes and entry lists, a workspace reused through epochs, full rows and row stops (one head with
-    keys added after its build)."""
+    keys added after its build); with hints, against search_one entering at the head's entries then the hints
+    (one of them repeating an entry point: scanned once)."""
+    hints = np.array(hints, np.int64)
     graphs = [_int_graph(seed, n=n) for seed, n in [(10, 600), (11, 450), (12, 700)]]
     keys, nbrs, degree = (tuple(g[i] for g in graphs) for i in (0, 2, 3))
     entries = tuple(np.array([i, 3 * i + 1, -1, 5], np.int64) for i in range(len(graphs)))
@@ -320,16 +323,17 @@ def test_interleaved_heads_equal_one_search_at_a_time(stop):
             q = np.stack([g[1][epoch] for g in graphs])
             ids, scores, scanned = np.empty((h, k), np.int64), np.empty((h, k), np.float32), np.empty(h, np.int64)
             words = np.empty(h, np.int64)
-            gs.search_heads(lists, q, L, stop, ws, epoch, (ids, scores, scanned, words))
+            gs.search_heads(lists, q, L, stop, ws, epoch, (ids, scores, scanned, words), hints)
             for i, (kk, _, nb, dg) in enumerate(graphs):
                 ref_ids, ref_scores = np.empty(k, np.int64), np.empty(k, np.float32)
                 s1 = heap_slots(len(kk), L, k)
                 w1 = Workspace(np.zeros(len(kk), np.int32), np.empty(s1, np.float32), np.empty(s1, np.int64),
                                np.empty(0, np.int64), np.empty(len(kk), np.float32))
-                ref_n, ref_w, _ = search_one(Graph(kk, nb, dg), q[i], entries[i], L, w1, 1, ref_ids, ref_scores,
-                                             (stop[0], stop[1], int(added[i])))
+                ref_n, ref_w, _ = search_one(Graph(kk, nb, dg), q[i], np.concatenate([entries[i], hints]), L, w1, 1,
+                                             ref_ids, ref_scores, (stop[0], stop[1], int(added[i])))
                 np.testing.assert_array_equal(ids[i], ref_ids)
                 np.testing.assert_array_equal(scores[i], ref_scores)
                 assert scanned[i] == ref_n and words[i] == ref_w
     with pytest.raises(ValueError, match="L >= k"):  # L < k (a top-k heap besides the beam) is search_one's
-        gs.search_heads(lists, q, 5, stop, ws, 3, (np.empty((h, 6), np.int64), np.empty((h, 6), np.float32), scanned, words))
+        gs.search_heads(lists, q, 5, stop, ws, 3, (np.empty((h, 6), np.int64), np.empty((h, 6), np.float32), scanned, words),
+                        hints)

@@ -33,6 +33,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from anns_lab.decode.copy_hints import CopyHints
 from anns_lab.decode.kernels import attend_window, merge
 from anns_lab.decode.placement import LayerStore
 from anns_lab.errors import DecodeError
@@ -73,6 +74,7 @@ class Retrieval:
         self.layer_done = None  # prefill: called with a long-range layer once its keys and queries are complete
         self.stores: dict[int, LayerStore] = {}
         self.inner = "sdpa"
+        self.hints: CopyHints | None = None  # decode: where this step may copy from (entry points of the searches)
         self.times = StepTimes()
         self._pool: ThreadPoolExecutor | None = None
 
@@ -131,7 +133,8 @@ class Retrieval:
         t_start = time.perf_counter()
         if self.mode == "index" and store is not None:
             q_cpu = q.detach().to("cpu", torch.float32).numpy()
-            future = self._executor().submit(store.side, q_cpu, scaling)
+            hints = None if self.hints is None else self.hints.rows(self.window.sink)
+            future = self._executor().submit(store.side, q_cpu, scaling, hints)
         # Accelerator side: the static window (sinks + recent) is the whole device cache of this layer; its
         # slots are not in position order, which softmax attention without a mask does not care about.
         t0 = time.perf_counter()

@@ -43,6 +43,9 @@ def default_device() -> str:
               help="attention-aware indexes: one per KV head trained on its GQA group's queries (group: all of them; "
                    "strided: one head's count, round robin over the heads by position), or one per query head on its own ('head'; "
                    "'unlisted': with the group's other heads' newest queries for the keys its own lists leave out)")
+@click.option("--copy-hints", default=8, show_default=True,
+              help="per step, the positions after the latest N earlier occurrences of the text's last 1-3 tokens also "
+                   "enter the searches of indexes that take hints (roargraph; counted as scanned); 0 = none")
 @click.option("--task", type=str, default=None, help=f"synthetic task: {', '.join(TASKS)}")
 @click.option("--prompt", type=str, default=None, help="free-form prompt text (instead of --task)")
 @click.option("--eval", "evaluation", type=click.Choice(["task", "fidelity"]), default="task", show_default=True,
@@ -72,7 +75,7 @@ def default_device() -> str:
 @click.option("--cpus-per-task", type=float, default=1.0, show_default=True, help="Ray: CPUs reserved per sample task")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="write the full results here (after each sample; \"partial\": true until the last)")
-def decode(model, modes, params, build_params, topk, window, add_batch, train_queries, train_group, task, prompt, evaluation, context, samples,
+def decode(model, modes, params, build_params, topk, window, add_batch, train_queries, train_group, copy_hints, task, prompt, evaluation, context, samples,
            seed, max_new_tokens, positions, free_tokens, chunk, build_during_prefill, from_sweep, target_recall, device, torch_threads,
            allow_extrapolation, rope_scaling, executor, address, cpus_per_task, json_path):
     """Generate with RetrievalAttention: static window on the accelerator + retrieved keys from a CPU index."""
@@ -80,7 +83,7 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
     from anns_lab.decode.engine import Settings
 
     settings = Settings(window=window, topk=topk, add_batch=add_batch, chunk=chunk, train_queries=train_queries,
-                        train_group=train_group, build_during_prefill=build_during_prefill)
+                        train_group=train_group, build_during_prefill=build_during_prefill, copy_hints=copy_hints)
     _check_options(settings, evaluation, task, prompt, executor, address)
     mode_list = _parse_mode_list(modes, params, build_params, from_sweep)
     device = device or default_device()
@@ -129,6 +132,8 @@ def _check_options(settings: Settings, evaluation: str, task: str | None, prompt
     """Refuse inconsistent options before anything is loaded, one :class:`DecodeError` each."""
     if settings.topk < 1:
         raise DecodeError(f"--topk must be at least 1, got {settings.topk}")
+    if settings.copy_hints < 0:
+        raise DecodeError("--copy-hints must be 0 (none) or more")
     if settings.add_batch < 1 or settings.chunk < 1:
         raise DecodeError("--add-batch and --chunk must be at least 1")
     if evaluation == "task" and (task is None) == (prompt is None):
@@ -187,7 +192,8 @@ def _run_description(lm, device: str, executor: str, settings: Settings, mode_li
             "rope_scaling": str(lm.rope_scaling) if lm.rope_scaling else None, "device": device, "executor": executor,
             "settings": {"sink": settings.window.sink, "recent": settings.window.recent, "topk": settings.topk,
                          "add_batch": settings.add_batch, "chunk": settings.chunk, "train_queries": settings.train_queries,
-                         "train_group": settings.train_group, "build_during_prefill": settings.build_during_prefill},
+                         "train_group": settings.train_group, "build_during_prefill": settings.build_during_prefill,
+                         "copy_hints": settings.copy_hints},
             "plans": {m.name: ({"default": m.plan.describe(), **{str(k): p.describe() for k, p in m.per_layer.items()}}
                                if m.plan else None) for m in mode_list}}
 

@@ -22,6 +22,7 @@ import torch
 from anns_lab.decode.attention import DecodeError, Retrieval, StepTimes, retrieving
 from anns_lab.decode.builds import EarlyBuilds, build_stores
 from anns_lab.decode.cache import device_kv_bytes, require_ring, window_cache
+from anns_lab.decode.copy_hints import CopyHints
 from anns_lab.decode.placement import IndexPlan
 from anns_lab.dumps.models import forward_tokens
 from anns_lab.indexes import group_queries
@@ -63,6 +64,7 @@ class Settings:
     lists_on_device: bool | None = None  # training lists of the indexes on the accelerator (None: when it is CUDA)
     build_during_prefill: bool = True  # start a layer's index builds once the prompt's last chunk has passed it (builds.EarlyBuilds)
     steps: int = 64  # decode steps of a mode at most: the CPU stores reserve a row per step past the prompt's
+    copy_hints: int = 8  # per step, the positions after this many earlier occurrences of the context's suffix enter the searches (0 = none)
 
 
 @dataclass
@@ -159,6 +161,8 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
     ctl = Retrieval(lm.long_range_layers, mode.kind, settings.window, False)
     ctl.stores = stores
     ctl.phase = "decode"
+    if stores and settings.copy_hints > 0:
+        ctl.hints = CopyHints(settings.copy_hints)
     with torch.inference_mode():  # the prefill's tensors are inference tensors; so are the copies
         if mode.kind == "full":
             cache = copy.deepcopy(pre.cache)
@@ -179,6 +183,8 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
                 break
             ids.append(tok)
             ts = time.perf_counter()
+            if ctl.hints is not None:  # in the step's time: the decoder pays for its hints
+                ctl.hints.update(ids)
             logits = forward_tokens(lm, cache, ids, len(ids) - 1, len(ids))[0, -1].float()
             _sync(lm.model.device)
             step_s.append(time.perf_counter() - ts)

@@ -204,13 +204,14 @@ class LayerStore:
         else:
             protocol.check_result(owner, res, self.n_heads, k, self.n_indexed, self._bound, check_scores=False)
 
-    def side(self, q: np.ndarray, scaling: float) -> SideResult:
+    def side(self, q: np.ndarray, scaling: float, hints: np.ndarray | None = None) -> SideResult:
         """Search each head's index with its query, then attend over the hits and the side-buffer (GIL released).
 
         Every index class is searched through its ``search_group`` (the protocol's hook: one call for
         the layer's heads; roargraph runs every head's graph search in one kernel, the default one
         batch per index shared by a GQA group). The side-buffer rows ``[n_indexed, n_rows)`` are
-        passed to the attention kernel as a range, not gathered.
+        passed to the attention kernel as a range, not gathered. ``hints``: rows every search also enters
+        at (the copy hints, :mod:`decode.copy_hints`), given to index classes that take them (``takes_hints``).
         """
         t0 = time.perf_counter()
         q = np.ascontiguousarray(q, dtype=np.float32)
@@ -219,7 +220,11 @@ class LayerStore:
         estimate = None
         if self.indexes and self.n_indexed:
             k = min(self.topk, self.n_indexed)
-            res = type(self.indexes[0]).search_group(self.indexes, q, k, **self.plan.search_params)
+            cls = type(self.indexes[0])
+            extra = {}
+            if hints is not None and cls.takes_hints:
+                extra["hints"] = hints[hints < self.n_indexed]
+            res = cls.search_group(self.indexes, q, k, **extra, **self.plan.search_params)
             self._check(res, q, k)
             estimate = res.estimate
             rows = np.ascontiguousarray(res.ids)

@@ -157,6 +157,9 @@ class Index:
     accepts_train_topk: ClassVar[bool] = False
     #: True when ``build`` also takes ``group_queries``: the prefill queries of the other query heads of the GQA group.
     accepts_group_queries: ClassVar[bool] = False
+    #: True when ``search_group`` also takes ``hints``: key ids its searches enter at besides their own entry points
+    #: (scanned and counted), e.g. the decoder's copy hints (``decode.copy_hints``); others are never given them.
+    takes_hints: ClassVar[bool] = False
     #: True when ``search`` also returns an Estimate of the rest of the softmax (docs/estimators.md).
     estimates: ClassVar[bool] = False
     #: True when the estimate's normaliser and numerator are unbiased over the ``seed`` build parameter.

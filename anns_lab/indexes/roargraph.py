@@ -142,6 +142,7 @@ class RoarGraphIndex(Index):
     uses_train_queries = True
     accepts_train_topk = True
     accepts_group_queries = True
+    takes_hints = True
     build_params = {
         "M": Param(12, 2, 512, help="out-degree of the projection (RobustPrune target)"),
         "R": Param(24, 2, 1024, help="row capacity after reverse edges and linking (≥ M)"),
@@ -372,13 +373,14 @@ class RoarGraphIndex(Index):
         return ids, scores, scanned, bytes_read(self.dim, scanned, words, len(self.entries()))
 
     @classmethod
-    def search_group(cls, indexes, queries, k, **params):
+    def search_group(cls, indexes, queries, k, hints=None, **params):
         """One kernel call for the query heads of a layer (the decoder's per-step search).
 
         ``graph.multi.search_graphs`` runs the heads' searches interleaved in one kernel: the same
-        nodes and results as :meth:`search` (``graph.search.search_one``), L < k included."""
+        nodes and results as :meth:`search` (``graph.search.search_one``), L < k included. ``hints``: key ids
+        every head's search also enters at (the decoder's copy hints), after the hubs."""
         p = indexes[0]._search_params_for(params)
-        return search_graphs(indexes, queries, k, p["L"], (p["row_misses"], p["row_credit"]))
+        return search_graphs(indexes, queries, k, p["L"], (p["row_misses"], p["row_credit"]), hints)
 
     # -- persistence -------------------------------------------------------------------------------
 

@@ -34,11 +34,12 @@ def _walk(row, pos, deg, need, full, first_added, visited, memo, epoch, worst, f
 
 
 @njit(cache=True, nogil=True)
-def search_heads(graphs, queries, L, stop, ws, epoch, out):
+def search_heads(graphs, queries, L, stop, ws, epoch, out, hints):
     """Search graph h of ``graphs`` = (keys, nbrs, degree, entries, added) (tuples of arrays, one per head;
     ``added`` (H,): the first id added after each build) with ``queries[h]``, all heads on the calling thread,
     interleaved, row stop ``stop`` = (C, ρ) (A = ``added[h]``); writes ``out`` = (ids (H, k), scores (H, k),
-    n_scanned (H,), n_words (H,)).
+    n_scanned (H,), n_words (H,)). ``hints`` (E,) int64: ids every head also enters at, after its own entry
+    points (the decoder's copy hints; empty: none; each must be < every head's number of keys).
 
     A head's turn is one stage. A: the expanded node's row has arrived: walk its first stage (mark the unvisited
     neighbours, prefetch their keys). B: score them, update the heaps; if the walk goes on along the same row
@@ -55,14 +56,14 @@ def search_heads(graphs, queries, L, stop, ws, epoch, out):
     nbrs, entries, nh = graphs[1], graphs[3], queries.shape[0]
     width = 1
     for h in range(nh):
-        width = max(width, nbrs[h].shape[1], entries[h].shape[0])
+        width = max(width, nbrs[h].shape[1], entries[h].shape[0] + hints.shape[0])
     scratch = (np.empty((nh, width), np.int64), np.empty(width, np.float32), np.zeros((9, nh), np.int64),
                np.ones(nh, np.int8))
-    _search_heads(graphs, queries, L, stop, ws, epoch, out, scratch)
+    _search_heads(graphs, queries, L, stop, ws, epoch, out, scratch, hints)
 
 
 @njit(cache=True, nogil=True, _nrt=False)
-def _search_heads(graphs, queries, L, stop, ws, epoch, out, scratch):
+def _search_heads(graphs, queries, L, stop, ws, epoch, out, scratch, hints):
     """:func:`search_heads` on its allocated ``scratch`` = (fresh (H, width), their scores (width,), per-head state
     (9, H) zeros, stage (H,) ones). Compiled without numba's reference counting (``_nrt=False``: it allocates
     nothing): each array view the loop takes (a head's workspace row, heap, key row) would otherwise cost an
@@ -76,9 +77,10 @@ def _search_heads(graphs, queries, L, stop, ws, epoch, out, scratch):
     nf, nr, nc = state[0], state[1], state[2]  # per head: fresh nodes, beam and frontier sizes; the node being
     node_of, pos, deg = state[3], state[4], state[5]  # expanded, its row position and degree, its walk's hits and
     hits, misses, need = state[6], state[7], state[8]  # misses, and the misses that stop its first stage
-    for h in range(nh):  # stage A of the entry points (the same hubs every step)
+    for h in range(nh):  # stage A of the entry points (the same hubs every step), then the step's hints
         node_of[h] = -1
-        nf[h] = mark_fresh(entries[h], visited[h], epoch, fresh[h])
+        m = mark_fresh(entries[h], visited[h], epoch, fresh[h])
+        nf[h] = m + mark_fresh(hints, visited[h], epoch, fresh[h, m:])
         prefetch_keys(keys[h], fresh[h], nf[h])
         n_scanned[h] = n_words[h] = 0
     active = nh
@@ -206,11 +208,14 @@ class GraphGroup:
                 return False
         return True
 
-    def search(self, queries: np.ndarray, k: int, L: int | None = None, stop: tuple | None = None) -> SearchResult:
+    def search(self, queries: np.ndarray, k: int, L: int | None = None, stop: tuple | None = None,
+               hints: np.ndarray | None = None) -> SearchResult:
         """Top-k of index i for ``queries[i]`` with beam L and row stop ``stop`` = (C, ρ) (:func:`search_heads`; L < k,
         the k best of every node scanned: :func:`search_one` per index), each None: the indexes' own default
-        (:func:`own_defaults`): (H, k) ids and scores, (H,) n_scanned and bytes_read."""
+        (:func:`own_defaults`): (H, k) ids and scores, (H,) n_scanned and bytes_read. ``hints``: key ids every
+        search also enters at (scanned and counted like the entry points; ids outside every index are dropped)."""
         L, stop = own_defaults(self._cls, L, stop)
+        hints = self._hints(hints)
         h = len(self._refs)
         q = np.ascontiguousarray(queries, dtype=np.float32)
         if q.ndim != 2 or q.shape[0] != h:
@@ -223,20 +228,35 @@ class GraphGroup:
         if L < k:  # not the decoder's case: one search after another (each index's own search: the same kernel)
             for i in range(h):
                 g = (self.keys[i], self.nbrs[i], self.degree[i])
-                n_scanned[i], n_words[i], _ = search_one(g, q[i], self.entries[i], L, rows[i], epoch, ids[i], scores[i],
+                entries = np.concatenate([self.entries[i], hints]) if len(hints) else self.entries[i]
+                n_scanned[i], n_words[i], _ = search_one(g, q[i], entries, L, rows[i], epoch, ids[i], scores[i],
                                                          (stop[0], stop[1], int(self.added[i])))
         else:
-            search_heads(self.lists, q, L, stop, ws, epoch, (ids, scores, n_scanned, n_words))
-        n_bytes = bytes_read(q.shape[1], n_scanned, n_words, self.n_entries)  # one numpy call for all heads (µs per layer)
+            search_heads(self.lists, q, L, stop, ws, epoch, (ids, scores, n_scanned, n_words), hints)
+        # one numpy call for all heads (µs per layer)
+        n_bytes = bytes_read(q.shape[1], n_scanned, n_words, self.n_entries + len(hints))
         return SearchResult(ids, scores, n_scanned, n_bytes)
 
+    def _hints(self, hints: np.ndarray | None) -> np.ndarray:
+        """``hints`` as the kernels take them: int64 ids below every index's number of keys, first occurrence kept."""
+        if hints is None:
+            return _NO_HINTS
+        h = np.asarray(hints, np.int64).ravel()
+        n_min = min(k.shape[0] for k in self.keys)
+        h = h[(h >= 0) & (h < n_min)]
+        _, first = np.unique(h, return_index=True)
+        return np.ascontiguousarray(h[np.sort(first)])
 
+
+_NO_HINTS = np.empty(0, np.int64)
 _GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # first index → (ids of all, GraphGroup)
 
 
-def search_graphs(indexes, queries: np.ndarray, k: int, L: int | None = None, stop: tuple | None = None):
+def search_graphs(indexes, queries: np.ndarray, k: int, L: int | None = None, stop: tuple | None = None,
+                  hints: np.ndarray | None = None):
     """Search graph index ``indexes[i]`` with ``queries[i]`` in one kernel call, beam L and row stop ``stop`` = (C, ρ) (None:
-    the indexes' own defaults): a ``SearchResult`` equal to each index's own search of ``queries[i:i+1]`` with them. The
+    the indexes' own defaults), entering also at the key ids ``hints`` (:meth:`GraphGroup.search`): without hints, a
+    ``SearchResult`` equal to each index's own search of ``queries[i:i+1]`` with them. The
     :class:`GraphGroup` of the same indexes is kept between calls (weakly, by the first index) and refreshed when an index
     has changed."""
     indexes = list(indexes)
@@ -246,9 +266,9 @@ def search_graphs(indexes, queries: np.ndarray, k: int, L: int | None = None, st
     if hit is not None and hit[0] == tag and all(a is b for a, b in zip(hit[1].indexes, indexes)):  # ids alone could be reused
         group = hit[1]
         if hit[2] == stamp:  # cheaper than current(): the decoder calls this for every layer and step
-            return group.search(queries, k, L, stop)
+            return group.search(queries, k, L, stop, hints)
         group.refresh()
     else:
         group = GraphGroup(indexes)
     _GROUPS[indexes[0]] = (tag, group, stamp)
-    return group.search(queries, k, L, stop)
+    return group.search(queries, k, L, stop, hints)
