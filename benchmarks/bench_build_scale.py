@@ -7,8 +7,9 @@
 Per head (window 128 + 512 excluded, decode queries as test queries, as the sweep): each variant's build CPU
 seconds (one thread: numba, faiss and torch pinned to 1) and its fraction of keys scanned at recall@100 = 0.95
 (interpolated over roargraph's search grid). Variants are ``;``-separated: build parameters ``NAME=VALUE``,
-module constants ``rg.NAME=VALUE`` and the training queries ``group=head|group|strided`` (the head's own, or its
-GQA group's: ``anns_lab.indexes.group_queries``; one graph then serves the group) joined by ``,``; the default pair is **old** (every training list
+module constants ``rg.NAME=VALUE`` and the training queries ``group=head|group|strided|unlisted`` (the head's own, or its
+GQA group's: ``anns_lab.indexes.group_queries``; one graph then serves the group; ``unlisted``: the head's own, with the
+group's other heads' newest for the keys its lists leave out) joined by ``,``; the default pair is **old** (every training list
 exact, the stranded-key pool of 8192: the build before issue 13) and **new** (the defaults). Prints the
 per-head rows, the medians and the same-run ratios new/old.
 
@@ -85,7 +86,7 @@ def scan_at(pts, target):
     return at_target(pd.DataFrame(pts, columns=["scanned_fraction", "recall"]).assign(latency_us=np.nan), target)[0]
 
 
-def build(keys, queries, params, consts):
+def build(keys, queries, params, consts, group=None):
     saved = {k: getattr(rg, k) for k in CONSTANTS}
     try:
         for k, v in consts.items():
@@ -93,7 +94,7 @@ def build(keys, queries, params, consts):
                 continue
             setattr(rg, k, v)
         t = time.process_time()
-        index = RoarGraphIndex(**params).build(keys, queries)
+        index = RoarGraphIndex(**params).build(keys, queries, group_queries=group)
         return index, time.process_time() - t
     finally:
         for k, v in saved.items():
@@ -130,7 +131,7 @@ def main() -> None:
         for head in heads:
             hd = load_head(dump, layer, head)
             keys, queries = hd.keys, hd.train_queries
-            grouped = {v[2]["group"]: load_head(dump, layer, head, train_group=v[2]["group"]).train_queries
+            grouped = {v[2]["group"]: load_head(dump, layer, head, train_group=v[2]["group"])
                        for v in variants if v[2].get("group", "head") != "head"}
             if a.synthetic:
                 rng = np.random.default_rng(layer * 100 + head)
@@ -142,7 +143,9 @@ def main() -> None:
             row = {"head": f"{layer}/{head}"}
             for name, params, consts in variants:
                 PIECES.clear()
-                index, secs = build(keys, grouped.get(consts.get("group"), queries), params, consts)
+                given = grouped.get(consts.get("group"))
+                index, secs = (build(keys, queries, params, consts) if given is None else
+                               build(keys, given.train_queries, params, consts, given.group_queries))
                 row[f"{name} build s"] = secs
                 if a.pieces:
                     print(f"  {layer}/{head} {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in PIECES.items())

@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 
 from anns_lab.eval.sweep import run_sweep
+from anns_lab.indexes.group_queries import MODES
 
 
 def at_target(rows: pd.DataFrame, target: float) -> tuple[float, float]:
@@ -74,8 +75,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="recall and cost only (no latency or attention-quality passes)")
     ap.add_argument("--build-param", action="append", default=[], metavar="INDEX.NAME=VALUE",
                     help="replace a build default, e.g. roargraph.descent_links=0 (repeatable)")
-    ap.add_argument("--train-group", default="head", choices=("head", "group", "strided"),
-                    help="attention-aware indexes' training queries: the head's own or its GQA group's (anns_lab.indexes.group_queries)")
+    ap.add_argument("--train-group", default="head", choices=MODES,
+                    help="attention-aware indexes' training queries: the head's own or its GQA group's, or the head's own with "
+                         "the group's other heads' for the keys its lists leave out (anns_lab.indexes.group_queries)")
     args = ap.parse_args()
     heads = [int(h) for h in args.heads.split(",")] if args.heads else None
     build_params: dict[str, dict] = {}

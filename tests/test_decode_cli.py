@@ -101,7 +101,7 @@ def test_bad_input_is_one_clear_error(tiny_llama, args, needle):
     assert needle in _error(_run(*flat))
 
 
-@pytest.mark.parametrize("group, hints", [(None, None), ("strided", 0)])
+@pytest.mark.parametrize("group, hints", [(None, None), ("strided", 0), ("unlisted", None)])
 def test_train_group_is_recorded_in_the_json(tiny_llama, tmp_path, group, hints):
     """--train-group and --copy-hints reach the decode (one graph per KV head: the run's answer is full's with a top-k over
     every key) and the JSON records them; without them, the defaults."""

@@ -244,6 +244,20 @@ def test_group_training_is_recorded_and_never_mixes_with_per_head_graphs(smollm2
                   train_group="pooled")
 
 
+def test_unlisted_training_is_recorded_and_reaches_only_the_attention_aware_build(smollm2_dump, tmp_path):
+    """--train-group unlisted: the settings record it; roargraph's rows differ from the per-head sweep's (its build got
+    the group's other heads' queries), ivf's are the same (a key-only index gets none)."""
+    from anns_lab.eval.table import SETTINGS
+
+    runs = {mode: run_sweep(smollm2_dump.path, ["roargraph", "ivf"], [15], [3], window=WINDOW, out=tmp_path / mode, jobs=1,
+                            progress=False, quick=True, train_group=mode).table.sort_values(["index", "search_params", "direction"])
+            for mode in ("head", "unlisted")}
+    assert json.loads((tmp_path / "unlisted" / SETTINGS).read_text())["train_group"] == "unlisted"
+    rg, ivf = ({m: t[t["index"] == name].scanned_fraction.to_numpy() for m, t in runs.items()} for name in ("roargraph", "ivf"))
+    assert np.array_equal(ivf["head"], ivf["unlisted"])
+    assert len(rg["head"]) == len(rg["unlisted"]) and not np.array_equal(rg["head"], rg["unlisted"])
+
+
 def test_quick_sweep_keeps_recall_and_never_mixes_with_a_full_one(smollm2_dump, sweep, tmp_path):
     quick = run_sweep(smollm2_dump.path, ["ivf"], [15], [4], window=WINDOW, out=tmp_path, jobs=1, progress=False,
                       quick=True).table

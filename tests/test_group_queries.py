@@ -9,7 +9,7 @@ import pytest
 
 from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.errors import AnnsLabError
-from anns_lab.indexes.group_queries import group_queries
+from anns_lab.indexes.group_queries import group_queries, other_heads
 from anns_lab.indexes.graph import multi as gs
 
 T, G, D = 20, 3, 4
@@ -45,7 +45,7 @@ def test_head_is_the_first_heads_own_and_bad_input_is_refused():
     per = _per_head()
     assert group_queries(per, "head") is per[0]
     assert group_queries(per[:1], "group") is per[0]  # a group of one (MHA) is its head
-    with pytest.raises(AnnsLabError, match="choose one of head, group, strided"):
+    with pytest.raises(AnnsLabError, match="choose one of head, group, strided, unlisted"):
         group_queries(per, "pooled")
     with pytest.raises(AnnsLabError, match="different query shapes"):
         group_queries([per[0], per[1][:-1]], "group")
@@ -107,3 +107,36 @@ def test_graph_group_of_one_graph_repeated_equals_each_search_alone():
         np.testing.assert_array_equal(res.ids[h], alone.ids[0])
         np.testing.assert_array_equal(res.scores[h], alone.scores[0])
         assert res.n_scanned[h] == alone.n_scanned[0] and res.bytes_read[h] == alone.bytes_read[0]
+
+
+def test_other_heads_are_the_newest_rows_of_every_other_head_head_major():
+    per = _per_head()
+    rows = _origin(other_heads(per, 1, recent=0.2))  # 4 of 20 positions
+    assert rows == [(h, p) for h in (0, 2) for p in range(T - 4, T)]
+    assert _origin(other_heads(per, 0, recent=1.0)) == [(h, p) for h in (1, 2) for p in range(T)]
+    assert len(other_heads(per, 2, recent=1e-6)) == 2  # at least one row per head
+    assert other_heads(per[:1], 0) is None  # a group of one (MHA) has no other heads
+    assert group_queries(per, "unlisted") is per[0]  # trained on the head's own queries
+
+
+def test_layer_store_unlisted_gives_each_heads_index_its_groups_other_heads():
+    """``others``: one roargraph per query head, each built from its own queries with its GQA group's other heads'
+    newest queries (and their lists, when given) as group_queries: the same graph as a direct build with them."""
+    from anns_lab.indexes.roargraph import RoarGraphIndex
+    from anns_lab.indexes.topk import topk_ip
+
+    rng = np.random.default_rng(7)
+    n_heads, g, n, d = 4, 2, 500, 16
+    keys = np.stack([_clustered(rng, n, d) for _ in range(g)])
+    values = rng.normal(size=(g, n, d)).astype(np.float32)
+    build = dict(M=8, R=16, n_hubs=8, M_sq=20, list_stride=1)
+    queries = np.stack([_clustered(rng, 300, d) for _ in range(n_heads)])
+    lists = np.stack([topk_ip(queries[h], keys[h // 2], 20) for h in range(n_heads)])
+    for topk in (None, lists):
+        store = LayerStore(0, n_heads, keys, values, 10, IndexPlan("roargraph", build, {}), add_batch=8)
+        store.build(queries, topk, others=True)
+        assert len({id(ix) for ix in store.indexes}) == n_heads
+        for h in range(n_heads):
+            mate = h ^ 1  # the other head of its group
+            ref = RoarGraphIndex(**build).build(keys[h // 2], queries[h], group_queries=queries[mate][-9:])
+            np.testing.assert_array_equal(store.indexes[h]._nbrs, ref._nbrs)  # ⌈0.03 · 300⌉ = 9 newest rows

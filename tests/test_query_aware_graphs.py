@@ -611,3 +611,55 @@ def test_query_hubs_are_the_top_key_of_each_centroid(block, monkeypatch):
     ref = [int(np.argmax(k64 @ q.mean(axis=0, dtype=np.float64)))]
     ref += np.argmax(km.centroids.astype(np.float64) @ k64.T, axis=1).tolist()
     assert query_hubs(keys, q, 8, seed=5).tolist() == list(dict.fromkeys(ref))
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_group_queries_give_rows_to_unlisted_keys_only(seed):
+    """``group_queries`` (the GQA group's other heads' queries): a key in some own training list keeps its row (the
+    edges between listed keys, in order, as the build without them: only edges to unlisted keys may be appended at
+    its end), and the unlisted keys that the other heads' lists hold get rows led by a key co-listed with them there."""
+    keys, train, _ = ood_data(seed, n=1500, m=400)
+    _, other, _ = ood_data(seed + 50, n=1500, m=400)  # queries of another projection over the same keys
+    params = dict(M_sq=30, list_stride=1, n_hubs=8)
+    plain = RoarGraphIndex(**params).build(keys, train)
+    given = RoarGraphIndex(**params).build(keys, train, group_queries=other)
+    listed = set(topk_ip(train, keys, 30).ravel().tolist())
+    other_lists = topk_ip(other, keys, 30)
+    co_listed = {}
+    for row in other_lists.tolist():
+        for key in row:
+            co_listed.setdefault(key, set()).update(row)
+    changed = 0
+    for p in range(len(keys)):
+        old = plain._nbrs[p, : plain._degree[p]].tolist()
+        new = given._nbrs[p, : given._degree[p]].tolist()
+        if p in listed:
+            assert [u for u in new if u in listed] == [u for u in old if u in listed], p
+            lead = next((i for i, u in enumerate(old) if u not in listed), len(old))
+            assert new[:lead] == old[:lead], p  # the row's listed head, in place
+        elif p in co_listed and new:
+            assert new[0] in co_listed[p] - {p}, p  # the heaviest candidate of the group's lists leads the row
+            changed += new != old
+    assert changed > 50  # the case is exercised
+    assert reachable_from(Graph(keys, given._nbrs, given._degree), given.entries()).all()
+    again = RoarGraphIndex(**params).build(keys, train, group_queries=None)
+    assert np.array_equal(again._nbrs, plain._nbrs) and np.array_equal(again._degree, plain._degree)
+
+
+def test_group_queries_bad_input():
+    keys, train, _ = ood_data(1, n=300, m=100)
+    ix = RoarGraphIndex(M_sq=20, n_hubs=4)
+    with pytest.raises(IndexConfigError, match="group_queries"):
+        ix.build(keys, train, group_queries=train[:, :5])
+    with pytest.raises(IndexConfigError, match="group_queries"):
+        ix.build(keys, train, group_queries=np.full((3, keys.shape[1]), np.nan, np.float32))
+    with pytest.raises(IndexConfigError, match="group_topk needs the group_queries"):
+        ix.build(keys, train, group_topk=topk_ip(train, keys, 20))
+    with pytest.raises(IndexConfigError, match="group_topk must have shape"):
+        ix.build(keys, train, group_queries=train, group_topk=topk_ip(train, keys, 20)[:50])
+    with pytest.raises(IndexConfigError, match="does not take group_queries"):
+        registry.create("hnsw").build(keys, train, group_queries=train)
+    given = topk_ip(train[:40], keys, 20)
+    a = RoarGraphIndex(M_sq=20, n_hubs=4).build(keys, train, group_queries=train[:40], group_topk=given)
+    b = RoarGraphIndex(M_sq=20, n_hubs=4).build(keys, train, group_queries=train[:40])
+    assert np.array_equal(a._nbrs, b._nbrs)  # exact lists given = the lists the build computes (all exact below 6K keys)

@@ -19,7 +19,7 @@ import torch
 
 from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.indexes import registry
-from anns_lab.indexes.group_queries import group_queries
+from anns_lab.indexes.group_queries import PER_HEAD, group_queries
 
 
 def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, settings, queries: np.ndarray | None) -> LayerStore:
@@ -32,13 +32,15 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
     store = LayerStore(layer, lm.config.num_attention_heads, keys, values, settings.topk, plan, settings.add_batch,
                        settings.steps)
     queries = subsample(queries, settings.train_queries)
-    per_kv = (queries is not None and plan is not None and settings.train_group != "head"
-              and registry.get(plan.name).uses_train_queries)
+    aware = queries is not None and plan is not None and registry.get(plan.name).uses_train_queries
+    per_kv = aware and settings.train_group not in PER_HEAD
+    others = aware and settings.train_group == "unlisted" and registry.get(plan.name).accepts_group_queries
     if per_kv:  # one training set per KV head: its GQA group's queries
         group = queries.shape[0] // keys.shape[0]
         queries = np.stack([group_queries(list(queries[g * group:(g + 1) * group]), settings.train_group)
                             for g in range(keys.shape[0])])
-    store.build(queries, _device_lists(lm, plan, queries, layer_cache.keys[0, :, lo:hi], settings), per_kv_head=per_kv)
+    store.build(queries, _device_lists(lm, plan, queries, layer_cache.keys[0, :, lo:hi], settings), per_kv_head=per_kv,
+                others=others)
     return store
 
 

@@ -41,7 +41,8 @@ def default_device() -> str:
               help="prefill queries given to attention-aware indexes, evenly strided (0 = all)")
 @click.option("--train-group", type=click.Choice(GROUP_MODES), default=GROUP_DEFAULT, show_default=True,
               help="attention-aware indexes: one per KV head trained on its GQA group's queries (group: all of them; "
-                   "strided: one head's count, round robin over the heads by position), or 'head': one per query head")
+                   "strided: one head's count, round robin over the heads by position), or one per query head on its own ('head'; "
+                   "'unlisted': with the group's other heads' newest queries for the keys its own lists leave out)")
 @click.option("--copy-hints", default=8, show_default=True,
               help="per step, the positions after the latest N earlier occurrences of the text's last 1-3 tokens (and the "
                    "two steps before's, moved on) also enter the searches of indexes that take hints (roargraph; counted "

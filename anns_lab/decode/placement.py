@@ -12,7 +12,8 @@ Indexes: one per (layer, query head) when the index learns from queries (attenti
 head's prefill queries; otherwise its keys are those of the KV head, so one index serves the whole GQA
 group (the same object, searched with the group's queries in one batch). ``--train-group group|strided``
 makes the attention-aware ones so too: one per KV head, trained on its group's queries
-(:mod:`anns_lab.indexes.group_queries`). Either way the indexes are built
+(:mod:`anns_lab.indexes.group_queries`); ``--train-group unlisted`` keeps one per query head and gives each its
+group's other heads' newest queries for the keys its own lists leave out. Either way the indexes are built
 on the heads of the layer's :class:`~anns_lab.indexes.key_store.KeyStore`, the one copy of its
 CPU keys, and every step searches them with one ``search_group`` call (the index protocol's hook).
 """
@@ -28,6 +29,7 @@ from anns_lab.decode.kernels import attend_rows_and_range, merge
 from anns_lab.indexes import protocol, registry
 from anns_lab.indexes.base import SearchResult
 from anns_lab.indexes.estimate import Estimate, estimate_terms, weighted_partial
+from anns_lab.indexes.group_queries import other_heads
 from anns_lab.indexes.key_store import KeyStore
 
 
@@ -82,11 +84,14 @@ class LayerStore:
 
     # -- build and grow ----------------------------------------------------------------------------
 
-    def build(self, queries: np.ndarray | None, train_topk: np.ndarray | None = None, per_kv_head: bool = False) -> None:
+    def build(self, queries: np.ndarray | None, train_topk: np.ndarray | None = None, per_kv_head: bool = False,
+              others: bool = False) -> None:
         """Build the indexes on every row held now; ``queries`` (H, t, d) are the prefill queries (attention-aware only),
         ``train_topk`` (H, t, c) their top keys when computed elsewhere (``device_lists``). ``per_kv_head``: queries and
         lists are (G, m, ·), one set per KV head (its GQA group's, :mod:`indexes.group_queries`), and one
-        attention-aware index per KV head serves its group, as every other index does."""
+        attention-aware index per KV head serves its group, as every other index does. ``others`` (per query head, an
+        index that accepts them): each head's index also gets its group's other heads' newest queries (and lists) as
+        ``group_queries`` (``--train-group unlisted``)."""
         if self.plan is None or self.n_rows == 0:
             return
         t0 = time.perf_counter()
@@ -97,7 +102,8 @@ class LayerStore:
                 raise ValueError("attention-aware index needs the prefill queries")
             per = len(rows) if per_kv_head else self.n_heads
             built = [cls(**self.plan.build_params).build(rows[i if per_kv_head else i // self.group], np.ascontiguousarray(queries[i]),
-                                                         **({} if train_topk is None else {"train_topk": train_topk[i]}))
+                                                         **({} if train_topk is None else {"train_topk": train_topk[i]}),
+                                                         **(self._others(i, queries, train_topk) if others else {}))
                      for i in range(per)]
             self.indexes = [built[h // self.group] for h in range(self.n_heads)] if per_kv_head else built
         else:
@@ -107,6 +113,18 @@ class LayerStore:
         self._bound = None
         self._sum_values()
         self.build_s = time.perf_counter() - t0
+
+    def _others(self, head: int, queries: np.ndarray, train_topk: np.ndarray | None) -> dict[str, np.ndarray]:
+        """``group_queries`` (and ``group_topk``) of query head ``head``: its GQA group's other heads' newest rows
+        (:func:`indexes.group_queries.other_heads`); none for a group of one."""
+        first = head - head % self.group
+        own = head - first
+        group = other_heads(list(queries[first:first + self.group]), own)
+        if group is None:
+            return {}
+        if train_topk is None:
+            return {"group_queries": group}
+        return {"group_queries": group, "group_topk": other_heads(list(train_topk[first:first + self.group]), own)}
 
     @property
     def keys(self) -> np.ndarray:

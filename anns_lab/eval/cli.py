@@ -85,7 +85,8 @@ def latest_dump() -> Path | None:
 @click.option("--quick", is_flag=True, help="Skip attention-quality and batch-1 latency passes (for parameter scans).")
 @click.option("--train-group", type=click.Choice(GROUP_MODES), default=GROUP_DEFAULT, show_default=True,
               help="Training queries of the attention-aware indexes: their GQA group's (group: all; strided: one head's "
-                   "count, round robin over the heads by position), or 'head': the query head's own.")
+                   "count, round robin over the heads by position), or the query head's own ('head'; 'unlisted': with the group's "
+                   "other heads' newest queries for the keys its own lists leave out).")
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               help="local: --jobs worker processes here; ray: one task per (layer, head, index) on a Ray cluster.")
 @click.option("--address", default=None,

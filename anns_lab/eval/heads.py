@@ -49,6 +49,7 @@ class HeadData:
     window: Window
     n_prefill: int
     index_end: int              # first position after the index keys: keys from here on are in the recent window
+    group_queries: np.ndarray | None = None  # train_group "unlisted": the GQA group's other heads' newest prefill queries
 
     def exact(self, direction: str) -> np.ndarray:
         """Exact scores (nq, n) of the direction's queries against the index keys (computed once)."""
@@ -169,11 +170,15 @@ def load_head(dump: Dump, layer: int, head: int, window: Window | tuple[int, int
     rng = np.random.default_rng(seed + 1000 * layer + head)
     held = np.sort(rng.choice(np.arange(lo, hi), size=n_k2k, replace=False))
     key_pos = np.setdiff1d(np.arange(lo, hi), held)
-    # The group's heads in id order, whichever of them is evaluated: every head of a KV head gets the same graph.
+    # The group's heads in id order, whichever of them is evaluated: every head of a KV head gets the same graph
+    # (group, strided); the per-head modes train on the head's own queries, put first.
     group = [h for h in range(dump.n_heads) if dump.kv_head_of(h) == g] if train_group != "head" else [head]
-    train_q = group_queries.group_queries(
-        [prefill_q[: n - extra] if h == head else dump.queries(layer, h, "prefill")[: n - extra] for h in group],
-        train_group)
+    if train_group in group_queries.PER_HEAD:
+        group.remove(head)
+        group.insert(0, head)
+    per_head = [prefill_q[: n - extra] if h == head else dump.queries(layer, h, "prefill")[: n - extra] for h in group]
+    train_q = group_queries.group_queries(per_head, train_group)
+    others = group_queries.other_heads(per_head, 0) if train_group == "unlisted" else None
     return HeadData(layer, head, g, np.ascontiguousarray(all_keys[key_pos]), key_pos, train_q,
                     np.ascontiguousarray(test_q), test_pos, np.ascontiguousarray(all_keys[held]), all_keys,
-                    dump.values(layer, g, "all"), dump.scaling(layer), window, n, hi)
+                    dump.values(layer, g, "all"), dump.scaling(layer), window, n, hi, others)

@@ -79,7 +79,8 @@ def evaluate_index(name: str, data: HeadData, k: int, dump_label: str, model: st
 
     index = registry.create(name, **(build_params or {}))
     t0 = time.perf_counter()
-    index.build(data.keys, data.train_queries if index.uses_train_queries else None)
+    group = data.group_queries if index.accepts_group_queries else None
+    index.build(data.keys, data.train_queries if index.uses_train_queries else None, group_queries=group)
     build_s = time.perf_counter() - t0
     rows = []
     for params in index.grid():

@@ -155,6 +155,8 @@ class Index:
     uses_train_queries: ClassVar[bool] = False
     #: True when ``build`` also takes ``train_topk``, the training queries' top keys computed elsewhere.
     accepts_train_topk: ClassVar[bool] = False
+    #: True when ``build`` also takes ``group_queries``: the prefill queries of the other query heads of the GQA group.
+    accepts_group_queries: ClassVar[bool] = False
     #: True when ``search_group`` also takes ``hints``: key ids its searches enter at besides their own entry points
     #: (scanned and counted), e.g. the decoder's copy hints (``decode.copy_hints``); others are never given them.
     takes_hints: ClassVar[bool] = False
@@ -170,10 +172,13 @@ class Index:
 
     # -- the protocol ---------------------------------------------------------------------------
 
-    def build(self, keys: Any, train_queries: Any | None = None, train_topk: Any | None = None) -> "Index":
+    def build(self, keys: Any, train_queries: Any | None = None, train_topk: Any | None = None,
+              group_queries: Any | None = None, group_topk: Any | None = None) -> "Index":
         """Index ``keys`` (n, d); attention-aware indexes also learn from ``train_queries`` (m, d), and those that
         accept it take ``train_topk`` (m, c): each training query's top-c key ids by inner product, best first,
-        computed elsewhere (e.g. on the accelerator during the prefill) so the build need not.
+        computed elsewhere (e.g. on the accelerator during the prefill) so the build need not. Those that accept
+        ``group_queries`` (m', d), the other query heads' prefill queries of the keys' GQA group, use them where the
+        head's own lists leave keys out (``group_topk`` (m', c): their top keys, as ``train_topk``).
 
         ``keys`` may be :class:`KeyRows`, one head of a growable :class:`KeyStore` the caller owns (the
         decoder's): an index that keeps float32 key rows reads them there instead of a copy of its own,
@@ -186,10 +191,12 @@ class Index:
         elif self.uses_train_queries:
             raise IndexConfigError(f"{self._owner()}: this index is built from train_queries; pass them to build()")
         self._given_rows = given
-        if train_topk is None:
-            self._build(keys, train_queries)
-        else:
-            self._build(keys, train_queries, train_topk=self._check_topk(train_topk, train_queries, len(keys)))
+        extra = {}
+        if train_topk is not None:
+            extra["train_topk"] = self._check_topk(train_topk, train_queries, len(keys))
+        if group_queries is not None or group_topk is not None:
+            extra.update(self._check_group(keys, train_queries, group_queries, group_topk))
+        self._build(keys, train_queries, **extra)
         self.__dict__.pop("_given_rows", None)
         self.n_keys, self.dim = keys.shape
         return self
@@ -200,22 +207,35 @@ class Index:
         accept it): the width to compute elsewhere."""
         raise IndexConfigError(f"{cls.name or cls.__name__}: this index does not take train_topk")
 
-    def _check_topk(self, topk: Any, train_queries: np.ndarray | None, n_keys: int) -> np.ndarray:
-        """``train_topk`` as a C-contiguous int32 (m, c) array of key ids, one row per training query, or raise."""
+    def _check_topk(self, topk: Any, train_queries: np.ndarray | None, n_keys: int, what: str = "train_topk") -> np.ndarray:
+        """``train_topk`` (or ``what``) as a C-contiguous int32 (m, c) array of key ids, one row per query, or raise."""
         owner = self._owner()
         if not self.accepts_train_topk:
-            raise IndexConfigError(f"{owner}: this index does not take train_topk")
+            raise IndexConfigError(f"{owner}: this index does not take {what}")
         if train_queries is None:
-            raise IndexConfigError(f"{owner}: train_topk needs the train_queries it was computed from")
+            raise IndexConfigError(f"{owner}: {what} needs the train_queries it was computed from")
         arr = np.asarray(topk)
         if not np.issubdtype(arr.dtype, np.integer):
-            raise IndexConfigError(f"{owner}: train_topk must hold integer key ids, got dtype {arr.dtype}")
+            raise IndexConfigError(f"{owner}: {what} must hold integer key ids, got dtype {arr.dtype}")
         if arr.ndim != 2 or arr.shape[0] != len(train_queries) or arr.shape[1] == 0:
-            raise IndexConfigError(f"{owner}: train_topk must have shape ({len(train_queries)}, c ≥ 1), one row per "
-                                   f"training query, got {arr.shape}")
+            raise IndexConfigError(f"{owner}: {what} must have shape ({len(train_queries)}, c ≥ 1), one row per "
+                                   f"query, got {arr.shape}")
         if arr.min() < 0 or arr.max() >= n_keys:
-            raise IndexConfigError(f"{owner}: train_topk holds ids outside [0, {n_keys}) (the keys given to build)")
+            raise IndexConfigError(f"{owner}: {what} holds ids outside [0, {n_keys}) (the keys given to build)")
         return np.ascontiguousarray(arr, dtype=np.int32)
+
+    def _check_group(self, keys: np.ndarray, train_queries: np.ndarray | None, group_queries: Any | None,
+                     group_topk: Any | None) -> dict[str, np.ndarray]:
+        """``group_queries`` (and ``group_topk``) checked as :meth:`build` takes them, or IndexConfigError."""
+        owner = self._owner()
+        if not self.accepts_group_queries:
+            raise IndexConfigError(f"{owner}: this index does not take group_queries")
+        if group_queries is None:
+            raise IndexConfigError(f"{owner}: group_topk needs the group_queries it was computed from")
+        out = {"group_queries": as_matrix(owner, "group_queries", group_queries, keys.shape[1])}
+        if group_topk is not None:
+            out["group_topk"] = self._check_topk(group_topk, out["group_queries"], len(keys), "group_topk")
+        return out
 
     def search(self, queries: Any, k: int, **params: Any) -> SearchResult:
         """Top-``k`` keys by inner product for each query, and how many vectors each query scanned."""

@@ -23,11 +23,17 @@ Build, on keys K (n, d) and training queries Q (m, d) (kernels in :mod:`graph.ro
    before rank r, so a key with no in-neighbour ranked above it is found only by luck; it gets
    in-edges from the keys above it most like it (``descent_links`` per key); this also restores the
    ways down that step 4 cut.
-6. **Reachability**: keys in no list (empty rows) get their nearest keys as out-edges
+6. **Keys in no own list, from the group's other heads** (only when ``build`` is given ``group_queries``, the
+   other query heads' prefill queries of the keys' GQA group, or their lists ``group_topk``): such a key's row is
+   projected from the other heads' lists as step 2 projects (every rank a pivot), and the first ``group_in`` keys of
+   that row gain it at their row's end where there is room (:func:`graph.roar.link_unlisted`). The rows of the keys
+   the own lists hold keep their edges and order: mixing other heads' lists into their projection cost every head
+   (BENCHMARKS "Query-aware graphs").
+7. **Reachability**: keys in no list (empty rows) get their nearest keys as out-edges
    (:func:`link_stranded`), then every key unreachable from the entry points gets an in-edge.
    The published connectivity enhancement (``enhance_L``) is off by default: on real heads it
    links keys no query wants.
-7. **Row order** (``cooc_order``): each row sorted by how many of the key's training lists also hold the
+8. **Row order** (``cooc_order``): each row sorted by how many of the key's training lists also hold the
    neighbour, most first (:func:`graph.roar.order_rows_by_cooc`): the order the search's row stop walks.
 
 Search: the best-first search of :mod:`graph.search` with beam ``L`` from all entry points at once;
@@ -135,6 +141,7 @@ class RoarGraphIndex(Index):
     name = "roargraph"
     uses_train_queries = True
     accepts_train_topk = True
+    accepts_group_queries = True
     takes_hints = True
     build_params = {
         "M": Param(12, 2, 512, help="out-degree of the projection (RobustPrune target)"),
@@ -159,6 +166,8 @@ class RoarGraphIndex(Index):
         "recent_entries": Param(0, 0, 4096, help="the newest keys (highest ids) also used as entry points (counted)"),
         "recent_frac": Param(0.0, 0.0, 1.0, help="newest fraction of training queries given recent_weight"),
         "recent_weight": Param(1.0, 0.0, 1000.0, help="weight of those queries in the co-occurrence merge (0 drops them)"),
+        "group_in": Param(2, 0, 64, help="with group_queries: in-edges per key in no own list from the first keys of its row "
+                                          "(appended where a row has room; 0 = its out-edges only)"),
         "keep_queries": Param(256, 0, 1 << 20, help="newest training queries kept for add() (0 = link new keys by key search only)"),
         "seed": Param(0, 0, 2**31 - 1, help="k-means seed of the hubs"),
     }
@@ -184,7 +193,8 @@ class RoarGraphIndex(Index):
         if p["R"] < p["M"]:
             raise IndexConfigError(f"{self._owner()}: R={p['R']} must be at least M={p['M']}")
 
-    def _build(self, keys: np.ndarray, train_queries: np.ndarray | None, train_topk: np.ndarray | None = None) -> None:
+    def _build(self, keys: np.ndarray, train_queries: np.ndarray | None, train_topk: np.ndarray | None = None,
+               group_queries: np.ndarray | None = None, group_topk: np.ndarray | None = None) -> None:
         self._check(keys, train_queries)
         p = self.params
         n = len(keys)
@@ -214,6 +224,11 @@ class RoarGraphIndex(Index):
         self.hubs = query_hubs(keys, train_queries, p["n_hubs"], p["seed"])
         if p["enhance_L"] > 0:
             roar.connect_by_search(g, self.hubs, p["enhance_L"], (pa, p["R"], p["M_link"]), threads)
+        if group_queries is not None:  # the keys no own list holds: rows from the group's other heads' lists
+            knn_g, _ = self._train_lists(keys, group_queries, m_sq, threads, group_topk)
+            group = roar.bipartite(knn_g, np.ones(len(knn_g), np.float32), n, m_sq, p["idf"])
+            # every rank of another head's list makes an unlisted key a pivot: past the pivot rank it would keep no row
+            roar.link_unlisted(g, bip, group, self._sizes(m_sq), p["alpha"], p["group_in"], threads)
         nbrs, degree = g.nbrs, g.degree
         link_stranded(keys, nbrs, degree, self.hubs, p["M_link"])
         link_unreachable(g, self.hubs, p["R"], FAR_POOL)

@@ -194,6 +194,41 @@ def _co_occurrences(bip, p, lo, hi, C, acc, touched):
     return t
 
 
+def link_unlisted(g: Graph, own: Bipartite, group: Bipartite, sizes: tuple, alpha: float, in_edges: int,
+                  n_threads: int = 1) -> np.ndarray:
+    """Rows for the keys in none of the head's own lists (``own``), from the other heads' lists (``group``), in place;
+    returns those keys. Each is projected from the group's lists as :func:`project_rows` projects (``sizes``,
+    ``alpha``; a key the group lists only past its pivot rank keeps its empty row), and the first ``in_edges`` keys
+    of its new row gain it at their row's end where the row has room: a key the own lists cover keeps its edges and
+    their order (another head's lists change a pivot's candidates, which costs the head's own search)."""
+    unlisted = np.flatnonzero(own.ptr[1:] == own.ptr[:-1])
+    project_rows(g, group, sizes, alpha, n_threads, rows=unlisted)
+    if in_edges > 0:
+        _append_reverse(g.nbrs, g.degree, unlisted, in_edges)
+    return unlisted
+
+
+@njit(cache=True, nogil=True)
+def _append_reverse(nbrs, degree, rows, per_row):
+    """For each u of ``rows`` and v among the first ``per_row`` of u's row: u appended to v's row if it has room and
+    lacks u (serial: rows are shared)."""
+    R = nbrs.shape[1]
+    for u in rows:
+        for j in range(min(per_row, degree[u])):
+            v = nbrs[u, j]
+            d = degree[v]
+            if d >= R:
+                continue
+            dup = False
+            for t in range(d):
+                if nbrs[v, t] == u:
+                    dup = True
+                    break
+            if not dup:
+                nbrs[v, d] = u
+                degree[v] = d + 1
+
+
 def connect_by_search(g: Graph, entries, L: int, prune: tuple, n_threads: int, targets=None, prune_full=False,
                       keep_order=False) -> None:
     """Connectivity enhancement, in place: each target is searched for on the graph and linked *from* the
