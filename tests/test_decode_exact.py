@@ -337,7 +337,7 @@ def test_copy_hints_reach_each_search_as_the_store_rows_of_their_positions(prefi
     """A teacher that copies the prompt from position 10 on: at step i (input ids[10 + i] at position PROMPT + i) the
     token to copy next is at position 11 + i, so the rows given to each layer's search name it as row 11 + i − sink,
     whose stored key is that position's key in the prefill cache; no hint names the current token or a row outside
-    [0, n_rows); --copy-hints 0 gives none."""
+    [0, n_rows); --copy-hints 0 gives none, and so does an index that takes none (flat)."""
     from anns_lab.decode.placement import LayerStore
 
     lm, pre, _ = prefilled
@@ -364,4 +364,7 @@ def test_copy_hints_reach_each_search_as_the_store_rows_of_their_positions(prefi
             np.testing.assert_allclose(store.keys[:, r], want, rtol=1e-6, atol=1e-6)
     seen.clear()
     run_mode(lm, pre, Mode("roargraph", plan), dataclasses.replace(SETTINGS, copy_hints=0), 0, teacher=teacher[:2])
+    assert seen and all(rows is None for _, rows in seen)
+    seen.clear()  # an index that takes no hints: none computed (their cost is not in its step times)
+    run_mode(lm, pre, Mode("flat", IndexPlan("flat")), SETTINGS, 0, teacher=teacher[:2])
     assert seen and all(rows is None for _, rows in seen)
