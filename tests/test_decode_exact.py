@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -329,3 +331,40 @@ def test_device_lists_are_the_exact_top_keys():
     assert got.shape == (4, 50, 20) and got.dtype == np.int32
     for h in range(4):
         assert np.array_equal(got[h], topk_ip(queries[h], keys[h // 2], 20))
+
+
+def test_copy_hints_reach_each_search_as_the_store_rows_of_their_positions(prefilled, monkeypatch):
+    """A teacher that copies the prompt from position 10 on: at step i (input ids[10 + i] at position PROMPT + i) the
+    token to copy next is at position 11 + i, so the rows given to each layer's search name it as row 11 + i − sink,
+    whose stored key is that position's key in the prefill cache; no hint names the current token or a row outside
+    [0, n_rows); --copy-hints 0 gives none, and so does an index that takes none (flat)."""
+    from anns_lab.decode.placement import LayerStore
+
+    lm, pre, _ = prefilled
+    teacher = pre.ids[10:10 + STEPS]
+    seen = []
+    side = LayerStore.side
+
+    def spy(self, q, scaling, hints=None):
+        seen.append((self, None if hints is None else hints.copy()))
+        return side(self, q, scaling, hints)
+
+    monkeypatch.setattr(LayerStore, "side", spy)
+    sink = SETTINGS.window.sink
+    plan = IndexPlan("roargraph", {}, thorough("roargraph"))
+    run = run_mode(lm, pre, Mode("roargraph", plan), SETTINGS, 0, teacher=teacher)
+    per_step = len(run.stores)
+    assert len(seen) == per_step * STEPS
+    for i in range(STEPS):
+        for store, rows in seen[i * per_step:(i + 1) * per_step]:
+            assert rows is not None and 11 + i - sink in rows.tolist(), (i, rows)
+            assert (rows >= 0).all() and (rows + sink < len(pre.ids) + i).all()
+            r = 11 + i - sink
+            want = pre.cache.layers[store.layer].keys[0, :, sink + r].to("cpu", torch.float32).numpy()
+            np.testing.assert_allclose(store.keys[:, r], want, rtol=1e-6, atol=1e-6)
+    seen.clear()
+    run_mode(lm, pre, Mode("roargraph", plan), dataclasses.replace(SETTINGS, copy_hints=0), 0, teacher=teacher[:2])
+    assert seen and all(rows is None for _, rows in seen)
+    seen.clear()  # an index that takes no hints: none computed (their cost is not in its step times)
+    run_mode(lm, pre, Mode("flat", IndexPlan("flat")), SETTINGS, 0, teacher=teacher[:2])
+    assert seen and all(rows is None for _, rows in seen)

@@ -160,6 +160,8 @@ def test_bad_input(cls):
     if cls is RoarGraphIndex:
         with pytest.raises(IndexConfigError, match="at least M"):
             cls(M=32, R=16).build(keys, train)
+        with pytest.raises(IndexConfigError, match="M_link=8 must be at most R=6"):  # a stranded key's row holds M_link
+            cls(M=4, R=6).build(keys, train)
 
 
 def test_search_is_the_sorted_list_beam_search_and_allows_L_below_k():

@@ -161,8 +161,8 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
     ctl = Retrieval(lm.long_range_layers, mode.kind, settings.window, False)
     ctl.stores = stores
     ctl.phase = "decode"
-    if stores and settings.copy_hints > 0:
-        ctl.hints = CopyHints(settings.copy_hints)
+    if settings.copy_hints > 0 and any(s.indexes and type(s.indexes[0]).takes_hints for s in stores.values()):
+        ctl.hints = CopyHints(settings.copy_hints)  # only where a search uses them: the others' steps do not pay for them
     with torch.inference_mode():  # the prefill's tensors are inference tensors; so are the copies
         if mode.kind == "full":
             cache = copy.deepcopy(pre.cache)

@@ -192,6 +192,8 @@ class RoarGraphIndex(Index):
             raise IndexConfigError(f"{self._owner()}: M={p['M']} must be smaller than the number of keys ({n})")
         if p["R"] < p["M"]:
             raise IndexConfigError(f"{self._owner()}: R={p['R']} must be at least M={p['M']}")
+        if p["M_link"] > p["R"]:  # link_stranded writes M_link out-edges into a row of R
+            raise IndexConfigError(f"{self._owner()}: M_link={p['M_link']} must be at most R={p['R']}")
 
     def _build(self, keys: np.ndarray, train_queries: np.ndarray | None, train_topk: np.ndarray | None = None,
                group_queries: np.ndarray | None = None, group_topk: np.ndarray | None = None) -> None:
