@@ -7,9 +7,10 @@ never reaches them (BENCHMARKS.md "Scale": at 128K the heads that copy find ~hal
 keys). Those keys are where induction heads look: the token after an earlier occurrence of the current
 context. So each step the decoder finds the longest suffix (up to ``n_max`` tokens) of the sequence so far
 that occurred before, and hands the positions right after its latest ``cap`` occurrences to the search as
-extra entry points (prompt-lookup decoding uses the same match to draft tokens). They cost ``cap`` inner
-products per head, counted as scanned; the search goes on from them as from any entry point, so a wrong
-hint costs its inner product and nothing else.
+extra entry points (prompt-lookup decoding uses the same match to draft tokens), with those of the ``carry``
+steps before moved on (:class:`CopyHints`). They cost at most ``cap``·(1 + ``carry``) inner products per head,
+counted as scanned; the search goes on from them as from any entry point, so a wrong hint costs its inner
+product and nothing else.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from numba import njit
 from anns_lab.indexes.graph import Graph
 from anns_lab.indexes.graph.prune import robust_prune
 from anns_lab.indexes.graph.simd import dot
-from anns_lab.indexes.graph.utils import run_chunks
+from anns_lab.indexes.graph.utils import append_new, run_chunks
 
 
 @njit(cache=True, nogil=True)
@@ -69,16 +69,8 @@ def _merge_chunk(g, rows, csr, alpha, R, prune_full, keep_order, c, n_chunks):
         cand[:m] = nbrs[u, :m]
         for t in range(lo, hi):
             v = src[t]
-            if v == u:
-                continue
-            dup = False
-            for j in range(m):
-                if cand[j] == v:
-                    dup = True
-                    break
-            if not dup:
-                cand[m] = v
-                m += 1
+            if v != u:
+                m = append_new(cand, m, v)
         if m <= R or not prune_full:
             kept = min(m, R)
             nbrs[u, :kept] = cand[:kept]

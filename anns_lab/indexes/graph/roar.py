@@ -13,7 +13,7 @@ from anns_lab.indexes.graph.edges import incoming, merge_into_rows, proposals_by
 from anns_lab.indexes.graph.prune import prune_ordered, robust_prune
 from anns_lab.indexes.graph.search import search_one
 from anns_lab.indexes.graph.simd import common_bits, dot, dot_rows, prefetch_keys
-from anns_lab.indexes.graph.utils import kth_largest, kth_scratch, run_chunks
+from anns_lab.indexes.graph.utils import append_new, kth_largest, kth_scratch, run_chunks
 
 
 class Bipartite(NamedTuple):
@@ -216,17 +216,8 @@ def _append_reverse(nbrs, degree, rows, per_row):
     for u in rows:
         for j in range(min(per_row, degree[u])):
             v = nbrs[u, j]
-            d = degree[v]
-            if d >= R:
-                continue
-            dup = False
-            for t in range(d):
-                if nbrs[v, t] == u:
-                    dup = True
-                    break
-            if not dup:
-                nbrs[v, d] = u
-                degree[v] = d + 1
+            if degree[v] < R:
+                degree[v] = append_new(nbrs[v], degree[v], u)
 
 
 def connect_by_search(g: Graph, entries, L: int, prune: tuple, n_threads: int, targets=None, prune_full=False,

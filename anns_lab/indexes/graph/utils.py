@@ -133,6 +133,16 @@ def run_chunks(kernel, args: tuple, n_items: int, n_threads: int) -> None:
 
 
 @njit(cache=True, nogil=True, inline="always")
+def append_new(row, m, v):
+    """Append ``v`` to ``row[:m]`` unless it is there already; return the new length (a linear scan: rows are short)."""
+    for t in range(m):
+        if row[t] == v:
+            return m
+    row[m] = v
+    return m + 1
+
+
+@njit(cache=True, nogil=True, inline="always")
 def mark_fresh(cands, visited, epoch, fresh):
     """Copy the nodes of ``cands`` not yet visited (``-1`` skipped) into ``fresh`` in order, marking them; return how many."""
     m = 0

@@ -8,7 +8,7 @@ from numba import njit
 from anns_lab.indexes.graph import Graph
 from anns_lab.indexes.graph.prune import robust_prune
 from anns_lab.indexes.graph.search import search_one
-from anns_lab.indexes.graph.utils import run_chunks
+from anns_lab.indexes.graph.utils import append_new, run_chunks
 
 
 @njit(cache=True, nogil=True)
@@ -22,16 +22,8 @@ def random_graph(n, R, seed):
         filled = 0
         while filled < r:
             c = np.random.randint(0, n)
-            if c == i:
-                continue
-            dup = False
-            for t in range(filled):
-                if nbrs[i, t] == c:
-                    dup = True
-                    break
-            if not dup:
-                nbrs[i, filled] = c
-                filled += 1
+            if c != i:
+                filled = append_new(nbrs[i], filled, c)
     return nbrs, degree
 
 
