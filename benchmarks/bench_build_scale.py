@@ -36,6 +36,7 @@ import pandas as pd
 import torch
 
 import anns_lab
+from anns_lab.dumps import rope
 from anns_lab.eval.heads import default_layers, load_head
 from anns_lab.indexes import roargraph as rg
 from anns_lab.indexes import train_lists as tl
@@ -109,6 +110,7 @@ def main() -> None:
     ap.add_argument("--variants", default=VARIANTS)
     ap.add_argument("--target", type=float, default=0.95)
     ap.add_argument("--synthetic", type=int, default=0, help="time builds at this many keys (tiled real heads)")
+    ap.add_argument("--train-positions", default=rope.DEFAULT, choices=rope.PLACES, help=rope.HELP)
     ap.add_argument("--pieces", action="store_true", help="split each build's CPU seconds into its parts")
     a = ap.parse_args()
     if a.pieces:
@@ -129,9 +131,9 @@ def main() -> None:
     rows = []
     for layer in layers:
         for head in heads:
-            hd = load_head(dump, layer, head)
+            hd = load_head(dump, layer, head, train_positions=a.train_positions)
             keys, queries = hd.keys, hd.train_queries
-            grouped = {v[2]["group"]: load_head(dump, layer, head, train_group=v[2]["group"])
+            grouped = {v[2]["group"]: load_head(dump, layer, head, train_group=v[2]["group"], train_positions=a.train_positions)
                        for v in variants if v[2].get("group", "head") != "head"}
             if a.synthetic:
                 rng = np.random.default_rng(layer * 100 + head)

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from anns_lab.dumps import rope
 from anns_lab.eval.sweep import run_sweep
 from anns_lab.indexes.group_queries import MODES
 
@@ -75,6 +76,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="recall and cost only (no latency or attention-quality passes)")
     ap.add_argument("--build-param", action="append", default=[], metavar="INDEX.NAME=VALUE",
                     help="replace a build default, e.g. roargraph.descent_links=0 (repeatable)")
+    ap.add_argument("--train-positions", default=rope.DEFAULT, choices=rope.PLACES, help=rope.HELP)
     ap.add_argument("--train-group", default="head", choices=MODES,
                     help="attention-aware indexes' training queries: the head's own or its GQA group's, or the head's own with "
                          "the group's other heads' for the keys its lists leave out (anns_lab.indexes.group_queries)")
@@ -87,7 +89,8 @@ def main() -> None:
         build_params.setdefault(index, {})[param] = json.loads(value)
     res = run_sweep(args.dump, indexes=args.indexes.split(","), layers=[int(x) for x in args.layers.split(",")],
                     heads=heads, out=args.out, jobs=args.jobs, overwrite=args.overwrite, build_params=build_params,
-                    quick=args.quick, train_group=args.train_group)
+                    quick=args.quick, train_group=args.train_group,
+                    train_positions=args.train_positions)
     for f in res.failures:
         print("FAILED", f)
     s = summarise(res.table, args.target)

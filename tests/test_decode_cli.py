@@ -101,20 +101,21 @@ def test_bad_input_is_one_clear_error(tiny_llama, args, needle):
     assert needle in _error(_run(*flat))
 
 
-@pytest.mark.parametrize("group, hints", [(None, None), ("strided", 0), ("unlisted", None)])
-def test_train_group_is_recorded_in_the_json(tiny_llama, tmp_path, group, hints):
-    """--train-group and --copy-hints reach the decode (one graph per KV head: the run's answer is full's with a top-k over
-    every key) and the JSON records them; without them, the defaults."""
+@pytest.mark.parametrize("group, hints, place", [(None, None, None), ("strided", 0, "own"), ("unlisted", None, None)])
+def test_train_group_is_recorded_in_the_json(tiny_llama, tmp_path, group, hints, place):
+    """--train-group, --train-positions and --copy-hints reach the decode (one graph per KV head: the run's answer is
+    full's with a top-k over every key) and the JSON records them; without them, the defaults."""
     from anns_lab.decode.engine import Settings
     from anns_lab.indexes.group_queries import DEFAULT
 
     out = tmp_path / "r.json"
     res = _run("--model", tiny_llama, "--mode", "full,roargraph", "--task", "passkey", "--context", 200, "--window", "4,16",
                "--topk", 180, "--max-new-tokens", 3, "--json", out, *(["--train-group", group] if group else []),
-               *(["--copy-hints", hints] if hints is not None else []))
+               *(["--copy-hints", hints] if hints is not None else []), *(["--train-positions", place] if place else []))
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())
     assert data["settings"]["train_group"] == (group or DEFAULT)
+    assert data["settings"]["train_positions"] == (place or Settings.train_positions)
     assert data["settings"]["copy_hints"] == (Settings.copy_hints if hints is None else hints)
     assert data["modes"]["roargraph"]["samples"][0]["answer"] == data["modes"]["full"]["samples"][0]["answer"]
 
@@ -184,14 +185,15 @@ def test_from_sweep_refuses_parameters_the_index_does_not_have(tmp_path):
 
 def test_from_sweep_runs_rows_from_before_the_row_stop_with_full_rows(tmp_path):
     """A roargraph row swept before the row stop existed (search parameters: L only) measured full rows: the pick runs
-    it with row_misses=0 and says so; a row that names its row stop keeps it, with no such line."""
+    it with row_misses=0 and says so; a row that names its row stop keeps it, with no such line. (A sweep that old trained
+    on the queries at their own positions.)"""
     from anns_lab.indexes.roargraph import RoarGraphIndex
 
     path = tmp_path / "results.parquet"
     df = pd.read_parquet(_results(path))
     df = df[df["index"] == "vamana"].assign(index="roargraph", build_params=json.dumps({"M": 12}))
     df.to_parquet(path)
-    mode, lines = pick_from_sweep(str(path), "m", 0.95, [1, 3])
+    mode, lines = pick_from_sweep(str(path), "m", 0.95, [1, 3], train_positions="own")
     assert mode.plan.name == "roargraph" and mode.plan.build_params == {} and mode.plan.search_params == {"L": 200, "row_misses": 0}
     assert mode.per_layer[1].search_params == {"L": 100, "row_misses": 0}
     assert [x for x in lines if "predate" in x] == [
@@ -199,7 +201,7 @@ def test_from_sweep_runs_rows_from_before_the_row_stop_with_full_rows(tmp_path):
     assert RoarGraphIndex.search_params["row_misses"].default != 0  # the index's default is the row stop
     df["search_params"] = df["search_params"].map(lambda p: json.dumps({**json.loads(p), "row_misses": 6, "row_credit": 0.3}))
     df.to_parquet(path)
-    mode, lines = pick_from_sweep(str(path), "m", 0.95, [1, 3])
+    mode, lines = pick_from_sweep(str(path), "m", 0.95, [1, 3], train_positions="own")
     assert mode.plan.search_params == {"L": 200, "row_misses": 6, "row_credit": 0.3}
     assert not any("predate" in x for x in lines)
 
@@ -207,6 +209,7 @@ def test_from_sweep_runs_rows_from_before_the_row_stop_with_full_rows(tmp_path):
 def test_from_sweep_runs_rows_of_a_current_sweep_with_their_row_stop(tmp_path):
     """A roargraph row as the sweep writes it now (evaluate_index: every build parameter, the grid's search parameters
     only, so L alone) measured the default row stop: the pick must not run it with full rows."""
+    from anns_lab.eval.table import SETTINGS
     from anns_lab.indexes.roargraph import RoarGraphIndex
 
     index = RoarGraphIndex()
@@ -215,6 +218,7 @@ def test_from_sweep_runs_rows_of_a_current_sweep_with_their_row_stop(tmp_path):
     df = pd.read_parquet(_results(path))
     df = df[df["index"] == "vamana"].assign(index="roargraph", build_params=json.dumps(index.params, sort_keys=True))
     df.to_parquet(path)
+    (tmp_path / SETTINGS).write_text(json.dumps({"k": 100, "train_positions": "serving"}))  # as a sweep writes them now
     mode, lines = pick_from_sweep(str(path), "m", 0.95, [1, 3])
     assert mode.plan.search_params == {"L": 200} and mode.per_layer[1].search_params == {"L": 100}
     assert not any("predate" in x for x in lines)
@@ -227,7 +231,7 @@ def test_from_sweep_refuses_an_attention_aware_pick_of_another_train_group(tmp_p
 
     df = pd.read_parquet(_results(tmp_path / "results.parquet"))
     df.assign(index=df["index"].replace("vamana", "roargraph")).to_parquet(tmp_path / "results.parquet")
-    (tmp_path / SETTINGS).write_text(json.dumps({"k": 100, "train_group": "group"}))
+    (tmp_path / SETTINGS).write_text(json.dumps({"k": 100, "train_group": "group", "train_positions": "serving"}))
     with pytest.raises(DecodeError, match="swept with --train-group group.*pass --train-group group"):
         pick_from_sweep(str(tmp_path), "m", 0.95, [1, 3])
     assert pick_from_sweep(str(tmp_path), "m", 0.95, [1, 3], "group")[0].plan.name == "roargraph"
@@ -236,6 +240,21 @@ def test_from_sweep_refuses_an_attention_aware_pick_of_another_train_group(tmp_p
         pick_from_sweep(str(tmp_path), "m", 0.95, [1, 3], "strided")
     df.to_parquet(tmp_path / "results.parquet")  # vamana learns from no queries: any --train-group runs what it measured
     assert pick_from_sweep(str(tmp_path), "m", 0.95, [1, 3], "strided")[0].plan.name == "vamana"
+
+
+def test_from_sweep_refuses_an_attention_aware_pick_of_other_training_positions(tmp_path):
+    """A sweep's roargraph rows measured graphs trained on queries at one place (--train-positions): a decode that
+    trains on them elsewhere would run graphs the sweep never measured; sweeps before the option: their own positions."""
+    from anns_lab.eval.table import SETTINGS
+
+    df = pd.read_parquet(_results(tmp_path / "results.parquet"))
+    df.assign(index=df["index"].replace("vamana", "roargraph")).to_parquet(tmp_path / "results.parquet")
+    (tmp_path / SETTINGS).write_text(json.dumps({"k": 100}))
+    with pytest.raises(DecodeError, match="swept with --train-positions own.*pass --train-positions own"):
+        pick_from_sweep(str(tmp_path), "m", 0.95, [1, 3])
+    assert pick_from_sweep(str(tmp_path), "m", 0.95, [1, 3], train_positions="own")[0].plan.name == "roargraph"
+    (tmp_path / SETTINGS).write_text(json.dumps({"k": 100, "train_positions": "serving"}))
+    assert pick_from_sweep(str(tmp_path), "m", 0.95, [1, 3])[0].plan.name == "roargraph"
 
 
 def test_default_mode_is_attention_aware_when_registered():

@@ -103,11 +103,13 @@ def test_one_graph_per_kv_head_keeps_recall_for_every_head_of_its_group(smollm2_
 
 def test_group_training_queries_are_the_groups_before_the_first_test_query(smollm2_dump):
     """Causality for the group: every training row is some group head's prefill query before the first test position,
-    and each (head, position) appears once (group) or each position once (strided)."""
-    own = load_head(smollm2_dump, 2, 4, window=(16, 128))
+    and each (head, position) appears once (group) or each position once (strided). (At their own positions: moved to
+    the serving ones, each row is turned, tests/test_train_positions.py.)"""
+    own = load_head(smollm2_dump, 2, 4, window=(16, 128), train_positions="own")
     t = len(own.train_queries)
     assert own.test_pos.min() >= t  # the per-head rule the group keeps
-    rows = {m: load_head(smollm2_dump, 2, 4, window=(16, 128), train_group=m).train_queries for m in ("group", "strided")}
+    rows = {m: load_head(smollm2_dump, 2, 4, window=(16, 128), train_group=m, train_positions="own").train_queries
+            for m in ("group", "strided")}
     group_q = np.stack([smollm2_dump.queries(2, h, "prefill")[:t] for h in (3, 4, 5)])  # (3, t, d)
     flat = {row.tobytes(): (h, p) for h in range(3) for p, row in enumerate(group_q[h])}
     got = [flat[r.tobytes()] for r in rows["group"]]

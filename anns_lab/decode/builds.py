@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from anns_lab.decode.placement import IndexPlan, LayerStore
+from anns_lab.dumps import rope
 from anns_lab.indexes import registry
 from anns_lab.indexes.group_queries import PER_HEAD, group_queries
 
@@ -31,8 +32,13 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
     values = layer_cache.values[0, :, lo:hi].to("cpu", torch.float32).numpy()
     store = LayerStore(layer, lm.config.num_attention_heads, keys, values, settings.topk, plan, settings.add_batch,
                        settings.steps)
-    queries = subsample(queries, settings.train_queries)
     aware = queries is not None and plan is not None and registry.get(plan.name).uses_train_queries
+    if aware:
+        positions = subsampled_positions(queries.shape[1], settings.train_queries)
+        queries = np.ascontiguousarray(queries[:, positions])
+        if settings.train_positions == "serving":  # moved to the decode steps' positions (dumps.rope)
+            freqs = rope.inv_freq(lm.config, layer)
+            queries = np.stack([rope.to_serving(q, positions, n_ids, n_ids + settings.steps - 1, freqs) for q in queries])
     per_kv = aware and settings.train_group not in PER_HEAD
     others = aware and settings.train_group == "unlisted" and registry.get(plan.name).accepts_group_queries
     if per_kv:  # one training set per KV head: its GQA group's queries
@@ -132,9 +138,15 @@ def _device_lists(lm, plan, queries: np.ndarray | None, keys: torch.Tensor, sett
     return train_topk(queries, keys, width, queries.shape[0] // keys.shape[0])
 
 
+def subsampled_positions(t: int, n: int) -> np.ndarray:
+    """The positions of at most ``n`` of ``t`` prefill queries, evenly spaced and always including the last one."""
+    if n <= 0 or t <= n:
+        return np.arange(t)
+    return np.linspace(t - 1, 0, n).round().astype(np.int64)[::-1]
+
+
 def subsample(queries: np.ndarray | None, n: int) -> np.ndarray | None:
     """At most ``n`` prefill queries (H, t, d), evenly spaced and always including the last one."""
     if queries is None or n <= 0 or queries.shape[1] <= n:
         return queries
-    pick = np.linspace(queries.shape[1] - 1, 0, n).round().astype(np.int64)[::-1]
-    return np.ascontiguousarray(queries[:, pick])
+    return np.ascontiguousarray(queries[:, subsampled_positions(queries.shape[1], n)])

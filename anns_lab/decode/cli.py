@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import click
 
 from anns_lab.cli_types import WINDOW
+from anns_lab.dumps import rope
 from anns_lab.dumps.cli import ROPE_HELP, ROPE_SCALING
 from anns_lab.dumps.tasks import TASKS
 from anns_lab.errors import DecodeError
@@ -43,6 +44,7 @@ def default_device() -> str:
               help="attention-aware indexes: one per KV head trained on its GQA group's queries (group: all of them; "
                    "strided: one head's count, round robin over the heads by position), or one per query head on its own ('head'; "
                    "'unlisted': with the group's other heads' newest queries for the keys its own lists leave out)")
+@click.option("--train-positions", type=click.Choice(rope.PLACES), default=rope.DEFAULT, show_default=True, help=rope.HELP)
 @click.option("--copy-hints", default=8, show_default=True,
               help="per step, the positions after the latest N earlier occurrences of the text's last 1-3 tokens (and the "
                    "two steps before's, moved on) also enter the searches of indexes that take hints (roargraph; counted "
@@ -76,7 +78,8 @@ def default_device() -> str:
 @click.option("--cpus-per-task", type=float, default=1.0, show_default=True, help="Ray: CPUs reserved per sample task")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="write the full results here (after each sample; \"partial\": true until the last)")
-def decode(model, modes, params, build_params, topk, window, add_batch, train_queries, train_group, copy_hints, task, prompt, evaluation, context, samples,
+def decode(model, modes, params, build_params, topk, window, add_batch, train_queries, train_group, train_positions, copy_hints, task,
+           prompt, evaluation, context, samples,
            seed, max_new_tokens, positions, free_tokens, chunk, build_during_prefill, from_sweep, target_recall, device, torch_threads,
            allow_extrapolation, rope_scaling, executor, address, cpus_per_task, json_path):
     """Generate with RetrievalAttention: static window on the accelerator + retrieved keys from a CPU index."""
@@ -84,14 +87,15 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
     from anns_lab.decode.engine import Settings
 
     settings = Settings(window=window, topk=topk, add_batch=add_batch, chunk=chunk, train_queries=train_queries,
-                        train_group=train_group, build_during_prefill=build_during_prefill, copy_hints=copy_hints)
+                        train_group=train_group, train_positions=train_positions, build_during_prefill=build_during_prefill,
+                        copy_hints=copy_hints)
     _check_options(settings, evaluation, task, prompt, executor, address)
     mode_list = _parse_mode_list(modes, params, build_params, from_sweep)
     device = device or default_device()
     lm = _load(model, device, torch_threads, rope_scaling)
     pick = None
     if from_sweep:
-        mode_list, lines = _with_sweep_pick(mode_list, from_sweep, lm, target_recall, train_group)
+        mode_list, lines = _with_sweep_pick(mode_list, from_sweep, lm, target_recall, settings)
         pick = {"path": str(from_sweep), "target_recall": target_recall, "pick": lines}
 
     def progress(line: str) -> None:
@@ -180,11 +184,12 @@ def _with_full(mode_list: list[Mode]) -> list[Mode]:
 
 
 def _with_sweep_pick(mode_list: list[Mode], from_sweep: str, lm, target_recall: float,
-                     train_group: str) -> tuple[list[Mode], list[str]]:
+                     settings: Settings) -> tuple[list[Mode], list[str]]:
     """Add the sweep's pick for ``lm`` (and ``full``), printing what was picked and why (the lines, also returned)."""
     from anns_lab.decode import modes as modes_mod
 
-    picked, lines = modes_mod.pick_from_sweep(from_sweep, lm.name, target_recall, lm.long_range_layers, train_group)
+    picked, lines = modes_mod.pick_from_sweep(from_sweep, lm.name, target_recall, lm.long_range_layers,
+                                              settings.train_group, settings.train_positions)
     click.echo("\n".join(lines))
     return _with_full(mode_list + [picked]), lines
 
@@ -197,7 +202,8 @@ def _run_description(lm, device: str, executor: str, settings: Settings, mode_li
             "rope_scaling": str(lm.rope_scaling) if lm.rope_scaling else None, "device": device, "executor": executor,
             "settings": {"sink": settings.window.sink, "recent": settings.window.recent, "topk": settings.topk,
                          "add_batch": settings.add_batch, "chunk": settings.chunk, "train_queries": settings.train_queries,
-                         "train_group": settings.train_group, "build_during_prefill": settings.build_during_prefill,
+                         "train_group": settings.train_group, "train_positions": settings.train_positions,
+                         "build_during_prefill": settings.build_during_prefill,
                          "copy_hints": settings.copy_hints},
             "plans": {m.name: ({"default": m.plan.describe(), **{str(k): p.describe() for k, p in m.per_layer.items()}}
                                if m.plan else None) for m in mode_list}}

@@ -24,6 +24,7 @@ from anns_lab.decode.builds import EarlyBuilds, build_stores
 from anns_lab.decode.cache import device_kv_bytes, require_ring, window_cache
 from anns_lab.decode.copy_hints import CopyHints
 from anns_lab.decode.placement import IndexPlan
+from anns_lab.dumps import rope
 from anns_lab.dumps.models import forward_tokens
 from anns_lab.indexes import group_queries
 from anns_lab.window import Window
@@ -61,6 +62,7 @@ class Settings:
     chunk: int = 2048
     train_queries: int = 0  # prefill queries given to attention-aware indexes, evenly strided (0 = all)
     train_group: str = group_queries.DEFAULT  # attention-aware indexes: one per KV head on its group's queries, or "head"
+    train_positions: str = rope.DEFAULT  # their queries moved to the decode steps' positions ("serving") or at their own
     lists_on_device: bool | None = None  # training lists of the indexes on the accelerator (None: when it is CUDA)
     build_during_prefill: bool = True  # start a layer's index builds once the prompt's last chunk has passed it (builds.EarlyBuilds)
     steps: int = 64  # decode steps of a mode at most: the CPU stores reserve a row per step past the prompt's

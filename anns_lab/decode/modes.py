@@ -7,6 +7,7 @@ import sys
 
 from anns_lab.decode.engine import Mode
 from anns_lab.decode.placement import IndexPlan
+from anns_lab.dumps import rope
 from anns_lab.errors import DecodeError, IndexConfigError
 from anns_lab.indexes import group_queries, registry
 
@@ -83,12 +84,12 @@ def parse_modes(spec: str, search: dict, build: dict) -> list[Mode]:
 
 
 def pick_from_sweep(path: str, model: str, target: float, layers: list[int],
-                    train_group: str = group_queries.DEFAULT) -> tuple[Mode, list[str]]:
+                    train_group: str = group_queries.DEFAULT, train_positions: str = rope.DEFAULT) -> tuple[Mode, list[str]]:
     """The index + parameters with the least scanned fraction reaching ``target`` recall, per layer where possible.
 
     Recall and scanned fraction are averaged over the heads of a layer (Q→K rows only). Layers
     the table does not cover get the configuration that is best over all its layers. An attention-aware pick
-    needs the decode's ``train_group`` to be the sweep's (its rows measured those graphs).
+    needs the decode's ``train_group`` and ``train_positions`` to be the sweep's (its rows measured those graphs).
     """
     from anns_lab.eval.table import load_results
 
@@ -162,6 +163,10 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int],
     if aware and swept_group != train_group:
         raise DecodeError(f"{path} was swept with --train-group {swept_group}: its {', '.join(aware)} rows measured those "
                           f"graphs, not the decode's --train-group {train_group}; pass --train-group {swept_group}")
+    swept_at = settings.get("train_positions", "own")  # sweeps before the option: queries at their own positions
+    if aware and swept_at != train_positions:
+        raise DecodeError(f"{path} was swept with --train-positions {swept_at}: its {', '.join(aware)} rows measured "
+                          f"those graphs, not the decode's --train-positions {train_positions}; pass --train-positions {swept_at}")
     name = f"sweep:{base.name}"
     return Mode(name, base, per_layer), lines
 

@@ -9,6 +9,7 @@ import click
 
 from anns_lab.cli_types import WINDOW
 from anns_lab.errors import AnnsLabError
+from anns_lab.dumps import rope
 from anns_lab.indexes.group_queries import DEFAULT as GROUP_DEFAULT
 from anns_lab.indexes.group_queries import MODES as GROUP_MODES
 
@@ -87,6 +88,7 @@ def latest_dump() -> Path | None:
               help="Training queries of the attention-aware indexes: their GQA group's (group: all; strided: one head's "
                    "count, round robin over the heads by position), or the query head's own ('head'; 'unlisted': with the group's "
                    "other heads' newest queries for the keys its own lists leave out).")
+@click.option("--train-positions", type=click.Choice(rope.PLACES), default=rope.DEFAULT, show_default=True, help=rope.HELP)
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               help="local: --jobs worker processes here; ray: one task per (layer, head, index) on a Ray cluster.")
 @click.option("--address", default=None,
@@ -97,7 +99,8 @@ def latest_dump() -> Path | None:
 @click.option("--max-attempts", type=int, default=3, show_default=True,
               help="A failing part is tried at most this many times over all runs, then reported.")
 @click.option("--retry-failed", is_flag=True, help="Forget earlier failures (parts/failed-*.json) and try those parts again.")
-def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite, build_param, quick, train_group, executor, address,
+def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite, build_param, quick, train_group, train_positions,
+          executor, address,
           cpus_per_task, ray_data, max_attempts, retry_failed) -> None:
     """Evaluate every index on recall@k against fraction of keys scanned, per (layer, head)."""
     from anns_lab.eval.sweep import SweepInterrupted, run_sweep
@@ -119,7 +122,7 @@ def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite, bu
         res = run_sweep(dump_path, names, layer_list, head_list, k, window, out, jobs, overwrite,
                         build_params=_build_params(build_param), quick=quick, executor=executor, address=address,
                         cpus_per_task=cpus_per_task, max_attempts=max_attempts, retry_failed=retry_failed,
-                        ray_data=ray_data, train_group=train_group)
+                        ray_data=ray_data, train_group=train_group, train_positions=train_positions)
     except SweepInterrupted as stop:
         click.echo(str(stop), err=True)
         raise SystemExit(130) from None

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from anns_lab.dumps import rope
 from anns_lab.dumps.store import Dump
 from anns_lab.errors import AnnsLabError
 from anns_lab.eval import metrics
@@ -155,9 +156,12 @@ def check_k(dump: Dump, window: Window | tuple[int, int], k: int, n_k2k: int = 6
 
 
 def load_head(dump: Dump, layer: int, head: int, window: Window | tuple[int, int] = Window(), min_test: int = 64,
-              n_k2k: int = 64, seed: int = 0, train_group: str = group_queries.DEFAULT) -> HeadData:
+              n_k2k: int = 64, seed: int = 0, train_group: str = group_queries.DEFAULT,
+              train_positions: str = rope.DEFAULT) -> HeadData:
     """Assemble :class:`HeadData` for one (layer, head) of ``dump``; ``train_group`` picks the training queries
-    (:mod:`indexes.group_queries`: the head's own, or its GQA group's, each before the first test position)."""
+    (:mod:`indexes.group_queries`: the head's own, or its GQA group's, each before the first test position) and
+    ``train_positions`` where they sit: ``serving`` moves each to a position drawn from the test queries' span
+    (:mod:`dumps.rope`: the positions a decoder's index serves), ``own`` keeps its prefill position."""
     n = int(dump.manifest["n_tokens"]["prefill"])
     window = Window(*window)
     lo, hi, extra = index_range(dump, window, min_test, n_k2k)
@@ -177,6 +181,10 @@ def load_head(dump: Dump, layer: int, head: int, window: Window | tuple[int, int
         group.remove(head)
         group.insert(0, head)
     per_head = [prefill_q[: n - extra] if h == head else dump.queries(layer, h, "prefill")[: n - extra] for h in group]
+    if rope.check_place(train_positions) == "serving":
+        freqs = rope.dump_inv_freq(dump.manifest, layer)
+        first, last = int(test_pos.min()), int(test_pos.max())
+        per_head = [rope.to_serving(q, np.arange(len(q)), first, last, freqs) for q in per_head]
     train_q = group_queries.group_queries(per_head, train_group)
     others = group_queries.other_heads(per_head, 0) if train_group == "unlisted" else None
     return HeadData(layer, head, g, np.ascontiguousarray(all_keys[key_pos]), key_pos, train_q,

@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from anns_lab.dumps import rope
 from anns_lab.dumps.store import open_dump, write_table
 from anns_lab.errors import AnnsLabError
 from anns_lab.eval import failures as failed
@@ -125,6 +126,7 @@ class SweepWork:
     build_params: dict
     quick: bool
     train_group: str = group_queries.DEFAULT
+    train_positions: str = rope.DEFAULT
 
     def worker_env(self) -> dict[str, str]:
         return dict(WORKER_ENV)
@@ -133,7 +135,8 @@ class SweepWork:
         _single_thread()
 
     def load(self, layer: int, head: int) -> HeadData:
-        return load_head(open_dump(self.dump), layer, head, self.window, train_group=self.train_group)
+        return load_head(open_dump(self.dump), layer, head, self.window, train_group=self.train_group,
+                         train_positions=self.train_positions)
 
     def fingerprint(self) -> str | None:
         try:
@@ -152,7 +155,7 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
               build_params: dict[str, dict] | None = None, quick: bool = False, executor: str = "local",
               address: str | None = None, cpus_per_task: float = 1.0, max_attempts: int = MAX_ATTEMPTS,
               retry_failed: bool = False, ray_data: str = "auto", train_group: str = group_queries.DEFAULT,
-              log=None) -> SweepResult:
+              train_positions: str = rope.DEFAULT, log=None) -> SweepResult:
     """Run the sweep (see module doc) and return the combined results table.
 
     ``build_params`` maps an index name to build parameters that replace its defaults; ``quick``
@@ -161,7 +164,8 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     most ``max_attempts`` times over all runs unless ``retry_failed`` clears its earlier failures.
     ``ray_data``: ``path`` (nodes read the dump), ``ship`` (the driver sends each head), ``auto`` (path when
     every node sees the dump). ``train_group``: the attention-aware indexes' training queries
-    (:mod:`indexes.group_queries`; each query head's index is built, on its own held-out keys, from them).
+    (:mod:`indexes.group_queries`; each query head's index is built, on its own held-out keys, from them);
+    ``train_positions``: ``serving`` moves them to the test queries' positions (:mod:`dumps.rope`), ``own`` not.
     """
     from tqdm.auto import tqdm
 
@@ -191,6 +195,8 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
         settings["quick"] = True
     if train_group != "head":  # sweeps from before the option trained per query head: their folders stay valid
         settings["train_group"] = train_group
+    if rope.check_place(train_positions) != "own":  # likewise: before, the training queries sat at their own positions
+        settings["train_positions"] = train_positions
     log = log or (lambda line: tqdm.write(line) if progress else None)
     # Connect (Ray) before the results folder is touched: a cluster that is unreachable or too small
     # for a task is one error and leaves nothing behind.
@@ -198,13 +204,13 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     try:
         _prepare(out, settings, overwrite)
         return _run(runner, dump, out, names, layers, heads, k, window, build_params, quick, max_attempts,
-                    retry_failed, progress, log, t_start, train_group)
+                    retry_failed, progress, log, t_start, train_group, train_positions)
     finally:
         runner.close()
 
 
 def _run(runner, dump, out, names, layers, heads, k, window, build_params, quick, max_attempts, retry_failed,
-         progress, log, t_start, train_group) -> SweepResult:
+         progress, log, t_start, train_group, train_positions) -> SweepResult:
     from tqdm.auto import tqdm
 
     parts = out / "parts"
@@ -244,7 +250,7 @@ def _run(runner, dump, out, names, layers, heads, k, window, build_params, quick
             failures.append((o.part.index, o.part.layer, o.part.head, o.error))
         bar.update(1)
 
-    work = SweepWork(str(dump.path), k, tuple(window), build_params, quick, train_group)
+    work = SweepWork(str(dump.path), k, tuple(window), build_params, quick, train_group, train_positions)
     if units:
         log(f"sweep {dump.path.name}: {len(tries)} parts on {runner.describe()}")
         try:

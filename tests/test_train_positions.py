@@ -1,0 +1,161 @@
+"""Training queries moved by RoPE to the positions an index serves (``dumps.rope``, ``--train-positions``)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import TEST_DEVICE
+
+from anns_lab.dumps import rope
+from anns_lab.dumps.models import RopeScaling, load_model
+
+
+def _model_rope(lm, x: np.ndarray, positions: np.ndarray, layer: int) -> np.ndarray:
+    """``x`` (n, d) turned to ``positions`` by the model's own rotary embedding and transformers' apply_rotary_pos_emb."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    rotary = lm.model.model.rotary_emb
+    t = torch.tensor(x, dtype=torch.float32)[None, None]
+    pos = torch.tensor(positions)[None]
+    types = getattr(lm.config, "layer_types", None)
+    cos, sin = rotary(t, pos, types[layer]) if types else rotary(t, pos)
+    scale = getattr(rotary, f"{types[layer]}_attention_scaling", None) if types else getattr(rotary, "attention_scaling", 1.0)
+    return (apply_rotary_pos_emb(t, t, cos / (scale or 1.0), sin / (scale or 1.0))[0][0, 0]).numpy()
+
+
+@pytest.mark.parametrize("arch, layer, scaling", [("tiny_llama", 0, None), ("tiny_gemma3", 1, None), ("tiny_gemma3", 0, None),
+                                                  ("tiny_gemma3", 3, "linear:4"), ("tiny_llama", 2, "linear:2")])
+def test_a_moved_query_is_the_query_the_model_turns_to_the_new_position(request, arch, layer, scaling):
+    """move(R(p)·x, p, t) = R(t)·x for the model's own RoPE: global and sliding layers (Gemma-3's two frequency sets)
+    and linearly scaled positions."""
+    lm = load_model(str(request.getfixturevalue(arch)), device=TEST_DEVICE,
+                    rope_scaling=RopeScaling.parse(scaling) if scaling else None)
+    rng = np.random.default_rng(layer)
+    x = rng.standard_normal((40, lm.config.head_dim)).astype(np.float32)
+    p, t = rng.integers(0, 3000, 40), rng.integers(0, 3000, 40)
+    moved = rope.move(_model_rope(lm, x, p, layer), p, t, rope.inv_freq(lm.config, layer))
+    expected = _model_rope(lm, x, t, layer)
+    assert np.abs(moved - expected).max() < 1e-4 * np.abs(expected).max()
+    assert np.abs(_model_rope(lm, x, p, layer) - expected).max() > 0.1  # the positions do differ
+
+
+def test_the_dumps_frequencies_are_the_models(tiny_gemma3, tmp_path):
+    """A dump's manifest gives each layer the frequencies the model turned its queries with."""
+    from anns_lab.dumps.run import run_dump
+
+    dump = run_dump(str(tiny_gemma3), tokens=64, decode_tokens=4, layers="all", dtype="float32", out=tmp_path / "d",
+                    progress=False).dump
+    rotary = load_model(str(tiny_gemma3)).model.model.rotary_emb
+    for layer, kind in enumerate(["sliding_attention", "full_attention", "sliding_attention", "full_attention"]):
+        assert np.allclose(rope.dump_inv_freq(dump.manifest, layer), getattr(rotary, f"{kind}_inv_freq").double().numpy())
+    manifest = dict(dump.manifest, model={"name": "x"})
+    from anns_lab.errors import DumpError
+
+    with pytest.raises(DumpError, match="--train-positions own"):
+        rope.dump_inv_freq(manifest, 1)
+
+
+def test_serving_positions_are_drawn_from_the_range_and_only_the_angles_move():
+    rng = np.random.default_rng(0)
+    d, n = 16, 500
+    freqs = 1.0 / 10000.0 ** (np.arange(0, d, 2) / d)
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    pos = np.arange(n)
+    moved = rope.to_serving(x, pos, 900, 963, freqs)
+    pair = lambda v, i: np.arctan2(v[:, i + d // 2], v[:, i])  # noqa: E731
+    slowest = len(freqs) - 1  # turns at most 0.34 rad over 963 positions: the angle gives the position back
+    targets = pos + np.angle(np.exp(1j * (pair(moved, slowest) - pair(x, slowest)))) / freqs[slowest]
+    assert targets.min() > 899.5 and targets.max() < 963.5 and np.ptp(np.round(targets)) >= 60
+    assert np.allclose(np.linalg.norm(moved, axis=1), np.linalg.norm(x, axis=1), rtol=1e-5)
+    assert rope.move(x, pos, pos + 5, None) is not None and np.array_equal(rope.move(x, pos, pos + 5, None), x)
+    with pytest.raises(ValueError, match="serving, own"):
+        rope.check_place("decode")
+
+
+def test_the_decoders_indexes_get_the_queries_moved_to_its_steps(tiny_gemma3):
+    """LayerStore builds: the roargraph of each query head keeps (for add) its newest training queries, moved to the
+    decode steps' positions under 'serving', as captured under 'own'."""
+    import dataclasses
+
+    from anns_lab.decode.builds import layer_store
+    from anns_lab.decode.engine import Settings, prefill
+    from anns_lab.decode.placement import IndexPlan
+    from anns_lab.window import Window
+
+    lm = load_model(str(tiny_gemma3), device=TEST_DEVICE)
+    ids = np.random.default_rng(3).integers(3, 400, size=300).tolist()
+    base = Settings(Window(4, 8), topk=20, add_batch=4, chunk=64, steps=16)
+    pre = prefill(lm, ids, base, capture_queries=True)
+    layer = lm.long_range_layers[0]
+    queries = pre.queries[layer]
+    kept = {}
+    for place in rope.PLACES:
+        settings = dataclasses.replace(base, train_positions=place)
+        store = layer_store(lm, pre.cache, len(ids), layer, IndexPlan("roargraph", {"keep_queries": 32}, {}), settings, queries)
+        kept[place] = np.stack([ix._recent_q for ix in store.indexes])
+    assert np.array_equal(kept["own"], queries[:, -32:])
+    expected = np.stack([rope.to_serving(q, np.arange(len(ids)), len(ids), len(ids) + 15, rope.inv_freq(lm.config, layer))
+                         for q in queries])[:, -32:]
+    assert np.allclose(kept["serving"], expected, atol=1e-6) and not np.allclose(kept["serving"], kept["own"], atol=1e-3)
+
+
+# -- the sweep and the real model ----------------------------------------------------------------------------------
+
+WINDOW = (16, 128)
+
+
+@pytest.mark.realmodel
+def test_load_head_moves_the_training_queries_to_the_test_positions(smollm2_dump):
+    from anns_lab.eval.heads import load_head
+
+    own = load_head(smollm2_dump, 15, 4, window=WINDOW, train_positions="own")
+    serving = load_head(smollm2_dump, 15, 4, window=WINDOW)
+    n = len(own.train_queries)
+    assert np.array_equal(own.train_queries, smollm2_dump.queries(15, 4, "prefill")[:n])
+    freqs = rope.dump_inv_freq(smollm2_dump.manifest, 15)
+    assert np.array_equal(serving.train_queries, rope.to_serving(own.train_queries, np.arange(n), int(own.test_pos.min()),
+                                                                  int(own.test_pos.max()), freqs))
+    assert np.array_equal(serving.test_queries, own.test_queries) and np.array_equal(serving.keys, own.keys)
+
+
+@pytest.mark.realmodel
+@pytest.mark.parametrize("lh", [(2, 0), (15, 4)])
+def test_serving_positions_cut_the_scans_on_real_heads(smollm2_dump, lh):
+    """On real SmolLM2 heads a graph trained on the queries moved to the decode steps scans fewer keys for recall@100
+    0.95 than one trained on them where they were (measured: BENCHMARKS "Query-aware graphs")."""
+    from anns_lab.eval.heads import load_head
+    from anns_lab.indexes.roargraph import RoarGraphIndex
+    from anns_lab.testing import recall_at_k
+
+    scans = {}
+    for place in rope.PLACES:
+        data = load_head(smollm2_dump, *lh, window=WINDOW, train_positions=place)
+        index = RoarGraphIndex().build(data.keys, data.train_queries)
+        pts = []
+        for params in index.grid():
+            res = index.search(data.test_queries, 100, **params)
+            pts.append((res.n_scanned.mean(), recall_at_k(res.ids, data.test_queries, data.keys, 100)))
+        scans[place] = next(s for s, r in pts if r >= 0.95)
+    assert scans["serving"] < scans["own"], scans
+
+
+@pytest.mark.realmodel
+def test_the_sweep_records_its_training_positions_and_never_mixes_them(smollm2_dump, tmp_path):
+    from anns_lab.errors import AnnsLabError
+    from anns_lab.eval.sweep import run_sweep
+    from anns_lab.eval.table import SETTINGS
+
+    runs = {place: run_sweep(smollm2_dump.path, ["roargraph", "ivf"], [2], [1], window=WINDOW, out=tmp_path / place, jobs=1,
+                             progress=False, quick=True, train_positions=place).table.sort_values(["index", "search_params", "direction"])
+            for place in rope.PLACES}
+    assert json.loads((tmp_path / "serving" / SETTINGS).read_text())["train_positions"] == "serving"
+    assert "train_positions" not in json.loads((tmp_path / "own" / SETTINGS).read_text())  # as sweeps before the option
+    rg, ivf = ({p: t[t["index"] == name].scanned_fraction.to_numpy() for p, t in runs.items()} for name in ("roargraph", "ivf"))
+    assert np.array_equal(ivf["own"], ivf["serving"])  # a key-only index gets no training queries
+    assert len(rg["own"]) == len(rg["serving"]) and not np.array_equal(rg["own"], rg["serving"])
+    with pytest.raises(AnnsLabError, match="other settings"):
+        run_sweep(smollm2_dump.path, ["roargraph"], [2], [1], window=WINDOW, out=tmp_path / "own", progress=False, quick=True)
