@@ -439,6 +439,24 @@ def test_list_sizes_follow_the_number_of_keys_unless_given(tmp_path):
     assert RoarGraphIndex.load(tmp_path / "g").lists == given.lists
 
 
+
+def test_auto_train_keeps_a_quarter_of_the_keys_count_of_queries_above_its_floor(monkeypatch):
+    """max_train 0 (the default) uses max(MIN_TRAIN, n/4) training queries at an even stride, newest kept: the graph is the
+    one built with that count given, and another than the graph of all queries; below the floor every query is used."""
+    from anns_lab.indexes import roargraph as rg
+
+    assert rg.auto_train(1000) == rg.MIN_TRAIN and rg.auto_train(32768) == 8192
+    monkeypatch.setattr(rg, "MIN_TRAIN", 300)
+    keys, train, _ = ood_data(5, n=1600, m=700)
+    auto = RoarGraphIndex().build(keys, train)
+    assert rg.auto_train(len(keys)) == 400
+    given = RoarGraphIndex(max_train=400).build(keys, train)
+    every = RoarGraphIndex(max_train=700).build(keys, train)
+    assert np.array_equal(auto._nbrs_buf, given._nbrs_buf) and not np.array_equal(auto._nbrs_buf, every._nbrs_buf)
+    assert np.array_equal(auto._recent_q[-1], train[-1])  # the newest query is always kept
+    monkeypatch.setattr(rg, "MIN_TRAIN", 700)
+    assert np.array_equal(RoarGraphIndex().build(keys, train)._nbrs_buf, every._nbrs_buf)
+
 def _rare_edges_reference(nbrs, degree, knn, min_frac):
     """Plain Python: keep edge p → u iff |lists holding p and u| ≥ min_frac · |lists holding p| (or it is p's most
     co-occurring edge, the first on ties); rows of keys in no list unchanged."""
