@@ -312,3 +312,20 @@ def test_json_is_written_after_each_sample(tiny_llama, tmp_path, monkeypatch):
         assert len(first["modes"][name]["samples"]) == 1 and len(final["modes"][name]["samples"]) == 2
         assert first["modes"][name]["samples"][0] == final["modes"][name]["samples"][0]
     assert "partial" not in final
+
+
+def test_serving_positions_under_dynamic_rope_are_one_error_before_the_prefill(tiny_llama, monkeypatch):
+    """dynamic NTK turns positions by frequencies that follow the sequence length (dumps.rope): the training queries
+    cannot be moved, and that is said before the prefill runs; key-only modes and --train-positions own are unaffected."""
+    from anns_lab.decode import runner
+
+    def no_prefill(*a, **kw):
+        raise AssertionError("the prefill ran before the bad option was refused")
+
+    args = ["--model", tiny_llama, "--task", "passkey", "--context", 200, "--samples", 1, "--window", "4,16", "--topk", 20,
+            "--max-new-tokens", 2, "--chunk", 64, "--rope-scaling", "dynamic:2", "--allow-extrapolation"]
+    with monkeypatch.context() as m:
+        m.setattr(runner, "prefill", no_prefill)
+        assert "--train-positions own" in _error(_run(*args, "--mode", "roargraph"))
+    res = _run(*args, "--mode", "roargraph", "--train-positions", "own")
+    assert res.exit_code == 0, res.output

@@ -108,6 +108,21 @@ def test_sweep_k_beyond_the_keys_fails_before_building_anything(dump, tmp_path, 
     assert not built and not (tmp_path / "s").exists()
 
 
+
+def test_a_dump_without_a_model_config_is_one_error_before_any_build_of_an_attention_aware_sweep(dump, tmp_path):
+    """Moving the training queries (--train-positions serving, the default) needs the RoPE frequencies the manifest's
+    model config gives; without it the sweep stops at once, and a key-only sweep (no training queries) still runs."""
+    def edit(m):
+        del m["model"]["config"]
+        return m
+
+    folder = _edited(dump, tmp_path, edit)
+    args = ["sweep", "--dump", folder, "--layers", 1, "--heads", 0, "--k", 10, "--window", "0,0", "--jobs", 1, "--quick"]
+    one_line_error(args + ["--indexes", "roargraph", "--out", tmp_path / "aware"], "no model config", "--train-positions own")
+    assert not (tmp_path / "aware").exists()
+    r = CliRunner().invoke(main, [str(a) for a in args + ["--indexes", "ivf", "--out", tmp_path / "keys"]])
+    assert r.exit_code == 0 and (tmp_path / "keys" / "results.parquet").exists(), r.output
+
 # -- item 7: one clear line, never a traceback --------------------------------------------------------
 
 

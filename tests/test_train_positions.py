@@ -159,3 +159,41 @@ def test_the_sweep_records_its_training_positions_and_never_mixes_them(smollm2_d
     assert len(rg["own"]) == len(rg["serving"]) and not np.array_equal(rg["own"], rg["serving"])
     with pytest.raises(AnnsLabError, match="other settings"):
         run_sweep(smollm2_dump.path, ["roargraph"], [2], [1], window=WINDOW, out=tmp_path / "own", progress=False, quick=True)
+
+
+# -- frequencies that cannot be known from the config, and configs that cannot be read back -------------------------
+
+@pytest.mark.parametrize("params", [dict(rope_type="dynamic", factor=4.0),
+                                    dict(rope_type="longrope", short_factor=[1.0] * 8, long_factor=[4.0] * 8,
+                                         original_max_position_embeddings=128)])
+def test_frequencies_that_follow_the_sequence_length_are_refused(params):
+    """dynamic NTK and longrope recompute ω from the longest position a forward sees: a prefill query beyond the
+    original length was turned by other frequencies than the config's, so moving it by those would misplace it."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from anns_lab.errors import DumpError
+
+    cfg = LlamaConfig(vocab_size=10, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, head_dim=16,
+                      max_position_embeddings=512, rope_parameters=dict(params, rope_theta=10000.0))
+    rotary = LlamaRotaryEmbedding(cfg)
+    before = rotary.inv_freq.clone()
+    rotary(torch.zeros(1, 1, 16), torch.arange(2000)[None])
+    assert not torch.allclose(rotary.inv_freq, before)  # why: the frequencies at 2000 are not the config's
+    with pytest.raises(DumpError, match=f"{params['rope_type']}.*--train-positions own"):
+        rope.inv_freq(cfg, 0)
+
+
+@pytest.mark.parametrize("edit", [lambda c: c.update(model_type="nonsense"), lambda c: c.update(rope_parameters="x"),
+                                  lambda c: c.update(layer_types=["full_attention"]), lambda c: c.update(num_attention_heads=0)])
+def test_a_manifest_config_that_cannot_be_read_back_is_one_clear_error(edit):
+    from transformers import LlamaConfig
+
+    from anns_lab.errors import DumpError
+
+    config = json.loads(LlamaConfig(vocab_size=10, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    head_dim=16).to_json_string(use_diff=False))
+    edit(config)
+    with pytest.raises(DumpError, match="--train-positions own") as err:
+        rope.dump_inv_freq({"model": {"config": config}}, 1)
+    assert "\n" not in str(err.value)

@@ -97,6 +97,7 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
     if from_sweep:
         mode_list, lines = _with_sweep_pick(mode_list, from_sweep, lm, target_recall, settings)
         pick = {"path": str(from_sweep), "target_recall": target_recall, "pick": lines}
+    _check_train_positions(lm, mode_list, settings)
 
     def progress(line: str) -> None:
         click.echo(line, err=True)
@@ -152,6 +153,14 @@ def _check_options(settings: Settings, evaluation: str, task: str | None, prompt
         raise DecodeError("--address is for --executor ray")
     if task is not None and task not in TASKS:
         raise DecodeError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
+
+
+def _check_train_positions(lm, mode_list: list[Mode], settings: Settings) -> None:
+    """Refuse, before the prefill, training queries that cannot be moved to the serving positions (the RoPE
+    frequencies of a long-range layer unknown: :func:`dumps.rope.inv_freq`'s one error)."""
+    if settings.train_positions == "serving" and any(m.uses_queries() for m in mode_list):
+        for layer in lm.long_range_layers:
+            rope.inv_freq(lm.config, layer)
 
 
 def _parse_mode_list(modes: str, params: tuple[str, ...], build_params: tuple[str, ...],

@@ -13,6 +13,8 @@ Layout: the rotate-half pairs (x[i], x[i + r/2]) of the first r = 2·len(ω) dim
 ``apply_rotary_pos_emb``. The frequencies come from the model's config, per layer type where it has several
 (Gemma-3: global and sliding layers), scaled as the model scales them (linear, llama3, yarn: transformers'
 ``ROPE_INIT_FUNCTIONS``). Only the angles are used: yarn's attention factor scales q·k, not the rotation.
+dynamic NTK and longrope are refused: the model recomputes their frequencies from the longest position each forward
+sees, so a query past the original length was turned by frequencies the config does not give.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 from anns_lab.errors import DumpError
 
 PLACES = ("serving", "own")
+SEQUENCE_DEPENDENT = ("dynamic", "longrope")  # ω follows the forward's sequence length (transformers' dynamic_rope_update)
 DEFAULT = "serving"  # "own": each training query at its own prefill position, as captured
 HELP = ("Where the attention-aware indexes' training (prefill) queries sit: 'serving' moves each, by RoPE, to a "
         "position drawn from those the index serves (the decode steps); 'own' keeps its prefill position.")
@@ -45,6 +48,10 @@ def inv_freq(config, layer: int) -> np.ndarray | None:
     layer_type = layer_types[layer] if layer_types and layer_types[layer] in params else None
     own = params[layer_type] if layer_type is not None else params
     kind = own.get("rope_type", "default")
+    if kind in SEQUENCE_DEPENDENT:
+        raise DumpError(f"RoPE type {kind!r} of layer {layer} turns each position by frequencies that follow the "
+                        "sequence length, not the config: its queries cannot be moved exactly; use the training "
+                        "queries' own positions (--train-positions own)")
     if kind == "default":
         dim = int((getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
                   * own.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or 1.0))
@@ -53,7 +60,8 @@ def inv_freq(config, layer: int) -> np.ndarray | None:
 
     if kind not in ROPE_INIT_FUNCTIONS:
         raise DumpError(f"RoPE type {kind!r} of layer {layer} is not one transformers knows "
-                        f"({', '.join(ROPE_INIT_FUNCTIONS)}): use the training queries' own positions")
+                        f"({', '.join(ROPE_INIT_FUNCTIONS)}): use the training queries' own positions "
+                        "(--train-positions own)")
     return ROPE_INIT_FUNCTIONS[kind](cfg, layer_type=layer_type)[0].double().numpy()
 
 
@@ -66,7 +74,15 @@ def dump_inv_freq(manifest: dict, layer: int) -> np.ndarray | None:
     from transformers import AutoConfig
 
     fields = dict(config)
-    return inv_freq(AutoConfig.for_model(fields.pop("model_type"), **fields), layer)
+    try:
+        return inv_freq(AutoConfig.for_model(fields.pop("model_type"), **fields), layer)
+    except DumpError:
+        raise
+    except Exception as err:  # noqa: BLE001 -- an edited config fails in transformers' validators, whatever they raise
+        first = (str(err).strip().splitlines() or [""])[0][:160]
+        raise DumpError(f"the model config the dump's manifest records cannot be read back ({type(err).__name__}: "
+                        f"{first}), so its queries cannot be moved to other positions: use the training queries' "
+                        "own positions (--train-positions own)") from None
 
 
 def move(vectors: np.ndarray, positions: np.ndarray, targets: np.ndarray, freqs: np.ndarray | None) -> np.ndarray:

@@ -187,6 +187,10 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
         dump.kv_head_of(h)
     check_k(dump, window, k)  # before any index is built
     group_queries.check_mode(train_group)
+    aware = any(registry.get(name).uses_train_queries for name in names)
+    if rope.check_place(train_positions) == "serving" and aware:
+        for layer in layers:  # the frequencies that move the queries: a manifest without them is one error, before any work
+            rope.dump_inv_freq(dump.manifest, layer)
     if max_attempts < 1:
         raise AnnsLabError("--max-attempts must be at least 1")
     out = Path(out) if out is not None else Path("results") / dump.path.name
@@ -204,7 +208,8 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     try:
         _prepare(out, settings, overwrite)
         return _run(runner, dump, out, names, layers, heads, k, window, build_params, quick, max_attempts,
-                    retry_failed, progress, log, t_start, train_group, train_positions)
+                    retry_failed, progress, log, t_start, train_group,
+                    train_positions if aware else "own")  # key-only indexes get no training queries: nothing to move
     finally:
         runner.close()
 
