@@ -197,3 +197,14 @@ def test_a_manifest_config_that_cannot_be_read_back_is_one_clear_error(edit):
     with pytest.raises(DumpError, match="--train-positions own") as err:
         rope.dump_inv_freq({"model": {"config": config}}, 1)
     assert "\n" not in str(err.value)
+
+
+def test_a_layer_without_rope_has_nothing_to_move():
+    """SmolLM3 (and Llama-4) skip RoPE on the layers no_rope_layers marks 0: their queries sit at no position."""
+    from transformers import SmolLM3Config
+
+    cfg = SmolLM3Config(vocab_size=10, hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                        pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    assert cfg.no_rope_layers[3] == 0 and cfg.no_rope_layers[2] == 1
+    assert rope.inv_freq(cfg, 3) is None
+    assert rope.inv_freq(cfg, 2) is not None and len(rope.inv_freq(cfg, 2)) == 8

@@ -39,10 +39,11 @@ def check_place(place: str) -> str:
 
 def inv_freq(config, layer: int) -> np.ndarray | None:
     """RoPE's angular frequencies ω (float64, one per rotated pair) of ``layer`` of a transformers config, or
-    None when the config has no RoPE parameters (nothing to move)."""
+    None when the config has no RoPE parameters or the layer skips RoPE (nothing to move)."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     params = getattr(cfg, "rope_parameters", None)
-    if not params:
+    no_rope = getattr(cfg, "no_rope_layers", None)  # SmolLM3, Llama-4: 0 marks a layer that skips RoPE
+    if not params or (no_rope and not no_rope[layer]):
         return None
     layer_types = getattr(cfg, "layer_types", None)
     layer_type = layer_types[layer] if layer_types and layer_types[layer] in params else None
