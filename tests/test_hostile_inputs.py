@@ -123,6 +123,30 @@ def test_a_dump_without_a_model_config_is_one_error_before_any_build_of_an_atten
     r = CliRunner().invoke(main, [str(a) for a in args + ["--indexes", "ivf", "--out", tmp_path / "keys"]])
     assert r.exit_code == 0 and (tmp_path / "keys" / "results.parquet").exists(), r.output
 
+
+def test_readers_that_use_no_training_queries_need_no_model_config(dump, tmp_path):
+    """The report's Mahalanobis figure and IVF diagnosis read keys and test queries only; the export moves its
+    training queries as the sweep does (recorded), or keeps them where they were without a config to move them by."""
+    from anns_lab.eval import figures, ivf_gap
+
+    def edit(m):
+        del m["model"]["config"]
+        return m
+
+    folder = open_dump(_edited(dump, tmp_path, edit))
+    assert len(figures.mahalanobis_per_head(folder, [(1, 0)], (0, 0))) > 0
+    assert ivf_gap.diagnose(load_head(folder, 1, 0, (0, 0), train_positions="own"), 10)
+    one_line_error(["export", "--dump", folder.path, "--layer", 1, "--head", 0, "--k", 10, "--window", "0,0", "--out",
+                    tmp_path / "x"], "no model config", "--train-positions own")
+    assert not (tmp_path / "x").exists()
+    r = CliRunner().invoke(main, [str(a) for a in ["export", "--dump", folder.path, "--layer", 1, "--head", 0, "--k", 10,
+                                                   "--window", "0,0", "--out", tmp_path / "own", "--train-positions", "own"]])
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "own" / "export.json").read_text())["train_positions"] == "own"
+    moved = export.export_fbin(dump, 1, 0, tmp_path / "serving", k=10, window=(0, 0))
+    assert json.loads(moved["export.json"].read_text())["train_positions"] == "serving"
+    assert np.array_equal(export.read_fbin(moved["train_queries.fbin"]), load_head(dump, 1, 0, (0, 0)).train_queries)
+
 # -- item 7: one clear line, never a traceback --------------------------------------------------------
 
 

@@ -457,6 +457,22 @@ def test_auto_train_keeps_a_quarter_of_the_keys_count_of_queries_above_its_floor
     monkeypatch.setattr(rg, "MIN_TRAIN", 700)
     assert np.array_equal(RoarGraphIndex().build(keys, train)._nbrs_buf, every._nbrs_buf)
 
+@pytest.mark.parametrize("mode", ["head", "group", "strided"])
+def test_a_subsampled_training_set_keeps_its_newest_queries_whole(monkeypatch, mode):
+    """The stride of max_train spares the newest keep_queries rows: add() links new keys with the latest queries (for a
+    GQA group: group_queries' newest rows, interleaved over the heads), not with one head's or every other one."""
+    from anns_lab.indexes import roargraph as rg
+    from anns_lab.indexes.group_queries import group_queries
+
+    monkeypatch.setattr(rg, "MIN_TRAIN", 300)
+    keys, train, _ = ood_data(6, n=1600, m=1200)
+    per_head = [train[:600], train[600:]]
+    queries = group_queries(per_head, mode, tail=48)
+    index = RoarGraphIndex(keep_queries=48).build(keys, queries)
+    assert len(queries) > rg.auto_train(len(keys))  # the stride applies
+    assert np.array_equal(index._recent_q, queries[-48:])
+
+
 def _rare_edges_reference(nbrs, degree, knn, min_frac):
     """Plain Python: keep edge p → u iff |lists holding p and u| ≥ min_frac · |lists holding p| (or it is p's most
     co-occurring edge, the first on ties); rows of keys in no list unchanged."""

@@ -197,3 +197,41 @@ def test_a_manifest_config_that_cannot_be_read_back_is_one_clear_error(edit):
     with pytest.raises(DumpError, match="--train-positions own") as err:
         rope.dump_inv_freq({"model": {"config": config}}, 1)
     assert "\n" not in str(err.value)
+
+
+def test_a_layer_without_rope_has_nothing_to_move():
+    """SmolLM3 (and Llama-4) skip RoPE on the layers no_rope_layers marks 0: their queries sit at no position."""
+    from transformers import SmolLM3Config
+
+    cfg = SmolLM3Config(vocab_size=10, hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                        pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    assert cfg.no_rope_layers[3] == 0 and cfg.no_rope_layers[2] == 1
+    assert rope.inv_freq(cfg, 3) is None
+    assert rope.inv_freq(cfg, 2) is not None and len(rope.inv_freq(cfg, 2)) == 8
+
+
+@pytest.mark.parametrize("model_type", ["cohere", "glm"])
+def test_a_rotary_layout_other_than_rotate_half_is_refused(model_type):
+    """Cohere and GLM turn interleaved pairs (x[2i], x[2i+1]): moving their queries as rotate-half pairs misplaces them
+    (checked against the model's own rotary embedding), so serving positions are refused for them."""
+    import importlib
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from anns_lab.errors import DumpError
+
+    cfg = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    apply = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}").apply_rotary_pos_emb
+    x = torch.tensor(np.random.default_rng(0).standard_normal((1, 1, 20, 16)), dtype=torch.float32)
+    p, t = torch.arange(20)[None] * 7, torch.arange(20)[None] * 11 + 3
+
+    def turned(pos):
+        cos, sin = model.model.rotary_emb(x, pos)
+        return apply(x, x, cos, sin)[0][0, 0].numpy()
+
+    freqs = model.model.rotary_emb.inv_freq.double().numpy()  # the model's own frequencies, moved as rotate-half pairs
+    assert not np.allclose(rope.move(turned(p), p[0].numpy(), t[0].numpy(), freqs), turned(t), atol=1e-3)
+    with pytest.raises(DumpError, match=f"{model_type}.*--train-positions own"):
+        rope.inv_freq(cfg, 0)

@@ -10,9 +10,10 @@ keys as those steps will. A graph trained on them scans 0.62x the keys at recall
 position would fit the steps near it only.
 
 Layout: the rotate-half pairs (x[i], x[i + r/2]) of the first r = 2·len(ω) dimensions, as in transformers'
-``apply_rotary_pos_emb``. The frequencies come from the model's config, per layer type where it has several
-(Gemma-3: global and sliding layers), scaled as the model scales them (linear, llama3, yarn: transformers'
-``ROPE_INIT_FUNCTIONS``). Only the angles are used: yarn's attention factor scales q·k, not the rotation.
+``apply_rotary_pos_emb`` of Llama, Qwen, Gemma, Phi (other layouts are refused: :data:`OTHER_LAYOUTS`). The
+frequencies come from the model's config, per layer type where it has several (Gemma-3: global and sliding layers),
+scaled as the model scales them (linear, llama3, yarn: transformers' ``ROPE_INIT_FUNCTIONS``); a layer that skips
+RoPE (``no_rope_layers``) has nothing to move. Only the angles are used: yarn's attention factor scales q·k, not the rotation.
 dynamic NTK and longrope are refused: the model recomputes their frequencies from the longest position each forward
 sees, so a query past the original length was turned by frequencies the config does not give.
 """
@@ -24,6 +25,9 @@ import numpy as np
 from anns_lab.errors import DumpError
 
 PLACES = ("serving", "own")
+# Rotary layouts other than rotate-half pairs of the first dims (transformers' modeling code): interleaved pairs
+# (x[2i], x[2i + 1]) in Cohere, GLM, GPT-J and Llama-4; the rotated dims after the unrotated ones in DeepSeek-V2/V3 (MLA).
+OTHER_LAYOUTS = ("cohere", "cohere2", "glm", "glm4", "gptj", "llama4", "llama4_text", "deepseek_v2", "deepseek_v3")
 SEQUENCE_DEPENDENT = ("dynamic", "longrope")  # ω follows the forward's sequence length (transformers' dynamic_rope_update)
 DEFAULT = "serving"  # "own": each training query at its own prefill position, as captured
 HELP = ("Where the attention-aware indexes' training (prefill) queries sit: 'serving' moves each, by RoPE, to a "
@@ -39,11 +43,15 @@ def check_place(place: str) -> str:
 
 def inv_freq(config, layer: int) -> np.ndarray | None:
     """RoPE's angular frequencies ω (float64, one per rotated pair) of ``layer`` of a transformers config, or
-    None when the config has no RoPE parameters (nothing to move)."""
+    None when the config has no RoPE parameters or the layer skips RoPE (nothing to move)."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     params = getattr(cfg, "rope_parameters", None)
-    if not params:
+    no_rope = getattr(cfg, "no_rope_layers", None)  # SmolLM3, Llama-4: 0 marks a layer that skips RoPE
+    if not params or (no_rope and not no_rope[layer]):
         return None
+    if getattr(cfg, "model_type", None) in OTHER_LAYOUTS:
+        raise DumpError(f"{cfg.model_type} turns its queries in another rotary layout than the rotate-half pairs these "
+                        "moves assume: use the training queries' own positions (--train-positions own)")
     layer_types = getattr(cfg, "layer_types", None)
     layer_type = layer_types[layer] if layer_types and layer_types[layer] in params else None
     own = params[layer_type] if layer_type is not None else params

@@ -171,11 +171,12 @@ def report(results, dump_path, out) -> None:
 @click.option("--k", type=int, default=100, show_default=True)
 @click.option("--window", type=WINDOW, default="128,512", show_default=True)
 @click.option("--out", type=click.Path(), required=True)
-def export(dump_path, layer, head, fmt, k, window, out) -> None:
+@click.option("--train-positions", type=click.Choice(rope.PLACES), default=rope.DEFAULT, show_default=True, help=rope.HELP)
+def export(dump_path, layer, head, fmt, k, window, out, train_positions) -> None:
     """Keys, queries and ground truth of one (layer, head) in big-ann-benchmarks formats."""
     from anns_lab.dumps.store import open_dump
     from anns_lab.eval.export import export_fbin
 
-    files = export_fbin(open_dump(dump_path), layer, head, out, k, window)
+    files = export_fbin(open_dump(dump_path), layer, head, out, k, window, train_positions)
     for name, path in files.items():
         click.echo(f"{name:20s} {path}")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from anns_lab.dumps import rope
 from anns_lab.dumps.store import Dump
 from anns_lab.errors import AnnsLabError
 from anns_lab.io import atomic_write_bytes, atomic_write_json
@@ -42,10 +43,11 @@ def read_gt(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def export_fbin(dump: Dump, layer: int, head: int, out: str | Path, k: int = 100,
-                window: tuple[int, int] = (128, 512)) -> dict[str, Path]:
-    """Write keys, train/test queries, K→K queries and both ground truths of one (layer, head); returns the paths."""
+                window: tuple[int, int] = (128, 512), train_positions: str = rope.DEFAULT) -> dict[str, Path]:
+    """Write keys, train/test queries, K→K queries and both ground truths of one (layer, head); returns the paths.
+    The training queries sit where ``train_positions`` puts them, as the sweep's (:func:`heads.load_head`)."""
     check_k(dump, window, k)  # before the folder is made: a refused export leaves nothing behind
-    data = load_head(dump, layer, head, window)
+    data = load_head(dump, layer, head, window, train_positions=train_positions)
     out = Path(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -62,6 +64,7 @@ def export_fbin(dump: Dump, layer: int, head: int, out: str | Path, k: int = 100
         atomic_write_bytes(out / f"gt_{direction}.bin", gt_bytes(ids, np.take_along_axis(scores, ids, axis=1)))
     atomic_write_json(out / "export.json", {
         "dump": str(dump.path.resolve()), "model": dump.model, "layer": layer, "head": head, "kv_head": data.kv_head,
-        "k": k, "window": list(window), "metric": "inner_product", "key_positions": data.key_pos.tolist(),
+        "k": k, "window": list(window), "metric": "inner_product", "train_positions": train_positions,
+        "key_positions": data.key_pos.tolist(),
         "test_positions": data.test_pos.tolist()})
     return {name: out / name for name in [*files, "gt_q2k.bin", "gt_k2k.bin", "export.json"]}

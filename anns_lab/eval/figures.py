@@ -161,7 +161,7 @@ def mahalanobis_per_head(dump, pairs: list[tuple[int, int]], window: tuple[int, 
     """Mahalanobis distance to the indexed keys of every decode query and held-out key, per (layer, head)."""
     frames = []
     for layer, head in pairs:
-        d = load_head(dump, layer, head, window)
+        d = load_head(dump, layer, head, window, train_positions="own")  # no training queries used: nothing to move
         for kind, pts in (("Q→K: decode queries", d.test_queries), ("K→K: held-out keys", d.k2k_queries)):
             frames.append(pd.DataFrame({"head": f"L{layer} H{head}", "layer": layer, "kind": kind,
                                         "distance": metrics.mahalanobis(pts, d.keys)}))

@@ -182,8 +182,10 @@ def _ivf_reason(dump, table: pd.DataFrame, par: pd.DataFrame, kinds: dict[str, s
         return ""
     built = json.loads(table.loc[table["index"] == "ivf", "build_params"].iloc[0])
     chosen = pairs[:: max(1, len(pairs) // most)][:most]
-    diag = pd.DataFrame([ivf_gap.diagnose(load_head(dump, layer, head, window), k, built.get("nlist") or None,
-                                          built.get("seed", ivf_gap.SEED)) for layer, head in chosen])
+    # IVF is key-only: its diagnosis reads no training queries, so none are moved (no model config needed)
+    diag = pd.DataFrame([ivf_gap.diagnose(load_head(dump, layer, head, window, train_positions="own"), k,
+                                          built.get("nlist") or None, built.get("seed", ivf_gap.SEED))
+                         for layer, head in chosen])
     return findings.ivf_reason(diag, q.fraction, kk.fraction)
 
 

@@ -2,9 +2,9 @@
 
 Build, on keys K (n, d) and training queries Q (m, d) (kernels in :mod:`graph.roar`):
 
-1. **Bipartite graph** of at most ``max_train`` training queries (auto: max(4096, n/4), an even stride, the newest
-   kept: :func:`auto_train`): each one's top-``M_sq`` keys: exact for every ``list_stride``-th
-   query (auto: one per ~4096 keys, :func:`auto_stride`; all below ~6K keys) and the newest
+1. **Bipartite graph** of at most ``max_train`` training queries (auto: max(4096, n/4), :func:`auto_train`; the
+   newest ``keep_queries`` all, an even stride over the older: :func:`subsample`): each one's top-``M_sq`` keys:
+   exact for every ``list_stride``-th query (auto: one per ~4096 keys, :func:`auto_stride`; all below ~6K keys) and the newest
    ``keep_queries``, the others ranking the keys of the neighbouring exact lists
    (``train_lists.anchored_topk``: exact lists for all grow as n²; the exact ones from a bfloat16 product's
    best M_sq + 32, re-ranked in float32, ``coarse_bf16``); or the lists given to ``build``
@@ -88,13 +88,16 @@ MAX_STRIDE = 64  # auto list_stride at most
 LIST_SPAN = 1  # anchors on either side whose lists a query between them ranks (2 doubles the re-rank; not better in the runs of BENCHMARKS "Scale")
 
 
-def subsample(m: int, at_most: int) -> np.ndarray | None:
-    """Rows to keep of ``m`` training queries: at most ``at_most`` at an even stride, counted back from the newest
-    (always kept); None when all are kept. Neighbouring prefill queries select nearly the same keys, so a stride
-    loses little of the bipartite graph."""
+def subsample(m: int, at_most: int, newest: int = 0) -> np.ndarray | None:
+    """Rows to keep of ``m`` training queries: at most ``at_most``, the ``newest`` rows all (add()'s kept queries:
+    for a GQA group, ``group_queries``' interleaved tail, which a stride would cut to one head's rows) and an even
+    stride over the older ones, counted back from the newest of them; None when all are kept. Neighbouring prefill
+    queries select nearly the same keys, so a stride loses little of the bipartite graph."""
     if m <= at_most:
         return None
-    return np.unique(np.round(np.linspace(m - 1, 0, at_most)).astype(np.int64))
+    newest = min(newest, at_most)
+    older = np.unique(np.round(np.linspace(m - newest - 1, 0, at_most - newest)).astype(np.int64))
+    return np.r_[older, np.arange(m - newest, m)]
 
 
 def auto_train(n: int) -> int:
@@ -166,7 +169,7 @@ class RoarGraphIndex(Index):
         "n_cand": Param(0, 0, 4096, help="how many of a query's keys are candidates of its pivots (≤ M_sq); 0 = M_sq"),
         "max_cand": Param(128, 2, 1 << 16, help="candidates per key kept (heaviest co-occurrence) before pruning"),
         "alpha": Param(1.2, 0.0, 4.0, help="RobustPrune α of the projection (inner-product rule; > 1 prunes less; 0 = no pruning)"),
-        "max_train": Param(0, 0, 1 << 30, help="training queries used at most: an even stride over them, the newest always kept; "
+        "max_train": Param(0, 0, 1 << 30, help="training queries used at most: the newest keep_queries all, an even stride over the older; "
                                                "0 = auto: max(4096, n/4) for n keys (build time)"),
         "list_stride": Param(0, 0, 4096, help="training queries per exact top-M_sq list: the others rank their neighbouring exact lists' keys (1 = all exact; 0 = auto: √(m·n)/4096, 2 at 8K, 8 at 32K, ≤ 64)"),
         "coarse_bf16": Param(1, 0, 1, help="1: the exact lists rank the best M_sq + 32 keys of a bfloat16 product in float32 (where the CPU multiplies bf16 natively; ~1.6x faster); 0: faiss's float32 kNN"),
@@ -213,7 +216,7 @@ class RoarGraphIndex(Index):
         threads = numba.get_num_threads()
         self.lists = self._list_sizes(n)
         m_sq = min(self.lists["M_sq"], n)
-        rows = subsample(len(train_queries), p["max_train"] or auto_train(n))
+        rows = subsample(len(train_queries), p["max_train"] or auto_train(n), p["keep_queries"])
         if rows is not None:
             train_queries = np.ascontiguousarray(train_queries[rows])
             train_topk = None if train_topk is None else train_topk[rows]
