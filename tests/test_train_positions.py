@@ -72,7 +72,9 @@ def test_serving_positions_are_drawn_from_the_range_and_only_the_angles_move():
     assert targets.min() > 899.5 and targets.max() < 963.5 and np.ptp(np.round(targets)) >= 60
     assert np.allclose(np.linalg.norm(moved, axis=1), np.linalg.norm(x, axis=1), rtol=1e-5)
     assert rope.move(x, pos, pos + 5, None) is not None and np.array_equal(rope.move(x, pos, pos + 5, None), x)
-    with pytest.raises(ValueError, match="serving, own"):
+    from anns_lab.errors import AnnsLabError
+
+    with pytest.raises(AnnsLabError, match="serving, own"):
         rope.check_place("decode")
 
 
@@ -101,6 +103,11 @@ def test_the_decoders_indexes_get_the_queries_moved_to_its_steps(tiny_gemma3):
     expected = np.stack([rope.to_serving(q, np.arange(len(ids)), len(ids), len(ids) + 15, rope.inv_freq(lm.config, layer))
                          for q in queries])[:, -32:]
     assert np.allclose(kept["serving"], expected, atol=1e-6) and not np.allclose(kept["serving"], kept["own"], atol=1e-3)
+    from anns_lab.errors import AnnsLabError
+
+    with pytest.raises(AnnsLabError, match="choose one of serving, own"):  # a Settings built by hand, not the CLI
+        layer_store(lm, pre.cache, len(ids), layer, IndexPlan("roargraph", {}, {}),
+                    dataclasses.replace(base, train_positions="decode"), queries)
 
 
 # -- the sweep and the real model ----------------------------------------------------------------------------------
@@ -159,6 +166,10 @@ def test_the_sweep_records_its_training_positions_and_never_mixes_them(smollm2_d
     assert len(rg["own"]) == len(rg["serving"]) and not np.array_equal(rg["own"], rg["serving"])
     with pytest.raises(AnnsLabError, match="other settings"):
         run_sweep(smollm2_dump.path, ["roargraph"], [2], [1], window=WINDOW, out=tmp_path / "own", progress=False, quick=True)
+    with pytest.raises(AnnsLabError, match="choose one of serving, own"):  # before anything is written
+        run_sweep(smollm2_dump.path, ["roargraph"], [2], [1], window=WINDOW, out=tmp_path / "bad", progress=False,
+                  train_positions="decode")
+    assert not (tmp_path / "bad").exists()
 
 
 # -- frequencies that cannot be known from the config, and configs that cannot be read back -------------------------

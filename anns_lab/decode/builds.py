@@ -36,7 +36,7 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
     if aware:
         positions = subsampled_positions(queries.shape[1], settings.train_queries)
         queries = np.ascontiguousarray(queries[:, positions])
-        if settings.train_positions == "serving":  # moved to the decode steps' positions (dumps.rope)
+        if rope.check_place(settings.train_positions) == "serving":  # moved to the decode steps' positions (dumps.rope)
             freqs = rope.inv_freq(lm.config, layer)
             queries = np.stack([rope.to_serving(q, positions, n_ids, n_ids + settings.steps - 1, freqs) for q in queries])
     per_kv = aware and settings.train_group not in PER_HEAD

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from anns_lab.errors import DumpError
+from anns_lab.errors import AnnsLabError, DumpError
 
 PLACES = ("serving", "own")
 # Rotary layouts other than rotate-half pairs of the first dims (transformers' modeling code): interleaved pairs
@@ -35,9 +35,9 @@ HELP = ("Where the attention-aware indexes' training (prefill) queries sit: 'ser
 
 
 def check_place(place: str) -> str:
-    """``place`` if it is one of :data:`PLACES`, else ValueError naming them."""
+    """``place`` if it is one of :data:`PLACES`, else one clear error naming them."""
     if place not in PLACES:
-        raise ValueError(f"unknown training-query positions {place!r}; choose one of {', '.join(PLACES)}")
+        raise AnnsLabError(f"unknown training-query positions {place!r}; choose one of {', '.join(PLACES)}")
     return place
 
 
