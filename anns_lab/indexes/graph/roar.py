@@ -9,7 +9,7 @@ import numpy as np
 from numba import njit
 
 from anns_lab.indexes.graph import Graph
-from anns_lab.indexes.graph.edges import incoming, merge_into_rows, proposals_by_row
+from anns_lab.indexes.graph.edges import merge_into_rows, proposals_by_row
 from anns_lab.indexes.graph.prune import prune_ordered, robust_prune
 from anns_lab.indexes.graph.search import search_one
 from anns_lab.indexes.graph.simd import common_bits, dot, dot_rows, prefetch_keys
@@ -436,37 +436,31 @@ def descent_gaps(g: Graph, knn: np.ndarray, n_threads: int = 1) -> np.ndarray:
     """(m, depth) int32: for key ``knn[q, r]`` with no in-neighbour ranked above it in query q's list, the
     key ranked above it with the largest inner product with it; -1 elsewhere (and at rank 0)."""
     gaps = np.full(knn.shape, -1, np.int32)
-    run_chunks(_gaps_chunk, (g.data, np.ascontiguousarray(knn), incoming(g), gaps), len(knn), n_threads)
+    run_chunks(_gaps_chunk, (g, np.ascontiguousarray(knn), gaps), len(knn), n_threads)
     return gaps
 
 
 @njit(cache=True, nogil=True)
-def _gaps_chunk(data, knn, csr_in, out, c, n_chunks):
-    """Queries q ≡ c (mod n_chunks) of :func:`descent_gaps`."""
-    ptr_in, src_in = csr_in
+def _gaps_chunk(g, knn, out, c, n_chunks):
+    """Queries q ≡ c (mod n_chunks) of :func:`descent_gaps`. A list is walked down its ranks, stamping the rows of
+    the keys passed: key u at rank r has an in-neighbour ranked above it exactly when one of those rows holds it.
+    (Was: u's in-edges scanned for a key above it; a heavy hitter has thousands, ~half the pass at 8K.)"""
+    data, nbrs, degree = g
     m, depth = knn.shape
-    mark = np.full(data.shape[0], -1, np.int64)  # mark[v] == q: v is in query q's list, at rank rk[v]
-    rk = np.zeros(data.shape[0], np.int32)
+    reach = np.full(data.shape[0], -1, np.int64)  # reach[v] == q: v is in the row of a key passed in q's list
     sims = np.empty(depth, np.float32)
     for q in range(c, m, n_chunks):
         for r in range(depth):
-            mark[knn[q, r]] = q
-            rk[knn[q, r]] = r
-        for r in range(1, depth):
             u = knn[q, r]
-            reached = False
-            for t in range(ptr_in[u], ptr_in[u + 1]):
-                if mark[src_in[t]] == q and rk[src_in[t]] < r:
-                    reached = True
-                    break
-            if reached:
-                continue
-            dot_rows(data[u], data, knn[q, :r], sims)
-            best = -np.inf
-            for s in range(r):
-                if sims[s] > best:
-                    best = sims[s]
-                    out[q, r] = knn[q, s]
+            if r > 0 and reach[u] != q:
+                dot_rows(data[u], data, knn[q, :r], sims)
+                best = -np.inf
+                for s in range(r):
+                    if sims[s] > best:
+                        best = sims[s]
+                        out[q, r] = knn[q, s]
+            for j in range(degree[u]):
+                reach[nbrs[u, j]] = q
 
 
 @njit(cache=True, nogil=True)
