@@ -1,4 +1,4 @@
-"""Decode latency split per generated token, every mode in one run on one shared prefill (issue 6).
+"""Decode latency split per generated token, every mode in one run (issue 6; the prefills: runner.prefill_groups).
 
     .venv/bin/python benchmarks/bench_decode.py --model smollm2 --context 8192 --json bench-decode-smollm2.json
 

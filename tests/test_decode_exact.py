@@ -302,6 +302,39 @@ def test_builds_during_the_prefill_give_the_same_indexes_and_tokens(prefilled):
         assert not early.early.has(mode.name)  # handed over once
 
 
+@pytest.mark.parametrize("during", [True, False])
+def test_each_index_mode_builds_during_a_prefill_of_its_own(prefilled, monkeypatch, during):
+    """With builds during the prefill, ``full`` and ``window`` decode from a prefill that nothing else shares the CPU
+    with, and each index mode from its own, overlapped by its builds only; their TTFT takes that prefill's time.
+    Every prefill computes the same cache, so each mode decodes as it would from one shared prefill."""
+    from anns_lab.decode import runner
+
+    lm, pre, _ = prefilled
+    settings = dataclasses.replace(SETTINGS, build_during_prefill=during)
+    modes = [Mode("full"), Mode("roargraph", IndexPlan("roargraph")), Mode("window"), Mode("flat", IndexPlan("flat"))]
+    seen = []
+
+    def spy(*args, **kwargs):
+        out = prefill(*args, **kwargs)
+        seen.append((out, sorted(out.early.jobs) if out.early is not None else None))
+        return out
+
+    monkeypatch.setattr(runner, "prefill", spy)
+    res = runner.run_sample(lm, modes, settings, pre.ids, STEPS, set())
+    assert list(res["runs"]) == [m.name for m in modes]  # the modes' order, whatever order they ran in
+    if during:
+        assert [jobs for _, jobs in seen] == [None, ["roargraph"], ["flat"]]
+        owner = {"full": 0, "window": 0, "roargraph": 1, "flat": 2}
+    else:
+        assert [jobs for _, jobs in seen] == [None]
+        owner = dict.fromkeys(res["runs"], 0)
+    for name, run in res["runs"].items():
+        assert run.prefill_s == seen[owner[name]][0].seconds
+        shared = run_mode(lm, pre, next(m for m in modes if m.name == name), SETTINGS, STEPS)
+        assert run.tokens == shared.tokens, name
+    assert all(torch.equal(out.logits, pre.logits) for out, _ in seen)
+
+
 def test_cpu_bytes_per_key_counts_the_store_and_each_index_once(prefilled):
     """The table's CPU B/key: keys and values held, plus each distinct index's own arrays (flat: faiss's copy
     of the keys it indexed; roargraph: its graphs, the keys read from the store not counted again)."""

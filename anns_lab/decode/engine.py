@@ -1,7 +1,8 @@
-"""The generation loop: one full-attention chunked prefill, then greedy decoding per mode.
+"""The generation loop: a full-attention chunked prefill, then greedy decoding per mode.
 
-A prefill is shared by every mode of a run (the cache is copied per mode), so ``full`` is
-measured on exactly the same prompt state as the retrieval modes. Each retrieval mode builds its
+A prefill can serve several modes (the cache is copied per mode); the prefills of one prompt
+compute the same cache, so ``full`` is measured on exactly the same prompt state as the retrieval
+modes (:func:`anns_lab.decode.runner.prefill_groups` says which modes share one). Each retrieval mode builds its
 indexes on the non-window prefill keys of every long-range layer (timed as ``build_s``), from the
 moment the prompt's last chunk has passed that layer (:mod:`anns_lab.decode.builds`: the part that
 overlaps the prefill is ``build_hidden_s``), and decodes with :mod:`anns_lab.decode.attention`. In retrieval modes
@@ -97,6 +98,7 @@ class ModeRun:
     build_hidden_s: float = 0.0  # of build_s, the seconds that ran while the prefill was still running
     cpu_bytes: int = 0  # CPU-side stores and indexes of the long-range layers at the end of decoding
     cpu_keys: int = 0  # tokens those stores held, summed over the layers
+    prefill_s: float = 0.0  # the prefill this run decoded from (with any builds that overlapped it), seconds
 
 
 def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool, build_modes: list[Mode] = (),
@@ -195,7 +197,8 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
         all_logits.append(logits.detach().to("cpu"))
     decode_s = time.perf_counter() - t0
     run = ModeRun(mode.name, out_tokens, all_logits, build_s, decode_s, steps, step_s, notes, device_kv_bytes(cache),
-                  hidden_s, sum(s.cpu_bytes() for s in stores.values()), sum(s.n_rows for s in stores.values()))
+                  hidden_s, sum(s.cpu_bytes() for s in stores.values()), sum(s.n_rows for s in stores.values()),
+                  pre.seconds)
     run.cache = cache if keep_cache else None
     run.stores = stores  # kept for inspection (tests, index sizes)
     return run

@@ -1,4 +1,4 @@
-"""Decode samples on a Ray cluster: one task per sample (its prefill shared by all its modes).
+"""Decode samples on a Ray cluster: one task per sample (its prefills and all its modes).
 
 A task asks for one GPU when the cluster has GPUs (the model then runs on CUDA there), else
 ``cpus_per_task`` CPUs. Each worker process loads the model once and keeps it for its next samples;

@@ -47,14 +47,16 @@ def stop_ids(lm) -> set[int]:
 
 
 def _pool(runs: list[ModeRun]) -> dict:
-    """Per-token timings over several runs of one mode (all their steps together); first-step latency averaged."""
+    """Per-token timings over several runs of one mode (all their steps together); prefill and first-step
+    latency averaged."""
     merged = ModeRun(runs[0].mode, [], [], sum(r.build_s for r in runs) / len(runs), sum(r.decode_s for r in runs),
                      [s for r in runs for s in r.steps], [s for r in runs for s in r.step_s],
                      device_kv_bytes=max(r.device_kv_bytes for r in runs),
                      build_hidden_s=sum(r.build_hidden_s for r in runs) / len(runs),
                      cpu_bytes=sum(r.cpu_bytes for r in runs), cpu_keys=sum(r.cpu_keys for r in runs))
     firsts = [r.step_s[0] for r in runs if r.step_s]
-    return summarize(merged) | {"first_step_s": float(np.mean(firsts)) if firsts else None}
+    return summarize(merged) | {"first_step_s": float(np.mean(firsts)) if firsts else None,
+                                "prefill_s": float(np.mean([r.prefill_s for r in runs]))}
 
 
 def time_to_first_token(modes: dict) -> None:
@@ -105,48 +107,61 @@ def run_prompt(lm, modes: list[Mode], settings: Settings, text: str, max_new: in
     return _run_prompts(lm, modes, settings, [(ids, None)], max_new, "prompt", progress, executor, on_sample, note)
 
 
-def check_memory(lm, modes: list[Mode], settings: Settings, n_tokens: int, builds_at_once: bool = False) -> None:
+def check_memory(lm, modes: list[Mode], settings: Settings, n_tokens: int) -> None:
     """Refuse, before the prefill, a run whose estimated peak memory exceeds what is available
-    (:func:`memory.check_prefill`: KV cache, a chunk's activations, the kept queries, a mode's CPU store and
-    indexes or ``full``'s copy of the cache)."""
+    (:func:`memory.check_prefill`: KV cache, a chunk's activations, the kept queries, one mode's CPU store and
+    indexes (modes run one after the other) or ``full``'s copy of the cache)."""
     from anns_lab.dumps.memory import check_prefill
 
     n_long = len(lm.long_range_layers)
-    # Builds during the prefill (``builds_at_once``: run_sample's) hold every index mode's stores at once.
-    n_index = sum(m.kind == "index" for m in modes)
-    n_index = n_index if builds_at_once else min(1, n_index)
     check_prefill(lm.config, n_tokens, settings.chunk, f"decoding {n_tokens} tokens of {lm.name}", "--context",
                   query_layers=n_long if any(m.uses_queries() for m in modes) else 0,
-                  index_layers=n_long * n_index,
+                  index_layers=n_long * min(1, sum(m.kind == "index" for m in modes)),
                   cache_copy=any(m.kind == "full" for m in modes))
+
+
+def prefill_groups(modes: list[Mode], settings: Settings) -> list[list[Mode]]:
+    """The modes that share a prefill, in run order. With builds during the prefill each index mode gets a prefill
+    of its own, so that its time to first token counts its own builds' contention with the prefill and no other
+    mode's, and ``full``'s (with ``window``) a prefill with nothing else running; otherwise every mode shares one.
+    The prefills compute the same cache: the modes decode from the same prompt state either way."""
+    index = [m for m in modes if m.kind == "index"]
+    if not settings.build_during_prefill or not index:
+        return [list(modes)]
+    rest = [m for m in modes if m.kind != "index"]
+    return ([rest] if rest else []) + [[m] for m in index]
 
 
 def run_sample(lm, modes: list[Mode], settings: Settings, ids: list[int], max_new: int, stops: set[int],
                say=None) -> dict:
-    """One prompt: a shared full-attention prefill, then every mode; the unit a Ray task runs.
+    """One prompt: every mode, each group of :func:`prefill_groups` after its own full-attention prefill; the
+    unit a Ray task runs. Returns ``{"runs": {mode name: ModeRun}}`` in the order of ``modes``.
 
     ``say`` (a callable taking a line) hears what is happening before each long step and how long it took.
     """
     bar = say is not None
     say = say or (lambda line: None)
-    say(f"  prefill: {len(ids)} tokens through {lm.name} (full attention, chunks of {settings.chunk}) ...")
-    pre = prefill(lm, ids, settings, any(m.uses_queries() for m in modes), modes, progress=bar)
-    say(f"  prefill: done in {pre.seconds:.1f} s")
-    if pre.early is not None:  # no mode decodes while builds still share the CPU
-        say("  index builds: started during the prefill's last chunk; finishing ...")
-        pre.early.wait()
     runs = {}
-    for mode in modes:
-        building = mode.kind == "index"
-        say(f"  {mode.name}: " + ("building one index per layer and head from the prefill, then " if building else "")
-            + f"decoding up to {max_new} tokens ...")
-        run = run_mode(lm, pre, mode, settings, max_new, stops)
-        say(f"  {mode.name}: " + (f"indexes built in {run.build_s:.1f} s ({run.build_hidden_s:.1f} s during the prefill), "
-                                  if building else "")
-            + f"{len(run.tokens)} tokens decoded in {run.decode_s:.1f} s")
-        run.stores = None  # free the CPU copies and indexes
-        runs[mode.name] = run
-    return {"prefill_s": pre.seconds, "runs": runs}
+    for group in prefill_groups(modes, settings):
+        names = ", ".join(m.name for m in group)
+        say(f"  prefill for {names}: {len(ids)} tokens through {lm.name} (full attention, chunks of {settings.chunk}) ...")
+        pre = prefill(lm, ids, settings, any(m.uses_queries() for m in group), group, progress=bar)
+        say(f"  prefill for {names}: done in {pre.seconds:.1f} s")
+        if pre.early is not None:  # no mode decodes while builds still share the CPU
+            say("  index builds: started during the prefill's last chunk; finishing ...")
+            pre.early.wait()
+        for mode in group:
+            building = mode.kind == "index"
+            say(f"  {mode.name}: " + ("building one index per layer and head from the prefill, then " if building else "")
+                + f"decoding up to {max_new} tokens ...")
+            run = run_mode(lm, pre, mode, settings, max_new, stops)
+            say(f"  {mode.name}: " + (f"indexes built in {run.build_s:.1f} s ({run.build_hidden_s:.1f} s during the prefill), "
+                                      if building else "")
+                + f"{len(run.tokens)} tokens decoded in {run.decode_s:.1f} s")
+            run.stores = None  # free the CPU copies and indexes
+            runs[mode.name] = run
+        del pre  # the next group's prefill must not hold this one's cache beside its own
+    return {"runs": {m.name: runs[m.name] for m in modes}}
 
 
 def _run_prompts(lm, modes, settings, prompts, max_new, task, progress, executor=None, on_sample=None,
@@ -157,16 +172,14 @@ def _run_prompts(lm, modes, settings, prompts, max_new, task, progress, executor
     stopped midway keeps what it finished. ``extrapolated``: :func:`check_context`'s sentence, kept in the result.
     """
     settings = dataclasses.replace(settings, steps=max_new)  # the CPU stores' room for the tokens to come
-    check_memory(lm, modes, settings, max(len(ids) for ids, _ in prompts) + max_new, settings.build_during_prefill)
+    check_memory(lm, modes, settings, max(len(ids) for ids, _ in prompts) + max_new)
     stops = stop_ids(lm)
     per_mode = {m.name: {"runs": [], "samples": []} for m in modes}
-    prefill_s = []
     if executor is None:
         done = (run_sample(lm, modes, settings, ids, max_new, stops, progress) for ids, _ in prompts)
     else:
         done = executor.map_samples(modes, settings, [ids for ids, _ in prompts], max_new, stops)
     for i, ((ids, sample), res) in enumerate(zip(prompts, done)):
-        prefill_s.append(res["prefill_s"])
         for mode in modes:
             run = res["runs"][mode.name]
             answer = lm.tokenizer.decode(run.tokens, skip_special_tokens=True)
@@ -181,16 +194,16 @@ def _run_prompts(lm, modes, settings, prompts, max_new, task, progress, executor
                 progress(f"sample {i + 1}/{len(prompts)} {mode.name}: {answer!r}"
                          + (f" (expected {sample.answers[0]!r}, score {row['score']:g})" if sample else ""))
         if on_sample is not None:
-            on_sample(_merged(per_mode, prefill_s, task, len(prompts[0][0]), extrapolated)
+            on_sample(_merged(per_mode, task, len(prompts[0][0]), extrapolated)
                       | {"samples_done": i + 1, "samples_total": len(prompts)})
-    return _merged(per_mode, prefill_s, task, len(prompts[0][0]), extrapolated)
+    return _merged(per_mode, task, len(prompts[0][0]), extrapolated)
 
 
-def _merged(per_mode: dict, prefill_s: list[float], task: str, context: int, extrapolated: str | None = None) -> dict:
+def _merged(per_mode: dict, task: str, context: int, extrapolated: str | None = None) -> dict:
     """The result of the samples run so far: per mode, pooled timings, accuracy and the samples themselves."""
     out = {"task": task, "context": context, "extrapolated": extrapolated, "modes": {}}
     for name, d in per_mode.items():
-        summary = _pool(d["runs"]) | {"prefill_s": float(np.mean(prefill_s))}
+        summary = _pool(d["runs"])
         if task != "prompt":
             summary |= _accuracy([r["score"] for r in d["samples"]],
                                  [r["score"] for r in per_mode["full"]["samples"]] if "full" in per_mode else None)
@@ -278,7 +291,8 @@ LEGEND = {
     "kl_mean": "mean KL divergence of the next-token distribution from full attention's (teacher-forced)",
     "top1_agreement": "share of teacher-forced positions whose top-1 token equals full attention's",
     "free_tokens_until_diff": "greedy tokens generated before the first difference from full attention",
-    "prefill_s": "full-attention prefill of the prompt, seconds (shared by every mode)",
+    "prefill_s": "the mode's full-attention prefill of the prompt, seconds (full and window share one with nothing "
+                 "else running; during-prefill builds give each index mode its own, slowed by its builds)",
     "build_s": "building the mode's indexes from the prefill (each layer's from when the prompt's last chunk has passed it), seconds",
     "build_hidden_s": "of that build, seconds that ran while the prefill was still running (not in TTFT)",
     "first_step_s": "the first decode step (it also compiles the search kernels), seconds",
