@@ -9,7 +9,8 @@ tensors, as the model's CPU cache holds them), the prefill queries subsampled an
 positions, the :class:`LayerStore`, and its indexes' builds (``roargraph`` at its defaults unless ``--mode``; every
 query head of the layer). Timed: process CPU seconds of the whole call and of its parts (the functions below, wrapped
 where the build looks them up; ``rest`` is what no wrapper covers: Python between the parts, input checks, copies).
-Threads: numba, faiss and torch pinned to ``--threads`` (the decoder's build thread uses the defaults, 2 here).
+Threads: numba, faiss and torch pinned to ``--threads`` (``--torch-threads``); the decoder's build thread uses their
+defaults (2 each on the 2-core machine).
 """
 
 from __future__ import annotations
@@ -61,12 +62,13 @@ def main() -> None:
     ap.add_argument("--layers", default="all", help="all, a list 2,15,28 or a range 0:30:3")
     ap.add_argument("--mode", default="roargraph", help="the index (its defaults)")
     ap.add_argument("--build-param", action="append", default=[], help="NAME=VALUE for the index's build")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="numba's and faiss's threads")
+    ap.add_argument("--torch-threads", type=int, default=0, help="torch's (the bfloat16 products); 0 = --threads")
     ap.add_argument("--train-queries", type=int, default=0, help="the decoder's --train-queries (0 = all)")
     a = ap.parse_args()
     numba.set_num_threads(a.threads)
     faiss.omp_set_num_threads(a.threads)
-    torch.set_num_threads(a.threads)
+    torch.set_num_threads(a.torch_threads or a.threads)
     time_pieces()
     time_pieces(DECODER_TIMED)
     dump = anns_lab.open_dump(a.dump)
@@ -84,7 +86,7 @@ def main() -> None:
     cache, queries = layer_inputs(dump, layers[0])  # compile the kernels outside the timings
     builds.layer_store(lm, cache, n_ids, layers[0], plan, settings, queries)
     print(f"{a.dump}: {len(layers)} layers x {dump.n_heads} query heads, {a.mode}{params or ''}, n_ids {n_ids}; "
-          f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; CPU s, {a.threads} thread(s)", flush=True)
+          f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; CPU s, {a.threads} thread(s), torch {torch.get_num_threads()}", flush=True)
     totals = collections.defaultdict(float)
     per_layer = []
     for layer in layers:
