@@ -407,6 +407,28 @@ def test_descent_gaps_match_a_plain_reference():
                        np.einsum("ij,ij->i", keys[ref[diff]], keys[knn[diff]]), rtol=1e-5)
 
 
+@pytest.mark.parametrize("per_key", [1, 2, 3])
+def test_descent_proposals_are_each_keys_most_frequent_sources(per_key):
+    """``roar._most_proposed``: the targets of the gaps in id order, each with its per_key most frequent sources
+    (ties: smaller id), as np.unique over the (source, target) pairs and a lexsort give them."""
+    from anns_lab.indexes.graph.roar import _most_proposed
+
+    rng = np.random.default_rng(per_key)
+    n = 50
+    knn = np.stack([rng.permutation(n)[:12] for _ in range(40)]).astype(np.int32)
+    gaps = np.where(rng.random(knn.shape) < 0.5, rng.integers(0, 6, knn.shape), -1).astype(np.int32)  # few sources: ties
+    targets, props, n_gaps = _most_proposed(gaps, knn, n, per_key)
+    qi, r = np.nonzero(gaps >= 0)
+    assert n_gaps == len(qi)
+    pairs, count = np.unique(gaps[qi, r].astype(np.int64) * n + knn[qi, r], return_counts=True)
+    v, u = pairs // n, pairs % n
+    assert targets.tolist() == sorted(set(u.tolist()))
+    for t, row in zip(targets, props):
+        mine = np.flatnonzero(u == t)
+        best = mine[np.lexsort((v[mine], -count[mine]))][:per_key]
+        assert row.tolist() == v[best].tolist() + [-1] * (per_key - len(best)), t
+
+
 @pytest.mark.parametrize("seed", [8, 9])
 def test_descent_links_give_every_listed_key_a_way_down(seed):
     """``descent_links``: far fewer keys of a training query's top list lack an in-neighbour ranked above them."""
