@@ -46,8 +46,9 @@ from anns_lab.indexes.roargraph import RoarGraphIndex
 from anns_lab.eval.metrics import exact_scores, recall_at_k
 from bench_query_aware import at_target
 
-VARIANTS = "old:list_stride=1,coarse_bf16=0,rg.STRANDED_POOL=8192,rg.FAR_POOL=0;new:"
-CONSTANTS = ("STRANDED_POOL", "FAR_POOL", "LIST_SPAN", "KEYS_PER_ANCHOR", "MIN_TRAIN", "MAX_STRIDE")
+VARIANTS = "old:list_stride=1,coarse_bf16=0,rg.STRANDED_POOL=8192,rg.STRANDED_SHARE=1,rg.FAR_POOL=0;new:"
+CONSTANTS = ("STRANDED_POOL", "STRANDED_SHARE", "STRANDED_MIN", "FAR_POOL", "LIST_SPAN", "KEYS_PER_ANCHOR", "MIN_TRAIN",
+             "MAX_STRIDE")
 
 
 def parse(variant: str) -> tuple[str, dict, dict]:

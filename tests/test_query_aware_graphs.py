@@ -442,6 +442,29 @@ def test_descent_links_give_every_listed_key_a_way_down(seed):
     assert with_links < 0.7 * without, (with_links, without)  # measured: 0.41, 0.53
 
 
+def test_stranded_keys_link_to_a_pool_that_follows_the_number_of_keys(monkeypatch):
+    """``link_stranded``: each stranded key's out-edges are its nearest among a stride of about ``stranded_pool(n)``
+    reachable keys: 512 at 8K keys, 2048 (as before the rule) from ~31K on, so the 32K and 128K builds are unchanged."""
+    from anns_lab.indexes import roargraph as rg
+
+    assert [rg.stranded_pool(n) for n in (1000, 7488, 15680, 32064, 131072)] == [512, 512, 1045, 2048, 2048]
+    monkeypatch.setattr(rg, "STRANDED_MIN", 64)
+    rng = np.random.default_rng(0)
+    n = 3000
+    keys = rng.standard_normal((n, 8)).astype(np.float32)
+    nbrs, degree = np.full((n, 4), -1, np.int32), np.zeros(n, np.int32)
+    nbrs[:1000, 0], degree[:1000] = (np.arange(1000) + 1) % 1000, 1  # a ring of 1000 reachable keys, 2000 stranded
+    seen = {}
+    real = rg.topk_ip
+    monkeypatch.setattr(rg, "topk_ip", lambda q, k, m: seen.setdefault("pool", len(k)) and real(q, k, m))
+    rg.link_stranded(keys, nbrs, degree, np.array([0]), 3)
+    assert seen["pool"] == len(range(0, 1000, 1000 // rg.stranded_pool(n)))  # 3000 // 15 = 200 of the 1000: every 5th
+    assert (degree[1000:] == 3).all() and (nbrs[1000:, :3] < 1000).all() and (nbrs[1000:, :3] % 5 == 0).all()
+    pool = np.arange(0, 1000, 5)
+    best = pool[np.argmax(keys[1000:] @ keys[pool].T, axis=1)]
+    assert (nbrs[1000:, 0] == best).mean() > 0.99  # the nearest of the pool first (float ties aside)
+
+
 def test_list_sizes_follow_the_number_of_keys_unless_given(tmp_path):
     """M_sq / n_pivots / n_cand left at 0 come from ``auto_lists`` (100 / 20 up to 8K keys, growing with n);
     given ones are kept; the resolved sizes survive save/load (an add must keep using them)."""

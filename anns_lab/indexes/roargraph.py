@@ -78,7 +78,9 @@ from anns_lab.indexes.topk import topk_ip
 from anns_lab.indexes.train_lists import anchored_topk
 
 MIN_TRAIN = 2048  # auto_train's floor: below it every query is kept (4096 at 8K: ~2x the build, the same scans: BENCHMARKS "Scale")
-STRANDED_POOL = 2048  # candidate out-neighbours of a stranded key (see link_stranded; 8192 scanned the same at 8K, cost +1.2 s per head at 32K)
+STRANDED_POOL = 2048  # candidate out-neighbours of a stranded key at most (see link_stranded; 8192 scanned the same at 8K, cost +1.2 s per head at 32K)
+STRANDED_SHARE = 15  # below ~31K keys the pool is one key in this many, at least STRANDED_MIN (512 at 8K: 0.64x the build, +0.6% scans)
+STRANDED_MIN = 512
 FAR_POOL = 512  # link_unreachable: in-edge sources of a key with no reachable node near it in the graph, a stride over all keys (0 = all: up to 0.4 s per 32K head, 141 s on a real 128K head; 2048 left 1.5-2.3 s there)
 ADD_SERIAL = 1024  # adds of up to this many keys run on the calling thread: a thread-pool launch costs ms on a loaded machine
 ADD_SEARCH_L = 16  # beam of the search that links each added key (wider: the same recall, slower)
@@ -127,6 +129,14 @@ def auto_lists(n_keys: int) -> tuple[int, int]:
     return m_sq, min(m_sq // 2, int(round(20 * scale)))
 
 
+def stranded_pool(n: int) -> int:
+    """Size of the pool a stranded key's out-edges come from among ``n`` keys (:func:`link_stranded`'s stride):
+    n / STRANDED_SHARE within [STRANDED_MIN, STRANDED_POOL]: 512 at 8K, ~1K at 16K, 2048 from ~31K keys on. At 8K the kNN of
+    the ~4K stranded keys against 2048 was a quarter of the build; against 512 the median scanned fraction at recall
+    0.95 moved +0.6% (BENCHMARKS "Scale": the decoder's per-layer build)."""
+    return min(STRANDED_POOL, max(STRANDED_MIN, n // STRANDED_SHARE))
+
+
 def link_stranded(keys: np.ndarray, nbrs: np.ndarray, degree: np.ndarray, entries: np.ndarray, k: int) -> None:
     """Out-edges for the keys that the projection left unreachable with an empty row (keys in no training
     query's top list: about half of them on real heads): their ``k`` nearest keys by inner product, one
@@ -136,11 +146,11 @@ def link_stranded(keys: np.ndarray, nbrs: np.ndarray, degree: np.ndarray, entrie
     stranded = np.flatnonzero(~reach & (degree == 0))
     if len(stranded) == 0:
         return
-    # Nearest among (a stride of at most STRANDED_POOL) reachable keys: these keys are in no query's
+    # Nearest among a stride of the reachable keys (about stranded_pool(n) of them): these keys are in no query's
     # list, so they need a way in, not a fine neighbourhood; at 32K a full kNN of 27K stranded keys
     # cost as much as the bipartite graph itself.
     pool = np.flatnonzero(reach)
-    pool = pool[:: max(1, len(pool) // STRANDED_POOL)]
+    pool = pool[:: max(1, len(pool) // stranded_pool(len(keys)))]
     # faiss's float32 kNN: topk_ip_bf16 saves nothing against a pool of 2048 (its selection pass costs what its product saves)
     near = pool[topk_ip(keys[stranded], keys[pool], k)]  # a stranded key is unreachable, so never in the pool
     nbrs[stranded, : near.shape[1]] = near
