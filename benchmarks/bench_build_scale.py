@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import threading
 import time
 
 import faiss
@@ -46,7 +47,7 @@ from anns_lab.eval.metrics import exact_scores, recall_at_k
 from bench_query_aware import at_target
 
 VARIANTS = "old:list_stride=1,coarse_bf16=0,rg.STRANDED_POOL=8192,rg.FAR_POOL=0;new:"
-CONSTANTS = ("STRANDED_POOL", "FAR_POOL", "LIST_SPAN", "KEYS_PER_ANCHOR")
+CONSTANTS = ("STRANDED_POOL", "FAR_POOL", "LIST_SPAN", "KEYS_PER_ANCHOR", "MIN_TRAIN", "MAX_STRIDE")
 
 
 def parse(variant: str) -> tuple[str, dict, dict]:
@@ -70,15 +71,20 @@ TIMED = [(tl, "topk_ip_fast", "anchors"), (tl, "_rerank_gaps", "rerank"), (roar,
          (RoarGraphIndex, "_cache_lists", "kept lists")]
 
 
-def time_pieces() -> None:
-    """Wrap the build's parts (module attributes the build looks up at call time) with CPU timers into PIECES."""
-    for owner, attr, label in TIMED:
+_PIECES_LOCK = threading.Lock()
+
+
+def time_pieces(parts=TIMED) -> None:
+    """Wrap the build's ``parts`` (module attributes the build looks up at call time) with CPU timers into PIECES: the
+    calling thread's CPU seconds (builds may run side by side, each on one thread: ``indexes.threads``)."""
+    for owner, attr, label in parts:
         def timed(*args, _f=getattr(owner, attr), _label=label, **kwargs):
-            t = time.process_time()
+            t = time.thread_time()
             try:
                 return _f(*args, **kwargs)
             finally:
-                PIECES[_label] += time.process_time() - t
+                with _PIECES_LOCK:
+                    PIECES[_label] += time.thread_time() - t
         setattr(owner, attr, timed)
 
 

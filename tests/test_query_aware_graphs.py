@@ -407,6 +407,28 @@ def test_descent_gaps_match_a_plain_reference():
                        np.einsum("ij,ij->i", keys[ref[diff]], keys[knn[diff]]), rtol=1e-5)
 
 
+@pytest.mark.parametrize("per_key", [1, 2, 3])
+def test_descent_proposals_are_each_keys_most_frequent_sources(per_key):
+    """``roar._most_proposed``: the targets of the gaps in id order, each with its per_key most frequent sources
+    (ties: smaller id), as np.unique over the (source, target) pairs and a lexsort give them."""
+    from anns_lab.indexes.graph.roar import _most_proposed
+
+    rng = np.random.default_rng(per_key)
+    n = 50
+    knn = np.stack([rng.permutation(n)[:12] for _ in range(40)]).astype(np.int32)
+    gaps = np.where(rng.random(knn.shape) < 0.5, rng.integers(0, 6, knn.shape), -1).astype(np.int32)  # few sources: ties
+    targets, props, n_gaps = _most_proposed(gaps, knn, n, per_key)
+    qi, r = np.nonzero(gaps >= 0)
+    assert n_gaps == len(qi)
+    pairs, count = np.unique(gaps[qi, r].astype(np.int64) * n + knn[qi, r], return_counts=True)
+    v, u = pairs // n, pairs % n
+    assert targets.tolist() == sorted(set(u.tolist()))
+    for t, row in zip(targets, props):
+        mine = np.flatnonzero(u == t)
+        best = mine[np.lexsort((v[mine], -count[mine]))][:per_key]
+        assert row.tolist() == v[best].tolist() + [-1] * (per_key - len(best)), t
+
+
 @pytest.mark.parametrize("seed", [8, 9])
 def test_descent_links_give_every_listed_key_a_way_down(seed):
     """``descent_links``: far fewer keys of a training query's top list lack an in-neighbour ranked above them."""
@@ -626,19 +648,16 @@ def test_kth_largest_is_numpys_partition():
             assert not scratch[0].any()  # the histogram is left zero for the next call
 
 
-@pytest.mark.parametrize("block", [256, 3])  # 3: the centroids scored in blocks, the last one partial
-def test_query_hubs_are_the_top_key_of_each_centroid(block, monkeypatch):
+@pytest.mark.parametrize("n_keys", [500, 501])  # 501: the key kernel's odd last row
+def test_query_hubs_are_the_top_key_of_each_centroid(n_keys):
     """Hubs: the mean query's top key, then each k-means centroid's top key by inner product (float64 reference),
     distinct, in that order."""
     import faiss
 
-    from anns_lab.indexes.graph import hubs
     from anns_lab.indexes.graph.hubs import KMEANS_POINTS, query_hubs
 
-    monkeypatch.setattr(hubs, "HUB_BLOCK", block)
-
     rng = np.random.default_rng(11)
-    keys = rng.standard_normal((500, 16)).astype(np.float32)
+    keys = rng.standard_normal((n_keys, 16)).astype(np.float32)
     q = (rng.standard_normal((300, 16)) + 1.0).astype(np.float32)
     km = faiss.Kmeans(16, 8, niter=10, seed=5, verbose=False, min_points_per_centroid=1,
                       max_points_per_centroid=KMEANS_POINTS)
@@ -647,6 +666,21 @@ def test_query_hubs_are_the_top_key_of_each_centroid(block, monkeypatch):
     ref = [int(np.argmax(k64 @ q.mean(axis=0, dtype=np.float64)))]
     ref += np.argmax(km.centroids.astype(np.float64) @ k64.T, axis=1).tolist()
     assert query_hubs(keys, q, 8, seed=5).tolist() == list(dict.fromkeys(ref))
+
+
+@pytest.mark.parametrize("n_vectors,n_keys", [(1, 7), (6, 64), (9, 33)])
+def test_top_keys_is_the_argmax_first_on_ties(n_vectors, n_keys):
+    """``graph.hubs.top_keys``: each vector's key of largest inner product, the first of equal ones (np.argmax's)."""
+    from anns_lab.indexes.graph.hubs import top_keys
+
+    rng = np.random.default_rng(n_keys)
+    keys = rng.standard_normal((n_keys, 24)).astype(np.float32)
+    keys[n_keys // 2] = keys[n_keys - 1]  # a tie, which the first key must win
+    v = rng.standard_normal((n_vectors, 24)).astype(np.float32)
+    v[0] = keys[n_keys - 1] * 3  # its best keys are the tied pair
+    got = top_keys(v, keys)
+    assert got.dtype == np.int64 and got.tolist() == np.argmax(v.astype(np.float64) @ keys.T.astype(np.float64), axis=1).tolist()
+    assert got[0] == n_keys // 2
 
 
 @pytest.mark.parametrize("seed", [3, 4])

@@ -37,6 +37,7 @@ from anns_lab.decode.copy_hints import CopyHints
 from anns_lab.decode.kernels import attend_window, merge
 from anns_lab.decode.placement import LayerStore
 from anns_lab.errors import DecodeError
+from anns_lab.indexes.threads import one_thread
 from anns_lab.window import Window
 
 RETRIEVAL_IMPL = "anns_retrieval"
@@ -162,7 +163,8 @@ class Retrieval:
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="anns-cpu-side", initializer=_one_thread)
+            # one query per head: a thread team would only pay its wake-up
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="anns-cpu-side", initializer=one_thread)
         return self._pool
 
     def close(self) -> None:
@@ -183,15 +185,6 @@ class Retrieval:
         if len(parts) > 1:
             self.queries[layer] = parts = [torch.cat(parts, dim=1)]
         return parts[0].numpy()
-
-
-def _one_thread() -> None:
-    """The CPU side searches one query per head: parallel kernels would only pay thread wake-up (settings are per thread)."""
-    import faiss
-    import numba
-
-    numba.set_num_threads(1)
-    faiss.omp_set_num_threads(1)
 
 
 _ACTIVE: ContextVar[Retrieval | None] = ContextVar("anns_lab_retrieval", default=None)

@@ -31,6 +31,7 @@ from anns_lab.indexes.base import SearchResult
 from anns_lab.indexes.estimate import Estimate, estimate_terms, weighted_partial
 from anns_lab.indexes.group_queries import other_heads
 from anns_lab.indexes.key_store import KeyStore
+from anns_lab.indexes.threads import map_one_thread
 
 
 @dataclass
@@ -91,7 +92,9 @@ class LayerStore:
         lists are (G, m, ·), one set per KV head (its GQA group's, :mod:`indexes.group_queries`), and one
         attention-aware index per KV head serves its group, as every other index does. ``others`` (per query head, an
         index that accepts them): each head's index also gets its group's other heads' newest queries (and lists) as
-        ``group_queries`` (``--train-group unlisted``)."""
+        ``group_queries`` (``--train-group unlisted``). The indexes are built side by side, one core each
+        (:func:`indexes.threads.map_one_thread`: the same indexes as one after another, without the kernels' thread teams
+        waiting on each other beside the prefill)."""
         if self.plan is None or self.n_rows == 0:
             return
         t0 = time.perf_counter()
@@ -101,13 +104,13 @@ class LayerStore:
             if queries is None:
                 raise ValueError("attention-aware index needs the prefill queries")
             per = len(rows) if per_kv_head else self.n_heads
-            built = [cls(**self.plan.build_params).build(rows[i if per_kv_head else i // self.group], np.ascontiguousarray(queries[i]),
-                                                         **({} if train_topk is None else {"train_topk": train_topk[i]}),
-                                                         **(self._others(i, queries, train_topk) if others else {}))
-                     for i in range(per)]
+            built = map_one_thread(lambda i: cls(**self.plan.build_params).build(
+                rows[i if per_kv_head else i // self.group], np.ascontiguousarray(queries[i]),
+                **({} if train_topk is None else {"train_topk": train_topk[i]}),
+                **(self._others(i, queries, train_topk) if others else {})), range(per))
             self.indexes = [built[h // self.group] for h in range(self.n_heads)] if per_kv_head else built
         else:
-            shared = [cls(**self.plan.build_params).build(r) for r in rows]
+            shared = map_one_thread(lambda r: cls(**self.plan.build_params).build(r), rows)
             self.indexes = [shared[h // self.group] for h in range(self.n_heads)]
         self.n_indexed = self.n_rows
         self._bound = None

@@ -2,7 +2,7 @@
 
 Build, on keys K (n, d) and training queries Q (m, d) (kernels in :mod:`graph.roar`):
 
-1. **Bipartite graph** of at most ``max_train`` training queries (auto: max(4096, n/4), :func:`auto_train`; the
+1. **Bipartite graph** of at most ``max_train`` training queries (auto: max(2048, n/4), :func:`auto_train`; the
    newest ``keep_queries`` all, an even stride over the older: :func:`subsample`): each one's top-``M_sq`` keys:
    exact for every ``list_stride``-th query (auto: one per ~4096 keys, :func:`auto_stride`; all below ~6K keys) and the newest
    ``keep_queries``, the others ranking the keys of the neighbouring exact lists
@@ -77,7 +77,7 @@ from anns_lab.indexes.persist import expect, expect_ids
 from anns_lab.indexes.topk import topk_ip
 from anns_lab.indexes.train_lists import anchored_topk
 
-MIN_TRAIN = 4096  # auto_train's floor: below it every query is kept (at 8K, 2048 scanned 3.6% more: BENCHMARKS)
+MIN_TRAIN = 2048  # auto_train's floor: below it every query is kept (4096 at 8K: ~2x the build, the same scans: BENCHMARKS "Scale")
 STRANDED_POOL = 2048  # candidate out-neighbours of a stranded key (see link_stranded; 8192 scanned the same at 8K, cost +1.2 s per head at 32K)
 FAR_POOL = 512  # link_unreachable: in-edge sources of a key with no reachable node near it in the graph, a stride over all keys (0 = all: up to 0.4 s per 32K head, 141 s on a real 128K head; 2048 left 1.5-2.3 s there)
 ADD_SERIAL = 1024  # adds of up to this many keys run on the calling thread: a thread-pool launch costs ms on a loaded machine
@@ -101,7 +101,7 @@ def subsample(m: int, at_most: int, newest: int = 0) -> np.ndarray | None:
 
 
 def auto_train(n: int) -> int:
-    """Training queries used for ``n`` keys: max(4096, n/4). With the queries moved to the positions the index serves
+    """Training queries used for ``n`` keys: max(2048, n/4). With the queries moved to the positions the index serves
     (``dumps.rope``), a quarter of them scans as all do at 8K-128K for ~0.55x the build (BENCHMARKS "Query-aware
     graphs"); at their own positions each dropped query cost scans (their lists lean on the keys near them)."""
     return max(MIN_TRAIN, n // 4)
@@ -109,7 +109,7 @@ def auto_train(n: int) -> int:
 
 def auto_stride(m: int, n: int) -> int:
     """Training queries per exact list (:mod:`train_lists`) for ``m`` queries over ``n`` keys: √(m·n) / KEYS_PER_ANCHOR,
-    in [1, MAX_STRIDE] (1 = every list exact, below ~6K keys; 2 at 8K, 8 at 32K, 32 at 128K): the exact part then
+    in [1, MAX_STRIDE] (with :func:`auto_train`'s m: 1 = every list exact at 8K, 2 at 16K, 4 at 32K, 16 at 128K): the exact part then
     costs ~KEYS_PER_ANCHOR × m products, linear in the context instead of quadratic. Measured at 8K and 32K
     against the exact lists (BENCHMARKS "Scale": build cost and time to first token)."""
     return int(min(MAX_STRIDE, max(1, round((m * n) ** 0.5 / KEYS_PER_ANCHOR))))
@@ -170,8 +170,8 @@ class RoarGraphIndex(Index):
         "max_cand": Param(128, 2, 1 << 16, help="candidates per key kept (heaviest co-occurrence) before pruning"),
         "alpha": Param(1.2, 0.0, 4.0, help="RobustPrune α of the projection (inner-product rule; > 1 prunes less; 0 = no pruning)"),
         "max_train": Param(0, 0, 1 << 30, help="training queries used at most: the newest keep_queries all, an even stride over the older; "
-                                               "0 = auto: max(4096, n/4) for n keys (build time)"),
-        "list_stride": Param(0, 0, 4096, help="training queries per exact top-M_sq list: the others rank their neighbouring exact lists' keys (1 = all exact; 0 = auto: √(m·n)/4096, 2 at 8K, 8 at 32K, ≤ 64)"),
+                                               "0 = auto: max(2048, n/4) for n keys (build time)"),
+        "list_stride": Param(0, 0, 4096, help="training queries per exact top-M_sq list: the others rank their neighbouring exact lists' keys (1 = all exact; 0 = auto: √(m·n)/4096, 1 at 8K, 4 at 32K, ≤ 64)"),
         "coarse_bf16": Param(1, 0, 1, help="1: the exact lists rank the best M_sq + 32 keys of a bfloat16 product in float32 (where the CPU multiplies bf16 natively; ~1.6x faster); 0: faiss's float32 kNN"),
         "enhance_L": Param(0, 0, 4096, help="beam width of the connectivity-enhancement search (0 = skip it)"),
         "M_link": Param(8, 1, 512, help="links per key from the enhancement search / out-edges of a stranded key"),
