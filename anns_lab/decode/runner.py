@@ -82,7 +82,7 @@ def depths(samples: int) -> list[float]:
 def run_task(lm, modes: list[Mode], settings: Settings, task: str, context: int, samples: int, seed: int,
              max_new: int | None = None, allow_extrapolation: bool = False, progress=None, executor=None,
              on_sample=None) -> dict:
-    """Every mode on ``samples`` samples of ``task``; one shared full-attention prefill per sample.
+    """Every mode on ``samples`` samples of ``task``; per sample the full-attention prefills of :func:`prefill_groups`.
 
     ``executor`` (e.g. :class:`anns_lab.decode.ray_samples.RaySamples`) runs the samples elsewhere; the
     result is the same dict either way."""
