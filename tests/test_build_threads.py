@@ -50,3 +50,30 @@ def test_a_layers_indexes_built_side_by_side_equal_those_built_one_by_one(name, 
         assert got.keys() == ref.keys()
         for k in ref:
             assert np.array_equal(got[k], ref[k]), (h, k)
+
+
+_WORKQUEUE_BUILD = """
+import numpy as np
+from anns_lab.decode.placement import IndexPlan, LayerStore
+from anns_lab.indexes import threads
+threads.os.cpu_count = lambda: 2  # side by side even on a one-core runner
+rng = np.random.default_rng(5)
+keys = rng.standard_normal((2, 1500, 16)).astype(np.float32)
+queries = (rng.standard_normal((4, 1200, 16)) + 0.5).astype(np.float32)
+for _ in range(3):  # list_stride 4: the anchored lists' re-rank, a parallel=True kernel, in every build
+    store = LayerStore(0, 4, keys, keys, topk=10, plan=IndexPlan("roargraph", {"list_stride": 4}), add_batch=64)
+    store.build(queries)
+print("built", len(store.indexes))
+"""
+
+
+def test_side_by_side_builds_survive_numbas_workqueue_layer():
+    """numba's ``workqueue`` threading layer (where neither TBB nor OpenMP loads) aborts the process when two threads
+    run parallel kernels at once: there a layer's builds run one after another instead of side by side."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NUMBA_THREADING_LAYER": "workqueue"}
+    r = subprocess.run([sys.executable, "-c", _WORKQUEUE_BUILD], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "built 4" in r.stdout, r.stderr[-2000:]

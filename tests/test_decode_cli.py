@@ -72,8 +72,12 @@ def test_prompt_and_fidelity(tiny_gemma3, tmp_path):
     res = _run("--model", tiny_gemma3, "--mode", "window,flat", "--eval", "fidelity", "--context", 64,
                "--positions", 6, "--free-tokens", 4, "--window", "2,8", "--topk", 60, "--json", out)
     assert res.exit_code == 0, res.output
-    modes = json.loads(out.read_text())["modes"]
+    data = json.loads(out.read_text())
+    modes = data["modes"]
     assert set(modes) == {"full", "window", "flat"}  # full is added as the reference
+    # one prefill for every mode, the indexes built after it (--build-during-prefill, the default, does not apply)
+    assert data["settings"]["build_during_prefill"] is False and modes["flat"]["summary"]["build_hidden_s"] == 0
+    assert len({m["summary"]["prefill_s"] for m in modes.values()}) == 1
     assert modes["full"]["summary"]["kl_mean"] == 0 and modes["full"]["summary"]["top1_agreement"] == 1
     assert modes["flat"]["summary"]["kl_mean"] < 1e-6 and modes["flat"]["summary"]["free_tokens_until_diff"] == 4
     assert modes["window"]["summary"]["kl_mean"] > modes["flat"]["summary"]["kl_mean"]

@@ -99,11 +99,14 @@ class EarlyBuilds:
         self.prefill_end = time.perf_counter()
 
     def wait(self) -> None:
-        """Block until every queued build has finished (decoding must not share the CPU with them); re-raises a build's error."""
-        for jobs in self.jobs.values():
-            for f in jobs.values():
-                f.result()
-        self.close()
+        """Block until every queued build has finished (decoding must not share the CPU with them); re-raises a build's
+        error (or an interrupt), the builds still queued then cancelled rather than left to hold the CPU and the cache."""
+        try:
+            for jobs in self.jobs.values():
+                for f in jobs.values():
+                    f.result()
+        finally:
+            self.close()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import sys
 from pathlib import Path
@@ -62,7 +64,7 @@ def default_device() -> str:
 @click.option("--chunk", default=2048, show_default=True, help="prefill chunk size")
 @click.option("--build-during-prefill/--build-after-prefill", default=True, show_default=True,
               help="start a layer's index builds on a CPU thread once the prompt's last chunk has passed that layer "
-                   "(the overlap is not counted in TTFT), or only after the whole prefill")
+                   "(the overlap is not counted in TTFT), or only after the whole prefill (--eval fidelity: always after)")
 @click.option("--from-sweep", "from_sweep", type=str, default=None,
               help="a sweep's results.parquet (or folder): decode also with the index + parameters of least scanned fraction reaching --target-recall (in place of 'default')")
 @click.option("--target-recall", default=0.95, show_default=True,
@@ -111,6 +113,8 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
     on_sample = partial if json_path else None
     if evaluation == "fidelity":
         mode_list = _with_full(mode_list)
+        # one prefill for every mode, the indexes built after it: the result must not record builds during it
+        settings = dataclasses.replace(settings, build_during_prefill=False)
         result = runner.run_fidelity(lm, mode_list, settings, context, positions, free_tokens, allow_extrapolation,
                                      progress)
     else:

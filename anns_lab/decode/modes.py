@@ -158,7 +158,7 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int],
     for index, before in older.items():
         lines.append(f"  {index} rows of the table predate {', '.join(before)}: run with "
                      f"{', '.join(f'{k}={v}' for k, v in before.items())}, the search they measured")
-    swept_group = settings.get("train_group", group_queries.DEFAULT)  # sweeps before the option: per query head
+    swept_group = settings.get("train_group", "head")  # sweeps before the option: one graph per query head
     aware = sorted({p.name for p in (base, *per_layer.values()) if registry.get(p.name).uses_train_queries})
     if aware and swept_group != train_group:
         raise DecodeError(f"{path} was swept with --train-group {swept_group}: its {', '.join(aware)} rows measured those "

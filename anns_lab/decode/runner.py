@@ -82,7 +82,7 @@ def depths(samples: int) -> list[float]:
 def run_task(lm, modes: list[Mode], settings: Settings, task: str, context: int, samples: int, seed: int,
              max_new: int | None = None, allow_extrapolation: bool = False, progress=None, executor=None,
              on_sample=None) -> dict:
-    """Every mode on ``samples`` samples of ``task``; one shared full-attention prefill per sample.
+    """Every mode on ``samples`` samples of ``task``; per sample the full-attention prefills of :func:`prefill_groups`.
 
     ``executor`` (e.g. :class:`anns_lab.decode.ray_samples.RaySamples`) runs the samples elsewhere; the
     result is the same dict either way."""
@@ -224,7 +224,8 @@ def _accuracy(scores: list[float], full: list[float] | None) -> dict:
 
 def run_fidelity(lm, modes: list[Mode], settings: Settings, context: int, positions: int = 256,
                  free_tokens: int = 64, allow_extrapolation: bool = False, progress=None) -> dict:
-    """Teacher-forced KL / top-1 agreement against ``full`` on real text, and free-running agreement length."""
+    """Teacher-forced KL / top-1 agreement against ``full`` on real text, and free-running agreement length; one prefill
+    for every mode, each index mode's indexes built after it."""
     from anns_lab.dumps.prompts import build_prompt
 
     if positions < 1 or free_tokens < 1:
@@ -291,8 +292,8 @@ LEGEND = {
     "kl_mean": "mean KL divergence of the next-token distribution from full attention's (teacher-forced)",
     "top1_agreement": "share of teacher-forced positions whose top-1 token equals full attention's",
     "free_tokens_until_diff": "greedy tokens generated before the first difference from full attention",
-    "prefill_s": "the mode's full-attention prefill of the prompt, seconds (full and window share one with nothing "
-                 "else running; during-prefill builds give each index mode its own, slowed by its builds)",
+    "prefill_s": "the full-attention prefill the mode decoded from, seconds (with builds during the prefill each index "
+                 "mode has its own, slowed by its builds, and full and window one with nothing else running; else one for all)",
     "build_s": "building the mode's indexes from the prefill (each layer's from when the prompt's last chunk has passed it), seconds",
     "build_hidden_s": "of that build, seconds that ran while the prefill was still running (not in TTFT)",
     "first_step_s": "the first decode step (it also compiles the search kernels), seconds",

@@ -52,13 +52,23 @@ def _torch_one_thread() -> None:
 
 def map_one_thread(fn: Callable[..., T], items: Iterable) -> list[T]:
     """``[fn(x) for x in items]`` in order, run on as many threads as there are cores, each running its kernels on one
-    thread (:func:`one_thread`). A single item, or a single core, runs on the calling thread as it is."""
+    thread (:func:`one_thread`). A single item, or a single core, runs on the calling thread as it is; so does every
+    item under numba's ``workqueue`` threading layer (:func:`_numba_threadsafe`)."""
     items = list(items)
     workers = min(len(items), os.cpu_count() or 1)
-    if workers <= 1:
+    if workers <= 1 or not _numba_threadsafe():
         return [fn(x) for x in items]
     pool, pid = _POOL
     if pool is None or pid != os.getpid():
         pool = ThreadPoolExecutor(os.cpu_count(), thread_name_prefix="anns-lab-build", initializer=one_thread)
         _POOL[:] = [pool, os.getpid()]
     return [f.result() for f in [pool.submit(fn, x) for x in items]]
+
+
+def _numba_threadsafe() -> bool:
+    """Whether numba's threading layer lets several threads run its parallel kernels at once: TBB and OpenMP do;
+    ``workqueue`` (where neither loads, or ``NUMBA_THREADING_LAYER`` asks for it) aborts the process when two do."""
+    from numba.np.ufunc.parallel import _launch_threads
+
+    _launch_threads()  # picks the layer (once), as the first parallel kernel would
+    return numba.threading_layer() != "workqueue"
