@@ -34,18 +34,19 @@ def test_one_item_runs_on_the_calling_thread():
     assert map_one_thread(lambda _: threading.current_thread().name, [0]) == [threading.current_thread().name]
 
 
-@pytest.mark.parametrize("name", ["roargraph", "ivf"])
-def test_a_layers_indexes_built_side_by_side_equal_those_built_one_by_one(name, monkeypatch):
+@pytest.mark.parametrize("name, params", [("roargraph", {}), ("roargraph", {"list_stride": 4}), ("ivf", {})])
+def test_a_layers_indexes_built_side_by_side_equal_those_built_one_by_one(name, params, monkeypatch):
+    """list_stride 4: the anchored lists' re-rank (a parallel kernel) runs in both builds at once."""
     monkeypatch.setattr(threads.os, "cpu_count", lambda: 2)
     rng = np.random.default_rng(3)
     keys = rng.standard_normal((2, 900, 16)).astype(np.float32)
     values = rng.standard_normal((2, 900, 16)).astype(np.float32)
     queries = (rng.standard_normal((4, 700, 16)) + 0.5).astype(np.float32)
-    store = LayerStore(0, 4, keys, values, topk=10, plan=IndexPlan(name), add_batch=64)
+    store = LayerStore(0, 4, keys, values, topk=10, plan=IndexPlan(name, params), add_batch=64)
     store.build(queries)
     cls = registry.get(name)
     for h, index in enumerate(store.indexes):
-        alone = cls().build(keys[h // 2], queries[h]) if cls.uses_train_queries else cls().build(keys[h // 2])
+        alone = cls(**params).build(keys[h // 2], queries[h]) if cls.uses_train_queries else cls().build(keys[h // 2])
         got, ref = index._arrays(), alone._arrays()
         assert got.keys() == ref.keys()
         for k in ref:
