@@ -4,7 +4,8 @@ Build, on keys K (n, d) and training queries Q (m, d) (kernels in :mod:`graph.ro
 
 1. **Bipartite graph** of at most ``max_train`` training queries (auto: max(2048, n/4), :func:`auto_train`; the
    newest ``keep_queries`` all, an even stride over the older: :func:`subsample`): each one's top-``M_sq`` keys:
-   exact for every ``list_stride``-th query (auto: one per ~4096 keys, :func:`auto_stride`; all below ~6K keys) and the newest
+   exact for every ``list_stride``-th query (auto: :func:`auto_stride`; with the auto ``max_train`` a stride of ~n/8192:
+   every list exact below ~12K keys, 4 at 32K, 16 at 128K) and the newest
    ``keep_queries``, the others ranking the keys of the neighbouring exact lists
    (``train_lists.anchored_topk``: exact lists for all grow as n²; the exact ones from a bfloat16 product's
    best M_sq + 32, re-ranked in float32, ``coarse_bf16``); or the lists given to ``build``
