@@ -11,6 +11,7 @@ import torch
 from conftest import TEST_DEVICE
 
 from anns_lab.dumps import rope
+from anns_lab.errors import AnnsLabError
 from anns_lab.dumps.models import RopeScaling, load_model
 
 
@@ -246,3 +247,22 @@ def test_a_rotary_layout_other_than_rotate_half_is_refused(model_type):
     assert not np.allclose(rope.move(turned(p), p[0].numpy(), t[0].numpy(), freqs), turned(t), atol=1e-3)
     with pytest.raises(DumpError, match=f"{model_type}.*--train-positions own"):
         rope.inv_freq(cfg, 0)
+
+
+def test_mix_keeps_a_random_half_where_it_was_and_moves_the_rest():
+    """``mix``: each query either exactly as captured or exactly as ``serving`` moves it, about half each, the
+    same halves on every call; ``own`` and ``serving`` are what they were."""
+    rng = np.random.default_rng(5)
+    q = rng.normal(size=(400, 16)).astype(np.float32)
+    pos = np.arange(400)
+    freqs = 1.0 / 10000 ** (np.arange(0, 16, 2) / 16)
+    served = rope.to_serving(q, pos, 1000, 1063, freqs)
+    mixed = rope.placed(q, pos, 1000, 1063, freqs, "mix")
+    kept = np.all(mixed == q, axis=1)
+    moved = np.all(mixed == served, axis=1)
+    assert np.all(kept ^ moved) and 150 < kept.sum() < 250
+    assert np.array_equal(mixed, rope.placed(q, pos, 1000, 1063, freqs, "mix"))
+    assert np.array_equal(rope.placed(q, pos, 1000, 1063, freqs, "own"), q)
+    assert np.array_equal(rope.placed(q, pos, 1000, 1063, freqs, "serving"), served)
+    with pytest.raises(AnnsLabError, match="unknown training-query positions"):
+        rope.placed(q, pos, 1000, 1063, freqs, "half")

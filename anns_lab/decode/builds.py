@@ -36,9 +36,10 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
     if aware:
         positions = subsampled_positions(queries.shape[1], settings.train_queries)
         queries = np.ascontiguousarray(queries[:, positions])
-        if rope.check_place(settings.train_positions) == "serving":  # moved to the decode steps' positions (dumps.rope)
+        place = rope.check_place(settings.train_positions)
+        if place != "own":  # moved to the decode steps' positions (dumps.rope), all or half of them
             freqs = rope.inv_freq(lm.config, layer)
-            queries = np.stack([rope.to_serving(q, positions, n_ids, n_ids + settings.steps - 1, freqs) for q in queries])
+            queries = np.stack([rope.placed(q, positions, n_ids, n_ids + settings.steps - 1, freqs, place) for q in queries])
     per_kv = aware and settings.train_group not in PER_HEAD
     others = aware and settings.train_group == "unlisted" and registry.get(plan.name).accepts_group_queries
     if per_kv:  # one training set per KV head: its GQA group's queries

@@ -162,7 +162,7 @@ def _check_options(settings: Settings, evaluation: str, task: str | None, prompt
 def _check_train_positions(lm, mode_list: list[Mode], settings: Settings) -> None:
     """Refuse, before the prefill, training queries that cannot be moved to the serving positions (the RoPE
     frequencies of a long-range layer unknown: :func:`dumps.rope.inv_freq`'s one error)."""
-    if settings.train_positions == "serving" and any(m.uses_queries() for m in mode_list):
+    if settings.train_positions != "own" and any(m.uses_queries() for m in mode_list):
         for layer in lm.long_range_layers:
             rope.inv_freq(lm.config, layer)
 

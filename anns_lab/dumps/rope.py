@@ -24,14 +24,15 @@ import numpy as np
 
 from anns_lab.errors import AnnsLabError, DumpError
 
-PLACES = ("serving", "own")
+PLACES = ("serving", "own", "mix")
 # Rotary layouts other than rotate-half pairs of the first dims (transformers' modeling code): interleaved pairs
 # (x[2i], x[2i + 1]) in Cohere, GLM, GPT-J and Llama-4; the rotated dims after the unrotated ones in DeepSeek-V2/V3 (MLA).
 OTHER_LAYOUTS = ("cohere", "cohere2", "glm", "glm4", "gptj", "llama4", "llama4_text", "deepseek_v2", "deepseek_v3")
 SEQUENCE_DEPENDENT = ("dynamic", "longrope")  # ω follows the forward's sequence length (transformers' dynamic_rope_update)
 DEFAULT = "serving"  # "own": each training query at its own prefill position, as captured
 HELP = ("Where the attention-aware indexes' training (prefill) queries sit: 'serving' moves each, by RoPE, to a "
-        "position drawn from those the index serves (the decode steps); 'own' keeps its prefill position.")
+        "position drawn from those the index serves (the decode steps); 'own' keeps its prefill position; 'mix' "
+        "moves a random half and keeps the other half where it was.")
 
 
 def check_place(place: str) -> str:
@@ -114,3 +115,21 @@ def to_serving(vectors: np.ndarray, positions: np.ndarray, first: int, last: int
     """``vectors`` moved each to a position drawn uniformly from ``first..last`` (the positions an index serves)."""
     targets = np.random.default_rng(seed).integers(first, max(first, last) + 1, len(vectors))
     return move(vectors, positions, targets, freqs)
+
+
+def placed(vectors: np.ndarray, positions: np.ndarray, first: int, last: int, freqs: np.ndarray | None, place: str,
+           seed: int = 0) -> np.ndarray:
+    """Training queries ``vectors`` (at ``positions``) where ``place`` puts them (float32): ``own`` as they are,
+    ``serving`` each moved into ``first..last`` (:func:`to_serving`), ``mix`` a random half moved, the rest kept.
+
+    Why ``mix``: queries at their own positions rank each key among its neighbours in the text, which gives every
+    stretch of the context neighbourhoods in the graph; moved ones rank keys as the decode steps will. On a 128K
+    needle prompt some heads lose half their recall at the decode queries with ``serving`` alone (BENCHMARKS)."""
+    check_place(place)
+    if place == "own":
+        return np.asarray(vectors, dtype=np.float32)
+    moved = to_serving(vectors, positions, first, last, freqs, seed)
+    if place == "serving":
+        return moved
+    keep = np.random.default_rng(seed + 1).random(len(moved)) < 0.5
+    return np.where(keep[:, None], np.asarray(vectors, dtype=np.float32), moved)

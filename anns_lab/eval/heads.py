@@ -181,10 +181,10 @@ def load_head(dump: Dump, layer: int, head: int, window: Window | tuple[int, int
         group.remove(head)
         group.insert(0, head)
     per_head = [prefill_q[: n - extra] if h == head else dump.queries(layer, h, "prefill")[: n - extra] for h in group]
-    if rope.check_place(train_positions) == "serving":
+    if rope.check_place(train_positions) != "own":
         freqs = rope.dump_inv_freq(dump.manifest, layer)
         first, last = int(test_pos.min()), int(test_pos.max())
-        per_head = [rope.to_serving(q, np.arange(len(q)), first, last, freqs) for q in per_head]
+        per_head = [rope.placed(q, np.arange(len(q)), first, last, freqs, train_positions) for q in per_head]
     train_q = group_queries.group_queries(per_head, train_group)
     others = group_queries.other_heads(per_head, 0) if train_group == "unlisted" else None
     return HeadData(layer, head, g, np.ascontiguousarray(all_keys[key_pos]), key_pos, train_q,

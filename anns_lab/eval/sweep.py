@@ -188,7 +188,7 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     check_k(dump, window, k)  # before any index is built
     group_queries.check_mode(train_group)
     aware = any(registry.get(name).uses_train_queries for name in names)
-    if rope.check_place(train_positions) == "serving" and aware:
+    if rope.check_place(train_positions) != "own" and aware:
         for layer in layers:  # the frequencies that move the queries: a manifest without them is one error, before any work
             rope.dump_inv_freq(dump.manifest, layer)
     if max_attempts < 1:

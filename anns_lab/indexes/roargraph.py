@@ -80,7 +80,7 @@ from anns_lab.indexes.train_lists import anchored_topk
 
 MIN_TRAIN = 2048  # auto_train's floor: below it every query is kept (4096 at 8K: ~2x the build, the same scans: BENCHMARKS "Scale")
 STRANDED_POOL = 2048  # candidate out-neighbours of a stranded key at most (see link_stranded; 8192 scanned the same at 8K, cost +1.2 s per head at 32K)
-STRANDED_SHARE = 15  # below ~31K keys the pool is one key in this many, at least STRANDED_MIN (512 at 8K: 0.64x the build, +0.6% scans)
+STRANDED_SHARE = 15  # below ~31K keys the pool is one key in this many, at least STRANDED_MIN (512 at 8K: half the links' CPU, +0.6% scans)
 STRANDED_MIN = 512
 FAR_POOL = 512  # link_unreachable: in-edge sources of a key with no reachable node near it in the graph, a stride over all keys (0 = all: up to 0.4 s per 32K head, 141 s on a real 128K head; 2048 left 1.5-2.3 s there)
 ADD_SERIAL = 1024  # adds of up to this many keys run on the calling thread: a thread-pool launch costs ms on a loaded machine

@@ -2,8 +2,8 @@
 
 numba's, faiss's and torch's kernels each start their own thread team per call. Beside other work (the decoder builds
 its indexes while the prefill keeps the cores busy) a team's threads wait for each other at every barrier, and they wait
-spinning: on the 2-core machine a SmolLM2 8K head's build cost 0.55 CPU s with each library's default threads against
-0.23 s on one (``benchmarks/bench_decoder_build.py``), its faiss k-means 0.21 s against 0.005. Independent builds
+spinning: on the 2-core machine a SmolLM2 8K head's build cost 0.65 CPU s with each library's default threads against
+0.26 s on one (``benchmarks/bench_decoder_build.py``; BENCHMARKS "Scale"), its faiss k-means 0.21 s against 0.005. Independent builds
 (one per query head) on one-core threads side by side use the cores with no barrier at all.
 
 Each library's setting is per thread: numba's ``set_num_threads`` and faiss's OpenMP ``omp_set_num_threads`` hold for the
