@@ -21,7 +21,7 @@ def test_a_failed_build_cancels_the_queued_ones(monkeypatch):
         if layer == 0:
             go.wait(10)
             raise RuntimeError("build of layer 0 failed")
-        time.sleep(0.2)  # layer 1 may start before the error is seen; the ones after it must not
+        time.sleep(1.0)  # layer 1 may start before the error is seen (wait() then waits for it); the ones after must not
         return object()
 
     monkeypatch.setattr(builds, "layer_store", layer_store)
@@ -33,5 +33,5 @@ def test_a_failed_build_cancels_the_queued_ones(monkeypatch):
         early.wait()
     jobs = early.jobs["some-index"]
     assert jobs[2].cancelled() and jobs[3].cancelled()
-    time.sleep(0.5)
+    time.sleep(0.2)
     assert 2 not in started and 3 not in started

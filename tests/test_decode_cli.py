@@ -331,5 +331,6 @@ def test_serving_positions_under_dynamic_rope_are_one_error_before_the_prefill(t
     with monkeypatch.context() as m:
         m.setattr(runner, "prefill", no_prefill)
         assert "--train-positions own" in _error(_run(*args, "--mode", "roargraph"))
+        assert "--train-positions own" in _error(_run(*args, "--mode", "roargraph", "--train-positions", "mix"))
     res = _run(*args, "--mode", "roargraph", "--train-positions", "own")
     assert res.exit_code == 0, res.output
