@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from anns_lab import open_dump
 from anns_lab.cli import main
 from anns_lab.dumps import run as run_mod
-from anns_lab.dumps import rope, store
+from anns_lab.dumps import store
 from anns_lab.dumps.run import run_dump
 from anns_lab.errors import AnnsLabError, DumpError, IndexConfigError, ModelNotAvailable, PromptError
 from anns_lab.eval import export
