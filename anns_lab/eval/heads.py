@@ -161,7 +161,8 @@ def load_head(dump: Dump, layer: int, head: int, window: Window | tuple[int, int
     """Assemble :class:`HeadData` for one (layer, head) of ``dump``; ``train_group`` picks the training queries
     (:mod:`indexes.group_queries`: the head's own, or its GQA group's, each before the first test position) and
     ``train_positions`` where they sit: ``serving`` moves each to a position drawn from the test queries' span
-    (:mod:`dumps.rope`: the positions a decoder's index serves), ``own`` keeps its prefill position."""
+    (:mod:`dumps.rope`: the positions a decoder's index serves), ``mix`` moves a random half, ``own`` keeps
+    each at its prefill position."""
     n = int(dump.manifest["n_tokens"]["prefill"])
     window = Window(*window)
     lo, hi, extra = index_range(dump, window, min_test, n_k2k)

@@ -165,7 +165,8 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     ``ray_data``: ``path`` (nodes read the dump), ``ship`` (the driver sends each head), ``auto`` (path when
     every node sees the dump). ``train_group``: the attention-aware indexes' training queries
     (:mod:`indexes.group_queries`; each query head's index is built, on its own held-out keys, from them);
-    ``train_positions``: ``serving`` moves them to the test queries' positions (:mod:`dumps.rope`), ``own`` not.
+    ``train_positions``: ``serving`` moves them to the test queries' positions (:mod:`dumps.rope`), ``mix`` a random
+    half of them, ``own`` none.
     """
     from tqdm.auto import tqdm
 
