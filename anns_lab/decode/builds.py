@@ -17,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from anns_lab.decode import calibrate as calibration
 from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.dumps import rope
 from anns_lab.indexes import registry
@@ -32,6 +33,7 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
     values = layer_cache.values[0, :, lo:hi].to("cpu", torch.float32).numpy()
     store = LayerStore(layer, lm.config.num_attention_heads, keys, values, settings.topk, plan, settings.add_batch,
                        settings.steps)
+    newest = None if queries is None else np.ascontiguousarray(queries[:, -calibration.QUERIES:])  # own positions
     aware = queries is not None and plan is not None and registry.get(plan.name).uses_train_queries
     if aware:
         positions = subsampled_positions(queries.shape[1], settings.train_queries)
@@ -48,6 +50,10 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
                             for g in range(keys.shape[0])])
     store.build(queries, _device_lists(lm, plan, queries, layer_cache.keys[0, :, lo:hi], settings), per_kv_head=per_kv,
                 others=others)
+    if settings.calibrate > 0 and newest is not None:  # timed with the build: the first token waits for it too
+        t0 = time.perf_counter()
+        store.calibration = calibration.calibrate(store, newest, settings.calibrate)
+        store.build_s += time.perf_counter() - t0
     return store
 
 
@@ -56,14 +62,20 @@ def build_stores(lm, pre, mode, settings) -> tuple[dict[int, LayerStore], list[s
     t0 = time.perf_counter()
     stores = {layer: layer_store(lm, pre.cache, len(pre.ids), layer, mode.plan_for(layer), settings, pre.queries.get(layer))
               for layer in lm.long_range_layers}
-    return stores, store_notes(stores), time.perf_counter() - t0
+    return stores, store_notes(stores, settings), time.perf_counter() - t0
 
 
-def store_notes(stores: dict[int, LayerStore]) -> list[str]:
+def store_notes(stores: dict[int, LayerStore], settings) -> list[str]:
+    """What a mode's table row should carry as notes: a side-buffer kept for good, the calibrated search."""
+    notes = []
     first = next(iter(stores.values()), None)
     if first is not None and first.indexes and not first.supports_add:
-        return [f"{first.plan.name} has no add(): tokens leaving the window are kept exactly in a CPU side-buffer"]
-    return []
+        notes.append(f"{first.plan.name} has no add(): tokens leaving the window are kept exactly in a CPU side-buffer")
+    if settings.calibrate > 0 and first is not None and first.indexes:
+        done = [s.calibration for s in stores.values() if s.calibration is not None]
+        notes.append(calibration.describe(done, settings.calibrate) if done else
+                     f"{first.plan.name} has no single search grid parameter: not calibrated")
+    return notes
 
 
 class EarlyBuilds:
@@ -124,7 +136,7 @@ class EarlyBuilds:
         end = self.prefill_end if self.prefill_end is not None else float("inf")
         total = sum(t1 - t0 for _, t0, t1 in done.values())
         hidden = sum(max(0.0, min(t1, end) - t0) for _, t0, t1 in done.values())
-        return stores, store_notes(stores), total, hidden
+        return stores, store_notes(stores, self.settings), total, hidden
 
 
 def _device_lists(lm, plan, queries: np.ndarray | None, keys: torch.Tensor, settings) -> np.ndarray | None:

@@ -68,7 +68,10 @@ def default_device() -> str:
 @click.option("--from-sweep", "from_sweep", type=str, default=None,
               help="a sweep's results.parquet (or folder): decode also with the index + parameters of least scanned fraction reaching --target-recall (in place of 'default')")
 @click.option("--target-recall", default=0.95, show_default=True,
-              help="with --from-sweep: least Q→K recall (mean over a layer's heads) of the index and parameters picked from the sweep")
+              help="with --from-sweep or --calibrate: least Q→K recall@k (mean over a layer's heads) of the pick")
+@click.option("--calibrate", is_flag=True,
+              help="set each layer's index search (its grid parameter: roargraph L, IVF nprobe, HNSW ef) at build time to the "
+                   "cheapest value whose recall@k on the newest prefill queries reaches --target-recall (counted in the build)")
 @click.option("--device", default=None, help="accelerator side: cuda when available, else cpu")
 @click.option("--torch-threads", default=0, show_default=True,
               help="CPU threads of torch (the accelerator stand-in on CPU-only machines); 0 = torch's default")
@@ -82,7 +85,7 @@ def default_device() -> str:
               help="write the full results here (after each sample; \"partial\": true until the last)")
 def decode(model, modes, params, build_params, topk, window, add_batch, train_queries, train_group, train_positions, copy_hints, task,
            prompt, evaluation, context, samples,
-           seed, max_new_tokens, positions, free_tokens, chunk, build_during_prefill, from_sweep, target_recall, device, torch_threads,
+           seed, max_new_tokens, positions, free_tokens, chunk, build_during_prefill, from_sweep, target_recall, calibrate, device, torch_threads,
            allow_extrapolation, rope_scaling, executor, address, cpus_per_task, json_path):
     """Generate with RetrievalAttention: static window on the accelerator + retrieved keys from a CPU index."""
     from anns_lab.decode import runner
@@ -90,9 +93,11 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
 
     settings = Settings(window=window, topk=topk, add_batch=add_batch, chunk=chunk, train_queries=train_queries,
                         train_group=train_group, train_positions=train_positions, build_during_prefill=build_during_prefill,
-                        copy_hints=copy_hints)
+                        copy_hints=copy_hints, calibrate=target_recall if calibrate else 0.0)
     _check_options(settings, evaluation, task, prompt, executor, address)
     mode_list = _parse_mode_list(modes, params, build_params, from_sweep)
+    if calibrate:
+        _check_calibrate(mode_list, from_sweep, target_recall)
     device = device or default_device()
     lm = _load(model, device, torch_threads, rope_scaling)
     pick = None
@@ -159,6 +164,21 @@ def _check_options(settings: Settings, evaluation: str, task: str | None, prompt
         raise DecodeError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
 
 
+def _check_calibrate(mode_list: list[Mode], from_sweep: str | None, target: float) -> None:
+    """Refuse a search parameter chosen twice: by --calibrate and by --from-sweep or --param."""
+    from anns_lab.decode.calibrate import grid_param
+    from anns_lab.indexes import registry
+
+    if not 0 < target <= 1:
+        raise DecodeError(f"--target-recall must be in (0, 1], got {target}")
+    if from_sweep:
+        raise DecodeError("--calibrate and --from-sweep both choose the index search: give one of them")
+    for mode in mode_list:
+        found = grid_param(registry.get(mode.plan.name)) if mode.plan is not None else None
+        if found is not None and found[0] in mode.plan.search_params:
+            raise DecodeError(f"--param {found[0]} and --calibrate both set {mode.name}'s {found[0]}: give one of them")
+
+
 def _check_train_positions(lm, mode_list: list[Mode], settings: Settings) -> None:
     """Refuse, before the prefill, training queries that cannot be moved to the serving positions (the RoPE
     frequencies of a long-range layer unknown: :func:`dumps.rope.inv_freq`'s one error)."""
@@ -218,7 +238,7 @@ def _run_description(lm, device: str, executor: str, settings: Settings, mode_li
                          "add_batch": settings.add_batch, "chunk": settings.chunk, "train_queries": settings.train_queries,
                          "train_group": settings.train_group, "train_positions": settings.train_positions,
                          "build_during_prefill": settings.build_during_prefill,
-                         "copy_hints": settings.copy_hints},
+                         "copy_hints": settings.copy_hints, "calibrate": settings.calibrate or None},
             "plans": {m.name: ({"default": m.plan.describe(), **{str(k): p.describe() for k, p in m.per_layer.items()}}
                                if m.plan else None) for m in mode_list}}
 

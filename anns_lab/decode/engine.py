@@ -46,11 +46,17 @@ class Mode:
     def plan_for(self, layer: int) -> IndexPlan | None:
         return self.per_layer.get(layer, self.plan)
 
-    def uses_queries(self) -> bool:
+    def uses_queries(self, settings: "Settings | None" = None) -> bool:
+        """Whether the prefill must keep the long-range layers' queries for this mode: to train an attention-aware
+        index, or to calibrate any index's search (``settings.calibrate``)."""
         from anns_lab.indexes import registry
 
+        if self.kind != "index":
+            return False
+        if settings is not None and settings.calibrate > 0:
+            return True
         plans = [p for p in [self.plan, *self.per_layer.values()] if p is not None]
-        return self.kind == "index" and any(registry.get(p.name).uses_train_queries for p in plans)
+        return any(registry.get(p.name).uses_train_queries for p in plans)
 
 
 @dataclass
@@ -67,6 +73,7 @@ class Settings:
     lists_on_device: bool | None = None  # training lists of the indexes on the accelerator (None: when it is CUDA)
     build_during_prefill: bool = True  # start a layer's index builds once the prompt's last chunk has passed it (builds.EarlyBuilds)
     steps: int = 64  # decode steps of a mode at most: the CPU stores reserve a row per step past the prompt's
+    calibrate: float = 0.0  # > 0: each layer's index search set at build time to reach this recall@k (decode.calibrate)
     copy_hints: int = 8  # per step, the positions after this many earlier occurrences of the context's suffix (and the 2 steps before's, moved on) enter the searches (0 = none)
 
 

@@ -1,0 +1,86 @@
+"""Search calibration of a layer's indexes at build time, on the newest prefill queries (``--calibrate``).
+
+A fixed beam (roargraph's ``L`` 100) is short where a context is long or a head is hard (Gemma-3 at 128K: recall@100
+0.45-0.85 on the decode steps of a needle task), and needlessly thorough where it is easy. A sweep measures the right
+value offline (``--from-sweep``); this measures it on the prompt being decoded: the layer's newest prefill queries, at
+their own positions (the decode steps come right after them), get their exact top-k over the keys the indexes hold,
+and the layer searches at the cheapest value of its index's grid parameter (``search_grid``: roargraph ``L``, IVF
+``nprobe``, HNSW ``ef``, ordered cheapest first) whose mean recall@k over the layer's heads reaches the target; the
+most thorough one when none does. Every index mode is calibrated alike, so the modes of a run are compared at the
+same recall. The newest queries are in an attention-aware index's training set (its ``keep_queries``), so their
+recall reads higher there than a decode step's does on a head whose decode queries differ most from the prompt's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from anns_lab.eval.metrics import exact_scores, recall_at_k
+
+QUERIES = 64  # newest prefill queries per head: ~6,400 (query, key) pairs per head at top-100
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A layer's calibrated search: the grid parameter, its value, the recall reached there and the values tried."""
+
+    layer: int
+    param: str
+    value: object
+    recall: float
+    tried: dict
+
+    def describe(self) -> str:
+        return f"{self.layer}: {self.param}={self.value} ({self.recall:.3f})"
+
+
+def grid_param(cls) -> tuple[str, tuple] | None:
+    """The index class's one grid parameter and its values (cheapest first), or None (no grid, or several)."""
+    grid = getattr(cls, "search_grid", None) or {}
+    return next(iter(grid.items())) if len(grid) == 1 else None
+
+
+def calibrate(store, queries: np.ndarray, target: float) -> Calibration | None:
+    """Set ``store``'s (a built :class:`placement.LayerStore`) search to the cheapest grid value reaching ``target``
+    mean recall@k on ``queries`` (H, c, d), its newest prefill queries at their own positions; None when its index has
+    no single grid parameter or nothing is indexed."""
+    if not store.indexes or not store.n_indexed:
+        return None
+    found = grid_param(type(store.indexes[0]))
+    if found is None:
+        return None
+    param, values = found
+    k = min(store.topk, store.n_indexed)
+    queries = np.ascontiguousarray(queries, dtype=np.float32)
+    groups = store._groups()
+    heads = [np.concatenate([queries[h] for h in hs]) for hs in groups]
+    keys = [store.keys[hs[0] // store.group, : store.n_indexed] for hs in groups]
+    scores = [exact_scores(q, kk) for q, kk in zip(heads, keys)]
+    tried: dict = {}
+
+    def recall(i: int) -> float:
+        if values[i] not in tried:
+            search = {**store.plan.search_params, param: values[i]}
+            hit = [recall_at_k(store.indexes[hs[0]].search(q, k, **search).ids, s, k) for hs, q, s in zip(groups, heads, scores)]
+            tried[values[i]] = float(np.concatenate(hit).mean())
+        return tried[values[i]]
+
+    lo, hi = 0, len(values) - 1  # the cheapest value reaching the target (recall grows along the grid)
+    if recall(hi) >= target:
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if recall(mid) >= target:
+                hi = mid
+            else:
+                lo = mid + 1
+    store.plan = replace(store.plan, search_params={**store.plan.search_params, param: values[hi]})
+    return Calibration(store.layer, param, values[hi], tried[values[hi]], dict(sorted(tried.items())))
+
+
+def describe(calibrations: list[Calibration], target: float) -> str:
+    """One line for a mode's notes: each layer's calibrated value and recall."""
+    c = calibrations[0]
+    return (f"calibrated {c.param} per layer to recall@k >= {target} on the newest {QUERIES} prefill queries: "
+            + ", ".join(x.describe() for x in calibrations))

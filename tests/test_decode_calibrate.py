@@ -1,0 +1,122 @@
+"""``--calibrate``: each layer's search set at build time to the cheapest grid value reaching a recall on the newest
+prefill queries, checked against every grid value's recall computed here with numpy."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from conftest import TEST_DEVICE
+
+from anns_lab.cli import main
+from anns_lab.decode import calibrate
+from anns_lab.decode.engine import Mode, Settings, prefill, run_mode
+from anns_lab.decode.placement import IndexPlan, LayerStore
+from anns_lab.dumps.models import load_model
+from anns_lab.indexes import registry
+from anns_lab.window import Window
+
+
+def _clustered(rng, n, d, centers=12, spread=0.3):
+    c = rng.normal(size=(centers, d))
+    return (c[rng.integers(0, centers, n)] + spread * rng.normal(size=(n, d))).astype(np.float32)
+
+
+def _store(name: str, build: dict, seed: int = 0):
+    """A layer of 4 query heads on 2 KV heads, 600 keys each, built (roargraph: on each head's own queries)."""
+    rng = np.random.default_rng(seed)
+    h, g, n, d = 4, 2, 600, 16
+    keys = np.stack([_clustered(rng, n, d) for _ in range(g)])
+    values = rng.normal(size=(g, n, d)).astype(np.float32)
+    store = LayerStore(5, h, keys, values, 30, IndexPlan(name, build, {}), add_batch=8)
+    queries = np.stack([_clustered(rng, 500, d) for _ in range(h)])
+    store.build(queries if registry.get(name).uses_train_queries else None)
+    return store, queries[:, -calibrate.QUERIES:]
+
+
+def _reference_recall(store, queries, param, value) -> float:
+    """Mean over heads and queries of |returned ∩ exact top-k| / k, each head's index searched alone (no ties in
+    random float data), exact top-k by a full numpy sort."""
+    k = store.topk
+    out = []
+    for h in range(store.n_heads):
+        keys = store.keys[h // store.group, : store.n_indexed]
+        exact = np.argsort(-(queries[h] @ keys.T), axis=1)[:, :k]
+        got = store.indexes[h].search(queries[h], k, **{param: value}).ids
+        out += [len(set(a[a >= 0]) & set(b)) / k for a, b in zip(got, exact)]
+    return float(np.mean(out))
+
+
+@pytest.mark.parametrize("name,build,target", [("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64), 0.9),
+                                               ("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64), 0.99),
+                                               ("ivf", {"nlist": 32}, 0.9)])
+def test_calibration_picks_the_cheapest_grid_value_reaching_the_target(name, build, target):
+    store, newest = _store(name, build)
+    cal = calibrate.calibrate(store, newest, target)
+    param, values = next(iter(registry.get(name).search_grid.items()))
+    recalls = [_reference_recall(store, newest, param, v) for v in values]
+    want = next((i for i, r in enumerate(recalls) if r >= target), len(values) - 1)
+    assert recalls[want] >= target or want == len(values) - 1
+    assert (cal.param, cal.value) == (param, values[want])
+    assert cal.recall == pytest.approx(recalls[want])
+    assert store.plan.search_params[param] == values[want]  # the layer's searches use it from now on
+    assert all(tried == pytest.approx(recalls[values.index(v)]) for v, tried in cal.tried.items())
+
+
+def test_unreachable_target_takes_the_most_thorough_value(monkeypatch):
+    cls = registry.get("roargraph")
+    monkeypatch.setattr(cls, "search_grid", {"L": (1, 2)})  # a beam of 1-2 cannot find 30 keys
+    store, newest = _store("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64))
+    cal = calibrate.calibrate(store, newest, 0.9)
+    assert cal.value == 2 and cal.recall < 0.9
+    assert cal.recall == pytest.approx(_reference_recall(store, newest, "L", 2))
+
+
+def test_index_without_a_single_grid_parameter_is_left_alone():
+    store, newest = _store("flat", {})
+    assert calibrate.calibrate(store, newest, 0.9) is None and store.plan.search_params == {}
+
+
+def test_decode_searches_each_layer_at_its_calibrated_value(tiny_gemma3, monkeypatch):
+    """A decode with Settings.calibrate: every long-range layer's store carries its calibration, each step's search
+    gets that layer's value, and the mode's notes name it."""
+    lm = load_model(str(tiny_gemma3), device=TEST_DEVICE)
+    settings = Settings(Window(4, 8), topk=12, add_batch=4, chunk=24, calibrate=0.9)
+    ids = np.random.default_rng(3).integers(3, 400, size=160).tolist()
+    pre = prefill(lm, ids, settings, capture_queries=True)
+    cls = registry.get("roargraph")
+    seen = []
+    original = cls.search_group.__func__
+
+    def spy(klass, indexes, queries, k, **params):
+        seen.append((id(indexes[0]), params.get("L")))
+        return original(klass, indexes, queries, k, **params)
+
+    monkeypatch.setattr(cls, "search_group", classmethod(spy))
+    run = run_mode(lm, pre, Mode("roargraph", IndexPlan("roargraph", {}, {})), settings, 4)
+    by_index = {id(s.indexes[0]): s.calibration.value for s in run.stores.values()}
+    assert set(by_index) == {i for i, _ in seen} and all(by_index[i] == L for i, L in seen)
+    assert any("calibrated L per layer" in n for n in run.notes)
+    # without calibration every layer searches at the default
+    seen.clear()
+    run_mode(lm, pre, Mode("roargraph", IndexPlan("roargraph", {}, {})), dataclasses.replace(settings, calibrate=0.0), 2)
+    assert {L for _, L in seen} == {None}  # the index's own default
+
+
+def test_cli_refuses_calibration_beside_a_chosen_value(tiny_llama, tmp_path):
+    base = ["decode", "--model", tiny_llama, "--task", "passkey", "--context", 200, "--calibrate"]
+    res = CliRunner().invoke(main, [*map(str, base), "--mode", "roargraph", "--param", "L=200"])
+    assert res.exit_code == 2 and "--param L and --calibrate both set roargraph's L" in res.output
+    res = CliRunner().invoke(main, [*map(str, base), "--target-recall", "1.5"])
+    assert res.exit_code == 2 and "--target-recall must be in (0, 1]" in res.output
+    out = tmp_path / "r.json"
+    res = CliRunner().invoke(main, [*map(str, base), "--mode", "full,ivf", "--window", "4,16", "--topk", 20,
+                                    "--max-new-tokens", 2, "--chunk", 64, "--json", out])
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert data["settings"]["calibrate"] == 0.95
+    assert any(n.startswith("calibrated nprobe per layer") for n in data["modes"]["ivf"]["notes"])
