@@ -178,6 +178,10 @@ def check_declarations(cls: type[Index]) -> None:
     for name, build in cls.search_params_since.items():
         assert name in cls.search_params_before, f"search_params_since names {name!r}, which is not in search_params_before"
         assert build in cls.build_params, f"search_params_since[{name!r}] = {build!r} is not a declared build parameter"
+    for name, stamp in cls.auto_rules.items():
+        assert name in cls.build_params, f"auto_rules names {name!r}, which is not a declared build parameter"
+        cls.build_params[name].check(cls.__name__, name, 0)  # 0 is the value that asks for the rule
+        assert isinstance(stamp, str) and stamp, f"auto_rules[{name!r}] must be a non-empty stamp, got {stamp!r}"
 
 
 def check_errors(cls: type[Index], index: Index, keys: np.ndarray, queries: np.ndarray, build_params: dict) -> None:

@@ -10,8 +10,9 @@ positions, the :class:`LayerStore`, and its indexes' builds (``roargraph`` at it
 query head of the layer). Timed: process CPU seconds of the whole call and of its parts (the functions below, wrapped
 where the build looks them up; ``rest`` is what no wrapper covers: Python between the parts, input checks, copies).
 Threads: numba, faiss and torch pinned to ``--threads`` (``--torch-threads``) on the calling thread, as the decoder's build
-thread has their defaults (2 each on the 2-core machine); the layer's index builds then run as the decoder runs them, side
-by side on one-core threads (``indexes.threads.map_one_thread``), whose CPU the parts and the total count.
+thread has their defaults (2 each on the 2-core machine); the layer's index builds then run as the decoder runs them, at
+most ``--threads`` side by side on one-core threads (``indexes.threads.map_one_thread``: its budget is the calling thread's;
+with 1, one after another on the calling thread, the same CPU seconds), whose CPU the parts and the total count.
 """
 
 from __future__ import annotations

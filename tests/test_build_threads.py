@@ -16,8 +16,8 @@ from anns_lab.indexes.threads import map_one_thread
 
 
 def test_workers_run_their_kernels_on_one_thread_and_the_caller_keeps_its_own(monkeypatch):
-    monkeypatch.setattr(threads.os, "cpu_count", lambda: 2)  # workers even on a one-core runner
-    monkeypatch.setattr(threads, "_POOL", [None, 0])
+    monkeypatch.setattr(threads, "thread_budget", lambda: 2)  # workers even on a one-core runner
+    monkeypatch.setattr(threads, "_POOLS", {})
     before = numba.get_num_threads(), faiss.omp_get_max_threads(), torch.get_num_threads()
     got = map_one_thread(lambda i: (i, threading.current_thread().name, numba.get_num_threads(),
                                     faiss.omp_get_max_threads(), torch.get_num_threads()), range(5))
@@ -27,17 +27,105 @@ def test_workers_run_their_kernels_on_one_thread_and_the_caller_keeps_its_own(mo
     if any(threads.Path(torch.__file__).parent.joinpath("lib").glob("libgomp*.so*")):
         assert all(g[4] == 1 for g in got)
     assert (numba.get_num_threads(), faiss.omp_get_max_threads(), torch.get_num_threads()) == before
-    threads._POOL[0].shutdown()
+    for pool in threads._POOLS.values():
+        pool.shutdown()
 
 
 def test_one_item_runs_on_the_calling_thread():
     assert map_one_thread(lambda _: threading.current_thread().name, [0]) == [threading.current_thread().name]
 
 
+def test_a_budget_of_one_runs_every_item_on_the_calling_thread():
+    """The budget is the calling thread's numba count at call time (``NUMBA_NUM_THREADS`` or ``set_num_threads``), not
+    the machine's cores: a process given one thread starts no others."""
+    before = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        assert threads.thread_budget() == 1
+        names = map_one_thread(lambda _: threading.current_thread().name, range(4))
+    finally:
+        numba.set_num_threads(before)
+    assert names == [threading.current_thread().name] * 4
+
+
+_BUDGET = """
+import sys
+import threading
+import numba
+from anns_lab.indexes import threads
+
+budget, meet = int(sys.argv[1]), sys.argv[2] == "meet"
+lock, active, peak = threading.Lock(), [0], [0]
+barrier = threading.Barrier(budget)
+def item(_):
+    with lock:
+        active[0] += 1
+        peak[0] = max(peak[0], active[0])
+    if meet:
+        barrier.wait(60)  # ``budget`` items meet here: they ran at once
+    with lock:
+        active[0] -= 1
+    return threading.current_thread().name
+
+numba.set_num_threads(budget)  # of the 5 NUMBA_NUM_THREADS: the calling thread's count is the budget
+names = threads.map_one_thread(item, range(3 * budget))
+print("budget", threads.thread_budget(), "peak", peak[0], "workers", len(set(names)), "caller", threading.current_thread().name in names)
+"""
+
+
+@pytest.mark.parametrize("budget, omp, expect", [(2, "5", "budget 2 peak 2 workers 2 caller False"),
+                                                 (3, "5", "budget 3 peak 3 workers 3 caller False"),
+                                                 (3, "1", "budget 1 peak 1 workers 1 caller True")])
+def test_the_budget_bounds_the_items_at_once(budget, omp, expect):
+    """numba allows 5 threads, the calling thread ``budget`` (``set_num_threads``), whatever the machine's cores: that
+    many items run at once (they meet at a barrier), never more; with ``OMP_NUM_THREADS=1`` (what Ray sets for a task
+    of one CPU) every item runs on the calling thread (then nothing waits at the barrier: one thread would wait for ever)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NUMBA_NUM_THREADS": "5", "OMP_NUM_THREADS": omp}
+    r = subprocess.run([sys.executable, "-c", _BUDGET, str(budget), "meet" if omp != "1" else "alone"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert expect in r.stdout, r.stdout
+
+
+def test_a_single_build_beside_other_work_runs_on_one_thread(monkeypatch):
+    """Beside the prefill (``beside``) even one item runs its kernels on one thread, on a worker; otherwise one item
+    runs on the calling thread with the libraries' full teams."""
+    monkeypatch.setattr(threads, "thread_budget", lambda: 2)
+    probe = lambda _: (threading.current_thread().name, numba.get_num_threads(), faiss.omp_get_max_threads())  # noqa: E731
+    name, n_numba, n_omp = map_one_thread(probe, [0], beside=True)[0]
+    assert name.startswith("anns-lab-build") and (n_numba, n_omp) == (1, 1)
+    assert map_one_thread(probe, [0])[0] == (threading.current_thread().name, numba.get_num_threads(),
+                                             faiss.omp_get_max_threads())
+
+
+def test_a_layer_store_builds_beside_the_prefill_only_when_asked(monkeypatch):
+    """One KV head (Gemma-3-270M: 4 query heads, 1 KV head), a key-only index: one build; beside the prefill it runs on
+    one thread, after it with the calling thread's teams."""
+    monkeypatch.setattr(threads, "thread_budget", lambda: 2)
+    seen = []
+
+    class Probe(registry.get("flat")):
+        def _build(self, keys, train_queries=None):
+            seen.append((threading.current_thread().name, numba.get_num_threads()))
+            super()._build(keys, train_queries)
+
+    monkeypatch.setattr("anns_lab.decode.placement.registry.get", lambda name: Probe)
+    rng = np.random.default_rng(0)
+    keys = rng.standard_normal((1, 300, 16)).astype(np.float32)
+    for beside in (True, False):
+        LayerStore(0, 4, keys, keys, topk=10, plan=IndexPlan("flat"), add_batch=64).build(None, beside=beside)
+    assert seen[0][0].startswith("anns-lab-build") and seen[0][1] == 1
+    assert seen[1] == (threading.current_thread().name, numba.get_num_threads())
+
+
 @pytest.mark.parametrize("name, params", [("roargraph", {}), ("roargraph", {"list_stride": 4}), ("ivf", {})])
 def test_a_layers_indexes_built_side_by_side_equal_those_built_one_by_one(name, params, monkeypatch):
     """list_stride 4: the anchored lists' re-rank (a parallel kernel) runs in both builds at once."""
-    monkeypatch.setattr(threads.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(threads, "thread_budget", lambda: 2)
     rng = np.random.default_rng(3)
     keys = rng.standard_normal((2, 900, 16)).astype(np.float32)
     values = rng.standard_normal((2, 900, 16)).astype(np.float32)
@@ -57,7 +145,7 @@ _WORKQUEUE_BUILD = """
 import numpy as np
 from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.indexes import threads
-threads.os.cpu_count = lambda: 2  # side by side even on a one-core runner
+threads.thread_budget = lambda: 2  # side by side even on a one-core runner
 rng = np.random.default_rng(5)
 keys = rng.standard_normal((2, 1500, 16)).astype(np.float32)
 queries = (rng.standard_normal((4, 1200, 16)) + 0.5).astype(np.float32)

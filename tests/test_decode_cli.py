@@ -261,6 +261,75 @@ def test_from_sweep_refuses_an_attention_aware_pick_of_other_training_positions(
     assert pick_from_sweep(str(tmp_path), "m", 0.95, [1, 3])[0].plan.name == "roargraph"
 
 
+def _roargraph_sweep(folder, auto_rules):
+    """The vamana rows of :func:`_results` as roargraph rows of a current sweep (every build parameter at its default, the
+    auto ones 0) whose ``auto_rules`` column holds ``auto_rules``; None: a table from before the column."""
+    from anns_lab.eval.table import SETTINGS
+    from anns_lab.indexes.roargraph import RoarGraphIndex
+
+    df = pd.read_parquet(_results(folder / "results.parquet"))
+    df = df[df["index"] == "vamana"].assign(index="roargraph", build_params=json.dumps(RoarGraphIndex().params, sort_keys=True))
+    df = df.drop(columns="auto_rules") if auto_rules is None else df.assign(auto_rules=json.dumps(auto_rules))
+    df.to_parquet(folder / "results.parquet")
+    (folder / SETTINGS).write_text(json.dumps({"k": 100, "train_positions": "serving"}))
+    return folder
+
+
+def test_from_sweep_notes_a_table_swept_with_other_auto_rules(tmp_path):
+    """max_train=0 is "auto", whose rule changed between versions: a table swept with another rule measured another graph
+    than the decode builds, and the pick says so once, naming the parameter; the same rules: no note."""
+    from anns_lab.decode.modes import NOTE
+    from anns_lab.indexes.roargraph import RoarGraphIndex
+
+    today = dict(RoarGraphIndex.auto_rules)
+    assert {"max_train", "list_stride", "M_sq", "n_pivots"} <= set(today)
+    mode, lines = pick_from_sweep(str(_roargraph_sweep(tmp_path, today | {"max_train": "2026-11-01"})), "m", 0.95, [1, 3])
+    notes = [x for x in lines if x.startswith(NOTE)]
+    assert len(notes) == 1, lines
+    assert f"max_train (sweep 2026-11-01, now {today['max_train']})" in notes[0] and "today's rules" in notes[0]
+    assert not any(name in notes[0] for name in ("list_stride", "M_sq", "n_pivots"))  # their rules are today's
+    assert mode.plan.name == "roargraph" and mode.plan.build_params == {}  # built with today's auto rules
+    _, lines = pick_from_sweep(str(_roargraph_sweep(tmp_path, today)), "m", 0.95, [1, 3])
+    assert not any(x.startswith(NOTE) for x in lines)
+    df = pd.read_parquet(tmp_path / "results.parquet")  # max_train given: no auto rule built it, whatever the stamp
+    params = json.loads(df["build_params"].iloc[0]) | {"max_train": 4096}
+    df.assign(build_params=json.dumps(params, sort_keys=True),
+              auto_rules=json.dumps(today | {"max_train": "2026-11-01"})).to_parquet(tmp_path / "results.parquet")
+    mode, lines = pick_from_sweep(str(tmp_path), "m", 0.95, [1, 3])
+    assert mode.plan.build_params == {"max_train": 4096} and not any(x.startswith(NOTE) for x in lines)
+
+
+def test_from_sweep_notes_unknown_auto_rules_of_a_table_from_before_they_were_recorded(tmp_path):
+    from anns_lab.decode.modes import NOTE
+    from anns_lab.eval.table import load_results
+
+    _roargraph_sweep(tmp_path, None)
+    table, _ = load_results(tmp_path)  # an old table still loads
+    assert table["auto_rules"].isna().all()
+    mode, lines = pick_from_sweep(str(tmp_path), "m", 0.95, [1, 3])
+    notes = [x for x in lines if x.startswith(NOTE)]
+    assert len(notes) == 1 and mode.plan.name == "roargraph"
+    assert all(f"{name} (sweep unknown, now " in notes[0] for name in ("max_train", "list_stride", "M_sq", "n_pivots"))
+    df = pd.read_parquet(_results(tmp_path / "results.parquet")).drop(columns="auto_rules")
+    df.to_parquet(tmp_path / "results.parquet")  # vamana has no auto rule: nothing to note
+    assert not any(x.startswith(NOTE) for x in pick_from_sweep(str(tmp_path), "m", 0.95, [1, 3])[1])
+
+
+def test_from_sweep_auto_rules_note_reaches_stderr_and_the_json(tiny_llama, tmp_path):
+    from anns_lab.dumps.models import canonical_name
+    from anns_lab.indexes.roargraph import RoarGraphIndex
+
+    _roargraph_sweep(tmp_path, dict(RoarGraphIndex.auto_rules) | {"list_stride": "2026-11-01"})
+    df = pd.read_parquet(tmp_path / "results.parquet")
+    df.assign(model=canonical_name(str(tiny_llama))).to_parquet(tmp_path / "results.parquet")
+    res = _run("--model", tiny_llama, "--task", "passkey", "--context", 200, "--window", "4,16", "--topk", 20,
+               "--max-new-tokens", 2, "--from-sweep", tmp_path, "--mode", "full", "--json", tmp_path / "r.json")
+    assert res.exit_code == 0, res.output
+    assert "list_stride (sweep 2026-11-01, now" in res.stderr
+    recorded = json.loads((tmp_path / "r.json").read_text())["from_sweep"]["pick"]
+    assert sum("list_stride (sweep 2026-11-01, now" in line for line in recorded) == 1
+
+
 def test_default_mode_is_attention_aware_when_registered():
     from anns_lab.indexes import registry
 

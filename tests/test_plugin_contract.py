@@ -77,3 +77,24 @@ def test_the_kit_refuses_a_search_param_before_that_the_index_does_not_declare()
                 {"search_params_since": {"beam": "depth"}}, {"search_params_since": {"nope": "width"}}):
         with pytest.raises((AssertionError, IndexConfigError)):
             check_declarations(type("Bad", (Beam,), bad))
+
+
+def test_the_kit_refuses_auto_rules_that_name_no_auto_build_parameter():
+    """``auto_rules`` stamps the rule a build parameter's 0 resolves by (the sweep records them, decode --from-sweep
+    compares them): one naming an undeclared parameter, one whose range has no 0, or an empty stamp is refused."""
+    import pytest
+
+    from anns_lab.indexes import Param, registry
+    from anns_lab.testing import check_declarations
+
+    class Lists(MatmulTopK):
+        build_params = {"nlist": Param(0, 0, 64), "width": Param(1, 1, 4)}
+        auto_rules = {"nlist": "2026-12-01"}
+
+    check_declarations(Lists)
+    for cls in registry.available().values():
+        check_declarations(cls)
+    assert registry.get("roargraph").auto_rules.keys() >= {"max_train", "list_stride", "M_sq", "n_pivots"}
+    for bad in ({"nope": "2026-12-01"}, {"width": "2026-12-01"}, {"nlist": ""}):
+        with pytest.raises((AssertionError, IndexConfigError)):
+            check_declarations(type("Bad", (Lists,), {"auto_rules": bad}))

@@ -6,6 +6,8 @@ the sweep's part fails with a message naming the index and the rule.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -83,6 +85,26 @@ def test_sweep_part_fails_naming_the_index_and_the_rule(head, fault, monkeypatch
 def test_a_conforming_index_passes(head, monkeypatch):
     df = evaluate_index("flat", head, 10, "d", "m", quick=True)
     assert (df["recall"] == 1.0).all()
+
+
+def test_a_sweep_row_records_the_auto_rules_of_its_build(head, tmp_path):
+    """Each row carries its index's auto-rule stamps (what a build parameter left at 0 resolved by); the decoder's pick
+    reads them back: today's rules, no note; another stamp, a note naming the parameter."""
+    from anns_lab.indexes.ivf import IVFIndex
+
+    df = evaluate_index("ivf", head, 10, "d", "m", quick=True)
+    assert IVFIndex.auto_rules and (df["auto_rules"].map(json.loads) == IVFIndex.auto_rules).all()
+    assert evaluate_index("flat", head, 10, "d", "m", quick=True)["auto_rules"].map(json.loads).eq({}).all()
+    (tmp_path / "r").mkdir()
+    df.to_parquet(tmp_path / "r" / "results.parquet")
+    _, lines = modes.pick_from_sweep(str(tmp_path / "r"), "m", 0.5, [1])
+    assert not any(x.startswith(modes.NOTE) for x in lines)
+    df.assign(auto_rules=json.dumps({"nlist": "2000-01-01"})).to_parquet(tmp_path / "r" / "results.parquet")
+    _, lines = modes.pick_from_sweep(str(tmp_path / "r"), "m", 0.5, [1])
+    assert [x for x in lines if x.startswith(modes.NOTE)] == [
+        f"{modes.NOTE}ivf: parameters left at auto are resolved by rules the sweep did not use (or did not record): nlist "
+        f"(sweep 2000-01-01, now {IVFIndex.auto_rules['nlist']}); this decode builds them with today's rules, which the "
+        "sweep's figures may not describe"]
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in cast")

@@ -24,9 +24,11 @@ from anns_lab.indexes import registry
 from anns_lab.indexes.group_queries import PER_HEAD, group_queries
 
 
-def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, settings, queries: np.ndarray | None) -> LayerStore:
+def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, settings, queries: np.ndarray | None,
+                beside: bool = False) -> LayerStore:
     """The layer's CPU store of its non-window prefill keys/values (read from ``cache``, ``n_ids`` tokens long),
-    with its indexes built from the layer's prefill ``queries`` (H, t, d)."""
+    with its indexes built from the layer's prefill ``queries`` (H, t, d); ``beside``: the prefill still runs
+    (:meth:`LayerStore.build`)."""
     lo, hi = settings.window.outside(n_ids)
     layer_cache = cache.layers[layer]
     keys = layer_cache.keys[0, :, lo:hi].to("cpu", torch.float32).numpy()
@@ -49,7 +51,7 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
         queries = np.stack([group_queries(list(queries[g * group:(g + 1) * group]), settings.train_group)
                             for g in range(keys.shape[0])])
     store.build(queries, _device_lists(lm, plan, queries, layer_cache.keys[0, :, lo:hi], settings), per_kv_head=per_kv,
-                others=others)
+                others=others, beside=beside)
     if settings.calibrate > 0 and newest is not None:  # timed with the build: the first token waits for it too
         t0 = time.perf_counter()
         store.calibration = calibration.calibrate(store, newest, settings.calibrate)
@@ -104,8 +106,9 @@ class EarlyBuilds:
 
     def _build(self, layer: int, plan, queries) -> tuple[LayerStore, float, float]:
         t0 = time.perf_counter()
+        beside = self.prefill_end is None  # a layer of one index then builds on one thread too, not with full teams
         with torch.inference_mode():  # the prefill's tensors are inference tensors (mode is per thread)
-            store = layer_store(self.lm, self.cache, self.n_ids, layer, plan, self.settings, queries)
+            store = layer_store(self.lm, self.cache, self.n_ids, layer, plan, self.settings, queries, beside=beside)
         return store, t0, time.perf_counter()
 
     def prefill_done(self) -> None:

@@ -13,6 +13,7 @@ from anns_lab.indexes import group_queries, registry
 
 BASELINES = ("full", "window")
 ATTENTION_AWARE = "roargraph"
+NOTE = "  note: "  # the start of a pick line that warns (the decode CLI prints those on stderr too)
 
 
 def default_index() -> str:
@@ -115,6 +116,7 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int],
                           "lower --target-recall or sweep more thorough parameters")
 
     older = {}  # index → the search parameters its rows predate, run as before they existed
+    notes = {}  # (index, build parameters) → the note on the auto rules its rows were swept with, once
 
     def plan(r) -> IndexPlan:
         """The row's index with only the parameters that differ from the index's defaults (short to read); a search
@@ -133,6 +135,10 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int],
                   if k not in search and cls.search_params_since.get(k) not in swept}
         if before:
             older.setdefault(r["index"], before)
+        same = rows[(rows["index"] == r["index"]) & (rows["build_params"] == r["build_params"])]
+        note = _auto_rules_note(cls, r["index"], swept, same["auto_rules"])
+        if note:
+            notes.setdefault((r["index"], r["build_params"]), note)
         return IndexPlan(r["index"], build, {**search, **before})
 
     base = plan(overall)
@@ -158,6 +164,7 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int],
     for index, before in older.items():
         lines.append(f"  {index} rows of the table predate {', '.join(before)}: run with "
                      f"{', '.join(f'{k}={v}' for k, v in before.items())}, the search they measured")
+    lines.extend(notes.values())
     swept_group = settings.get("train_group", "head")  # sweeps before the option: one graph per query head
     aware = sorted({p.name for p in (base, *per_layer.values()) if registry.get(p.name).uses_train_queries})
     if aware and swept_group != train_group:
@@ -169,6 +176,23 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int],
                           f"those graphs, not the decode's --train-positions {train_positions}; pass --train-positions {swept_at}")
     name = f"sweep:{base.name}"
     return Mode(name, base, per_layer), lines
+
+
+def _auto_rules_note(cls, name: str, swept: dict, recorded) -> str | None:
+    """A note when a build parameter the rows left at auto (0) was resolved by another rule than this version's
+    (``Index.auto_rules``), or by one the rows do not record (tables from before the ``auto_rules`` column); else None.
+    ``recorded``: the rows' ``auto_rules`` (JSON text, or None)."""
+    auto = [k for k in cls.auto_rules if swept.get(k, cls.build_params[k].default) == 0]
+    seen = [json.loads(v) if isinstance(v, str) else None for v in set(recorded)]
+    parts = []
+    for k in auto:
+        stamps = sorted({"unknown" if s is None or k not in s else s[k] for s in seen} - {cls.auto_rules[k]})
+        if stamps:
+            parts.append(f"{k} (sweep {'/'.join(stamps)}, now {cls.auto_rules[k]})")
+    if not parts:
+        return None
+    return (f"{NOTE}{name}: parameters left at auto are resolved by rules the sweep did not use (or did not record): "
+            f"{', '.join(parts)}; this decode builds them with today's rules, which the sweep's figures may not describe")
 
 
 def _ranges(values: list[int]) -> str:

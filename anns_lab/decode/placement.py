@@ -87,7 +87,7 @@ class LayerStore:
     # -- build and grow ----------------------------------------------------------------------------
 
     def build(self, queries: np.ndarray | None, train_topk: np.ndarray | None = None, per_kv_head: bool = False,
-              others: bool = False) -> None:
+              others: bool = False, beside: bool = False) -> None:
         """Build the indexes on every row held now; ``queries`` (H, t, d) are the prefill queries (attention-aware only),
         ``train_topk`` (H, t, c) their top keys when computed elsewhere (``device_lists``). ``per_kv_head``: queries and
         lists are (G, m, ·), one set per KV head (its GQA group's, :mod:`indexes.group_queries`), and one
@@ -95,7 +95,8 @@ class LayerStore:
         index that accepts them): each head's index also gets its group's other heads' newest queries (and lists) as
         ``group_queries`` (``--train-group unlisted``). The indexes are built side by side, one core each
         (:func:`indexes.threads.map_one_thread`: the same indexes as one after another, without the kernels' thread teams
-        waiting on each other beside the prefill)."""
+        waiting on each other beside the prefill; ``beside``: the prefill still runs, so a layer of one index builds on
+        one thread too)."""
         if self.plan is None or self.n_rows == 0:
             return
         t0 = time.perf_counter()
@@ -108,10 +109,10 @@ class LayerStore:
             built = map_one_thread(lambda i: cls(**self.plan.build_params).build(
                 rows[i if per_kv_head else i // self.group], np.ascontiguousarray(queries[i]),
                 **({} if train_topk is None else {"train_topk": train_topk[i]}),
-                **(self._others(i, queries, train_topk) if others else {})), range(per))
+                **(self._others(i, queries, train_topk) if others else {})), range(per), beside)
             self.indexes = [built[h // self.group] for h in range(self.n_heads)] if per_kv_head else built
         else:
-            shared = map_one_thread(lambda r: cls(**self.plan.build_params).build(r), rows)
+            shared = map_one_thread(lambda r: cls(**self.plan.build_params).build(r), rows, beside)
             self.indexes = [shared[h // self.group] for h in range(self.n_heads)]
         self.n_indexed = self.n_rows
         self._bound = None

@@ -112,6 +112,7 @@ def evaluate_index(name: str, data: HeadData, k: int, dump_label: str, model: st
                 "mass_recovered": mass, "output_rel_error": err,
                 "latency_us": float(np.median(lat) * 1e6) if lat else np.nan, "qps": len(queries) / batch_s,
                 "build_s": build_s, "index_bytes": int(index.nbytes),
+                "auto_rules": json.dumps(dict(index.auto_rules), sort_keys=True),
             })
     return pd.DataFrame(rows, columns=COLUMNS)
 

@@ -14,7 +14,8 @@ RESULTS = "results.parquet"
 SETTINGS = "sweep.json"
 COLUMNS = ["dump", "model", "layer", "head", "kv_head", "index", "build_params", "search_params", "direction", "k",
            "n_keys", "n_queries", "recall", "scanned_fraction", "bytes_read", "mass_recovered", "output_rel_error", "latency_us",
-           "qps", "build_s", "index_bytes"]
+           "qps", "build_s", "index_bytes", "auto_rules"]
+ADDED = ("auto_rules",)  # columns added after tables were swept: a table without one loads with it None (unknown)
 
 
 def load_results(path: str | Path) -> tuple[pd.DataFrame, dict]:
@@ -28,9 +29,12 @@ def load_results(path: str | Path) -> tuple[pd.DataFrame, dict]:
         table = pd.read_parquet(file)
     except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
         raise AnnsLabError(f"{file} is not an anns-lab results table ({type(err).__name__}: {err})") from None
-    missing = set(COLUMNS) - set(table.columns)
+    missing = set(COLUMNS) - set(table.columns) - set(ADDED)
     if missing:
         raise AnnsLabError(f"{file} is not an anns-lab results table (missing columns {sorted(missing)})")
+    for column in ADDED:
+        if column not in table.columns:
+            table[column] = None
     problem = table_problem(table)
     if problem:
         raise AnnsLabError(f"{file} holds a row no conforming index produces: {problem}; re-run the sweep")

@@ -151,6 +151,10 @@ class Index:
     #: its grid's search parameters but every build parameter, so a row naming that build parameter was swept after the
     #: search parameter existed (measured with its default); none: every row that lacks the search parameter predates it.
     search_params_since: ClassVar[Mapping[str, str]] = {}
+    #: Build parameters whose 0 means "auto" (resolved at build time, e.g. from the number of keys), each with a short
+    #: stamp of its rule's version (the date it last changed; a suffix for a second change that day): change the stamp
+    #: with the rule. The sweep records them in every row; ``decode --from-sweep`` notes a row swept by other rules.
+    auto_rules: ClassVar[Mapping[str, str]] = {}
     #: True when ``build`` uses ``train_queries`` (attention-aware indexes); others ignore them.
     uses_train_queries: ClassVar[bool] = False
     #: True when ``build`` also takes ``train_topk``, the training queries' top keys computed elsewhere.

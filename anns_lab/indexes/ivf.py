@@ -35,6 +35,7 @@ class IVFIndex(Index):
     }
     search_params = {"nprobe": Param(8, 1, 1 << 20, help="lists probed per query (clipped to nlist)")}
     search_grid = {"nprobe": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)}
+    auto_rules = {"nlist": "2026-11-29"}  # auto_nlist
 
     def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
         nlist = self.params["nlist"] or auto_nlist(len(keys))

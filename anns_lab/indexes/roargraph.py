@@ -204,6 +204,8 @@ class RoarGraphIndex(Index):
     search_grid = {"L": (50, 60, 70, 80, 90, 100, 120, 150, 200, 250, 300, 400, 500, 600, 800, 1200)}
     search_params_before = {"row_misses": 0}  # tables swept before the row stop searched every row in full
     search_params_since = {"row_misses": "cooc_order"}  # the row order came with the row stop: rows naming it measured it
+    # the dates auto_train (MIN_TRAIN), auto_stride (KEYS_PER_ANCHOR) and auto_lists last changed
+    auto_rules = {"max_train": "2026-12-01", "list_stride": "2026-11-30", "M_sq": "2026-11-30", "n_pivots": "2026-11-30"}
 
     # -- build -------------------------------------------------------------------------------------
 

@@ -4,7 +4,9 @@ numba's, faiss's and torch's kernels each start their own thread team per call. 
 its indexes while the prefill keeps the cores busy) a team's threads wait for each other at every barrier, and they wait
 spinning: on the 2-core machine a SmolLM2 8K head's build cost 0.65 CPU s with each library's default threads against
 0.26 s on one (``benchmarks/bench_decoder_build.py``; BENCHMARKS "Scale"), its faiss k-means 0.21 s against 0.005. Independent builds
-(one per query head) on one-core threads side by side use the cores with no barrier at all.
+(one per query head) on one-core threads side by side use the cores with no barrier at all: as many at once as the
+process gave the calling thread (:func:`thread_budget`). A lone build beside the prefill runs on one such thread too;
+after the prefill it keeps the libraries' full teams (nothing else then runs).
 
 Each library's setting is per thread: numba's ``set_num_threads`` and faiss's OpenMP ``omp_set_num_threads`` hold for the
 calling thread. torch's ``set_num_threads`` is process-wide (it also sets MKL's threads, which the prefill's matmuls on
@@ -24,7 +26,7 @@ import numba
 
 T = TypeVar("T")
 
-_POOL: list = [None, 0]  # the pool and the process that made it (a forked child must not use its parent's)
+_POOLS: dict = {}  # (process, workers) -> pool: a forked child must not use its parent's
 
 
 def one_thread() -> None:
@@ -50,19 +52,25 @@ def _torch_one_thread() -> None:
             pass
 
 
-def map_one_thread(fn: Callable[..., T], items: Iterable) -> list[T]:
-    """``[fn(x) for x in items]`` in order, run on as many threads as there are cores, each running its kernels on one
-    thread (:func:`one_thread`). A single item, or a single core, runs on the calling thread as it is; so does every
-    item under numba's ``workqueue`` threading layer (:func:`_numba_threadsafe`)."""
+def thread_budget() -> int:
+    """The threads the calling thread's kernels were given: numba's count (``NUMBA_NUM_THREADS``, or ``set_num_threads``
+    on this thread), at most OpenMP's (``OMP_NUM_THREADS``, which Ray sets to a task's CPUs; numba does not read it)."""
+    return max(1, min(numba.get_num_threads(), faiss.omp_get_max_threads()))
+
+
+def map_one_thread(fn: Callable[..., T], items: Iterable, beside: bool = False) -> list[T]:
+    """``[fn(x) for x in items]`` in order, at most :func:`thread_budget` at once, each on a thread running its kernels
+    on one thread (:func:`one_thread`). A single item runs on the calling thread as it is (the libraries' full teams),
+    unless ``beside`` other work (the decoder's prefill), whose threads a team would spin against; a budget of one, or
+    numba's ``workqueue`` threading layer (:func:`_numba_threadsafe`), runs every item on the calling thread."""
     items = list(items)
-    workers = min(len(items), os.cpu_count() or 1)
-    if workers <= 1 or not _numba_threadsafe():
+    budget = thread_budget()
+    if budget <= 1 or len(items) < (1 if beside else 2) or not _numba_threadsafe():
         return [fn(x) for x in items]
-    pool, pid = _POOL
-    if pool is None or pid != os.getpid():
-        pool = ThreadPoolExecutor(os.cpu_count(), thread_name_prefix="anns-lab-build", initializer=one_thread)
-        _POOL[:] = [pool, os.getpid()]
-    return [f.result() for f in [pool.submit(fn, x) for x in items]]
+    key = (os.getpid(), budget)
+    if key not in _POOLS:
+        _POOLS[key] = ThreadPoolExecutor(budget, thread_name_prefix="anns-lab-build", initializer=one_thread)
+    return [f.result() for f in [_POOLS[key].submit(fn, x) for x in items]]
 
 
 def _numba_threadsafe() -> bool:

@@ -147,6 +147,7 @@ class SqueezedHierarchical(_Clustered):
         "niter": Param(20, 1, 1000, help="k-means iterations"),
         "seed": Param(1234, 0, 2**31 - 1, help="k-means seed"),
     }
+    auto_rules = {"nlist": "2026-11-30", "n_coarse": "2026-11-30"}
 
     def _nlist(self, n: int) -> int:
         return self.params["nlist"] or max(1, n // 16)

@@ -39,6 +39,7 @@ class RetroInfer(Index):
         "estimate_frac": Param(1.0, 0.0, 1.0, help="share of the other clusters, best first, estimated from centroids"),
     }
     search_grid = {"nprobe": (1, 2, 4, 8, 16, 32, 64, 128)}
+    auto_rules = {"nlist": "2026-11-30"}
     estimates = True
 
     def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:

@@ -66,6 +66,7 @@ class VAttention(Index):
         "temperature": Param(0.0, 0.0, 1e6, help="softmax scale of q·k; 0 = 1/√dim"),
     }
     search_grid = {"nprobe": (4, 16, 64), "epsilon": (0.3, 0.1, 0.03)}
+    auto_rules = {"nlist": IVFIndex.auto_rules["nlist"]}  # its top-k is an IVFIndex: its rule
     estimates = True
     unbiased = True
 
