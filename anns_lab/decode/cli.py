@@ -203,9 +203,9 @@ def _load(model: str, device: str, torch_threads: int, rope_scaling=None):
     from anns_lab.dumps.models import load_model
 
     if torch_threads > 0:
-        import torch
+        from anns_lab.indexes.threads import set_torch_threads
 
-        torch.set_num_threads(torch_threads)
+        set_torch_threads(torch_threads)
     return load_model(model, device=device, rope_scaling=rope_scaling)
 
 
