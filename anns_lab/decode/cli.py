@@ -126,7 +126,8 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
         if executor == "ray":
             from anns_lab.decode.ray_samples import RaySamples
 
-            remote = RaySamples(address, model, cpus_per_task, log=progress, rope_scaling=rope_scaling)
+            remote = RaySamples(address, model, cpus_per_task, log=progress, rope_scaling=rope_scaling,
+                                torch_threads=torch_threads)
         try:
             if prompt is not None:
                 result = runner.run_prompt(lm, mode_list, settings, prompt, max_new_tokens, allow_extrapolation,
