@@ -48,7 +48,9 @@ def main() -> None:
     from anns_lab.window import Window
 
     if a.device == "cpu":
-        torch.set_num_threads(a.torch_threads)
+        from anns_lab.indexes.threads import set_torch_threads
+
+        set_torch_threads(a.torch_threads)  # as decode --torch-threads: it holds after numba starts its threads
     settings = Settings(Window.parse(a.window), topk=a.topk, add_batch=a.add_batch, chunk=2048,
                         train_queries=a.train_queries)
     modes = parse_modes(a.modes, parse_params(a.param), {})

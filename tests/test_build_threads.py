@@ -91,6 +91,63 @@ def test_the_budget_bounds_the_items_at_once(budget, omp, expect):
     assert expect in r.stdout, r.stdout
 
 
+_TORCH_THREADS = """
+import os
+import sys
+import threading
+import time
+import numba
+import numpy as np
+import torch
+from anns_lab.decode.cli import _load
+from anns_lab.indexes import threads
+
+_load(sys.argv[1], "cpu", 1)  # decode --torch-threads 1
+first = threads.thread_budget()  # the builds after the prefill (--eval fidelity) on this thread
+
+
+@numba.njit(parallel=True)
+def total(a):
+    s = 0.0
+    for i in numba.prange(len(a)):
+        s += a[i]
+    return s
+
+
+total(np.ones(64))  # numba's first parallel kernel on the decode thread (--eval fidelity: the builds run there)
+x = torch.randn(4_000_000)
+time.sleep(0.2)  # numba's team stops spinning
+ticks = lambda: sum(sum(map(int, open(f"/proc/self/task/{t}/stat").read().rsplit(")", 1)[1].split()[11:13]))
+                    for t in os.listdir("/proc/self/task") if int(t) != threading.get_native_id())
+before = ticks()
+for _ in range(10):
+    torch.softmax(torch.exp(x), 0)  # torch's OpenMP loops: on this thread only
+others = ticks() - before
+other = []
+worker = threading.Thread(target=lambda: other.append(threads.thread_budget()))  # as the decoder's early-build thread
+worker.start()
+worker.join()
+print("torch", torch.get_num_threads(), "others' CPU", "none" if others == 0 else others,
+      "budget", first, threads.thread_budget(), "other", other[0])
+"""
+
+
+def test_torch_threads_hold_and_leave_the_build_budget_alone(tiny_llama):
+    """``--torch-threads 1`` holds after numba starts its thread pool on the decode thread (numba's OpenMP layer sets the
+    OpenMP count of the thread that starts it, in the runtime torch reads its own from: torch's loops then ran on 3
+    threads, the other threads' CPU ticks counted), and leaves the build budget at the process's (numba's 3, OpenMP's 3)
+    on that thread, before and after, as on a fresh one, as docs/decoder.md says."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NUMBA_NUM_THREADS": "3", "OMP_NUM_THREADS": "3"}
+    r = subprocess.run([sys.executable, "-c", _TORCH_THREADS, str(tiny_llama)], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "torch 1 others' CPU none budget 3 3 other 3" in r.stdout, r.stdout
+
+
 def test_a_single_build_beside_other_work_runs_on_one_thread(monkeypatch):
     """Beside the prefill (``beside``) even one item runs its kernels on one thread, on a worker; otherwise one item
     runs on the calling thread with the libraries' full teams."""

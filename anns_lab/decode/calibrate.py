@@ -4,8 +4,8 @@ A fixed beam (roargraph's ``L`` 100) is short where a context is long or a head 
 0.45-0.85 on the decode steps of a needle task), and needlessly thorough where it is easy. A sweep measures the right
 value offline (``--from-sweep``); this measures it on the prompt being decoded: the layer's newest prefill queries, at
 their own positions (the decode steps come right after them), get their exact top-k over the keys the indexes hold,
-and the layer searches at the cheapest value of its index's grid parameter (``search_grid``: roargraph ``L``, IVF
-``nprobe``, HNSW ``ef``, ordered cheapest first) whose mean recall@k over the layer's heads reaches the target; the
+and the layer searches at the cheapest value of its index's grid parameter (``Index.grid`` of the built index: roargraph
+``L``, IVF ``nprobe``, HNSW ``ef``, ordered cheapest first) whose mean recall@k over the layer's heads reaches the target; the
 most thorough one when none does. Every index mode is calibrated alike, so the modes of a run are compared at the
 same recall. The newest queries are in an attention-aware index's training set (its ``keep_queries``), so their
 recall reads higher there than a decode step's does on a head whose decode queries differ most from the prompt's.
@@ -37,9 +37,22 @@ class Calibration:
 
 
 def grid_param(cls) -> tuple[str, tuple] | None:
-    """The index class's one grid parameter and its values (cheapest first), or None (no grid, or several)."""
+    """The index class's one grid parameter and its declared values, or None (no grid, or several): which parameter
+    ``--calibrate`` sets, known before any build (the values searched are the built index's, :func:`built_grid`)."""
     grid = getattr(cls, "search_grid", None) or {}
     return next(iter(grid.items())) if len(grid) == 1 else None
+
+
+def built_grid(index) -> tuple[str, list] | None:
+    """The built index's one grid parameter and its values, cheapest first, as its :meth:`Index.grid` gives them (only
+    values valid for this index: simhash's ``min_collisions`` at most its ``L``, IVF's ``nprobe`` up to its ``nlist``),
+    or None (no grid, or several parameters)."""
+    grid = index.grid()
+    names = {tuple(point) for point in grid}
+    if len(names) != 1 or len(next(iter(names))) != 1:
+        return None
+    param = next(iter(names))[0]
+    return param, list(dict.fromkeys(point[param] for point in grid))
 
 
 def calibrate(store, queries: np.ndarray, target: float) -> Calibration | None:
@@ -48,7 +61,7 @@ def calibrate(store, queries: np.ndarray, target: float) -> Calibration | None:
     no single grid parameter or nothing is indexed."""
     if not store.indexes or not store.n_indexed:
         return None
-    found = grid_param(type(store.indexes[0]))
+    found = built_grid(store.indexes[0])
     if found is None:
         return None
     param, values = found
@@ -80,7 +93,10 @@ def calibrate(store, queries: np.ndarray, target: float) -> Calibration | None:
 
 
 def describe(calibrations: list[Calibration], target: float) -> str:
-    """One line for a mode's notes: each layer's calibrated value and recall."""
+    """One line for a mode's notes: each layer's calibrated value and recall, and the layers whose most thorough value
+    fell short of the target (a recall of 0.9496 prints as 0.950 beside a target of 0.95)."""
     c = calibrations[0]
+    short = [str(x.layer) for x in calibrations if x.recall < target]
     return (f"calibrated {c.param} per layer to recall@k >= {target} on the newest {QUERIES} prefill queries: "
-            + ", ".join(x.describe() for x in calibrations))
+            + ", ".join(x.describe() for x in calibrations)
+            + (f"; short of the target at the grid's most thorough value: layer {', '.join(short)}" if short else ""))

@@ -126,7 +126,8 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
         if executor == "ray":
             from anns_lab.decode.ray_samples import RaySamples
 
-            remote = RaySamples(address, model, cpus_per_task, log=progress, rope_scaling=rope_scaling)
+            remote = RaySamples(address, model, cpus_per_task, log=progress, rope_scaling=rope_scaling,
+                                torch_threads=torch_threads)
         try:
             if prompt is not None:
                 result = runner.run_prompt(lm, mode_list, settings, prompt, max_new_tokens, allow_extrapolation,
@@ -203,9 +204,9 @@ def _load(model: str, device: str, torch_threads: int, rope_scaling=None):
     from anns_lab.dumps.models import load_model
 
     if torch_threads > 0:
-        import torch
+        from anns_lab.indexes.threads import set_torch_threads
 
-        torch.set_num_threads(torch_threads)
+        set_torch_threads(torch_threads)
     return load_model(model, device=device, rope_scaling=rope_scaling)
 
 

@@ -17,11 +17,14 @@ from anns_lab.eval.executors.ray_cluster import Cluster
 _MODELS: dict = {}  # per Ray worker process: (model, device, RoPE scaling) → loaded model
 
 
-def _sample_task(model: str, device: str, rope_scaling, modes, settings, ids: list[int], max_new: int,
+def _sample_task(model: str, device: str, rope_scaling, torch_threads: int, modes, settings, ids: list[int], max_new: int,
                  stops: set[int]) -> dict:
     from anns_lab.decode.runner import run_sample
     from anns_lab.dumps.models import load_model
+    from anns_lab.indexes.threads import set_torch_threads
 
+    if torch_threads > 0:  # --torch-threads holds on the workers as on the driver
+        set_torch_threads(torch_threads)
     key = (model, device, rope_scaling)
     if key not in _MODELS:
         _MODELS.clear()  # one model per worker: a second would double its memory
@@ -33,12 +36,12 @@ class RaySamples:
     """``map_samples`` for :func:`anns_lab.decode.runner.run_task` on a Ray cluster."""
 
     def __init__(self, address: str | None, model: str, cpus_per_task: float = 1.0, local_cpus: int = 2,
-                 log=print, rope_scaling=None) -> None:
+                 log=print, rope_scaling=None, torch_threads: int = 0) -> None:
         if cpus_per_task <= 0:
             raise DecodeError("--cpus-per-task must be positive")
         self.cluster = Cluster(address, local_cpus, log)
         self.ray = self.cluster.ray
-        self.model, self.rope_scaling = model, rope_scaling
+        self.model, self.rope_scaling, self.torch_threads = model, rope_scaling, torch_threads
         self.resources, self.device = {"CPU": float(cpus_per_task)}, "cpu"
         if self.cluster.gpus() >= 1:
             self.resources, self.device = self.resources | {"GPU": 1.0}, "cuda"
@@ -50,7 +53,8 @@ class RaySamples:
         """Submit every sample at once; yield their results in sample order. Ctrl-C cancels what is left."""
         task = self.ray.remote(_sample_task).options(num_cpus=self.resources["CPU"], num_gpus=self.resources.get("GPU", 0),
                                                    max_retries=2)
-        refs = [task.remote(self.model, self.device, self.rope_scaling, modes, settings, ids, max_new, stops) for ids in prompts]
+        refs = [task.remote(self.model, self.device, self.rope_scaling, self.torch_threads, modes, settings, ids, max_new,
+                            stops) for ids in prompts]
         try:
             for ref in refs:
                 while not self.ray.wait([ref], timeout=1.0)[0]:  # wakes up for Ctrl-C

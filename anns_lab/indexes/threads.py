@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable, TypeVar
@@ -27,6 +28,7 @@ import numba
 T = TypeVar("T")
 
 _POOLS: dict = {}  # (process, workers) -> pool: a forked child must not use its parent's
+_OMP_DEFAULT: dict = {}  # process -> OpenMP's count for a thread that set none
 
 
 def one_thread() -> None:
@@ -54,8 +56,34 @@ def _torch_one_thread() -> None:
 
 def thread_budget() -> int:
     """The threads the calling thread's kernels were given: numba's count (``NUMBA_NUM_THREADS``, or ``set_num_threads``
-    on this thread), at most OpenMP's (``OMP_NUM_THREADS``, which Ray sets to a task's CPUs; numba does not read it)."""
-    return max(1, min(numba.get_num_threads(), faiss.omp_get_max_threads()))
+    on this thread), at most the process's OpenMP count (``OMP_NUM_THREADS``, which Ray sets to a task's CPUs; numba does
+    not read it). Not this thread's OpenMP count: that is torch's too (``--torch-threads``, :func:`set_torch_threads`)."""
+    return max(1, min(numba.get_num_threads(), _omp_default()))
+
+
+def _omp_default() -> int:
+    """OpenMP's count for a thread that set none (``OMP_NUM_THREADS``, else the cores), read on a fresh thread once per
+    process: the calling thread's may be torch's (torch sets its threads as OpenMP's count of the calling thread, in the
+    runtime faiss shares)."""
+    pid = os.getpid()
+    if pid not in _OMP_DEFAULT:
+        out: list[int] = []
+        reader = threading.Thread(target=lambda: out.append(faiss.omp_get_max_threads()))
+        reader.start()
+        reader.join()
+        _OMP_DEFAULT[pid] = out[0]
+    return _OMP_DEFAULT[pid]
+
+
+def set_torch_threads(n: int) -> None:
+    """torch's CPU threads (``decode --torch-threads``) set to ``n`` for good: numba's thread pool is started first,
+    since numba's OpenMP layer sets the OpenMP count of the thread that starts it, which torch reads as its own (a
+    first parallel kernel on this thread later would give torch numba's count)."""
+    import torch
+    from numba.np.ufunc.parallel import _launch_threads
+
+    _launch_threads()
+    torch.set_num_threads(n)
 
 
 def map_one_thread(fn: Callable[..., T], items: Iterable, beside: bool = False) -> list[T]:

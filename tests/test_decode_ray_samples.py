@@ -1,0 +1,54 @@
+"""decode --executor ray: what the driver is given reaches each sample's task (Ray itself replaced by an in-process
+stand-in that runs the task where it is submitted)."""
+
+from __future__ import annotations
+
+from click.testing import CliRunner
+
+from anns_lab.cli import main
+from anns_lab.decode import ray_samples
+from anns_lab.indexes import threads
+
+
+class _InProcessRay:
+    """``ray.remote(fn).options(...).remote(*args)`` runs ``fn(*args)`` at once; ``wait``/``get`` hand back its result."""
+
+    class exceptions:  # noqa: N801 (ray's name)
+        RayError = RuntimeError
+
+    def remote(self, fn):
+        class Task:
+            def options(self, **_):
+                return self
+
+            def remote(self, *args):
+                return fn(*args)
+
+        return Task()
+
+    def wait(self, refs, timeout=None):
+        return refs, []
+
+    def get(self, ref):
+        return ref
+
+
+def test_torch_threads_reach_every_ray_task(tiny_llama, monkeypatch):
+    """``--torch-threads`` set torch's threads on the driver only: each task's worker ran torch with its own count."""
+    made, set_to = [], []
+
+    def fake_init(self, address, model, cpus_per_task=1.0, local_cpus=2, log=print, rope_scaling=None, **kw):
+        made.append(kw)
+        self.ray, self.model, self.rope_scaling, self.device = _InProcessRay(), model, rope_scaling, "cpu"
+        self.resources, self.torch_threads = {"CPU": 1.0}, kw.get("torch_threads", 0)
+
+    monkeypatch.setattr(ray_samples.RaySamples, "__init__", fake_init)
+    monkeypatch.setattr(ray_samples.RaySamples, "close", lambda self: None)
+    monkeypatch.setattr(ray_samples, "_MODELS", {})
+    monkeypatch.setattr(threads, "set_torch_threads", lambda n: set_to.append(n))  # the driver's and the tasks' calls
+    res = CliRunner().invoke(main, ["decode", "--model", str(tiny_llama), "--task", "passkey", "--context", "200",
+                                    "--mode", "full,window", "--window", "4,16", "--max-new-tokens", "2", "--chunk", "64",
+                                    "--samples", "2", "--executor", "ray", "--torch-threads", "1"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert [m.get("torch_threads") for m in made] == [1]
+    assert set_to == [1, 1, 1]  # the driver's load, then each of the 2 samples' tasks
