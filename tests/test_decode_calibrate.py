@@ -116,6 +116,8 @@ def test_decode_searches_each_layer_at_its_calibrated_value(tiny_gemma3, monkeyp
     run = run_mode(lm, pre, Mode("roargraph", IndexPlan("roargraph", {}, {})), settings, 4)
     by_index = {id(s.indexes[0]): s.calibration.value for s in run.stores.values()}
     assert set(by_index) == {i for i, _ in seen} and all(by_index[i] == L for i, L in seen)
+    assert run.calibration == {layer: {"param": "L", "value": s.calibration.value, "recall": s.calibration.recall}
+                               for layer, s in run.stores.items()}
     assert any("calibrated L per layer" in n for n in run.notes)
     # without calibration every layer searches at the default
     seen.clear()
@@ -136,3 +138,8 @@ def test_cli_refuses_calibration_beside_a_chosen_value(tiny_llama, tmp_path):
     data = json.loads(out.read_text())
     assert data["settings"]["calibrate"] == 0.95
     assert any(n.startswith("calibrated nprobe per layer") for n in data["modes"]["ivf"]["notes"])
+    # each sample records the values its prompt's calibration chose, per long-range layer
+    cal = data["modes"]["ivf"]["samples"][0]["calibration"]
+    assert cal and all(c["param"] == "nprobe" and c["value"] in registry.get("ivf").search_grid["nprobe"]
+                       and 0 <= c["recall"] <= 1 for c in cal.values())
+    assert "calibration" not in data["modes"]["full"]["samples"][0]

@@ -187,6 +187,8 @@ def _run_prompts(lm, modes, settings, prompts, max_new, task, progress, executor
             if sample is not None:
                 row |= {"expected": list(sample.answers), "depth": sample.depth, "seed": sample.params["seed"],
                         "score": tasks.score(task, answer, sample.answers)}
+            if run.calibration:  # the prompt's own search values (the plans in the JSON are the ones asked for)
+                row["calibration"] = {str(layer): c for layer, c in run.calibration.items()}
             per_mode[mode.name]["runs"].append(run)
             per_mode[mode.name]["samples"].append(row)
             per_mode[mode.name]["notes"] = run.notes
