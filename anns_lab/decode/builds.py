@@ -35,7 +35,8 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
     values = layer_cache.values[0, :, lo:hi].to("cpu", torch.float32).numpy()
     store = LayerStore(layer, lm.config.num_attention_heads, keys, values, settings.topk, plan, settings.add_batch,
                        settings.steps)
-    newest = None if queries is None else np.ascontiguousarray(queries[:, -calibration.QUERIES:])  # own positions
+    calibrating = settings.calibrate > 0 and queries is not None
+    newest = np.ascontiguousarray(queries[:, -calibration.QUERIES:]) if calibrating else None  # own positions
     aware = queries is not None and plan is not None and registry.get(plan.name).uses_train_queries
     if aware:
         positions = subsampled_positions(queries.shape[1], settings.train_queries)
@@ -52,7 +53,7 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
                             for g in range(keys.shape[0])])
     store.build(queries, _device_lists(lm, plan, queries, layer_cache.keys[0, :, lo:hi], settings), per_kv_head=per_kv,
                 others=others, beside=beside)
-    if settings.calibrate > 0 and newest is not None:  # timed with the build: the first token waits for it too
+    if calibrating:  # timed with the build: the first token waits for it too
         t0 = time.perf_counter()
         store.calibration = calibration.calibrate(store, newest, settings.calibrate)
         store.build_s += time.perf_counter() - t0
