@@ -181,3 +181,36 @@ def test_a_key_only_mode_keeps_only_the_newest_queries_calibration_reads(tiny_ge
     runner.check_memory(lm, [ivf], dataclasses.replace(settings, calibrate=0.0), 200)
     assert [(kw["query_layers"], kw["query_tokens"]) for kw in asked] == [(2, calibrate.QUERIES), (2, None),
                                                                           (0, calibrate.QUERIES)]
+
+
+def test_calibration_beside_the_prefill_runs_on_one_thread(tiny_gemma3, monkeypatch):
+    """A layer calibrated while the prefill still runs (``beside``) searches on a one-thread worker, as its builds do;
+    after the prefill on the calling thread with its own (full) teams."""
+    import threading
+
+    import faiss
+    import numba
+
+    from anns_lab.decode import builds
+    from anns_lab.indexes import threads
+
+    monkeypatch.setattr(threads, "thread_budget", lambda: 2)  # a worker even on a one-core runner
+    lm = load_model(str(tiny_gemma3), device=TEST_DEVICE)
+    settings = Settings(Window(4, 8), topk=12, add_batch=4, chunk=24, calibrate=0.9, steps=4)
+    ids = np.random.default_rng(3).integers(3, 400, size=160).tolist()
+    pre = prefill(lm, ids, settings, capture_queries=True)
+    seen = []
+    original = calibrate.calibrate
+
+    def spy(store, queries, target):
+        seen.append((threading.current_thread().name, numba.get_num_threads(), faiss.omp_get_max_threads()))
+        return original(store, queries, target)
+
+    monkeypatch.setattr(calibrate, "calibrate", spy)
+    layer = lm.long_range_layers[0]
+    for beside in (True, False):
+        store = builds.layer_store(lm, pre.cache, len(ids), layer, IndexPlan("ivf", {"nlist": 8}, {}), settings,
+                                   pre.queries[layer], beside=beside)
+        assert store.calibration is not None and store.calibration.param == "nprobe"
+    assert seen[0][0].startswith("anns-lab-build") and seen[0][1:] == (1, 1)
+    assert seen[1] == (threading.current_thread().name, numba.get_num_threads(), faiss.omp_get_max_threads())
