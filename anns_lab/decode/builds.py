@@ -22,13 +22,15 @@ from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.dumps import rope
 from anns_lab.indexes import registry
 from anns_lab.indexes.group_queries import PER_HEAD, group_queries
+from anns_lab.indexes.threads import map_one_thread
 
 
 def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, settings, queries: np.ndarray | None,
                 beside: bool = False) -> LayerStore:
     """The layer's CPU store of its non-window prefill keys/values (read from ``cache``, ``n_ids`` tokens long),
-    with its indexes built from the layer's prefill ``queries`` (H, t, d); ``beside``: the prefill still runs
-    (:meth:`LayerStore.build`)."""
+    with its indexes built from the layer's prefill ``queries`` (H, t, d) and, with ``settings.calibrate``, its search
+    calibrated on their newest; ``beside``: the prefill still runs (:meth:`LayerStore.build`; the calibration too
+    runs its kernels on one thread then)."""
     lo, hi = settings.window.outside(n_ids)
     layer_cache = cache.layers[layer]
     keys = layer_cache.keys[0, :, lo:hi].to("cpu", torch.float32).numpy()
@@ -60,7 +62,9 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
                 others=others, beside=beside)
     if calibrating:  # timed with the build: the first token waits for it too
         t0 = time.perf_counter()
-        store.calibration = calibration.calibrate(store, newest, settings.calibrate)
+        # Beside the prefill its searches run on one thread, as the builds do (threads.map_one_thread's why).
+        store.calibration = map_one_thread(lambda s: calibration.calibrate(s, newest, settings.calibrate), [store],
+                                           beside)[0]
         store.build_s += time.perf_counter() - t0
     return store
 
