@@ -42,11 +42,16 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
     aware = queries is not None and plan is not None and registry.get(plan.name).uses_train_queries
     if aware:
         positions = subsampled_positions(queries.shape[1], settings.train_queries)
-        queries = np.ascontiguousarray(queries[:, positions])
+        if len(positions) < queries.shape[1]:
+            queries = queries[:, positions]
+        # Only the rows the build will learn from are prepared (at 8K a quarter: the move cost as much as a tenth of
+        # a build), each as it would be among all; one index per query head only (a group's set is subsampled whole).
+        rows = registry.get(plan.name)(**plan.build_params).train_rows(hi - lo, len(positions)) \
+            if settings.train_group == "head" else None
         place = rope.check_place(settings.train_positions)
-        if place != "own":  # moved to the decode steps' positions (dumps.rope), all or half of them
-            freqs = rope.inv_freq(lm.config, layer)
-            queries = np.stack([rope.placed(q, positions, n_ids, n_ids + settings.steps - 1, freqs, place) for q in queries])
+        freqs = rope.inv_freq(lm.config, layer) if place != "own" else None  # moved to the decode steps' positions (dumps.rope)
+        queries = np.stack([rope.placed(q, positions, n_ids, n_ids + settings.steps - 1, freqs, place, rows=rows)
+                            for q in queries])
     per_kv = aware and settings.train_group not in PER_HEAD
     others = aware and settings.train_group == "unlisted" and registry.get(plan.name).accepts_group_queries
     if per_kv:  # one training set per KV head: its GQA group's queries
