@@ -62,11 +62,16 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
                 others=others, beside=beside)
     if calibrating:  # timed with the build: the first token waits for it too
         t0 = time.perf_counter()
-        # Beside the prefill its searches run on one thread, as the builds do (threads.map_one_thread's why).
-        store.calibration = map_one_thread(lambda s: calibration.calibrate(s, newest, settings.calibrate), [store],
-                                           beside)[0]
+        store.calibration = calibrate_store(store, newest, settings.calibrate, beside)
         store.build_s += time.perf_counter() - t0
     return store
+
+
+def calibrate_store(store: LayerStore, newest: np.ndarray, target: float,
+                    beside: bool = False) -> calibration.Calibration | None:
+    """:func:`calibrate.calibrate` of a built ``store`` on its ``newest`` prefill queries (H, c, d); ``beside`` the
+    prefill on a one-thread worker, as the builds (:func:`threads.map_one_thread`: spinning teams slow the prefill)."""
+    return map_one_thread(lambda s: calibration.calibrate(s, newest, target), [store], beside)[0]
 
 
 def build_stores(lm, pre, mode, settings) -> tuple[dict[int, LayerStore], list[str], float]:
