@@ -179,3 +179,74 @@ def test_cli_calibration_target_and_json(tiny_llama, tmp_path):
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())
     assert data["settings"]["calibrate"] is None and "calibration" not in data["modes"]["ivf"]["samples"][0]
+
+
+def test_a_key_only_mode_keeps_only_the_newest_queries_calibration_reads(tiny_gemma3, monkeypatch):
+    """Under --calibrate a key-only index (IVF) keeps each head's newest calibrate.QUERIES prefill queries per
+    long-range layer, the very ones a prefill keeping all would end with; an attention-aware index (roargraph) keeps
+    every one (it trains on them). The memory estimate before the prefill counts what is kept."""
+    from anns_lab.decode import runner
+
+    lm = load_model(str(tiny_gemma3), device=TEST_DEVICE)
+    settings = Settings(Window(4, 8), topk=12, add_batch=4, chunk=24, calibrate=0.9, steps=4)
+    ids = np.random.default_rng(3).integers(3, 400, size=160).tolist()  # 7 chunks: the newest 64 span 3 of them
+    every = prefill(lm, ids, settings, capture_queries=True).queries
+    held = {}
+
+    def spy(*args, **kwargs):
+        pre = runner_prefill(*args, **kwargs)
+        held[args[4][0].name] = pre.queries
+        return pre
+
+    runner_prefill = runner.prefill
+    monkeypatch.setattr(runner, "prefill", spy)
+    ivf, roar = Mode("ivf", IndexPlan("ivf", {"nlist": 8}, {})), Mode("roargraph", IndexPlan("roargraph", {}, {}))
+    res = runner.run_sample(lm, [ivf, roar], settings, ids, 4, set())  # each index mode after a prefill of its own
+    assert set(held) == {"ivf", "roargraph"} and set(held["ivf"]) == set(every) == set(lm.long_range_layers)
+    for layer, q in every.items():
+        assert q.shape == (4, len(ids), 16)
+        assert held["ivf"][layer].shape == (4, calibrate.QUERIES, 16)
+        assert np.array_equal(held["ivf"][layer], q[:, -calibrate.QUERIES:])
+        assert np.array_equal(held["roargraph"][layer], q)
+    assert set(res["runs"]["ivf"].calibration) == set(lm.long_range_layers)  # calibrated on what was kept
+
+    asked = []
+    monkeypatch.setattr("anns_lab.dumps.memory.check_prefill", lambda *a, **kw: asked.append(kw))
+    runner.check_memory(lm, [Mode("full"), ivf], settings, 200)
+    runner.check_memory(lm, [ivf, roar], settings, 200)
+    runner.check_memory(lm, [ivf], dataclasses.replace(settings, calibrate=0.0), 200)
+    assert [(kw["query_layers"], kw["query_tokens"]) for kw in asked] == [(2, calibrate.QUERIES), (2, None),
+                                                                          (0, calibrate.QUERIES)]
+
+
+def test_calibration_beside_the_prefill_runs_on_one_thread(tiny_gemma3, monkeypatch):
+    """A layer calibrated while the prefill still runs (``beside``) searches on a one-thread worker, as its builds do;
+    after the prefill on the calling thread with its own (full) teams."""
+    import threading
+
+    import faiss
+    import numba
+
+    from anns_lab.decode import builds
+    from anns_lab.indexes import threads
+
+    monkeypatch.setattr(threads, "thread_budget", lambda: 2)  # a worker even on a one-core runner
+    lm = load_model(str(tiny_gemma3), device=TEST_DEVICE)
+    settings = Settings(Window(4, 8), topk=12, add_batch=4, chunk=24, calibrate=0.9, steps=4)
+    ids = np.random.default_rng(3).integers(3, 400, size=160).tolist()
+    pre = prefill(lm, ids, settings, capture_queries=True)
+    seen = []
+    original = calibrate.calibrate
+
+    def spy(store, queries, target):
+        seen.append((threading.current_thread().name, numba.get_num_threads(), faiss.omp_get_max_threads()))
+        return original(store, queries, target)
+
+    monkeypatch.setattr(calibrate, "calibrate", spy)
+    layer = lm.long_range_layers[0]
+    for beside in (True, False):
+        store = builds.layer_store(lm, pre.cache, len(ids), layer, IndexPlan("ivf", {"nlist": 8}, {}), settings,
+                                   pre.queries[layer], beside=beside)
+        assert store.calibration is not None and store.calibration.param == "nprobe"
+    assert seen[0][0].startswith("anns-lab-build") and seen[0][1:] == (1, 1)
+    assert seen[1] == (threading.current_thread().name, numba.get_num_threads(), faiss.omp_get_max_threads())

@@ -124,6 +124,29 @@ def test_train_group_is_recorded_in_the_json(tiny_llama, tmp_path, group, hints,
     assert data["modes"]["roargraph"]["samples"][0]["answer"] == data["modes"]["full"]["samples"][0]["answer"]
 
 
+@pytest.mark.parametrize("threads", [None, 1])
+def test_the_options_that_change_timings_are_recorded_in_the_json(tiny_llama, tmp_path, threads):
+    """--torch-threads (without it, torch's default count here), --chunk, --build-after-prefill, the device and the
+    executor are in the JSON (a Ray task's CPUs only with Ray)."""
+    import torch
+
+    before = torch.get_num_threads()
+    out = tmp_path / "r.json"
+    try:
+        res = _run("--model", tiny_llama, "--mode", "full,flat", "--task", "passkey", "--context", 200,
+                   "--window", "4,16", "--topk", 20, "--max-new-tokens", 2, "--chunk", 64, "--build-after-prefill",
+                   "--device", "cpu", "--json", out, *(["--torch-threads", threads] if threads else []))
+        ran = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)  # --torch-threads holds for the whole process
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    settings = data["settings"]
+    assert settings["torch_threads"] == (threads or before) == ran
+    assert (settings["chunk"], settings["build_during_prefill"], settings["cpus_per_task"]) == (64, False, None)
+    assert (data["device"], data["executor"]) == ("cpu", "local")
+
+
 def test_extrapolation_is_allowed_when_asked_and_said(tiny_llama, tmp_path):
     res = _run("--model", tiny_llama, "--task", "passkey", "--context", 520, "--mode", "full", "--max-new-tokens", 2,
                "--allow-extrapolation", "--json", tmp_path / "r.json")

@@ -25,6 +25,8 @@ def test_estimate_parts():
     assert small.total < est.total and small.parts["KV cache"] == est.parts["KV cache"]
     decode = prefill_estimate(GEMMA_LIKE, 131072, 2048, query_layers=3, index_layers=3, cache_copy=True)
     assert decode.parts["prefill queries kept"] == 3 * 4 * 131072 * 256 * 4
+    newest = prefill_estimate(GEMMA_LIKE, 131072, 2048, query_layers=3, query_tokens=64)  # --calibrate alone
+    assert newest.parts["prefill queries kept"] == 3 * 4 * 64 * 256 * 4
     assert decode.total > est.total + decode.parts["copy of the KV cache (full)"]
 
 

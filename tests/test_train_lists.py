@@ -129,6 +129,40 @@ def test_bf16_coarse_lists_are_the_exact_lists(d, scale):
         assert np.all(np.diff(s[i, got[i]]) <= 1e-4 * scale * scale)
 
 
+def test_bf16_thresholds_and_selections_match_the_float_order():
+    """``graph.simd.count_at_least`` / ``indices_at_least`` (32 bfloat16 scores per vector compare, the tail one by one)
+    against numpy on the scores as floats, every length around the vector's; ``_threshold`` is the want-th largest
+    whatever its guess (the row alone decides it)."""
+    from numba import njit
+
+    from anns_lab.indexes.graph.simd import count_at_least, indices_at_least, signed_order
+    from anns_lab.indexes.train_lists import _threshold
+
+    @njit
+    def probe(row, v, out):
+        return count_at_least(row, v), indices_at_least(row, v, out), signed_order(row[0])
+
+    rng = np.random.default_rng(4)
+    for n in (1, 31, 32, 33, 95, 1000):
+        row = rng.integers(-32768, 32768, n).astype(np.int16)
+        row[row == -32768] = 0  # -0.0; the NaN patterns (exponent all ones) are left out below
+        vals = (row.astype(np.int32) << 16).view(np.float32)
+        keep = np.isfinite(vals)
+        row, vals = row[keep], vals[keep]
+        order = np.argsort(vals, kind="stable")
+        for v in [-32767, -1, 0, 1, 16000, 32767, *rng.integers(-32768, 32768, 5)]:
+            out = np.empty(len(row), np.int64)
+            c, t, first = probe(row, v, out)
+            ords = np.array([int(b) ^ ((int(b) >> 15) & 0x7FFF) for b in row])
+            assert first == ords[0] and np.all(np.diff(ords[order]) >= 0)  # the order of the values
+            ref = np.flatnonzero(ords >= v)
+            assert c == t == len(ref) and np.array_equal(out[:t], ref)
+        for want in {1, max(1, len(row) // 2), len(row)}:
+            best = np.sort(ords)[::-1][want - 1]
+            for guess in (-32768, -3, 0, 500, 32767):
+                assert _threshold(row, want, guess) == best
+
+
 def test_anchored_lists_coarse_anchors_exact():
     keys, q = drifting(5)
     ref, _ = exact_lists(q, keys, 40)

@@ -106,6 +106,17 @@ def test_the_decoders_indexes_get_the_queries_moved_to_its_steps(tiny_gemma3):
     assert np.allclose(kept["serving"], expected, atol=1e-6) and not np.allclose(kept["serving"], kept["own"], atol=1e-3)
     from anns_lab.errors import AnnsLabError
 
+    # With fewer training queries kept than captured (max_train), only the kept rows are moved (Index.train_rows):
+    # the graphs are those of builds given every query moved.
+    from anns_lab.indexes.roargraph import RoarGraphIndex
+
+    params = {"keep_queries": 32, "max_train": 100}
+    store = layer_store(lm, pre.cache, len(ids), layer, IndexPlan("roargraph", params, {}), base, queries)
+    for h, ix in enumerate(store.indexes):
+        moved = rope.to_serving(queries[h], np.arange(len(ids)), len(ids), len(ids) + 15, rope.inv_freq(lm.config, layer))
+        ref = RoarGraphIndex(**params).build(store.key_store.head(h // store.group), moved)
+        assert np.array_equal(ix._nbrs, ref._nbrs) and np.array_equal(ix.hubs, ref.hubs)
+        assert np.array_equal(ix._recent_q, ref._recent_q) and len(ix._recent_q) == 32
     with pytest.raises(AnnsLabError, match="choose one of serving, own"):  # a Settings built by hand, not the CLI
         layer_store(lm, pre.cache, len(ids), layer, IndexPlan("roargraph", {}, {}),
                     dataclasses.replace(base, train_positions="decode"), queries)
@@ -266,3 +277,6 @@ def test_mix_keeps_a_random_half_where_it_was_and_moves_the_rest():
     assert np.array_equal(rope.placed(q, pos, 1000, 1063, freqs, "serving"), served)
     with pytest.raises(AnnsLabError, match="unknown training-query positions"):
         rope.placed(q, pos, 1000, 1063, freqs, "half")
+    rows = np.r_[3:400:7, 390:400]  # ``rows``: those rows only, each placed as among all
+    for place, full in (("mix", mixed), ("serving", served), ("own", q)):
+        assert np.array_equal(rope.placed(q, pos, 1000, 1063, freqs, place, rows=rows), full[rows])

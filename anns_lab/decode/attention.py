@@ -65,12 +65,14 @@ def _sync(device: torch.device) -> None:
 class Retrieval:
     """State of one generation: phase, mode, window, and the CPU stores of the long-range layers."""
 
-    def __init__(self, long_range: list[int], mode: str, window: Window, capture_queries: bool):
+    def __init__(self, long_range: list[int], mode: str, window: Window, capture_queries: bool,
+                 newest_queries: int | None = None):
         self.long_range = set(long_range)
         self.mode = mode  # "full", "window", or "index"
         self.window = window
         self.phase = "prefill"
         self.capture_queries = capture_queries
+        self.newest_queries = newest_queries  # prefill: keep only each head's newest this many (None: all)
         self.queries: dict[int, list[torch.Tensor]] = {}
         self.layer_done = None  # prefill: called with a long-range layer once its keys and queries are complete
         self.stores: dict[int, LayerStore] = {}
@@ -88,7 +90,7 @@ class Retrieval:
             return inner(module, query, key, value, attention_mask, **kwargs)
         if self.phase == "prefill":
             if self.capture_queries:
-                self.queries.setdefault(layer, []).append(query[0].detach().to("cpu", torch.float32))
+                self._keep_queries(layer, query[0].detach().to("cpu", torch.float32))
             if self.layer_done is not None:  # the prompt's last chunk: this layer's cache and queries are final
                 self.layer_done(layer)
             return inner(module, query, key, value, attention_mask, **kwargs)
@@ -175,6 +177,14 @@ class Retrieval:
     def take_times(self) -> StepTimes:
         t, self.times = self.times, StepTimes()
         return t
+
+    def _keep_queries(self, layer: int, chunk: torch.Tensor) -> None:
+        """Keep a prefill chunk's queries (H, t, d) of ``layer``: all of them, or with ``newest_queries`` only each
+        head's newest so many (copied, so that the chunk's array is not held)."""
+        parts = self.queries.setdefault(layer, [])
+        parts.append(chunk)
+        if self.newest_queries is not None:
+            self.queries[layer] = [torch.cat(parts, dim=1)[:, -self.newest_queries:].clone()]
 
     def prefill_queries(self, layer: int) -> np.ndarray | None:
         """(H, t, d) float32 prefill queries of ``layer``, if captured (concatenated once: the early builds and the

@@ -22,13 +22,15 @@ from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.dumps import rope
 from anns_lab.indexes import registry
 from anns_lab.indexes.group_queries import PER_HEAD, group_queries
+from anns_lab.indexes.threads import map_one_thread
 
 
 def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, settings, queries: np.ndarray | None,
                 beside: bool = False) -> LayerStore:
     """The layer's CPU store of its non-window prefill keys/values (read from ``cache``, ``n_ids`` tokens long),
-    with its indexes built from the layer's prefill ``queries`` (H, t, d); ``beside``: the prefill still runs
-    (:meth:`LayerStore.build`)."""
+    with its indexes built from the layer's prefill ``queries`` (H, t, d) and, with ``settings.calibrate``, its search
+    calibrated on their newest; ``beside``: the prefill still runs (:meth:`LayerStore.build`; the calibration too
+    runs its kernels on one thread then)."""
     lo, hi = settings.window.outside(n_ids)
     layer_cache = cache.layers[layer]
     keys = layer_cache.keys[0, :, lo:hi].to("cpu", torch.float32).numpy()
@@ -40,11 +42,16 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
     aware = queries is not None and plan is not None and registry.get(plan.name).uses_train_queries
     if aware:
         positions = subsampled_positions(queries.shape[1], settings.train_queries)
-        queries = np.ascontiguousarray(queries[:, positions])
+        if len(positions) < queries.shape[1]:
+            queries = queries[:, positions]
+        # Only the rows the build will learn from are prepared (at 8K a quarter: the move cost as much as a tenth of
+        # a build), each as it would be among all; one index per query head only (a group's set is subsampled whole).
+        rows = registry.get(plan.name)(**plan.build_params).train_rows(hi - lo, len(positions)) \
+            if settings.train_group == "head" else None
         place = rope.check_place(settings.train_positions)
-        if place != "own":  # moved to the decode steps' positions (dumps.rope), all or half of them
-            freqs = rope.inv_freq(lm.config, layer)
-            queries = np.stack([rope.placed(q, positions, n_ids, n_ids + settings.steps - 1, freqs, place) for q in queries])
+        freqs = rope.inv_freq(lm.config, layer) if place != "own" else None  # moved to the decode steps' positions (dumps.rope)
+        queries = np.stack([rope.placed(q, positions, n_ids, n_ids + settings.steps - 1, freqs, place, rows=rows)
+                            for q in queries])
     per_kv = aware and settings.train_group not in PER_HEAD
     others = aware and settings.train_group == "unlisted" and registry.get(plan.name).accepts_group_queries
     if per_kv:  # one training set per KV head: its GQA group's queries
@@ -55,9 +62,16 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
                 others=others, beside=beside)
     if calibrating:  # timed with the build: the first token waits for it too
         t0 = time.perf_counter()
-        store.calibration = calibration.calibrate(store, newest, settings.calibrate)
+        store.calibration = calibrate_store(store, newest, settings.calibrate, beside)
         store.build_s += time.perf_counter() - t0
     return store
+
+
+def calibrate_store(store: LayerStore, newest: np.ndarray, target: float,
+                    beside: bool = False) -> calibration.Calibration | None:
+    """:func:`calibrate.calibrate` of a built ``store`` on its ``newest`` prefill queries (H, c, d); ``beside`` the
+    prefill on a one-thread worker, as the builds (:func:`threads.map_one_thread`: spinning teams slow the prefill)."""
+    return map_one_thread(lambda s: calibration.calibrate(s, newest, target), [store], beside)[0]
 
 
 def build_stores(lm, pre, mode, settings) -> tuple[dict[int, LayerStore], list[str], float]:

@@ -102,6 +102,8 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
     _check_calibrate(calibrate)
     device = device or default_device()
     lm = _load(model, device, torch_threads, rope_scaling)
+    recorded = {"torch_threads": _torch_threads(torch_threads, executor),
+                "cpus_per_task": cpus_per_task if executor == "ray" else None}
     pick = None
     if from_sweep:
         mode_list, lines = _with_sweep_pick(mode_list, from_sweep, lm, target_recall, settings)
@@ -114,7 +116,8 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
     remote = None
 
     def partial(res: dict) -> None:  # after each sample: a run stopped midway keeps what it finished
-        describe = _run_description(lm, remote.device if remote else device, executor, settings, mode_list, pick)
+        describe = _run_description(lm, remote.device if remote else device, executor, settings, mode_list, recorded,
+                                    pick)
         _write_json(Path(json_path), res | describe | {"partial": res["samples_done"] < res["samples_total"]})
 
     on_sample = partial if json_path else None
@@ -140,7 +143,7 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
         finally:
             if remote is not None:
                 remote.close()
-    result |= _run_description(lm, remote.device if remote else device, executor, settings, mode_list, pick)
+    result |= _run_description(lm, remote.device if remote else device, executor, settings, mode_list, recorded, pick)
     _print_result(result, settings, prompt is not None)
     if json_path:
         _write_json(Path(json_path), result)
@@ -222,17 +225,26 @@ def _with_sweep_pick(mode_list: list[Mode], from_sweep: str, lm, target_recall: 
     return _with_full(mode_list + [picked]), lines
 
 
-def _run_description(lm, device: str, executor: str, settings: Settings, mode_list: list[Mode],
+def _torch_threads(asked: int, executor: str) -> int | None:
+    """torch's CPU threads where the samples run, as the JSON records them: ``--torch-threads``, else torch's default
+    here (a local run), else None (a Ray task's default, unknown here)."""
+    import torch
+
+    return asked if asked > 0 else (torch.get_num_threads() if executor == "local" else None)
+
+
+def _run_description(lm, device: str, executor: str, settings: Settings, mode_list: list[Mode], threads: dict,
                      pick: dict | None = None) -> dict:
-    """What the result records about the run besides its numbers: model (and its trained context), device, settings,
-    each mode's plan, and with ``--from-sweep`` what was picked and why (``pick``: the lines printed)."""
+    """What the result records about the run besides its numbers: model (and its trained context), device, settings
+    (with ``threads``: torch's threads and a Ray task's CPUs, which change the timings too), each mode's plan, and
+    with ``--from-sweep`` what was picked and why (``pick``: the lines printed)."""
     return ({"from_sweep": pick} if pick else {}) | {"model": lm.name, "model_context": lm.context,
             "rope_scaling": str(lm.rope_scaling) if lm.rope_scaling else None, "device": device, "executor": executor,
             "settings": {"sink": settings.window.sink, "recent": settings.window.recent, "topk": settings.topk,
                          "add_batch": settings.add_batch, "chunk": settings.chunk, "train_queries": settings.train_queries,
                          "train_group": settings.train_group, "train_positions": settings.train_positions,
                          "build_during_prefill": settings.build_during_prefill,
-                         "copy_hints": settings.copy_hints, "calibrate": settings.calibrate or None},
+                         "copy_hints": settings.copy_hints, "calibrate": settings.calibrate or None} | threads,
             "plans": {m.name: ({"default": m.plan.describe(), **{str(k): p.describe() for k, p in m.per_layer.items()}}
                                if m.plan else None) for m in mode_list}}
 

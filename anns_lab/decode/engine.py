@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from anns_lab.decode import calibrate as calibration
 from anns_lab.decode.attention import DecodeError, Retrieval, StepTimes, retrieving
 from anns_lab.decode.builds import EarlyBuilds, build_stores
 from anns_lab.decode.cache import device_kv_bytes, require_ring, window_cache
@@ -57,6 +58,13 @@ class Mode:
             return True
         plans = [p for p in [self.plan, *self.per_layer.values()] if p is not None]
         return any(registry.get(p.name).uses_train_queries for p in plans)
+
+
+def kept_queries(modes: list[Mode], settings: "Settings") -> int | None:
+    """How many of each head's newest prefill queries a prefill for ``modes`` keeps per long-range layer when it keeps
+    any (:meth:`Mode.uses_queries`): all of them (None) to train an attention-aware index, else only the newest
+    :data:`calibrate.QUERIES` that ``settings.calibrate`` reads (~1.6 GB fewer at 128K on Gemma-3)."""
+    return None if any(m.uses_queries() for m in modes) else calibration.QUERIES
 
 
 @dataclass
@@ -110,8 +118,9 @@ class ModeRun:
 
 
 def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool, build_modes: list[Mode] = (),
-            progress: bool = False) -> Prefilled:
-    """Chunked full-attention prefill of ``ids``; keeps long-range layers' queries when asked. The index modes
+            progress: bool = False, newest_queries: int | None = None) -> Prefilled:
+    """Chunked full-attention prefill of ``ids``; keeps long-range layers' queries when asked (with ``newest_queries``
+    only each head's newest so many: :func:`kept_queries`). The index modes
     ``build_modes`` start their builds while it runs (:class:`builds.EarlyBuilds`, when
     ``settings.build_during_prefill``): call ``pre.early.wait()`` before decoding. ``progress``: a progress bar
     over the chunks (on stderr) when the prompt spans several."""
@@ -119,7 +128,7 @@ def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool, build
     from transformers import DynamicCache
 
     cache = DynamicCache(config=lm.model.config)
-    ctl = Retrieval(lm.long_range_layers, "full", settings.window, capture_queries)
+    ctl = Retrieval(lm.long_range_layers, "full", settings.window, capture_queries, newest_queries)
     early = None
     if settings.build_during_prefill and any(m.kind == "index" for m in build_modes):
         early = EarlyBuilds(lm, len(ids), [m for m in build_modes if m.kind == "index"], settings, cache,

@@ -15,7 +15,7 @@ import torch
 
 from anns_lab.errors import DecodeError
 from anns_lab.decode import stats
-from anns_lab.decode.engine import Mode, ModeRun, Settings, check_window, prefill, run_mode, summarize
+from anns_lab.decode.engine import Mode, ModeRun, Settings, check_window, kept_queries, prefill, run_mode, summarize
 from anns_lab.dumps import tasks
 from anns_lab.dumps.models import extrapolation_note
 
@@ -109,13 +109,14 @@ def run_prompt(lm, modes: list[Mode], settings: Settings, text: str, max_new: in
 
 def check_memory(lm, modes: list[Mode], settings: Settings, n_tokens: int) -> None:
     """Refuse, before the prefill, a run whose estimated peak memory exceeds what is available
-    (:func:`memory.check_prefill`: KV cache, a chunk's activations, the kept queries, one mode's CPU store and
-    indexes (modes run one after the other) or ``full``'s copy of the cache)."""
+    (:func:`memory.check_prefill`: KV cache, a chunk's activations, the kept queries (:func:`engine.kept_queries`),
+    one mode's CPU store and indexes (modes run one after the other) or ``full``'s copy of the cache)."""
     from anns_lab.dumps.memory import check_prefill
 
     n_long = len(lm.long_range_layers)
     check_prefill(lm.config, n_tokens, settings.chunk, f"decoding {n_tokens} tokens of {lm.name}", "--context",
                   query_layers=n_long if any(m.uses_queries(settings) for m in modes) else 0,
+                  query_tokens=kept_queries(modes, settings),
                   index_layers=n_long * min(1, sum(m.kind == "index" for m in modes)),
                   cache_copy=any(m.kind == "full" for m in modes))
 
@@ -145,7 +146,8 @@ def run_sample(lm, modes: list[Mode], settings: Settings, ids: list[int], max_ne
     for group in prefill_groups(modes, settings):
         names = ", ".join(m.name for m in group)
         say(f"  prefill for {names}: {len(ids)} tokens through {lm.name} (full attention, chunks of {settings.chunk}) ...")
-        pre = prefill(lm, ids, settings, any(m.uses_queries(settings) for m in group), group, progress=bar)
+        pre = prefill(lm, ids, settings, any(m.uses_queries(settings) for m in group), group, progress=bar,
+                      newest_queries=kept_queries(group, settings))
         say(f"  prefill for {names}: done in {pre.seconds:.1f} s")
         if pre.early is not None:  # no mode decodes while builds still share the CPU
             say("  index builds: started during the prefill's last chunk; finishing ...")
@@ -240,7 +242,8 @@ def run_fidelity(lm, modes: list[Mode], settings: Settings, context: int, positi
     ids = build_prompt("text", lm.tokenizer, context + positions).ids
     say = progress or (lambda line: None)
     say(f"  prefill: {context} tokens through {lm.name} ...")
-    pre = prefill(lm, ids[:context], settings, any(m.uses_queries(settings) for m in modes), progress=progress is not None)
+    pre = prefill(lm, ids[:context], settings, any(m.uses_queries(settings) for m in modes),
+                  progress=progress is not None, newest_queries=kept_queries(modes, settings))
     say(f"  prefill: done in {pre.seconds:.1f} s; full attention: {positions} teacher-forced + {free_tokens} free tokens ...")
     teacher = ids[context:]
     full_tf = run_mode(lm, pre, Mode("full"), settings, 0, teacher=teacher, keep_logits=True)

@@ -2,10 +2,10 @@
 
 A 128K-token prefill that runs out of memory is killed by the kernel after minutes of work, with
 nothing said. The big terms are known from the model's config before the first token: the KV cache
-(float32, every layer; a sliding-window layer keeps its window), the queries a decode run keeps for
-the attention-aware indexes, one chunk's activations (the attention scores, chunk × heads × context,
-in case the attention materialises them, and the MLP's), and what a decode mode adds (a copy of the
-cache for ``full``; float32 keys, values and graphs of the long-range layers for an index).
+(float32, every layer; a sliding-window layer keeps its window), the queries a decode run keeps (all of them
+for the attention-aware indexes, the newest only for ``--calibrate``), one chunk's activations (the attention
+scores, chunk × heads × context, in case the attention materialises them, and the MLP's), and what a decode mode
+adds (a copy of the cache for ``full``; float32 keys, values and graphs of the long-range layers for an index).
 """
 
 from __future__ import annotations
@@ -79,11 +79,12 @@ def _parse_size(text: str) -> int:
 
 
 def prefill_estimate(cfg, n_tokens: int, chunk: int, query_layers: int = 0, index_layers: int = 0,
-                     cache_copy: bool = False) -> Estimate:
+                     cache_copy: bool = False, query_tokens: int | None = None) -> Estimate:
     """Peak bytes of a chunked prefill of ``n_tokens`` with model config ``cfg``: KV cache, one chunk's
     attention scores and MLP activations; ``query_layers`` layers whose queries are kept (decode's training
-    queries); ``index_layers`` long-range layers held on the CPU with a graph per query head (a decode mode);
-    ``cache_copy``: a second copy of the cache (decode's ``full``)."""
+    queries; ``query_tokens``: only each head's newest so many, None: every token's); ``index_layers``
+    long-range layers held on the CPU with a graph per query head (a decode mode); ``cache_copy``: a second copy
+    of the cache (decode's ``full``)."""
     n_layers = cfg.num_hidden_layers
     n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
@@ -98,7 +99,8 @@ def prefill_estimate(cfg, n_tokens: int, chunk: int, query_layers: int = 0, inde
         f"activations of a {c}-token chunk": c * (4 * cfg.hidden_size + 3 * getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)) * FLOAT,
     }
     if query_layers:
-        parts["prefill queries kept"] = query_layers * n_heads * n_tokens * d * FLOAT
+        kept = n_tokens if query_tokens is None else min(query_tokens, n_tokens)
+        parts["prefill queries kept"] = query_layers * n_heads * kept * d * FLOAT
     if index_layers:
         parts["CPU store and indexes"] = index_layers * n_tokens * (per_token + n_heads * GRAPH_BYTES_PER_KEY)
     if cache_copy:

@@ -111,25 +111,30 @@ def move(vectors: np.ndarray, positions: np.ndarray, targets: np.ndarray, freqs:
 
 
 def to_serving(vectors: np.ndarray, positions: np.ndarray, first: int, last: int, freqs: np.ndarray | None,
-               seed: int = 0) -> np.ndarray:
-    """``vectors`` moved each to a position drawn uniformly from ``first..last`` (the positions an index serves)."""
+               seed: int = 0, rows: np.ndarray | None = None) -> np.ndarray:
+    """``vectors`` moved each to a position drawn uniformly from ``first..last`` (the positions an index serves);
+    ``rows``: only those rows of the result, the same as among all (the positions are drawn for every row)."""
     targets = np.random.default_rng(seed).integers(first, max(first, last) + 1, len(vectors))
+    if rows is not None:  # only the rows asked for are turned (a build keeps a quarter of the prefill queries)
+        vectors, positions, targets = vectors[rows], np.asarray(positions)[rows], targets[rows]
     return move(vectors, positions, targets, freqs)
 
 
 def placed(vectors: np.ndarray, positions: np.ndarray, first: int, last: int, freqs: np.ndarray | None, place: str,
-           seed: int = 0) -> np.ndarray:
+           seed: int = 0, rows: np.ndarray | None = None) -> np.ndarray:
     """Training queries ``vectors`` (at ``positions``) where ``place`` puts them (float32): ``own`` as they are,
-    ``serving`` each moved into ``first..last`` (:func:`to_serving`), ``mix`` a random half moved, the rest kept.
+    ``serving`` each moved into ``first..last`` (:func:`to_serving`), ``mix`` a random half moved, the rest kept;
+    ``rows``: only those rows of the result, each placed as among all.
 
     Why ``mix``: queries at their own positions rank each key among its neighbours in the text, which gives every
     stretch of the context neighbourhoods in the graph; moved ones rank keys as the decode steps will. On a 128K
     needle prompt some heads lose half their recall at the decode queries with ``serving`` alone (BENCHMARKS)."""
     check_place(place)
+    own = np.asarray(vectors if rows is None else vectors[rows], dtype=np.float32)
     if place == "own":
-        return np.asarray(vectors, dtype=np.float32)
-    moved = to_serving(vectors, positions, first, last, freqs, seed)
+        return own
+    moved = to_serving(vectors, positions, first, last, freqs, seed, rows)
     if place == "serving":
         return moved
-    keep = np.random.default_rng(seed + 1).random(len(moved)) < 0.5
-    return np.where(keep[:, None], np.asarray(vectors, dtype=np.float32), moved)
+    keep = np.random.default_rng(seed + 1).random(len(vectors)) < 0.5
+    return np.where((keep if rows is None else keep[rows])[:, None], own, moved)

@@ -205,6 +205,11 @@ class Index:
         self.n_keys, self.dim = keys.shape
         return self
 
+    def train_rows(self, n_keys: int, m: int) -> np.ndarray | None:
+        """The rows of ``m`` training queries that a build over ``n_keys`` keys learns from (None: all): a caller may
+        prepare and pass only those (the decoder's RoPE move), for the same index."""
+        return None
+
     @classmethod
     def train_topk_width(cls, n_keys: int, **build_params: Any) -> int:
         """Top keys per training query that a build over ``n_keys`` keys reads from ``train_topk`` (indexes that

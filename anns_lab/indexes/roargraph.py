@@ -229,7 +229,7 @@ class RoarGraphIndex(Index):
         threads = numba.get_num_threads()
         self.lists = self._list_sizes(n)
         m_sq = min(self.lists["M_sq"], n)
-        rows = subsample(len(train_queries), p["max_train"] or auto_train(n), p["keep_queries"])
+        rows = self.train_rows(n, len(train_queries))
         if rows is not None:
             train_queries = np.ascontiguousarray(train_queries[rows])
             train_topk = None if train_topk is None else train_topk[rows]
@@ -269,6 +269,11 @@ class RoarGraphIndex(Index):
         keep = min(p["keep_queries"], len(train_queries))
         self._recent_q = np.ascontiguousarray(train_queries[len(train_queries) - keep:])
         self._cache_lists(keys, knn[len(knn) - keep:], weights[len(weights) - keep:])
+
+    def train_rows(self, n_keys: int, m: int) -> np.ndarray | None:
+        """:func:`subsample`'s rows for ``max_train`` (or :func:`auto_train`) and ``keep_queries``: given only these, a
+        build keeps them all."""
+        return subsample(m, self.params["max_train"] or auto_train(n_keys), self.params["keep_queries"])
 
     def _train_lists(self, keys, queries, m_sq: int, threads: int, given: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """(lists, exact rows): each training query's top-``m_sq`` keys, best first: ``given`` (precomputed, e.g. on the accelerator

@@ -12,7 +12,7 @@ from anns_lab.indexes.graph import Graph
 from anns_lab.indexes.graph.edges import merge_into_rows, proposals_by_row
 from anns_lab.indexes.graph.prune import prune_ordered, robust_prune
 from anns_lab.indexes.graph.search import search_one
-from anns_lab.indexes.graph.simd import common_bits, dot, dot_rows, prefetch_keys
+from anns_lab.indexes.graph.simd import common_bits, dot, dot2x4, dot4, dot_rows, prefetch_keys
 from anns_lab.indexes.graph.utils import append_new, kth_largest, kth_scratch, run_chunks
 
 
@@ -483,23 +483,61 @@ def descent_gaps(g: Graph, knn: np.ndarray, n_threads: int = 1) -> np.ndarray:
 def _gaps_chunk(g, knn, out, c, n_chunks):
     """Queries q ≡ c (mod n_chunks) of :func:`descent_gaps`. A list is walked down its ranks, stamping the rows of
     the keys passed: key u at rank r has an in-neighbour ranked above it exactly when one of those rows holds it.
-    (Was: u's in-edges scanned for a key above it; a heavy hitter has thousands, ~half the pass at 8K.)"""
+    (Was: u's in-edges scanned for a key above it; a heavy hitter has thousands, ~half the pass at 8K.) The gaps found,
+    the keys above each are scored two gaps at a time (:func:`_best_above`)."""
     data, nbrs, degree = g
     m, depth = knn.shape
-    reach = np.full(data.shape[0], -1, np.int64)  # reach[v] == q: v is in the row of a key passed in q's list
-    sims = np.empty(depth, np.float32)
+    reach = np.full(data.shape[0], -1, np.int32)  # reach[v] == q: v is in the row of a key passed in q's list
+    at = np.empty(depth, np.int64)
     for q in range(c, m, n_chunks):
+        row = knn[q]
+        n_gaps = 0
         for r in range(depth):
-            u = knn[q, r]
+            u = row[r]
             if r > 0 and reach[u] != q:
-                dot_rows(data[u], data, knn[q, :r], sims)
-                best = -np.inf
-                for s in range(r):
-                    if sims[s] > best:
-                        best = sims[s]
-                        out[q, r] = knn[q, s]
+                at[n_gaps] = r
+                n_gaps += 1
             for j in range(degree[u]):
                 reach[nbrs[u, j]] = q
+        for i in range(0, n_gaps, 2):
+            r0 = at[i]
+            r1 = at[i + 1] if i + 1 < n_gaps else r0
+            out[q, r0], out[q, r1] = _best_above(data, row, r0, r1)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _best_above(data, row, r0, r1):
+    """(the key of ``row[:r0]`` of largest inner product with key ``row[r0]``, the same for ``r1`` ≥ r0; first on ties),
+    each score :func:`dot`'s bits: the keys above both are scored against the two at once (:func:`dot2x4`: eight
+    accumulators, where one key's four (``dot_rows``) wait on their adds), the rest four at a time (:func:`dot4`)."""
+    a0, a1 = data[row[r0]], data[row[r1]]
+    b0 = b1 = np.float32(-np.inf)
+    s0 = s1 = 0
+    s = 0
+    while s + 4 <= r0:
+        x = dot2x4(a0, a1, data[row[s]], data[row[s + 1]], data[row[s + 2]], data[row[s + 3]])
+        for h, v in enumerate(x[:4]):
+            if v > b0:
+                b0, s0 = v, s + h
+        for h, v in enumerate(x[4:]):
+            if v > b1:
+                b1, s1 = v, s + h
+        s += 4
+    while s < r0:  # r0's last few: both
+        x0, x1 = dot4(data[row[s]], a0, a1, a1, a1)[:2]
+        if x0 > b0:
+            b0, s0 = x0, s
+        if x1 > b1:
+            b1, s1 = x1, s
+        s += 1
+    while s < r1:  # r1's alone
+        last = r1 - 1
+        x = dot4(a1, data[row[s]], data[row[min(s + 1, last)]], data[row[min(s + 2, last)]], data[row[min(s + 3, last)]])
+        for h, v in enumerate(x):
+            if h < r1 - s and v > b1:
+                b1, s1 = v, s + h
+        s += 4
+    return row[s0], row[s1]
 
 
 @njit(cache=True, nogil=True)
