@@ -250,3 +250,21 @@ def test_calibration_beside_the_prefill_runs_on_one_thread(tiny_gemma3, monkeypa
         assert store.calibration is not None and store.calibration.param == "nprobe"
     assert seen[0][0].startswith("anns-lab-build") and seen[0][1:] == (1, 1)
     assert seen[1] == (threading.current_thread().name, numba.get_num_threads(), faiss.omp_get_max_threads())
+
+
+@pytest.mark.parametrize("last", [1, 2, 5, 15, 16])
+def test_first_reaching_finds_the_least_index_reaching_and_probes_cheaply(last):
+    """Against every threshold of a monotone predicate on (short, last]: the least index where it holds, else last;
+    never probing beyond twice the distance to the answer (the thorough end of the grid costs most)."""
+    for short in range(last):
+        for at in range(short + 1, last + 2):  # at = last + 1: never holds
+            probed = []
+
+            def reaches(i, at=at):
+                probed.append(i)
+                return i >= at
+
+            assert calibrate.first_reaching(reaches, short, last) == min(at, last)
+            assert all(short < i <= last for i in probed)
+            if at <= last:
+                assert max(probed) - short <= 2 * (at - short)

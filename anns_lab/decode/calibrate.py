@@ -86,17 +86,28 @@ def calibrate(store, queries: np.ndarray, target: float) -> Calibration | None:
         return tried[values[i]]
 
     pick = floor(store, param, values)
-    if recall(pick) < target:  # the cheapest value above it reaching the target (recall grows along the grid)
-        lo, pick = pick + 1, len(values) - 1
-        if recall(pick) >= target:
-            while lo < pick:
-                mid = (lo + pick) // 2
-                if recall(mid) >= target:
-                    pick = mid
-                else:
-                    lo = mid + 1
+    if recall(pick) < target:
+        pick = first_reaching(lambda i: recall(i) >= target, pick, len(values) - 1)
     store.plan = replace(store.plan, search_params={**store.plan.search_params, param: values[pick]})
     return Calibration(store.layer, param, values[pick], tried[values[pick]], dict(sorted(tried.items())))
+
+
+def first_reaching(reaches, short: int, last: int) -> int:
+    """The least index in (``short``, ``last``] where ``reaches`` holds (it holds from some index on: recall grows along
+    the grid), else ``last``: galloping up from ``short`` (1, 2, 4, ... steps), then bisecting the last step. A probe costs
+    about its value (a beam of L), so the thorough end of the grid is searched only where nothing cheaper reaches."""
+    step = 1
+    while True:
+        probe = min(short + step, last)
+        if reaches(probe):
+            break
+        if probe == last:
+            return last
+        short, step = probe, 2 * step
+    while short + 1 < probe:  # short falls short, probe reaches
+        mid = (short + probe) // 2
+        short, probe = (short, mid) if reaches(mid) else (mid, probe)
+    return probe
 
 
 def floor(store, param: str, values: list) -> int:
