@@ -3,9 +3,9 @@
 #
 #   benchmarks/scale_128k.sh                                   # 131,072 tokens: a bigger machine or a GPU
 #   MODEL=smollm2 TOKENS=2048 LAYERS=2,15 QUICK=1 benchmarks/scale_128k.sh   # the same steps at small size
-#   ROPE=linear:4 DECODE_ARGS="--calibrate" OUT=results/scale-rope4 benchmarks/scale_128k.sh
+#   ROPE=linear:4 DECODE_ARGS="--calibrate 0.95" OUT=results/scale-rope4 benchmarks/scale_128k.sh
 #       # the decodes with the global layers' RoPE positions scaled (full attention then answers at 128K), each
-#       # index mode's search calibrated per layer to recall 0.95 on the prompt's newest queries (roargraph L,
+#       # index mode's search raised per layer to recall 0.95 on the prompt's newest queries (roargraph L,
 #       # IVF nprobe; BENCHMARKS "Calibrated search": the fixed L 100 is short at 128K)
 #
 # 1. `anns-lab dump` beyond the 32K training length (--allow-extrapolation: the results say so), chunked
@@ -32,7 +32,7 @@ OUT=${OUT:-results/scale-$MODEL-$TOKENS}
 INDEXES=${INDEXES:-ivf,roargraph,robust-vamana,hnsw}
 MODES=${MODES:-full,flat,ivf,roargraph}
 ROPE=${ROPE:-}                # e.g. linear:4: --rope-scaling of the decodes
-DECODE_ARGS=${DECODE_ARGS:-}  # more `anns-lab decode` options, e.g. "--calibrate" or "--param nprobe=128"
+DECODE_ARGS=${DECODE_ARGS:-}  # more `anns-lab decode` options, e.g. "--calibrate 0.95" or "--param nprobe=128"
 if [ -z "${LAYERS:-}" ]; then
   case "$MODEL" in gemma3-270m) LAYERS=5,11,17 ;; *) LAYERS=2,15,28 ;; esac
 fi

@@ -1,5 +1,6 @@
-"""``--calibrate``: each layer's search set at build time to the cheapest grid value reaching a recall on the newest
-prefill queries, checked against every grid value's recall computed here with numpy."""
+"""``--calibrate``: each layer's search raised at build time, where its present value falls short, to the cheapest grid
+value reaching a recall on the newest prefill queries, checked against every grid value's recall computed here with
+numpy."""
 
 from __future__ import annotations
 
@@ -51,21 +52,47 @@ def _reference_recall(store, queries, param, value) -> float:
     return float(np.mean(out))
 
 
-@pytest.mark.parametrize("name,build,target", [("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64), 0.9),
-                                               ("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64), 0.99),
-                                               ("ivf", {"nlist": 32}, 0.9)])
-def test_calibration_picks_the_cheapest_grid_value_reaching_the_target(name, build, target):
+def _expected(values, recalls, floor, target) -> int:
+    """The rule, written out: the floor where it reaches the target, else the cheapest value above it that does, else the
+    most thorough."""
+    if recalls[floor] >= target:
+        return floor
+    return next((i for i in range(floor + 1, len(values)) if recalls[i] >= target), len(values) - 1)
+
+
+@pytest.mark.parametrize("name,build,target,present", [
+    ("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64), 0.9, None),
+    ("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64), 0.99, None),
+    ("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64), 0.5, 55),  # between grid values: the floor is 60
+    ("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64), 0.99, 50),
+    ("ivf", {"nlist": 32}, 0.9, None),
+    ("ivf", {"nlist": 32}, 0.3, 1)])
+def test_calibration_raises_the_search_to_the_cheapest_grid_value_reaching_the_target(name, build, target, present):
     store, newest = _store(name, build)
-    cal = calibrate.calibrate(store, newest, target)
     param = next(iter(registry.get(name).search_grid))
+    if present is not None:  # as --param gives it
+        store.plan = dataclasses.replace(store.plan, search_params={param: present})
+    cal = calibrate.calibrate(store, newest, target)
     values = [point[param] for point in store.indexes[0].grid()]  # the built index's grid (IVF: clipped to its nlist)
     recalls = [_reference_recall(store, newest, param, v) for v in values]
-    want = next((i for i, r in enumerate(recalls) if r >= target), len(values) - 1)
-    assert recalls[want] >= target or want == len(values) - 1
+    start = present if present is not None else registry.get(name).search_params[param].default
+    floor = next(i for i, v in enumerate(values) if v >= start)
+    want = _expected(values, recalls, floor, target)
+    assert values[want] >= start  # never below the search it was given
     assert (cal.param, cal.value) == (param, values[want])
     assert cal.recall == pytest.approx(recalls[want])
     assert store.plan.search_params[param] == values[want]  # the layer's searches use it from now on
     assert all(tried == pytest.approx(recalls[values.index(v)]) for v, tried in cal.tried.items())
+    if recalls[floor] >= target:
+        assert list(cal.tried) == [values[floor]]  # one probe where the search given suffices
+
+
+def test_calibration_does_not_lower_a_search_that_reaches_the_target():
+    store, newest = _store("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64))
+    low = _reference_recall(store, newest, "L", 50)
+    cal = calibrate.calibrate(store, newest, low / 2)  # L 50 would do; the default 100 stays
+    assert cal.value == registry.get("roargraph").search_params["L"].default == 100
+    assert list(cal.tried) == [100]
 
 
 def test_unreachable_target_takes_the_most_thorough_value(monkeypatch):
@@ -125,24 +152,33 @@ def test_decode_searches_each_layer_at_its_calibrated_value(tiny_gemma3, monkeyp
     assert {L for _, L in seen} == {None}  # the index's own default
 
 
-def test_cli_refuses_calibration_beside_a_chosen_value(tiny_llama, tmp_path):
-    base = ["decode", "--model", tiny_llama, "--task", "passkey", "--context", 200, "--calibrate"]
-    res = CliRunner().invoke(main, [*map(str, base), "--mode", "roargraph", "--param", "L=200"])
-    assert res.exit_code == 2 and "--param L and --calibrate both set roargraph's L" in res.output
-    res = CliRunner().invoke(main, [*map(str, base), "--target-recall", "1.5"])
-    assert res.exit_code == 2 and "--target-recall must be in (0, 1]" in res.output
+def test_cli_calibration_target_and_json(tiny_llama, tmp_path):
+    base = ["decode", "--model", tiny_llama, "--task", "passkey", "--context", 200]
+    res = CliRunner().invoke(main, [*map(str, base), "--calibrate", "1.5"])
+    assert res.exit_code == 2 and "--calibrate takes a recall target in (0, 1] (0: off), got 1.5" in res.output
     out = tmp_path / "r.json"
-    res = CliRunner().invoke(main, [*map(str, base), "--mode", "full,ivf", "--window", "4,16", "--topk", 20,
-                                    "--max-new-tokens", 2, "--chunk", 64, "--json", out])
+    run = [*map(str, base), "--mode", "full,ivf", "--window", "4,16", "--topk", "20", "--max-new-tokens", "2",
+           "--chunk", "64", "--json", str(out)]
+    res = CliRunner().invoke(main, [*run, "--calibrate"])  # a bare flag: the default target
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())
-    assert data["settings"]["calibrate"] == 0.95
+    assert data["settings"]["calibrate"] == calibrate.TARGET
     assert any(n.startswith("calibrated nprobe per layer") for n in data["modes"]["ivf"]["notes"])
     # each sample records the values its prompt's calibration chose, per long-range layer
     cal = data["modes"]["ivf"]["samples"][0]["calibration"]
     assert cal and all(c["param"] == "nprobe" and c["value"] in registry.get("ivf").search_grid["nprobe"]
                        and 0 <= c["recall"] <= 1 for c in cal.values())
     assert "calibration" not in data["modes"]["full"]["samples"][0]
+    # a --param value is the floor it starts from (the default, 8 or the lists' count, would reach this target too)
+    res = CliRunner().invoke(main, [*run, "--calibrate", "0.01", "--param", "nprobe=1"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert data["settings"]["calibrate"] == 0.01
+    assert {c["value"] for c in data["modes"]["ivf"]["samples"][0]["calibration"].values()} == {1}
+    res = CliRunner().invoke(main, [*run, "--calibrate", "0"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert data["settings"]["calibrate"] is None and "calibration" not in data["modes"]["ivf"]["samples"][0]
 
 
 def test_a_key_only_mode_keeps_only_the_newest_queries_calibration_reads(tiny_gemma3, monkeypatch):

@@ -46,7 +46,11 @@ def test_task_run_prints_table_and_writes_json(tiny_llama, tmp_path):
         assert {"answer", "expected", "score", "depth"} <= set(mode["samples"][0])
     # Needles at depths spread over the context.
     assert [r["depth"] for r in data["modes"]["full"]["samples"]] == [0.05, 0.95]
-    assert data["modes"]["flat"]["summary"]["retrieval_ms"] > 0
+    flat = data["modes"]["flat"]["summary"]
+    assert flat["retrieval_ms"] > 0
+    # the searches' CPU time on their own thread: positive, and never more than their wall time
+    assert 0 < flat["retrieval_cpu_ms"] <= flat["retrieval_ms"] * (1 + 1e-6) + 1e-3
+    assert "retr CPU ms" in res.output
     # "other" is everything outside long-range attention in every mode: full's attention is not inside it.
     full = data["modes"]["full"]["summary"]
     assert full["accel_attention_ms"] > 0

@@ -48,6 +48,7 @@ class StepTimes:
     """Seconds spent in one decode step (summed over layers)."""
 
     retrieval: float = 0.0
+    retrieval_cpu: float = 0.0  # the searches' thread CPU time (wall less waits for a core: see runner.LEGEND)
     cpu_attention: float = 0.0
     accel_attention: float = 0.0
     merge: float = 0.0
@@ -150,6 +151,7 @@ class Retrieval:
         side = future.result()
         self.times.overlap += time.perf_counter() - t_start
         self.times.retrieval += side.retrieval_s
+        self.times.retrieval_cpu += side.retrieval_cpu_s
         self.times.cpu_attention += side.attention_s
         if side.scanned == side.scanned:
             self.times.scanned.append(side.scanned)

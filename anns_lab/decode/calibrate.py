@@ -1,14 +1,18 @@
 """Search calibration of a layer's indexes at build time, on the newest prefill queries (``--calibrate``).
 
 A fixed beam (roargraph's ``L`` 100) is short where a context is long or a head is hard (Gemma-3 at 128K: recall@100
-0.45-0.85 on the decode steps of a needle task), and needlessly thorough where it is easy. A sweep measures the right
-value offline (``--from-sweep``); this measures it on the prompt being decoded: the layer's newest prefill queries, at
-their own positions (the decode steps come right after them), get their exact top-k over the keys the indexes hold,
-and the layer searches at the cheapest value of its index's grid parameter (``Index.grid`` of the built index: roargraph
-``L``, IVF ``nprobe``, HNSW ``ef``, ordered cheapest first) whose mean recall@k over the layer's heads reaches the target; the
-most thorough one when none does. Every index mode is calibrated alike, so the modes of a run are compared at the
-same recall. The newest queries are in an attention-aware index's training set (its ``keep_queries``), so their
-recall reads higher there than a decode step's does on a head whose decode queries differ most from the prompt's.
+0.45-0.85 on the decode steps of a needle task). A sweep measures the right value offline (``--from-sweep``); this
+measures it on the prompt being decoded: the layer's newest prefill queries, at their own positions (the decode steps
+come right after them), get their exact top-k over the keys the indexes hold, and where the layer's search (the
+index's default, or the value ``--param`` / ``--from-sweep`` gave) does not reach the target mean recall@k over the
+layer's heads, the search is raised to the cheapest value of its index's grid parameter that does (``Index.grid`` of
+the built index: roargraph ``L``, IVF ``nprobe``, HNSW ``ef``, ordered cheapest first; the most thorough one when none
+does). It is never lowered: the default search is the one whose fidelity was measured, and at 8K the newest prefill
+queries read a few points below the decode steps (BENCHMARKS "Which target"), so a cut on their word would go below
+what was validated; and where the search given suffices, one probe settles it. Every index mode is calibrated alike,
+so the modes of a run are compared at the same least recall. The newest queries are in an attention-aware index's
+training set (its ``keep_queries``), so their recall reads higher there than a decode step's does on a head whose
+decode queries differ most from the prompt's.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import numpy as np
 from anns_lab.eval.metrics import exact_scores, recall_at_k
 
 QUERIES = 64  # newest prefill queries per head: ~6,400 (query, key) pairs per head at top-100
+TARGET = 0.9  # the least mean recall@k a bare ``--calibrate`` asks for (BENCHMARKS "Which target")
 
 
 @dataclass(frozen=True)
@@ -56,9 +61,9 @@ def built_grid(index) -> tuple[str, list] | None:
 
 
 def calibrate(store, queries: np.ndarray, target: float) -> Calibration | None:
-    """Set ``store``'s (a built :class:`placement.LayerStore`) search to the cheapest grid value reaching ``target``
-    mean recall@k on ``queries`` (H, c, d), its newest prefill queries at their own positions; None when its index has
-    no single grid parameter or nothing is indexed."""
+    """Raise ``store``'s (a built :class:`placement.LayerStore`) search to the cheapest grid value reaching ``target``
+    mean recall@k on ``queries`` (H, c, d), its newest prefill queries at their own positions, where its present
+    search (:func:`floor`) falls short; None when its index has no single grid parameter or nothing is indexed."""
     if not store.indexes or not store.n_indexed:
         return None
     found = built_grid(store.indexes[0])
@@ -80,16 +85,27 @@ def calibrate(store, queries: np.ndarray, target: float) -> Calibration | None:
             tried[values[i]] = float(np.concatenate(hit).mean())
         return tried[values[i]]
 
-    lo, hi = 0, len(values) - 1  # the cheapest value reaching the target (recall grows along the grid)
-    if recall(hi) >= target:
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if recall(mid) >= target:
-                hi = mid
-            else:
-                lo = mid + 1
-    store.plan = replace(store.plan, search_params={**store.plan.search_params, param: values[hi]})
-    return Calibration(store.layer, param, values[hi], tried[values[hi]], dict(sorted(tried.items())))
+    pick = floor(store, param, values)
+    if recall(pick) < target:  # the cheapest value above it reaching the target (recall grows along the grid)
+        lo, pick = pick + 1, len(values) - 1
+        if recall(pick) >= target:
+            while lo < pick:
+                mid = (lo + pick) // 2
+                if recall(mid) >= target:
+                    pick = mid
+                else:
+                    lo = mid + 1
+    store.plan = replace(store.plan, search_params={**store.plan.search_params, param: values[pick]})
+    return Calibration(store.layer, param, values[pick], tried[values[pick]], dict(sorted(tried.items())))
+
+
+def floor(store, param: str, values: list) -> int:
+    """Index in ``values`` (the built grid, cheapest first) of the least value at or above the layer's present search
+    (the plan's ``param``, else the index's declared default, else the grid's cheapest): calibration starts there and
+    only goes up."""
+    declared = store.indexes[0].search_params.get(param)
+    present = store.plan.search_params.get(param, declared.default if declared is not None else values[0])
+    return next((i for i, v in enumerate(values) if v >= present), len(values) - 1)
 
 
 def describe(calibrations: list[Calibration], target: float) -> str:
@@ -97,6 +113,7 @@ def describe(calibrations: list[Calibration], target: float) -> str:
     fell short of the target (a recall of 0.9496 prints as 0.950 beside a target of 0.95)."""
     c = calibrations[0]
     short = [str(x.layer) for x in calibrations if x.recall < target]
-    return (f"calibrated {c.param} per layer to recall@k >= {target} on the newest {QUERIES} prefill queries: "
+    return (f"calibrated {c.param} per layer to recall@k >= {target} on the newest {QUERIES} prefill queries (raised "
+            "from the search given where that fell below): "
             + ", ".join(x.describe() for x in calibrations)
             + (f"; short of the target at the grid's most thorough value: layer {', '.join(short)}" if short else ""))

@@ -15,6 +15,7 @@ from anns_lab.cli_types import WINDOW
 from anns_lab.dumps import rope
 from anns_lab.dumps.cli import ROPE_HELP, ROPE_SCALING
 from anns_lab.dumps.tasks import TASKS
+from anns_lab.decode.calibrate import TARGET as CALIBRATE_TARGET
 from anns_lab.errors import DecodeError
 from anns_lab.indexes.group_queries import DEFAULT as GROUP_DEFAULT
 from anns_lab.indexes.group_queries import MODES as GROUP_MODES
@@ -68,10 +69,12 @@ def default_device() -> str:
 @click.option("--from-sweep", "from_sweep", type=str, default=None,
               help="a sweep's results.parquet (or folder): decode also with the index + parameters of least scanned fraction reaching --target-recall (in place of 'default')")
 @click.option("--target-recall", default=0.95, show_default=True,
-              help="with --from-sweep or --calibrate: least Q→K recall@k (mean over a layer's heads) of the pick")
-@click.option("--calibrate", is_flag=True,
-              help="set each layer's index search (its grid parameter: roargraph L, IVF nprobe, HNSW ef) at build time to the "
-                   "cheapest value whose recall@k on the newest prefill queries reaches --target-recall (counted in the build)")
+              help="with --from-sweep: least Q→K recall@k (mean over a layer's heads) of the pick")
+@click.option("--calibrate", type=float, is_flag=False, flag_value=CALIBRATE_TARGET, default=0.0, show_default=True,
+              metavar="[TARGET]",
+              help=f"raise each layer's index search (its grid parameter: roargraph L, IVF nprobe, HNSW ef) at build time, "
+                   f"where its recall@k on the newest prefill queries falls short of TARGET ({CALIBRATE_TARGET} when "
+                   "none is given), to the cheapest value reaching it (counted in the build); 0: off")
 @click.option("--device", default=None, help="accelerator side: cuda when available, else cpu")
 @click.option("--torch-threads", default=0, show_default=True,
               help="CPU threads of torch (the accelerator stand-in on CPU-only machines); 0 = torch's default")
@@ -93,11 +96,10 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
 
     settings = Settings(window=window, topk=topk, add_batch=add_batch, chunk=chunk, train_queries=train_queries,
                         train_group=train_group, train_positions=train_positions, build_during_prefill=build_during_prefill,
-                        copy_hints=copy_hints, calibrate=target_recall if calibrate else 0.0)
+                        copy_hints=copy_hints, calibrate=calibrate)
     _check_options(settings, evaluation, task, prompt, executor, address)
     mode_list = _parse_mode_list(modes, params, build_params, from_sweep)
-    if calibrate:
-        _check_calibrate(mode_list, from_sweep, target_recall)
+    _check_calibrate(calibrate)
     device = device or default_device()
     lm = _load(model, device, torch_threads, rope_scaling)
     recorded = {"torch_threads": _torch_threads(torch_threads, executor),
@@ -168,19 +170,10 @@ def _check_options(settings: Settings, evaluation: str, task: str | None, prompt
         raise DecodeError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
 
 
-def _check_calibrate(mode_list: list[Mode], from_sweep: str | None, target: float) -> None:
-    """Refuse a search parameter chosen twice: by --calibrate and by --from-sweep or --param."""
-    from anns_lab.decode.calibrate import grid_param
-    from anns_lab.indexes import registry
-
-    if not 0 < target <= 1:
-        raise DecodeError(f"--target-recall must be in (0, 1], got {target}")
-    if from_sweep:
-        raise DecodeError("--calibrate and --from-sweep both choose the index search: give one of them")
-    for mode in mode_list:
-        found = grid_param(registry.get(mode.plan.name)) if mode.plan is not None else None
-        if found is not None and found[0] in mode.plan.search_params:
-            raise DecodeError(f"--param {found[0]} and --calibrate both set {mode.name}'s {found[0]}: give one of them")
+def _check_calibrate(target: float) -> None:
+    """A calibration target is a recall: in (0, 1], or 0 for none."""
+    if not (target == 0 or 0 < target <= 1):
+        raise DecodeError(f"--calibrate takes a recall target in (0, 1] (0: off), got {target}")
 
 
 def _check_train_positions(lm, mode_list: list[Mode], settings: Settings) -> None:

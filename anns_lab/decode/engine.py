@@ -244,6 +244,7 @@ def summarize(run: ModeRun) -> dict:
     return {
         "steps": n,
         "retrieval_ms": ms([s.retrieval for s in run.steps]),
+        "retrieval_cpu_ms": ms([s.retrieval_cpu for s in run.steps]),
         "cpu_attention_ms": ms([s.cpu_attention for s in run.steps]),
         "accel_attention_ms": ms([s.accel_attention for s in run.steps]),
         "merge_ms": ms([s.merge for s in run.steps]),

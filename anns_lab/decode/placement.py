@@ -58,6 +58,7 @@ class SideResult:
     attention_s: float
     scanned: float  # mean fraction of indexed keys scanned per query head (nan when nothing was searched)
     bytes_read: int = 0  # index data read by this layer's searches, summed over its query heads
+    retrieval_cpu_s: float = 0.0  # the search's CPU time on its thread: retrieval_s less any wait for a core
 
 
 class LayerStore:
@@ -218,7 +219,7 @@ class LayerStore:
         passed to the attention kernel as a range, not gathered. ``hints``: rows every search also enters
         at (the copy hints, :mod:`decode.copy_hints`), given to index classes that take them (``takes_hints``).
         """
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         q = np.ascontiguousarray(q, dtype=np.float32)
         scanned = float("nan")
         n_bytes = 0
@@ -237,12 +238,12 @@ class LayerStore:
             n_bytes = int(res.bytes_read.sum())
         else:
             rows = np.empty((self.n_heads, 0), np.int64)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         out, m, z = attend_rows_and_range(q, self.keys, self.values, rows, self.n_indexed, self.n_rows, float(scaling))
         if estimate is not None and not estimate.is_empty:
             out, m, z = self._add_estimate(q, float(scaling), estimate, out, m, z)
         t2 = time.perf_counter()
-        return SideResult(out, m, z, t1 - t0, t2 - t1, scanned, n_bytes)
+        return SideResult(out, m, z, t1 - t0, t2 - t1, scanned, n_bytes, c1 - c0)
 
     def _add_estimate(self, q: np.ndarray, scaling: float, estimate: Estimate, out: np.ndarray, m: np.ndarray,
                       z: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
