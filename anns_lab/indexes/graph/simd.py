@@ -130,32 +130,27 @@ def _prefetch(typingctx, arr, i, j):
     return sig, codegen
 
 
-@intrinsic
-def _ctpop(typingctx, x):
-    """Set bits of a uint64 (``llvm.ctpop``: one instruction where the CPU has POPCNT)."""
-    if x != nbtypes.uint64:
-        return None
+def _u64_intrinsic(name: str, llvm_name: str, flag: int | None = None):
+    """A numba intrinsic of one uint64 that returns ``llvm_name``'s i64 (``flag``: its constant i1 second argument)."""
 
-    def codegen(context, builder, signature, args):
-        i64 = ir.IntType(64)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [i64]), "llvm.ctpop.i64")
-        return builder.call(fn, [args[0]])
+    def op(typingctx, x):
+        if x != nbtypes.uint64:
+            return None
 
-    return nbtypes.uint64(x), codegen
+        def codegen(context, builder, signature, args):
+            i64, i1 = ir.IntType(64), ir.IntType(1)
+            extra = [] if flag is None else [ir.Constant(i1, flag)]
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [i64] + [i1] * len(extra)), llvm_name)
+            return builder.call(fn, [args[0], *extra])
+
+        return nbtypes.uint64(x), codegen
+
+    op.__name__ = op.__qualname__ = name
+    return intrinsic(op)
 
 
-@intrinsic
-def _cttz(typingctx, x):
-    """Trailing zero bits of a non-zero uint64 (``llvm.cttz``: the index of its lowest set bit, one instruction)."""
-    if x != nbtypes.uint64:
-        return None
-
-    def codegen(context, builder, signature, args):
-        i64 = ir.IntType(64)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [i64, ir.IntType(1)]), "llvm.cttz.i64")
-        return builder.call(fn, [args[0], ir.Constant(ir.IntType(1), 1)])
-
-    return nbtypes.uint64(x), codegen
+_ctpop = _u64_intrinsic("_ctpop", "llvm.ctpop.i64")  # set bits of a uint64 (one instruction where the CPU has POPCNT)
+_cttz = _u64_intrinsic("_cttz", "llvm.cttz.i64", 1)  # trailing zeros of a non-zero uint64: its lowest set bit's index
 
 
 ORDER_LANES = 32  # int16 lanes of _order_at_least's compare (one AVX512 register)
