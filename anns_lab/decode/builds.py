@@ -90,8 +90,10 @@ def store_notes(stores: dict[int, LayerStore], settings) -> list[str]:
         notes.append(f"{first.plan.name} has no add(): tokens leaving the window are kept exactly in a CPU side-buffer")
     if settings.calibrate > 0 and first is not None and first.indexes:
         done = [s.calibration for s in stores.values() if s.calibration is not None]
-        notes.append(calibration.describe(done, settings.calibrate) if done else
-                     f"{first.plan.name} has no single search grid parameter: not calibrated")
+        if done:
+            notes.append(calibration.describe(done, settings.calibrate))
+        elif type(first.indexes[0]).search_grid:  # several parameters (an index without any, as flat's exact scan, has none to set)
+            notes.append(f"{first.plan.name} has no single search grid parameter: not calibrated")
     return notes
 
 

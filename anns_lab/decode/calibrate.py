@@ -24,7 +24,7 @@ import numpy as np
 from anns_lab.eval.metrics import exact_scores, recall_at_k
 
 QUERIES = 64  # newest prefill queries per head: ~6,400 (query, key) pairs per head at top-100
-TARGET = 0.9  # the least mean recall@k a bare ``--calibrate`` asks for (BENCHMARKS "Which target")
+TARGET = 0.9  # the decoder's default least mean recall@k, and a bare ``--calibrate``'s (BENCHMARKS "Which target")
 
 
 @dataclass(frozen=True)

@@ -70,11 +70,11 @@ def default_device() -> str:
               help="a sweep's results.parquet (or folder): decode also with the index + parameters of least scanned fraction reaching --target-recall (in place of 'default')")
 @click.option("--target-recall", default=0.95, show_default=True,
               help="with --from-sweep: least Q→K recall@k (mean over a layer's heads) of the pick")
-@click.option("--calibrate", type=float, is_flag=False, flag_value=CALIBRATE_TARGET, default=0.0, show_default=True,
-              metavar="[TARGET]",
-              help=f"raise each layer's index search (its grid parameter: roargraph L, IVF nprobe, HNSW ef) at build time, "
-                   f"where its recall@k on the newest prefill queries falls short of TARGET ({CALIBRATE_TARGET} when "
-                   "none is given), to the cheapest value reaching it (counted in the build); 0: off")
+@click.option("--calibrate", type=float, is_flag=False, flag_value=CALIBRATE_TARGET, default=CALIBRATE_TARGET,
+              show_default=True, metavar="[TARGET]",
+              help="raise each layer's index search (its grid parameter: roargraph L, IVF nprobe, HNSW ef) at build time, "
+                   "where its recall@k on the newest prefill queries falls short of TARGET, to the cheapest value reaching "
+                   "it (counted in the build); 0: off (the index's default search, or --param's)")
 @click.option("--device", default=None, help="accelerator side: cuda when available, else cpu")
 @click.option("--torch-threads", default=0, show_default=True,
               help="CPU threads of torch (the accelerator stand-in on CPU-only machines); 0 = torch's default")
