@@ -63,8 +63,13 @@ def _expected(values, recalls, floor, target) -> int:
 @pytest.mark.parametrize("name,build,target,present", [
     ("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64), 0.9, None),
     ("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64), 0.99, None),
-    ("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64), 0.5, 55),  # between grid values: the floor is 60
+    ("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64), 0.5, 55),  # between grid values: 55 itself is probed
+    ("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64), 0.99, 55),
     ("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64), 0.99, 50),
+    ("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64), 0.999, 1500),  # beyond the grid's 1200: kept, not lowered
+    ("simhash", {"K": 2, "L": 8}, 0.01, None),  # a descending grid (8, 6, ..., 1): the default 2 is kept, not cut to 8
+    ("simhash", {"K": 2, "L": 8}, 0.01, 5),
+    ("simhash", {"K": 4, "L": 8}, 0.99, 5),
     ("ivf", {"nlist": 32}, 0.9, None),
     ("ivf", {"nlist": 32}, 0.3, 1)])
 def test_calibration_raises_the_search_to_the_cheapest_grid_value_reaching_the_target(name, build, target, present):
@@ -74,11 +79,14 @@ def test_calibration_raises_the_search_to_the_cheapest_grid_value_reaching_the_t
         store.plan = dataclasses.replace(store.plan, search_params={param: present})
     cal = calibrate.calibrate(store, newest, target)
     values = [point[param] for point in store.indexes[0].grid()]  # the built index's grid (IVF: clipped to its nlist)
-    recalls = [_reference_recall(store, newest, param, v) for v in values]
     start = present if present is not None else registry.get(name).search_params[param].default
-    floor = next(i for i, v in enumerate(values) if v >= start)
+    order = 1 if values[-1] > values[0] else -1  # cheapest first: simhash's fewest collisions is its most thorough
+    if start not in values:  # the value given, in its place by the grid's order
+        values = sorted([*values, start], key=lambda v: order * v)
+    recalls = [_reference_recall(store, newest, param, v) for v in values]
+    floor = values.index(start)
     want = _expected(values, recalls, floor, target)
-    assert values[want] >= start  # never below the search it was given
+    assert order * values[want] >= order * start  # never below the search it was given
     assert (cal.param, cal.value) == (param, values[want])
     assert cal.recall == pytest.approx(recalls[want])
     assert store.plan.search_params[param] == values[want]  # the layer's searches use it from now on
@@ -99,6 +107,7 @@ def test_unreachable_target_takes_the_most_thorough_value(monkeypatch):
     cls = registry.get("roargraph")
     monkeypatch.setattr(cls, "search_grid", {"L": (1, 2)})  # a beam of 1-2 cannot find 30 keys
     store, newest = _store("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64))
+    store.plan = dataclasses.replace(store.plan, search_params={"L": 1})  # on the grid (the default 100 lies beyond it)
     cal = calibrate.calibrate(store, newest, 0.9)
     assert cal.value == 2 and cal.recall < 0.9
     assert cal.recall == pytest.approx(_reference_recall(store, newest, "L", 2))
