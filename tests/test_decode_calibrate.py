@@ -165,6 +165,11 @@ def test_cli_calibration_target_and_json(tiny_llama, tmp_path):
     base = ["decode", "--model", tiny_llama, "--task", "passkey", "--context", 200]
     res = CliRunner().invoke(main, [*map(str, base), "--calibrate", "1.5"])
     assert res.exit_code == 2 and "--calibrate takes a recall target in (0, 1] (0: off), got 1.5" in res.output
+    for args, got in ((["--calibrate", "-1"], "-1.0"), (["--calibrate=-0.5"], "-0.5"), (["--calibrate", "nan"], "nan")):
+        res = CliRunner().invoke(main, [*map(str, base), *args])  # a negative target is not read as an option "-1"
+        assert res.exit_code == 2 and f"--calibrate takes a recall target in (0, 1] (0: off), got {got}" in res.output
+    res = CliRunner().invoke(main, [*map(str, base), "--calibrate", "abc"])
+    assert res.exit_code == 2 and "'abc' is not a valid float" in res.output
     out = tmp_path / "r.json"
     run = [*map(str, base), "--mode", "full,ivf", "--window", "4,16", "--topk", "20", "--max-new-tokens", "2",
            "--chunk", "64", "--json", str(out)]
