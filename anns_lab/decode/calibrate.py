@@ -63,7 +63,7 @@ def built_grid(index) -> tuple[str, list] | None:
 def calibrate(store, queries: np.ndarray, target: float) -> Calibration | None:
     """Raise ``store``'s (a built :class:`placement.LayerStore`) search to the cheapest grid value reaching ``target``
     mean recall@k on ``queries`` (H, c, d), its newest prefill queries at their own positions, where its present
-    search (:func:`floor`) falls short; None when its index has no single grid parameter or nothing is indexed."""
+    search (:func:`with_present`) falls short; None when its index has no single grid parameter or nothing is indexed."""
     if not store.indexes or not store.n_indexed:
         return None
     found = built_grid(store.indexes[0])
@@ -85,7 +85,7 @@ def calibrate(store, queries: np.ndarray, target: float) -> Calibration | None:
             tried[values[i]] = float(np.concatenate(hit).mean())
         return tried[values[i]]
 
-    pick = floor(store, param, values)
+    values, pick = with_present(store, param, values)
     if recall(pick) < target:
         pick = first_reaching(lambda i: recall(i) >= target, pick, len(values) - 1)
     store.plan = replace(store.plan, search_params={**store.plan.search_params, param: values[pick]})
@@ -110,13 +110,19 @@ def first_reaching(reaches, short: int, last: int) -> int:
     return probe
 
 
-def floor(store, param: str, values: list) -> int:
-    """Index in ``values`` (the built grid, cheapest first) of the least value at or above the layer's present search
-    (the plan's ``param``, else the index's declared default, else the grid's cheapest): calibration starts there and
-    only goes up."""
+def with_present(store, param: str, values: list) -> tuple[list, int]:
+    """``values`` (the built grid, cheapest first) with the layer's present search in it (the plan's ``param``, else the
+    index's declared default, else the grid's cheapest), and its index there: calibration starts at it and only goes
+    up. A present value off the grid is probed itself, in its place by the grid's order (ascending values, or descending
+    as simhash's ``min_collisions``): one between two values is not raised where it suffices, one beyond the most
+    thorough is not lowered to it."""
     declared = store.indexes[0].search_params.get(param)
     present = store.plan.search_params.get(param, declared.default if declared is not None else values[0])
-    return next((i for i, v in enumerate(values) if v >= present), len(values) - 1)
+    if present in values:
+        return values, values.index(present)
+    descending = len(values) > 1 and values[-1] < values[0]
+    at = next((i for i, v in enumerate(values) if (v < present if descending else v > present)), len(values))
+    return [*values[:at], present, *values[at:]], at
 
 
 def describe(calibrations: list[Calibration], target: float) -> str:
