@@ -63,10 +63,14 @@ class StandIn:
 
 
 def calibrate_all(stores, newest, target: float, beside: bool) -> tuple[float, list]:
-    """Wall seconds of calibrating every store one after another, and the values chosen."""
+    """Wall seconds of calibrating every store one after another from its search as built, and the values chosen."""
+    plans = [s.plan for s in stores]
     t = time.perf_counter()
     chosen = [builds.calibrate_store(s, q, target, beside) for s, q in zip(stores, newest)]
-    return time.perf_counter() - t, [(c.param, c.value) for c in chosen if c is not None]
+    wall = time.perf_counter() - t
+    for s, plan in zip(stores, plans):  # calibration raises a store's search: the next call would start from there
+        s.plan = plan
+    return wall, [(c.param, c.value) for c in chosen if c is not None]
 
 
 def main() -> None:
@@ -81,7 +85,7 @@ def main() -> None:
     dump = anns_lab.open_dump(a.dump)
     layers = list(range(*map(int, a.layers.split(":")))) if ":" in a.layers else [int(x) for x in a.layers.split(",")]
     lm = fake_model(dump)
-    settings = Settings(lists_on_device=False)
+    settings = Settings(lists_on_device=False, calibrate=0.0)  # built uncalibrated: each arm calibrates from the default
     n_ids = int(dump.manifest["n_tokens"]["prefill"])
     stores, newest = [], []
     for layer in layers:

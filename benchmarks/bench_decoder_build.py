@@ -83,7 +83,7 @@ def main() -> None:
     lm = fake_model(dump)
     params = {k: float(v) if "." in v else int(v) for k, v in (p.split("=") for p in a.build_param)}
     plan = IndexPlan(a.mode, build_params=params)
-    settings = Settings(lists_on_device=False, train_queries=a.train_queries)
+    settings = Settings(lists_on_device=False, train_queries=a.train_queries, calibrate=0.0)  # the builds alone
     n_ids = int(dump.manifest["n_tokens"]["prefill"])
     cache, queries = layer_inputs(dump, layers[0])  # compile the kernels outside the timings
     builds.layer_store(lm, cache, n_ids, layers[0], plan, settings, queries)

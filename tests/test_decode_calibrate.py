@@ -63,8 +63,13 @@ def _expected(values, recalls, floor, target) -> int:
 @pytest.mark.parametrize("name,build,target,present", [
     ("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64), 0.9, None),
     ("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64), 0.99, None),
-    ("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64), 0.5, 55),  # between grid values: the floor is 60
+    ("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64), 0.5, 55),  # between grid values: 55 itself is probed
+    ("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64), 0.99, 55),
     ("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64), 0.99, 50),
+    ("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64), 0.999, 1500),  # beyond the grid's 1200: kept, not lowered
+    ("simhash", {"K": 2, "L": 8}, 0.01, None),  # a descending grid (8, 6, ..., 1): the default 2 is kept, not cut to 8
+    ("simhash", {"K": 2, "L": 8}, 0.01, 5),
+    ("simhash", {"K": 4, "L": 8}, 0.99, 5),
     ("ivf", {"nlist": 32}, 0.9, None),
     ("ivf", {"nlist": 32}, 0.3, 1)])
 def test_calibration_raises_the_search_to_the_cheapest_grid_value_reaching_the_target(name, build, target, present):
@@ -74,11 +79,14 @@ def test_calibration_raises_the_search_to_the_cheapest_grid_value_reaching_the_t
         store.plan = dataclasses.replace(store.plan, search_params={param: present})
     cal = calibrate.calibrate(store, newest, target)
     values = [point[param] for point in store.indexes[0].grid()]  # the built index's grid (IVF: clipped to its nlist)
-    recalls = [_reference_recall(store, newest, param, v) for v in values]
     start = present if present is not None else registry.get(name).search_params[param].default
-    floor = next(i for i, v in enumerate(values) if v >= start)
+    order = 1 if values[-1] > values[0] else -1  # cheapest first: simhash's fewest collisions is its most thorough
+    if start not in values:  # the value given, in its place by the grid's order
+        values = sorted([*values, start], key=lambda v: order * v)
+    recalls = [_reference_recall(store, newest, param, v) for v in values]
+    floor = values.index(start)
     want = _expected(values, recalls, floor, target)
-    assert values[want] >= start  # never below the search it was given
+    assert order * values[want] >= order * start  # never below the search it was given
     assert (cal.param, cal.value) == (param, values[want])
     assert cal.recall == pytest.approx(recalls[want])
     assert store.plan.search_params[param] == values[want]  # the layer's searches use it from now on
@@ -99,6 +107,7 @@ def test_unreachable_target_takes_the_most_thorough_value(monkeypatch):
     cls = registry.get("roargraph")
     monkeypatch.setattr(cls, "search_grid", {"L": (1, 2)})  # a beam of 1-2 cannot find 30 keys
     store, newest = _store("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64))
+    store.plan = dataclasses.replace(store.plan, search_params={"L": 1})  # on the grid (the default 100 lies beyond it)
     cal = calibrate.calibrate(store, newest, 0.9)
     assert cal.value == 2 and cal.recall < 0.9
     assert cal.recall == pytest.approx(_reference_recall(store, newest, "L", 2))
@@ -106,6 +115,9 @@ def test_unreachable_target_takes_the_most_thorough_value(monkeypatch):
     shy = dataclasses.replace(cal, recall=0.8996)
     assert "(0.900); short of the target at the grid's most thorough value: layer 5" in calibrate.describe([shy], 0.9)
     assert "short" not in calibrate.describe([dataclasses.replace(cal, recall=0.9)], 0.9)
+    # a --from-sweep mode's layers may use different indexes: the note names each parameter
+    ivf = calibrate.Calibration(7, "nprobe", 16, 0.95, {16: 0.95})
+    assert calibrate.describe([cal, ivf], 0.9).startswith("calibrated L / nprobe per layer")
 
 
 @pytest.mark.parametrize("name,build,target", [("simhash", {"K": 2, "L": 4}, 0.01), ("ivf", {"nlist": 20}, 0.999)])
@@ -156,6 +168,11 @@ def test_cli_calibration_target_and_json(tiny_llama, tmp_path):
     base = ["decode", "--model", tiny_llama, "--task", "passkey", "--context", 200]
     res = CliRunner().invoke(main, [*map(str, base), "--calibrate", "1.5"])
     assert res.exit_code == 2 and "--calibrate takes a recall target in (0, 1] (0: off), got 1.5" in res.output
+    for args, got in ((["--calibrate", "-1"], "-1.0"), (["--calibrate=-0.5"], "-0.5"), (["--calibrate", "nan"], "nan")):
+        res = CliRunner().invoke(main, [*map(str, base), *args])  # a negative target is not read as an option "-1"
+        assert res.exit_code == 2 and f"--calibrate takes a recall target in (0, 1] (0: off), got {got}" in res.output
+    res = CliRunner().invoke(main, [*map(str, base), "--calibrate", "abc"])
+    assert res.exit_code == 2 and "'abc' is not a valid float" in res.output
     out = tmp_path / "r.json"
     run = [*map(str, base), "--mode", "full,ivf", "--window", "4,16", "--topk", "20", "--max-new-tokens", "2",
            "--chunk", "64", "--json", str(out)]
@@ -244,9 +261,28 @@ def test_calibration_beside_the_prefill_runs_on_one_thread(tiny_gemma3, monkeypa
 
     monkeypatch.setattr(calibrate, "calibrate", spy)
     layer = lm.long_range_layers[0]
+    before = (threading.current_thread().name, numba.get_num_threads(), faiss.omp_get_max_threads())
     for beside in (True, False):
         store = builds.layer_store(lm, pre.cache, len(ids), layer, IndexPlan("ivf", {"nlist": 8}, {}), settings,
                                    pre.queries[layer], beside=beside)
         assert store.calibration is not None and store.calibration.param == "nprobe"
     assert seen[0][0].startswith("anns-lab-build") and seen[0][1:] == (1, 1)
-    assert seen[1] == (threading.current_thread().name, numba.get_num_threads(), faiss.omp_get_max_threads())
+    assert seen[1] == before  # the calling thread's teams, as they were before the one-thread worker ran
+
+
+@pytest.mark.parametrize("last", [1, 2, 5, 15, 16])
+def test_first_reaching_finds_the_least_index_reaching_and_probes_cheaply(last):
+    """Against every threshold of a monotone predicate on (short, last]: the least index where it holds, else last;
+    never probing beyond twice the distance to the answer (the thorough end of the grid costs most)."""
+    for short in range(last):
+        for at in range(short + 1, last + 2):  # at = last + 1: never holds
+            probed = []
+
+            def reaches(i, at=at):
+                probed.append(i)
+                return i >= at
+
+            assert calibrate.first_reaching(reaches, short, last) == min(at, last)
+            assert all(short < i <= last for i in probed)
+            if at <= last:
+                assert max(probed) - short <= 2 * (at - short)

@@ -63,7 +63,7 @@ def built_grid(index) -> tuple[str, list] | None:
 def calibrate(store, queries: np.ndarray, target: float) -> Calibration | None:
     """Raise ``store``'s (a built :class:`placement.LayerStore`) search to the cheapest grid value reaching ``target``
     mean recall@k on ``queries`` (H, c, d), its newest prefill queries at their own positions, where its present
-    search (:func:`floor`) falls short; None when its index has no single grid parameter or nothing is indexed."""
+    search (:func:`with_present`) falls short; None when its index has no single grid parameter or nothing is indexed."""
     if not store.indexes or not store.n_indexed:
         return None
     found = built_grid(store.indexes[0])
@@ -85,35 +85,52 @@ def calibrate(store, queries: np.ndarray, target: float) -> Calibration | None:
             tried[values[i]] = float(np.concatenate(hit).mean())
         return tried[values[i]]
 
-    pick = floor(store, param, values)
-    if recall(pick) < target:  # the cheapest value above it reaching the target (recall grows along the grid)
-        lo, pick = pick + 1, len(values) - 1
-        if recall(pick) >= target:
-            while lo < pick:
-                mid = (lo + pick) // 2
-                if recall(mid) >= target:
-                    pick = mid
-                else:
-                    lo = mid + 1
+    values, pick = with_present(store, param, values)
+    if recall(pick) < target:
+        pick = first_reaching(lambda i: recall(i) >= target, pick, len(values) - 1)
     store.plan = replace(store.plan, search_params={**store.plan.search_params, param: values[pick]})
     return Calibration(store.layer, param, values[pick], tried[values[pick]], dict(sorted(tried.items())))
 
 
-def floor(store, param: str, values: list) -> int:
-    """Index in ``values`` (the built grid, cheapest first) of the least value at or above the layer's present search
-    (the plan's ``param``, else the index's declared default, else the grid's cheapest): calibration starts there and
-    only goes up."""
+def first_reaching(reaches, short: int, last: int) -> int:
+    """The least index in (``short``, ``last``] where ``reaches`` holds (it holds from some index on: recall grows along
+    the grid), else ``last``: galloping up from ``short`` (1, 2, 4, ... steps), then bisecting the last step. A probe costs
+    about its value (a beam of L), so the thorough end of the grid is searched only where nothing cheaper reaches."""
+    step = 1
+    while True:
+        probe = min(short + step, last)
+        if reaches(probe):
+            break
+        if probe == last:
+            return last
+        short, step = probe, 2 * step
+    while short + 1 < probe:  # short falls short, probe reaches
+        mid = (short + probe) // 2
+        short, probe = (short, mid) if reaches(mid) else (mid, probe)
+    return probe
+
+
+def with_present(store, param: str, values: list) -> tuple[list, int]:
+    """``values`` (the built grid, cheapest first) with the layer's present search in it (the plan's ``param``, else the
+    index's declared default, else the grid's cheapest), and its index there: calibration starts at it and only goes
+    up. A present value off the grid is probed itself, in its place by the grid's order (ascending values, or descending
+    as simhash's ``min_collisions``): one between two values is not raised where it suffices, one beyond the most
+    thorough is not lowered to it."""
     declared = store.indexes[0].search_params.get(param)
     present = store.plan.search_params.get(param, declared.default if declared is not None else values[0])
-    return next((i for i, v in enumerate(values) if v >= present), len(values) - 1)
+    if present in values:
+        return values, values.index(present)
+    descending = len(values) > 1 and values[-1] < values[0]
+    at = next((i for i, v in enumerate(values) if (v < present if descending else v > present)), len(values))
+    return [*values[:at], present, *values[at:]], at
 
 
 def describe(calibrations: list[Calibration], target: float) -> str:
     """One line for a mode's notes: each layer's calibrated value and recall, and the layers whose most thorough value
     fell short of the target (a recall of 0.9496 prints as 0.950 beside a target of 0.95)."""
-    c = calibrations[0]
+    params = " / ".join(dict.fromkeys(x.param for x in calibrations))  # a --from-sweep mode's layers may differ in index
     short = [str(x.layer) for x in calibrations if x.recall < target]
-    return (f"calibrated {c.param} per layer to recall@k >= {target} on the newest {QUERIES} prefill queries (raised "
+    return (f"calibrated {params} per layer to recall@k >= {target} on the newest {QUERIES} prefill queries (raised "
             "from the search given where that fell below): "
             + ", ".join(x.describe() for x in calibrations)
             + (f"; short of the target at the grid's most thorough value: layer {', '.join(short)}" if short else ""))

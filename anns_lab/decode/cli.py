@@ -31,7 +31,22 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@click.command(short_help="Generate with retrieval attention; accuracy and time per token.")
+class _DecodeCommand(click.Command):
+    """Reads ``--calibrate -1`` (or ``=-1``) as a bad target: click takes a dash after an option whose value may be
+    left out for the next option, and would report an unknown option ``-1``."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        for flag, value in zip(args, [*args[1:], ""]):
+            given = flag.partition("=")[2] if flag.startswith("--calibrate=") else value if flag == "--calibrate" else ""
+            if given.startswith("-"):
+                try:
+                    _check_calibrate(float(given))
+                except ValueError:  # another option: the flag's default target
+                    pass
+        return super().parse_args(ctx, args)
+
+
+@click.command(cls=_DecodeCommand, short_help="Generate with retrieval attention; accuracy and time per token.")
 @click.option("--model", default="smollm2", show_default=True, help="model alias, local folder or HF id")
 @click.option("--mode", "modes", default="full,default", show_default=True,
               help="comma list: full, window, flat, ivf, any registered index; 'default' = attention-aware index")
