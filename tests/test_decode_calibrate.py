@@ -115,6 +115,9 @@ def test_unreachable_target_takes_the_most_thorough_value(monkeypatch):
     shy = dataclasses.replace(cal, recall=0.8996)
     assert "(0.900); short of the target at the grid's most thorough value: layer 5" in calibrate.describe([shy], 0.9)
     assert "short" not in calibrate.describe([dataclasses.replace(cal, recall=0.9)], 0.9)
+    # a --from-sweep mode's layers may use different indexes: the note names each parameter
+    ivf = calibrate.Calibration(7, "nprobe", 16, 0.95, {16: 0.95})
+    assert calibrate.describe([cal, ivf], 0.9).startswith("calibrated L / nprobe per layer")
 
 
 @pytest.mark.parametrize("name,build,target", [("simhash", {"K": 2, "L": 4}, 0.01), ("ivf", {"nlist": 20}, 0.999)])

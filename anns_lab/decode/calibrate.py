@@ -128,9 +128,9 @@ def with_present(store, param: str, values: list) -> tuple[list, int]:
 def describe(calibrations: list[Calibration], target: float) -> str:
     """One line for a mode's notes: each layer's calibrated value and recall, and the layers whose most thorough value
     fell short of the target (a recall of 0.9496 prints as 0.950 beside a target of 0.95)."""
-    c = calibrations[0]
+    params = " / ".join(dict.fromkeys(x.param for x in calibrations))  # a --from-sweep mode's layers may differ in index
     short = [str(x.layer) for x in calibrations if x.recall < target]
-    return (f"calibrated {c.param} per layer to recall@k >= {target} on the newest {QUERIES} prefill queries (raised "
+    return (f"calibrated {params} per layer to recall@k >= {target} on the newest {QUERIES} prefill queries (raised "
             "from the search given where that fell below): "
             + ", ".join(x.describe() for x in calibrations)
             + (f"; short of the target at the grid's most thorough value: layer {', '.join(short)}" if short else ""))
