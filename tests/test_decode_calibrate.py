@@ -286,3 +286,18 @@ def test_first_reaching_finds_the_least_index_reaching_and_probes_cheaply(last):
             assert all(short < i <= last for i in probed)
             if at <= last:
                 assert max(probed) - short <= 2 * (at - short)
+
+
+def test_the_notes_name_an_index_calibration_cannot_set_and_say_nothing_of_one_without_a_grid():
+    """With calibration on (the CLI's default): an index of several grid parameters (vattention: nprobe and epsilon)
+    gets the note that it was not calibrated; one without any (flat's exact scan) none, as without calibration."""
+    from anns_lab.decode.builds import store_notes
+
+    settings = Settings(Window(4, 8), calibrate=calibrate.TARGET)
+    for name, said in (("vattention", True), ("flat", False)):
+        store, newest = _store(name, {})
+        store.calibration = calibrate.calibrate(store, newest, settings.calibrate)
+        assert store.calibration is None
+        notes = store_notes({store.layer: store}, settings)
+        assert any("no single search grid parameter: not calibrated" in n for n in notes) == said, (name, notes)
+        assert not any("calibrat" in n for n in store_notes({store.layer: store}, dataclasses.replace(settings, calibrate=0.0)))
