@@ -38,10 +38,12 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="LABEL=INDEX:NAME=VALUE,...",
                     help="one more mode: INDEX with these build parameters, shown as LABEL (e.g. "
                          "roargraph-exact=roargraph:list_stride=1, the build before issue 13, beside the defaults)")
+    ap.add_argument("--calibrate", type=float, default=None,
+                    help="calibration target of each layer's search (default: anns-lab decode's, calibrate.TARGET; 0: off)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
 
-    from anns_lab.decode import runner
+    from anns_lab.decode import calibrate, runner
     from anns_lab.decode.engine import Mode, Settings
     from anns_lab.decode.modes import parse_modes, parse_params
     from anns_lab.dumps.models import load_model
@@ -52,7 +54,7 @@ def main() -> None:
 
         set_torch_threads(a.torch_threads)  # as decode --torch-threads: it holds after numba starts its threads
     settings = Settings(Window.parse(a.window), topk=a.topk, add_batch=a.add_batch, chunk=2048,
-                        train_queries=a.train_queries)
+                        train_queries=a.train_queries, calibrate=calibrate.TARGET if a.calibrate is None else a.calibrate)
     modes = parse_modes(a.modes, parse_params(a.param), {})
     for v in a.variant:  # same prefill, same search parameters, other build parameters
         label, spec = v.split("=", 1)
