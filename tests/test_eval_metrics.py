@@ -59,3 +59,18 @@ def test_figure_frontier_keeps_exactly_the_undominated_points(lower):
                 and not any(y2 == y and x2 < x for x2, y2 in zip(pts["x"], pts["y"]))}
     assert set(zip(f["x"], f["y"])) == expected
     assert f["x"].is_monotonic_increasing and (f["y"].is_monotonic_decreasing if lower else f["y"].is_monotonic_increasing)
+
+
+def test_recall_at_k_against_a_per_row_set_count():
+    """The vectorised count against the plain one (each row's distinct valid ids scoring at least its k-th exact
+    score), on random ids with repeats and -1s, and with the threshold given."""
+    rng = np.random.default_rng(7)
+    for k in (1, 5, 20):
+        scores = rng.normal(size=(30, 50)).astype(np.float32)
+        scores[:, 10] = scores[:, 11]  # ties
+        ids = rng.integers(-1, 50, size=(30, k + 3))
+        ids[:, 1] = ids[:, 0]  # repeats
+        kth = metrics.kth_scores(scores, k)
+        want = [min(sum(scores[i, j] >= kth[i] for j in set(row[row >= 0].tolist())), k) / k for i, row in enumerate(ids)]
+        assert metrics.recall_at_k(ids, scores, k).tolist() == pytest.approx(want)
+        assert metrics.recall_at_k(ids, scores, k, kth).tolist() == pytest.approx(want)

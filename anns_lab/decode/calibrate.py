@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from anns_lab.eval.metrics import exact_scores, recall_at_k
+from anns_lab.eval.metrics import exact_scores, kth_scores, recall_at_k
 
 QUERIES = 64  # newest prefill queries per head: ~6,400 (query, key) pairs per head at top-100
 TARGET = 0.9  # the decoder's default least mean recall@k, and a bare ``--calibrate``'s (BENCHMARKS "Which target")
@@ -76,12 +76,14 @@ def calibrate(store, queries: np.ndarray, target: float) -> Calibration | None:
     heads = [np.concatenate([queries[h] for h in hs]) for hs in groups]
     keys = [store.keys[hs[0] // store.group, : store.n_indexed] for hs in groups]
     scores = [exact_scores(q, kk) for q, kk in zip(heads, keys)]
+    kths = [kth_scores(s, k) for s in scores]  # each probe's threshold: the same exact top-k every time
     tried: dict = {}
 
     def recall(i: int) -> float:
         if values[i] not in tried:
             search = {**store.plan.search_params, param: values[i]}
-            hit = [recall_at_k(store.indexes[hs[0]].search(q, k, **search).ids, s, k) for hs, q, s in zip(groups, heads, scores)]
+            hit = [recall_at_k(store.indexes[hs[0]].search(q, k, **search).ids, s, k, t)
+                   for hs, q, s, t in zip(groups, heads, scores, kths)]
             tried[values[i]] = float(np.concatenate(hit).mean())
         return tried[values[i]]
 

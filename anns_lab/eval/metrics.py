@@ -26,14 +26,16 @@ def exact_topk(scores: np.ndarray, k: int) -> np.ndarray:
     return np.take_along_axis(part, order, axis=1)
 
 
-def recall_at_k(ids: np.ndarray, scores: np.ndarray, k: int) -> np.ndarray:
-    """Per-query recall@k of returned ``ids`` (−1 = none) against exact ``scores`` (nq, n), ties counted as hits."""
-    thresh = kth_scores(scores, k)
-    out = np.empty(len(ids))
-    for i, row in enumerate(ids):
-        valid = np.unique(row[row >= 0])
-        out[i] = min(int((scores[i, valid] >= thresh[i]).sum()), k) / k
-    return out
+def recall_at_k(ids: np.ndarray, scores: np.ndarray, k: int, thresh: np.ndarray | None = None) -> np.ndarray:
+    """Per-query recall@k of returned ``ids`` (−1 = none; a repeat counts once) against exact ``scores`` (nq, n), ties
+    counted as hits; ``thresh``: :func:`kth_scores` of ``scores`` when the caller keeps it (a calibration's probes)."""
+    thresh = kth_scores(scores, k) if thresh is None else thresh
+    ids = np.sort(np.asarray(ids, dtype=np.int64), axis=1)  # (nq, r): repeats side by side, -1 first
+    first = np.ones(ids.shape, bool)
+    first[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    valid = first & (ids >= 0)
+    hit = valid & (np.take_along_axis(scores, np.maximum(ids, 0), axis=1) >= thresh[:, None])
+    return np.minimum(hit.sum(axis=1), k) / k
 
 
 def attention_over(logits: np.ndarray, values: np.ndarray, subset: np.ndarray | None = None) -> np.ndarray:
