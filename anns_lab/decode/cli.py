@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 import click
 
 from anns_lab.cli_types import WINDOW
+from anns_lab.decode.calibrate import TARGET as CALIBRATE_TARGET
 from anns_lab.dumps import rope
 from anns_lab.dumps.cli import ROPE_HELP, ROPE_SCALING
 from anns_lab.dumps.tasks import TASKS
-from anns_lab.decode.calibrate import TARGET as CALIBRATE_TARGET
 from anns_lab.errors import DecodeError
 from anns_lab.indexes.group_queries import DEFAULT as GROUP_DEFAULT
 from anns_lab.indexes.group_queries import MODES as GROUP_MODES

@@ -60,10 +60,10 @@ class Mode:
         return any(registry.get(p.name).uses_train_queries for p in plans)
 
 
-def kept_queries(modes: list[Mode], settings: "Settings") -> int | None:
+def kept_queries(modes: list[Mode]) -> int | None:
     """How many of each head's newest prefill queries a prefill for ``modes`` keeps per long-range layer when it keeps
     any (:meth:`Mode.uses_queries`): all of them (None) to train an attention-aware index, else only the newest
-    :data:`calibrate.QUERIES` that ``settings.calibrate`` reads (~1.6 GB fewer at 128K on Gemma-3)."""
+    :data:`calibrate.QUERIES` that a calibration reads (~1.6 GB fewer at 128K on Gemma-3)."""
     return None if any(m.uses_queries() for m in modes) else calibration.QUERIES
 
 

@@ -116,7 +116,7 @@ def check_memory(lm, modes: list[Mode], settings: Settings, n_tokens: int) -> No
     n_long = len(lm.long_range_layers)
     check_prefill(lm.config, n_tokens, settings.chunk, f"decoding {n_tokens} tokens of {lm.name}", "--context",
                   query_layers=n_long if any(m.uses_queries(settings) for m in modes) else 0,
-                  query_tokens=kept_queries(modes, settings),
+                  query_tokens=kept_queries(modes),
                   index_layers=n_long * min(1, sum(m.kind == "index" for m in modes)),
                   cache_copy=any(m.kind == "full" for m in modes))
 
@@ -147,7 +147,7 @@ def run_sample(lm, modes: list[Mode], settings: Settings, ids: list[int], max_ne
         names = ", ".join(m.name for m in group)
         say(f"  prefill for {names}: {len(ids)} tokens through {lm.name} (full attention, chunks of {settings.chunk}) ...")
         pre = prefill(lm, ids, settings, any(m.uses_queries(settings) for m in group), group, progress=bar,
-                      newest_queries=kept_queries(group, settings))
+                      newest_queries=kept_queries(group))
         say(f"  prefill for {names}: done in {pre.seconds:.1f} s")
         if pre.early is not None:  # no mode decodes while builds still share the CPU
             say("  index builds: started during the prefill's last chunk; finishing ...")
@@ -243,7 +243,7 @@ def run_fidelity(lm, modes: list[Mode], settings: Settings, context: int, positi
     say = progress or (lambda line: None)
     say(f"  prefill: {context} tokens through {lm.name} ...")
     pre = prefill(lm, ids[:context], settings, any(m.uses_queries(settings) for m in modes),
-                  progress=progress is not None, newest_queries=kept_queries(modes, settings))
+                  progress=progress is not None, newest_queries=kept_queries(modes))
     say(f"  prefill: done in {pre.seconds:.1f} s; full attention: {positions} teacher-forced + {free_tokens} free tokens ...")
     teacher = ids[context:]
     full_tf = run_mode(lm, pre, Mode("full"), settings, 0, teacher=teacher, keep_logits=True)
