@@ -62,11 +62,11 @@ class StandIn:
         return self.done / (self.t[1] - self.t[0])
 
 
-def calibrate_all(stores, newest, target: float, beside: bool) -> tuple[float, list]:
+def calibrate_all(stores, newest, target: float, scaling: list[float], beside: bool) -> tuple[float, list]:
     """Wall seconds of calibrating every store one after another from its search as built, and the values chosen."""
     plans = [s.plan for s in stores]
     t = time.perf_counter()
-    chosen = [builds.calibrate_store(s, q, target, beside) for s, q in zip(stores, newest)]
+    chosen = [builds.calibrate_store(s, q, target, c, beside) for s, q, c in zip(stores, newest, scaling)]
     wall = time.perf_counter() - t
     for s, plan in zip(stores, plans):  # calibration raises a store's search: the next call would start from there
         s.plan = plan
@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--dump", required=True)
     ap.add_argument("--layers", default="0:30:3", help="a list 2,15,28 or a range 0:30:3")
     ap.add_argument("--mode", default="ivf", help="the index (its defaults)")
-    ap.add_argument("--target", type=float, default=0.95)
+    ap.add_argument("--target", type=float, default=calibrate.TARGET)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=2048, help="the stand-in's rows (a prefill chunk)")
     a = ap.parse_args()
@@ -92,7 +92,8 @@ def main() -> None:
         cache, queries = layer_inputs(dump, layer)
         stores.append(builds.layer_store(lm, cache, n_ids, layer, IndexPlan(a.mode), settings, queries))
         newest.append(np.ascontiguousarray(queries[:, -calibrate.QUERIES:]))
-    calibrate_all(stores, newest, a.target, False)  # compile the search kernels outside the timings
+    scaling = [dump.scaling(layer) for layer in layers]
+    calibrate_all(stores, newest, a.target, scaling, False)  # compile the search kernels outside the timings
     stand_in = StandIn(a.chunk, lm.config.hidden_size)
     with stand_in:
         time.sleep(3.0)
@@ -104,10 +105,10 @@ def main() -> None:
     for r in range(a.repeats):
         for arm in ("one", "teams") if r % 2 == 0 else ("teams", "one"):
             cpu = time.process_time()
-            solo, _ = calibrate_all(stores, newest, a.target, arm == "one")
+            solo, _ = calibrate_all(stores, newest, a.target, scaling, arm == "one")
             solo_cpu, cpu = time.process_time() - cpu, time.process_time()
             with stand_in:
-                wall, chosen[arm] = calibrate_all(stores, newest, a.target, arm == "one")
+                wall, chosen[arm] = calibrate_all(stores, newest, a.target, scaling, arm == "one")
             cpu = time.process_time() - cpu
             rows[arm].append((solo, solo_cpu, wall, stand_in.rate / alone, cpu))
             print(f"  {arm:5s} alone {solo:.2f} s wall, {solo_cpu:.2f} CPU s; beside the stand-in {wall:.2f} s wall, "

@@ -16,7 +16,7 @@ def test_a_failed_build_cancels_the_queued_ones(monkeypatch):
     not built (they would hold the CPU and the prefill's cache until the process exits, which waits for them)."""
     go, started = threading.Event(), []
 
-    def layer_store(lm, cache, n_ids, layer, plan, settings, queries, beside=False):
+    def layer_store(lm, cache, n_ids, layer, plan, settings, queries, scaling=None, beside=False):
         started.append(layer)
         if layer == 0:
             go.wait(10)
@@ -25,7 +25,7 @@ def test_a_failed_build_cancels_the_queued_ones(monkeypatch):
         return object()
 
     monkeypatch.setattr(builds, "layer_store", layer_store)
-    early = builds.EarlyBuilds(None, 0, [Mode("some-index")], None, None, lambda layer: None)
+    early = builds.EarlyBuilds(None, 0, [Mode("some-index")], None, None, lambda layer: None, {})
     for layer in range(4):
         early.layer_done(layer)
     go.set()
@@ -42,14 +42,14 @@ def test_builds_beside_the_prefill_are_marked_so_and_builds_after_it_are_not(mon
     one index: indexes.threads.map_one_thread); a build that starts after the prefill ended keeps the full thread teams."""
     go, seen = threading.Event(), {}
 
-    def layer_store(lm, cache, n_ids, layer, plan, settings, queries, beside=False):
+    def layer_store(lm, cache, n_ids, layer, plan, settings, queries, scaling=None, beside=False):
         seen[layer] = beside
         if layer == 0:
             go.wait(10)
         return object()
 
     monkeypatch.setattr(builds, "layer_store", layer_store)
-    early = builds.EarlyBuilds(None, 0, [Mode("some-index")], None, None, lambda layer: None)
+    early = builds.EarlyBuilds(None, 0, [Mode("some-index")], None, None, lambda layer: None, {})
     early.layer_done(0)
     early.layer_done(1)  # queued behind layer 0: it starts once layer 0 is built, after the prefill ended
     while 0 not in seen:

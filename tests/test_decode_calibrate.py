@@ -1,6 +1,6 @@
 """``--calibrate``: each layer's search raised at build time, where its present value falls short, to the cheapest grid
-value reaching a recall on the newest prefill queries, checked against every grid value's recall computed here with
-numpy."""
+value reaching a weight recall (the exact top-k's softmax weight the search returns) on the newest prefill queries,
+checked against every grid value's weight recall computed here with numpy in float64."""
 
 from __future__ import annotations
 
@@ -39,16 +39,21 @@ def _store(name: str, build: dict, seed: int = 0):
     return store, queries[:, -calibrate.QUERIES:]
 
 
+SCALING = 0.25  # the layer's softmax scale (1/sqrt(d) for these 16-dim heads)
+
+
 def _reference_recall(store, queries, param, value) -> float:
-    """Mean over heads and queries of |returned ∩ exact top-k| / k, each head's index searched alone (no ties in
-    random float data), exact top-k by a full numpy sort."""
+    """Mean over heads and queries of the softmax weight (float64, at SCALING) of the distinct returned keys over that
+    of the exact top-k, each head's index searched alone, exact top-k by a full numpy sort."""
     k = store.topk
     out = []
     for h in range(store.n_heads):
-        keys = store.keys[h // store.group, : store.n_indexed]
-        exact = np.argsort(-(queries[h] @ keys.T), axis=1)[:, :k]
+        keys = store.keys[h // store.group, : store.n_indexed].astype(np.float64)
+        logits = SCALING * (queries[h].astype(np.float64) @ keys.T)
+        weights = np.exp(logits - logits.max(axis=1, keepdims=True))
+        exact = np.argsort(-logits, axis=1)[:, :k]
         got = store.indexes[h].search(queries[h], k, **{param: value}).ids
-        out += [len(set(a[a >= 0]) & set(b)) / k for a, b in zip(got, exact)]
+        out += [w[np.unique(a[a >= 0])].sum() / w[b].sum() for w, a, b in zip(weights, got, exact)]
     return float(np.mean(out))
 
 
@@ -77,7 +82,7 @@ def test_calibration_raises_the_search_to_the_cheapest_grid_value_reaching_the_t
     param = next(iter(registry.get(name).search_grid))
     if present is not None:  # as --param gives it
         store.plan = dataclasses.replace(store.plan, search_params={param: present})
-    cal = calibrate.calibrate(store, newest, target)
+    cal = calibrate.calibrate(store, newest, target, SCALING)
     values = [point[param] for point in store.indexes[0].grid()]  # the built index's grid (IVF: clipped to its nlist)
     start = present if present is not None else registry.get(name).search_params[param].default
     order = 1 if values[-1] > values[0] else -1  # cheapest first: simhash's fewest collisions is its most thorough
@@ -88,7 +93,7 @@ def test_calibration_raises_the_search_to_the_cheapest_grid_value_reaching_the_t
     want = _expected(values, recalls, floor, target)
     assert order * values[want] >= order * start  # never below the search it was given
     assert (cal.param, cal.value) == (param, values[want])
-    assert cal.recall == pytest.approx(recalls[want])
+    assert cal.weight_recall == pytest.approx(recalls[want])
     assert store.plan.search_params[param] == values[want]  # the layer's searches use it from now on
     assert all(tried == pytest.approx(recalls[values.index(v)]) for v, tried in cal.tried.items())
     if recalls[floor] >= target:
@@ -98,7 +103,7 @@ def test_calibration_raises_the_search_to_the_cheapest_grid_value_reaching_the_t
 def test_calibration_does_not_lower_a_search_that_reaches_the_target():
     store, newest = _store("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64))
     low = _reference_recall(store, newest, "L", 50)
-    cal = calibrate.calibrate(store, newest, low / 2)  # L 50 would do; the default 100 stays
+    cal = calibrate.calibrate(store, newest, low / 2, SCALING)  # L 50 would do; the default 100 stays
     assert cal.value == registry.get("roargraph").search_params["L"].default == 100
     assert list(cal.tried) == [100]
 
@@ -108,13 +113,13 @@ def test_unreachable_target_takes_the_most_thorough_value(monkeypatch):
     monkeypatch.setattr(cls, "search_grid", {"L": (1, 2)})  # a beam of 1-2 cannot find 30 keys
     store, newest = _store("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64))
     store.plan = dataclasses.replace(store.plan, search_params={"L": 1})  # on the grid (the default 100 lies beyond it)
-    cal = calibrate.calibrate(store, newest, 0.9)
-    assert cal.value == 2 and cal.recall < 0.9
-    assert cal.recall == pytest.approx(_reference_recall(store, newest, "L", 2))
+    cal = calibrate.calibrate(store, newest, 0.9, SCALING)
+    assert cal.value == 2 and cal.weight_recall < 0.9
+    assert cal.weight_recall == pytest.approx(_reference_recall(store, newest, "L", 2))
     # the note says so, even where the recall prints as the target (0.8996 as 0.900)
-    shy = dataclasses.replace(cal, recall=0.8996)
+    shy = dataclasses.replace(cal, weight_recall=0.8996)
     assert "(0.900); short of the target at the grid's most thorough value: layer 5" in calibrate.describe([shy], 0.9)
-    assert "short" not in calibrate.describe([dataclasses.replace(cal, recall=0.9)], 0.9)
+    assert "short" not in calibrate.describe([dataclasses.replace(cal, weight_recall=0.9)], 0.9)
     # a --from-sweep mode's layers may use different indexes: the note names each parameter
     ivf = calibrate.Calibration(7, "nprobe", 16, 0.95, {16: 0.95})
     assert calibrate.describe([cal, ivf], 0.9).startswith("calibrated L / nprobe per layer")
@@ -125,15 +130,15 @@ def test_calibration_searches_only_the_values_the_built_index_takes(name, build,
     """simhash's grid lists min_collisions up to 8, which an index of L=4 tables refuses; IVF's lists nprobe up to 1024,
     which an index of 20 lists searches as 20: the bisection tries, and the note names, only the built index's values."""
     store, newest = _store(name, build)
-    cal = calibrate.calibrate(store, newest, target)
+    cal = calibrate.calibrate(store, newest, target, SCALING)
     values = [point[cal.param] for point in store.indexes[0].grid()]
     assert set(cal.tried) <= set(values) and cal.value in values
-    assert cal.recall == pytest.approx(_reference_recall(store, newest, cal.param, cal.value))
+    assert cal.weight_recall == pytest.approx(_reference_recall(store, newest, cal.param, cal.value))
 
 
 def test_index_without_a_single_grid_parameter_is_left_alone():
     store, newest = _store("flat", {})
-    assert calibrate.calibrate(store, newest, 0.9) is None and store.plan.search_params == {}
+    assert calibrate.calibrate(store, newest, 0.9, SCALING) is None and store.plan.search_params == {}
 
 
 def test_decode_searches_each_layer_at_its_calibrated_value(tiny_gemma3, monkeypatch):
@@ -143,6 +148,8 @@ def test_decode_searches_each_layer_at_its_calibrated_value(tiny_gemma3, monkeyp
     settings = Settings(Window(4, 8), topk=12, add_batch=4, chunk=24, calibrate=0.9)
     ids = np.random.default_rng(3).integers(3, 400, size=160).tolist()
     pre = prefill(lm, ids, settings, capture_queries=True)
+    # the softmax scale each long-range layer's attention was called with, recorded by the prefill for calibration
+    assert pre.scaling == {layer: lm.model.model.layers[layer].self_attn.scaling for layer in lm.long_range_layers}
     cls = registry.get("roargraph")
     seen = []
     original = cls.search_group.__func__
@@ -155,7 +162,7 @@ def test_decode_searches_each_layer_at_its_calibrated_value(tiny_gemma3, monkeyp
     run = run_mode(lm, pre, Mode("roargraph", IndexPlan("roargraph", {}, {})), settings, 4)
     by_index = {id(s.indexes[0]): s.calibration.value for s in run.stores.values()}
     assert set(by_index) == {i for i, _ in seen} and all(by_index[i] == L for i, L in seen)
-    assert run.calibration == {layer: {"param": "L", "value": s.calibration.value, "recall": s.calibration.recall}
+    assert run.calibration == {layer: {"param": "L", "value": s.calibration.value, "weight_recall": s.calibration.weight_recall}
                                for layer, s in run.stores.items()}
     assert any("calibrated L per layer" in n for n in run.notes)
     # without calibration every layer searches at the default
@@ -167,10 +174,10 @@ def test_decode_searches_each_layer_at_its_calibrated_value(tiny_gemma3, monkeyp
 def test_cli_calibration_target_and_json(tiny_llama, tmp_path):
     base = ["decode", "--model", tiny_llama, "--task", "passkey", "--context", 200]
     res = CliRunner().invoke(main, [*map(str, base), "--calibrate", "1.5"])
-    assert res.exit_code == 2 and "--calibrate takes a recall target in (0, 1] (0: off), got 1.5" in res.output
+    assert res.exit_code == 2 and "--calibrate takes a weight recall target in (0, 1] (0: off), got 1.5" in res.output
     for args, got in ((["--calibrate", "-1"], "-1.0"), (["--calibrate=-0.5"], "-0.5"), (["--calibrate", "nan"], "nan")):
         res = CliRunner().invoke(main, [*map(str, base), *args])  # a negative target is not read as an option "-1"
-        assert res.exit_code == 2 and f"--calibrate takes a recall target in (0, 1] (0: off), got {got}" in res.output
+        assert res.exit_code == 2 and f"--calibrate takes a weight recall target in (0, 1] (0: off), got {got}" in res.output
     res = CliRunner().invoke(main, [*map(str, base), "--calibrate", "abc"])
     assert res.exit_code == 2 and "'abc' is not a valid float" in res.output
     out = tmp_path / "r.json"
@@ -184,7 +191,7 @@ def test_cli_calibration_target_and_json(tiny_llama, tmp_path):
     # each sample records the values its prompt's calibration chose, per long-range layer
     cal = data["modes"]["ivf"]["samples"][0]["calibration"]
     assert cal and all(c["param"] == "nprobe" and c["value"] in registry.get("ivf").search_grid["nprobe"]
-                       and 0 <= c["recall"] <= 1 for c in cal.values())
+                       and 0 <= c["weight_recall"] <= 1 for c in cal.values())
     assert "calibration" not in data["modes"]["full"]["samples"][0]
     # a --param value is the floor it starts from (the default, 8 or the lists' count, would reach this target too)
     res = CliRunner().invoke(main, [*run, "--calibrate", "0.01", "--param", "nprobe=1"])
@@ -255,16 +262,16 @@ def test_calibration_beside_the_prefill_runs_on_one_thread(tiny_gemma3, monkeypa
     seen = []
     original = calibrate.calibrate
 
-    def spy(store, queries, target):
+    def spy(store, queries, target, scaling):
         seen.append((threading.current_thread().name, numba.get_num_threads(), faiss.omp_get_max_threads()))
-        return original(store, queries, target)
+        return original(store, queries, target, scaling)
 
     monkeypatch.setattr(calibrate, "calibrate", spy)
     layer = lm.long_range_layers[0]
     before = (threading.current_thread().name, numba.get_num_threads(), faiss.omp_get_max_threads())
     for beside in (True, False):
         store = builds.layer_store(lm, pre.cache, len(ids), layer, IndexPlan("ivf", {"nlist": 8}, {}), settings,
-                                   pre.queries[layer], beside=beside)
+                                   pre.queries[layer], pre.scaling[layer], beside=beside)
         assert store.calibration is not None and store.calibration.param == "nprobe"
     assert seen[0][0].startswith("anns-lab-build") and seen[0][1:] == (1, 1)
     assert seen[1] == before  # the calling thread's teams, as they were before the one-thread worker ran
@@ -296,7 +303,7 @@ def test_the_notes_name_an_index_calibration_cannot_set_and_say_nothing_of_one_w
     settings = Settings(Window(4, 8), calibrate=calibrate.TARGET)
     for name, said in (("vattention", True), ("flat", False)):
         store, newest = _store(name, {})
-        store.calibration = calibrate.calibrate(store, newest, settings.calibrate)
+        store.calibration = calibrate.calibrate(store, newest, settings.calibrate, SCALING)
         assert store.calibration is None
         notes = store_notes({store.layer: store}, settings)
         assert any("no single search grid parameter: not calibrated" in n for n in notes) == said, (name, notes)

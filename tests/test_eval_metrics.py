@@ -74,3 +74,26 @@ def test_recall_at_k_against_a_per_row_set_count():
         want = [min(sum(scores[i, j] >= kth[i] for j in set(row[row >= 0].tolist())), k) / k for i, row in enumerate(ids)]
         assert metrics.recall_at_k(ids, scores, k).tolist() == pytest.approx(want)
         assert metrics.recall_at_k(ids, scores, k, kth).tolist() == pytest.approx(want)
+
+
+def test_weight_recall_is_the_share_of_the_exact_top_k_attention_mass_returned():
+    """Against metrics.mass_recovered in float64 (the returned keys' share of the full softmax over that of the exact
+    top-k), on random ids with repeats and -1s; a near-tie swapped for the k-th key costs almost nothing, where set
+    recall counts it a miss."""
+    rng = np.random.default_rng(3)
+    scaling = 0.4
+    for k in (1, 5, 20):
+        scores = (3 * rng.normal(size=(30, 50))).astype(np.float32)
+        ids = rng.integers(-1, 50, size=(30, k))
+        ids[:, 1 % k] = ids[:, 0]
+        top = metrics.exact_topk(scores, k)
+        want = [metrics.mass_recovered(scaling * s.astype(np.float64), row[row >= 0])
+                / metrics.mass_recovered(scaling * s.astype(np.float64), t) for s, row, t in zip(scores, ids, top)]
+        weights = metrics.softmax_weights(scores.copy(), scaling)
+        assert metrics.weight_recall_at_k(ids, weights, k).tolist() == pytest.approx(want, rel=1e-5)
+        best = metrics.topk_weight(weights, k)
+        assert metrics.weight_recall_at_k(top, weights, k, best).tolist() == pytest.approx(np.ones(30))
+    scores = np.array([[5.0, 4.0, 3.999, 0.0]], np.float32)  # key 2 ties key 1 within 1e-3
+    weights = metrics.softmax_weights(scores.copy(), 1.0)
+    assert metrics.recall_at_k(np.array([[0, 2]]), scores, 2)[0] == 0.5
+    assert metrics.weight_recall_at_k(np.array([[0, 2]]), weights, 2)[0] == pytest.approx(1.0, abs=1e-3)

@@ -75,6 +75,7 @@ class Retrieval:
         self.capture_queries = capture_queries
         self.newest_queries = newest_queries  # prefill: keep only each head's newest this many (None: all)
         self.queries: dict[int, list[torch.Tensor]] = {}
+        self.scaling: dict[int, float] = {}  # prefill: each long-range layer's softmax scale, as its attention got it
         self.layer_done = None  # prefill: called with a long-range layer once its keys and queries are complete
         self.stores: dict[int, LayerStore] = {}
         self.inner = "sdpa"
@@ -90,6 +91,7 @@ class Retrieval:
         if layer not in self.long_range:
             return inner(module, query, key, value, attention_mask, **kwargs)
         if self.phase == "prefill":
+            self.scaling[layer] = float(kwargs.get("scaling") or module.scaling)
             if self.capture_queries:
                 self._keep_queries(layer, query[0].detach().to("cpu", torch.float32))
             if self.layer_done is not None:  # the prompt's last chunk: this layer's cache and queries are final

@@ -26,11 +26,11 @@ from anns_lab.indexes.threads import map_one_thread
 
 
 def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, settings, queries: np.ndarray | None,
-                beside: bool = False) -> LayerStore:
+                scaling: float | None = None, beside: bool = False) -> LayerStore:
     """The layer's CPU store of its non-window prefill keys/values (read from ``cache``, ``n_ids`` tokens long),
     with its indexes built from the layer's prefill ``queries`` (H, t, d) and, with ``settings.calibrate``, its search
-    calibrated on their newest; ``beside``: the prefill still runs (:meth:`LayerStore.build`; the calibration too
-    runs its kernels on one thread then)."""
+    calibrated on their newest at the layer's softmax ``scaling``; ``beside``: the prefill still runs
+    (:meth:`LayerStore.build`; the calibration too runs its kernels on one thread then)."""
     lo, hi = settings.window.outside(n_ids)
     layer_cache = cache.layers[layer]
     keys = layer_cache.keys[0, :, lo:hi].to("cpu", torch.float32).numpy()
@@ -38,6 +38,8 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
     store = LayerStore(layer, lm.config.num_attention_heads, keys, values, settings.topk, plan, settings.add_batch,
                        settings.steps)
     calibrating = settings.calibrate > 0 and queries is not None
+    if calibrating and scaling is None:
+        raise ValueError("calibrating a layer's search needs its softmax scaling (the prefill records it)")
     newest = np.ascontiguousarray(queries[:, -calibration.QUERIES:]) if calibrating else None  # own positions
     aware = queries is not None and plan is not None and registry.get(plan.name).uses_train_queries
     if aware:
@@ -62,22 +64,23 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
                 others=others, beside=beside)
     if calibrating:  # timed with the build: the first token waits for it too
         t0 = time.perf_counter()
-        store.calibration = calibrate_store(store, newest, settings.calibrate, beside)
+        store.calibration = calibrate_store(store, newest, settings.calibrate, scaling, beside)
         store.build_s += time.perf_counter() - t0
     return store
 
 
-def calibrate_store(store: LayerStore, newest: np.ndarray, target: float,
+def calibrate_store(store: LayerStore, newest: np.ndarray, target: float, scaling: float,
                     beside: bool = False) -> calibration.Calibration | None:
     """:func:`calibrate.calibrate` of a built ``store`` on its ``newest`` prefill queries (H, c, d); ``beside`` the
     prefill on a one-thread worker, as the builds (:func:`threads.map_one_thread`: spinning teams slow the prefill)."""
-    return map_one_thread(lambda s: calibration.calibrate(s, newest, target), [store], beside)[0]
+    return map_one_thread(lambda s: calibration.calibrate(s, newest, target, scaling), [store], beside)[0]
 
 
 def build_stores(lm, pre, mode, settings) -> tuple[dict[int, LayerStore], list[str], float]:
     """One LayerStore per long-range layer of ``mode``, built after the prefill ``pre``: (stores, notes, seconds)."""
     t0 = time.perf_counter()
-    stores = {layer: layer_store(lm, pre.cache, len(pre.ids), layer, mode.plan_for(layer), settings, pre.queries.get(layer))
+    stores = {layer: layer_store(lm, pre.cache, len(pre.ids), layer, mode.plan_for(layer), settings, pre.queries.get(layer),
+                                 pre.scaling.get(layer))
               for layer in lm.long_range_layers}
     return stores, store_notes(stores, settings), time.perf_counter() - t0
 
@@ -107,9 +110,10 @@ class EarlyBuilds:
     earlier ones without that wait being counted: as if it were the only mode).
     """
 
-    def __init__(self, lm, n_ids: int, modes: list, settings, cache, queries_of):
+    def __init__(self, lm, n_ids: int, modes: list, settings, cache, queries_of, scaling: dict[int, float]):
         self.lm, self.n_ids, self.modes, self.settings, self.cache = lm, n_ids, modes, settings, cache
         self.queries_of = queries_of  # layer -> (H, t, d) prefill queries or None, once the layer is complete
+        self.scaling = scaling  # layer -> softmax scale (the prefill's record, filled by its first chunk)
         self.jobs: dict[str, dict[int, Future]] = {m.name: {} for m in modes}
         self.prefill_end: float | None = None
         self.ready_at: dict[int, float] = {}  # perf_counter when each layer was complete and its builds queued
@@ -125,7 +129,8 @@ class EarlyBuilds:
         t0 = time.perf_counter()
         beside = self.prefill_end is None  # a layer of one index then builds on one thread too, not with full teams
         with torch.inference_mode():  # the prefill's tensors are inference tensors (mode is per thread)
-            store = layer_store(self.lm, self.cache, self.n_ids, layer, plan, self.settings, queries, beside=beside)
+            store = layer_store(self.lm, self.cache, self.n_ids, layer, plan, self.settings, queries,
+                                self.scaling.get(layer), beside=beside)
         return store, t0, time.perf_counter()
 
     def prefill_done(self) -> None:

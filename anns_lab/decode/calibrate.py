@@ -4,41 +4,47 @@ A fixed beam (roargraph's ``L`` 100) is short where a context is long or a head 
 0.45-0.85 on the decode steps of a needle task). A sweep measures the right value offline (``--from-sweep``); this
 measures it on the prompt being decoded: the layer's newest prefill queries, at their own positions (the decode steps
 come right after them), get their exact top-k over the keys the indexes hold, and where the layer's search (the
-index's default, or the value ``--param`` / ``--from-sweep`` gave) does not reach the target mean recall@k over the
-layer's heads, the search is raised to the cheapest value of its index's grid parameter that does (``Index.grid`` of
-the built index: roargraph ``L``, IVF ``nprobe``, HNSW ``ef``, ordered cheapest first; the most thorough one when none
-does). It is never lowered: the default search is the one whose fidelity was measured, and at 8K the newest prefill
-queries read a few points below the decode steps (BENCHMARKS "Which target"), so a cut on their word would go below
-what was validated; and where the search given suffices, one probe settles it. Every index mode is calibrated alike,
-so the modes of a run are compared at the same least recall. The newest queries are in an attention-aware index's
-training set (its ``keep_queries``), so their recall reads higher there than a decode step's does on a head whose
-decode queries differ most from the prompt's.
-"""
+index's default, or the value ``--param`` / ``--from-sweep`` gave) does not reach the target mean weight recall@k over
+the layer's heads, the search is raised to the cheapest value of its index's grid parameter that does (``Index.grid``
+of the built index: roargraph ``L``, IVF ``nprobe``, HNSW ``ef``, ordered cheapest first; the most thorough one when
+none does). It is never lowered: the default search is the one whose fidelity was measured, and at 8K the newest
+prefill queries read below the decode steps (BENCHMARKS "Which target"), so a cut on their word would go below what
+was validated; and where the search given suffices, one probe settles it. Every index mode is calibrated alike, so
+the modes of a run are compared at the same least weight recall.
 
+Weight recall (:func:`metrics.weight_recall_at_k`) counts each exact top-k key by its softmax weight at the layer's
+scale, not as one of k: attention loses a missed key's weight, so a key swapped for a near-tie just outside the top-k
+costs almost nothing. Set recall counts that swap a miss, and on a repetitive prompt (a passkey's filler: the same
+sentence at hundreds of positions, so a query's top-100 is a few keys among many near-equal ones) it raised the
+beam up to 12x for no change in the output (BENCHMARKS "Calibration on attention weight"). The newest queries are in
+an attention-aware index's training set (its ``keep_queries``), so their recall reads higher there than a decode
+step's does on a head whose decode queries differ most from the prompt's.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from anns_lab.eval.metrics import exact_scores, kth_scores, recall_at_k
+from anns_lab.eval.metrics import exact_scores, softmax_weights, topk_weight, weight_recall_at_k
 
 QUERIES = 64  # newest prefill queries per head: ~6,400 (query, key) pairs per head at top-100
-TARGET = 0.9  # the decoder's default least mean recall@k, and a bare ``--calibrate``'s (BENCHMARKS "Which target")
+TARGET = 0.9  # the decoder's default least mean weight recall@k, and a bare ``--calibrate``'s (BENCHMARKS "Calibration on attention weight")
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """A layer's calibrated search: the grid parameter, its value, the recall reached there and the values tried."""
+    """A layer's calibrated search: the grid parameter, its value, the weight recall reached there and the values
+    tried (value -> weight recall)."""
 
     layer: int
     param: str
     value: object
-    recall: float
+    weight_recall: float
     tried: dict
 
     def describe(self) -> str:
-        return f"{self.layer}: {self.param}={self.value} ({self.recall:.3f})"
+        return f"{self.layer}: {self.param}={self.value} ({self.weight_recall:.3f})"
 
 
 def grid_param(cls) -> tuple[str, tuple] | None:
@@ -60,10 +66,11 @@ def built_grid(index) -> tuple[str, list] | None:
     return param, list(dict.fromkeys(point[param] for point in grid))
 
 
-def calibrate(store, queries: np.ndarray, target: float) -> Calibration | None:
+def calibrate(store, queries: np.ndarray, target: float, scaling: float) -> Calibration | None:
     """Raise ``store``'s (a built :class:`placement.LayerStore`) search to the cheapest grid value reaching ``target``
-    mean recall@k on ``queries`` (H, c, d), its newest prefill queries at their own positions, where its present
-    search (:func:`with_present`) falls short; None when its index has no single grid parameter or nothing is indexed."""
+    mean weight recall@k (:func:`metrics.weight_recall_at_k`, softmax weights at the layer's ``scaling``) on
+    ``queries`` (H, c, d), its newest prefill queries at their own positions, where its present search
+    (:func:`with_present`) falls short; None when its index has no single grid parameter or nothing is indexed."""
     if not store.indexes or not store.n_indexed:
         return None
     found = built_grid(store.indexes[0])
@@ -75,16 +82,16 @@ def calibrate(store, queries: np.ndarray, target: float) -> Calibration | None:
     groups = store._groups()
     heads = [np.concatenate([queries[h] for h in hs]) for hs in groups]
     keys = [store.keys[hs[0] // store.group, : store.n_indexed] for hs in groups]
-    scores = [exact_scores(q, kk) for q, kk in zip(heads, keys)]
-    kths = [kth_scores(s, k) for s in scores]  # each probe's threshold: the same exact top-k every time
+    weights = [softmax_weights(exact_scores(q, kk), scaling) for q, kk in zip(heads, keys)]
+    best = [topk_weight(w, k) for w in weights]  # each probe's reference: the same exact top-k every time
     tried: dict = {}
 
     def recall(i: int) -> float:
         if values[i] not in tried:
             search = {**store.plan.search_params, param: values[i]}
-            hit = [recall_at_k(store.indexes[hs[0]].search(q, k, **search).ids, s, k, t)
-                   for hs, q, s, t in zip(groups, heads, scores, kths)]
-            tried[values[i]] = float(np.concatenate(hit).mean())
+            got = [weight_recall_at_k(store.indexes[hs[0]].search(q, k, **search).ids, w, k, b)
+                   for hs, q, w, b in zip(groups, heads, weights, best)]
+            tried[values[i]] = float(np.concatenate(got).mean())
         return tried[values[i]]
 
     values, pick = with_present(store, param, values)
@@ -128,11 +135,11 @@ def with_present(store, param: str, values: list) -> tuple[list, int]:
 
 
 def describe(calibrations: list[Calibration], target: float) -> str:
-    """One line for a mode's notes: each layer's calibrated value and recall, and the layers whose most thorough value
-    fell short of the target (a recall of 0.9496 prints as 0.950 beside a target of 0.95)."""
+    """One line for a mode's notes: each layer's calibrated value and weight recall, and the layers whose most thorough
+    value fell short of the target (a weight recall of 0.9496 prints as 0.950 beside a target of 0.95)."""
     params = " / ".join(dict.fromkeys(x.param for x in calibrations))  # a --from-sweep mode's layers may differ in index
-    short = [str(x.layer) for x in calibrations if x.recall < target]
-    return (f"calibrated {params} per layer to recall@k >= {target} on the newest {QUERIES} prefill queries (raised "
+    short = [str(x.layer) for x in calibrations if x.weight_recall < target]
+    return (f"calibrated {params} per layer to weight recall@k >= {target} on the newest {QUERIES} prefill queries (raised "
             "from the search given where that fell below): "
             + ", ".join(x.describe() for x in calibrations)
             + (f"; short of the target at the grid's most thorough value: layer {', '.join(short)}" if short else ""))

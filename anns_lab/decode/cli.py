@@ -88,8 +88,9 @@ class _DecodeCommand(click.Command):
 @click.option("--calibrate", type=float, is_flag=False, flag_value=CALIBRATE_TARGET, default=CALIBRATE_TARGET,
               show_default=True, metavar="[TARGET]",
               help="raise each layer's index search (its grid parameter: roargraph L, IVF nprobe, HNSW ef) at build time, "
-                   "where its recall@k on the newest prefill queries falls short of TARGET, to the cheapest value reaching "
-                   "it (counted in the build); 0: off (the index's default search, or --param's)")
+                   "where its weight recall@k on the newest prefill queries (the share of their exact top-k's softmax "
+                   "weight it finds) falls short of TARGET, to the cheapest value reaching it (counted in the build); "
+                   "0: off (the index's default search, or --param's)")
 @click.option("--device", default=None, help="accelerator side: cuda when available, else cpu")
 @click.option("--torch-threads", default=0, show_default=True,
               help="CPU threads of torch (the accelerator stand-in on CPU-only machines); 0 = torch's default")
@@ -186,9 +187,9 @@ def _check_options(settings: Settings, evaluation: str, task: str | None, prompt
 
 
 def _check_calibrate(target: float) -> None:
-    """A calibration target is a recall: in (0, 1], or 0 for none."""
+    """A calibration target is a weight recall: in (0, 1], or 0 for none."""
     if not (target == 0 or 0 < target <= 1):
-        raise DecodeError(f"--calibrate takes a recall target in (0, 1] (0: off), got {target}")
+        raise DecodeError(f"--calibrate takes a weight recall target in (0, 1] (0: off), got {target}")
 
 
 def _check_train_positions(lm, mode_list: list[Mode], settings: Settings) -> None:

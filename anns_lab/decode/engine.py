@@ -95,6 +95,7 @@ class Prefilled:
     queries: dict[int, np.ndarray]
     seconds: float
     early: EarlyBuilds | None = None  # the index modes' builds started during the prefill (run_mode takes them)
+    scaling: dict[int, float] = field(default_factory=dict)  # each long-range layer's softmax scale
 
 
 @dataclass
@@ -132,7 +133,7 @@ def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool, build
     early = None
     if settings.build_during_prefill and any(m.kind == "index" for m in build_modes):
         early = EarlyBuilds(lm, len(ids), [m for m in build_modes if m.kind == "index"], settings, cache,
-                            ctl.prefill_queries if capture_queries else (lambda layer: None))
+                            ctl.prefill_queries if capture_queries else (lambda layer: None), ctl.scaling)
     t0 = time.perf_counter()
     logits = None
     bar = tqdm(total=len(ids), unit="tok", desc=f"prefill {lm.name}", disable=not progress or len(ids) <= settings.chunk)
@@ -155,7 +156,7 @@ def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool, build
     if early is not None:
         early.prefill_done()
     queries = {layer: ctl.prefill_queries(layer) for layer in lm.long_range_layers} if capture_queries else {}
-    return Prefilled(list(ids), cache, logits[0, -1].float(), queries, seconds, early)
+    return Prefilled(list(ids), cache, logits[0, -1].float(), queries, seconds, early, ctl.scaling)
 
 
 def _sync(device) -> None:
@@ -216,7 +217,7 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
     run = ModeRun(mode.name, out_tokens, all_logits, build_s, decode_s, steps, step_s, notes, device_kv_bytes(cache),
                   hidden_s, sum(s.cpu_bytes() for s in stores.values()), sum(s.n_rows for s in stores.values()),
                   pre.seconds)
-    run.calibration = {layer: {"param": c.param, "value": c.value, "recall": c.recall}
+    run.calibration = {layer: {"param": c.param, "value": c.value, "weight_recall": c.weight_recall}
                        for layer, c in ((layer, s.calibration) for layer, s in stores.items()) if c is not None}
     run.cache = cache if keep_cache else None
     run.stores = stores  # kept for inspection (tests, index sizes)

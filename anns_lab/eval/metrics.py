@@ -30,12 +30,40 @@ def recall_at_k(ids: np.ndarray, scores: np.ndarray, k: int, thresh: np.ndarray 
     """Per-query recall@k of returned ``ids`` (−1 = none; a repeat counts once) against exact ``scores`` (nq, n), ties
     counted as hits; ``thresh``: :func:`kth_scores` of ``scores`` when the caller keeps it (a calibration's probes)."""
     thresh = kth_scores(scores, k) if thresh is None else thresh
-    ids = np.sort(np.asarray(ids, dtype=np.int64), axis=1)  # (nq, r): repeats side by side, -1 first
-    first = np.ones(ids.shape, bool)
-    first[:, 1:] = ids[:, 1:] != ids[:, :-1]
-    valid = first & (ids >= 0)
+    ids, valid = _distinct(ids)
     hit = valid & (np.take_along_axis(scores, np.maximum(ids, 0), axis=1) >= thresh[:, None])
     return np.minimum(hit.sum(axis=1), k) / k
+
+
+def softmax_weights(scores: np.ndarray, scaling: float) -> np.ndarray:
+    """exp(scaling · (score − the row's best)) of exact ``scores`` (nq, n), in place: each key's attention weight up to
+    the row's normaliser (float32: a weight below ~1e-38 of the best is 0, which no sum here notices)."""
+    scores -= scores.max(axis=1, keepdims=True)
+    scores *= np.float32(scaling)
+    return np.exp(scores, out=scores)
+
+
+def topk_weight(weights: np.ndarray, k: int) -> np.ndarray:
+    """Per row, the summed weight of the k heaviest keys: what exact top-k attention keeps."""
+    return np.partition(weights, -k, axis=1)[:, -k:].sum(axis=1, dtype=np.float64)
+
+
+def weight_recall_at_k(ids: np.ndarray, weights: np.ndarray, k: int, best: np.ndarray | None = None) -> np.ndarray:
+    """Per query, the weight (:func:`softmax_weights`) of the distinct returned ``ids`` over that of the exact top-k
+    (``best``: :func:`topk_weight` when the caller keeps it): recall@k with each key counted by its attention weight,
+    so a missed key costs what attention loses with it (a near-tie swapped for the k+1-th costs almost nothing)."""
+    best = topk_weight(weights, k) if best is None else best
+    ids, valid = _distinct(ids)
+    got = np.where(valid, np.take_along_axis(weights, np.maximum(ids, 0), axis=1), 0).sum(axis=1, dtype=np.float64)
+    return np.minimum(got / best, 1.0)
+
+
+def _distinct(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``ids`` (nq, r) sorted per row, and which entries are a row's first occurrence of a valid id (−1 = none)."""
+    ids = np.sort(np.asarray(ids, dtype=np.int64), axis=1)  # repeats side by side, -1 first
+    first = np.ones(ids.shape, bool)
+    first[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    return ids, first & (ids >= 0)
 
 
 def attention_over(logits: np.ndarray, values: np.ndarray, subset: np.ndarray | None = None) -> np.ndarray:
