@@ -115,7 +115,7 @@ class ModeRun:
     cpu_bytes: int = 0  # CPU-side stores and indexes of the long-range layers at the end of decoding
     cpu_keys: int = 0  # tokens those stores held, summed over the layers
     prefill_s: float = 0.0  # the prefill this run decoded from (with any builds that overlapped it), seconds
-    calibration: dict = field(default_factory=dict)  # layer -> {param, value, recall} where the search was calibrated
+    calibration: dict = field(default_factory=dict)  # layer -> {param, value, weight_recall} where the search was calibrated
 
 
 def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool, build_modes: list[Mode] = (),

@@ -1,0 +1,99 @@
+"""What a calibration criterion would choose per layer, and what the decode steps get there (``--calibrate``).
+
+    python benchmarks/diag_calibration_metric.py --dump /work/dumps/smollm2-passkey-8184 --heads 0,4,8 \
+        [--layers all] [--targets 0.9,0.95] [--json out.json]
+
+Per (layer, head), on the sweep's protocol (``eval.heads.load_head``: window 128 + 512 out, the dump's decode steps as
+test queries, every prefill query before them as training queries, at the serving positions): roargraph is built with
+its defaults, and at each value of its ``L`` grid the head's newest 64 prefill queries (own positions: what
+``anns-lab decode --calibrate`` probes) and the decode steps are searched. Reported per layer (mean over the heads):
+the newest queries' set recall@100 and weight recall@100 (``metrics.weight_recall_at_k``: the exact top-100's softmax
+weight found), the decode steps' the same, their attention mass kept and output error with the window
+(``HeadData.attention_quality``, against full attention) and the scanned fraction. Then, per criterion and target,
+the ``L`` each layer would get (the cheapest grid value from the default 100 up reaching the target, as the decoder
+raises) and the decode steps' scanned fraction and output error there. JSON rows with ``--json``; tables on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pandas as pd
+from tqdm import tqdm
+
+from anns_lab.decode import calibrate
+from anns_lab.dumps.store import open_dump
+from anns_lab.eval import metrics
+from anns_lab.eval.heads import load_head
+from anns_lab.indexes import registry
+from anns_lab.window import Window
+
+K = 100
+
+
+def head_rows(dump, layer: int, head: int) -> list[dict]:
+    """One row per grid value of roargraph's ``L`` for this (layer, head)."""
+    data = load_head(dump, layer, head, Window(128, 512), min_test=1)
+    index = registry.get("roargraph")().build(data.keys, data.train_queries)
+    n = int(dump.manifest["n_tokens"]["prefill"])
+    newest = np.ascontiguousarray(dump.queries(layer, head, "prefill")[n - calibrate.QUERIES:], dtype=np.float32)
+    probes = {"new": (newest, metrics.exact_scores(newest, data.keys)), "dec": (data.test_queries, data.exact("q2k"))}
+    weights = {name: metrics.softmax_weights(scores.copy(), data.scaling) for name, (_, scores) in probes.items()}
+    rows = []
+    for L in registry.get("roargraph").search_grid["L"]:
+        row = {"layer": layer, "head": head, "L": L}
+        for name, (queries, scores) in probes.items():
+            res = index.search(queries, K, L=L)
+            row[f"{name}_set"] = float(metrics.recall_at_k(res.ids, scores, K).mean())
+            row[f"{name}_weight"] = float(metrics.weight_recall_at_k(res.ids, weights[name], K).mean())
+            row[f"{name}_scanned"] = float(res.n_scanned.mean() / len(data.keys))
+            if name == "dec":
+                row["dec_mass_kept"], row["dec_out_err"] = data.attention_quality(res.ids)
+        rows.append(row)
+    return rows
+
+
+def choices(table: pd.DataFrame, criterion: str, target: float, floor: int = 100) -> pd.DataFrame:
+    """Per layer, the least ``L`` >= ``floor`` whose mean ``criterion`` over the heads reaches ``target`` (else the
+    grid's largest), with the decode steps' figures there."""
+    mean = table.groupby(["layer", "L"]).mean(numeric_only=True).reset_index()
+    picked = []
+    for _, rows in mean.groupby("layer"):
+        rows = rows[rows.L >= floor]
+        reach = rows[rows[criterion] >= target]
+        picked.append((reach if len(reach) else rows).sort_values("L").iloc[0 if len(reach) else -1])
+    return pd.DataFrame(picked)[["layer", "L", criterion, "dec_set", "dec_scanned", "dec_out_err"]]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dump", required=True)
+    ap.add_argument("--layers", default="all", help="all, or a list 2,15,28")
+    ap.add_argument("--heads", default="all", help="all, or a list 0,4,8")
+    ap.add_argument("--targets", default="0.9,0.95")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    dump = open_dump(a.dump)
+    layers = dump.layers if a.layers == "all" else [int(x) for x in a.layers.split(",")]
+    heads = range(dump.n_heads) if a.heads == "all" else [int(x) for x in a.heads.split(",")]
+    rows = []
+    for layer, head in tqdm([(layer, head) for layer in layers for head in heads], desc="heads"):
+        rows += head_rows(dump, layer, head)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(rows, f)
+    table = pd.DataFrame(rows)
+    pd.set_option("display.width", 200)
+    print(table.groupby(["layer", "L"]).mean(numeric_only=True).drop(columns="head").round(4).to_string())
+    for target in map(float, a.targets.split(",")):
+        for criterion in ("new_set", "new_weight"):
+            pick = choices(table, criterion, target)
+            print(f"\n{criterion} >= {target}: L per layer {pick.L.astype(int).tolist()}; decode steps: scanned "
+                  f"{pick.dec_scanned.mean():.2%}, output error {pick.dec_out_err.mean():.4f}, set recall "
+                  f"{pick.dec_set.mean():.3f}")
+
+
+if __name__ == "__main__":
+    main()
