@@ -195,7 +195,13 @@ def signed_order(b):
 
 @njit(cache=True, nogil=True, inline="always")
 def count_at_least(row, v):
-    """How many of the bfloat16 scores ``row`` (raw bits, int16) have ``signed_order`` ≥ ``v``."""
+    """How many of the bfloat16 scores ``row`` (raw bits, int16) have ``signed_order`` ≥ ``v``.
+
+    ``v`` is a threshold in :func:`signed_order` units, i.e. a bfloat16 bit pattern, so scores compare at bfloat16
+    precision (floats that round to one bfloat16 tie). It must lie in [-32768, 32767] (-32768 counts every score): the
+    vector compare takes its low 16 bits, so 32768 would count every score of the 32-score blocks and none of the tail.
+    -0.0 (bits 0x8000) orders as -1, just below +0.0 (0): ``v`` 0 counts +0.0 and not -0.0, where a float compare
+    has them equal; a NaN orders beyond its sign's infinity."""
     n = row.shape[0]
     c = 0
     for i in range(0, n - ORDER_LANES + 1, ORDER_LANES):
@@ -208,7 +214,8 @@ def count_at_least(row, v):
 @njit(cache=True, nogil=True, inline="always")
 def indices_at_least(row, v, out):
     """The indices of the scores of ``row`` (as :func:`count_at_least`) with ``signed_order`` ≥ ``v``, ascending, into
-    ``out``; returns how many."""
+    ``out``; returns how many. ``v`` as for :func:`count_at_least`: a bfloat16 bit pattern in [-32768, 32767], -0.0
+    below +0.0."""
     n = row.shape[0]
     t = 0
     for i in range(0, n - ORDER_LANES + 1, ORDER_LANES):
