@@ -137,7 +137,7 @@ def test_unreachable_target_takes_the_most_thorough_value(monkeypatch):
     assert cal.weight_recall == pytest.approx(_reference_recall(store, newest, "L", 2))
     # the note says so, even where the recall prints as the target (0.8996 as 0.900)
     shy = dataclasses.replace(cal, weight_recall=0.8996)
-    assert "(0.900); short of the target at the grid's most thorough value: layer 5" in calibrate.describe([shy], 0.9)
+    assert "(0.900); short of the target at the most thorough value tried: layer 5" in calibrate.describe([shy], 0.9)
     assert "short" not in calibrate.describe([dataclasses.replace(cal, weight_recall=0.9)], 0.9)
     # a --from-sweep mode's layers may use different indexes: the note names each parameter
     ivf = calibrate.Calibration(7, "nprobe", 16, 0.95, {16: 0.95})

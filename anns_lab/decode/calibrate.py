@@ -136,10 +136,11 @@ def with_present(store, param: str, values: list) -> tuple[list, int]:
 
 def describe(calibrations: list[Calibration], target: float) -> str:
     """One line for a mode's notes: each layer's calibrated value and weight recall, and the layers whose most thorough
-    value fell short of the target (a weight recall of 0.9496 prints as 0.950 beside a target of 0.95)."""
+    value tried (the grid's, or a ``--param`` value beyond it, probed itself) fell short of the target (a weight recall
+    of 0.9496 prints as 0.950 beside a target of 0.95)."""
     params = " / ".join(dict.fromkeys(x.param for x in calibrations))  # a --from-sweep mode's layers may differ in index
     short = [str(x.layer) for x in calibrations if x.weight_recall < target]
     return (f"calibrated {params} per layer to weight recall@k >= {target} on the newest {QUERIES} prefill queries (raised "
             "from the search given where that fell below): "
             + ", ".join(x.describe() for x in calibrations)
-            + (f"; short of the target at the grid's most thorough value: layer {', '.join(short)}" if short else ""))
+            + (f"; short of the target at the most thorough value tried: layer {', '.join(short)}" if short else ""))
