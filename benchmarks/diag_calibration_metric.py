@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -28,6 +29,7 @@ from anns_lab.dumps.store import open_dump
 from anns_lab.eval import metrics
 from anns_lab.eval.heads import load_head
 from anns_lab.indexes import registry
+from anns_lab.io import atomic_write_bytes
 from anns_lab.window import Window
 
 K = 100
@@ -81,9 +83,8 @@ def main() -> None:
     rows = []
     for layer, head in tqdm([(layer, head) for layer in layers for head in heads], desc="heads"):
         rows += head_rows(dump, layer, head)
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(rows, f)
+        if a.json:  # rewritten after each head: a stopped run keeps what it measured
+            atomic_write_bytes(Path(a.json), json.dumps(rows).encode("utf-8"))
     table = pd.DataFrame(rows)
     pd.set_option("display.width", 200)
     print(table.groupby(["layer", "L"]).mean(numeric_only=True).drop(columns="head").round(4).to_string())

@@ -42,18 +42,22 @@ def _store(name: str, build: dict, seed: int = 0):
 SCALING = 0.25  # the layer's softmax scale (1/sqrt(d) for these 16-dim heads)
 
 
-def _reference_recall(store, queries, param, value) -> float:
-    """Mean over heads and queries of the softmax weight (float64, at SCALING) of the distinct returned keys over that
-    of the exact top-k, each head's index searched alone, exact top-k by a full numpy sort."""
+def _reference_recall(store, queries, param, value, scaling: float | None = SCALING) -> float:
+    """Mean over heads and queries of the softmax weight (float64, at ``scaling``) of the distinct returned keys over
+    that of the exact top-k, each head's index searched alone, exact top-k by a full numpy sort; ``scaling`` None: set
+    recall (the share of the exact top-k returned: no ties in random float data)."""
     k = store.topk
     out = []
     for h in range(store.n_heads):
         keys = store.keys[h // store.group, : store.n_indexed].astype(np.float64)
-        logits = SCALING * (queries[h].astype(np.float64) @ keys.T)
-        weights = np.exp(logits - logits.max(axis=1, keepdims=True))
+        logits = queries[h].astype(np.float64) @ keys.T
+        weights = np.exp((scaling or 0.0) * (logits - logits.max(axis=1, keepdims=True)))
         exact = np.argsort(-logits, axis=1)[:, :k]
         got = store.indexes[h].search(queries[h], k, **{param: value}).ids
-        out += [w[np.unique(a[a >= 0])].sum() / w[b].sum() for w, a, b in zip(weights, got, exact)]
+        if scaling is None:
+            out += [len(set(a[a >= 0]) & set(b)) / k for a, b in zip(got, exact)]
+        else:
+            out += [w[np.unique(a[a >= 0])].sum() / w[b].sum() for w, a, b in zip(weights, got, exact)]
     return float(np.mean(out))
 
 
@@ -98,6 +102,21 @@ def test_calibration_raises_the_search_to_the_cheapest_grid_value_reaching_the_t
     assert all(tried == pytest.approx(recalls[values.index(v)]) for v, tried in cal.tried.items())
     if recalls[floor] >= target:
         assert list(cal.tried) == [values[floor]]  # one probe where the search given suffices
+
+
+def test_calibration_counts_each_key_by_its_weight_at_the_layers_scale():
+    """Where set recall, or weight recall at a wrong scale (1.0: the raw inner products), would choose another value
+    than weight recall at the layer's scale, calibration chooses the latter's (float64 references over the grid)."""
+    store, newest = _store("ivf", {"nlist": 32})
+    store.plan = dataclasses.replace(store.plan, search_params={"nprobe": 1})  # below the default: room to choose
+    values = [point["nprobe"] for point in store.indexes[0].grid()]
+    target = 0.92
+    want = {scaling: _expected(values, [_reference_recall(store, newest, "nprobe", v, scaling) for v in values], 0,
+                               target) for scaling in (SCALING, None, 1.0)}
+    assert want[SCALING] != want[None] and want[SCALING] != want[1.0]  # the data tell the three apart
+    cal = calibrate.calibrate(store, newest, target, SCALING)
+    assert cal.value == values[want[SCALING]]
+    assert cal.weight_recall == pytest.approx(_reference_recall(store, newest, "nprobe", cal.value))
 
 
 def test_calibration_does_not_lower_a_search_that_reaches_the_target():
@@ -277,6 +296,29 @@ def test_calibration_beside_the_prefill_runs_on_one_thread(tiny_gemma3, monkeypa
         assert store.calibration is not None and store.calibration.param == "nprobe"
     assert seen[0][0].startswith("anns-lab-build") and seen[0][1:] == (1, 1)
     assert seen[1] == before  # the calling thread's teams, as they were before the one-thread worker ran
+
+
+@pytest.mark.parametrize("during", [True, False])
+def test_each_layer_is_calibrated_at_the_scale_its_attention_was_called_with(tiny_gemma3, monkeypatch, during):
+    """The softmax scale the prefill records reaches each layer's calibration, with the builds during the prefill
+    (builds.EarlyBuilds) and after it (builds.build_stores)."""
+    lm = load_model(str(tiny_gemma3), device=TEST_DEVICE)
+    settings = Settings(Window(4, 8), topk=12, add_batch=4, chunk=24, calibrate=0.9, build_during_prefill=during)
+    ids = np.random.default_rng(3).integers(3, 400, size=160).tolist()
+    mode = Mode("ivf", IndexPlan("ivf", {"nlist": 8}, {}))
+    seen = {}
+    original = calibrate.calibrate
+
+    def spy(store, queries, target, scaling):
+        seen[store.layer] = scaling
+        return original(store, queries, target, scaling)
+
+    monkeypatch.setattr(calibrate, "calibrate", spy)
+    pre = prefill(lm, ids, settings, capture_queries=True, build_modes=[mode])
+    assert (pre.early is not None) == during
+    run_mode(lm, pre, mode, settings, 2)
+    scale = {layer: lm.model.model.layers[layer].self_attn.scaling for layer in lm.long_range_layers}
+    assert seen == scale and all(s != 1.0 for s in scale.values())
 
 
 @pytest.mark.parametrize("last", [1, 2, 5, 15, 16])

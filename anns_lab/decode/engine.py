@@ -81,7 +81,7 @@ class Settings:
     lists_on_device: bool | None = None  # training lists of the indexes on the accelerator (None: when it is CUDA)
     build_during_prefill: bool = True  # start a layer's index builds once the prompt's last chunk has passed it (builds.EarlyBuilds)
     steps: int = 64  # decode steps of a mode at most: the CPU stores reserve a row per step past the prompt's
-    calibrate: float = 0.0  # > 0: each layer's index search raised at build time to this recall@k where short (the CLI's default: calibrate.TARGET)
+    calibrate: float = 0.0  # > 0: each layer's index search raised at build time to this weight recall@k (calibrate.calibrate) where short (the CLI's default: calibrate.TARGET)
     copy_hints: int = 8  # per step, the positions after this many earlier occurrences of the context's suffix (and the 2 steps before's, moved on) enter the searches (0 = none)
 
 
