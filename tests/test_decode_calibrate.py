@@ -181,7 +181,8 @@ def test_decode_searches_each_layer_at_its_calibrated_value(tiny_gemma3, monkeyp
     run = run_mode(lm, pre, Mode("roargraph", IndexPlan("roargraph", {}, {})), settings, 4)
     by_index = {id(s.indexes[0]): s.calibration.value for s in run.stores.values()}
     assert set(by_index) == {i for i, _ in seen} and all(by_index[i] == L for i, L in seen)
-    assert run.calibration == {layer: {"param": "L", "value": s.calibration.value, "weight_recall": s.calibration.weight_recall}
+    assert run.calibration == {layer: {"param": "L", "value": s.calibration.value, "weight_recall": s.calibration.weight_recall,
+                                       "tried": {str(v): r for v, r in s.calibration.tried.items()}}
                                for layer, s in run.stores.items()}
     assert any("calibrated L per layer" in n for n in run.notes)
     # without calibration every layer searches at the default
@@ -210,7 +211,8 @@ def test_cli_calibration_target_and_json(tiny_llama, tmp_path):
     # each sample records the values its prompt's calibration chose, per long-range layer
     cal = data["modes"]["ivf"]["samples"][0]["calibration"]
     assert cal and all(c["param"] == "nprobe" and c["value"] in registry.get("ivf").search_grid["nprobe"]
-                       and 0 <= c["weight_recall"] <= 1 for c in cal.values())
+                       and 0 <= c["weight_recall"] <= 1 and c["tried"][str(c["value"])] == c["weight_recall"]
+                       for c in cal.values())
     assert "calibration" not in data["modes"]["full"]["samples"][0]
     # a --param value is the floor it starts from (the default, 8 or the lists' count, would reach this target too)
     res = CliRunner().invoke(main, [*run, "--calibrate", "0.01", "--param", "nprobe=1"])

@@ -115,7 +115,7 @@ class ModeRun:
     cpu_bytes: int = 0  # CPU-side stores and indexes of the long-range layers at the end of decoding
     cpu_keys: int = 0  # tokens those stores held, summed over the layers
     prefill_s: float = 0.0  # the prefill this run decoded from (with any builds that overlapped it), seconds
-    calibration: dict = field(default_factory=dict)  # layer -> {param, value, weight_recall} where the search was calibrated
+    calibration: dict = field(default_factory=dict)  # layer -> {param, value, weight_recall, tried} where the search was calibrated
 
 
 def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool, build_modes: list[Mode] = (),
@@ -217,7 +217,8 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
     run = ModeRun(mode.name, out_tokens, all_logits, build_s, decode_s, steps, step_s, notes, device_kv_bytes(cache),
                   hidden_s, sum(s.cpu_bytes() for s in stores.values()), sum(s.n_rows for s in stores.values()),
                   pre.seconds)
-    run.calibration = {layer: {"param": c.param, "value": c.value, "weight_recall": c.weight_recall}
+    run.calibration = {layer: {"param": c.param, "value": c.value, "weight_recall": c.weight_recall,
+                               "tried": {str(v): r for v, r in c.tried.items()}}  # each probe's value -> weight recall
                        for layer, c in ((layer, s.calibration) for layer, s in stores.items()) if c is not None}
     run.cache = cache if keep_cache else None
     run.stores = stores  # kept for inspection (tests, index sizes)
