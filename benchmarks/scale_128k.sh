@@ -5,7 +5,7 @@
 #   MODEL=smollm2 TOKENS=2048 LAYERS=2,15 QUICK=1 benchmarks/scale_128k.sh   # the same steps at small size
 #   ROPE=linear:4 DECODE_ARGS="--calibrate 0.95" OUT=results/scale-rope4 benchmarks/scale_128k.sh
 #       # the decodes with the global layers' RoPE positions scaled (full attention then answers at 128K), each
-#       # index mode's search raised per layer to recall 0.95 on the prompt's newest queries (roargraph L,
+#       # index mode's search raised per layer to weight recall 0.95 on the prompt's newest queries (roargraph L,
 #       # IVF nprobe; BENCHMARKS "Calibrated search": the fixed L 100 is short at 128K)
 #
 # 1. `anns-lab dump` beyond the 32K training length (--allow-extrapolation: the results say so), chunked

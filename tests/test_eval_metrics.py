@@ -63,7 +63,7 @@ def test_figure_frontier_keeps_exactly_the_undominated_points(lower):
 
 def test_recall_at_k_against_a_per_row_set_count():
     """The vectorised count against the plain one (each row's distinct valid ids scoring at least its k-th exact
-    score), on random ids with repeats and -1s, and with the threshold given."""
+    score), on random ids with repeats and -1s."""
     rng = np.random.default_rng(7)
     for k in (1, 5, 20):
         scores = rng.normal(size=(30, 50)).astype(np.float32)
@@ -73,7 +73,6 @@ def test_recall_at_k_against_a_per_row_set_count():
         kth = metrics.kth_scores(scores, k)
         want = [min(sum(scores[i, j] >= kth[i] for j in set(row[row >= 0].tolist())), k) / k for i, row in enumerate(ids)]
         assert metrics.recall_at_k(ids, scores, k).tolist() == pytest.approx(want)
-        assert metrics.recall_at_k(ids, scores, k, kth).tolist() == pytest.approx(want)
 
 
 def test_weight_recall_is_the_share_of_the_exact_top_k_attention_mass_returned():

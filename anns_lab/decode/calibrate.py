@@ -20,6 +20,7 @@ beam up to 12x for no change in the output (BENCHMARKS "Calibration on attention
 an attention-aware index's training set (its ``keep_queries``), so their recall reads higher there than a decode
 step's does on a head whose decode queries differ most from the prompt's.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -45,13 +46,6 @@ class Calibration:
 
     def describe(self) -> str:
         return f"{self.layer}: {self.param}={self.value} ({self.weight_recall:.3f})"
-
-
-def grid_param(cls) -> tuple[str, tuple] | None:
-    """The index class's one grid parameter and its declared values, or None (no grid, or several): which parameter
-    ``--calibrate`` sets, known before any build (the values searched are the built index's, :func:`built_grid`)."""
-    grid = getattr(cls, "search_grid", None) or {}
-    return next(iter(grid.items())) if len(grid) == 1 else None
 
 
 def built_grid(index) -> tuple[str, list] | None:

@@ -26,10 +26,10 @@ def exact_topk(scores: np.ndarray, k: int) -> np.ndarray:
     return np.take_along_axis(part, order, axis=1)
 
 
-def recall_at_k(ids: np.ndarray, scores: np.ndarray, k: int, thresh: np.ndarray | None = None) -> np.ndarray:
+def recall_at_k(ids: np.ndarray, scores: np.ndarray, k: int) -> np.ndarray:
     """Per-query recall@k of returned ``ids`` (−1 = none; a repeat counts once) against exact ``scores`` (nq, n), ties
-    counted as hits; ``thresh``: :func:`kth_scores` of ``scores`` when the caller keeps it (a calibration's probes)."""
-    thresh = kth_scores(scores, k) if thresh is None else thresh
+    counted as hits."""
+    thresh = kth_scores(scores, k)
     ids, valid = _distinct(ids)
     hit = valid & (np.take_along_axis(scores, np.maximum(ids, 0), axis=1) >= thresh[:, None])
     return np.minimum(hit.sum(axis=1), k) / k
