@@ -11,7 +11,8 @@ the newest queries' set recall@100 and weight recall@100 (``metrics.weight_recal
 weight found), the decode steps' the same, their attention mass kept and output error with the window
 (``HeadData.attention_quality``, against full attention) and the scanned fraction. Then, per criterion and target,
 the ``L`` each layer would get (the cheapest grid value from the default 100 up reaching the target, as the decoder
-raises) and the decode steps' scanned fraction and output error there. JSON rows with ``--json``; tables on stdout.
+raises; ``--over``: the layer's heads judged by their mean, as the decoder does, by their worst, or each head given its
+own ``L``) and the decode steps' scanned fraction and output error there (mean over the heads). JSON rows with ``--json``; tables on stdout.
 """
 
 from __future__ import annotations
@@ -57,16 +58,22 @@ def head_rows(dump, layer: int, head: int) -> list[dict]:
     return rows
 
 
-def choices(table: pd.DataFrame, criterion: str, target: float, floor: int = 100) -> pd.DataFrame:
-    """Per layer, the least ``L`` >= ``floor`` whose mean ``criterion`` over the heads reaches ``target`` (else the
-    grid's largest), with the decode steps' figures there."""
-    mean = table.groupby(["layer", "L"]).mean(numeric_only=True).reset_index()
+OVER = ("mean", "min", "head")  # how a layer's heads are judged: their mean (the decoder's), the worst head, each head
+
+
+def choices(table: pd.DataFrame, criterion: str, target: float, over: str = "mean", floor: int = 100) -> pd.DataFrame:
+    """The least ``L`` >= ``floor`` whose ``criterion`` reaches ``target`` (else the grid's largest), with the decode steps'
+    figures there, one row per head: the layer's heads judged by their mean (``over="mean"``, as ``--calibrate`` does)
+    or by their worst (``"min"``), both one ``L`` per layer, or each head on its own (``"head"``: an ``L`` per head)."""
+    keys = ["layer", "head"] if over == "head" else ["layer"]
+    judged = table.groupby([*keys, "L"])[criterion].agg("min" if over == "min" else "mean").reset_index()
     picked = []
-    for _, rows in mean.groupby("layer"):
-        rows = rows[rows.L >= floor]
+    for key, rows in judged.groupby(keys):
+        rows = rows[rows.L >= floor].sort_values("L")
         reach = rows[rows[criterion] >= target]
-        picked.append((reach if len(reach) else rows).sort_values("L").iloc[0 if len(reach) else -1])
-    return pd.DataFrame(picked)[["layer", "L", criterion, "dec_set", "dec_scanned", "dec_out_err"]]
+        picked.append((*(key if isinstance(key, tuple) else (key,)), int((reach if len(reach) else rows).L.iloc[0 if len(reach) else -1])))
+    at = pd.DataFrame(picked, columns=[*keys, "L"])
+    return table.merge(at, on=[*keys, "L"])[["layer", "head", "L", criterion, "dec_set", "dec_scanned", "dec_out_err"]]
 
 
 def main() -> None:
@@ -75,6 +82,7 @@ def main() -> None:
     ap.add_argument("--layers", default="all", help="all, or a list 2,15,28")
     ap.add_argument("--heads", default="all", help="all, or a list 0,4,8")
     ap.add_argument("--targets", default="0.9,0.95")
+    ap.add_argument("--over", default="mean", help="how a layer's heads are judged, a list of " + ", ".join(OVER))
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     dump = open_dump(a.dump)
@@ -90,10 +98,12 @@ def main() -> None:
     print(table.groupby(["layer", "L"]).mean(numeric_only=True).drop(columns="head").round(4).to_string())
     for target in map(float, a.targets.split(",")):
         for criterion in ("new_set", "new_weight"):
-            pick = choices(table, criterion, target)
-            print(f"\n{criterion} >= {target}: L per layer {pick.L.astype(int).tolist()}; decode steps: scanned "
-                  f"{pick.dec_scanned.mean():.2%}, output error {pick.dec_out_err.mean():.4f}, set recall "
-                  f"{pick.dec_set.mean():.3f}")
+            for over in a.over.split(","):
+                pick = choices(table, criterion, target, over)
+                per_layer = pick.groupby("layer").L.agg(lambda x: "/".join(map(str, x)) if over == "head" else str(x.iloc[0]))
+                print(f"\n{criterion} >= {target} ({over} over heads): L per layer {per_layer.tolist()}; decode steps: "
+                      f"scanned {pick.dec_scanned.mean():.2%}, output error {pick.dec_out_err.mean():.4f}, set recall "
+                      f"{pick.dec_set.mean():.3f}")
 
 
 if __name__ == "__main__":
