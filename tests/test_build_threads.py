@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 
 import faiss
@@ -10,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from anns_lab.decode.builds import EarlyBuilds
 from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.indexes import registry, threads
 from anns_lab.indexes.threads import map_one_thread
@@ -179,6 +182,35 @@ def test_a_layer_store_builds_beside_the_prefill_only_when_asked(monkeypatch):
     assert seen[1] == (threading.current_thread().name, numba.get_num_threads())
 
 
+def _priority() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
+def test_builds_beside_other_work_run_below_its_priority_and_the_others_at_the_callers(monkeypatch):
+    """Beside the prefill every build thread (and the early-build worker that runs the rest of a layer's work) is at
+    the lowest priority, so the prefill keeps the cores it can use; after it, the builds run at the caller's."""
+    monkeypatch.setattr(threads, "thread_budget", lambda: 2)
+    monkeypatch.setattr(threads, "_POOLS", {})
+    mine = _priority()
+    assert mine < threads.LOWEST_PRIORITY
+    try:
+        beside = map_one_thread(lambda _: (threading.current_thread().name, _priority()), range(3), beside=True)
+        after = map_one_thread(lambda _: (threading.current_thread().name, _priority()), range(3))
+    finally:
+        for pool in threads._POOLS.values():
+            pool.shutdown()
+    assert all(name.startswith("anns-lab-build") and p == threads.LOWEST_PRIORITY for name, p in beside)
+    assert all(name.startswith("anns-lab-build") and p == mine for name, p in after)
+    assert _priority() == mine  # the caller keeps its own
+
+    early = EarlyBuilds(None, 0, [], None, None, None, {})
+    try:
+        assert early._pool.submit(_priority).result() == threads.LOWEST_PRIORITY
+    finally:
+        early.close()
+
+
 @pytest.mark.parametrize("name, params", [("roargraph", {}), ("roargraph", {"list_stride": 4}), ("ivf", {})])
 def test_a_layers_indexes_built_side_by_side_equal_those_built_one_by_one(name, params, monkeypatch):
     """list_stride 4: the anchored lists' re-rank (a parallel kernel) runs in both builds at once."""
@@ -200,6 +232,7 @@ def test_a_layers_indexes_built_side_by_side_equal_those_built_one_by_one(name, 
 
 _WORKQUEUE_BUILD = """
 import numpy as np
+from anns_lab.decode.builds import EarlyBuilds
 from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.indexes import threads
 threads.thread_budget = lambda: 2  # side by side even on a one-core runner

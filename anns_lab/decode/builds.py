@@ -22,7 +22,7 @@ from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.dumps import rope
 from anns_lab.indexes import registry
 from anns_lab.indexes.group_queries import PER_HEAD, group_queries
-from anns_lab.indexes.threads import map_one_thread
+from anns_lab.indexes.threads import lower_priority, map_one_thread
 
 
 def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, settings, queries: np.ndarray | None,
@@ -117,7 +117,10 @@ class EarlyBuilds:
         self.jobs: dict[str, dict[int, Future]] = {m.name: {} for m in modes}
         self.prefill_end: float | None = None
         self.ready_at: dict[int, float] = {}  # perf_counter when each layer was complete and its builds queued
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="anns-early-build")
+        # Below the prefill's priority, as the builds' own threads beside it (threads.lower_priority): what it runs
+        # itself (the keys' copy, the queries' RoPE move, a budget of one's builds) must not slow the prefill either.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="anns-early-build",
+                                        initializer=lower_priority)
 
     def layer_done(self, layer: int) -> None:
         self.ready_at[layer] = time.perf_counter()

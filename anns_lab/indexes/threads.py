@@ -8,6 +8,12 @@ spinning: on the 2-core machine a SmolLM2 8K head's build cost 0.65 CPU s with e
 process gave the calling thread (:func:`thread_budget`). A lone build beside the prefill runs on one such thread too;
 after the prefill it keeps the libraries' full teams (nothing else then runs).
 
+Beside the prefill the builds' threads also run at the lowest CPU priority (:func:`lower_priority`; Linux, where a
+nice value is per thread): the prefill, which the first token waits for whole, keeps the cores whenever it can use them,
+and the builds take what it leaves (its serial stretches, its threads' waits), then the cores once it has ended. As
+equals they cost more than their CPU: on the 2-core machine an 8K SmolLM2 prefill beside its builds took 1.6x its time
+alone, and a first token came 0.91x as late with the builds below it (BENCHMARKS "Builds below the prefill").
+
 Each library's setting is per thread: numba's ``set_num_threads`` and faiss's OpenMP ``omp_set_num_threads`` hold for the
 calling thread. torch's ``set_num_threads`` is process-wide (it also sets MKL's threads, which the prefill's matmuls on
 other threads use), so a thread's torch team is narrowed in torch's own OpenMP runtime instead, for that thread only.
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,7 +34,8 @@ import numba
 
 T = TypeVar("T")
 
-_POOLS: dict = {}  # (process, workers) -> pool: a forked child must not use its parent's
+_POOLS: dict = {}  # (process, workers, beside) -> pool: a forked child must not use its parent's
+LOWEST_PRIORITY = 19  # the nice value of a thread that builds beside the prefill
 _OMP_DEFAULT: dict = {}  # process -> OpenMP's count for a thread that set none
 
 
@@ -36,6 +44,22 @@ def one_thread() -> None:
     numba.set_num_threads(1)
     faiss.omp_set_num_threads(1)
     _torch_one_thread()
+
+
+def lower_priority() -> None:
+    """Run the calling thread at the lowest CPU priority (nice :data:`LOWEST_PRIORITY`) for good: on Linux, where nice
+    is a thread's own (other threads keep theirs); elsewhere, or where it is refused, it keeps its priority."""
+    if sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOWEST_PRIORITY)
+        except OSError:  # not permitted here: the builds then share the cores with the prefill as equals
+            pass
+
+
+def _beside_worker() -> None:
+    """A pool thread for builds beside other work: its kernels on one thread, below that work's priority."""
+    one_thread()
+    lower_priority()
 
 
 def _torch_one_thread() -> None:
@@ -89,15 +113,17 @@ def set_torch_threads(n: int) -> None:
 def map_one_thread(fn: Callable[..., T], items: Iterable, beside: bool = False) -> list[T]:
     """``[fn(x) for x in items]`` in order, at most :func:`thread_budget` at once, each on a thread running its kernels
     on one thread (:func:`one_thread`). A single item runs on the calling thread as it is (the libraries' full teams),
-    unless ``beside`` other work (the decoder's prefill), whose threads a team would spin against; a budget of one, or
-    numba's ``workqueue`` threading layer (:func:`_numba_threadsafe`), runs every item on the calling thread."""
+    unless ``beside`` other work (the decoder's prefill), whose threads a team would spin against; ``beside``, the
+    threads run below that work's priority (:func:`lower_priority`). A budget of one, or numba's ``workqueue`` threading
+    layer (:func:`_numba_threadsafe`), runs every item on the calling thread."""
     items = list(items)
     budget = thread_budget()
     if budget <= 1 or len(items) < (1 if beside else 2) or not _numba_threadsafe():
         return [fn(x) for x in items]
-    key = (os.getpid(), budget)
-    if key not in _POOLS:
-        _POOLS[key] = ThreadPoolExecutor(budget, thread_name_prefix="anns-lab-build", initializer=one_thread)
+    key = (os.getpid(), budget, beside)
+    if key not in _POOLS:  # separate pools: a thread's lowered priority cannot be raised again without privileges
+        _POOLS[key] = ThreadPoolExecutor(budget, thread_name_prefix="anns-lab-build",
+                                         initializer=_beside_worker if beside else one_thread)
     return [f.result() for f in [_POOLS[key].submit(fn, x) for x in items]]
 
 
