@@ -72,7 +72,8 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
 def calibrate_store(store: LayerStore, newest: np.ndarray, target: float, scaling: float,
                     beside: bool = False) -> calibration.Calibration | None:
     """:func:`calibrate.calibrate` of a built ``store`` on its ``newest`` prefill queries (H, c, d); ``beside`` the
-    prefill on a one-thread worker, as the builds (:func:`threads.map_one_thread`: spinning teams slow the prefill)."""
+    prefill on a one-thread worker below its priority, as the builds (:func:`threads.map_one_thread`: spinning teams
+    slow the prefill)."""
     return map_one_thread(lambda s: calibration.calibrate(s, newest, target, scaling), [store], beside)[0]
 
 

@@ -97,7 +97,7 @@ class LayerStore:
         ``group_queries`` (``--train-group unlisted``). The indexes are built side by side, one core each
         (:func:`indexes.threads.map_one_thread`: the same indexes as one after another, without the kernels' thread teams
         waiting on each other beside the prefill; ``beside``: the prefill still runs, so a layer of one index builds on
-        one thread too)."""
+        one thread too, and every build thread runs below the prefill's priority)."""
         if self.plan is None or self.n_rows == 0:
             return
         t0 = time.perf_counter()
