@@ -193,7 +193,8 @@ def test_builds_beside_other_work_run_below_its_priority_and_the_others_at_the_c
     monkeypatch.setattr(threads, "thread_budget", lambda: 2)
     monkeypatch.setattr(threads, "_POOLS", {})
     mine = _priority()
-    assert mine < threads.LOWEST_PRIORITY
+    if mine >= threads.LOWEST_PRIORITY:
+        pytest.skip("the tests run at the lowest priority already (nice 19): nothing to lower")
     try:
         beside = map_one_thread(lambda _: (threading.current_thread().name, _priority()), range(3), beside=True)
         after = map_one_thread(lambda _: (threading.current_thread().name, _priority()), range(3))
