@@ -66,13 +66,10 @@ def choices(table: pd.DataFrame, criterion: str, target: float, over: str = "mea
     figures there, one row per head: the layer's heads judged by their mean (``over="mean"``, as ``--calibrate`` does)
     or by their worst (``"min"``), both one ``L`` per layer, or each head on its own (``"head"``: an ``L`` per head)."""
     keys = ["layer", "head"] if over == "head" else ["layer"]
-    judged = table.groupby([*keys, "L"])[criterion].agg("min" if over == "min" else "mean").reset_index()
-    picked = []
-    for key, rows in judged.groupby(keys):
-        rows = rows[rows.L >= floor].sort_values("L")
-        reach = rows[rows[criterion] >= target]
-        picked.append((*(key if isinstance(key, tuple) else (key,)), int((reach if len(reach) else rows).L.iloc[0 if len(reach) else -1])))
-    at = pd.DataFrame(picked, columns=[*keys, "L"])
+    judged = table[table.L >= floor].groupby([*keys, "L"])[criterion].agg("min" if over == "min" else "mean").reset_index()
+    largest = judged.groupby(keys).L.max()
+    least = judged[judged[criterion] >= target].groupby(keys).L.min()
+    at = least.reindex(largest.index).fillna(largest).astype(int).rename("L").reset_index()
     return table.merge(at, on=[*keys, "L"])[["layer", "head", "L", criterion, "dec_set", "dec_scanned", "dec_out_err"]]
 
 
@@ -85,6 +82,8 @@ def main() -> None:
     ap.add_argument("--over", default="mean", help="how a layer's heads are judged, a list of " + ", ".join(OVER))
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    if set(a.over.split(",")) - set(OVER):
+        ap.error(f"--over takes a list of {', '.join(OVER)}, not {a.over!r}")
     dump = open_dump(a.dump)
     layers = dump.layers if a.layers == "all" else [int(x) for x in a.layers.split(",")]
     heads = range(dump.n_heads) if a.heads == "all" else [int(x) for x in a.heads.split(",")]
@@ -100,7 +99,7 @@ def main() -> None:
         for criterion in ("new_set", "new_weight"):
             for over in a.over.split(","):
                 pick = choices(table, criterion, target, over)
-                per_layer = pick.groupby("layer").L.agg(lambda x: "/".join(map(str, x)) if over == "head" else str(x.iloc[0]))
+                per_layer = pick.groupby("layer").L.agg(lambda x: "/".join(map(str, x if over == "head" else x[:1])))
                 print(f"\n{criterion} >= {target} ({over} over heads): L per layer {per_layer.tolist()}; decode steps: "
                       f"scanned {pick.dec_scanned.mean():.2%}, output error {pick.dec_out_err.mean():.4f}, set recall "
                       f"{pick.dec_set.mean():.3f}")

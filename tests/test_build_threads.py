@@ -233,7 +233,6 @@ def test_a_layers_indexes_built_side_by_side_equal_those_built_one_by_one(name, 
 
 _WORKQUEUE_BUILD = """
 import numpy as np
-from anns_lab.decode.builds import EarlyBuilds
 from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.indexes import threads
 threads.thread_budget = lambda: 2  # side by side even on a one-core runner
