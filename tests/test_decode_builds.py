@@ -21,40 +21,83 @@ def test_a_failed_build_cancels_the_queued_ones(monkeypatch):
         if layer == 0:
             go.wait(10)
             raise RuntimeError("build of layer 0 failed")
-        time.sleep(1.0)  # layer 1 may start before the error is seen (wait() then waits for it); the ones after must not
-        return object()
+        time.sleep(1.0)  # on two workers layers 1 and 2 may start before the error is seen (wait() then waits for
+        return object()  # them); the ones after must not
 
+    monkeypatch.setattr(builds, "thread_budget", lambda: 2)
     monkeypatch.setattr(builds, "layer_store", layer_store)
     early = builds.EarlyBuilds(None, 0, [Mode("some-index")], None, None, lambda layer: None, {})
-    for layer in range(4):
+    for layer in range(6):
         early.layer_done(layer)
     go.set()
     with pytest.raises(RuntimeError, match="layer 0 failed"):
         early.wait()
     jobs = early.jobs["some-index"]
-    assert jobs[2].cancelled() and jobs[3].cancelled()
+    assert all(jobs[layer].cancelled() for layer in (3, 4, 5))
     time.sleep(0.2)
-    assert 2 not in started and 3 not in started
+    assert not {3, 4, 5} & set(started)
 
 
-def test_builds_beside_the_prefill_are_marked_so_and_builds_after_it_are_not(monkeypatch):
-    """A layer whose builds start while the prefill runs builds ``beside`` it (one thread per index, even for a layer of
-    one index: indexes.threads.map_one_thread); a build that starts after the prefill ended keeps the full thread teams."""
+def test_several_modes_build_a_layer_at_a_time_beside_the_prefill_then_with_full_teams(monkeypatch):
+    """Several modes: one layer at a time (each mode's seconds its own). A layer whose builds start while the prefill
+    runs builds ``beside`` it (one thread per index, even for a layer of one index: indexes.threads.map_one_thread); a
+    build that starts after the prefill ended, alone then, keeps the full thread teams."""
+    monkeypatch.setattr(builds, "thread_budget", lambda: 2)
     go, seen = threading.Event(), {}
 
     def layer_store(lm, cache, n_ids, layer, plan, settings, queries, scaling=None, beside=False):
-        seen[layer] = beside
+        seen[layer, plan] = beside
         if layer == 0:
             go.wait(10)
         return object()
 
     monkeypatch.setattr(builds, "layer_store", layer_store)
-    early = builds.EarlyBuilds(None, 0, [Mode("some-index")], None, None, lambda layer: None, {})
+    early = builds.EarlyBuilds(None, 0, [Mode("a", "pa"), Mode("b", "pb")], None, None, lambda layer: None, {})
+    assert early.workers == 1
     early.layer_done(0)
     early.layer_done(1)  # queued behind layer 0: it starts once layer 0 is built, after the prefill ended
-    while 0 not in seen:
+    while (0, "pa") not in seen:
         time.sleep(0.01)
     early.prefill_done()
     go.set()
     early.wait()
-    assert seen == {0: True, 1: False}
+    assert seen == {(0, "pa"): True, (0, "pb"): False, (1, "pa"): False, (1, "pb"): False}
+
+
+def test_one_mode_builds_as_many_layers_at_once_as_its_budget_each_beside_the_others(monkeypatch):
+    """One mode (the decoder's): two layers build at once on a budget of two, each ``beside`` (one thread per kernel)
+    even after the prefill, since the other layer's builds share the cores; its seconds are the union of the layers'
+    spans, not their sum."""
+    monkeypatch.setattr(builds, "thread_budget", lambda: 2)
+    both, seen, lock = threading.Barrier(2, timeout=10), {}, threading.Lock()
+
+    def layer_store(lm, cache, n_ids, layer, plan, settings, queries, scaling=None, beside=False):
+        with lock:
+            seen[layer] = beside
+        both.wait()  # would time out (BrokenBarrierError) were the layers built one at a time
+        time.sleep(0.3)
+        return _Store()
+
+    monkeypatch.setattr(builds, "layer_store", layer_store)
+    monkeypatch.setattr(builds, "store_notes", lambda stores, settings: [])
+    early = builds.EarlyBuilds(None, 0, [Mode("some-index")], None, None, lambda layer: None, {})
+    assert early.workers == 2
+    early.prefill_done()
+    early.layer_done(0)
+    early.layer_done(1)
+    stores, _, seconds, hidden = early.take("some-index")
+    early.close()
+    assert seen == {0: True, 1: True} and set(stores) == {0, 1}
+    assert 0.3 <= seconds < 0.55 and hidden == 0.0  # two 0.3 s spans side by side: once, not 0.6
+
+
+class _Store:
+    calibration = None
+
+
+def test_covered_counts_overlapping_spans_once_and_only_before_the_end():
+    spans = [(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (5.5, 5.8)]
+    assert builds.covered(spans) == pytest.approx(4.0)
+    assert builds.covered(spans, end=2.5) == pytest.approx(2.5)
+    assert builds.covered(spans, end=5.5) == pytest.approx(3.5)
+    assert builds.covered([]) == 0.0

@@ -2,7 +2,7 @@
 
 A long-range layer's keys, values and queries are complete once the prompt's last chunk has passed that
 layer, while the later layers of that chunk still compute. :class:`EarlyBuilds` starts each such layer's
-builds (every index mode's) on a worker thread at that moment, so the build time that overlaps the prefill is
+builds (every index mode's) on worker threads at that moment, so the build time that overlaps the prefill is
 hidden from the time to first token. The stores are the ones :func:`build_stores` makes after the prefill
 (same inputs, same builds): decoding is bit-identical either way. Only the prefill's last chunk overlaps: an
 earlier chunk leaves every layer incomplete (a layer-major prefill would let layer L's build start after
@@ -22,7 +22,7 @@ from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.dumps import rope
 from anns_lab.indexes import registry
 from anns_lab.indexes.group_queries import PER_HEAD, group_queries
-from anns_lab.indexes.threads import lower_priority, map_one_thread
+from anns_lab.indexes.threads import lower_priority, map_one_thread, thread_budget
 
 
 def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, settings, queries: np.ndarray | None,
@@ -102,13 +102,16 @@ def store_notes(stores: dict[int, LayerStore], settings) -> list[str]:
 
 
 class EarlyBuilds:
-    """The index modes' stores, built on one worker thread from the moment the prefill's last chunk passes each layer.
+    """The index modes' stores, built on worker threads from the moment the prefill's last chunk passes each layer.
 
     ``layer_done(layer)`` (from the attention hook, prefill thread) queues that layer's builds, mode by mode;
     ``prefill_done()`` marks the end of the prefill; ``take(mode)`` waits for that mode's stores and returns
-    them with the wall seconds of its builds and the part of those that ran before the prefill ended (hidden).
-    Builds run one at a time, so each mode's seconds are its own builds' (a later mode's builds wait for the
-    earlier ones without that wait being counted: as if it were the only mode).
+    them with the wall seconds during which its builds ran and the part of those before the prefill ended (hidden).
+    One mode (the decoder's case: each index mode has a prefill of its own) builds as many layers at once as the
+    process gives its kernels threads (:func:`threads.thread_budget`): a layer at a time left a core idle at each
+    layer's end (its last heads, its calibration, the next layer's keys copied and queries moved, on one thread):
+    at 8K the builds after the prefill took 1.14x as long (BENCHMARKS "Two layers at once after the prefill"). Several modes build one layer at a time, so that each mode's seconds are
+    its own builds' (a later mode's builds wait for the earlier ones without that wait being counted).
     """
 
     def __init__(self, lm, n_ids: int, modes: list, settings, cache, queries_of, scaling: dict[int, float]):
@@ -120,7 +123,8 @@ class EarlyBuilds:
         self.ready_at: dict[int, float] = {}  # perf_counter when each layer was complete and its builds queued
         # Below the prefill's priority, as the builds' own threads beside it (threads.lower_priority): what it runs
         # itself (the keys' copy, the queries' RoPE move, a budget of one's builds) must not slow the prefill either.
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="anns-early-build",
+        self.workers = thread_budget() if len(modes) == 1 else 1
+        self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="anns-early-build",
                                         initializer=lower_priority)
 
     def layer_done(self, layer: int) -> None:
@@ -131,7 +135,9 @@ class EarlyBuilds:
 
     def _build(self, layer: int, plan, queries) -> tuple[LayerStore, float, float]:
         t0 = time.perf_counter()
-        beside = self.prefill_end is None  # a layer of one index then builds on one thread too, not with full teams
+        # Beside the prefill, or beside another layer's builds: every kernel on one thread (a full team would spin
+        # against the other work's threads), the index builds and the calibration on the lowered pool's threads.
+        beside = self.prefill_end is None or self.workers > 1
         with torch.inference_mode():  # the prefill's tensors are inference tensors (mode is per thread)
             store = layer_store(self.lm, self.cache, self.n_ids, layer, plan, self.settings, queries,
                                 self.scaling.get(layer), beside=beside)
@@ -163,9 +169,19 @@ class EarlyBuilds:
         done = {layer: f.result() for layer, f in sorted(jobs.items())}
         stores = {layer: d[0] for layer, d in done.items()}
         end = self.prefill_end if self.prefill_end is not None else float("inf")
-        total = sum(t1 - t0 for _, t0, t1 in done.values())
-        hidden = sum(max(0.0, min(t1, end) - t0) for _, t0, t1 in done.values())
-        return stores, store_notes(stores, self.settings), total, hidden
+        spans = [(t0, t1) for _, t0, t1 in done.values()]
+        return stores, store_notes(stores, self.settings), covered(spans), covered(spans, end)
+
+
+def covered(spans: list[tuple[float, float]], end: float = float("inf")) -> float:
+    """The seconds of the union of the ``(start, stop)`` spans before ``end``: layers built at once count once."""
+    total, reach = 0.0, float("-inf")
+    for t0, t1 in sorted(spans):
+        t0, t1 = max(t0, reach), min(t1, end)
+        if t1 > t0:
+            total += t1 - t0
+        reach = max(reach, t1)
+    return total
 
 
 def _device_lists(lm, plan, queries: np.ndarray | None, keys: torch.Tensor, settings) -> np.ndarray | None:
