@@ -14,6 +14,8 @@ Rules checked (``anns_lab.indexes.base`` states the result policy):
 - at the last (most thorough) grid point on easy data, recall@k against exact search
   ≥ ``min_recall`` (1.0 = exact; ties at the k-th score count as hits);
 - determinism: two builds with the same parameters give identical ids, scores and counts;
+- searches from several threads at once give what each gives alone (the decoder builds and
+  calibrates several layers' indexes side by side);
 - ``save``/``load`` and ``add`` when the class supports them;
 - clear ``IndexConfigError`` for hostile input: NaN, infinite or overflowing (beyond
   ``MAX_ABS``) keys, queries, train queries or added keys, a dimension mismatch, queries that
@@ -31,6 +33,7 @@ Rules checked (``anns_lab.indexes.base`` states the result policy):
 from __future__ import annotations
 
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -221,6 +224,23 @@ def check_errors(cls: type[Index], index: Index, keys: np.ndarray, queries: np.n
     _same(before, index.search(queries, 5), "search after refused hostile input")
 
 
+def _same_from_threads(index: Index, queries: np.ndarray, k: int, grid: list[dict], threads: int = 4,
+                       each: int = 50) -> None:
+    """Searches from ``threads`` threads at once, alternating the ``grid`` points, give what each gives alone: the
+    decoder builds and calibrates several layers' indexes side by side, so no search may share state with another
+    (faiss's IVF scan counter is one per process: the built-in IVF locks around it)."""
+    alone = [index.search(queries, k, **params) for params in grid]
+
+    def many(i: int) -> None:
+        for j in range(each):
+            _same(index.search(queries, k, **grid[(i + j) % len(grid)]), alone[(i + j) % len(grid)],
+                  f"searches from {threads} threads at once, at {grid[(i + j) % len(grid)]}")
+
+    with ThreadPoolExecutor(threads) as pool:
+        for done in [pool.submit(many, i) for i in range(threads)]:
+            done.result()
+
+
 def check_index(cls: type[Index], min_recall: float = 1.0, k: int = 10, unbiased_at: dict | None = None,
                 **build_params: Any) -> dict[str, Any]:
     """Run every conformance rule on ``cls`` built with ``build_params``; return recall and scan measurements.
@@ -255,6 +275,7 @@ def check_index(cls: type[Index], min_recall: float = 1.0, k: int = 10, unbiased
     again = cls(**build_params).build(keys, train_q)
     _same(index.search(queries, k, **mid), again.search(queries, k, **mid), "two seeded builds")
     _same(index.search(queries, k, **mid), index.search(queries, k, **mid), "two searches")
+    _same_from_threads(index, queries[:8], k, [grid[0], top])
     assert index.nbytes > 0, "nbytes must be positive"
 
     if index.supports_save:

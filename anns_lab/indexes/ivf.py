@@ -4,13 +4,16 @@ Counting: a query scores all ``nlist`` centroids, then every key of its ``nprobe
 lists, so ``n_scanned = nlist + Σ sizes of the probed lists``. The per-query sum is taken from
 the coarse assignment we pass to faiss's ``search_preassigned``; faiss's own counter
 ``indexIVF_stats.ndis`` (which excludes the centroids) must equal its total over the batch,
-and the search raises if it does not. ``bytes_read``: the ``nlist`` centroids and every vector of the
+and the search raises if it does not. That counter is one per process, so searches hold a lock from its reset
+to its read (searches from several threads at once, e.g. the decoder calibrating two layers, would add to each
+other's count). ``bytes_read``: the ``nlist`` centroids and every vector of the
 probed lists (4·dim bytes each, float32) plus the probed lists' ids (8 bytes each, faiss ``idx_t``).
 """
 
 from __future__ import annotations
 
 import math
+import threading
 
 import faiss
 import numpy as np
@@ -18,6 +21,9 @@ import numpy as np
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes.base import Index, Param, pad_topk
 from anns_lab.indexes.persist import expect
+
+
+_STATS = threading.Lock()  # faiss.cvar.indexIVF_stats: one per process
 
 
 def auto_nlist(n_keys: int) -> int:
@@ -62,10 +68,12 @@ class IVFIndex(Index):
         coarse_scores, probed = self._index.quantizer.search(queries, nprobe)
         listed = self.list_sizes()[probed].sum(axis=1)
         n_scanned = self.nlist + listed
-        self._index.nprobe = nprobe  # faiss's wrapper checks the assignment width against it
-        faiss.cvar.indexIVF_stats.reset()
-        scores, ids = self._index.search_preassigned(queries, k, probed, coarse_scores)
-        if faiss.cvar.indexIVF_stats.ndis != int(n_scanned.sum()) - self.nlist * len(queries):
+        with _STATS:
+            self._index.nprobe = nprobe  # faiss's wrapper checks the assignment width against it
+            faiss.cvar.indexIVF_stats.reset()
+            scores, ids = self._index.search_preassigned(queries, k, probed, coarse_scores)
+            ndis = faiss.cvar.indexIVF_stats.ndis
+        if ndis != int(n_scanned.sum()) - self.nlist * len(queries):
             raise RuntimeError("IVF scan count disagrees with faiss indexIVF_stats.ndis")
         ids, scores = pad_topk(ids, scores)
         return ids, scores, n_scanned, n_scanned * self.key_bytes() + 8 * listed
