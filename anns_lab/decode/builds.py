@@ -78,12 +78,17 @@ def calibrate_store(store: LayerStore, newest: np.ndarray, target: float, scalin
 
 
 def build_stores(lm, pre, mode, settings) -> tuple[dict[int, LayerStore], list[str], float]:
-    """One LayerStore per long-range layer of ``mode``, built after the prefill ``pre``: (stores, notes, seconds)."""
-    t0 = time.perf_counter()
-    stores = {layer: layer_store(lm, pre.cache, len(pre.ids), layer, mode.plan_for(layer), settings, pre.queries.get(layer),
-                                 pre.scaling.get(layer))
-              for layer in lm.long_range_layers}
-    return stores, store_notes(stores, settings), time.perf_counter() - t0
+    """One LayerStore per long-range layer of ``mode``, built after the prefill ``pre`` as :class:`EarlyBuilds` builds
+    them once a prefill has ended (several layers at once): (stores, notes, seconds)."""
+    early = EarlyBuilds(lm, len(pre.ids), [mode], settings, pre.cache, pre.queries.get, pre.scaling)
+    early.prefill_done()
+    try:
+        for layer in lm.long_range_layers:
+            early.layer_done(layer)
+        stores, notes, seconds, _ = early.take(mode.name)
+    finally:
+        early.close()
+    return stores, notes, seconds
 
 
 def store_notes(stores: dict[int, LayerStore], settings) -> list[str]:
