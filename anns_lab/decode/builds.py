@@ -120,8 +120,9 @@ class EarlyBuilds:
     at each layer's end (its last heads, its calibration, the next layer's keys copied and queries moved, on one
     thread): at 8K the builds after the prefill took 1.14x as long (BENCHMARKS "Two layers at once after the
     prefill"). Two keep the threads fed across a layer's end; more would only hold more layers' copies of their keys
-    and moved queries at once (a Llama-3-8B layer at 128K: ~1 GB). Several modes build one layer at a time, so that each mode's seconds are
-    its own builds' (a later mode's builds wait for the earlier ones without that wait being counted).
+    and moved queries at once (a Llama-3-8B layer at 128K: ~1 GB). Several modes build one layer at a time, so that
+    each mode's seconds are its own builds' (a later mode's builds wait for the earlier ones without that wait being
+    counted).
     """
 
     def __init__(self, lm, n_ids: int, modes: list, settings, cache, queries_of, scaling: dict[int, float]):
