@@ -82,6 +82,13 @@ def test_one_mode_builds_as_many_layers_at_once_as_its_budget_each_beside_the_ot
     monkeypatch.setattr(builds, "store_notes", lambda stores, settings: [])
     early = builds.EarlyBuilds(None, 0, [Mode("some-index")], None, None, lambda layer: None, {})
     assert early.workers == 2
+    early.close()
+    monkeypatch.setattr(builds, "thread_budget", lambda: 16)  # more threads: still two layers' copies at most
+    assert builds.EarlyBuilds(None, 0, [Mode("some-index")], None, None, lambda layer: None, {}).workers == 2
+    monkeypatch.setattr(builds, "thread_budget", lambda: 1)
+    assert builds.EarlyBuilds(None, 0, [Mode("some-index")], None, None, lambda layer: None, {}).workers == 1
+    monkeypatch.setattr(builds, "thread_budget", lambda: 2)
+    early = builds.EarlyBuilds(None, 0, [Mode("some-index")], None, None, lambda layer: None, {})
     early.prefill_done()
     early.layer_done(0)
     early.layer_done(1)

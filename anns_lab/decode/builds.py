@@ -106,17 +106,23 @@ def store_notes(stores: dict[int, LayerStore], settings) -> list[str]:
     return notes
 
 
+LAYERS_AT_ONCE = 2  # layers one mode builds at once (EarlyBuilds): the next one's heads fill the threads as one ends
+
+
 class EarlyBuilds:
     """The index modes' stores, built on worker threads from the moment the prefill's last chunk passes each layer.
 
     ``layer_done(layer)`` (from the attention hook, prefill thread) queues that layer's builds, mode by mode;
     ``prefill_done()`` marks the end of the prefill; ``take(mode)`` waits for that mode's stores and returns
     them with the wall seconds during which its builds ran and the part of those before the prefill ended (hidden).
-    One mode (the decoder's case: each index mode has a prefill of its own) builds as many layers at once as the
-    process gives its kernels threads (:func:`threads.thread_budget`): a layer at a time left a core idle at each
-    layer's end (its last heads, its calibration, the next layer's keys copied and queries moved, on one thread):
-    at 8K the builds after the prefill took 1.14x as long (BENCHMARKS "Two layers at once after the prefill"). Several modes build one layer at a time, so that each mode's seconds are
-    its own builds' (a later mode's builds wait for the earlier ones without that wait being counted).
+    One mode (the decoder's case: each index mode has a prefill of its own) builds two layers at once where the
+    process gives its kernels two threads or more (:func:`threads.thread_budget`): a layer at a time left a core idle
+    at each layer's end (its last heads, its calibration, the next layer's keys copied and queries moved, on one
+    thread): at 8K the builds after the prefill took 1.14x as long (BENCHMARKS "Two layers at once after the
+    prefill"). Two keep the threads fed across a layer's end; more would only hold more layers' copies of their keys
+    and moved queries at once (a Llama-3-8B layer at 128K: ~1 GB). Several modes build one layer at a time, so that
+    each mode's seconds are its own builds' (a later mode's builds wait for the earlier ones without that wait being
+    counted).
     """
 
     def __init__(self, lm, n_ids: int, modes: list, settings, cache, queries_of, scaling: dict[int, float]):
@@ -128,7 +134,7 @@ class EarlyBuilds:
         self.ready_at: dict[int, float] = {}  # perf_counter when each layer was complete and its builds queued
         # Below the prefill's priority, as the builds' own threads beside it (threads.lower_priority): what it runs
         # itself (the keys' copy, the queries' RoPE move, a budget of one's builds) must not slow the prefill either.
-        self.workers = thread_budget() if len(modes) == 1 else 1
+        self.workers = min(LAYERS_AT_ONCE, thread_budget()) if len(modes) == 1 else 1
         self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="anns-early-build",
                                         initializer=lower_priority)
 
