@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pandas as pd
 import pytest
 from click.testing import CliRunner
 
 from anns_lab.cli import main
+from anns_lab.decode.builds import covered
 from anns_lab.decode.modes import parse_modes, pick_from_sweep
 from anns_lab.dumps.models import extrapolation_note
 from anns_lab.errors import DecodeError
@@ -65,6 +67,15 @@ def test_task_run_prints_table_and_writes_json(tiny_llama, tmp_path):
         assert s["ttft_s"] == pytest.approx(s["prefill_s"] + s["build_s"] - s["build_hidden_s"] + s["first_step_s"])
         assert s["ttft_x_full"] == pytest.approx(s["ttft_s"] / data["modes"]["full"]["summary"]["ttft_s"])
     assert data["modes"]["full"]["summary"]["build_s"] == 0
+    # each sample's layers: when their builds were queued, started and ended, from the prefill's end; their union is
+    # the build time, its part before the prefill's end the hidden part (the summary's means over the samples)
+    assert all("build_layers" not in row for row in data["modes"]["full"]["samples"])
+    s, rows = data["modes"]["flat"]["summary"], data["modes"]["flat"]["samples"]
+    for row in rows:
+        assert row["build_layers"] and all(q <= a <= b for q, a, b in row["build_layers"].values())
+    spans = [[(a, b) for _, a, b in row["build_layers"].values()] for row in rows]
+    assert np.mean([covered(x) for x in spans]) == pytest.approx(s["build_s"], abs=1e-3)
+    assert np.mean([covered(x, end=0.0) for x in spans]) == pytest.approx(s["build_hidden_s"], abs=1e-3)
 
 
 def test_prompt_and_fidelity(tiny_gemma3, tmp_path):

@@ -180,6 +180,9 @@ class EarlyBuilds:
         done = {layer: f.result() for layer, f in sorted(jobs.items())}
         stores = {layer: d[0] for layer, d in done.items()}
         end = self.prefill_end if self.prefill_end is not None else float("inf")
+        for layer, (store, t0, t1) in done.items():  # where the first token's wait went, layer by layer
+            store.build_span = tuple(t - self.prefill_end for t in (self.ready_at[layer], t0, t1)) \
+                if self.prefill_end is not None else None
         spans = [(t0, t1) for _, t0, t1 in done.values()]
         return stores, store_notes(stores, self.settings), covered(spans), covered(spans, end)
 

@@ -116,6 +116,7 @@ class ModeRun:
     cpu_keys: int = 0  # tokens those stores held, summed over the layers
     prefill_s: float = 0.0  # the prefill this run decoded from (with any builds that overlapped it), seconds
     calibration: dict = field(default_factory=dict)  # layer -> {param, value, weight_recall, tried} where the search was calibrated
+    build_layers: dict = field(default_factory=dict)  # layer -> [queued, started, ended]: its builds, seconds from the prefill's end
 
 
 def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool, build_modes: list[Mode] = (),
@@ -220,6 +221,8 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
     run.calibration = {layer: {"param": c.param, "value": c.value, "weight_recall": c.weight_recall,
                                "tried": {str(v): r for v, r in c.tried.items()}}  # each probe's value -> weight recall
                        for layer, c in ((layer, s.calibration) for layer, s in stores.items()) if c is not None}
+    run.build_layers = {layer: [round(t, 4) for t in s.build_span] for layer, s in stores.items()
+                        if s.build_span is not None}
     run.cache = cache if keep_cache else None
     run.stores = stores  # kept for inspection (tests, index sizes)
     return run

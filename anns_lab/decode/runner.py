@@ -191,6 +191,8 @@ def _run_prompts(lm, modes, settings, prompts, max_new, task, progress, executor
                         "score": tasks.score(task, answer, sample.answers)}
             if run.calibration:  # the prompt's own search values (the plans in the JSON are the ones asked for)
                 row["calibration"] = {str(layer): c for layer, c in run.calibration.items()}
+            if run.build_layers:  # when each layer's builds were queued, started and ended, from the prefill's end
+                row["build_layers"] = {str(layer): span for layer, span in run.build_layers.items()}
             per_mode[mode.name]["runs"].append(run)
             per_mode[mode.name]["samples"].append(row)
             per_mode[mode.name]["notes"] = run.notes
