@@ -28,10 +28,15 @@ def main() -> None:
     ap.add_argument("--sample", type=int, default=0)
     ap.add_argument("--out", type=Path, required=True, help="the PNG to write")
     args = ap.parse_args()
+    if not args.json.is_file():
+        raise SystemExit(f"{args.json}: no such file (an `anns-lab decode --json` result)")
     data = json.loads(args.json.read_text())
-    if args.mode not in data["modes"]:
-        raise SystemExit(f"no mode {args.mode!r} in {args.json} (modes: {', '.join(data['modes'])})")
-    row = data["modes"][args.mode]["samples"][args.sample]
+    if args.mode not in data.get("modes", {}):
+        raise SystemExit(f"no mode {args.mode!r} in {args.json} (modes: {', '.join(data.get('modes', {}))})")
+    samples = data["modes"][args.mode]["samples"]
+    if not 0 <= args.sample < len(samples):
+        raise SystemExit(f"--sample {args.sample}: {args.json} has samples 0-{len(samples) - 1} of {args.mode!r}")
+    row = samples[args.sample]
     if "build_layers" not in row:
         raise SystemExit(f"mode {args.mode!r} of {args.json} records no build timeline (not an index mode, or a run "
                          "before the field existed)")

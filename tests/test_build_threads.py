@@ -189,7 +189,7 @@ def _priority() -> int:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
 def test_builds_beside_other_work_run_below_its_priority_and_the_others_at_the_callers(monkeypatch):
     """Beside the prefill every build thread (and the early-build worker that runs the rest of a layer's work) is at
-    the lowest priority, so the prefill keeps the cores it can use; after it, the builds run at the caller's."""
+    the lowest priority, so the prefill keeps the cores it can use; builds with nothing beside them run at the caller's."""
     monkeypatch.setattr(threads, "thread_budget", lambda: 2)
     monkeypatch.setattr(threads, "_POOLS", {})
     mine = _priority()

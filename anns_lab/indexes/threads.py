@@ -5,8 +5,9 @@ its indexes while the prefill keeps the cores busy) a team's threads wait for ea
 spinning: on the 2-core machine a SmolLM2 8K head's build cost 0.65 CPU s with each library's default threads against
 0.26 s on one (``benchmarks/bench_decoder_build.py``; BENCHMARKS "Scale"), its faiss k-means 0.21 s against 0.005. Independent builds
 (one per query head) on one-core threads side by side use the cores with no barrier at all: as many at once as the
-process gave the calling thread (:func:`thread_budget`). A lone build beside the prefill runs on one such thread too;
-after the prefill it keeps the libraries' full teams (nothing else then runs).
+process gave the calling thread (:func:`thread_budget`). A lone build beside other work (the prefill, or the decoder's
+other layer building at the same time: ``decode.builds.EarlyBuilds``) runs on one such thread too; a build with
+nothing beside it keeps the libraries' full teams.
 
 Beside the prefill the builds' threads also run at the lowest CPU priority (:func:`lower_priority`; Linux, where a
 nice value is per thread): the prefill, which the first token waits for whole, keeps the cores whenever it can use them,
