@@ -1,7 +1,7 @@
 """Decode samples on a Ray cluster: one task per sample (its prefills and all its modes).
 
-A task asks for one GPU when the cluster has GPUs (the model then runs on CUDA there), else
-``cpus_per_task`` CPUs. Each worker process loads the model once and keeps it for its next samples;
+A task asks for ``cpus_per_task`` CPUs (the CPU side: index builds and searches), and one GPU as well when the
+cluster has GPUs (the model then runs on CUDA there). Each worker process loads the model once and keeps it for its next samples;
 the model name must resolve on every node (an alias, a Hugging Face id in the node's cache, or a
 folder at the same path). Results come back to the driver, which scores and merges them exactly as
 a local run does (:func:`anns_lab.decode.runner._run_prompts`).

@@ -6,7 +6,7 @@ the heads by position (``"strided"``: position p from head p mod g, counted back
 ``"unlisted"`` is one graph per query head on its own queries, given the other heads' newest queries
 (:func:`other_heads`) for the keys its own lists leave out (roargraph's ``group_queries``: those keys' rows only).
 ``"head"`` is one graph per query head on its own queries: the default, since one graph for a group scanned
-8-12% more keys at recall 0.95 on SmolLM2 (3 heads per group) and 32-50% more on Gemma-3 (4) than the heads' own
+13-14% more keys at recall 0.95 on SmolLM2 (3 heads per group) and 32-50% more on Gemma-3 (4) than the heads' own
 graphs (median over heads), whatever its degree or co-occurrence rules (BENCHMARKS.md "Query-aware graphs"): the
 keys one head's decode queries want are not what the others' lists link.
 
