@@ -256,3 +256,39 @@ def test_side_by_side_builds_survive_numbas_workqueue_layer():
     env = {**os.environ, "NUMBA_THREADING_LAYER": "workqueue"}
     r = subprocess.run([sys.executable, "-c", _WORKQUEUE_BUILD], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "built 4" in r.stdout, r.stderr[-2000:]
+
+
+def test_an_items_error_stops_the_calls_other_items(monkeypatch):
+    """An item that raises while others run: the items not started never start, the running ones have ended when the
+    error reaches the caller (the shared pool's threads would build on for nothing, and the next layer's or decode's
+    builds would queue behind them), and the error is the first failed item's in order."""
+    monkeypatch.setattr(threads, "thread_budget", lambda: 2)
+    monkeypatch.setattr(threads, "_POOLS", {})
+    lock, started, running, second = threading.Lock(), set(), [0], threading.Event()
+
+    def item(i):
+        with lock:
+            started.add(i)
+            running[0] += 1
+        try:
+            if i == 0:
+                second.wait(10)  # item 1 is running when item 0 fails
+                raise RuntimeError("item 0 failed")
+            second.set()
+            threading.Event().wait(0.3 if i == 1 else 0.05)
+            return i
+        finally:
+            with lock:
+                running[0] -= 1
+
+    try:
+        with pytest.raises(RuntimeError, match="item 0 failed"):
+            map_one_thread(item, range(12), beside=True)
+        with lock:
+            at_error = running[0], set(started)
+        threading.Event().wait(0.5)  # what was still queued would have run by now
+        assert at_error[0] == 0 and started == at_error[1] and len(started) < 12, (at_error, started)
+        assert map_one_thread(lambda i: i * i, range(4), beside=True) == [0, 1, 4, 9]  # the pool still serves
+    finally:
+        for pool in threads._POOLS.values():
+            pool.shutdown()

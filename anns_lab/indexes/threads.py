@@ -26,7 +26,7 @@ import ctypes
 import os
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Callable, Iterable, TypeVar
 
@@ -116,7 +116,8 @@ def map_one_thread(fn: Callable[..., T], items: Iterable, beside: bool = False) 
     on one thread (:func:`one_thread`). A single item runs on the calling thread as it is (the libraries' full teams),
     unless ``beside`` other work (the decoder's prefill), whose threads a team would spin against; ``beside``, the
     threads run below that work's priority (:func:`lower_priority`). A budget of one, or numba's ``workqueue`` threading
-    layer (:func:`_numba_threadsafe`), runs every item on the calling thread."""
+    layer (:func:`_numba_threadsafe`), runs every item on the calling thread. An item's error stops the others
+    (:func:`settle`)."""
     items = list(items)
     budget = thread_budget()
     if budget <= 1 or len(items) < (1 if beside else 2) or not _numba_threadsafe():
@@ -125,7 +126,24 @@ def map_one_thread(fn: Callable[..., T], items: Iterable, beside: bool = False) 
     if key not in _POOLS:  # separate pools: a thread's lowered priority cannot be raised again without privileges
         _POOLS[key] = ThreadPoolExecutor(budget, thread_name_prefix="anns-lab-build",
                                          initializer=_beside_worker if beside else one_thread)
-    return [f.result() for f in [_POOLS[key].submit(fn, x) for x in items]]
+    return settle([_POOLS[key].submit(fn, x) for x in items])
+
+
+def settle(futures: list[Future]) -> list:
+    """The ``futures``' results in order once all have run. At the first error (or an interrupt of the waiting thread)
+    the ones not started are cancelled and the running ones waited for, then the first failed one's error is raised (in
+    the list's order): nothing of the work outlives the error (a shared pool's threads would build on for nothing, and
+    whatever is queued next, as the next layer's or decode's builds, would wait behind it)."""
+    try:
+        wait(futures, return_when=FIRST_EXCEPTION)
+    finally:
+        for f in futures:
+            f.cancel()  # only those not started: a running one cannot be stopped
+        wait(futures)
+    for f in futures:
+        if not f.cancelled() and f.exception() is not None:
+            raise f.exception()
+    return [f.result() for f in futures]
 
 
 def _numba_threadsafe() -> bool:
