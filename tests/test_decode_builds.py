@@ -38,6 +38,40 @@ def test_a_failed_build_cancels_the_queued_ones(monkeypatch):
     assert not {3, 4, 5} & set(started)
 
 
+def test_a_later_layers_error_stops_the_builds_while_an_earlier_layer_still_builds(monkeypatch):
+    """Layer 1 fails while layer 0 still builds (two layers at once): ``wait()`` cancels the layers still queued at
+    once, not after layer 0 has ended (the other worker meanwhile built layer after layer for nothing), and re-raises
+    layer 1's error once the layers then running have ended."""
+    monkeypatch.setattr(builds, "thread_budget", lambda: 2)
+    lock, started, running = threading.Lock(), set(), [0]
+    early = builds.EarlyBuilds(None, 0, [Mode("some-index")], None, None, lambda layer: None, {})
+    jobs = early.jobs["some-index"]
+
+    def layer_store(lm, cache, n_ids, layer, plan, settings, queries, scaling=None, beside=False):
+        with lock:
+            started.add(layer)
+            running[0] += 1
+        try:
+            if layer == 1:
+                raise RuntimeError("build of layer 1 failed")
+            for _ in range(200 if layer == 0 else 100):  # until the queued layers are cancelled (at most 2 s, 1 s)
+                if jobs.get(11) is not None and jobs[11].cancelled():
+                    break
+                time.sleep(0.01)
+            return object()
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(builds, "layer_store", layer_store)
+    early.prefill_done()
+    for layer in range(12):
+        early.layer_done(layer)
+    with pytest.raises(RuntimeError, match="layer 1 failed"):
+        early.wait()
+    assert running[0] == 0 and started <= {0, 1, 2}, started  # the other worker took one layer at most after the error
+
+
 def test_several_modes_build_a_layer_at_a_time_beside_the_prefill_then_with_full_teams(monkeypatch):
     """Several modes: one layer at a time (each mode's seconds its own). A layer whose builds start while the prefill
     runs builds ``beside`` it (one thread per index, even for a layer of one index: indexes.threads.map_one_thread); a

@@ -22,7 +22,7 @@ from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.dumps import rope
 from anns_lab.indexes import registry
 from anns_lab.indexes.group_queries import PER_HEAD, group_queries
-from anns_lab.indexes.threads import lower_priority, map_one_thread, thread_budget
+from anns_lab.indexes.threads import lower_priority, map_one_thread, settle, thread_budget
 
 
 def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, settings, queries: np.ndarray | None,
@@ -159,11 +159,10 @@ class EarlyBuilds:
 
     def wait(self) -> None:
         """Block until every queued build has finished (decoding must not share the CPU with them); re-raises a build's
-        error (or an interrupt), the builds still queued then cancelled rather than left to hold the CPU and the cache."""
-        try:
-            for jobs in self.jobs.values():
-                for f in jobs.values():
-                    f.result()
+        error (or an interrupt) once it happens, the builds still queued then cancelled rather than left to hold the CPU
+        and the cache (:func:`threads.settle`)."""
+        try:  # at a layer's error, not after the layers queued before it: the others meanwhile built on for nothing
+            settle([f for jobs in self.jobs.values() for f in jobs.values()])
         finally:
             self.close()
 
@@ -177,7 +176,7 @@ class EarlyBuilds:
         """(stores, notes, build seconds, of which hidden behind the prefill) of mode ``name``; its jobs are handed
         over once (a second run of the mode builds afresh)."""
         jobs = self.jobs.pop(name)
-        done = {layer: f.result() for layer, f in sorted(jobs.items())}
+        done = dict(zip(sorted(jobs), settle([f for _, f in sorted(jobs.items())])))
         stores = {layer: d[0] for layer, d in done.items()}
         end = self.prefill_end if self.prefill_end is not None else float("inf")
         for layer, (store, t0, t1) in done.items():  # where the first token's wait went, layer by layer
