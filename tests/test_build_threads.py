@@ -292,3 +292,38 @@ def test_an_items_error_stops_the_calls_other_items(monkeypatch):
     finally:
         for pool in threads._POOLS.values():
             pool.shutdown()
+
+
+def test_two_threads_calling_at_once_share_one_pool(monkeypatch):
+    """The decoder's two early-build workers reach their first layer's builds at once: one pool of the budget's threads
+    for both, not one each (the second, made beside the first, doubled the threads on the cores)."""
+    monkeypatch.setattr(threads, "thread_budget", lambda: 2)
+    monkeypatch.setattr(threads, "_POOLS", {})
+    made = []
+
+    class Slow(threads.ThreadPoolExecutor):
+        def __init__(self, *args, **kwargs):
+            made.append(self)
+            threading.Event().wait(0.3)  # the other caller arrives meanwhile
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(threads, "ThreadPoolExecutor", Slow)
+    threads._numba_threadsafe()  # numba's layer picked before the race (it takes a while the first time)
+    both = threading.Barrier(2, timeout=10)
+
+    out: list = []
+
+    def caller() -> None:  # as an early-build worker
+        both.wait()
+        out.append(map_one_thread(lambda i: i, range(3), beside=True))
+
+    workers = [threading.Thread(target=caller) for _ in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(30)
+    try:
+        assert out == [[0, 1, 2]] * 2 and len(made) == 1, len(made)
+    finally:
+        for pool in made:
+            pool.shutdown()

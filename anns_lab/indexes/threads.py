@@ -36,6 +36,7 @@ import numba
 T = TypeVar("T")
 
 _POOLS: dict = {}  # (process, workers, beside) -> pool: a forked child must not use its parent's
+_POOLS_LOCK = threading.Lock()  # the decoder's early-build workers ask for their pool at the same moment
 LOWEST_PRIORITY = 19  # the nice value of a thread that builds beside the prefill
 _OMP_DEFAULT: dict = {}  # process -> OpenMP's count for a thread that set none
 
@@ -123,10 +124,12 @@ def map_one_thread(fn: Callable[..., T], items: Iterable, beside: bool = False) 
     if budget <= 1 or len(items) < (1 if beside else 2) or not _numba_threadsafe():
         return [fn(x) for x in items]
     key = (os.getpid(), budget, beside)
-    if key not in _POOLS:  # separate pools: a thread's lowered priority cannot be raised again without privileges
-        _POOLS[key] = ThreadPoolExecutor(budget, thread_name_prefix="anns-lab-build",
-                                         initializer=_beside_worker if beside else one_thread)
-    return settle([_POOLS[key].submit(fn, x) for x in items])
+    with _POOLS_LOCK:
+        if key not in _POOLS:  # separate pools: a thread's lowered priority cannot be raised again without privileges
+            _POOLS[key] = ThreadPoolExecutor(budget, thread_name_prefix="anns-lab-build",
+                                             initializer=_beside_worker if beside else one_thread)
+        pool = _POOLS[key]
+    return settle([pool.submit(fn, x) for x in items])
 
 
 def settle(futures: list[Future]) -> list:
