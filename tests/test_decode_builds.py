@@ -9,6 +9,7 @@ import pytest
 
 from anns_lab.decode import builds
 from anns_lab.decode.engine import Mode
+from anns_lab.errors import DecodeError
 
 
 def test_a_failed_build_cancels_the_queued_ones(monkeypatch):
@@ -30,7 +31,7 @@ def test_a_failed_build_cancels_the_queued_ones(monkeypatch):
     for layer in range(6):
         early.layer_done(layer)
     go.set()
-    with pytest.raises(RuntimeError, match="layer 0 failed"):
+    with pytest.raises(DecodeError, match="layer 0 failed"):
         early.wait()
     jobs = early.jobs["some-index"]
     assert all(jobs[layer].cancelled() for layer in (3, 4, 5))
@@ -67,7 +68,7 @@ def test_a_later_layers_error_stops_the_builds_while_an_earlier_layer_still_buil
     early.prefill_done()
     for layer in range(12):
         early.layer_done(layer)
-    with pytest.raises(RuntimeError, match="layer 1 failed"):
+    with pytest.raises(DecodeError, match="layer 1 failed"):
         early.wait()
     assert running[0] == 0 and started <= {0, 1, 2}, started  # the other worker took one layer at most after the error
 
@@ -142,3 +143,38 @@ def test_covered_counts_overlapping_spans_once_and_only_before_the_end():
     assert builds.covered(spans, end=2.5) == pytest.approx(2.5)
     assert builds.covered(spans, end=5.5) == pytest.approx(3.5)
     assert builds.covered([]) == 0.0
+
+
+def test_an_index_failing_in_the_early_builds_is_one_error_and_the_next_decode_works(tiny_llama, monkeypatch):
+    """A plugin whose build raises (here every build, so the first long-range layer's error is the one raised, whichever
+    layer fails first in time): the decode ends with one error naming the index and the layer, and the same process's
+    next decode builds and decodes as a decode alone does (nothing left queued in the build pools)."""
+    import numpy as np
+
+    from anns_lab.decode import runner
+    from anns_lab.decode.engine import Settings, prefill, run_mode
+    from anns_lab.decode.placement import IndexPlan
+    from anns_lab.dumps.models import load_model
+    from anns_lab.indexes import registry, threads
+    from anns_lab.window import Window
+
+    monkeypatch.setattr(threads, "thread_budget", lambda: 2)  # two layers at once, heads side by side, on any runner
+    flat = registry.get("flat")
+
+    class Broken(flat):
+        def _build(self, keys, train_queries=None):
+            raise RuntimeError("no memory for its graph")
+
+    real_get = registry.get
+    monkeypatch.setattr(registry, "get", lambda name: Broken if name == "broken" else real_get(name))
+    lm = load_model(str(tiny_llama), device="cpu")
+    settings = Settings(Window(4, 8), topk=40, add_batch=4, chunk=24)
+    ids = np.random.default_rng(3).integers(3, 400, size=64).tolist()
+    first = lm.long_range_layers[0]
+    with pytest.raises(DecodeError, match=rf"^building layer {first}'s indexes: broken raised RuntimeError: no memory"):
+        runner.run_sample(lm, [Mode("broken", IndexPlan("broken"))], settings, ids, 6, set())
+    assert all(pool._work_queue.empty() for pool in threads._POOLS.values())
+    mode = Mode("flat", IndexPlan("flat"))
+    after = runner.run_sample(lm, [mode], settings, ids, 6, set())["runs"]["flat"]
+    alone = run_mode(lm, prefill(lm, ids, settings, capture_queries=False), mode, settings, 6)
+    assert after.tokens == alone.tokens and set(after.build_layers) == set(lm.long_range_layers)

@@ -20,6 +20,7 @@ import torch
 from anns_lab.decode import calibrate as calibration
 from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.dumps import rope
+from anns_lab.errors import AnnsLabError, DecodeError
 from anns_lab.indexes import registry
 from anns_lab.indexes.group_queries import PER_HEAD, group_queries
 from anns_lab.indexes.threads import lower_priority, map_one_thread, settle, thread_budget
@@ -149,9 +150,12 @@ class EarlyBuilds:
         # Beside the prefill, or beside another layer's builds: every kernel on one thread (a full team would spin
         # against the other work's threads), the index builds and the calibration on the lowered pool's threads.
         beside = self.prefill_end is None or self.workers > 1
-        with torch.inference_mode():  # the prefill's tensors are inference tensors (mode is per thread)
-            store = layer_store(self.lm, self.cache, self.n_ids, layer, plan, self.settings, queries,
-                                self.scaling.get(layer), beside=beside)
+        try:
+            with torch.inference_mode():  # the prefill's tensors are inference tensors (mode is per thread)
+                store = layer_store(self.lm, self.cache, self.n_ids, layer, plan, self.settings, queries,
+                                    self.scaling.get(layer), beside=beside)
+        except Exception as err:
+            raise _named(err, layer, plan) from err
         return store, t0, time.perf_counter()
 
     def prefill_done(self) -> None:
@@ -184,6 +188,15 @@ class EarlyBuilds:
                 if self.prefill_end is not None else None
         spans = [(t0, t1) for _, t0, t1 in done.values()]
         return stores, store_notes(stores, self.settings), covered(spans), covered(spans, end)
+
+
+def _named(err: Exception, layer: int, plan: IndexPlan | None) -> DecodeError:
+    """``err``, raised building ``layer``'s store, as one line that names the layer and the index (a plugin's own error
+    names neither, and with two layers at once the traceback does not say which)."""
+    if isinstance(err, AnnsLabError):  # the index's name is in it (base.Index's checks: "flat: keys contain NaN ...")
+        return DecodeError(f"building layer {layer}'s indexes: {err}")
+    what = plan.name if plan is not None else "its store"
+    return DecodeError(f"building layer {layer}'s indexes: {what} raised {type(err).__name__}: {err}")
 
 
 def covered(spans: list[tuple[float, float]], end: float = float("inf")) -> float:
