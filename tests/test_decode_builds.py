@@ -178,3 +178,62 @@ def test_an_index_failing_in_the_early_builds_is_one_error_and_the_next_decode_w
     after = runner.run_sample(lm, [mode], settings, ids, 6, set())["runs"]["flat"]
     alone = run_mode(lm, prefill(lm, ids, settings, capture_queries=False), mode, settings, 6)
     assert after.tokens == alone.tokens and set(after.build_layers) == set(lm.long_range_layers)
+
+
+@pytest.mark.parametrize("interrupt", ["close", "wait"])
+def test_an_interrupt_stops_the_layers_building_at_their_running_heads(monkeypatch, interrupt):
+    """Ctrl-C in the prefill (``close()``) or in ``wait()`` while two layers build: the call returns once the heads
+    then running have ended, not after every head of both layers (a Llama-3-8B layer at 128K: 32 heads of seconds
+    each), and nothing of theirs starts later."""
+    from anns_lab.indexes import threads
+
+    monkeypatch.setattr(builds, "thread_budget", lambda: 2)
+    monkeypatch.setattr(threads, "thread_budget", lambda: 2)
+    monkeypatch.setattr(threads, "_POOLS", {})
+    lock, started, running = threading.Lock(), [], [0]
+
+    def head(h):
+        with lock:
+            started.append(h)
+            running[0] += 1
+        time.sleep(0.2)
+        with lock:
+            running[0] -= 1
+
+    def layer_store(lm, cache, n_ids, layer, plan, settings, queries, scaling=None, beside=False):
+        threads.map_one_thread(head, range(8), beside=True)
+        return object()
+
+    monkeypatch.setattr(builds, "layer_store", layer_store)
+    early = builds.EarlyBuilds(None, 0, [Mode("some-index")], None, None, lambda layer: None, {})
+    for layer in range(4):
+        early.layer_done(layer)
+    while len(started) < 2:
+        time.sleep(0.01)
+    if interrupt == "close":  # the prefill's except clause
+        early.close()
+    else:  # an interrupt of the waiting thread, as Ctrl-C raises it there
+        with pytest.MonkeyPatch.context() as mp, pytest.raises(KeyboardInterrupt):
+            mp.setattr(threads, "wait", _interrupted_once(threads.wait))
+            early.wait()
+    with lock:
+        at_end = running[0], len(started)
+    time.sleep(0.5)
+    assert at_end[0] == 0 and len(started) == at_end[1] <= 4, (interrupt, at_end, len(started))
+    for pool in threads._POOLS.values():
+        pool.shutdown()
+
+
+def _interrupted_once(wait):
+    """``concurrent.futures.wait`` whose first call on the main thread raises KeyboardInterrupt (where Ctrl-C meets the
+    thread waiting for the builds)."""
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        if threading.current_thread() is threading.main_thread():
+            calls.append(1)
+            if len(calls) == 1:
+                raise KeyboardInterrupt
+        return wait(*args, **kwargs)
+
+    return interrupted

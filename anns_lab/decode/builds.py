@@ -11,8 +11,9 @@ L + 1 of the layers' passes over the whole prompt).
 
 from __future__ import annotations
 
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -23,7 +24,7 @@ from anns_lab.dumps import rope
 from anns_lab.errors import AnnsLabError, DecodeError
 from anns_lab.indexes import registry
 from anns_lab.indexes.group_queries import PER_HEAD, group_queries
-from anns_lab.indexes.threads import lower_priority, map_one_thread, settle, thread_budget
+from anns_lab.indexes.threads import lower_priority, map_one_thread, settle, stopping_on, thread_budget
 
 
 def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, settings, queries: np.ndarray | None,
@@ -138,6 +139,7 @@ class EarlyBuilds:
         self.workers = min(LAYERS_AT_ONCE, thread_budget()) if len(modes) == 1 else 1
         self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="anns-early-build",
                                         initializer=lower_priority)
+        self._stop = threading.Event()  # set at an error or interrupt: the layers building stop at their running heads
 
     def layer_done(self, layer: int) -> None:
         self.ready_at[layer] = time.perf_counter()
@@ -150,10 +152,14 @@ class EarlyBuilds:
         # Beside the prefill, or beside another layer's builds: every kernel on one thread (a full team would spin
         # against the other work's threads), the index builds and the calibration on the lowered pool's threads.
         beside = self.prefill_end is None or self.workers > 1
+        if self._stop.is_set():  # taken from the queue as the builds were being stopped
+            raise CancelledError("stopped")
         try:
-            with torch.inference_mode():  # the prefill's tensors are inference tensors (mode is per thread)
+            with torch.inference_mode(), stopping_on(self._stop):  # inference tensors as the prefill's (per thread)
                 store = layer_store(self.lm, self.cache, self.n_ids, layer, plan, self.settings, queries,
                                     self.scaling.get(layer), beside=beside)
+        except CancelledError:  # stopped (threads.stopping_on): another layer's error is the one to tell
+            raise
         except Exception as err:
             raise _named(err, layer, plan) from err
         return store, t0, time.perf_counter()
@@ -166,11 +172,13 @@ class EarlyBuilds:
         error (or an interrupt) once it happens, the builds still queued then cancelled rather than left to hold the CPU
         and the cache (:func:`threads.settle`)."""
         try:  # at a layer's error, not after the layers queued before it: the others meanwhile built on for nothing
-            settle([f for jobs in self.jobs.values() for f in jobs.values()])
+            settle([f for jobs in self.jobs.values() for f in jobs.values()], self._stop)
         finally:
             self.close()
 
     def close(self) -> None:
+        """Stop the builds: the layers queued are cancelled, those building stop at their heads then running."""
+        self._stop.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def has(self, name: str) -> bool:
@@ -180,7 +188,7 @@ class EarlyBuilds:
         """(stores, notes, build seconds, of which hidden behind the prefill) of mode ``name``; its jobs are handed
         over once (a second run of the mode builds afresh)."""
         jobs = self.jobs.pop(name)
-        done = dict(zip(sorted(jobs), settle([f for _, f in sorted(jobs.items())])))
+        done = dict(zip(sorted(jobs), settle([f for _, f in sorted(jobs.items())], self._stop)))
         stores = {layer: d[0] for layer, d in done.items()}
         end = self.prefill_end if self.prefill_end is not None else float("inf")
         for layer, (store, t0, t1) in done.items():  # where the first token's wait went, layer by layer

@@ -26,9 +26,10 @@ import ctypes
 import os
 import sys
 import threading
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, CancelledError, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterable, TypeVar
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import faiss
 import numba
@@ -39,6 +40,7 @@ _POOLS: dict = {}  # (process, workers, beside) -> pool: a forked child must not
 _POOLS_LOCK = threading.Lock()  # the decoder's early-build workers ask for their pool at the same moment
 LOWEST_PRIORITY = 19  # the nice value of a thread that builds beside the prefill
 _OMP_DEFAULT: dict = {}  # process -> OpenMP's count for a thread that set none
+_STOP = threading.local()  # .event: the calling thread's stop (stopping_on), checked by its map_one_thread items
 
 
 def one_thread() -> None:
@@ -118,8 +120,9 @@ def map_one_thread(fn: Callable[..., T], items: Iterable, beside: bool = False) 
     unless ``beside`` other work (the decoder's prefill), whose threads a team would spin against; ``beside``, the
     threads run below that work's priority (:func:`lower_priority`). A budget of one, or numba's ``workqueue`` threading
     layer (:func:`_numba_threadsafe`), runs every item on the calling thread. An item's error stops the others
-    (:func:`settle`)."""
+    (:func:`settle`), and so does the calling thread's stop (:func:`stopping_on`)."""
     items = list(items)
+    fn = _unless_stopped(fn, getattr(_STOP, "event", None))
     budget = thread_budget()
     if budget <= 1 or len(items) < (1 if beside else 2) or not _numba_threadsafe():
         return [fn(x) for x in items]
@@ -132,21 +135,50 @@ def map_one_thread(fn: Callable[..., T], items: Iterable, beside: bool = False) 
     return settle([pool.submit(fn, x) for x in items])
 
 
-def settle(futures: list[Future]) -> list:
+def settle(futures: list[Future], stop: threading.Event | None = None) -> list:
     """The ``futures``' results in order once all have run. At the first error (or an interrupt of the waiting thread)
-    the ones not started are cancelled and the running ones waited for, then the first failed one's error is raised (in
-    the list's order): nothing of the work outlives the error (a shared pool's threads would build on for nothing, and
+    the ones not started are cancelled, ``stop`` is set (the running ones' own items then stop: :func:`stopping_on`)
+    and the running ones waited for, then the first failed one's error is raised (in the list's order, one that was
+    only stopped last): nothing of the work outlives the error (a shared pool's threads would build on for nothing, and
     whatever is queued next, as the next layer's or decode's builds, would wait behind it)."""
     try:
         wait(futures, return_when=FIRST_EXCEPTION)
     finally:
         for f in futures:
             f.cancel()  # only those not started: a running one cannot be stopped
+        if stop is not None and not all(f.done() for f in futures):
+            stop.set()
         wait(futures)
-    for f in futures:
-        if not f.cancelled() and f.exception() is not None:
-            raise f.exception()
+    errors = [f.exception() for f in futures if not f.cancelled() and f.exception() is not None]
+    if errors:
+        raise next((e for e in errors if not isinstance(e, CancelledError)), errors[0])
     return [f.result() for f in futures]
+
+
+@contextmanager
+def stopping_on(event: threading.Event) -> Iterator[None]:
+    """Within it, the calling thread's :func:`map_one_thread` items not started when ``event`` is set do not run (each
+    raises ``CancelledError``): an interrupt, or another layer's error, then waits for the items running, not for the
+    rest of the layers building."""
+    before = getattr(_STOP, "event", None)
+    _STOP.event = event
+    try:
+        yield
+    finally:
+        _STOP.event = before
+
+
+def _unless_stopped(fn: Callable[..., T], stop: threading.Event | None) -> Callable[..., T]:
+    """``fn``, refusing to start once ``stop`` is set."""
+    if stop is None:
+        return fn
+
+    def run(x):
+        if stop.is_set():
+            raise CancelledError("stopped: an interrupt, or another build's error")
+        return fn(x)
+
+    return run
 
 
 def _numba_threadsafe() -> bool:
