@@ -24,7 +24,8 @@ from anns_lab.dumps import rope
 from anns_lab.errors import AnnsLabError, DecodeError
 from anns_lab.indexes import registry
 from anns_lab.indexes.group_queries import PER_HEAD, group_queries
-from anns_lab.indexes.threads import lower_priority, map_one_thread, settle, stopping_on, thread_budget
+from anns_lab.indexes.threads import (lower_priority, map_one_thread, numba_threadsafe, settle, stopping_on,
+                                     thread_budget)
 
 
 def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, settings, queries: np.ndarray | None,
@@ -136,7 +137,8 @@ class EarlyBuilds:
         self.ready_at: dict[int, float] = {}  # perf_counter when each layer was complete and its builds queued
         # Below the prefill's priority, as the builds' own threads beside it (threads.lower_priority): what it runs
         # itself (the keys' copy, the queries' RoPE move, a budget of one's builds) must not slow the prefill either.
-        self.workers = min(LAYERS_AT_ONCE, thread_budget()) if len(modes) == 1 else 1
+        # numba's workqueue layer aborts the process when two threads run its parallel kernels at once: a layer at a time
+        self.workers = min(LAYERS_AT_ONCE, thread_budget()) if len(modes) == 1 and numba_threadsafe() else 1
         self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="anns-early-build",
                                         initializer=lower_priority)
         self._stop = threading.Event()  # set at an error or interrupt: the layers building stop at their running heads

@@ -119,12 +119,12 @@ def map_one_thread(fn: Callable[..., T], items: Iterable, beside: bool = False) 
     on one thread (:func:`one_thread`). A single item runs on the calling thread as it is (the libraries' full teams),
     unless ``beside`` other work (the decoder's prefill), whose threads a team would spin against; ``beside``, the
     threads run below that work's priority (:func:`lower_priority`). A budget of one, or numba's ``workqueue`` threading
-    layer (:func:`_numba_threadsafe`), runs every item on the calling thread. An item's error stops the others
+    layer (:func:`numba_threadsafe`), runs every item on the calling thread. An item's error stops the others
     (:func:`settle`), and so does the calling thread's stop (:func:`stopping_on`)."""
     items = list(items)
     fn = _unless_stopped(fn, getattr(_STOP, "event", None))
     budget = thread_budget()
-    if budget <= 1 or len(items) < (1 if beside else 2) or not _numba_threadsafe():
+    if budget <= 1 or len(items) < (1 if beside else 2) or not numba_threadsafe():
         return [fn(x) for x in items]
     key = (os.getpid(), budget, beside)
     with _POOLS_LOCK:
@@ -181,7 +181,7 @@ def _unless_stopped(fn: Callable[..., T], stop: threading.Event | None) -> Calla
     return run
 
 
-def _numba_threadsafe() -> bool:
+def numba_threadsafe() -> bool:
     """Whether numba's threading layer lets several threads run its parallel kernels at once: TBB and OpenMP do;
     ``workqueue`` (where neither loads, or ``NUMBA_THREADING_LAYER`` asks for it) aborts the process when two do."""
     from numba.np.ufunc.parallel import _launch_threads
