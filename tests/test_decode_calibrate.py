@@ -352,3 +352,19 @@ def test_the_notes_name_an_index_calibration_cannot_set_and_say_nothing_of_one_w
         notes = store_notes({store.layer: store}, settings)
         assert any("no single search grid parameter: not calibrated" in n for n in notes) == said, (name, notes)
         assert not any("calibrat" in n for n in store_notes({store.layer: store}, dataclasses.replace(settings, calibrate=0.0)))
+
+
+def test_calibration_reaches_the_most_thorough_value_of_every_heads_grid():
+    """Heads whose built grids end at different values (IVF of 32 lists on one KV group, 64 on the other: RetroInfer's
+    nprobe ends at its head's non-empty clusters alike): an unreachable target takes the top of the union, exhaustive on
+    every head (weight recall 1), not the first head's top, which leaves the other group's search half its lists."""
+    store, newest = _store("ivf", {"nlist": 32})
+    wide = registry.get("ivf")(nlist=64)
+    wide.build(store.keys[1, : store.n_indexed])
+    store.indexes = [*store.indexes[:2], wide, wide]  # query heads 2 and 3 read KV head 1
+    cal = calibrate.calibrate(store, newest, 1.01, SCALING)
+    assert cal.value == 64 and set(cal.tried) <= {1, 2, 4, 8, 16, 32, 64}
+    assert cal.weight_recall == pytest.approx(1.0) == pytest.approx(_reference_recall(store, newest, "nprobe", 64))
+    assert _reference_recall(store, newest, "nprobe", 32) < 1.0  # the first head's top would not do
+    assert calibrate.store_grid(store.indexes) == ("nprobe", [1, 2, 4, 8, 16, 32, 64])
+    assert calibrate.store_grid([wide, registry.get("flat")()]) is None  # flat has no grid parameter

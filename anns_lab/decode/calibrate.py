@@ -6,8 +6,8 @@ measures it on the prompt being decoded: the layer's newest prefill queries, at 
 come right after them), get their exact top-k over the keys the indexes hold, and where the layer's search (the
 index's default, or the value ``--param`` / ``--from-sweep`` gave) does not reach the target mean weight recall@k over
 the layer's heads, the search is raised to the cheapest value of its index's grid parameter that does (``Index.grid``
-of the built index: roargraph ``L``, IVF ``nprobe``, HNSW ``ef``, ordered cheapest first; the most thorough one when
-none does). It is never lowered: the default search is the one whose fidelity was measured, and at 8K the newest
+of the built indexes, the union over the layer's heads where they differ: roargraph ``L``, IVF ``nprobe``, HNSW ``ef``,
+ordered cheapest first; the most thorough one when none does). It is never lowered: the default search is the one whose fidelity was measured, and at 8K the newest
 prefill queries read below the decode steps (BENCHMARKS "Which target"), so a cut on their word would go below what
 was validated; and where the search given suffices, one probe settles it. Every index mode is calibrated alike, so
 the modes of a run are compared at the same least weight recall.
@@ -60,6 +60,22 @@ def built_grid(index) -> tuple[str, list] | None:
     return param, list(dict.fromkeys(point[param] for point in grid))
 
 
+def store_grid(indexes) -> tuple[str, list] | None:
+    """The one grid parameter of a layer's ``indexes`` and the union of their built grids' values, cheapest first: an
+    index's grid may depend on what it holds (RetroInfer's ``nprobe`` ends at its head's non-empty clusters), and the one
+    value calibration sets must reach the most thorough point of every head's (a head clips a value past its own end).
+    None when an index has no single grid parameter, or two name different ones."""
+    grids = [built_grid(index) for index in {id(ix): ix for ix in indexes}.values()]
+    if not grids or any(g is None for g in grids) or len({param for param, _ in grids}) != 1:
+        return None
+    param, values = grids[0]
+    if all(v == values for _, v in grids):
+        return param, values
+    descending = max((v for _, v in grids), key=len)
+    descending = len(descending) > 1 and descending[-1] < descending[0]  # simhash's min_collisions: fewest is most thorough
+    return param, sorted({v for _, vs in grids for v in vs}, reverse=descending)
+
+
 def calibrate(store, queries: np.ndarray, target: float, scaling: float) -> Calibration | None:
     """Raise ``store``'s (a built :class:`placement.LayerStore`) search to the cheapest grid value reaching ``target``
     mean weight recall@k (:func:`metrics.weight_recall_at_k`, softmax weights at the layer's ``scaling``) on
@@ -67,7 +83,7 @@ def calibrate(store, queries: np.ndarray, target: float, scaling: float) -> Cali
     (:func:`with_present`) falls short; None when its index has no single grid parameter or nothing is indexed."""
     if not store.indexes or not store.n_indexed:
         return None
-    found = built_grid(store.indexes[0])
+    found = store_grid(store.indexes)
     if found is None:
         return None
     param, values = found
