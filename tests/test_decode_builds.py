@@ -71,6 +71,7 @@ def test_a_later_layers_error_stops_the_builds_while_an_earlier_layer_still_buil
     with pytest.raises(DecodeError, match="layer 1 failed"):
         early.wait()
     assert running[0] == 0 and started <= {0, 1, 2}, started  # the other worker took one layer at most after the error
+    early.close()  # again (the prefill's except clause after wait's): nothing left to stop or wait for
 
 
 def test_several_modes_build_a_layer_at_a_time_beside_the_prefill_then_with_full_teams(monkeypatch):
