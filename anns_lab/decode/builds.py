@@ -135,10 +135,10 @@ class EarlyBuilds:
         self.jobs: dict[str, dict[int, Future]] = {m.name: {} for m in modes}
         self.prefill_end: float | None = None
         self.ready_at: dict[int, float] = {}  # perf_counter when each layer was complete and its builds queued
-        # Below the prefill's priority, as the builds' own threads beside it (threads.lower_priority): what it runs
-        # itself (the keys' copy, the queries' RoPE move, a budget of one's builds) must not slow the prefill either.
         # numba's workqueue layer aborts the process when two threads run its parallel kernels at once: a layer at a time
         self.workers = min(LAYERS_AT_ONCE, thread_budget()) if len(modes) == 1 and numba_threadsafe() else 1
+        # Below the prefill's priority, as the builds' own threads beside it (threads.lower_priority): what it runs
+        # itself (the keys' copy, the queries' RoPE move, a budget of one's builds) must not slow the prefill either.
         self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="anns-early-build",
                                         initializer=lower_priority)
         self._stop = threading.Event()  # set at an error or interrupt: the layers building stop at their running heads
