@@ -256,3 +256,112 @@ def test_side_by_side_builds_survive_numbas_workqueue_layer():
     env = {**os.environ, "NUMBA_THREADING_LAYER": "workqueue"}
     r = subprocess.run([sys.executable, "-c", _WORKQUEUE_BUILD], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "built 4" in r.stdout, r.stderr[-2000:]
+
+
+_WORKQUEUE_LAYERS = """
+import numpy as np
+from anns_lab.decode import builds
+from anns_lab.decode.engine import Mode
+from anns_lab.decode.placement import IndexPlan, LayerStore
+from anns_lab.indexes import threads
+builds.thread_budget = threads.thread_budget = lambda: 2  # two layers at once elsewhere, even on a one-core runner
+rng = np.random.default_rng(5)
+keys = rng.standard_normal((2, 1500, 16)).astype(np.float32)
+queries = (rng.standard_normal((4, 1200, 16)) + 0.5).astype(np.float32)
+
+def layer_store(lm, cache, n_ids, layer, plan, settings, q, scaling=None, beside=False):
+    store = LayerStore(layer, 4, keys, keys, topk=10, plan=plan, add_batch=64)
+    store.build(queries, beside=beside)  # list_stride 4: a parallel=True kernel in every build
+    return store
+
+builds.layer_store = layer_store
+builds.store_notes = lambda stores, settings: []
+early = builds.EarlyBuilds(None, 0, [Mode("rg", IndexPlan("roargraph", {"list_stride": 4}))], None, None,
+                           lambda layer: None, {})
+early.prefill_done()
+for layer in range(3):
+    early.layer_done(layer)
+early.wait()
+print("built", len(early.take("rg")[0]), "workers", early.workers)
+"""
+
+
+def test_the_early_builds_take_a_layer_at_a_time_under_numbas_workqueue_layer():
+    """Two layers at once run numba's parallel kernels from two threads, which the ``workqueue`` layer answers by
+    aborting the process ("Concurrent access has been detected"): there the early builds take one layer at a time."""
+    import subprocess
+
+    env = {**os.environ, "NUMBA_THREADING_LAYER": "workqueue"}
+    r = subprocess.run([sys.executable, "-c", _WORKQUEUE_LAYERS], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "built 3 workers 1" in r.stdout, r.stderr[-2000:]
+
+
+def test_an_items_error_stops_the_calls_other_items(monkeypatch):
+    """An item that raises while others run: the items not started never start, the running ones have ended when the
+    error reaches the caller (the shared pool's threads would build on for nothing, and the next layer's or decode's
+    builds would queue behind them), and the error is the first failed item's in order."""
+    monkeypatch.setattr(threads, "thread_budget", lambda: 2)
+    monkeypatch.setattr(threads, "_POOLS", {})
+    lock, started, running, second = threading.Lock(), set(), [0], threading.Event()
+
+    def item(i):
+        with lock:
+            started.add(i)
+            running[0] += 1
+        try:
+            if i == 0:
+                second.wait(10)  # item 1 is running when item 0 fails
+                raise RuntimeError("item 0 failed")
+            second.set()
+            threading.Event().wait(0.3 if i == 1 else 0.05)
+            return i
+        finally:
+            with lock:
+                running[0] -= 1
+
+    try:
+        with pytest.raises(RuntimeError, match="item 0 failed"):
+            map_one_thread(item, range(12), beside=True)
+        with lock:
+            at_error = running[0], set(started)
+        threading.Event().wait(0.5)  # what was still queued would have run by now
+        assert at_error[0] == 0 and started == at_error[1] and len(started) < 12, (at_error, started)
+        assert map_one_thread(lambda i: i * i, range(4), beside=True) == [0, 1, 4, 9]  # the pool still serves
+    finally:
+        for pool in threads._POOLS.values():
+            pool.shutdown()
+
+
+def test_two_threads_calling_at_once_share_one_pool(monkeypatch):
+    """The decoder's two early-build workers reach their first layer's builds at once: one pool of the budget's threads
+    for both, not one each (the second, made beside the first, doubled the threads on the cores)."""
+    monkeypatch.setattr(threads, "thread_budget", lambda: 2)
+    monkeypatch.setattr(threads, "_POOLS", {})
+    made = []
+
+    class Slow(threads.ThreadPoolExecutor):
+        def __init__(self, *args, **kwargs):
+            made.append(self)
+            threading.Event().wait(0.3)  # the other caller arrives meanwhile
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(threads, "ThreadPoolExecutor", Slow)
+    threads.numba_threadsafe()  # numba's layer picked before the race (it takes a while the first time)
+    both = threading.Barrier(2, timeout=10)
+
+    out: list = []
+
+    def caller() -> None:  # as an early-build worker
+        both.wait()
+        out.append(map_one_thread(lambda i: i, range(3), beside=True))
+
+    workers = [threading.Thread(target=caller) for _ in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(30)
+    try:
+        assert out == [[0, 1, 2]] * 2 and len(made) == 1, len(made)
+    finally:
+        for pool in made:
+            pool.shutdown()

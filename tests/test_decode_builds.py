@@ -9,6 +9,7 @@ import pytest
 
 from anns_lab.decode import builds
 from anns_lab.decode.engine import Mode
+from anns_lab.errors import DecodeError
 
 
 def test_a_failed_build_cancels_the_queued_ones(monkeypatch):
@@ -30,12 +31,47 @@ def test_a_failed_build_cancels_the_queued_ones(monkeypatch):
     for layer in range(6):
         early.layer_done(layer)
     go.set()
-    with pytest.raises(RuntimeError, match="layer 0 failed"):
+    with pytest.raises(DecodeError, match="layer 0 failed"):
         early.wait()
     jobs = early.jobs["some-index"]
     assert all(jobs[layer].cancelled() for layer in (3, 4, 5))
     time.sleep(0.2)
     assert not {3, 4, 5} & set(started)
+
+
+def test_a_later_layers_error_stops_the_builds_while_an_earlier_layer_still_builds(monkeypatch):
+    """Layer 1 fails while layer 0 still builds (two layers at once): ``wait()`` cancels the layers still queued at
+    once, not after layer 0 has ended (the other worker meanwhile built layer after layer for nothing), and re-raises
+    layer 1's error once the layers then running have ended."""
+    monkeypatch.setattr(builds, "thread_budget", lambda: 2)
+    lock, started, running = threading.Lock(), set(), [0]
+    early = builds.EarlyBuilds(None, 0, [Mode("some-index")], None, None, lambda layer: None, {})
+    jobs = early.jobs["some-index"]
+
+    def layer_store(lm, cache, n_ids, layer, plan, settings, queries, scaling=None, beside=False):
+        with lock:
+            started.add(layer)
+            running[0] += 1
+        try:
+            if layer == 1:
+                raise RuntimeError("build of layer 1 failed")
+            for _ in range(200 if layer == 0 else 100):  # until the queued layers are cancelled (at most 2 s, 1 s)
+                if jobs.get(11) is not None and jobs[11].cancelled():
+                    break
+                time.sleep(0.01)
+            return object()
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(builds, "layer_store", layer_store)
+    early.prefill_done()
+    for layer in range(12):
+        early.layer_done(layer)
+    with pytest.raises(DecodeError, match="layer 1 failed"):
+        early.wait()
+    assert running[0] == 0 and started <= {0, 1, 2}, started  # the other worker took one layer at most after the error
+    early.close()  # again (the prefill's except clause after wait's): nothing left to stop or wait for
 
 
 def test_several_modes_build_a_layer_at_a_time_beside_the_prefill_then_with_full_teams(monkeypatch):
@@ -108,3 +144,97 @@ def test_covered_counts_overlapping_spans_once_and_only_before_the_end():
     assert builds.covered(spans, end=2.5) == pytest.approx(2.5)
     assert builds.covered(spans, end=5.5) == pytest.approx(3.5)
     assert builds.covered([]) == 0.0
+
+
+def test_an_index_failing_in_the_early_builds_is_one_error_and_the_next_decode_works(tiny_llama, monkeypatch):
+    """A plugin whose build raises (here every build: the layer named is one that failed first, the other layer then
+    building stopped): the decode ends with one error naming the index and the layer, and the same process's next
+    decode builds and decodes as a decode alone does (nothing left queued in the build pools)."""
+    import numpy as np
+
+    from anns_lab.decode import runner
+    from anns_lab.decode.engine import Settings, prefill, run_mode
+    from anns_lab.decode.placement import IndexPlan
+    from anns_lab.dumps.models import load_model
+    from anns_lab.indexes import registry, threads
+    from anns_lab.window import Window
+
+    monkeypatch.setattr(threads, "thread_budget", lambda: 2)  # two layers at once, heads side by side, on any runner
+    flat = registry.get("flat")
+
+    class Broken(flat):
+        def _build(self, keys, train_queries=None):
+            raise RuntimeError("no memory for its graph")
+
+    real_get = registry.get
+    monkeypatch.setattr(registry, "get", lambda name: Broken if name == "broken" else real_get(name))
+    lm = load_model(str(tiny_llama), device="cpu")
+    settings = Settings(Window(4, 8), topk=40, add_batch=4, chunk=24)
+    ids = np.random.default_rng(3).integers(3, 400, size=64).tolist()
+    with pytest.raises(DecodeError, match=r"^building layer \d+'s indexes: broken raised RuntimeError: no memory") as err:
+        runner.run_sample(lm, [Mode("broken", IndexPlan("broken"))], settings, ids, 6, set())
+    assert int(str(err.value).split()[2].split("'")[0]) in lm.long_range_layers
+    assert all(pool._work_queue.empty() for pool in threads._POOLS.values())
+    mode = Mode("flat", IndexPlan("flat"))
+    after = runner.run_sample(lm, [mode], settings, ids, 6, set())["runs"]["flat"]
+    alone = run_mode(lm, prefill(lm, ids, settings, capture_queries=False), mode, settings, 6)
+    assert after.tokens == alone.tokens and set(after.build_layers) == set(lm.long_range_layers)
+
+
+@pytest.mark.parametrize("interrupt", ["close", "wait"])
+def test_an_interrupt_stops_the_layers_building_at_their_running_heads(monkeypatch, interrupt):
+    """Ctrl-C in the prefill (``close()``) or in ``wait()`` while two layers build: the call returns once the heads
+    then running have ended, not after every head of both layers (a Llama-3-8B layer at 128K: 32 heads of seconds
+    each), and nothing of theirs starts later."""
+    from anns_lab.indexes import threads
+
+    monkeypatch.setattr(builds, "thread_budget", lambda: 2)
+    monkeypatch.setattr(threads, "thread_budget", lambda: 2)
+    monkeypatch.setattr(threads, "_POOLS", {})
+    lock, started, running = threading.Lock(), [], [0]
+
+    def head(h):
+        with lock:
+            started.append(h)
+            running[0] += 1
+        time.sleep(0.2)
+        with lock:
+            running[0] -= 1
+
+    def layer_store(lm, cache, n_ids, layer, plan, settings, queries, scaling=None, beside=False):
+        threads.map_one_thread(head, range(8), beside=True)
+        return object()
+
+    monkeypatch.setattr(builds, "layer_store", layer_store)
+    early = builds.EarlyBuilds(None, 0, [Mode("some-index")], None, None, lambda layer: None, {})
+    for layer in range(4):
+        early.layer_done(layer)
+    while len(started) < 2:
+        time.sleep(0.01)
+    if interrupt == "close":  # the prefill's except clause
+        early.close()
+    else:  # an interrupt of the waiting thread, as Ctrl-C raises it there
+        with pytest.MonkeyPatch.context() as mp, pytest.raises(KeyboardInterrupt):
+            mp.setattr(threads, "wait", _interrupted_once(threads.wait))
+            early.wait()
+    with lock:
+        at_end = running[0], len(started)
+    time.sleep(0.5)
+    assert at_end[0] == 0 and len(started) == at_end[1] <= 4, (interrupt, at_end, len(started))
+    for pool in threads._POOLS.values():
+        pool.shutdown()
+
+
+def _interrupted_once(wait):
+    """``concurrent.futures.wait`` whose first call on the main thread raises KeyboardInterrupt (where Ctrl-C meets the
+    thread waiting for the builds)."""
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        if threading.current_thread() is threading.main_thread():
+            calls.append(1)
+            if len(calls) == 1:
+                raise KeyboardInterrupt
+        return wait(*args, **kwargs)
+
+    return interrupted

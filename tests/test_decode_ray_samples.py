@@ -17,14 +17,19 @@ class _InProcessRay:
         RayError = RuntimeError
 
     def remote(self, fn):
+        submit = self.submit
+
         class Task:
             def options(self, **_):
                 return self
 
             def remote(self, *args):
-                return fn(*args)
+                return submit(fn, args)
 
         return Task()
+
+    def submit(self, fn, args):
+        return fn(*args)
 
     def wait(self, refs, timeout=None):
         return refs, []
@@ -52,3 +57,39 @@ def test_torch_threads_reach_every_ray_task(tiny_llama, monkeypatch):
     assert res.exit_code == 0, res.output
     assert [m.get("torch_threads") for m in made] == [1]
     assert set_to == [1, 1, 1]  # the driver's load, then each of the 2 samples' tasks
+
+
+def test_a_samples_error_on_ray_reaches_the_driver_in_its_own_words(monkeypatch):
+    """A sample's task that raised (a layer's build failed on the worker) comes back from ``ray.get`` as a
+    ``RayTaskError``, whose first line only says where it ran: the driver's one error carries the task's own."""
+    import traceback
+
+    import pytest
+
+    ray_exceptions = pytest.importorskip("ray.exceptions")
+    from anns_lab.errors import DecodeError
+
+    class FailingRay(_InProcessRay):
+        exceptions = ray_exceptions
+
+        def submit(self, fn, args):
+            return lambda: fn(*args)  # run at get(), as a worker would have
+
+        def get(self, ref):
+            try:
+                return ref()
+            except Exception as err:  # as Ray hands a task's exception to the driver
+                raise ray_exceptions.RayTaskError("_sample_task", traceback.format_exc(), err, pid=1,
+                                              ip="127.0.0.1").as_instanceof_cause() from None
+
+    def sample_task(*args):
+        raise DecodeError("building layer 1's indexes: broken raised RuntimeError: no memory for its graph")
+
+    monkeypatch.setattr(ray_samples, "_sample_task", sample_task)
+    samples = object.__new__(ray_samples.RaySamples)
+    samples.ray, samples.resources = FailingRay(), {"CPU": 1.0}
+    samples.model, samples.device, samples.rope_scaling, samples.torch_threads = "m", "cpu", None, 0
+    with pytest.raises(DecodeError) as err:
+        next(samples.map_samples([], None, [[1, 2, 3]], 2, set()))
+    assert str(err.value) == ("a decode sample failed on Ray: building layer 1's indexes: broken raised RuntimeError: "
+                              "no memory for its graph")

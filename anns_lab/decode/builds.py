@@ -11,8 +11,9 @@ L + 1 of the layers' passes over the whole prompt).
 
 from __future__ import annotations
 
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -20,9 +21,11 @@ import torch
 from anns_lab.decode import calibrate as calibration
 from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.dumps import rope
+from anns_lab.errors import AnnsLabError, DecodeError
 from anns_lab.indexes import registry
 from anns_lab.indexes.group_queries import PER_HEAD, group_queries
-from anns_lab.indexes.threads import lower_priority, map_one_thread, thread_budget
+from anns_lab.indexes.threads import (lower_priority, map_one_thread, numba_threadsafe, settle, stopping_on,
+                                     thread_budget)
 
 
 def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, settings, queries: np.ndarray | None,
@@ -116,7 +119,8 @@ class EarlyBuilds:
     ``prefill_done()`` marks the end of the prefill; ``take(mode)`` waits for that mode's stores and returns
     them with the wall seconds during which its builds ran and the part of those before the prefill ended (hidden).
     One mode (the decoder's case: each index mode has a prefill of its own) builds two layers at once where the
-    process gives its kernels two threads or more (:func:`threads.thread_budget`): a layer at a time left a core idle
+    process gives its kernels two threads or more (:func:`threads.thread_budget`; not under numba's ``workqueue`` layer,
+    :func:`threads.numba_threadsafe`): a layer at a time left a core idle
     at each layer's end (its last heads, its calibration, the next layer's keys copied and queries moved, on one
     thread): at 8K the builds after the prefill took 1.14x as long (BENCHMARKS "Two layers at once after the
     prefill"). Two keep the threads fed across a layer's end; more would only hold more layers' copies of their keys
@@ -132,11 +136,13 @@ class EarlyBuilds:
         self.jobs: dict[str, dict[int, Future]] = {m.name: {} for m in modes}
         self.prefill_end: float | None = None
         self.ready_at: dict[int, float] = {}  # perf_counter when each layer was complete and its builds queued
+        # numba's workqueue layer aborts the process when two threads run its parallel kernels at once: a layer at a time
+        self.workers = min(LAYERS_AT_ONCE, thread_budget()) if len(modes) == 1 and numba_threadsafe() else 1
         # Below the prefill's priority, as the builds' own threads beside it (threads.lower_priority): what it runs
         # itself (the keys' copy, the queries' RoPE move, a budget of one's builds) must not slow the prefill either.
-        self.workers = min(LAYERS_AT_ONCE, thread_budget()) if len(modes) == 1 else 1
         self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="anns-early-build",
                                         initializer=lower_priority)
+        self._stop = threading.Event()  # set at an error or interrupt: the layers building stop at their running heads
 
     def layer_done(self, layer: int) -> None:
         self.ready_at[layer] = time.perf_counter()
@@ -149,9 +155,16 @@ class EarlyBuilds:
         # Beside the prefill, or beside another layer's builds: every kernel on one thread (a full team would spin
         # against the other work's threads), the index builds and the calibration on the lowered pool's threads.
         beside = self.prefill_end is None or self.workers > 1
-        with torch.inference_mode():  # the prefill's tensors are inference tensors (mode is per thread)
-            store = layer_store(self.lm, self.cache, self.n_ids, layer, plan, self.settings, queries,
-                                self.scaling.get(layer), beside=beside)
+        if self._stop.is_set():  # taken from the queue as the builds were being stopped
+            raise CancelledError("stopped")
+        try:
+            with torch.inference_mode(), stopping_on(self._stop):  # inference tensors as the prefill's (per thread)
+                store = layer_store(self.lm, self.cache, self.n_ids, layer, plan, self.settings, queries,
+                                    self.scaling.get(layer), beside=beside)
+        except CancelledError:  # stopped (threads.stopping_on): another layer's error is the one to tell
+            raise
+        except Exception as err:
+            raise _named(err, layer, plan) from err
         return store, t0, time.perf_counter()
 
     def prefill_done(self) -> None:
@@ -159,15 +172,16 @@ class EarlyBuilds:
 
     def wait(self) -> None:
         """Block until every queued build has finished (decoding must not share the CPU with them); re-raises a build's
-        error (or an interrupt), the builds still queued then cancelled rather than left to hold the CPU and the cache."""
-        try:
-            for jobs in self.jobs.values():
-                for f in jobs.values():
-                    f.result()
+        error (or an interrupt) once it happens, the builds still queued then cancelled rather than left to hold the CPU
+        and the cache (:func:`threads.settle`)."""
+        try:  # at a layer's error, not after the layers queued before it: the others meanwhile built on for nothing
+            settle([f for jobs in self.jobs.values() for f in jobs.values()], self._stop)
         finally:
             self.close()
 
     def close(self) -> None:
+        """Stop the builds: the layers queued are cancelled, those building stop at their heads then running."""
+        self._stop.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def has(self, name: str) -> bool:
@@ -177,7 +191,7 @@ class EarlyBuilds:
         """(stores, notes, build seconds, of which hidden behind the prefill) of mode ``name``; its jobs are handed
         over once (a second run of the mode builds afresh)."""
         jobs = self.jobs.pop(name)
-        done = {layer: f.result() for layer, f in sorted(jobs.items())}
+        done = dict(zip(sorted(jobs), settle([f for _, f in sorted(jobs.items())], self._stop)))
         stores = {layer: d[0] for layer, d in done.items()}
         end = self.prefill_end if self.prefill_end is not None else float("inf")
         for layer, (store, t0, t1) in done.items():  # where the first token's wait went, layer by layer
@@ -185,6 +199,15 @@ class EarlyBuilds:
                 if self.prefill_end is not None else None
         spans = [(t0, t1) for _, t0, t1 in done.values()]
         return stores, store_notes(stores, self.settings), covered(spans), covered(spans, end)
+
+
+def _named(err: Exception, layer: int, plan: IndexPlan | None) -> DecodeError:
+    """``err``, raised building ``layer``'s store, as one line that names the layer and the index (a plugin's own error
+    names neither, and with two layers at once the traceback does not say which)."""
+    if isinstance(err, AnnsLabError):  # the index's name is in it (base.Index's checks: "flat: keys contain NaN ...")
+        return DecodeError(f"building layer {layer}'s indexes: {err}")
+    what = plan.name if plan is not None else "its store"
+    return DecodeError(f"building layer {layer}'s indexes: {what} raised {type(err).__name__}: {err}")
 
 
 def covered(spans: list[tuple[float, float]], end: float = float("inf")) -> float:

@@ -26,9 +26,10 @@ import ctypes
 import os
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, CancelledError, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterable, TypeVar
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import faiss
 import numba
@@ -36,8 +37,10 @@ import numba
 T = TypeVar("T")
 
 _POOLS: dict = {}  # (process, workers, beside) -> pool: a forked child must not use its parent's
+_POOLS_LOCK = threading.Lock()  # the decoder's early-build workers ask for their pool at the same moment
 LOWEST_PRIORITY = 19  # the nice value of a thread that builds beside the prefill
 _OMP_DEFAULT: dict = {}  # process -> OpenMP's count for a thread that set none
+_STOP = threading.local()  # .event: the calling thread's stop (stopping_on), checked by its map_one_thread items
 
 
 def one_thread() -> None:
@@ -116,19 +119,69 @@ def map_one_thread(fn: Callable[..., T], items: Iterable, beside: bool = False) 
     on one thread (:func:`one_thread`). A single item runs on the calling thread as it is (the libraries' full teams),
     unless ``beside`` other work (the decoder's prefill), whose threads a team would spin against; ``beside``, the
     threads run below that work's priority (:func:`lower_priority`). A budget of one, or numba's ``workqueue`` threading
-    layer (:func:`_numba_threadsafe`), runs every item on the calling thread."""
+    layer (:func:`numba_threadsafe`), runs every item on the calling thread. An item's error stops the others
+    (:func:`settle`), and so does the calling thread's stop (:func:`stopping_on`)."""
     items = list(items)
+    fn = _unless_stopped(fn, getattr(_STOP, "event", None))
     budget = thread_budget()
-    if budget <= 1 or len(items) < (1 if beside else 2) or not _numba_threadsafe():
+    if budget <= 1 or len(items) < (1 if beside else 2) or not numba_threadsafe():
         return [fn(x) for x in items]
     key = (os.getpid(), budget, beside)
-    if key not in _POOLS:  # separate pools: a thread's lowered priority cannot be raised again without privileges
-        _POOLS[key] = ThreadPoolExecutor(budget, thread_name_prefix="anns-lab-build",
-                                         initializer=_beside_worker if beside else one_thread)
-    return [f.result() for f in [_POOLS[key].submit(fn, x) for x in items]]
+    with _POOLS_LOCK:
+        if key not in _POOLS:  # separate pools: a thread's lowered priority cannot be raised again without privileges
+            _POOLS[key] = ThreadPoolExecutor(budget, thread_name_prefix="anns-lab-build",
+                                             initializer=_beside_worker if beside else one_thread)
+        pool = _POOLS[key]
+    return settle([pool.submit(fn, x) for x in items])
 
 
-def _numba_threadsafe() -> bool:
+def settle(futures: list[Future], stop: threading.Event | None = None) -> list:
+    """The ``futures``' results in order once all have run. At the first error (or an interrupt of the waiting thread)
+    the ones not started are cancelled, ``stop`` is set (the running ones' own items then stop: :func:`stopping_on`)
+    and the running ones waited for, then the first failed one's error is raised (in the list's order, one that was
+    only stopped last): nothing of the work outlives the error (a shared pool's threads would build on for nothing, and
+    whatever is queued next, as the next layer's or decode's builds, would wait behind it)."""
+    try:
+        wait(futures, return_when=FIRST_EXCEPTION)
+    finally:
+        for f in futures:
+            f.cancel()  # only those not started: a running one cannot be stopped
+        if stop is not None and not all(f.done() for f in futures):
+            stop.set()
+        wait(futures)
+    errors = [f.exception() for f in futures if not f.cancelled() and f.exception() is not None]
+    if errors:
+        raise next((e for e in errors if not isinstance(e, CancelledError)), errors[0])
+    return [f.result() for f in futures]
+
+
+@contextmanager
+def stopping_on(event: threading.Event) -> Iterator[None]:
+    """Within it, the calling thread's :func:`map_one_thread` items not started when ``event`` is set do not run (each
+    raises ``CancelledError``): an interrupt, or another layer's error, then waits for the items running, not for the
+    rest of the layers building."""
+    before = getattr(_STOP, "event", None)
+    _STOP.event = event
+    try:
+        yield
+    finally:
+        _STOP.event = before
+
+
+def _unless_stopped(fn: Callable[..., T], stop: threading.Event | None) -> Callable[..., T]:
+    """``fn``, refusing to start once ``stop`` is set."""
+    if stop is None:
+        return fn
+
+    def run(x):
+        if stop.is_set():
+            raise CancelledError("stopped: an interrupt, or another build's error")
+        return fn(x)
+
+    return run
+
+
+def numba_threadsafe() -> bool:
     """Whether numba's threading layer lets several threads run its parallel kernels at once: TBB and OpenMP do;
     ``workqueue`` (where neither loads, or ``NUMBA_THREADING_LAYER`` asks for it) aborts the process when two do."""
     from numba.np.ufunc.parallel import _launch_threads
