@@ -466,18 +466,18 @@ def test_stranded_keys_link_to_a_pool_that_follows_the_number_of_keys(monkeypatc
 
 
 def test_list_sizes_follow_the_number_of_keys_unless_given(tmp_path):
-    """M_sq / n_pivots / n_cand left at 0 come from ``auto_lists`` (100 / 20 up to 8K keys, growing with n);
-    given ones are kept; the resolved sizes survive save/load (an add must keep using them)."""
-    from anns_lab.indexes.roargraph import auto_lists
+    """M_sq / n_pivots / n_cand left at 0 come from ``auto_lists`` (150 / 30 up to ~12K keys, growing with n above
+    their floor); given ones are kept; the resolved sizes survive save/load (an add must keep using them)."""
+    from anns_lab.indexes.roargraph import LISTS_FLOOR, auto_lists
 
-    assert auto_lists(2000) == auto_lists(8192) == (100, 20)
-    m8, p8 = auto_lists(8192)
+    assert auto_lists(2000) == auto_lists(8192) == LISTS_FLOOR == (150, 30)
     m32, p32 = auto_lists(32768)
-    assert (m32, p32) == (2 * m8, 4 * p8)  # M_sq ∝ √n, pivot rank ∝ n (under its M_sq / 2 cap here)
-    assert auto_lists(1 << 20)[1] == auto_lists(1 << 20)[0] // 2  # the cap
+    m128, p128 = auto_lists(131072)
+    assert (m32, p32) == (200, 80) and (m128, p128) == (2 * m32, m128 // 2)  # M_sq ∝ √n, pivot rank ∝ n up to M_sq / 2
+    assert auto_lists(16384) == (150, 40)  # past the floor the pivot rank grows first (∝ n), M_sq from ~18K keys (∝ √n)
     keys, train, _ = ood_data(3, n=600, m=200)
     auto = RoarGraphIndex().build(keys, train)
-    assert auto.lists == {"M_sq": 100, "n_pivots": 20, "n_cand": 100} and auto._q_ids.shape[1] == 100
+    assert auto.lists == {"M_sq": 150, "n_pivots": 30, "n_cand": 150} and auto._q_ids.shape[1] == 150
     given = RoarGraphIndex(M_sq=60, n_pivots=7, n_cand=80).build(keys, train)
     assert given.lists == {"M_sq": 60, "n_pivots": 7, "n_cand": 60} and given._q_ids.shape[1] == 60
     given.save(tmp_path / "g")

@@ -18,7 +18,7 @@ from anns_lab.errors import AnnsLabError
 
 GIB = 2**30
 FLOAT = 4  # the lab runs models in float32
-GRAPH_BYTES_PER_KEY = 24 * 4 + 4 + 8  # a graph index's row (R = 24 int32), degree and slack, per key per query head
+GRAPH_BYTES_PER_KEY = 40 * 4 + 4 + 8  # a graph index's row (roargraph's R = 40 int32), degree and slack, per key per query head
 HEADROOM = 1.15  # allocator fragmentation and Python objects on top of the counted arrays
 
 

@@ -88,6 +88,7 @@ ADD_SEARCH_L = 16  # beam of the search that links each added key (wider: the sa
 LIST_PARAMS = ("M_sq", "n_pivots", "n_cand")  # the sizes build resolves (0 = auto), kept in self.lists and saved
 KEYS_PER_ANCHOR = 4096  # auto list_stride: one exact list per this many keys' worth of queries (2048 scanned ~10% more at 32K)
 MAX_STRIDE = 64  # auto list_stride at most
+LISTS_FLOOR = (150, 30)  # auto_lists' least (M_sq, n_pivots)
 LIST_SPAN = 1  # anchors on either side whose lists a query between them ranks (2 doubles the re-rank; not better in the runs of BENCHMARKS "Scale")
 
 
@@ -119,15 +120,17 @@ def auto_stride(m: int, n: int) -> int:
 
 
 def auto_lists(n_keys: int) -> tuple[int, int]:
-    """(M_sq, n_pivots) for ``n_keys`` keys: (100, 20) up to 8192 keys; above, M_sq grows as √n and the
-    pivot rank as n, capped at M_sq / 2 (198 and 78 at 32K keys).
+    """(M_sq, n_pivots) for ``n_keys`` keys: M_sq 100·√(n/8192) and the pivot rank 20·n/8192, at least
+    :data:`LISTS_FLOOR` (150, 30: the sizes up to ~18K keys) and the pivot rank at most M_sq / 2 (198 and 78 at 32K keys).
 
-    An empirical rule from the two sizes measured (8K and 32K keys; ``docs/notes/graph-indexes.md``):
-    with more keys the lists hold fewer of the keys a query needs, so longer lists and deeper pivots win.
+    An empirical rule from the sizes measured (8K, 32K, 128K keys; ``docs/notes/graph-indexes.md``): with more keys the
+    lists hold fewer of the keys a query needs, so longer lists and deeper pivots win. The floor: at 8K, (150, 30)
+    scanned 4-6% fewer keys at recall 0.95 than (100, 20) on four texts for ~5% more build (BENCHMARKS "Row capacity
+    and list floor"); at 32K the √n rule's 198 beat 297.
     """
     scale = max(1.0, n_keys / 8192)
-    m_sq = int(round(100 * scale ** 0.5))
-    return m_sq, min(m_sq // 2, int(round(20 * scale)))
+    m_sq = max(LISTS_FLOOR[0], int(round(100 * scale ** 0.5)))
+    return m_sq, min(m_sq // 2, max(LISTS_FLOOR[1], int(round(20 * scale))))
 
 
 def stranded_pool(n: int) -> int:
@@ -168,9 +171,9 @@ class RoarGraphIndex(Index):
     takes_hints = True
     build_params = {
         "M": Param(12, 2, 512, help="out-degree of the projection (RobustPrune target)"),
-        "R": Param(24, 2, 1024, help="row capacity after reverse edges and linking (≥ M)"),
-        "M_sq": Param(0, 0, 4096, help="keys per training query in the bipartite graph (its exact top-M_sq); 0 = auto: 100 up to 8K keys, ∝ √n above (198 at 32K)"),
-        "n_pivots": Param(0, 0, 4096, help="pivot rank: each of a query's first n_pivots keys takes its other keys as candidates (1 = RoarGraph); 0 = auto: 20 up to 8K keys, ∝ n above, ≤ M_sq/2 (78 at 32K)"),
+        "R": Param(40, 2, 1024, help="row capacity after reverse edges and linking (≥ M): heavy hitters keep more of the keys that chose them (the row stop walks the rows in order)"),
+        "M_sq": Param(0, 0, 4096, help="keys per training query in the bipartite graph (its exact top-M_sq); 0 = auto: 150 up to ~18K keys, ∝ √n above (198 at 32K)"),
+        "n_pivots": Param(0, 0, 4096, help="pivot rank: each of a query's first n_pivots keys takes its other keys as candidates (1 = RoarGraph); 0 = auto: 30 up to ~12K keys, ∝ n above, ≤ M_sq/2 (78 at 32K)"),
         "idf": Param(0.25, 0.0, 4.0, help="candidate weight = co-occurrence × (key's total occurrences)^-idf"),
         "descent_links": Param(2, 0, 64, help="in-edges per key from the key ranked above it that is most like it, where a training query's list has no way down to it (0 = off)"),
         "descent_rank": Param(100, 2, 4096, help="how deep into each training query's list descent_links looks"),
@@ -205,7 +208,7 @@ class RoarGraphIndex(Index):
     search_params_before = {"row_misses": 0}  # tables swept before the row stop searched every row in full
     search_params_since = {"row_misses": "cooc_order"}  # the row order came with the row stop: rows naming it measured it
     # the dates auto_train (MIN_TRAIN), auto_stride (KEYS_PER_ANCHOR) and auto_lists last changed
-    auto_rules = {"max_train": "2026-12-01", "list_stride": "2026-11-30", "M_sq": "2026-11-30", "n_pivots": "2026-11-30"}
+    auto_rules = {"max_train": "2026-12-01", "list_stride": "2026-11-30", "M_sq": "2026-12-02", "n_pivots": "2026-12-02"}
 
     # -- build -------------------------------------------------------------------------------------
 
