@@ -120,13 +120,14 @@ def auto_stride(m: int, n: int) -> int:
 
 
 def auto_lists(n_keys: int) -> tuple[int, int]:
-    """(M_sq, n_pivots) for ``n_keys`` keys: M_sq 100·√(n/8192) and the pivot rank 20·n/8192, at least
-    :data:`LISTS_FLOOR` (150, 30: the sizes up to ~18K keys) and the pivot rank at most M_sq / 2 (198 and 78 at 32K keys).
+    """(M_sq, n_pivots) for ``n_keys`` keys: M_sq 100·√(n/8192) and the pivot rank 20·n/8192, each at least its
+    :data:`LISTS_FLOOR` value (150: up to ~18K keys; 30: up to ~12K), the pivot rank at most M_sq / 2 (198 and 78 at 32K).
 
     An empirical rule from the sizes measured (8K, 32K, 128K keys; ``docs/notes/graph-indexes.md``): with more keys the
-    lists hold fewer of the keys a query needs, so longer lists and deeper pivots win. The floor: at 8K, (150, 30)
-    scanned 4-6% fewer keys at recall 0.95 than (100, 20) on four texts for ~5% more build (BENCHMARKS "Row capacity
-    and list floor"); at 32K the √n rule's 198 beat 297.
+    lists hold fewer of the keys a query needs, so longer lists and deeper pivots win. The floor: at 8K, (150, 30) with
+    rows of 40 scanned 4-6% fewer keys at recall 0.95 than (100, 20) with rows of 24 on four texts (the rows alone
+    1-2%), for ~5% more build; at 32K the √n rule's 198 beat 297 (BENCHMARKS "Two more held-out texts, then the row
+    capacity and the lists' floor").
     """
     scale = max(1.0, n_keys / 8192)
     m_sq = max(LISTS_FLOOR[0], int(round(100 * scale ** 0.5)))
