@@ -71,8 +71,8 @@ def store_grid(indexes) -> tuple[str, list] | None:
     param, values = grids[0]
     if all(v == values for _, v in grids):
         return param, values
-    descending = max((v for _, v in grids), key=len)
-    descending = len(descending) > 1 and descending[-1] < descending[0]  # simhash's min_collisions: fewest is most thorough
+    longest = max((v for _, v in grids), key=len)  # its ends give the grid's direction
+    descending = len(longest) > 1 and longest[-1] < longest[0]  # simhash's min_collisions: fewest is most thorough
     return param, sorted({v for _, vs in grids for v in vs}, reverse=descending)
 
 
