@@ -21,6 +21,7 @@ import itertools
 import os
 import random
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -39,6 +40,10 @@ def man_pages(count: int, seed: int = 0, folder: Path = Path("/usr/share/man/man
     """``count`` English manual pages of ``folder`` (a seeded sample, in sample order), rendered by ``man -l`` and
     reflowed: each paragraph on one line, pages of under 1,000 characters skipped, and the Google Cloud SDK's (where
     installed, ~16K generated near-copies that would be most of any sample)."""
+    if count < 1:
+        raise SystemExit(f"--man-pages {count}: give a positive number of pages")
+    if shutil.which("man") is None:
+        raise SystemExit("no `man` command here to render the manual pages (the man-db package)")
     pages = sorted(p for p in folder.glob("*.gz") if not p.name.startswith("gcloud"))
     if not pages:
         raise SystemExit(f"no manual pages under {folder} (is the man-db package installed?)")
@@ -52,6 +57,8 @@ def man_pages(count: int, seed: int = 0, folder: Path = Path("/usr/share/man/man
             out.append(text)
         if len(out) == count:
             break
+    if len(out) < count:
+        raise SystemExit(f"only {len(out)} of {folder}'s pages render to 1,000 characters or more; ask for at most that many")
     return out
 
 
@@ -59,9 +66,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="the UTF-8 prompt file to write")
     ap.add_argument("--packages", default="numpy,pandas,torch", help="comma-separated installed packages")
-    ap.add_argument("--man-pages", type=int, default=0, help="write this many English manual pages instead (section 1)")
+    ap.add_argument("--man-pages", type=int, default=None, help="write this many English manual pages instead (section 1)")
     args = ap.parse_args()
-    if args.man_pages:
+    if args.man_pages is not None:
         docs, source = man_pages(args.man_pages), "manual pages of /usr/share/man/man1"
     else:
         per_package = [package_docstrings(p) for p in args.packages.split(",")]
