@@ -71,3 +71,12 @@ def test_decode_prompt_longer_than_the_context_is_refused(tiny_llama):
                                     "--mode", "full", "--max-new-tokens", "2"])
     assert res.exit_code == 2, res.output
     assert "exceed" in res.output and "--allow-extrapolation" in res.output
+
+
+def test_graph_bytes_per_key_cover_roargraphs_default_row():
+    """The estimate's per-key graph term (``dumps`` may not import the indexes) holds roargraph's default row of R int32
+    ids and its degree: raising ``R`` without it would under-count a 128K decode's memory by 4 bytes per id per head."""
+    from anns_lab.dumps.memory import GRAPH_BYTES_PER_KEY
+    from anns_lab.indexes.roargraph import RoarGraphIndex
+
+    assert GRAPH_BYTES_PER_KEY >= 4 * RoarGraphIndex.build_params["R"].default + 4
