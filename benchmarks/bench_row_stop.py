@@ -6,7 +6,7 @@
 The sweep's protocol in one process (``eval.heads.load_head``: window 128 + 512 out, decode queries as test queries,
 training queries at the serving positions): each head is built once at the index's defaults, then every ``L`` of
 roargraph's grid is searched at each ``MISSES:CREDIT`` setting; the scanned fraction at recall@100 ``--target`` is
-interpolated between grid points (``bench_query_aware.at_target``). Prints, per setting, the median over heads and the
+interpolated between grid points (``bench_build_scale.scan_at``, as the sweep's tables). Prints, per setting, the median over heads and the
 median per-head ratio to the first setting (the defaults unless told otherwise), same run.
 """
 
@@ -16,25 +16,23 @@ import argparse
 
 import numba
 import numpy as np
-import pandas as pd
 
 from anns_lab.dumps.store import open_dump
 from anns_lab.eval.heads import load_head
 from anns_lab.indexes.roargraph import RoarGraphIndex
 from anns_lab.testing import recall_at_k
-from bench_query_aware import at_target
+from bench_build_scale import scan_at
 
 K = 100
 
 
 def scanned_at(index: RoarGraphIndex, data, misses: int, credit: float, target: float) -> float:
     """Scanned fraction (%) at recall@K ``target`` over roargraph's L grid at one row-stop setting; NaN if never."""
-    rows = []
+    pts = []
     for L in RoarGraphIndex.search_grid["L"]:
         res = index.search(data.test_queries, K, L=L, row_misses=misses, row_credit=credit)
-        rows.append({"scanned_fraction": res.n_scanned.mean() / len(data.keys), "latency_us": np.nan,
-                     "recall": recall_at_k(res.ids, data.test_queries, data.keys, K)})
-    return 100 * at_target(pd.DataFrame(rows), target)[0]
+        pts.append((res.n_scanned.mean() / len(data.keys), recall_at_k(res.ids, data.test_queries, data.keys, K)))
+    return 100 * scan_at(pts, target)
 
 
 def main() -> None:
