@@ -1,7 +1,7 @@
 """What a calibration criterion would choose per layer, and what the decode steps get there (``--calibrate``).
 
     python benchmarks/diag_calibration_metric.py --dump /work/dumps/smollm2-passkey-8184 --heads 0,4,8 \
-        [--layers all] [--targets 0.9,0.95] [--json out.json]
+        [--layers all] [--targets 0.9,0.95] [--hold-out 0,64] [--json out.json]
 
 Per (layer, head), on the sweep's protocol (``eval.heads.load_head``: window 128 + 512 out, the dump's decode steps as
 test queries, every prefill query before them as training queries, at the serving positions): roargraph is built with
@@ -12,7 +12,10 @@ weight found), the decode steps' the same, their attention mass kept and output 
 (``HeadData.attention_quality``, against full attention) and the scanned fraction. Then, per criterion and target,
 the ``L`` each layer would get (the cheapest grid value from the default 100 up reaching the target, as the decoder
 raises; ``--over``: the layer's heads judged by their mean, as the decoder does, by their worst, or each head given its
-own ``L``) and the decode steps' scanned fraction and output error there (mean over the heads). JSON rows with ``--json``; tables on stdout.
+own ``L``) and the decode steps' scanned fraction and output error there (mean over the heads). ``--hold-out 0,64``: a
+table each, the index trained without each head's newest 0 or 64 prefill queries (``anns-lab decode --calibrate`` holds
+out the 64 it reads since the 18th session, ``decode.calibrate.held_out``; before, they read from inside the training). JSON rows with
+``--json``; tables on stdout.
 """
 
 from __future__ import annotations
@@ -36,17 +39,18 @@ from anns_lab.window import Window
 K = 100
 
 
-def head_rows(dump, layer: int, head: int) -> list[dict]:
-    """One row per grid value of roargraph's ``L`` for this (layer, head)."""
-    data = load_head(dump, layer, head, Window(128, 512), min_test=1)
-    index = registry.get("roargraph")().build(data.keys, data.train_queries)
+def head_rows(dump, layer: int, head: int, hold_out: int = 0) -> list[dict]:
+    """One row per grid value of roargraph's ``L`` for this (layer, head), trained without each head's newest
+    ``hold_out`` prefill queries."""
     n = int(dump.manifest["n_tokens"]["prefill"])
+    data = load_head(dump, layer, head, Window(128, 512), min_test=1, held_out=np.arange(n - hold_out, n))
+    index = registry.get("roargraph")().build(data.keys, data.train_queries)
     newest = np.ascontiguousarray(dump.queries(layer, head, "prefill")[n - calibrate.QUERIES:], dtype=np.float32)
     probes = {"new": (newest, metrics.exact_scores(newest, data.keys)), "dec": (data.test_queries, data.exact("q2k"))}
     weights = {name: metrics.softmax_weights(scores.copy(), data.scaling) for name, (_, scores) in probes.items()}
     rows = []
     for L in registry.get("roargraph").search_grid["L"]:
-        row = {"layer": layer, "head": head, "L": L}
+        row = {"layer": layer, "head": head, "hold_out": hold_out, "L": L}
         for name, (queries, scores) in probes.items():
             res = index.search(queries, K, L=L)
             row[f"{name}_set"] = float(metrics.recall_at_k(res.ids, scores, K).mean())
@@ -70,7 +74,8 @@ def choices(table: pd.DataFrame, criterion: str, target: float, over: str = "mea
     largest = judged.groupby(keys).L.max()
     least = judged[judged[criterion] >= target].groupby(keys).L.min()
     at = least.reindex(largest.index).fillna(largest).astype(int).rename("L").reset_index()
-    return table.merge(at, on=[*keys, "L"])[["layer", "head", "L", criterion, "dec_set", "dec_scanned", "dec_out_err"]]
+    return table.merge(at, on=[*keys, "L"])[["layer", "head", "L", criterion, "dec_set", "dec_weight", "dec_scanned",
+                                               "dec_out_err"]]
 
 
 def main() -> None:
@@ -80,6 +85,8 @@ def main() -> None:
     ap.add_argument("--heads", default="all", help="all, or a list 0,4,8")
     ap.add_argument("--targets", default="0.9,0.95")
     ap.add_argument("--over", default="mean", help="how a layer's heads are judged, a list of " + ", ".join(OVER))
+    ap.add_argument("--hold-out", default="0", help="a list: each head's newest so many prefill queries left out of the "
+                                                     f"training (decode --calibrate: {calibrate.QUERIES})")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if set(a.over.split(",")) - set(OVER):
@@ -87,22 +94,24 @@ def main() -> None:
     dump = open_dump(a.dump)
     layers = dump.layers if a.layers == "all" else [int(x) for x in a.layers.split(",")]
     heads = range(dump.n_heads) if a.heads == "all" else [int(x) for x in a.heads.split(",")]
+    held = [int(x) for x in a.hold_out.split(",")]
     rows = []
-    for layer, head in tqdm([(layer, head) for layer in layers for head in heads], desc="heads"):
-        rows += head_rows(dump, layer, head)
+    for layer, head, hold_out in tqdm([(la, h, o) for la in layers for h in heads for o in held], desc="heads"):
+        rows += head_rows(dump, layer, head, hold_out)
         if a.json:  # rewritten after each head: a stopped run keeps what it measured
             atomic_write_bytes(Path(a.json), json.dumps(rows).encode("utf-8"))
-    table = pd.DataFrame(rows)
     pd.set_option("display.width", 200)
-    print(table.groupby(["layer", "L"]).mean(numeric_only=True).drop(columns="head").round(4).to_string())
-    for target in map(float, a.targets.split(",")):
-        for criterion in ("new_set", "new_weight"):
-            for over in a.over.split(","):
-                pick = choices(table, criterion, target, over)
-                per_layer = pick.groupby("layer").L.agg(lambda x: "/".join(map(str, x if over == "head" else x[:1])))
-                print(f"\n{criterion} >= {target} ({over} over heads): L per layer {per_layer.tolist()}; decode steps: "
-                      f"scanned {pick.dec_scanned.mean():.2%}, output error {pick.dec_out_err.mean():.4f}, set recall "
-                      f"{pick.dec_set.mean():.3f}")
+    for hold_out, table in pd.DataFrame(rows).groupby("hold_out"):
+        print(f"\n== trained without each head's newest {hold_out} prefill queries ==")
+        print(table.groupby(["layer", "L"]).mean(numeric_only=True).drop(columns=["head", "hold_out"]).round(4).to_string())
+        for target in map(float, a.targets.split(",")):
+            for criterion in ("new_set", "new_weight"):
+                for over in a.over.split(","):
+                    pick = choices(table, criterion, target, over)
+                    per_layer = pick.groupby("layer").L.agg(lambda x: "/".join(map(str, x if over == "head" else x[:1])))
+                    print(f"\n{criterion} >= {target} ({over} over heads): L per layer {per_layer.tolist()}; decode "
+                          f"steps: scanned {pick.dec_scanned.mean():.2%}, output error {pick.dec_out_err.mean():.4f}, "
+                          f"set recall {pick.dec_set.mean():.3f}, weight recall {pick.dec_weight.mean():.3f}")
 
 
 if __name__ == "__main__":

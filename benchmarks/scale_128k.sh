@@ -3,10 +3,10 @@
 #
 #   benchmarks/scale_128k.sh                                   # 131,072 tokens: a bigger machine or a GPU
 #   MODEL=smollm2 TOKENS=2048 LAYERS=2,15 QUICK=1 benchmarks/scale_128k.sh   # the same steps at small size
-#   ROPE=linear:4 DECODE_ARGS="--calibrate 0.95" OUT=results/scale-rope4 benchmarks/scale_128k.sh
+#   ROPE=linear:4 OUT=results/scale-rope4 benchmarks/scale_128k.sh
 #       # the decodes with the global layers' RoPE positions scaled (full attention then answers at 128K), each
-#       # index mode's search raised per layer to weight recall 0.95 on the prompt's newest queries (roargraph L,
-#       # IVF nprobe; BENCHMARKS "Calibrated search": the fixed L 100 is short at 128K)
+#       # index mode's search raised per layer to weight recall 0.95 on the prompt's newest queries (the decoder's
+#       # default `--calibrate`: roargraph L, IVF nprobe; BENCHMARKS "A target of 0.95": the fixed L 100 is short at 128K)
 #
 # 1. `anns-lab dump` beyond the 32K training length (--allow-extrapolation: the results say so), chunked
 #    prefill (CHUNK tokens; the memory estimate refuses a chunk that cannot fit and names one that does);
@@ -32,7 +32,7 @@ OUT=${OUT:-results/scale-$MODEL-$TOKENS}
 INDEXES=${INDEXES:-ivf,roargraph,robust-vamana,hnsw}
 MODES=${MODES:-full,flat,ivf,roargraph}
 ROPE=${ROPE:-}                # e.g. linear:4: --rope-scaling of the decodes
-DECODE_ARGS=${DECODE_ARGS:-}  # more `anns-lab decode` options, e.g. "--calibrate 0.95" or "--param nprobe=128"
+DECODE_ARGS=${DECODE_ARGS:-}  # more `anns-lab decode` options, e.g. "--calibrate 0.97" or "--param nprobe=128"
 if [ -z "${LAYERS:-}" ]; then
   case "$MODEL" in gemma3-270m) LAYERS=5,11,17 ;; *) LAYERS=2,15,28 ;; esac
 fi

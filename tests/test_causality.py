@@ -70,3 +70,20 @@ def test_quick_sweep_and_export_with_no_static_window(few_steps, tmp_path):
     d = load_head(few_steps, 1, 2, (0, 0))
     ids, _ = export.read_gt(files["gt_q2k.bin"])
     assert (d.key_pos[ids.astype(np.int64)] < d.test_pos[:, None]).all()
+
+
+def test_held_out_prefill_queries_leave_the_training_and_test_positions_cannot_be_held_out(few_steps):
+    """``load_head(held_out=...)`` (the calibration queries a decoder keeps out of the training): the training set is
+    every other query before the test positions, in order; a held-out position among the test queries is refused."""
+    d = load_head(few_steps, 1, 2, (0, 0), train_group="head", train_positions="own")
+    first = int(d.test_pos.min())
+    queries = few_steps.queries(1, 2, "prefill")
+    assert np.array_equal(d.train_queries, queries[:first])
+    held = np.arange(first - 64, first)
+    kept = load_head(few_steps, 1, 2, (0, 0), train_group="head", train_positions="own", held_out=held)
+    assert np.array_equal(kept.train_queries, queries[: first - 64])
+    assert np.array_equal(kept.test_queries, d.test_queries) and np.array_equal(kept.key_pos, d.key_pos)
+    sparse = load_head(few_steps, 1, 2, (0, 0), train_group="head", held_out=np.array([3, 100]))
+    assert len(sparse.train_queries) == first - 2
+    with pytest.raises(ValueError, match="held-out positions must lie among the"):
+        load_head(few_steps, 1, 2, (0, 0), held_out=np.array([first]))

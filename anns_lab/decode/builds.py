@@ -32,8 +32,7 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
                 scaling: float | None = None, beside: bool = False) -> LayerStore:
     """The layer's CPU store of its non-window prefill keys/values (read from ``cache``, ``n_ids`` tokens long),
     with its indexes built from the layer's prefill ``queries`` (H, t, d) and, with ``settings.calibrate``, its search
-    calibrated on their newest at the layer's softmax ``scaling`` (held out of an attention-aware index's training:
-    :func:`calibrate.held_out`); ``beside``: the prefill still runs
+    calibrated on their newest at the layer's softmax ``scaling``; ``beside``: the prefill still runs
     (:meth:`LayerStore.build`; the calibration too runs its kernels on one thread then)."""
     lo, hi = settings.window.outside(n_ids)
     layer_cache = cache.layers[layer]
@@ -46,8 +45,6 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
         raise ValueError("calibrating a layer's search needs its softmax scaling (the prefill records it)")
     newest = np.ascontiguousarray(queries[:, -calibration.QUERIES:]) if calibrating else None  # own positions
     aware = queries is not None and plan is not None and registry.get(plan.name).uses_train_queries
-    if aware and calibrating:
-        queries = calibration.held_out(queries)
     if aware:
         positions = subsampled_positions(queries.shape[1], settings.train_queries)
         if len(positions) < queries.shape[1]:

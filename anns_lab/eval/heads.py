@@ -157,12 +157,13 @@ def check_k(dump: Dump, window: Window | tuple[int, int], k: int, n_k2k: int = 6
 
 def load_head(dump: Dump, layer: int, head: int, window: Window | tuple[int, int] = Window(), min_test: int = 64,
               n_k2k: int = 64, seed: int = 0, train_group: str = group_queries.DEFAULT,
-              train_positions: str = rope.DEFAULT) -> HeadData:
+              train_positions: str = rope.DEFAULT, held_out: np.ndarray | None = None) -> HeadData:
     """Assemble :class:`HeadData` for one (layer, head) of ``dump``; ``train_group`` picks the training queries
     (:mod:`indexes.group_queries`: the head's own, or its GQA group's, each before the first test position) and
     ``train_positions`` where they sit: ``serving`` moves each to a position drawn from the test queries' span
     (:mod:`dumps.rope`: the positions a decoder's index serves), ``mix`` moves a random half, ``own`` keeps
-    each at its prefill position."""
+    each at its prefill position. ``held_out``: prefill positions whose queries (every head's) are left out of the
+    training, as a calibrated decode leaves out the ones it calibrates on (``decode.calibrate.held_out``)."""
     n = int(dump.manifest["n_tokens"]["prefill"])
     window = Window(*window)
     lo, hi, extra = index_range(dump, window, min_test, n_k2k)
@@ -181,11 +182,16 @@ def load_head(dump: Dump, layer: int, head: int, window: Window | tuple[int, int
     if train_group in group_queries.PER_HEAD:
         group.remove(head)
         group.insert(0, head)
-    per_head = [prefill_q[: n - extra] if h == head else dump.queries(layer, h, "prefill")[: n - extra] for h in group]
+    rows = np.arange(n - extra)
+    if held_out is not None:
+        if len(held_out) and (np.min(held_out) < 0 or np.max(held_out) >= n - extra):
+            raise ValueError(f"held-out positions must lie among the {n - extra} prefill queries before the test ones")
+        rows = np.setdiff1d(rows, held_out)
+    per_head = [(prefill_q if h == head else dump.queries(layer, h, "prefill"))[rows] for h in group]
     if rope.check_place(train_positions) != "own":
         freqs = rope.dump_inv_freq(dump.manifest, layer)
         first, last = int(test_pos.min()), int(test_pos.max())
-        per_head = [rope.placed(q, np.arange(len(q)), first, last, freqs, train_positions) for q in per_head]
+        per_head = [rope.placed(q, rows, first, last, freqs, train_positions) for q in per_head]
     train_q = group_queries.group_queries(per_head, train_group)
     others = group_queries.other_heads(per_head, 0) if train_group == "unlisted" else None
     return HeadData(layer, head, g, np.ascontiguousarray(all_keys[key_pos]), key_pos, train_q,
