@@ -27,3 +27,12 @@ class IndexResultError(AnnsLabError):
 
 class DecodeError(AnnsLabError):
     """Bad decode input: mode, task, window, top-k, context."""
+
+
+def error_text(err: BaseException) -> str:
+    """One line for an index's (often a plugin's) error: an anns-lab error as it is (it names the index), another with
+    its type; SystemExit gets a word, since its message alone is only a code."""
+    if isinstance(err, SystemExit):
+        return f"SystemExit({err.code!r}): the index tried to end the process"
+    text = str(err)
+    return text if isinstance(err, AnnsLabError) else f"{type(err).__name__}: {text}"

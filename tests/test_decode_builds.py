@@ -238,3 +238,50 @@ def _interrupted_once(wait):
         return wait(*args, **kwargs)
 
     return interrupted
+
+
+@pytest.mark.parametrize("where", ["build", "search"])
+@pytest.mark.parametrize("fault", ["raise", "exit"])
+def test_a_plugin_that_raises_or_exits_is_one_error_naming_it_and_its_layer(tiny_llama, monkeypatch, where, fault):
+    """A plugin index whose build or search raises, or calls sys.exit (which would end the decode without a word):
+    one DecodeError that names the index, the layer and what it raised, from the builds as from a decode step's CPU
+    side."""
+    import sys
+
+    import numpy as np
+
+    from anns_lab.decode import runner
+    from anns_lab.decode.engine import Settings
+    from anns_lab.decode.placement import IndexPlan
+    from anns_lab.dumps.models import load_model
+    from anns_lab.indexes import registry
+    from anns_lab.window import Window
+
+    flat = registry.get("flat")
+
+    def fail():
+        if fault == "exit":
+            sys.exit(3)
+        raise RuntimeError("no memory for its graph")
+
+    class Broken(flat):
+        def _build(self, keys, train_queries=None):
+            if where == "build":
+                fail()
+            return super()._build(keys, train_queries)
+
+        def _search(self, queries, k):
+            if where == "search":
+                fail()
+            return super()._search(queries, k)
+
+    real_get = registry.get
+    monkeypatch.setattr(registry, "get", lambda name: Broken if name == "broken" else real_get(name))
+    lm = load_model(str(tiny_llama), device="cpu")
+    settings = Settings(Window(4, 8), topk=40, add_batch=4, chunk=24)  # no calibration: the first search is a step's
+    ids = np.random.default_rng(3).integers(3, 400, size=64).tolist()
+    said = "SystemExit\\(3\\): the index tried to end the process" if fault == "exit" else "RuntimeError: no memory"
+    pattern = (rf"^building layer \d+'s indexes: broken raised {said}" if where == "build"
+               else rf"^layer \d+: broken's search raised {said}")
+    with pytest.raises(DecodeError, match=pattern):
+        runner.run_sample(lm, [Mode("broken", IndexPlan("broken"))], settings, ids, 6, set())

@@ -21,7 +21,7 @@ import torch
 from anns_lab.decode import calibrate as calibration
 from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.dumps import rope
-from anns_lab.errors import AnnsLabError, DecodeError
+from anns_lab.errors import AnnsLabError, DecodeError, error_text
 from anns_lab.indexes import registry
 from anns_lab.indexes.group_queries import PER_HEAD, group_queries
 from anns_lab.indexes.threads import (lower_priority, map_one_thread, numba_threadsafe, settle, stopping_on,
@@ -163,7 +163,7 @@ class EarlyBuilds:
                                     self.scaling.get(layer), beside=beside)
         except CancelledError:  # stopped (threads.stopping_on): another layer's error is the one to tell
             raise
-        except Exception as err:
+        except (Exception, SystemExit) as err:  # a plugin's sys.exit would end the decode without a word
             raise _named(err, layer, plan) from err
         return store, t0, time.perf_counter()
 
@@ -201,13 +201,13 @@ class EarlyBuilds:
         return stores, store_notes(stores, self.settings), covered(spans), covered(spans, end)
 
 
-def _named(err: Exception, layer: int, plan: IndexPlan | None) -> DecodeError:
+def _named(err: BaseException, layer: int, plan: IndexPlan | None) -> DecodeError:
     """``err``, raised building ``layer``'s store, as one line that names the layer and the index (a plugin's own error
     names neither, and with two layers at once the traceback does not say which)."""
     if isinstance(err, AnnsLabError):  # the index's name is in it (base.Index's checks: "flat: keys contain NaN ...")
         return DecodeError(f"building layer {layer}'s indexes: {err}")
     what = plan.name if plan is not None else "its store"
-    return DecodeError(f"building layer {layer}'s indexes: {what} raised {type(err).__name__}: {err}")
+    return DecodeError(f"building layer {layer}'s indexes: {what} raised {error_text(err)}")
 
 
 def covered(spans: list[tuple[float, float]], end: float = float("inf")) -> float:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from anns_lab.decode.kernels import attend_rows_and_range, merge
+from anns_lab.errors import AnnsLabError, DecodeError, error_text
 from anns_lab.indexes import protocol, registry
 from anns_lab.indexes.base import SearchResult
 from anns_lab.indexes.estimate import Estimate, estimate_terms, weighted_partial
@@ -231,7 +232,12 @@ class LayerStore:
             extra = {}
             if hints is not None and cls.takes_hints:
                 extra["hints"] = hints[hints < self.n_indexed]
-            res = cls.search_group(self.indexes, q, k, **extra, **self.plan.search_params)
+            try:
+                res = cls.search_group(self.indexes, q, k, **extra, **self.plan.search_params)
+            except AnnsLabError:  # the index's name is in it
+                raise
+            except (Exception, SystemExit) as err:  # a plugin's own: named (from the CPU side's thread it says neither)
+                raise DecodeError(f"layer {self.layer}: {self.plan.name}'s search raised {error_text(err)}") from err
             self._check(res, q, k)
             estimate = res.estimate
             rows = np.ascontiguousarray(res.ids)

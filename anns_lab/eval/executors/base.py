@@ -8,7 +8,7 @@ from typing import Any, Callable, Protocol
 
 import pandas as pd
 
-from anns_lab.errors import AnnsLabError
+from anns_lab.errors import error_text
 
 
 @dataclass(frozen=True)
@@ -67,14 +67,6 @@ class Executor(Protocol):
     def run(self, work: Work, units: list[Unit], tries: dict[Part, int], on_outcome: OnOutcome) -> None: ...
 
     def close(self) -> None: ...
-
-
-def error_text(err: BaseException) -> str:
-    """One line for a part's error; SystemExit gets a word, since its message alone is only a code."""
-    if isinstance(err, SystemExit):
-        return f"SystemExit({err.code!r}): the index tried to end the process"
-    text = str(err)
-    return text if isinstance(err, AnnsLabError) else f"{type(err).__name__}: {text}"
 
 
 def load(work: Work, layer: int, head: int) -> tuple[Any, str | None]:
