@@ -109,6 +109,7 @@ def thread_workspace(h: int, n: int, L: int, k: int = 0) -> tuple[Workspace, lis
 
 
 _POOL: list = [None, 0]  # the pool and the process that made it (a forked child must not use its parent's)
+_POOL_LOCK = threading.Lock()  # two layers' searches may ask at once: one pool, not one each left idle
 
 
 def run_chunks(kernel, args: tuple, n_items: int, n_threads: int) -> None:
@@ -124,10 +125,11 @@ def run_chunks(kernel, args: tuple, n_items: int, n_threads: int) -> None:
     if n_chunks == 1:
         kernel(*args, 0, 1)
         return
-    pool, pid = _POOL
-    if pool is None or pool._max_workers < n_chunks or pid != os.getpid():
-        pool = ThreadPoolExecutor(n_chunks, thread_name_prefix="anns-lab-graph")
-        _POOL[:] = [pool, os.getpid()]
+    with _POOL_LOCK:
+        pool, pid = _POOL
+        if pool is None or pool._max_workers < n_chunks or pid != os.getpid():
+            pool = ThreadPoolExecutor(n_chunks, thread_name_prefix="anns-lab-graph")
+            _POOL[:] = [pool, os.getpid()]
     for f in [pool.submit(kernel, *args, c, n_chunks) for c in range(n_chunks)]:
         f.result()
 
