@@ -13,9 +13,9 @@ weight found), the decode steps' the same, their attention mass kept and output 
 the ``L`` each layer would get (the cheapest grid value from the default 100 up reaching the target, as the decoder
 raises; ``--over``: the layer's heads judged by their mean, as the decoder does, by their worst, or each head given its
 own ``L``) and the decode steps' scanned fraction and output error there (mean over the heads). ``--hold-out 0,64``: a
-table each, the index trained without each head's newest 0 or 64 prefill queries (``anns-lab decode --calibrate`` holds
-out the 64 it reads since the 18th session, ``decode.calibrate.held_out``; before, they read from inside the training). JSON rows with
-``--json``; tables on stdout.
+table each, the index trained without each head's newest 0 or 64 prefill queries (``anns-lab decode --calibrate`` reads
+its 64 from inside the training set; held out they read lower, but the index serves the decode steps worse: BENCHMARKS
+"A target of 0.95"). JSON rows with ``--json``; tables on stdout.
 """
 
 from __future__ import annotations

@@ -163,7 +163,8 @@ def load_head(dump: Dump, layer: int, head: int, window: Window | tuple[int, int
     ``train_positions`` where they sit: ``serving`` moves each to a position drawn from the test queries' span
     (:mod:`dumps.rope`: the positions a decoder's index serves), ``mix`` moves a random half, ``own`` keeps
     each at its prefill position. ``held_out``: prefill positions whose queries (every head's) are left out of the
-    training, as a calibrated decode leaves out the ones it calibrates on (``decode.calibrate.held_out``)."""
+    training (``benchmarks/diag_calibration_metric.py --hold-out``: how the queries a calibration reads would read out of
+    the training set; BENCHMARKS "A target of 0.95")."""
     n = int(dump.manifest["n_tokens"]["prefill"])
     window = Window(*window)
     lo, hi, extra = index_range(dump, window, min_test, n_k2k)
