@@ -6,7 +6,7 @@ class AnnsLabError(Exception):
 
 
 class ModelNotAvailable(AnnsLabError):
-    """A model name is unknown or its weights are not on this machine."""
+    """A model name is unknown, its weights are not on this machine, or the device asked for is not."""
 
 
 class PromptError(AnnsLabError):

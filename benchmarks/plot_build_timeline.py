@@ -6,7 +6,8 @@
 One bar per long-range layer (the sample's ``build_layers``: queued, started, ended, seconds from the prefill's end):
 a thin line from the moment the prefill's last chunk completed the layer to the moment its builds started, a bar while
 they ran. Time 0 is the prefill's end; the first decode step waits for the last bar. Left of 0 the builds shared the
-cores with the prefill (below its priority), right of it they had them.
+cores with the prefill (below its priority), right of it they had them. A mode built after the prefill
+(``--build-after-prefill``, ``--eval fidelity``) counts from its own build start instead.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent import futures
 
 import pytest
 
@@ -34,15 +35,16 @@ def test_a_failed_build_cancels_the_queued_ones(monkeypatch):
     with pytest.raises(DecodeError, match="layer 0 failed"):
         early.wait()
     jobs = early.jobs["some-index"]
-    assert all(jobs[layer].cancelled() for layer in (3, 4, 5))
+    # cancelled in the queue, or stopped as a worker took them (the failed build set the stop): never built
+    assert all(jobs[layer].cancelled() or isinstance(jobs[layer].exception(), futures.CancelledError) for layer in (3, 4, 5))
     time.sleep(0.2)
     assert not {3, 4, 5} & set(started)
 
 
 def test_a_later_layers_error_stops_the_builds_while_an_earlier_layer_still_builds(monkeypatch):
-    """Layer 1 fails while layer 0 still builds (two layers at once): ``wait()`` cancels the layers still queued at
-    once, not after layer 0 has ended (the other worker meanwhile built layer after layer for nothing), and re-raises
-    layer 1's error once the layers then running have ended."""
+    """Layer 1 fails while layer 0 still builds (two layers at once): the builds stop at once, not after layer 0 has
+    ended (the other worker meanwhile built layer after layer for nothing), the layers queued are never built, and
+    layer 1's error is raised (by the next ``layer_done``, or by ``wait()``)."""
     monkeypatch.setattr(builds, "thread_budget", lambda: 2)
     lock, started, running = threading.Lock(), set(), [0]
     early = builds.EarlyBuilds(None, 0, [Mode("some-index")], None, None, lambda layer: None, {})
@@ -55,8 +57,8 @@ def test_a_later_layers_error_stops_the_builds_while_an_earlier_layer_still_buil
         try:
             if layer == 1:
                 raise RuntimeError("build of layer 1 failed")
-            for _ in range(200 if layer == 0 else 100):  # until the queued layers are cancelled (at most 2 s, 1 s)
-                if jobs.get(11) is not None and jobs[11].cancelled():
+            for _ in range(200 if layer == 0 else 100):  # until the builds are stopped (at most 2 s, 1 s)
+                if early._stop.is_set():
                     break
                 time.sleep(0.01)
             return object()
@@ -66,12 +68,37 @@ def test_a_later_layers_error_stops_the_builds_while_an_earlier_layer_still_buil
 
     monkeypatch.setattr(builds, "layer_store", layer_store)
     early.prefill_done()
-    for layer in range(12):
-        early.layer_done(layer)
     with pytest.raises(DecodeError, match="layer 1 failed"):
-        early.wait()
+        for layer in range(12):
+            early.layer_done(layer)  # raises once layer 1 has failed (the prefill would end there) ...
+        early.wait()  # ... or here, when every layer was queued before
+    early.close()  # as the prefill's except clause does (again after wait's: nothing left to stop or wait for)
     assert running[0] == 0 and started <= {0, 1, 2}, started  # the other worker took one layer at most after the error
-    early.close()  # again (the prefill's except clause after wait's): nothing left to stop or wait for
+    assert all(f.cancelled() or isinstance(f.exception(), futures.CancelledError) for layer, f in jobs.items() if layer > 2)
+
+
+def test_a_build_failing_during_the_prefill_ends_it_at_the_next_layer(monkeypatch):
+    """A layer's build that fails while the prefill still runs stops the builds at once (the stop is set: a layer
+    building stops at its running heads), and the next layer the prefill completes raises that error on the prefill's
+    thread: the prefill ends there, not after its last chunk (at 128K, minutes), and no later layer starts building."""
+    started = []
+
+    def layer_store(lm, cache, n_ids, layer, plan, settings, queries, scaling=None, beside=False):
+        started.append(layer)
+        if layer == 0:
+            raise RuntimeError("build of layer 0 failed")
+        return object()
+
+    monkeypatch.setattr(builds, "thread_budget", lambda: 2)
+    monkeypatch.setattr(builds, "layer_store", layer_store)
+    early = builds.EarlyBuilds(None, 0, [Mode("some-index")], None, None, lambda layer: None, {})
+    early.layer_done(0)
+    futures.wait([early.jobs["some-index"][0]])
+    assert early._stop.is_set()
+    with pytest.raises(DecodeError, match="building layer 0's indexes: .*layer 0 failed"):
+        early.layer_done(1)
+    early.close()
+    assert started == [0] and 1 not in early.jobs["some-index"]
 
 
 def test_several_modes_build_a_layer_at_a_time_beside_the_prefill_then_with_full_teams(monkeypatch):

@@ -111,6 +111,13 @@ def test_prompt_and_fidelity(tiny_gemma3, tmp_path):
     (["--mode", "ivf", "--param", "nprobe=0"], "nprobe"),
     (["--train-group", "pooled"], "'pooled' is not one of 'head', 'group', 'strided'"),
     (["--copy-hints", -1], "--copy-hints must be 0"),
+    (["--max-new-tokens", 0], "--max-new-tokens must be at least 1"),
+    (["--max-new-tokens", -3], "--max-new-tokens must be at least 1"),
+    (["--seed", -1], "--seed must be 0 or more"),
+    (["--torch-threads", -2], "--torch-threads must be 0"),
+    (["--train-queries", -4], "--train-queries must be 0 (all) or more"),
+    (["--device", "bogus"], "unknown device 'bogus'"),
+    (["--device", "cuda:99"], "device 'cuda:99':"),
 ])
 def test_bad_input_is_one_clear_error(tiny_llama, args, needle):
     base = {"--model": tiny_llama, "--task": "passkey", "--context": 200, "--mode": "full,flat", "--window": "4,16"}
@@ -402,6 +409,19 @@ def test_every_table_column_is_defined_in_the_legend():
     assert {key for key, _, _ in DECODE_COLUMNS} <= set(LEGEND)
     labels = [label for _, label, _ in DECODE_COLUMNS]
     assert len(set(labels)) == len(labels) and "acc %" not in labels  # no "acc" beside "acc-attn"
+
+
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_model_loads(tiny_llama, tmp_path, monkeypatch):
+    """Its first write comes after the first sample: an error there would lose that sample."""
+    from anns_lab.decode import cli
+
+    monkeypatch.setattr(cli, "_load", lambda *a, **k: pytest.fail("the model was loaded"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    err = _error(_run("--model", tiny_llama, "--task", "passkey", "--context", 200, "--mode", "full",
+                      "--json", blocker / "r.json"))
+    assert "cannot write there" in err and "a-file" in err
+    assert list(tmp_path.iterdir()) == [blocker]
 
 
 def test_json_is_written_after_each_sample(tiny_llama, tmp_path, monkeypatch):

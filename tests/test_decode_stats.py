@@ -46,3 +46,13 @@ def test_summary_has_intervals_and_the_table_shows_them():
     assert text.count("95% CI") >= 2 and f"[{lo:.1f}, {hi:.1f}]" in text
     dlo, dhi = acc["diff_vs_full_ci95"]
     assert f"[{dlo:+.1f}, {dhi:+.1f}]" in text
+
+
+def test_a_modes_notes_over_samples_keep_each_samples_own_labelled():
+    """A calibration note is the prompt's (its values differ by sample): only the notes every sample gave stand
+    unlabelled; before, the last sample's notes were printed as the mode's."""
+    common = "roargraph has no add()"
+    merged = runner.merged_notes([[common, "calibrated L: 5: L=500 (0.95)"], [common, "calibrated L: 5: L=200 (0.96)"]])
+    assert merged == [common, "sample 1: calibrated L: 5: L=500 (0.95)", "sample 2: calibrated L: 5: L=200 (0.96)"]
+    assert runner.merged_notes([[common, "x"], [common, "x"]]) == [common, "x"]
+    assert runner.merged_notes([["x"]]) == ["x"] and runner.merged_notes([]) == []

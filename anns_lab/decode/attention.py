@@ -58,7 +58,9 @@ class StepTimes:
     bytes_read: int = 0  # index data read by the step's searches, all layers and query heads
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device | str) -> None:
+    """Wait for ``device``'s queued kernels (CUDA), so that a timer read after it counts them."""
+    device = device if isinstance(device, torch.device) else torch.device(device)  # per layer and step: no parse
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -102,10 +104,10 @@ class Retrieval:
         if kwargs.get("softcap") is not None:
             raise DecodeError("attention logit soft-capping is not supported by retrieval decoding")
         if self.mode == "full":
-            _sync(query.device)
+            sync(query.device)
             t0 = time.perf_counter()
             out = inner(module, query, key, value, attention_mask, **kwargs)
-            _sync(query.device)
+            sync(query.device)
             elapsed = time.perf_counter() - t0
             self.times.accel_attention += elapsed
             # Counted as this layer's attention section, as in the retrieval modes, so "other" means the same
@@ -145,7 +147,7 @@ class Retrieval:
         # slots are not in position order, which softmax attention without a mask does not care about.
         t0 = time.perf_counter()
         o_w, m_w, z_w = attend_window(q, key[0], value[0], scaling)
-        _sync(q.device)
+        sync(q.device)
         self.times.accel_attention += time.perf_counter() - t0
         if future is None:
             self.times.overlap += time.perf_counter() - t_start
@@ -163,7 +165,7 @@ class Retrieval:
         o = merge(o_w.double(), m_w.double(), z_w.double(), torch.from_numpy(side.out).to(dev),
                   torch.from_numpy(side.m).to(dev), torch.from_numpy(side.z).to(dev))
         o = o.to(query.dtype).reshape(1, 1, *o.shape)  # (batch, t, H, d) as the model expects
-        _sync(dev)
+        sync(dev)
         self.times.merge += time.perf_counter() - t0
         return o, None
 

@@ -65,7 +65,7 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
                             for g in range(keys.shape[0])])
     store.build(queries, _device_lists(lm, plan, queries, layer_cache.keys[0, :, lo:hi], settings), per_kv_head=per_kv,
                 others=others, beside=beside)
-    if calibrating:  # timed with the build: the first token waits for it too
+    if calibrating:  # in the store's build_s too (the decoder times its modes by the layers' spans, :meth:`EarlyBuilds.take`)
         t0 = time.perf_counter()
         store.calibration = calibrate_store(store, newest, settings.calibrate, scaling, beside)
         store.build_s += time.perf_counter() - t0
@@ -145,6 +145,11 @@ class EarlyBuilds:
         self._stop = threading.Event()  # set at an error or interrupt: the layers building stop at their running heads
 
     def layer_done(self, layer: int) -> None:
+        """Queue ``layer``'s builds (prefill thread); a build that has already failed is raised here instead, so that
+        the prefill ends at once rather than after its last chunk (at 128K, minutes of it)."""
+        failed = self._failure()
+        if failed is not None:
+            raise failed
         self.ready_at[layer] = time.perf_counter()
         queries = self.queries_of(layer)
         for mode in self.modes:
@@ -164,8 +169,19 @@ class EarlyBuilds:
         except CancelledError:  # stopped (threads.stopping_on): another layer's error is the one to tell
             raise
         except (Exception, SystemExit) as err:  # a plugin's sys.exit would end the decode without a word
+            self._stop.set()  # the layers building stop at their running heads, the queued ones do not start
             raise _named(err, layer, plan) from err
         return store, t0, time.perf_counter()
+
+    def _failure(self) -> BaseException | None:
+        """The error of a build that has failed so far (not one only stopped), or None."""
+        for jobs in self.jobs.values():
+            for f in jobs.values():
+                if f.done() and not f.cancelled():
+                    err = f.exception()
+                    if err is not None and not isinstance(err, CancelledError):
+                        return err
+        return None
 
     def prefill_done(self) -> None:
         self.prefill_end = time.perf_counter()

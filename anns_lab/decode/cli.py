@@ -6,6 +6,7 @@ import dataclasses
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -114,6 +115,9 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
                         train_group=train_group, train_positions=train_positions, build_during_prefill=build_during_prefill,
                         copy_hints=copy_hints, calibrate=calibrate)
     _check_options(settings, evaluation, task, prompt, executor, address)
+    _check_counts(max_new_tokens=max_new_tokens, seed=seed, torch_threads=torch_threads)
+    if json_path:
+        _check_writable(Path(json_path))
     mode_list = _parse_mode_list(modes, params, build_params, from_sweep)
     _check_calibrate(calibrate)
     device = device or default_device()
@@ -175,6 +179,8 @@ def _check_options(settings: Settings, evaluation: str, task: str | None, prompt
         raise DecodeError("--copy-hints must be 0 (none) or more")
     if settings.add_batch < 1 or settings.chunk < 1:
         raise DecodeError("--add-batch and --chunk must be at least 1")
+    if settings.train_queries < 0:
+        raise DecodeError(f"--train-queries must be 0 (all) or more, got {settings.train_queries}")
     if evaluation == "task" and (task is None) == (prompt is None):
         raise DecodeError("give exactly one of --task NAME or --prompt TEXT (or --eval fidelity)")
     if executor == "ray" and evaluation == "fidelity":
@@ -184,6 +190,28 @@ def _check_options(settings: Settings, evaluation: str, task: str | None, prompt
         raise DecodeError("--address is for --executor ray")
     if task is not None and task not in TASKS:
         raise DecodeError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
+
+
+def _check_counts(max_new_tokens: int | None, seed: int, torch_threads: int) -> None:
+    """Refuse counts out of range before anything is loaded (a negative token count decoded nothing and scored 0, 0 meant
+    the task's default, a negative seed failed after the model had loaded)."""
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise DecodeError(f"--max-new-tokens must be at least 1 (leave it out for the task's default), got {max_new_tokens}")
+    if seed < 0:
+        raise DecodeError(f"--seed must be 0 or more, got {seed}")
+    if torch_threads < 0:
+        raise DecodeError(f"--torch-threads must be 0 (torch's default) or more, got {torch_threads}")
+
+
+def _check_writable(path: Path) -> None:
+    """Refuse a ``--json`` path that cannot be written before the first sample runs: its first write comes after that
+    sample, which an error there would lose."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".check"):
+            pass
+    except OSError as err:
+        raise DecodeError(f"--json {path}: cannot write there ({type(err).__name__}: {err.strerror or err})") from None
 
 
 def _check_calibrate(target: float) -> None:

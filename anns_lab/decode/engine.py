@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from anns_lab.decode import calibrate as calibration
-from anns_lab.decode.attention import DecodeError, Retrieval, StepTimes, retrieving
+from anns_lab.decode.attention import DecodeError, Retrieval, StepTimes, retrieving, sync
 from anns_lab.decode.builds import EarlyBuilds, build_stores
 from anns_lab.decode.cache import device_kv_bytes, require_ring, window_cache
 from anns_lab.decode.copy_hints import CopyHints
@@ -116,7 +116,7 @@ class ModeRun:
     cpu_keys: int = 0  # tokens those stores held, summed over the layers
     prefill_s: float = 0.0  # the prefill this run decoded from (with any builds that overlapped it), seconds
     calibration: dict = field(default_factory=dict)  # layer -> {param, value, weight_recall, tried} where the search was calibrated
-    build_layers: dict = field(default_factory=dict)  # layer -> [queued, started, ended]: its builds, seconds from the prefill's end
+    build_layers: dict = field(default_factory=dict)  # layer -> [queued, started, ended]: its builds, seconds from the prefill's end (built after it: from the mode's build start)
 
 
 def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool, build_modes: list[Mode] = (),
@@ -146,7 +146,7 @@ def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool, build
                     ctl.layer_done = early.layer_done  # the last chunk completes each long-range layer as it passes it
                 logits = forward_tokens(lm, cache, ids, start, end)
                 bar.update(end - start)
-        _sync(lm.model.device)
+        sync(lm.model.device)
     except BaseException:
         if early is not None:
             early.close()
@@ -158,11 +158,6 @@ def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool, build
         early.prefill_done()
     queries = {layer: ctl.prefill_queries(layer) for layer in lm.long_range_layers} if capture_queries else {}
     return Prefilled(list(ids), cache, logits[0, -1].float(), queries, seconds, early, ctl.scaling)
-
-
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, stop_ids=(),
@@ -209,7 +204,7 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
             if ctl.hints is not None:  # in the step's time: the decoder pays for its hints
                 ctl.hints.update(ids)
             logits = forward_tokens(lm, cache, ids, len(ids) - 1, len(ids))[0, -1].float()
-            _sync(lm.model.device)
+            sync(lm.model.device)
             step_s.append(time.perf_counter() - ts)
             steps.append(ctl.take_times())
     if teacher is not None and keep_logits:

@@ -191,11 +191,11 @@ def _run_prompts(lm, modes, settings, prompts, max_new, task, progress, executor
                         "score": tasks.score(task, answer, sample.answers)}
             if run.calibration:  # the prompt's own search values (the plans in the JSON are the ones asked for)
                 row["calibration"] = {str(layer): c for layer, c in run.calibration.items()}
-            if run.build_layers:  # when each layer's builds were queued, started and ended, from the prefill's end
+            if run.build_layers:  # when each layer's builds were queued, started, ended (ModeRun.build_layers)
                 row["build_layers"] = {str(layer): span for layer, span in run.build_layers.items()}
             per_mode[mode.name]["runs"].append(run)
             per_mode[mode.name]["samples"].append(row)
-            per_mode[mode.name]["notes"] = run.notes
+            per_mode[mode.name].setdefault("notes_by_sample", []).append(run.notes)
             if progress:
                 progress(f"sample {i + 1}/{len(prompts)} {mode.name}: {answer!r}"
                          + (f" (expected {sample.answers[0]!r}, score {row['score']:g})" if sample else ""))
@@ -203,6 +203,14 @@ def _run_prompts(lm, modes, settings, prompts, max_new, task, progress, executor
             on_sample(_merged(per_mode, task, len(prompts[0][0]), extrapolated)
                       | {"samples_done": i + 1, "samples_total": len(prompts)})
     return _merged(per_mode, task, len(prompts[0][0]), extrapolated)
+
+
+def merged_notes(by_sample: list[list[str]]) -> list[str]:
+    """A mode's notes over its samples: those every sample gave once, then each sample's own, labelled (a calibration
+    is the prompt's: its per-layer values differ between samples)."""
+    common = [n for n in by_sample[0] if all(n in notes for notes in by_sample)] if by_sample else []
+    own = [f"sample {i + 1}: {n}" for i, notes in enumerate(by_sample) for n in notes if n not in common]
+    return common + own
 
 
 def _merged(per_mode: dict, task: str, context: int, extrapolated: str | None = None) -> dict:
@@ -213,7 +221,7 @@ def _merged(per_mode: dict, task: str, context: int, extrapolated: str | None = 
         if task != "prompt":
             summary |= _accuracy([r["score"] for r in d["samples"]],
                                  [r["score"] for r in per_mode["full"]["samples"]] if "full" in per_mode else None)
-        out["modes"][name] = {"summary": summary, "samples": list(d["samples"]), "notes": d.get("notes", [])}
+        out["modes"][name] = {"summary": summary, "samples": list(d["samples"]), "notes": merged_notes(d.get("notes_by_sample", []))}
     time_to_first_token(out["modes"])
     return out
 

@@ -250,6 +250,22 @@ def resolve(name: str) -> tuple[str, Path | str, str | None]:
     raise _unknown(name)
 
 
+def check_device(device: str) -> None:
+    """Refuse a ``--device`` torch does not know, or a CUDA device this machine lacks, before any weight loads."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ModelNotAvailable(f"unknown device {device!r}: {str(err).splitlines()[0]}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a build without CUDA"
+        raise ModelNotAvailable(f"device {device!r}: no CUDA device here (torch {torch.__version__}, {built}); "
+                                "use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ModelNotAvailable(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
 def load_model(name: str, device: str = "cpu", allow_download: bool = False,
                rope_scaling: RopeScaling | None = None) -> LoadedModel:
     """Load ``name`` (alias, local folder, .gguf file or HF id) as float32, offline unless ``allow_download``;
@@ -260,6 +276,7 @@ def load_model(name: str, device: str = "cpu", allow_download: bool = False,
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own bar reports the work that takes time
+    check_device(device)
     canon, where, _ = resolve(name)
     if isinstance(where, Path) and where.suffix == ".gguf":
         where = _converted(where, canon)
