@@ -38,8 +38,8 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="LABEL=INDEX:NAME=VALUE,...",
                     help="one more mode: INDEX with these build parameters, shown as LABEL (e.g. "
                          "roargraph-exact=roargraph:list_stride=1, the build before issue 13, beside the defaults)")
-    ap.add_argument("--calibrate", type=float, default=None,
-                    help="calibration target of each layer's search (default: anns-lab decode's, calibrate.TARGET; 0: off)")
+    ap.add_argument("--calibrate", type=lambda v: v if v == "auto" else float(v), default=None,
+                    help="calibration target of each layer's search: auto (default: anns-lab decode's, calibrate.auto_target) or a weight recall (0: off)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
 
@@ -54,7 +54,7 @@ def main() -> None:
 
         set_torch_threads(a.torch_threads)  # as decode --torch-threads: it holds after numba starts its threads
     settings = Settings(Window.parse(a.window), topk=a.topk, add_batch=a.add_batch, chunk=2048,
-                        train_queries=a.train_queries, calibrate=calibrate.TARGET if a.calibrate is None else a.calibrate)
+                        train_queries=a.train_queries, calibrate=calibrate.AUTO if a.calibrate is None else a.calibrate)
     modes = parse_modes(a.modes, parse_params(a.param), {})
     for v in a.variant:  # same prefill, same search parameters, other build parameters
         label, spec = v.split("=", 1)

@@ -46,9 +46,15 @@ def _reference_recall(store, queries, param, value, scaling: float | None = SCAL
     """Mean over heads and queries of the softmax weight (float64, at ``scaling``) of the distinct returned keys over
     that of the exact top-k, each head's index searched alone, exact top-k by a full numpy sort; ``scaling`` None: set
     recall (the share of the exact top-k returned: no ties in random float data)."""
+    return float(np.mean(_reference_per_head(store, queries, param, value, scaling)))
+
+
+def _reference_per_head(store, queries, param, value, scaling: float | None = SCALING) -> list[float]:
+    """:func:`_reference_recall` of each query head (the heads have as many queries each: their mean is the layer's)."""
     k = store.topk
-    out = []
+    per_head = []
     for h in range(store.n_heads):
+        out = []
         keys = store.keys[h // store.group, : store.n_indexed].astype(np.float64)
         logits = queries[h].astype(np.float64) @ keys.T
         weights = np.exp((scaling or 0.0) * (logits - logits.max(axis=1, keepdims=True)))
@@ -58,7 +64,8 @@ def _reference_recall(store, queries, param, value, scaling: float | None = SCAL
             out += [len(set(a[a >= 0]) & set(b)) / k for a, b in zip(got, exact)]
         else:
             out += [w[np.unique(a[a >= 0])].sum() / w[b].sum() for w, a, b in zip(weights, got, exact)]
-    return float(np.mean(out))
+        per_head.append(float(np.mean(out)))
+    return per_head
 
 
 def _expected(values, recalls, floor, target) -> int:
@@ -98,6 +105,8 @@ def test_calibration_raises_the_search_to_the_cheapest_grid_value_reaching_the_t
     assert order * values[want] >= order * start  # never below the search it was given
     assert (cal.param, cal.value) == (param, values[want])
     assert cal.weight_recall == pytest.approx(recalls[want])
+    # and each head's (IVF: one index per KV head, its two query heads' readings told apart)
+    assert cal.per_head == pytest.approx(_reference_per_head(store, newest, param, values[want]))
     assert store.plan.search_params[param] == values[want]  # the layer's searches use it from now on
     assert all(tried == pytest.approx(recalls[values.index(v)]) for v, tried in cal.tried.items())
     if recalls[floor] >= target:
@@ -137,8 +146,10 @@ def test_unreachable_target_takes_the_most_thorough_value(monkeypatch):
     assert cal.weight_recall == pytest.approx(_reference_recall(store, newest, "L", 2))
     # the note says so, even where the recall prints as the target (0.8996 as 0.900)
     shy = dataclasses.replace(cal, weight_recall=0.8996)
-    assert "(0.900); short of the target at the most thorough value tried: layer 5" in calibrate.describe([shy], 0.9)
+    assert "); short of the target at the most thorough value tried: layer 5" in calibrate.describe([shy], 0.9)
     assert "short" not in calibrate.describe([dataclasses.replace(cal, weight_recall=0.9)], 0.9)
+    assert "L=2 (0.900; heads " in calibrate.describe([shy], 0.9)  # each head's reading beside the mean
+    assert f"heads {min(cal.per_head):.3f}-{max(cal.per_head):.3f})" in calibrate.describe([cal], 0.9)
     # a --from-sweep mode's layers may use different indexes: the note names each parameter
     ivf = calibrate.Calibration(7, "nprobe", 16, 0.95, {16: 0.95})
     assert calibrate.describe([cal, ivf], 0.9).startswith("calibrated L / nprobe per layer")
@@ -182,13 +193,31 @@ def test_decode_searches_each_layer_at_its_calibrated_value(tiny_gemma3, monkeyp
     by_index = {id(s.indexes[0]): s.calibration.value for s in run.stores.values()}
     assert set(by_index) == {i for i, _ in seen} and all(by_index[i] == L for i, L in seen)
     assert run.calibration == {layer: {"param": "L", "value": s.calibration.value, "weight_recall": s.calibration.weight_recall,
-                                       "tried": {str(v): r for v, r in s.calibration.tried.items()}}
+                                       "tried": {str(v): r for v, r in s.calibration.tried.items()},
+                                       "per_head": list(s.calibration.per_head), "target": 0.9}
                                for layer, s in run.stores.items()}
     assert any("calibrated L per layer" in n for n in run.notes)
     # without calibration every layer searches at the default
     seen.clear()
     run_mode(lm, pre, Mode("roargraph", IndexPlan("roargraph", {}, {})), dataclasses.replace(settings, calibrate=0.0), 2)
     assert {L for _, L in seen} == {None}  # the index's own default
+
+
+def test_the_auto_target_grows_by_a_hundredth_per_doubling_of_the_keys_above_32k():
+    """0.95 up to 32K keys (every 8K and 32K figure was measured there), then 0.01 per doubling: 0.96 at 64K, 0.97 at
+    128K, at most 0.99; a layer is calibrated to its own keys' target."""
+    at = calibrate.auto_target
+    assert at(600) == at(8192) == at(32768) == calibrate.TARGET == 0.95
+    assert at(65536) == pytest.approx(0.96) and at(131072) == pytest.approx(0.97) and at(130368) == pytest.approx(0.9699, abs=1e-4)
+    assert at(1 << 30) == calibrate.MAX_TARGET == 0.99
+    assert calibrate.layer_target(calibrate.AUTO, 131072) == at(131072) and calibrate.layer_target(0.9, 131072) == 0.9
+    assert calibrate.enabled(calibrate.AUTO) and calibrate.enabled(0.5) and not calibrate.enabled(0.0)
+    store, newest = _store("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64))
+    auto = calibrate.calibrate(store, newest, calibrate.AUTO, SCALING)
+    assert auto.target == at(store.n_indexed) == 0.95
+    store, newest = _store("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64))
+    fixed = calibrate.calibrate(store, newest, 0.95, SCALING)
+    assert (auto.value, auto.weight_recall, auto.tried) == (fixed.value, fixed.weight_recall, fixed.tried)
 
 
 def test_cli_calibration_target_and_json(tiny_llama, tmp_path):
@@ -199,15 +228,18 @@ def test_cli_calibration_target_and_json(tiny_llama, tmp_path):
         res = CliRunner().invoke(main, [*map(str, base), *args])  # a negative target is not read as an option "-1"
         assert res.exit_code == 2 and f"--calibrate takes a weight recall target in (0, 1] (0: off), got {got}" in res.output
     res = CliRunner().invoke(main, [*map(str, base), "--calibrate", "abc"])
-    assert res.exit_code == 2 and "'abc' is not a valid float" in res.output
+    assert res.exit_code == 2 and "'abc' is neither 'auto' nor a number" in res.output
     out = tmp_path / "r.json"
     run = [*map(str, base), "--mode", "full,ivf", "--window", "4,16", "--topk", "20", "--max-new-tokens", "2",
            "--chunk", "64", "--json", str(out)]
-    res = CliRunner().invoke(main, run)  # on by default, at the default target (a bare --calibrate asks the same)
-    assert res.exit_code == 0, res.output
-    data = json.loads(out.read_text())
-    assert data["settings"]["calibrate"] == calibrate.TARGET
-    assert any(n.startswith("calibrated nprobe per layer") for n in data["modes"]["ivf"]["notes"])
+    for bare in ([], ["--calibrate"]):  # on by default, at the auto target (a bare --calibrate asks the same)
+        res = CliRunner().invoke(main, [*run, *bare])
+        assert res.exit_code == 0, res.output
+        data = json.loads(out.read_text())
+        assert data["settings"]["calibrate"] == calibrate.AUTO
+        assert {c["target"] for c in data["modes"]["ivf"]["samples"][0]["calibration"].values()} == {calibrate.TARGET}
+        assert any(n.startswith("calibrated nprobe per layer to weight recall@k >= 0.95 (auto: by the keys held)")
+                   for n in data["modes"]["ivf"]["notes"])
     # each sample records the values its prompt's calibration chose, per long-range layer
     cal = data["modes"]["ivf"]["samples"][0]["calibration"]
     assert cal and all(c["param"] == "nprobe" and c["value"] in registry.get("ivf").search_grid["nprobe"]
@@ -344,7 +376,7 @@ def test_the_notes_name_an_index_calibration_cannot_set_and_say_nothing_of_one_w
     gets the note that it was not calibrated; one without any (flat's exact scan) none, as without calibration."""
     from anns_lab.decode.builds import store_notes
 
-    settings = Settings(Window(4, 8), calibrate=calibrate.TARGET)
+    settings = Settings(Window(4, 8), calibrate=calibrate.AUTO)
     for name, said in (("vattention", True), ("flat", False)):
         store, newest = _store(name, {})
         store.calibration = calibrate.calibrate(store, newest, settings.calibrate, SCALING)

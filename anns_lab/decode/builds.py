@@ -40,7 +40,7 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
     values = layer_cache.values[0, :, lo:hi].to("cpu", torch.float32).numpy()
     store = LayerStore(layer, lm.config.num_attention_heads, keys, values, settings.topk, plan, settings.add_batch,
                        settings.steps)
-    calibrating = settings.calibrate > 0 and queries is not None
+    calibrating = calibration.enabled(settings.calibrate) and queries is not None
     if calibrating and scaling is None:
         raise ValueError("calibrating a layer's search needs its softmax scaling (the prefill records it)")
     newest = np.ascontiguousarray(queries[:, -calibration.QUERIES:]) if calibrating else None  # own positions
@@ -72,7 +72,7 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
     return store
 
 
-def calibrate_store(store: LayerStore, newest: np.ndarray, target: float, scaling: float,
+def calibrate_store(store: LayerStore, newest: np.ndarray, target: float | str, scaling: float,
                     beside: bool = False) -> calibration.Calibration | None:
     """:func:`calibrate.calibrate` of a built ``store`` on its ``newest`` prefill queries (H, c, d); ``beside`` the
     prefill on a one-thread worker below its priority, as the builds (:func:`threads.map_one_thread`: spinning teams
@@ -100,7 +100,7 @@ def store_notes(stores: dict[int, LayerStore], settings) -> list[str]:
     first = next(iter(stores.values()), None)
     if first is not None and first.indexes and not first.supports_add:
         notes.append(f"{first.plan.name} has no add(): tokens leaving the window are kept exactly in a CPU side-buffer")
-    if settings.calibrate > 0 and first is not None and first.indexes:
+    if calibration.enabled(settings.calibrate) and first is not None and first.indexes:
         done = [s.calibration for s in stores.values() if s.calibration is not None]
         if done:
             notes.append(calibration.describe(done, settings.calibrate))

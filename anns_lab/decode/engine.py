@@ -54,7 +54,7 @@ class Mode:
 
         if self.kind != "index":
             return False
-        if settings is not None and settings.calibrate > 0:
+        if settings is not None and calibration.enabled(settings.calibrate):
             return True
         plans = [p for p in [self.plan, *self.per_layer.values()] if p is not None]
         return any(registry.get(p.name).uses_train_queries for p in plans)
@@ -81,7 +81,7 @@ class Settings:
     lists_on_device: bool | None = None  # training lists of the indexes on the accelerator (None: when it is CUDA)
     build_during_prefill: bool = True  # start a layer's index builds once the prompt's last chunk has passed it (builds.EarlyBuilds)
     steps: int = 64  # decode steps of a mode at most: the CPU stores reserve a row per step past the prompt's
-    calibrate: float = 0.0  # > 0: each layer's index search raised at build time to this weight recall@k (calibrate.calibrate) where short (the CLI's default: calibrate.TARGET)
+    calibrate: float | str = 0.0  # > 0 or "auto": each layer's index search raised at build time to this weight recall@k where short (calibrate.calibrate; "auto", the CLI's default: calibrate.auto_target of the layer's keys)
     copy_hints: int = 8  # per step, the positions after this many earlier occurrences of the context's suffix (and the 2 steps before's, moved on) enter the searches (0 = none)
 
 
@@ -115,7 +115,7 @@ class ModeRun:
     cpu_bytes: int = 0  # CPU-side stores and indexes of the long-range layers at the end of decoding
     cpu_keys: int = 0  # tokens those stores held, summed over the layers
     prefill_s: float = 0.0  # the prefill this run decoded from (with any builds that overlapped it), seconds
-    calibration: dict = field(default_factory=dict)  # layer -> {param, value, weight_recall, tried} where the search was calibrated
+    calibration: dict = field(default_factory=dict)  # layer -> {param, value, weight_recall, tried, per_head, target} where the search was calibrated
     build_layers: dict = field(default_factory=dict)  # layer -> [queued, started, ended]: its builds, seconds from the prefill's end (built after it: from the mode's build start)
 
 
@@ -214,7 +214,9 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
                   hidden_s, sum(s.cpu_bytes() for s in stores.values()), sum(s.n_rows for s in stores.values()),
                   pre.seconds)
     run.calibration = {layer: {"param": c.param, "value": c.value, "weight_recall": c.weight_recall,
-                               "tried": {str(v): r for v, r in c.tried.items()}}  # each probe's value -> weight recall
+                               "tried": {str(v): r for v, r in c.tried.items()},  # each probe's value -> weight recall
+                               "per_head": list(c.per_head),  # each query head's weight recall at the value set
+                               "target": c.target}
                        for layer, c in ((layer, s.calibration) for layer, s in stores.items()) if c is not None}
     run.build_layers = {layer: [round(t, 4) for t in s.build_span] for layer, s in stores.items()
                         if s.build_span is not None}
