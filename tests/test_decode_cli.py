@@ -422,6 +422,9 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_the_model_loads(ti
                       "--json", blocker / "r.json"))
     assert "cannot write there" in err and "a-file" in err
     assert list(tmp_path.iterdir()) == [blocker]
+    # a bad option is refused before the folder is made
+    _error(_run("--model", tiny_llama, "--task", "passkey", "--mode", "full,bogus", "--json", tmp_path / "new" / "r.json"))
+    assert list(tmp_path.iterdir()) == [blocker]
 
 
 def test_json_is_written_after_each_sample(tiny_llama, tmp_path, monkeypatch):

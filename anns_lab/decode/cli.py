@@ -131,10 +131,10 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
                         copy_hints=copy_hints, calibrate=calibrate)
     _check_options(settings, evaluation, task, prompt, executor, address)
     _check_counts(max_new_tokens=max_new_tokens, seed=seed, torch_threads=torch_threads)
-    if json_path:
-        _check_writable(Path(json_path))
     mode_list = _parse_mode_list(modes, params, build_params, from_sweep)
     _check_calibrate(calibrate)
+    if json_path:  # last of the checks: it makes the folder
+        _check_writable(Path(json_path))
     device = device or default_device()
     lm = _load(model, device, torch_threads, rope_scaling)
     recorded = {"torch_threads": _torch_threads(torch_threads, executor),
