@@ -7,6 +7,8 @@ softmax for the decoder's CPU side.
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import numpy as np
 import pytest
 
@@ -16,7 +18,7 @@ from anns_lab.indexes import Index
 from anns_lab.indexes.graph import Graph
 from anns_lab.indexes.graph import multi as gs
 from anns_lab.indexes.graph.search import FULL_ROWS, search_one
-from anns_lab.indexes.graph.utils import Workspace, heap_slots
+from anns_lab.indexes.graph.utils import Workspace, heap_slots, thread_workspace
 from anns_lab.indexes.roargraph import RoarGraphIndex
 from graph_reference import row_stop_search, sorted_list_search
 
@@ -148,6 +150,21 @@ def test_refresh_after_add(gqa):
     assert (after.ids >= keys[0].shape[0]).any() and not (before.ids >= keys[0].shape[0]).any()
     _assert_same(gs.search_graphs(fresh, q, 10, 30, FULL_ROWS[:2]), _alone(fresh, q, 10, 30))  # the cached group notices the add
 
+
+
+def test_the_workspace_is_kept_while_an_index_grows_a_key_per_step():
+    """A decoder's index gains a key per step: its thread's workspace must not be made anew each time (it was)."""
+    def steps(n0, count):
+        made = set()
+        for i in range(count):
+            full, rows, epoch = thread_workspace(4, n0 + i, 200, 100)
+            assert full[0].shape[1] >= n0 + i and rows[0][1].shape[0] >= heap_slots(n0 + i, 200, 100)
+            made.add(id(full[0]))
+        return len(made)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a thread of its own: the workspace is per thread
+        assert pool.submit(steps, 4096, 200).result() == 1  # 200 steps within the room one growth leaves
+        assert pool.submit(steps, 4096, 4096).result() <= 12  # a doubling: ~11 growths of 1/16 (not 4,096)
 
 def _int_graph(seed, n=600, d=8, r=10):
     """Keys/queries whose inner products are exact in float32 (integers < 2^24) and all distinct (key j adds j < 4096)."""

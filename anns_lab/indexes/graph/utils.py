@@ -69,6 +69,9 @@ class Workspace(NamedTuple):
     memo: np.ndarray
 
 
+HEADROOM = 4  # a grown workspace has room for n / 2**HEADROOM more keys (thread_workspace)
+
+
 def heap_slots(n: int, L: int, k: int) -> int:
     """Heap slots a search needs for n keys, beam L, top-k: the beam, the top-k heap when L < k, the frontier."""
     return n + L + (k if L < k else 0)
@@ -89,13 +92,16 @@ _NO_EXPANDED = np.empty(0, np.int64)
 
 def thread_workspace(h: int, n: int, L: int, k: int = 0) -> tuple[Workspace, list[Workspace], int]:
     """This thread's workspace for h searches at once ((h, ≥n) visited, (h, ≥ heap_slots) heaps), its
-    rows as :class:`Workspace` tuples, and a fresh epoch; grown when too small, kept between calls."""
+    rows as :class:`Workspace` tuples, and a fresh epoch; grown when too small (with :data:`HEADROOM` to spare), kept
+    between calls."""
     ws = getattr(_LOCAL, "ws", None)
     slots = heap_slots(n, L, k)
     if ws is None or ws[0][0].shape[0] < h or ws[0][0].shape[1] < n or ws[0][1].shape[1] < slots:
         old = ws[0] if ws else None
         hh = max(h, old[0].shape[0] if old else 0)
-        nn = max(n, old[0].shape[1] if old else 0)
+        # spare keys: a decoder's index grows by a key per step, and a workspace sized to the key exactly was made anew
+        # (zeroed, its pages faulted in) on every step: ~0.5 ms of a 128K step's ~8
+        nn = max(n + (n >> HEADROOM), old[0].shape[1] if old else 0)
         width = max(nn + slots - n, old[1].shape[1] if old else 0)
         full = (np.zeros((hh, nn), np.int32), np.empty((hh, width), np.float32), np.empty((hh, width), np.int64),
                 _NO_EXPANDED, np.empty((hh, nn), np.float32))  # plain tuples: numba dispatches them in C, a NamedTuple through Python (µs per call)
