@@ -8,7 +8,8 @@ test queries, every prefill query before them as training queries, at the servin
 its defaults, and at each value of its ``L`` grid the head's newest 64 prefill queries (own positions: what
 ``anns-lab decode --calibrate`` probes) and the decode steps are searched. Reported per layer (mean over the heads):
 the newest queries' set recall@100 and weight recall@100 (``metrics.weight_recall_at_k``: the exact top-100's softmax
-weight found), the decode steps' the same, their attention mass kept and output error with the window
+weight found), the decode steps' the same (and the newest 64 prefill queries the build left out, ``unt``, where it subsamples: the
+training set holds every fourth query from 8K keys on, ``roargraph.auto_train``), their attention mass kept and output error with the window
 (``HeadData.attention_quality``, against full attention) and the scanned fraction. Then, per criterion and target,
 the ``L`` each layer would get (the cheapest grid value from the default 100 up reaching the target, as the decoder
 raises; ``--over``: the layer's heads judged by their mean, as the decoder does, by their worst, or each head given its
@@ -45,8 +46,14 @@ def head_rows(dump, layer: int, head: int, hold_out: int = 0) -> list[dict]:
     n = int(dump.manifest["n_tokens"]["prefill"])
     data = load_head(dump, layer, head, Window(128, 512), min_test=1, held_out=np.arange(n - hold_out, n))
     index = registry.get("roargraph")().build(data.keys, data.train_queries)
-    newest = np.ascontiguousarray(dump.queries(layer, head, "prefill")[n - calibrate.QUERIES:], dtype=np.float32)
+    prefill = dump.queries(layer, head, "prefill")
+    newest = np.ascontiguousarray(prefill[n - calibrate.QUERIES:], dtype=np.float32)
     probes = {"new": (newest, metrics.exact_scores(newest, data.keys)), "dec": (data.test_queries, data.exact("q2k"))}
+    kept = index.train_rows(len(data.keys), len(data.train_queries))
+    if kept is not None:  # the newest prefill queries the build left out (train_queries' row i is position i here)
+        untrained = np.setdiff1d(np.arange(len(data.train_queries)), kept)[-calibrate.QUERIES:]
+        unt = np.ascontiguousarray(prefill[untrained], dtype=np.float32)
+        probes["unt"] = (unt, metrics.exact_scores(unt, data.keys))
     weights = {name: metrics.softmax_weights(scores.copy(), data.scaling) for name, (_, scores) in probes.items()}
     rows = []
     for L in registry.get("roargraph").search_grid["L"]:
@@ -105,7 +112,7 @@ def main() -> None:
         print(f"\n== trained without each head's newest {hold_out} prefill queries ==")
         print(table.groupby(["layer", "L"]).mean(numeric_only=True).drop(columns=["head", "hold_out"]).round(4).to_string())
         for target in map(float, a.targets.split(",")):
-            for criterion in ("new_set", "new_weight"):
+            for criterion in [c for c in ("new_set", "new_weight", "unt_weight") if c in table]:
                 for over in a.over.split(","):
                     pick = choices(table, criterion, target, over)
                     per_layer = pick.groupby("layer").L.agg(lambda x: "/".join(map(str, x if over == "head" else x[:1])))
