@@ -34,8 +34,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import numpy as np
+import torch
 
-from anns_lab.eval.metrics import exact_scores, softmax_weights, topk_weight, weight_recall_at_k
+from anns_lab.eval.metrics import softmax_weights, topk_weight, weight_recall_at_k
 
 QUERIES = 64  # newest prefill queries per head: ~6,400 (query, key) pairs per head at top-100
 AUTO = "auto"  # the decoder's default target, and a bare ``--calibrate``'s: :func:`auto_target` of the layer's keys
@@ -128,7 +129,7 @@ def calibrate(store, queries: np.ndarray, target: float | str, scaling: float) -
     groups = store._groups()
     heads = [np.concatenate([queries[h] for h in hs]) for hs in groups]
     keys = [store.keys[hs[0] // store.group, : store.n_indexed] for hs in groups]
-    weights = [softmax_weights(exact_scores(q, kk), scaling) for q, kk in zip(heads, keys)]
+    weights = [softmax_weights(_scores(q, kk), scaling) for q, kk in zip(heads, keys)]
     best = [topk_weight(w, k) for w in weights]  # each probe's reference: the same exact top-k every time
     tried: dict = {}
     per_head: dict = {}  # value -> each query head's mean weight recall there
@@ -150,6 +151,14 @@ def calibrate(store, queries: np.ndarray, target: float | str, scaling: float) -
     store.plan = replace(store.plan, search_params={**store.plan.search_params, param: values[pick]})
     return Calibration(store.layer, param, values[pick], tried[values[pick]], dict(sorted(tried.items())),
                        per_head[values[pick]], target)
+
+
+def _scores(queries: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """:func:`metrics.exact_scores` through torch: its thread team is the calling thread's (one on a build worker,
+    :func:`indexes.threads.one_thread`), where numpy's BLAS wakes a team of its own that spins beside the prefill and the
+    other layer's build (SmolLM2 8K: a layer's build and calibration 0.794 -> 0.735 CPU s; BENCHMARKS "Scale")."""
+    q = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32))
+    return (q @ torch.from_numpy(np.ascontiguousarray(keys, dtype=np.float32)).T).numpy()
 
 
 def first_reaching(reaches, short: int, last: int) -> int:
