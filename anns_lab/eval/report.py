@@ -68,8 +68,10 @@ def pareto(table: pd.DataFrame, targets=TARGETS) -> pd.DataFrame:
 
 
 def curves(table: pd.DataFrame) -> pd.DataFrame:
-    """Median recall and scanned fraction over heads, per index, direction and grid point."""
-    return (table.groupby(["index", "direction", "search_params"], sort=False)
+    """Median recall and scanned fraction over heads, per index, direction and grid point (build and search
+    parameters)."""
+    # Build variants of one index share a sweep folder and search parameters: one median must not mix them.
+    return (table.groupby(["index", "build_params", "direction", "search_params"], sort=False)
             .agg(recall=("recall", "median"), scanned_fraction=("scanned_fraction", "median"),
                  bytes_read=("bytes_read", "median"),
                  mass_recovered=("mass_recovered", "median"), output_rel_error=("output_rel_error", "median"),
