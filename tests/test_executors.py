@@ -174,6 +174,23 @@ def test_ctrl_c_stops_within_seconds_and_keeps_finished_parts(tiny_dump, tmp_pat
         wait_for(lambda: not _alive(pid), f"worker {pid} to end", timeout=30)
 
 
+def test_local_a_part_the_driver_cannot_write_stops_the_sweep(tiny_dump, tmp_path, monkeypatch):
+    """An error writing a finished part (a full disk) is the driver's, not a dead worker's: the sweep stops with it
+    instead of dropping the part unrecorded and reporting success."""
+    from anns_lab.eval import sweep as sweep_module
+
+    write = sweep_module.write_table
+
+    def full_disk(path, table):
+        if path.parent.name == "parts":
+            raise OSError(28, "No space left on device", str(path))
+        return write(path, table)
+
+    monkeypatch.setattr(sweep_module, "write_table", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        sweep(tiny_dump, tmp_path / "res", indexes=["flat"], layers=[3], heads=[0], jobs=1, quick=True)
+
+
 def _pid(build_file: Path) -> int:
     return int(build_file.name.split("-")[0])
 
