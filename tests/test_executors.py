@@ -191,6 +191,17 @@ def test_local_a_part_the_driver_cannot_write_stops_the_sweep(tiny_dump, tmp_pat
         sweep(tiny_dump, tmp_path / "res", indexes=["flat"], layers=[3], heads=[0], jobs=1, quick=True)
 
 
+def test_a_sweep_whose_parts_folder_was_removed_runs_again(tiny_dump, local_table, tmp_path):
+    out = tmp_path / "res"
+    kw = dict(indexes=["flat"], layers=[3], heads=[0], jobs=1)
+    sweep(tiny_dump, out, **kw)
+    shutil.rmtree(out / "parts")  # sweep.json stays: the same settings, nothing finished
+    res = sweep(tiny_dump, out, **kw)
+    assert not res.failures and len(list((out / "parts").glob("*.parquet"))) == 1
+    flat = local_table.query("index == 'flat' and layer == 3 and head == 0").reset_index(drop=True)
+    pd.testing.assert_frame_equal(res.table[SAME].reset_index(drop=True), flat[SAME])
+
+
 def _pid(build_file: Path) -> int:
     return int(build_file.name.split("-")[0])
 
