@@ -174,6 +174,19 @@ def test_ctrl_c_stops_within_seconds_and_keeps_finished_parts(tiny_dump, tmp_pat
         wait_for(lambda: not _alive(pid), f"worker {pid} to end", timeout=30)
 
 
+def test_report_names_the_parts_its_sweep_lost(tiny_dump, tmp_path):
+    """A failed part is in no table or figure: the report says which, rather than take its medians over fewer heads."""
+    from anns_lab.eval.report import write_report
+
+    out = tmp_path / "res"
+    res = sweep(tiny_dump, out, indexes=["flat", "faulty"], layers=[3], build_params={"faulty": {"fault": "exit"}},
+                max_attempts=1)
+    assert len(res.failures) == 2
+    md = write_report(out)
+    for text in (md.read_text(), md.with_suffix(".html").read_text()):
+        assert "faulty on layer 3 head 0" in text and "faulty on layer 3 head 3" in text
+
+
 def test_local_a_part_the_driver_cannot_write_stops_the_sweep(tiny_dump, tmp_path, monkeypatch):
     """An error writing a finished part (a full disk) is the driver's, not a dead worker's: the sweep stops with it
     instead of dropping the part unrecorded and reporting success."""
