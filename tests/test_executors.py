@@ -386,6 +386,74 @@ def test_ray_bad_input_is_one_error_and_writes_nothing(tiny_dump, ray_cluster, t
     assert not any((tmp_path / x).exists() for x in "abc")
 
 
+class _Ref:
+    def __init__(self, value):
+        self.value = value
+
+
+class _FakeRay:
+    """Just enough of Ray for RayExecutor.run, in this process: a task runs when submitted, refs resolve as Ray's do."""
+
+    class exceptions:
+        RayError = RuntimeError
+
+    def put(self, value):
+        return _Ref(value)
+
+    def remote(self, fn):
+        ray = self
+
+        class Task:
+            def options(self, **_):
+                return self
+
+            def remote(self, *args):
+                return _Ref(fn(*(a.value if isinstance(a, _Ref) else a for a in args)))
+
+        return Task()
+
+    def wait(self, refs, num_returns=1, timeout=None):
+        return refs[:num_returns], refs[num_returns:]
+
+    def get(self, ref, timeout=None):
+        return ref.value
+
+
+class _OneUnreadableHead:
+    """Work whose head (1, 3) cannot be read; every other part evaluates to a one-row table."""
+
+    def setup_worker(self):
+        pass
+
+    def load(self, layer, head):
+        if (layer, head) == (1, 3):
+            raise OSError("a damaged layer file")
+        return (layer, head)
+
+    def evaluate(self, data, index):
+        return pd.DataFrame({"layer": [data[0]], "head": [data[1]], "index": [index]})
+
+
+def test_ray_shipping_a_head_that_cannot_be_read_fails_its_parts_not_the_sweep():
+    from types import SimpleNamespace
+
+    from anns_lab.eval.executors import Part
+    from anns_lab.eval.executors.ray_executor import RayExecutor
+
+    ex = RayExecutor.__new__(RayExecutor)
+    ex.ray, ex.data, ex.cpus_per_task, ex.log = _FakeRay(), "ship", 1.0, print
+    ex.cluster = SimpleNamespace(cpus=lambda: 2.0, abandon=lambda refs: None)
+    units = [(1, 0, ["flat", "ivf"]), (1, 3, ["flat", "ivf"]), (3, 0, ["flat"])]
+    outcomes = []
+    ex.run(_OneUnreadableHead(), units, {}, outcomes.append)
+    by_part = {o.part: o for o in outcomes}
+    assert len(outcomes) == len(by_part) == 5
+    for name in ("flat", "ivf"):
+        assert by_part[Part(1, 3, name)].table is None and "damaged layer file" in by_part[Part(1, 3, name)].error
+        assert by_part[Part(1, 0, name)].table is not None
+    assert by_part[Part(3, 0, "flat")].table is not None
+
+
 def test_nothing_of_ray_is_imported_unless_asked(tiny_dump, tmp_path):
     code = ("import sys; from anns_lab.cli import main; from anns_lab.eval.sweep import run_sweep; "
             f"run_sweep({str(tiny_dump.path)!r}, ['flat'], [1], [0], k=10, window=(8, 64), out={str(tmp_path)!r}, "
