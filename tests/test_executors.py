@@ -174,6 +174,47 @@ def test_ctrl_c_stops_within_seconds_and_keeps_finished_parts(tiny_dump, tmp_pat
         wait_for(lambda: not _alive(pid), f"worker {pid} to end", timeout=30)
 
 
+def test_report_names_the_parts_its_sweep_lost(tiny_dump, tmp_path):
+    """A failed part is in no table or figure: the report says which, rather than take its medians over fewer heads."""
+    from anns_lab.eval.report import write_report
+
+    out = tmp_path / "res"
+    res = sweep(tiny_dump, out, indexes=["flat", "faulty"], layers=[3], build_params={"faulty": {"fault": "exit"}},
+                max_attempts=1)
+    assert len(res.failures) == 2
+    md = write_report(out)
+    for text in (md.read_text(), md.with_suffix(".html").read_text()):
+        assert "faulty on layer 3 head 0" in text and "faulty on layer 3 head 3" in text
+
+
+def test_local_a_part_the_driver_cannot_write_stops_the_sweep(tiny_dump, tmp_path, monkeypatch):
+    """An error writing a finished part (a full disk) is the driver's, not a dead worker's: the sweep stops with it
+    instead of dropping the part unrecorded and reporting success."""
+    from anns_lab.eval import sweep as sweep_module
+
+    write = sweep_module.write_table
+
+    def full_disk(path, table):
+        if path.parent.name == "parts":
+            raise OSError(28, "No space left on device", str(path))
+        return write(path, table)
+
+    monkeypatch.setattr(sweep_module, "write_table", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        sweep(tiny_dump, tmp_path / "res", indexes=["flat"], layers=[3], heads=[0], jobs=1, quick=True)
+
+
+def test_a_sweep_whose_parts_folder_was_removed_runs_again(tiny_dump, local_table, tmp_path):
+    out = tmp_path / "res"
+    kw = dict(indexes=["flat"], layers=[3], heads=[0], jobs=1)
+    sweep(tiny_dump, out, **kw)
+    shutil.rmtree(out / "parts")  # sweep.json stays: the same settings, nothing finished
+    res = sweep(tiny_dump, out, **kw)
+    assert not res.failures and len(list((out / "parts").glob("*.parquet"))) == 1
+    flat = local_table.query("index == 'flat' and layer == 3 and head == 0").reset_index(drop=True)
+    pd.testing.assert_frame_equal(res.table[SAME].reset_index(drop=True), flat[SAME])
+
+
 def _pid(build_file: Path) -> int:
     return int(build_file.name.split("-")[0])
 
@@ -343,6 +384,74 @@ def test_ray_bad_input_is_one_error_and_writes_nothing(tiny_dump, ray_cluster, t
     with pytest.raises(AnnsLabError, match=r"pip install 'anns-lab\[ray\]'"):
         sweep(tiny_dump, tmp_path / "c", executor="ray")
     assert not any((tmp_path / x).exists() for x in "abc")
+
+
+class _Ref:
+    def __init__(self, value):
+        self.value = value
+
+
+class _FakeRay:
+    """Just enough of Ray for RayExecutor.run, in this process: a task runs when submitted, refs resolve as Ray's do."""
+
+    class exceptions:
+        RayError = RuntimeError
+
+    def put(self, value):
+        return _Ref(value)
+
+    def remote(self, fn):
+        ray = self
+
+        class Task:
+            def options(self, **_):
+                return self
+
+            def remote(self, *args):
+                return _Ref(fn(*(a.value if isinstance(a, _Ref) else a for a in args)))
+
+        return Task()
+
+    def wait(self, refs, num_returns=1, timeout=None):
+        return refs[:num_returns], refs[num_returns:]
+
+    def get(self, ref, timeout=None):
+        return ref.value
+
+
+class _OneUnreadableHead:
+    """Work whose head (1, 3) cannot be read; every other part evaluates to a one-row table."""
+
+    def setup_worker(self):
+        pass
+
+    def load(self, layer, head):
+        if (layer, head) == (1, 3):
+            raise OSError("a damaged layer file")
+        return (layer, head)
+
+    def evaluate(self, data, index):
+        return pd.DataFrame({"layer": [data[0]], "head": [data[1]], "index": [index]})
+
+
+def test_ray_shipping_a_head_that_cannot_be_read_fails_its_parts_not_the_sweep():
+    from types import SimpleNamespace
+
+    from anns_lab.eval.executors import Part
+    from anns_lab.eval.executors.ray_executor import RayExecutor
+
+    ex = RayExecutor.__new__(RayExecutor)
+    ex.ray, ex.data, ex.cpus_per_task, ex.log = _FakeRay(), "ship", 1.0, print
+    ex.cluster = SimpleNamespace(cpus=lambda: 2.0, abandon=lambda refs: None)
+    units = [(1, 0, ["flat", "ivf"]), (1, 3, ["flat", "ivf"]), (3, 0, ["flat"])]
+    outcomes = []
+    ex.run(_OneUnreadableHead(), units, {}, outcomes.append)
+    by_part = {o.part: o for o in outcomes}
+    assert len(outcomes) == len(by_part) == 5
+    for name in ("flat", "ivf"):
+        assert by_part[Part(1, 3, name)].table is None and "damaged layer file" in by_part[Part(1, 3, name)].error
+        assert by_part[Part(1, 0, name)].table is not None
+    assert by_part[Part(3, 0, "flat")].table is not None
 
 
 def test_nothing_of_ray_is_imported_unless_asked(tiny_dump, tmp_path):

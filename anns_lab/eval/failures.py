@@ -53,9 +53,24 @@ def clear_all(parts: Path) -> int:
     return len(found)
 
 
+def missing(parts: Path) -> list[dict]:
+    """The failure records under ``parts`` whose part has no table: the parts a results table lacks (by name)."""
+    out = []
+    for path in sorted(parts.glob(PREFIX + "*.json")):
+        if path.with_name(path.stem[len(PREFIX):] + ".parquet").exists():
+            continue  # finished since (a record is removed on success; this one was left by hand)
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, dict) and {"index", "layer", "head"} <= rec.keys():
+            out.append(rec)
+    return out
+
+
 def exhausted_message(part: Part, rec: dict) -> str:
     return (f"failed {rec['attempts']} time(s) in earlier runs, not retried (last error: {rec['error']}); "
             "pass --retry-failed to try it again")
 
 
-__all__ = ["Part", "clear", "clear_all", "exhausted_message", "previous", "record", "record_path"]
+__all__ = ["Part", "clear", "clear_all", "exhausted_message", "missing", "previous", "record", "record_path"]

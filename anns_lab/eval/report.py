@@ -19,7 +19,7 @@ import pandas as pd
 from anns_lab.dumps.models import extrapolation_note
 from anns_lab.dumps.store import open_dump
 from anns_lab.errors import AnnsLabError
-from anns_lab.eval import costs, figures, findings, html, ivf_gap, paper
+from anns_lab.eval import costs, failures, figures, findings, html, ivf_gap, paper
 from anns_lab.eval.heads import load_head
 from anns_lab.eval.findings import fmt_fraction  # noqa: F401 - benchmarks import it from here
 from anns_lab.eval.table import SETTINGS, load_results
@@ -68,8 +68,10 @@ def pareto(table: pd.DataFrame, targets=TARGETS) -> pd.DataFrame:
 
 
 def curves(table: pd.DataFrame) -> pd.DataFrame:
-    """Median recall and scanned fraction over heads, per index, direction and grid point."""
-    return (table.groupby(["index", "direction", "search_params"], sort=False)
+    """Median recall and scanned fraction over heads, per index, direction and grid point (build and search
+    parameters)."""
+    # Build variants of one index share a sweep folder and search parameters: one median must not mix them.
+    return (table.groupby(["index", "build_params", "direction", "search_params"], sort=False)
             .agg(recall=("recall", "median"), scanned_fraction=("scanned_fraction", "median"),
                  bytes_read=("bytes_read", "median"),
                  mass_recovered=("mass_recovered", "median"), output_rel_error=("output_rel_error", "median"),
@@ -150,6 +152,12 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
                                 model_facts.get("rope_scaling"))
     if beyond:
         intro += f" **{beyond[0].upper()}{beyond[1:]}.**"
+    lost = failures.missing(folder / "parts")
+    if lost:  # otherwise an index's medians and (n/m) would silently be over the heads it has left
+        names = "; ".join(f"{r['index']} on layer {r['layer']} head {r['head']}" for r in lost)
+        intro += (f" **{len(lost)} part(s) of this sweep failed and are in no table or figure below, so each such "
+                  f"index's medians are over its other heads: {names} (errors in `parts/failed-*.json`; `anns-lab sweep "
+                  "--retry-failed` tries them again).**")
     pareto_view = _pareto_view(par, kinds)
     points = costs.at_target(table, 0.95)
     md = _markdown(dump, intro, found, pareto_view, _pareto_note(kinds), par, maha, decay, c, k,

@@ -278,6 +278,7 @@ def _prepare(out: Path, settings: dict, overwrite: bool) -> None:
     if sfile.is_file():
         old = json.loads(sfile.read_text())
         if old == settings:
+            (out / "parts").mkdir(exist_ok=True)  # removed by hand to redo every part: the parts are written there
             return
         if not overwrite:
             raise AnnsLabError(f"{out} holds a sweep of other settings ({old}); pass --overwrite or choose another --out")

@@ -108,23 +108,27 @@ class LocalExecutor:
     def _drain(self, slot: _Slot, attempts: Counter, on_outcome: OnOutcome) -> bool:
         """Handle every message the worker sent; False when it has died."""
         layer, head, _ = slot.unit
-        try:
-            while slot.conn.poll():
+        while True:
+            # Only the pipe's errors mean a dead worker: one from on_outcome (writing the part) is the driver's own
+            # and must stop the run, not drop the finished part unrecorded.
+            try:
+                if not slot.conn.poll():
+                    break
                 msg = slot.conn.recv()
-                if msg[0] == "start":
-                    slot.current = msg[1]
-                elif msg[0] == "done":
-                    _, name, table, error = msg
-                    part = Part(layer, head, name)
-                    attempts[part] += 1
-                    slot.remaining.remove(name)
-                    slot.current = None
-                    on_outcome(Outcome(part, table, error, attempts[part]))
-                else:  # idle: the unit is finished
-                    slot.unit, slot.current, slot.remaining = None, None, []
-                    return True
-        except (EOFError, OSError):
-            return False
+            except (EOFError, OSError):
+                return False
+            if msg[0] == "start":
+                slot.current = msg[1]
+            elif msg[0] == "done":
+                _, name, table, error = msg
+                part = Part(layer, head, name)
+                attempts[part] += 1
+                slot.remaining.remove(name)
+                slot.current = None
+                on_outcome(Outcome(part, table, error, attempts[part]))
+            else:  # idle: the unit is finished
+                slot.unit, slot.current, slot.remaining = None, None, []
+                return True
         return slot.proc.is_alive() or slot.unit is None
 
     def _died(self, slot: _Slot, attempts: Counter, tries: dict[Part, int], queue: deque, on_outcome: OnOutcome) -> None:

@@ -80,6 +80,7 @@ class RayExecutor:
         todo = deque(Part(layer, head, n) for layer, head, names in units for n in names)
         left = {(layer, head): len(names) for layer, head, names in units}
         heads: dict[tuple[int, int], object] = {}
+        unreadable: dict[tuple[int, int], str] = {}  # shipped heads the driver could not load: their error
         inflight: dict[object, Part] = {}
         limit = max(2, int(2 * self.cluster.cpus() / self.cpus_per_task))  # keeps workers fed, memory bounded
         try:
@@ -87,12 +88,21 @@ class RayExecutor:
                 while todo and len(inflight) < limit:
                     part = todo.popleft()
                     key = (part.layer, part.head)
-                    if ship and key not in heads:
-                        heads[key] = ray.put(work.load(*key))
+                    if ship and key not in heads and key not in unreadable:
+                        data, error = load(work, *key)  # a head that cannot be read fails its parts, not the sweep
+                        if error is None:
+                            heads[key] = ray.put(data)
+                        else:
+                            unreadable[key] = error
+                    if key in unreadable:
+                        on_outcome(Outcome(part, None, unreadable[key]))
+                        continue
                     ref = task.options(num_cpus=self.cpus_per_task, max_retries=tries.get(part, 1) - 1,
                                        retry_exceptions=False).remote(work, part.layer, part.head, part.index,
                                                                       heads.get(key))
                     inflight[ref] = part
+                if not inflight:  # every part submitted so far was of an unreadable head
+                    continue
                 done, _ = ray.wait(list(inflight), num_returns=1, timeout=1.0)  # wakes up for Ctrl-C
                 for ref in done:
                     part = inflight.pop(ref)
