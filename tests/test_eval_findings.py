@@ -63,6 +63,28 @@ def test_curves_take_medians_over_the_heads_of_one_build_never_across_builds():
     assert got == want
 
 
+
+def test_each_build_of_an_index_is_reported_apart_and_the_defaults_keep_its_name():
+    # A second build in the same folder (sweep --build-param) must not let each head take the better of the two:
+    # head 0 is cheap only in the defaults, head 1 only in the variant; the best of both per head (0.1, 0.1, 0.5)
+    # would give a median of 0.1 that neither build reaches.
+    import json
+
+    from anns_lab.indexes import registry
+
+    cheap, dear = synthetic({("ivf", "q2k"): 0.1}), synthetic({("ivf", "q2k"): 0.5})
+    defaults = json.dumps(registry.create("ivf").params, sort_keys=True)
+    variant = json.dumps({**json.loads(defaults), "nlist": 20}, sort_keys=True)
+    pick = lambda cheap_heads: pd.concat([(cheap if h in cheap_heads else dear)[lambda t: t["head"] == h] for _, h in HEADS])
+    table = pd.concat([pick({0}).assign(build_params=defaults), pick({4}).assign(build_params=variant)], ignore_index=True)
+    labelled = F.label_builds(table)
+    assert sorted(labelled["index"].unique()) == ["ivf", "ivf (nlist=20)"]
+    par = pareto(labelled).set_index("index")
+    assert par.loc["ivf", "scan@0.95"] == pytest.approx(0.5) and par.loc["ivf (nlist=20)", "scan@0.95"] == pytest.approx(0.5)
+    assert pareto(table).set_index("index").loc["ivf", "scan@0.95"] == pytest.approx(0.1)  # what the plain name gave
+    assert F.index_kinds(labelled) == {"ivf": "key-only", "ivf (nlist=20)": "key-only"}
+    assert F.label_builds(pick({0}).assign(build_params=variant))["index"].unique().tolist() == ["ivf"]  # one build: its name
+
 def test_central_result_agrees_disagrees_or_is_not_measured():
     f = F.aware_vs_key_only(*run({("roargraph", "q2k"): 0.02, ("ivf", "q2k"): 0.4, ("hnsw", "q2k"): None}))
     assert f.verdict == F.AGREES and "roargraph" in f.text and "2.0%" in f.text and "40.0%" in f.text

@@ -219,6 +219,8 @@ def test_build_params_make_their_own_rows(smollm2_dump, tmp_path):
     assert nlists == {0, 20}  # the default build (nlist auto) and the variant, side by side
     assert (rows[rows["build_params"].str.contains('"nlist": 20')]["search_params"].map(
         lambda p: json.loads(p)["nprobe"]).max() == 20)  # the grid ends exhaustive at the variant's nlist
+    md = report.write_report(tmp_path).read_text()
+    assert "ivf (nlist=20)" in md and "| ivf |" in md  # each build reported apart, the defaults under the index's name
     with pytest.raises(IndexConfigError, match="unknown parameter 'nlst'"):
         run_sweep(smollm2_dump.path, ["ivf"], [2], [0], window=WINDOW, out=tmp_path, progress=False,
                   build_params={"ivf": {"nlst": 20}})

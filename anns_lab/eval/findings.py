@@ -7,6 +7,7 @@ filled in regardless of the data: a sweep without the indexes a rule needs says 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +37,34 @@ def fmt_fraction(v: float) -> str:
     return "not reached" if not np.isfinite(v) else f"{100 * v:.1f}%"
 
 
+def label_builds(table: pd.DataFrame) -> pd.DataFrame:
+    """``table`` with each build of an index that has several in it (``sweep --build-param`` adds one to a folder) under
+    a name of its own: the index's name and the build parameters in which its builds differ, e.g. ``roargraph (M=16)``;
+    the build of the index's declared defaults keeps the plain name. Every median is then over the heads of one build:
+    grouped by the plain name, each head would take the best of the builds, a per-head choice no one build makes."""
+    from anns_lab.indexes import registry
+
+    classes = registry.available()
+    names = table["index"].copy()
+    for name, g in table.groupby("index"):
+        builds = g["build_params"].unique()
+        if len(builds) < 2:
+            continue
+        parsed = {b: json.loads(b) for b in builds}
+        differ = sorted({k for b in parsed.values() for k in b if len({json.dumps(p.get(k)) for p in parsed.values()}) > 1})
+        defaults = json.dumps(classes[name]().params, sort_keys=True) if name in classes else None
+        for b, params in parsed.items():
+            if b != defaults:
+                names[(table["index"] == name) & (table["build_params"] == b)] = \
+                    f"{name} ({', '.join(f'{k}={params.get(k)}' for k in differ)})"
+    return table.assign(index=names)
+
+
+def base_index(label: str) -> str:
+    """The registered index name of a :func:`label_builds` label."""
+    return label.split(" (", 1)[0]
+
+
 def index_kinds(table: pd.DataFrame) -> dict[str, str]:
     """Each index of the table as "exact", "estimator", "attention-aware", "key-only" or "unknown" (not installed).
 
@@ -50,8 +79,8 @@ def index_kinds(table: pd.DataFrame) -> dict[str, str]:
     for name, g in table.groupby("index"):
         if (g["scanned_fraction"] >= 0.999).all() and (g["recall"] >= 0.999).all():
             kinds[name] = "exact"
-        elif name in classes:
-            cls = classes[name]
+        elif base_index(name) in classes:
+            cls = classes[base_index(name)]
             kinds[name] = "estimator" if cls.estimates else "attention-aware" if cls.uses_train_queries else "key-only"
         else:
             kinds[name] = "unknown"

@@ -111,6 +111,7 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
     table, settings = load_results(results)
     if table.empty:
         raise AnnsLabError(f"{results} holds no rows; the sweep produced nothing to report")
+    table = findings.label_builds(table)
     dumps = sorted(table["dump"].unique())
     if len(dumps) != 1:
         raise AnnsLabError(f"{results} mixes several dumps ({dumps}); report one sweep at a time")
