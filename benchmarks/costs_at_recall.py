@@ -16,7 +16,7 @@ import argparse
 import numpy as np
 import pandas as pd
 
-from anns_lab.eval import costs
+from anns_lab.eval import costs, findings
 from anns_lab.eval.table import load_results
 
 
@@ -68,7 +68,7 @@ def main() -> None:
     a = ap.parse_args()
     table = pd.DataFrame()
     for folder in a.results:  # an index of a later folder replaces its rows of earlier ones (a re-sweep of one index)
-        t = load_results(folder)[0]
+        t = findings.label_builds(load_results(folder)[0])  # several builds of an index: each apart
         if len(table):
             table = table[~table.set_index(["dump", "index"]).index.isin(t.set_index(["dump", "index"]).index)]
         table = pd.concat([table, t], ignore_index=True)
