@@ -221,6 +221,11 @@ def test_build_params_make_their_own_rows(smollm2_dump, tmp_path):
         lambda p: json.loads(p)["nprobe"]).max() == 20)  # the grid ends exhaustive at the variant's nlist
     md = report.write_report(tmp_path).read_text()
     assert "ivf (nlist=20)" in md and "| ivf |" in md  # each build reported apart, the defaults under the index's name
+    before = sorted(p.name for p in (tmp_path / "parts").iterdir())
+    res = run_sweep(smollm2_dump.path, ["ivf"], [2], [0], window=WINDOW, out=tmp_path, jobs=1, progress=False,
+                    build_params={"ivf": {"nlist": 0}})  # the default, given: the default build's part, not a copy
+    assert sorted(p.name for p in (tmp_path / "parts").iterdir()) == before
+    assert not res.table.duplicated(["layer", "head", "index", "build_params", "search_params", "direction"]).any()
     with pytest.raises(IndexConfigError, match="unknown parameter 'nlst'"):
         run_sweep(smollm2_dump.path, ["ivf"], [2], [0], window=WINDOW, out=tmp_path, progress=False,
                   build_params={"ivf": {"nlst": 20}})

@@ -50,6 +50,15 @@ class SweepResult:
     seconds: float = 0.0
 
 
+def _non_default(index: str, build_params: dict | None) -> dict:
+    """``build_params`` without the values equal to ``index``'s declared defaults: a build given its defaults is the
+    default build, one part (named apart, it was a second copy of the same rows)."""
+    from anns_lab.indexes import registry
+
+    declared = registry.get(index).build_params
+    return {k: v for k, v in (build_params or {}).items() if k not in declared or v != declared[k].default}
+
+
 def _part_name(layer: int, head: int, index: str, build_params: dict | None = None) -> str:
     # Non-default build parameters get their own part, so variants of one index can share a sweep.
     tag = "" if not build_params else "-" + hashlib.sha1(json.dumps(build_params, sort_keys=True).encode()).hexdigest()[:10]
@@ -223,7 +232,7 @@ def _run(runner, dump, out, names, layers, heads, k, window, build_params, quick
     parts = out / "parts"
     if retry_failed and (n := failed.clear_all(parts)):
         log(f"--retry-failed: {n} failed part(s) will be tried again")
-    part_file = {Part(layer, h, n): parts / _part_name(layer, h, n, build_params.get(n))
+    part_file = {Part(layer, h, n): parts / _part_name(layer, h, n, _non_default(n, build_params.get(n)))
                  for layer in layers for h in heads for n in names}
     failures: list[tuple[str, int, int, str]] = []
     earlier: dict[Part, int] = {}
