@@ -10,10 +10,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+def _umask() -> int:
+    """The process's umask (read once, at import: setting it back and forth later could race another thread's file)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_MODE = 0o666 & ~_umask()  # what open() gives a new file: mkstemp's 0600 would keep dumps and results from others
+
+
 @contextlib.contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
-    """A temporary path beside ``path`` to write to; on leaving the block it is synced and renamed onto ``path``
-    (removed instead when the block raises)."""
+    """A temporary path beside ``path`` to write to; on leaving the block it is synced, given a new file's mode, and
+    renamed onto ``path``, the rename synced too (removed instead when the block raises)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
@@ -21,10 +31,27 @@ def atomic_path(path: Path) -> Iterator[Path]:
         yield Path(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, _MODE)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    _sync_dir(path.parent)
+
+
+def _sync_dir(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (a crash right after it could otherwise lose the new file); where a folder
+    cannot be opened for it (Windows), the rename stands unsynced."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -254,3 +254,18 @@ def test_cli_dump_summary(tiny_llama, tmp_path):
     assert r.exit_code == 0, r.output
     assert "prefill 24, decode 2" in r.output and "layers    2: 1,3" in r.output and "MiB in 3 files" in r.output
     assert open_dump(tmp_path / "d").manifest["dtype"] == "float16"
+
+
+def test_an_atomic_write_leaves_a_file_of_a_new_files_mode_and_no_temporary(tmp_path):
+    """Dumps and results are exchanged: written through a temporary file, they must end as open() would make them
+    (the temporary file's 0600 kept them from everyone else), and nothing of the write may remain beside them."""
+    import os
+    import stat
+
+    mask = os.umask(0o022)
+    os.umask(mask)
+    atomic_write_json(tmp_path / "a.json", {"x": 1})
+    (tmp_path / "b.json").write_text("{}")  # open()'s own
+    assert stat.S_IMODE((tmp_path / "a.json").stat().st_mode) == stat.S_IMODE((tmp_path / "b.json").stat().st_mode) \
+        == 0o666 & ~mask
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.json"]
