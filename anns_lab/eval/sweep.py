@@ -259,7 +259,13 @@ def _run(runner, dump, out, names, layers, heads, k, window, build_params, quick
     def on_outcome(o: Outcome) -> None:
         f = part_file[o.part]
         if o.table is not None:
-            write_table(f, pa.Table.from_pandas(o.table, preserve_index=False))
+            try:
+                write_table(f, pa.Table.from_pandas(o.table, preserve_index=False))
+            except OSError as err:  # the driver's own (a full disk, the folder's permissions): it stops the sweep
+                done = sum(1 for g in part_file.values() if g.exists())
+                raise AnnsLabError(f"could not write the finished part {f.name} ({err}); {done} of {len(part_file)} "
+                                   f"parts are kept in {parts}: free space or fix the folder, then run the same "
+                                   "command again to resume") from err
             failed.clear(f)
         else:
             failed.record(f, o, build_params.get(o.part.index), earlier[o.part])
