@@ -241,6 +241,39 @@ def test_unknown_and_missing_models(tmp_path):
     assert (tmp_path / "kept").is_dir() and not any((tmp_path / "kept").iterdir())
 
 
+def test_bad_weight_files_are_one_error(tiny_llama, tmp_path):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    def broken(name, edit):
+        folder = tmp_path / name
+        shutil.copytree(tiny_llama, folder)
+        edit(folder / "model.safetensors")
+        return folder
+
+    def truncate(f):
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+    def drop_tensor(f):
+        weights = load_file(f)
+        del weights["model.layers.1.self_attn.k_proj.weight"]
+        save_file(weights, f, metadata={"format": "pt"})
+
+    def reshape_tensor(f):
+        weights = load_file(f)
+        weights["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(16, 64)
+        save_file(weights, f, metadata={"format": "pt"})
+
+    # A truncated file and a tensor of another shape were raw tracebacks; a missing tensor was silently random.
+    for name, edit, match in (("truncated", truncate, "cannot be read"), ("missing", drop_tensor, "k_proj"),
+                              ("reshaped", reshape_tensor, "k_proj")):
+        with pytest.raises(ModelNotAvailable, match=match):
+            small_dump(broken(name, edit), tmp_path / f"d-{name}")
+        assert not (tmp_path / f"d-{name}").exists()
+
+
 def test_cli_reports_errors_in_one_line(tmp_path):
     r = CliRunner().invoke(main, ["dump", "--model", "gemma-270m", "--out", str(tmp_path / "d")])
     assert r.exit_code == 2
