@@ -69,6 +69,14 @@ def test_tiny_gemma3_sliding_and_global_layers(tiny_gemma3, tmp_path):
     check_against_model(str(tiny_gemma3), tmp_path, [0, 1, 2, 3], tokens=40, chunk=12, decode=4)
 
 
+def test_tiny_mistral_sliding_window_on_every_layer(tmp_path):
+    from conftest import make_tiny_model
+
+    # Its config has a sliding_window but no layer_types: the manifest must still give each layer its window.
+    model = make_tiny_model(tmp_path / "mistral", "mistral")
+    check_against_model(str(model), tmp_path, [0, 1, 2, 3], tokens=40, chunk=12, decode=3)
+
+
 def test_gqa_map_follows_model_grouping(tiny_llama, tmp_path):
     dump = run_dump(str(tiny_llama), tokens=20, decode_tokens=0, layers="1", out=tmp_path / "d", progress=False).dump
     assert [dump.kv_head_of(h) for h in range(dump.n_heads)] == [0, 0, 1, 1]

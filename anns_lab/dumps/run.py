@@ -378,7 +378,8 @@ def _manifest(settings, lm, prompt, layers, n_prefill, n_decode, n_heads, n_kv, 
         "head_dim": d,
         "gqa": [h // group for h in range(n_heads)],
         "scaling": {str(layer): state["scaling"][str(layer)] for layer in layers},
-        "sliding_window": {str(layer): (window if types is not None and types[layer] == "sliding_attention" else None)
+        # Without layer_types a config's sliding_window holds for every layer (Mistral, Phi-3, Starcoder2).
+        "sliding_window": {str(layer): (window if types is None or types[layer] == "sliding_attention" else None)
                            for layer in layers},
         "rope": getattr(cfg, "rope_parameters", None),
         "files": files,
