@@ -104,3 +104,22 @@ def test_gemma3_default_layers_are_the_global_ones(tiny_gemma3, tmp_path):
     dump = run_dump(str(tiny_gemma3), tokens=20, decode_tokens=1, out=tmp_path / "d", progress=False).dump
     assert dump.layers == [1, 3]  # layer_types: sliding, full, sliding, full
     assert dump.manifest["sliding_window"] == {"1": None, "3": None}
+
+
+def test_default_layers_of_a_model_without_global_layers_is_one_error(tiny_gemma3, tmp_path):
+    import json
+    import shutil
+
+    from anns_lab.errors import DumpError
+
+    model = tmp_path / "all-sliding"
+    shutil.copytree(tiny_gemma3, model)
+    config = json.loads((model / "config.json").read_text())
+    config["layer_types"] = ["sliding_attention"] * 4
+    (model / "config.json").write_text(json.dumps(config))
+    # It wrote a manifest of no layers (and no decode tokens), then refused its own dump as corrupt.
+    with pytest.raises(DumpError, match="no full-attention layers"):
+        run_dump(str(model), tokens=20, decode_tokens=1, out=tmp_path / "d", progress=False)
+    assert not (tmp_path / "d").exists()
+    assert run_dump(str(model), tokens=20, decode_tokens=1, layers="all", out=tmp_path / "d",
+                    progress=False).dump.layers == [0, 1, 2, 3]

@@ -250,6 +250,9 @@ def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation,
     cfg = lm.config
     t_loaded = time.perf_counter()
     layers = parse_layers(settings["layers"], cfg.num_hidden_layers, lm.long_range_layers)
+    if not layers:  # `default` on a model whose every layer slides: a dump of no layers is no dump
+        raise DumpError(f"--layers {settings['layers']} selects {lm.name}'s full-attention layers, and it has "
+                        "no full-attention layers; name the layers to capture (e.g. --layers all)")
     prompt = build_prompt(settings["source"], lm.tokenizer, settings["tokens"], settings["seed"], prompt_path)
     n_prefill, n_decode = len(prompt.ids), settings["decode_tokens"]
     _check_fits(lm, n_prefill, n_decode, settings["chunk"], allow_extrapolation)
