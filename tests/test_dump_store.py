@@ -199,6 +199,23 @@ def test_nan_in_the_model_is_reported(tiny_llama, tmp_path):
         small_dump(broken, tmp_path / "d")
 
 
+def test_values_beyond_float16_are_reported(tiny_llama, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    big = tmp_path / "big"
+    shutil.copytree(tiny_llama, big)
+    weights = load_file(big / "model.safetensors")
+    weights["model.layers.1.self_attn.v_proj.weight"] *= 1e6
+    save_file(weights, big / "model.safetensors", metadata={"format": "pt"})
+    # Finite in the model, but cast to float16 they became inf in the dump, silently.
+    with pytest.raises(DumpError, match="V values beyond float16.*--dtype float32"):
+        small_dump(big, tmp_path / "d", dtype="float16")
+    d = small_dump(big, tmp_path / "e").dump
+    assert np.isfinite(d.values(1, 0)).all() and np.abs(d.values(1, 0)).max() > 65504
+
+
 @pytest.mark.parametrize("spec,expected", [
     ("all", [0, 1, 2, 3, 4, 5]), ("default", [1, 3]), ("2,4", [2, 4]), ("0:6:2", [0, 2, 4]), ("1-3", [1, 2, 3]),
     ("5, 0:2", [0, 1, 5]),

@@ -87,7 +87,12 @@ class StagingSink:
                 raise DumpError(f"the model produced non-finite {name.upper()} values at layer {layer}, "
                                 f"positions {self.row}..{self.row + t - 1}")
             dst = self.arrays[layer][name]
-            dst[:, self.row:self.row + t] = x.detach().to("cpu", dtype=torch.float32).numpy()
+            with np.errstate(over="ignore"):  # an overflow is reported below, as one error
+                dst[:, self.row:self.row + t] = x.detach().to("cpu", dtype=torch.float32).numpy()
+            # A finite value past float16's range is stored as inf: the dump would no longer be the model's.
+            if dst.dtype == np.float16 and np.isinf(dst[:, self.row:self.row + t]).any():
+                raise DumpError(f"the model produced {name.upper()} values beyond float16's range (±65504) at layer "
+                                f"{layer}, positions {self.row}..{self.row + t - 1}; pass --dtype float32")
         self.scaling[layer] = float(scaling)
 
 
