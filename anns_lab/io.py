@@ -10,6 +10,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+def _file_mode() -> int:
+    """The mode ``open()`` gives a new file here: 0o666 less the umask."""
+    mask = os.umask(0)  # the umask can only be read by setting it; done once, at import, before any thread writes
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+# mkstemp makes its file 0600; renamed as it is, no other user could read a dump, sweep or report.
+_FILE_MODE = _file_mode()
+
+
 @contextlib.contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
     """A temporary path beside ``path`` to write to; on leaving the block it is synced and renamed onto ``path``
@@ -21,6 +32,7 @@ def atomic_path(path: Path) -> Iterator[Path]:
         yield Path(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, _FILE_MODE)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -44,6 +44,15 @@ def test_manifest_and_api_shapes(tiny_llama, tmp_path):
     assert "pyarrow" in type(base).__module__
 
 
+def test_dump_files_are_readable_as_any_file_written_here(tiny_llama, tmp_path):
+    mask = os.umask(0)
+    os.umask(mask)
+    d = small_dump(tiny_llama, tmp_path / "d").dump
+    # The temporary files were made by mkstemp (mode 0600) and renamed so: no other user could read the dump.
+    for f in d.path.iterdir():
+        assert f.stat().st_mode & 0o777 == 0o666 & ~mask, f.name
+
+
 def test_float16_dump_matches_float32(tiny_llama, tmp_path):
     d32 = small_dump(tiny_llama, tmp_path / "a").dump
     d16 = small_dump(tiny_llama, tmp_path / "b", dtype="float16").dump
