@@ -159,6 +159,32 @@ def test_corrupt_file_fails_its_checksum(tiny_llama, tmp_path):
         open_dump(d.path)
 
 
+def test_head_column_of_another_type_is_one_error(tiny_llama, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    d = small_dump(tiny_llama, tmp_path / "d", dtype="float16").dump
+    f = d.path / "layer_000.parquet"
+    original = pq.read_table(f)
+    n = original.num_rows
+
+    def rewrite(dtype: str, width: int) -> None:
+        """layer_000's k0 as another tool might write it, with the manifest's checksums made to match."""
+        field = pa.field("k0", pa.binary(width), nullable=False, metadata={"dtype": dtype, "head_dim": "16"})
+        column = pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), n, [None, pa.py_buffer(bytes(n * width))])
+        table = original.set_column(original.schema.get_field_index("k0"), field, column)
+        entry = store.write_table(f, table)
+        manifest = dict(d.manifest, files=d.manifest["files"] | {f.name: entry})
+        atomic_write_json(d.path / store.MANIFEST, store.sealed(manifest))
+
+    # A dtype numpy does not know was a raw TypeError; integers, or a width that is not head_dim × itemsize (read
+    # with the wrong stride), were read as vectors, silently.
+    for dtype, width in (("bogus", 32), ("float16", 33), ("int16", 32)):
+        rewrite(dtype, width)
+        with pytest.raises(DumpError, match="column k0 of .*layer_000.parquet"):
+            open_dump(d.path).keys(0, 0)
+
+
 def test_existing_dump_with_other_settings_is_refused_unless_overwrite(tiny_llama, tmp_path):
     small_dump(tiny_llama, tmp_path / "d")
     again = small_dump(tiny_llama, tmp_path / "d")
