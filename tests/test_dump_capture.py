@@ -69,6 +69,14 @@ def test_tiny_gemma3_sliding_and_global_layers(tiny_gemma3, tmp_path):
     check_against_model(str(tiny_gemma3), tmp_path, [0, 1, 2, 3], tokens=40, chunk=12, decode=4)
 
 
+def test_tiny_mistral_sliding_window_on_every_layer(tmp_path):
+    from conftest import make_tiny_model
+
+    # Its config has a sliding_window but no layer_types: the manifest must still give each layer its window.
+    model = make_tiny_model(tmp_path / "mistral", "mistral")
+    check_against_model(str(model), tmp_path, [0, 1, 2, 3], tokens=40, chunk=12, decode=3)
+
+
 def test_gqa_map_follows_model_grouping(tiny_llama, tmp_path):
     dump = run_dump(str(tiny_llama), tokens=20, decode_tokens=0, layers="1", out=tmp_path / "d", progress=False).dump
     assert [dump.kv_head_of(h) for h in range(dump.n_heads)] == [0, 0, 1, 1]
@@ -96,3 +104,22 @@ def test_gemma3_default_layers_are_the_global_ones(tiny_gemma3, tmp_path):
     dump = run_dump(str(tiny_gemma3), tokens=20, decode_tokens=1, out=tmp_path / "d", progress=False).dump
     assert dump.layers == [1, 3]  # layer_types: sliding, full, sliding, full
     assert dump.manifest["sliding_window"] == {"1": None, "3": None}
+
+
+def test_default_layers_of_a_model_without_global_layers_is_one_error(tiny_gemma3, tmp_path):
+    import json
+    import shutil
+
+    from anns_lab.errors import DumpError
+
+    model = tmp_path / "all-sliding"
+    shutil.copytree(tiny_gemma3, model)
+    config = json.loads((model / "config.json").read_text())
+    config["layer_types"] = ["sliding_attention"] * 4
+    (model / "config.json").write_text(json.dumps(config))
+    # It wrote a manifest of no layers (and no decode tokens), then refused its own dump as corrupt.
+    with pytest.raises(DumpError, match="no full-attention layers"):
+        run_dump(str(model), tokens=20, decode_tokens=1, out=tmp_path / "d", progress=False)
+    assert not (tmp_path / "d").exists()
+    assert run_dump(str(model), tokens=20, decode_tokens=1, layers="all", out=tmp_path / "d",
+                    progress=False).dump.layers == [0, 1, 2, 3]

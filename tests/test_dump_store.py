@@ -44,6 +44,15 @@ def test_manifest_and_api_shapes(tiny_llama, tmp_path):
     assert "pyarrow" in type(base).__module__
 
 
+def test_dump_files_are_readable_as_any_file_written_here(tiny_llama, tmp_path):
+    mask = os.umask(0)
+    os.umask(mask)
+    d = small_dump(tiny_llama, tmp_path / "d").dump
+    # The temporary files were made by mkstemp (mode 0600) and renamed so: no other user could read the dump.
+    for f in d.path.iterdir():
+        assert f.stat().st_mode & 0o777 == 0o666 & ~mask, f.name
+
+
 def test_float16_dump_matches_float32(tiny_llama, tmp_path):
     d32 = small_dump(tiny_llama, tmp_path / "a").dump
     d16 = small_dump(tiny_llama, tmp_path / "b", dtype="float16").dump
@@ -150,6 +159,32 @@ def test_corrupt_file_fails_its_checksum(tiny_llama, tmp_path):
         open_dump(d.path)
 
 
+def test_head_column_of_another_type_is_one_error(tiny_llama, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    d = small_dump(tiny_llama, tmp_path / "d", dtype="float16").dump
+    f = d.path / "layer_000.parquet"
+    original = pq.read_table(f)
+    n = original.num_rows
+
+    def rewrite(dtype: str, width: int) -> None:
+        """layer_000's k0 as another tool might write it, with the manifest's checksums made to match."""
+        field = pa.field("k0", pa.binary(width), nullable=False, metadata={"dtype": dtype, "head_dim": "16"})
+        column = pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), n, [None, pa.py_buffer(bytes(n * width))])
+        table = original.set_column(original.schema.get_field_index("k0"), field, column)
+        entry = store.write_table(f, table)
+        manifest = dict(d.manifest, files=d.manifest["files"] | {f.name: entry})
+        atomic_write_json(d.path / store.MANIFEST, store.sealed(manifest))
+
+    # A dtype numpy does not know was a raw TypeError; integers, or a width that is not head_dim × itemsize (read
+    # with the wrong stride), were read as vectors, silently.
+    for dtype, width in (("bogus", 32), ("float16", 33), ("int16", 32)):
+        rewrite(dtype, width)
+        with pytest.raises(DumpError, match="column k0 of .*layer_000.parquet"):
+            open_dump(d.path).keys(0, 0)
+
+
 def test_existing_dump_with_other_settings_is_refused_unless_overwrite(tiny_llama, tmp_path):
     small_dump(tiny_llama, tmp_path / "d")
     again = small_dump(tiny_llama, tmp_path / "d")
@@ -199,6 +234,23 @@ def test_nan_in_the_model_is_reported(tiny_llama, tmp_path):
         small_dump(broken, tmp_path / "d")
 
 
+def test_values_beyond_float16_are_reported(tiny_llama, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    big = tmp_path / "big"
+    shutil.copytree(tiny_llama, big)
+    weights = load_file(big / "model.safetensors")
+    weights["model.layers.1.self_attn.v_proj.weight"] *= 1e6
+    save_file(weights, big / "model.safetensors", metadata={"format": "pt"})
+    # Finite in the model, but cast to float16 they became inf in the dump, silently.
+    with pytest.raises(DumpError, match="V values beyond float16.*--dtype float32"):
+        small_dump(big, tmp_path / "d", dtype="float16")
+    d = small_dump(big, tmp_path / "e").dump
+    assert np.isfinite(d.values(1, 0)).all() and np.abs(d.values(1, 0)).max() > 65504
+
+
 @pytest.mark.parametrize("spec,expected", [
     ("all", [0, 1, 2, 3, 4, 5]), ("default", [1, 3]), ("2,4", [2, 4]), ("0:6:2", [0, 2, 4]), ("1-3", [1, 2, 3]),
     ("5, 0:2", [0, 1, 5]),
@@ -239,6 +291,39 @@ def test_unknown_and_missing_models(tmp_path):
     with pytest.raises(ModelNotAvailable):
         run_dump("llama3", tokens=16, out=tmp_path / "kept", progress=False)
     assert (tmp_path / "kept").is_dir() and not any((tmp_path / "kept").iterdir())
+
+
+def test_bad_weight_files_are_one_error(tiny_llama, tmp_path):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    def broken(name, edit):
+        folder = tmp_path / name
+        shutil.copytree(tiny_llama, folder)
+        edit(folder / "model.safetensors")
+        return folder
+
+    def truncate(f):
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+    def drop_tensor(f):
+        weights = load_file(f)
+        del weights["model.layers.1.self_attn.k_proj.weight"]
+        save_file(weights, f, metadata={"format": "pt"})
+
+    def reshape_tensor(f):
+        weights = load_file(f)
+        weights["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(16, 64)
+        save_file(weights, f, metadata={"format": "pt"})
+
+    # A truncated file and a tensor of another shape were raw tracebacks; a missing tensor was silently random.
+    for name, edit, match in (("truncated", truncate, "cannot be read"), ("missing", drop_tensor, "k_proj"),
+                              ("reshaped", reshape_tensor, "k_proj")):
+        with pytest.raises(ModelNotAvailable, match=match):
+            small_dump(broken(name, edit), tmp_path / f"d-{name}")
+        assert not (tmp_path / f"d-{name}").exists()
 
 
 def test_cli_reports_errors_in_one_line(tmp_path):

@@ -46,6 +46,16 @@ def test_refusal_names_the_chunk_that_fits(monkeypatch):
         available_bytes()
 
 
+@pytest.mark.parametrize("limit", ["infG", "1e400G", "-5G", "-1"])
+def test_unusable_memory_limit_is_one_error(monkeypatch, limit):
+    from anns_lab.errors import AnnsLabError
+
+    # An infinite size was a raw OverflowError; a negative one refused every run with "-0.0 GiB is available".
+    monkeypatch.setenv("ANNS_LAB_MEMORY_LIMIT", limit)
+    with pytest.raises(AnnsLabError, match="ANNS_LAB_MEMORY_LIMIT"):
+        available_bytes()
+
+
 def test_machine_has_memory():
     assert available_bytes() > 0.1 * GIB
 

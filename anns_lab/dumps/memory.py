@@ -73,9 +73,12 @@ def _parse_size(text: str) -> int:
     units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
     t = text.strip().upper().removesuffix("IB").removesuffix("B")
     try:
-        return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
-    except (ValueError, KeyError):
-        raise AnnsLabError(f"ANNS_LAB_MEMORY_LIMIT={text!r}: write bytes or a size such as 20G") from None
+        size = int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except (ValueError, KeyError, OverflowError):  # OverflowError: an infinite size (infG, 1e400G)
+        size = -1
+    if size < 0:
+        raise AnnsLabError(f"ANNS_LAB_MEMORY_LIMIT={text!r}: write bytes or a size such as 20G")
+    return size
 
 
 def prefill_estimate(cfg, n_tokens: int, chunk: int, query_layers: int = 0, index_layers: int = 0,

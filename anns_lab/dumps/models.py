@@ -271,6 +271,7 @@ def load_model(name: str, device: str = "cpu", allow_download: bool = False,
     """Load ``name`` (alias, local folder, .gguf file or HF id) as float32, offline unless ``allow_download``;
     with ``rope_scaling``, its long-range layers' RoPE positions scaled."""
     import torch
+    from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from transformers.utils import logging as hf_logging
@@ -286,8 +287,14 @@ def load_model(name: str, device: str = "cpu", allow_download: bool = False,
         config = AutoConfig.from_pretrained(where, local_files_only=local_only)
         if rope_scaling is not None:
             rope_scaling.apply(config)
-        model = AutoModelForCausalLM.from_pretrained(where, config=config, dtype=torch.float32, local_files_only=local_only,
-                                                     attn_implementation="sdpa")
+        # A tensor missing from the files or of another shape would be initialised at random with only a warning:
+        # the loading report lets both be refused below instead.
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            where, config=config, dtype=torch.float32, local_files_only=local_only, attn_implementation="sdpa",
+            output_loading_info=True, ignore_mismatched_sizes=True)
+    except SafetensorError as err:
+        raise ModelNotAvailable(f"weights of model {name!r} ({where}) cannot be read: a weight file is corrupt or "
+                                f"truncated ({str(err).splitlines()[0]}); copy or download them again") from None
     except (OSError, ValueError) as err:
         spec = MODELS.get(name)
         hf = spec.hf_id if spec else where
@@ -296,6 +303,11 @@ def load_model(name: str, device: str = "cpu", allow_download: bool = False,
             f"Provide them as a local folder (--model /path/to/model with config.json and *.safetensors), or put them in "
             f"the Hugging Face cache (HF_HOME, e.g. `huggingface-cli download {hf}` on a machine with internet), "
             "or pass --allow-download where a hub is reachable.") from None
+    bad = sorted(loading["missing_keys"]) + sorted(k[0] if isinstance(k, tuple) else k for k in loading["mismatched_keys"])
+    if bad:
+        raise ModelNotAvailable(f"weights of model {name!r} ({where}) do not fit its config.json: {len(bad)} tensor(s) "
+                                f"missing or of another shape (e.g. {bad[0]}); the weight files are incomplete or "
+                                "belong to another model")
     model.eval().to(device)
     cfg = model.config.get_text_config()
     n_layers = cfg.num_hidden_layers

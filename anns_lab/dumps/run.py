@@ -87,7 +87,12 @@ class StagingSink:
                 raise DumpError(f"the model produced non-finite {name.upper()} values at layer {layer}, "
                                 f"positions {self.row}..{self.row + t - 1}")
             dst = self.arrays[layer][name]
-            dst[:, self.row:self.row + t] = x.detach().to("cpu", dtype=torch.float32).numpy()
+            with np.errstate(over="ignore"):  # an overflow is reported below, as one error
+                dst[:, self.row:self.row + t] = x.detach().to("cpu", dtype=torch.float32).numpy()
+            # A finite value past float16's range is stored as inf: the dump would no longer be the model's.
+            if dst.dtype == np.float16 and np.isinf(dst[:, self.row:self.row + t]).any():
+                raise DumpError(f"the model produced {name.upper()} values beyond float16's range (±65504) at layer "
+                                f"{layer}, positions {self.row}..{self.row + t - 1}; pass --dtype float32")
         self.scaling[layer] = float(scaling)
 
 
@@ -250,6 +255,9 @@ def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation,
     cfg = lm.config
     t_loaded = time.perf_counter()
     layers = parse_layers(settings["layers"], cfg.num_hidden_layers, lm.long_range_layers)
+    if not layers:  # `default` on a model whose every layer slides: a dump of no layers is no dump
+        raise DumpError(f"--layers {settings['layers']} selects {lm.name}'s full-attention layers, and it has "
+                        "no full-attention layers; name the layers to capture (e.g. --layers all)")
     prompt = build_prompt(settings["source"], lm.tokenizer, settings["tokens"], settings["seed"], prompt_path)
     n_prefill, n_decode = len(prompt.ids), settings["decode_tokens"]
     _check_fits(lm, n_prefill, n_decode, settings["chunk"], allow_extrapolation)
@@ -378,7 +386,8 @@ def _manifest(settings, lm, prompt, layers, n_prefill, n_decode, n_heads, n_kv, 
         "head_dim": d,
         "gqa": [h // group for h in range(n_heads)],
         "scaling": {str(layer): state["scaling"][str(layer)] for layer in layers},
-        "sliding_window": {str(layer): (window if types is not None and types[layer] == "sliding_attention" else None)
+        # Without layer_types a config's sliding_window holds for every layer (Mistral, Phi-3, Starcoder2).
+        "sliding_window": {str(layer): (window if types is None or types[layer] == "sliding_attention" else None)
                            for layer in layers},
         "rope": getattr(cfg, "rope_parameters", None),
         "files": files,

@@ -315,11 +315,16 @@ class Dump:
                             "the manifest was edited or belongs to other files")
         if pa.types.is_fixed_size_binary(arr.type):
             meta = table.schema.field(column).metadata or {}
-            dtype = np.dtype(meta.get(b"dtype", b"float32").decode()).newbyteorder("<")
-            d = arr.type.byte_width // dtype.itemsize
-            if d != self.head_dim:
-                raise DumpError(f"column {column} of {self.path / name} holds vectors of dimension {d}, but the "
-                                f"manifest says head_dim {self.head_dim}: the manifest was edited or belongs to other files")
+            kind = meta.get(b"dtype", b"float32").decode(errors="replace")
+            if kind not in ("float16", "float32"):  # the format's two; another would be misread or raise in numpy
+                raise DumpError(f"column {column} of {self.path / name} holds {kind!r} vectors; a dump holds float16 "
+                                "or float32: the file is not one anns-lab wrote")
+            dtype = np.dtype(kind).newbyteorder("<")
+            d = self.head_dim
+            if arr.type.byte_width != d * dtype.itemsize:  # a remainder too: rows would be read with the wrong stride
+                raise DumpError(f"column {column} of {self.path / name} holds vectors of dimension "
+                                f"{arr.type.byte_width / dtype.itemsize:g}, but the manifest says head_dim {d}: "
+                                "the manifest was edited or belongs to other files")
             flat = np.frombuffer(arr.buffers()[1], dtype=dtype, count=(arr.offset + len(arr)) * d)
             flat.flags.writeable = False  # a view of the mapped file: writing would corrupt or fault
             return flat[arr.offset * d:].reshape(len(arr), d)
