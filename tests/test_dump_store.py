@@ -195,6 +195,16 @@ def test_existing_dump_with_other_settings_is_refused_unless_overwrite(tiny_llam
     assert small_dump(tiny_llama, tmp_path / "d", tokens=31, overwrite=True).dump.manifest["n_tokens"]["prefill"] == 31
 
 
+
+def test_a_dump_whose_manifest_cannot_be_read_says_so_and_is_kept(tiny_llama, tmp_path):
+    small_dump(tiny_llama, tmp_path / "d")
+    (tmp_path / "d" / "manifest.json").write_text("{ not json")
+    with pytest.raises(DumpError, match="manifest cannot be read.*--overwrite") as err:
+        small_dump(tiny_llama, tmp_path / "d")
+    assert "None" not in str(err.value)  # not "other settings", each one None there
+    assert (tmp_path / "d" / "manifest.json").read_text() == "{ not json"  # nothing touched
+    assert small_dump(tiny_llama, tmp_path / "d", overwrite=True).dump.manifest["n_tokens"]["prefill"] == 30
+
 def test_foreign_folder_is_never_written_into(tiny_llama, tmp_path):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")

@@ -151,7 +151,10 @@ def _prepare_folder(out: Path, settings: dict, overwrite: bool) -> dict | None:
     if (out / store.MANIFEST).is_file():
         try:
             old = store.read_manifest(out)["settings"]
-        except (DumpError, KeyError):
+        except (DumpError, KeyError) as err:
+            if not overwrite:  # its settings unknown: "other settings, every one None there" would mislead
+                raise DumpError(f"{out} holds a dump whose manifest cannot be read ({err}); pass --overwrite to replace "
+                                "it, or choose another --out") from None
             old = None
         if old == settings and not overwrite:
             return None
