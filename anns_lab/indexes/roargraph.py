@@ -44,8 +44,8 @@ An expansion walks its node's row in order and stops once its misses (neighbours
 reach ``row_misses`` + ``row_credit`` × hits (neighbours in it): a row whose first neighbours fall
 outside the beam leads out of the query's region (``graph.search``, "Row stop"; 0 = full rows). Keys
 added after the build are scanned wherever a walk stops short of them (their in-edges sit at the rows' ends).
-The entry points, each counted like any node, are ``n_hubs`` hub keys (the top key of each k-means
-centroid of the training queries) plus the ``recent_entries`` newest keys. ``bytes_read``
+The entry points, each counted like any node, are up to ``n_hubs`` + 1 hub keys (the top key of each k-means
+centroid of the training queries, and of their mean) plus the ``recent_entries`` newest keys. ``bytes_read``
 (``graph.search.bytes_read``): each scanned key (4·dim bytes), each expanded node's adjacency row (its
 degree and neighbour ids, 4 bytes each) and the entry list (8 bytes per entry). The newest
 ``recent_frac`` of the training queries may weigh ``recent_weight`` times more (decode queries look
@@ -190,7 +190,7 @@ class RoarGraphIndex(Index):
         "coarse_bf16": Param(1, 0, 1, help="1: the exact lists rank the best M_sq + 32 keys of a bfloat16 product in float32 (where the CPU multiplies bf16 natively; ~1.6x faster); 0: faiss's float32 kNN"),
         "enhance_L": Param(0, 0, 4096, help="beam width of the connectivity-enhancement search (0 = skip it)"),
         "M_link": Param(8, 1, 512, help="links per key from the enhancement search / out-edges of a stranded key"),
-        "n_hubs": Param(32, 1, 4096, help="entry hubs: top key of each k-means centroid of the training queries (all counted)"),
+        "n_hubs": Param(32, 1, 4096, help="entry hubs: top key of each k-means centroid of the training queries, and of their mean (all counted)"),
         "recent_entries": Param(0, 0, 4096, help="the newest keys (highest ids) also used as entry points (counted)"),
         "recent_frac": Param(0.0, 0.0, 1.0, help="newest fraction of training queries given recent_weight"),
         "recent_weight": Param(1.0, 0.0, 1000.0, help="weight of those queries in the co-occurrence merge (0 drops them)"),

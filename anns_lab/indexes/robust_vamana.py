@@ -14,7 +14,7 @@ Build, on keys K (n, d) and training queries Q:
    only and the query vectors are dropped.
 
 Search: beam search of width max(L, k) from the entry points (the key of largest inner
-product with the mean training query, plus ``n_hubs - 1`` hubs as in ``roargraph``); every
+product with the mean training query, plus the top keys of ``n_hubs`` centroids when ``n_hubs`` > 1, as in ``roargraph``); every
 inner product is counted (entries included); ``bytes_read`` as ``vamana``'s (keys scanned, adjacency rows of the
 expanded nodes, the entry list). ``add`` inserts new keys with one Vamana pass
 over them (queries are no longer part of the graph). After build and add, any key not reachable

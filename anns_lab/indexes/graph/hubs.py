@@ -14,8 +14,8 @@ KMEANS_POINTS = 64  # training points per hub centroid (faiss subsamples): 256 t
 
 
 def query_hubs(keys: np.ndarray, queries: np.ndarray, n_hubs: int, seed: int) -> np.ndarray:
-    """Up to ``n_hubs`` distinct keys: the top-1 key of each k-means centroid of ``queries`` (plus the
-    key of largest inner product with the mean query, always first)."""
+    """Up to ``n_hubs`` + 1 distinct keys (one for ``n_hubs`` 1): the key of largest inner product with the mean query,
+    always first, and the top-1 key of each of ``n_hubs`` k-means centroids of ``queries``."""
     keys = np.ascontiguousarray(keys, np.float32)
     mean = np.ascontiguousarray(queries.mean(axis=0, dtype=np.float32)[None])
     if n_hubs <= 1 or len(queries) < 2:
