@@ -336,6 +336,25 @@ def test_bad_weight_files_are_one_error(tiny_llama, tmp_path):
         assert not (tmp_path / f"d-{name}").exists()
 
 
+
+def test_a_model_that_caps_its_attention_logits_is_refused(tmp_path):
+    """Gemma-2 caps its attention logits (tanh): a dump taken as if softmax(scaling * q.k) were its attention would
+    be another model's attention, and so would every metric and decode on it."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    cfg = Gemma2Config(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16, max_position_embeddings=256, sliding_window=8)
+    folder = tmp_path / "tiny-gemma2"
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    with pytest.raises(ModelNotAvailable, match="attn_logit_softcapping=50.0.*not supported"):
+        small_dump(folder, tmp_path / "d")
+    assert not (tmp_path / "d").exists()
+    cfg.attn_logit_softcapping = None  # then still no SDPA attention in transformers: said so, not "weights missing"
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "uncapped")
+    with pytest.raises(ModelNotAvailable, match="SDPA interface, so this architecture is not supported") as err:
+        small_dump(tmp_path / "uncapped", tmp_path / "d")
+    assert "not on this machine" not in str(err.value)
+
 def test_cli_reports_errors_in_one_line(tmp_path):
     r = CliRunner().invoke(main, ["dump", "--model", "gemma-270m", "--out", str(tmp_path / "d")])
     assert r.exit_code == 2

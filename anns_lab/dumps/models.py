@@ -266,6 +266,17 @@ def check_device(device: str) -> None:
         raise ModelNotAvailable(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
+def check_attention(name: str, config) -> None:
+    """Refuse a model whose attention is not softmax(scaling · q·k) over its keys: one that caps its attention logits
+    (Gemma-2's ``attn_logit_softcapping``) would be dumped, evaluated and decoded as if it did not, every weight and
+    output of the lab's attention then another than the model's."""
+    cap = getattr(config.get_text_config(), "attn_logit_softcapping", None)
+    if cap is not None:
+        raise ModelNotAvailable(f"model {name!r} caps its attention logits (attn_logit_softcapping={cap}): the lab's "
+                                "dumps, metrics and retrieval attention compute softmax(scaling * q.k) without a cap, so "
+                                "they would not be this model's attention; such models are not supported")
+
+
 def load_model(name: str, device: str = "cpu", allow_download: bool = False,
                rope_scaling: RopeScaling | None = None) -> LoadedModel:
     """Load ``name`` (alias, local folder, .gguf file or HF id) as float32, offline unless ``allow_download``;
@@ -285,6 +296,7 @@ def load_model(name: str, device: str = "cpu", allow_download: bool = False,
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=local_only)
         config = AutoConfig.from_pretrained(where, local_files_only=local_only)
+        check_attention(name, config)
         if rope_scaling is not None:
             rope_scaling.apply(config)
         # A tensor missing from the files or of another shape would be initialised at random with only a warning:
@@ -296,6 +308,10 @@ def load_model(name: str, device: str = "cpu", allow_download: bool = False,
         raise ModelNotAvailable(f"weights of model {name!r} ({where}) cannot be read: a weight file is corrupt or "
                                 f"truncated ({str(err).splitlines()[0]}); copy or download them again") from None
     except (OSError, ValueError) as err:
+        if "scaled_dot_product_attention" in str(err):  # transformers has no SDPA attention for this architecture
+            raise ModelNotAvailable(f"model {name!r} ({where}): {str(err).splitlines()[0].split('. Please')[0]}; the lab "
+                                    "reads and replaces attention through transformers' SDPA interface, so this "
+                                    "architecture is not supported") from None
         spec = MODELS.get(name)
         hf = spec.hf_id if spec else where
         raise ModelNotAvailable(
