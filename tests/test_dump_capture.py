@@ -77,6 +77,20 @@ def test_tiny_mistral_sliding_window_on_every_layer(tmp_path):
     check_against_model(str(model), tmp_path, [0, 1, 2, 3], tokens=40, chunk=12, decode=3)
 
 
+
+def test_a_model_whose_every_layer_slides_has_no_long_range_layer_and_decode_says_so(tmp_path):
+    from click.testing import CliRunner
+    from conftest import make_tiny_model
+
+    from anns_lab.cli import main
+    from anns_lab.dumps.models import load_model
+
+    model = make_tiny_model(tmp_path / "mistral", "mistral")
+    assert load_model(str(model)).long_range_layers == []  # every layer attends within its window of 8
+    r = CliRunner().invoke(main, ["decode", "--model", str(model), "--prompt", "one two three", "--mode", "full,flat",
+                                  "--max-new-tokens", "2"])
+    assert r.exit_code != 0 and "no full-attention layer" in r.output and "Traceback" not in r.output
+
 def test_gqa_map_follows_model_grouping(tiny_llama, tmp_path):
     dump = run_dump(str(tiny_llama), tokens=20, decode_tokens=0, layers="1", out=tmp_path / "d", progress=False).dump
     assert [dump.kv_head_of(h) for h in range(dump.n_heads)] == [0, 0, 1, 1]

@@ -144,6 +144,10 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
         mode_list, lines = _with_sweep_pick(mode_list, from_sweep, lm, target_recall, settings)
         pick = {"path": str(from_sweep), "target_recall": target_recall, "pick": lines}
     _check_train_positions(lm, mode_list, settings)
+    if not lm.long_range_layers and any(m.kind != "full" for m in mode_list):
+        raise DecodeError(f"{lm.name} has no full-attention layer (each attends within a sliding window of "
+                          f"{getattr(lm.config, 'sliding_window', None)} tokens): retrieval attention has no layer to "
+                          "serve; only --mode full runs on it")
 
     def progress(line: str) -> None:
         click.echo(line, err=True)
