@@ -90,6 +90,13 @@ def test_a_model_whose_every_layer_slides_has_no_long_range_layer_and_decode_say
     r = CliRunner().invoke(main, ["decode", "--model", str(model), "--prompt", "one two three", "--mode", "full,flat",
                                   "--max-new-tokens", "2"])
     assert r.exit_code != 0 and "no full-attention layer" in r.output and "Traceback" not in r.output
+    import json
+    import shutil
+
+    wide = shutil.copytree(model, tmp_path / "wide")  # a window as long as the trained context never binds
+    cfg = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps(cfg | {"sliding_window": cfg["max_position_embeddings"]}))
+    assert load_model(str(wide)).long_range_layers == [0, 1, 2, 3]
 
 def test_gqa_map_follows_model_grouping(tiny_llama, tmp_path):
     dump = run_dump(str(tiny_llama), tokens=20, decode_tokens=0, layers="1", out=tmp_path / "d", progress=False).dump

@@ -328,8 +328,10 @@ def load_model(name: str, device: str = "cpu", allow_download: bool = False,
     cfg = model.config.get_text_config()
     n_layers = cfg.num_hidden_layers
     types = getattr(cfg, "layer_types", None)
-    # Without layer_types a config's sliding_window holds for every layer (Mistral, Phi-3, Starcoder2): none is long-range.
-    every_slides = types is None and getattr(cfg, "sliding_window", None) is not None
+    # Without layer_types a config's sliding_window holds for every layer (Mistral, Phi-3, Starcoder2): none is
+    # long-range, unless the window is as long as the trained context (Phi-3-128k's), where it never binds.
+    window = getattr(cfg, "sliding_window", None)
+    every_slides = types is None and window is not None and window < int(getattr(cfg, "max_position_embeddings", 0) or 0)
     long_range = [i for i in range(n_layers) if (types[i] == "full_attention" if types is not None else not every_slides)]
     context = int(getattr(cfg, "max_position_embeddings", 0) or 0)
     return LoadedModel(canon, str(where), model, tokenizer, context, long_range, rope_scaling)
