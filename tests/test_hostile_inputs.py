@@ -240,6 +240,21 @@ def test_garbage_progress_file_is_refused_then_discarded_with_overwrite(tiny_lla
     assert open_dump(out).manifest["n_tokens"] == {"prefill": 24, "decode": 1}
 
 
+@pytest.mark.parametrize("progress", [{"done": {"tokens.parquet": 3}}, {"done": {}, "token_ids": "1 2 3"},
+                                      {"done": {}, "token_ids": [1, "2"]}, {"done": {}, "scaling": {"0": "x"}}, []])
+def test_a_progress_file_of_other_shapes_is_refused_as_corrupt(tiny_llama, tmp_path, progress):
+    # Valid JSON of other shapes, with this command's settings, was resumed from: a raw TypeError, or a manifest
+    # refused at the end.
+    args = ["dump", "--model", tiny_llama, "--tokens", 24, "--decode-tokens", 1, "--layers", 0]
+    assert CliRunner().invoke(main, [str(a) for a in args + ["--out", tmp_path / "ok"]]).exit_code == 0
+    settings = open_dump(tmp_path / "ok").manifest["settings"]
+    out = tmp_path / "d"
+    (out / run_mod.STAGING).mkdir(parents=True)
+    state = progress | {"settings": settings} if isinstance(progress, dict) else progress
+    (out / run_mod.STAGING / run_mod.PROGRESS).write_text(json.dumps(state))
+    one_line_error(args + ["--out", out], "is corrupt; pass --overwrite")
+
+
 def test_report_on_a_file_that_is_not_a_results_table(tmp_path):
     f = tmp_path / "random.parquet"
     f.write_bytes(np.random.default_rng(1).bytes(1000))

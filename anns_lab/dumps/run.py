@@ -145,6 +145,17 @@ def _settings_diff(a: dict, b: dict) -> str:
     return ", ".join(f"{k}: {a.get(k)!r} there vs {b.get(k)!r} now" for k in keys if a.get(k) != b.get(k))
 
 
+def _progress_ok(progress) -> bool:
+    """Whether a progress file read as JSON has the shapes a resume reads (JSON of other shapes is as corrupt as none:
+    read on, it ended in a raw TypeError or a manifest refused later)."""
+    if not isinstance(progress, dict) or not isinstance(progress.get("done"), dict):
+        return False
+    ids, scaling = progress.get("token_ids"), progress.get("scaling", {})
+    return (all(isinstance(rec, dict) for rec in progress["done"].values())
+            and (ids is None or (isinstance(ids, list) and all(type(i) is int for i in ids)))
+            and isinstance(scaling, dict) and all(isinstance(v, (int, float)) for v in scaling.values()))
+
+
 def _prepare_folder(out: Path, settings: dict, overwrite: bool) -> dict | None:
     """Decide what to do with ``out``: None when the dump is already complete, else the progress to resume."""
     progress_path = out / STAGING / PROGRESS
@@ -165,7 +176,7 @@ def _prepare_folder(out: Path, settings: dict, overwrite: bool) -> dict | None:
     elif progress_path.is_file():
         try:
             progress = json.loads(progress_path.read_text())
-            assert isinstance(progress, dict) and isinstance(progress.get("done"), dict)
+            assert _progress_ok(progress)
         except (OSError, ValueError, AssertionError):
             if not overwrite:
                 raise DumpError(f"{progress_path} is corrupt; pass --overwrite to discard the unfinished dump") from None
