@@ -176,8 +176,9 @@ def _prepare_folder(out: Path, settings: dict, overwrite: bool) -> dict | None:
     elif progress_path.is_file():
         try:
             progress = json.loads(progress_path.read_text())
-            assert _progress_ok(progress)
-        except (OSError, ValueError, AssertionError):
+            if not _progress_ok(progress):  # not an assert: `python -O` would resume from it
+                raise ValueError("not a progress record")
+        except (OSError, ValueError):
             if not overwrite:
                 raise DumpError(f"{progress_path} is corrupt; pass --overwrite to discard the unfinished dump") from None
             progress = {}

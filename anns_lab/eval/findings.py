@@ -44,7 +44,7 @@ def label_builds(table: pd.DataFrame) -> pd.DataFrame:
     grouped by the plain name, each head would take the best of the builds, a per-head choice no one build makes."""
     from anns_lab.indexes import registry
 
-    classes = registry.available()
+    installed = registry.available()
     names = table["index"].copy()
     for name, g in table.groupby("index"):
         builds = g["build_params"].unique()
@@ -52,7 +52,7 @@ def label_builds(table: pd.DataFrame) -> pd.DataFrame:
             continue
         parsed = {b: json.loads(b) for b in builds}
         differ = sorted({k for b in parsed.values() for k in b if len({json.dumps(p.get(k)) for p in parsed.values()}) > 1})
-        defaults = json.dumps(classes[name]().params, sort_keys=True) if name in classes else None
+        defaults = json.dumps(registry.create(name).params, sort_keys=True) if name in installed else None
         for b, params in parsed.items():
             if b != defaults:
                 names[(table["index"] == name) & (table["build_params"] == b)] = \
