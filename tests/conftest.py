@@ -32,8 +32,8 @@ def _tiny_tokenizer(folder: Path) -> None:
 
 
 def make_tiny_model(folder: Path, arch: str, seed: int = 0) -> Path:
-    """A randomly initialised Llama (GQA 4 q / 2 kv), Mistral (sliding window everywhere) or Gemma-3 (sliding +
-    global layers) saved to ``folder``."""
+    """A randomly initialised Llama (GQA 4 q / 2 kv), Mistral (sliding window everywhere), Llama-4 (chunked + global
+    layers) or Gemma-3 (sliding + global layers) saved to ``folder``."""
     import torch
     from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
 
@@ -42,6 +42,10 @@ def make_tiny_model(folder: Path, arch: str, seed: int = 0) -> Path:
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
     if arch == "llama":
         cfg = LlamaConfig(**common, rope_theta=10000.0)
+    elif arch == "llama4":  # chunked attention on three layers of four (layer_types), no RoPE on the fourth
+        from transformers import Llama4TextConfig
+
+        cfg = Llama4TextConfig(**common, attention_chunk_size=8, num_local_experts=2, intermediate_size_mlp=128)
     elif arch == "mistral":  # a sliding window on every layer, without layer_types
         from transformers import MistralConfig
 

@@ -78,6 +78,19 @@ def test_tiny_mistral_sliding_window_on_every_layer(tmp_path):
 
 
 
+def test_chunked_attention_layers_are_refused_and_the_full_ones_dump(tmp_path):
+    from conftest import make_tiny_model
+
+    from anns_lab.dumps.run import run_dump
+    from anns_lab.errors import DumpError
+
+    model = make_tiny_model(tmp_path / "llama4", "llama4")  # chunked, chunked, chunked, full (without RoPE)
+    with pytest.raises(DumpError, match=r"layers 0\.\.2 of .* chunked_attention.*--layers default: 3"):
+        run_dump(str(model), tokens=30, decode_tokens=0, layers="all", out=tmp_path / "all", progress=False)
+    assert not (tmp_path / "all").exists()
+    check_against_model(str(model), tmp_path, [3], tokens=40, chunk=12, decode=3)
+
+
 def test_a_model_whose_every_layer_slides_has_no_long_range_layer_and_decode_says_so(tmp_path):
     from click.testing import CliRunner
     from conftest import make_tiny_model

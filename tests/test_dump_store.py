@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -109,6 +110,69 @@ def test_interrupted_dump_resumes_without_redoing_finished_layers(tiny_llama, tm
         np.testing.assert_array_equal(d.keys(layer, 1), reference.keys(layer, 1))
         np.testing.assert_array_equal(d.queries(layer, 2, "all"), reference.queries(layer, 2, "all"))
     assert d.tokens().tolist() == reference.tokens().tolist()
+
+
+def _interrupt_after_two_layers(model_dir, out, monkeypatch):
+    real = store.write_table
+    calls = {"n": 0}
+
+    def crash_on_fourth(path, table):
+        calls["n"] += 1
+        if calls["n"] == 4:  # tokens, layer 0, layer 1 written; interrupted at layer 2
+            raise KeyboardInterrupt
+        return real(path, table)
+
+    monkeypatch.setattr(store, "write_table", crash_on_fourth)
+    with pytest.raises(KeyboardInterrupt):
+        small_dump(model_dir, out)
+    monkeypatch.setattr(store, "write_table", real)
+
+
+def test_resume_with_other_weights_at_the_same_path_is_refused(tmp_path, monkeypatch):
+    from conftest import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "model", "llama", seed=0)
+    _interrupt_after_two_layers(model_dir, tmp_path / "d", monkeypatch)
+    make_tiny_model(model_dir, "llama", seed=1)  # another checkpoint of the same shapes where the first one was
+    kept = sorted(p.name for p in (tmp_path / "d").glob("layer_*.parquet"))
+    with pytest.raises(DumpError, match="other weights"):
+        small_dump(model_dir, tmp_path / "d")
+    # Nothing finished is lost, and the first checkpoint back in place resumes the dump.
+    assert sorted(p.name for p in (tmp_path / "d").glob("layer_*.parquet")) == kept
+    make_tiny_model(model_dir, "llama", seed=0)
+    res = small_dump(model_dir, tmp_path / "d")
+    assert res.resumed_layers == 2
+    reference = small_dump(model_dir, tmp_path / "ref").dump
+    assert res.dump.manifest["model"]["weights_fingerprint"] == reference.manifest["model"]["weights_fingerprint"]
+    np.testing.assert_array_equal(res.dump.keys(3, 1), reference.keys(3, 1))
+
+
+def test_resume_on_another_device_is_refused(tiny_llama, tmp_path, monkeypatch):
+    _interrupt_after_two_layers(tiny_llama, tmp_path / "d", monkeypatch)
+    progress_path = tmp_path / "d" / run_mod.STAGING / run_mod.PROGRESS
+    state = json.loads(progress_path.read_text())
+    assert state["provenance"]["device"] == "cpu"
+    state["provenance"]["device"] = "cuda"  # as a run begun on a GPU leaves it
+    atomic_write_json(progress_path, state)
+    with pytest.raises(DumpError, match="--device cuda"):
+        small_dump(tiny_llama, tmp_path / "d")
+
+
+def test_weights_fingerprint_tells_checkpoints_apart(tmp_path):
+    from conftest import make_tiny_model
+
+    from anns_lab.dumps.models import load_model, weights_fingerprint
+
+    a = load_model(str(make_tiny_model(tmp_path / "a", "llama", seed=0))).model
+    assert weights_fingerprint(a) == weights_fingerprint(load_model(str(tmp_path / "a")).model)
+    b = load_model(str(make_tiny_model(tmp_path / "b", "llama", seed=1))).model
+    assert weights_fingerprint(a) != weights_fingerprint(b)
+    # One tensor scaled a little, as a fine-tune moves weights everywhere it trains them.
+    import torch
+
+    with torch.no_grad():
+        a.model.layers[2].mlp.down_proj.weight.mul_(1.001)
+    assert weights_fingerprint(a) != weights_fingerprint(load_model(str(tmp_path / "a")).model)
 
 
 def test_resume_stops_the_forward_pass_at_the_deepest_missing_layer(tiny_llama, tmp_path, monkeypatch):

@@ -143,6 +143,25 @@ def test_local_worker_killed_mid_sweep_is_retried_and_the_table_is_complete(tiny
     assert not list((tmp_path / "res" / "parts").glob("failed-*.json"))
 
 
+def test_local_worker_that_dies_while_idle_is_replaced(tiny_dump, local_table, tmp_path, monkeypatch):
+    from anns_lab.eval.executors import local
+
+    real, killed = local.LocalExecutor._drain, []
+
+    def drain_then_kill_the_idle_worker(self, slot, attempts, on_outcome):
+        alive = real(self, slot, attempts, on_outcome)
+        if alive and slot.unit is None and not killed:  # between two units, as the OOM killer may pick it
+            os.kill(slot.proc.pid, signal.SIGKILL)
+            slot.proc.join(timeout=30)
+            killed.append(slot.proc.pid)
+        return alive
+
+    monkeypatch.setattr(local.LocalExecutor, "_drain", drain_then_kill_the_idle_worker)
+    res = sweep(tiny_dump, tmp_path / "res", jobs=1)
+    assert killed and not res.failures
+    pd.testing.assert_frame_equal(res.table[SAME].reset_index(drop=True), local_table[SAME].reset_index(drop=True))
+
+
 @pytest.mark.parametrize("executor", ["local", "ray"])
 def test_ctrl_c_stops_within_seconds_and_keeps_finished_parts(tiny_dump, tmp_path, executor, request):
     pids = tmp_path / "pids"

@@ -153,7 +153,8 @@ def _progress_ok(progress) -> bool:
     ids, scaling = progress.get("token_ids"), progress.get("scaling", {})
     return (all(isinstance(rec, dict) for rec in progress["done"].values())
             and (ids is None or (isinstance(ids, list) and all(type(i) is int for i in ids)))
-            and isinstance(scaling, dict) and all(isinstance(v, (int, float)) for v in scaling.values()))
+            and isinstance(scaling, dict) and all(isinstance(v, (int, float)) for v in scaling.values())
+            and isinstance(progress.get("provenance", {}), dict))
 
 
 def _prepare_folder(out: Path, settings: dict, overwrite: bool) -> dict | None:
@@ -262,17 +263,19 @@ def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation,
     from tqdm.auto import tqdm
 
     from anns_lab.dumps.capture import StopForward, capturing
-    from anns_lab.dumps.models import forward_tokens, load_model
+    from anns_lab.dumps.models import forward_tokens, load_model, weights_fingerprint
     from anns_lab.dumps.prompts import build_prompt
 
     staging = out / STAGING
     lm = load_model(model_name, device=device, allow_download=allow_download, rope_scaling=rope_scaling)
     cfg = lm.config
+    _check_provenance(out, state, {"weights": weights_fingerprint(lm.model), "device": torch.device(device).type})
     t_loaded = time.perf_counter()
     layers = parse_layers(settings["layers"], cfg.num_hidden_layers, lm.long_range_layers)
     if not layers:  # `default` on a model whose every layer slides: a dump of no layers is no dump
         raise DumpError(f"--layers {settings['layers']} selects {lm.name}'s full-attention layers, and it has "
                         "no full-attention layers; name the layers to capture (e.g. --layers all)")
+    _check_layer_types(lm, layers)
     prompt = build_prompt(settings["source"], lm.tokenizer, settings["tokens"], settings["seed"], prompt_path)
     n_prefill, n_decode = len(prompt.ids), settings["decode_tokens"]
     _check_fits(lm, n_prefill, n_decode, settings["chunk"], allow_extrapolation)
@@ -342,6 +345,35 @@ def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation,
     return DumpResult(store.open_dump(out), time.perf_counter() - t_start, resumed_layers=kept)
 
 
+def _check_layer_types(lm, layers: list[int]) -> None:
+    """Refuse layers whose attention is neither full nor a sliding window (Llama-4's ``chunked_attention``: each query
+    sees only its own chunk): the manifest, the sweep's ground truth and the decoder know those two kinds only, so
+    such a layer would be read as attending to every key before it."""
+    types = getattr(lm.config, "layer_types", None) or []
+    other = [(i, types[i]) for i in layers if i < len(types) and types[i] not in ("full_attention", "sliding_attention")]
+    if other:
+        kinds = ", ".join(sorted({t for _, t in other}))
+        raise DumpError(f"layers {compact_layers([i for i, _ in other])} of {lm.name} use {kinds}, which the lab does "
+                        "not model (it knows full and sliding-window attention); dump the full-attention layers "
+                        f"(--layers default: {compact_layers(lm.long_range_layers) or 'none'}) or name others")
+
+
+def _check_provenance(out: Path, state: dict, now: dict[str, str]) -> None:
+    """Refuse to resume an unfinished dump with other weights (the same path or model name holding another checkpoint)
+    or on another kind of device than its finished layers came from: the dump would mix two models' or two numerics'
+    Q/K/V without a trace. A first run, or a resume of a dump begun before these were recorded, records them."""
+    before = state.get("provenance", {})
+    if state["done"] and before.get("weights") not in (None, now["weights"]):
+        raise DumpError(f"{out} holds an unfinished dump captured from other weights than those of this model now "
+                        f"(weights fingerprint {before['weights']} there vs {now['weights']} now): the files at its "
+                        "path changed; restore them, or pass --overwrite to start the dump again")
+    if state["done"] and before.get("device") not in (None, now["device"]):
+        raise DumpError(f"{out} holds an unfinished dump captured on {before['device']}; resume it with --device "
+                        f"{before['device']} (finishing it on {now['device']} would mix two devices' numerics), "
+                        "or pass --overwrite to start again")
+    state["provenance"] = now
+
+
 def _check_fits(lm, n_prefill: int, n_decode: int, chunk: int, allow_extrapolation: bool) -> None:
     """Refuse a prompt beyond the model's context (unless extrapolation is allowed) or a prefill that would not fit in memory."""
     from anns_lab.dumps.memory import check_prefill
@@ -386,6 +418,7 @@ def _manifest(settings, lm, prompt, layers, n_prefill, n_decode, n_heads, n_kv, 
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "settings": settings,
         "model": {"name": lm.name, "source": lm.source, "architecture": type(lm.model).__name__,
+                  "weights_fingerprint": state["provenance"]["weights"], "device": state["provenance"]["device"],
                   "context": lm.context, "long_range_layers": lm.long_range_layers,
                   "rope_scaling": settings.get("rope_scaling"), "config": json.loads(cfg.to_json_string(use_diff=False))},
         "tokenizer": {"class": type(tok).__name__, "vocab_size": len(tok), "bos_token_id": tok.bos_token_id,

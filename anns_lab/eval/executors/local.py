@@ -3,7 +3,7 @@
 Not a ``ProcessPoolExecutor``: when one of its workers dies the whole pool breaks and no error names
 the part. Here each worker tells the driver which index it starts, so a worker that dies (``os.abort``,
 a segfault, the OOM killer, ``kill -9``) fails exactly that part; the driver starts a new worker and
-retries the part while its attempts last. Workers ignore SIGINT: on Ctrl-C the driver stops them
+retries the part while its attempts last; one that dies between two heads is replaced without a trace. Workers ignore SIGINT: on Ctrl-C the driver stops them
 (SIGTERM, then SIGKILL) and returns at once instead of waiting for queued heads.
 """
 
@@ -69,11 +69,10 @@ class LocalExecutor:
         slots: list[_Slot] = []
         try:
             while queue or any(s.unit for s in slots):
-                for slot in slots:
-                    if slot.unit is None and queue:
-                        slot.unit = queue.popleft()
-                        slot.remaining = list(slot.unit[2])
-                        slot.conn.send(slot.unit)
+                for slot in list(slots):
+                    if slot.unit is None and queue and not self._give(slot, queue):
+                        slots.remove(slot)  # it died idle (the OOM killer, kill -9): nothing of a unit was lost
+                        self._stop(slot)
                 while queue and len(slots) < self.jobs:
                     slots.append(self._start(ctx, work, queue.popleft()))
                 busy = [s for s in slots if s.unit]
@@ -104,6 +103,18 @@ class LocalExecutor:
         slot = _Slot(proc, parent, unit, None, list(unit[2]))
         parent.send(unit)
         return slot
+
+    @staticmethod
+    def _give(slot: _Slot, queue: deque) -> bool:
+        """Send an idle worker the next unit; False (the unit back at the queue's head) when its pipe is broken."""
+        unit = queue.popleft()
+        try:
+            slot.conn.send(unit)
+        except OSError:
+            queue.appendleft(unit)
+            return False
+        slot.unit, slot.remaining = unit, list(unit[2])
+        return True
 
     def _drain(self, slot: _Slot, attempts: Counter, on_outcome: OnOutcome) -> bool:
         """Handle every message the worker sent; False when it has died."""
