@@ -173,6 +173,12 @@ def test_weights_fingerprint_tells_checkpoints_apart(tmp_path):
     with torch.no_grad():
         a.model.layers[2].mlp.down_proj.weight.mul_(1.001)
     assert weights_fingerprint(a) != weights_fingerprint(load_model(str(tmp_path / "a")).model)
+    # A tensor past float32's integer precision (SmolLM2's embedding has 28M values) is sampled up to its last value.
+    big = torch.nn.Embedding(1 << 22, 7)
+    before = weights_fingerprint(big)
+    with torch.no_grad():
+        big.weight[-1, -1] += 1.0
+    assert weights_fingerprint(big) != before
 
 
 def test_resume_stops_the_forward_pass_at_the_deepest_missing_layer(tiny_llama, tmp_path, monkeypatch):

@@ -349,7 +349,8 @@ def weights_fingerprint(model, samples: int = 64) -> str:
     with torch.no_grad():
         for name, t in sorted(model.state_dict().items()):
             flat = t.detach().reshape(-1)
-            picks = torch.linspace(0, max(flat.numel() - 1, 0), min(samples, flat.numel()), device=flat.device).long()
+            k = min(samples, flat.numel())  # integer spacing: float32 linspace rounds past the end of a 28M-value tensor
+            picks = torch.arange(k, device=flat.device) * max(flat.numel() - 1, 0) // max(k - 1, 1)
             h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
             h.update(flat[picks].to("cpu", torch.float64).numpy().tobytes())
     return h.hexdigest()
