@@ -81,37 +81,6 @@ def test_unfinished_dump_is_refused_for_reading(tiny_llama, tmp_path, monkeypatc
     assert not list((tmp_path / "d").glob(".*.tmp")), "a half-written file was left behind"
 
 
-def test_interrupted_dump_resumes_without_redoing_finished_layers(tiny_llama, tmp_path, monkeypatch):
-    reference = small_dump(tiny_llama, tmp_path / "ref").dump
-    real = store.write_table
-    calls = {"n": 0}
-
-    def crash_on_fourth(path, table):
-        calls["n"] += 1
-        if calls["n"] == 4:  # tokens, layer 0, layer 1 written; interrupted at layer 2
-            raise KeyboardInterrupt
-        return real(path, table)
-
-    monkeypatch.setattr(store, "write_table", crash_on_fourth)
-    with pytest.raises(KeyboardInterrupt):
-        small_dump(tiny_llama, tmp_path / "d")
-    kept = {n: os.stat(tmp_path / "d" / n).st_mtime_ns for n in ("layer_000.parquet", "layer_001.parquet")}
-    monkeypatch.setattr(store, "write_table", real)
-
-    written = []
-    monkeypatch.setattr(store, "write_table", lambda p, t: written.append(p.name) or real(p, t))
-    res = small_dump(tiny_llama, tmp_path / "d")
-    assert sorted(written) == ["layer_002.parquet", "layer_003.parquet"]
-    assert res.resumed_layers == 2
-    for n, mtime in kept.items():
-        assert os.stat(tmp_path / "d" / n).st_mtime_ns == mtime
-    d = res.dump
-    for layer in reference.layers:
-        np.testing.assert_array_equal(d.keys(layer, 1), reference.keys(layer, 1))
-        np.testing.assert_array_equal(d.queries(layer, 2, "all"), reference.queries(layer, 2, "all"))
-    assert d.tokens().tolist() == reference.tokens().tolist()
-
-
 def _interrupt_after_two_layers(model_dir, out, monkeypatch):
     real = store.write_table
     calls = {"n": 0}
@@ -126,6 +95,25 @@ def _interrupt_after_two_layers(model_dir, out, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         small_dump(model_dir, out)
     monkeypatch.setattr(store, "write_table", real)
+
+
+def test_interrupted_dump_resumes_without_redoing_finished_layers(tiny_llama, tmp_path, monkeypatch):
+    reference = small_dump(tiny_llama, tmp_path / "ref").dump
+    _interrupt_after_two_layers(tiny_llama, tmp_path / "d", monkeypatch)
+    kept = {n: os.stat(tmp_path / "d" / n).st_mtime_ns for n in ("layer_000.parquet", "layer_001.parquet")}
+    real = store.write_table
+    written = []
+    monkeypatch.setattr(store, "write_table", lambda p, t: written.append(p.name) or real(p, t))
+    res = small_dump(tiny_llama, tmp_path / "d")
+    assert sorted(written) == ["layer_002.parquet", "layer_003.parquet"]
+    assert res.resumed_layers == 2
+    for n, mtime in kept.items():
+        assert os.stat(tmp_path / "d" / n).st_mtime_ns == mtime
+    d = res.dump
+    for layer in reference.layers:
+        np.testing.assert_array_equal(d.keys(layer, 1), reference.keys(layer, 1))
+        np.testing.assert_array_equal(d.queries(layer, 2, "all"), reference.queries(layer, 2, "all"))
+    assert d.tokens().tolist() == reference.tokens().tolist()
 
 
 def test_resume_with_other_weights_at_the_same_path_is_refused(tmp_path, monkeypatch):
