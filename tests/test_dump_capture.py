@@ -157,3 +157,26 @@ def test_default_layers_of_a_model_without_global_layers_is_one_error(tiny_gemma
     assert not (tmp_path / "d").exists()
     assert run_dump(str(model), tokens=20, decode_tokens=1, layers="all", out=tmp_path / "d",
                     progress=False).dump.layers == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("extra, what", [({"s_aux": torch.zeros(4)}, "attention-sink logits"),
+                                         ({"softcap": 30.0}, "soft-capping")])
+def test_attention_terms_the_lab_does_not_model_are_refused_in_capture_and_decode(extra, what):
+    from types import SimpleNamespace
+
+    from anns_lab.decode.attention import Retrieval
+    from anns_lab.dumps.capture import _capture_attention
+    from anns_lab.errors import DecodeError, DumpError
+    from anns_lab.window import Window
+
+    module = SimpleNamespace(layer_idx=1, scaling=0.25)
+    q = k = v = torch.zeros(1, 4, 3, 16)
+    # Without the term both pass the call on to SDPA (the shapes are a plain attention call's).
+    assert _capture_attention(module, q, k, v, None, scaling=0.25)[0].shape == (1, 3, 4, 16)
+    with pytest.raises(DumpError, match=what):
+        _capture_attention(module, q, k, v, None, scaling=0.25, **extra)
+    retrieval = Retrieval([1], "full", Window(4, 16), capture_queries=False)
+    for phase in ("prefill", "decode"):
+        retrieval.phase = phase
+        with pytest.raises(DecodeError, match=what):
+            retrieval.attend(module, q[:, :, :1], k, v, None, scaling=0.25, **extra)

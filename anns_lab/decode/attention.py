@@ -36,6 +36,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from anns_lab.decode.copy_hints import CopyHints
 from anns_lab.decode.kernels import attend_window, merge
 from anns_lab.decode.placement import LayerStore
+from anns_lab.dumps.capture import unmodelled
 from anns_lab.errors import DecodeError
 from anns_lab.indexes.threads import one_thread
 from anns_lab.window import Window
@@ -89,6 +90,9 @@ class Retrieval:
 
     def attend(self, module, query, key, value, attention_mask, **kwargs):
         layer = module.layer_idx
+        if (extra := unmodelled(kwargs)) is not None:
+            raise DecodeError(f"layer {layer}: the model's attention adds {extra}, which retrieval decoding does not "
+                              "model; such models are not supported")
         inner = ALL_ATTENTION_FUNCTIONS[self.inner]
         if layer not in self.long_range:
             return inner(module, query, key, value, attention_mask, **kwargs)
@@ -101,8 +105,6 @@ class Retrieval:
             return inner(module, query, key, value, attention_mask, **kwargs)
         if query.shape[0] != 1 or query.shape[2] != 1:
             raise DecodeError("retrieval decoding runs batch 1, one token per step")
-        if kwargs.get("softcap") is not None:
-            raise DecodeError("attention logit soft-capping is not supported by retrieval decoding")
         if self.mode == "full":
             sync(query.device)
             t0 = time.perf_counter()

@@ -34,7 +34,21 @@ class StopForward(Exception):
 _ACTIVE: ContextVar[tuple[Sink, str, int | None] | None] = ContextVar("anns_lab_capture", default=None)
 
 
+def unmodelled(kwargs: dict) -> str | None:
+    """What an attention call's arguments add to softmax(scaling · q·k) that the lab's dumps, metrics and retrieval
+    would drop: learned sink logits (``s_aux``, GPT-OSS-like models; transformers' SDPA ignores them too, which is
+    why such models are refused at load) or a logit cap (``softcap``); None when there is nothing."""
+    if kwargs.get("s_aux") is not None:
+        return "learned attention-sink logits (s_aux)"
+    if kwargs.get("softcap") is not None:
+        return f"attention logit soft-capping (softcap={kwargs['softcap']})"
+    return None
+
+
 def _capture_attention(module, query, key, value, attention_mask, **kwargs):
+    if (extra := unmodelled(kwargs)) is not None:
+        raise DumpError(f"layer {module.layer_idx}: the model's attention adds {extra}, which a dump cannot record; "
+                        "such models are not supported")
     active = _ACTIVE.get()
     inner_name = active[1] if active else "sdpa"
     if active is not None:
