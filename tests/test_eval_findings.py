@@ -94,6 +94,11 @@ def test_central_result_agrees_disagrees_or_is_not_measured():
     f = F.aware_vs_key_only(*run({("ivf", "q2k"): 0.2, ("hnsw", "q2k"): 0.3}))
     assert f.verdict == F.NOT_MEASURED and "no attention-aware index" in f.text
     assert "20.0%" not in f.text  # IVF is never set against the attention-aware figure
+    # Neither reaching the target is no evidence either way (it read "disagrees").
+    f = F.aware_vs_key_only(*run({("roargraph", "q2k"): None, ("ivf", "q2k"): None}))
+    assert f.verdict == F.NOT_MEASURED and "Neither" in f.text and "roargraph" in f.text and "ivf" in f.text
+    f = F.aware_vs_key_only(*run({("roargraph", "q2k"): None, ("ivf", "q2k"): 0.2}))
+    assert f.verdict == F.DISAGREES
 
 
 def test_attention_aware_q2k_against_one_to_three_percent():

@@ -241,6 +241,11 @@ def aware_vs_key_only(par: pd.DataFrame, kinds: dict[str, str]) -> Finding:
         missing = "attention-aware index (such as roargraph)" if aware is None else "index built from keys alone"
         return Finding(topic, NOT_MEASURED, f"This sweep has no {missing}, so the paper's comparison ({ref}) is not "
                        "measured.")
+    if not (np.isfinite(aware.fraction) or np.isfinite(key_only.fraction)):
+        return Finding(topic, NOT_MEASURED, f"Neither the best attention-aware index, {aware.index} ({aware.text}), nor "
+                       f"the best key-only one, {key_only.index} ({key_only.text}), reaches recall {TARGET} on Q→K on "
+                       f"most heads within this sweep's search grid, so the paper's comparison ({ref}) is not measured "
+                       "here.")
     if np.isfinite(aware.fraction) and np.isfinite(key_only.fraction):
         better = aware.fraction < key_only.fraction
         gap = f" ({key_only.fraction / aware.fraction:.1f}× fewer keys)" if better and aware.fraction > 0 else ""
