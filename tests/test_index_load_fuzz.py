@@ -97,3 +97,41 @@ def test_a_hostile_edit_with_its_checksum_redone_is_refused_by_every_index(name,
                 continue
             loaded.append(f"{array}: {what}")
     assert not loaded, f"{name} loaded hostile edits: {loaded}"
+
+
+def _resave(folder: Path, name: str, a: np.ndarray) -> None:
+    """Write array ``name`` into a saved index with its checksum redone (a hostile, consistent edit)."""
+    np.save(folder / f"{name}.npy", a, allow_pickle=False)
+    meta = json.loads((folder / "index.json").read_text())
+    meta["sha256"][name] = hashlib.sha256((folder / f"{name}.npy").read_bytes()).hexdigest()
+    (folder / "index.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("layer", ["layer 0", "upper layers"])
+def test_hnswlib_degrees_past_the_row_width_are_refused(layer, tmp_path):
+    """hnswlib's loader does not check a node's link count (the low 16 bits of its list's first word) against the
+    list's width: the counted descent walks ``up_nbrs[r, level, :up_deg]`` unchecked (numba), so a count past M read
+    beyond the array and crashed the process (a segfault) at the first search; past M0 on layer 0, stale slots became
+    edges. Such a payload is refused at load."""
+    from anns_lab.errors import IndexConfigError
+    from anns_lab.indexes.hnsw import HNSWIndex
+
+    keys = np.random.default_rng(0).standard_normal((300, 16)).astype(np.float32)
+    index = HNSWIndex(M=8, ef_construction=32).build(keys)
+    index.save(tmp_path)
+    st = index.hnswlib_index.__getstate__()[0]
+    blob = np.load(tmp_path / "hnswlib_index.npy")
+    n, per_node, per_level = len(keys), st["size_data_per_element"], st["size_links_per_element"]
+    levels = np.asarray(st["element_levels"])[:n]
+    at = len(blob) - n * per_node - int((4 + per_level * levels).sum())  # hnswlib's header, then layer 0's records
+    if layer == "layer 0":
+        blob[at:at + 2] = 0xFF  # node 0's count: 65535
+    else:  # after layer 0: each node's uint32 byte count, then one row per level above 0 (count word first)
+        at += n * per_node
+        for level in levels:
+            if level:
+                blob[at + 4:at + 6] = 0xFF
+            at += 4 + per_level * level
+    _resave(tmp_path, "hnswlib_index", blob)
+    with pytest.raises(IndexConfigError, match="hnswlib_index"):
+        HNSWIndex.load(tmp_path)
