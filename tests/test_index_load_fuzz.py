@@ -135,3 +135,26 @@ def test_hnswlib_degrees_past_the_row_width_are_refused(layer, tmp_path):
     _resave(tmp_path, "hnswlib_index", blob)
     with pytest.raises(IndexConfigError, match="hnswlib_index"):
         HNSWIndex.load(tmp_path)
+
+
+@pytest.mark.parametrize("edit", ["an id past the keys", "an id twice", "centroids more than lists"])
+def test_a_faiss_ivf_payload_that_is_not_this_index_is_refused(edit, tmp_path):
+    """faiss's reader checks its format, not what the lab's search trusts: the lists' ids are returned as key ids
+    (one past the keys loaded and came back from search), and the quantizer's centroid numbers index the list sizes
+    (a centroid more loaded, then the search ended in a raw IndexError)."""
+    import faiss
+
+    from anns_lab.errors import IndexConfigError
+    from anns_lab.indexes.ivf import IVFIndex
+
+    keys = np.random.default_rng(0).standard_normal((300, 16)).astype(np.float32)
+    IVFIndex(nlist=4).build(keys).save(tmp_path)
+    index = faiss.deserialize_index(np.load(tmp_path / "faiss_index.npy"))
+    if edit == "centroids more than lists":
+        index.quantizer.add(keys[:3] * 10)
+    else:
+        ids = faiss.rev_swig_ptr(index.invlists.get_ids(0), index.invlists.list_size(0))
+        ids[0] = 10**6 if edit == "an id past the keys" else ids[1]
+    _resave(tmp_path, "faiss_index", faiss.serialize_index(index))
+    with pytest.raises(IndexConfigError, match="faiss_index"):
+        IVFIndex.load(tmp_path)
