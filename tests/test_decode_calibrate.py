@@ -400,3 +400,23 @@ def test_calibration_reaches_the_most_thorough_value_of_every_heads_grid():
     assert _reference_recall(store, newest, "nprobe", 32) < 1.0  # the first head's top would not do
     assert calibrate.store_grid(store.indexes) == ("nprobe", [1, 2, 4, 8, 16, 32, 64])
     assert calibrate.store_grid([wide, registry.get("flat")()]) is None  # flat has no grid parameter
+
+
+@pytest.mark.parametrize("bad_id", [-7, 10**6])
+def test_calibration_refuses_a_search_that_breaks_the_index_protocol(monkeypatch, bad_id):
+    """Calibration searches every probed grid value before the decode's first step checks the protocol: a plugin's
+    id below -1 counted as padding (its recall silently picked the value), one past the keys ended in a raw IndexError.
+    Either is that index's IndexResultError, naming it and the rule."""
+    from anns_lab.errors import IndexResultError
+    from anns_lab.indexes.ivf import IVFIndex
+
+    class BadIds(IVFIndex):
+        def _search(self, queries, k, nprobe):
+            ids, scores, scanned, n_bytes = super()._search(queries, k, nprobe)
+            ids[:, 0] = bad_id
+            return ids, scores, scanned, n_bytes
+
+    monkeypatch.setattr("anns_lab.decode.placement.registry.get", lambda name: BadIds)
+    store, queries = _store("ivf", {"nlist": 16})  # the plan's name, ivf, names the index
+    with pytest.raises(IndexResultError, match=r"ivf \(layer 5\) at \{'nprobe': \d+\}.*ids outside"):
+        calibrate.calibrate(store, queries, 0.9, SCALING)

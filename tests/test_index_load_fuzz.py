@@ -6,11 +6,14 @@ Every case runs in a subprocess per index, so a crash is a failing test that nam
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 WORKER = Path(__file__).with_name("load_fuzz_worker.py")
@@ -28,3 +31,130 @@ def test_every_edit_of_a_saved_index_is_refused_or_loads_correctly(name, tmp_pat
     assert not wrong, wrong
     assert len(done) == 36 and sum(x["outcome"].startswith("refused") for x in done) >= 18  # the edits bite
     assert all("cannot load" in x["outcome"] for x in done if x["outcome"].startswith("refused:"))  # names the folder
+
+
+# Small builds of every index that saves (plugins included: anns-lab loads their saves as it loads its own).
+SMALL = {"vamana": {"R": 8, "L": 16}, "robust-vamana": {"R": 8, "L": 16, "n_queries": 50},
+         "roargraph": {"M": 6, "R": 12, "keep_queries": 20, "n_hubs": 4}, "hnsw": {"M": 8, "ef_construction": 32},
+         "ivf": {"nlist": 4}, "simhash": {"K": 4, "L": 8}, "magicpig": {"K": 4, "L": 8}, "retroinfer": {"nlist": 16},
+         "pqcache": {"M": 2, "nbits": 4}, "clusterkv": {"nlist": 8, "niter": 5},
+         "squeezed": {"nlist": 16, "n_coarse": 4, "niter": 5}}
+
+
+def _saving_indexes() -> list[str]:
+    from anns_lab.indexes import Index, registry
+
+    return sorted(n for n, c in registry.available().items() if c._arrays is not Index._arrays)
+
+
+def _hostile_edits(a: np.ndarray, name: str, n_keys: int) -> list[tuple[str, np.ndarray]]:
+    """Edits of one saved array that no correct save holds: NaN or float64 in a float array, keys with a row more or
+    fewer than index.json's n_keys, an integer (id, count, size) far past the keys."""
+    if a.dtype == np.uint8:  # a library's payload: its own format
+        return []
+    if a.dtype.kind == "f" and a.size:
+        nan = a.copy()
+        nan.flat[0] = np.nan
+        edits = [("NaN", nan), ("float64", a.astype(np.float64))]
+        if name == "keys":
+            edits += [("a row more", np.concatenate([a, a[:1]])), ("a row fewer", a[:-1])]
+        return edits
+    if a.dtype.kind == "i" and a.size:
+        far = a.copy()
+        far.flat[0] = n_keys + 7
+        return [(f"{n_keys + 7}", far)]
+    return []
+
+
+@pytest.mark.parametrize("name", _saving_indexes())
+def test_a_hostile_edit_with_its_checksum_redone_is_refused_by_every_index(name, tmp_path):
+    """The checksums catch corruption, not an edit that rewrites them: each index's ``_restore`` must check every
+    array (``persist.expect``/``expect_ids``), or a NaN, a float64 array, keys of another count than index.json says
+    or an id past the keys loads and reaches the search (numba and faiss read out of bounds, results go wrong)."""
+    from anns_lab.errors import IndexConfigError
+    from anns_lab.indexes import registry
+
+    rng = np.random.default_rng(0)
+    keys, train = (rng.standard_normal((n, 16)).astype(np.float32) for n in (300, 100))
+    cls = registry.get(name)
+    cls(**SMALL.get(name, {})).build(keys, train).save(tmp_path / "saved")
+    meta = json.loads((tmp_path / "saved" / "index.json").read_text())
+    more = np.concatenate([keys, keys[:1] + 1])  # a library's payload (faiss, hnswlib) of a build on one key more
+    cls(**SMALL.get(name, {})).build(more, train).save(tmp_path / "more")
+    loaded = []
+    for array in meta["arrays"]:
+        a = np.load(tmp_path / "saved" / f"{array}.npy")
+        other = [("a build on other keys", np.load(tmp_path / "more" / f"{array}.npy"))] if a.dtype == np.uint8 else []
+        for what, bad in _hostile_edits(a, array, len(keys)) + other:
+            folder = tmp_path / f"{array}-{what}"
+            shutil.copytree(tmp_path / "saved", folder)
+            np.save(folder / f"{array}.npy", bad, allow_pickle=False)
+            sums = {**meta["sha256"], array: hashlib.sha256((folder / f"{array}.npy").read_bytes()).hexdigest()}
+            (folder / "index.json").write_text(json.dumps({**meta, "sha256": sums}))
+            try:
+                cls.load(folder)
+            except IndexConfigError:
+                continue
+            loaded.append(f"{array}: {what}")
+    assert not loaded, f"{name} loaded hostile edits: {loaded}"
+
+
+def _resave(folder: Path, name: str, a: np.ndarray) -> None:
+    """Write array ``name`` into a saved index with its checksum redone (a hostile, consistent edit)."""
+    np.save(folder / f"{name}.npy", a, allow_pickle=False)
+    meta = json.loads((folder / "index.json").read_text())
+    meta["sha256"][name] = hashlib.sha256((folder / f"{name}.npy").read_bytes()).hexdigest()
+    (folder / "index.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("layer", ["layer 0", "upper layers"])
+def test_hnswlib_degrees_past_the_row_width_are_refused(layer, tmp_path):
+    """hnswlib's loader does not check a node's link count (the low 16 bits of its list's first word) against the
+    list's width: the counted descent walks ``up_nbrs[r, level, :up_deg]`` unchecked (numba), so a count past M read
+    beyond the array and crashed the process (a segfault) at the first search; past M0 on layer 0, stale slots became
+    edges. Such a payload is refused at load."""
+    from anns_lab.errors import IndexConfigError
+    from anns_lab.indexes.hnsw import HNSWIndex
+
+    keys = np.random.default_rng(0).standard_normal((300, 16)).astype(np.float32)
+    index = HNSWIndex(M=8, ef_construction=32).build(keys)
+    index.save(tmp_path)
+    st = index.hnswlib_index.__getstate__()[0]
+    blob = np.load(tmp_path / "hnswlib_index.npy")
+    n, per_node, per_level = len(keys), st["size_data_per_element"], st["size_links_per_element"]
+    levels = np.asarray(st["element_levels"])[:n]
+    at = len(blob) - n * per_node - int((4 + per_level * levels).sum())  # hnswlib's header, then layer 0's records
+    if layer == "layer 0":
+        blob[at:at + 2] = 0xFF  # node 0's count: 65535
+    else:  # after layer 0: each node's uint32 byte count, then one row per level above 0 (count word first)
+        at += n * per_node
+        for level in levels:
+            if level:
+                blob[at + 4:at + 6] = 0xFF
+            at += 4 + per_level * level
+    _resave(tmp_path, "hnswlib_index", blob)
+    with pytest.raises(IndexConfigError, match="hnswlib_index"):
+        HNSWIndex.load(tmp_path)
+
+
+@pytest.mark.parametrize("edit", ["an id past the keys", "an id twice", "centroids more than lists"])
+def test_a_faiss_ivf_payload_that_is_not_this_index_is_refused(edit, tmp_path):
+    """faiss's reader checks its format, not what the lab's search trusts: the lists' ids are returned as key ids
+    (one past the keys loaded and came back from search), and the quantizer's centroid numbers index the list sizes
+    (a centroid more loaded, then the search ended in a raw IndexError)."""
+    import faiss
+
+    from anns_lab.errors import IndexConfigError
+    from anns_lab.indexes.ivf import IVFIndex
+
+    keys = np.random.default_rng(0).standard_normal((300, 16)).astype(np.float32)
+    IVFIndex(nlist=4).build(keys).save(tmp_path)
+    index = faiss.deserialize_index(np.load(tmp_path / "faiss_index.npy"))
+    if edit == "centroids more than lists":
+        index.quantizer.add(keys[:3] * 10)
+    else:
+        ids = faiss.rev_swig_ptr(index.invlists.get_ids(0), index.invlists.list_size(0))
+        ids[0] = 10**6 if edit == "an id past the keys" else ids[1]
+    _resave(tmp_path, "faiss_index", faiss.serialize_index(index))
+    with pytest.raises(IndexConfigError, match="faiss_index"):
+        IVFIndex.load(tmp_path)

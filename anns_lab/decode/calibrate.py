@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from anns_lab.eval.metrics import softmax_weights, topk_weight, weight_recall_at_k
+from anns_lab.indexes import protocol
 
 QUERIES = 64  # newest prefill queries per head: ~6,400 (query, key) pairs per head at top-100
 AUTO = "auto"  # the decoder's default target, and a bare ``--calibrate``'s: :func:`auto_target` of the layer's keys
@@ -137,7 +138,7 @@ def calibrate(store, queries: np.ndarray, target: float | str, scaling: float) -
     def recall(i: int) -> float:
         if values[i] not in tried:
             search = {**store.plan.search_params, param: values[i]}
-            got = [weight_recall_at_k(store.indexes[hs[0]].search(q, k, **search).ids, w, k, b)
+            got = [weight_recall_at_k(_checked(store, hs[0], q, k, search).ids, w, k, b)
                    for hs, q, w, b in zip(groups, heads, weights, best)]
             tried[values[i]] = float(np.concatenate(got).mean())
             heads_of = [h for hs in groups for h in hs]  # a group's queries are its heads' in turn, c rows each
@@ -151,6 +152,17 @@ def calibrate(store, queries: np.ndarray, target: float | str, scaling: float) -
     store.plan = replace(store.plan, search_params={**store.plan.search_params, param: values[pick]})
     return Calibration(store.layer, param, values[pick], tried[values[pick]], dict(sorted(tried.items())),
                        per_head[values[pick]], target)
+
+
+def _checked(store, head: int, queries: np.ndarray, k: int, search: dict):
+    """Query head ``head``'s index searched with ``search``, its result held to the index protocol's id and count rules
+    (as the decoder's steps hold theirs): the recall read from it picks the value, and an id past the keys would index
+    the weights."""
+    index = store.indexes[head]
+    res = index.search(queries, k, **search)
+    protocol.check_result(f"{store.plan.name} (layer {store.layer}) at {search}", res, len(queries), k, store.n_indexed,
+                          index.max_scanned(), check_scores=False)
+    return res
 
 
 def _scores(queries: np.ndarray, keys: np.ndarray) -> np.ndarray:

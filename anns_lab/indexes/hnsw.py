@@ -183,6 +183,9 @@ class HNSWIndex(Index):
         p.set_num_threads(1)
         self._set(p, keys)
         g, n = self.graph, len(keys)
+        # hnswlib's loader leaves each list's count (16 bits) unchecked; the numba descent reads up to it unchecked
+        for name, deg, width in (("layer 0", g.degree, g.nbrs.shape[1]), ("upper layers", g.up_deg, g.up_nbrs.shape[2])):
+            expect_ids(f"hnswlib_index ({name} degrees)", deg, 0, width + 1)
         for name, ids in (("layer 0", g.nbrs), ("upper layers", g.up_nbrs)):
             expect_ids(f"hnswlib_index ({name})", ids[ids >= 0], 0, n)
         expect_ids("hnswlib_index (entry point)", np.array([g.entry]), 0, n)

@@ -97,4 +97,18 @@ class IVFIndex(Index):
         if (not isinstance(index, faiss.IndexIVFFlat) or index.metric_type != faiss.METRIC_INNER_PRODUCT
                 or index.d != self.dim or index.ntotal != self.n_keys):
             raise IndexConfigError(f"array 'faiss_index' is not an inner-product IVF-Flat of {self.n_keys} keys × {self.dim}")
+        # faiss's reader checks its format only: the search indexes the list sizes by centroid number and returns
+        # the lists' ids as key ids, so the centroids must be one per list and the ids every key once (add order).
+        if index.quantizer.ntotal != index.nlist or index.quantizer.d != self.dim:
+            raise IndexConfigError(f"array 'faiss_index' has {index.quantizer.ntotal} centroids for {index.nlist} lists")
+        if not np.array_equal(np.sort(_list_ids(index)), np.arange(self.n_keys)):
+            raise IndexConfigError(f"array 'faiss_index' lists ids that are not each of its {self.n_keys} keys once")
         self._set(index)
+
+
+def _list_ids(index: faiss.IndexIVFFlat) -> np.ndarray:
+    """Every id held in ``index``'s inverted lists, list after list."""
+    invlists = index.invlists
+    sizes = [invlists.list_size(i) for i in range(index.nlist)]
+    return np.concatenate([np.zeros(0, np.int64)] + [faiss.rev_swig_ptr(invlists.get_ids(i), size).copy()
+                                                     for i, size in enumerate(sizes) if size])

@@ -24,6 +24,7 @@ import numpy as np
 
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes import Index, Param
+from anns_lab.indexes.persist import expect, expect_ids
 
 BUDGETS = (128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768)
 
@@ -114,9 +115,10 @@ class _Clustered(Index):
         return {"keys": self._keys, "centroids": self._centroids, "assign": self._assign}
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
-        self._keys = np.ascontiguousarray(arrays["keys"], dtype=np.float32)
-        self._centroids = np.ascontiguousarray(arrays["centroids"], dtype=np.float32)
-        self._group(arrays["assign"])
+        # From a file: checked as build makes them (an empty centroid list is refused by the assignment's range).
+        self._keys = expect(arrays, "keys", np.float32, (self.n_keys, self.dim), finite=True)
+        self._centroids = expect(arrays, "centroids", np.float32, (None, self.dim), finite=True)
+        self._group(expect_ids("assign", expect(arrays, "assign", np.int64, (self.n_keys,)), 0, len(self._centroids)))
 
 
 class ClusterKV(_Clustered):
@@ -183,5 +185,6 @@ class SqueezedHierarchical(_Clustered):
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
         super()._restore(arrays)
-        self._coarse = np.ascontiguousarray(arrays["coarse"], dtype=np.float32)
-        self._group_coarse(arrays["coarse_assign"])
+        self._coarse = expect(arrays, "coarse", np.float32, (None, self.dim), finite=True)
+        coarse_assign = expect(arrays, "coarse_assign", np.int64, (len(self._centroids),))
+        self._group_coarse(expect_ids("coarse_assign", coarse_assign, 0, len(self._coarse)))

@@ -21,6 +21,7 @@ import numpy as np
 
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes import Index, Param
+from anns_lab.indexes.persist import expect
 
 POOLS = (100, 150, 200, 300, 400, 600, 800, 1200, 1600, 2400, 3200, 4800, 6400, 9600, 12800, 19200, 25600)
 
@@ -81,5 +82,11 @@ class PQCacheIndex(Index):
         return {"faiss_index": faiss.serialize_index(self._pq), "keys": self._keys}
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
-        self._pq = faiss.deserialize_index(arrays["faiss_index"])
-        self._keys = np.ascontiguousarray(arrays["keys"], dtype=np.float32)
+        pq = faiss.deserialize_index(expect(arrays, "faiss_index", np.uint8, (None,)))  # RuntimeError: load says so
+        # Its ADC search returns code rows as key ids and n_scanned charges 2^nbits codewords: both must be this index's
+        if (not isinstance(pq, faiss.IndexPQ) or pq.metric_type != faiss.METRIC_INNER_PRODUCT or pq.d != self.dim
+                or pq.ntotal != self.n_keys or pq.pq.M != self.params["M"] or pq.pq.nbits != self.params["nbits"]):
+            raise IndexConfigError(f"array 'faiss_index' is not an inner-product PQ{self.params['M']}x"
+                                   f"{self.params['nbits']} of {self.n_keys} keys × {self.dim}")
+        self._pq = pq
+        self._keys = expect(arrays, "keys", np.float32, (self.n_keys, self.dim), finite=True)

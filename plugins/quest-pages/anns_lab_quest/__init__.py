@@ -19,6 +19,7 @@ import math
 import numpy as np
 
 from anns_lab.indexes import Index, Param
+from anns_lab.indexes.persist import expect
 
 BUDGETS = (128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768)
 
@@ -91,4 +92,4 @@ class QuestPages(Index):
         return {"keys": self._keys}
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
-        self._build(np.ascontiguousarray(arrays["keys"], dtype=np.float32), None)
+        self._build(expect(arrays, "keys", np.float32, (self.n_keys, self.dim), finite=True), None)  # from a file

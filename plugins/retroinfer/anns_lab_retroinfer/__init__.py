@@ -23,6 +23,7 @@ import numpy as np
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes import Index, Param
 from anns_lab.indexes.estimate import Estimate, Summaries
+from anns_lab.indexes.persist import expect, expect_ids
 
 
 class RetroInfer(Index):
@@ -106,4 +107,6 @@ class RetroInfer(Index):
         return {"keys": self._keys, "assign": self._assign}
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
-        self._set(arrays["keys"], arrays["assign"])
+        # From a file: checked as build makes them (finite float32 keys, one cluster id in [0, n) per key).
+        keys = expect(arrays, "keys", np.float32, (self.n_keys, self.dim), finite=True)
+        self._set(keys, expect_ids("assign", expect(arrays, "assign", np.int64, (self.n_keys,)), 0, self.n_keys))

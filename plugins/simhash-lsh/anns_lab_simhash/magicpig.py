@@ -29,6 +29,7 @@ from scipy.stats import binom
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes import Param
 from anns_lab.indexes.estimate import Estimate
+from anns_lab.indexes.persist import expect
 
 from anns_lab_simhash import SimHashLSH
 
@@ -70,7 +71,8 @@ class MagicPIG(SimHashLSH):
         return {**super()._arrays(), "mean": self._mean}
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
-        self._planes, self._keys, self._mean = arrays["planes"], arrays["keys"], arrays["mean"]
+        super()._restore(arrays)  # planes and keys checked there: a saved index is a file people exchange
+        self._mean = expect(arrays, "mean", np.float32, (self.dim,), finite=True)
         self._codes = self._hash(self._keys - self._mean)
         self._norms = np.linalg.norm((self._keys - self._mean).astype(np.float64), axis=1)
 
