@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from anns_lab.errors import IndexConfigError
+from anns_lab.errors import IndexConfigError, IndexResultError
 from anns_lab.indexes.estimate import Estimate, Summaries
 from anns_lab.indexes.key_store import KeyRows, KeyStore
 from anns_lab.indexes.persist import load_index, save_index
@@ -257,8 +257,10 @@ class Index:
         full = self._search_params_for(params)
         out = self._search(q, int(k), **full)
         ids, scores, n_scanned = out[:3]
+        bytes_read = out[3] if len(out) > 3 and out[3] is not None else None
+        self._check_integral(ids=ids, n_scanned=n_scanned, bytes_read=bytes_read)
         n_scanned = np.ascontiguousarray(n_scanned, dtype=np.int64)
-        bytes_read = out[3] if len(out) > 3 and out[3] is not None else n_scanned * self.key_bytes()
+        bytes_read = n_scanned * self.key_bytes() if bytes_read is None else bytes_read
         estimate = out[4] if len(out) > 4 else None
         return SearchResult(
             np.ascontiguousarray(ids, dtype=np.int64),
@@ -267,6 +269,16 @@ class Index:
             np.ascontiguousarray(bytes_read, dtype=np.int64),
             estimate,
         )
+
+    def _check_integral(self, **arrays: Any) -> None:
+        """Refuse ids and counts that are not integers before they are cast to int64: the cast would quietly truncate
+        a float id (2.7 → key 2) or count, and turn a NaN or an unsigned 2**64 - 1 into another number."""
+        for name, a in arrays.items():
+            if a is not None and np.asarray(a).dtype.kind not in "iu":
+                raise IndexResultError(f"{self._owner()} broke the index protocol: {name} must be integers, got "
+                                       f"dtype {np.asarray(a).dtype}")
+            if a is not None and np.asarray(a).dtype == np.uint64 and np.asarray(a).size and np.asarray(a).max() > 2**63 - 1:
+                raise IndexResultError(f"{self._owner()} broke the index protocol: {name} holds values past int64")
 
     def key_bytes(self) -> int:
         """Bytes of one stored key (float32): what the default ``bytes_read`` charges per vector scanned."""
