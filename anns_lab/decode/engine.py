@@ -265,9 +265,13 @@ def summarize(run: ModeRun) -> dict:
 
 
 def check_window(settings: Settings, n_prompt: int, modes: list[Mode], max_new: int) -> None:
-    """Refuse a window that covers the whole prompt, or a top-k of 0 / more than the CPU side will ever hold."""
+    """Refuse an empty prompt, a window that covers the whole prompt, or a top-k of 0 / more than the CPU side will
+    ever hold."""
     w = settings.window
     require_ring(w)
+    if n_prompt < 1:  # every mode, full too: the prefill of no token has no logits to decode from
+        raise DecodeError(f"a prompt of {n_prompt} tokens: nothing to prefill; give a non-empty --prompt or a --context "
+                          "of at least 1")
     if not any(m.kind != "full" for m in modes):
         return
     if w.size >= n_prompt:
