@@ -127,6 +127,15 @@ def test_bad_input_is_one_clear_error(tiny_llama, args, needle):
     assert needle in _error(_run(*flat))
 
 
+@pytest.mark.parametrize("args", [["--prompt", ""], ["--eval", "fidelity", "--context", 0, "--positions", 2],
+                                  ["--eval", "fidelity", "--context", -3, "--positions", 5]])
+def test_an_empty_prompt_is_one_clear_error(tiny_llama, args):
+    """A prompt of no tokens (an empty --prompt, a fidelity --context below 1) with --mode full alone, where no window
+    check refuses it: one error, not a TypeError from the prefill's missing logits."""
+    assert "nothing to prefill" in _error(_run("--model", tiny_llama, "--mode", "full", "--max-new-tokens", 2,
+                                               "--free-tokens", 2, *args))
+
+
 @pytest.mark.parametrize("group, hints, place", [(None, None, None), ("strided", 0, "own"), ("unlisted", None, None)])
 def test_train_group_is_recorded_in_the_json(tiny_llama, tmp_path, group, hints, place):
     """--train-group, --train-positions and --copy-hints reach the decode (one graph per KV head: the run's answer is

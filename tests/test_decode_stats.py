@@ -56,3 +56,22 @@ def test_a_modes_notes_over_samples_keep_each_samples_own_labelled():
     assert merged == [common, "sample 1: calibrated L: 5: L=500 (0.95)", "sample 2: calibrated L: 5: L=200 (0.96)"]
     assert runner.merged_notes([[common, "x"], [common, "x"]]) == [common, "x"]
     assert runner.merged_notes([["x"]]) == ["x"] and runner.merged_notes([]) == []
+
+
+def test_pooled_per_token_times_leave_out_every_samples_first_step():
+    """Each sample's run decodes from indexes of its own: its first step is its first search on them (and, in a fresh
+    Ray worker, the kernels' compile), timed apart as ``first_step_s``. Pooled over samples, the per-token means leave
+    out every run's first step, as a single run's summary does, not only the first sample's."""
+    from anns_lab.decode.attention import StepTimes
+    from anns_lab.decode.engine import ModeRun
+
+    def run(first: float) -> ModeRun:
+        steps = [StepTimes(retrieval=first)] + [StepTimes(retrieval=0.001) for _ in range(3)]
+        return ModeRun("flat", [], [], 0.0, 0.0, steps, [first + 0.01] + [0.011] * 3)
+
+    pooled = runner._pool([run(2.0), run(3.0), run(4.0)])
+    assert pooled["retrieval_ms"] == pytest.approx(1.0) and pooled["token_ms"] == pytest.approx(11.0)
+    assert pooled["steps"] == 9 and pooled["warmup_steps_excluded"] == 3
+    assert pooled["first_step_s"] == pytest.approx(3.01)
+    single = runner._pool([run(2.0)])  # one sample: as summarize leaves it
+    assert single["token_ms"] == pytest.approx(11.0) and single["warmup_steps_excluded"] == 1

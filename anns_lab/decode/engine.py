@@ -225,10 +225,17 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
     return run
 
 
-def summarize(run: ModeRun) -> dict:
-    """Per generated token means (ms) of retrieval, CPU attention, accelerator attention, merge, other; tokens/s."""
-    # The first decode step also compiles each index's search kernel (numba): left out when there are others.
-    skip = 1 if len(run.step_s) >= 3 else 0
+def warmup_steps(run: ModeRun) -> int:
+    """Leading decode steps of ``run`` its per-token means leave out: the first (it also compiles each index's search
+    kernel, numba, and is the first search on the run's new indexes) where there are at least three."""
+    return 1 if len(run.step_s) >= 3 else 0
+
+
+def summarize(run: ModeRun, skip: int | None = None) -> dict:
+    """Per generated token means (ms) of retrieval, CPU attention, accelerator attention, merge, other; tokens/s.
+    ``skip``: leading steps left out of the means (default :func:`warmup_steps`; runner._pool passes 0 for the steps
+    of several runs, each already without its own)."""
+    skip = warmup_steps(run) if skip is None else skip
     first_step = run.step_s[0] if run.step_s else None  # the first token to use the index (kept in time to first token)
     cpu = {"cpu_bytes_per_key": run.cpu_bytes / run.cpu_keys} if run.cpu_keys else {}
     run = ModeRun(run.mode, run.tokens, [], run.build_s, run.decode_s, run.steps[skip:], run.step_s[skip:],
@@ -265,9 +272,13 @@ def summarize(run: ModeRun) -> dict:
 
 
 def check_window(settings: Settings, n_prompt: int, modes: list[Mode], max_new: int) -> None:
-    """Refuse a window that covers the whole prompt, or a top-k of 0 / more than the CPU side will ever hold."""
+    """Refuse an empty prompt, a window that covers the whole prompt, or a top-k of 0 / more than the CPU side will
+    ever hold."""
     w = settings.window
     require_ring(w)
+    if n_prompt < 1:  # every mode, full too: the prefill of no token has no logits to decode from
+        raise DecodeError(f"a prompt of {n_prompt} tokens: nothing to prefill; give a non-empty --prompt or a --context "
+                          "of at least 1")
     if not any(m.kind != "full" for m in modes):
         return
     if w.size >= n_prompt:

@@ -15,7 +15,8 @@ import torch
 
 from anns_lab.errors import DecodeError
 from anns_lab.decode import stats
-from anns_lab.decode.engine import Mode, ModeRun, Settings, check_window, kept_queries, prefill, run_mode, summarize
+from anns_lab.decode.engine import (Mode, ModeRun, Settings, check_window, kept_queries, prefill, run_mode, summarize,
+                                    warmup_steps)
 from anns_lab.dumps import tasks
 from anns_lab.dumps.models import extrapolation_note
 
@@ -47,16 +48,22 @@ def stop_ids(lm) -> set[int]:
 
 
 def _pool(runs: list[ModeRun]) -> dict:
-    """Per-token timings over several runs of one mode (all their steps together); prefill and first-step
-    latency averaged."""
+    """Per-token timings over several runs of one mode (all their steps together, less each run's warm-up step: every
+    run searches indexes of its own, first in its first step, which is timed apart as ``first_step_s``); prefill and
+    first-step latency averaged."""
+    skips = [warmup_steps(r) for r in runs]
     merged = ModeRun(runs[0].mode, [], [], sum(r.build_s for r in runs) / len(runs), sum(r.decode_s for r in runs),
-                     [s for r in runs for s in r.steps], [s for r in runs for s in r.step_s],
+                     [s for r, k in zip(runs, skips) for s in r.steps[k:]],
+                     [s for r, k in zip(runs, skips) for s in r.step_s[k:]],
                      device_kv_bytes=max(r.device_kv_bytes for r in runs),
                      build_hidden_s=sum(r.build_hidden_s for r in runs) / len(runs),
                      cpu_bytes=sum(r.cpu_bytes for r in runs), cpu_keys=sum(r.cpu_keys for r in runs))
     firsts = [r.step_s[0] for r in runs if r.step_s]
-    return summarize(merged) | {"first_step_s": float(np.mean(firsts)) if firsts else None,
-                                "prefill_s": float(np.mean([r.prefill_s for r in runs]))}
+    pooled = summarize(merged, skip=0)
+    if pooled["steps"]:
+        pooled["warmup_steps_excluded"] = sum(skips)
+    return pooled | {"first_step_s": float(np.mean(firsts)) if firsts else None,
+                     "prefill_s": float(np.mean([r.prefill_s for r in runs]))}
 
 
 def time_to_first_token(modes: dict) -> None:
