@@ -524,3 +524,15 @@ def test_ray_decode_bad_input(tiny_llama, tmp_path):
     assert r.exit_code == 2 and "cannot reach a Ray cluster" in r.output
     r = CliRunner().invoke(main, base + ["--eval", "fidelity"])
     assert r.exit_code == 2 and "--eval fidelity is one prefill" in r.output
+
+
+@pytest.mark.parametrize("cpus", [0.0, -1.0, float("nan"), float("inf")])
+def test_ray_cpus_per_task_must_be_a_positive_number_before_any_cluster_is_touched(cpus):
+    from anns_lab.decode.ray_samples import RaySamples
+    from anns_lab.errors import AnnsLabError
+    from anns_lab.eval.executors.ray_executor import RayExecutor
+
+    with pytest.raises(AnnsLabError, match="--cpus-per-task must be a positive number"):
+        RayExecutor(None, 1, cpus)
+    with pytest.raises(AnnsLabError, match="--cpus-per-task must be a positive number"):
+        RaySamples(None, "smollm2", cpus)
