@@ -158,3 +158,22 @@ def test_a_faiss_ivf_payload_that_is_not_this_index_is_refused(edit, tmp_path):
     _resave(tmp_path, "faiss_index", faiss.serialize_index(index))
     with pytest.raises(IndexConfigError, match="faiss_index"):
         IVFIndex.load(tmp_path)
+
+
+def test_a_plugins_init_refusing_the_saved_parameters_is_one_load_error(tmp_path):
+    from anns_lab.errors import IndexConfigError
+    from anns_lab.indexes.flat import FlatIndex
+    from anns_lab.indexes.persist import load_index, save_index
+
+    class Picky(FlatIndex):  # a plugin that checks its parameters in its own __init__, with its own exception
+        def __init__(self, **params):
+            if params.get("strict"):
+                raise ValueError("strict mode needs a licence file")
+            super().__init__()
+
+    index = Picky().build(np.random.default_rng(0).standard_normal((20, 4)).astype(np.float32))
+    save_index(index, tmp_path / "i")
+    meta = json.loads((tmp_path / "i" / "index.json").read_text())
+    (tmp_path / "i" / "index.json").write_text(json.dumps(meta | {"params": {"strict": True}}))
+    with pytest.raises(IndexConfigError, match="saved parameters do not make an index.*ValueError: strict mode"):
+        load_index(Picky, tmp_path / "i")
