@@ -36,7 +36,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from anns_lab.decode.copy_hints import CopyHints
 from anns_lab.decode.kernels import attend_window, merge
 from anns_lab.decode.placement import LayerStore
-from anns_lab.dumps.capture import unmodelled
+from anns_lab.dumps.models import unmodelled
 from anns_lab.errors import DecodeError
 from anns_lab.indexes.threads import one_thread
 from anns_lab.window import Window

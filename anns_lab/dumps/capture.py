@@ -16,6 +16,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from anns_lab.dumps.models import unmodelled
 from anns_lab.errors import DumpError
 
 CAPTURE_IMPL = "anns_capture"
@@ -32,17 +33,6 @@ class StopForward(Exception):
 
 
 _ACTIVE: ContextVar[tuple[Sink, str, int | None] | None] = ContextVar("anns_lab_capture", default=None)
-
-
-def unmodelled(kwargs: dict) -> str | None:
-    """What an attention call's arguments add to softmax(scaling · q·k) that the lab's dumps, metrics and retrieval
-    would drop: learned sink logits (``s_aux``, GPT-OSS-like models; transformers' SDPA ignores them too, which is
-    why such models are refused at load) or a logit cap (``softcap``); None when there is nothing."""
-    if kwargs.get("s_aux") is not None:
-        return "learned attention-sink logits (s_aux)"
-    if kwargs.get("softcap") is not None:
-        return f"attention logit soft-capping (softcap={kwargs['softcap']})"
-    return None
 
 
 def _capture_attention(module, query, key, value, attention_mask, **kwargs):

@@ -277,6 +277,17 @@ def check_attention(name: str, config) -> None:
                                 "they would not be this model's attention; such models are not supported")
 
 
+def unmodelled(kwargs: dict) -> str | None:
+    """What an attention call's arguments add to softmax(scaling · q·k) that the lab's dumps, metrics and retrieval
+    would drop: learned sink logits (``s_aux``, GPT-OSS-like models; transformers' SDPA ignores them too, which is
+    why such models are refused at load) or a logit cap (``softcap``); None when there is nothing."""
+    if kwargs.get("s_aux") is not None:
+        return "learned attention-sink logits (s_aux)"
+    if kwargs.get("softcap") is not None:
+        return f"attention logit soft-capping (softcap={kwargs['softcap']})"
+    return None
+
+
 def load_model(name: str, device: str = "cpu", allow_download: bool = False,
                rope_scaling: RopeScaling | None = None) -> LoadedModel:
     """Load ``name`` (alias, local folder, .gguf file or HF id) as float32, offline unless ``allow_download``;
