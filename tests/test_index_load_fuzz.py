@@ -177,3 +177,33 @@ def test_a_plugins_init_refusing_the_saved_parameters_is_one_load_error(tmp_path
     (tmp_path / "i" / "index.json").write_text(json.dumps(meta | {"params": {"strict": True}}))
     with pytest.raises(IndexConfigError, match="saved parameters do not make an index.*ValueError: strict mode"):
         load_index(Picky, tmp_path / "i")
+
+
+@pytest.mark.parametrize("edit", ["built over other keys", "a label twice"])
+def test_an_hnswlib_payload_of_other_keys_or_labels_is_refused(edit, tmp_path):
+    """A payload of the right size whose graph is over other vectors, or labels a key twice, searched and counted
+    validly and returned other neighbours than its keys have: refused at load."""
+    from anns_lab.errors import IndexConfigError
+    from anns_lab.indexes.hnsw import HNSWIndex
+
+    rng = np.random.default_rng(0)
+    keys = rng.standard_normal((300, 16)).astype(np.float32)
+    index = HNSWIndex(M=8, ef_construction=32).build(keys)
+    index.save(tmp_path / "a")
+    if edit == "built over other keys":
+        HNSWIndex(M=8, ef_construction=32).build(rng.standard_normal((300, 16)).astype(np.float32)).save(tmp_path / "b")
+        blob = np.load(tmp_path / "b" / "hnswlib_index.npy")
+        match = "other vectors"
+    else:
+        st = index.hnswlib_index.__getstate__()[0]
+        blob = np.load(tmp_path / "a" / "hnswlib_index.npy")
+        n, per_node, per_level = len(keys), st["size_data_per_element"], st["size_links_per_element"]
+        levels = np.asarray(st["element_levels"])[:n]
+        at = len(blob) - n * per_node - int((4 + per_level * levels).sum())  # layer 0's records
+        label = slice(at + st["label_offset"], at + st["label_offset"] + 8)
+        second = slice(label.start + per_node, label.stop + per_node)
+        blob[second] = blob[label]  # node 1 labelled as node 0
+        match = "exactly once"
+    _resave(tmp_path / "a", "hnswlib_index", blob)
+    with pytest.raises(IndexConfigError, match=match):
+        HNSWIndex.load(tmp_path / "a")

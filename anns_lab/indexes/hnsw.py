@@ -34,15 +34,22 @@ from anns_lab.indexes.graph.simd import dot
 from anns_lab.indexes.persist import expect, expect_ids
 
 
+def level0_records(st: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(records, labels) of an hnswlib state: each element's layer-0 record as bytes (links, vector, label) and its
+    label (our key id)."""
+    n = st["cur_element_count"]
+    rec = np.frombuffer(st["data_level0"].tobytes(), np.uint8)[: n * st["size_data_per_element"]]
+    rec = rec.reshape(n, st["size_data_per_element"])
+    return rec, rec[:, st["label_offset"] : st["label_offset"] + 8].copy().view(np.uint64).ravel().astype(np.int64)
+
+
 class HNSWGraph:
     """hnswlib's graph as arrays indexed by key id (label): layer 0 plus the upper layers."""
 
     def __init__(self, p: hnswlib.Index) -> None:
         st = p.__getstate__()[0]
         n, M, M0 = st["cur_element_count"], st["max_M"], st["max_M0"]
-        rec = np.frombuffer(st["data_level0"].tobytes(), np.uint8)[: n * st["size_data_per_element"]]
-        rec = rec.reshape(n, st["size_data_per_element"])
-        label = rec[:, st["label_offset"] : st["label_offset"] + 8].copy().view(np.uint64).ravel().astype(np.int64)
+        rec, label = level0_records(st)
         links0 = rec[:, : 4 * (M0 + 1)].copy().view(np.uint32)  # header word, then M0 neighbour slots
         deg0 = (links0[:, 0] & 0xFFFF).astype(np.int32)  # hnswlib keeps the count in the low 16 bits
         levels = np.asarray(st["element_levels"], np.int64)[:n]
@@ -180,6 +187,15 @@ class HNSWIndex(Index):
         if p.get_current_count() != len(keys) or p.dim != self.dim:
             raise IndexConfigError(f"array 'hnswlib_index' holds {p.get_current_count()} keys of dimension {p.dim}, "
                                    f"not {len(keys)} × {self.dim}")
+        # A graph over other vectors, or with a label twice, would search and count validly and find other neighbours.
+        st = p.__getstate__()[0]
+        rec, labels = level0_records(st)
+        if not np.array_equal(np.sort(labels), np.arange(len(keys))):
+            raise IndexConfigError("array 'hnswlib_index' does not label every key exactly once")
+        stored = rec[:, st["offset_data"] : st["offset_data"] + 4 * self.dim].copy().view(np.float32)
+        if not np.array_equal(stored[np.argsort(labels)], keys):
+            raise IndexConfigError("array 'hnswlib_index' was built over other vectors than array 'keys'")
+        del st, rec, stored
         p.set_num_threads(1)
         self._set(p, keys)
         g, n = self.graph, len(keys)
