@@ -148,7 +148,8 @@ def _manifest_problem(m: dict) -> str | None:
     if not (count(n_tokens.get("prefill"), 1) and count(n_tokens.get("decode"), 0)):
         return f"n_tokens {n_tokens!r} must hold a positive 'prefill' and a non-negative 'decode' count"
     h, g = m["n_heads"], m["n_kv_heads"]
-    if h % g or m["gqa"] != [x // (h // g) for x in range(h)]:
+    # The length first: an edited n_heads of 10**9 would otherwise build a list of a billion entries to compare.
+    if h % g or len(m["gqa"]) != h or m["gqa"] != [x // (h // g) for x in range(h)]:
         return f"gqa must map each of the {h} query heads to its KV head (of {g}) in order, got {m['gqa']!r}"
     layers = m["layers"]
     if not layers or not all(count(x, 0) for x in layers) or len(set(layers)) != len(layers):
