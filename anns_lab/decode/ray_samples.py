@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from anns_lab.errors import AnnsLabError, DecodeError
-from anns_lab.eval.executors.ray_cluster import Cluster
+from anns_lab.eval.executors.ray_cluster import Cluster, check_cpus_per_task
 
 _MODELS: dict = {}  # per Ray worker process: (model, device, RoPE scaling) → loaded model
 
@@ -47,8 +47,7 @@ class RaySamples:
 
     def __init__(self, address: str | None, model: str, cpus_per_task: float = 1.0, local_cpus: int = 2,
                  log=print, rope_scaling=None, torch_threads: int = 0) -> None:
-        if not cpus_per_task > 0 or cpus_per_task == float("inf"):  # NaN passes a `<= 0` test
-            raise DecodeError(f"--cpus-per-task must be a positive number, got {cpus_per_task}")
+        check_cpus_per_task(cpus_per_task)
         self.cluster = Cluster(address, local_cpus, log)
         self.ray = self.cluster.ray
         self.model, self.rope_scaling, self.torch_threads = model, rope_scaling, torch_threads

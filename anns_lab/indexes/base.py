@@ -274,10 +274,11 @@ class Index:
         """Refuse ids and counts that are not integers before they are cast to int64: the cast would quietly truncate
         a float id (2.7 → key 2) or count, and turn a NaN or an unsigned 2**64 - 1 into another number."""
         for name, a in arrays.items():
-            if a is not None and np.asarray(a).dtype.kind not in "iu":
+            a = None if a is None else np.asarray(a)
+            if a is not None and a.dtype.kind not in "iu":
                 raise IndexResultError(f"{self._owner()} broke the index protocol: {name} must be integers, got "
-                                       f"dtype {np.asarray(a).dtype}")
-            if a is not None and np.asarray(a).dtype == np.uint64 and np.asarray(a).size and np.asarray(a).max() > 2**63 - 1:
+                                       f"dtype {a.dtype}")
+            if a is not None and a.dtype.kind == "u" and a.size and a.max() > np.iinfo(np.int64).max:
                 raise IndexResultError(f"{self._owner()} broke the index protocol: {name} holds values past int64")
 
     def key_bytes(self) -> int:

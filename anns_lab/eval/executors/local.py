@@ -3,8 +3,9 @@
 Not a ``ProcessPoolExecutor``: when one of its workers dies the whole pool breaks and no error names
 the part. Here each worker tells the driver which index it starts, so a worker that dies (``os.abort``,
 a segfault, the OOM killer, ``kill -9``) fails exactly that part; the driver starts a new worker and
-retries the part while its attempts last; one that dies between two heads is replaced without a trace. Workers ignore SIGINT: on Ctrl-C the driver stops them
-(SIGTERM, then SIGKILL) and returns at once instead of waiting for queued heads.
+retries the part while its attempts last; one that dies between two heads is replaced without a trace.
+Workers ignore SIGINT: on Ctrl-C the driver stops them (SIGTERM, then SIGKILL) and returns at once
+instead of waiting for queued heads.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import math
 import socket
 
 from anns_lab.errors import AnnsLabError
@@ -18,6 +19,14 @@ def require_ray():
         raise AnnsLabError("the Ray executor needs the ray package: pip install 'anns-lab[ray]' "
                            "(on the driver and every node of the cluster)") from None
     return ray
+
+
+def check_cpus_per_task(value: float) -> float:
+    """``value`` if it is a positive finite number of CPUs for one Ray task, else one clear error (NaN passes a
+    ``<= 0`` test)."""
+    if not (math.isfinite(value) and value > 0):
+        raise AnnsLabError(f"--cpus-per-task must be a positive number, got {value}")
+    return float(value)
 
 
 def _reachable(address: str) -> None:

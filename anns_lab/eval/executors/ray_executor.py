@@ -15,7 +15,7 @@ from collections import deque
 
 from anns_lab.errors import AnnsLabError
 from anns_lab.eval.executors.base import OnOutcome, Outcome, Part, Unit, Work, attempt, load
-from anns_lab.eval.executors.ray_cluster import Cluster
+from anns_lab.eval.executors.ray_cluster import Cluster, check_cpus_per_task
 
 DATA_MODES = ("auto", "path", "ship")
 
@@ -39,8 +39,7 @@ class RayExecutor:
     def __init__(self, address: str | None, jobs: int, cpus_per_task: float, data: str = "auto", log=print) -> None:
         if data not in DATA_MODES:
             raise AnnsLabError(f"data must be one of {DATA_MODES}, got {data!r}")
-        if not cpus_per_task > 0 or cpus_per_task == float("inf"):  # NaN passes a `<= 0` test
-            raise AnnsLabError(f"--cpus-per-task must be a positive number, got {cpus_per_task}")
+        check_cpus_per_task(cpus_per_task)
         self.log, self.data, self.cpus_per_task = log, data, float(cpus_per_task)
         self.cluster = Cluster(address, jobs, log)
         self.ray = self.cluster.ray
