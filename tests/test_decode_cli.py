@@ -118,6 +118,8 @@ def test_prompt_and_fidelity(tiny_gemma3, tmp_path):
     (["--train-queries", -4], "--train-queries must be 0 (all) or more"),
     (["--device", "bogus"], "unknown device 'bogus'"),
     (["--device", "cuda:99"], "device 'cuda:99':"),
+    (["--eval", "fidelity", "--until-built", "exact"], "--until-built exact is for --task and --prompt runs"),
+    (["--until-built", "never"], "'never' is not one of 'wait', 'exact'"),
 ])
 def test_bad_input_is_one_clear_error(tiny_llama, args, needle):
     base = {"--model": tiny_llama, "--task": "passkey", "--context": 200, "--mode": "full,flat", "--window": "4,16"}
@@ -176,6 +178,23 @@ def test_the_options_that_change_timings_are_recorded_in_the_json(tiny_llama, tm
     assert settings["torch_threads"] == (threads or before) == ran
     assert (settings["chunk"], settings["build_during_prefill"], settings["cpus_per_task"]) == (64, False, None)
     assert (data["device"], data["executor"]) == ("cpu", "local")
+
+
+def test_until_built_exact_reaches_the_decode_table_and_json(tiny_llama, tmp_path):
+    """--until-built exact: recorded in the JSON's settings; the index mode's summary has its exact steps (a count of
+    the leading steps, at most all of them) and the table their column; full's has none."""
+    out = tmp_path / "r.json"
+    res = _run("--model", tiny_llama, "--mode", "full,flat", "--task", "passkey", "--context", 200, "--window", "4,16",
+               "--topk", 180, "--max-new-tokens", 4, "--until-built", "exact", "--json", out)
+    assert res.exit_code == 0, res.output
+    assert "exact steps" in res.output and "exact steps  --until-built exact:" in res.output
+    data = json.loads(out.read_text())
+    assert data["settings"]["until_built"] == "exact"
+    flat, full = data["modes"]["flat"]["summary"], data["modes"]["full"]["summary"]
+    assert 0 <= flat["exact_steps"] <= 3 and flat["held_s"] >= 0 and "exact_steps" not in full
+    assert data["modes"]["flat"]["samples"][0]["exact_steps"] == flat["exact_steps"]
+    assert "exact_steps" not in data["modes"]["full"]["samples"][0]
+    assert data["modes"]["flat"]["samples"][0]["answer"] == data["modes"]["full"]["samples"][0]["answer"]
 
 
 def test_extrapolation_is_allowed_when_asked_and_said(tiny_llama, tmp_path):

@@ -34,12 +34,9 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
     with its indexes built from the layer's prefill ``queries`` (H, t, d) and, with ``settings.calibrate``, its search
     calibrated on their newest at the layer's softmax ``scaling``; ``beside``: the prefill still runs
     (:meth:`LayerStore.build`; the calibration too runs its kernels on one thread then)."""
+    store = held_store(lm, cache, n_ids, layer, plan, settings)
     lo, hi = settings.window.outside(n_ids)
     layer_cache = cache.layers[layer]
-    keys = layer_cache.keys[0, :, lo:hi].to("cpu", torch.float32).numpy()
-    values = layer_cache.values[0, :, lo:hi].to("cpu", torch.float32).numpy()
-    store = LayerStore(layer, lm.config.num_attention_heads, keys, values, settings.topk, plan, settings.add_batch,
-                       settings.steps)
     calibrating = calibration.enabled(settings.calibrate) and queries is not None
     if calibrating and scaling is None:
         raise ValueError("calibrating a layer's search needs its softmax scaling (the prefill records it)")
@@ -60,9 +57,10 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
     per_kv = aware and settings.train_group not in PER_HEAD
     others = aware and settings.train_group == "unlisted" and registry.get(plan.name).accepts_group_queries
     if per_kv:  # one training set per KV head: its GQA group's queries
-        group = queries.shape[0] // keys.shape[0]
+        n_kv = layer_cache.keys.shape[1]
+        group = queries.shape[0] // n_kv
         queries = np.stack([group_queries(list(queries[g * group:(g + 1) * group]), settings.train_group)
-                            for g in range(keys.shape[0])])
+                            for g in range(n_kv)])
     store.build(queries, _device_lists(lm, plan, queries, layer_cache.keys[0, :, lo:hi], settings), per_kv_head=per_kv,
                 others=others, beside=beside)
     if calibrating:  # in the store's build_s too (the decoder times its modes by the layers' spans, :meth:`EarlyBuilds.take`)
@@ -70,6 +68,18 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
         store.calibration = calibrate_store(store, newest, settings.calibrate, scaling, beside)
         store.build_s += time.perf_counter() - t0
     return store
+
+
+def held_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, settings) -> LayerStore:
+    """The layer's CPU store of its non-window prefill keys/values (read from ``cache``, ``n_ids`` tokens long), no index
+    built yet: with ``plan`` None it attends every row exactly (its rows are all side-buffer), as a mode's layers do
+    while their indexes build (``--until-built exact``)."""
+    lo, hi = settings.window.outside(n_ids)
+    layer_cache = cache.layers[layer]
+    keys = layer_cache.keys[0, :, lo:hi].to("cpu", torch.float32).numpy()
+    values = layer_cache.values[0, :, lo:hi].to("cpu", torch.float32).numpy()
+    return LayerStore(layer, lm.config.num_attention_heads, keys, values, settings.topk, plan, settings.add_batch,
+                      settings.steps)
 
 
 def calibrate_store(store: LayerStore, newest: np.ndarray, target: float | str, scaling: float,
@@ -83,15 +93,25 @@ def calibrate_store(store: LayerStore, newest: np.ndarray, target: float | str, 
 def build_stores(lm, pre, mode, settings) -> tuple[dict[int, LayerStore], list[str], float]:
     """One LayerStore per long-range layer of ``mode``, built after the prefill ``pre`` as :class:`EarlyBuilds` builds
     them once a prefill has ended (several layers at once): (stores, notes, seconds)."""
+    early = builds_after(lm, pre, mode, settings)
+    try:
+        stores, notes, seconds, _ = early.take(mode.name)
+    finally:
+        early.close()
+    return stores, notes, seconds
+
+
+def builds_after(lm, pre, mode, settings) -> EarlyBuilds:
+    """Every long-range layer's builds of ``mode`` queued after the prefill ``pre`` (several layers at once)."""
     early = EarlyBuilds(lm, len(pre.ids), [mode], settings, pre.cache, pre.queries.get, pre.scaling)
     early.prefill_done()
     try:
         for layer in lm.long_range_layers:
             early.layer_done(layer)
-        stores, notes, seconds, _ = early.take(mode.name)
-    finally:
+    except BaseException:
         early.close()
-    return stores, notes, seconds
+        raise
+    return early
 
 
 def store_notes(stores: dict[int, LayerStore], settings) -> list[str]:
@@ -134,6 +154,7 @@ class EarlyBuilds:
         self.queries_of = queries_of  # layer -> (H, t, d) prefill queries or None, once the layer is complete
         self.scaling = scaling  # layer -> softmax scale (the prefill's record, filled by its first chunk)
         self.jobs: dict[str, dict[int, Future]] = {m.name: {} for m in modes}
+        self.finished: dict[str, dict[int, tuple]] = {m.name: {} for m in modes}  # handed over early (:meth:`ready`)
         self.prefill_end: float | None = None
         self.ready_at: dict[int, float] = {}  # perf_counter when each layer was complete and its builds queued
         # numba's workqueue layer aborts the process when two threads run its parallel kernels at once: a layer at a time
@@ -203,18 +224,36 @@ class EarlyBuilds:
     def has(self, name: str) -> bool:
         return bool(self.jobs.get(name))
 
+    def ready(self, name: str) -> dict[int, LayerStore]:
+        """The stores of mode ``name`` whose builds have ended since the last call, without waiting (the decoder's
+        steps poll it with ``--until-built exact``); a failed build's error is raised here, the others stopped."""
+        jobs = self.jobs[name]
+        ended = sorted(layer for layer, f in jobs.items() if f.done())
+        if any(jobs[layer].exception() is not None for layer in ended if not jobs[layer].cancelled()):
+            self.take(name)  # raises the first error once the builds still running have stopped
+        out = {}
+        for layer in ended:
+            self.finished[name][layer] = done = jobs.pop(layer).result()
+            out[layer] = self._spanned(layer, *done)
+        return out
+
     def take(self, name: str) -> tuple[dict[int, LayerStore], list[str], float, float]:
-        """(stores, notes, build seconds, of which hidden behind the prefill) of mode ``name``; its jobs are handed
-        over once (a second run of the mode builds afresh)."""
+        """(stores, notes, build seconds, of which hidden behind the prefill) of mode ``name``, those :meth:`ready`
+        handed over too; its jobs are handed over once (a second run of the mode builds afresh)."""
         jobs = self.jobs.pop(name)
         done = dict(zip(sorted(jobs), settle([f for _, f in sorted(jobs.items())], self._stop)))
-        stores = {layer: d[0] for layer, d in done.items()}
+        done = dict(sorted((self.finished.pop(name, {}) | done).items()))
+        stores = {layer: self._spanned(layer, *d) for layer, d in done.items()}
         end = self.prefill_end if self.prefill_end is not None else float("inf")
-        for layer, (store, t0, t1) in done.items():  # where the first token's wait went, layer by layer
-            store.build_span = tuple(t - self.prefill_end for t in (self.ready_at[layer], t0, t1)) \
-                if self.prefill_end is not None else None
         spans = [(t0, t1) for _, t0, t1 in done.values()]
         return stores, store_notes(stores, self.settings), covered(spans), covered(spans, end)
+
+    def _spanned(self, layer: int, store: LayerStore, t0: float, t1: float) -> LayerStore:
+        """``store`` with its ``build_span``: when its builds were queued, started and ended, from the prefill's end
+        (where the first token's wait went, layer by layer)."""
+        store.build_span = tuple(t - self.prefill_end for t in (self.ready_at[layer], t0, t1)) \
+            if self.prefill_end is not None else None
+        return store
 
 
 def _named(err: BaseException, layer: int, plan: IndexPlan | None) -> DecodeError:

@@ -14,6 +14,7 @@ import click
 
 from anns_lab.cli_types import WINDOW
 from anns_lab.decode.calibrate import AUTO as CALIBRATE_AUTO
+from anns_lab.decode.engine import UNTIL_BUILT, UNTIL_BUILT_HELP
 from anns_lab.dumps import rope
 from anns_lab.dumps.cli import ROPE_HELP, ROPE_SCALING
 from anns_lab.dumps.tasks import TASKS
@@ -96,6 +97,7 @@ class _DecodeCommand(click.Command):
 @click.option("--build-during-prefill/--build-after-prefill", default=True, show_default=True,
               help="start a layer's index builds on a CPU thread once the prompt's last chunk has passed that layer "
                    "(the overlap is not counted in TTFT), or only after the whole prefill (--eval fidelity: always after)")
+@click.option("--until-built", type=click.Choice(UNTIL_BUILT), default="wait", show_default=True, help=UNTIL_BUILT_HELP)
 @click.option("--from-sweep", "from_sweep", type=str, default=None,
               help="a sweep's results.parquet (or folder): decode also with the index + parameters of least scanned fraction reaching --target-recall (in place of 'default')")
 @click.option("--target-recall", default=0.95, show_default=True,
@@ -120,7 +122,7 @@ class _DecodeCommand(click.Command):
               help="write the full results here (after each sample; \"partial\": true until the last)")
 def decode(model, modes, params, build_params, topk, window, add_batch, train_queries, train_group, train_positions, copy_hints, task,
            prompt, evaluation, context, samples,
-           seed, max_new_tokens, positions, free_tokens, chunk, build_during_prefill, from_sweep, target_recall, calibrate, device, torch_threads,
+           seed, max_new_tokens, positions, free_tokens, chunk, build_during_prefill, until_built, from_sweep, target_recall, calibrate, device, torch_threads,
            allow_extrapolation, rope_scaling, executor, address, cpus_per_task, json_path):
     """Generate with RetrievalAttention: static window on the accelerator + retrieved keys from a CPU index."""
     from anns_lab.decode import runner
@@ -128,7 +130,7 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
 
     settings = Settings(window=window, topk=topk, add_batch=add_batch, chunk=chunk, train_queries=train_queries,
                         train_group=train_group, train_positions=train_positions, build_during_prefill=build_during_prefill,
-                        copy_hints=copy_hints, calibrate=calibrate)
+                        until_built=until_built, copy_hints=copy_hints, calibrate=calibrate)
     _check_options(settings, evaluation, task, prompt, executor, address)
     _check_counts(max_new_tokens=max_new_tokens, seed=seed, torch_threads=torch_threads)
     mode_list = _parse_mode_list(modes, params, build_params, from_sweep)
@@ -205,6 +207,9 @@ def _check_options(settings: Settings, evaluation: str, task: str | None, prompt
     if executor == "ray" and evaluation == "fidelity":
         raise DecodeError("--executor ray runs task and prompt evaluations (a task per sample); --eval fidelity is "
                           "one prefill and runs here")
+    if evaluation == "fidelity" and settings.until_built != "wait":
+        raise DecodeError("--until-built exact is for --task and --prompt runs: --eval fidelity measures each index on "
+                          "every position, so its steps wait for the builds")
     if executor == "local" and address is not None:
         raise DecodeError("--address is for --executor ray")
     if task is not None and task not in TASKS:
@@ -306,7 +311,7 @@ def _run_description(lm, device: str, executor: str, settings: Settings, mode_li
             "settings": {"sink": settings.window.sink, "recent": settings.window.recent, "topk": settings.topk,
                          "add_batch": settings.add_batch, "chunk": settings.chunk, "train_queries": settings.train_queries,
                          "train_group": settings.train_group, "train_positions": settings.train_positions,
-                         "build_during_prefill": settings.build_during_prefill,
+                         "build_during_prefill": settings.build_during_prefill, "until_built": settings.until_built,
                          "copy_hints": settings.copy_hints, "calibrate": settings.calibrate or None} | threads,
             "plans": {m.name: ({"default": m.plan.describe(), **{str(k): p.describe() for k, p in m.per_layer.items()}}
                                if m.plan else None) for m in mode_list}}

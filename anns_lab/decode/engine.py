@@ -22,13 +22,13 @@ import torch
 
 from anns_lab.decode import calibrate as calibration
 from anns_lab.decode.attention import DecodeError, Retrieval, StepTimes, retrieving, sync
-from anns_lab.decode.builds import EarlyBuilds, build_stores
+from anns_lab.decode.builds import EarlyBuilds, build_stores, builds_after, held_store
 from anns_lab.decode.cache import device_kv_bytes, require_ring, window_cache
 from anns_lab.decode.copy_hints import CopyHints
 from anns_lab.decode.placement import IndexPlan
 from anns_lab.dumps import rope
 from anns_lab.dumps.models import forward_tokens
-from anns_lab.indexes import group_queries
+from anns_lab.indexes import group_queries, registry
 from anns_lab.window import Window
 
 
@@ -67,6 +67,13 @@ def kept_queries(modes: list[Mode]) -> int | None:
     return None if any(m.uses_queries() for m in modes) else calibration.QUERIES
 
 
+UNTIL_BUILT = ("wait", "exact")
+UNTIL_BUILT_HELP = ("what an index mode's decode steps do while its layers' indexes are still building: wait for them "
+                    "(the time to first token then counts the build not hidden behind the prefill), or attend each such "
+                    "layer's CPU keys exactly, full attention's output (the first token does not wait; its index serves "
+                    "from the step after its build ends, and the table counts the steps before that)")
+
+
 @dataclass
 class Settings:
     """Window, top-k and insertion batch shared by every mode of a run."""
@@ -82,6 +89,7 @@ class Settings:
     build_during_prefill: bool = True  # start a layer's index builds once the prompt's last chunk has passed it (builds.EarlyBuilds)
     steps: int = 64  # decode steps of a mode at most: the CPU stores reserve a row per step past the prompt's
     calibrate: float | str = 0.0  # > 0 or "auto": each layer's index search raised at build time to this weight recall@k where short (calibrate.calibrate; "auto", the CLI's default: calibrate.auto_target of the layer's keys)
+    until_built: str = "wait"  # decode steps while a mode's indexes still build: "wait" for them, or attend those layers' keys "exact"ly (UNTIL_BUILT)
     copy_hints: int = 8  # per step, the positions after this many earlier occurrences of the context's suffix (and the 2 steps before's, moved on) enter the searches (0 = none)
 
 
@@ -117,6 +125,8 @@ class ModeRun:
     prefill_s: float = 0.0  # the prefill this run decoded from (with any builds that overlapped it), seconds
     calibration: dict = field(default_factory=dict)  # layer -> {param, value, weight_recall, tried, per_head, target} where the search was calibrated
     build_layers: dict = field(default_factory=dict)  # layer -> [queued, started, ended]: its builds, seconds from the prefill's end (built after it: from the mode's build start)
+    exact_steps: int | None = None  # --until-built exact: the leading decode steps in which a layer attended its keys exactly (its index still building)
+    held_s: float | None = None  # --until-built exact: copying the layers' keys to the CPU stores before the first step, seconds
 
 
 def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool, build_modes: list[Mode] = (),
@@ -168,48 +178,75 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
     is freed with the run's end, so that runs kept for their timings do not hold accelerator memory.
     """
     stores, notes, build_s, hidden_s = {}, [], 0.0, 0.0
-    if mode.kind == "index" and pre.early is not None and pre.early.has(mode.name):
+    building, held_s = None, None  # --until-built exact: the builds still running, the exact stores' copy time
+    if mode.kind == "index" and settings.until_built == "exact" and teacher is None:
+        t_held = time.perf_counter()
+        building = pre.early if pre.early is not None and pre.early.has(mode.name) else builds_after(lm, pre, mode, settings)
+        try:
+            stores = {layer: held_store(lm, pre.cache, len(pre.ids), layer, None, settings) for layer in lm.long_range_layers}
+        except BaseException:
+            building.close()
+            raise
+        held_s = time.perf_counter() - t_held
+    elif mode.kind == "index" and pre.early is not None and pre.early.has(mode.name):
         stores, notes, build_s, hidden_s = pre.early.take(mode.name)
     elif mode.kind == "index":
         stores, notes, build_s = build_stores(lm, pre, mode, settings)
-    if stores:
-        from anns_lab.decode.kernels import warmup
+    try:
+        if stores:
+            from anns_lab.decode.kernels import warmup
 
-        warmup()
-    ctl = Retrieval(lm.long_range_layers, mode.kind, settings.window, False)
-    ctl.stores = stores
-    ctl.phase = "decode"
-    if settings.copy_hints > 0 and any(s.indexes and type(s.indexes[0]).takes_hints for s in stores.values()):
-        ctl.hints = CopyHints(settings.copy_hints)  # only where a search uses them: the others' steps do not pay for them
-    with torch.inference_mode():  # the prefill's tensors are inference tensors; so are the copies
-        if mode.kind == "full":
-            cache = copy.deepcopy(pre.cache)
-        else:  # long-range layers keep the window only; the tokens they evict go to ctl.evicted
-            cache = window_cache(pre.cache, lm.long_range_layers, settings.window, ctl.evicted)
-    ids = list(pre.ids)
-    logits = pre.logits
-    out_tokens, all_logits, steps, step_s = [], [], [], []
-    n_steps = len(teacher) if teacher is not None else max_new
-    t0 = time.perf_counter()
-    with torch.inference_mode(), retrieving(lm.model, ctl):
-        for i in range(n_steps):
-            if keep_logits:
-                all_logits.append(logits.detach().to("cpu"))
-            tok = teacher[i] if teacher is not None else int(logits.argmax())
-            out_tokens.append(tok)
-            if teacher is None and (tok in stop_ids or i == n_steps - 1):
-                break
-            ids.append(tok)
-            ts = time.perf_counter()
-            if ctl.hints is not None:  # in the step's time: the decoder pays for its hints
-                ctl.hints.update(ids)
-            logits = forward_tokens(lm, cache, ids, len(ids) - 1, len(ids))[0, -1].float()
-            sync(lm.model.device)
-            step_s.append(time.perf_counter() - ts)
-            steps.append(ctl.take_times())
-    if teacher is not None and keep_logits:
-        all_logits.append(logits.detach().to("cpu"))
-    decode_s = time.perf_counter() - t0
+            warmup()
+        ctl = Retrieval(lm.long_range_layers, mode.kind, settings.window, False)
+        ctl.stores = stores
+        ctl.phase = "decode"
+        plans = [mode.plan_for(layer) for layer in lm.long_range_layers] if mode.kind == "index" else []
+        if settings.copy_hints > 0 and any(p is not None and registry.get(p.name).takes_hints for p in plans):
+            ctl.hints = CopyHints(settings.copy_hints)  # only where a search uses them: the others' steps do not pay for them
+        exact_steps = 0
+        with torch.inference_mode():  # the prefill's tensors are inference tensors; so are the copies
+            if mode.kind == "full":
+                cache = copy.deepcopy(pre.cache)
+            else:  # long-range layers keep the window only; the tokens they evict go to ctl.evicted
+                cache = window_cache(pre.cache, lm.long_range_layers, settings.window, ctl.evicted)
+        ids = list(pre.ids)
+        logits = pre.logits
+        out_tokens, all_logits, steps, step_s = [], [], [], []
+        n_steps = len(teacher) if teacher is not None else max_new
+        t0 = time.perf_counter()
+        with torch.inference_mode(), retrieving(lm.model, ctl):
+            for i in range(n_steps):
+                if keep_logits:
+                    all_logits.append(logits.detach().to("cpu"))
+                tok = teacher[i] if teacher is not None else int(logits.argmax())
+                out_tokens.append(tok)
+                if teacher is None and (tok in stop_ids or i == n_steps - 1):
+                    break
+                ids.append(tok)
+                ts = time.perf_counter()
+                if building is not None:  # in the step's time: a layer whose build has ended takes over its store's rows
+                    swap_in(ctl.stores, building.ready(mode.name))
+                    exact_steps += building.has(mode.name)  # a layer still building: attended exactly this step
+                if ctl.hints is not None:  # in the step's time: the decoder pays for its hints
+                    ctl.hints.update(ids)
+                logits = forward_tokens(lm, cache, ids, len(ids) - 1, len(ids))[0, -1].float()
+                sync(lm.model.device)
+                step_s.append(time.perf_counter() - ts)
+                steps.append(ctl.take_times())
+        if teacher is not None and keep_logits:
+            all_logits.append(logits.detach().to("cpu"))
+        decode_s = time.perf_counter() - t0
+        if building is not None:  # the builds that outlasted the decode: waited for after it, for the run's record
+            try:
+                built, notes, build_s, hidden_s = building.take(mode.name)
+            finally:
+                building.close()
+            swap_in(ctl.stores, {layer: s for layer, s in built.items() if ctl.stores[layer] is not s})
+            stores = ctl.stores
+    except BaseException:  # the builds must not outlive the run (an interrupt, a build's or a step's error)
+        if building is not None:
+            building.close()
+        raise
     run = ModeRun(mode.name, out_tokens, all_logits, build_s, decode_s, steps, step_s, notes, device_kv_bytes(cache),
                   hidden_s, sum(s.cpu_bytes() for s in stores.values()), sum(s.n_rows for s in stores.values()),
                   pre.seconds)
@@ -220,15 +257,31 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
                        for layer, c in ((layer, s.calibration) for layer, s in stores.items()) if c is not None}
     run.build_layers = {layer: [round(t, 4) for t in s.build_span] for layer, s in stores.items()
                         if s.build_span is not None}
+    if building is not None:
+        run.exact_steps, run.held_s = exact_steps, held_s
     run.cache = cache if keep_cache else None
     run.stores = stores  # kept for inspection (tests, index sizes)
     return run
 
 
+def swap_in(stores: dict, built: dict) -> None:
+    """Put each ``built`` layer's store (its prompt's rows indexed) in the place of the exact store that served the layer
+    while it built, with the rows that store took since (tokens that left the window: appended, into its index by
+    ``add_batch`` as ever)."""
+    for layer, store in built.items():
+        held = stores[layer]
+        if held.n_rows > store.n_rows:
+            store.extend(held.keys[:, store.n_rows:held.n_rows], held.values[:, store.n_rows:held.n_rows])
+        stores[layer] = store
+
+
 def warmup_steps(run: ModeRun) -> int:
-    """Leading decode steps of ``run`` its per-token means leave out: the first (it also compiles each index's search
-    kernel, numba, and is the first search on the run's new indexes) where there are at least three."""
-    return 1 if len(run.step_s) >= 3 else 0
+    """Leading decode steps of ``run`` its per-token means leave out: those in which a layer was still attended exactly
+    while its index built (``--until-built exact``: their times are the builds' contention and a full scan, not the
+    index's), then the first (it also compiles each index's search kernel, numba, and is the first search on the run's
+    new indexes) where at least two more follow it."""
+    exact = run.exact_steps or 0
+    return exact + (1 if len(run.step_s) - exact >= 3 else 0)
 
 
 def summarize(run: ModeRun, skip: int | None = None) -> dict:
@@ -238,6 +291,9 @@ def summarize(run: ModeRun, skip: int | None = None) -> dict:
     skip = warmup_steps(run) if skip is None else skip
     first_step = run.step_s[0] if run.step_s else None  # the first token to use the index (kept in time to first token)
     cpu = {"cpu_bytes_per_key": run.cpu_bytes / run.cpu_keys} if run.cpu_keys else {}
+    if run.exact_steps is not None:  # --until-built exact
+        cpu |= {"exact_steps": run.exact_steps, "exact_s": float(np.sum(run.step_s[:run.exact_steps])),
+                "held_s": run.held_s}
     run = ModeRun(run.mode, run.tokens, [], run.build_s, run.decode_s, run.steps[skip:], run.step_s[skip:],
                   device_kv_bytes=run.device_kv_bytes, build_hidden_s=run.build_hidden_s)
     n = len(run.step_s)

@@ -62,19 +62,27 @@ def _pool(runs: list[ModeRun]) -> dict:
     pooled = summarize(merged, skip=0)
     if pooled["steps"]:
         pooled["warmup_steps_excluded"] = sum(skips)
-    return pooled | {"first_step_s": float(np.mean(firsts)) if firsts else None,
-                     "prefill_s": float(np.mean([r.prefill_s for r in runs]))}
+    exact = {}
+    if all(r.exact_steps is not None for r in runs):  # --until-built exact: per run, as the first step
+        exact = {"exact_steps": float(np.mean([r.exact_steps for r in runs])),
+                 "exact_s": float(np.mean([np.sum(r.step_s[:r.exact_steps]) for r in runs])),
+                 "held_s": float(np.mean([r.held_s for r in runs]))}
+    return pooled | exact | {"first_step_s": float(np.mean(firsts)) if firsts else None,
+                             "prefill_s": float(np.mean([r.prefill_s for r in runs]))}
 
 
 def time_to_first_token(modes: dict) -> None:
-    """Add ``ttft_s`` to each mode's summary: prefill + the index build not hidden behind it (``build_s`` −
-    ``build_hidden_s``) + the first decode step (the first token whose attention goes through the index), and
+    """Add ``ttft_s`` to each mode's summary: prefill + what the first decode step waited for + that step, and
     ``ttft_x_full``, the ratio to ``full``'s when it ran. The prompt's last logits give one token before the
-    build; the first step is the first that needs the index, so this is what the build delays."""
+    build; the first step is the first that needs the index, so this is what the build delays: it waits for the index
+    build not hidden behind the prefill (``build_s`` − ``build_hidden_s``), or with ``--until-built exact`` only for the
+    copy of the keys that its layers then attend exactly (``held_s``; the index serves later, ``exact_steps``)."""
     for m in modes.values():
         s = m["summary"]
         if s.get("prefill_s") is not None and s.get("first_step_s") is not None:
-            s["ttft_s"] = s["prefill_s"] + (s.get("build_s") or 0.0) - (s.get("build_hidden_s") or 0.0) + s["first_step_s"]
+            waited = s["held_s"] if s.get("held_s") is not None else \
+                (s.get("build_s") or 0.0) - (s.get("build_hidden_s") or 0.0)
+            s["ttft_s"] = s["prefill_s"] + waited + s["first_step_s"]
     full = modes.get("full", {}).get("summary", {}).get("ttft_s")
     for m in modes.values():
         if full and m["summary"].get("ttft_s") is not None:
@@ -117,14 +125,16 @@ def run_prompt(lm, modes: list[Mode], settings: Settings, text: str, max_new: in
 def check_memory(lm, modes: list[Mode], settings: Settings, n_tokens: int) -> None:
     """Refuse, before the prefill, a run whose estimated peak memory exceeds what is available
     (:func:`memory.check_prefill`: KV cache, a chunk's activations, the kept queries (:func:`engine.kept_queries`),
-    one mode's CPU store and indexes (modes run one after the other) or ``full``'s copy of the cache)."""
+    one mode's CPU store and indexes (modes run one after the other), with ``--until-built exact`` the exact stores its
+    layers are served from while those build, and ``full``'s copy of the cache)."""
     from anns_lab.dumps.memory import check_prefill
 
     n_long = len(lm.long_range_layers)
+    indexed = n_long * min(1, sum(m.kind == "index" for m in modes))
     check_prefill(lm.config, n_tokens, settings.chunk, f"decoding {n_tokens} tokens of {lm.name}", "--context",
                   query_layers=n_long if any(m.uses_queries(settings) for m in modes) else 0,
                   query_tokens=kept_queries(modes),
-                  index_layers=n_long * min(1, sum(m.kind == "index" for m in modes)),
+                  index_layers=indexed, held_layers=indexed if settings.until_built == "exact" else 0,
                   cache_copy=any(m.kind == "full" for m in modes))
 
 
@@ -156,17 +166,20 @@ def run_sample(lm, modes: list[Mode], settings: Settings, ids: list[int], max_ne
         pre = prefill(lm, ids, settings, any(m.uses_queries(settings) for m in group), group, progress=bar,
                       newest_queries=kept_queries(group))
         say(f"  prefill for {names}: done in {pre.seconds:.1f} s")
-        if pre.early is not None:  # no mode decodes while builds still share the CPU
+        if pre.early is not None and settings.until_built == "wait":  # no mode decodes while builds still share the CPU
             say("  index builds: started during the prefill's last chunk; finishing ...")
             pre.early.wait()
         for mode in group:
             building = mode.kind == "index"
-            say(f"  {mode.name}: " + ("building one index per layer and head from the prefill, then " if building else "")
-                + f"decoding up to {max_new} tokens ...")
+            exact = building and settings.until_built == "exact"
+            say(f"  {mode.name}: " + ("building one index per layer and head from the prefill, then " if building and not exact
+                                      else "decoding while its indexes build (each layer exact until its own is built): "
+                                      if exact else "") + f"decoding up to {max_new} tokens ...")
             run = run_mode(lm, pre, mode, settings, max_new, stops)
             say(f"  {mode.name}: " + (f"indexes built in {run.build_s:.1f} s ({run.build_hidden_s:.1f} s during the prefill), "
                                       if building else "")
-                + f"{len(run.tokens)} tokens decoded in {run.decode_s:.1f} s")
+                + f"{len(run.tokens)} tokens decoded in {run.decode_s:.1f} s"
+                + (f", the first {run.exact_steps} steps with a layer still exact" if run.exact_steps is not None else ""))
             run.stores = None  # free the CPU copies and indexes
             runs[mode.name] = run
         del pre  # the next group's prefill must not hold this one's cache beside its own
@@ -200,6 +213,8 @@ def _run_prompts(lm, modes, settings, prompts, max_new, task, progress, executor
                 row["calibration"] = {str(layer): c for layer, c in run.calibration.items()}
             if run.build_layers:  # when each layer's builds were queued, started, ended (ModeRun.build_layers)
                 row["build_layers"] = {str(layer): span for layer, span in run.build_layers.items()}
+            if run.exact_steps is not None:  # --until-built exact: this prompt's steps before every index served
+                row["exact_steps"] = run.exact_steps
             per_mode[mode.name]["runs"].append(run)
             per_mode[mode.name]["samples"].append(row)
             per_mode[mode.name].setdefault("notes_by_sample", []).append(run.notes)
@@ -255,7 +270,7 @@ def run_fidelity(lm, modes: list[Mode], settings: Settings, context: int, positi
     note = check_context(lm, context + steps, allow_extrapolation)
     check_window(settings, context, modes, steps)
     check_memory(lm, modes, settings, context + steps)
-    settings = dataclasses.replace(settings, steps=steps)
+    settings = dataclasses.replace(settings, steps=steps, until_built="wait")  # every position measures the index
     ids = build_prompt("text", lm.tokenizer, context + positions).ids
     say = progress or (lambda line: None)
     say(f"  prefill: {context} tokens through {lm.name} ...")
@@ -298,6 +313,7 @@ COLUMNS = [("accuracy", "accuracy %", "{:.1f}"), ("accuracy_ci95", "acc 95% CI",
            ("free_tokens_until_diff", "free=", "{:d}"), ("prefill_s", "prefill s", "{:.2f}"), ("build_s", "build s", "{:.2f}"),
            ("build_hidden_s", "hidden s", "{:.2f}"),
            ("first_step_s", "1st step s", "{:.3f}"), ("ttft_s", "TTFT s", "{:.2f}"), ("ttft_x_full", "TTFT x full", "{:.2f}"),
+           ("exact_steps", "exact steps", "{:g}"), ("exact_s", "exact s", "{:.2f}"),
            ("retrieval_ms", "retr ms", "{:.2f}"), ("retrieval_cpu_ms", "retr CPU ms", "{:.2f}"), ("cpu_attention_ms", "cpu-attn ms", "{:.2f}"),
            ("accel_attention_ms", "accel-attn ms", "{:.2f}"), ("merge_ms", "merge ms", "{:.2f}"), ("insert_ms", "insert ms", "{:.2f}"),
            ("other_ms", "other ms", "{:.2f}"), ("token_ms", "token ms", "{:.2f}"), ("tokens_per_s", "tok/s", "{:.2f}"),
@@ -319,7 +335,12 @@ LEGEND = {
     "build_s": "building the mode's indexes from the prefill (each layer's from when the prompt's last chunk has passed it), seconds",
     "build_hidden_s": "of that build, seconds that ran while the prefill was still running (not in TTFT)",
     "first_step_s": "the first decode step (it also compiles the search kernels), seconds",
-    "ttft_s": "time to first token: prefill + the index build not hidden behind it + the first decode step, seconds",
+    "ttft_s": "time to first token: prefill + the index build not hidden behind it (--until-built exact: the keys' copy "
+              "to the CPU) + the first decode step, seconds",
+    "exact_steps": "--until-built exact: leading decode steps in which a layer attended its CPU keys exactly while its "
+                   "index was still building (left out of the per-token means, as the first step after them)",
+    "exact_s": "those steps' wall time, seconds (from the prefill's end to the first step served by every index: "
+               "this + TTFT's own first step)",
     "ttft_x_full": "that time over full attention's",
     "retrieval_ms": "per token: index search on the CPU, summed over long-range layers (wall time)",
     "retrieval_cpu_ms": "the same searches' CPU time on their thread: below retr ms when the thread waited for a core "
