@@ -70,6 +70,23 @@ def tiny_gemma3(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-gemma3"), "gemma3")
 
 
+@pytest.fixture
+def broken_index(monkeypatch) -> str:
+    """The name of a registered index ("broken": flat whose every build raises RuntimeError "no memory for its
+    graph"), for the paths a plugin's failing build takes."""
+    from anns_lab.indexes import registry
+
+    flat = registry.get("flat")
+
+    class Broken(flat):
+        def _build(self, keys, train_queries=None):
+            raise RuntimeError("no memory for its graph")
+
+    real_get = registry.get
+    monkeypatch.setattr(registry, "get", lambda name: Broken if name == "broken" else real_get(name))
+    return "broken"
+
+
 @pytest.fixture(scope="session")
 def smollm2_dump(tmp_path_factory):
     """A real SmolLM2-135M dump: 2048 tokens of offline text, 16 decode steps, layers 2 and 15, float32."""

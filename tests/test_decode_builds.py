@@ -173,7 +173,8 @@ def test_covered_counts_overlapping_spans_once_and_only_before_the_end():
     assert builds.covered([]) == 0.0
 
 
-def test_an_index_failing_in_the_early_builds_is_one_error_and_the_next_decode_works(tiny_llama, monkeypatch):
+def test_an_index_failing_in_the_early_builds_is_one_error_and_the_next_decode_works(tiny_llama, monkeypatch,
+                                                                                      broken_index):
     """A plugin whose build raises (here every build: the layer named is one that failed first, the other layer then
     building stopped): the decode ends with one error naming the index and the layer, and the same process's next
     decode builds and decodes as a decode alone does (nothing left queued in the build pools)."""
@@ -183,18 +184,10 @@ def test_an_index_failing_in_the_early_builds_is_one_error_and_the_next_decode_w
     from anns_lab.decode.engine import Settings, prefill, run_mode
     from anns_lab.decode.placement import IndexPlan
     from anns_lab.dumps.models import load_model
-    from anns_lab.indexes import registry, threads
+    from anns_lab.indexes import threads
     from anns_lab.window import Window
 
     monkeypatch.setattr(threads, "thread_budget", lambda: 2)  # two layers at once, heads side by side, on any runner
-    flat = registry.get("flat")
-
-    class Broken(flat):
-        def _build(self, keys, train_queries=None):
-            raise RuntimeError("no memory for its graph")
-
-    real_get = registry.get
-    monkeypatch.setattr(registry, "get", lambda name: Broken if name == "broken" else real_get(name))
     lm = load_model(str(tiny_llama), device="cpu")
     settings = Settings(Window(4, 8), topk=40, add_batch=4, chunk=24)
     ids = np.random.default_rng(3).integers(3, 400, size=64).tolist()

@@ -17,7 +17,7 @@ from anns_lab.decode.engine import Mode, Settings, prefill, run_mode, summarize,
 from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.dumps.models import load_model
 from anns_lab.errors import DecodeError
-from anns_lab.indexes import registry, threads
+from anns_lab.indexes import threads
 from anns_lab.window import Window
 
 PROMPT = 64
@@ -136,24 +136,17 @@ def test_swap_in_appends_the_rows_the_exact_store_took():
 
 
 @pytest.mark.parametrize("during", [True, False])
-def test_a_build_failing_while_the_decode_runs_is_one_error_and_nothing_keeps_building(prefilled, monkeypatch, during):
+def test_a_build_failing_while_the_decode_runs_is_one_error_and_nothing_keeps_building(prefilled, monkeypatch, during,
+                                                                                      broken_index):
     """A plugin whose build raises after the decode began: the step that sees it ends the run with the error naming
     the index and its layer, and no build is left queued or running (during the prefill or after it)."""
     lm, pre, _ = prefilled
     monkeypatch.setattr(threads, "thread_budget", lambda: 2)
-    flat = registry.get("flat")
-
-    class Broken(flat):
-        def _build(self, keys, train_queries=None):
-            raise RuntimeError("no memory for its graph")
-
-    real_get = registry.get
-    monkeypatch.setattr(registry, "get", lambda name: Broken if name == "broken" else real_get(name))
     go = _hold_builds(monkeypatch, release_after=2)
     settings = dataclasses.replace(SETTINGS, build_during_prefill=during)
     try:
         with pytest.raises(DecodeError, match=r"^building layer \d+'s indexes: broken raised RuntimeError: no memory"):
-            runner.run_sample(lm, [Mode("broken", IndexPlan("broken"))], settings, pre.ids, STEPS, set())
+            runner.run_sample(lm, [Mode(broken_index, IndexPlan(broken_index))], settings, pre.ids, STEPS, set())
     finally:
         go.set()
     assert all(pool._work_queue.empty() for pool in threads._POOLS.values())
