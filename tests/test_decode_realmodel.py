@@ -51,3 +51,17 @@ def test_smollm2_small_window_changes_the_output(smollm2_prefilled):
     gap_top = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(top100.logits, full.logits))
     assert gap_top < gap  # retrieving the top-100 keys gets closer to full attention than the window alone
     assert torch.isfinite(torch.stack(top100.logits)).all()
+
+
+def test_smollm2_until_built_exact_stays_full_attention_across_the_hand_over(smollm2_prefilled):
+    """``--until-built exact`` on the real model, top-k over every key: whichever step each of the 30 layers' built
+    store takes over at (the builds race the decode), every logit is full attention's, and every layer ends indexed."""
+    import dataclasses
+
+    lm, pre, full = smollm2_prefilled
+    settings = dataclasses.replace(SETTINGS, until_built="exact", steps=STEPS)
+    run = run_mode(lm, pre, Mode("roargraph", IndexPlan("roargraph", {}, {"L": 400})), settings, STEPS, keep_logits=True)
+    for a, b in zip(run.logits, full.logits):
+        assert float((a - b).abs().max() / b.abs().max()) < 1e-4
+    assert run.tokens == full.tokens and 0 <= run.exact_steps <= STEPS - 1
+    assert len(run.stores) == 30 and all(s.indexes and s.n_rows == PROMPT + STEPS - 1 - 80 for s in run.stores.values())

@@ -1,5 +1,5 @@
-"""``--until-built exact``: an index mode's first steps attend its layers' keys exactly while their indexes still build,
-then each built store takes over with the rows that left the window meanwhile."""
+"""``--until-built exact``: an index mode's first steps attend its layers over their whole cache while their indexes
+still build, then each built store takes its layer over with the rows that left the window meanwhile."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import torch
 from conftest import TEST_DEVICE
 
 from anns_lab.decode import builds, engine, runner
-from anns_lab.decode.engine import Mode, Settings, prefill, run_mode, summarize, swap_in
-from anns_lab.decode.placement import IndexPlan, LayerStore
+from anns_lab.decode.cache import WindowLayer, narrow_layer, window_cache
+from anns_lab.decode.engine import Mode, Settings, prefill, run_mode, summarize
+from anns_lab.decode.placement import IndexPlan
 from anns_lab.dumps.models import load_model
 from anns_lab.errors import DecodeError
 from anns_lab.indexes import threads
@@ -22,7 +23,7 @@ from anns_lab.window import Window
 
 PROMPT = 64
 STEPS = 8  # 7 forwards: every row that leaves the window is a prompt token's, whatever a run generates
-# a top-k well short of the keys: the index's output differs from full attention's, an exact store's does not
+# a top-k well short of the keys: the index's output differs from full attention's, a whole layer's does not
 SETTINGS = Settings(Window(4, 8), topk=6, add_batch=2, chunk=24, steps=STEPS, until_built="exact")
 
 
@@ -63,22 +64,25 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def test_steps_while_building_are_full_attention_and_the_built_stores_take_every_row(prefilled, monkeypatch):
-    """Builds held through the whole decode: every step attends the layers' keys exactly (no search), so tokens and
-    logits are full attention's although the top-k is far short of the keys; the built stores swapped in after the
-    decode hold the prompt's rows and those that left the window meanwhile, as a run that waited for its builds."""
+    """Builds held through the whole decode: every step attends the layers over their whole cache (no search), so tokens
+    and logits are full attention's although the top-k is far short of the keys; the built stores that take the layers
+    over after the decode hold the prompt's rows and those that left the window meanwhile, as a run that waited for its
+    builds, and the device keeps the window only."""
     lm, pre, full = prefilled
     mode = Mode("roargraph", IndexPlan("roargraph"))
     waited = run_mode(lm, pre, mode, dataclasses.replace(SETTINGS, until_built="wait"), STEPS, keep_logits=True)
     assert not all(_close(a, b) for a, b in zip(waited.logits, full.logits))  # the index alone is not full attention
     go = _hold_builds(monkeypatch, release_after=STEPS - 1)
     try:
-        run = run_mode(lm, pre, mode, SETTINGS, STEPS, keep_logits=True)
+        run = run_mode(lm, pre, mode, SETTINGS, STEPS, keep_logits=True, keep_cache=True)
     finally:
         go.set()
     assert run.tokens == full.tokens and all(_close(a, b) for a, b in zip(run.logits, full.logits))
     assert run.exact_steps == len(run.step_s) == STEPS - 1 and not any(s.scanned for s in run.steps)
     s = summarize(run)
-    assert s["exact_steps"] == STEPS - 1 and s["exact_s"] == pytest.approx(sum(run.step_s)) and s["held_s"] >= 0.0
+    assert s["exact_steps"] == STEPS - 1 and s["exact_s"] == pytest.approx(sum(run.step_s))
+    assert all(isinstance(run.cache.layers[layer], WindowLayer) for layer in lm.long_range_layers)
+    assert run.device_kv_bytes == waited.device_kv_bytes
     assert waited.exact_steps is None and "exact_steps" not in summarize(waited)
     assert set(run.stores) == set(run.build_layers) == set(lm.long_range_layers)
     for layer, store in run.stores.items():
@@ -118,21 +122,21 @@ def test_a_build_ending_mid_decode_hands_over_at_the_next_step_with_every_row(pr
         assert store.n_rows == PROMPT - 12 + STEPS - 1 and store.indexes[0].n_keys == store.n_indexed
 
 
-def test_swap_in_appends_the_rows_the_exact_store_took():
-    rng = np.random.default_rng(2)
-    keys, values = rng.standard_normal((2, 30, 8), np.float32), rng.standard_normal((2, 30, 8), np.float32)
-    held = LayerStore(5, 4, keys, values, topk=4, plan=None, add_batch=3)
-    built = LayerStore(5, 4, keys, values, topk=4, plan=IndexPlan("flat"), add_batch=3)
-    built.build(None)
-    new_k, new_v = rng.standard_normal((2, 4, 8), np.float32), rng.standard_normal((2, 4, 8), np.float32)
-    for t in range(4):
-        held.extend(new_k[:, t:t + 1], new_v[:, t:t + 1])
-    stores = {5: held}
-    swap_in(stores, {5: built})
-    assert stores[5] is built and built.n_rows == 34 and held.n_indexed == 0
-    np.testing.assert_array_equal(built.keys[:, :34], np.concatenate([keys, new_k], axis=1))
-    np.testing.assert_array_equal(built.values[:, :34], np.concatenate([values, new_v], axis=1))
-    assert built.n_indexed == 34 and built.indexes[0].n_keys == 34  # four rows at once: a full batch of 3 and more
+def test_narrow_layer_leaves_the_window_and_returns_the_rows_that_left_it(prefilled):
+    """A whole layer cut to its window holds what a window cache of the same tokens holds, and hands back the keys
+    and values of the positions that left the window after ``since``."""
+    lm, pre, _ = prefilled
+    w, layer = SETTINGS.window, lm.long_range_layers[0]
+    with torch.inference_mode():
+        whole = window_cache(pre.cache, lm.long_range_layers, w, None, whole={layer})
+        windowed = window_cache(pre.cache, lm.long_range_layers, w, None)
+        keys, values = narrow_layer(whole, layer, w, None, since=20)
+    full_keys = pre.cache.layers[layer].keys
+    assert isinstance(whole.layers[layer], WindowLayer) and whole.layers[layer].cumulative_length == PROMPT
+    assert torch.equal(whole.layers[layer].keys, windowed.layers[layer].keys)
+    assert torch.equal(whole.layers[layer].values, windowed.layers[layer].values)
+    assert torch.equal(keys, full_keys[0, :, 20:PROMPT - w.recent])
+    assert torch.equal(values, pre.cache.layers[layer].values[0, :, 20:PROMPT - w.recent])
 
 
 @pytest.mark.parametrize("during", [True, False])
@@ -154,7 +158,7 @@ def test_a_build_failing_while_the_decode_runs_is_one_error_and_nothing_keeps_bu
 
 def test_run_sample_decodes_before_the_builds_end_and_times_the_first_token_without_them(prefilled, monkeypatch):
     """With builds during the prefill, a mode's decode starts while they still run (a wait for them would time out the
-    held builds); its time to first token counts the copy of the keys, not the build."""
+    held builds); its time to first token counts the prefill and the first step, not the build."""
     lm, pre, full = prefilled
     go = _hold_builds(monkeypatch, release_after=2)
     try:
@@ -167,6 +171,22 @@ def test_run_sample_decodes_before_the_builds_end_and_times_the_first_token_with
     modes = {name: {"summary": runner._pool([r])} for name, r in (("full", full), ("flat", run))}
     runner.time_to_first_token(modes)
     s = modes["flat"]["summary"]
-    assert s["ttft_s"] == pytest.approx(s["prefill_s"] + s["held_s"] + s["first_step_s"])
+    assert s["ttft_s"] == pytest.approx(s["prefill_s"] + s["first_step_s"])
     assert s["build_s"] > 0 and s["exact_steps"] == run.exact_steps
     assert modes["flat"]["summary"]["ttft_x_full"] == pytest.approx(s["ttft_s"] / modes["full"]["summary"]["ttft_s"])
+
+
+@pytest.mark.parametrize("until_built", ["wait", "exact"])
+def test_the_memory_estimate_counts_the_whole_cache_held_while_building(prefilled, monkeypatch, until_built):
+    """Before the prefill: an index mode alone holds a copy of the whole cache only with ``exact`` (its layers stay
+    whole while they build), as ``full`` always does."""
+    from anns_lab.dumps import memory
+
+    lm, _, _ = prefilled
+    seen = []
+    monkeypatch.setattr(memory, "check_prefill", lambda *args, **kwargs: seen.append(kwargs))
+    settings = dataclasses.replace(SETTINGS, until_built=until_built)
+    runner.check_memory(lm, [Mode("flat", IndexPlan("flat"))], settings, PROMPT + STEPS)
+    runner.check_memory(lm, [Mode("full")], settings, PROMPT + STEPS)
+    assert [k["cache_copy"] for k in seen] == [until_built == "exact", True]
+    assert seen[0]["index_layers"] == len(lm.long_range_layers)

@@ -81,6 +81,7 @@ class Retrieval:
         self.scaling: dict[int, float] = {}  # prefill: each long-range layer's softmax scale, as its attention got it
         self.layer_done = None  # prefill: called with a long-range layer once its keys and queries are complete
         self.stores: dict[int, LayerStore] = {}
+        self.whole: set[int] = set()  # decode: long-range layers still attended over their whole cache (--until-built exact)
         self.inner = "sdpa"
         self.hints: CopyHints | None = None  # decode: where this step may copy from (entry points of the searches)
         self.times = StepTimes()
@@ -105,7 +106,9 @@ class Retrieval:
             return inner(module, query, key, value, attention_mask, **kwargs)
         if query.shape[0] != 1 or query.shape[2] != 1:
             raise DecodeError("retrieval decoding runs batch 1, one token per step")
-        if self.mode == "full":
+        if self.mode == "full" or layer in self.whole:
+            if self.mode != "full":  # the mask is sized for the first long-range layer, maybe a window; one token sees all
+                attention_mask = None
             sync(query.device)
             t0 = time.perf_counter()
             out = inner(module, query, key, value, attention_mask, **kwargs)

@@ -34,9 +34,12 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
     with its indexes built from the layer's prefill ``queries`` (H, t, d) and, with ``settings.calibrate``, its search
     calibrated on their newest at the layer's softmax ``scaling``; ``beside``: the prefill still runs
     (:meth:`LayerStore.build`; the calibration too runs its kernels on one thread then)."""
-    store = held_store(lm, cache, n_ids, layer, plan, settings)
     lo, hi = settings.window.outside(n_ids)
     layer_cache = cache.layers[layer]
+    keys = layer_cache.keys[0, :, lo:hi].to("cpu", torch.float32).numpy()
+    values = layer_cache.values[0, :, lo:hi].to("cpu", torch.float32).numpy()
+    store = LayerStore(layer, lm.config.num_attention_heads, keys, values, settings.topk, plan, settings.add_batch,
+                       settings.steps)
     calibrating = calibration.enabled(settings.calibrate) and queries is not None
     if calibrating and scaling is None:
         raise ValueError("calibrating a layer's search needs its softmax scaling (the prefill records it)")
@@ -57,10 +60,9 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
     per_kv = aware and settings.train_group not in PER_HEAD
     others = aware and settings.train_group == "unlisted" and registry.get(plan.name).accepts_group_queries
     if per_kv:  # one training set per KV head: its GQA group's queries
-        n_kv = layer_cache.keys.shape[1]
-        group = queries.shape[0] // n_kv
+        group = queries.shape[0] // keys.shape[0]
         queries = np.stack([group_queries(list(queries[g * group:(g + 1) * group]), settings.train_group)
-                            for g in range(n_kv)])
+                            for g in range(keys.shape[0])])
     store.build(queries, _device_lists(lm, plan, queries, layer_cache.keys[0, :, lo:hi], settings), per_kv_head=per_kv,
                 others=others, beside=beside)
     if calibrating:  # in the store's build_s too (the decoder times its modes by the layers' spans, :meth:`EarlyBuilds.take`)
@@ -68,18 +70,6 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
         store.calibration = calibrate_store(store, newest, settings.calibrate, scaling, beside)
         store.build_s += time.perf_counter() - t0
     return store
-
-
-def held_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, settings) -> LayerStore:
-    """The layer's CPU store of its non-window prefill keys/values (read from ``cache``, ``n_ids`` tokens long), no index
-    built yet: with ``plan`` None it attends every row exactly (its rows are all side-buffer), as a mode's layers do
-    while their indexes build (``--until-built exact``)."""
-    lo, hi = settings.window.outside(n_ids)
-    layer_cache = cache.layers[layer]
-    keys = layer_cache.keys[0, :, lo:hi].to("cpu", torch.float32).numpy()
-    values = layer_cache.values[0, :, lo:hi].to("cpu", torch.float32).numpy()
-    return LayerStore(layer, lm.config.num_attention_heads, keys, values, settings.topk, plan, settings.add_batch,
-                      settings.steps)
 
 
 def calibrate_store(store: LayerStore, newest: np.ndarray, target: float | str, scaling: float,

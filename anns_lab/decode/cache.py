@@ -143,20 +143,34 @@ def require_ring(window: Window) -> None:
         raise DecodeError(f"--window {window}: sink must be ≥ 0 and recent ≥ 1 tokens")
 
 
-def window_cache(full, long_range: list[int], window: Window, on_evict: EvictHook | None = None):
+def window_cache(full, long_range: list[int], window: Window, on_evict: EvictHook | None = None,
+                 whole: set[int] = frozenset()):
     """A cache for retrieval decoding from a prefilled ``full`` cache, which is left untouched.
 
-    Long-range layers become :class:`WindowLayer` (their window copied); other layers (Gemma-3's
-    sliding-window layers) are deep copies, as ``copy.deepcopy(full)`` would make them.
+    Long-range layers become :class:`WindowLayer` (their window copied), but those in ``whole``, which stay deep copies
+    of the whole layer until :func:`narrow_layer` cuts them (``--until-built exact``: attended in full while their
+    indexes build); other layers (Gemma-3's sliding-window layers) are deep copies, as ``copy.deepcopy(full)`` would
+    make them.
     """
     out = copy.copy(full)  # the cache object's own settings; its layer list is replaced below
-    wanted = set(long_range)
+    wanted = set(long_range) - set(whole)
     out.layers = [WindowLayer.from_layer(layer, i, window, on_evict) if i in wanted else copy.deepcopy(layer)
                   for i, layer in enumerate(full.layers)]
     missing = wanted - set(range(len(full.layers)))
     if missing:
         raise DecodeError(f"long-range layers {sorted(missing)} are not in the prefilled cache of {len(full.layers)} layers")
     return out
+
+
+def narrow_layer(cache, layer: int, window: Window, on_evict: EvictHook | None, since: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cut ``cache``'s whole long-range ``layer`` to its window (a :class:`WindowLayer` in its place, evicting to
+    ``on_evict`` from then on) and return the keys and values (G, t, d) of the positions ``[since, n − recent)``: those
+    that left the window after ``since`` while the layer was whole, for the CPU store that takes the layer over."""
+    whole = cache.layers[layer]
+    n = whole.keys.shape[-2]
+    cache.layers[layer] = WindowLayer.from_layer(whole, layer, window, on_evict)
+    end = max(since, n - window.recent)
+    return whole.keys[0, :, since:end], whole.values[0, :, since:end]
 
 
 def device_kv_bytes(cache) -> int:

@@ -22,10 +22,10 @@ import torch
 
 from anns_lab.decode import calibrate as calibration
 from anns_lab.decode.attention import DecodeError, Retrieval, StepTimes, retrieving, sync
-from anns_lab.decode.builds import EarlyBuilds, build_stores, builds_after, held_store
-from anns_lab.decode.cache import device_kv_bytes, require_ring, window_cache
+from anns_lab.decode.builds import EarlyBuilds, build_stores, builds_after
+from anns_lab.decode.cache import device_kv_bytes, narrow_layer, require_ring, window_cache
 from anns_lab.decode.copy_hints import CopyHints
-from anns_lab.decode.placement import IndexPlan
+from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.dumps import rope
 from anns_lab.dumps.models import forward_tokens
 from anns_lab.indexes import group_queries, registry
@@ -70,8 +70,9 @@ def kept_queries(modes: list[Mode]) -> int | None:
 UNTIL_BUILT = ("wait", "exact")
 UNTIL_BUILT_HELP = ("what an index mode's decode steps do while its layers' indexes are still building: wait for them "
                     "(the time to first token then counts the build not hidden behind the prefill), or attend each such "
-                    "layer's CPU keys exactly, full attention's output (the first token does not wait; its index serves "
-                    "from the step after its build ends, and the table counts the steps before that)")
+                    "layer over its whole cache on the accelerator, as full attention does (the first token does not "
+                    "wait; a layer's index serves from the step after its build ends, and the table counts the steps "
+                    "before every layer's did)")
 
 
 @dataclass
@@ -89,7 +90,7 @@ class Settings:
     build_during_prefill: bool = True  # start a layer's index builds once the prompt's last chunk has passed it (builds.EarlyBuilds)
     steps: int = 64  # decode steps of a mode at most: the CPU stores reserve a row per step past the prompt's
     calibrate: float | str = 0.0  # > 0 or "auto": each layer's index search raised at build time to this weight recall@k where short (calibrate.calibrate; "auto", the CLI's default: calibrate.auto_target of the layer's keys)
-    until_built: str = "wait"  # decode steps while a mode's indexes still build: "wait" for them, or attend those layers' keys "exact"ly (UNTIL_BUILT)
+    until_built: str = "wait"  # decode steps while a mode's indexes still build: "wait" for them, or attend those layers' whole cache, "exact"ly (UNTIL_BUILT)
     copy_hints: int = 8  # per step, the positions after this many earlier occurrences of the context's suffix (and the 2 steps before's, moved on) enter the searches (0 = none)
 
 
@@ -125,8 +126,7 @@ class ModeRun:
     prefill_s: float = 0.0  # the prefill this run decoded from (with any builds that overlapped it), seconds
     calibration: dict = field(default_factory=dict)  # layer -> {param, value, weight_recall, tried, per_head, target} where the search was calibrated
     build_layers: dict = field(default_factory=dict)  # layer -> [queued, started, ended]: its builds, seconds from the prefill's end (built after it: from the mode's build start)
-    exact_steps: int | None = None  # --until-built exact: the leading decode steps in which a layer attended its keys exactly (its index still building)
-    held_s: float | None = None  # --until-built exact: copying the layers' keys to the CPU stores before the first step, seconds
+    exact_steps: int | None = None  # --until-built exact: the leading decode steps in which a layer attended its whole cache (its index still building)
 
 
 def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool, build_modes: list[Mode] = (),
@@ -178,27 +178,21 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
     is freed with the run's end, so that runs kept for their timings do not hold accelerator memory.
     """
     stores, notes, build_s, hidden_s = {}, [], 0.0, 0.0
-    building, held_s = None, None  # --until-built exact: the builds still running, the exact stores' copy time
+    building = None  # --until-built exact: the builds still running while the decode steps attend the layers whole
     if mode.kind == "index" and settings.until_built == "exact" and teacher is None:
-        t_held = time.perf_counter()
         building = pre.early if pre.early is not None and pre.early.has(mode.name) else builds_after(lm, pre, mode, settings)
-        try:
-            stores = {layer: held_store(lm, pre.cache, len(pre.ids), layer, None, settings) for layer in lm.long_range_layers}
-        except BaseException:
-            building.close()
-            raise
-        held_s = time.perf_counter() - t_held
     elif mode.kind == "index" and pre.early is not None and pre.early.has(mode.name):
         stores, notes, build_s, hidden_s = pre.early.take(mode.name)
     elif mode.kind == "index":
         stores, notes, build_s = build_stores(lm, pre, mode, settings)
     try:
-        if stores:
+        if stores or building is not None:
             from anns_lab.decode.kernels import warmup
 
             warmup()
         ctl = Retrieval(lm.long_range_layers, mode.kind, settings.window, False)
         ctl.stores = stores
+        ctl.whole = set(lm.long_range_layers) if building is not None else set()
         ctl.phase = "decode"
         plans = [mode.plan_for(layer) for layer in lm.long_range_layers] if mode.kind == "index" else []
         if settings.copy_hints > 0 and any(p is not None and registry.get(p.name).takes_hints for p in plans):
@@ -208,7 +202,7 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
             if mode.kind == "full":
                 cache = copy.deepcopy(pre.cache)
             else:  # long-range layers keep the window only; the tokens they evict go to ctl.evicted
-                cache = window_cache(pre.cache, lm.long_range_layers, settings.window, ctl.evicted)
+                cache = window_cache(pre.cache, lm.long_range_layers, settings.window, ctl.evicted, ctl.whole)
         ids = list(pre.ids)
         logits = pre.logits
         out_tokens, all_logits, steps, step_s = [], [], [], []
@@ -224,9 +218,9 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
                     break
                 ids.append(tok)
                 ts = time.perf_counter()
-                if building is not None:  # in the step's time: a layer whose build has ended takes over its store's rows
-                    swap_in(ctl.stores, building.ready(mode.name))
-                    exact_steps += building.has(mode.name)  # a layer still building: attended exactly this step
+                if building is not None:  # in the step's time: a layer whose build has ended goes over to its index
+                    hand_over(ctl, cache, building.ready(mode.name), settings.window)
+                    exact_steps += bool(ctl.whole)  # a layer still building: attended whole this step
                 if ctl.hints is not None:  # in the step's time: the decoder pays for its hints
                     ctl.hints.update(ids)
                 logits = forward_tokens(lm, cache, ids, len(ids) - 1, len(ids))[0, -1].float()
@@ -241,7 +235,8 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
                 built, notes, build_s, hidden_s = building.take(mode.name)
             finally:
                 building.close()
-            swap_in(ctl.stores, {layer: s for layer, s in built.items() if ctl.stores[layer] is not s})
+            with torch.inference_mode():  # the cache's tensors are inference tensors
+                hand_over(ctl, cache, {layer: s for layer, s in built.items() if layer in ctl.whole}, settings.window)
             stores = ctl.stores
     except BaseException:  # the builds must not outlive the run (an interrupt, a build's or a step's error)
         if building is not None:
@@ -258,26 +253,27 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
     run.build_layers = {layer: [round(t, 4) for t in s.build_span] for layer, s in stores.items()
                         if s.build_span is not None}
     if building is not None:
-        run.exact_steps, run.held_s = exact_steps, held_s
+        run.exact_steps = exact_steps
     run.cache = cache if keep_cache else None
     run.stores = stores  # kept for inspection (tests, index sizes)
     return run
 
 
-def swap_in(stores: dict, built: dict) -> None:
-    """Put each ``built`` layer's store (its prompt's rows indexed) in the place of the exact store that served the layer
-    while it built, with the rows that store took since (tokens that left the window: appended, into its index by
-    ``add_batch`` as ever)."""
+def hand_over(ctl: Retrieval, cache, built: dict[int, LayerStore], window: Window) -> None:
+    """Each ``built`` layer, attended whole until now, goes over to its store: its cache is cut to the window, and the
+    tokens that left the window since the prompt are appended to the store (into its index by ``add_batch``, as a
+    step's are)."""
     for layer, store in built.items():
-        held = stores[layer]
-        if held.n_rows > store.n_rows:
-            store.extend(held.keys[:, store.n_rows:held.n_rows], held.values[:, store.n_rows:held.n_rows])
-        stores[layer] = store
+        keys, values = narrow_layer(cache, layer, window, ctl.evicted, window.sink + store.n_rows)
+        if keys.shape[1]:
+            store.extend(keys.to("cpu", torch.float32).numpy(), values.to("cpu", torch.float32).numpy())
+        ctl.stores[layer] = store
+        ctl.whole.discard(layer)
 
 
 def warmup_steps(run: ModeRun) -> int:
-    """Leading decode steps of ``run`` its per-token means leave out: those in which a layer was still attended exactly
-    while its index built (``--until-built exact``: their times are the builds' contention and a full scan, not the
+    """Leading decode steps of ``run`` its per-token means leave out: those in which a layer was still attended whole
+    while its index built (``--until-built exact``: their times are the builds' contention and full attention, not the
     index's), then the first (it also compiles each index's search kernel, numba, and is the first search on the run's
     new indexes) where at least two more follow it."""
     exact = run.exact_steps or 0
@@ -292,8 +288,7 @@ def summarize(run: ModeRun, skip: int | None = None) -> dict:
     first_step = run.step_s[0] if run.step_s else None  # the first token to use the index (kept in time to first token)
     cpu = {"cpu_bytes_per_key": run.cpu_bytes / run.cpu_keys} if run.cpu_keys else {}
     if run.exact_steps is not None:  # --until-built exact
-        cpu |= {"exact_steps": run.exact_steps, "exact_s": float(np.sum(run.step_s[:run.exact_steps])),
-                "held_s": run.held_s}
+        cpu |= {"exact_steps": run.exact_steps, "exact_s": float(np.sum(run.step_s[:run.exact_steps]))}
     run = ModeRun(run.mode, run.tokens, [], run.build_s, run.decode_s, run.steps[skip:], run.step_s[skip:],
                   device_kv_bytes=run.device_kv_bytes, build_hidden_s=run.build_hidden_s)
     n = len(run.step_s)

@@ -65,8 +65,7 @@ def _pool(runs: list[ModeRun]) -> dict:
     exact = {}
     if all(r.exact_steps is not None for r in runs):  # --until-built exact: per run, as the first step
         exact = {"exact_steps": float(np.mean([r.exact_steps for r in runs])),
-                 "exact_s": float(np.mean([np.sum(r.step_s[:r.exact_steps]) for r in runs])),
-                 "held_s": float(np.mean([r.held_s for r in runs]))}
+                 "exact_s": float(np.mean([np.sum(r.step_s[:r.exact_steps]) for r in runs]))}
     return pooled | exact | {"first_step_s": float(np.mean(firsts)) if firsts else None,
                              "prefill_s": float(np.mean([r.prefill_s for r in runs]))}
 
@@ -75,12 +74,12 @@ def time_to_first_token(modes: dict) -> None:
     """Add ``ttft_s`` to each mode's summary: prefill + what the first decode step waited for + that step, and
     ``ttft_x_full``, the ratio to ``full``'s when it ran. The prompt's last logits give one token before the
     build; the first step is the first that needs the index, so this is what the build delays: it waits for the index
-    build not hidden behind the prefill (``build_s`` − ``build_hidden_s``), or with ``--until-built exact`` only for the
-    copy of the keys that its layers then attend exactly (``held_s``; the index serves later, ``exact_steps``)."""
+    build not hidden behind the prefill (``build_s`` − ``build_hidden_s``), or with ``--until-built exact`` for nothing
+    (the layers still building are attended whole; the index serves later, ``exact_steps``)."""
     for m in modes.values():
         s = m["summary"]
         if s.get("prefill_s") is not None and s.get("first_step_s") is not None:
-            waited = s["held_s"] if s.get("held_s") is not None else \
+            waited = 0.0 if s.get("exact_steps") is not None else \
                 (s.get("build_s") or 0.0) - (s.get("build_hidden_s") or 0.0)
             s["ttft_s"] = s["prefill_s"] + waited + s["first_step_s"]
     full = modes.get("full", {}).get("summary", {}).get("ttft_s")
@@ -125,8 +124,8 @@ def run_prompt(lm, modes: list[Mode], settings: Settings, text: str, max_new: in
 def check_memory(lm, modes: list[Mode], settings: Settings, n_tokens: int) -> None:
     """Refuse, before the prefill, a run whose estimated peak memory exceeds what is available
     (:func:`memory.check_prefill`: KV cache, a chunk's activations, the kept queries (:func:`engine.kept_queries`),
-    one mode's CPU store and indexes (modes run one after the other), with ``--until-built exact`` the exact stores its
-    layers are served from while those build, and ``full``'s copy of the cache)."""
+    one mode's CPU store and indexes (modes run one after the other), and a copy of the cache: ``full``'s, or with
+    ``--until-built exact`` an index mode's, whose long-range layers stay whole while their indexes build)."""
     from anns_lab.dumps.memory import check_prefill
 
     n_long = len(lm.long_range_layers)
@@ -134,8 +133,8 @@ def check_memory(lm, modes: list[Mode], settings: Settings, n_tokens: int) -> No
     check_prefill(lm.config, n_tokens, settings.chunk, f"decoding {n_tokens} tokens of {lm.name}", "--context",
                   query_layers=n_long if any(m.uses_queries(settings) for m in modes) else 0,
                   query_tokens=kept_queries(modes),
-                  index_layers=indexed, held_layers=indexed if settings.until_built == "exact" else 0,
-                  cache_copy=any(m.kind == "full" for m in modes))
+                  index_layers=indexed,
+                  cache_copy=any(m.kind == "full" for m in modes) or (indexed > 0 and settings.until_built == "exact"))
 
 
 def prefill_groups(modes: list[Mode], settings: Settings) -> list[list[Mode]]:
@@ -173,13 +172,13 @@ def run_sample(lm, modes: list[Mode], settings: Settings, ids: list[int], max_ne
             building = mode.kind == "index"
             exact = building and settings.until_built == "exact"
             say(f"  {mode.name}: " + ("building one index per layer and head from the prefill, then " if building and not exact
-                                      else "decoding while its indexes build (each layer exact until its own is built): "
+                                      else "decoding while its indexes build (each layer whole until its own is built): "
                                       if exact else "") + f"decoding up to {max_new} tokens ...")
             run = run_mode(lm, pre, mode, settings, max_new, stops)
             say(f"  {mode.name}: " + (f"indexes built in {run.build_s:.1f} s ({run.build_hidden_s:.1f} s during the prefill), "
                                       if building else "")
                 + f"{len(run.tokens)} tokens decoded in {run.decode_s:.1f} s"
-                + (f", the first {run.exact_steps} steps with a layer still exact" if run.exact_steps is not None else ""))
+                + (f", the first {run.exact_steps} with a layer still whole" if run.exact_steps is not None else ""))
             run.stores = None  # free the CPU copies and indexes
             runs[mode.name] = run
         del pre  # the next group's prefill must not hold this one's cache beside its own
@@ -335,12 +334,11 @@ LEGEND = {
     "build_s": "building the mode's indexes from the prefill (each layer's from when the prompt's last chunk has passed it), seconds",
     "build_hidden_s": "of that build, seconds that ran while the prefill was still running (not in TTFT)",
     "first_step_s": "the first decode step (it also compiles the search kernels), seconds",
-    "ttft_s": "time to first token: prefill + the index build not hidden behind it (--until-built exact: the keys' copy "
-              "to the CPU) + the first decode step, seconds",
-    "exact_steps": "--until-built exact: leading decode steps in which a layer attended its CPU keys exactly while its "
-                   "index was still building (left out of the per-token means, as the first step after them)",
-    "exact_s": "those steps' wall time, seconds (from the prefill's end to the first step served by every index: "
-               "this + TTFT's own first step)",
+    "ttft_s": "time to first token: prefill + the index build not hidden behind it (none with --until-built exact) + "
+              "the first decode step, seconds",
+    "exact_steps": "--until-built exact: leading decode steps in which a layer was still attended over its whole cache "
+                   "while its index built (left out of the per-token means, as the first step after them)",
+    "exact_s": "those steps' wall time from the prefill's end, seconds (every index serves the steps after them)",
     "ttft_x_full": "that time over full attention's",
     "retrieval_ms": "per token: index search on the CPU, summed over long-range layers (wall time)",
     "retrieval_cpu_ms": "the same searches' CPU time on their thread: below retr ms when the thread waited for a core "

@@ -82,13 +82,12 @@ def _parse_size(text: str) -> int:
 
 
 def prefill_estimate(cfg, n_tokens: int, chunk: int, query_layers: int = 0, index_layers: int = 0,
-                     cache_copy: bool = False, query_tokens: int | None = None, held_layers: int = 0) -> Estimate:
+                     cache_copy: bool = False, query_tokens: int | None = None) -> Estimate:
     """Peak bytes of a chunked prefill of ``n_tokens`` with model config ``cfg``: KV cache, one chunk's
     attention scores and MLP activations; ``query_layers`` layers whose queries are kept (decode's training
     queries; ``query_tokens``: only each head's newest so many, None: every token's); ``index_layers``
-    long-range layers held on the CPU with a graph per query head (a decode mode); ``held_layers``: layers whose keys
-    and values the CPU holds a second time, attended exactly while their indexes build (``--until-built exact``);
-    ``cache_copy``: a second copy of the cache (decode's ``full``)."""
+    long-range layers held on the CPU with a graph per query head (a decode mode); ``cache_copy``: a second copy
+    of the cache (decode's ``full``)."""
     n_layers = cfg.num_hidden_layers
     n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
@@ -107,8 +106,6 @@ def prefill_estimate(cfg, n_tokens: int, chunk: int, query_layers: int = 0, inde
         parts["prefill queries kept"] = query_layers * n_heads * kept * d * FLOAT
     if index_layers:
         parts["CPU store and indexes"] = index_layers * n_tokens * (per_token + n_heads * GRAPH_BYTES_PER_KEY)
-    if held_layers:
-        parts["exact CPU stores while the indexes build"] = held_layers * n_tokens * per_token
     if cache_copy:
         parts["copy of the KV cache (full)"] = kv
     return Estimate(parts)
