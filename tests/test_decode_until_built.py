@@ -27,9 +27,10 @@ STEPS = 8  # 7 forwards: every row that leaves the window is a prompt token's, w
 SETTINGS = Settings(Window(4, 8), topk=6, add_batch=2, chunk=24, steps=STEPS, until_built="exact")
 
 
-@pytest.fixture(scope="module")
-def prefilled(tiny_llama):
-    lm = load_model(str(tiny_llama), device=TEST_DEVICE)
+@pytest.fixture(scope="module", params=["tiny_llama", "tiny_gemma3"])
+def prefilled(request):
+    """Llama: every layer long-range; Gemma-3: global layers among sliding ones (the mask of a whole layer differs)."""
+    lm = load_model(str(request.getfixturevalue(request.param)), device=TEST_DEVICE)
     ids = np.random.default_rng(7).integers(3, 400, size=PROMPT).tolist()
     pre = prefill(lm, ids, SETTINGS, capture_queries=True)
     full = run_mode(lm, pre, Mode("full"), SETTINGS, STEPS, keep_logits=True)
