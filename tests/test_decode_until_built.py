@@ -191,3 +191,36 @@ def test_the_memory_estimate_counts_the_whole_cache_held_while_building(prefille
     runner.check_memory(lm, [Mode("full")], settings, PROMPT + STEPS)
     assert [k["cache_copy"] for k in seen] == [until_built == "exact", True]
     assert seen[0]["index_layers"] == len(lm.long_range_layers)
+
+
+def test_steps_leave_the_builds_a_core_while_layers_are_whole(prefilled, monkeypatch):
+    """On the CPU, torch runs the steps with one thread fewer while a layer is whole (the builds take that core), and
+    with all of them again from the hand-over on, and after the run."""
+    lm, pre, full = prefilled
+    if lm.model.device.type != "cpu":
+        pytest.skip("the steps keep their threads where torch runs on an accelerator")
+    go = _hold_builds(monkeypatch, release_after=3)
+    real_ready, real_forward = builds.EarlyBuilds.ready, engine.forward_tokens
+    seen = []
+
+    def ready_once_ended(self, name):
+        if go.is_set():
+            for job in list(self.jobs[name].values()):
+                job.exception(30)
+        return real_ready(self, name)
+
+    def forward(lm, cache, ids, start, end, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real_forward(lm, cache, ids, start, end, *args, **kwargs)
+
+    monkeypatch.setattr(builds.EarlyBuilds, "ready", ready_once_ended)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setattr(engine, "forward_tokens", forward)
+        run = run_mode(lm, pre, Mode("flat", IndexPlan("flat")), SETTINGS, STEPS)
+        after = torch.get_num_threads()
+    finally:
+        go.set()
+        torch.set_num_threads(before)
+    assert run.exact_steps == 3 and seen == [1] * 3 + [2] * (STEPS - 4) and after == 2

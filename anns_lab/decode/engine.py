@@ -185,6 +185,7 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
         stores, notes, build_s, hidden_s = pre.early.take(mode.name)
     elif mode.kind == "index":
         stores, notes, build_s = build_stores(lm, pre, mode, settings)
+    threads = torch.get_num_threads()  # set again after the steps that leave the builds a core
     try:
         if stores or building is not None:
             from anns_lab.decode.kernels import warmup
@@ -198,6 +199,8 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
         if settings.copy_hints > 0 and any(p is not None and registry.get(p.name).takes_hints for p in plans):
             ctl.hints = CopyHints(settings.copy_hints)  # only where a search uses them: the others' steps do not pay for them
         exact_steps = 0
+        if building is not None:
+            torch.set_num_threads(steps_threads(lm.model.device, threads))
         with torch.inference_mode():  # the prefill's tensors are inference tensors; so are the copies
             if mode.kind == "full":
                 cache = copy.deepcopy(pre.cache)
@@ -221,6 +224,8 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
                 if building is not None:  # in the step's time: a layer whose build has ended goes over to its index
                     hand_over(ctl, cache, building.ready(mode.name), settings.window)
                     exact_steps += bool(ctl.whole)  # a layer still building: attended whole this step
+                    if not ctl.whole:
+                        torch.set_num_threads(threads)
                 if ctl.hints is not None:  # in the step's time: the decoder pays for its hints
                     ctl.hints.update(ids)
                 logits = forward_tokens(lm, cache, ids, len(ids) - 1, len(ids))[0, -1].float()
@@ -242,6 +247,9 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
         if building is not None:
             building.close()
         raise
+    finally:
+        if building is not None:
+            torch.set_num_threads(threads)
     run = ModeRun(mode.name, out_tokens, all_logits, build_s, decode_s, steps, step_s, notes, device_kv_bytes(cache),
                   hidden_s, sum(s.cpu_bytes() for s in stores.values()), sum(s.n_rows for s in stores.values()),
                   pre.seconds)
@@ -257,6 +265,13 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
     run.cache = cache if keep_cache else None
     run.stores = stores  # kept for inspection (tests, index sizes)
     return run
+
+
+def steps_threads(device: torch.device, threads: int) -> int:
+    """torch's threads for the decode steps while layers are still whole (``--until-built exact``): where torch runs on
+    the CPU, one fewer, so that the builds have a core (beside steps on every core they advanced ~6× slower than alone
+    and the index served no step of a 400-token answer on 2 cores: BENCHMARKS "Decoding while the indexes build")."""
+    return max(1, threads - 1) if torch.device(device).type == "cpu" else threads
 
 
 def hand_over(ctl: Retrieval, cache, built: dict[int, LayerStore], window: Window) -> None:
