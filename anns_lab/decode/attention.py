@@ -107,8 +107,6 @@ class Retrieval:
         if query.shape[0] != 1 or query.shape[2] != 1:
             raise DecodeError("retrieval decoding runs batch 1, one token per step")
         if self.mode == "full" or layer in self.whole:
-            if self.mode != "full":  # the mask is sized for the first long-range layer, maybe a window; one token sees all
-                attention_mask = None
             sync(query.device)
             t0 = time.perf_counter()
             out = inner(module, query, key, value, attention_mask, **kwargs)

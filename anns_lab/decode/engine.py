@@ -295,6 +295,11 @@ def warmup_steps(run: ModeRun) -> int:
     return exact + (1 if len(run.step_s) - exact >= 3 else 0)
 
 
+def exact_seconds(run: ModeRun) -> float:
+    """Wall time of ``run``'s leading steps with a layer still whole (``--until-built exact``), seconds."""
+    return float(np.sum(run.step_s[:run.exact_steps or 0]))
+
+
 def summarize(run: ModeRun, skip: int | None = None) -> dict:
     """Per generated token means (ms) of retrieval, CPU attention, accelerator attention, merge, other; tokens/s.
     ``skip``: leading steps left out of the means (default :func:`warmup_steps`; runner._pool passes 0 for the steps
@@ -303,7 +308,7 @@ def summarize(run: ModeRun, skip: int | None = None) -> dict:
     first_step = run.step_s[0] if run.step_s else None  # the first token to use the index (kept in time to first token)
     cpu = {"cpu_bytes_per_key": run.cpu_bytes / run.cpu_keys} if run.cpu_keys else {}
     if run.exact_steps is not None:  # --until-built exact
-        cpu |= {"exact_steps": run.exact_steps, "exact_s": float(np.sum(run.step_s[:run.exact_steps]))}
+        cpu |= {"exact_steps": run.exact_steps, "exact_s": exact_seconds(run)}
     run = ModeRun(run.mode, run.tokens, [], run.build_s, run.decode_s, run.steps[skip:], run.step_s[skip:],
                   device_kv_bytes=run.device_kv_bytes, build_hidden_s=run.build_hidden_s)
     n = len(run.step_s)

@@ -15,8 +15,8 @@ import torch
 
 from anns_lab.errors import DecodeError
 from anns_lab.decode import stats
-from anns_lab.decode.engine import (Mode, ModeRun, Settings, check_window, kept_queries, prefill, run_mode, summarize,
-                                    warmup_steps)
+from anns_lab.decode.engine import (Mode, ModeRun, Settings, check_window, exact_seconds, kept_queries, prefill,
+                                    run_mode, summarize, warmup_steps)
 from anns_lab.dumps import tasks
 from anns_lab.dumps.models import extrapolation_note
 
@@ -65,7 +65,7 @@ def _pool(runs: list[ModeRun]) -> dict:
     exact = {}
     if all(r.exact_steps is not None for r in runs):  # --until-built exact: per run, as the first step
         exact = {"exact_steps": float(np.mean([r.exact_steps for r in runs])),
-                 "exact_s": float(np.mean([np.sum(r.step_s[:r.exact_steps]) for r in runs]))}
+                 "exact_s": float(np.mean([exact_seconds(r) for r in runs]))}
     return pooled | exact | {"first_step_s": float(np.mean(firsts)) if firsts else None,
                              "prefill_s": float(np.mean([r.prefill_s for r in runs]))}
 
@@ -170,10 +170,9 @@ def run_sample(lm, modes: list[Mode], settings: Settings, ids: list[int], max_ne
             pre.early.wait()
         for mode in group:
             building = mode.kind == "index"
-            exact = building and settings.until_built == "exact"
-            say(f"  {mode.name}: " + ("building one index per layer and head from the prefill, then " if building and not exact
-                                      else "decoding while its indexes build (each layer whole until its own is built): "
-                                      if exact else "") + f"decoding up to {max_new} tokens ...")
+            doing = ("" if not building else "building one index per layer and head from the prefill, then "
+                     if settings.until_built == "wait" else "each layer whole until its indexes are built, ")
+            say(f"  {mode.name}: {doing}decoding up to {max_new} tokens ...")
             run = run_mode(lm, pre, mode, settings, max_new, stops)
             say(f"  {mode.name}: " + (f"indexes built in {run.build_s:.1f} s ({run.build_hidden_s:.1f} s during the prefill), "
                                       if building else "")
