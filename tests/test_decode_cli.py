@@ -453,6 +453,15 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_the_model_loads(ti
     # a bad option is refused before the folder is made
     _error(_run("--model", tiny_llama, "--task", "passkey", "--mode", "full,bogus", "--json", tmp_path / "new" / "r.json"))
     assert list(tmp_path.iterdir()) == [blocker]
+    # a run refused after the check (here: the model cannot load) leaves no folder behind either
+    monkeypatch.setattr(cli, "_load", lambda *a, **k: (_ for _ in ()).throw(cli.DecodeError("no such model")))
+    err = _error(_run("--model", tiny_llama, "--task", "passkey", "--context", 200, "--mode", "full",
+                      "--json", tmp_path / "new" / "deeper" / "r.json"))
+    assert "no such model" in err and list(tmp_path.iterdir()) == [blocker]
+    # a folder on the way that is a file is named
+    err = _error(_run("--model", tiny_llama, "--task", "passkey", "--context", 200, "--mode", "full",
+                      "--json", blocker / "sub" / "r.json"))
+    assert "cannot write there" in err and str(blocker) in err
 
 
 def test_json_is_written_after_each_sample(tiny_llama, tmp_path, monkeypatch):

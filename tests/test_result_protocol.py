@@ -18,6 +18,7 @@ from anns_lab.errors import AnnsLabError, IndexResultError
 from anns_lab.eval.heads import load_head
 from anns_lab.eval.sweep import COLUMNS, evaluate_index
 from anns_lab.indexes import protocol, registry
+from anns_lab.indexes.estimate import Estimate, Summaries
 from anns_lab.indexes.flat import FlatIndex
 
 
@@ -192,3 +193,106 @@ def test_decoder_checks_ids_and_counts_at_every_step(monkeypatch, fault):
     assert np.isfinite(good.out).all()
     with pytest.raises(IndexResultError, match=r"badplugin \(layer 3\)"):
         store.side(q, 0.25)
+
+
+class CoveringFlat(Faulty):
+    """An estimator on flat: the exact top-k, every other key as a weight-1 sample (``as_summaries``: as its own
+    one-key summary), so attention is exact. From the third search on (the first step's two KV heads answer
+    correctly) its estimate breaks the rule ``late``."""
+    estimates = True
+    as_summaries = False
+    late = None
+    calls = 0
+
+    def _build(self, keys, train_queries=None):
+        super()._build(keys, None)
+        self._summ = Summaries(keys.copy(), np.arange(len(keys) + 1), np.arange(len(keys)))
+
+    def summaries(self):
+        return self._summ if self.as_summaries else None
+
+    def _search(self, queries, k):
+        ids, scores, scanned = FlatIndex._search(self, queries, k)
+        rest = [np.setdiff1d(np.arange(self.n_keys), row[row >= 0]) for row in ids]
+        if self.as_summaries:
+            est = Estimate.make(summary_ids=rest, nq=len(ids))
+        else:
+            est = Estimate.make(rest, [np.ones(len(r)) for r in rest])
+        type(self).calls += 1
+        if type(self).calls <= 2:
+            return ids, scores, scanned, None, est
+        s_ids, s_w, c_ids = est.sample_ids.copy(), est.sample_weights.copy(), est.summary_ids.copy()
+        if self.late == "negative_sample":  # numpy would take key n − 5: a wrong key, silently
+            s_ids[0, 0] = -5
+        elif self.late == "sample_twice":
+            s_ids[1, 1] = s_ids[1, 0]
+        elif self.late == "sample_also_exact":
+            s_ids[0, 3] = ids[0, 0]
+        elif self.late == "summary_twice":
+            c_ids[1, 1] = c_ids[1, 0]
+        elif self.late == "summary_holds_an_exact_key":
+            c_ids[0, 2] = ids[0, 4]
+        elif self.late == "summary_out_of_range":
+            c_ids[0, 0] = self.n_keys + 3
+        return ids, scores, scanned, None, Estimate(s_ids, s_w, c_ids)
+
+
+@pytest.mark.parametrize("late, words", [
+    ("negative_sample", "sample ids outside"), ("sample_twice", "samples an id twice"),
+    ("sample_also_exact", "samples an id that is also exact"), ("summary_twice", "uses a summary twice"),
+    ("summary_holds_an_exact_key", "counts a key both in a summary and as an exact or sampled id"),
+    ("summary_out_of_range", "summary ids outside")])
+def test_decoder_checks_an_estimate_at_every_step(monkeypatch, late, words):
+    """An estimate's ids index the store's rows as the exact ids do: a rule broken on a later step is refused too
+    (not only on the first search after a build), and the attention of the steps before is exact."""
+    cls = type("Late", (CoveringFlat,), {"late": late, "calls": 0, "as_summaries": late.startswith("summary")})
+    store, q = _store(monkeypatch, cls, False)
+    good = store.side(q, 0.25)
+    keys, values = store.keys[:, :store.n_rows], store.values[:, :store.n_rows]
+    for h in range(4):  # the first step, estimate included: exact attention over every key (no window here)
+        logits = 0.25 * (keys[h // 2] @ q[h]).astype(np.float64)
+        p = np.exp(logits - logits.max())
+        np.testing.assert_allclose(good.out[h], p @ values[h // 2] / p.sum(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(IndexResultError, match=r"badplugin \(layer 3\) broke the index protocol: .*" + words):
+        store.side(q, 0.25)
+
+
+def test_the_vectorised_estimate_check_names_what_the_row_walk_names():
+    """estimate_problem's fast path (all queries at once) passes exactly the results its per-row walk passes."""
+    from anns_lab.indexes.base import SearchResult
+    from anns_lab.indexes.estimate import estimate_problem
+
+    rng = np.random.default_rng(3)
+    n, nq, k = 60, 5, 6
+    summ = Summaries(rng.standard_normal((12, 4)).astype(np.float32), np.arange(0, 61, 5), rng.permutation(n))
+    for trial in range(400):
+        ids = np.stack([rng.choice(n, k, replace=False) for _ in range(nq)])
+        s = np.where(rng.random((nq, 7)) < 0.5, -1, rng.integers(0, n, (nq, 7)))
+        c = np.where(rng.random((nq, 3)) < 0.8, -1, rng.integers(0, 12, (nq, 3)))
+        w = np.where(s >= 0, 1.5, 0.0)
+        res = SearchResult(ids, np.zeros((nq, k), np.float32), np.full(nq, 40 if trial % 7 else 9), None,
+                           Estimate(s, w, c))
+        got = estimate_problem(res, True, summ, n, 4)
+        walked = estimate_problem_by_rows(res, summ)
+        assert got == walked, (trial, got, walked)
+
+
+def estimate_problem_by_rows(res, summ):
+    """The per-row rules as plain Python sets (the reference for the vectorised check)."""
+    for row in range(len(res.ids)):
+        exact = [int(i) for i in res.ids[row] if i >= 0]
+        sample = [int(i) for i in res.estimate.sample_ids[row] if i >= 0]
+        used = [int(c) for c in res.estimate.summary_ids[row] if c >= 0]
+        if len(set(sample)) != len(sample):
+            return f"query {row} samples an id twice"
+        if set(sample) & set(exact):
+            return f"query {row} samples an id that is also exact"
+        if res.n_scanned[row] < len(exact) + len(sample) + len(used):
+            return (f"n_scanned {res.n_scanned[row]} of query {row} is below its "
+                    f"{len(exact) + len(sample) + len(used)} exact, sampled and summary terms")
+        if len(set(used)) != len(used):
+            return f"query {row} uses a summary twice"
+        inside = {int(m) for c in used for m in summ.members[summ.offsets[c]:summ.offsets[c + 1]]}
+        if inside & (set(exact) | set(sample)):
+            return f"query {row} counts a key both in a summary and as an exact or sampled id"
+    return None

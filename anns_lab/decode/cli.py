@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -229,13 +230,23 @@ def _check_counts(max_new_tokens: int | None, seed: int, torch_threads: int) -> 
 
 def _check_writable(path: Path) -> None:
     """Refuse a ``--json`` path that cannot be written before the first sample runs: its first write comes after that
-    sample, which an error there would lose."""
+    sample, which an error there would lose. Makes no folder (a refused or failed run leaves nothing behind):
+    the nearest existing folder on the way must let one be made, or the file be written."""
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".check"):
+        if not folder.is_dir():
+            raise NotADirectoryError(20, "not a folder", str(folder))
+        if folder != path.parent:
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise PermissionError(13, "no permission to make a folder in it", str(folder))
+            return
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{path.name}.", suffix=".check"):
             pass
     except OSError as err:
-        raise DecodeError(f"--json {path}: cannot write there ({type(err).__name__}: {err.strerror or err})") from None
+        raise DecodeError(f"--json {path}: cannot write there ({type(err).__name__} at {folder}: "
+                          f"{err.strerror or err})") from None
 
 
 def _check_calibrate(target: float | str) -> None:

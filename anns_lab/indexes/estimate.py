@@ -27,8 +27,10 @@ behalf. The values of the exact ids are the consumer's fixed cost for any index 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
+from numba import njit
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,15 @@ class Summaries:
     def counts(self) -> np.ndarray:
         """Members per summary (C,) int64."""
         return np.diff(self.offsets)
+
+    @cached_property
+    def owner(self) -> np.ndarray:
+        """The summary of each key id (n + 1,) int64, -1 for none; the last slot (id -1, padding) too. Valid once the
+        members are distinct key ids (the protocol's rule); made on first use (the decoder's every-step check)."""
+        out = np.full(int(self.members.max(initial=-1)) + 2, -1, np.int64)
+        out[self.members] = np.repeat(np.arange(len(self.keys)), self.counts)
+        out[-1] = -1
+        return out
 
     def value_sums(self, values: np.ndarray) -> np.ndarray:
         """Σ of the members' ``values`` (rows = key ids) per summary, (C, dv) float64; 0 for an empty summary."""
@@ -102,9 +113,14 @@ class Estimate:
 
     @classmethod
     def concat(cls, parts: list["Estimate"]) -> "Estimate":
-        """Rows of ``parts`` one after another (widths padded to the widest)."""
-        rows = [p.row(i) for p in parts for i in range(len(p.sample_ids))]
-        return cls.make([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], nq=len(rows))
+        """Rows of ``parts`` one after another, as they are (dtypes kept, widths padded to the widest with -1 / 0): the
+        protocol's checks then see what each index returned (a negative id is not taken for padding)."""
+        def stack(arrays: list[np.ndarray], fill: float) -> np.ndarray:
+            width = max(a.shape[1] for a in arrays)
+            return np.concatenate([np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=fill) for a in arrays])
+
+        return cls(stack([p.sample_ids for p in parts], -1), stack([p.sample_weights for p in parts], 0),
+                   stack([p.summary_ids for p in parts], -1))
 
 
 def weighted_partial(logits: np.ndarray, weights: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, float, float]:
@@ -141,11 +157,15 @@ def estimate_terms(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scaling:
     return np.concatenate(logit), np.concatenate(weight), np.concatenate(vals)
 
 
-def estimate_problem(res, estimates: bool, summaries: Summaries | None, n_keys: int, dim: int) -> str | None:
+def estimate_problem(res, estimates: bool, summaries: Summaries | None, n_keys: int, dim: int,
+                     summaries_checked: bool = False) -> str | None:
     """The first estimator rule a search result breaks, in words, or None (docs/estimators.md lists them).
 
     ``res`` is a SearchResult of an index whose class declares ``estimates``, holding ``n_keys`` keys
-    of dimension ``dim``; ``summaries`` is what its ``summaries()`` returns.
+    of dimension ``dim``; ``summaries`` is what its ``summaries()`` returns (``summaries_checked``: their own
+    rules already passed since they last changed, as the decoder's later steps know). The per-query rules run
+    in one compiled pass (a few µs for a layer's heads: cheap enough for every decode step); a row is walked
+    in Python only to name what it breaks.
     """
     est = res.estimate
     if not estimates:
@@ -170,12 +190,51 @@ def estimate_problem(res, estimates: bool, summaries: Summaries | None, n_keys: 
     if (c_ids >= 0).any() and summaries is None:
         return "summary ids given but summaries() is None"
     if summaries is not None:
-        problem = _summaries_problem(summaries, n_keys, dim)
+        problem = None if summaries_checked else _summaries_problem(summaries, n_keys, dim)
         if problem is not None:
             return problem
         if not ((c_ids >= -1) & (c_ids < len(summaries.keys))).all():
             return f"summary ids outside [0, {len(summaries.keys)}) that are not -1"
-    for row in range(nq):
+    none = np.full(1, -1, np.int64)
+    counts, owner = (none, none) if summaries is None else (np.asarray(summaries.counts, np.int64), summaries.owner)
+    first = _first_row_breaking(np.asarray(res.ids, np.int64), s_ids, c_ids, np.asarray(res.n_scanned, np.int64),
+                                counts, owner)
+    return None if first < 0 else _row_problem(res, est, summaries, first)
+
+
+@njit(cache=True, nogil=True)
+def _first_row_breaking(ids, s_ids, c_ids, n_scanned, counts, owner):
+    """The first query whose exact and sample ids are not all distinct, which uses a summary twice or an empty one,
+    counts a member of a summary it uses as an exact or sampled id, or scans fewer keys than its terms; -1 for none.
+    ``owner``: each key's summary (:attr:`Summaries.owner`); a few µs for a layer's heads (every decode step)."""
+    top = owner.shape[0] - 1
+    for row in range(ids.shape[0]):
+        terms = np.concatenate((ids[row], s_ids[row]))
+        terms = np.sort(terms[terms >= 0])
+        used = c_ids[row]
+        used = np.sort(used[used >= 0])
+        if n_scanned[row] < terms.shape[0] + used.shape[0]:
+            return row
+        for j in range(1, terms.shape[0]):
+            if terms[j] == terms[j - 1]:
+                return row
+        for j in range(used.shape[0]):
+            if (j > 0 and used[j] == used[j - 1]) or counts[used[j]] <= 0:
+                return row
+        if used.shape[0] > 0:
+            for t in terms:
+                o = owner[min(t, top)]
+                if o >= 0:
+                    at = np.searchsorted(used, o)
+                    if at < used.shape[0] and used[at] == o:
+                        return row
+    return -1
+
+
+def _row_problem(res, est: Estimate, summaries: Summaries | None, start: int = 0) -> str | None:
+    """The per-row rule the first offending query from ``start`` on breaks, in words (None: only exact ids repeat,
+    which the protocol's own check names)."""
+    for row in range(start, len(res.ids)):
         exact = res.ids[row][res.ids[row] >= 0]
         sample, _, used = est.row(row)
         if len(np.unique(sample)) != len(sample):

@@ -94,8 +94,15 @@ def check_result(owner: str, res, nq: int, k: int, n_keys: int, max_scanned: int
         raise IndexResultError(f"{owner} broke the index protocol: {problem}")
 
 
-def check_estimate(owner: str, res, index) -> None:
-    """Raise IndexResultError when ``res`` (one ``index``'s SearchResult) breaks the estimator rules (estimate_problem)."""
-    problem = estimate_problem(res, index.estimates, index.summaries(), index.n_keys, index.dim)
+_FROM_INDEX = object()
+
+
+def check_estimate(owner: str, res, index, summaries=_FROM_INDEX) -> None:
+    """Raise IndexResultError when ``res`` (one ``index``'s SearchResult) breaks the estimator rules (estimate_problem).
+    ``summaries``: the copy of ``index.summaries()`` a consumer took and checked after the index last changed (its
+    own rules are then not checked again); by default the index's, checked."""
+    checked = summaries is not _FROM_INDEX
+    problem = estimate_problem(res, index.estimates, summaries if checked else index.summaries(), index.n_keys,
+                               index.dim, summaries_checked=checked)
     if problem is not None:
         raise IndexResultError(f"{owner} broke the index protocol: {problem}")
