@@ -19,7 +19,7 @@ N, DIM, K = 300, 16, 10
 BUILD = {"vamana": {"R": 8, "L": 16}, "robust-vamana": {"R": 8, "L": 16, "n_queries": 50},
          "roargraph": {"M": 6, "R": 12, "keep_queries": 20, "n_hubs": 4}, "hnsw": {"M": 8, "ef_construction": 32},
          "ivf": {"nlist": 4}, "flat": {}, "simhash": {"K": 4, "L": 8}}
-OPAQUE = {"hnswlib_index", "faiss_index"}  # library payloads: trusted once their checksum matches
+OPAQUE = {"hnswlib_index"}  # hnswlib's file: edited whole by hnswlib_bytes below, not an element at a time
 JUNK = [None, -1, 0, 10**12, "x", [], {}, 1.5, True, -(2**63)]
 
 
@@ -151,5 +151,44 @@ def main(name: str, root: Path, n_cases: int = 36) -> None:
     print("done", flush=True)
 
 
+def hnswlib_bytes(root: Path, n_cases: int = 600) -> None:
+    """``python load_fuzz_worker.py --hnswlib-bytes FOLDER``: an HNSW index's hnswlib file with one byte set to
+    0, 255 or a random value (its checksum redone: a hostile, consistent edit), every header byte and a sample of
+    the rest, each loaded and searched: refused, the same search, or a valid one (a byte of a vector or of the build
+    parameters may change what a valid index finds)."""
+    rng = np.random.default_rng(7)
+    keys = rng.standard_normal((N, DIM)).astype(np.float32)
+    queries = rng.standard_normal((8, DIM)).astype(np.float32)
+    cls = registry.get("hnsw")
+    index = cls(**BUILD["hnsw"]).build(keys)
+    index.add(rng.standard_normal((40, DIM)).astype(np.float32))  # a resized file, as a saved decode store's
+    keys = np.concatenate([keys, index._keys[N:]])
+    saved = root / "saved"
+    index.save(saved)
+    want = index.search(queries, K)
+    blob = np.load(saved / "hnswlib_index.npy")
+    spots = np.r_[np.arange(96), rng.choice(np.arange(96, len(blob)), n_cases - 96, replace=False)]
+    for case, at in enumerate(spots):
+        value = [0, 255, int(rng.integers(256))][case % 3]
+        edited = blob.copy()
+        edited[at] = value
+        what = f"hnswlib_index byte {at} = {value}"
+        print(json.dumps({"case": case, "edit": what, "outcome": "started"}), flush=True)
+        np.save(saved / "hnswlib_index.npy", edited, allow_pickle=False)
+        _rehash(saved)
+        try:
+            got = cls.load(saved).search(queries, K)
+        except IndexConfigError as e:
+            outcome = f"refused: {e}"
+        else:
+            same = np.array_equal(got.ids, want.ids) and np.array_equal(got.n_scanned, want.n_scanned)
+            outcome = "same" if same else ("valid" if _valid(got, keys, queries) else "WRONG: loaded and searched badly")
+        print(json.dumps({"case": case, "edit": what, "outcome": outcome}), flush=True)
+    print("done", flush=True)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    if sys.argv[1] == "--hnswlib-bytes":
+        hnswlib_bytes(Path(sys.argv[2]))
+    else:
+        main(sys.argv[1], Path(sys.argv[2]))

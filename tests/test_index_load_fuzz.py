@@ -33,6 +33,21 @@ def test_every_edit_of_a_saved_index_is_refused_or_loads_correctly(name, tmp_pat
     assert all("cannot load" in x["outcome"] for x in done if x["outcome"].startswith("refused:"))  # names the folder
 
 
+def test_every_byte_of_an_hnswlib_file_is_refused_or_loads_correctly(tmp_path):
+    """hnswlib's reader trusts its file (sizes become allocations, counts loop bounds), so the lab reads the format
+    first (``hnsw.check_hnswlib_file``): a byte edit with its checksum redone never crashes the process or loads
+    into a search that returns bad ids."""
+    proc = subprocess.run([sys.executable, str(WORKER), "--hnswlib-bytes", str(tmp_path)], capture_output=True,
+                          text=True, timeout=600)
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    assert proc.returncode == 0 and proc.stdout.rstrip().endswith("done"), (
+        f"the worker died (exit {proc.returncode}) in {lines[-1] if lines else None}\n{proc.stderr[-2000:]}")
+    done = [x for x in lines if x["outcome"] != "started"]
+    assert len(done) == 600 and not [x for x in done if x["outcome"].startswith("WRONG")]
+    header = [x for x in done[:96] if x["outcome"].startswith("refused")]
+    assert len(header) >= 40 and all("not an hnswlib file" in x["outcome"] for x in header)  # the reader's checks bite
+
+
 # Small builds of every index that saves (plugins included: anns-lab loads their saves as it loads its own).
 SMALL = {"vamana": {"R": 8, "L": 16}, "robust-vamana": {"R": 8, "L": 16, "n_queries": 50},
          "roargraph": {"M": 6, "R": 12, "keep_queries": 20, "n_hubs": 4}, "hnsw": {"M": 8, "ef_construction": 32},
@@ -50,7 +65,7 @@ def _saving_indexes() -> list[str]:
 def _hostile_edits(a: np.ndarray, name: str, n_keys: int) -> list[tuple[str, np.ndarray]]:
     """Edits of one saved array that no correct save holds: NaN or float64 in a float array, keys with a row more or
     fewer than index.json's n_keys, an integer (id, count, size) far past the keys."""
-    if a.dtype == np.uint8:  # a library's payload: its own format
+    if a.dtype == np.uint8:  # hnswlib's file (its bytes: test_every_byte_of_an_hnswlib_file...) or PQ codes (any byte decodes)
         return []
     if a.dtype.kind == "f" and a.size:
         nan = a.copy()
@@ -137,26 +152,57 @@ def test_hnswlib_degrees_past_the_row_width_are_refused(layer, tmp_path):
         HNSWIndex.load(tmp_path)
 
 
-@pytest.mark.parametrize("edit", ["an id past the keys", "an id twice", "centroids more than lists"])
-def test_a_faiss_ivf_payload_that_is_not_this_index_is_refused(edit, tmp_path):
-    """faiss's reader checks its format, not what the lab's search trusts: the lists' ids are returned as key ids
-    (one past the keys loaded and came back from search), and the quantizer's centroid numbers index the list sizes
-    (a centroid more loaded, then the search ended in a raw IndexError)."""
+@pytest.mark.parametrize("name", ["ivf", "pqcache"])
+def test_a_faiss_index_is_saved_as_plain_arrays_and_an_old_faiss_payload_is_refused(name, tmp_path):
+    """faiss's own binary format is parsed by its C++ reader, which trusts the file: the faiss indexes save plain
+    arrays (IVF: centroids, keys, each key's list; PQ: codebooks and codes) and load them into a new faiss index
+    that searches, counts and adds as the saved one; a save in the old format is refused with what to do."""
     import faiss
 
+    from anns_lab.errors import IndexConfigError
+    from anns_lab.indexes import registry
+
+    if name not in registry.available():
+        pytest.skip(f"{name} is not installed")
+    cls = registry.get(name)
+    rng = np.random.default_rng(0)
+    keys, queries = rng.standard_normal((300, 16)).astype(np.float32), rng.standard_normal((8, 16)).astype(np.float32)
+    index = cls(**SMALL[name]).build(keys)
+    index.add(rng.standard_normal((20, 16)).astype(np.float32))
+    index.save(tmp_path / "a")
+    assert all(np.load(f).dtype != np.uint8 or f.stem == "codes" for f in (tmp_path / "a").glob("*.npy"))
+    loaded = cls.load(tmp_path / "a")
+    for params in index.grid()[:3]:
+        want, got = index.search(queries, 10, **params), loaded.search(queries, 10, **params)
+        assert np.array_equal(want.ids, got.ids) and np.array_equal(want.scores, got.scores)
+        assert np.array_equal(want.n_scanned, got.n_scanned) and np.array_equal(want.bytes_read, got.bytes_read)
+    more = rng.standard_normal((30, 16)).astype(np.float32)
+    index.add(more)
+    loaded.add(more)
+    assert np.array_equal(index.search(queries, 10).ids, loaded.search(queries, 10).ids)
+    old = tmp_path / "a"  # the old format's array name, a valid faiss payload in it
+    inner = index._index if name == "ivf" else index._pq
+    _resave(old, "faiss_index", faiss.serialize_index(inner))
+    meta = json.loads((old / "index.json").read_text())
+    (old / "index.json").write_text(json.dumps(meta | {"arrays": sorted(set(meta["arrays"]) | {"faiss_index"})}))
+    with pytest.raises(IndexConfigError, match="no longer reads.*build and save the index again"):
+        cls.load(old)
+
+
+def test_ivf_lists_past_the_centroids_are_refused(tmp_path):
     from anns_lab.errors import IndexConfigError
     from anns_lab.indexes.ivf import IVFIndex
 
     keys = np.random.default_rng(0).standard_normal((300, 16)).astype(np.float32)
     IVFIndex(nlist=4).build(keys).save(tmp_path)
-    index = faiss.deserialize_index(np.load(tmp_path / "faiss_index.npy"))
-    if edit == "centroids more than lists":
-        index.quantizer.add(keys[:3] * 10)
-    else:
-        ids = faiss.rev_swig_ptr(index.invlists.get_ids(0), index.invlists.list_size(0))
-        ids[0] = 10**6 if edit == "an id past the keys" else ids[1]
-    _resave(tmp_path, "faiss_index", faiss.serialize_index(index))
-    with pytest.raises(IndexConfigError, match="faiss_index"):
+    lists = np.load(tmp_path / "lists.npy")
+    lists[5] = 4
+    _resave(tmp_path, "lists", lists)
+    with pytest.raises(IndexConfigError, match="'lists' holds values outside"):
+        IVFIndex.load(tmp_path)
+    _resave(tmp_path, "lists", lists % 4)
+    _resave(tmp_path, "centroids", np.zeros((301, 16), np.float32))
+    with pytest.raises(IndexConfigError, match="301 lists for 300 keys"):
         IVFIndex.load(tmp_path)
 
 

@@ -43,6 +43,72 @@ def level0_records(st: dict) -> tuple[np.ndarray, np.ndarray]:
     return rec, rec[:, st["label_offset"] : st["label_offset"] + 8].copy().view(np.uint64).ravel().astype(np.int64)
 
 
+_HEADER = np.dtype([("offset_level0", "<u8"), ("max_elements", "<u8"), ("count", "<u8"), ("per_element", "<u8"),
+                    ("label_offset", "<u8"), ("offset_data", "<u8"), ("max_level", "<i4"), ("entry", "<u4"),
+                    ("max_M", "<u8"), ("max_M0", "<u8"), ("M", "<u8"), ("mult", "<f8"), ("ef_construction", "<u8")])
+
+
+def check_hnswlib_file(blob: np.ndarray, n_keys: int, dim: int) -> None:
+    """Raise IndexConfigError unless ``blob`` (uint8) is an hnswlib inner-product file of ``n_keys`` keys × ``dim``
+    whose every size, offset, count and neighbour id hnswlib's reader and our graph would use is in range.
+
+    hnswlib's ``load_index`` trusts the file (its header's sizes become allocations and offsets, its link counts
+    loop bounds) and a saved index is a file people exchange, so its format is read here first: the header
+    (:data:`_HEADER`, as ``saveIndex`` writes it), then ``count`` layer-0 records (link count word, ``max_M0`` ids,
+    the vector, the label), then per element a byte count and that many bytes of upper-layer rows (count word,
+    ``max_M`` ids each)."""
+    def bad(problem: str) -> IndexConfigError:
+        return IndexConfigError(f"array 'hnswlib_index' is not an hnswlib file of {n_keys} keys × {dim}: {problem}")
+
+    if len(blob) < _HEADER.itemsize:
+        raise bad(f"{len(blob)} bytes, shorter than its header")
+    h = {k: v.item() for k, v in zip(_HEADER.names, blob[:_HEADER.itemsize].view(_HEADER)[0])}
+    m, m0 = h["max_M"], h["max_M0"]
+    if not (1 <= h["M"] == m <= m0 <= 0xFFFF):
+        raise bad(f"link widths M {h['M']}, max_M {m}, max_M0 {m0}")
+    links0 = 4 * (m0 + 1)
+    layout = {"offset_level0": 0, "count": n_keys, "offset_data": links0, "label_offset": links0 + 4 * dim,
+              "per_element": links0 + 4 * dim + 8}
+    for field, want in layout.items():
+        if h[field] != want:
+            raise bad(f"header {field} {h[field]}, expected {want}")
+    if not (n_keys <= h["max_elements"] and 0 <= h["max_level"] < 64 and h["entry"] < n_keys
+            and np.isfinite(h["mult"]) and h["mult"] > 0 and h["ef_construction"] >= 1):
+        raise bad("header max_elements, max_level, entry point, mult or ef_construction out of range")
+    body = _HEADER.itemsize + n_keys * h["per_element"]
+    if len(blob) < body:
+        raise bad(f"{len(blob)} bytes, too short for {n_keys} layer-0 records")
+    rec = blob[_HEADER.itemsize:body].reshape(n_keys, h["per_element"])
+    _check_rows(rec[:, :links0].copy().view("<u4"), m0, n_keys, bad, "layer 0")
+    row_bytes = 4 * (m + 1)
+    at, rows = body, []
+    for _ in range(n_keys):  # each element: a byte count, then its rows of levels 1..l
+        if at + 4 > len(blob):
+            raise bad("the upper layers' lists end early")
+        size = int(blob[at:at + 4].view("<u4")[0])
+        at += 4
+        if size % row_bytes or size // row_bytes > h["max_level"] or at + size > len(blob):
+            raise bad(f"an upper-layer list of {size} bytes (rows of {row_bytes}, at most {h['max_level']} levels)")
+        if size:
+            rows.append(blob[at:at + size])
+        at += size
+    if at != len(blob):
+        raise bad(f"{len(blob) - at} bytes after the last list")
+    if rows:
+        _check_rows(np.concatenate(rows).reshape(-1, row_bytes).view("<u4"), m, n_keys, bad, "upper layers")
+
+
+def _check_rows(words: np.ndarray, width: int, n_keys: int, bad, where: str) -> None:
+    """Link rows (count word, ``width`` ids): a count within the width, no flag bits (hnswlib marks a deleted
+    element in the count word's third byte: the lab never deletes), and every id in use a key."""
+    count = words[:, 0]
+    if (count > width).any():
+        raise bad(f"{where}: a link count past the row width {width} (or a deletion mark)")
+    used = np.arange(width) < count[:, None].astype(np.int64)
+    if (words[:, 1:][used] >= n_keys).any():
+        raise bad(f"{where}: a neighbour id past the {n_keys} keys")
+
+
 class HNSWGraph:
     """hnswlib's graph as arrays indexed by key id (label): layer 0 plus the upper layers."""
 
@@ -67,6 +133,7 @@ class HNSWGraph:
             offset += row_bytes * levels[node]
             up_deg[r, : levels[node]] = block[:, 0] & 0xFFFF
             up_nbrs[r, : levels[node]] = block[:, 1 : M + 1]
+        up_nbrs[np.arange(M) >= up_deg[..., None]] = -1  # slots past a count hold stale words (any value in a file)
         # Re-index internal ids by label, so that graph rows are key ids.
         to_label = label
         perm = np.argsort(label)
@@ -179,6 +246,7 @@ class HNSWIndex(Index):
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
         keys = expect(arrays, "keys", np.float32, (self.n_keys, self.dim), finite=True)
         blob = expect(arrays, "hnswlib_index", np.uint8, (None,))
+        check_hnswlib_file(blob, self.n_keys, self.dim)  # before hnswlib's reader, which trusts it
         p = hnswlib.Index(space="ip", dim=self.dim)
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "hnsw.bin")

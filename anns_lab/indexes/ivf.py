@@ -17,10 +17,11 @@ import threading
 
 import faiss
 import numpy as np
+from faiss.contrib.ivf_tools import add_preassigned
 
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes.base import Index, Param, pad_topk
-from anns_lab.indexes.persist import expect
+from anns_lab.indexes.persist import expect, expect_ids
 
 
 _STATS = threading.Lock()  # faiss.cvar.indexIVF_stats: one per process
@@ -90,25 +91,33 @@ class IVFIndex(Index):
         self._index.add(keys)
 
     def _arrays(self) -> dict[str, np.ndarray]:
-        return {"faiss_index": faiss.serialize_index(self._index)}  # faiss's own write_index format
+        # Plain arrays, not faiss's own binary format: its C++ reader trusts the file's sizes and offsets, and a saved
+        # index is a file people exchange. The lists are rebuilt in id order on load, as build and add fill them.
+        invlists, d = self._index.invlists, self.dim
+        keys = np.empty((self.n_keys, d), np.float32)
+        lists = np.empty(self.n_keys, np.int64)
+        for i in range(self.nlist):
+            size = invlists.list_size(i)
+            if size:
+                ids = faiss.rev_swig_ptr(invlists.get_ids(i), size)
+                keys[ids] = faiss.rev_swig_ptr(invlists.get_codes(i), size * d * 4).view(np.float32).reshape(size, d)
+                lists[ids] = i
+        return {"centroids": self._index.quantizer.reconstruct_n(0, self.nlist), "keys": keys, "lists": lists}
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
-        index = faiss.deserialize_index(expect(arrays, "faiss_index", np.uint8, (None,)))  # RuntimeError: load says so
-        if (not isinstance(index, faiss.IndexIVFFlat) or index.metric_type != faiss.METRIC_INNER_PRODUCT
-                or index.d != self.dim or index.ntotal != self.n_keys):
-            raise IndexConfigError(f"array 'faiss_index' is not an inner-product IVF-Flat of {self.n_keys} keys × {self.dim}")
-        # faiss's reader checks its format only: the search indexes the list sizes by centroid number and returns
-        # the lists' ids as key ids, so the centroids must be one per list and the ids every key once (add order).
-        if index.quantizer.ntotal != index.nlist or index.quantizer.d != self.dim:
-            raise IndexConfigError(f"array 'faiss_index' has {index.quantizer.ntotal} centroids for {index.nlist} lists")
-        if not np.array_equal(np.sort(_list_ids(index)), np.arange(self.n_keys)):
-            raise IndexConfigError(f"array 'faiss_index' lists ids that are not each of its {self.n_keys} keys once")
+        if "faiss_index" in arrays:
+            raise IndexConfigError("it holds faiss's own binary format (array 'faiss_index', saved before 2026-12-03), "
+                                   "which this version no longer reads (faiss's reader trusts the file): build and save "
+                                   "the index again")
+        centroids = expect(arrays, "centroids", np.float32, (None, self.dim), finite=True)
+        keys = expect(arrays, "keys", np.float32, (self.n_keys, self.dim), finite=True)
+        nlist = len(centroids)
+        if not 1 <= nlist <= self.n_keys:
+            raise IndexConfigError(f"array 'centroids' holds {nlist} lists for {self.n_keys} keys")
+        lists = expect_ids("lists", expect(arrays, "lists", np.int64, (self.n_keys,)), 0, nlist)
+        quantizer = faiss.IndexFlatIP(self.dim)
+        quantizer.add(centroids)
+        index = faiss.IndexIVFFlat(quantizer, self.dim, nlist, faiss.METRIC_INNER_PRODUCT)
+        index.is_trained = True
+        add_preassigned(index, keys, lists)
         self._set(index)
-
-
-def _list_ids(index: faiss.IndexIVFFlat) -> np.ndarray:
-    """Every id held in ``index``'s inverted lists, list after list."""
-    invlists = index.invlists
-    sizes = [invlists.list_size(i) for i in range(index.nlist)]
-    return np.concatenate([np.zeros(0, np.int64)] + [faiss.rev_swig_ptr(invlists.get_ids(i), size).copy()
-                                                     for i, size in enumerate(sizes) if size])

@@ -3,10 +3,10 @@
 A saved index is a file people exchange, and the kernels that search it trust their arrays (numba
 does not check bounds): so ``load`` trusts nothing. It refuses, with one :class:`IndexConfigError`
 naming the folder and the problem, a missing or unreadable ``index.json``, another format or class,
-parameters out of range, an array whose bytes do not match their checksum (opaque faiss and hnswlib
-payloads included), and, through each index's ``_restore`` and the checks here, an array of the
-wrong dtype or shape, non-finite keys, or an id outside its range. No pickle: ``allow_pickle=False``.
-"""
+parameters out of range, an array whose bytes do not match their checksum, and, through each index's
+``_restore`` and the checks here, an array of the wrong dtype or shape, non-finite keys, or an id outside its
+range. No pickle: ``allow_pickle=False``; no library's own binary reader on an unread file (faiss indexes save
+plain arrays; hnswlib's file is read by ``hnsw.check_hnswlib_file`` before hnswlib reads it)."""
 
 from __future__ import annotations
 

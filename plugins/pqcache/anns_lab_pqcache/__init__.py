@@ -79,14 +79,26 @@ class PQCacheIndex(Index):
         self._keys = np.ascontiguousarray(np.vstack([self._keys, keys]))
 
     def _arrays(self) -> dict[str, np.ndarray]:
-        return {"faiss_index": faiss.serialize_index(self._pq), "keys": self._keys}
+        # Plain arrays, not faiss's own binary format (its C++ reader trusts the file's sizes): the codebooks and
+        # the codes (any bytes decode to codewords in range), restored into a new IndexPQ.
+        pq = self._pq
+        codebooks = faiss.vector_to_array(pq.pq.centroids).reshape(pq.pq.M, pq.pq.ksub, pq.pq.dsub)
+        codes = faiss.vector_to_array(pq.codes).reshape(pq.ntotal, pq.code_size)
+        return {"codebooks": codebooks, "codes": codes, "keys": self._keys}
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
-        pq = faiss.deserialize_index(expect(arrays, "faiss_index", np.uint8, (None,)))  # RuntimeError: load says so
-        # Its ADC search returns code rows as key ids and n_scanned charges 2^nbits codewords: both must be this index's
-        if (not isinstance(pq, faiss.IndexPQ) or pq.metric_type != faiss.METRIC_INNER_PRODUCT or pq.d != self.dim
-                or pq.ntotal != self.n_keys or pq.pq.M != self.params["M"] or pq.pq.nbits != self.params["nbits"]):
-            raise IndexConfigError(f"array 'faiss_index' is not an inner-product PQ{self.params['M']}x"
-                                   f"{self.params['nbits']} of {self.n_keys} keys × {self.dim}")
+        if "faiss_index" in arrays:
+            raise IndexConfigError("it holds faiss's own binary format (array 'faiss_index', saved before 2026-12-03), "
+                                   "which this version no longer reads (faiss's reader trusts the file): build and save "
+                                   "the index again")
+        M, nbits, d = self.params["M"], self.params["nbits"], self.dim
+        if d % M:
+            raise IndexConfigError(f"M={M} does not divide the key dimension {d}")
+        pq = faiss.IndexPQ(d, M, nbits, faiss.METRIC_INNER_PRODUCT)
+        codebooks = expect(arrays, "codebooks", np.float32, (M, 2 ** nbits, d // M), finite=True)
+        codes = expect(arrays, "codes", np.uint8, (self.n_keys, pq.code_size))
+        faiss.copy_array_to_vector(codebooks.ravel(), pq.pq.centroids)
+        faiss.copy_array_to_vector(codes.ravel(), pq.codes)
+        pq.ntotal, pq.is_trained = self.n_keys, True
         self._pq = pq
         self._keys = expect(arrays, "keys", np.float32, (self.n_keys, self.dim), finite=True)
