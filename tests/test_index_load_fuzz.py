@@ -253,3 +253,22 @@ def test_an_hnswlib_payload_of_other_keys_or_labels_is_refused(edit, tmp_path):
     _resave(tmp_path / "a", "hnswlib_index", blob)
     with pytest.raises(IndexConfigError, match=match):
         HNSWIndex.load(tmp_path / "a")
+
+
+def test_a_save_without_a_parameter_its_class_has_now_is_refused(tmp_path):
+    """A save holds every build parameter its class had when it was written; one without a parameter added since
+    would load with today's default, which need not be what it was built as (roargraph's rows were not sorted
+    before ``cooc_order``, and the row stop assumes they are): refused, naming the parameter."""
+    from anns_lab.errors import IndexConfigError
+    from anns_lab.indexes.roargraph import RoarGraphIndex
+
+    rng = np.random.default_rng(0)
+    keys, train = rng.standard_normal((300, 16)).astype(np.float32), rng.standard_normal((100, 16)).astype(np.float32)
+    RoarGraphIndex(**SMALL["roargraph"]).build(keys, train).save(tmp_path)
+    RoarGraphIndex.load(tmp_path)
+    meta = json.loads((tmp_path / "index.json").read_text())
+    assert set(meta["params"]) == set(RoarGraphIndex.build_params)
+    del meta["params"]["cooc_order"]
+    (tmp_path / "index.json").write_text(json.dumps(meta))
+    with pytest.raises(IndexConfigError, match="no value for cooc_order: saved before it existed.*build and save"):
+        RoarGraphIndex.load(tmp_path)

@@ -3,7 +3,7 @@
 A saved index is a file people exchange, and the kernels that search it trust their arrays (numba
 does not check bounds): so ``load`` trusts nothing. It refuses, with one :class:`IndexConfigError`
 naming the folder and the problem, a missing or unreadable ``index.json``, another format or class,
-parameters out of range, an array whose bytes do not match their checksum, and, through each index's
+parameters out of range or missing (a save from before a parameter existed), an array whose bytes do not match their checksum, and, through each index's
 ``_restore`` and the checks here, an array of the wrong dtype or shape, non-finite keys, or an id outside its
 range. No pickle: ``allow_pickle=False``; no library's own binary reader on an unread file (faiss indexes save
 plain arrays; hnswlib's file is read by ``hnsw.check_hnswlib_file`` before hnswlib reads it)."""
@@ -66,6 +66,11 @@ def load_index(cls: type["Index"], path: str | Path) -> "Index":
     params, n_keys, dim = meta.get("params"), meta.get("n_keys"), meta.get("dim")
     if not isinstance(params, dict):
         raise bad("index.json 'params' is not an object")
+    missing = sorted(set(cls.build_params) - set(params))  # a save holds every parameter its class had then
+    if missing:
+        raise bad(f"index.json has no value for {', '.join(missing)}: saved before {'it' if len(missing) == 1 else 'they'} "
+                  "existed (or edited), so today's default would describe an index it was not built as; build and save "
+                  "the index again")
     for field, value in (("n_keys", n_keys), ("dim", dim)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise bad(f"index.json {field!r} is {value!r}, not a positive integer")
