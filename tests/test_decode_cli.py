@@ -193,6 +193,9 @@ def test_until_built_exact_reaches_the_decode_table_and_json(tiny_llama, tmp_pat
     flat, full = data["modes"]["flat"]["summary"], data["modes"]["full"]["summary"]
     assert 0 <= flat["exact_steps"] <= 3 and "exact_steps" not in full
     assert data["modes"]["flat"]["samples"][0]["exact_steps"] == flat["exact_steps"]
+    handed = data["modes"]["flat"]["samples"][0]["hand_over_steps"]  # per long-range layer: its index's first step
+    assert set(handed) == {"0", "1", "2", "3"} and all(v is None or 0 <= v <= flat["exact_steps"] for v in handed.values())
+    assert None in handed.values() or max(handed.values()) == flat["exact_steps"]  # the last hand-over ends them
     assert "exact_steps" not in data["modes"]["full"]["samples"][0]
     assert data["modes"]["flat"]["samples"][0]["answer"] == data["modes"]["full"]["samples"][0]["answer"]
 

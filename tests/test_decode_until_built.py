@@ -80,6 +80,7 @@ def test_steps_while_building_are_full_attention_and_the_built_stores_take_every
         go.set()
     assert run.tokens == full.tokens and all(_close(a, b) for a, b in zip(run.logits, full.logits))
     assert run.exact_steps == len(run.step_s) == STEPS - 1 and not any(s.scanned for s in run.steps)
+    assert run.hand_over_steps == dict.fromkeys(lm.long_range_layers)  # no step was served by an index
     s = summarize(run)
     assert s["exact_steps"] == STEPS - 1 and s["exact_s"] == pytest.approx(sum(run.step_s))
     assert all(isinstance(run.cache.layers[layer], WindowLayer) for layer in lm.long_range_layers)
@@ -115,7 +116,7 @@ def test_a_build_ending_mid_decode_hands_over_at_the_next_step_with_every_row(pr
         run = run_mode(lm, pre, Mode("flat", IndexPlan("flat")), settings, STEPS, keep_logits=True)
     finally:
         go.set()
-    assert run.exact_steps == 3
+    assert run.exact_steps == 3 and run.hand_over_steps == dict.fromkeys(lm.long_range_layers, 3)
     assert [bool(s.scanned) for s in run.steps] == [False] * 3 + [True] * (STEPS - 4)
     assert run.tokens == full.tokens and all(_close(a, b) for a, b in zip(run.logits, full.logits))
     assert engine.warmup_steps(run) == 4  # the exact steps and the index's first

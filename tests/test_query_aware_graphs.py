@@ -371,11 +371,15 @@ def test_a_save_from_before_the_row_order_is_refused(tmp_path):
     RoarGraphIndex().build(keys, train).save(tmp_path / "idx")
     meta_file = tmp_path / "idx" / "index.json"
     meta = json.loads(meta_file.read_text())
-    params = {k: v for k, v in meta["params"].items() if k != "cooc_order"}
-    meta_file.write_text(json.dumps({**meta, "params": params, "arrays": [a for a in meta["arrays"] if a != "n_built"],
-                                     "sha256": {a: s for a, s in meta["sha256"].items() if a != "n_built"}}))
+    without = {**meta, "arrays": [a for a in meta["arrays"] if a != "n_built"],
+               "sha256": {a: s for a, s in meta["sha256"].items() if a != "n_built"}}
     (tmp_path / "idx" / "n_built.npy").unlink()
+    meta_file.write_text(json.dumps(without))  # the parameter present (as an edit would leave it): the array is missed
     with pytest.raises(IndexConfigError, match="n_built.*build and save the index again"):
+        RoarGraphIndex.load(tmp_path / "idx")
+    params = {k: v for k, v in meta["params"].items() if k != "cooc_order"}  # as such a save was: no cooc_order either
+    meta_file.write_text(json.dumps({**without, "params": params}))
+    with pytest.raises(IndexConfigError, match="no value for cooc_order.*build and save the index again"):
         RoarGraphIndex.load(tmp_path / "idx")
 
 

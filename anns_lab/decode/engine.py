@@ -127,6 +127,7 @@ class ModeRun:
     calibration: dict = field(default_factory=dict)  # layer -> {param, value, weight_recall, tried, per_head, target} where the search was calibrated
     build_layers: dict = field(default_factory=dict)  # layer -> [queued, started, ended]: its builds, seconds from the prefill's end (built after it: from the mode's build start)
     exact_steps: int | None = None  # --until-built exact: the leading decode steps in which a layer attended its whole cache (its index still building)
+    hand_over_steps: dict = field(default_factory=dict)  # --until-built exact: layer -> the first step its index served (None: no step)
 
 
 def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool, build_modes: list[Mode] = (),
@@ -198,7 +199,7 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
         plans = [mode.plan_for(layer) for layer in lm.long_range_layers] if mode.kind == "index" else []
         if settings.copy_hints > 0 and any(p is not None and registry.get(p.name).takes_hints for p in plans):
             ctl.hints = CopyHints(settings.copy_hints)  # only where a search uses them: the others' steps do not pay for them
-        exact_steps = 0
+        exact_steps, handed = 0, {}
         if building is not None:
             torch.set_num_threads(steps_threads(lm.model.device, threads))
         with torch.inference_mode():  # the prefill's tensors are inference tensors; so are the copies
@@ -222,7 +223,9 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
                 ids.append(tok)
                 ts = time.perf_counter()
                 if building is not None:  # in the step's time: a layer whose build has ended goes over to its index
+                    whole = set(ctl.whole)
                     hand_over(ctl, cache, building.ready(mode.name), settings.window)
+                    handed |= dict.fromkeys(whole - ctl.whole, len(step_s))
                     exact_steps += bool(ctl.whole)  # a layer still building: attended whole this step
                     if not ctl.whole:
                         torch.set_num_threads(threads)
@@ -262,6 +265,7 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
                         if s.build_span is not None}
     if building is not None:
         run.exact_steps = exact_steps
+        run.hand_over_steps = {layer: handed.get(layer) for layer in lm.long_range_layers}
     run.cache = cache if keep_cache else None
     run.stores = stores  # kept for inspection (tests, index sizes)
     return run

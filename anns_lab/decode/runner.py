@@ -213,6 +213,7 @@ def _run_prompts(lm, modes, settings, prompts, max_new, task, progress, executor
                 row["build_layers"] = {str(layer): span for layer, span in run.build_layers.items()}
             if run.exact_steps is not None:  # --until-built exact: this prompt's steps before every index served
                 row["exact_steps"] = run.exact_steps
+                row["hand_over_steps"] = {str(layer): step for layer, step in run.hand_over_steps.items()}
             per_mode[mode.name]["runs"].append(run)
             per_mode[mode.name]["samples"].append(row)
             per_mode[mode.name].setdefault("notes_by_sample", []).append(run.notes)
