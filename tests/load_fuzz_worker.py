@@ -166,6 +166,7 @@ def hnswlib_bytes(root: Path, n_cases: int = 600) -> None:
     saved = root / "saved"
     index.save(saved)
     want = index.search(queries, K)
+    extra = rng.standard_normal((5, DIM)).astype(np.float32)
     blob = np.load(saved / "hnswlib_index.npy")
     spots = np.r_[np.arange(96), rng.choice(np.arange(96, len(blob)), n_cases - 96, replace=False)]
     for case, at in enumerate(spots):
@@ -177,12 +178,16 @@ def hnswlib_bytes(root: Path, n_cases: int = 600) -> None:
         np.save(saved / "hnswlib_index.npy", edited, allow_pickle=False)
         _rehash(saved)
         try:
-            got = cls.load(saved).search(queries, K)
+            loaded = cls.load(saved)
         except IndexConfigError as e:
             outcome = f"refused: {e}"
         else:
+            got = loaded.search(queries, K)
             same = np.array_equal(got.ids, want.ids) and np.array_equal(got.n_scanned, want.n_scanned)
             outcome = "same" if same else ("valid" if _valid(got, keys, queries) else "WRONG: loaded and searched badly")
+            loaded.add(extra)  # hnswlib's insert walks the loaded graph from its entry point, as its search does
+            if not _valid(loaded.search(queries, K), np.concatenate([keys, extra]), queries):
+                outcome = "WRONG: searched badly after an add"
         print(json.dumps({"case": case, "edit": what, "outcome": outcome}), flush=True)
     print("done", flush=True)
 

@@ -255,20 +255,23 @@ def test_an_hnswlib_payload_of_other_keys_or_labels_is_refused(edit, tmp_path):
         HNSWIndex.load(tmp_path / "a")
 
 
-def test_a_save_without_a_parameter_its_class_has_now_is_refused(tmp_path):
-    """A save holds every build parameter its class had when it was written; one without a parameter added since
-    would load with today's default, which need not be what it was built as (roargraph's rows were not sorted
-    before ``cooc_order``, and the row stop assumes they are): refused, naming the parameter."""
+def test_an_hnswlib_file_whose_levels_disagree_is_refused(tmp_path):
+    """hnswlib's search and add walk from the entry point down through the upper levels without checking that a
+    node has a list at the level they read: an entry point below the top level (one header field) or a max_level
+    above every element's would send them through a null list. Refused at load."""
     from anns_lab.errors import IndexConfigError
-    from anns_lab.indexes.roargraph import RoarGraphIndex
+    from anns_lab.indexes.hnsw import _HEADER, HNSWIndex, check_hnswlib_file
 
-    rng = np.random.default_rng(0)
-    keys, train = rng.standard_normal((300, 16)).astype(np.float32), rng.standard_normal((100, 16)).astype(np.float32)
-    RoarGraphIndex(**SMALL["roargraph"]).build(keys, train).save(tmp_path)
-    RoarGraphIndex.load(tmp_path)
-    meta = json.loads((tmp_path / "index.json").read_text())
-    assert set(meta["params"]) == set(RoarGraphIndex.build_params)
-    del meta["params"]["cooc_order"]
-    (tmp_path / "index.json").write_text(json.dumps(meta))
-    with pytest.raises(IndexConfigError, match="no value for cooc_order: saved before it existed.*build and save"):
-        RoarGraphIndex.load(tmp_path)
+    keys = np.random.default_rng(0).standard_normal((300, 16)).astype(np.float32)
+    index = HNSWIndex(M=8, ef_construction=32).build(keys)
+    index.save(tmp_path)
+    blob = np.load(tmp_path / "hnswlib_index.npy")
+    check_hnswlib_file(blob, 300, 16)
+    levels = np.asarray(index.hnswlib_index.__getstate__()[0]["element_levels"])[:300]
+    header = blob[:_HEADER.itemsize].view(_HEADER).copy()
+    for field, value in (("entry", int(np.flatnonzero(levels == 0)[0])), ("max_level", int(levels.max()) + 1)):
+        edited = header.copy()
+        edited[field] = value
+        _resave(tmp_path, "hnswlib_index", np.concatenate([edited.view(np.uint8), blob[_HEADER.itemsize:]]))
+        with pytest.raises(IndexConfigError, match="max_level"):
+            HNSWIndex.load(tmp_path)

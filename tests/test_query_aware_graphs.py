@@ -371,6 +371,7 @@ def test_a_save_from_before_the_row_order_is_refused(tmp_path):
     RoarGraphIndex().build(keys, train).save(tmp_path / "idx")
     meta_file = tmp_path / "idx" / "index.json"
     meta = json.loads(meta_file.read_text())
+    assert set(meta["params"]) == set(RoarGraphIndex.build_params)  # a save holds every parameter its class has
     without = {**meta, "arrays": [a for a in meta["arrays"] if a != "n_built"],
                "sha256": {a: s for a, s in meta["sha256"].items() if a != "n_built"}}
     (tmp_path / "idx" / "n_built.npy").unlink()

@@ -257,24 +257,33 @@ def test_decoder_checks_an_estimate_at_every_step(monkeypatch, late, words):
         store.side(q, 0.25)
 
 
-def test_the_vectorised_estimate_check_names_what_the_row_walk_names():
-    """estimate_problem's fast path (all queries at once) passes exactly the results its per-row walk passes."""
+def test_the_compiled_estimate_check_names_what_the_row_walk_names():
+    """estimate_problem's compiled pass (all queries at once) passes exactly the results its per-row walk passes, and
+    names the same fault: summaries of 0-6 members (some empty) covering 40 of 60 keys (the rest in none, above and
+    below the members' largest id), samples and summaries overlapping the exact ids or each other, short counts."""
     from anns_lab.indexes.base import SearchResult
     from anns_lab.indexes.estimate import estimate_problem
 
     rng = np.random.default_rng(3)
     n, nq, k = 60, 5, 6
-    summ = Summaries(rng.standard_normal((12, 4)).astype(np.float32), np.arange(0, 61, 5), rng.permutation(n))
-    for trial in range(400):
+    counts = np.array([0, 6, 5, 0, 6, 6, 4, 0, 6, 3, 4, 0])
+    summ = Summaries(rng.standard_normal((12, 4)).astype(np.float32), np.r_[0, np.cumsum(counts)],
+                     rng.choice(n - 3, counts.sum(), replace=False))  # the top three ids in no summary
+    outcomes = set()
+    for trial in range(600):
         ids = np.stack([rng.choice(n, k, replace=False) for _ in range(nq)])
+        if trial % 11 == 0:
+            ids[1, 1] = ids[1, 0]  # exact ids repeated: not an estimator rule (check_result names it)
         s = np.where(rng.random((nq, 7)) < 0.5, -1, rng.integers(0, n, (nq, 7)))
-        c = np.where(rng.random((nq, 3)) < 0.8, -1, rng.integers(0, 12, (nq, 3)))
+        c = np.where(rng.random((nq, 3)) < 0.7, -1, rng.integers(0, 12, (nq, 3)))
         w = np.where(s >= 0, 1.5, 0.0)
         res = SearchResult(ids, np.zeros((nq, k), np.float32), np.full(nq, 40 if trial % 7 else 9), None,
                            Estimate(s, w, c))
         got = estimate_problem(res, True, summ, n, 4)
         walked = estimate_problem_by_rows(res, summ)
         assert got == walked, (trial, got, walked)
+        outcomes.add(None if got is None else got.split(" ", 2)[-1])
+    assert None in outcomes and len(outcomes) >= 6  # every rule met, and clean results too
 
 
 def estimate_problem_by_rows(res, summ):
@@ -292,6 +301,8 @@ def estimate_problem_by_rows(res, summ):
                     f"{len(exact) + len(sample) + len(used)} exact, sampled and summary terms")
         if len(set(used)) != len(used):
             return f"query {row} uses a summary twice"
+        if any(summ.offsets[c + 1] == summ.offsets[c] for c in used):
+            return f"query {row} uses an empty summary"
         inside = {int(m) for c in used for m in summ.members[summ.offsets[c]:summ.offsets[c + 1]]}
         if inside & (set(exact) | set(sample)):
             return f"query {row} counts a key both in a summary and as an exact or sampled id"

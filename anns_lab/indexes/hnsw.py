@@ -81,32 +81,45 @@ def check_hnswlib_file(blob: np.ndarray, n_keys: int, dim: int) -> None:
     rec = blob[_HEADER.itemsize:body].reshape(n_keys, h["per_element"])
     _check_rows(rec[:, :links0].copy().view("<u4"), m0, n_keys, bad, "layer 0")
     row_bytes = 4 * (m + 1)
-    at, rows = body, []
-    for _ in range(n_keys):  # each element: a byte count, then its rows of levels 1..l
+    at, rows, levels = body, [], np.zeros(n_keys, np.int64)
+    for i in range(n_keys):  # each element: a byte count, then its rows of levels 1..l
         if at + 4 > len(blob):
             raise bad("the upper layers' lists end early")
         size = int(blob[at:at + 4].view("<u4")[0])
         at += 4
         if size % row_bytes or size // row_bytes > h["max_level"] or at + size > len(blob):
             raise bad(f"an upper-layer list of {size} bytes (rows of {row_bytes}, at most {h['max_level']} levels)")
+        levels[i] = size // row_bytes
         if size:
             rows.append(blob[at:at + size])
         at += size
     if at != len(blob):
         raise bad(f"{len(blob) - at} bytes after the last list")
+    # hnswlib's search and add walk from the entry point down through levels max_level..1 without checking that a
+    # node has the level they read (a missing one is a null list): the entry point must be on the top level, and a
+    # neighbour listed at level l must have a list there.
+    if levels.max(initial=0) != h["max_level"] or levels[h["entry"]] != h["max_level"]:
+        raise bad(f"the entry point's level {levels[h['entry']]} or the highest element level {levels.max(initial=0)} "
+                  f"is not the header's max_level {h['max_level']}")
     if rows:
-        _check_rows(np.concatenate(rows).reshape(-1, row_bytes).view("<u4"), m, n_keys, bad, "upper layers")
+        words = np.concatenate(rows).reshape(-1, row_bytes).view("<u4")
+        used = _check_rows(words, m, n_keys, bad, "upper layers")
+        level = np.concatenate([np.arange(1, lv + 1) for lv in levels[levels > 0]])  # each row's level
+        if (levels[np.minimum(words[:, 1:], n_keys - 1).astype(np.int64)][used] < np.repeat(level, used.sum(1))).any():
+            raise bad("an upper-layer neighbour without a list at that level")
 
 
-def _check_rows(words: np.ndarray, width: int, n_keys: int, bad, where: str) -> None:
+def _check_rows(words: np.ndarray, width: int, n_keys: int, bad, where: str) -> np.ndarray:
     """Link rows (count word, ``width`` ids): a count within the width, no flag bits (hnswlib marks a deleted
-    element in the count word's third byte: the lab never deletes), and every id in use a key."""
+    element in the count word's third byte: the lab never deletes), and every id in use a key. Returns the mask of
+    the slots in use (rows, width)."""
     count = words[:, 0]
     if (count > width).any():
         raise bad(f"{where}: a link count past the row width {width} (or a deletion mark)")
     used = np.arange(width) < count[:, None].astype(np.int64)
     if (words[:, 1:][used] >= n_keys).any():
         raise bad(f"{where}: a neighbour id past the {n_keys} keys")
+    return used
 
 
 class HNSWGraph:

@@ -21,7 +21,7 @@ from faiss.contrib.ivf_tools import add_preassigned
 
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes.base import Index, Param, pad_topk
-from anns_lab.indexes.persist import expect, expect_ids
+from anns_lab.indexes.persist import expect, expect_ids, refuse_faiss_payload
 
 
 _STATS = threading.Lock()  # faiss.cvar.indexIVF_stats: one per process
@@ -105,15 +105,13 @@ class IVFIndex(Index):
         return {"centroids": self._index.quantizer.reconstruct_n(0, self.nlist), "keys": keys, "lists": lists}
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
-        if "faiss_index" in arrays:
-            raise IndexConfigError("it holds faiss's own binary format (array 'faiss_index', saved before 2026-12-03), "
-                                   "which this version no longer reads (faiss's reader trusts the file): build and save "
-                                   "the index again")
+        refuse_faiss_payload(arrays)
         centroids = expect(arrays, "centroids", np.float32, (None, self.dim), finite=True)
         keys = expect(arrays, "keys", np.float32, (self.n_keys, self.dim), finite=True)
         nlist = len(centroids)
-        if not 1 <= nlist <= self.n_keys:
-            raise IndexConfigError(f"array 'centroids' holds {nlist} lists for {self.n_keys} keys")
+        if not 1 <= nlist <= self.n_keys or self.params["nlist"] not in (0, nlist):
+            raise IndexConfigError(f"array 'centroids' holds {nlist} lists for {self.n_keys} keys (nlist "
+                                   f"{self.params['nlist'] or 'auto'})")
         lists = expect_ids("lists", expect(arrays, "lists", np.int64, (self.n_keys,)), 0, nlist)
         quantizer = faiss.IndexFlatIP(self.dim)
         quantizer.add(centroids)

@@ -150,3 +150,12 @@ def expect_ids(name: str, ids: np.ndarray, low: int, high: int) -> np.ndarray:
     if ids.size and (ids.min() < low or ids.max() >= high):
         raise IndexConfigError(f"array {name!r} holds values outside [{low}, {high})")
     return ids
+
+
+def refuse_faiss_payload(arrays: dict[str, np.ndarray]) -> None:
+    """IndexConfigError for a save holding faiss's own binary format (array ``faiss_index``, written before
+    2026-12-03): faiss's reader trusts the file, so the faiss indexes save plain arrays now."""
+    if "faiss_index" in arrays:
+        raise IndexConfigError("it holds faiss's own binary format (array 'faiss_index', saved before 2026-12-03), "
+                               "which this version no longer reads (faiss's reader trusts the file): build and save "
+                               "the index again")

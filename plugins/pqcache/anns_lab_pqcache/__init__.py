@@ -21,7 +21,7 @@ import numpy as np
 
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes import Index, Param
-from anns_lab.indexes.persist import expect
+from anns_lab.indexes.persist import expect, refuse_faiss_payload
 
 POOLS = (100, 150, 200, 300, 400, 600, 800, 1200, 1600, 2400, 3200, 4800, 6400, 9600, 12800, 19200, 25600)
 
@@ -87,10 +87,7 @@ class PQCacheIndex(Index):
         return {"codebooks": codebooks, "codes": codes, "keys": self._keys}
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
-        if "faiss_index" in arrays:
-            raise IndexConfigError("it holds faiss's own binary format (array 'faiss_index', saved before 2026-12-03), "
-                                   "which this version no longer reads (faiss's reader trusts the file): build and save "
-                                   "the index again")
+        refuse_faiss_payload(arrays)
         M, nbits, d = self.params["M"], self.params["nbits"], self.dim
         if d % M:
             raise IndexConfigError(f"M={M} does not divide the key dimension {d}")
