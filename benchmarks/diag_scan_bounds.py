@@ -1,8 +1,10 @@
-"""Where roargraph's scans at recall@100 0.95 could still go: three measurements on real heads, at today's build.
+"""Where roargraph's scans at recall@100 0.95 could still go: five measurements on real heads, at today's build.
 
     python benchmarks/diag_scan_bounds.py --dump /work/dumps/smollm2-man-8192 --layers 2,15,28 oracle
     python benchmarks/diag_scan_bounds.py --dump /work/dumps/smollm2-man-8192 --layers 2,15,28 shift
     python benchmarks/diag_scan_bounds.py --dump /work/dumps/smollm2-man-8192 --layers 2,15 --heads 1,4,7 cluster-rows --clusters 8
+    python benchmarks/diag_scan_bounds.py --dump /work/dumps/smollm2-man-8192 --layers 2,15,28 trajectory-rows [--boundary]
+    python benchmarks/diag_scan_bounds.py --dump /work/dumps/smollm2-man-8192 --layers 2,15 --heads 0,4,8 shortcuts [--front]
 
 The sweep's protocol in one process (``eval.heads.load_head``; one thread), each head built once at the defaults:
 
@@ -15,9 +17,16 @@ The sweep's protocol in one process (``eval.heads.load_head``; one thread), each
 - ``cluster-rows``: the same edges, each row sorted by co-occurrence within the lists of the training queries of one
   of C k-means clusters (ties by all lists'); a decode query walks the order of its nearest centroid, the C
   centroid products counted as scanned.
+- ``trajectory-rows``: the same edges, each row sorted by how often its neighbour was in the exact top-100 of a
+  training query whose search (at ``--learn-L``, today's row stop) expanded the row's key (ties: the shared order);
+  the signal co-occurrence lacks at the region's boundary, where a key outside a query's lists is expanded
+  (``--boundary``: count only those expansions).
+- ``shortcuts``: the same graph plus, for each training query searched at ``--learn-L`` (in order, each seeing the
+  edges added before it), an edge to every key of its exact top-100 the search missed, from the best of its first
+  ``--first`` found keys whose row has room, at the row's end (``--front``: its front).
 
-Prints one line per head and the median per-head ratio (oracle and cluster-rows: to one L / the shared order;
-shift: decode over trained).
+Prints one line per head and the median per-head ratio (oracle, cluster-rows, trajectory-rows, shortcuts: to one L /
+the shared order / the graph as built; shift: decode over trained).
 """
 
 from __future__ import annotations
@@ -28,12 +37,14 @@ import faiss
 import numba
 import numpy as np
 import scipy.sparse as sp
+from numba import njit
 
 from anns_lab.dumps import rope
 from anns_lab.dumps.store import open_dump
 from anns_lab.eval.heads import load_head
 from anns_lab.indexes.graph import Graph
-from anns_lab.indexes.graph.search import search_batch
+from anns_lab.indexes.graph.search import search_batch, search_one, typed_stop
+from anns_lab.indexes.graph.utils import workspace
 from anns_lab.indexes.roargraph import RoarGraphIndex, auto_lists, auto_train, subsample
 from anns_lab.indexes.topk import topk_ip
 from bench_build_scale import scan_at
@@ -111,14 +122,130 @@ def cluster_rows(index: RoarGraphIndex, data, clusters: int):
     return search
 
 
+@njit(cache=True)
+def _trajectory_hits(g, queries, top, entries, L, stop, n_exp, boundary):
+    """Per adjacency slot of ``g``: how many of ``queries`` expanded its row and hold its neighbour in their ``top``
+    (``boundary``: only expansions of keys outside that query's ``top``)."""
+    data, nbrs, degree = g
+    n = data.shape[0]
+    hits = np.zeros(nbrs.shape, np.int32)
+    slots = n + L + (top.shape[1] if L < top.shape[1] else 0)
+    ws = (np.zeros(n, np.int32), np.empty(slots, np.float32), np.empty(slots, np.int64), np.empty(n_exp, np.int64),
+          np.empty(n, np.float32))
+    mark = np.zeros(n, np.int32)
+    out_ids = np.empty(top.shape[1], np.int64)
+    out_s = np.empty(top.shape[1], np.float32)
+    for qi in range(queries.shape[0]):
+        for v in top[qi]:
+            mark[v] = qi + 1
+        _, _, ne = search_one(g, queries[qi], entries, L, ws, qi + 1, out_ids, out_s, stop)
+        for e in range(ne):
+            u = ws[3][e]
+            if boundary and mark[u] == qi + 1:
+                continue
+            for j in range(degree[u]):
+                if mark[nbrs[u, j]] == qi + 1:
+                    hits[u, j] += 1
+    return hits
+
+
+def trajectory_rows(index: RoarGraphIndex, data, learn_L: int, boundary: bool):
+    """A search over the same graph, each row ordered by its slots' trajectory hits (module doc)."""
+    keys = data.keys
+    rows = subsample(len(data.train_queries), auto_train(len(keys)), index.params["keep_queries"])
+    train = np.ascontiguousarray(data.train_queries if rows is None else data.train_queries[rows])
+    top = topk_ip(train, keys, K).astype(np.int64)
+    defaults = {name: param.default for name, param in RoarGraphIndex.search_params.items()}
+    entries, stop = index.entries(), typed_stop((defaults["row_misses"], defaults["row_credit"], index.n_built))
+    nbrs, degree = index._nbrs, index._degree
+    hits = _trajectory_hits((keys, nbrs, degree), train, top, np.ascontiguousarray(entries, np.int64), learn_L, stop,
+                            len(keys), boundary)
+    valid = np.arange(nbrs.shape[1]) < degree[:, None]
+    order = np.argsort(np.where(valid, -hits, 1 << 30), axis=1, kind="stable")
+    g = Graph(keys, np.ascontiguousarray(np.where(valid, np.take_along_axis(nbrs, order, 1), -1)), degree)
+
+    def search(q, L):
+        out = search_batch(g, q, np.ascontiguousarray(np.broadcast_to(entries, (len(q), len(entries)))), L, K, 1, stop)
+        return out[0], out[2]
+    return search
+
+
+@njit(cache=True)
+def _shortcuts(g, queries, top, entries, L, stop, first, front):
+    """Online: each training query is searched, and each key of its exact ``top`` the search missed gets an in-edge
+    from the best of its first ``first`` found keys whose row has room (at the row's ``front`` or end)."""
+    data, nbrs, degree = g
+    n = data.shape[0]
+    slots = n + L + (top.shape[1] if L < top.shape[1] else 0)
+    ws = (np.zeros(n, np.int32), np.empty(slots, np.float32), np.empty(slots, np.int64), np.empty(0, np.int64),
+          np.empty(n, np.float32))
+    found = np.zeros(n, np.int32)
+    out_ids = np.empty(top.shape[1], np.int64)
+    out_s = np.empty(top.shape[1], np.float32)
+    added = 0
+    for qi in range(queries.shape[0]):
+        search_one(g, queries[qi], entries, L, ws, qi + 1, out_ids, out_s, stop)
+        for v in out_ids:
+            if v >= 0:
+                found[v] = qi + 1
+        for v in top[qi]:
+            if found[v] == qi + 1:
+                continue
+            for t in range(min(first, out_ids.shape[0])):
+                u = out_ids[t]
+                if u < 0 or u == v or degree[u] >= nbrs.shape[1]:
+                    continue
+                dup = False
+                for j in range(degree[u]):
+                    if nbrs[u, j] == v:
+                        dup = True
+                if dup:
+                    continue
+                d = degree[u]
+                if front:
+                    for j in range(d, 0, -1):
+                        nbrs[u, j] = nbrs[u, j - 1]
+                    nbrs[u, 0] = v
+                else:
+                    nbrs[u, d] = v
+                degree[u] = d + 1
+                added += 1
+                break
+    return added
+
+
+def shortcut_rows(index: RoarGraphIndex, data, learn_L: int, first: int, front: bool, every: bool):
+    """A search over the graph with the missed keys' shortcuts added (module doc)."""
+    keys = data.keys
+    rows = None if every else subsample(len(data.train_queries), auto_train(len(keys)), index.params["keep_queries"])
+    train = np.ascontiguousarray(data.train_queries if rows is None else data.train_queries[rows])
+    top = topk_ip(train, keys, K).astype(np.int64)
+    defaults = {name: param.default for name, param in RoarGraphIndex.search_params.items()}
+    entries, stop = index.entries(), typed_stop((defaults["row_misses"], defaults["row_credit"], index.n_built))
+    nbrs, degree = index._nbrs.copy(), index._degree.copy()
+    g = Graph(keys, nbrs, degree)
+    added = _shortcuts(tuple(g), train, top, np.ascontiguousarray(entries, np.int64), learn_L, stop, first, front)
+    print(f"  {added} shortcuts ({added / len(keys):.2f} per key), degree {index._degree.mean():.1f} -> {degree.mean():.1f}")
+
+    def search(q, L):
+        out = search_batch(g, q, np.ascontiguousarray(np.broadcast_to(entries, (len(q), len(entries)))), L, K, 1, stop)
+        return out[0], out[2]
+    return search
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dump", required=True)
     ap.add_argument("--layers", required=True)
     ap.add_argument("--heads", default=None, help="comma-separated (default: every query head)")
     ap.add_argument("--target", type=float, default=0.95)
-    ap.add_argument("what", choices=["oracle", "shift", "cluster-rows"])
+    ap.add_argument("what", choices=["oracle", "shift", "cluster-rows", "trajectory-rows", "shortcuts"])
+    ap.add_argument("--boundary", action="store_true", help="trajectory-rows: count expansions outside the top only")
+    ap.add_argument("--first", type=int, default=1, help="shortcuts: from the best this many found keys")
+    ap.add_argument("--front", action="store_true", help="shortcuts: at the rows' front (default: their end)")
+    ap.add_argument("--every", action="store_true", help="shortcuts: every training query (default: the build's)")
     ap.add_argument("--clusters", type=int, default=8)
+    ap.add_argument("--learn-L", type=int, default=100, help="trajectory-rows: the training queries' beam")
     a = ap.parse_args()
     numba.set_num_threads(1)
     dump = open_dump(a.dump)
@@ -146,6 +273,14 @@ def main() -> None:
                                            data.keys), n, a.target)
                 line = f"decode {one:.3f}%, held-out prefill {best:.3f}%, trained (newest 64) {newest:.3f}%"
                 ratio = one / newest  # decode over trained
+            elif a.what == "shortcuts":
+                best = at_target(*curves(shortcut_rows(index, data, a.learn_L, a.first, a.front, a.every),
+                                         data.test_queries, data.keys), n, a.target)
+                line, ratio = f"built {one:.3f}%, with shortcuts {best:.3f}%", best / one
+            elif a.what == "trajectory-rows":
+                best = at_target(*curves(trajectory_rows(index, data, a.learn_L, a.boundary), data.test_queries, data.keys), n,
+                                 a.target)
+                line, ratio = f"shared order {one:.3f}%, rows by trajectory hits (L {a.learn_L}) {best:.3f}%", best / one
             else:
                 best = at_target(*curves(cluster_rows(index, data, a.clusters), data.test_queries, data.keys), n,
                                  a.target)
