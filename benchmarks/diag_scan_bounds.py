@@ -107,8 +107,7 @@ def cluster_rows(index: RoarGraphIndex, data, clusters: int):
         score[valid] = np.asarray((part.T @ part).tocsr()[src, dst]).ravel() * (both.max() + 1) + both
         order = np.argsort(-score, axis=1, kind="stable")
         graphs.append(Graph(keys, np.ascontiguousarray(np.where(valid, np.take_along_axis(nbrs, order, 1), -1)), degree))
-    defaults = {name: param.default for name, param in RoarGraphIndex.search_params.items()}
-    entries, stop = index.entries(), (defaults["row_misses"], defaults["row_credit"], index.n_built)
+    entries, stop = _serving(index)
 
     def search(q, L):
         ids, scanned = np.zeros((len(q), K), np.int64), np.zeros(len(q), np.int64)
@@ -123,15 +122,12 @@ def cluster_rows(index: RoarGraphIndex, data, clusters: int):
 
 
 @njit(cache=True)
-def _trajectory_hits(g, queries, top, entries, L, stop, n_exp, boundary):
+def _trajectory_hits(g, queries, top, entries, L, ws, stop, boundary):
     """Per adjacency slot of ``g``: how many of ``queries`` expanded its row and hold its neighbour in their ``top``
-    (``boundary``: only expansions of keys outside that query's ``top``)."""
+    (``boundary``: only expansions of keys outside that query's ``top``); ``ws`` records every expanded node."""
     data, nbrs, degree = g
     n = data.shape[0]
     hits = np.zeros(nbrs.shape, np.int32)
-    slots = n + L + (top.shape[1] if L < top.shape[1] else 0)
-    ws = (np.zeros(n, np.int32), np.empty(slots, np.float32), np.empty(slots, np.int64), np.empty(n_exp, np.int64),
-          np.empty(n, np.float32))
     mark = np.zeros(n, np.int32)
     out_ids = np.empty(top.shape[1], np.int64)
     out_s = np.empty(top.shape[1], np.float32)
@@ -149,36 +145,47 @@ def _trajectory_hits(g, queries, top, entries, L, stop, n_exp, boundary):
     return hits
 
 
-def trajectory_rows(index: RoarGraphIndex, data, learn_L: int, boundary: bool):
-    """A search over the same graph, each row ordered by its slots' trajectory hits (module doc)."""
-    keys = data.keys
-    rows = subsample(len(data.train_queries), auto_train(len(keys)), index.params["keep_queries"])
+def _training(index: RoarGraphIndex, data, every: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """The training queries the build learnt from (``every``: all of them) and their exact top-K key ids."""
+    rows = None if every else subsample(len(data.train_queries), auto_train(len(data.keys)), index.params["keep_queries"])
     train = np.ascontiguousarray(data.train_queries if rows is None else data.train_queries[rows])
-    top = topk_ip(train, keys, K).astype(np.int64)
-    defaults = {name: param.default for name, param in RoarGraphIndex.search_params.items()}
-    entries, stop = index.entries(), typed_stop((defaults["row_misses"], defaults["row_credit"], index.n_built))
-    nbrs, degree = index._nbrs, index._degree
-    hits = _trajectory_hits((keys, nbrs, degree), train, top, np.ascontiguousarray(entries, np.int64), learn_L, stop,
-                            len(keys), boundary)
-    valid = np.arange(nbrs.shape[1]) < degree[:, None]
-    order = np.argsort(np.where(valid, -hits, 1 << 30), axis=1, kind="stable")
-    g = Graph(keys, np.ascontiguousarray(np.where(valid, np.take_along_axis(nbrs, order, 1), -1)), degree)
+    return train, topk_ip(train, data.keys, K).astype(np.int64)
 
+
+def _serving(index: RoarGraphIndex) -> tuple[np.ndarray, tuple]:
+    """The index's entry points and today's default row stop, as the kernels take them."""
+    defaults = {name: param.default for name, param in RoarGraphIndex.search_params.items()}
+    return (np.ascontiguousarray(index.entries(), np.int64),
+            typed_stop((defaults["row_misses"], defaults["row_credit"], index.n_built)))
+
+
+def _graph_search(g: Graph, entries: np.ndarray, stop: tuple):
+    """``search(queries, L)`` → (ids, scanned) over ``g`` from ``entries`` with row stop ``stop``, one thread."""
     def search(q, L):
         out = search_batch(g, q, np.ascontiguousarray(np.broadcast_to(entries, (len(q), len(entries)))), L, K, 1, stop)
         return out[0], out[2]
     return search
 
 
+def trajectory_rows(index: RoarGraphIndex, data, learn_L: int, boundary: bool):
+    """A search over the same graph, each row ordered by its slots' trajectory hits (module doc)."""
+    train, top = _training(index, data)
+    entries, stop = _serving(index)
+    keys, nbrs, degree = data.keys, index._nbrs, index._degree
+    ws = workspace(len(keys), learn_L, K, expanded=len(keys))
+    hits = _trajectory_hits((keys, nbrs, degree), train, top, entries, learn_L, ws, stop, boundary)
+    valid = np.arange(nbrs.shape[1]) < degree[:, None]
+    order = np.argsort(np.where(valid, -hits, 1 << 30), axis=1, kind="stable")
+    g = Graph(keys, np.ascontiguousarray(np.where(valid, np.take_along_axis(nbrs, order, 1), -1)), degree)
+    return _graph_search(g, entries, stop)
+
+
 @njit(cache=True)
-def _shortcuts(g, queries, top, entries, L, stop, first, front):
+def _shortcuts(g, queries, top, entries, L, ws, stop, first, front):
     """Online: each training query is searched, and each key of its exact ``top`` the search missed gets an in-edge
     from the best of its first ``first`` found keys whose row has room (at the row's ``front`` or end)."""
     data, nbrs, degree = g
     n = data.shape[0]
-    slots = n + L + (top.shape[1] if L < top.shape[1] else 0)
-    ws = (np.zeros(n, np.int32), np.empty(slots, np.float32), np.empty(slots, np.int64), np.empty(0, np.int64),
-          np.empty(n, np.float32))
     found = np.zeros(n, np.int32)
     out_ids = np.empty(top.shape[1], np.int64)
     out_s = np.empty(top.shape[1], np.float32)
@@ -216,21 +223,13 @@ def _shortcuts(g, queries, top, entries, L, stop, first, front):
 
 def shortcut_rows(index: RoarGraphIndex, data, learn_L: int, first: int, front: bool, every: bool):
     """A search over the graph with the missed keys' shortcuts added (module doc)."""
-    keys = data.keys
-    rows = None if every else subsample(len(data.train_queries), auto_train(len(keys)), index.params["keep_queries"])
-    train = np.ascontiguousarray(data.train_queries if rows is None else data.train_queries[rows])
-    top = topk_ip(train, keys, K).astype(np.int64)
-    defaults = {name: param.default for name, param in RoarGraphIndex.search_params.items()}
-    entries, stop = index.entries(), typed_stop((defaults["row_misses"], defaults["row_credit"], index.n_built))
-    nbrs, degree = index._nbrs.copy(), index._degree.copy()
-    g = Graph(keys, nbrs, degree)
-    added = _shortcuts(tuple(g), train, top, np.ascontiguousarray(entries, np.int64), learn_L, stop, first, front)
+    train, top = _training(index, data, every)
+    entries, stop = _serving(index)
+    keys, nbrs, degree = data.keys, index._nbrs.copy(), index._degree.copy()
+    added = _shortcuts((keys, nbrs, degree), train, top, entries, learn_L, workspace(len(keys), learn_L, K), stop,
+                       first, front)
     print(f"  {added} shortcuts ({added / len(keys):.2f} per key), degree {index._degree.mean():.1f} -> {degree.mean():.1f}")
-
-    def search(q, L):
-        out = search_batch(g, q, np.ascontiguousarray(np.broadcast_to(entries, (len(q), len(entries)))), L, K, 1, stop)
-        return out[0], out[2]
-    return search
+    return _graph_search(Graph(keys, nbrs, degree), entries, stop)
 
 
 def main() -> None:
@@ -245,7 +244,7 @@ def main() -> None:
     ap.add_argument("--front", action="store_true", help="shortcuts: at the rows' front (default: their end)")
     ap.add_argument("--every", action="store_true", help="shortcuts: every training query (default: the build's)")
     ap.add_argument("--clusters", type=int, default=8)
-    ap.add_argument("--learn-L", type=int, default=100, help="trajectory-rows: the training queries' beam")
+    ap.add_argument("--learn-L", type=int, default=100, help="trajectory-rows, shortcuts: the training queries' beam")
     a = ap.parse_args()
     numba.set_num_threads(1)
     dump = open_dump(a.dump)
