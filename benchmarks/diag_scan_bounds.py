@@ -1,10 +1,13 @@
-"""Where roargraph's scans at recall@100 0.95 could still go: five measurements on real heads, at today's build.
+"""Where roargraph's scans at recall@100 0.95 could still go: measurements on real heads, at today's build.
 
     python benchmarks/diag_scan_bounds.py --dump /work/dumps/smollm2-man-8192 --layers 2,15,28 oracle
     python benchmarks/diag_scan_bounds.py --dump /work/dumps/smollm2-man-8192 --layers 2,15,28 shift
     python benchmarks/diag_scan_bounds.py --dump /work/dumps/smollm2-man-8192 --layers 2,15 --heads 1,4,7 cluster-rows --clusters 8
     python benchmarks/diag_scan_bounds.py --dump /work/dumps/smollm2-man-8192 --layers 2,15,28 trajectory-rows [--boundary]
     python benchmarks/diag_scan_bounds.py --dump /work/dumps/smollm2-man-8192 --layers 2,15 --heads 0,4,8 shortcuts [--front]
+    python benchmarks/diag_scan_bounds.py --dump /work/dumps/smollm2-man-8192 --layers 2,15,28 feedback [--fed interleave] [--exact]
+    python benchmarks/diag_scan_bounds.py --dump /work/dumps/smollm2-man-8192 --layers 2,15,28 lonely-keys --via cosine
+    python benchmarks/diag_scan_bounds.py --dump /work/dumps/smollm2-man-8192 --layers 15 --heads 6,8 copy-hints
 
 The sweep's protocol in one process (``eval.heads.load_head``; one thread), each head built once at the defaults:
 
@@ -24,9 +27,24 @@ The sweep's protocol in one process (``eval.heads.load_head``; one thread), each
 - ``shortcuts``: the same graph plus, for each training query searched at ``--learn-L`` (in order, each seeing the
   edges added before it), an edge to every key of its exact top-100 the search missed, from the best of its first
   ``--first`` found keys whose row has room, at the row's end (``--front``: its front).
+- ``feedback``: a decoder feeding its decode queries back into the training (each step's query of the head and its
+  top-M_sq list a training query of the later steps): ``--fed sequential`` (default): block b of ``--block`` steps
+  served by the graph built again with the blocks before it and the lists that graph's searches found (the best M_sq
+  of the keys a search at the serving L scanned: no product more; a search that scanned fewer feeds nothing;
+  ``--exact``: their exact lists, which a decoder would pay a full scan for); ``half``: the first half of the steps
+  fed with exact lists; ``interleave``: the even steps (an optimistic bound: each test step's neighbours on both
+  sides trained). Against the graph as built on the same test steps, both on exact training lists, and IVF on them
+  (its defaults and grid).
+- ``lonely-keys``: the same graph plus, for each key with fewer than ``--below`` in-edges (on hard heads the decode
+  queries' misses are such keys, in no training list), an in-edge from each of its ``--sources`` nearest keys
+  (``--via`` ip or cosine), from the first keys of the training query whose top-M_sq list it comes closest to
+  entering (``query``), or to and from the keys beside it in the text (``span``), where a row has room, at its end
+  (``--front``: its front).
+- ``copy-hints``: each decode step's search also entered at the decoder's copy hints (``decode.copy_hints``, from the
+  dump's tokens; counted as scanned), against none: the sweep has no hints, the decoder does.
 
-Prints one line per head and the median per-head ratio (oracle, cluster-rows, trajectory-rows, shortcuts: to one L /
-the shared order / the graph as built; shift: decode over trained).
+Prints one line per head and the median per-head ratio (oracle: to one L; cluster-rows, trajectory-rows: to the shared
+order; shortcuts, feedback, lonely-keys: to the graph as built; copy-hints: to no hints; shift: decode over trained).
 """
 
 from __future__ import annotations
@@ -39,12 +57,15 @@ import numpy as np
 import scipy.sparse as sp
 from numba import njit
 
+from anns_lab.decode.copy_hints import CopyHints
 from anns_lab.dumps import rope
 from anns_lab.dumps.store import open_dump
 from anns_lab.eval.heads import load_head
 from anns_lab.indexes.graph import Graph
+from anns_lab.indexes.graph.multi import search_graphs
 from anns_lab.indexes.graph.search import search_batch, search_one, typed_stop
 from anns_lab.indexes.graph.utils import workspace
+from anns_lab.indexes.registry import create
 from anns_lab.indexes.roargraph import RoarGraphIndex, auto_lists, auto_train, subsample
 from anns_lab.indexes.topk import topk_ip
 from bench_build_scale import scan_at
@@ -53,11 +74,11 @@ K = 100
 GRID = RoarGraphIndex.search_grid["L"]
 
 
-def curves(search, queries: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per grid L and query: recall@K and keys scanned, (len(GRID), nq) each; ``search(queries, L)`` → (ids, scanned)."""
+def curves(search, queries: np.ndarray, keys: np.ndarray, grid=GRID) -> tuple[np.ndarray, np.ndarray]:
+    """Per grid point and query: recall@K and keys scanned, (len(grid), nq) each; ``search(queries, L)`` → (ids, scanned)."""
     exact = topk_ip(queries, keys, K)
     recall, scanned = [], []
-    for L in GRID:
+    for L in grid:
         ids, n = search(queries, L)
         recall.append([len(np.intersect1d(a[a >= 0], b)) / K for a, b in zip(ids, exact)])
         scanned.append(n)
@@ -232,16 +253,139 @@ def shortcut_rows(index: RoarGraphIndex, data, learn_L: int, first: int, front: 
     return _graph_search(Graph(keys, nbrs, degree), entries, stop)
 
 
+def lonely_in_edges(index: RoarGraphIndex, data, below: int, sources: int, front: bool, via: str):
+    """A search over the graph with in-edges for its lonely keys (module doc)."""
+    keys, nbrs, degree = data.keys, index._nbrs.copy(), index._degree.copy()
+    R = nbrs.shape[1]
+    indeg = np.bincount(nbrs[np.arange(R) < degree[:, None]], minlength=len(keys))
+    lonely = np.flatnonzero(indeg < below)
+    if via == "span":  # key ids are in position order: a lonely key's neighbours in the text, both ways
+        edges = [(u, w) for v in lonely for u, w in ((v - 1, v), (v + 1, v), (v, v - 1), (v, v + 1))
+                 if 0 <= min(u, w) and max(u, w) < len(keys)]
+    else:
+        if via == "query":  # the training query whose list v comes closest to entering: in-edges from its first keys
+            train, _ = _training(index, data)
+            top = topk_ip(train, keys, auto_lists(len(keys))[0])
+            last = np.einsum("qd,qd->q", train, keys[top[:, -1]])
+            near = top[np.argmax(keys[lonely] @ train.T - last[None, :], axis=1)]
+        else:
+            unit = keys / np.linalg.norm(keys, axis=1, keepdims=True) if via == "cosine" else keys
+            near = topk_ip(np.ascontiguousarray(unit[lonely]), np.ascontiguousarray(unit), sources + 1)
+        edges = [(u, v) for v, row in zip(lonely, near) for u in row[row != v][:sources]]
+    added = 0
+    for u, w in edges:  # where u's row has room and lacks w, at its end (front: its front)
+        d = degree[u]
+        if d >= R or w in nbrs[u, :d]:
+            continue
+        if front:
+            nbrs[u, 1:d + 1] = nbrs[u, :d].copy()
+        nbrs[u, 0 if front else d] = w
+        degree[u] = d + 1
+        added += 1
+    print(f"  {len(lonely)} keys with in-degree < {below}, {added} edges added")
+    return _graph_search(Graph(keys, nbrs, degree), *_serving(index))
+
+
+def copy_hints(dump, data, cap: int) -> list[np.ndarray]:
+    """Each decode step's copy hints as the decoder makes them (``decode.copy_hints``), as the index's key ids."""
+    tokens = np.asarray(dump.tokens(), np.int64)
+    hints, out = CopyHints(cap), []
+    for pos in data.test_pos:
+        hints.update(tokens[: pos + 1])
+        at = np.searchsorted(data.key_pos, hints.positions)
+        at = np.minimum(at, len(data.key_pos) - 1)
+        out.append(at[data.key_pos[at] == hints.positions].astype(np.int64))  # those in the window or held out: none
+    return out
+
+
+def hinted_search(index: RoarGraphIndex, hints: list[np.ndarray]):
+    """``search(queries, L)`` with each query's copy hints as extra entry points (counted), one query at a time."""
+    def search(q, L):
+        ids, scanned = np.full((len(q), K), -1, np.int64), np.zeros(len(q), np.int64)
+        for i in range(len(q)):
+            r = search_graphs([index], q[i:i + 1], K, L, None, hints[i])
+            ids[i], scanned[i] = r.ids[0], r.n_scanned[0]
+        return ids, scanned
+    return search
+
+
+def ivf_at_target(keys: np.ndarray, queries: np.ndarray, target: float) -> float:
+    """IVF's scanned % at the target (its defaults and sweep grid; centroid products counted) on these queries."""
+    ivf = create("ivf").build(keys)
+    grid = [point["nprobe"] for point in ivf.grid()]
+    return at_target(*curves(lambda q, v: (lambda r: (r.ids, r.n_scanned))(ivf.search(q, K, nprobe=v)), queries, keys,
+                             grid), len(keys), target)
+
+
+def feedback(dump, data, how: str, block: int, exact: bool, target: float) -> tuple[float, float, float]:
+    """Scanned % at the target on the test steps: (graph as built, graph with decode steps fed back, IVF; module
+    doc)."""
+    steps = len(dump.positions("decode"))
+    if len(data.test_queries) != steps:
+        raise SystemExit("feedback: the test queries must be the decode steps alone (a dump of >= 64 decode tokens)")
+    steps_q = data.test_queries  # the head's own decode queries, as its graph trains on its own (--train-group head)
+    keys, n = data.keys, len(data.keys)
+    index = RoarGraphIndex()
+    rows = index.train_rows(n, len(data.train_queries))
+    train = np.ascontiguousarray(data.train_queries if rows is None else data.train_queries[rows])
+    m_sq = RoarGraphIndex.train_topk_width(n)
+    top = topk_ip(train, keys, m_sq).astype(np.int64)  # exact lists for both graphs: they differ by the fed steps only
+
+    def build(q, lists):
+        return RoarGraphIndex(max_train=len(q)).build(keys, np.ascontiguousarray(q, np.float32), train_topk=lists)
+
+    base = build(train, top)
+    if how != "sequential":
+        fed = np.arange(0, steps, 2) if how == "interleave" else np.arange(steps // 2)
+        test = np.setdiff1d(np.arange(steps), fed)
+        q_fed = steps_q[fed]
+        fed_graph = build(np.concatenate([train, q_fed]), np.concatenate([top, topk_ip(q_fed, keys, m_sq)]))
+        curve = curves(index_search(fed_graph), np.ascontiguousarray(steps_q[test]), keys)
+    else:
+        # block b is served by the graph trained on blocks < b with the lists that graph's searches found: the
+        # best M_sq keys of those a serving search scanned (no product more), at the L where the newest 64
+        # training queries reach the target (as the decoder calibrates on the prompt's newest queries)
+        r_new, _ = curves(index_search(base), np.ascontiguousarray(train[-64:]), keys)
+        serve_L = GRID[min(int(np.searchsorted(r_new.mean(axis=1) >= target, True)), len(GRID) - 1)]
+        test = np.arange(block, steps)
+        graph, parts, fed_q, fed_lists, skipped = base, [], [], [], 0
+        for b in range(block, steps, block):
+            q_new = np.ascontiguousarray(steps_q[b - block:b])
+            found = graph.search(q_new, m_sq, L=serve_L).ids.astype(np.int64)
+            full = (found >= 0).all(axis=1)  # a search that scanned fewer than M_sq keys has no list to feed
+            skipped += int((~full).sum())
+            fed_q.append(q_new[full])
+            fed_lists.append(topk_ip(q_new[full], keys, m_sq) if exact else found[full])
+            graph = build(np.concatenate([train, *fed_q]), np.concatenate([top, *fed_lists]))
+            parts.append(curves(index_search(graph), np.ascontiguousarray(steps_q[b:b + block]), keys))
+        curve = tuple(np.concatenate(c, axis=1) for c in zip(*parts))
+        print(f"  fed lists found at L {serve_L}; {skipped} of {steps - block} steps scanned fewer than M_sq keys "
+              "and fed nothing", flush=True)
+    q = np.ascontiguousarray(steps_q[test])
+    return at_target(*curves(index_search(base), q, keys), n, target), at_target(*curve, n, target), ivf_at_target(keys, q, target)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dump", required=True)
     ap.add_argument("--layers", required=True)
     ap.add_argument("--heads", default=None, help="comma-separated (default: every query head)")
     ap.add_argument("--target", type=float, default=0.95)
-    ap.add_argument("what", choices=["oracle", "shift", "cluster-rows", "trajectory-rows", "shortcuts"])
+    ap.add_argument("what", choices=["oracle", "shift", "cluster-rows", "trajectory-rows", "shortcuts", "feedback",
+                                       "lonely-keys", "copy-hints"])
+    ap.add_argument("--cap", type=int, default=8, help="copy-hints: the decoder's --copy-hints")
+    ap.add_argument("--below", type=int, default=3, help="lonely-keys: keys with fewer in-edges than this")
+    ap.add_argument("--sources", type=int, default=4, help="lonely-keys: in-edges from this many nearest keys")
+    ap.add_argument("--via", choices=["ip", "cosine", "query", "span"], default="ip",
+                    help="lonely-keys: sources nearest by inner product or cosine, or the first keys of the training "
+                         "query whose list the key comes closest to entering; span: edges to and from the keys beside it in the text")
+    ap.add_argument("--fed", choices=["half", "interleave", "sequential"], default="sequential",
+                    help="feedback: which decode steps are fed back (module doc)")
+    ap.add_argument("--block", type=int, default=8, help="feedback --fed sequential: steps per rebuild")
+    ap.add_argument("--exact", action="store_true", help="feedback --fed sequential: feed exact lists, not found ones")
     ap.add_argument("--boundary", action="store_true", help="trajectory-rows: count expansions outside the top only")
     ap.add_argument("--first", type=int, default=1, help="shortcuts: from the best this many found keys")
-    ap.add_argument("--front", action="store_true", help="shortcuts: at the rows' front (default: their end)")
+    ap.add_argument("--front", action="store_true", help="shortcuts, lonely-keys: at the rows' front (default: their end)")
     ap.add_argument("--every", action="store_true", help="shortcuts: every training query (default: the build's)")
     ap.add_argument("--clusters", type=int, default=8)
     ap.add_argument("--learn-L", type=int, default=100, help="trajectory-rows, shortcuts: the training queries' beam")
@@ -251,10 +395,17 @@ def main() -> None:
     n_prefill = int(dump.manifest["n_tokens"]["prefill"])
     held = np.sort(np.random.default_rng(0).choice(np.arange(n_prefill // 2, n_prefill - 700), 64, replace=False))
     heads = [int(h) for h in a.heads.split(",")] if a.heads else range(dump.n_heads)
-    ratios = []
+    ratios, gains = [], []
     for layer in (int(x) for x in a.layers.split(",")):
         for head in heads:
             data = load_head(dump, layer, head, held_out=held if a.what == "shift" else None)
+            if a.what == "feedback":
+                one, best, ivf = feedback(dump, data, a.fed, a.block, a.exact, a.target)
+                ratios.append(best / one)
+                gains.append((ivf / one, ivf / best))
+                print(f"{layer}/{head}: built {one:.3f}%, decode steps fed back {best:.3f}%, IVF {ivf:.3f}% "
+                      f"(x IVF {ivf / one:.2f} -> {ivf / best:.2f}), ratio {best / one:.3f}", flush=True)
+                continue
             index = RoarGraphIndex().build(data.keys, data.train_queries)
             n = len(data.keys)
             r, s = curves(index_search(index), data.test_queries, data.keys)
@@ -272,6 +423,15 @@ def main() -> None:
                                            data.keys), n, a.target)
                 line = f"decode {one:.3f}%, held-out prefill {best:.3f}%, trained (newest 64) {newest:.3f}%"
                 ratio = one / newest  # decode over trained
+            elif a.what == "copy-hints":
+                hints = copy_hints(dump, data, a.cap)
+                best = at_target(*curves(hinted_search(index, hints), data.test_queries, data.keys), n, a.target)
+                line = f"no hints {one:.3f}%, the decoder's copy hints {best:.3f}% ({np.mean([len(h) for h in hints]):.1f} per step)"
+                ratio = best / one
+            elif a.what == "lonely-keys":
+                best = at_target(*curves(lonely_in_edges(index, data, a.below, a.sources, a.front, a.via),
+                                         data.test_queries, data.keys), n, a.target)
+                line, ratio = f"built {one:.3f}%, lonely keys linked {best:.3f}%", best / one
             elif a.what == "shortcuts":
                 best = at_target(*curves(shortcut_rows(index, data, a.learn_L, a.first, a.front, a.every),
                                          data.test_queries, data.keys), n, a.target)
@@ -287,6 +447,8 @@ def main() -> None:
             ratios.append(ratio)
             print(f"{layer}/{head}: {line}, ratio {ratio:.3f}", flush=True)
     print(f"{a.dump} {a.what}: median per-head ratio {np.nanmedian(ratios):.3f} over {len(ratios)} heads")
+    if gains:
+        print("median per-head IVF / roargraph: as built {:.2f}x, decode steps fed back {:.2f}x".format(*np.median(gains, axis=0)))
 
 
 if __name__ == "__main__":
