@@ -30,10 +30,10 @@ The sweep's protocol in one process (``eval.heads.load_head``; one thread), each
 - ``feedback``: a decoder feeding its decode queries back into the training (each step's query of the head and its
   top-M_sq list a training query of the later steps): ``--fed sequential`` (default): block b of ``--block`` steps
   served by the graph built again with the blocks before it and the lists that graph's searches found (the best M_sq
-  of the keys a search at the serving L scanned: no product more; a search that scanned fewer feeds nothing;
-  ``--exact``: their exact lists, which a decoder would pay a full scan for); ``half``: the first half of the steps
-  fed with exact lists; ``interleave``: the even steps (an optimistic bound: each test step's neighbours on both
-  sides trained). Against the graph as built on the same test steps, both on exact training lists, and IVF on them
+  of the keys a search at the serving L scanned: no product more; ``--feed-L``: a second search at that L; a search
+  that scanned fewer feeds nothing; ``--exact``: their exact lists, which a decoder would pay a full scan for);
+  ``half``: the first half of the steps fed with exact lists; ``interleave``: the even steps (an optimistic bound:
+  each test step's neighbours on both sides trained). Against the graph as built on the same test steps, both on exact training lists, and IVF on them
   (its defaults and grid).
 - ``lonely-keys``: the same graph plus, for each key with fewer than ``--below`` in-edges (on hard heads the decode
   queries' misses are such keys, in no training list), an in-edge from each of its ``--sources`` nearest keys
@@ -317,7 +317,7 @@ def ivf_at_target(keys: np.ndarray, queries: np.ndarray, target: float) -> float
                              grid), len(keys), target)
 
 
-def feedback(dump, data, how: str, block: int, exact: bool, target: float) -> tuple[float, float, float]:
+def feedback(dump, data, how: str, block: int, exact: bool, feed_L: int, target: float) -> tuple[float, float, float]:
     """Scanned % at the target on the test steps: (graph as built, graph with decode steps fed back, IVF; module
     doc)."""
     steps = len(dump.positions("decode"))
@@ -346,7 +346,7 @@ def feedback(dump, data, how: str, block: int, exact: bool, target: float) -> tu
         # best M_sq keys of those a serving search scanned (no product more), at the L where the newest 64
         # training queries reach the target (as the decoder calibrates on the prompt's newest queries)
         r_new, _ = curves(index_search(base), np.ascontiguousarray(train[-64:]), keys)
-        serve_L = GRID[min(int(np.searchsorted(r_new.mean(axis=1) >= target, True)), len(GRID) - 1)]
+        serve_L = feed_L or GRID[min(int(np.searchsorted(r_new.mean(axis=1) >= target, True)), len(GRID) - 1)]
         test = np.arange(block, steps)
         graph, parts, fed_q, fed_lists, skipped = base, [], [], [], 0
         for b in range(block, steps, block):
@@ -383,6 +383,8 @@ def main() -> None:
                     help="feedback: which decode steps are fed back (module doc)")
     ap.add_argument("--block", type=int, default=8, help="feedback --fed sequential: steps per rebuild")
     ap.add_argument("--exact", action="store_true", help="feedback --fed sequential: feed exact lists, not found ones")
+    ap.add_argument("--feed-L", type=int, default=0,
+                    help="feedback --fed sequential: the fed lists found by a search at this L (0: the serving L)")
     ap.add_argument("--boundary", action="store_true", help="trajectory-rows: count expansions outside the top only")
     ap.add_argument("--first", type=int, default=1, help="shortcuts: from the best this many found keys")
     ap.add_argument("--front", action="store_true", help="shortcuts, lonely-keys: at the rows' front (default: their end)")
@@ -400,7 +402,7 @@ def main() -> None:
         for head in heads:
             data = load_head(dump, layer, head, held_out=held if a.what == "shift" else None)
             if a.what == "feedback":
-                one, best, ivf = feedback(dump, data, a.fed, a.block, a.exact, a.target)
+                one, best, ivf = feedback(dump, data, a.fed, a.block, a.exact, a.feed_L, a.target)
                 ratios.append(best / one)
                 gains.append((ivf / one, ivf / best))
                 print(f"{layer}/{head}: built {one:.3f}%, decode steps fed back {best:.3f}%, IVF {ivf:.3f}% "
