@@ -101,8 +101,9 @@ def oracle(recall: np.ndarray, scanned: np.ndarray, target: float) -> float:
     return float(scanned[np.argmin(scanned - hi * recall, axis=0), cols].mean())
 
 
-def index_search(index: RoarGraphIndex):
-    return lambda q, L: (lambda r: (r.ids, r.n_scanned))(index.search(q, K, L=L))
+def index_search(index, param: str = "L"):
+    """``search(queries, value)`` → (ids, scanned) of ``index.search`` with its grid parameter ``param`` at value."""
+    return lambda q, v: (lambda r: (r.ids, r.n_scanned))(index.search(q, K, **{param: v}))
 
 
 def cluster_rows(index: RoarGraphIndex, data, clusters: int):
@@ -313,8 +314,7 @@ def ivf_at_target(keys: np.ndarray, queries: np.ndarray, target: float) -> float
     """IVF's scanned % at the target (its defaults and sweep grid; centroid products counted) on these queries."""
     ivf = create("ivf").build(keys)
     grid = [point["nprobe"] for point in ivf.grid()]
-    return at_target(*curves(lambda q, v: (lambda r: (r.ids, r.n_scanned))(ivf.search(q, K, nprobe=v)), queries, keys,
-                             grid), len(keys), target)
+    return at_target(*curves(index_search(ivf, "nprobe"), queries, keys, grid), len(keys), target)
 
 
 def feedback(dump, data, how: str, block: int, exact: bool, feed_L: int, target: float) -> tuple[float, float, float]:
@@ -351,16 +351,19 @@ def feedback(dump, data, how: str, block: int, exact: bool, feed_L: int, target:
         graph, parts, fed_q, fed_lists, skipped = base, [], [], [], 0
         for b in range(block, steps, block):
             q_new = np.ascontiguousarray(steps_q[b - block:b])
-            found = graph.search(q_new, m_sq, L=serve_L).ids.astype(np.int64)
+            if exact:
+                found = topk_ip(q_new, keys, m_sq).astype(np.int64)
+            else:
+                found = graph.search(q_new, m_sq, L=serve_L).ids.astype(np.int64)
             full = (found >= 0).all(axis=1)  # a search that scanned fewer than M_sq keys has no list to feed
             skipped += int((~full).sum())
             fed_q.append(q_new[full])
-            fed_lists.append(topk_ip(q_new[full], keys, m_sq) if exact else found[full])
+            fed_lists.append(found[full])
             graph = build(np.concatenate([train, *fed_q]), np.concatenate([top, *fed_lists]))
             parts.append(curves(index_search(graph), np.ascontiguousarray(steps_q[b:b + block]), keys))
         curve = tuple(np.concatenate(c, axis=1) for c in zip(*parts))
-        print(f"  fed lists found at L {serve_L}; {skipped} of {steps - block} steps scanned fewer than M_sq keys "
-              "and fed nothing", flush=True)
+        print("  fed exact lists" if exact else f"  fed lists found at L {serve_L}; {skipped} of {steps - block} steps "
+              "scanned fewer than M_sq keys and fed nothing", flush=True)
     q = np.ascontiguousarray(steps_q[test])
     return at_target(*curves(index_search(base), q, keys), n, target), at_target(*curve, n, target), ivf_at_target(keys, q, target)
 
@@ -392,6 +395,8 @@ def main() -> None:
     ap.add_argument("--clusters", type=int, default=8)
     ap.add_argument("--learn-L", type=int, default=100, help="trajectory-rows, shortcuts: the training queries' beam")
     a = ap.parse_args()
+    if a.cap < 1:
+        ap.error("--cap must be at least 1 (copy-hints measures the hints against none)")
     numba.set_num_threads(1)
     dump = open_dump(a.dump)
     n_prefill = int(dump.manifest["n_tokens"]["prefill"])
