@@ -8,6 +8,8 @@
     python benchmarks/diag_scan_bounds.py --dump /work/dumps/smollm2-man-8192 --layers 2,15,28 feedback [--fed interleave] [--exact]
     python benchmarks/diag_scan_bounds.py --dump /work/dumps/smollm2-man-8192 --layers 2,15,28 lonely-keys --via cosine
     python benchmarks/diag_scan_bounds.py --dump /work/dumps/smollm2-man-8192 --layers 15 --heads 6,8 copy-hints
+    python benchmarks/diag_scan_bounds.py --dump /work/dumps/smollm2-man-8192 --layers 2,15,28 augment --spread 0.6
+    python benchmarks/diag_scan_bounds.py --dump /work/dumps/smollm2-man-8192 --layers 2,15,28 top-structure
 
 The sweep's protocol in one process (``eval.heads.load_head``; one thread), each head built once at the defaults:
 
@@ -40,11 +42,15 @@ The sweep's protocol in one process (``eval.heads.load_head``; one thread), each
   (``--via`` ip or cosine), from the first keys of the training query whose top-M_sq list it comes closest to
   entering (``query``), or to and from the keys beside it in the text (``span``), where a row has room, at its end
   (``--front``: its front).
+- ``augment``: the graph built from the build's own training queries plus ``--extra`` x as many synthetic ones, each a
+  kept query moved by ``--spread`` x a draw of the kept queries' covariance (``--iso``: isotropic, of its mean
+  variance): lists of the keys just beyond the real queries' lists.
+- ``top-structure``: no other graph; what the decode queries' exact top-100 keys are (``top_structure``).
 - ``copy-hints``: each decode step's search also entered at the decoder's copy hints (``decode.copy_hints``, from the
   dump's tokens; counted as scanned), against none: the sweep has no hints, the decoder does.
 
 Prints one line per head and the median per-head ratio (oracle: to one L; cluster-rows, trajectory-rows: to the shared
-order; shortcuts, feedback, lonely-keys: to the graph as built; copy-hints: to no hints; shift: decode over trained).
+order; shortcuts, feedback, lonely-keys, augment: to the graph as built; copy-hints: to no hints; shift: decode over trained).
 """
 
 from __future__ import annotations
@@ -287,6 +293,44 @@ def lonely_in_edges(index: RoarGraphIndex, data, below: int, sources: int, front
     return _graph_search(Graph(keys, nbrs, degree), *_serving(index))
 
 
+def augmented(index: RoarGraphIndex, data, extra: float, spread: float, iso: bool, seed: int = 0) -> RoarGraphIndex:
+    """The graph built from the build's own training queries plus ``extra`` x as many synthetic ones: each a kept query
+    moved by ``spread`` x a draw from the kept queries' covariance (lists of keys near a real query's that no real
+    query ranks high enough to list)."""
+    n = len(data.keys)
+    rows = index.train_rows(n, len(data.train_queries))
+    real = data.train_queries if rows is None else data.train_queries[rows]
+    rng = np.random.default_rng(seed)
+    m = int(round(extra * len(real)))
+    centred = real - real.mean(axis=0)
+    cov = np.cov(centred, rowvar=False)
+    if iso:  # the same total variance in every direction
+        cov = np.eye(len(cov)) * np.trace(cov) / len(cov)
+    chol = np.linalg.cholesky(cov + 1e-6 * np.eye(real.shape[1]))
+    fake = real[rng.integers(0, len(real), m)] + spread * rng.standard_normal((m, real.shape[1])) @ chol.T
+    train = np.ascontiguousarray(np.concatenate([fake, real]), np.float32)  # the real ones newest: add()'s kept queries
+    return RoarGraphIndex(max_train=len(train)).build(data.keys, train)
+
+
+def top_structure(dump, index: RoarGraphIndex, data) -> str:
+    """What the decode queries' exact top-K keys are: the share in some training list, the share with a text neighbour
+    also in the top (a passage), the distinct tokens among them (copies of a few tokens), and the share of a top key's
+    10 nearest keys by cosine that are in the top too (8 queries; where key clusters fit, as IVF's do)."""
+    tokens = np.asarray(dump.tokens(), np.int64)
+    top = topk_ip(data.test_queries, data.keys, K)
+    pos = data.key_pos[top]
+    train, _ = _training(index, data)
+    listed = np.zeros(len(data.keys), np.bool_)
+    listed[topk_ip(train, data.keys, auto_lists(len(data.keys))[0])] = True
+    passage = np.mean([np.isin(p + 1, p) | np.isin(p - 1, p) for p in pos])
+    distinct = np.mean([len(np.unique(tokens[p])) for p in pos])
+    unit = np.ascontiguousarray(data.keys / np.linalg.norm(data.keys, axis=1, keepdims=True))
+    near = topk_ip(np.ascontiguousarray(unit[top[:8].ravel()]), unit, 11)[:, 1:].reshape(8, K, 10)
+    clustered = np.mean([np.isin(near[i], top[i]).mean() for i in range(len(near))])
+    return (f"in a training list {listed[top].mean():.3f}, beside a top key in the text {passage:.2f}, "
+            f"distinct tokens {distinct:.0f}, of a top key's 10 nearest keys in the top {clustered:.2f}")
+
+
 def copy_hints(dump, data, cap: int) -> list[np.ndarray]:
     """Each decode step's copy hints as the decoder makes them (``decode.copy_hints``), as the index's key ids."""
     tokens = np.asarray(dump.tokens(), np.int64)
@@ -375,7 +419,10 @@ def main() -> None:
     ap.add_argument("--heads", default=None, help="comma-separated (default: every query head)")
     ap.add_argument("--target", type=float, default=0.95)
     ap.add_argument("what", choices=["oracle", "shift", "cluster-rows", "trajectory-rows", "shortcuts", "feedback",
-                                       "lonely-keys", "copy-hints"])
+                                       "lonely-keys", "copy-hints", "augment", "top-structure"])
+    ap.add_argument("--extra", type=float, default=1.0, help="augment: synthetic training queries per real one")
+    ap.add_argument("--iso", action="store_true", help="augment: isotropic draws of the covariance's mean variance")
+    ap.add_argument("--spread", type=float, default=0.5, help="augment: the draws' scale (x the queries' covariance)")
     ap.add_argument("--cap", type=int, default=8, help="copy-hints: the decoder's --copy-hints")
     ap.add_argument("--below", type=int, default=3, help="lonely-keys: keys with fewer in-edges than this")
     ap.add_argument("--sources", type=int, default=4, help="lonely-keys: in-edges from this many nearest keys")
@@ -435,6 +482,13 @@ def main() -> None:
                 best = at_target(*curves(hinted_search(index, hints), data.test_queries, data.keys), n, a.target)
                 line = f"no hints {one:.3f}%, the decoder's copy hints {best:.3f}% ({np.mean([len(h) for h in hints]):.1f} per step)"
                 ratio = best / one
+            elif a.what == "top-structure":
+                print(f"{layer}/{head}: {one:.3f}%, {top_structure(dump, index, data)}", flush=True)
+                continue
+            elif a.what == "augment":
+                best = at_target(*curves(index_search(augmented(index, data, a.extra, a.spread, a.iso)), data.test_queries,
+                                         data.keys), n, a.target)
+                line, ratio = f"built {one:.3f}%, with synthetic queries {best:.3f}%", best / one
             elif a.what == "lonely-keys":
                 best = at_target(*curves(lonely_in_edges(index, data, a.below, a.sources, a.front, a.via),
                                          data.test_queries, data.keys), n, a.target)
@@ -453,7 +507,8 @@ def main() -> None:
                 line, ratio = f"shared order {one:.3f}%, rows per cluster (C {a.clusters}) {best:.3f}%", best / one
             ratios.append(ratio)
             print(f"{layer}/{head}: {line}, ratio {ratio:.3f}", flush=True)
-    print(f"{a.dump} {a.what}: median per-head ratio {np.nanmedian(ratios):.3f} over {len(ratios)} heads")
+    if ratios:
+        print(f"{a.dump} {a.what}: median per-head ratio {np.nanmedian(ratios):.3f} over {len(ratios)} heads")
     if gains:
         print("median per-head IVF / roargraph: as built {:.2f}x, decode steps fed back {:.2f}x".format(*np.median(gains, axis=0)))
 
