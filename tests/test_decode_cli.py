@@ -397,7 +397,7 @@ def test_from_sweep_auto_rules_note_reaches_stderr_and_the_json(tiny_llama, tmp_
 
     _roargraph_sweep(tmp_path, dict(RoarGraphIndex.auto_rules) | {"list_stride": "2026-11-01"})
     df = pd.read_parquet(tmp_path / "results.parquet")
-    df.assign(model=canonical_name(str(tiny_llama))).to_parquet(tmp_path / "results.parquet")
+    df.assign(model=canonical_name(str(tiny_llama)), k=20).to_parquet(tmp_path / "results.parquet")  # as --topk
     res = _run("--model", tiny_llama, "--task", "passkey", "--context", 200, "--window", "4,16", "--topk", 20,
                "--max-new-tokens", 2, "--from-sweep", tmp_path, "--mode", "full", "--json", tmp_path / "r.json")
     assert res.exit_code == 0, res.output
@@ -421,6 +421,7 @@ def test_from_sweep_on_the_command_line(tiny_llama, tmp_path):
     table = pd.read_parquet(path)
     table["model"] = canonical_name(str(tiny_llama))
     table["build_params"] = json.dumps({"R": 16})
+    table["k"] = 20  # swept at the decode's --topk: another k is refused (test_hostile_inputs)
     table.to_parquet(path)
     res = _run("--model", tiny_llama, "--task", "passkey", "--context", 200, "--window", "4,16", "--topk", 20,
                "--max-new-tokens", 3, "--from-sweep", path, "--target-recall", 0.95, "--mode", "window,flat,default",

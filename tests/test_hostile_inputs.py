@@ -2,7 +2,9 @@
 
 Covers bad dump arguments caught before the model loads, edited manifests (and a seeded fuzz of
 them), unwritable --out folders, garbage models and progress files, results that are not a table,
-export and sweep --k out of range, keys of extreme magnitude, and the conformance kit's hostile-input rules.
+export and sweep --k out of range, keys of extreme magnitude, the conformance kit's hostile-input rules, and results
+folders made hostile (damaged or stray parts, corrupt settings, a report's dump moved or replaced, export folders it
+did not make, NaN among values, a --from-sweep pick of another k or window).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import shutil
 
 import numpy as np
+import pandas as pd
 import pytest
 from click.testing import CliRunner
 
@@ -23,6 +26,7 @@ from anns_lab.errors import AnnsLabError, DumpError, IndexConfigError, ModelNotA
 from anns_lab.eval import export
 from anns_lab.eval.heads import load_head
 from anns_lab.eval.sweep import run_sweep
+from anns_lab.eval.table import COLUMNS
 from anns_lab.indexes import registry
 from anns_lab.indexes.flat import FlatIndex
 from anns_lab.testing import check_index
@@ -318,3 +322,138 @@ def test_kit_catches_a_plugin_that_lets_hostile_input_through(cls, words):
     with pytest.raises(AssertionError) as err:
         check_index(cls)
     assert str(err.value).startswith(words), err.value
+
+
+# -- results folders, parts and reports made hostile (twenty-eighth session's probe) ---------------------------
+
+
+def _sweep(dump, out, **kw) -> None:
+    run_sweep(dump.path, ["flat"], [1], [0], k=10, window=(0, 0), out=out, jobs=1, progress=False, **kw)
+
+
+def test_a_damaged_or_stray_part_is_never_trusted(dump, tmp_path):
+    out = tmp_path / "r"
+    _sweep(dump, out)
+    (part,) = (out / "parts").glob("*.parquet")
+    good = part.read_bytes()
+    part.write_bytes(good[:500])  # cut short: a resume evaluates it again instead of keeping it as finished
+    _sweep(dump, out)
+    assert part.read_bytes() != good[:500] and len(pd.read_parquet(out / "results.parquet")) > 0
+    (out / "parts" / "zzz.parquet").write_bytes(b"not parquet")  # not this sweep's: named, not read blindly
+    with pytest.raises(AnnsLabError, match="zzz.parquet is not a readable results part"):
+        _sweep(dump, out)
+
+
+def test_sweep_folders_and_selections_that_cannot_be_used_are_one_error_line(dump, tmp_path):
+    args = ["sweep", "--dump", dump.path, "--indexes", "flat", "--layers", 1, "--k", 10, "--window", "0,0"]
+    (tmp_path / "file").write_text("x")
+    one_line_error(args + ["--heads", 0, "--out", tmp_path / "file"], "is a file")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "sweep.json").write_text("{bad")
+    one_line_error(args + ["--heads", 0, "--out", tmp_path / "bad"], "sweep.json is corrupt", "--overwrite")
+    one_line_error(args + ["--heads", "", "--out", tmp_path / "e"], "--heads names no layer or head")
+    one_line_error(args + ["--heads", 0, "--jobs", 0, "--out", tmp_path / "j"], "--jobs 0")
+    r = run_sweep(dump.path, ["flat"], [1, 1], [0, 0], k=10, window=(0, 0), out=tmp_path / "dup", jobs=1, progress=False)
+    assert len(list((tmp_path / "dup" / "parts").glob("*.parquet"))) == 1
+    assert r.table.groupby(["layer", "head", "search_params", "direction"]).size().max() == 1  # evaluated once
+
+
+def test_report_reads_the_dump_the_sweep_recorded_and_refuses_another(dump, tmp_path, monkeypatch):
+    from anns_lab.eval.report import write_report
+
+    monkeypatch.chdir(dump.path.parent)
+    _sweep(dump, tmp_path / "r")  # the table labels the dump as given; sweep.json holds its absolute path
+    run_sweep(dump.path.name, ["flat"], [1], [0], k=10, window=(0, 0), out=tmp_path / "rel", jobs=1, progress=False)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert write_report(tmp_path / "rel").is_file()  # found from another folder
+    other = _edited(dump, tmp_path, lambda m: m | {"created": "2000-01-01T00:00:00"})  # another dump, same arrays
+    shutil.copytree(other, elsewhere / dump.path.name)  # the name the table holds, relative to here: not read
+    assert write_report(tmp_path / "rel").is_file()
+    one_line_error(["report", tmp_path / "r", "--dump", other], "is not the dump these results come from")
+    shutil.rmtree(elsewhere / dump.path.name)
+    moved = tmp_path / "moved"
+    shutil.copytree(dump.path, moved)
+    shutil.move(str(tmp_path / "r"), str(tmp_path / "r2"))
+    assert write_report(tmp_path / "r2", dump_path=moved).is_file()  # the same dump where it went, by its stamp
+
+
+def test_report_survives_odd_neighbours_and_refuses_a_file_as_out(dump, tmp_path):
+    from anns_lab.eval.report import write_report
+
+    _sweep(dump, tmp_path / "r")
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "sweep.json").write_text("[1, 2]")  # valid JSON, not a sweep's settings
+    assert write_report(tmp_path / "r").is_file()
+    (tmp_path / "file").write_text("x")
+    one_line_error(["report", tmp_path / "r", "--out", tmp_path / "file"], "is a file")
+    (tmp_path / "empty").mkdir()
+    pd.DataFrame(columns=COLUMNS).to_parquet(tmp_path / "empty" / "results.parquet")
+    one_line_error(["report", tmp_path / "empty"], "holds no rows")
+
+
+def test_export_never_writes_into_a_folder_it_did_not_make(dump, tmp_path):
+    args = ["export", "--dump", dump.path, "--layer", 1, "--head", 0, "--k", 10, "--window", "0,0", "--out"]
+    one_line_error(args + [dump.path], "is not an export folder")
+    ok = CliRunner().invoke(main, [str(a) for a in args + [tmp_path / "x"]])
+    assert ok.exit_code == 0, ok.output
+    one_line_error(args + [tmp_path / "x"], "holds an earlier export", "--overwrite")
+    again = CliRunner().invoke(main, [str(a) for a in args + [tmp_path / "x", "--overwrite"]])
+    assert again.exit_code == 0, again.output
+
+
+@pytest.mark.parametrize("array", ["values", "keys"])
+def test_non_finite_values_or_window_keys_are_refused_not_reported_as_nan(dump, array, monkeypatch):
+    """Indexed keys with NaN fail in the index; a NaN among the values or the window's keys would only show as a NaN
+    figure beside the 'not measured' ones of --quick: refused when the head is loaded (sweep, export, report)."""
+    clean = getattr(type(dump), array)
+
+    def with_nan(self, layer, kv_head, phase="all"):
+        out = clean(self, layer, kv_head, phase).copy()
+        out[-1, 0] = np.nan  # the newest position: in the recent window, never an indexed key
+        return out
+
+    monkeypatch.setattr(type(dump), array, with_nan)
+    with pytest.raises(DumpError, match=f"the {array} of layer 1, kv head 0, query head 0 hold NaN"):
+        load_head(dump, 1, 0, (0, 8))
+
+
+def test_decode_from_sweep_needs_the_sweeps_k_and_window(dump, tmp_path):
+    from anns_lab.decode.modes import pick_from_sweep
+    from anns_lab.errors import DecodeError
+
+    _sweep(dump, tmp_path / "r")  # --k 10, --window 0,0
+    model = dump.model
+    assert pick_from_sweep(str(tmp_path / "r"), model, 0.9, [1], topk=10, window=(0, 0))[0].kind == "index"
+    with pytest.raises(DecodeError, match="measured recall@10, this decode retrieves the top 100"):
+        pick_from_sweep(str(tmp_path / "r"), model, 0.9, [1], topk=100, window=(0, 0))
+    with pytest.raises(DecodeError, match="swept with --window 0,0, this decode attends 128,512"):
+        pick_from_sweep(str(tmp_path / "r"), model, 0.9, [1], topk=10, window=(128, 512))
+    for target in (-1, 0, 1.5, float("nan")):
+        with pytest.raises(DecodeError, match="--target-recall .* must lie in"):
+            pick_from_sweep(str(tmp_path / "r"), model, target, [1], topk=10, window=(0, 0))
+
+
+def _config(**fields):
+    def edit(m):
+        m["model"]["config"] |= fields
+        return m
+    return edit
+
+
+@pytest.mark.parametrize("edit, words", [
+    (_config(rope_parameters={"rope_theta": 0.0, "rope_type": "default"}), "not all finite and positive"),
+    (_config(rope_parameters={"rope_theta": -1e4, "rope_type": "default"}), "not all finite and positive"),
+    (_config(head_dim=64), "rotated dimensions of the dump's 16"),
+])
+def test_a_rope_config_the_validators_let_through_is_one_error_before_any_work(dump, tmp_path, edit, words):
+    """An unsealed manifest's config edited into frequencies that cannot move the queries: one error naming the
+    config, not a NaN blamed on an index or a numpy broadcast traceback."""
+    folder = _edited(dump, tmp_path, edit)
+    one_line_error(["export", "--dump", folder, "--layer", 1, "--head", 0, "--k", 10, "--window", "0,0", "--out",
+                    tmp_path / "x"], words, "--train-positions own")
+    assert not (tmp_path / "x").exists()
+    one_line_error(["sweep", "--dump", folder, "--indexes", "roargraph", "--layers", 1, "--heads", 0, "--k", 10,
+                    "--window", "0,0", "--out", tmp_path / "s"], words)
+    assert not (tmp_path / "s").exists()

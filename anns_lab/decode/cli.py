@@ -298,7 +298,8 @@ def _with_sweep_pick(mode_list: list[Mode], from_sweep: str, lm, target_recall: 
     from anns_lab.decode import modes as modes_mod
 
     picked, lines = modes_mod.pick_from_sweep(from_sweep, lm.name, target_recall, lm.long_range_layers,
-                                              settings.train_group, settings.train_positions)
+                                              settings.train_group, settings.train_positions, settings.topk,
+                                              tuple(settings.window))
     for line in lines:  # its notes on stderr, beside the run's progress
         click.echo(line, err=line.startswith(modes_mod.NOTE))
     return _with_full(mode_list + [picked]), lines

@@ -64,7 +64,8 @@ def inv_freq(config, layer: int) -> np.ndarray | None:
     if kind == "default":
         dim = int((getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
                   * own.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or 1.0))
-        return 1.0 / float(own["rope_theta"]) ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+        with np.errstate(all="ignore"):  # a theta of 0 or below: refused by dump_inv_freq, by name
+            return 1.0 / float(own["rope_theta"]) ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if kind not in ROPE_INIT_FUNCTIONS:
@@ -84,7 +85,7 @@ def dump_inv_freq(manifest: dict, layer: int) -> np.ndarray | None:
 
     fields = dict(config)
     try:
-        return inv_freq(AutoConfig.for_model(fields.pop("model_type"), **fields), layer)
+        freqs = inv_freq(AutoConfig.for_model(fields.pop("model_type"), **fields), layer)
     except DumpError:
         raise
     except Exception as err:  # noqa: BLE001 -- an edited config fails in transformers' validators, whatever they raise
@@ -92,6 +93,17 @@ def dump_inv_freq(manifest: dict, layer: int) -> np.ndarray | None:
         raise DumpError(f"the model config the dump's manifest records cannot be read back ({type(err).__name__}: "
                         f"{first}), so its queries cannot be moved to other positions: use the training queries' "
                         "own positions (--train-positions own)") from None
+    head_dim = manifest.get("head_dim")
+    problem = None  # an edited config (rope_theta 0, another head_dim or rotary share) that the validators let through
+    if freqs is not None and not (np.all(np.isfinite(freqs)) and np.all(freqs > 0)):
+        problem = "not all finite and positive"
+    elif freqs is not None and isinstance(head_dim, int) and 2 * len(freqs) > head_dim:
+        problem = f"{2 * len(freqs)} rotated dimensions of the dump's {head_dim}"
+    if problem:
+        raise DumpError(f"the model config the dump's manifest records gives layer {layer} RoPE frequencies {problem}, "
+                        "so its queries cannot be moved to other positions: use the training queries' own positions "
+                        "(--train-positions own)")
+    return freqs
 
 
 def move(vectors: np.ndarray, positions: np.ndarray, targets: np.ndarray, freqs: np.ndarray | None) -> np.ndarray:

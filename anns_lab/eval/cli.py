@@ -142,7 +142,9 @@ def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite, bu
 
 @click.command(short_help="Findings, figures and an HTML page from a sweep's results.")
 @click.argument("results", type=click.Path(), required=False)
-@click.option("--dump", "dump_path", type=click.Path(), default=None, help="Check the results come from this dump.")
+@click.option("--dump", "dump_path", type=click.Path(), default=None,
+              help="The dump the results come from, where it has moved (checked by its creation stamp) [default: the "
+                   "one the sweep recorded].")
 @click.option("--out", type=click.Path(), default=None, help="Folder for report.md and figures [default: beside RESULTS].")
 def report(results, dump_path, out) -> None:
     """Findings against the paper, figures (paper Figs. 2, 3a, 3b, 6) and tables from a sweep's results.
@@ -172,11 +174,12 @@ def report(results, dump_path, out) -> None:
 @click.option("--window", type=WINDOW, default="128,512", show_default=True)
 @click.option("--out", type=click.Path(), required=True)
 @click.option("--train-positions", type=click.Choice(rope.PLACES), default=rope.DEFAULT, show_default=True, help=rope.HELP)
-def export(dump_path, layer, head, fmt, k, window, out, train_positions) -> None:
+@click.option("--overwrite", is_flag=True, help="Replace an earlier export in --out.")
+def export(dump_path, layer, head, fmt, k, window, out, train_positions, overwrite) -> None:
     """Keys, queries and ground truth of one (layer, head) in big-ann-benchmarks formats."""
     from anns_lab.dumps.store import open_dump
     from anns_lab.eval.export import export_fbin
 
-    files = export_fbin(open_dump(dump_path), layer, head, out, k, window, train_positions)
+    files = export_fbin(open_dump(dump_path), layer, head, out, k, window, train_positions, overwrite)
     for name, path in files.items():
         click.echo(f"{name:20s} {path}")

@@ -43,12 +43,21 @@ def read_gt(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def export_fbin(dump: Dump, layer: int, head: int, out: str | Path, k: int = 100,
-                window: tuple[int, int] = (128, 512), train_positions: str = rope.DEFAULT) -> dict[str, Path]:
+                window: tuple[int, int] = (128, 512), train_positions: str = rope.DEFAULT,
+                overwrite: bool = False) -> dict[str, Path]:
     """Write keys, train/test queries, K→K queries and both ground truths of one (layer, head); returns the paths.
-    The training queries sit where ``train_positions`` puts them, as the sweep's (:func:`heads.load_head`)."""
+    The training queries sit where ``train_positions`` puts them, as the sweep's (:func:`heads.load_head`). ``out``
+    must be new or empty, or an earlier export with ``overwrite``: its files are replaced, nothing else is touched."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise AnnsLabError(f"--out {out} is a file; give a folder for the export")
+    if out.is_dir() and any(out.iterdir()):
+        if not (out / "export.json").is_file():
+            raise AnnsLabError(f"{out} exists and is not an export folder; choose another --out")
+        if not overwrite:
+            raise AnnsLabError(f"{out} holds an earlier export; pass --overwrite to replace it or choose another --out")
     check_k(dump, window, k)  # before the folder is made: a refused export leaves nothing behind
     data = load_head(dump, layer, head, window, train_positions=train_positions)
-    out = Path(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:

@@ -24,7 +24,7 @@ import numpy as np
 
 from anns_lab.dumps import rope
 from anns_lab.dumps.store import Dump
-from anns_lab.errors import AnnsLabError
+from anns_lab.errors import AnnsLabError, DumpError
 from anns_lab.eval import metrics
 from anns_lab.indexes import group_queries
 from anns_lab.indexes.estimate import Estimate, Summaries, estimate_terms, weighted_partial
@@ -195,6 +195,14 @@ def load_head(dump: Dump, layer: int, head: int, window: Window | tuple[int, int
         per_head = [rope.placed(q, rows, first, last, freqs, train_positions) for q in per_head]
     train_q = group_queries.group_queries(per_head, train_group)
     others = group_queries.other_heads(per_head, 0) if train_group == "unlisted" else None
+    values = dump.values(layer, g, "all")
+    where = f"layer {layer}, kv head {g}, query head {head}"
+    for name, arr in (("keys", all_keys), ("values", values), ("queries", test_q), ("prefill queries", prefill_q)):
+        if not np.isfinite(arr).all():  # a NaN in the window's keys or in the values would reach the table as a NaN figure
+            raise DumpError(f"{dump.path}: the {name} of {where} hold NaN or inf; make the dump again")
+    if not np.isfinite(train_q).all():  # finite prefill queries: only their RoPE move can have made these
+        raise DumpError(f"{dump.path}: the training queries of {where}, moved to the serving positions, are not finite: "
+                        "check the manifest's RoPE settings (rope_theta, head_dim, partial_rotary_factor)")
     return HeadData(layer, head, g, np.ascontiguousarray(all_keys[key_pos]), key_pos, train_q,
                     np.ascontiguousarray(test_q), test_pos, np.ascontiguousarray(all_keys[held]), all_keys,
-                    dump.values(layer, g, "all"), dump.scaling(layer), window, n, hi, others)
+                    values, dump.scaling(layer), window, n, hi, others)

@@ -98,12 +98,30 @@ def sibling_sweeps(folder: Path, dump: str) -> list[tuple[str, str]]:
         if other == folder.resolve():
             continue
         try:
-            same = json.loads(settings.read_text()).get("dump") == dump
-        except (OSError, json.JSONDecodeError):
+            other_settings = json.loads(settings.read_text())
+        except (OSError, ValueError):
             continue
+        same = isinstance(other_settings, dict) and other_settings.get("dump") == dump
         if same:
             out.append((other.name, f"../{other.name}/report.html"))
     return out
+
+
+def _results_dump(label: str, settings: dict, dump_path: str | Path | None):
+    """The dump the results come from: ``dump_path`` when given, else the one the sweep recorded (``sweep.json``'s
+    absolute path; the table's label, as typed then, for sweeps without one), checked to be that dump by its creation
+    stamp, so a path that now names another dump, or one reached from another folder, is never read for figures."""
+    recorded = settings.get("dump") or label
+    created = settings.get("dump_created")
+    if dump_path is None and not Path(recorded).is_dir():
+        raise AnnsLabError(f"the dump these results come from, {recorded}, is not there; give it with --dump")
+    dump = open_dump(dump_path if dump_path is not None else recorded)
+    if created is not None and dump.manifest.get("created") != created:
+        raise AnnsLabError(f"{dump.path} is not the dump these results come from ({recorded}, made {created}); "
+                           "give the matching --dump")
+    if created is None and dump_path is not None and Path(dump_path).resolve() != Path(recorded).resolve():
+        raise AnnsLabError(f"the results come from dump {recorded}, not {dump_path}; give the matching dump")
+    return dump
 
 
 def write_report(results: str | Path, out: str | Path | None = None, dump_path: str | Path | None = None) -> Path:
@@ -115,11 +133,11 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
     dumps = sorted(table["dump"].unique())
     if len(dumps) != 1:
         raise AnnsLabError(f"{results} mixes several dumps ({dumps}); report one sweep at a time")
-    if dump_path is not None and Path(dump_path).resolve() != Path(dumps[0]).resolve():
-        raise AnnsLabError(f"the results come from dump {dumps[0]}, not {dump_path}; give the matching dump")
-    dump = open_dump(dumps[0])
+    dump = _results_dump(dumps[0], settings, dump_path)
     folder = Path(results) if Path(results).is_dir() else Path(results).parent
     out = Path(out) if out is not None else folder
+    if out.exists() and not out.is_dir():
+        raise AnnsLabError(f"--out {out} is a file; give a folder for the report")
     out.mkdir(parents=True, exist_ok=True)
     k = int(table["k"].iloc[0])
     window = tuple(settings.get("window", (128, 512)))

@@ -28,7 +28,7 @@ from anns_lab.eval import failures as failed
 from anns_lab.eval import metrics
 from anns_lab.eval.executors import Outcome, Part, open_executor
 from anns_lab.eval.heads import HeadData, check_k, default_layers, load_head
-from anns_lab.eval.table import COLUMNS, RESULTS, SETTINGS
+from anns_lab.eval.table import ADDED, COLUMNS, RESULTS, SETTINGS
 from anns_lab.indexes import group_queries
 from anns_lab.io import atomic_write_json
 
@@ -190,10 +190,10 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
         registry.create(name, **build_params.get(name, {}))  # unknown names or parameters fail here, before any work
     for name in set(build_params) - set(names):
         raise AnnsLabError(f"build parameters given for {name!r}, which is not among the swept indexes {names}")
-    layers = layers if layers is not None else default_layers(dump.layers)
+    layers = _distinct(layers, "--layers") if layers is not None else default_layers(dump.layers)
     for layer in layers:
         dump.scaling(layer)  # raises for a layer not in the dump
-    heads = heads if heads is not None else list(range(dump.n_heads))
+    heads = _distinct(heads, "--heads") if heads is not None else list(range(dump.n_heads))
     for h in heads:
         dump.kv_head_of(h)
     check_k(dump, window, k)  # before any index is built
@@ -204,6 +204,8 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
             rope.dump_inv_freq(dump.manifest, layer)
     if max_attempts < 1:
         raise AnnsLabError("--max-attempts must be at least 1")
+    if jobs < 1:
+        raise AnnsLabError(f"--jobs {jobs}: give at least 1 worker process")
     out = Path(out) if out is not None else Path("results") / dump.path.name
     settings = {"dump": str(dump.path.resolve()), "dump_created": dump.manifest["created"], "k": k, "window": list(window)}
     if quick:  # a quick sweep lacks columns a full one has: never mix their parts in one folder
@@ -238,8 +240,11 @@ def _run(runner, dump, out, names, layers, heads, k, window, build_params, quick
     earlier: dict[Part, int] = {}
     tries: dict[Part, int] = {}
     for part, f in part_file.items():
-        if f.exists():
+        if f.exists() and _readable_part(f):
             continue
+        if f.exists():  # cut short or damaged since it was written: evaluated again, not trusted
+            log(f"{f.name} is not a readable results part: evaluating {part} again")
+            f.unlink()
         rec = failed.previous(f)
         earlier[part] = rec["attempts"] if rec else 0
         if earlier[part] >= max_attempts:
@@ -288,10 +293,36 @@ def _run(runner, dump, out, names, layers, heads, k, window, build_params, quick
     return SweepResult(table, out / RESULTS, failures, time.perf_counter() - t_start)
 
 
+def _distinct(values: list[int], flag: str) -> list[int]:
+    """``values`` in order without repeats (a repeated head would be evaluated twice); none is an error."""
+    if not values:
+        raise AnnsLabError(f"{flag} names no layer or head; leave it out for the default")
+    return list(dict.fromkeys(values))
+
+
+def _readable_part(path: Path) -> bool:
+    """Whether ``path`` is a Parquet file with the results table's columns (its footer read, not its rows)."""
+    import pyarrow.parquet as pq
+
+    try:
+        names = set(pq.read_schema(path).names)
+    except (OSError, ValueError):  # pyarrow's ArrowInvalid is a ValueError
+        return False
+    return not (set(COLUMNS) - set(ADDED) - names)
+
+
 def _prepare(out: Path, settings: dict, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise AnnsLabError(f"--out {out} is a file; give a folder for the sweep's results")
     sfile = out / SETTINGS
     if sfile.is_file():
-        old = json.loads(sfile.read_text())
+        try:
+            old = json.loads(sfile.read_text())
+        except (OSError, ValueError) as err:
+            if not overwrite:
+                raise AnnsLabError(f"{sfile} is corrupt ({err}); pass --overwrite to start this sweep again there, "
+                                   "or choose another --out") from None
+            old = None
         if old == settings:
             (out / "parts").mkdir(exist_ok=True)  # removed by hand to redo every part: the parts are written there
             return
@@ -313,8 +344,15 @@ def _prepare(out: Path, settings: dict, overwrite: bool) -> None:
 
 def combine(out: Path) -> pd.DataFrame:
     """Union of all part files, sorted, written atomically as ``results.parquet``."""
-    parts = sorted((out / "parts").glob("*.parquet"))
-    frames = [pd.read_parquet(p) for p in parts]
+    frames = []
+    for p in sorted((out / "parts").glob("*.parquet")):
+        try:  # this sweep's own parts were checked before they were trusted; another file there is not read blindly
+            if not _readable_part(p):
+                raise ValueError("not a results table")
+            frames.append(pd.read_parquet(p))
+        except (OSError, ValueError) as err:
+            raise AnnsLabError(f"{p} is not a readable results part ({err}); remove it (or start the folder again with "
+                               "--overwrite) and run the same command again") from None
     table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=COLUMNS)
     table = table.sort_values(["layer", "head", "index", "direction", "scanned_fraction"], kind="stable", ignore_index=True)
     write_table(out / RESULTS, pa.Table.from_pandas(table, preserve_index=False))

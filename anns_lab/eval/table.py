@@ -51,6 +51,8 @@ def table_problem(table: pd.DataFrame) -> str | None:
     The sweep never writes such a row; this guards readers (report, ``decode --from-sweep``) against
     tables edited by hand or written by another tool.
     """
+    if table.empty:  # its columns may be untyped (object): nothing to check
+        return None
     checks = (("recall", (table["recall"] >= 0) & (table["recall"] <= 1), "is not in [0, 1]"),
               ("scanned_fraction", (table["scanned_fraction"] > 0) & np.isfinite(table["scanned_fraction"]),
                "is not a positive finite fraction"),
