@@ -351,9 +351,10 @@ def test_sweep_folders_and_selections_that_cannot_be_used_are_one_error_line(dum
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "sweep.json").write_text("{bad")
     one_line_error(args + ["--heads", 0, "--out", tmp_path / "bad"], "sweep.json is corrupt", "--overwrite")
-    one_line_error(args + ["--heads", "", "--out", tmp_path / "e"], "--heads names no layer or head")
+    one_line_error(args + ["--heads", "", "--out", tmp_path / "e"], "--heads names nothing")
     one_line_error(args + ["--heads", 0, "--jobs", 0, "--out", tmp_path / "j"], "--jobs 0")
-    r = run_sweep(dump.path, ["flat"], [1, 1], [0, 0], k=10, window=(0, 0), out=tmp_path / "dup", jobs=1, progress=False)
+    r = run_sweep(dump.path, ["flat", "flat"], [1, 1], [0, 0], k=10, window=(0, 0), out=tmp_path / "dup", jobs=1,
+                  progress=False)
     assert len(list((tmp_path / "dup" / "parts").glob("*.parquet"))) == 1
     assert r.table.groupby(["layer", "head", "search_params", "direction"]).size().max() == 1  # evaluated once
 
@@ -377,6 +378,11 @@ def test_report_reads_the_dump_the_sweep_recorded_and_refuses_another(dump, tmp_
     shutil.copytree(dump.path, moved)
     shutil.move(str(tmp_path / "r"), str(tmp_path / "r2"))
     assert write_report(tmp_path / "r2", dump_path=moved).is_file()  # the same dump where it went, by its stamp
+    monkeypatch.chdir(tmp_path)  # results and dump moved together (another machine): the table's label, stamp checked
+    settings = json.loads((tmp_path / "rel" / "sweep.json").read_text())
+    (tmp_path / "rel" / "sweep.json").write_text(json.dumps(settings | {"dump": "/nowhere/" + dump.path.name}))
+    shutil.copytree(dump.path, tmp_path / dump.path.name)
+    assert write_report(tmp_path / "rel").is_file()
 
 
 def test_report_survives_odd_neighbours_and_refuses_a_file_as_out(dump, tmp_path):
@@ -391,6 +397,8 @@ def test_report_survives_odd_neighbours_and_refuses_a_file_as_out(dump, tmp_path
     (tmp_path / "empty").mkdir()
     pd.DataFrame(columns=COLUMNS).to_parquet(tmp_path / "empty" / "results.parquet")
     one_line_error(["report", tmp_path / "empty"], "holds no rows")
+    (tmp_path / "r" / "sweep.json").write_text("[]")
+    one_line_error(["report", tmp_path / "r"], "is not a sweep's settings")
 
 
 def test_export_never_writes_into_a_folder_it_did_not_make(dump, tmp_path):
@@ -399,8 +407,11 @@ def test_export_never_writes_into_a_folder_it_did_not_make(dump, tmp_path):
     ok = CliRunner().invoke(main, [str(a) for a in args + [tmp_path / "x"]])
     assert ok.exit_code == 0, ok.output
     one_line_error(args + [tmp_path / "x"], "holds an earlier export", "--overwrite")
+    (tmp_path / "x" / "export.json").unlink()  # as an interrupted export leaves it: still its own folder
+    one_line_error(args + [tmp_path / "x"], "holds an earlier export", "--overwrite")
     again = CliRunner().invoke(main, [str(a) for a in args + [tmp_path / "x", "--overwrite"]])
     assert again.exit_code == 0, again.output
+    assert (tmp_path / "x" / "export.json").is_file()
 
 
 @pytest.mark.parametrize("array", ["values", "keys"])
@@ -443,8 +454,8 @@ def _config(**fields):
 
 
 @pytest.mark.parametrize("edit, words", [
-    (_config(rope_parameters={"rope_theta": 0.0, "rope_type": "default"}), "not all finite and positive"),
-    (_config(rope_parameters={"rope_theta": -1e4, "rope_type": "default"}), "not all finite and positive"),
+    (_config(rope_parameters={"rope_theta": 0.0, "rope_type": "default"}), "not all finite and non-negative"),
+    (_config(rope_parameters={"rope_theta": -1e4, "rope_type": "default"}), "not all finite and non-negative"),
     (_config(head_dim=64), "rotated dimensions of the dump's 16"),
 ])
 def test_a_rope_config_the_validators_let_through_is_one_error_before_any_work(dump, tmp_path, edit, words):
@@ -457,3 +468,13 @@ def test_a_rope_config_the_validators_let_through_is_one_error_before_any_work(d
     one_line_error(["sweep", "--dump", folder, "--indexes", "roargraph", "--layers", 1, "--heads", 0, "--k", 10,
                     "--window", "0,0", "--out", tmp_path / "s"], words)
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("extra, words", [(["--target-recall", 1.5], "--target-recall 1.5 must lie in"),
+                                          (["--topk", 100], "measured recall@10, this decode retrieves the top 100"),
+                                          (["--window", "4,16"], "swept with --window 0,0")])
+def test_a_sweep_pick_that_cannot_serve_is_refused_before_the_model_loads(dump, tmp_path, no_model_load, extra, words):
+    _sweep(dump, tmp_path / "r")
+    args = ["decode", "--model", "smollm2", "--task", "passkey", "--context", 200, "--from-sweep", tmp_path / "r",
+            "--topk", 10, "--window", "0,0"]
+    one_line_error(args + extra, words)

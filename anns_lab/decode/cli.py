@@ -138,6 +138,10 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
     _check_calibrate(calibrate)
     if json_path:  # last of the checks: it makes the folder
         _check_writable(Path(json_path))
+    if from_sweep:  # what the pick needs of the table, before the weights load
+        from anns_lab.decode.modes import check_sweep_pick
+
+        check_sweep_pick(from_sweep, target_recall, settings.topk, tuple(settings.window))
     device = device or default_device()
     lm = _load(model, device, torch_threads, rope_scaling)
     recorded = {"torch_threads": _torch_threads(torch_threads, executor),

@@ -84,6 +84,28 @@ def parse_modes(spec: str, search: dict, build: dict) -> list[Mode]:
     return modes
 
 
+def check_sweep_pick(path: str, target: float, topk: int | None = None,
+                     window: tuple[int, int] | None = None) -> tuple:
+    """The sweep's table and settings, refused where no pick could serve this decode: a target outside (0, 1], a table
+    swept at another k than ``topk`` or another window (what needs no model: checked before it loads)."""
+    from anns_lab.eval.table import load_results
+
+    if not 0 < target <= 1:
+        raise DecodeError(f"--target-recall {target} must lie in (0, 1]")
+    table, settings = load_results(path)
+    swept_k = sorted({int(v) for v in table["k"].unique()})
+    if topk is not None and len(swept_k) > 1:
+        raise DecodeError(f"{path} mixes sweeps of several k ({', '.join(map(str, swept_k))}); pick from one sweep")
+    if topk is not None and swept_k and swept_k != [topk]:
+        raise DecodeError(f"{path} measured recall@{swept_k[0]}, this decode retrieves the top {topk}: "
+                          f"sweep with --k {topk}, or decode with --topk {swept_k[0]}")
+    swept_window = settings.get("window")
+    if window is not None and swept_window is not None and tuple(swept_window) != tuple(window):
+        raise DecodeError(f"{path} was swept with --window {','.join(map(str, swept_window))}, this decode attends "
+                          f"{','.join(map(str, window))} exactly: sweep with this window, or decode with the sweep's")
+    return table, settings
+
+
 def pick_from_sweep(path: str, model: str, target: float, layers: list[int],
                     train_group: str = group_queries.DEFAULT, train_positions: str = rope.DEFAULT,
                     topk: int | None = None, window: tuple[int, int] | None = None) -> tuple[Mode, list[str]]:
@@ -95,24 +117,12 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int],
     pick needs its ``topk`` and ``window`` to be the sweep's ``--k`` and ``--window`` (recall@10 says nothing of a
     top-100, nor recall beside one window of another's).
     """
-    from anns_lab.eval.table import load_results
-
-    if not 0 < target <= 1:
-        raise DecodeError(f"--target-recall {target} must lie in (0, 1]")
-    table, settings = load_results(path)
+    table, settings = check_sweep_pick(path, target, topk, window)
     rows = table[table["direction"] == "q2k"]
     models = sorted(rows["model"].unique())
     rows = rows[rows["model"] == model]
     if rows.empty:
         raise DecodeError(f"{path} has no Q→K results for model {model!r} (it has: {', '.join(models) or 'none'})")
-    swept_k = sorted({int(v) for v in rows["k"].unique()})
-    if topk is not None and swept_k != [topk]:
-        raise DecodeError(f"{path} measured recall@{'/'.join(map(str, swept_k))}, this decode retrieves the top {topk}: "
-                          f"sweep with --k {topk}, or decode with --topk {swept_k[0]}")
-    swept_window = settings.get("window")
-    if window is not None and swept_window is not None and tuple(swept_window) != tuple(window):
-        raise DecodeError(f"{path} was swept with --window {','.join(map(str, swept_window))}, this decode attends "
-                          f"{','.join(map(str, window))} exactly: sweep with this window, or decode with the sweep's")
     rows = rows[rows["index"].isin(list(registry.available()))]
     keys = ["index", "build_params", "search_params"]
 

@@ -94,9 +94,9 @@ def dump_inv_freq(manifest: dict, layer: int) -> np.ndarray | None:
                         f"{first}), so its queries cannot be moved to other positions: use the training queries' "
                         "own positions (--train-positions own)") from None
     head_dim = manifest.get("head_dim")
-    problem = None  # an edited config (rope_theta 0, another head_dim or rotary share) that the validators let through
-    if freqs is not None and not (np.all(np.isfinite(freqs)) and np.all(freqs > 0)):
-        problem = "not all finite and positive"
+    problem = None  # an edited config (rope_theta <= 0, another head_dim or rotary share) the validators let through
+    if freqs is not None and not (np.all(np.isfinite(freqs)) and np.all(freqs >= 0)):  # 0: a pair left unturned
+        problem = "not all finite and non-negative"
     elif freqs is not None and isinstance(head_dim, int) and 2 * len(freqs) > head_dim:
         problem = f"{2 * len(freqs)} rotated dimensions of the dump's {head_dim}"
     if problem:

@@ -18,7 +18,7 @@ def _ints(text: str | None) -> list[int] | None:
     if text is None:
         return None
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        return list(dict.fromkeys(int(x) for x in text.split(",") if x.strip()))  # repeats once, in order
     except ValueError:
         raise AnnsLabError(f"expected a comma-separated list of integers, got {text!r}") from None
 
@@ -114,7 +114,7 @@ def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite, bu
             result = run_dump()
             click.echo(result.summary())
             dump_path = result.dump.path
-    names = [n.strip() for n in indexes.split(",")] if indexes else None
+    names = list(dict.fromkeys(n.strip() for n in indexes.split(","))) if indexes else None
     layer_list, head_list = _ints(layers), _ints(heads)
     if out is None:
         out = default_out(dump_path, names, layer_list, head_list, quick)

@@ -18,6 +18,10 @@ from anns_lab.eval import metrics
 from anns_lab.eval.heads import check_k, load_head
 
 
+EXPORT_FILES = ("base.fbin", "train_queries.fbin", "test_queries.fbin", "k2k_queries.fbin", "gt_q2k.bin", "gt_k2k.bin",
+                "export.json")
+
+
 def fbin_bytes(x: np.ndarray) -> bytes:
     x = np.ascontiguousarray(x, dtype=np.float32)
     return np.array(x.shape, dtype=np.uint32).tobytes() + x.tobytes()
@@ -52,7 +56,9 @@ def export_fbin(dump: Dump, layer: int, head: int, out: str | Path, k: int = 100
     if out.exists() and not out.is_dir():
         raise AnnsLabError(f"--out {out} is a file; give a folder for the export")
     if out.is_dir() and any(out.iterdir()):
-        if not (out / "export.json").is_file():
+        # an export's own files (export.json last: an interrupted one has the others, maybe temporaries)
+        own = all(p.name in EXPORT_FILES or (p.name.startswith(".") and p.name.endswith(".tmp")) for p in out.iterdir())
+        if not own:
             raise AnnsLabError(f"{out} exists and is not an export folder; choose another --out")
         if not overwrite:
             raise AnnsLabError(f"{out} holds an earlier export; pass --overwrite to replace it or choose another --out")
@@ -76,4 +82,4 @@ def export_fbin(dump: Dump, layer: int, head: int, out: str | Path, k: int = 100
         "k": k, "window": list(window), "metric": "inner_product", "train_positions": train_positions,
         "key_positions": data.key_pos.tolist(),
         "test_positions": data.test_pos.tolist()})
-    return {name: out / name for name in [*files, "gt_q2k.bin", "gt_k2k.bin", "export.json"]}
+    return {name: out / name for name in EXPORT_FILES}

@@ -189,6 +189,10 @@ def load_head(dump: Dump, layer: int, head: int, window: Window | tuple[int, int
             raise ValueError(f"held-out positions must lie among the {n - extra} prefill queries before the test ones")
         rows = np.setdiff1d(rows, held_out)
     per_head = [(prefill_q if h == head else dump.queries(layer, h, "prefill"))[rows] for h in group]
+    where = f"layer {layer}, kv head {g}"
+    for h, q in zip(group, per_head):  # the training queries, every head's of the group it uses
+        if not np.isfinite(q).all():
+            raise DumpError(f"{dump.path}: the prefill queries of {where}, query head {h} hold NaN or inf; make the dump again")
     if rope.check_place(train_positions) != "own":
         freqs = rope.dump_inv_freq(dump.manifest, layer)
         first, last = int(test_pos.min()), int(test_pos.max())
@@ -196,13 +200,9 @@ def load_head(dump: Dump, layer: int, head: int, window: Window | tuple[int, int
     train_q = group_queries.group_queries(per_head, train_group)
     others = group_queries.other_heads(per_head, 0) if train_group == "unlisted" else None
     values = dump.values(layer, g, "all")
-    where = f"layer {layer}, kv head {g}, query head {head}"
-    for name, arr in (("keys", all_keys), ("values", values), ("queries", test_q), ("prefill queries", prefill_q)):
+    for name, arr in (("keys", all_keys), ("values", values), ("test queries", test_q)):
         if not np.isfinite(arr).all():  # a NaN in the window's keys or in the values would reach the table as a NaN figure
-            raise DumpError(f"{dump.path}: the {name} of {where} hold NaN or inf; make the dump again")
-    if not np.isfinite(train_q).all():  # finite prefill queries: only their RoPE move can have made these
-        raise DumpError(f"{dump.path}: the training queries of {where}, moved to the serving positions, are not finite: "
-                        "check the manifest's RoPE settings (rope_theta, head_dim, partial_rotary_factor)")
+            raise DumpError(f"{dump.path}: the {name} of {where}, query head {head} hold NaN or inf; make the dump again")
     return HeadData(layer, head, g, np.ascontiguousarray(all_keys[key_pos]), key_pos, train_q,
                     np.ascontiguousarray(test_q), test_pos, np.ascontiguousarray(all_keys[held]), all_keys,
                     values, dump.scaling(layer), window, n, hi, others)

@@ -114,7 +114,9 @@ def _results_dump(label: str, settings: dict, dump_path: str | Path | None):
     recorded = settings.get("dump") or label
     created = settings.get("dump_created")
     if dump_path is None and not Path(recorded).is_dir():
-        raise AnnsLabError(f"the dump these results come from, {recorded}, is not there; give it with --dump")
+        if created is None or not Path(label).is_dir():  # the label as typed: results and dump moved together
+            raise AnnsLabError(f"the dump these results come from, {recorded}, is not there; give it with --dump")
+        recorded = label
     dump = open_dump(dump_path if dump_path is not None else recorded)
     if created is not None and dump.manifest.get("created") != created:
         raise AnnsLabError(f"{dump.path} is not the dump these results come from ({recorded}, made {created}); "

@@ -184,7 +184,7 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
 
     t_start = time.perf_counter()
     dump = open_dump(dump_path)
-    names = list(indexes) if indexes else sorted(registry.available())
+    names = _distinct(list(indexes), "--indexes") if indexes is not None else sorted(registry.available())
     build_params = dict(build_params or {})
     for name in names:
         registry.create(name, **build_params.get(name, {}))  # unknown names or parameters fail here, before any work
@@ -236,6 +236,11 @@ def _run(runner, dump, out, names, layers, heads, k, window, build_params, quick
         log(f"--retry-failed: {n} failed part(s) will be tried again")
     part_file = {Part(layer, h, n): parts / _part_name(layer, h, n, _non_default(n, build_params.get(n)))
                  for layer in layers for h in heads for n in names}
+    ours = set(part_file.values())
+    for f in sorted(parts.glob("*.parquet")):  # another sweep's part in the folder, unreadable: named before any work
+        if f not in ours and not _readable_part(f):
+            raise AnnsLabError(f"{f} is not a readable results part; remove it (or start the folder again with "
+                               "--overwrite) and run the same command again")
     failures: list[tuple[str, int, int, str]] = []
     earlier: dict[Part, int] = {}
     tries: dict[Part, int] = {}
@@ -296,7 +301,7 @@ def _run(runner, dump, out, names, layers, heads, k, window, build_params, quick
 def _distinct(values: list[int], flag: str) -> list[int]:
     """``values`` in order without repeats (a repeated head would be evaluated twice); none is an error."""
     if not values:
-        raise AnnsLabError(f"{flag} names no layer or head; leave it out for the default")
+        raise AnnsLabError(f"{flag} names nothing; leave it out for the default")
     return list(dict.fromkeys(values))
 
 
@@ -306,7 +311,7 @@ def _readable_part(path: Path) -> bool:
 
     try:
         names = set(pq.read_schema(path).names)
-    except (OSError, ValueError):  # pyarrow's ArrowInvalid is a ValueError
+    except (OSError, ValueError, pa.ArrowException):
         return False
     return not (set(COLUMNS) - set(ADDED) - names)
 
@@ -350,7 +355,7 @@ def combine(out: Path) -> pd.DataFrame:
             if not _readable_part(p):
                 raise ValueError("not a results table")
             frames.append(pd.read_parquet(p))
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, pa.ArrowException) as err:
             raise AnnsLabError(f"{p} is not a readable results part ({err}); remove it (or start the folder again with "
                                "--overwrite) and run the same command again") from None
     table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=COLUMNS)

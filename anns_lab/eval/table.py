@@ -42,6 +42,8 @@ def load_results(path: str | Path) -> tuple[pd.DataFrame, dict]:
         settings = json.loads((folder / SETTINGS).read_text()) if (folder / SETTINGS).is_file() else {}
     except (OSError, ValueError) as err:
         raise AnnsLabError(f"{folder / SETTINGS} is corrupt ({err}); re-run the sweep") from None
+    if not isinstance(settings, dict):
+        raise AnnsLabError(f"{folder / SETTINGS} is not a sweep's settings (a JSON {type(settings).__name__}); re-run the sweep")
     return table, settings
 
 
