@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from anns_lab.decode.engine import Mode
 from anns_lab.decode.placement import IndexPlan
 from anns_lab.dumps import rope
 from anns_lab.errors import DecodeError, IndexConfigError
 from anns_lab.indexes import group_queries, registry
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 BASELINES = ("full", "window")
 ATTENTION_AWARE = "roargraph"
@@ -85,7 +89,7 @@ def parse_modes(spec: str, search: dict, build: dict) -> list[Mode]:
 
 
 def check_sweep_pick(path: str, target: float, topk: int | None = None,
-                     window: tuple[int, int] | None = None) -> tuple:
+                     window: tuple[int, int] | None = None) -> tuple[pd.DataFrame, dict]:
     """The sweep's table and settings, refused where no pick could serve this decode: a target outside (0, 1], a table
     swept at another k than ``topk`` or another window (what needs no model: checked before it loads)."""
     from anns_lab.eval.table import load_results

@@ -239,8 +239,7 @@ def _run(runner, dump, out, names, layers, heads, k, window, build_params, quick
     ours = set(part_file.values())
     for f in sorted(parts.glob("*.parquet")):  # another sweep's part in the folder, unreadable: named before any work
         if f not in ours and not _readable_part(f):
-            raise AnnsLabError(f"{f} is not a readable results part; remove it (or start the folder again with "
-                               "--overwrite) and run the same command again")
+            raise _unreadable(f)
     failures: list[tuple[str, int, int, str]] = []
     earlier: dict[Part, int] = {}
     tries: dict[Part, int] = {}
@@ -316,6 +315,12 @@ def _readable_part(path: Path) -> bool:
     return not (set(COLUMNS) - set(ADDED) - names)
 
 
+def _unreadable(path: Path, why: Exception | None = None) -> AnnsLabError:
+    """The error for a file in ``parts/`` that is not a results part this sweep can read."""
+    return AnnsLabError(f"{path} is not a readable results part{f' ({why})' if why else ''}; remove it (or start the "
+                        "folder again with --overwrite) and run the same command again")
+
+
 def _prepare(out: Path, settings: dict, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise AnnsLabError(f"--out {out} is a file; give a folder for the sweep's results")
@@ -356,8 +361,7 @@ def combine(out: Path) -> pd.DataFrame:
                 raise ValueError("not a results table")
             frames.append(pd.read_parquet(p))
         except (OSError, ValueError, pa.ArrowException) as err:
-            raise AnnsLabError(f"{p} is not a readable results part ({err}); remove it (or start the folder again with "
-                               "--overwrite) and run the same command again") from None
+            raise _unreadable(p, err) from None
     table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=COLUMNS)
     table = table.sort_values(["layer", "head", "index", "direction", "scanned_fraction"], kind="stable", ignore_index=True)
     write_table(out / RESULTS, pa.Table.from_pandas(table, preserve_index=False))
