@@ -104,6 +104,9 @@ def test_prompt_and_fidelity(tiny_gemma3, tmp_path):
     (["--mode", "full,bogus"], "unknown mode"),
     (["--topk", 0], "--topk"),
     (["--topk", 5000], "--topk 5000 must lie in"),
+    # 200 prompt + 2 of 3 new tokens fed back - 20 in the window: the last new token's key never reaches the CPU side
+    (["--topk", 183, "--max-new-tokens", 3], "--topk 183 must lie in [1, 182]"),
+    (["--mode", "ivf", "--build-param", "nlist=500"], "nlist=500 is larger than the number of keys (180)"),
     (["--window", "64,150"], "not smaller than the context"),
     (["--window", "64"], "SINK,RECENT"),
     (["--param", "L"], "NAME=VALUE"),

@@ -10,6 +10,7 @@ did not make, NaN among values, a --from-sweep pick of another k or window).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -111,6 +112,17 @@ def test_sweep_k_beyond_the_keys_fails_before_building_anything(dump, tmp_path, 
             run_sweep(dump.path, ["flat"], [1], [0], k=k, window=(0, 0), out=tmp_path / "s", jobs=1, progress=False)
     assert not built and not (tmp_path / "s").exists()
 
+
+
+@pytest.mark.parametrize("params, words", [({"ivf": {"nlist": 5000}}, "nlist=5000 is larger than the number of keys (276)"),
+                                           ({"roargraph": {"M": 300}}, "M=300 must be smaller than the number of keys (276)"),
+                                           ({"roargraph": {"M": 40, "R": 20}}, "R=20 must be at least M=40")])
+def test_build_parameters_that_cannot_index_the_heads_keys_fail_before_any_work(dump, tmp_path, params, words):
+    """Before: each part's build failed on its own, recorded and retried by later runs, the folder made."""
+    with pytest.raises(AnnsLabError, match=re.escape(words)):
+        run_sweep(dump.path, list(params), [1], [0], k=10, window=(0, 0), out=tmp_path / "s", jobs=1, progress=False,
+                  build_params=params)
+    assert not (tmp_path / "s").exists()
 
 
 def test_a_dump_without_a_model_config_is_one_error_before_any_build_of_an_attention_aware_sweep(dump, tmp_path):

@@ -346,9 +346,10 @@ def summarize(run: ModeRun, skip: int | None = None) -> dict:
     } | cpu
 
 
-def check_window(settings: Settings, n_prompt: int, modes: list[Mode], max_new: int) -> None:
-    """Refuse an empty prompt, a window that covers the whole prompt, or a top-k of 0 / more than the CPU side will
-    ever hold."""
+def check_window(settings: Settings, n_prompt: int, modes: list[Mode], fed: int) -> None:
+    """Refuse an empty prompt, a window that covers the whole prompt, a top-k of 0 / more than the CPU side will ever
+    hold (``fed``: the tokens that enter the cache after the prompt; the last generated one never does), or index
+    build parameters that cannot index the prompt's keys outside the window."""
     w = settings.window
     require_ring(w)
     if n_prompt < 1:  # every mode, full too: the prefill of no token has no logits to decode from
@@ -361,8 +362,11 @@ def check_window(settings: Settings, n_prompt: int, modes: list[Mode], max_new: 
                           f"smaller than the context of {n_prompt} tokens: nothing would be retrieved; "
                           "use a smaller --window or a longer --context")
     if any(m.kind == "index" for m in modes):
-        most = n_prompt + max_new - w.size
+        most = n_prompt + fed - w.size
         if settings.topk < 1 or settings.topk > most:
             raise DecodeError(f"--topk {settings.topk} must lie in [1, {most}]: {most} keys lie outside the window "
-                              f"by the end of this run ({n_prompt} prompt + {max_new} new tokens, window "
+                              f"by the end of this run ({n_prompt} prompt + {fed} tokens fed back, window "
                               f"{w.sink}+{w.recent})")
+    for m in modes:  # built over the prompt's keys outside the window (e.g. an ivf nlist above them): before the prefill
+        for plan in {id(p): p for p in [m.plan, *m.per_layer.values()] if p is not None}.values():
+            registry.create(plan.name, **plan.build_params).check_keys(n_prompt - w.size)

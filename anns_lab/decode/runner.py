@@ -106,7 +106,7 @@ def run_task(lm, modes: list[Mode], settings: Settings, task: str, context: int,
         raise DecodeError("--samples must be at least 1")
     max_new = max_new or MAX_NEW[task]
     note = check_context(lm, context + max_new, allow_extrapolation)
-    check_window(settings, context, modes, max_new)
+    check_window(settings, context, modes, max_new - 1)  # the last new token is never fed back
     made = [tasks.make_sample(task, lm.tokenizer, context, seed + i, d) for i, d in enumerate(depths(samples))]
     return _run_prompts(lm, modes, settings, [(s.ids, s) for s in made], max_new, task, progress, executor, on_sample,
                         note)
@@ -117,7 +117,7 @@ def run_prompt(lm, modes: list[Mode], settings: Settings, text: str, max_new: in
     ids = tasks.special_prefix(lm.tokenizer) + tasks.encode(lm.tokenizer, text)
     max_new = max_new or MAX_NEW["prompt"]
     note = check_context(lm, len(ids) + max_new, allow_extrapolation)
-    check_window(settings, len(ids), modes, max_new)
+    check_window(settings, len(ids), modes, max_new - 1)
     return _run_prompts(lm, modes, settings, [(ids, None)], max_new, "prompt", progress, executor, on_sample, note)
 
 
@@ -267,7 +267,7 @@ def run_fidelity(lm, modes: list[Mode], settings: Settings, context: int, positi
         raise DecodeError("--positions and --free-tokens must be at least 1")
     steps = max(positions, free_tokens)
     note = check_context(lm, context + steps, allow_extrapolation)
-    check_window(settings, context, modes, steps)
+    check_window(settings, context, modes, max(positions, free_tokens - 1))  # every teacher token is fed
     check_memory(lm, modes, settings, context + steps)
     settings = dataclasses.replace(settings, steps=steps, until_built="wait")  # every position measures the index
     ids = build_prompt("text", lm.tokenizer, context + positions).ids

@@ -147,12 +147,14 @@ def index_range(dump: Dump, window: Window | tuple[int, int] = Window(), min_tes
     return lo, hi, extra
 
 
-def check_k(dump: Dump, window: Window | tuple[int, int], k: int, n_k2k: int = 64) -> None:
-    """Refuse ``k`` below 1 or above the number of keys each index of this dump and window holds (before any work)."""
+def check_k(dump: Dump, window: Window | tuple[int, int], k: int, n_k2k: int = 64) -> int:
+    """The number of keys each index of this dump and window holds; refuses ``k`` below 1 or above it (before any
+    work)."""
     lo, hi, _ = index_range(dump, window, n_k2k=n_k2k)
     if not 1 <= k <= hi - lo - n_k2k:
         raise AnnsLabError(f"--k {k} must be between 1 and {hi - lo - n_k2k}, the number of keys each index holds "
                            f"with this dump and --window {Window(*window)}")
+    return hi - lo - n_k2k
 
 
 def load_head(dump: Dump, layer: int, head: int, window: Window | tuple[int, int] = Window(), min_test: int = 64,

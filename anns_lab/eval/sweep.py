@@ -186,8 +186,8 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     dump = open_dump(dump_path)
     names = _distinct(list(indexes), "--indexes") if indexes is not None else sorted(registry.available())
     build_params = dict(build_params or {})
-    for name in names:
-        registry.create(name, **build_params.get(name, {}))  # unknown names or parameters fail here, before any work
+    # unknown names or parameters fail here, before any work
+    made = [registry.create(name, **build_params.get(name, {})) for name in names]
     for name in set(build_params) - set(names):
         raise AnnsLabError(f"build parameters given for {name!r}, which is not among the swept indexes {names}")
     layers = _distinct(layers, "--layers") if layers is not None else default_layers(dump.layers)
@@ -196,7 +196,9 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     heads = _distinct(heads, "--heads") if heads is not None else list(range(dump.n_heads))
     for h in heads:
         dump.kv_head_of(h)
-    check_k(dump, window, k)  # before any index is built
+    n_keys = check_k(dump, window, k)  # before any index is built
+    for index in made:  # build parameters that cannot index that many keys (more lists than keys): one error, not one per part
+        index.check_keys(n_keys)
     group_queries.check_mode(train_group)
     aware = any(registry.get(name).uses_train_queries for name in names)
     if rope.check_place(train_positions) != "own" and aware:

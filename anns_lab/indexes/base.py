@@ -194,6 +194,7 @@ class Index:
             train_queries = as_matrix(self._owner(), "train_queries", train_queries, keys.shape[1])
         elif self.uses_train_queries:
             raise IndexConfigError(f"{self._owner()}: this index is built from train_queries; pass them to build()")
+        self.check_keys(len(keys))
         self._given_rows = given
         extra = {}
         if train_topk is not None:
@@ -204,6 +205,11 @@ class Index:
         self.__dict__.pop("_given_rows", None)
         self.n_keys, self.dim = keys.shape
         return self
+
+    def check_keys(self, n_keys: int) -> None:
+        """Raise IndexConfigError when these build parameters cannot index ``n_keys`` keys (e.g. more lists than
+        keys): ``build`` calls it, and so do the sweep and the decoder before any work, so that the mistake is one
+        error up front rather than one per head."""
 
     def train_rows(self, n_keys: int, m: int) -> np.ndarray | None:
         """The rows of ``m`` training queries that a build over ``n_keys`` keys learns from (None: all): a caller may

@@ -44,10 +44,12 @@ class IVFIndex(Index):
     search_grid = {"nprobe": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)}
     auto_rules = {"nlist": "2026-11-29"}  # auto_nlist
 
+    def check_keys(self, n_keys: int) -> None:
+        if (nlist := self.params["nlist"] or auto_nlist(n_keys)) > n_keys:
+            raise IndexConfigError(f"{self._owner()}: nlist={nlist} is larger than the number of keys ({n_keys})")
+
     def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
         nlist = self.params["nlist"] or auto_nlist(len(keys))
-        if nlist > len(keys):
-            raise IndexConfigError(f"{self._owner()}: nlist={nlist} is larger than the number of keys ({len(keys)})")
         quantizer = faiss.IndexFlatIP(keys.shape[1])
         index = faiss.IndexIVFFlat(quantizer, keys.shape[1], nlist, faiss.METRIC_INNER_PRODUCT)
         index.cp.seed = self.params["seed"]

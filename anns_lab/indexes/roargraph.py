@@ -213,11 +213,8 @@ class RoarGraphIndex(Index):
 
     # -- build -------------------------------------------------------------------------------------
 
-    def _check(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
+    def check_keys(self, n: int) -> None:
         p = self.params
-        if train_queries is None:
-            raise IndexConfigError(f"{self._owner()}: this index is built from train_queries (the prefill queries); pass them to build()")
-        n = len(keys)
         if p["M"] >= n:
             raise IndexConfigError(f"{self._owner()}: M={p['M']} must be smaller than the number of keys ({n})")
         if p["R"] < p["M"]:
@@ -227,7 +224,6 @@ class RoarGraphIndex(Index):
 
     def _build(self, keys: np.ndarray, train_queries: np.ndarray | None, train_topk: np.ndarray | None = None,
                group_queries: np.ndarray | None = None, group_topk: np.ndarray | None = None) -> None:
-        self._check(keys, train_queries)
         p = self.params
         n = len(keys)
         threads = numba.get_num_threads()

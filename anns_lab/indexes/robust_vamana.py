@@ -55,13 +55,13 @@ class RobustVamanaIndex(Index):
     search_params = {"L": Param(100, 1, 1 << 16, help="beam width (the search uses max(L, k))")}
     search_grid = {"L": (100, 150, 200, 300, 400, 600, 800, 1200, 1600)}
 
+    def check_keys(self, n_keys: int) -> None:
+        if self.params["R"] >= n_keys:
+            raise IndexConfigError(f"{self._owner()}: R={self.params['R']} must be smaller than the number of keys ({n_keys})")
+
     def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
         p = self.params
-        if train_queries is None:
-            raise IndexConfigError(f"{self._owner()}: this index is built from train_queries (sample queries); pass them to build()")
         n, R = len(keys), p["R"]
-        if R >= n:
-            raise IndexConfigError(f"{self._owner()}: R={R} must be smaller than the number of keys ({n})")
         rng = np.random.default_rng(p["seed"])
         pool = train_queries
         if p["recent_frac"] > 0:

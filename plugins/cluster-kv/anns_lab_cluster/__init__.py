@@ -68,12 +68,13 @@ class _Clustered(Index):
     search_grid = {"budget": BUDGETS}
     cosine = False
 
+    def check_keys(self, n_keys: int) -> None:
+        if (nlist := self._nlist(n_keys)) > n_keys:
+            raise IndexConfigError(f"{self._owner()}: nlist={nlist} is larger than the number of keys ({n_keys})")
+
     def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
-        nlist = self._nlist(len(keys))
-        if nlist > len(keys):
-            raise IndexConfigError(f"{self._owner()}: nlist={nlist} is larger than the number of keys ({len(keys)})")
         self._keys = keys
-        self._centroids = kmeans(keys, nlist, self.params["niter"], self.params["seed"])
+        self._centroids = kmeans(keys, self._nlist(len(keys)), self.params["niter"], self.params["seed"])
         self._group(nearest(keys, self._centroids, self.cosine))
 
     def _nlist(self, n: int) -> int:
