@@ -132,6 +132,14 @@ def test_bad_input_is_one_clear_error(tiny_llama, args, needle):
     assert needle in _error(_run(*flat))
 
 
+@pytest.mark.parametrize("flag", ["--param", "--build-param"])
+def test_a_parameter_given_twice_is_refused_not_the_last_one_kept(tiny_llama, flag):
+    name = "nprobe" if flag == "--param" else "nlist"
+    args = ["--model", tiny_llama, "--task", "passkey", "--context", 200, "--mode", "ivf", "--window", "4,16",
+            flag, f"{name}=4", flag, f"{name}=8"]
+    assert f"{flag} {name} is given twice (4 and 8)" in _error(_run(*args))
+
+
 @pytest.mark.parametrize("args", [["--prompt", ""], ["--eval", "fidelity", "--context", 0, "--positions", 2],
                                   ["--eval", "fidelity", "--context", -3, "--positions", 5]])
 def test_an_empty_prompt_is_one_clear_error(tiny_llama, args):

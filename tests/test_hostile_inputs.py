@@ -490,3 +490,141 @@ def test_a_sweep_pick_that_cannot_serve_is_refused_before_the_model_loads(dump, 
     args = ["decode", "--model", "smollm2", "--task", "passkey", "--context", 200, "--from-sweep", tmp_path / "r",
             "--topk", 10, "--window", "0,0"]
     one_line_error(args + extra, words)
+
+
+# -- the dump, second probe (session 29): --overwrite, stale or damaged inputs, foreign folders, ambiguous options -------
+
+
+def _small(model, out, **kw):
+    return run_dump(str(model), **({"tokens": 30, "decode_tokens": 2, "layers": "all", "dtype": "float32", "chunk": 8,
+                                    "out": out, "progress": False} | kw))
+
+
+def test_overwrite_keeps_the_dump_until_the_new_command_passes_its_checks(tiny_llama, tmp_path):
+    """Before: --overwrite cleared the folder first, so a refused command (too long for the context) lost the dump."""
+    out = tmp_path / "d"
+    before = _small(tiny_llama, out).dump.manifest["created"]
+    with pytest.raises(PromptError, match="exceed"):
+        _small(tiny_llama, out, tokens=5000, overwrite=True)
+    assert open_dump(out).manifest["created"] == before  # still there, still readable
+    with pytest.raises(KeyboardInterrupt, match="before the capture began"):  # Ctrl-C while the model loads
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("anns_lab.dumps.models.load_model", lambda *a, **kw: (_ for _ in ()).throw(KeyboardInterrupt))
+            _small(tiny_llama, out, decode_tokens=1, overwrite=True)
+    assert open_dump(out).manifest["created"] == before
+    assert _small(tiny_llama, out, decode_tokens=1, overwrite=True).dump.manifest["n_tokens"]["decode"] == 1
+
+
+def test_overwrite_starts_an_unfinished_dump_of_the_same_settings_again(tiny_llama, tmp_path, monkeypatch):
+    out = tmp_path / "d"
+    real, calls = store.write_table, {"n": 0}
+
+    def crash_on_third(path, table):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(path, table)
+
+    monkeypatch.setattr(store, "write_table", crash_on_third)
+    with pytest.raises(KeyboardInterrupt, match="1 layer file"):
+        _small(tiny_llama, out)
+    monkeypatch.setattr(store, "write_table", real)
+    assert _small(tiny_llama, out, overwrite=True).resumed_layers == 0  # before: resumed, keeping the old files
+
+
+def test_a_resume_captures_again_a_finished_file_that_was_damaged_since(tiny_llama, tmp_path, monkeypatch):
+    """Before: the progress record was trusted, the damaged file sealed into the manifest, every reader then refusing."""
+    out = tmp_path / "d"
+    real, calls = store.write_table, {"n": 0}
+
+    def crash_on_fourth(path, table):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return real(path, table)
+
+    monkeypatch.setattr(store, "write_table", crash_on_fourth)
+    with pytest.raises(KeyboardInterrupt):
+        _small(tiny_llama, out)
+    monkeypatch.setattr(store, "write_table", real)
+    f = out / "layer_001.parquet"
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2: len(raw) // 2 + 64] = bytes(64)  # same size, other bytes
+    f.write_bytes(bytes(raw))
+    (out / "layer_000.parquet").unlink()
+    (out / ".layer_002.parquet.x.tmp").write_bytes(b"left by a kill")
+    res = _small(tiny_llama, out)
+    assert res.resumed_layers == 0 and not list(out.glob(".*.tmp"))
+    res.dump.verify()
+    ref = _small(tiny_llama, tmp_path / "ref").dump
+    np.testing.assert_array_equal(res.dump.keys(1, 0, "all"), ref.keys(1, 0, "all"))
+
+
+def test_a_finished_dump_is_not_handed_back_when_its_prompt_file_or_model_files_changed(tiny_llama, tmp_path):
+    text = tmp_path / "p.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 4)
+    out = tmp_path / "d"
+    _small(tiny_llama, out, prompt_path=text, tokens=None)
+    assert _small(tiny_llama, out, prompt_path=text, tokens=None).already_complete
+    text.write_text("Another text altogether, of other words. " * 4)
+    with pytest.raises(DumpError, match="another version of .*p.txt"):
+        _small(tiny_llama, out, prompt_path=text, tokens=None)
+    model = tmp_path / "m"
+    shutil.copytree(tiny_llama, model)
+    _small(model, tmp_path / "d2")
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(cfg | {"rope_theta": 1234.0}))
+    with pytest.raises(DumpError, match="other model files"):
+        _small(model, tmp_path / "d2")
+
+
+def test_a_folder_with_someone_elses_manifest_is_never_replaced(tiny_llama, tmp_path, no_model_load):
+    out = tmp_path / "app"
+    out.mkdir()
+    (out / "manifest.json").write_text(json.dumps({"name": "a web app", "start_url": "/"}))
+    for overwrite in (False, True):
+        with pytest.raises(DumpError, match="is not a dump folder"):
+            _small(tiny_llama, out, overwrite=overwrite)
+    assert json.loads((out / "manifest.json").read_text())["name"] == "a web app"
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--source", "passkey"], "--prompt takes the prompt from a file; --source choose"),
+    (["--seed", 5], "--seed choose a built-in prompt"),
+    (["--layers", "0:100"], "the bound 100 lies outside 0..4"),
+    (["--layers", "-1:"], "the bound -1 lies outside"),
+    (["--device", "meta"], "cpu or cuda only"),
+])
+def test_dump_options_that_were_silently_dropped_or_clipped(tiny_llama, tmp_path, args, words):
+    text = tmp_path / "p.txt"
+    text.write_text("Some words to prefill. " * 20)
+    prompt = ["--prompt", text] if args[0] in ("--source", "--seed") else ["--tokens", 30]
+    one_line_error(["dump", "--model", tiny_llama, *prompt, "--decode-tokens", 1, "--out", tmp_path / "d", *args], words)
+    assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("spec", ["linear:inf", "yarn:1e400"])
+def test_an_infinite_rope_factor_is_refused_before_the_model_loads(tiny_llama, tmp_path, no_model_load, spec):
+    """Before: accepted, the dump captured with RoPE turned to NaN (decode: NaN logits reported as perfect fidelity)."""
+    with pytest.raises(DumpError, match="FACTOR a finite number > 1"):
+        _small(tiny_llama, tmp_path / "d", rope_scaling=spec)
+
+
+def test_a_prompt_path_that_is_not_a_regular_file_is_named_as_such(tiny_llama, tmp_path):
+    with pytest.raises(PromptError, match="is not a regular file"):
+        run_dump(str(tiny_llama), prompt_path="/dev/zero", tokens=None, out=tmp_path / "d", progress=False)
+
+
+def test_sweep_build_parameters_repeated_spelled_apart_or_searched(dump, tmp_path):
+    args = ["sweep", "--dump", dump.path, "--layers", 1, "--heads", 0, "--k", 10, "--window", "0,0", "--quick",
+            "--jobs", 1]
+    one_line_error(args + ["--indexes", "ivf", "--build-param", "ivf.nlist=8", "--build-param", "ivf.nlist=16",
+                           "--out", tmp_path / "a"], "ivf.nlist is given twice (8 and 16)")
+    one_line_error(args + ["--indexes", "roargraph", "--build-param", "roargraph.L=100", "--out", tmp_path / "b"],
+                   "L is a search parameter of roargraph")
+    one_line_error(args + ["--indexes", "", "--out", tmp_path / "c"], "--indexes names nothing")
+    for value in ("1", "1.0"):  # one build however its value is written: one part, its rows once
+        r = CliRunner().invoke(main, [str(a) for a in args + ["--indexes", "roargraph", "--build-param",
+                                                              f"roargraph.idf={value}", "--out", tmp_path / "d"]])
+        assert r.exit_code == 0, r.output
+    assert len(list((tmp_path / "d" / "parts").glob("*.parquet"))) == 1

@@ -47,7 +47,9 @@ def parse_params(items: tuple[str, ...] | list[str], what: str = "--param") -> d
         if "=" not in item:
             raise DecodeError(f"{what} {item!r}: write NAME=VALUE, e.g. {what} L=200")
         name, value = item.split("=", 1)
-        out[name.strip()] = _coerce(value.strip())
+        if (name := name.strip()) in out:  # the last one silently won before: say which is meant
+            raise DecodeError(f"{what} {name} is given twice ({out[name]!r} and {value.strip()}): give one value")
+        out[name] = _coerce(value.strip())
     return out
 
 

@@ -42,7 +42,7 @@ ROPE_HELP = ("scale the RoPE positions of the model's long-range layers: linear:
 @click.option("--chunk", type=int, default=2048, show_default=True, help="Prefill chunk length (bounds memory).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic task prompts.")
 @click.option("--out", type=click.Path(), default=None, help="Dump folder [default: dumps/<model>-<source>-<tokens>].")
-@click.option("--overwrite", is_flag=True, help="Replace an existing dump made with other settings.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing dump (finished or not), once the new one's checks pass.")
 @click.option("--allow-extrapolation", is_flag=True, help="Allow more tokens than the model's context length.")
 @click.option("--rope-scaling", type=ROPE_SCALING, default=None, help=ROPE_HELP)
 @click.option("--allow-download", is_flag=True, help="Let transformers fetch weights from a hub (off: offline only).")
@@ -50,12 +50,23 @@ ROPE_HELP = ("scale the RoPE positions of the model's long-range layers: linear:
 def dump(model, source, prompt_path, tokens, decode_tokens, layers, dtype, chunk, seed, out, overwrite,
          allow_extrapolation, rope_scaling, allow_download, device) -> None:
     """Capture post-RoPE Q/K/V of a model's prefill and decode steps into a Parquet dump."""
-    from anns_lab.dumps.run import run_dump
+    from anns_lab.dumps.run import DumpInterrupted, run_dump
+    from anns_lab.errors import DumpError
 
+    ctx = click.get_current_context()
+    given = [f"--{name}" for name in ("source", "seed")
+             if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+    if prompt_path is not None and given:  # the file is the prompt: a task or seed beside it was silently dropped
+        raise DumpError(f"--prompt takes the prompt from a file; {' and '.join(given)} choose a built-in prompt: "
+                        "give one or the other")
     if tokens is None and prompt_path is None:
         tokens = 8192
-    result = run_dump(model, source=source, prompt_path=prompt_path, tokens=tokens, decode_tokens=decode_tokens,
-                      layers=layers, dtype=dtype, chunk=chunk, seed=seed, out=out, overwrite=overwrite,
-                      allow_extrapolation=allow_extrapolation, rope_scaling=rope_scaling, allow_download=allow_download,
-                      device=device)
+    try:
+        result = run_dump(model, source=source, prompt_path=prompt_path, tokens=tokens, decode_tokens=decode_tokens,
+                          layers=layers, dtype=dtype, chunk=chunk, seed=seed, out=out, overwrite=overwrite,
+                          allow_extrapolation=allow_extrapolation, rope_scaling=rope_scaling,
+                          allow_download=allow_download, device=device)
+    except DumpInterrupted as stop:
+        click.echo(str(stop), err=True)
+        raise SystemExit(130) from None
     click.echo(result.summary())

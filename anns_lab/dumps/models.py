@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import math
 import os
 import shutil
 import tempfile
@@ -66,9 +67,9 @@ class RopeScaling:
             value = float(factor)
         except ValueError:
             value = float("nan")
-        if kind not in ROPE_KINDS or not value > 1.0:  # NaN fails the comparison too
-            raise ValueError(f"{spec!r}: expected KIND:FACTOR with KIND one of {', '.join(ROPE_KINDS)} and FACTOR > 1 "
-                             "(e.g. linear:4)")
+        if kind not in ROPE_KINDS or not 1.0 < value < math.inf:  # NaN fails the comparison too; inf turns RoPE to NaN
+            raise ValueError(f"{spec!r}: expected KIND:FACTOR with KIND one of {', '.join(ROPE_KINDS)} and FACTOR a "
+                             "finite number > 1 (e.g. linear:4)")
         return cls(kind, value)
 
     def __str__(self) -> str:
@@ -258,6 +259,8 @@ def check_device(device: str) -> None:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as err:
         raise ModelNotAvailable(f"unknown device {device!r}: {str(err).splitlines()[0]}") from None
+    if dev.type not in ("cpu", "cuda"):  # meta holds no data; mps, xpu, ...: neither the capture nor the decoder is made for them
+        raise ModelNotAvailable(f"device {device!r}: the lab runs on cpu or cuda only")
     if dev.type == "cuda" and not torch.cuda.is_available():
         built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a build without CUDA"
         raise ModelNotAvailable(f"device {device!r}: no CUDA device here (torch {torch.__version__}, {built}); "
@@ -346,6 +349,25 @@ def load_model(name: str, device: str = "cpu", allow_download: bool = False,
     long_range = [i for i in range(n_layers) if (types[i] == "full_attention" if types is not None else not every_slides)]
     context = int(getattr(cfg, "max_position_embeddings", 0) or 0)
     return LoadedModel(canon, str(where), model, tokenizer, context, long_range, rope_scaling)
+
+
+def files_stamp(where: Path | str) -> str | None:
+    """A digest of a local model's files as they sit on disk, without loading them: config.json's bytes and each weight
+    file's name and size (a GGUF file: its name and size). None for a hub id, whose files the cache owns."""
+    import hashlib
+
+    where = Path(where)
+    if where.is_file():
+        files, config = [where], b""
+    elif where.is_dir():
+        files = sorted(f for pattern in ("*.safetensors", "*.bin", "*.gguf") for f in where.glob(pattern))
+        config = (where / "config.json").read_bytes() if (where / "config.json").is_file() else b""
+    else:
+        return None
+    h = hashlib.blake2b(config, digest_size=16)
+    for f in files:
+        h.update(f"{f.name}:{f.stat().st_size};".encode())
+    return h.hexdigest()
 
 
 def weights_fingerprint(model, samples: int = 64) -> str:

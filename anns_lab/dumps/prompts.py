@@ -51,7 +51,8 @@ def read_prompt_file(path: str | Path) -> tuple[str, bytes]:
     """The text and bytes of a ``--prompt`` file, or a PromptError if it is missing, not UTF-8 or empty."""
     path = Path(path)
     if not path.is_file():
-        raise PromptError(f"prompt file {path} does not exist" + (" (it is a folder)" if path.is_dir() else ""))
+        raise PromptError(f"prompt file {path} " + ("is not a regular file (a folder, device or pipe): give a text file"
+                                                     if path.exists() else "does not exist"))
     try:
         raw = path.read_bytes()
     except OSError as err:

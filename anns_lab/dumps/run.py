@@ -9,6 +9,7 @@ advance (a resume, or no decode steps) the forward pass stops after the deepest 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import shutil
 import time
@@ -45,6 +46,11 @@ def parse_layers(spec: str, n_layers: int | None, default: list[int]) -> list[in
                 bounds = [int(x) if x else None for x in part.split(":")]
                 if len(bounds) > 3 or (len(bounds) == 3 and bounds[2] == 0):
                     raise ValueError(part)
+                # Python's slices clip 0:100 and read -1: from the end; a layer range says what it selects
+                outside = [b for b in bounds[:2] if b is not None and n_layers is not None and not 0 <= b <= n_layers]
+                if outside:
+                    raise DumpError(f"--layers {spec!r}: the bound {outside[0]} lies outside 0..{n_layers} (the model "
+                                    f"has layers 0..{n_layers - 1})")
                 out.update(range(n_layers or 0)[slice(*bounds)])
             elif "-" in part[1:]:
                 a, b = part.split("-", 1)
@@ -59,6 +65,10 @@ def parse_layers(spec: str, n_layers: int | None, default: list[int]) -> list[in
     if bad or not out:
         raise DumpError(f"--layers {spec!r} selects {bad or 'no layers'}; the model has layers 0..{n_layers - 1}")
     return sorted(out)
+
+
+class DumpInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a dump, saying what was kept and how to resume (still a KeyboardInterrupt to callers)."""
 
 
 class StagingSink:
@@ -157,10 +167,16 @@ def _progress_ok(progress) -> bool:
             and isinstance(progress.get("provenance", {}), dict))
 
 
-def _prepare_folder(out: Path, settings: dict, overwrite: bool) -> dict | None:
-    """Decide what to do with ``out``: None when the dump is already complete, else the progress to resume."""
+def _prepare_folder(out: Path, settings: dict, overwrite: bool) -> tuple[dict | None, bool]:
+    """Decide what to do with ``out``: (None, False) when the dump is already complete, else the progress to resume or
+    start and whether the folder's dump must be replaced (``--overwrite``): that waits until the new capture's checks
+    have passed (model, context, memory), so a refused command never costs the dump that was there."""
     progress_path = out / STAGING / PROGRESS
+    fresh = {"settings": settings, "done": {}}
     if (out / store.MANIFEST).is_file():
+        if _foreign_manifest(out):  # someone else's manifest.json: not ours to replace, even with --overwrite
+            raise DumpError(f"{out} exists and is not a dump folder ({store.MANIFEST} is not an anns-lab dump's); "
+                            "refusing to write into it (choose another --out)")
         try:
             old = store.read_manifest(out)["settings"]
         except (DumpError, KeyError) as err:
@@ -169,12 +185,12 @@ def _prepare_folder(out: Path, settings: dict, overwrite: bool) -> dict | None:
                                 "it, or choose another --out") from None
             old = None
         if old == settings and not overwrite:
-            return None
+            return None, False
         if not overwrite:
             raise DumpError(f"{out} already holds a dump made with other settings ({_settings_diff(old or {}, settings)}); "
                             "pass --overwrite to replace it, or choose another --out")
-        _clear(out)
-    elif progress_path.is_file():
+        return fresh, True
+    if progress_path.is_file():
         try:
             progress = json.loads(progress_path.read_text())
             if not _progress_ok(progress):  # not an assert: `python -O` would resume from it
@@ -183,27 +199,42 @@ def _prepare_folder(out: Path, settings: dict, overwrite: bool) -> dict | None:
             if not overwrite:
                 raise DumpError(f"{progress_path} is corrupt; pass --overwrite to discard the unfinished dump") from None
             progress = {}
-        if progress.get("settings") == settings:
-            return progress
+        if progress.get("settings") == settings and not overwrite:
+            return progress, False
         if not overwrite:
             raise DumpError(f"{out} holds an unfinished dump with other settings ({_settings_diff(progress.get('settings', {}), settings)}); "
                             "pass --overwrite to discard it, or choose another --out")
-        _clear(out)
-    elif out.exists() and (not out.is_dir() or any(out.iterdir())):
+        return fresh, True
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DumpError(f"{out} exists and is not a dump folder; refusing to write into it (choose another --out)")
-    progress = {"settings": settings, "done": {}}
+    _start(out, fresh)
+    return fresh, False
+
+
+def _foreign_manifest(out: Path) -> bool:
+    """Whether ``out``'s manifest is JSON of something else than a dump (one that is not JSON at all may be ours, cut
+    short: ``--overwrite`` may replace that)."""
+    try:
+        manifest = json.loads((out / store.MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return not (isinstance(manifest, dict) and manifest.get("format") == store.FORMAT)
+
+
+def _start(out: Path, state: dict) -> None:
+    """Make the staging folder and write the first progress record."""
     try:
         (out / STAGING).mkdir(parents=True, exist_ok=True)
-        atomic_write_json(progress_path, progress)
+        atomic_write_json(out / STAGING / PROGRESS, state)
     except OSError as err:
         raise DumpError(f"cannot write the dump into {out}: {err.strerror or err} ({err.filename or out}); "
                         "choose another --out") from None
-    return progress
 
 
 def _clear(out: Path) -> None:
-    # Only files this tool writes are removed; anything else in the folder stays.
-    for p in list(out.glob("layer_*.parquet")) + [out / store.TOKENS_FILE, out / store.MANIFEST]:
+    # Only files this tool writes are removed (with the temp files of writes a kill cut short); anything else stays.
+    ours = ["layer_*.parquet", store.TOKENS_FILE, store.MANIFEST]
+    for p in [f for pattern in ours + [f".{g}.*.tmp" for g in ours] for f in out.glob(pattern)]:
         p.unlink(missing_ok=True)
     shutil.rmtree(out / STAGING, ignore_errors=True)
 
@@ -243,22 +274,38 @@ def run_dump(model: str = "smollm2", *, source: str = "text", prompt_path: str |
         settings["rope_scaling"] = str(rope_scaling)
     t_start = time.perf_counter()
     existed = out.exists()
-    state = _prepare_folder(out, settings, overwrite)
+    state, replace = _prepare_folder(out, settings, overwrite)
     if state is None:
+        _check_inputs_unchanged(out, prompt_path, where)
         return DumpResult(store.open_dump(out), time.perf_counter() - t_start, already_complete=True)
+    began = not replace
+
+    def begin() -> None:  # the new capture's checks passed: only now does --overwrite replace the folder's dump
+        nonlocal began
+        if replace:
+            _clear(out)
+            _start(out, state)
+        began = True
+
     try:
-        return _capture(out, settings, state, model, prompt_path, allow_extrapolation, allow_download, device, progress,
-                        t_start, rope_scaling)
-    except BaseException:
-        if not state["done"]:  # nothing captured yet: leave the folder as it was, so a corrected command is not refused
+        return _capture(out, settings, state, begin, model, prompt_path, allow_extrapolation, allow_download, device,
+                        progress, t_start, rope_scaling)
+    except BaseException as err:
+        if began and not state["done"]:  # nothing captured: leave the folder as it was, so a corrected command runs
             shutil.rmtree(out / STAGING, ignore_errors=True)
             if not existed and out.is_dir() and not any(out.iterdir()):
                 out.rmdir()
+        if isinstance(err, KeyboardInterrupt):
+            layers_kept = sum(name != store.TOKENS_FILE for name in state["done"])
+            raise DumpInterrupted(
+                f"interrupted before the capture began: {out} is as it was" if not began else
+                f"interrupted: {layers_kept} layer file(s) kept in {out}; run the same command again to resume"
+                if state["done"] else "interrupted before any file was written: nothing was kept") from None
         raise
 
 
-def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation, allow_download, device, progress, t_start,
-             rope_scaling):
+def _capture(out, settings, state, begin, model_name, prompt_path, allow_extrapolation, allow_download, device, progress,
+             t_start, rope_scaling):
     import torch
     from tqdm.auto import tqdm
 
@@ -281,11 +328,14 @@ def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation,
     _check_fits(lm, n_prefill, n_decode, settings["chunk"], allow_extrapolation)
     n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
-    done = state["done"]
-    missing = [layer for layer in layers if store.layer_file(layer) not in done]
     saved_ids = state.get("token_ids")
     if saved_ids is not None and saved_ids[:n_prefill] != prompt.ids:
         raise DumpError(f"{out}: the saved tokens differ from the prompt built now (tokenizer or corpus changed); pass --overwrite")
+    begin()
+    done = state["done"]
+    _drop_damaged(out, state)
+    saved_ids = state.get("token_ids")
+    missing = [layer for layer in layers if store.layer_file(layer) not in done]
     sink = StagingSink(staging, missing, n_prefill + n_decode, n_heads, n_kv, d, DTYPES[settings["dtype"]])
 
     # Logits are needed only to choose decode tokens; once every token is known the forward can stop early.
@@ -329,7 +379,7 @@ def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation,
                 bar.update(1)
             t_decode = time.perf_counter() - t0
         bar.close()
-    if saved_ids is None:
+    if store.TOKENS_FILE not in done:
         state["token_ids"] = ids
         done[store.TOKENS_FILE] = store.write_table(out / store.TOKENS_FILE, store.tokens_table(ids, n_prefill))
         atomic_write_json(staging / PROGRESS, state)
@@ -343,6 +393,40 @@ def _capture(out, settings, state, model_name, prompt_path, allow_extrapolation,
     shutil.rmtree(staging, ignore_errors=True)
     kept = len(layers) - len(missing)
     return DumpResult(store.open_dump(out), time.perf_counter() - t_start, resumed_layers=kept)
+
+
+def _drop_damaged(out: Path, state: dict) -> None:
+    """Before a resume, forget every finished file that is gone or no longer the one written (size, sha256), so it is
+    captured again instead of sealed into a dump every reader then refuses; and drop the temp files of writes a kill
+    cut short."""
+    for name, rec in list(state["done"].items()):
+        f = out / name
+        if not f.is_file() or f.stat().st_size != rec.get("bytes") or store.sha256_file(f) != rec.get("sha256"):
+            from tqdm.auto import tqdm
+
+            tqdm.write(f"{f} is missing or damaged since it was written: capturing it again")
+            del state["done"][name]
+    for f in out.glob(".*.tmp"):
+        f.unlink(missing_ok=True)
+
+
+def _check_inputs_unchanged(out: Path, prompt_path: str | None, where) -> None:
+    """Refuse to hand back a finished dump as "already complete" when its prompt file or its model's files changed
+    since it was made (same settings, other inputs: the dump would silently be the old text's or model's)."""
+    from anns_lab.dumps.models import files_stamp
+    from anns_lab.dumps.prompts import read_prompt_file
+
+    m = store.read_manifest(out)
+    was = m["prompt"]["params"].get("sha256")
+    if prompt_path and was is not None:
+        now = hashlib.sha256(read_prompt_file(prompt_path)[1]).hexdigest()
+        if now != was:
+            raise DumpError(f"{out} was dumped from another version of {prompt_path} (sha256 {was[:12]}… there, "
+                            f"{now[:12]}… now); pass --overwrite to dump the file as it is now, or choose another --out")
+    was = m["model"].get("files_stamp")  # dumps made before it was recorded: not checked
+    if was is not None and (now := files_stamp(where)) != was:
+        raise DumpError(f"{out} was dumped from other model files than those at {where} now (config.json or weight files "
+                        "changed); pass --overwrite to dump the model as it is now, or choose another --out")
 
 
 def _check_layer_types(lm, layers: list[int]) -> None:
@@ -404,6 +488,8 @@ def _write_layers(out, missing: list[int], sink, state: dict, progress: bool) ->
 
 
 def _manifest(settings, lm, prompt, layers, n_prefill, n_decode, n_heads, n_kv, d, state, timing) -> dict:
+    from anns_lab.dumps.models import files_stamp
+
     cfg = lm.config
     group = n_heads // n_kv
     types = getattr(cfg, "layer_types", None)
@@ -419,6 +505,7 @@ def _manifest(settings, lm, prompt, layers, n_prefill, n_decode, n_heads, n_kv, 
         "settings": settings,
         "model": {"name": lm.name, "source": lm.source, "architecture": type(lm.model).__name__,
                   "weights_fingerprint": state["provenance"]["weights"], "device": state["provenance"]["device"],
+                  "files_stamp": files_stamp(settings["model_source"]),
                   "context": lm.context, "long_range_layers": lm.long_range_layers,
                   "rope_scaling": settings.get("rope_scaling"), "config": json.loads(cfg.to_json_string(use_diff=False))},
         "tokenizer": {"class": type(tok).__name__, "vocab_size": len(tok), "bos_token_id": tok.bos_token_id,

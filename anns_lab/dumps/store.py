@@ -186,9 +186,11 @@ class Dump:
         for name, entry in self.manifest["files"].items():
             f = self.path / name
             if not f.is_file():
-                raise DumpError(f"dump {self.path} is missing {name}")
+                raise DumpError(f"dump {self.path} is missing {name}; re-create the dump (`anns-lab dump` with "
+                                "--overwrite)")
             if f.stat().st_size != entry["bytes"]:
-                raise DumpError(f"dump file {f} has {f.stat().st_size} bytes, the manifest says {entry['bytes']}: it is corrupt or was changed")
+                raise DumpError(f"dump file {f} has {f.stat().st_size} bytes, the manifest says {entry['bytes']}: it is "
+                                "corrupt or was changed; re-create the dump (`anns-lab dump` with --overwrite)")
 
     def __repr__(self) -> str:
         n = self.manifest["n_tokens"]

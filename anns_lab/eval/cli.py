@@ -35,7 +35,10 @@ def _build_params(items: tuple[str, ...]) -> dict[str, dict]:
             value = json.loads(raw)
         except json.JSONDecodeError:
             value = raw
-        out.setdefault(index, {})[name] = value
+        if name in out.setdefault(index, {}):  # the last one silently won before: say which is meant
+            raise AnnsLabError(f"--build-param {index}.{name} is given twice ({out[index][name]!r} and {value!r}): "
+                               "give one value")
+        out[index][name] = value
     return out
 
 
@@ -114,7 +117,8 @@ def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite, bu
             result = run_dump()
             click.echo(result.summary())
             dump_path = result.dump.path
-    names = list(dict.fromkeys(n.strip() for n in indexes.split(","))) if indexes else None
+    # --indexes "" names nothing (refused by run_sweep), it does not mean every index
+    names = list(dict.fromkeys(n.strip() for n in indexes.split(",") if n.strip())) if indexes is not None else None
     layer_list, head_list = _ints(layers), _ints(heads)
     if out is None:
         out = default_out(dump_path, names, layer_list, head_list, quick)

@@ -186,10 +186,17 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     dump = open_dump(dump_path)
     names = _distinct(list(indexes), "--indexes") if indexes is not None else sorted(registry.available())
     build_params = dict(build_params or {})
-    # unknown names or parameters fail here, before any work
-    made = [registry.create(name, **build_params.get(name, {})) for name in names]
     for name in set(build_params) - set(names):
         raise AnnsLabError(f"build parameters given for {name!r}, which is not among the swept indexes {names}")
+    for name, given in build_params.items():
+        if searched := sorted(set(given) & set(registry.get(name).search_params)):
+            grid = registry.get(name).search_grid.get(searched[0])
+            raise AnnsLabError(f"--build-param {name}.{searched[0]}: {searched[0]} is a search parameter of {name}, which "
+                               f"the sweep takes over its grid ({', '.join(map(str, grid or ()))}): give build parameters only")
+    # unknown names or parameters fail here, before any work
+    made = {name: registry.create(name, **build_params.get(name, {})) for name in names}
+    # each value as the index takes it (idf=1 and idf=1.0 are one build: one part, not the same rows twice)
+    build_params = {name: {p: made[name].params[p] for p in given} for name, given in build_params.items()}
     layers = _distinct(layers, "--layers") if layers is not None else default_layers(dump.layers)
     for layer in layers:
         dump.scaling(layer)  # raises for a layer not in the dump
@@ -197,7 +204,7 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     for h in heads:
         dump.kv_head_of(h)
     n_keys = check_k(dump, window, k)  # before any index is built
-    for index in made:  # build parameters that cannot index that many keys (more lists than keys): one error, not one per part
+    for index in made.values():  # build parameters that cannot index that many keys (more lists than keys): one error, not one per part
         index.check_keys(n_keys)
     group_queries.check_mode(train_group)
     aware = any(registry.get(name).uses_train_queries for name in names)
