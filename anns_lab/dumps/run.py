@@ -467,7 +467,7 @@ def _check_fits(lm, n_prefill: int, n_decode: int, chunk: int, allow_extrapolati
         raise PromptError(f"{n_prefill} prompt tokens exceed {lm.name}'s context of {lm.context} tokens; "
                           "use fewer --tokens, or pass --allow-extrapolation to go beyond it")
     check_prefill(lm.config, n_prefill + n_decode, chunk, f"a dump of {n_prefill} + {n_decode} tokens of {lm.name}",
-                  "--tokens")
+                  "--decode-tokens" if n_decode > n_prefill else "--tokens")
 
 
 def _write_layers(out, missing: list[int], sink, state: dict, progress: bool) -> float:
