@@ -17,8 +17,11 @@ def open_executor(name: str, jobs: int = 2, address: str | None = None, cpus_per
                   data: str = "auto", log=print) -> Executor:
     """The executor ``name`` (connected and checked when it is Ray); raises AnnsLabError for bad settings."""
     if name == "local":
-        if address is not None:
-            raise AnnsLabError("--address is for --executor ray; the local executor runs on this machine")
+        ray_only = [flag for flag, given in (("--address", address is not None), ("--cpus-per-task", cpus_per_task != 1.0),
+                                             ("--ray-data", data != "auto")) if given]
+        if ray_only:  # silently ignored before (but --address): the run was not the one asked for
+            raise AnnsLabError(f"{', '.join(ray_only)} {'is' if len(ray_only) == 1 else 'are'} for --executor ray; the "
+                               "local executor runs on this machine")
         from anns_lab.eval.executors.local import LocalExecutor
 
         return LocalExecutor(jobs, log)
