@@ -123,6 +123,11 @@ def test_prompt_and_fidelity(tiny_gemma3, tmp_path):
     (["--device", "cuda:99"], "device 'cuda:99':"),
     (["--eval", "fidelity", "--until-built", "exact"], "--until-built exact is for --task and --prompt runs"),
     (["--until-built", "never"], "'never' is not one of 'wait', 'exact'"),
+    (["--mode", ""], "--mode '' names nothing: give e.g. full,default"),
+    (["--mode", ","], "--mode ',' names nothing"),
+    (["--mode", " , "], "names nothing"),
+    (["--param", "=3"], "--param '=3': NAME is empty"),
+    (["--build-param", " =3"], "--build-param ' =3': NAME is empty"),
 ])
 def test_bad_input_is_one_clear_error(tiny_llama, args, needle):
     base = {"--model": tiny_llama, "--task": "passkey", "--context": 200, "--mode": "full,flat", "--window": "4,16"}
@@ -130,6 +135,11 @@ def test_bad_input_is_one_clear_error(tiny_llama, args, needle):
         base[flag] = value
     flat = [str(x) for kv in base.items() for x in kv]
     assert needle in _error(_run(*flat))
+
+
+def test_an_unknown_mode_lists_the_registered_indexes_once(tiny_llama):
+    err = _error(_run("--model", tiny_llama, "--task", "passkey", "--mode", "full,bogus"))
+    assert "unknown mode 'bogus'" in err and err.count("roargraph") == 1, err
 
 
 @pytest.mark.parametrize("args", [["--prompt", ""], ["--eval", "fidelity", "--context", 0, "--positions", 2],

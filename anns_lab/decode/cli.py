@@ -273,7 +273,7 @@ def _parse_mode_list(modes: str, params: tuple[str, ...], build_params: tuple[st
     from anns_lab.decode import modes as modes_mod
 
     if from_sweep:  # modes named explicitly stay
-        modes = ",".join(t for t in modes.split(",") if t.strip() not in ("default", "")) or "full"
+        modes = ",".join(t for t in modes_mod.mode_names(modes) if t != "default") or "full"
     return modes_mod.parse_modes(modes, modes_mod.parse_params(params),
                                  modes_mod.parse_params(build_params, "--build-param"))
 
