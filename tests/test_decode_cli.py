@@ -128,6 +128,9 @@ def test_prompt_and_fidelity(tiny_gemma3, tmp_path):
     (["--mode", " , "], "names nothing"),
     (["--param", "=3"], "--param '=3': NAME is empty"),
     (["--build-param", " =3"], "--build-param ' =3': NAME is empty"),
+    # nlist left at its default: the error says what the user can change, beside the index's own words
+    (["--mode", "clusterkv"], "nlist=200 is larger than the number of keys (180): --mode clusterkv cannot index the "
+                              "180 keys outside the window of this prompt: use a longer --context or set its --build-param"),
 ])
 def test_bad_input_is_one_clear_error(tiny_llama, args, needle):
     base = {"--model": tiny_llama, "--task": "passkey", "--context": 200, "--mode": "full,flat", "--window": "4,16"}
@@ -140,6 +143,18 @@ def test_bad_input_is_one_clear_error(tiny_llama, args, needle):
 def test_an_unknown_mode_lists_the_registered_indexes_once(tiny_llama):
     err = _error(_run("--model", tiny_llama, "--task", "passkey", "--mode", "full,bogus"))
     assert "unknown mode 'bogus'" in err and err.count("roargraph") == 1, err
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--prompt", "The grass is green. " * 200, "--mode", "full"], "use a shorter --prompt, or pass --allow-extrapolation"),
+    (["--prompt", "The grass is green.", "--mode", "full,flat"], "use a smaller --window or a longer --prompt"),
+    (["--prompt", "The grass is green. " * 12, "--mode", "full,ivf", "--build-param", "nlist=500", "--topk", 10],
+     "use a longer --prompt or set its --build-param"),
+])
+def test_errors_on_a_free_prompt_name_the_prompt_not_the_context(tiny_llama, args, needle):
+    """--context does not apply to --prompt: the errors on its length name --prompt."""
+    err = _error(_run("--model", tiny_llama, "--window", "4,16", "--max-new-tokens", 2, *args))
+    assert needle in err and "--context" not in err, err
 
 
 @pytest.mark.parametrize("args", [["--prompt", ""], ["--eval", "fidelity", "--context", 0, "--positions", 2],

@@ -28,6 +28,7 @@ from anns_lab.decode.copy_hints import CopyHints
 from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.dumps import rope
 from anns_lab.dumps.models import forward_tokens
+from anns_lab.errors import IndexConfigError
 from anns_lab.indexes import group_queries, registry
 from anns_lab.window import Window
 
@@ -346,21 +347,22 @@ def summarize(run: ModeRun, skip: int | None = None) -> dict:
     } | cpu
 
 
-def check_window(settings: Settings, n_prompt: int, modes: list[Mode], fed: int) -> None:
+def check_window(settings: Settings, n_prompt: int, modes: list[Mode], fed: int, option: str = "--context") -> None:
     """Refuse an empty prompt, a window that covers the whole prompt, a top-k of 0 / more than the CPU side will ever
     hold (``fed``: the tokens that enter the cache after the prompt; the last generated one never does), or index
-    build parameters that cannot index the prompt's keys outside the window."""
+    build parameters that cannot index the prompt's keys outside the window. ``option``: the one that set the prompt's
+    length (``--context``, or ``--prompt`` for a free prompt), named in the errors."""
     w = settings.window
     require_ring(w)
     if n_prompt < 1:  # every mode, full too: the prefill of no token has no logits to decode from
-        raise DecodeError(f"a prompt of {n_prompt} tokens: nothing to prefill; give a non-empty --prompt or a --context "
-                          "of at least 1")
+        fix = "give a non-empty --prompt" if option == "--prompt" else f"give a {option} of at least 1"
+        raise DecodeError(f"a prompt of {n_prompt} tokens: nothing to prefill; {fix}")
     if not any(m.kind != "full" for m in modes):
         return
     if w.size >= n_prompt:
         raise DecodeError(f"--window {w} ({w.size} tokens) is not "
                           f"smaller than the context of {n_prompt} tokens: nothing would be retrieved; "
-                          "use a smaller --window or a longer --context")
+                          f"use a smaller --window or a longer {option}")
     if any(m.kind == "index" for m in modes):
         most = n_prompt + fed - w.size
         if settings.topk < 1 or settings.topk > most:
@@ -369,4 +371,8 @@ def check_window(settings: Settings, n_prompt: int, modes: list[Mode], fed: int)
                               f"{w.sink}+{w.recent})")
     for m in modes:  # built over the prompt's keys outside the window (e.g. an ivf nlist above them): before the prefill
         for plan in {id(p): p for p in [m.plan, *m.per_layer.values()] if p is not None}.values():
-            registry.create(plan.name, **plan.build_params).check_keys(n_prompt - w.size)
+            try:
+                registry.create(plan.name, **plan.build_params).check_keys(n_prompt - w.size)
+            except IndexConfigError as err:  # the index's text alone blamed a parameter the user may never have set
+                raise DecodeError(f"{err}: --mode {m.name} cannot index the {n_prompt - w.size} keys outside the window "
+                                  f"of this prompt: use a longer {option} or set its --build-param") from None
