@@ -533,3 +533,64 @@ def test_serving_positions_under_dynamic_rope_are_one_error_before_the_prefill(t
         assert "--train-positions own" in _error(_run(*args, "--mode", "roargraph", "--train-positions", "mix"))
     res = _run(*args, "--mode", "roargraph", "--train-positions", "own")
     assert res.exit_code == 0, res.output
+
+
+def _nan_from_step(monkeypatch, first: int) -> None:
+    """Every forward pass of one token at position ``first`` or later gives NaN logits (a broken model or attention
+    as the decode steps see it); the prefill's stay finite."""
+    from anns_lab.decode import engine
+
+    real = engine.forward_tokens
+
+    def forward(lm, cache, ids, start, end):
+        out = real(lm, cache, ids, start, end)
+        return out.clone().fill_(float("nan")) if end - start == 1 and start >= first else out
+
+    monkeypatch.setattr(engine, "forward_tokens", forward)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--task", "passkey", "--mode", "flat"], "--mode flat at decode step 1 of 4"),
+    (["--task", "passkey", "--mode", "window,flat"], "--mode window at decode step 1 of 4"),
+    (["--eval", "fidelity", "--mode", "flat", "--positions", 4, "--free-tokens", 2], "--mode full at decode step 1 of 4"),
+])
+def test_non_finite_logits_are_one_error_naming_the_mode_and_step(tiny_llama, tmp_path, monkeypatch, args, needle):
+    """NaN logits once scored as a result (fidelity: KL nan, top-1 100%, exit 0, a bare NaN in the JSON): now the run
+    stops with one error naming the mode and the step, and writes no JSON."""
+    _nan_from_step(monkeypatch, 200)
+    out = tmp_path / "r.json"
+    err = _error(_run("--model", tiny_llama, "--context", 200, "--window", "4,16", "--topk", 20, "--max-new-tokens", 4,
+                      "--json", out, *args))
+    assert needle in err and "not finite" in err, err
+    assert not out.exists()
+
+
+def test_non_finite_prefill_logits_are_one_error(tiny_llama, monkeypatch):
+    """A model whose weights hold a NaN (as a broken --rope-scaling makes its logits): refused after the prefill, before
+    any mode decodes from it."""
+    from anns_lab.decode import cli
+
+    real = cli._load
+
+    def load(*a, **kw):
+        lm = real(*a, **kw)
+        lm.model.get_input_embeddings().weight.data.fill_(float("nan"))
+        return lm
+
+    monkeypatch.setattr(cli, "_load", load)
+    err = _error(_run("--model", tiny_llama, "--task", "passkey", "--context", 200, "--window", "4,16", "--topk", 20,
+                      "--mode", "full,flat", "--max-new-tokens", 2))
+    assert "the full-attention prefill of 200 tokens" in err and "not finite" in err, err
+
+
+def test_a_nan_is_never_written_as_json_nor_printed_as_missing(tmp_path):
+    from anns_lab.decode import cli
+    from anns_lab.decode.runner import cell
+
+    out = tmp_path / "r.json"
+    with pytest.raises(DecodeError, match=r"holds a NaN or an infinity at modes\.flat\.summary\.kl_mean"):
+        cli._write_json(out, {"task": "fidelity", "modes": {"flat": {"summary": {"kl_mean": np.float64("nan")}}}})
+    assert not out.exists()
+    assert cell({"kl_mean": float("nan")}, "kl_mean", "{:.2e}") == "NaN"
+    assert cell({"scanned_fraction": float("nan")}, "scanned_fraction", "{:.2%}") == "NaN"
+    assert cell({}, "kl_mean", "{:.2e}") == "-"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import json
+import math
+import numbers
 import os
 import sys
 import tempfile
@@ -352,7 +354,24 @@ def _print_result(result: dict, settings: Settings, prompt: bool) -> None:
 
 
 def _write_json(path: Path, result: dict) -> None:
-    """The full result as JSON, written atomically (numpy scalars as floats)."""
+    """The full result as JSON, written atomically (numpy scalars as floats); refused where it holds a NaN or an
+    infinity (bare ``NaN`` is no JSON, and no figure either)."""
+    try:
+        text = json.dumps(result, indent=1, default=float, allow_nan=False)
+    except ValueError:
+        raise DecodeError(f"--json {path}: not written: the result holds a NaN or an infinity at "
+                          f"{_non_finite(result)}, a failed measurement") from None
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, json.dumps(result, indent=1, default=float).encode("utf-8"))
+    atomic_write_bytes(path, text.encode("utf-8"))
     click.echo(f"wrote {path}", err=True)
+
+
+def _non_finite(value, where: str = "") -> str | None:
+    """The path (``modes.flat.summary.kl_mean``) of the first NaN or infinity in ``value``, else None."""
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return where or "the top" if isinstance(value, numbers.Real) and not math.isfinite(value) else None
+    return next((found for k, v in items if (found := _non_finite(v, f"{where}.{k}" if where else str(k)))), None)

@@ -159,6 +159,7 @@ def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool, build
                 logits = forward_tokens(lm, cache, ids, start, end)
                 bar.update(end - start)
         sync(lm.model.device)
+        check_finite(logits[0, -1], f"the full-attention prefill of {len(ids)} tokens through {lm.name}")
     except BaseException:
         if early is not None:
             early.close()
@@ -236,6 +237,7 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
                 sync(lm.model.device)
                 step_s.append(time.perf_counter() - ts)
                 steps.append(ctl.take_times())
+                check_finite(logits, f"--mode {mode.name} at decode step {i + 1} of {n_steps}")  # outside its time
         if teacher is not None and keep_logits:
             all_logits.append(logits.detach().to("cpu"))
         decode_s = time.perf_counter() - t0
@@ -270,6 +272,14 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
     run.cache = cache if keep_cache else None
     run.stores = stores  # kept for inspection (tests, index sizes)
     return run
+
+
+def check_finite(logits: torch.Tensor, where: str) -> None:
+    """Refuse logits with a NaN or an infinity: greedy decoding and the KL read them as numbers, and a broken model
+    (e.g. a bad --rope-scaling) scored a KL of nan and a top-1 agreement of 100%."""
+    if not bool(torch.isfinite(logits).all()):
+        raise DecodeError(f"{where}: the logits are not finite (NaN or infinity): the model, its configuration (e.g. "
+                          "--rope-scaling) or this mode's attention is broken; nothing it scored would be a measurement")
 
 
 def steps_threads(device: torch.device, threads: int) -> int:

@@ -363,7 +363,8 @@ LEGEND = {
 
 
 def cell(summary: dict, key: str, fmt: str) -> str:
-    """One mode's ``key`` as the table prints it (``fmt`` from :data:`COLUMNS`; bytes in KiB or MiB; '-' when missing)."""
+    """One mode's ``key`` as the table prints it (``fmt`` from :data:`COLUMNS`; bytes in KiB or MiB; '-' when missing,
+    'NaN' for a NaN)."""
     v = summary.get(key)
     if key == "device_kv_bytes" and v is not None:
         v = v / 2**20
@@ -371,9 +372,9 @@ def cell(summary: dict, key: str, fmt: str) -> str:
         v = v / 2**10
     if isinstance(v, (list, tuple)):
         return fmt.format(*v)
-    if fmt.endswith("%}") and v is not None:
-        return fmt.format(v)
-    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+    if isinstance(v, float) and math.isnan(v):  # a failed measurement, not a missing one: '-' hid it
+        return "NaN"
+    return "-" if v is None else fmt.format(v)
 
 
 def table(result: dict) -> str:
