@@ -157,13 +157,13 @@ def test_errors_on_a_free_prompt_name_the_prompt_not_the_context(tiny_llama, arg
     assert needle in err and "--context" not in err, err
 
 
-@pytest.mark.parametrize("args", [["--prompt", ""], ["--eval", "fidelity", "--context", 0, "--positions", 2],
-                                  ["--eval", "fidelity", "--context", -3, "--positions", 5]])
+@pytest.mark.parametrize("args", [["--prompt", "", "--max-new-tokens", 2],
+                                  ["--eval", "fidelity", "--context", 0, "--positions", 2, "--free-tokens", 2],
+                                  ["--eval", "fidelity", "--context", -3, "--positions", 5, "--free-tokens", 2]])
 def test_an_empty_prompt_is_one_clear_error(tiny_llama, args):
     """A prompt of no tokens (an empty --prompt, a fidelity --context below 1) with --mode full alone, where no window
     check refuses it: one error, not a TypeError from the prefill's missing logits."""
-    assert "nothing to prefill" in _error(_run("--model", tiny_llama, "--mode", "full", "--max-new-tokens", 2,
-                                               "--free-tokens", 2, *args))
+    assert "nothing to prefill" in _error(_run("--model", tiny_llama, "--mode", "full", *args))
 
 
 @pytest.mark.parametrize("group, hints, place", [(None, None, None), ("strided", 0, "own"), ("unlisted", None, None)])
@@ -594,3 +594,39 @@ def test_a_nan_is_never_written_as_json_nor_printed_as_missing(tmp_path):
     assert cell({"kl_mean": float("nan")}, "kl_mean", "{:.2e}") == "NaN"
     assert cell({"scanned_fraction": float("nan")}, "scanned_fraction", "{:.2%}") == "NaN"
     assert cell({}, "kl_mean", "{:.2e}") == "-"
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--eval", "fidelity", "--task", "passkey"], "--task: not used by this run (--eval fidelity teacher-forces"),
+    (["--eval", "fidelity", "--prompt", "hello"], "--prompt: not used by this run"),
+    (["--eval", "fidelity", "--samples", 3, "--seed", 4, "--max-new-tokens", 5],
+     "--samples, --seed, --max-new-tokens: not used by this run (--eval fidelity"),
+    (["--eval", "fidelity", "--seed", 0], "--seed: not used"),  # given, though at its default
+    (["--prompt", "hello", "--context", 300], "--context: not used by this run (--prompt decodes that text once"),
+    (["--prompt", "hello", "--samples", 2, "--seed", 1], "--samples, --seed: not used"),
+    (["--task", "passkey", "--positions", 8], "--positions: not used by this run (--positions and --free-tokens are for --eval fidelity)"),
+    (["--task", "passkey", "--target-recall", 0.9], "--target-recall is the recall a --from-sweep pick must reach"),
+])
+def test_an_option_the_run_would_ignore_is_refused_before_the_model_loads(tiny_llama, monkeypatch, args, needle):
+    """Each was ignored in silence (--eval fidelity --prompt ran 36 s, then crashed with an IndexError, and wrote no
+    JSON)."""
+    from anns_lab.decode import cli
+
+    monkeypatch.setattr(cli, "_load", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert needle in _error(_run("--model", tiny_llama, "--mode", "full", *args))
+
+
+def test_the_answers_printed_are_the_results_own(capsys):
+    """_print_result reads from the result whether it has answers (--eval fidelity --prompt once reached it with none
+    and crashed with an IndexError after the whole run)."""
+    from anns_lab.decode import cli
+    from anns_lab.decode.engine import Settings
+
+    def result(task, samples):
+        return {"model": "m", "task": task, "context": 8, "device": "cpu",
+                "modes": {"flat": {"summary": {"kl_mean": 0.5}, "samples": samples, "notes": []}}}
+
+    cli._print_result(result("fidelity", []), Settings())
+    assert "[flat]" not in capsys.readouterr().out
+    cli._print_result(result("prompt", [{"answer": "green"}]), Settings())
+    assert "[flat] green" in capsys.readouterr().out

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
+from click.core import ParameterSource
 
 from anns_lab.cli_types import WINDOW
 from anns_lab.decode.calibrate import AUTO as CALIBRATE_AUTO
@@ -135,6 +136,7 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
                         train_group=train_group, train_positions=train_positions, build_during_prefill=build_during_prefill,
                         until_built=until_built, copy_hints=copy_hints, calibrate=calibrate)
     _check_options(settings, evaluation, task, prompt, executor, address)
+    _check_unused(click.get_current_context(), evaluation, prompt, from_sweep)
     _check_counts(max_new_tokens=max_new_tokens, seed=seed, torch_threads=torch_threads)
     mode_list = _parse_mode_list(modes, params, build_params, from_sweep)
     _check_calibrate(calibrate)
@@ -192,7 +194,7 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
             if remote is not None:
                 remote.close()
     result |= _run_description(lm, remote.device if remote else device, executor, settings, mode_list, recorded, pick)
-    _print_result(result, settings, prompt is not None)
+    _print_result(result, settings)
     if json_path:
         _write_json(Path(json_path), result)
     sys.stdout.flush()
@@ -221,6 +223,30 @@ def _check_options(settings: Settings, evaluation: str, task: str | None, prompt
         raise DecodeError("--address is for --executor ray")
     if task is not None and task not in TASKS:
         raise DecodeError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
+
+
+def _check_unused(ctx: click.Context, evaluation: str, prompt: str | None, from_sweep: str | None) -> None:
+    """Refuse options set on the command line that this run would ignore (a --seed with --eval fidelity ran as if left
+    out; --eval fidelity --prompt ran for half a minute, then crashed): one :class:`DecodeError` naming them."""
+    if evaluation == "fidelity":
+        unused = _given(ctx, "task", "prompt", "samples", "seed", "max_new_tokens")
+        why = "--eval fidelity teacher-forces --positions tokens of its own text after --context tokens of it"
+    elif prompt is not None:
+        unused = _given(ctx, "context", "samples", "seed", "positions", "free_tokens")
+        why = "--prompt decodes that text once: its tokens are the context"
+    else:
+        unused = _given(ctx, "positions", "free_tokens")
+        why = "--positions and --free-tokens are for --eval fidelity"
+    if unused:
+        raise DecodeError(f"{', '.join(unused)}: not used by this run ({why}); leave {'them' if len(unused) > 1 else 'it'} out")
+    if from_sweep is None and _given(ctx, "target_recall"):
+        raise DecodeError("--target-recall is the recall a --from-sweep pick must reach: pass --from-sweep, or leave it out")
+
+
+def _given(ctx: click.Context, *names: str) -> list[str]:
+    """The flags of the parameters ``names`` that the command line (or the environment) set, in the command's order."""
+    return [p.opts[0] for p in ctx.command.params if p.name in names
+            and ctx.get_parameter_source(p.name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)]
 
 
 def _check_counts(max_new_tokens: int | None, seed: int, torch_threads: int) -> None:
@@ -335,7 +361,7 @@ def _run_description(lm, device: str, executor: str, settings: Settings, mode_li
                                if m.plan else None) for m in mode_list}}
 
 
-def _print_result(result: dict, settings: Settings, prompt: bool) -> None:
+def _print_result(result: dict, settings: Settings) -> None:
     """The headline, the per-mode table, each mode's notes and, for a free prompt, each mode's answer."""
     from anns_lab.decode import runner
 
@@ -348,9 +374,10 @@ def _print_result(result: dict, settings: Settings, prompt: bool) -> None:
     for name, m in result["modes"].items():
         for note in m.get("notes", []):
             click.echo(f"note ({name}): {note}")
-    if prompt:
+    if result["task"] == "prompt":  # the result says what it is: a fidelity result has no answers to print
         for name, m in result["modes"].items():
-            click.echo(f"[{name}] {m['samples'][0]['answer']}")
+            for row in m["samples"]:
+                click.echo(f"[{name}] {row['answer']}")
 
 
 def _write_json(path: Path, result: dict) -> None:
