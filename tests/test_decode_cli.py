@@ -630,3 +630,50 @@ def test_the_answers_printed_are_the_results_own(capsys):
     assert "[flat]" not in capsys.readouterr().out
     cli._print_result(result("prompt", [{"answer": "green"}]), Settings())
     assert "[flat] green" in capsys.readouterr().out
+
+
+def test_an_existing_json_is_replaced_only_with_overwrite(tiny_llama, tmp_path, monkeypatch):
+    """A rerun stopped midway once replaced a complete result with a partial one: an existing --json file is refused,
+    before the model loads, unless --overwrite says to replace it."""
+    from anns_lab.decode import cli
+
+    out = tmp_path / "r.json"
+    out.write_text('{"complete": true}')
+    args = ["--model", tiny_llama, "--task", "passkey", "--context", 200, "--mode", "full", "--max-new-tokens", 2,
+            "--json", out]
+    with monkeypatch.context() as m:
+        m.setattr(cli, "_load", lambda *a, **k: pytest.fail("the model was loaded"))
+        err = _error(_run(*args))
+        assert f"--json {out} exists: pass --overwrite to replace it, or choose another --json" in err
+        assert "--overwrite lets --json replace" in _error(_run(*args[:-2], "--overwrite"))
+    assert out.read_text() == '{"complete": true}'
+    res = _run(*args, "--overwrite")
+    assert res.exit_code == 0, res.output
+    assert json.loads(out.read_text())["task"] == "passkey"
+
+
+@pytest.mark.parametrize("what", ["table", "settings", "symlink", "fifo"])
+def test_a_json_path_that_would_destroy_something_is_refused_even_with_overwrite(tiny_llama, tmp_path, monkeypatch, what):
+    """The --from-sweep table or its settings (the pick's input), a link (replaced by a file, not written through), a
+    fifo or device (as root, /dev/null became a regular file): refused before the model loads, left as they were."""
+    import os
+
+    from anns_lab.decode import cli
+    from anns_lab.eval.table import SETTINGS
+
+    monkeypatch.setattr(cli, "_load", lambda *a, **k: pytest.fail("the model was loaded"))
+    sweep = _results(tmp_path / "results.parquet")
+    (tmp_path / SETTINGS).write_text("{}")
+    target = {"table": sweep, "settings": tmp_path / SETTINGS, "symlink": tmp_path / "link.json",
+              "fifo": tmp_path / "fifo"}[what]
+    if what == "symlink":
+        target.symlink_to(tmp_path / "elsewhere.json")
+    if what == "fifo":
+        os.mkfifo(target)
+    before = sorted((p.name, p.is_symlink(), p.is_file()) for p in tmp_path.iterdir())
+    err = _error(_run("--model", tiny_llama, "--task", "passkey", "--context", 200, "--window", "4,16", "--topk", 20,
+                      "--mode", "full", "--from-sweep", tmp_path, "--json", target, "--overwrite"))
+    needle = {"table": "which --from-sweep reads", "settings": "which --from-sweep reads",
+              "symlink": "is a symbolic link", "fifo": "is not a regular file"}[what]
+    assert needle in err and "choose another --json" in err, err
+    assert sorted((p.name, p.is_symlink(), p.is_file()) for p in tmp_path.iterdir()) == before

@@ -123,11 +123,14 @@ class _DecodeCommand(click.Command):
 @click.option("--address", default=None, help="Ray cluster to join (HOST:PORT of its head, or 'auto'); none starts Ray here")
 @click.option("--cpus-per-task", type=float, default=1.0, show_default=True, help="Ray: CPUs reserved per sample task")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
-              help="write the full results here (after each sample; \"partial\": true until the last)")
+              help="write the full results here (after each sample; \"partial\": true until the last); an existing "
+                   "file only with --overwrite")
+@click.option("--overwrite", is_flag=True, help="let --json replace an existing file (never the --from-sweep table, a "
+                                                "link, or what is not a regular file)")
 def decode(model, modes, params, build_params, topk, window, add_batch, train_queries, train_group, train_positions, copy_hints, task,
            prompt, evaluation, context, samples,
            seed, max_new_tokens, positions, free_tokens, chunk, build_during_prefill, until_built, from_sweep, target_recall, calibrate, device, torch_threads,
-           allow_extrapolation, rope_scaling, executor, address, cpus_per_task, json_path):
+           allow_extrapolation, rope_scaling, executor, address, cpus_per_task, json_path, overwrite):
     """Generate with RetrievalAttention: static window on the accelerator + retrieved keys from a CPU index."""
     from anns_lab.decode import runner
     from anns_lab.decode.engine import Settings
@@ -141,7 +144,10 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
     mode_list = _parse_mode_list(modes, params, build_params, from_sweep)
     _check_calibrate(calibrate)
     if json_path:  # last of the checks: it makes the folder
+        _check_replaceable(Path(json_path), overwrite, from_sweep)
         _check_writable(Path(json_path))
+    elif overwrite:
+        raise DecodeError("--overwrite lets --json replace an existing file: give --json, or leave it out")
     if from_sweep:  # what the pick needs of the table, before the weights load
         from anns_lab.decode.modes import check_sweep_pick
 
@@ -258,6 +264,29 @@ def _check_counts(max_new_tokens: int | None, seed: int, torch_threads: int) -> 
         raise DecodeError(f"--seed must be 0 or more, got {seed}")
     if torch_threads < 0:
         raise DecodeError(f"--torch-threads must be 0 (torch's default) or more, got {torch_threads}")
+
+
+def _check_replaceable(path: Path, overwrite: bool, from_sweep: str | None) -> None:
+    """Refuse a ``--json`` path whose first write (an atomic rename over it) would destroy something: the
+    ``--from-sweep`` table or its settings (the pick's input), a link or anything but a regular file (as root a run
+    replaced /dev/null with a file), or, without ``--overwrite``, an existing file (a stopped rerun replaced a complete
+    result with a partial one)."""
+    if from_sweep:
+        from anns_lab.eval.table import RESULTS, SETTINGS
+
+        sweep = Path(from_sweep)
+        folder = sweep if sweep.is_dir() else sweep.parent
+        for read in (folder / RESULTS if sweep.is_dir() else sweep, folder / SETTINGS):
+            if path.exists() and read.exists() and os.path.samefile(path, read):
+                raise DecodeError(f"--json {path} is {read}, which --from-sweep reads: choose another --json")
+    if path.is_symlink():
+        raise DecodeError(f"--json {path} is a symbolic link: the result would replace the link, not write where it "
+                          "points; choose another --json")
+    if path.exists() and not path.is_file():
+        raise DecodeError(f"--json {path} exists and is not a regular file (a device, a fifo, ...): the result would "
+                          "replace it; choose another --json")
+    if path.exists() and not overwrite:
+        raise DecodeError(f"--json {path} exists: pass --overwrite to replace it, or choose another --json")
 
 
 def _check_writable(path: Path) -> None:
