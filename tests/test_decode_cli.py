@@ -677,3 +677,20 @@ def test_a_json_path_that_would_destroy_something_is_refused_even_with_overwrite
               "symlink": "is a symbolic link", "fifo": "is not a regular file"}[what]
     assert needle in err and "choose another --json" in err, err
     assert sorted((p.name, p.is_symlink(), p.is_file()) for p in tmp_path.iterdir()) == before
+
+
+def test_decode_markdown_labels_a_partial_result_in_every_table(tmp_path):
+    """benchmarks/decode_markdown.py printed a run stopped midway ("partial": true) as a finished one."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "decode_markdown", Path(__file__).resolve().parent.parent / "benchmarks" / "decode_markdown.py")
+    md = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(md)
+    done = {"task": "passkey", "context": 200, "modes": {"full": {"summary": {"accuracy": 100.0}, "samples": []}}}
+    stopped = done | {"partial": True, "samples_done": 2, "samples_total": 3}
+    assert "PARTIAL: 2 of 3 samples" in md.markdown(stopped, ["accuracy"])
+    assert "PARTIAL" not in md.markdown(done, ["accuracy"])
+    both = md.side_by_side([done, stopped], ["accuracy"])
+    assert both.count("PARTIAL: 2 of 3 samples") == 1 and "passkey 200 (PARTIAL: 2 of 3 samples): accuracy %" in both
