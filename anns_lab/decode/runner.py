@@ -354,7 +354,9 @@ LEGEND = {
                 "the CPU and accelerator sides run concurrently, so the parts may sum to more than the token",
     "token_ms": "per token: wall time of one decode step",
     "tokens_per_s": "decode steps per second",
-    "scanned_fraction": "mean share of the CPU-held keys whose inner product a search computed",
+    "scanned_fraction": "mean share of the CPU-held keys whose inner product a search computed (an LSH index counts its "
+                        "query's hyperplane products too: above 100% where they outnumber the keys, as magicpig's "
+                        "K*L = 512 at a short context)",
     "bytes_read_per_token": "per token: bytes the CPU-side searches read, as the indexes report them, KiB",
     "device_kv_bytes": "keys and values held on the accelerator at the end, MiB",
     "cpu_bytes_per_key": "CPU-side stores and indexes at the end, bytes per token held there and long-range layer "
