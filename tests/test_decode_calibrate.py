@@ -231,7 +231,7 @@ def test_cli_calibration_target_and_json(tiny_llama, tmp_path):
     assert res.exit_code == 2 and "'abc' is neither 'auto' nor a number" in res.output
     out = tmp_path / "r.json"
     run = [*map(str, base), "--mode", "full,ivf", "--window", "4,16", "--topk", "20", "--max-new-tokens", "2",
-           "--chunk", "64", "--json", str(out)]
+           "--chunk", "64", "--json", str(out), "--overwrite"]  # one file, run after run
     for bare in ([], ["--calibrate"]):  # on by default, at the auto target (a bare --calibrate asks the same)
         res = CliRunner().invoke(main, [*run, *bare])
         assert res.exit_code == 0, res.output

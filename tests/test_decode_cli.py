@@ -550,8 +550,8 @@ def _nan_from_step(monkeypatch, first: int) -> None:
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--task", "passkey", "--mode", "flat"], "--mode flat at decode step 1 of 4"),
-    (["--task", "passkey", "--mode", "window,flat"], "--mode window at decode step 1 of 4"),
+    (["--task", "passkey", "--mode", "flat", "--max-new-tokens", 4], "--mode flat at decode step 1 of 4"),
+    (["--task", "passkey", "--mode", "window,flat", "--max-new-tokens", 4], "--mode window at decode step 1 of 4"),
     (["--eval", "fidelity", "--mode", "flat", "--positions", 4, "--free-tokens", 2], "--mode full at decode step 1 of 4"),
 ])
 def test_non_finite_logits_are_one_error_naming_the_mode_and_step(tiny_llama, tmp_path, monkeypatch, args, needle):
@@ -559,8 +559,7 @@ def test_non_finite_logits_are_one_error_naming_the_mode_and_step(tiny_llama, tm
     stops with one error naming the mode and the step, and writes no JSON."""
     _nan_from_step(monkeypatch, 200)
     out = tmp_path / "r.json"
-    err = _error(_run("--model", tiny_llama, "--context", 200, "--window", "4,16", "--topk", 20, "--max-new-tokens", 4,
-                      "--json", out, *args))
+    err = _error(_run("--model", tiny_llama, "--context", 200, "--window", "4,16", "--topk", 20, "--json", out, *args))
     assert needle in err and "not finite" in err, err
     assert not out.exists()
 
