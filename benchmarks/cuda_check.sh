@@ -54,7 +54,7 @@ for spec in "$@"; do
   if [ $ttft = 1 ]; then
     for policy in wait exact; do
       run "ttft-$model-$context-$policy" python3 -c "from anns_lab.cli import main; main()" decode --model "$model" --task passkey --context "$context" \
-          --mode full,roargraph --device cuda --until-built $policy --json "$LOGS/ttft-$model-$context-$policy.json"
+          --mode full,roargraph --device cuda --until-built $policy --json "$LOGS/ttft-$model-$context-$policy.json" --overwrite
     done
   fi
 done

@@ -29,12 +29,21 @@ def _labels(keys: list[str]) -> dict[str, tuple[str, str]]:
     return labels
 
 
+def partial(result: dict) -> str | None:
+    """"PARTIAL: 2 of 3 samples" for a result written before its run's last sample ("partial": true), else None."""
+    if not result.get("partial"):
+        return None
+    return f"PARTIAL: {result.get('samples_done', '?')} of {result.get('samples_total', '?')} samples"
+
+
 def markdown(result: dict, keys: list[str]) -> str:
-    """The run's modes as rows of the ``keys`` columns (those that no mode has are left out)."""
+    """The run's modes as rows of the ``keys`` columns (those that no mode has are left out), headed by
+    :func:`partial`'s label where the run stopped midway (its figures are over fewer samples than it asked for)."""
     labels = _labels(keys)
     rows = [(name, m["summary"]) for name, m in result["modes"].items()]
     keys = [k for k in keys if any(s.get(k) is not None for _, s in rows)]
-    out = ["| mode | " + " | ".join(labels[k][0] for k in keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    out = [f"**{partial(result)}**\n"] if partial(result) else []
+    out += ["| mode | " + " | ".join(labels[k][0] for k in keys) + " |", "|---" * (len(keys) + 1) + "|"]
     out += [f"| {name} | " + " | ".join(runner.cell(s, k, labels[k][1]) for k in keys) + " |" for name, s in rows]
     return "\n".join(out)
 
@@ -43,7 +52,8 @@ def side_by_side(results: list[dict], keys: list[str]) -> str:
     """One row per mode (of any run), the ``keys`` columns of each run in turn ('-' where a run lacks the mode)."""
     labels = _labels(keys)
     names = list(dict.fromkeys(name for r in results for name in r["modes"]))
-    head = [f"{r['task']} {r['context']}: {labels[k][0]}" for r in results for k in keys]
+    head = [f"{r['task']} {r['context']}{f' ({partial(r)})' if partial(r) else ''}: {labels[k][0]}"
+            for r in results for k in keys]
     out = ["| mode | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
     for name in names:
         cells = [runner.cell(r["modes"][name]["summary"], k, labels[k][1]) if name in r["modes"] else "-"

@@ -53,6 +53,6 @@ for task in niah passkey; do
   [ -f "$OUT/decode-$task.json" ] && ! grep -q '"partial": true' "$OUT/decode-$task.json" && continue
   timed "decode-$task" "$LAB" decode --model "$MODEL" --task "$task" --context "$TOKENS" --samples "$SAMPLES" \
     --mode "$MODES" --chunk "$CHUNK" --build-after-prefill --allow-extrapolation ${ROPE:+--rope-scaling "$ROPE"} $DECODE_ARGS \
-    --json "$OUT/decode-$task.json"
+    --json "$OUT/decode-$task.json" --overwrite  # only a partial one is left to replace (the check above)
 done
 echo "results in $OUT"

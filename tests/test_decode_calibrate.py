@@ -231,7 +231,7 @@ def test_cli_calibration_target_and_json(tiny_llama, tmp_path):
     assert res.exit_code == 2 and "'abc' is neither 'auto' nor a number" in res.output
     out = tmp_path / "r.json"
     run = [*map(str, base), "--mode", "full,ivf", "--window", "4,16", "--topk", "20", "--max-new-tokens", "2",
-           "--chunk", "64", "--json", str(out)]
+           "--chunk", "64", "--json", str(out), "--overwrite"]  # one file, run after run
     for bare in ([], ["--calibrate"]):  # on by default, at the auto target (a bare --calibrate asks the same)
         res = CliRunner().invoke(main, [*run, *bare])
         assert res.exit_code == 0, res.output
@@ -420,3 +420,17 @@ def test_calibration_refuses_a_search_that_breaks_the_index_protocol(monkeypatch
     store, queries = _store("ivf", {"nlist": 16})  # the plan's name, ivf, names the index
     with pytest.raises(IndexResultError, match=r"ivf \(layer 5\) at \{'nprobe': \d+\}.*ids outside"):
         calibrate.calibrate(store, queries, 0.9, SCALING)
+
+
+def test_an_estimator_that_returns_no_ids_is_not_calibrated():
+    """magicpig returns samples and weights, no exact ids: the weight recall of its ids read 0.000 at every probe, the
+    exhaustive min_collisions=0 (exact attention) included, and calibration moved every layer there: MagicPIG ran as
+    full attention over every key. Its search is left as given, with a note saying why."""
+    from anns_lab.decode.builds import store_notes
+
+    settings = Settings(Window(4, 8), calibrate=calibrate.AUTO)
+    store, newest = _store("magicpig", {})
+    store.calibration = calibrate.calibrate(store, newest, settings.calibrate, SCALING)
+    assert store.calibration is None and store.plan.search_params == {}
+    notes = store_notes({store.layer: store}, settings)
+    assert any("magicpig returns no exact ids" in n and "not calibrated" in n for n in notes), notes

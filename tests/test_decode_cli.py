@@ -123,6 +123,14 @@ def test_prompt_and_fidelity(tiny_gemma3, tmp_path):
     (["--device", "cuda:99"], "device 'cuda:99':"),
     (["--eval", "fidelity", "--until-built", "exact"], "--until-built exact is for --task and --prompt runs"),
     (["--until-built", "never"], "'never' is not one of 'wait', 'exact'"),
+    (["--mode", ""], "--mode '' names nothing: give e.g. full,default"),
+    (["--mode", ","], "--mode ',' names nothing"),
+    (["--mode", " , "], "names nothing"),
+    (["--param", "=3"], "--param '=3': NAME is empty"),
+    (["--build-param", " =3"], "--build-param ' =3': NAME is empty"),
+    # nlist left at its default: the error says what the user can change, beside the index's own words
+    (["--mode", "clusterkv"], "nlist=200 is larger than the number of keys (180): --mode clusterkv cannot index the "
+                              "180 keys outside the window of this prompt: use a longer --context or set its --build-param"),
 ])
 def test_bad_input_is_one_clear_error(tiny_llama, args, needle):
     base = {"--model": tiny_llama, "--task": "passkey", "--context": 200, "--mode": "full,flat", "--window": "4,16"}
@@ -140,13 +148,30 @@ def test_a_parameter_given_twice_is_refused_not_the_last_one_kept(tiny_llama, fl
     assert f"{flag} {name} is given twice (4 and 8)" in _error(_run(*args))
 
 
-@pytest.mark.parametrize("args", [["--prompt", ""], ["--eval", "fidelity", "--context", 0, "--positions", 2],
-                                  ["--eval", "fidelity", "--context", -3, "--positions", 5]])
+def test_an_unknown_mode_lists_the_registered_indexes_once(tiny_llama):
+    err = _error(_run("--model", tiny_llama, "--task", "passkey", "--mode", "full,bogus"))
+    assert "unknown mode 'bogus'" in err and err.count("roargraph") == 1, err
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--prompt", "The grass is green. " * 200, "--mode", "full"], "use a shorter --prompt, or pass --allow-extrapolation"),
+    (["--prompt", "The grass is green.", "--mode", "full,flat"], "use a smaller --window or a longer --prompt"),
+    (["--prompt", "The grass is green. " * 12, "--mode", "full,ivf", "--build-param", "nlist=500", "--topk", 10],
+     "use a longer --prompt or set its --build-param"),
+])
+def test_errors_on_a_free_prompt_name_the_prompt_not_the_context(tiny_llama, args, needle):
+    """--context does not apply to --prompt: the errors on its length name --prompt."""
+    err = _error(_run("--model", tiny_llama, "--window", "4,16", "--max-new-tokens", 2, *args))
+    assert needle in err and "--context" not in err, err
+
+
+@pytest.mark.parametrize("args", [["--prompt", "", "--max-new-tokens", 2],
+                                  ["--eval", "fidelity", "--context", 0, "--positions", 2, "--free-tokens", 2],
+                                  ["--eval", "fidelity", "--context", -3, "--positions", 5, "--free-tokens", 2]])
 def test_an_empty_prompt_is_one_clear_error(tiny_llama, args):
     """A prompt of no tokens (an empty --prompt, a fidelity --context below 1) with --mode full alone, where no window
     check refuses it: one error, not a TypeError from the prefill's missing logits."""
-    assert "nothing to prefill" in _error(_run("--model", tiny_llama, "--mode", "full", "--max-new-tokens", 2,
-                                               "--free-tokens", 2, *args))
+    assert "nothing to prefill" in _error(_run("--model", tiny_llama, "--mode", "full", *args))
 
 
 @pytest.mark.parametrize("group, hints, place", [(None, None, None), ("strided", 0, "own"), ("unlisted", None, None)])
@@ -516,3 +541,164 @@ def test_serving_positions_under_dynamic_rope_are_one_error_before_the_prefill(t
         assert "--train-positions own" in _error(_run(*args, "--mode", "roargraph", "--train-positions", "mix"))
     res = _run(*args, "--mode", "roargraph", "--train-positions", "own")
     assert res.exit_code == 0, res.output
+
+
+def _nan_from_step(monkeypatch, first: int) -> None:
+    """Every forward pass of one token at position ``first`` or later gives NaN logits (a broken model or attention
+    as the decode steps see it); the prefill's stay finite."""
+    from anns_lab.decode import engine
+
+    real = engine.forward_tokens
+
+    def forward(lm, cache, ids, start, end):
+        out = real(lm, cache, ids, start, end)
+        return out.clone().fill_(float("nan")) if end - start == 1 and start >= first else out
+
+    monkeypatch.setattr(engine, "forward_tokens", forward)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--task", "passkey", "--mode", "flat", "--max-new-tokens", 4], "--mode flat at decode step 1 of 4"),
+    (["--task", "passkey", "--mode", "window,flat", "--max-new-tokens", 4], "--mode window at decode step 1 of 4"),
+    (["--eval", "fidelity", "--mode", "flat", "--positions", 4, "--free-tokens", 2], "--mode full at decode step 1 of 4"),
+])
+def test_non_finite_logits_are_one_error_naming_the_mode_and_step(tiny_llama, tmp_path, monkeypatch, args, needle):
+    """NaN logits once scored as a result (fidelity: KL nan, top-1 100%, exit 0, a bare NaN in the JSON): now the run
+    stops with one error naming the mode and the step, and writes no JSON."""
+    _nan_from_step(monkeypatch, 200)
+    out = tmp_path / "r.json"
+    err = _error(_run("--model", tiny_llama, "--context", 200, "--window", "4,16", "--topk", 20, "--json", out, *args))
+    assert needle in err and "not finite" in err, err
+    assert not out.exists()
+
+
+def test_non_finite_prefill_logits_are_one_error(tiny_llama, monkeypatch):
+    """A model whose weights hold a NaN (as a broken --rope-scaling makes its logits): refused after the prefill, before
+    any mode decodes from it."""
+    from anns_lab.decode import cli
+
+    real = cli._load
+
+    def load(*a, **kw):
+        lm = real(*a, **kw)
+        lm.model.get_input_embeddings().weight.data.fill_(float("nan"))
+        return lm
+
+    monkeypatch.setattr(cli, "_load", load)
+    err = _error(_run("--model", tiny_llama, "--task", "passkey", "--context", 200, "--window", "4,16", "--topk", 20,
+                      "--mode", "full,flat", "--max-new-tokens", 2))
+    assert "the full-attention prefill of 200 tokens" in err and "not finite" in err, err
+
+
+def test_a_nan_is_never_written_as_json_nor_printed_as_missing(tmp_path):
+    from anns_lab.decode import cli
+    from anns_lab.decode.runner import cell
+
+    out = tmp_path / "r.json"
+    with pytest.raises(DecodeError, match=r"holds a NaN or an infinity at modes\.flat\.summary\.kl_mean"):
+        cli._write_json(out, {"task": "fidelity", "modes": {"flat": {"summary": {"kl_mean": np.float64("nan")}}}})
+    assert not out.exists()
+    assert cell({"kl_mean": float("nan")}, "kl_mean", "{:.2e}") == "NaN"
+    assert cell({"scanned_fraction": float("nan")}, "scanned_fraction", "{:.2%}") == "NaN"
+    assert cell({}, "kl_mean", "{:.2e}") == "-"
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--eval", "fidelity", "--task", "passkey"], "--task: not used by this run (--eval fidelity teacher-forces"),
+    (["--eval", "fidelity", "--prompt", "hello"], "--prompt: not used by this run"),
+    (["--eval", "fidelity", "--samples", 3, "--seed", 4, "--max-new-tokens", 5],
+     "--samples, --seed, --max-new-tokens: not used by this run (--eval fidelity"),
+    (["--eval", "fidelity", "--seed", 0], "--seed: not used"),  # given, though at its default
+    (["--prompt", "hello", "--context", 300], "--context: not used by this run (--prompt decodes that text once"),
+    (["--prompt", "hello", "--samples", 2, "--seed", 1], "--samples, --seed: not used"),
+    (["--task", "passkey", "--positions", 8], "--positions: not used by this run (--positions and --free-tokens are for --eval fidelity)"),
+    (["--task", "passkey", "--target-recall", 0.9], "--target-recall is the recall a --from-sweep pick must reach"),
+    (["--task", "passkey", "--cpus-per-task", 2], "--cpus-per-task: not used by this run"),
+])
+def test_an_option_the_run_would_ignore_is_refused_before_the_model_loads(tiny_llama, monkeypatch, args, needle):
+    """Each was ignored in silence (--eval fidelity --prompt ran 36 s, then crashed with an IndexError, and wrote no
+    JSON)."""
+    from anns_lab.decode import cli
+
+    monkeypatch.setattr(cli, "_load", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert needle in _error(_run("--model", tiny_llama, "--mode", "full", *args))
+
+
+def test_the_answers_printed_are_the_results_own(capsys):
+    """_print_result reads from the result whether it has answers (--eval fidelity --prompt once reached it with none
+    and crashed with an IndexError after the whole run)."""
+    from anns_lab.decode import cli
+    from anns_lab.decode.engine import Settings
+
+    def result(task, samples):
+        return {"model": "m", "task": task, "context": 8, "device": "cpu",
+                "modes": {"flat": {"summary": {"kl_mean": 0.5}, "samples": samples, "notes": []}}}
+
+    cli._print_result(result("fidelity", []), Settings())
+    assert "[flat]" not in capsys.readouterr().out
+    cli._print_result(result("prompt", [{"answer": "green"}]), Settings())
+    assert "[flat] green" in capsys.readouterr().out
+
+
+def test_an_existing_json_is_replaced_only_with_overwrite(tiny_llama, tmp_path, monkeypatch):
+    """A rerun stopped midway once replaced a complete result with a partial one: an existing --json file is refused,
+    before the model loads, unless --overwrite says to replace it."""
+    from anns_lab.decode import cli
+
+    out = tmp_path / "r.json"
+    out.write_text('{"complete": true}')
+    args = ["--model", tiny_llama, "--task", "passkey", "--context", 200, "--mode", "full", "--max-new-tokens", 2,
+            "--json", out]
+    with monkeypatch.context() as m:
+        m.setattr(cli, "_load", lambda *a, **k: pytest.fail("the model was loaded"))
+        err = _error(_run(*args))
+        assert f"--json {out} exists: pass --overwrite to replace it, or choose another --json" in err
+        assert "--overwrite lets --json replace" in _error(_run(*args[:-2], "--overwrite"))
+    assert out.read_text() == '{"complete": true}'
+    res = _run(*args, "--overwrite")
+    assert res.exit_code == 0, res.output
+    assert json.loads(out.read_text())["task"] == "passkey"
+
+
+@pytest.mark.parametrize("what", ["table", "settings", "symlink", "fifo"])
+def test_a_json_path_that_would_destroy_something_is_refused_even_with_overwrite(tiny_llama, tmp_path, monkeypatch, what):
+    """The --from-sweep table or its settings (the pick's input), a link (replaced by a file, not written through), a
+    fifo or device (as root, /dev/null became a regular file): refused before the model loads, left as they were."""
+    import os
+
+    from anns_lab.decode import cli
+    from anns_lab.eval.table import SETTINGS
+
+    monkeypatch.setattr(cli, "_load", lambda *a, **k: pytest.fail("the model was loaded"))
+    sweep = _results(tmp_path / "results.parquet")
+    (tmp_path / SETTINGS).write_text("{}")
+    target = {"table": sweep, "settings": tmp_path / SETTINGS, "symlink": tmp_path / "link.json",
+              "fifo": tmp_path / "fifo"}[what]
+    if what == "symlink":
+        target.symlink_to(tmp_path / "elsewhere.json")
+    if what == "fifo":
+        os.mkfifo(target)
+    before = sorted((p.name, p.is_symlink(), p.is_file()) for p in tmp_path.iterdir())
+    err = _error(_run("--model", tiny_llama, "--task", "passkey", "--context", 200, "--window", "4,16", "--topk", 20,
+                      "--mode", "full", "--from-sweep", tmp_path, "--json", target, "--overwrite"))
+    needle = {"table": "which --from-sweep reads", "settings": "which --from-sweep reads",
+              "symlink": "is a symbolic link", "fifo": "is not a regular file"}[what]
+    assert needle in err and "choose another --json" in err, err
+    assert sorted((p.name, p.is_symlink(), p.is_file()) for p in tmp_path.iterdir()) == before
+
+
+def test_decode_markdown_labels_a_partial_result_in_every_table(tmp_path):
+    """benchmarks/decode_markdown.py printed a run stopped midway ("partial": true) as a finished one."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "decode_markdown", Path(__file__).resolve().parent.parent / "benchmarks" / "decode_markdown.py")
+    md = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(md)
+    done = {"task": "passkey", "context": 200, "modes": {"full": {"summary": {"accuracy": 100.0}, "samples": []}}}
+    stopped = done | {"partial": True, "samples_done": 2, "samples_total": 3}
+    assert "PARTIAL: 2 of 3 samples" in md.markdown(stopped, ["accuracy"])
+    assert "PARTIAL" not in md.markdown(done, ["accuracy"])
+    both = md.side_by_side([done, stopped], ["accuracy"])
+    assert both.count("PARTIAL: 2 of 3 samples") == 1 and "passkey 200 (PARTIAL: 2 of 3 samples): accuracy %" in both

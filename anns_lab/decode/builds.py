@@ -114,8 +114,11 @@ def store_notes(stores: dict[int, LayerStore], settings) -> list[str]:
         done = [s.calibration for s in stores.values() if s.calibration is not None]
         if done:
             notes.append(calibration.describe(done, settings.calibrate))
-        elif type(first.indexes[0]).search_grid:  # several parameters (an index without any, as flat's exact scan, has none to set)
+        elif calibration.store_grid(first.indexes) is None and type(first.indexes[0]).search_grid:  # several parameters (an index without any, as flat's exact scan, has none to set)
             notes.append(f"{first.plan.name} has no single search grid parameter: not calibrated")
+        elif type(first.indexes[0]).estimates:  # calibrate.returns_no_ids
+            notes.append(f"{first.plan.name} returns no exact ids (it estimates the softmax from samples): not calibrated, "
+                         "the weight recall of its ids cannot measure it; searched as given")
     return notes
 
 

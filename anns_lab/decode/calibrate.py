@@ -127,6 +127,8 @@ def calibrate(store, queries: np.ndarray, target: float | str, scaling: float) -
     param, values = found
     k = min(store.topk, store.n_indexed)
     queries = np.ascontiguousarray(queries, dtype=np.float32)
+    if returns_no_ids(store, queries[0], k):
+        return None
     groups = store._groups()
     heads = [np.concatenate([queries[h] for h in hs]) for hs in groups]
     keys = [store.keys[hs[0] // store.group, : store.n_indexed] for hs in groups]
@@ -152,6 +154,15 @@ def calibrate(store, queries: np.ndarray, target: float | str, scaling: float) -
     store.plan = replace(store.plan, search_params={**store.plan.search_params, param: values[pick]})
     return Calibration(store.layer, param, values[pick], tried[values[pick]], dict(sorted(tried.items())),
                        per_head[values[pick]], target)
+
+
+def returns_no_ids(store, queries: np.ndarray, k: int) -> bool:
+    """Whether ``store``'s index is an estimator whose search returns no exact ids (magicpig: samples and weights only,
+    every id padding) for query head 0's ``queries``: the weight recall of its ids reads 0 at every value, the exhaustive
+    one (exact attention) included, and calibrating on it moved every layer to sampling every key."""
+    if not type(store.indexes[0]).estimates:
+        return False
+    return bool((_checked(store, 0, queries, k, store.plan.search_params).ids < 0).all())
 
 
 def _checked(store, head: int, queries: np.ndarray, k: int, search: dict):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import json
+import math
+import numbers
 import os
 import sys
 import tempfile
@@ -12,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
+from click.core import ParameterSource
 
 from anns_lab.cli_types import WINDOW
 from anns_lab.decode.calibrate import AUTO as CALIBRATE_AUTO
@@ -120,11 +123,14 @@ class _DecodeCommand(click.Command):
 @click.option("--address", default=None, help="Ray cluster to join (HOST:PORT of its head, or 'auto'); none starts Ray here")
 @click.option("--cpus-per-task", type=float, default=1.0, show_default=True, help="Ray: CPUs reserved per sample task")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
-              help="write the full results here (after each sample; \"partial\": true until the last)")
+              help="write the full results here (after each sample; \"partial\": true until the last); an existing "
+                   "file only with --overwrite")
+@click.option("--overwrite", is_flag=True, help="let --json replace an existing file (never the --from-sweep table, a "
+                                                "link, or what is not a regular file)")
 def decode(model, modes, params, build_params, topk, window, add_batch, train_queries, train_group, train_positions, copy_hints, task,
            prompt, evaluation, context, samples,
            seed, max_new_tokens, positions, free_tokens, chunk, build_during_prefill, until_built, from_sweep, target_recall, calibrate, device, torch_threads,
-           allow_extrapolation, rope_scaling, executor, address, cpus_per_task, json_path):
+           allow_extrapolation, rope_scaling, executor, address, cpus_per_task, json_path, overwrite):
     """Generate with RetrievalAttention: static window on the accelerator + retrieved keys from a CPU index."""
     from anns_lab.decode import runner
     from anns_lab.decode.engine import Settings
@@ -133,11 +139,15 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
                         train_group=train_group, train_positions=train_positions, build_during_prefill=build_during_prefill,
                         until_built=until_built, copy_hints=copy_hints, calibrate=calibrate)
     _check_options(settings, evaluation, task, prompt, executor, address)
+    _check_unused(click.get_current_context(), evaluation, prompt, from_sweep)
     _check_counts(max_new_tokens=max_new_tokens, seed=seed, torch_threads=torch_threads)
     mode_list = _parse_mode_list(modes, params, build_params, from_sweep)
     _check_calibrate(calibrate)
     if json_path:  # last of the checks: it makes the folder
+        _check_replaceable(Path(json_path), overwrite, from_sweep)
         _check_writable(Path(json_path))
+    elif overwrite:
+        raise DecodeError("--overwrite lets --json replace an existing file: give --json, or leave it out")
     if from_sweep:  # what the pick needs of the table, before the weights load
         from anns_lab.decode.modes import check_sweep_pick
 
@@ -190,7 +200,7 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
             if remote is not None:
                 remote.close()
     result |= _run_description(lm, remote.device if remote else device, executor, settings, mode_list, recorded, pick)
-    _print_result(result, settings, prompt is not None)
+    _print_result(result, settings)
     if json_path:
         _write_json(Path(json_path), result)
     sys.stdout.flush()
@@ -221,6 +231,33 @@ def _check_options(settings: Settings, evaluation: str, task: str | None, prompt
         raise DecodeError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
 
 
+def _check_unused(ctx: click.Context, evaluation: str, prompt: str | None, from_sweep: str | None) -> None:
+    """Refuse options set on the command line that this run would ignore (a --seed with --eval fidelity ran as if left
+    out; --eval fidelity --prompt ran for half a minute, then crashed): one :class:`DecodeError` naming them."""
+    if evaluation == "fidelity":
+        unused = _given(ctx, "task", "prompt", "samples", "seed", "max_new_tokens")
+        why = "--eval fidelity teacher-forces --positions tokens of its own text after --context tokens of it"
+    elif prompt is not None:
+        unused = _given(ctx, "context", "samples", "seed", "positions", "free_tokens")
+        why = "--prompt decodes that text once: its tokens are the context"
+    else:
+        unused = _given(ctx, "positions", "free_tokens")
+        why = "--positions and --free-tokens are for --eval fidelity"
+    if unused:
+        raise DecodeError(f"{', '.join(unused)}: not used by this run ({why}); leave {'them' if len(unused) > 1 else 'it'} out")
+    if ctx.params.get("executor") != "ray" and _given(ctx, "cpus_per_task"):
+        raise DecodeError("--cpus-per-task: not used by this run (it reserves CPUs for each Ray task); pass --executor "
+                          "ray, or leave it out")
+    if from_sweep is None and _given(ctx, "target_recall"):
+        raise DecodeError("--target-recall is the recall a --from-sweep pick must reach: pass --from-sweep, or leave it out")
+
+
+def _given(ctx: click.Context, *names: str) -> list[str]:
+    """The flags of the parameters ``names`` that the command line (or the environment) set, in the command's order."""
+    return [p.opts[0] for p in ctx.command.params if p.name in names
+            and ctx.get_parameter_source(p.name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)]
+
+
 def _check_counts(max_new_tokens: int | None, seed: int, torch_threads: int) -> None:
     """Refuse counts out of range before anything is loaded (a negative token count decoded nothing and scored 0, 0 meant
     the task's default, a negative seed failed after the model had loaded)."""
@@ -230,6 +267,29 @@ def _check_counts(max_new_tokens: int | None, seed: int, torch_threads: int) -> 
         raise DecodeError(f"--seed must be 0 or more, got {seed}")
     if torch_threads < 0:
         raise DecodeError(f"--torch-threads must be 0 (torch's default) or more, got {torch_threads}")
+
+
+def _check_replaceable(path: Path, overwrite: bool, from_sweep: str | None) -> None:
+    """Refuse a ``--json`` path whose first write (an atomic rename over it) would destroy something: the
+    ``--from-sweep`` table or its settings (the pick's input), a link or anything but a regular file (as root a run
+    replaced /dev/null with a file), or, without ``--overwrite``, an existing file (a stopped rerun replaced a complete
+    result with a partial one)."""
+    if from_sweep:
+        from anns_lab.eval.table import RESULTS, SETTINGS
+
+        sweep = Path(from_sweep)
+        folder = sweep if sweep.is_dir() else sweep.parent
+        for read in (folder / RESULTS if sweep.is_dir() else sweep, folder / SETTINGS):
+            if path.exists() and read.exists() and os.path.samefile(path, read):
+                raise DecodeError(f"--json {path} is {read}, which --from-sweep reads: choose another --json")
+    if path.is_symlink():
+        raise DecodeError(f"--json {path} is a symbolic link: the result would replace the link, not write where it "
+                          "points; choose another --json")
+    if path.exists() and not path.is_file():
+        raise DecodeError(f"--json {path} exists and is not a regular file (a device, a fifo, ...): the result would "
+                          "replace it; choose another --json")
+    if path.exists() and not overwrite:
+        raise DecodeError(f"--json {path} exists: pass --overwrite to replace it, or choose another --json")
 
 
 def _check_writable(path: Path) -> None:
@@ -273,7 +333,7 @@ def _parse_mode_list(modes: str, params: tuple[str, ...], build_params: tuple[st
     from anns_lab.decode import modes as modes_mod
 
     if from_sweep:  # modes named explicitly stay
-        modes = ",".join(t for t in modes.split(",") if t.strip() not in ("default", "")) or "full"
+        modes = ",".join(t for t in modes_mod.mode_names(modes) if t != "default") or "full"
     return modes_mod.parse_modes(modes, modes_mod.parse_params(params),
                                  modes_mod.parse_params(build_params, "--build-param"))
 
@@ -333,7 +393,7 @@ def _run_description(lm, device: str, executor: str, settings: Settings, mode_li
                                if m.plan else None) for m in mode_list}}
 
 
-def _print_result(result: dict, settings: Settings, prompt: bool) -> None:
+def _print_result(result: dict, settings: Settings) -> None:
     """The headline, the per-mode table, each mode's notes and, for a free prompt, each mode's answer."""
     from anns_lab.decode import runner
 
@@ -346,13 +406,31 @@ def _print_result(result: dict, settings: Settings, prompt: bool) -> None:
     for name, m in result["modes"].items():
         for note in m.get("notes", []):
             click.echo(f"note ({name}): {note}")
-    if prompt:
+    if result["task"] == "prompt":  # the result says what it is: a fidelity result has no answers to print
         for name, m in result["modes"].items():
-            click.echo(f"[{name}] {m['samples'][0]['answer']}")
+            for row in m["samples"]:
+                click.echo(f"[{name}] {row['answer']}")
 
 
 def _write_json(path: Path, result: dict) -> None:
-    """The full result as JSON, written atomically (numpy scalars as floats)."""
+    """The full result as JSON, written atomically (numpy scalars as floats); refused where it holds a NaN or an
+    infinity (bare ``NaN`` is no JSON, and no figure either)."""
+    try:
+        text = json.dumps(result, indent=1, default=float, allow_nan=False)
+    except ValueError:
+        raise DecodeError(f"--json {path}: not written: the result holds a NaN or an infinity at "
+                          f"{_non_finite(result)}, a failed measurement") from None
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, json.dumps(result, indent=1, default=float).encode("utf-8"))
+    atomic_write_bytes(path, text.encode("utf-8"))
     click.echo(f"wrote {path}", err=True)
+
+
+def _non_finite(value, where: str = "") -> str | None:
+    """The path (``modes.flat.summary.kl_mean``) of the first NaN or infinity in ``value``, else None."""
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return where or "the top" if isinstance(value, numbers.Real) and not math.isfinite(value) else None
+    return next((found for k, v in items if (found := _non_finite(v, f"{where}.{k}" if where else str(k)))), None)

@@ -28,6 +28,7 @@ from anns_lab.decode.copy_hints import CopyHints
 from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.dumps import rope
 from anns_lab.dumps.models import forward_tokens
+from anns_lab.errors import IndexConfigError
 from anns_lab.indexes import group_queries, registry
 from anns_lab.window import Window
 
@@ -158,6 +159,7 @@ def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool, build
                 logits = forward_tokens(lm, cache, ids, start, end)
                 bar.update(end - start)
         sync(lm.model.device)
+        check_finite(logits[0, -1], f"the full-attention prefill of {len(ids)} tokens through {lm.name}")
     except BaseException:
         if early is not None:
             early.close()
@@ -235,6 +237,7 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
                 sync(lm.model.device)
                 step_s.append(time.perf_counter() - ts)
                 steps.append(ctl.take_times())
+                check_finite(logits, f"--mode {mode.name} at decode step {i + 1} of {n_steps}")  # outside its time
         if teacher is not None and keep_logits:
             all_logits.append(logits.detach().to("cpu"))
         decode_s = time.perf_counter() - t0
@@ -269,6 +272,14 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
     run.cache = cache if keep_cache else None
     run.stores = stores  # kept for inspection (tests, index sizes)
     return run
+
+
+def check_finite(logits: torch.Tensor, where: str) -> None:
+    """Refuse logits with a NaN or an infinity: greedy decoding and the KL read them as numbers, and a broken model
+    (e.g. a bad --rope-scaling) scored a KL of nan and a top-1 agreement of 100%."""
+    if not bool(torch.isfinite(logits).all()):
+        raise DecodeError(f"{where}: the logits are not finite (NaN or infinity): the model, its configuration (e.g. "
+                          "--rope-scaling) or this mode's attention is broken; nothing it scored would be a measurement")
 
 
 def steps_threads(device: torch.device, threads: int) -> int:
@@ -346,21 +357,22 @@ def summarize(run: ModeRun, skip: int | None = None) -> dict:
     } | cpu
 
 
-def check_window(settings: Settings, n_prompt: int, modes: list[Mode], fed: int) -> None:
+def check_window(settings: Settings, n_prompt: int, modes: list[Mode], fed: int, option: str = "--context") -> None:
     """Refuse an empty prompt, a window that covers the whole prompt, a top-k of 0 / more than the CPU side will ever
     hold (``fed``: the tokens that enter the cache after the prompt; the last generated one never does), or index
-    build parameters that cannot index the prompt's keys outside the window."""
+    build parameters that cannot index the prompt's keys outside the window. ``option``: the one that set the prompt's
+    length (``--context``, or ``--prompt`` for a free prompt), named in the errors."""
     w = settings.window
     require_ring(w)
     if n_prompt < 1:  # every mode, full too: the prefill of no token has no logits to decode from
-        raise DecodeError(f"a prompt of {n_prompt} tokens: nothing to prefill; give a non-empty --prompt or a --context "
-                          "of at least 1")
+        fix = "give a non-empty --prompt" if option == "--prompt" else f"give a {option} of at least 1"
+        raise DecodeError(f"a prompt of {n_prompt} tokens: nothing to prefill; {fix}")
     if not any(m.kind != "full" for m in modes):
         return
     if w.size >= n_prompt:
         raise DecodeError(f"--window {w} ({w.size} tokens) is not "
                           f"smaller than the context of {n_prompt} tokens: nothing would be retrieved; "
-                          "use a smaller --window or a longer --context")
+                          f"use a smaller --window or a longer {option}")
     if any(m.kind == "index" for m in modes):
         most = n_prompt + fed - w.size
         if settings.topk < 1 or settings.topk > most:
@@ -369,4 +381,8 @@ def check_window(settings: Settings, n_prompt: int, modes: list[Mode], fed: int)
                               f"{w.sink}+{w.recent})")
     for m in modes:  # built over the prompt's keys outside the window (e.g. an ivf nlist above them): before the prefill
         for plan in {id(p): p for p in [m.plan, *m.per_layer.values()] if p is not None}.values():
-            registry.create(plan.name, **plan.build_params).check_keys(n_prompt - w.size)
+            try:
+                registry.create(plan.name, **plan.build_params).check_keys(n_prompt - w.size)
+            except IndexConfigError as err:  # the index's text alone blamed a parameter the user may never have set
+                raise DecodeError(f"{err}: --mode {m.name} cannot index the {n_prompt - w.size} keys outside the window "
+                                  f"of this prompt: use a longer {option} or set its --build-param") from None

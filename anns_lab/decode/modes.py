@@ -47,16 +47,25 @@ def parse_params(items: tuple[str, ...] | list[str], what: str = "--param") -> d
         if "=" not in item:
             raise DecodeError(f"{what} {item!r}: write NAME=VALUE, e.g. {what} L=200")
         name, value = item.split("=", 1)
-        if (name := name.strip()) in out:  # the last one silently won before: say which is meant
+        if not (name := name.strip()):  # else it reached the modes as a parameter named '' that none declares
+            raise DecodeError(f"{what} {item!r}: NAME is empty; write NAME=VALUE, e.g. {what} L=200")
+        if name in out:  # the last one silently won before: say which is meant
             raise DecodeError(f"{what} {name} is given twice ({out[name]!r} and {value.strip()}): give one value")
         out[name] = _coerce(value.strip())
     return out
 
 
+def mode_names(spec: str) -> list[str]:
+    """``--mode``'s names in order, refused when it names none."""
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    if not names:  # an empty --mode once ran the default index alone, as if asked for
+        raise DecodeError(f"--mode {spec!r} names nothing: give e.g. full,default")
+    return names
+
+
 def parse_modes(spec: str, search: dict, build: dict) -> list[Mode]:
     """``full,window,flat,roargraph`` → modes; each --param goes to every index that declares it."""
-    names = [s.strip() for s in spec.split(",") if s.strip()] or [default_index()]
-    names = [default_index() if n == "default" else n for n in names]
+    names = [default_index() if n == "default" else n for n in mode_names(spec)]
     known = registry.available()
     modes, used_s, used_b = [], set(), set()
     for name in dict.fromkeys(names):
@@ -67,8 +76,7 @@ def parse_modes(spec: str, search: dict, build: dict) -> list[Mode]:
             try:
                 registry.get(name)  # the registry's own message, with close names
             except IndexConfigError as err:
-                raise DecodeError(f"unknown mode {name!r}: use full, window or a registered index "
-                                  f"({', '.join(known)}); {err}") from None
+                raise DecodeError(f"unknown mode {name!r}: use full, window or a registered index; {err}") from None
         cls = known[name]
         s = {k: v for k, v in search.items() if k in cls.search_params}
         b = {k: v for k, v in build.items() if k in cls.build_params}

@@ -26,12 +26,13 @@ MAX_NEW = {"passkey": 8, "number_string": 14, "kv_retrieval": 40, "niah": 24, "n
            "niah_multivalue": 56, "prompt": 32}
 
 
-def check_context(lm, n_tokens: int, allow_extrapolation: bool) -> str | None:
-    """Refuse ``n_tokens`` (prompt + generated) beyond the model's context unless allowed; when allowed, the
-    sentence the results carry (``extrapolated``), else None."""
+def check_context(lm, n_tokens: int, allow_extrapolation: bool, option: str = "--context") -> str | None:
+    """Refuse ``n_tokens`` (prompt + generated) beyond the model's context unless allowed (``option``: the one that set
+    the prompt's length, named in the error); when allowed, the sentence the results carry (``extrapolated``), else
+    None."""
     if lm.context and n_tokens > lm.context and not allow_extrapolation:
         raise DecodeError(f"{n_tokens} tokens (prompt + generated) exceed {lm.name}'s context of {lm.context} tokens; "
-                          "use a shorter --context, or pass --allow-extrapolation to go beyond it")
+                          f"use a shorter {option}, or pass --allow-extrapolation to go beyond it")
     return extrapolation_note(lm.name, n_tokens, lm.context, str(lm.rope_scaling) if lm.rope_scaling else None)
 
 
@@ -116,21 +117,22 @@ def run_prompt(lm, modes: list[Mode], settings: Settings, text: str, max_new: in
                allow_extrapolation: bool = False, progress=None, executor=None, on_sample=None) -> dict:
     ids = tasks.special_prefix(lm.tokenizer) + tasks.encode(lm.tokenizer, text)
     max_new = max_new or MAX_NEW["prompt"]
-    note = check_context(lm, len(ids) + max_new, allow_extrapolation)
-    check_window(settings, len(ids), modes, max_new - 1)
+    note = check_context(lm, len(ids) + max_new, allow_extrapolation, "--prompt")
+    check_window(settings, len(ids), modes, max_new - 1, "--prompt")
     return _run_prompts(lm, modes, settings, [(ids, None)], max_new, "prompt", progress, executor, on_sample, note)
 
 
-def check_memory(lm, modes: list[Mode], settings: Settings, n_tokens: int) -> None:
+def check_memory(lm, modes: list[Mode], settings: Settings, n_tokens: int, option: str = "--context") -> None:
     """Refuse, before the prefill, a run whose estimated peak memory exceeds what is available
     (:func:`memory.check_prefill`: KV cache, a chunk's activations, the kept queries (:func:`engine.kept_queries`),
     one mode's CPU store and indexes (modes run one after the other), and a copy of the cache: ``full``'s, or with
-    ``--until-built exact`` an index mode's, whose long-range layers stay whole while their indexes build)."""
+    ``--until-built exact`` an index mode's, whose long-range layers stay whole while their indexes build).
+    ``option``: the one that set the prompt's length, named in the error."""
     from anns_lab.dumps.memory import check_prefill
 
     n_long = len(lm.long_range_layers)
     indexed = n_long * min(1, sum(m.kind == "index" for m in modes))
-    check_prefill(lm.config, n_tokens, settings.chunk, f"decoding {n_tokens} tokens of {lm.name}", "--context",
+    check_prefill(lm.config, n_tokens, settings.chunk, f"decoding {n_tokens} tokens of {lm.name}", option,
                   query_layers=n_long if any(m.uses_queries(settings) for m in modes) else 0,
                   query_tokens=kept_queries(modes),
                   index_layers=indexed,
@@ -192,7 +194,8 @@ def _run_prompts(lm, modes, settings, prompts, max_new, task, progress, executor
     stopped midway keeps what it finished. ``extrapolated``: :func:`check_context`'s sentence, kept in the result.
     """
     settings = dataclasses.replace(settings, steps=max_new)  # the CPU stores' room for the tokens to come
-    check_memory(lm, modes, settings, max(len(ids) for ids, _ in prompts) + max_new)
+    check_memory(lm, modes, settings, max(len(ids) for ids, _ in prompts) + max_new,
+                 "--prompt" if task == "prompt" else "--context")
     stops = stop_ids(lm)
     per_mode = {m.name: {"runs": [], "samples": []} for m in modes}
     if executor is None:
@@ -351,7 +354,9 @@ LEGEND = {
                 "the CPU and accelerator sides run concurrently, so the parts may sum to more than the token",
     "token_ms": "per token: wall time of one decode step",
     "tokens_per_s": "decode steps per second",
-    "scanned_fraction": "mean share of the CPU-held keys whose inner product a search computed",
+    "scanned_fraction": "mean share of the CPU-held keys whose inner product a search computed (an LSH index counts its "
+                        "query's hyperplane products too: above 100% where they outnumber the keys, as magicpig's "
+                        "K*L = 512 at a short context)",
     "bytes_read_per_token": "per token: bytes the CPU-side searches read, as the indexes report them, KiB",
     "device_kv_bytes": "keys and values held on the accelerator at the end, MiB",
     "cpu_bytes_per_key": "CPU-side stores and indexes at the end, bytes per token held there and long-range layer "
@@ -360,7 +365,8 @@ LEGEND = {
 
 
 def cell(summary: dict, key: str, fmt: str) -> str:
-    """One mode's ``key`` as the table prints it (``fmt`` from :data:`COLUMNS`; bytes in KiB or MiB; '-' when missing)."""
+    """One mode's ``key`` as the table prints it (``fmt`` from :data:`COLUMNS`; bytes in KiB or MiB; '-' when missing,
+    'NaN' for a NaN)."""
     v = summary.get(key)
     if key == "device_kv_bytes" and v is not None:
         v = v / 2**20
@@ -368,9 +374,9 @@ def cell(summary: dict, key: str, fmt: str) -> str:
         v = v / 2**10
     if isinstance(v, (list, tuple)):
         return fmt.format(*v)
-    if fmt.endswith("%}") and v is not None:
-        return fmt.format(v)
-    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+    if isinstance(v, float) and math.isnan(v):  # a failed measurement, not a missing one: '-' hid it
+        return "NaN"
+    return "-" if v is None else fmt.format(v)
 
 
 def table(result: dict) -> str:
