@@ -20,3 +20,12 @@ class WindowType(click.ParamType):
 
 
 WINDOW = WindowType()
+
+
+def given_flags(ctx: click.Context, *names: str) -> list[str]:
+    """The flags of the parameters ``names`` that the command line (or the environment) set, in the command's order:
+    the options a run refuses as unused are those a person typed, not defaults."""
+    from click.core import ParameterSource
+
+    return [p.opts[0] for p in ctx.command.params if p.name in names
+            and ctx.get_parameter_source(p.name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)]

@@ -9,6 +9,7 @@ did not make, NaN among values, a --from-sweep pick of another k or window).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -26,6 +27,7 @@ from anns_lab.dumps.run import run_dump
 from anns_lab.errors import AnnsLabError, DumpError, IndexConfigError, ModelNotAvailable, PromptError
 from anns_lab.eval import export
 from anns_lab.eval.heads import load_head
+from anns_lab.eval import sweep as sweep_mod
 from anns_lab.eval.sweep import run_sweep
 from anns_lab.eval.table import COLUMNS
 from anns_lab.indexes import registry
@@ -636,3 +638,74 @@ def test_ray_options_on_the_local_executor_are_refused_not_ignored(dump, tmp_pat
     one_line_error(["sweep", "--dump", dump.path, "--indexes", "flat", "--layers", 1, "--heads", 0, "--k", 10,
                     "--window", "0,0", "--out", tmp_path / "s", *extra], words)
     assert not (tmp_path / "s").exists()
+
+
+def test_a_build_parameter_that_is_also_a_search_parameter_is_the_builds(dump, tmp_path):
+    """vamana's L is both (the build's beam and the search's): refusing searched names must not refuse it."""
+    r = run_sweep(dump.path, ["vamana"], [1], [0], k=10, window=(0, 0), out=tmp_path / "v", jobs=1, progress=False,
+                  quick=True, build_params={"vamana": {"L": 40}})
+    assert set(r.table["build_params"].map(lambda b: json.loads(b)["L"])) == {40}
+
+
+def test_a_sweep_folder_named_before_values_were_coerced_still_resumes(dump, tmp_path, monkeypatch):
+    """A part named from min_cooc=0 (as the docs spell it) is found again now that the value arrives as 0.0; a part of
+    another spelling (1.0 there) is evaluated again, its rows then kept once."""
+    out, args = tmp_path / "s", dict(k=10, window=(0, 0), jobs=1, progress=False, quick=True)
+    run_sweep(dump.path, ["roargraph"], [1], [0], out=out, build_params={"roargraph": {"min_cooc": 0}}, **args)
+    legacy = "L001_H00_roargraph-" + hashlib.sha1(b'{"min_cooc": 0}').hexdigest()[:10] + ".parquet"
+    assert (out / "parts" / legacy).exists()  # the name folders swept before the coercion gave it
+    run_sweep(dump.path, ["roargraph"], [1], [0], out=out, build_params={"roargraph": {"idf": 1}}, **args)
+    (out / "parts" / sweep_mod._part_name(1, 0, "roargraph", {"idf": 1})).rename(
+        out / "parts" / ("L001_H00_roargraph-" + hashlib.sha1(b'{"idf": 1.0}').hexdigest()[:10] + ".parquet"))
+    built = []
+    real = registry.get("roargraph").build
+    monkeypatch.setattr(registry.get("roargraph"), "build", lambda self, *a, **kw: built.append(1) or real(self, *a, **kw))
+    r = run_sweep(dump.path, ["roargraph"], [1], [0], out=out, build_params={"roargraph": {"min_cooc": 0.0}}, **args)
+    assert not built  # found under the name it had
+    r = run_sweep(dump.path, ["roargraph"], [1], [0], out=out, build_params={"roargraph": {"idf": 1.0}}, **args)
+    assert r.table.groupby(["build_params", "search_params", "direction"]).size().max() == 1
+
+
+def test_an_index_whose_defaults_cannot_serve_the_heads_is_left_out_of_a_default_sweep_only(dump, tmp_path):
+    """clusterkv's 200 lists on a dump whose indexes hold 186 keys: named, one error saying what to change; swept only
+    as one of every registered index, left out with a line (before: one failed part per head either way)."""
+    window = (0, 150)
+    one_line_error(["sweep", "--dump", dump.path, "--indexes", "clusterkv,flat", "--layers", 1, "--heads", 0, "--k", 10,
+                    "--window", "0,150", "--out", tmp_path / "a"], "nlist=200 is larger than the number of keys (186)",
+                   "leave it out of --indexes")
+    lines = []
+    r = run_sweep(dump.path, None, [1], [0], k=10, window=window, out=tmp_path / "b", jobs=1, progress=False,
+                  quick=True, log=lines.append)
+    assert "clusterkv" not in set(r.table["index"]) and "flat" in set(r.table["index"]) and not r.failures
+    assert any(line.startswith("clusterkv left out: ") for line in lines), lines
+
+
+def test_pqcache_codewords_beyond_the_keys_are_refused_before_any_work(dump, tmp_path):
+    with pytest.raises(AnnsLabError, match=re.escape("276 keys cannot train 2^12 codewords")):
+        run_sweep(dump.path, ["pqcache"], [1], [0], k=10, window=(0, 0), out=tmp_path / "p", jobs=1, progress=False,
+                  build_params={"pqcache": {"nbits": 12}})
+    assert not (tmp_path / "p").exists()
+
+
+def test_a_resume_whose_every_file_was_damaged_then_fails_leaves_a_folder_the_next_run_takes(tiny_llama, tmp_path,
+                                                                                              monkeypatch):
+    out = tmp_path / "d"
+    real, calls = store.write_table, {"n": 0}
+
+    def crash_on_fourth(path, table):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return real(path, table)
+
+    monkeypatch.setattr(store, "write_table", crash_on_fourth)
+    with pytest.raises(KeyboardInterrupt):
+        _small(tiny_llama, out)
+    monkeypatch.setattr(store, "write_table", real)
+    for f in out.glob("*.parquet"):
+        f.write_bytes(b"x" * f.stat().st_size)  # every finished file damaged
+    with pytest.MonkeyPatch.context() as mp:  # the resume fails before writing anything again
+        mp.setattr(run_mod, "StagingSink", lambda *a, **kw: (_ for _ in ()).throw(OSError("disk full")))
+        with pytest.raises(OSError):
+            _small(tiny_llama, out)
+    assert _small(tiny_llama, out).dump.manifest["n_tokens"]["prefill"] == 30  # before: "is not a dump folder"

@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
-from click.core import ParameterSource
 
-from anns_lab.cli_types import WINDOW
+from anns_lab.cli_types import WINDOW, given_flags
 from anns_lab.decode.calibrate import AUTO as CALIBRATE_AUTO
 from anns_lab.decode.engine import UNTIL_BUILT, UNTIL_BUILT_HELP
 from anns_lab.dumps import rope
@@ -235,27 +234,21 @@ def _check_unused(ctx: click.Context, evaluation: str, prompt: str | None, from_
     """Refuse options set on the command line that this run would ignore (a --seed with --eval fidelity ran as if left
     out; --eval fidelity --prompt ran for half a minute, then crashed): one :class:`DecodeError` naming them."""
     if evaluation == "fidelity":
-        unused = _given(ctx, "task", "prompt", "samples", "seed", "max_new_tokens")
+        unused = given_flags(ctx, "task", "prompt", "samples", "seed", "max_new_tokens")
         why = "--eval fidelity teacher-forces --positions tokens of its own text after --context tokens of it"
     elif prompt is not None:
-        unused = _given(ctx, "context", "samples", "seed", "positions", "free_tokens")
+        unused = given_flags(ctx, "context", "samples", "seed", "positions", "free_tokens")
         why = "--prompt decodes that text once: its tokens are the context"
     else:
-        unused = _given(ctx, "positions", "free_tokens")
+        unused = given_flags(ctx, "positions", "free_tokens")
         why = "--positions and --free-tokens are for --eval fidelity"
     if unused:
         raise DecodeError(f"{', '.join(unused)}: not used by this run ({why}); leave {'them' if len(unused) > 1 else 'it'} out")
-    if ctx.params.get("executor") != "ray" and _given(ctx, "cpus_per_task"):
+    if ctx.params.get("executor") != "ray" and given_flags(ctx, "cpus_per_task"):
         raise DecodeError("--cpus-per-task: not used by this run (it reserves CPUs for each Ray task); pass --executor "
                           "ray, or leave it out")
-    if from_sweep is None and _given(ctx, "target_recall"):
+    if from_sweep is None and given_flags(ctx, "target_recall"):
         raise DecodeError("--target-recall is the recall a --from-sweep pick must reach: pass --from-sweep, or leave it out")
-
-
-def _given(ctx: click.Context, *names: str) -> list[str]:
-    """The flags of the parameters ``names`` that the command line (or the environment) set, in the command's order."""
-    return [p.opts[0] for p in ctx.command.params if p.name in names
-            and ctx.get_parameter_source(p.name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)]
 
 
 def _check_counts(max_new_tokens: int | None, seed: int, torch_threads: int) -> None:

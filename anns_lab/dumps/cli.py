@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from anns_lab.cli_types import given_flags
 from anns_lab.dumps.models import RopeScaling
 from anns_lab.dumps.prompts import SOURCES
 
@@ -53,9 +54,7 @@ def dump(model, source, prompt_path, tokens, decode_tokens, layers, dtype, chunk
     from anns_lab.dumps.run import DumpInterrupted, run_dump
     from anns_lab.errors import DumpError
 
-    ctx = click.get_current_context()
-    given = [f"--{name}" for name in ("source", "seed")
-             if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+    given = given_flags(click.get_current_context(), "source", "seed")
     if prompt_path is not None and given:  # the file is the prompt: a task or seed beside it was silently dropped
         raise DumpError(f"--prompt takes the prompt from a file; {' and '.join(given)} choose a built-in prompt: "
                         "give one or the other")

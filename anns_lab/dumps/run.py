@@ -25,6 +25,7 @@ from anns_lab.io import atomic_write_json
 from anns_lab.version import __version__
 
 STAGING = ".staging"
+OURS = ("layer_*.parquet", store.TOKENS_FILE, store.MANIFEST)  # the files of a dump folder this tool writes
 PROGRESS = "progress.json"
 DTYPES = {"float16": np.float16, "float32": np.float32}
 
@@ -233,10 +234,14 @@ def _start(out: Path, state: dict) -> None:
 
 def _clear(out: Path) -> None:
     # Only files this tool writes are removed (with the temp files of writes a kill cut short); anything else stays.
-    ours = ["layer_*.parquet", store.TOKENS_FILE, store.MANIFEST]
-    for p in [f for pattern in ours + [f".{g}.*.tmp" for g in ours] for f in out.glob(pattern)]:
+    for p in [f for pattern in OURS for f in out.glob(pattern)] + _temp_files(out):
         p.unlink(missing_ok=True)
     shutil.rmtree(out / STAGING, ignore_errors=True)
+
+
+def _temp_files(out: Path) -> list[Path]:
+    """The temp files (``io.atomic_path``'s) of this tool's files that a killed write left in ``out``."""
+    return [f for pattern in OURS for f in out.glob(f".{pattern}.*.tmp")]
 
 
 def run_dump(model: str = "smollm2", *, source: str = "text", prompt_path: str | None = None, tokens: int | None = 8192,
@@ -282,10 +287,10 @@ def run_dump(model: str = "smollm2", *, source: str = "text", prompt_path: str |
 
     def begin() -> None:  # the new capture's checks passed: only now does --overwrite replace the folder's dump
         nonlocal began
+        began = True  # from here on the folder's old dump is being replaced: a failure must not say it is as it was
         if replace:
             _clear(out)
             _start(out, state)
-        began = True
 
     try:
         return _capture(out, settings, state, begin, model, prompt_path, allow_extrapolation, allow_download, device,
@@ -334,7 +339,6 @@ def _capture(out, settings, state, begin, model_name, prompt_path, allow_extrapo
     begin()
     done = state["done"]
     _drop_damaged(out, state)
-    saved_ids = state.get("token_ids")
     missing = [layer for layer in layers if store.layer_file(layer) not in done]
     sink = StagingSink(staging, missing, n_prefill + n_decode, n_heads, n_kv, d, DTYPES[settings["dtype"]])
 
@@ -396,9 +400,9 @@ def _capture(out, settings, state, begin, model_name, prompt_path, allow_extrapo
 
 
 def _drop_damaged(out: Path, state: dict) -> None:
-    """Before a resume, forget every finished file that is gone or no longer the one written (size, sha256), so it is
-    captured again instead of sealed into a dump every reader then refuses; and drop the temp files of writes a kill
-    cut short."""
+    """Forget and delete every file the progress record holds as finished (a resume's) that is gone or no longer the
+    one written (size, sha256), so it is captured again instead of sealed into a dump every reader then refuses; and
+    delete the temp files of writes a kill cut short."""
     for name, rec in list(state["done"].items()):
         f = out / name
         if not f.is_file() or f.stat().st_size != rec.get("bytes") or store.sha256_file(f) != rec.get("sha256"):
@@ -406,11 +410,12 @@ def _drop_damaged(out: Path, state: dict) -> None:
 
             tqdm.write(f"{f} is missing or damaged since it was written: capturing it again")
             del state["done"][name]
-    for f in out.glob(".*.tmp"):
+            f.unlink(missing_ok=True)  # a failure before it is written again leaves no stray file behind
+    for f in _temp_files(out):
         f.unlink(missing_ok=True)
 
 
-def _check_inputs_unchanged(out: Path, prompt_path: str | None, where) -> None:
+def _check_inputs_unchanged(out: Path, prompt_path: str | None, where: Path | str) -> None:
     """Refuse to hand back a finished dump as "already complete" when its prompt file or its model's files changed
     since it was made (same settings, other inputs: the dump would silently be the old text's or model's)."""
     from anns_lab.dumps.models import files_stamp

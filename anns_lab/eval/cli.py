@@ -111,10 +111,14 @@ def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite, bu
     if dump_path is None:
         dump_path = latest_dump()
         if dump_path is None:
-            from anns_lab.dumps.run import run_dump
+            from anns_lab.dumps.run import DumpInterrupted, run_dump
 
             click.echo("no dump found under dumps/: making the default SmolLM2 dump first")
-            result = run_dump()
+            try:
+                result = run_dump()
+            except DumpInterrupted as stop:  # what was kept and how to resume, as `anns-lab dump` says it
+                click.echo(str(stop), err=True)
+                raise SystemExit(130) from None
             click.echo(result.summary())
             dump_path = result.dump.path
     # --indexes "" names nothing (refused by run_sweep), it does not mean every index

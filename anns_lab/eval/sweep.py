@@ -23,7 +23,7 @@ import pyarrow as pa
 
 from anns_lab.dumps import rope
 from anns_lab.dumps.store import open_dump, write_table
-from anns_lab.errors import AnnsLabError
+from anns_lab.errors import AnnsLabError, IndexConfigError
 from anns_lab.eval import failures as failed
 from anns_lab.eval import metrics
 from anns_lab.eval.executors import Outcome, Part, open_executor
@@ -60,8 +60,11 @@ def _non_default(index: str, build_params: dict | None) -> dict:
 
 
 def _part_name(layer: int, head: int, index: str, build_params: dict | None = None) -> str:
-    # Non-default build parameters get their own part, so variants of one index can share a sweep.
-    tag = "" if not build_params else "-" + hashlib.sha1(json.dumps(build_params, sort_keys=True).encode()).hexdigest()[:10]
+    # Non-default build parameters get their own part, so variants of one index can share a sweep. A whole float is
+    # named as the int it equals: the values are coerced (min_cooc=0 arrives as 0.0), and folders swept before that
+    # named the usual spelling, min_cooc=0, so they still resume.
+    whole = {k: int(v) if isinstance(v, float) and v.is_integer() else v for k, v in (build_params or {}).items()}
+    tag = "" if not whole else "-" + hashlib.sha1(json.dumps(whole, sort_keys=True).encode()).hexdigest()[:10]
     return f"L{layer:03d}_H{head:02d}_{index}{tag}.parquet"
 
 
@@ -183,14 +186,16 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     from anns_lab.indexes import registry
 
     t_start = time.perf_counter()
+    log = log or (lambda line: tqdm.write(line) if progress else None)
     dump = open_dump(dump_path)
     names = _distinct(list(indexes), "--indexes") if indexes is not None else sorted(registry.available())
     build_params = dict(build_params or {})
     for name in set(build_params) - set(names):
         raise AnnsLabError(f"build parameters given for {name!r}, which is not among the swept indexes {names}")
-    for name, given in build_params.items():
-        if searched := sorted(set(given) & set(registry.get(name).search_params)):
-            grid = registry.get(name).search_grid.get(searched[0])
+    for name, given in build_params.items():  # a name both build and search parameter (vamana's L) is the build's here
+        cls = registry.get(name)
+        if searched := sorted(set(given) & set(cls.search_params) - set(cls.build_params)):
+            grid = cls.search_grid.get(searched[0])
             raise AnnsLabError(f"--build-param {name}.{searched[0]}: {searched[0]} is a search parameter of {name}, which "
                                f"the sweep takes over its grid ({', '.join(map(str, grid or ()))}): give build parameters only")
     # unknown names or parameters fail here, before any work
@@ -204,8 +209,7 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     for h in heads:
         dump.kv_head_of(h)
     n_keys = check_k(dump, window, k)  # before any index is built
-    for index in made.values():  # build parameters that cannot index that many keys (more lists than keys): one error, not one per part
-        index.check_keys(n_keys)
+    names = _fitting(made, n_keys, build_params, chosen=indexes is not None, log=log)
     group_queries.check_mode(train_group)
     aware = any(registry.get(name).uses_train_queries for name in names)
     if rope.check_place(train_positions) != "own" and aware:
@@ -223,7 +227,6 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
         settings["train_group"] = train_group
     if rope.check_place(train_positions) != "own":  # likewise: before, the training queries sat at their own positions
         settings["train_positions"] = train_positions
-    log = log or (lambda line: tqdm.write(line) if progress else None)
     # Connect (Ray) before the results folder is touched: a cluster that is unreachable or too small
     # for a task is one error and leaves nothing behind.
     runner = open_executor(executor, jobs, address, cpus_per_task, ray_data, log=log)
@@ -306,6 +309,27 @@ def _run(runner, dump, out, names, layers, heads, k, window, build_params, quick
     return SweepResult(table, out / RESULTS, failures, time.perf_counter() - t_start)
 
 
+def _fitting(made: dict, n_keys: int, build_params: dict, chosen: bool, log) -> list[str]:
+    """The swept indexes whose build parameters can index ``n_keys`` keys (more lists than keys cannot): one error up
+    front for an index the command named or configured, rather than one failed part per head; an index swept only as
+    one of every registered index, at its defaults, is left out with a line saying so."""
+    names = []
+    for name, index in made.items():
+        try:
+            index.check_keys(n_keys)
+        except IndexConfigError as err:
+            if chosen or name in build_params:
+                raise AnnsLabError(f"{err}: {name} cannot index the {n_keys} keys each index holds with this dump and "
+                                   f"--window; set its --build-param, or leave it out of --indexes") from None
+            log(f"{name} left out: {err} ({n_keys} keys per index here; name it with a --build-param to sweep it)")
+            continue
+        names.append(name)
+    if not names:
+        raise AnnsLabError(f"no index can index the {n_keys} keys each index holds with this dump and --window at its "
+                           "defaults: use a longer dump or a smaller --window")
+    return names
+
+
 def _distinct(values: list[int], flag: str) -> list[int]:
     """``values`` in order without repeats (a repeated head would be evaluated twice); none is an error."""
     if not values:
@@ -372,6 +396,10 @@ def combine(out: Path) -> pd.DataFrame:
         except (OSError, ValueError, pa.ArrowException) as err:
             raise _unreadable(p, err) from None
     table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=COLUMNS)
+    # one measurement per cell: a build's part named apart in an older folder (a float spelled 1.0 there) and its part
+    # named now measure the same build; one of them is kept
+    cell = ["layer", "head", "index", "build_params", "search_params", "direction"]
+    table = table.drop_duplicates(cell, ignore_index=True)
     table = table.sort_values(["layer", "head", "index", "direction", "scanned_fraction"], kind="stable", ignore_index=True)
     write_table(out / RESULTS, pa.Table.from_pandas(table, preserve_index=False))
     return table

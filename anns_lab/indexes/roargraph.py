@@ -213,10 +213,10 @@ class RoarGraphIndex(Index):
 
     # -- build -------------------------------------------------------------------------------------
 
-    def check_keys(self, n: int) -> None:
+    def check_keys(self, n_keys: int) -> None:
         p = self.params
-        if p["M"] >= n:
-            raise IndexConfigError(f"{self._owner()}: M={p['M']} must be smaller than the number of keys ({n})")
+        if p["M"] >= n_keys:
+            raise IndexConfigError(f"{self._owner()}: M={p['M']} must be smaller than the number of keys ({n_keys})")
         if p["R"] < p["M"]:
             raise IndexConfigError(f"{self._owner()}: R={p['R']} must be at least M={p['M']}")
         if p["M_link"] > p["R"]:  # link_stranded writes M_link out-edges into a row of R

@@ -37,12 +37,14 @@ class PQCacheIndex(Index):
     search_params = {"pool": Param(400, 1, 1 << 30, help="keys of best approximate score re-ranked exactly (≥ k)")}
     search_grid = {"pool": POOLS}
 
+    def check_keys(self, n_keys: int) -> None:
+        if n_keys < 2 ** self.params["nbits"]:
+            raise IndexConfigError(f"{self._owner()}: {n_keys} keys cannot train 2^{self.params['nbits']} codewords")
+
     def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
         M, nbits = self.params["M"], self.params["nbits"]
         if keys.shape[1] % M:
             raise IndexConfigError(f"{self._owner()}: M={M} does not divide the key dimension {keys.shape[1]}")
-        if len(keys) < 2 ** nbits:
-            raise IndexConfigError(f"{self._owner()}: {len(keys)} keys cannot train 2^{nbits} codewords")
         index = faiss.IndexPQ(keys.shape[1], M, nbits, faiss.METRIC_INNER_PRODUCT)
         index.pq.cp.seed = self.params["seed"]
         index.train(keys)
