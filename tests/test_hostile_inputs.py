@@ -502,6 +502,25 @@ def _small(model, out, **kw):
                                     "out": out, "progress": False} | kw))
 
 
+def _interrupt_at_write(model, out, monkeypatch, nth: int) -> KeyboardInterrupt:
+    """A dump Ctrl-C'd while it writes its ``nth`` file (the tokens first, then the layers); what it raised."""
+    real, calls = store.write_table, {"n": 0}
+
+    def crash(path, table):
+        calls["n"] += 1
+        if calls["n"] == nth:
+            raise KeyboardInterrupt
+        return real(path, table)
+
+    monkeypatch.setattr(store, "write_table", crash)
+    try:
+        with pytest.raises(KeyboardInterrupt) as stop:
+            _small(model, out)
+    finally:
+        monkeypatch.setattr(store, "write_table", real)
+    return stop.value
+
+
 def test_overwrite_keeps_the_dump_until_the_new_command_passes_its_checks(tiny_llama, tmp_path):
     """Before: --overwrite cleared the folder first, so a refused command (too long for the context) lost the dump."""
     out = tmp_path / "d"
@@ -519,36 +538,14 @@ def test_overwrite_keeps_the_dump_until_the_new_command_passes_its_checks(tiny_l
 
 def test_overwrite_starts_an_unfinished_dump_of_the_same_settings_again(tiny_llama, tmp_path, monkeypatch):
     out = tmp_path / "d"
-    real, calls = store.write_table, {"n": 0}
-
-    def crash_on_third(path, table):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return real(path, table)
-
-    monkeypatch.setattr(store, "write_table", crash_on_third)
-    with pytest.raises(KeyboardInterrupt, match="1 layer file"):
-        _small(tiny_llama, out)
-    monkeypatch.setattr(store, "write_table", real)
+    assert "1 layer file" in str(_interrupt_at_write(tiny_llama, out, monkeypatch, 3))
     assert _small(tiny_llama, out, overwrite=True).resumed_layers == 0  # before: resumed, keeping the old files
 
 
 def test_a_resume_captures_again_a_finished_file_that_was_damaged_since(tiny_llama, tmp_path, monkeypatch):
     """Before: the progress record was trusted, the damaged file sealed into the manifest, every reader then refusing."""
     out = tmp_path / "d"
-    real, calls = store.write_table, {"n": 0}
-
-    def crash_on_fourth(path, table):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise KeyboardInterrupt
-        return real(path, table)
-
-    monkeypatch.setattr(store, "write_table", crash_on_fourth)
-    with pytest.raises(KeyboardInterrupt):
-        _small(tiny_llama, out)
-    monkeypatch.setattr(store, "write_table", real)
+    _interrupt_at_write(tiny_llama, out, monkeypatch, 4)
     f = out / "layer_001.parquet"
     raw = bytearray(f.read_bytes())
     raw[len(raw) // 2: len(raw) // 2 + 64] = bytes(64)  # same size, other bytes
@@ -690,18 +687,7 @@ def test_pqcache_codewords_beyond_the_keys_are_refused_before_any_work(dump, tmp
 def test_a_resume_whose_every_file_was_damaged_then_fails_leaves_a_folder_the_next_run_takes(tiny_llama, tmp_path,
                                                                                               monkeypatch):
     out = tmp_path / "d"
-    real, calls = store.write_table, {"n": 0}
-
-    def crash_on_fourth(path, table):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise KeyboardInterrupt
-        return real(path, table)
-
-    monkeypatch.setattr(store, "write_table", crash_on_fourth)
-    with pytest.raises(KeyboardInterrupt):
-        _small(tiny_llama, out)
-    monkeypatch.setattr(store, "write_table", real)
+    _interrupt_at_write(tiny_llama, out, monkeypatch, 4)
     for f in out.glob("*.parquet"):
         f.write_bytes(b"x" * f.stat().st_size)  # every finished file damaged
     with pytest.MonkeyPatch.context() as mp:  # the resume fails before writing anything again
