@@ -249,6 +249,7 @@ def check_index(cls: type[Index], min_recall: float = 1.0, k: int = 10, unbiased
     """
     check_declarations(cls)
     keys, queries, train = easy_data()
+    given = [a.copy() for a in (keys, queries, train)]
     train_q = train if cls.uses_train_queries else None
     index = cls(**build_params).build(keys, train_q)
     assert index.n_keys == len(keys) and index.dim == keys.shape[1], "n_keys / dim not set by build()"
@@ -277,6 +278,8 @@ def check_index(cls: type[Index], min_recall: float = 1.0, k: int = 10, unbiased
     _same(index.search(queries, k, **mid), index.search(queries, k, **mid), "two searches")
     _same_from_threads(index, queries[:8], k, [grid[0], top])
     assert index.nbytes > 0, "nbytes must be positive"
+    for a, b, what in zip((keys, queries, train), given, ("keys", "queries", "train_queries")):
+        assert np.array_equal(a, b), f"build() or search() wrote into the {what} it was given: copy before changing them"
 
     if index.supports_save:
         with tempfile.TemporaryDirectory() as tmp:

@@ -82,6 +82,18 @@ def local_table(tiny_dump, tmp_path_factory):
 # --- the local executor ----------------------------------------------------------------------------------------
 
 
+def test_a_plugin_that_writes_into_its_queries_fails_alone_and_leaves_the_next_index_measured_right(tiny_dump,
+                                                                                                 local_table, tmp_path):
+    """Before: no error; its own rows and flat's (the same head's next index, on the normalised queries) were wrong."""
+    res = sweep(tiny_dump, tmp_path / "res", indexes=["faulty", "flat"], layers=[3],
+                build_params={"faulty": {"fault": "normalise"}})
+    assert sorted((name, head) for name, _, head, _ in res.failures) == [("faulty", 0), ("faulty", 3)]
+    assert all("modified the keys or queries it was given" in err for *_, err in res.failures)
+    flat = local_table.query("index == 'flat' and layer == 3").reset_index(drop=True)
+    pd.testing.assert_frame_equal(res.table[SAME].reset_index(drop=True), flat[SAME])
+
+
+
 @pytest.mark.parametrize("fault, died", [("abort", True), ("exit", False)])
 def test_local_crashing_plugin_fails_its_own_parts_and_reruns_stop_retrying(tiny_dump, local_table, tmp_path,
                                                                           fault, died):

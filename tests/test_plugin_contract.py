@@ -98,3 +98,17 @@ def test_the_kit_refuses_auto_rules_that_name_no_auto_build_parameter():
     for bad in ({"nope": "2026-12-01"}, {"width": "2026-12-01"}, {"nlist": ""}):
         with pytest.raises((AssertionError, IndexConfigError)):
             check_declarations(type("Bad", (Lists,), {"auto_rules": bad}))
+
+
+def test_the_kit_fails_an_index_that_writes_into_its_inputs():
+    """A plugin normalising its keys in place (as faiss.normalize_L2 does) searched by cosine and scored its own recall
+    against the changed keys: 1.0, where its inner-product recall was lower, and the caller's arrays were changed."""
+    import pytest
+
+    class Normalising(MatmulTopK):
+        def _build(self, keys, train_queries):
+            keys /= np.linalg.norm(keys, axis=1, keepdims=True)
+            self.keys = keys
+
+    with pytest.raises(AssertionError, match="wrote into the keys it was given"):
+        check_index(Normalising)

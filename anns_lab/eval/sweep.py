@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import pyarrow as pa
 
 from anns_lab.dumps import rope
 from anns_lab.dumps.store import open_dump, write_table
-from anns_lab.errors import AnnsLabError, IndexConfigError
+from anns_lab.errors import AnnsLabError, IndexConfigError, IndexResultError
 from anns_lab.eval import failures as failed
 from anns_lab.eval import metrics
 from anns_lab.eval.executors import Outcome, Part, open_executor
@@ -159,7 +160,32 @@ class SweepWork:
 
     def evaluate(self, data: HeadData, index: str) -> pd.DataFrame:
         dump = open_dump(self.dump)
-        return evaluate_index(index, data, self.k, str(dump.path), dump.model, self.build_params.get(index), self.quick)
+        before = _given_arrays(data)
+        try:
+            table = evaluate_index(index, data, self.k, str(dump.path), dump.model, self.build_params.get(index),
+                                   self.quick)
+        finally:  # a plugin that writes into its inputs would corrupt its own rows and every later index's of the head
+            changed = _given_arrays(data) != before
+            if changed:
+                fresh = self.load(data.layer, data.head)
+                for name in GIVEN:
+                    if getattr(data, name) is not None:
+                        np.copyto(getattr(data, name), getattr(fresh, name))
+                for cache in ("_exact", "_reference"):  # HeadData's, computed from the changed arrays
+                    data.__dict__.pop(cache, None)
+        if changed:
+            raise IndexResultError(f"{index} broke the index protocol: it modified the keys or queries it was given, "
+                                   "in place (normalised them?); copy them first, as an index must never write to them")
+        return table
+
+
+GIVEN = ("keys", "train_queries", "test_queries", "k2k_queries", "group_queries")  # what an index sees of a head
+
+
+def _given_arrays(data: HeadData) -> list[int | None]:
+    """A checksum of each array an index is given (``GIVEN``), to see it left them as they were."""
+    return [None if (a := getattr(data, name)) is None else zlib.crc32(memoryview(np.ascontiguousarray(a)).cast("B"))
+            for name in GIVEN]
 
 
 def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: list[int] | None = None,
