@@ -24,7 +24,7 @@ from anns_lab.cli import main
 from anns_lab.dumps import run as run_mod
 from anns_lab.dumps import store
 from anns_lab.dumps.run import run_dump
-from anns_lab.errors import AnnsLabError, DumpError, IndexConfigError, ModelNotAvailable, PromptError
+from anns_lab.errors import AnnsLabError, DumpError, IndexConfigError, IndexResultError, ModelNotAvailable, PromptError
 from anns_lab.eval import export
 from anns_lab.eval.heads import load_head
 from anns_lab.eval import sweep as sweep_mod
@@ -695,3 +695,40 @@ def test_a_resume_whose_every_file_was_damaged_then_fails_leaves_a_folder_the_ne
         with pytest.raises(OSError):
             _small(tiny_llama, out)
     assert _small(tiny_llama, out).dump.manifest["n_tokens"]["prefill"] == 30  # before: "is not a dump folder"
+
+
+@pytest.mark.parametrize("call", [lambda d: d.keys(1.0, 0), lambda d: d.keys(True, 0), lambda d: d.keys(1, 1.0),
+                                  lambda d: d.keys(1, "1"), lambda d: d.queries(1, None), lambda d: d.kv_head_of(1.5),
+                                  lambda d: d.scaling(1.0)])
+def test_a_notebooks_odd_layer_or_head_is_one_dump_error(dump, call):
+    """Before: a format-code ValueError, a KeyError '1.0', a TypeError from a comparison, a pyarrow FieldRef error."""
+    with pytest.raises(DumpError, match="must be an integer"):
+        call(dump)
+
+
+def test_a_notebooks_odd_names_are_clear_errors():
+    with pytest.raises(DumpError, match="give its path"):
+        open_dump(123)
+    with pytest.raises(IndexConfigError, match="named by a string"):
+        registry.get(None)
+
+
+@pytest.mark.parametrize("returned, words", [(lambda ids, s, n: (ids, s), "got tuple of 2"),
+                                             (lambda ids, s, n: None, "got NoneType")])
+def test_a_search_that_returns_the_wrong_thing_is_named_by_the_protocol(returned, words):
+    class Odd(FlatIndex):
+        def _search(self, queries, k):
+            return returned(*super()._search(queries, k)[:3])
+
+    keys = np.random.default_rng(0).standard_normal((50, 8)).astype(np.float32)
+    with pytest.raises(IndexResultError, match=f"_search must return .*{words}"):
+        Odd().build(keys).search(keys[:2], 3)
+
+
+def test_a_search_parameter_is_checked_alike_whatever_was_searched_before():
+    """7.0 is refused for an int parameter; after a search with 7 it was accepted (one cache key for 7 and 7.0)."""
+    keys = np.random.default_rng(0).standard_normal((400, 8)).astype(np.float32)
+    index = registry.create("ivf", nlist=8).build(keys)
+    index.search(keys[:2], 3, nprobe=7)
+    with pytest.raises(IndexConfigError, match="must be int"):
+        index.search(keys[:2], 3, nprobe=7.0)

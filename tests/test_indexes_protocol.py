@@ -22,10 +22,32 @@ def with_broken_plugin(monkeypatch):
 
     def fake():
         eps = dict(real())
-        eps["brokenidx"] = EntryPoint("brokenidx", "no_such_module_xyz:Index", registry.GROUP)
+        eps["brokenidx"] = [EntryPoint("brokenidx", "no_such_module_xyz:Index", registry.GROUP)]
         return eps
 
     monkeypatch.setattr(registry, "_entry_points", fake)
+
+
+def test_a_name_two_distributions_claim_is_a_conflict_never_a_silent_winner(monkeypatch):
+    """Before: the last one found (an order of sys.path) won; a plugin's "ivf" replaced the built-in without a word."""
+    real = registry._entry_points
+    faulty = EntryPoint("ivf", "anns_lab.indexes.flat:FlatIndex", registry.GROUP)
+    monkeypatch.setattr(registry, "_entry_points", lambda: real() | {"ivf": [*real()["ivf"], faulty]})
+    with pytest.raises(IndexConfigError, match="'ivf' is announced by 2 distributions"):
+        indexes.get("ivf")
+    assert "ivf" not in indexes.available() and "announced by 2" in registry.broken()["ivf"]
+    assert "flat" in indexes.available()
+
+
+def test_a_plugin_that_exits_at_import_is_one_broken_entry(monkeypatch, tmp_path):
+    (tmp_path / "exits_at_import.py").write_text("import sys\nsys.exit('plugin called sys.exit at import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    real = registry._entry_points
+    monkeypatch.setattr(registry, "_entry_points",
+                        lambda: real() | {"quitter": [EntryPoint("quitter", "exits_at_import:X", registry.GROUP)]})
+    assert "called sys.exit" in registry.broken()["quitter"] and "flat" in indexes.available()
+    with pytest.raises(IndexConfigError, match="quitter.*called sys.exit"):
+        indexes.get("quitter")
 
 
 def test_builtins_register_through_entry_points():

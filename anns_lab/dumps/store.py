@@ -274,11 +274,15 @@ class Dump:
         return self._phase_rows[phase]
 
     def _check_layer(self, layer: int) -> None:
+        if not _is_int(layer):  # 1.0 or True passed `in`, then failed as a file name or a manifest key
+            raise DumpError(f"layer {layer!r} must be an integer (one of {self.layers})")
         if layer not in self.manifest["layers"]:
             raise DumpError(f"layer {layer} is not in dump {self.path}; it holds layers {self.layers}")
 
     @staticmethod
     def _check_head(head: int, n: int, kind: str) -> None:
+        if not _is_int(head):
+            raise DumpError(f"{kind} head {head!r} must be an integer in 0..{n - 1}")
         if not 0 <= head < n:
             raise DumpError(f"{kind} head {head} is out of range: this dump has {n} {kind} heads (0..{n - 1})")
 
@@ -345,4 +349,11 @@ class Dump:
 
 def open_dump(path: str | Path, verify: bool = True) -> Dump:
     """Open a finished dump folder for reading (raises DumpError for an unfinished or corrupt one)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise DumpError(f"a dump is a folder: give its path, not {path!r}")
     return Dump(path, verify=verify)
+
+
+def _is_int(x) -> bool:
+    """An integer (numpy's too), not a bool."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))

@@ -262,6 +262,10 @@ class Index:
             raise IndexConfigError(f"{self._owner()}: k={k} is larger than the number of keys ({self.n_keys})")
         full = self._search_params_for(params)
         out = self._search(q, int(k), **full)
+        if not isinstance(out, (tuple, list)) or not 3 <= len(out) <= 5:  # else a raw unpacking or subscript error
+            raise IndexResultError(f"{self._owner()} broke the index protocol: _search must return (ids, scores, "
+                                   f"n_scanned[, bytes_read[, estimate]]), got {type(out).__name__}"
+                                   + (f" of {len(out)}" if isinstance(out, (tuple, list)) else ""))
         ids, scores, n_scanned = out[:3]
         bytes_read = out[3] if len(out) > 3 and out[3] is not None else None
         self._check_integral(ids=ids, n_scanned=n_scanned, bytes_read=bytes_read)
@@ -324,7 +328,7 @@ class Index:
         """``resolve_params`` for search, remembered per distinct parameter set (batch-1 latency)."""
         cache = self.__dict__.setdefault("_resolved", {})
         try:
-            key = tuple(params.items())
+            key = tuple((k, type(v), v) for k, v in params.items())  # 7.0 is refused where 7 is not: not one key
             full = cache.get(key)
         except TypeError:  # an unhashable value: checked every time
             return resolve_params(self._owner(), self.search_params, params)
@@ -382,10 +386,10 @@ class Index:
     # -- for subclasses ----------------------------------------------------------------------------
 
     def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not implement _build(keys, train_queries)")
 
     def _search(self, queries: np.ndarray, k: int, **params: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not implement _search(queries, k, **search_params)")
 
     def _add(self, keys: np.ndarray) -> None:
         raise IndexConfigError(f"{self._owner()}: this index does not support add()")

@@ -28,23 +28,37 @@ class Entry:
     version: str
 
 
-def _entry_points() -> dict[str, EntryPoint]:
-    # Re-read on every call: a plugin installed during a session is then visible at once.
-    eps = entry_points(group=GROUP)
-    return {ep.name: ep for ep in sorted(eps, key=lambda e: e.name)}
-
-
-def entries() -> list[Entry]:
-    """Every announced index, importable or not, sorted by name."""
-    out = []
-    for name, ep in _entry_points().items():
-        dist = getattr(ep, "dist", None)
-        out.append(Entry(name, ep.value, dist.name if dist else "?", dist.version if dist else "?"))
+def _entry_points() -> dict[str, list[EntryPoint]]:
+    # Re-read on every call: a plugin installed during a session is then visible at once. Every claim of a name is
+    # kept: two distributions announcing one name (a plugin's "ivf") is a conflict, never a silent winner.
+    out: dict[str, list[EntryPoint]] = {}
+    for ep in sorted(entry_points(group=GROUP), key=lambda e: e.name):
+        if all(ep.value != seen.value for seen in out.get(ep.name, [])):  # one distribution seen twice on the path
+            out.setdefault(ep.name, []).append(ep)
     return out
 
 
-def _load(ep: EntryPoint) -> type[Index]:
-    obj = ep.load()
+def _dist(ep: EntryPoint) -> tuple[str, str]:
+    dist = getattr(ep, "dist", None)
+    return (dist.name, dist.version) if dist else ("?", "?")
+
+
+def entries() -> list[Entry]:
+    """Every announced index, importable or not, sorted by name (a name two distributions claim: both, joined)."""
+    return [Entry(name, " | ".join(ep.value for ep in eps), " | ".join(_dist(ep)[0] for ep in eps),
+                  " | ".join(_dist(ep)[1] for ep in eps)) for name, eps in _entry_points().items()]
+
+
+def _load(name: str, eps: list[EntryPoint]) -> type[Index]:
+    if len(eps) > 1:
+        raise IndexConfigError(f"{name!r} is announced by {len(eps)} distributions ("
+                               + ", ".join(f"{_dist(ep)[0]}: {ep.value}" for ep in eps)
+                               + "); uninstall one, or rename its entry point")
+    ep = eps[0]
+    try:
+        obj = ep.load()
+    except SystemExit as err:  # a plugin's sys.exit() at import must not end the listing or the sweep
+        raise RuntimeError(f"{ep.value} called sys.exit({err.code!r}) at import") from None
     if not (isinstance(obj, type) and issubclass(obj, Index)):
         raise TypeError(f"{ep.value} is not a subclass of anns_lab.indexes.Index")
     if obj.name != ep.name:
@@ -55,20 +69,21 @@ def _load(ep: EntryPoint) -> type[Index]:
 def available() -> dict[str, type[Index]]:
     """Every index class that imports cleanly, by name."""
     out = {}
-    for name, ep in _entry_points().items():
+    for name, eps in _entry_points().items():
         try:
-            out[name] = _load(ep)
+            out[name] = _load(name, eps)
         except Exception:  # noqa: BLE001 - a broken plugin must not break the others; see broken()
             continue
     return out
 
 
 def broken() -> dict[str, str]:
-    """Indexes whose entry point fails to load, by name, with the error as one line."""
+    """Indexes whose entry point fails to load (or whose name two distributions claim), by name, with the error as
+    one line."""
     out = {}
-    for name, ep in _entry_points().items():
+    for name, eps in _entry_points().items():
         try:
-            _load(ep)
+            _load(name, eps)
         except Exception as err:  # noqa: BLE001
             out[name] = f"{type(err).__name__}: {err}".splitlines()[0]
     return out
@@ -76,15 +91,20 @@ def broken() -> dict[str, str]:
 
 def get(name: str) -> type[Index]:
     """The index class registered as ``name``; unknown names get close-name suggestions."""
+    if not isinstance(name, str):
+        raise IndexConfigError(f"an index is named by a string, got {name!r}")
     eps = _entry_points()
     if name not in eps:
         close = difflib.get_close_matches(name, list(eps), n=3, cutoff=0.5)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         raise IndexConfigError(f"unknown index {name!r} (registered: {', '.join(eps) or 'none'}){hint}")
     try:
-        return _load(eps[name])
+        return _load(name, eps[name])
+    except IndexConfigError:
+        raise
     except Exception as err:  # noqa: BLE001
-        raise IndexConfigError(f"index {name!r} ({eps[name].value}) failed to load: {type(err).__name__}: {err}") from err
+        value = " | ".join(ep.value for ep in eps[name])
+        raise IndexConfigError(f"index {name!r} ({value}) failed to load: {type(err).__name__}: {err}") from err
 
 
 def create(name: str, **build_params: Any) -> Index:
