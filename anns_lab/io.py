@@ -39,6 +39,32 @@ def atomic_path(path: Path) -> Iterator[Path]:
     _sync_dir(path.parent)
 
 
+@contextlib.contextmanager
+def atomic_folder(path: Path) -> Iterator[Path]:
+    """A temporary folder beside ``path`` to fill; on leaving the block it takes ``path``'s place whole (an existing
+    folder there is replaced, never mixed with: a failed write leaves it as it was), removed instead when the block
+    raises."""
+    import shutil
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would keep the folder from others
+        if path.exists():
+            old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old"))
+            os.replace(path, old)  # onto the empty folder just made: the name is ours
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _sync_dir(path.parent)
+
+
 def _sync_dir(folder: Path) -> None:
     """Make a rename in ``folder`` durable (a crash right after it could otherwise lose the new file); where a folder
     cannot be opened for it (Windows), the rename stands unsynced."""

@@ -732,3 +732,31 @@ def test_a_search_parameter_is_checked_alike_whatever_was_searched_before():
     index.search(keys[:2], 3, nprobe=7)
     with pytest.raises(IndexConfigError, match="must be int"):
         index.search(keys[:2], 3, nprobe=7.0)
+
+
+def test_a_save_never_replaces_what_is_not_a_save_and_a_failed_save_keeps_the_earlier_one(tmp_path):
+    """Before: save wrote into any folder (a user's keys.npy replaced), deleted index.json first (a failed re-save left
+    no loadable index), and a save over another class's left its arrays beside the new ones."""
+    rng = np.random.default_rng(0)
+    keys = rng.standard_normal((400, 8)).astype(np.float32)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    np.save(mine / "keys.npy", np.arange(3))
+    with pytest.raises(IndexConfigError, match="not a saved index"):
+        FlatIndex().build(keys).save(mine)
+    np.testing.assert_array_equal(np.load(mine / "keys.npy"), np.arange(3))
+    saved = tmp_path / "ivf"
+    ivf = registry.create("ivf", nlist=8).build(keys)
+    ivf.save(saved)
+
+    class Failing(FlatIndex):
+        def _arrays(self):
+            raise RuntimeError("disk full, say")
+
+    with pytest.raises(RuntimeError):
+        Failing().build(keys).save(saved)
+    again = registry.get("ivf").load(saved)  # the earlier save, whole
+    np.testing.assert_array_equal(again.search(keys[:4], 5).ids, ivf.search(keys[:4], 5).ids)
+    FlatIndex().build(keys).save(saved)  # a save over another index's: none of its arrays stay
+    assert sorted(f.name for f in saved.iterdir()) == ["index.json", "keys.npy"]
+    assert not [f for f in tmp_path.iterdir() if f.name.startswith(".")]  # no temp folder left beside

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from anns_lab.errors import IndexConfigError
-from anns_lab.io import atomic_path, atomic_write_json
+from anns_lab.io import atomic_folder, atomic_write_json
 
 if TYPE_CHECKING:
     from anns_lab.indexes.base import Index
@@ -30,24 +30,47 @@ _NAME = re.compile(r"[A-Za-z0-9_]{1,64}")  # array names become file names: no p
 
 
 def save_index(index: "Index", path: str | Path) -> None:
-    """Write ``index`` to folder ``path``: one ``.npy`` per array, then ``index.json`` (atomically, last)."""
+    """Write ``index`` to folder ``path``: one ``.npy`` per array and ``index.json``, filled beside it and put in its
+    place whole (:func:`io.atomic_folder`), so a failed save leaves an earlier one as it was and a save over another
+    index's keeps none of its arrays. A folder holding anything but a saved index is refused."""
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
         raise IndexConfigError(f"{index._owner()}: cannot save into {folder}: it is a file")
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "index.json").unlink(missing_ok=True)  # an unfinished save until index.json is written again
+    if folder.is_dir() and (other := _not_a_save(folder)):
+        raise IndexConfigError(f"{index._owner()}: cannot save into {folder}: it holds {other}, which is not a saved "
+                               "index; choose another folder")
     arrays, sums = index._arrays(), {}
-    for key, arr in arrays.items():
+    for key in arrays:
         if not _NAME.fullmatch(key):
             raise IndexConfigError(f"{index._owner()}: array name {key!r} is not a plain name ([A-Za-z0-9_])")
-        buf = BytesIO()
-        np.save(buf, np.ascontiguousarray(arr), allow_pickle=False)
-        with atomic_path(folder / f"{key}.npy") as tmp:
-            tmp.write_bytes(buf.getvalue())
-        sums[key] = hashlib.sha256(buf.getvalue()).hexdigest()
-    meta = {"format": FORMAT_VERSION, "class": _class_name(type(index)), "params": index.params,
-            "n_keys": index.n_keys, "dim": index.dim, "arrays": sorted(arrays), "sha256": sums}
-    atomic_write_json(folder / "index.json", meta)
+    with atomic_folder(folder) as tmp:
+        for key, arr in arrays.items():
+            buf = BytesIO()
+            np.save(buf, np.ascontiguousarray(arr), allow_pickle=False)
+            (tmp / f"{key}.npy").write_bytes(buf.getvalue())
+            sums[key] = hashlib.sha256(buf.getvalue()).hexdigest()
+        meta = {"format": FORMAT_VERSION, "class": _class_name(type(index)), "params": index.params,
+                "n_keys": index.n_keys, "dim": index.dim, "arrays": sorted(arrays), "sha256": sums}
+        atomic_write_json(tmp / "index.json", meta)
+
+
+def _not_a_save(folder: Path) -> str | None:
+    """What in ``folder`` shows it is not a saved index (no index.json, another file, another index.json), or None for
+    an empty folder or a save."""
+    entries = sorted(folder.iterdir())
+    if entries and not (folder / "index.json").is_file():  # someone's own arrays: .npy files are not ours by name alone
+        return repr(entries[0].name)
+    for f in entries:
+        if f.name == "index.json":
+            try:
+                meta = json.loads(f.read_text())
+            except (OSError, ValueError):
+                continue  # a save cut short or damaged: replacing it loses nothing
+            if not (isinstance(meta, dict) and "format" in meta and "class" in meta):
+                return "an index.json of something else"
+        elif not (f.is_file() and f.suffix == ".npy"):
+            return repr(f.name)
+    return None
 
 
 def load_index(cls: type["Index"], path: str | Path) -> "Index":
