@@ -82,6 +82,17 @@ def local_table(tiny_dump, tmp_path_factory):
 # --- the local executor ----------------------------------------------------------------------------------------
 
 
+def test_a_plugin_that_raises_keyboard_interrupt_fails_its_own_parts_once(tiny_dump, tmp_path):
+    """Before: the worker died with a traceback, the part was retried as a death and recorded as "exit code 1"."""
+    res = sweep(tiny_dump, tmp_path / "res", indexes=["faulty", "flat"], layers=[3],
+                build_params={"faulty": {"fault": "interrupt"}}, max_attempts=2)
+    assert sorted((name, head) for name, _, head, _ in res.failures) == [("faulty", 0), ("faulty", 3)]
+    assert all("KeyboardInterrupt raised by the index" in err for *_, err in res.failures)
+    recs = [json.loads(p.read_text()) for p in sorted((tmp_path / "res" / "parts").glob("failed-*.json"))]
+    assert [r["attempts"] for r in recs] == [1, 1]  # an error of the index, not a death: not retried in the run
+    assert set(res.table["index"]) == {"flat"}
+
+
 def test_a_plugin_that_writes_into_its_queries_fails_alone_and_leaves_the_next_index_measured_right(tiny_dump,
                                                                                                  local_table, tmp_path):
     """Before: no error; its own rows and flat's (the same head's next index, on the normalised queries) were wrong."""

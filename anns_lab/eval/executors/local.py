@@ -35,7 +35,10 @@ def _worker(conn: Connection, work: Work) -> None:
         data, load_error = load(work, layer, head)
         for name in names:
             conn.send(("start", name))
-            table, error = (None, load_error) if load_error else attempt(work, data, name)
+            try:
+                table, error = (None, load_error) if load_error else attempt(work, data, name)
+            except KeyboardInterrupt:  # workers ignore Ctrl-C (the driver's): this one came from the index itself
+                table, error = None, "KeyboardInterrupt raised by the index (not a Ctrl-C: workers ignore those)"
             conn.send(("done", name, table, error))
         conn.send(("idle",))
 
