@@ -112,6 +112,7 @@ def test_prompt_and_fidelity(tiny_gemma3, tmp_path):
     (["--param", "L"], "NAME=VALUE"),
     (["--mode", "flat", "--param", "nprobe=4"], "no selected index mode declares it"),
     (["--mode", "ivf", "--param", "nprobe=0"], "nprobe"),
+    (["--mode", "ivf", "--param", "ivf.nprobe=4"], "decode takes NAME=VALUE (e.g. --param nprobe=4)"),
     (["--train-group", "pooled"], "'pooled' is not one of 'head', 'group', 'strided'"),
     (["--copy-hints", -1], "--copy-hints must be 0"),
     (["--max-new-tokens", 0], "--max-new-tokens must be at least 1"),

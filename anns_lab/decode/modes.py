@@ -49,6 +49,9 @@ def parse_params(items: tuple[str, ...] | list[str], what: str = "--param") -> d
         name, value = item.split("=", 1)
         if not (name := name.strip()):  # else it reached the modes as a parameter named '' that none declares
             raise DecodeError(f"{what} {item!r}: NAME is empty; write NAME=VALUE, e.g. {what} L=200")
+        if "." in name:  # the sweep's INDEX.NAME: here a parameter goes to every selected mode that declares it
+            raise DecodeError(f"{what} {item!r}: decode takes NAME=VALUE (e.g. {what} {name.rsplit('.', 1)[1]}="
+                              f"{value.strip()}), which every selected index mode that declares NAME takes")
         if name in out:  # the last one silently won before: say which is meant
             raise DecodeError(f"{what} {name} is given twice ({out[name]!r} and {value.strip()}): give one value")
         out[name] = _coerce(value.strip())

@@ -62,8 +62,9 @@ class Param:
             ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
         else:
             ok = isinstance(value, kind)
-        if not ok:
-            raise IndexConfigError(f"{owner}: parameter {name}={value!r} must be {kind.__name__}")
+        if not ok:  # the command line reads values as JSON: a bool is true or false there, not True
+            spelled = " (true or false)" if kind is bool else ""
+            raise IndexConfigError(f"{owner}: parameter {name}={value!r} must be {kind.__name__}{spelled}")
         value = kind(value)
         if isinstance(value, float) and not math.isfinite(value):
             raise IndexConfigError(f"{owner}: parameter {name}={value!r} must be finite")
