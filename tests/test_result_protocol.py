@@ -167,6 +167,21 @@ class FaultyFlatTrain(Faulty):
         super()._build(keys, None)
 
 
+@pytest.mark.parametrize("attention_aware", [False, True])
+def test_the_decoder_refuses_an_index_that_writes_into_the_layer_stores_keys(monkeypatch, attention_aware):
+    """The store's rows are the decode's keys (every attention over them reads them): an index normalising them in
+    place at build changed the attention computed, silently."""
+    from anns_lab.indexes.flat import FlatIndex
+
+    class Normalising(FlatIndex):
+        def _build(self, keys, train_queries):
+            keys /= np.linalg.norm(keys, axis=1, keepdims=True)
+            super()._build(keys, None)
+
+    with pytest.raises(IndexResultError, match="badplugin broke the index protocol: it modified the keys"):
+        _store(monkeypatch, Normalising, attention_aware)
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered in cast")
 @pytest.mark.parametrize("attention_aware", [False, True])
 @pytest.mark.parametrize("fault", ["zero_scanned", "too_many_scanned", "id_out_of_range", "duplicate_id",

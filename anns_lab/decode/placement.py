@@ -105,6 +105,9 @@ class LayerStore:
         t0 = time.perf_counter()
         cls = registry.get(self.plan.name)
         rows = [self.key_store.head(g) for g in range(self.key_store.buf.shape[0])]
+        # the store's rows are the decode's keys, and the queries its calibration's: an index writing into them would
+        # change the attention computed from them (checked once per build; a step's search is not, for its time)
+        before = protocol.input_sums(self.key_store.buf[:, :self.n_rows], queries)
         if cls.uses_train_queries:
             if queries is None:
                 raise ValueError("attention-aware index needs the prefill queries")
@@ -117,6 +120,8 @@ class LayerStore:
         else:
             shared = map_one_thread(lambda r: cls(**self.plan.build_params).build(r), rows, beside)
             self.indexes = [shared[h // self.group] for h in range(self.n_heads)]
+        if protocol.input_sums(self.key_store.buf[:, :self.n_rows], queries) != before:
+            raise protocol.inputs_changed(self.plan.name)
         self.n_indexed = self.n_rows
         self._bound = None
         self._sum_values()

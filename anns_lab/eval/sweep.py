@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,13 +23,13 @@ import pyarrow as pa
 
 from anns_lab.dumps import rope
 from anns_lab.dumps.store import open_dump, write_table
-from anns_lab.errors import AnnsLabError, IndexConfigError, IndexResultError
+from anns_lab.errors import AnnsLabError, IndexConfigError
 from anns_lab.eval import failures as failed
 from anns_lab.eval import metrics
 from anns_lab.eval.executors import Outcome, Part, open_executor
 from anns_lab.eval.heads import HeadData, check_k, default_layers, load_head
 from anns_lab.eval.table import ADDED, COLUMNS, RESULTS, SETTINGS
-from anns_lab.indexes import group_queries
+from anns_lab.indexes import group_queries, protocol
 from anns_lab.io import atomic_write_json
 
 LATENCY_QUERIES = 16
@@ -89,7 +88,7 @@ def evaluate_index(name: str, data: HeadData, k: int, dump_label: str, model: st
 
     ``quick`` skips the attention-quality and batch-1 latency passes (their columns are NaN): for parameter scans.
     """
-    from anns_lab.indexes import protocol, registry
+    from anns_lab.indexes import registry
 
     index = registry.create(name, **(build_params or {}))
     t0 = time.perf_counter()
@@ -160,12 +159,12 @@ class SweepWork:
 
     def evaluate(self, data: HeadData, index: str) -> pd.DataFrame:
         dump = open_dump(self.dump)
-        before = _given_arrays(data)
+        before = _given_sums(data)
         try:
             table = evaluate_index(index, data, self.k, str(dump.path), dump.model, self.build_params.get(index),
                                    self.quick)
         finally:  # a plugin that writes into its inputs would corrupt its own rows and every later index's of the head
-            changed = _given_arrays(data) != before
+            changed = _given_sums(data) != before
             if changed:
                 fresh = self.load(data.layer, data.head)
                 for name in GIVEN:
@@ -174,18 +173,16 @@ class SweepWork:
                 for cache in ("_exact", "_reference"):  # HeadData's, computed from the changed arrays
                     data.__dict__.pop(cache, None)
         if changed:
-            raise IndexResultError(f"{index} broke the index protocol: it modified the keys or queries it was given, "
-                                   "in place (normalised them?); copy them first, as an index must never write to them")
+            raise protocol.inputs_changed(index)
         return table
 
 
 GIVEN = ("keys", "train_queries", "test_queries", "k2k_queries", "group_queries")  # what an index sees of a head
 
 
-def _given_arrays(data: HeadData) -> list[int | None]:
-    """A checksum of each array an index is given (``GIVEN``), to see it left them as they were."""
-    return [None if (a := getattr(data, name)) is None else zlib.crc32(memoryview(np.ascontiguousarray(a)).cast("B"))
-            for name in GIVEN]
+def _given_sums(data: HeadData) -> list[int | None]:
+    """:func:`protocol.input_sums` of each array an index is given (``GIVEN``)."""
+    return protocol.input_sums(*(getattr(data, name) for name in GIVEN))
 
 
 def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: list[int] | None = None,

@@ -13,6 +13,8 @@ and, when the queries and keys are given, a score differs from q·k of its id. T
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 
 from anns_lab.errors import IndexResultError
@@ -106,3 +108,15 @@ def check_estimate(owner: str, res, index, summaries=_FROM_INDEX) -> None:
                                index.dim, summaries_checked=checked)
     if problem is not None:
         raise IndexResultError(f"{owner} broke the index protocol: {problem}")
+
+
+def input_sums(*arrays: np.ndarray | None) -> list[int | None]:
+    """A crc32 of each array given to an index (None stays None): the protocol forbids writing into them, and a sweep or
+    decoder that compares the sums before and after a build or search sees an index that did (normalised in place)."""
+    return [None if a is None else zlib.crc32(memoryview(np.ascontiguousarray(a)).cast("B")) for a in arrays]
+
+
+def inputs_changed(owner: str) -> IndexResultError:
+    """The error for an index whose inputs' :func:`input_sums` changed."""
+    return IndexResultError(f"{owner} broke the index protocol: it modified the keys or queries it was given, in place "
+                            "(normalised them?); copy them first, as an index must never write to them")
