@@ -82,6 +82,24 @@ def local_table(tiny_dump, tmp_path_factory):
 # --- the local executor ----------------------------------------------------------------------------------------
 
 
+def test_a_stuck_plugin_is_killed_at_the_part_timeout_and_fails_its_own_parts_only(tiny_dump, local_table, tmp_path):
+    """Before: a build that never returns held the sweep for ever (the bar at 0 of its parts)."""
+    res = sweep(tiny_dump, tmp_path / "res", indexes=["faulty", "flat"], layers=[3], max_attempts=3,
+                build_params={"faulty": {"sleep_s": 600.0}}, part_timeout=3.0)
+    assert sorted((name, head) for name, _, head, _ in res.failures) == [("faulty", 0), ("faulty", 3)]
+    assert all("ran past --part-timeout 3 s" in err for *_, err in res.failures)
+    recs = [json.loads(p.read_text()) for p in sorted((tmp_path / "res" / "parts").glob("failed-*.json"))]
+    assert [r["attempts"] for r in recs] == [1, 1]  # not retried in the run: it would hang again
+    flat = local_table.query("index == 'flat' and layer == 3").reset_index(drop=True)
+    pd.testing.assert_frame_equal(res.table[SAME].reset_index(drop=True), flat[SAME])
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(AnnsLabError, match="--part-timeout"):
+            sweep(tiny_dump, tmp_path / "bad", part_timeout=bad)
+    with pytest.raises(AnnsLabError, match="--part-timeout is for the local executor"):
+        sweep(tiny_dump, tmp_path / "ray", executor="ray", part_timeout=5.0)
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "ray").exists()
+
+
 def test_a_plugin_that_raises_keyboard_interrupt_fails_its_own_parts_once(tiny_dump, tmp_path):
     """Before: the worker died with a traceback, the part was retried as a death and recorded as "exit code 1"."""
     res = sweep(tiny_dump, tmp_path / "res", indexes=["faulty", "flat"], layers=[3],

@@ -99,12 +99,15 @@ def latest_dump() -> Path | None:
 @click.option("--cpus-per-task", type=float, default=1.0, show_default=True, help="Ray: CPUs reserved per task.")
 @click.option("--ray-data", type=click.Choice(["auto", "path", "ship"]), default="auto", show_default=True,
               help="Ray: nodes read the dump at its path, or the driver ships each head's arrays (auto: path when every node has it).")
+@click.option("--part-timeout", type=float, default=0.0, show_default=True,
+              help="Seconds an index may run on one head before its worker is killed and the part failed as timed out "
+                   "(a stuck plugin); 0 = no bound. Local executor.")
 @click.option("--max-attempts", type=int, default=3, show_default=True,
               help="A failing part is tried at most this many times over all runs, then reported.")
 @click.option("--retry-failed", is_flag=True, help="Forget earlier failures (parts/failed-*.json) and try those parts again.")
 def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite, build_param, quick, train_group, train_positions,
           executor, address,
-          cpus_per_task, ray_data, max_attempts, retry_failed) -> None:
+          cpus_per_task, ray_data, part_timeout, max_attempts, retry_failed) -> None:
     """Evaluate every index on recall@k against fraction of keys scanned, per (layer, head)."""
     from anns_lab.eval.sweep import SweepInterrupted, run_sweep
 
@@ -130,6 +133,7 @@ def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite, bu
         res = run_sweep(dump_path, names, layer_list, head_list, k, window, out, jobs, overwrite,
                         build_params=_build_params(build_param), quick=quick, executor=executor, address=address,
                         cpus_per_task=cpus_per_task, max_attempts=max_attempts, retry_failed=retry_failed,
+                        part_timeout=part_timeout,
                         ray_data=ray_data, train_group=train_group, train_positions=train_positions)
     except SweepInterrupted as stop:
         click.echo(str(stop), err=True)

@@ -191,7 +191,7 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
               build_params: dict[str, dict] | None = None, quick: bool = False, executor: str = "local",
               address: str | None = None, cpus_per_task: float = 1.0, max_attempts: int = MAX_ATTEMPTS,
               retry_failed: bool = False, ray_data: str = "auto", train_group: str = group_queries.DEFAULT,
-              train_positions: str = rope.DEFAULT, log=None) -> SweepResult:
+              train_positions: str = rope.DEFAULT, log=None, part_timeout: float = 0.0) -> SweepResult:
     """Run the sweep (see module doc) and return the combined results table.
 
     ``build_params`` maps an index name to build parameters that replace its defaults; ``quick``
@@ -202,7 +202,8 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     every node sees the dump). ``train_group``: the attention-aware indexes' training queries
     (:mod:`indexes.group_queries`; each query head's index is built, on its own held-out keys, from them);
     ``train_positions``: ``serving`` moves them to the test queries' positions (:mod:`dumps.rope`), ``mix`` a random
-    half of them, ``own`` none.
+    half of them, ``own`` none. ``part_timeout``: seconds an index may run on a head before its worker is killed and
+    its part failed (local executor; 0: no bound).
     """
     from tqdm.auto import tqdm
 
@@ -252,7 +253,7 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
         settings["train_positions"] = train_positions
     # Connect (Ray) before the results folder is touched: a cluster that is unreachable or too small
     # for a task is one error and leaves nothing behind.
-    runner = open_executor(executor, jobs, address, cpus_per_task, ray_data, log=log)
+    runner = open_executor(executor, jobs, address, cpus_per_task, ray_data, log=log, part_timeout=part_timeout)
     try:
         _prepare(out, settings, overwrite)
         return _run(runner, dump, out, names, layers, heads, k, window, build_params, quick, max_attempts,

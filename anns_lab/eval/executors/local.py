@@ -5,7 +5,8 @@ the part. Here each worker tells the driver which index it starts, so a worker t
 a segfault, the OOM killer, ``kill -9``) fails exactly that part; the driver starts a new worker and
 retries the part while its attempts last; one that dies between two heads is replaced without a trace.
 Workers ignore SIGINT: on Ctrl-C the driver stops them (SIGTERM, then SIGKILL) and returns at once
-instead of waiting for queued heads.
+instead of waiting for queued heads. With a ``part_timeout``, an index that runs longer (a stuck plugin) has its
+worker killed and its part failed as timed out, not retried in the run: a hang costs that part, not the sweep.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -50,14 +52,16 @@ class _Slot:
     unit: tuple[int, int, list[str]] | None = None
     current: str | None = None
     remaining: list[str] = field(default_factory=list)
+    since: float = 0.0  # when ``current`` started (time.monotonic)
 
 
 class LocalExecutor:
     """``jobs`` spawned worker processes (spawn, not fork: forking running OpenMP/numba pools can deadlock)."""
 
-    def __init__(self, jobs: int, log=print) -> None:
+    def __init__(self, jobs: int, log=print, part_timeout: float = 0.0) -> None:
         self.jobs = max(1, int(jobs))
         self.log = log
+        self.part_timeout = part_timeout  # seconds an index may run (its head's load not counted); 0: no bound
 
     def describe(self) -> str:
         return f"local: {self.jobs} single-threaded worker process{'es' if self.jobs > 1 else ''}"
@@ -80,14 +84,25 @@ class LocalExecutor:
                 while queue and len(slots) < self.jobs:
                     slots.append(self._start(ctx, work, queue.popleft()))
                 busy = [s for s in slots if s.unit]
-                wait([s.conn for s in busy] + [s.proc.sentinel for s in busy])
+                wait([s.conn for s in busy] + [s.proc.sentinel for s in busy], timeout=self._until_overdue(busy))
                 for slot in busy:
                     if not self._drain(slot, attempts, on_outcome):
                         slots.remove(slot)
                         self._died(slot, attempts, tries, queue, on_outcome)
+                    elif self._until_overdue([slot]) == 0.0:
+                        slot.proc.kill()
+                        slots.remove(slot)
+                        self._died(slot, attempts, tries, queue, on_outcome, timed_out=True)
         finally:
             for slot in slots:
                 self._stop(slot)
+
+    def _until_overdue(self, slots: list[_Slot]) -> float | None:
+        """Seconds until the first of ``slots``' running indexes passes ``part_timeout`` (0.0: one has); None: no bound."""
+        running = [s.since for s in slots if s.current not in (None, LOADING)]
+        if not self.part_timeout or not running:
+            return None
+        return max(0.0, min(running) + self.part_timeout - time.monotonic())
 
     def _start(self, ctx, work: Work, unit: Unit) -> _Slot:
         parent, child = ctx.Pipe()
@@ -133,7 +148,7 @@ class LocalExecutor:
             except (EOFError, OSError):
                 return False
             if msg[0] == "start":
-                slot.current = msg[1]
+                slot.current, slot.since = msg[1], time.monotonic()
             elif msg[0] == "done":
                 _, name, table, error = msg
                 part = Part(layer, head, name)
@@ -146,18 +161,21 @@ class LocalExecutor:
                 return True
         return slot.proc.is_alive() or slot.unit is None
 
-    def _died(self, slot: _Slot, attempts: Counter, tries: dict[Part, int], queue: deque, on_outcome: OnOutcome) -> None:
-        """A worker died mid-unit: the part it was on fails (or is retried); the rest of the unit is requeued."""
+    def _died(self, slot: _Slot, attempts: Counter, tries: dict[Part, int], queue: deque, on_outcome: OnOutcome,
+              timed_out: bool = False) -> None:
+        """A worker died (or was killed for ``part_timeout``) mid-unit: the part it was on fails (or is retried; a timed
+        out one is not, in this run); the rest of the unit is requeued."""
         slot.proc.join(timeout=5)
         layer, head, _ = slot.unit
-        how = death_text(slot.proc.exitcode)
+        how = f"was killed: the index ran past --part-timeout {self.part_timeout:g} s" if timed_out else \
+            death_text(slot.proc.exitcode)
         # Dying while reading the head counts against every part of the unit; otherwise only the current one.
         suspects = list(slot.remaining) if slot.current in (None, LOADING) else [slot.current]
         keep = [n for n in slot.remaining if n not in suspects]
         for name in suspects:
             part = Part(layer, head, name)
             attempts[part] += 1
-            if attempts[part] < tries.get(part, 1):
+            if attempts[part] < tries.get(part, 1) and not timed_out:
                 self.log(f"worker process {how} while running {part}; retrying (attempt {attempts[part] + 1} "
                          f"of {tries[part]})")
                 keep.insert(0, name)
