@@ -164,12 +164,11 @@ class SweepWork:
             table = evaluate_index(index, data, self.k, str(dump.path), dump.model, self.build_params.get(index),
                                    self.quick)
         finally:  # a plugin that writes into its inputs would corrupt its own rows and every later index's of the head
-            changed = _given_sums(data) != before
-            if changed:
+            changed = [name for name, a, b in zip(GIVEN, before, _given_sums(data)) if a != b]
+            if changed:  # those arrays back as loaded (only those: an unchanged one may be a read-only view of the dump)
                 fresh = self.load(data.layer, data.head)
-                for name in GIVEN:
-                    if getattr(data, name) is not None:
-                        np.copyto(getattr(data, name), getattr(fresh, name))
+                for name in changed:
+                    np.copyto(getattr(data, name), getattr(fresh, name))
                 for cache in ("_exact", "_reference"):  # HeadData's, computed from the changed arrays
                     data.__dict__.pop(cache, None)
         if changed:
