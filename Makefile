@@ -46,7 +46,8 @@ demo: setup
 	$(BIN)/anns-lab report results/smollm2-text-8192
 
 test: setup
-	$(BIN)/python -m pytest -q --durations=15
+	# -X faulthandler: a crash, even at exit after the last test, prints where it happened
+	$(BIN)/python -X faulthandler -m pytest -q --durations=15
 
 clean:
 	rm -rf $(VENV)

@@ -14,6 +14,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TEST_DEVICE = os.environ.get("ANNS_LAB_TEST_DEVICE", "cpu")
 
 
+def pytest_configure(config) -> None:
+    """Refuse a Ray driver in the test process: each ``ray.init`` ... ``ray.shutdown`` leaves gRPC threads behind,
+    and a process carrying many to its exit can die there (tests/ray_driver.py drives Ray from a subprocess)."""
+    try:
+        import ray
+    except ImportError:
+        return
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("a test started a Ray driver in the test process: drive Ray from a subprocess "
+                           "(tests/ray_driver.py, or the anns-lab command)")
+
+    ray.init = refuse
+
+
 def _tiny_tokenizer(folder: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

@@ -19,6 +19,7 @@ import pytest
 from anns_lab.errors import AnnsLabError
 from anns_lab.eval import failures
 from anns_lab.eval.sweep import RESULTS, run_sweep
+from ray_driver import RaySweep, ray_sweep
 
 HERE = Path(__file__).parent
 WINDOW = (8, 64)  # the recent window covers the prompt queries that top up the 8 decode queries
@@ -67,9 +68,16 @@ def tiny_dump(tiny_llama, tmp_path_factory):
 
 
 def sweep(dump, out, **kw):
+    """The sweep of these tests; through Ray, driven from a subprocess (ray_driver.py says why)."""
     args = dict(indexes=["flat", "ivf"], layers=[1, 3], heads=[0, 3], k=K, window=WINDOW, out=out, jobs=2,
                 progress=False) | kw
-    return run_sweep(dump.path, **args)
+    if args.get("executor") != "ray":
+        return run_sweep(dump.path, **args)
+    log = args.pop("log", None)
+    res, lines = ray_sweep(dump.path, **args)
+    for line in lines if log else ():
+        log(line)
+    return res
 
 
 @pytest.fixture(scope="module")
@@ -402,16 +410,12 @@ def test_ray_worker_killed_mid_sweep_is_retried_and_the_table_is_complete(tiny_d
                                                                          tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
-    box = {}
-    kw = dict(indexes=["faulty"], build_params={"faulty": {"pid_dir": str(pids), "sleep_s": 3.0}}, executor="ray",
-              address=ray_cluster)
-    thread = threading.Thread(target=lambda: box.setdefault("res", sweep(tiny_dump, tmp_path / "res", **kw)))
-    thread.start()
+    driver = RaySweep(tiny_dump.path, tmp_path / "res", indexes=["faulty"], layers=[1, 3], heads=[0, 3], k=K,
+                      window=WINDOW, jobs=2, progress=False, executor="ray", address=ray_cluster,
+                      build_params={"faulty": {"pid_dir": str(pids), "sleep_s": 3.0}})
     victim = wait_for(lambda: next(iter(pids.iterdir()), None), "a Ray worker to start building")
     os.kill(_pid(victim), signal.SIGKILL)
-    thread.join(timeout=300)
-    assert not thread.is_alive()
-    res = box["res"]
+    res = driver.result()
     assert not res.failures
     assert len(list(pids.iterdir())) >= 5  # 4 parts, one of them built twice
     got = res.table[SAME].reset_index(drop=True)
@@ -441,9 +445,10 @@ def test_ray_bad_input_is_one_error_and_writes_nothing(tiny_dump, ray_cluster, t
         sweep(tiny_dump, tmp_path / "a", executor="ray", address=f"127.0.0.1:{_free_port()}")
     with pytest.raises(AnnsLabError, match=r"no node .* needing 8 CPU \(the largest node has 1 CPU\)"):
         sweep(tiny_dump, tmp_path / "b", executor="ray", address=ray_cluster, cpus_per_task=8)
-    monkeypatch.setitem(sys.modules, "ray", None)  # as if ray were not installed
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if ray were not installed (so no driver is started here)
     with pytest.raises(AnnsLabError, match=r"pip install 'anns-lab\[ray\]'"):
-        sweep(tiny_dump, tmp_path / "c", executor="ray")
+        run_sweep(tiny_dump.path, ["flat"], [1], [0], k=K, window=WINDOW, out=tmp_path / "c", progress=False,
+                  executor="ray")
     assert not any((tmp_path / x).exists() for x in "abc")
 
 
@@ -533,12 +538,14 @@ def test_ray_decode_gives_the_local_answers(tiny_llama, ray_cluster, tmp_path):
 
     args = ["decode", "--model", str(tiny_llama), "--mode", "full,flat", "--task", "passkey", "--context", "200",
             "--samples", "2", "--window", "4,16", "--topk", "20", "--max-new-tokens", "4"]
-    runs = {}
-    for executor in ("local", "ray"):
-        extra = ["--executor", "ray", "--address", ray_cluster] if executor == "ray" else []
-        r = CliRunner().invoke(main, args + extra + ["--json", str(tmp_path / f"{executor}.json")])
-        assert r.exit_code == 0, r.output
-        runs[executor] = json.loads((tmp_path / f"{executor}.json").read_text())
+    r = CliRunner().invoke(main, args + ["--json", str(tmp_path / "local.json")])
+    assert r.exit_code == 0, r.output
+    # Through Ray, the command runs as a user's does, in a process of its own (ray_driver.py says why)
+    r = subprocess.run([str(Path(sys.executable).parent / "anns-lab")] + args +
+                       ["--executor", "ray", "--address", ray_cluster, "--json", str(tmp_path / "ray.json")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    runs = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("local", "ray")}
     local, ray_ = runs["local"], runs["ray"]
     assert ray_["executor"] == "ray" and ray_["device"] == "cpu"
     assert set(ray_["modes"]) == {"full", "flat"}
