@@ -39,6 +39,24 @@ def test_a_name_two_distributions_claim_is_a_conflict_never_a_silent_winner(monk
     assert "flat" in indexes.available()
 
 
+def test_an_alias_entry_point_leaves_the_class_it_names_its_own_name(monkeypatch, tmp_path):
+    """Before: loading ``myflat = anns_lab.indexes.flat:FlatIndex`` set ``FlatIndex.name = "myflat"``, so flat's own
+    instances (messages, saves, the decoder's labels) then said myflat."""
+    from anns_lab.indexes.flat import FlatIndex
+
+    real = registry._entry_points
+    alias = EntryPoint("myflat", "anns_lab.indexes.flat:FlatIndex", registry.GROUP)
+    monkeypatch.setattr(registry, "_entry_points", lambda: real() | {"myflat": [alias]})
+    flat, myflat = indexes.create("flat"), indexes.create("myflat")
+    assert (flat.name, myflat.name, FlatIndex.name) == ("flat", "myflat", "flat")
+    assert isinstance(myflat, FlatIndex) and indexes.get("myflat") is indexes.get("myflat")
+    keys = np.random.default_rng(0).standard_normal((50, 8)).astype(np.float32)
+    myflat.build(keys)
+    myflat.save(tmp_path / "saved")  # the same class on disk: either name loads it
+    assert type(FlatIndex.load(tmp_path / "saved")).name == "flat"
+    assert indexes.get("myflat").load(tmp_path / "saved").name == "myflat"
+
+
 def test_a_plugin_that_exits_at_import_is_one_broken_entry(monkeypatch, tmp_path):
     (tmp_path / "exits_at_import.py").write_text("import sys\nsys.exit('plugin called sys.exit at import')\n")
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -61,9 +61,25 @@ def _load(name: str, eps: list[EntryPoint]) -> type[Index]:
         raise RuntimeError(f"{ep.value} called sys.exit({err.code!r}) at import") from None
     if not (isinstance(obj, type) and issubclass(obj, Index)):
         raise TypeError(f"{ep.value} is not a subclass of anns_lab.indexes.Index")
-    if obj.name != ep.name:
-        obj.name = ep.name  # error messages and listings use the registry name
-    return obj
+    return _named(obj, ep.name)
+
+
+_RENAMED: dict[tuple[type[Index], str], type[Index]] = {}
+
+
+def _named(cls: type[Index], name: str) -> type[Index]:
+    """``cls`` under its registry name (error messages and listings use it). A class announced under another name
+    than the one it has (an alias entry point) is served as a subclass carrying the name: setting it on the class
+    itself renamed it for every other name that serves it (a plugin's ``myflat`` alias of the built-in flat made
+    flat's own saves and messages say ``myflat``). A class without a name takes the first it is loaded under."""
+    if not cls.name:
+        cls.name = name
+    if cls.name == name:
+        return cls
+    if (cls, name) not in _RENAMED:  # one class per name: a second load gives the same class (isinstance holds)
+        _RENAMED[cls, name] = type(cls.__name__, (cls,), {"name": name, "__module__": cls.__module__,
+                                                          "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+    return _RENAMED[cls, name]
 
 
 def available() -> dict[str, type[Index]]:
