@@ -18,6 +18,7 @@ import pytest
 
 from anns_lab.errors import AnnsLabError
 from anns_lab.eval import failures
+from anns_lab.eval.executors import Part
 from anns_lab.eval.sweep import RESULTS, run_sweep
 from ray_driver import RaySweep, ray_sweep
 
@@ -365,6 +366,28 @@ def ray_cluster(plugin_dir, tmp_path_factory):
             _stop_group(proc)
         shutil.rmtree(temp, ignore_errors=True)
         env_patch.undo()
+
+
+def test_the_progress_bar_names_the_index_each_worker_is_on(tiny_dump, tmp_path, capfd, monkeypatch):
+    """A slow or stuck index is seen by name on the bar (before: only a count of finished parts)."""
+    from anns_lab.eval.executors.local import LocalExecutor
+    from anns_lab.eval.sweep import SweepWork
+    from anns_lab.indexes import warmup
+
+    work = SweepWork(str(tiny_dump.path), K, WINDOW, {"faulty": {"sleep_s": 0.5}}, False)
+    seen, outcomes = [], []
+    LocalExecutor(1).run(work, [(3, 0, ["faulty", "flat"]), (1, 3, ["flat"])], {}, outcomes.append,
+                         on_running=seen.append)
+    order = [Part(3, 0, "faulty"), Part(3, 0, "flat"), Part(1, 3, "flat")]
+    assert [o.part for o in outcomes] == order
+    # the slow part is seen; a fast one may start and end between two looks; a change only; nothing at the end
+    named = [p for parts in seen for p in parts]
+    assert seen[0] == [order[0]] and seen[-1] == [] and all(a != b for a, b in zip(seen, seen[1:]))
+    assert named == sorted(named, key=order.index) and len(set(named)) == len(named)
+    monkeypatch.setattr(warmup, "warm_up", lambda *a, **k: 0.0)  # the kernels' compile is not what is tested
+    sweep(tiny_dump, tmp_path / "res", indexes=["faulty"], layers=[3], heads=[0], jobs=1, progress=True,
+          build_params={"faulty": {"sleep_s": 1.0}})
+    assert "faulty 3/0" in capfd.readouterr().err
 
 
 def _reachable(port: int) -> bool:

@@ -320,7 +320,7 @@ def _run(runner, dump, out, names, layers, heads, k, window, build_params, quick
     if units:
         log(f"sweep {dump.path.name}: {len(tries)} parts on {runner.describe()}")
         try:
-            runner.run(work, units, tries, on_outcome)
+            runner.run(work, units, tries, on_outcome, on_running=lambda parts: bar.set_postfix_str(_running(parts)))
         except KeyboardInterrupt:
             bar.close()
             combine(out)
@@ -406,6 +406,11 @@ def _prepare(out: Path, settings: dict, overwrite: bool) -> None:
     except OSError as err:
         raise AnnsLabError(f"cannot write the sweep into {out}: {err.strerror or err} ({err.filename or out}); "
                            "choose another --out") from None
+
+
+def _running(parts: list[Part]) -> str:
+    """The bar's note of what the workers are on (a stuck index is seen by name): ``ivf 3/0, flat 1/2``."""
+    return ", ".join(f"{p.index} {p.layer}/{p.head}" for p in parts)
 
 
 def combine(out: Path) -> pd.DataFrame:

@@ -56,15 +56,19 @@ class Work(Protocol):
 #: A group of parts sharing one head: (layer, head, index names); ``tries`` bounds each part's attempts.
 Unit = tuple[int, int, list[str]]
 OnOutcome = Callable[[Outcome], None]
+#: Told the parts an executor's workers are running now, each time that set changes (the progress bar names them).
+OnRunning = Callable[[list[Part]], None]
 
 
 class Executor(Protocol):
-    """Runs units, calls ``on_outcome`` on the driver for every finished part, and raises KeyboardInterrupt
-    (after stopping its workers) when interrupted."""
+    """Runs units, calls ``on_outcome`` on the driver for every finished part (and ``on_running``, where the
+    executor knows which parts its workers are on), and raises KeyboardInterrupt (after stopping its workers) when
+    interrupted."""
 
     def describe(self) -> str: ...
 
-    def run(self, work: Work, units: list[Unit], tries: dict[Part, int], on_outcome: OnOutcome) -> None: ...
+    def run(self, work: Work, units: list[Unit], tries: dict[Part, int], on_outcome: OnOutcome,
+            on_running: OnRunning | None = None) -> None: ...
 
     def close(self) -> None: ...
 

@@ -19,7 +19,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
-from anns_lab.eval.executors.base import OnOutcome, Outcome, Part, Unit, Work, attempt, death_text, load
+from anns_lab.eval.executors.base import OnOutcome, OnRunning, Outcome, Part, Unit, Work, attempt, death_text, load
 
 LOADING = "<load>"  # what a worker is doing before its first index: reading the head
 
@@ -69,12 +69,15 @@ class LocalExecutor:
     def close(self) -> None:
         pass
 
-    def run(self, work: Work, units: list[Unit], tries: dict[Part, int], on_outcome: OnOutcome) -> None:
-        """Evaluate every unit's names; a part whose worker dies is retried up to ``tries[part]`` attempts."""
+    def run(self, work: Work, units: list[Unit], tries: dict[Part, int], on_outcome: OnOutcome,
+            on_running: OnRunning | None = None) -> None:
+        """Evaluate every unit's names; a part whose worker dies is retried up to ``tries[part]`` attempts;
+        ``on_running`` hears the parts the workers are on whenever they change."""
         ctx = multiprocessing.get_context("spawn")
         queue: deque[Unit] = deque((layer, head, list(names)) for layer, head, names in units if names)
         attempts: Counter[Part] = Counter()
         slots: list[_Slot] = []
+        running: list[Part] = []
         try:
             while queue or any(s.unit for s in slots):
                 for slot in list(slots):
@@ -93,6 +96,10 @@ class LocalExecutor:
                         slot.proc.kill()
                         slots.remove(slot)
                         self._died(slot, attempts, tries, queue, on_outcome, timed_out=True)
+                now = [Part(*s.unit[:2], s.current) for s in slots if s.unit and s.current not in (None, LOADING)]
+                if on_running and now != running:
+                    running = now
+                    on_running(now)
         finally:
             for slot in slots:
                 self._stop(slot)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 
 from anns_lab.errors import AnnsLabError
-from anns_lab.eval.executors.base import OnOutcome, Outcome, Part, Unit, Work, attempt, load
+from anns_lab.eval.executors.base import OnOutcome, OnRunning, Outcome, Part, Unit, Work, attempt, load
 from anns_lab.eval.executors.ray_cluster import Cluster, check_cpus_per_task
 
 DATA_MODES = ("auto", "path", "ship")
@@ -71,8 +71,10 @@ class RayExecutor:
         self.log("ray: every node reads the dump through its path (shared file system)")
         return "path"
 
-    def run(self, work: Work, units: list[Unit], tries: dict[Part, int], on_outcome: OnOutcome) -> None:
-        """Submit parts (a bounded number in flight), report each as it ends; Ctrl-C cancels the rest."""
+    def run(self, work: Work, units: list[Unit], tries: dict[Part, int], on_outcome: OnOutcome,
+            on_running: OnRunning | None = None) -> None:
+        """Submit parts (a bounded number in flight), report each as it ends; Ctrl-C cancels the rest. ``on_running``
+        is not called: a submitted part may still wait in Ray's queue, and the driver does not see it start."""
         ray = self.ray
         ship = self.data_mode(work) == "ship"
         task = ray.remote(_part_task)
