@@ -1,7 +1,7 @@
 """Misbehaving index plugins for the executor tests (installed per test into a temporary entry-point folder).
 
 ``faulty`` searches exactly like ``flat`` unless told otherwise: ``fault`` makes its search call
-``os.abort()`` or ``sys.exit(3)``, raise KeyboardInterrupt, or normalise the queries it is given in place (``normalise``); ``pid_dir`` makes its build leave a file ``<pid>-<ns>`` per build
+``os.abort()`` or ``sys.exit(3)``, raise KeyboardInterrupt, hang in C holding the GIL (``hang``), or normalise the queries it is given in place (``normalise``); ``pid_dir`` makes its build leave a file ``<pid>-<ns>`` per build
 (so a test can find and kill the worker) and ``sleep_s`` keeps the build busy that long.
 """
 
@@ -21,7 +21,7 @@ class FaultyIndex(Index):
     """Exact search with injectable faults."""
 
     build_params = {
-        "fault": Param("none", choices=("none", "abort", "exit", "normalise", "interrupt"), help="what search does"),
+        "fault": Param("none", choices=("none", "abort", "exit", "normalise", "interrupt", "hang"), help="what search does"),
         "pid_dir": Param("", help="folder to leave <pid> files in at build"),
         "sleep_s": Param(0.0, 0.0, 600.0, help="seconds the build sleeps"),
     }
@@ -39,6 +39,10 @@ class FaultyIndex(Index):
             sys.exit(3)
         if self.params["fault"] == "interrupt":
             raise KeyboardInterrupt
+        if self.params["fault"] == "hang":  # a backtracking regex: C code that never lets go of the GIL (2^60 steps)
+            import re
+
+            re.match(r"(a+)+$", "a" * 60 + "b")
         if self.params["fault"] == "normalise":  # as faiss.normalize_L2 would: the caller's array, in place
             queries /= np.linalg.norm(queries, axis=1, keepdims=True)
         s = queries @ self._keys.T

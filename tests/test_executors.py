@@ -104,9 +104,7 @@ def test_a_stuck_plugin_is_killed_at_the_part_timeout_and_fails_its_own_parts_on
     for bad in (-1.0, float("nan")):
         with pytest.raises(AnnsLabError, match="--part-timeout"):
             sweep(tiny_dump, tmp_path / "bad", part_timeout=bad)
-    with pytest.raises(AnnsLabError, match="--part-timeout is for the local executor"):
-        sweep(tiny_dump, tmp_path / "ray", executor="ray", part_timeout=5.0)
-    assert not (tmp_path / "bad").exists() and not (tmp_path / "ray").exists()
+    assert not (tmp_path / "bad").exists()
 
 
 def test_a_plugin_that_raises_keyboard_interrupt_fails_its_own_parts_once(tiny_dump, tmp_path):
@@ -447,6 +445,20 @@ def test_ray_worker_killed_mid_sweep_is_retried_and_the_table_is_complete(tiny_d
     assert set(zip(got["layer"], got["head"])) == {(1, 0), (1, 3), (3, 0), (3, 3)}
 
 
+def test_ray_a_stuck_plugin_is_cancelled_at_the_part_timeout_and_fails_its_own_parts_only(tiny_dump, local_table,
+                                                                                         ray_cluster, tmp_path):
+    """Before: --part-timeout was refused on Ray, where an index that never returned held the sweep for ever. This
+    one hangs in C holding the GIL: only killing its worker stops it."""
+    res = sweep(tiny_dump, tmp_path / "res", indexes=["faulty", "flat"], layers=[3], executor="ray",
+                address=ray_cluster, build_params={"faulty": {"fault": "hang"}}, part_timeout=3.0)
+    assert sorted((name, head) for name, _, head, _ in res.failures) == [("faulty", 0), ("faulty", 3)]
+    assert all("ran past --part-timeout 3 s" in err for *_, err in res.failures)
+    recs = [json.loads(p.read_text()) for p in sorted((tmp_path / "res" / "parts").glob("failed-*.json"))]
+    assert [(r["attempts"], r["worker_died"]) for r in recs] == [(1, True), (1, True)]  # cancelled: not retried
+    flat = local_table.query("index == 'flat' and layer == 3").reset_index(drop=True)
+    pd.testing.assert_frame_equal(res.table[SAME].reset_index(drop=True), flat[SAME])
+
+
 @pytest.mark.parametrize("fault, needle", [("abort", "Ray worker died 2 time(s)"), ("exit", "SystemExit")])
 def test_ray_crashing_plugin_fails_its_own_parts(tiny_dump, local_table, ray_cluster, tmp_path, fault, needle):
     out = tmp_path / "res"
@@ -530,7 +542,7 @@ def test_ray_shipping_a_head_that_cannot_be_read_fails_its_parts_not_the_sweep()
     from anns_lab.eval.executors.ray_executor import RayExecutor
 
     ex = RayExecutor.__new__(RayExecutor)
-    ex.ray, ex.data, ex.cpus_per_task, ex.log = _FakeRay(), "ship", 1.0, print
+    ex.ray, ex.data, ex.cpus_per_task, ex.log, ex.part_timeout = _FakeRay(), "ship", 1.0, print, 0.0
     ex.cluster = SimpleNamespace(cpus=lambda: 2.0, abandon=lambda refs: None)
     units = [(1, 0, ["flat", "ivf"]), (1, 3, ["flat", "ivf"]), (3, 0, ["flat"])]
     outcomes = []

@@ -101,7 +101,7 @@ def latest_dump() -> Path | None:
               help="Ray: nodes read the dump at its path, or the driver ships each head's arrays (auto: path when every node has it).")
 @click.option("--part-timeout", type=float, default=0.0, show_default=True,
               help="Seconds an index may run on one head before its worker is killed and the part failed as timed out "
-                   "(a stuck plugin); 0 = no bound. Local executor.")
+                   "(a stuck plugin; on Ray its task is force-cancelled); 0 = no bound.")
 @click.option("--max-attempts", type=int, default=3, show_default=True,
               help="A failing part is tried at most this many times over all runs, then reported.")
 @click.option("--retry-failed", is_flag=True, help="Forget earlier failures (parts/failed-*.json) and try those parts again.")

@@ -202,7 +202,7 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     (:mod:`indexes.group_queries`; each query head's index is built, on its own held-out keys, from them);
     ``train_positions``: ``serving`` moves them to the test queries' positions (:mod:`dumps.rope`), ``mix`` a random
     half of them, ``own`` none. ``part_timeout``: seconds an index may run on a head before its worker is killed and
-    its part failed (local executor; 0: no bound).
+    its part failed (on Ray, its task is force-cancelled; 0: no bound).
     """
     from tqdm.auto import tqdm
 

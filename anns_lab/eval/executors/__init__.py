@@ -18,7 +18,7 @@ EXECUTORS = ("local", "ray")
 def open_executor(name: str, jobs: int = 2, address: str | None = None, cpus_per_task: float = 1.0,
                   data: str = "auto", log=print, part_timeout: float = 0.0) -> Executor:
     """The executor ``name`` (connected and checked when it is Ray); raises AnnsLabError for bad settings.
-    ``part_timeout``: seconds an index may run on a head before its worker is killed (local only; 0: no bound)."""
+    ``part_timeout``: seconds an index may run on a head before its worker is killed (0: no bound)."""
     if not (part_timeout >= 0 and math.isfinite(part_timeout)):
         raise AnnsLabError(f"--part-timeout {part_timeout}: give seconds (0 for no bound)")
     if name == "local":
@@ -33,10 +33,7 @@ def open_executor(name: str, jobs: int = 2, address: str | None = None, cpus_per
     if name == "ray":
         from anns_lab.eval.executors.ray_executor import RayExecutor
 
-        if part_timeout:  # a Ray task queues before it runs, and Ray cannot stop one stuck in a C loop from outside
-            raise AnnsLabError("--part-timeout is for the local executor; on Ray, stop a stuck sweep with Ctrl-C "
-                               "(finished parts are kept) and leave the index out")
-        return RayExecutor(address, jobs, cpus_per_task, data, log)
+        return RayExecutor(address, jobs, cpus_per_task, data, log, part_timeout)
     raise AnnsLabError(f"unknown executor {name!r}; known: {', '.join(EXECUTORS)}")
 
 
