@@ -388,6 +388,23 @@ def test_the_progress_bar_names_the_index_each_worker_is_on(tiny_dump, tmp_path,
     assert "faulty 3/0" in capfd.readouterr().err
 
 
+def test_more_workers_than_cpus_is_refused_before_any_work(tiny_dump, tmp_path, monkeypatch):
+    """Before: --jobs 64 on 2 CPUs started 64 workers (their timings skewed, 64 heads in memory); a private Ray too
+    small for --cpus-per-task was refused naming the node, not --jobs."""
+    from anns_lab.eval import executors
+
+    monkeypatch.setattr(executors, "machine_cpus", lambda: 2)
+    with pytest.raises(AnnsLabError, match="--jobs 3: this machine gives this process 2 CPUs.*at most 2"):
+        sweep(tiny_dump, tmp_path / "a", jobs=3)
+    with pytest.raises(AnnsLabError, match="--jobs 3: this machine"):
+        run_sweep(tiny_dump.path, ["flat"], [1], [0], k=K, window=WINDOW, out=tmp_path / "b", jobs=3, executor="ray")
+    with pytest.raises(AnnsLabError, match=r"--cpus-per-task 2 is more than the private Ray's 1 CPUs \(--jobs\): raise "
+                                           "--jobs to 2"):
+        run_sweep(tiny_dump.path, ["flat"], [1], [0], k=K, window=WINDOW, out=tmp_path / "c", jobs=1, executor="ray",
+                  cpus_per_task=2.0)
+    assert not any((tmp_path / x).exists() for x in "abc")
+
+
 def _reachable(port: int) -> bool:
     import socket
 

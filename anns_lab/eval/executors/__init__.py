@@ -8,6 +8,7 @@ imported unless the Ray executor is asked for.
 from __future__ import annotations
 
 import math
+import os
 
 from anns_lab.errors import AnnsLabError
 from anns_lab.eval.executors.base import Executor, Outcome, Part
@@ -27,14 +28,36 @@ def open_executor(name: str, jobs: int = 2, address: str | None = None, cpus_per
         if ray_only:  # silently ignored before (but --address): the run was not the one asked for
             raise AnnsLabError(f"{', '.join(ray_only)} {'is' if len(ray_only) == 1 else 'are'} for --executor ray; the "
                                "local executor runs on this machine")
+        _check_jobs(jobs)
         from anns_lab.eval.executors.local import LocalExecutor
 
         return LocalExecutor(jobs, log, part_timeout)
     if name == "ray":
+        from anns_lab.eval.executors.ray_cluster import check_cpus_per_task
         from anns_lab.eval.executors.ray_executor import RayExecutor
 
+        if address is None:  # a private Ray on this machine: --jobs CPUs of it
+            _check_jobs(jobs, check_cpus_per_task(cpus_per_task))
         return RayExecutor(address, jobs, cpus_per_task, data, log, part_timeout)
     raise AnnsLabError(f"unknown executor {name!r}; known: {', '.join(EXECUTORS)}")
+
+
+def machine_cpus() -> int:
+    """The CPUs this process may run on (its affinity, not the host's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _check_jobs(jobs: int, cpus_per_task: float = 1.0) -> None:
+    """Workers on this machine (local ones, or a private Ray's CPUs) fit its CPUs, and a private Ray's task fits it:
+    more single-threaded workers than CPUs slow every part and skew the table's timings (``--jobs 64`` on 2 CPUs ran,
+    with the memory of 64 loaded heads), and the remedy for a task larger than the private Ray is ``--jobs``."""
+    cpus = machine_cpus()
+    if jobs > cpus:
+        raise AnnsLabError(f"--jobs {jobs}: this machine gives this process {cpus} CPUs, and each job is a single-threaded "
+                           f"worker (more would share CPUs and skew the timings): give at most {cpus}")
+    if cpus_per_task > jobs:
+        raise AnnsLabError(f"--cpus-per-task {cpus_per_task:g} is more than the private Ray's {jobs} CPUs (--jobs): "
+                           f"raise --jobs to {math.ceil(cpus_per_task)} (this machine has {cpus}) or lower --cpus-per-task")
 
 
 __all__ = ["EXECUTORS", "Executor", "Outcome", "Part", "open_executor"]
