@@ -82,7 +82,8 @@ def latest_dump() -> Path | None:
 @click.option("--window", type=WINDOW, default="128,512", show_default=True, help="Static window excluded from the index.")
 @click.option("--out", type=click.Path(), default=None, help="Results folder [default: results/<dump name>, plus the selection when one is given, e.g. "
                    "results/<dump>-ivf+hnsw-L15-H0+4].")
-@click.option("--jobs", type=int, default=2, show_default=True, help="Parallel processes (one (layer, head) each).")
+@click.option("--jobs", type=int, default=None,
+              help="Parallel processes (one (layer, head) each); at most this machine's CPUs.  [default: 2, or 1 on one CPU]")
 @click.option("--overwrite", is_flag=True, help="Discard an existing sweep of other settings in --out.")
 @click.option("--build-param", "build_param", multiple=True, metavar="INDEX.NAME=VALUE",
               help="Override a build parameter, e.g. --build-param roargraph.M=16 (repeatable).")
