@@ -102,18 +102,26 @@ def test_report_numbers_equal_the_table(sweep, tmp_path):
     assert "Mahalanobis" in text and "dynamic top-100" in text
 
 
-def test_report_says_when_the_dump_is_beyond_the_models_context(sweep, tmp_path, monkeypatch):
+def test_report_says_when_the_dump_is_beyond_the_models_context(sweep, smollm2_dump, tmp_path, monkeypatch):
     plain = report.write_report(sweep.path, tmp_path / "plain").read_text()
     assert "extrapolated" not in plain.lower()
 
+    shorter = {"by": 1}
+
     def short_context(path):  # the same dump, as if the model had been trained on fewer tokens than it holds
         dump = open_dump(path)
-        dump.manifest["model"]["context"] = dump.manifest["n_tokens"]["prefill"] - 1
+        dump.manifest["model"]["context"] = dump.manifest["n_tokens"]["prefill"] - shorter["by"]
         return dump
 
     monkeypatch.setattr(report, "open_dump", short_context)
     text = report.write_report(sweep.path, tmp_path / "beyond").read_text()
     assert "Extrapolated:" in text and "--allow-extrapolation" in text
+    # The prompt fits, the decode steps (the Q→K rows' queries) run past it: said too (before: nothing), no flag named.
+    shorter["by"] = -4
+    text = report.write_report(sweep.path, tmp_path / "decode-beyond").read_text()
+    n_decode = smollm2_dump.manifest["n_tokens"]["decode"]
+    assert f"Extrapolated: the last {n_decode - 4} of the {n_decode} decode steps run beyond" in text
+    assert "--allow-extrapolation" not in text
 
 
 def rendered_dom(page) -> str:

@@ -117,10 +117,16 @@ class LoadedModel:
         return "cache" if "cache" in inspect.signature(type(self.model).forward).parameters else "past_key_values"
 
 
-def extrapolation_note(model: str, n_tokens: int, context: int | None, rope_scaling: str | None = None) -> str | None:
-    """One sentence for results whose ``n_tokens`` go beyond ``model``'s trained ``context`` (None within it)."""
-    if not context or n_tokens <= context:
+def extrapolation_note(model: str, n_tokens: int, context: int | None, rope_scaling: str | None = None,
+                       decoded: int = 0) -> str | None:
+    """One sentence for results whose ``n_tokens`` (and ``decoded`` steps after them: a dump's decode queries) go
+    beyond ``model``'s trained ``context`` (None within it)."""
+    if not context or n_tokens + decoded <= context:
         return None
+    if n_tokens <= context:  # a dump's decode steps past a prompt that fits: the usual setting, no flag needed
+        return (f"extrapolated: the last {n_tokens + decoded - context:,} of the {decoded:,} decode steps run beyond "
+                f"{model}'s trained context of {context:,} (the prompt fits it); positions past it were never "
+                "trained, for full attention as for every index")
     if rope_scaling:
         return (f"extrapolated: {n_tokens:,} tokens are beyond {model}'s trained context of {context:,} "
                 f"(--allow-extrapolation), with its long-range layers' RoPE positions scaled ({rope_scaling}), "

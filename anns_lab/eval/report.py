@@ -170,7 +170,7 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
              "(docs/paper.md); the metrics are defined in docs/metrics.md.")
     model_facts = dump.manifest.get("model", {})
     beyond = extrapolation_note(dump.model, dump.manifest["n_tokens"]["prefill"], model_facts.get("context"),
-                                model_facts.get("rope_scaling"))
+                                model_facts.get("rope_scaling"), dump.manifest["n_tokens"]["decode"])
     if beyond:
         intro += f" **{beyond[0].upper()}{beyond[1:]}.**"
     lost = failures.missing(folder / "parts")
