@@ -616,6 +616,24 @@ def _retokenized(model, tmp_path):
     return copy, out
 
 
+def test_a_finished_dump_is_not_handed_back_when_its_tokenizer_changed(tiny_llama, tmp_path):
+    """Before: "already complete", though the tokenizer now gives the prompt other token ids. A dump made before the
+    tokenizer's stamp was recorded is handed back as before (its files_stamp, which never covered the tokenizer, holds)."""
+    copy, out = tmp_path / "m", tmp_path / "d"
+    shutil.copytree(tiny_llama, copy)
+    _small(copy, out)
+    cfg = json.loads((copy / "tokenizer_config.json").read_text())
+    (copy / "tokenizer_config.json").write_text(json.dumps(cfg | {"add_bos_token": not cfg.get("add_bos_token")}))
+    with pytest.raises(DumpError, match="other tokenizer files"):
+        _small(copy, out)
+    one_line_error(["dump", "--model", copy, "--tokens", 30, "--decode-tokens", 2, "--layers", "all", "--dtype",
+                    "float32", "--chunk", 8, "--out", out], "other tokenizer files", "tokenizer_config.json", "--overwrite")
+    m = json.loads((out / store.MANIFEST).read_text())
+    del m["model"]["tokenizer_stamp"]  # as older versions wrote it
+    (out / store.MANIFEST).write_text(json.dumps(store.sealed(m)))
+    assert _small(copy, out).already_complete
+
+
 def test_a_folder_with_someone_elses_manifest_is_never_replaced(tiny_llama, tmp_path, no_model_load):
     out = tmp_path / "app"
     out.mkdir()

@@ -388,6 +388,27 @@ def files_stamp(where: Path | str) -> str | None:
     return h.hexdigest()
 
 
+# The files a Hugging Face tokenizer is built from: they decide the prompt's token ids.
+TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab*", "merges.txt", "spiece.model",
+                   "sentencepiece*.model", "*.tiktoken")
+
+
+def tokenizer_stamp(where: Path | str) -> str | None:
+    """A digest of a local model folder's tokenizer files, names and bytes (Gemma-3's 33 MB tokenizer.json: 40-100 ms
+    on a 2-core machine). None for a GGUF file (its tokenizer is inside, in files_stamp's size) or a hub id."""
+    import hashlib
+
+    where = Path(where)
+    if not where.is_dir():
+        return None
+    h = hashlib.blake2b(digest_size=16)
+    for f in sorted({f for pattern in TOKENIZER_FILES for f in where.glob(pattern) if f.is_file()}):
+        data = f.read_bytes()
+        h.update(f"{f.name}:{len(data)};".encode())
+        h.update(data)
+    return h.hexdigest()
+
+
 def weights_fingerprint(model, samples: int = 64) -> str:
     """A digest of a loaded model's weights (every tensor's name, shape and ``samples`` values spread over it): two
     checkpoints that differ anywhere a fine-tune or another revision touches give different digests, in milliseconds

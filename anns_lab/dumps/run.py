@@ -454,9 +454,9 @@ def _drop_damaged(out: Path, state: dict) -> None:
 
 
 def _check_inputs_unchanged(out: Path, prompt_path: str | None, where: Path | str) -> None:
-    """Refuse to hand back a finished dump as "already complete" when its prompt file or its model's files changed
-    since it was made (same settings, other inputs: the dump would silently be the old text's or model's)."""
-    from anns_lab.dumps.models import files_stamp
+    """Refuse to hand back a finished dump as "already complete" when its prompt file, its model's files or its
+    tokenizer's changed since it was made (same settings, other inputs: the dump would silently be the old ones')."""
+    from anns_lab.dumps.models import files_stamp, tokenizer_stamp
     from anns_lab.dumps.prompts import read_prompt_file
 
     m = store.read_manifest(out)
@@ -470,6 +470,11 @@ def _check_inputs_unchanged(out: Path, prompt_path: str | None, where: Path | st
     if was is not None and (now := files_stamp(where)) != was:
         raise DumpError(f"{out} was dumped from other model files than those at {where} now (config.json or weight files "
                         "changed); pass --overwrite to dump the model as it is now, or choose another --out")
+    was = m["model"].get("tokenizer_stamp")  # dumps made before it was recorded: not checked
+    if was is not None and (now := tokenizer_stamp(where)) != was:
+        raise DumpError(f"{out} was dumped with other tokenizer files than those at {where} now (tokenizer.json, "
+                        "tokenizer_config.json, vocabulary or merges changed: the prompt's token ids may differ); pass "
+                        "--overwrite to dump with the tokenizer as it is now, or choose another --out")
 
 
 def _check_layer_types(lm, layers: list[int]) -> None:
@@ -531,7 +536,7 @@ def _write_layers(out, missing: list[int], sink, state: dict, progress: bool) ->
 
 
 def _manifest(settings, lm, prompt, layers, n_prefill, n_decode, n_heads, n_kv, d, state, timing) -> dict:
-    from anns_lab.dumps.models import files_stamp
+    from anns_lab.dumps.models import files_stamp, tokenizer_stamp
 
     cfg = lm.config
     group = n_heads // n_kv
@@ -549,6 +554,7 @@ def _manifest(settings, lm, prompt, layers, n_prefill, n_decode, n_heads, n_kv, 
         "model": {"name": lm.name, "source": lm.source, "architecture": type(lm.model).__name__,
                   "weights_fingerprint": state["provenance"]["weights"], "device": state["provenance"]["device"],
                   "files_stamp": files_stamp(settings["model_source"]),
+                  "tokenizer_stamp": tokenizer_stamp(settings["model_source"]),
                   "context": lm.context, "long_range_layers": lm.long_range_layers,
                   "rope_scaling": settings.get("rope_scaling"), "config": json.loads(cfg.to_json_string(use_diff=False))},
         "tokenizer": {"class": type(tok).__name__, "vocab_size": len(tok), "bos_token_id": tok.bos_token_id,
