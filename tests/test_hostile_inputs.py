@@ -577,6 +577,63 @@ def test_a_finished_dump_is_not_handed_back_when_its_prompt_file_or_model_files_
         _small(model, tmp_path / "d2")
 
 
+def test_another_spelling_of_the_same_layers_is_the_same_settings(tiny_llama, tiny_gemma3, tmp_path):
+    """Before: the spelling was the setting, so ``1:3`` then ``1,2`` was refused as "other settings" (``--overwrite``
+    would have thrown the finished dump away)."""
+    out = tmp_path / "d"
+    made = _small(tiny_llama, out, layers="1:3").dump.manifest["created"]
+    for spelling in ("1,2", "1-2", " 2,1 "):
+        again = _small(tiny_llama, out, layers=spelling)
+        assert again.already_complete and again.dump.manifest["created"] == made
+    with pytest.raises(DumpError, match=r"other settings \(layers: '1:3' there vs '1,3' now\)"):
+        _small(tiny_llama, out, layers="1,3")  # other layers are still other settings
+    _small(tiny_llama, tmp_path / "all")
+    assert _small(tiny_llama, tmp_path / "all", layers="0,1,2,3").already_complete
+    _small(tiny_gemma3, tmp_path / "g", layers="default")  # its full-attention layers: 1 and 3
+    assert _small(tiny_gemma3, tmp_path / "g", layers="1,3").already_complete
+
+
+def test_an_interrupted_dump_resumes_under_another_spelling_of_its_layers(tiny_llama, tmp_path, monkeypatch):
+    """Before: refused as "an unfinished dump with other settings"; the progress record keeps the spelling it began
+    with (as records of older versions do), and the resume keeps its finished files."""
+    out = tmp_path / "d"
+    _interrupt_at_write(tiny_llama, out, monkeypatch, 4)  # tokens, layers 0 and 1 written; layers 2 and 3 not
+    assert json.loads((out / run_mod.STAGING / run_mod.PROGRESS).read_text())["settings"]["layers"] == "all"
+    kept = {name: (out / name).stat().st_mtime_ns for name in ("layer_000.parquet", "layer_001.parquet")}
+    res = _small(tiny_llama, out, layers="0:4")
+    assert res.resumed_layers == 2 and {name: (out / name).stat().st_mtime_ns for name in kept} == kept
+    assert res.dump.manifest["layers"] == [0, 1, 2, 3] and res.dump.manifest["settings"]["layers"] == "0:4"
+    res.dump.verify()
+
+
+def _retokenized(model, tmp_path):
+    """A copy of ``model`` and a finished dump of it; then the copy's tokenizer_config.json is edited."""
+    copy, out = tmp_path / "m", tmp_path / "d"
+    shutil.copytree(model, copy)
+    _small(copy, out)
+    cfg = json.loads((copy / "tokenizer_config.json").read_text())
+    (copy / "tokenizer_config.json").write_text(json.dumps(cfg | {"add_bos_token": not cfg.get("add_bos_token")}))
+    return copy, out
+
+
+def test_a_finished_dump_is_not_handed_back_when_its_tokenizer_changed(tiny_llama, tmp_path):
+    """Before: "already complete", though the tokenizer now gives the prompt other token ids. A dump made before the
+    tokenizer's stamp was recorded is handed back as before (its files_stamp, which never covered the tokenizer, holds)."""
+    copy, out = tmp_path / "m", tmp_path / "d"
+    shutil.copytree(tiny_llama, copy)
+    _small(copy, out)
+    cfg = json.loads((copy / "tokenizer_config.json").read_text())
+    (copy / "tokenizer_config.json").write_text(json.dumps(cfg | {"add_bos_token": not cfg.get("add_bos_token")}))
+    with pytest.raises(DumpError, match="other tokenizer files"):
+        _small(copy, out)
+    one_line_error(["dump", "--model", copy, "--tokens", 30, "--decode-tokens", 2, "--layers", "all", "--dtype",
+                    "float32", "--chunk", 8, "--out", out], "other tokenizer files", "tokenizer_config.json", "--overwrite")
+    m = json.loads((out / store.MANIFEST).read_text())
+    del m["model"]["tokenizer_stamp"]  # as older versions wrote it
+    (out / store.MANIFEST).write_text(json.dumps(store.sealed(m)))
+    assert _small(copy, out).already_complete
+
+
 def test_a_folder_with_someone_elses_manifest_is_never_replaced(tiny_llama, tmp_path, no_model_load):
     out = tmp_path / "app"
     out.mkdir()

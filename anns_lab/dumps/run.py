@@ -2,17 +2,20 @@
 
 Work is resumable by layer: the token ids are saved first, each layer's Parquet file is recorded
 in ``.staging/progress.json`` as soon as it is renamed into place, and a re-run with the same
-settings keeps those files and captures only the missing layers. With every token known in
-advance (a resume, or no decode steps) the forward pass stops after the deepest missing layer.
+settings (``--layers`` as the layers it selects, however spelled) keeps those files and captures
+only the missing layers. With every token known in advance (a resume, or no decode steps) the
+forward pass stops after the deepest missing layer.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,6 +159,36 @@ def _settings_diff(a: dict, b: dict) -> str:
     return ", ".join(f"{k}: {a.get(k)!r} there vs {b.get(k)!r} now" for k in keys if a.get(k) != b.get(k))
 
 
+def _layer_resolver(where: Path | str, canon: str) -> Callable[[str], list[int] | None]:
+    """A ``--layers`` spelling → the layers it selects of this model, its config read once when first needed (before
+    any weight loads); None where the config is not at hand or the spelling selects no valid layer."""
+    from anns_lab.dumps.models import config_layers
+
+    facts = functools.cache(lambda: config_layers(where, canon))
+
+    def resolve(spec: str) -> list[int] | None:
+        if facts() is None:
+            return None
+        try:
+            return parse_layers(spec, *facts()) or None
+        except DumpError:  # a spelling an older version took (0:100) selects nothing now, so it matches nothing
+            return None
+
+    return resolve
+
+
+def _as_now(old, new: dict, was: list[int] | None, resolve: Callable[[str], list[int] | None]):
+    """``old`` settings with their layers spelled as in ``new`` when both select the same layers of this model
+    (``1:3``, ``1-2``, ``1,2``; ``all`` and the full list), else as they are: a spelling is no other setting.
+    ``was``: the layers ``old`` selected where they were recorded (a finished dump's manifest)."""
+    if not isinstance(old, dict) or not isinstance(old.get("layers"), str) or old["layers"] == new["layers"]:
+        return old
+    now = resolve(new["layers"])
+    if now is not None and now == (was if was is not None else resolve(old["layers"])):
+        return old | {"layers": new["layers"]}
+    return old
+
+
 def _progress_ok(progress) -> bool:
     """Whether a progress file read as JSON has the shapes a resume reads (JSON of other shapes is as corrupt as none:
     read on, it ended in a raw TypeError or a manifest refused later)."""
@@ -168,10 +201,12 @@ def _progress_ok(progress) -> bool:
             and isinstance(progress.get("provenance", {}), dict))
 
 
-def _prepare_folder(out: Path, settings: dict, overwrite: bool) -> tuple[dict | None, bool]:
+def _prepare_folder(out: Path, settings: dict, overwrite: bool,
+                    resolve: Callable[[str], list[int] | None]) -> tuple[dict | None, bool]:
     """Decide what to do with ``out``: (None, False) when the dump is already complete, else the progress to resume or
     start and whether the folder's dump must be replaced (``--overwrite``): that waits until the new capture's checks
-    have passed (model, context, memory), so a refused command never costs the dump that was there."""
+    have passed (model, context, memory), so a refused command never costs the dump that was there. Settings compare
+    with the layers as the list they select (``resolve``), however spelled."""
     progress_path = out / STAGING / PROGRESS
     fresh = {"settings": settings, "done": {}}
     if (out / store.MANIFEST).is_file():
@@ -179,12 +214,14 @@ def _prepare_folder(out: Path, settings: dict, overwrite: bool) -> tuple[dict | 
             raise DumpError(f"{out} exists and is not a dump folder ({store.MANIFEST} is not an anns-lab dump's); "
                             "refusing to write into it (choose another --out)")
         try:
-            old = store.read_manifest(out)["settings"]
+            m = store.read_manifest(out)
+            old, was = m["settings"], m["layers"]
         except (DumpError, KeyError) as err:
             if not overwrite:  # its settings unknown: "other settings, every one None there" would mislead
                 raise DumpError(f"{out} holds a dump whose manifest cannot be read ({err}); pass --overwrite to replace "
                                 "it, or choose another --out") from None
-            old = None
+            old = was = None
+        old = _as_now(old, settings, was, resolve)
         if old == settings and not overwrite:
             return None, False
         if not overwrite:
@@ -200,10 +237,11 @@ def _prepare_folder(out: Path, settings: dict, overwrite: bool) -> tuple[dict | 
             if not overwrite:
                 raise DumpError(f"{progress_path} is corrupt; pass --overwrite to discard the unfinished dump") from None
             progress = {}
-        if progress.get("settings") == settings and not overwrite:
+        old = _as_now(progress.get("settings"), settings, None, resolve)
+        if old == settings and not overwrite:
             return progress, False
         if not overwrite:
-            raise DumpError(f"{out} holds an unfinished dump with other settings ({_settings_diff(progress.get('settings', {}), settings)}); "
+            raise DumpError(f"{out} holds an unfinished dump with other settings ({_settings_diff(old or {}, settings)}); "
                             "pass --overwrite to discard it, or choose another --out")
         return fresh, True
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -279,7 +317,7 @@ def run_dump(model: str = "smollm2", *, source: str = "text", prompt_path: str |
         settings["rope_scaling"] = str(rope_scaling)
     t_start = time.perf_counter()
     existed = out.exists()
-    state, replace = _prepare_folder(out, settings, overwrite)
+    state, replace = _prepare_folder(out, settings, overwrite, _layer_resolver(where, canon))
     if state is None:
         _check_inputs_unchanged(out, prompt_path, where)
         return DumpResult(store.open_dump(out), time.perf_counter() - t_start, already_complete=True)
@@ -416,9 +454,9 @@ def _drop_damaged(out: Path, state: dict) -> None:
 
 
 def _check_inputs_unchanged(out: Path, prompt_path: str | None, where: Path | str) -> None:
-    """Refuse to hand back a finished dump as "already complete" when its prompt file or its model's files changed
-    since it was made (same settings, other inputs: the dump would silently be the old text's or model's)."""
-    from anns_lab.dumps.models import files_stamp
+    """Refuse to hand back a finished dump as "already complete" when its prompt file, its model's files or its
+    tokenizer's changed since it was made (same settings, other inputs: the dump would silently be the old ones')."""
+    from anns_lab.dumps.models import files_stamp, tokenizer_stamp
     from anns_lab.dumps.prompts import read_prompt_file
 
     m = store.read_manifest(out)
@@ -432,6 +470,11 @@ def _check_inputs_unchanged(out: Path, prompt_path: str | None, where: Path | st
     if was is not None and (now := files_stamp(where)) != was:
         raise DumpError(f"{out} was dumped from other model files than those at {where} now (config.json or weight files "
                         "changed); pass --overwrite to dump the model as it is now, or choose another --out")
+    was = m["model"].get("tokenizer_stamp")  # dumps made before it was recorded: not checked
+    if was is not None and (now := tokenizer_stamp(where)) != was:
+        raise DumpError(f"{out} was dumped with other tokenizer files than those at {where} now (tokenizer.json, "
+                        "tokenizer_config.json, vocabulary or merges changed: the prompt's token ids may differ); pass "
+                        "--overwrite to dump with the tokenizer as it is now, or choose another --out")
 
 
 def _check_layer_types(lm, layers: list[int]) -> None:
@@ -493,7 +536,7 @@ def _write_layers(out, missing: list[int], sink, state: dict, progress: bool) ->
 
 
 def _manifest(settings, lm, prompt, layers, n_prefill, n_decode, n_heads, n_kv, d, state, timing) -> dict:
-    from anns_lab.dumps.models import files_stamp
+    from anns_lab.dumps.models import files_stamp, tokenizer_stamp
 
     cfg = lm.config
     group = n_heads // n_kv
@@ -511,6 +554,7 @@ def _manifest(settings, lm, prompt, layers, n_prefill, n_decode, n_heads, n_kv, 
         "model": {"name": lm.name, "source": lm.source, "architecture": type(lm.model).__name__,
                   "weights_fingerprint": state["provenance"]["weights"], "device": state["provenance"]["device"],
                   "files_stamp": files_stamp(settings["model_source"]),
+                  "tokenizer_stamp": tokenizer_stamp(settings["model_source"]),
                   "context": lm.context, "long_range_layers": lm.long_range_layers,
                   "rope_scaling": settings.get("rope_scaling"), "config": json.loads(cfg.to_json_string(use_diff=False))},
         "tokenizer": {"class": type(tok).__name__, "vocab_size": len(tok), "bos_token_id": tok.bos_token_id,
