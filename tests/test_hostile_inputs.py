@@ -687,7 +687,11 @@ def test_sweep_build_parameters_repeated_spelled_apart_or_searched(dump, tmp_pat
 
 
 @pytest.mark.parametrize("extra, words", [(["--cpus-per-task", 4], "--cpus-per-task is for --executor ray"),
-                                          (["--ray-data", "ship"], "--ray-data is for --executor ray")])
+                                          (["--ray-data", "ship"], "--ray-data is for --executor ray"),
+                                          # typed at their defaults they are still ignored (decode refused them; the
+                                          # sweep compared values)
+                                          (["--cpus-per-task", 1], "--cpus-per-task is for --executor ray"),
+                                          (["--ray-data", "auto"], "--ray-data is for --executor ray")])
 def test_ray_options_on_the_local_executor_are_refused_not_ignored(dump, tmp_path, extra, words):
     one_line_error(["sweep", "--dump", dump.path, "--indexes", "flat", "--layers", 1, "--heads", 0, "--k", 10,
                     "--window", "0,0", "--out", tmp_path / "s", *extra], words)

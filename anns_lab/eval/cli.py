@@ -97,9 +97,10 @@ def latest_dump() -> Path | None:
               help="local: --jobs worker processes here; ray: one task per (layer, head, index) on a Ray cluster.")
 @click.option("--address", default=None,
               help="Ray cluster to join (HOST:PORT of its head, or 'auto'); none starts Ray on this machine.")
-@click.option("--cpus-per-task", type=float, default=1.0, show_default=True, help="Ray: CPUs reserved per task.")
-@click.option("--ray-data", type=click.Choice(["auto", "path", "ship"]), default="auto", show_default=True,
-              help="Ray: nodes read the dump at its path, or the driver ships each head's arrays (auto: path when every node has it).")
+@click.option("--cpus-per-task", type=float, default=None, help="Ray: CPUs reserved per task.  [default: 1]")
+@click.option("--ray-data", type=click.Choice(["auto", "path", "ship"]), default=None,
+              help="Ray: nodes read the dump at its path, or the driver ships each head's arrays (auto: path when every "
+                   "node has it).  [default: auto]")
 @click.option("--part-timeout", type=float, default=0.0, show_default=True,
               help="Seconds an index may run on one head before its worker is killed and the part failed as timed out "
                    "(a stuck plugin; on Ray its task is force-cancelled); 0 = no bound.")

@@ -188,8 +188,8 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
               heads: list[int] | None = None, k: int = 100, window: tuple[int, int] = (128, 512),
               out: str | Path | None = None, jobs: int | None = None, overwrite: bool = False, progress: bool = True,
               build_params: dict[str, dict] | None = None, quick: bool = False, executor: str = "local",
-              address: str | None = None, cpus_per_task: float = 1.0, max_attempts: int = MAX_ATTEMPTS,
-              retry_failed: bool = False, ray_data: str = "auto", train_group: str = group_queries.DEFAULT,
+              address: str | None = None, cpus_per_task: float | None = None, max_attempts: int = MAX_ATTEMPTS,
+              retry_failed: bool = False, ray_data: str | None = None, train_group: str = group_queries.DEFAULT,
               train_positions: str = rope.DEFAULT, log=None, part_timeout: float = 0.0) -> SweepResult:
     """Run the sweep (see module doc) and return the combined results table.
 

@@ -16,15 +16,16 @@ from anns_lab.eval.executors.base import Executor, Outcome, Part
 EXECUTORS = ("local", "ray")
 
 
-def open_executor(name: str, jobs: int = 2, address: str | None = None, cpus_per_task: float = 1.0,
-                  data: str = "auto", log=print, part_timeout: float = 0.0) -> Executor:
+def open_executor(name: str, jobs: int = 2, address: str | None = None, cpus_per_task: float | None = None,
+                  data: str | None = None, log=print, part_timeout: float = 0.0) -> Executor:
     """The executor ``name`` (connected and checked when it is Ray); raises AnnsLabError for bad settings.
+    ``cpus_per_task`` (default 1) and ``data`` (default ``auto``) are Ray's: given to the local executor, refused.
     ``part_timeout``: seconds an index may run on a head before its worker is killed (0: no bound)."""
     if not (part_timeout >= 0 and math.isfinite(part_timeout)):
         raise AnnsLabError(f"--part-timeout {part_timeout}: give seconds (0 for no bound)")
     if name == "local":
-        ray_only = [flag for flag, given in (("--address", address is not None), ("--cpus-per-task", cpus_per_task != 1.0),
-                                             ("--ray-data", data != "auto")) if given]
+        ray_only = [flag for flag, value in (("--address", address), ("--cpus-per-task", cpus_per_task),
+                                             ("--ray-data", data)) if value is not None]
         if ray_only:  # silently ignored before (but --address): the run was not the one asked for
             raise AnnsLabError(f"{', '.join(ray_only)} {'is' if len(ray_only) == 1 else 'are'} for --executor ray; the "
                                "local executor runs on this machine")
@@ -33,6 +34,7 @@ def open_executor(name: str, jobs: int = 2, address: str | None = None, cpus_per
 
         return LocalExecutor(jobs, log, part_timeout)
     if name == "ray":
+        cpus_per_task, data = 1.0 if cpus_per_task is None else cpus_per_task, data or "auto"
         from anns_lab.eval.executors.ray_cluster import check_cpus_per_task
         from anns_lab.eval.executors.ray_executor import RayExecutor
 
