@@ -698,6 +698,22 @@ def test_ray_options_on_the_local_executor_are_refused_not_ignored(dump, tmp_pat
     assert not (tmp_path / "s").exists()
 
 
+def test_the_sweep_reads_layers_as_the_dump_command_does(dump, tmp_path):
+    """Before: `--layers 1:4` (as `anns-lab dump` takes it, and as the README's Ray example spelled it) was "expected
+    a comma-separated list of integers"."""
+    for spec in ("1:4:2", "all", "1-1,3"):
+        r = CliRunner().invoke(main, ["sweep", "--dump", str(dump.path), "--indexes", "flat", "--layers", spec,
+                                      "--heads", "0", "--k", "10", "--window", "0,0", "--quick", "--jobs", "1",
+                                      "--out", str(tmp_path / "s")])
+        assert r.exit_code == 0, r.output
+        assert sorted(pd.read_parquet(tmp_path / "s" / "results.parquet")["layer"].unique()) == [1, 3], spec
+    one_line_error(["sweep", "--dump", dump.path, "--indexes", "flat", "--layers", "0:2", "--out", tmp_path / "t"],
+                   "layer 0 is not in dump", "it holds layers [1, 3]")
+    one_line_error(["sweep", "--dump", dump.path, "--indexes", "flat", "--layers", "1:9", "--out", tmp_path / "t"],
+                   "the bound 9 lies outside")
+    assert not (tmp_path / "t").exists()
+
+
 def test_a_build_parameter_that_is_also_a_search_parameter_is_the_builds(dump, tmp_path):
     """vamana's L is both (the build's beam and the search's): refusing searched names must not refuse it."""
     r = run_sweep(dump.path, ["vamana"], [1], [0], k=10, window=(0, 0), out=tmp_path / "v", jobs=1, progress=False,

@@ -23,6 +23,20 @@ def _ints(text: str | None) -> list[int] | None:
         raise AnnsLabError(f"expected a comma-separated list of integers, got {text!r}") from None
 
 
+def _layers(spec: str | None, dump_path: str | Path) -> list[int] | None:
+    """``--layers`` read as the dump command reads it (one syntax for both); ``all`` is the dump's layers here."""
+    from anns_lab.dumps.run import parse_layers
+    from anns_lab.dumps.store import open_dump
+    from anns_lab.eval.heads import default_layers
+
+    if spec is None:
+        return None
+    dump = open_dump(dump_path, verify=False)  # the layer count only: the sweep opens and checks it again
+    if spec.strip().lower() == "all":
+        return dump.layers
+    return parse_layers(spec, int(dump.manifest["n_layers"]), default_layers(dump.layers))
+
+
 def _build_params(items: tuple[str, ...]) -> dict[str, dict]:
     """``("roargraph.M=16", "ivf.nlist=64")`` → ``{"roargraph": {"M": 16}, "ivf": {"nlist": 64}}`` (JSON values)."""
     out: dict[str, dict] = {}
@@ -76,7 +90,9 @@ def latest_dump() -> Path | None:
 @click.option("--dump", "dump_path", type=click.Path(), default=None,
               help="Dump folder [default: the newest under dumps/, or make the default SmolLM2 dump first].")
 @click.option("--indexes", default=None, help="Comma-separated index names [default: every registered index].")
-@click.option("--layers", default=None, help="Comma-separated layers [default: three spread over the dump's layers].")
+@click.option("--layers", default=None,
+              help="Layers as `anns-lab dump` takes them: 2,15,28, 3-7, 0:30:2, all (the dump's), or a mix "
+                   "[default: three spread over the dump's layers].")
 @click.option("--heads", default=None, help="Comma-separated query heads [default: all].")
 @click.option("--k", type=int, default=100, show_default=True)
 @click.option("--window", type=WINDOW, default="128,512", show_default=True, help="Static window excluded from the index.")
@@ -128,7 +144,7 @@ def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite, bu
             dump_path = result.dump.path
     # --indexes "" names nothing (refused by run_sweep), it does not mean every index
     names = list(dict.fromkeys(n.strip() for n in indexes.split(",") if n.strip())) if indexes is not None else None
-    layer_list, head_list = _ints(layers), _ints(heads)
+    layer_list, head_list = _layers(layers, dump_path), _ints(heads)
     if out is None:
         out = default_out(dump_path, names, layer_list, head_list, quick)
     try:
