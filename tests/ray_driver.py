@@ -33,6 +33,16 @@ class RaySweep:
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.logs: list[str] = []
 
+    def __enter__(self) -> "RaySweep":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """A test that fails before ``result()`` leaves no driver running against the module's cluster."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self.result_file.unlink(missing_ok=True)
+
     def result(self, timeout: float = 300.0) -> SweepResult:
         """The sweep's result (its table read back from ``out``); the driver's AnnsLabError is raised here."""
         try:

@@ -448,12 +448,12 @@ def test_ray_worker_killed_mid_sweep_is_retried_and_the_table_is_complete(tiny_d
                                                                          tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
-    driver = RaySweep(tiny_dump.path, tmp_path / "res", indexes=["faulty"], layers=[1, 3], heads=[0, 3], k=K,
-                      window=WINDOW, jobs=2, progress=False, executor="ray", address=ray_cluster,
-                      build_params={"faulty": {"pid_dir": str(pids), "sleep_s": 3.0}})
-    victim = wait_for(lambda: next(iter(pids.iterdir()), None), "a Ray worker to start building")
-    os.kill(_pid(victim), signal.SIGKILL)
-    res = driver.result()
+    with RaySweep(tiny_dump.path, tmp_path / "res", indexes=["faulty"], layers=[1, 3], heads=[0, 3], k=K,
+                  window=WINDOW, jobs=2, progress=False, executor="ray", address=ray_cluster,
+                  build_params={"faulty": {"pid_dir": str(pids), "sleep_s": 3.0}}) as driver:
+        victim = wait_for(lambda: next(iter(pids.iterdir()), None), "a Ray worker to start building")
+        os.kill(_pid(victim), signal.SIGKILL)
+        res = driver.result()
     assert not res.failures
     assert len(list(pids.iterdir())) >= 5  # 4 parts, one of them built twice
     got = res.table[SAME].reset_index(drop=True)
@@ -466,14 +466,38 @@ def test_ray_a_stuck_plugin_is_cancelled_at_the_part_timeout_and_fails_its_own_p
                                                                                          ray_cluster, tmp_path):
     """Before: --part-timeout was refused on Ray, where an index that never returned held the sweep for ever. This
     one hangs in C holding the GIL: only killing its worker stops it."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
     res = sweep(tiny_dump, tmp_path / "res", indexes=["faulty", "flat"], layers=[3], executor="ray",
-                address=ray_cluster, build_params={"faulty": {"fault": "hang"}}, part_timeout=3.0)
+                address=ray_cluster, build_params={"faulty": {"fault": "hang", "pid_dir": str(pids)}},
+                part_timeout=3.0, max_attempts=3)
     assert sorted((name, head) for name, _, head, _ in res.failures) == [("faulty", 0), ("faulty", 3)]
     assert all("ran past --part-timeout 3 s" in err for *_, err in res.failures)
     recs = [json.loads(p.read_text()) for p in sorted((tmp_path / "res" / "parts").glob("failed-*.json"))]
-    assert [(r["attempts"], r["worker_died"]) for r in recs] == [(1, True), (1, True)]  # cancelled: not retried
+    assert [(r["attempts"], r["worker_died"]) for r in recs] == [(1, True), (1, True)]
+    assert len(list(pids.iterdir())) == 2  # one build per part: a timed-out part is not retried in the run
     flat = local_table.query("index == 'flat' and layer == 3").reset_index(drop=True)
     pd.testing.assert_frame_equal(res.table[SAME].reset_index(drop=True), flat[SAME])
+
+
+def test_ray_a_retry_after_a_worker_death_has_a_clock_of_its_own(tiny_dump, local_table, ray_cluster, tmp_path):
+    """Under --part-timeout the driver retries a dead worker's part itself, each attempt timed under its own key:
+    when Ray retried it, the retry kept the dead attempt's start until its own load ended, and a review's run had
+    it cancelled as "ran past --part-timeout" before it ran. Here the retry (a 6 s build) finishes within 8 s."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    with RaySweep(tiny_dump.path, tmp_path / "res", indexes=["faulty"], layers=[3], heads=[0], k=K, window=WINDOW,
+                  jobs=2, progress=False, executor="ray", address=ray_cluster, part_timeout=8.0,
+                  build_params={"faulty": {"pid_dir": str(pids), "sleep_s": 6.0}}) as driver:
+        victim = wait_for(lambda: next(iter(pids.iterdir()), None), "a Ray worker to start building", every=0.1)
+        time.sleep(2.0)
+        os.kill(_pid(victim), signal.SIGKILL)
+        res = driver.result()
+    assert not res.failures, res.failures
+    assert len(list(pids.iterdir())) == 2  # the killed build and its retry
+    assert any("retrying (attempt 2 of 3)" in line for line in driver.logs), driver.logs  # the driver's own retry
+    flat = local_table.query("index == 'flat' and layer == 3 and head == 0").reset_index(drop=True)
+    pd.testing.assert_series_equal(res.table["recall"].reset_index(drop=True), flat["recall"])
 
 
 @pytest.mark.parametrize("fault, needle", [("abort", "Ray worker died 2 time(s)"), ("exit", "SystemExit")])

@@ -8,15 +8,17 @@ through the object store, released when the head's last task ends. Ray itself si
 thread pools to its ``num_cpus`` (OMP_NUM_THREADS). The driver alone writes
 ``parts/``, exactly as with the local executor, so a sweep may move between the two.
 
-With a ``part_timeout``, each task tells a small clock actor when its index starts (after its head is read, as
-the local executor counts): the driver cancels a task that runs past it with ``force=True``, which kills its
-worker process whatever the index is doing, and fails the part as timed out (a cancelled task is not retried).
+With a ``part_timeout``, each task tells a small clock actor when its index starts and ends (its head's read not
+counted, as locally): the driver cancels a task that runs past it with ``force=True``, which kills its worker process
+whatever the index is doing, and fails the part as timed out, not retried in the run. The driver then retries dead
+workers itself, each attempt on the clock under its own key.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import replace
 
 from anns_lab.errors import AnnsLabError
 from anns_lab.eval.executors.base import OnOutcome, OnRunning, Outcome, Part, Unit, Work, attempt, load
@@ -25,34 +27,49 @@ from anns_lab.eval.executors.ray_cluster import Cluster, check_cpus_per_task
 DATA_MODES = ("auto", "path", "ship")
 
 
-def _part_task(work: Work, layer: int, head: int, index: str, data=None, clock=None):
+def _part_task(work: Work, layer: int, head: int, index: str, data=None, clock=None, key: str | None = None):
     """Runs on a Ray worker: one part; its error (SystemExit included) comes back as text. ``clock`` (an actor
-    handle, with a part timeout) hears when the index starts."""
+    handle, with a part timeout) hears when the index starts and ends, as ``key`` (the part and its attempt)."""
     work.setup_worker()
     error = None
     if data is None:
         data, error = load(work, layer, head)
     if error:
         return None, error
-    if clock is not None:  # waited for: an index that then holds the GIL for ever must already be on the clock
-        import ray
+    _tell(clock, "start", key)  # waited for: an index that then holds the GIL for ever must already be on the clock
+    try:
+        return attempt(work, data, index)
+    finally:
+        _tell(clock, "finish", key)
 
-        ray.get(clock.start.remote(str(Part(layer, head, index))))
-    return attempt(work, data, index)
+
+def _tell(clock, what: str, key: str | None) -> None:
+    """Tell the clock actor (if any) that ``key`` starts or finishes; a clock that is gone only loses the timeout."""
+    if clock is None:
+        return
+    import ray
+
+    try:
+        ray.get(getattr(clock, what).remote(key), timeout=60)
+    except ray.exceptions.RayError:
+        pass
 
 
 class _StartClock:
-    """A Ray actor: when each part's index started, on this actor's one clock (nodes' clocks may differ)."""
+    """A Ray actor: when each running attempt of a part started, on this actor's one clock (nodes' clocks differ)."""
 
     def __init__(self) -> None:
         self.started: dict[str, float] = {}
 
-    def start(self, part: str) -> None:
-        self.started[part] = time.monotonic()  # a retried task starts its clock again
+    def start(self, key: str) -> None:
+        self.started[key] = time.monotonic()
+
+    def finish(self, key: str) -> None:
+        self.started.pop(key, None)
 
     def running_for(self) -> dict[str, float]:
         now = time.monotonic()
-        return {part: now - t for part, t in self.started.items()}
+        return {key: now - t for key, t in self.started.items()}
 
 
 def _fingerprint_task(work: Work) -> str | None:
@@ -102,22 +119,25 @@ class RayExecutor:
     def run(self, work: Work, units: list[Unit], tries: dict[Part, int], on_outcome: OnOutcome,
             on_running: OnRunning | None = None) -> None:
         """Submit parts (a bounded number in flight), report each as it ends; Ctrl-C cancels the rest. ``on_running``
-        is not called: a submitted part may still wait in Ray's queue, and the driver does not see it start."""
+        is not called: a submitted part may still wait in Ray's queue, and the driver does not see it start.
+
+        Ray retries a part whose worker died (``max_retries``), except under a part timeout: then the driver does,
+        each attempt on the clock under its own key, so a dead attempt's start never times out the next one."""
         ray = self.ray
         ship = self.data_mode(work) == "ship"
         task = ray.remote(_part_task)
-        todo = deque(Part(layer, head, n) for layer, head, names in units for n in names)
+        todo = deque((Part(layer, head, n), 1) for layer, head, names in units for n in names)
         left = {(layer, head): len(names) for layer, head, names in units}
         heads: dict[tuple[int, int], object] = {}
         unreadable: dict[tuple[int, int], str] = {}  # shipped heads the driver could not load: their error
-        inflight: dict[object, Part] = {}
+        inflight: dict[object, tuple[Part, int]] = {}  # ref -> (part, its attempt in this run)
         limit = max(2, int(2 * self.cluster.cpus() / self.cpus_per_task))  # keeps workers fed, memory bounded
-        clock = ray.remote(num_cpus=0)(_StartClock).remote() if self.part_timeout else None
+        clock = self._clock() if self.part_timeout else None
         overdue: set = set()  # refs cancelled for the part timeout
         try:
             while todo or inflight:
                 while todo and len(inflight) < limit:
-                    part = todo.popleft()
+                    part, n = todo.popleft()
                     key = (part.layer, part.head)
                     if ship and key not in heads and key not in unreadable:
                         data, error = load(work, *key)  # a head that cannot be read fails its parts, not the sweep
@@ -128,22 +148,31 @@ class RayExecutor:
                     if key in unreadable:
                         on_outcome(Outcome(part, None, unreadable[key]))
                         continue
-                    ref = task.options(num_cpus=self.cpus_per_task, max_retries=tries.get(part, 1) - 1,
-                                       retry_exceptions=False).remote(work, part.layer, part.head, part.index,
-                                                                      heads.get(key), clock)
-                    inflight[ref] = part
+                    retries = 0 if clock else tries.get(part, 1) - 1
+                    ref = task.options(num_cpus=self.cpus_per_task, max_retries=retries, retry_exceptions=False).remote(
+                        work, part.layer, part.head, part.index, heads.get(key), clock, f"{part} #{n}")
+                    inflight[ref] = (part, n)
                 if not inflight:  # every part submitted so far was of an unreadable head
                     continue
                 done, _ = ray.wait(list(inflight), num_returns=1, timeout=1.0)  # wakes up for Ctrl-C
                 if clock is not None:
-                    overdue |= self._cancel_overdue(clock, {r: p for r, p in inflight.items() if r not in done})
+                    overdue |= self._cancel_overdue(clock, {r: f"{p} #{n}" for r, (p, n) in inflight.items()
+                                                            if r not in done and r not in overdue})
                 for ref in done:
-                    part = inflight.pop(ref)
-                    if ref in overdue:
-                        on_outcome(Outcome(part, None, f"its Ray worker was killed: the index ran past --part-timeout "
-                                                       f"{self.part_timeout:g} s", crashed=True))
+                    part, n = inflight.pop(ref)
+                    outcome = self._outcome(ref, part, n if clock else tries.get(part, 1))
+                    if ref in overdue and outcome.crashed:
+                        outcome = Outcome(part, None, f"its Ray worker was killed: the index ran past --part-timeout "
+                                                      f"{self.part_timeout:g} s", n, crashed=True)
+                    elif clock is not None and outcome.crashed and n < tries.get(part, 1):
+                        self.log(f"its Ray worker died while running {part}; retrying (attempt {n + 1} of "
+                                 f"{tries[part]})")
+                        todo.appendleft((part, n + 1))
                         continue
-                    on_outcome(self._outcome(ref, part, tries.get(part, 1)))
+                    elif clock is not None:  # the driver counted this part's attempts
+                        outcome = replace(outcome, attempts=n)
+                    overdue.discard(ref)
+                    on_outcome(outcome)
                     left[(part.layer, part.head)] -= 1
                     if not left[(part.layer, part.head)]:
                         heads.pop((part.layer, part.head), None)  # its last task ended: free the shipped arrays
@@ -152,17 +181,38 @@ class RayExecutor:
             raise
         finally:
             if clock is not None:
-                ray.kill(clock)
+                try:  # never in the way of the KeyboardInterrupt or error that ends the run
+                    ray.kill(clock)
+                except Exception:  # noqa: BLE001
+                    pass
 
-    def _cancel_overdue(self, clock, inflight: dict) -> set:
-        """Force-cancel the tasks whose index has run past the part timeout; returns their refs. (One that ends at
-        that very moment races the cancel, which Ray 2.60 may answer by aborting the driver: see Cluster.abandon.
-        Finished parts are on disk by then, and the same command resumes.)"""
-        started = self.ray.get(clock.running_for.remote(), timeout=60)
-        late = {ref for ref, part in inflight.items() if started.get(str(part), 0.0) > self.part_timeout}
+    def _clock(self):
+        """The part-timeout clock: an actor on the driver's node where it can (restarted if it dies: its attempts
+        then run without a timeout, rather than the sweep failing)."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = NodeAffinitySchedulingStrategy(self.ray.get_runtime_context().get_node_id(), soft=True)
+        return self.ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1,
+                               scheduling_strategy=here)(_StartClock).remote()
+
+    def _cancel_overdue(self, clock, running: dict) -> set:
+        """Force-cancel the tasks (``running``: ref -> its attempt's key) whose index has run past the part timeout;
+        returns their refs. One that has just finished is left its result. (One that ends at the very moment of the
+        cancel races it, which Ray 2.60 may answer by aborting the driver: see Cluster.abandon; finished parts are on
+        disk by then, and the same command resumes.)"""
+        ray = self.ray
+        try:
+            started = ray.get(clock.running_for.remote(), timeout=60)
+        except ray.exceptions.RayError as err:
+            self.log(f"ray: the part-timeout clock did not answer ({type(err).__name__}); no part timed out this round")
+            return set()
+        late = [ref for ref, key in running.items() if started.get(key, 0.0) > self.part_timeout]
+        if late:
+            ready, _ = ray.wait(late, num_returns=len(late), timeout=0)
+            late = [ref for ref in late if ref not in ready]
         for ref in late:
-            self.ray.cancel(ref, force=True)
-        return late
+            ray.cancel(ref, force=True)
+        return set(late)
 
     def _outcome(self, ref, part: Part, tries: int) -> Outcome:
         try:
