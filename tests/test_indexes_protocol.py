@@ -1,5 +1,6 @@
 """The index protocol, the entry-point registry, `anns-lab indexes`, and bad-input errors."""
 
+import pickle
 from importlib.metadata import EntryPoint
 
 import numpy as np
@@ -55,6 +56,23 @@ def test_an_alias_entry_point_leaves_the_class_it_names_its_own_name(monkeypatch
     myflat.save(tmp_path / "saved")  # the same class on disk: either name loads it
     assert type(FlatIndex.load(tmp_path / "saved")).name == "flat"
     assert indexes.get("myflat").load(tmp_path / "saved").name == "myflat"
+    again = pickle.loads(pickle.dumps(myflat))  # the alias's class is made at load: its instances still pickle
+    assert type(again) is type(myflat) and np.array_equal(again.search(keys[:3], 5).ids, myflat.search(keys[:3], 5).ids)
+
+
+def test_a_plugin_subclass_of_a_builtin_that_sets_no_name_is_named_in_place(monkeypatch, tmp_path):
+    """The common plugin (``class Tuned(FlatIndex)``, no ``name``) is its own class under its entry point's name; the
+    alias rule read its inherited name and served a generated subclass of it (a review's catch)."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "tuned_plugin.py").write_text("from anns_lab.indexes.flat import FlatIndex\n\n\n"
+                                              "class Tuned(FlatIndex):\n    pass\n")
+    real = registry._entry_points
+    monkeypatch.setattr(registry, "_entry_points",
+                        lambda: real() | {"tuned": [EntryPoint("tuned", "tuned_plugin:Tuned", registry.GROUP)]})
+    import tuned_plugin
+
+    assert indexes.get("tuned") is tuned_plugin.Tuned and tuned_plugin.Tuned.name == "tuned"
+    assert indexes.get("flat").name == "flat"
 
 
 def test_a_plugin_that_exits_at_import_is_one_broken_entry(monkeypatch, tmp_path):

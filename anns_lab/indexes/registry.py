@@ -68,18 +68,31 @@ _RENAMED: dict[tuple[type[Index], str], type[Index]] = {}
 
 
 def _named(cls: type[Index], name: str) -> type[Index]:
-    """``cls`` under its registry name (error messages and listings use it). A class announced under another name
-    than the one it has (an alias entry point) is served as a subclass carrying the name: setting it on the class
-    itself renamed it for every other name that serves it (a plugin's ``myflat`` alias of the built-in flat made
-    flat's own saves and messages say ``myflat``). A class without a name takes the first it is loaded under."""
-    if not cls.name:
+    """``cls`` under its registry name (error messages and listings use it). A class that declares no name of its
+    own (a plugin's, or a plugin's subclass of a built-in) takes the first it is loaded under. A class announced under
+    another name than its own (an alias entry point) is served as a subclass carrying the name: setting it on the
+    class itself renamed it for every other name that serves it (a plugin's ``myflat`` alias of the built-in flat made
+    flat's own saves and messages say ``myflat``)."""
+    if not vars(cls).get("name"):
         cls.name = name
     if cls.name == name:
         return cls
     if (cls, name) not in _RENAMED:  # one class per name: a second load gives the same class (isinstance holds)
-        _RENAMED[cls, name] = type(cls.__name__, (cls,), {"name": name, "__module__": cls.__module__,
-                                                          "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+        _RENAMED[cls, name] = type(cls.__name__, (cls,), {
+            "name": name, "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
+            "__reduce_ex__": _reduce_renamed})
     return _RENAMED[cls, name]
+
+
+def _reduce_renamed(self, protocol: int):
+    """Pickle an alias's instance as its base class and name (the subclass is made at load, not importable)."""
+    base = type(self).__mro__[1]
+    return (_new_renamed, (base, type(self).name)) + object.__reduce_ex__(self, protocol)[2:]
+
+
+def _new_renamed(base: type[Index], name: str) -> Index:
+    cls = _named(base, name)
+    return cls.__new__(cls)
 
 
 def available() -> dict[str, type[Index]]:
