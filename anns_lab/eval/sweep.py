@@ -26,7 +26,7 @@ from anns_lab.dumps.store import open_dump, write_table
 from anns_lab.errors import AnnsLabError, IndexConfigError
 from anns_lab.eval import failures as failed
 from anns_lab.eval import metrics
-from anns_lab.eval.executors import Outcome, Part, machine_cpus, open_executor
+from anns_lab.eval.executors import Outcome, Part, open_executor
 from anns_lab.eval.heads import HeadData, check_k, default_layers, load_head
 from anns_lab.eval.table import ADDED, COLUMNS, RESULTS, SETTINGS
 from anns_lab.indexes import group_queries, protocol
@@ -240,9 +240,7 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
             rope.dump_inv_freq(dump.manifest, layer)
     if max_attempts < 1:
         raise AnnsLabError("--max-attempts must be at least 1")
-    if jobs is None:  # two workers, where the machine has two CPUs (more would share them)
-        jobs = min(2, machine_cpus())
-    if jobs < 1:
+    if jobs is not None and jobs < 1:
         raise AnnsLabError(f"--jobs {jobs}: give at least 1 worker process")
     out = Path(out) if out is not None else Path("results") / dump.path.name
     settings = {"dump": str(dump.path.resolve()), "dump_created": dump.manifest["created"], "k": k, "window": list(window)}

@@ -16,13 +16,15 @@ from anns_lab.eval.executors.base import Executor, Outcome, Part
 EXECUTORS = ("local", "ray")
 
 
-def open_executor(name: str, jobs: int = 2, address: str | None = None, cpus_per_task: float | None = None,
+def open_executor(name: str, jobs: int | None = None, address: str | None = None, cpus_per_task: float | None = None,
                   data: str | None = None, log=print, part_timeout: float = 0.0) -> Executor:
     """The executor ``name`` (connected and checked when it is Ray); raises AnnsLabError for bad settings.
     ``cpus_per_task`` (default 1) and ``data`` (default ``auto``) are Ray's: given to the local executor, refused.
     ``part_timeout``: seconds an index may run on a head before its worker is killed (0: no bound)."""
     if not (part_timeout >= 0 and math.isfinite(part_timeout)):
         raise AnnsLabError(f"--part-timeout {part_timeout}: give seconds (0 for no bound)")
+    if jobs is None:  # two workers, where the machine has two CPUs (more would share them)
+        jobs = min(2, machine_cpus())
     if name == "local":
         ray_only = [flag for flag, value in (("--address", address), ("--cpus-per-task", cpus_per_task),
                                              ("--ray-data", data)) if value is not None]
@@ -35,18 +37,26 @@ def open_executor(name: str, jobs: int = 2, address: str | None = None, cpus_per
         return LocalExecutor(jobs, log, part_timeout)
     if name == "ray":
         cpus_per_task, data = 1.0 if cpus_per_task is None else cpus_per_task, data or "auto"
-        from anns_lab.eval.executors.ray_cluster import check_cpus_per_task
+        from anns_lab.eval.executors.ray_cluster import check_cpus_per_task, require_ray
         from anns_lab.eval.executors.ray_executor import RayExecutor
 
-        if address is None:  # a private Ray on this machine: --jobs CPUs of it
-            _check_jobs(jobs, check_cpus_per_task(cpus_per_task))
+        if address is None and not require_ray().is_initialized():  # a private Ray here, of --jobs CPUs (a connection
+            _check_jobs(jobs, check_cpus_per_task(cpus_per_task))    # already open is used as it is)
         return RayExecutor(address, jobs, cpus_per_task, data, log, part_timeout)
     raise AnnsLabError(f"unknown executor {name!r}; known: {', '.join(EXECUTORS)}")
 
 
 def machine_cpus() -> int:
-    """The CPUs this process may run on (its affinity, not the host's count)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """The CPUs this process may run on: its affinity (taskset, cpusets), within a cgroup v2 CPU quota (a container's
+    ``--cpus``) where one is set; not the host's count."""
+    cpus = len(os.sched_getaffinity(os.getpid())) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cpus
 
 
 def _check_jobs(jobs: int, cpus_per_task: float = 1.0) -> None:
