@@ -619,11 +619,7 @@ def _retokenized(model, tmp_path):
 def test_a_finished_dump_is_not_handed_back_when_its_tokenizer_changed(tiny_llama, tmp_path):
     """Before: "already complete", though the tokenizer now gives the prompt other token ids. A dump made before the
     tokenizer's stamp was recorded is handed back as before (its files_stamp, which never covered the tokenizer, holds)."""
-    copy, out = tmp_path / "m", tmp_path / "d"
-    shutil.copytree(tiny_llama, copy)
-    _small(copy, out)
-    cfg = json.loads((copy / "tokenizer_config.json").read_text())
-    (copy / "tokenizer_config.json").write_text(json.dumps(cfg | {"add_bos_token": not cfg.get("add_bos_token")}))
+    copy, out = _retokenized(tiny_llama, tmp_path)
     with pytest.raises(DumpError, match="other tokenizer files"):
         _small(copy, out)
     one_line_error(["dump", "--model", copy, "--tokens", 30, "--decode-tokens", 2, "--layers", "all", "--dtype",

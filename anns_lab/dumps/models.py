@@ -124,8 +124,9 @@ def extrapolation_note(model: str, n_tokens: int, context: int | None, rope_scal
     if not context or n_tokens + decoded <= context:
         return None
     if n_tokens <= context:  # a dump's decode steps past a prompt that fits: the usual setting, no flag needed
+        scaled = f", with its long-range layers' RoPE positions scaled ({rope_scaling})" if rope_scaling else ""
         return (f"extrapolated: the last {n_tokens + decoded - context:,} of the {decoded:,} decode steps run beyond "
-                f"{model}'s trained context of {context:,} (the prompt fits it); positions past it were never "
+                f"{model}'s trained context of {context:,} (the prompt fits it){scaled}; positions past it were never "
                 "trained, for full attention as for every index")
     if rope_scaling:
         return (f"extrapolated: {n_tokens:,} tokens are beyond {model}'s trained context of {context:,} "
@@ -200,21 +201,6 @@ def _converted(gguf: Path, key: str) -> Path:
 
 def _converted_path(gguf: Path, key: str) -> Path:
     return cache_dir() / "converted" / f"{key}-{gguf.stat().st_size}"
-
-
-def layer_count(where: Path | str, canon: str) -> int | None:
-    """The model's number of layers read from its config.json alone (no weights), or None when there is none yet."""
-    import json
-
-    if isinstance(where, Path) and where.suffix == ".gguf":
-        where = _converted_path(where, canon)
-    config = Path(where) / "config.json"
-    try:
-        cfg = json.loads(config.read_text())
-    except (OSError, ValueError):
-        return None
-    n = cfg.get("num_hidden_layers", (cfg.get("text_config") or {}).get("num_hidden_layers"))
-    return n if isinstance(n, int) and n > 0 else None
 
 
 def _unknown(name: str) -> ModelNotAvailable:

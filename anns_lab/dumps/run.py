@@ -10,7 +10,6 @@ forward pass stops after the deepest missing layer.
 from __future__ import annotations
 
 import datetime
-import functools
 import hashlib
 import json
 import shutil
@@ -159,18 +158,15 @@ def _settings_diff(a: dict, b: dict) -> str:
     return ", ".join(f"{k}: {a.get(k)!r} there vs {b.get(k)!r} now" for k in keys if a.get(k) != b.get(k))
 
 
-def _layer_resolver(where: Path | str, canon: str) -> Callable[[str], list[int] | None]:
-    """A ``--layers`` spelling → the layers it selects of this model, its config read once when first needed (before
-    any weight loads); None where the config is not at hand or the spelling selects no valid layer."""
-    from anns_lab.dumps.models import config_layers
-
-    facts = functools.cache(lambda: config_layers(where, canon))
+def _layer_resolver(facts: tuple[int, list[int]] | None) -> Callable[[str], list[int] | None]:
+    """A ``--layers`` spelling → the layers it selects of this model (``facts``: its layer count and long-range layers,
+    :func:`models.config_layers`); None where the config is not at hand or the spelling selects no valid layer."""
 
     def resolve(spec: str) -> list[int] | None:
-        if facts() is None:
+        if facts is None:
             return None
         try:
-            return parse_layers(spec, *facts()) or None
+            return parse_layers(spec, *facts) or None
         except DumpError:  # a spelling an older version took (0:100) selects nothing now, so it matches nothing
             return None
 
@@ -288,7 +284,7 @@ def run_dump(model: str = "smollm2", *, source: str = "text", prompt_path: str |
              rope_scaling: RopeScaling | str | None = None, allow_download: bool = False, device: str = "cpu",
              progress: bool = True) -> DumpResult:
     """Capture a dump (see module doc); returns the opened dump and timings."""
-    from anns_lab.dumps.models import layer_count, resolve
+    from anns_lab.dumps.models import config_layers, resolve
     from anns_lab.dumps.prompts import read_prompt_file
 
     if dtype not in DTYPES:
@@ -310,14 +306,15 @@ def run_dump(model: str = "smollm2", *, source: str = "text", prompt_path: str |
     src = "file" if prompt_path else source
     out = Path(out) if out is not None else default_out(model, src, tokens)
     canon, where, _ = resolve(model)  # fails fast on unknown models
-    parse_layers(layers, layer_count(where, canon), [])  # the syntax always; the range when config.json is at hand
+    facts = config_layers(where, canon)  # the config alone, before any weight loads (None: not at hand yet)
+    parse_layers(layers, facts[0] if facts else None, [])  # the syntax always; the range when the config is at hand
     settings = {"model": canon, "model_source": str(where), "source": src, "prompt_path": str(Path(prompt_path).resolve()) if prompt_path else None,
                 "tokens": tokens, "decode_tokens": decode_tokens, "layers": layers, "dtype": dtype, "chunk": chunk, "seed": seed}
     if rope_scaling is not None:  # only when set: dumps made before the option resume as they are
         settings["rope_scaling"] = str(rope_scaling)
     t_start = time.perf_counter()
     existed = out.exists()
-    state, replace = _prepare_folder(out, settings, overwrite, _layer_resolver(where, canon))
+    state, replace = _prepare_folder(out, settings, overwrite, _layer_resolver(facts))
     if state is None:
         _check_inputs_unchanged(out, prompt_path, where)
         return DumpResult(store.open_dump(out), time.perf_counter() - t_start, already_complete=True)
