@@ -760,3 +760,33 @@ def test_a_save_never_replaces_what_is_not_a_save_and_a_failed_save_keeps_the_ea
     FlatIndex().build(keys).save(saved)  # a save over another index's: none of its arrays stay
     assert sorted(f.name for f in saved.iterdir()) == ["index.json", "keys.npy"]
     assert not [f for f in tmp_path.iterdir() if f.name.startswith(".")]  # no temp folder left beside
+
+
+# -- report, export and indexes, third probe (session 30): hand-edited tables, foreign --out folders, stopped exports --
+
+
+def test_export_stopped_while_replacing_an_earlier_one_never_keeps_its_description(dump, tmp_path, monkeypatch):
+    """Before: an --overwrite export of another head stopped after base.fbin left the earlier export.json, saying layer 1
+    head 0, beside layer 3 head 1's keys: a folder that looked complete and described other arrays."""
+    out = tmp_path / "x"
+    export.export_fbin(dump, 1, 0, out, k=10, window=(0, 0))
+    real = export.atomic_write_bytes
+
+    def stop(path, data):
+        if path.name == "train_queries.fbin":
+            raise KeyboardInterrupt
+        real(path, data)
+
+    monkeypatch.setattr(export, "atomic_write_bytes", stop)
+    with pytest.raises(KeyboardInterrupt):
+        export.export_fbin(dump, 3, 1, out, k=10, window=(0, 0), overwrite=True)
+    monkeypatch.setattr(export, "atomic_write_bytes", real)
+    assert not (out / "export.json").exists()
+    assert np.array_equal(export.read_fbin(out / "base.fbin"), load_head(dump, 3, 1, (0, 0)).keys)
+    (out / ".gt_q2k.bin.abc123.tmp").write_bytes(b"left by a killed export")
+    args = ["export", "--dump", dump.path, "--layer", 3, "--head", 1, "--k", 10, "--window", "0,0", "--out", out]
+    one_line_error(args, "holds an earlier export", "--overwrite")
+    r = CliRunner().invoke(main, [str(a) for a in args + ["--overwrite"]])
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "export.json").read_text())["layer"] == 3
+    assert sorted(p.name for p in out.iterdir()) == sorted(export.EXPORT_FILES)  # the killed one's temporary gone
