@@ -863,3 +863,17 @@ def test_export_stopped_while_replacing_an_earlier_one_never_keeps_its_descripti
     assert r.exit_code == 0, r.output
     assert json.loads((out / "export.json").read_text())["layer"] == 3
     assert sorted(p.name for p in out.iterdir()) == sorted(export.EXPORT_FILES)  # the killed one's temporary gone
+
+
+@pytest.mark.parametrize("declare", [{"build_params": [1, 2]}, {"search_grid": 5}, {"__doc__": 5},
+                                     {"search_params": {"x": 3}}], ids=["build-list", "grid-int", "doc-int", "param-int"])
+def test_indexes_lists_every_other_index_past_a_plugin_with_malformed_declarations(monkeypatch, declare):
+    """Before: a traceback at that plugin, and no index after it listed."""
+    odd = type("Odd", (FlatIndex,), {"name": "aaa-odd", **declare})
+    entries, available = registry.entries, registry.available
+    monkeypatch.setattr(registry, "entries", lambda: [registry.Entry("aaa-odd", "x:Odd", "x", "1")] + entries())
+    monkeypatch.setattr(registry, "available", lambda: {**available(), "aaa-odd": odd})
+    r = CliRunner().invoke(main, ["indexes"])
+    assert r.exit_code == 0 and r.exception is None, r.output
+    assert "aaa-odd  [x 1]  x:Odd\n    FAILED TO DESCRIBE: " in r.output and "\nflat  [" in r.output
+    assert "Traceback" not in r.output and "failed to load: aaa-odd" in r.output
