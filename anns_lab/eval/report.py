@@ -210,14 +210,15 @@ def _sweep_settings(table: pd.DataFrame, settings: dict, folder: Path) -> tuple[
         raise AnnsLabError(f"{folder / RESULTS} mixes sweeps of several k ({', '.join(map(str, ks))}); report one "
                            "sweep at a time")
     window = settings.get("window")
-    if window is None:  # a default assumed here once built every figure and diagnosis with a window the sweep never used
+    if window is None:  # a default assumed here built every figure and diagnosis with a window the sweep never used
         raise AnnsLabError(f"{folder / SETTINGS}, which says the sweep's window, is missing: report the results in the "
                            "folder the sweep wrote")
     if not (isinstance(window, list) and len(window) == 2 and all(type(w) is int and w >= 0 for w in window)):
         raise AnnsLabError(f"{folder / SETTINGS} is not a sweep's settings (window {window!r}); re-run the sweep")
     for key in ("dump", "dump_created"):
         if key in settings and not isinstance(settings[key], str):
-            raise AnnsLabError(f"{folder / SETTINGS} is not a sweep's settings ({key} {settings[key]!r}); re-run the sweep")
+            raise AnnsLabError(f"{folder / SETTINGS} is not a sweep's settings ({key} {settings[key]!r}); "
+                               "re-run the sweep")
     if settings.get("k", ks[0]) != ks[0]:
         raise AnnsLabError(f"{folder / RESULTS} measured recall@{ks[0]}, but {folder / SETTINGS} is of a sweep with "
                            f"--k {settings['k']}: the table is not this folder's sweep's; re-run the sweep")
