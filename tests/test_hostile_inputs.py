@@ -833,3 +833,120 @@ def test_a_save_never_replaces_what_is_not_a_save_and_a_failed_save_keeps_the_ea
     FlatIndex().build(keys).save(saved)  # a save over another index's: none of its arrays stay
     assert sorted(f.name for f in saved.iterdir()) == ["index.json", "keys.npy"]
     assert not [f for f in tmp_path.iterdir() if f.name.startswith(".")]  # no temp folder left beside
+
+
+# -- report, export and indexes, third probe (session 30): hand-edited tables, foreign --out folders, stopped exports --
+
+
+def _edit_table(folder, edit) -> None:
+    table = pd.read_parquet(folder / "results.parquet")
+    edit(table).to_parquet(folder / "results.parquet")
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda t: t.assign(recall=t["recall"].astype(str)), "column recall holds"),  # before: TypeError traceback
+    (lambda t: t.assign(k=np.nan), "k nan is not a whole number"),  # before: ValueError traceback
+    (lambda t: t.assign(n_keys=np.nan), "n_keys nan"),
+    (lambda t: t.assign(layer=1.5), "layer 1.5"),  # before: read as layer 1
+    (lambda t: t.assign(build_params="{bad"), "build_params '{bad' is not a JSON object"),
+    (lambda t: t.assign(direction="x2y"), "direction 'x2y'"),  # before: KeyError traceback
+    (lambda t: t.assign(index=None), "an index name None"),
+    (lambda t: pd.concat([t, t]), "more than once"),  # before: a traceback (labels repeated), or rows counted twice
+    (lambda t: pd.concat([t, t.assign(k=5)], ignore_index=True), "mixes sweeps of several k (5, 10)"),  # before: exit 0
+    (lambda t: t.assign(k=5), "measured recall@5, but"),  # before: exit 0, another sweep's table
+], ids=["recall-text", "k-nan", "n_keys-nan", "layer-fraction", "build-params-not-json", "direction-unknown", "index-none",
+        "rows-twice", "k-mixed", "k-not-the-settings"])
+def test_report_refuses_a_hand_edited_or_merged_table_in_one_line(dump, tmp_path, edit, words):
+    """Before: a raw traceback, or a report built silently from rows of several k or counted twice."""
+    _sweep(dump, tmp_path / "r")
+    _edit_table(tmp_path / "r", edit)
+    one_line_error(["report", tmp_path / "r"], words)
+    assert not (tmp_path / "r" / "report.md").exists()
+
+
+@pytest.mark.parametrize("settings, words", [
+    (None, ["sweep.json, which says the sweep's window, is missing"]),  # before: built with the window 128,512
+    ({"window": "0,0"}, ["is not a sweep's settings (window '0,0')"]),  # before: TypeError traceback
+    ({"window": [0, 0], "dump": 5}, ["is not a sweep's settings (dump 5)"]),  # before: TypeError traceback
+], ids=["missing", "window-text", "dump-number"])
+def test_report_needs_its_sweeps_window(dump, tmp_path, settings, words):
+    """The figures and IVF diagnosis load every head with the sweep's window: it is never assumed."""
+    _sweep(dump, tmp_path / "r")
+    if settings is None:
+        (tmp_path / "r" / "sweep.json").unlink()
+    else:
+        (tmp_path / "r" / "sweep.json").write_text(json.dumps(settings))
+    one_line_error(["report", tmp_path / "r"], *words)
+    (part,) = (tmp_path / "r" / "parts").glob("*.parquet")
+    one_line_error(["report", part], "parts/sweep.json, which says the sweep's window, is missing")  # a part, as RESULTS
+    assert not list((tmp_path / "r" / "parts").glob("report*"))
+
+
+def test_report_out_never_replaces_what_no_report_wrote(dump, tmp_path):
+    """Before: --out another sweep's folder replaced its report by this one's (looking like its own), --out a dump
+    wrote six files into it, a user's report.md or PNG of the report's names was overwritten, and an --out below a file
+    or unmakeable was a traceback."""
+    from anns_lab.eval.report import write_report
+
+    _sweep(dump, tmp_path / "a")
+    run_sweep(dump.path, ["flat"], [3], [1], k=10, window=(0, 0), out=tmp_path / "b", jobs=1, progress=False)
+    theirs = write_report(tmp_path / "b").read_bytes()
+    one_line_error(["report", tmp_path / "a", "--out", tmp_path / "b"], "holds another sweep's results")
+    assert (tmp_path / "b" / "report.md").read_bytes() == theirs
+    before = sorted(p.name for p in dump.path.iterdir())
+    one_line_error(["report", tmp_path / "a", "--out", dump.path], "is a dump folder")
+    assert sorted(p.name for p in dump.path.iterdir()) == before
+    for name, data in (("report.md", b"my notes\n"), ("mahalanobis.png", b"\x89PNG\r\n\x1a\nmy own figure")):
+        mine = tmp_path / f"mine-{name}"
+        mine.mkdir()
+        (mine / name).write_bytes(data)
+        one_line_error(["report", tmp_path / "a", "--out", mine], f"holds {name}, not written by anns-lab report")
+        assert (mine / name).read_bytes() == data and len(list(mine.iterdir())) == 1
+    (tmp_path / "file").write_text("x")
+    one_line_error(["report", tmp_path / "a", "--out", tmp_path / "file" / "sub"], "cannot write the report")
+    deep = tmp_path / "reports" / "a"
+    assert write_report(tmp_path / "a", deep).is_file()
+    again = CliRunner().invoke(main, ["report", str(tmp_path / "a"), "--out", str(deep)])  # its own earlier report
+    assert again.exit_code == 0, again.output
+    assert '<a href="../../b/report.html">b</a>' in (deep / "report.html").read_text()  # from the page, not the results
+
+
+def test_export_stopped_while_replacing_an_earlier_one_never_keeps_its_description(dump, tmp_path, monkeypatch):
+    """Before: an --overwrite export of another head stopped after base.fbin left the earlier export.json, saying layer 1
+    head 0, beside layer 3 head 1's keys: a folder that looked complete and described other arrays."""
+    out = tmp_path / "x"
+    export.export_fbin(dump, 1, 0, out, k=10, window=(0, 0))
+    real = export.atomic_write_bytes
+
+    def stop(path, data):
+        if path.name == "train_queries.fbin":
+            raise KeyboardInterrupt
+        real(path, data)
+
+    monkeypatch.setattr(export, "atomic_write_bytes", stop)
+    with pytest.raises(KeyboardInterrupt):
+        export.export_fbin(dump, 3, 1, out, k=10, window=(0, 0), overwrite=True)
+    monkeypatch.setattr(export, "atomic_write_bytes", real)
+    assert not (out / "export.json").exists()
+    assert np.array_equal(export.read_fbin(out / "base.fbin"), load_head(dump, 3, 1, (0, 0)).keys)
+    (out / ".gt_q2k.bin.abc123.tmp").write_bytes(b"left by a killed export")
+    args = ["export", "--dump", dump.path, "--layer", 3, "--head", 1, "--k", 10, "--window", "0,0", "--out", out]
+    one_line_error(args, "holds an earlier export", "--overwrite")
+    r = CliRunner().invoke(main, [str(a) for a in args + ["--overwrite"]])
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "export.json").read_text())["layer"] == 3
+    assert sorted(p.name for p in out.iterdir()) == sorted(export.EXPORT_FILES)  # the killed one's temporary gone
+
+
+@pytest.mark.parametrize("declare", [{"build_params": [1, 2]}, {"search_grid": 5}, {"__doc__": 5},
+                                     {"search_params": {"x": 3}}], ids=["build-list", "grid-int", "doc-int", "param-int"])
+def test_indexes_lists_every_other_index_past_a_plugin_with_malformed_declarations(monkeypatch, declare):
+    """Before: a traceback at that plugin, and no index after it listed."""
+    odd = type("Odd", (FlatIndex,), {"name": "aaa-odd", **declare})
+    entries, available = registry.entries, registry.available
+    monkeypatch.setattr(registry, "entries", lambda: [registry.Entry("aaa-odd", "x:Odd", "x", "1")] + entries())
+    monkeypatch.setattr(registry, "available", lambda: {**available(), "aaa-odd": odd})
+    r = CliRunner().invoke(main, ["indexes"])
+    assert r.exit_code == 0 and r.exception is None, r.output
+    assert "aaa-odd  [x 1]  x:Odd\n    FAILED TO DESCRIBE: " in r.output and "\nflat  [" in r.output
+    assert "Traceback" not in r.output and "failed to load: aaa-odd" in r.output

@@ -182,7 +182,7 @@ def report(results, dump_path, out) -> None:
     Writes report.md, a self-contained report.html and the figures as PNG files beside RESULTS
     (default: the newest results/*/results.parquet).
     """
-    from anns_lab.eval.report import write_report
+    from anns_lab.eval.report import FIGURES, write_report
 
     if results is None:
         found = sorted(Path("results").glob("*/results.parquet"), key=lambda p: p.stat().st_mtime)
@@ -192,7 +192,7 @@ def report(results, dump_path, out) -> None:
     path = write_report(results, out, dump_path)
     click.echo(f"report: {path}")
     click.echo(f"html:   {path.with_suffix('.html')} (self-contained; open it in a browser)")
-    click.echo(f"figures: {', '.join(str(p) for p in sorted(path.parent.glob('*.png')))}")
+    click.echo(f"figures: {', '.join(str(path.parent / name) for name in sorted(FIGURES))}")  # not other PNGs there
 
 
 @click.command(short_help="Keys, queries and ground truth of one head as .fbin files.")

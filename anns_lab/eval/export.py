@@ -69,6 +69,12 @@ def export_fbin(dump: Dump, layer: int, head: int, out: str | Path, k: int = 100
     except OSError as err:
         raise AnnsLabError(f"cannot write the export into {out}: {err.strerror or err} ({err.filename or out}); "
                            "choose another --out") from None
+    # export.json goes first and comes back last: an export stopped part way through replacing an earlier one must not
+    # leave that one's description beside its own files (the layer, head and positions of other arrays)
+    (out / "export.json").unlink(missing_ok=True)
+    for name in EXPORT_FILES:  # temporaries a killed export left (atomic writes remove their own otherwise)
+        for tmp in out.glob(f".{name}.*.tmp"):
+            tmp.unlink(missing_ok=True)
     files = {"base.fbin": data.keys, "train_queries.fbin": data.train_queries,
              "test_queries.fbin": data.test_queries, "k2k_queries.fbin": data.k2k_queries}
     for name, arr in files.items():

@@ -11,6 +11,7 @@ numbers (see :mod:`anns_lab.eval.findings`).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,7 @@ from anns_lab.errors import AnnsLabError
 from anns_lab.eval import costs, failures, figures, findings, html, ivf_gap, paper
 from anns_lab.eval.heads import load_head
 from anns_lab.eval.findings import fmt_fraction  # noqa: F401 - benchmarks import it from here
-from anns_lab.eval.table import SETTINGS, load_results
+from anns_lab.eval.table import RESULTS, SETTINGS, load_results
 from anns_lab.io import atomic_write_bytes
 
 TARGETS = (0.90, 0.95, 0.99)
@@ -30,6 +31,8 @@ FIGURES = {"recall_vs_scanned.png": "Recall against keys scanned, Q→K and K→
            "recall_vs_bytes.png": "Q→K: recall and output error against bytes read per query",
            "mahalanobis.png": "Out-of-distribution queries (Fig. 3b)",
            "dynamic_vs_static.png": "Dynamic against static selection (Fig. 2)"}
+REPORT_FILES = ("report.md", "report.html", *FIGURES)
+CELL = ["layer", "head", "index", "build_params", "search_params", "direction"]  # one measurement each
 
 
 def _least(h: pd.DataFrame, t: float, column: str = "scanned_fraction") -> float:
@@ -90,8 +93,10 @@ def paper_figure(index: str, direction: str, kind: str) -> str:
     return str(paper.K2K_IVF) if index == "ivf" else "—"
 
 
-def sibling_sweeps(folder: Path, dump: str) -> list[tuple[str, str]]:
-    """(name, relative link to its report.html) of the other sweep folders beside ``folder`` of the same dump."""
+def sibling_sweeps(folder: Path, dump: str, out_folder: Path | None = None) -> list[tuple[str, str]]:
+    """(name, link to its report.html relative to ``out_folder``, the page's folder, default ``folder``) of the other
+    sweep folders beside ``folder`` of the same dump."""
+    start = (out_folder or folder).resolve()
     out = []
     for settings in sorted(folder.resolve().parent.glob(f"*/{SETTINGS}")):
         other = settings.parent
@@ -103,7 +108,7 @@ def sibling_sweeps(folder: Path, dump: str) -> list[tuple[str, str]]:
             continue
         same = isinstance(other_settings, dict) and other_settings.get("dump") == dump
         if same:
-            out.append((other.name, f"../{other.name}/report.html"))
+            out.append((other.name, Path(os.path.relpath(other / "report.html", start)).as_posix()))
     return out
 
 
@@ -131,18 +136,15 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
     table, settings = load_results(results)
     if table.empty:
         raise AnnsLabError(f"{results} holds no rows; the sweep produced nothing to report")
-    table = findings.label_builds(table)
     dumps = sorted(table["dump"].unique())
     if len(dumps) != 1:
         raise AnnsLabError(f"{results} mixes several dumps ({dumps}); report one sweep at a time")
-    dump = _results_dump(dumps[0], settings, dump_path)
     folder = Path(results) if Path(results).is_dir() else Path(results).parent
+    k, window = _sweep_settings(table, settings, folder)
+    table = findings.label_builds(table)
+    dump = _results_dump(dumps[0], settings, dump_path)
     out = Path(out) if out is not None else folder
-    if out.exists() and not out.is_dir():
-        raise AnnsLabError(f"--out {out} is a file; give a folder for the report")
-    out.mkdir(parents=True, exist_ok=True)
-    k = int(table["k"].iloc[0])
-    window = tuple(settings.get("window", (128, 512)))
+    _check_out(out, folder)
     pairs = sorted({(int(r.layer), int(r.head)) for r in table[["layer", "head"]].itertuples()})
     n_keys = int(table["n_keys"].median())
 
@@ -160,9 +162,6 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
                                            medians.get("K→K: held-out keys", np.nan)),
               findings.dynamic_vs_static(decay["dynamic"].mean(), decay["static"].mean(),
                                          int(decay["step"].nunique()), k)]
-    for name, png in pngs.items():
-        atomic_write_bytes(out / name, png)
-
     intro = (f"Dump `{dump.path}` ({dump.model}): {dump.manifest['n_tokens']['prefill']} prefill + "
              f"{dump.manifest['n_tokens']['decode']} decode tokens; {len(pairs)} (layer, head) pairs of layers "
              f"{sorted({p[0] for p in pairs})}; {n_keys:,} keys indexed per head (static window {window[0]},{window[1]} "
@@ -183,8 +182,7 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
     points = costs.at_target(table, 0.95)
     md = _markdown(dump, intro, found, pareto_view, _pareto_note(kinds), par, maha, decay, c, k,
                    costs.markdown_at_target(points, 0.95))
-    atomic_write_bytes(out / "report.md", md.encode("utf-8"))
-    links = sibling_sweeps(folder, str(settings.get("dump", "")))
+    links = sibling_sweeps(folder, str(settings.get("dump", "")), out)
     sections = [("Least fraction of keys scanned to reach a recall target (median over heads)",
                  f"<p>{_pareto_note(kinds)}</p>" + html.table(pareto_view, "pareto")),
                 (FIGURES["recall_vs_scanned.png"], html.figure(pngs["recall_vs_scanned.png"], "recall vs scanned")),
@@ -199,8 +197,80 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
                  html.table(_heads_view(heads), "per-head")),
                 ("Every operating point (median over heads, Q→K)", html.table(_points_view(c), "points"))]
     page = html.page(f"anns-lab report: {dump.model}, {dump.path.name}", intro, found, sections, links)
-    atomic_write_bytes(out / "report.html", page.encode("utf-8"))
+    # written once everything is computed: a refused or failed report leaves --out as it was (made by nothing)
+    _write(out, {**pngs, "report.md": md.encode("utf-8"), "report.html": page.encode("utf-8")})
     return out / "report.md"
+
+
+def _sweep_settings(table: pd.DataFrame, settings: dict, folder: Path) -> tuple[int, tuple[int, int]]:
+    """The sweep's k (one, the table's and its settings') and static window (from its settings: the figures and
+    diagnosis load every head with it), refused where the table and ``sweep.json`` beside it cannot be one sweep."""
+    ks = sorted(int(v) for v in table["k"].unique())
+    if len(ks) != 1:  # every median, target and figure is of one recall@k
+        raise AnnsLabError(f"{folder / RESULTS} mixes sweeps of several k ({', '.join(map(str, ks))}); report one "
+                           "sweep at a time")
+    window = settings.get("window")
+    if window is None:  # a default assumed here built every figure and diagnosis with a window the sweep never used
+        raise AnnsLabError(f"{folder / SETTINGS}, which says the sweep's window, is missing: report the results in the "
+                           "folder the sweep wrote")
+    if not (isinstance(window, list) and len(window) == 2 and all(type(w) is int and w >= 0 for w in window)):
+        raise AnnsLabError(f"{folder / SETTINGS} is not a sweep's settings (window {window!r}); re-run the sweep")
+    for key in ("dump", "dump_created"):
+        if key in settings and not isinstance(settings[key], str):
+            raise AnnsLabError(f"{folder / SETTINGS} is not a sweep's settings ({key} {settings[key]!r}); "
+                               "re-run the sweep")
+    if settings.get("k", ks[0]) != ks[0]:
+        raise AnnsLabError(f"{folder / RESULTS} measured recall@{ks[0]}, but {folder / SETTINGS} is of a sweep with "
+                           f"--k {settings['k']}: the table is not this folder's sweep's; re-run the sweep")
+    dup = table.duplicated(CELL)
+    if dup.any():  # the sweep writes one row per cell; a repeated one would weigh twice in every median
+        r = table[dup].iloc[0]
+        raise AnnsLabError(f"{folder / RESULTS} holds {r['index']} {r['search_params']} {r['direction']} on layer "
+                           f"{r['layer']} head {r['head']} more than once; re-run the sweep")
+    return ks[0], (window[0], window[1])
+
+
+def _ours(path: Path) -> bool:
+    """Whether ``path`` is a file an earlier report wrote (its title, or Matplotlib's PNG stamp): replacing it loses
+    nothing of the user's."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(256)
+    except OSError:  # a folder, or unreadable: not a report's file
+        return False
+    if path.suffix == ".png":
+        return head.startswith(b"\x89PNG") and b"Matplotlib" in head
+    return b"anns-lab report: " in head
+
+
+def _check_out(out: Path, folder: Path) -> None:
+    """Refuse an --out the report would damage: a file, a dump, another sweep's folder (its report would be replaced
+    by one of these results, looking like its own), or a folder holding a file of the report's names no report wrote."""
+    if out.exists() and not out.is_dir():
+        raise AnnsLabError(f"--out {out} is a file; give a folder for the report")
+    if not out.is_dir():
+        return
+    if out.resolve() != folder.resolve():
+        if (out / "manifest.json").exists():
+            raise AnnsLabError(f"--out {out} is a dump folder; give the report a folder of its own")
+        if (out / RESULTS).exists() or (out / SETTINGS).exists():
+            raise AnnsLabError(f"--out {out} holds another sweep's results, whose report this one would replace; "
+                               "give another --out")
+    foreign = [name for name in REPORT_FILES if os.path.lexists(out / name) and not _ours(out / name)]
+    if foreign:
+        raise AnnsLabError(f"--out {out} holds {', '.join(foreign)}, not written by anns-lab report; move "
+                           f"{'it' if len(foreign) == 1 else 'them'} away or give another --out")
+
+
+def _write(out: Path, files: dict[str, bytes]) -> None:
+    """Write the report's files into ``out`` (made if new), each atomically; an unwritable --out is one error."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, data in files.items():
+            atomic_write_bytes(out / name, data)
+    except OSError as err:
+        raise AnnsLabError(f"cannot write the report into {out}: {err.strerror or err} ({err.filename or out}); "
+                           "give another --out") from None
 
 
 def _ivf_reason(dump, table: pd.DataFrame, par: pd.DataFrame, kinds: dict[str, str], pairs, window, k: int,

@@ -16,6 +16,10 @@ COLUMNS = ["dump", "model", "layer", "head", "kv_head", "index", "build_params",
            "n_keys", "n_queries", "recall", "scanned_fraction", "bytes_read", "mass_recovered", "output_rel_error", "latency_us",
            "qps", "build_s", "index_bytes", "auto_rules"]
 ADDED = ("auto_rules",)  # columns added after tables were swept: a table without one loads with it None (unknown)
+NUMBERS = ("layer", "head", "k", "n_keys", "recall", "scanned_fraction", "bytes_read", "mass_recovered",
+           "output_rel_error", "latency_us")
+COUNTS = ("layer", "head", "k", "n_keys")  # whole numbers the readers turn into ints (a NaN there was a traceback)
+DIRECTIONS = ("q2k", "k2k")
 
 
 def load_results(path: str | Path) -> tuple[pd.DataFrame, dict]:
@@ -35,6 +39,7 @@ def load_results(path: str | Path) -> tuple[pd.DataFrame, dict]:
     for column in ADDED:
         if column not in table.columns:
             table[column] = None
+    table = table.reset_index(drop=True)  # a table written with its pandas index kept: labels repeat, rows do not
     problem = table_problem(table)
     if problem:
         raise AnnsLabError(f"{file} holds a row no conforming index produces: {problem}; re-run the sweep")
@@ -55,6 +60,9 @@ def table_problem(table: pd.DataFrame) -> str | None:
     """
     if table.empty:  # its columns may be untyped (object): nothing to check
         return None
+    for column in NUMBERS:  # before any comparison: text there made the readers fail with a traceback
+        if not pd.api.types.is_numeric_dtype(table[column]) or pd.api.types.is_bool_dtype(table[column]):
+            return f"column {column} holds {table[column].dtype} values, not numbers"
     checks = (("recall", (table["recall"] >= 0) & (table["recall"] <= 1), "is not in [0, 1]"),
               ("scanned_fraction", (table["scanned_fraction"] > 0) & np.isfinite(table["scanned_fraction"]),
                "is not a positive finite fraction"),
@@ -64,4 +72,29 @@ def table_problem(table: pd.DataFrame) -> str | None:
             r = table[~ok].iloc[0]
             return (f"{column} {r[column]} of {r['index']} (layer {r['layer']}, head {r['head']}, "
                     f"{r['search_params']}) {rule}")
+    return _kind_problem(table)
+
+
+def _kind_problem(table: pd.DataFrame) -> str | None:
+    """The first value of a kind no sweep writes, in words, or None: a fractional or missing layer, head, k or key
+    count, an unknown direction, an index without a name, build parameters that are not a JSON object (the readers
+    failed on them with a traceback, or cast them silently)."""
+    for column in COUNTS:
+        v = table[column].to_numpy(dtype=float)
+        bad = ~(np.isfinite(v) & (v == np.round(v)) & (v >= 0))
+        if bad.any():
+            return f"{column} {v[bad][0]} is not a whole number ≥ 0"
+    odd = table.loc[~table["direction"].isin(DIRECTIONS), "direction"]
+    if len(odd):
+        return f"direction {odd.iloc[0]!r} is neither of {', '.join(DIRECTIONS)}"
+    named = table["index"].map(lambda v: isinstance(v, str) and bool(v))
+    if not named.all():
+        return f"an index name {table.loc[~named, 'index'].iloc[0]!r} is not a name"
+    for text in table["build_params"].unique():
+        try:
+            params = json.loads(text)
+        except (TypeError, ValueError):
+            params = None
+        if not isinstance(params, dict):
+            return f"build_params {text!r} is not a JSON object"
     return None

@@ -17,6 +17,17 @@ def _param_lines(title: str, params: dict[str, Param]) -> list[str]:
     return lines
 
 
+def _describe(cls) -> list[str]:
+    """The lines under an index's heading: description, training queries, parameters and search grid."""
+    doc = (cls.__doc__ or "").strip().splitlines()
+    lines = [f"    {doc[0]}" if doc else "    (no description)"]
+    lines.append(f"    uses train_queries: {'yes' if cls.uses_train_queries else 'no'}")
+    lines += _param_lines("build parameters", dict(cls.build_params))
+    lines += _param_lines("search parameters", dict(cls.search_params))
+    grid = "  ".join(f"{name} ∈ {list(values)}" for name, values in cls.search_grid.items()) or "none"
+    return lines + [f"    search grid: {grid}"]
+
+
 @click.command(short_help="List registered indexes with their parameters and grids.")
 def indexes() -> None:
     """List registered indexes (entry-point group anns_lab.indexes) and any that fail to load."""
@@ -27,14 +38,13 @@ def indexes() -> None:
         if entry.name in broken:
             click.echo(f"{head}\n    FAILED TO LOAD: {broken[entry.name]}")
             continue
-        cls = classes[entry.name]
-        doc = (cls.__doc__ or "").strip().splitlines()
-        lines = [head, f"    {doc[0]}" if doc else "    (no description)"]
-        lines.append(f"    uses train_queries: {'yes' if cls.uses_train_queries else 'no'}")
-        lines += _param_lines("build parameters", dict(cls.build_params))
-        lines += _param_lines("search parameters", dict(cls.search_params))
-        grid = "  ".join(f"{name} ∈ {list(values)}" for name, values in cls.search_grid.items()) or "none"
-        lines.append(f"    search grid: {grid}")
-        click.echo("\n".join(lines))
+        try:
+            lines = _describe(classes[entry.name])
+        except Exception as err:  # noqa: BLE001 - a plugin's malformed declarations (a list as build_params) once
+            # ended the listing with a traceback, the indexes after it unlisted: it is named as broken instead
+            broken[entry.name] = f"{type(err).__name__}: {err}".splitlines()[0]
+            click.echo(f"{head}\n    FAILED TO DESCRIBE: {broken[entry.name]}")
+            continue
+        click.echo("\n".join([head, *lines]))
     if broken:
         click.echo(f"\n{len(broken)} index plugin(s) failed to load: {', '.join(broken)}; the others work.", err=True)
