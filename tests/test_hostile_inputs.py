@@ -849,12 +849,14 @@ def _edit_table(folder, edit) -> None:
     (lambda t: t.assign(n_keys=np.nan), "n_keys nan"),
     (lambda t: t.assign(layer=1.5), "layer 1.5"),  # before: read as layer 1
     (lambda t: t.assign(build_params="{bad"), "build_params '{bad' is not a JSON object"),
+    (lambda t: t.assign(search_params="[1]"), "search_params '[1]' is not a JSON object"),  # decode read it: traceback
     (lambda t: t.assign(direction="x2y"), "direction 'x2y'"),  # before: KeyError traceback
     (lambda t: t.assign(index=None), "an index name None"),
     (lambda t: pd.concat([t, t]), "more than once"),  # before: a traceback (labels repeated), or rows counted twice
     (lambda t: pd.concat([t, t.assign(k=5)], ignore_index=True), "mixes sweeps of several k (5, 10)"),  # before: exit 0
     (lambda t: t.assign(k=5), "measured recall@5, but"),  # before: exit 0, another sweep's table
-], ids=["recall-text", "k-nan", "n_keys-nan", "layer-fraction", "build-params-not-json", "direction-unknown", "index-none",
+], ids=["recall-text", "k-nan", "n_keys-nan", "layer-fraction", "build-params-not-json", "search-params-not-json",
+     "direction-unknown", "index-none",
         "rows-twice", "k-mixed", "k-not-the-settings"])
 def test_report_refuses_a_hand_edited_or_merged_table_in_one_line(dump, tmp_path, edit, words):
     """Before: a raw traceback, or a report built silently from rows of several k or counted twice."""
@@ -867,8 +869,9 @@ def test_report_refuses_a_hand_edited_or_merged_table_in_one_line(dump, tmp_path
 @pytest.mark.parametrize("settings, words", [
     (None, ["sweep.json, which says the sweep's window, is missing"]),  # before: built with the window 128,512
     ({"window": "0,0"}, ["is not a sweep's settings (window '0,0')"]),  # before: TypeError traceback
+    ({}, ["says no window"]),
     ({"window": [0, 0], "dump": 5}, ["is not a sweep's settings (dump 5)"]),  # before: TypeError traceback
-], ids=["missing", "window-text", "dump-number"])
+], ids=["missing", "window-text", "no-window", "dump-number"])
 def test_report_needs_its_sweeps_window(dump, tmp_path, settings, words):
     """The figures and IVF diagnosis load every head with the sweep's window: it is never assumed."""
     _sweep(dump, tmp_path / "r")
@@ -949,4 +952,4 @@ def test_indexes_lists_every_other_index_past_a_plugin_with_malformed_declaratio
     r = CliRunner().invoke(main, ["indexes"])
     assert r.exit_code == 0 and r.exception is None, r.output
     assert "aaa-odd  [x 1]  x:Odd\n    FAILED TO DESCRIBE: " in r.output and "\nflat  [" in r.output
-    assert "Traceback" not in r.output and "failed to load: aaa-odd" in r.output
+    assert "Traceback" not in r.output and "failed to load or to describe: aaa-odd" in r.output

@@ -211,6 +211,8 @@ def _sweep_settings(table: pd.DataFrame, settings: dict, folder: Path) -> tuple[
                            "sweep at a time")
     window = settings.get("window")
     if window is None:  # a default assumed here built every figure and diagnosis with a window the sweep never used
+        if (folder / SETTINGS).is_file():
+            raise AnnsLabError(f"{folder / SETTINGS} says no window: it is not a sweep's settings; re-run the sweep")
         raise AnnsLabError(f"{folder / SETTINGS}, which says the sweep's window, is missing: report the results in the "
                            "folder the sweep wrote")
     if not (isinstance(window, list) and len(window) == 2 and all(type(w) is int and w >= 0 for w in window)):

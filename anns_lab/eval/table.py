@@ -90,11 +90,12 @@ def _kind_problem(table: pd.DataFrame) -> str | None:
     named = table["index"].map(lambda v: isinstance(v, str) and bool(v))
     if not named.all():
         return f"an index name {table.loc[~named, 'index'].iloc[0]!r} is not a name"
-    for text in table["build_params"].unique():
-        try:
-            params = json.loads(text)
-        except (TypeError, ValueError):
-            params = None
-        if not isinstance(params, dict):
-            return f"build_params {text!r} is not a JSON object"
+    for column in ("build_params", "search_params"):  # decode --from-sweep reads both (a traceback, after the load)
+        for text in table[column].unique():
+            try:
+                params = json.loads(text)
+            except (TypeError, ValueError):
+                params = None
+            if not isinstance(params, dict):
+                return f"{column} {text!r} is not a JSON object"
     return None

@@ -47,4 +47,5 @@ def indexes() -> None:
             continue
         click.echo("\n".join([head, *lines]))
     if broken:
-        click.echo(f"\n{len(broken)} index plugin(s) failed to load: {', '.join(broken)}; the others work.", err=True)
+        click.echo(f"\n{len(broken)} index plugin(s) failed to load or to describe: {', '.join(broken)}; the others "
+                   "work.", err=True)

@@ -51,9 +51,10 @@ def machine_cpus() -> int:
     ``--cpus``) where one is set; not the host's count."""
     cpus = len(os.sched_getaffinity(os.getpid())) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     try:
-        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]
-        if quota != "max":
-            cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":  # whole CPUs: 1.5 of them run one worker at full speed, not two
+            cpus = min(cpus, max(1, int(quota) // int(period)))
     except (OSError, ValueError):
         pass
     return cpus

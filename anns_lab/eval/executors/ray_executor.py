@@ -25,6 +25,8 @@ from anns_lab.eval.executors.base import OnOutcome, OnRunning, Outcome, Part, Un
 from anns_lab.eval.executors.ray_cluster import Cluster, check_cpus_per_task
 
 DATA_MODES = ("auto", "path", "ship")
+# Ray errors that mean the worker (or its node) died, which a retry may outlive; a force-cancel is one too
+_DEATHS = ("WorkerCrashedError", "NodeDiedError", "OutOfMemoryError", "TaskCancelledError", "LocalRayletDiedError")
 
 
 def _part_task(work: Work, layer: int, head: int, index: str, data=None, clock=None, key: str | None = None):
@@ -36,7 +38,7 @@ def _part_task(work: Work, layer: int, head: int, index: str, data=None, clock=N
         data, error = load(work, layer, head)
     if error:
         return None, error
-    _tell(clock, "start", key)  # waited for: an index that then holds the GIL for ever must already be on the clock
+    _tell(clock, "start", key)
     try:
         return attempt(work, data, index)
     finally:
@@ -44,13 +46,16 @@ def _part_task(work: Work, layer: int, head: int, index: str, data=None, clock=N
 
 
 def _tell(clock, what: str, key: str | None) -> None:
-    """Tell the clock actor (if any) that ``key`` starts or finishes; a clock that is gone only loses the timeout."""
+    """Tell the clock actor (if any) that ``key`` starts or finishes; a clock that is gone only loses the timeout.
+    Not waited for: a task blocked in ``ray.get`` lends its CPU to a queued task (two would then run on one CPU and
+    skew the timings), and the call is sent from Ray's own thread, even while the index then holds the GIL for ever;
+    an actor takes one caller's calls in order, so start comes before finish."""
     if clock is None:
         return
     import ray
 
     try:
-        ray.get(getattr(clock, what).remote(key), timeout=60)
+        getattr(clock, what).remote(key)
     except ray.exceptions.RayError:
         pass
 
@@ -215,10 +220,16 @@ class RayExecutor:
         return set(late)
 
     def _outcome(self, ref, part: Part, tries: int) -> Outcome:
+        """The part's result; a Ray error is a crash (``crashed``) when the worker or its node died, the task's own
+        failure otherwise (its error raised outside the index, or a result that would not load: never retried)."""
+        errors = self.ray.exceptions
         try:
             table, error = self.ray.get(ref)
             return Outcome(part, table, error)
-        except self.ray.exceptions.RayError as err:
+        except errors.RayError as err:
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            deaths = tuple(getattr(errors, name) for name in _DEATHS if hasattr(errors, name))
+            if not isinstance(err, deaths):
+                return Outcome(part, None, f"its Ray task failed ({type(err).__name__}: {first})")
             return Outcome(part, None, f"its Ray worker died {tries} time(s) ({type(err).__name__}: {first})",
                            tries, crashed=True)
