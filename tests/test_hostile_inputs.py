@@ -855,9 +855,10 @@ def _edit_table(folder, edit) -> None:
     (lambda t: pd.concat([t, t]), "more than once"),  # before: a traceback (labels repeated), or rows counted twice
     (lambda t: pd.concat([t, t.assign(k=5)], ignore_index=True), "mixes sweeps of several k (5, 10)"),  # before: exit 0
     (lambda t: t.assign(k=5), "measured recall@5, but"),  # before: exit 0, another sweep's table
+    (lambda t: t.assign(n_keys=t["n_keys"] + 64), "rows of another sweep"),  # another window's table: exit 0 before
 ], ids=["recall-text", "k-nan", "n_keys-nan", "layer-fraction", "build-params-not-json", "search-params-not-json",
      "direction-unknown", "index-none",
-        "rows-twice", "k-mixed", "k-not-the-settings"])
+        "rows-twice", "k-mixed", "k-not-the-settings", "keys-of-another-window"])
 def test_report_refuses_a_hand_edited_or_merged_table_in_one_line(dump, tmp_path, edit, words):
     """Before: a raw traceback, or a report built silently from rows of several k or counted twice."""
     _sweep(dump, tmp_path / "r")

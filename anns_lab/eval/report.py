@@ -21,7 +21,7 @@ from anns_lab.dumps.models import extrapolation_note
 from anns_lab.dumps.store import open_dump
 from anns_lab.errors import AnnsLabError
 from anns_lab.eval import costs, failures, figures, findings, html, ivf_gap, paper
-from anns_lab.eval.heads import load_head
+from anns_lab.eval.heads import check_k, load_head
 from anns_lab.eval.findings import fmt_fraction  # noqa: F401 - benchmarks import it from here
 from anns_lab.eval.table import RESULTS, SETTINGS, load_results
 from anns_lab.io import atomic_write_bytes
@@ -143,6 +143,7 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
     k, window = _sweep_settings(table, settings, folder)
     table = findings.label_builds(table)
     dump = _results_dump(dumps[0], settings, dump_path)
+    _check_key_count(table, dump, window, k, folder)
     out = Path(out) if out is not None else folder
     _check_out(out, folder)
     pairs = sorted({(int(r.layer), int(r.head)) for r in table[["layer", "head"]].itertuples()})
@@ -200,6 +201,17 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
     # written once everything is computed: a refused or failed report leaves --out as it was (made by nothing)
     _write(out, {**pngs, "report.md": md.encode("utf-8"), "report.html": page.encode("utf-8")})
     return out / "report.md"
+
+
+def _check_key_count(table: pd.DataFrame, dump, window: tuple[int, int], k: int, folder: Path) -> None:
+    """Every row's index held the keys this dump leaves outside the sweep's window: a table copied in from a sweep
+    of another window (same k, same dump) was reported with this folder's window, its figures loaded unlike it."""
+    held = check_k(dump, window, k)
+    odd = sorted(int(n) for n in table["n_keys"].unique() if int(n) != held)
+    if odd:
+        raise AnnsLabError(f"{folder / RESULTS} has rows whose indexes held {odd[0]:,} keys, where {dump.path.name} "
+                           f"with the sweep's window {window[0]},{window[1]} leaves {held:,}: rows of another sweep; "
+                           "report one sweep at a time")
 
 
 def _sweep_settings(table: pd.DataFrame, settings: dict, folder: Path) -> tuple[int, tuple[int, int]]:
