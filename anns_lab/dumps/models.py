@@ -356,9 +356,9 @@ def config_layers(where: Path | str, canon: str) -> tuple[int, list[int]] | None
         where = _converted_path(where, canon)
     try:
         cfg = AutoConfig.from_pretrained(where, local_files_only=True).get_text_config()
+        return int(cfg.num_hidden_layers), long_range_of(cfg)
     except Exception:  # noqa: BLE001 - a config that cannot be read here is the model load's to name, in its words
         return None
-    return cfg.num_hidden_layers, long_range_of(cfg)
 
 
 def files_stamp(where: Path | str) -> str | None:

@@ -23,7 +23,7 @@ from anns_lab.errors import AnnsLabError
 from anns_lab.eval import costs, failures, figures, findings, html, ivf_gap, paper
 from anns_lab.eval.heads import check_k, load_head
 from anns_lab.eval.findings import fmt_fraction  # noqa: F401 - benchmarks import it from here
-from anns_lab.eval.table import RESULTS, SETTINGS, load_results
+from anns_lab.eval.table import CELL, RESULTS, SETTINGS, load_results
 from anns_lab.io import atomic_write_bytes
 
 TARGETS = (0.90, 0.95, 0.99)
@@ -32,7 +32,6 @@ FIGURES = {"recall_vs_scanned.png": "Recall against keys scanned, Q→K and K→
            "mahalanobis.png": "Out-of-distribution queries (Fig. 3b)",
            "dynamic_vs_static.png": "Dynamic against static selection (Fig. 2)"}
 REPORT_FILES = ("report.md", "report.html", *FIGURES)
-CELL = ["layer", "head", "index", "build_params", "search_params", "direction"]  # one measurement each
 
 
 def _least(h: pd.DataFrame, t: float, column: str = "scanned_fraction") -> float:

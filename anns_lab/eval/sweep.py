@@ -28,7 +28,7 @@ from anns_lab.eval import failures as failed
 from anns_lab.eval import metrics
 from anns_lab.eval.executors import Outcome, Part, open_executor
 from anns_lab.eval.heads import HeadData, check_k, default_layers, load_head
-from anns_lab.eval.table import ADDED, COLUMNS, RESULTS, SETTINGS
+from anns_lab.eval.table import ADDED, CELL, COLUMNS, RESULTS, SETTINGS
 from anns_lab.indexes import group_queries, protocol
 from anns_lab.io import atomic_write_json
 
@@ -426,8 +426,7 @@ def combine(out: Path) -> pd.DataFrame:
     table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=COLUMNS)
     # one measurement per cell: a build's part named apart in an older folder (a float spelled 1.0 there) and its part
     # named now measure the same build; one of them is kept
-    cell = ["layer", "head", "index", "build_params", "search_params", "direction"]
-    table = table.drop_duplicates(cell, ignore_index=True)
+    table = table.drop_duplicates(CELL, ignore_index=True)
     table = table.sort_values(["layer", "head", "index", "direction", "scanned_fraction"], kind="stable", ignore_index=True)
     write_table(out / RESULTS, pa.Table.from_pandas(table, preserve_index=False))
     return table

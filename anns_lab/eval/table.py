@@ -20,6 +20,7 @@ NUMBERS = ("layer", "head", "k", "n_keys", "recall", "scanned_fraction", "bytes_
            "output_rel_error", "latency_us")
 COUNTS = ("layer", "head", "k", "n_keys")  # whole numbers the readers turn into ints (a NaN there was a traceback)
 DIRECTIONS = ("q2k", "k2k")
+CELL = ["layer", "head", "index", "build_params", "search_params", "direction"]  # one measurement per cell
 
 
 def load_results(path: str | Path) -> tuple[pd.DataFrame, dict]:
