@@ -15,6 +15,7 @@ from anns_lab.decode.builds import covered
 from anns_lab.decode.modes import parse_modes, pick_from_sweep
 from anns_lab.dumps.models import extrapolation_note
 from anns_lab.errors import DecodeError
+from anns_lab.indexes import registry
 from anns_lab.eval.table import COLUMNS
 
 
@@ -137,6 +138,8 @@ def test_bad_input_is_one_clear_error(tiny_llama, args, needle):
     base = {"--model": tiny_llama, "--task": "passkey", "--context": 200, "--mode": "full,flat", "--window": "4,16"}
     for flag, value in zip(args[::2], args[1::2]):
         base[flag] = value
+    if base["--mode"] == "clusterkv" and "clusterkv" not in registry.available():
+        pytest.skip("the cluster-kv plugin is not installed (make test installs it)")
     flat = [str(x) for kv in base.items() for x in kv]
     assert needle in _error(_run(*flat))
 
@@ -217,6 +220,34 @@ def test_the_options_that_change_timings_are_recorded_in_the_json(tiny_llama, tm
     assert (data["device"], data["executor"]) == ("cpu", "local")
 
 
+def test_full_decodes_from_a_prefill_that_keeps_nothing_for_an_index():
+    """Keeping the queries costs the prefill time that full's TTFT must not carry: full and window get a prefill of
+    their own beside index modes that keep them; with the builds after the prefill the index modes share one."""
+    from anns_lab.decode.engine import Mode, Settings
+    from anns_lab.decode.placement import IndexPlan
+    from anns_lab.decode.runner import prefill_groups
+    from anns_lab.window import Window
+
+    full, window = Mode("full"), Mode("window")
+    flat, roar = Mode("flat", IndexPlan("flat", {}, {})), Mode("roargraph", IndexPlan("roargraph", {}, {}))
+    names = lambda groups: [[m.name for m in g] for g in groups]  # noqa: E731
+    during, after = Settings(Window(4, 16)), Settings(Window(4, 16), build_during_prefill=False)
+    assert names(prefill_groups([full, window, flat, roar], during)) == [["full", "window"], ["flat"], ["roargraph"]]
+    assert names(prefill_groups([full, window, flat, roar], after)) == [["full", "window"], ["flat", "roargraph"]]
+    uncalibrated = Settings(Window(4, 16), build_during_prefill=False, calibrate=0.0)
+    assert names(prefill_groups([full, flat], uncalibrated)) == [["full", "flat"]]  # nothing kept: one prefill for all
+    assert names(prefill_groups([full, roar], uncalibrated)) == [["full"], ["roargraph"]]  # roargraph trains on them
+    assert names(prefill_groups([full, window], during)) == [["full", "window"]]
+
+
+def test_builds_start_after_the_prefill_by_default_only_on_an_accelerator_with_until_built_exact():
+    from anns_lab.decode.cli import builds_during_prefill
+
+    assert builds_during_prefill(None, "wait", "cuda") and builds_during_prefill(None, "exact", "cpu")
+    assert not builds_during_prefill(None, "exact", "cuda") and not builds_during_prefill(None, "exact", "cuda:1")
+    assert builds_during_prefill(True, "exact", "cuda") and not builds_during_prefill(False, "wait", "cpu")
+
+
 def test_until_built_exact_reaches_the_decode_table_and_json(tiny_llama, tmp_path):
     """--until-built exact: recorded in the JSON's settings; the index mode's summary has its exact steps (a count of
     the leading steps, at most all of them) and the table their column; full's has none."""
@@ -226,7 +257,7 @@ def test_until_built_exact_reaches_the_decode_table_and_json(tiny_llama, tmp_pat
     assert res.exit_code == 0, res.output
     assert "exact steps" in res.output and "exact steps  --until-built exact:" in res.output
     data = json.loads(out.read_text())
-    assert data["settings"]["until_built"] == "exact"
+    assert data["settings"]["until_built"] == "exact" and data["settings"]["build_during_prefill"]  # on the CPU: during
     flat, full = data["modes"]["flat"]["summary"], data["modes"]["full"]["summary"]
     assert 0 <= flat["exact_steps"] <= 3 and "exact_steps" not in full
     assert data["modes"]["flat"]["samples"][0]["exact_steps"] == flat["exact_steps"]
@@ -444,8 +475,6 @@ def test_from_sweep_auto_rules_note_reaches_stderr_and_the_json(tiny_llama, tmp_
 
 
 def test_default_mode_is_attention_aware_when_registered():
-    from anns_lab.indexes import registry
-
     modes = parse_modes("full,default", {}, {})
     expected = "roargraph" if "roargraph" in registry.available() else "flat"
     assert [m.name for m in modes] == ["full", expected]

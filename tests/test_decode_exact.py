@@ -10,7 +10,7 @@ import torch
 
 from conftest import TEST_DEVICE
 
-from anns_lab.decode.engine import Mode, Settings, prefill, run_mode
+from anns_lab.decode.engine import Mode, Settings, forward_untimed, prefill, run_mode
 from anns_lab.decode.kernels import attend_rows, attend_window, merge
 from anns_lab.decode.placement import IndexPlan
 from anns_lab.dumps.models import load_model
@@ -97,6 +97,15 @@ def prefilled(request):
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
+
+
+def test_the_untimed_warm_forward_leaves_the_prefill_as_it_was(prefilled):
+    # On an accelerator every prefill is preceded by this forward (engine.warm_accelerator): it must change nothing.
+    lm, pre, _ = prefilled
+    forward_untimed(lm, pre.ids[:SETTINGS.chunk], SETTINGS)
+    again = prefill(lm, pre.ids, SETTINGS, capture_queries=True)
+    assert torch.equal(again.logits, pre.logits)
+    assert set(again.queries) == set(pre.queries) and all(np.array_equal(again.queries[l], pre.queries[l]) for l in pre.queries)
 
 
 @pytest.mark.parametrize("name", index_modes())
