@@ -405,6 +405,43 @@ def test_more_workers_than_cpus_is_refused_before_any_work(tiny_dump, tmp_path, 
     assert not any((tmp_path / x).exists() for x in "abc")
 
 
+@pytest.mark.parametrize("quota, cpus", [("150000 100000", 1), ("250000 100000", 2), ("max 100000", None),
+                                         ("50000 100000", 1), ("garbled", None)])
+def test_a_cgroup_cpu_quota_bounds_the_machines_cpus_in_whole_cpus(tmp_path, monkeypatch, quota, cpus):
+    """A container's --cpus 1.5 runs one worker at full speed, not two; no quota, or one unreadable, leaves the
+    affinity's count."""
+    from anns_lab.eval import executors
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    (tmp_path / "cpu.max").write_text(quota + "\n")
+    monkeypatch.setattr(executors, "CPU_MAX", str(tmp_path / "cpu.max"))
+    assert executors.machine_cpus() == (cpus if cpus is not None else 8)
+    monkeypatch.setattr(executors, "CPU_MAX", str(tmp_path / "absent"))
+    assert executors.machine_cpus() == 8
+
+
+def test_only_a_workers_or_nodes_death_is_a_crash_the_driver_retries():
+    """A Ray error is a crash (retried, counted as a death) only where the worker or its node died; the task's own
+    failure (an error raised outside the index, a result that would not load) is the part's error, once."""
+    import types
+
+    ray = pytest.importorskip("ray")
+    from anns_lab.eval.executors.base import Part
+    from anns_lab.eval.executors.ray_executor import RayExecutor
+
+    def outcome(err):
+        ex = object.__new__(RayExecutor)  # no cluster: only the classification of what ray.get raised
+        ex.ray = types.SimpleNamespace(exceptions=ray.exceptions, get=lambda ref: (_ for _ in ()).throw(err))
+        return ex._outcome(None, Part(1, 0, "flat"), 2)
+
+    died = outcome(ray.exceptions.WorkerCrashedError())
+    assert died.crashed and died.attempts == 2 and "its Ray worker died 2 time(s) (WorkerCrashedError" in died.error
+    assert outcome(ray.exceptions.NodeDiedError("node gone")).crashed
+    failed = outcome(ray.exceptions.RayTaskError("work", "Traceback ...", ValueError("no such column")))
+    assert not failed.crashed and failed.error.startswith("its Ray task failed (")
+    assert not outcome(ray.exceptions.GetTimeoutError("late")).crashed
+
+
 def _reachable(port: int) -> bool:
     import socket
 

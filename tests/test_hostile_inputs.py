@@ -367,6 +367,12 @@ def test_sweep_folders_and_selections_that_cannot_be_used_are_one_error_line(dum
     one_line_error(args + ["--heads", 0, "--out", tmp_path / "bad"], "sweep.json is corrupt", "--overwrite")
     one_line_error(args + ["--heads", "", "--out", tmp_path / "e"], "--heads names nothing")
     one_line_error(args + ["--heads", 0, "--jobs", 0, "--out", tmp_path / "j"], "--jobs 0")
+    # --heads reads as --layers does, over the dump's query heads (a comma list only, before)
+    one_line_error(args + ["--heads", "0-99", "--out", tmp_path / "h"], "--heads '0-99' selects [", "the dump has query heads 0..")
+    one_line_error(args + ["--heads", "two", "--out", tmp_path / "h"], "cannot read --heads 'two'")
+    ran = CliRunner().invoke(main, [str(a) for a in args + ["--heads", "0:3:2", "--jobs", 1, "--quick", "--out", tmp_path / "r"]])
+    assert ran.exit_code == 0, ran.output
+    assert sorted(pd.read_parquet(tmp_path / "r" / "results.parquet")["head"].unique()) == [0, 2]
     r = run_sweep(dump.path, ["flat", "flat"], [1, 1], [0, 0], k=10, window=(0, 0), out=tmp_path / "dup", jobs=1,
                   progress=False)
     assert len(list((tmp_path / "dup" / "parts").glob("*.parquet"))) == 1
@@ -856,9 +862,12 @@ def _edit_table(folder, edit) -> None:
     (lambda t: pd.concat([t, t.assign(k=5)], ignore_index=True), "mixes sweeps of several k (5, 10)"),  # before: exit 0
     (lambda t: t.assign(k=5), "measured recall@5, but"),  # before: exit 0, another sweep's table
     (lambda t: t.assign(n_keys=t["n_keys"] + 64), "rows of another sweep"),  # another window's table: exit 0 before
+    (lambda t: t.assign(k=0), "k 0 is not a count ≥ 1"),  # before: read as a sweep of another k
+    (lambda t: t.assign(n_keys=0), "n_keys 0 is not a count ≥ 1"),  # before: read as another window's rows
+    (lambda t: t.assign(k=t["n_keys"] + 1), "exceeds the"),
 ], ids=["recall-text", "k-nan", "n_keys-nan", "layer-fraction", "build-params-not-json", "search-params-not-json",
      "direction-unknown", "index-none",
-        "rows-twice", "k-mixed", "k-not-the-settings", "keys-of-another-window"])
+        "rows-twice", "k-mixed", "k-not-the-settings", "keys-of-another-window", "k-zero", "n_keys-zero", "k-over-keys"])
 def test_report_refuses_a_hand_edited_or_merged_table_in_one_line(dump, tmp_path, edit, words):
     """Before: a raw traceback, or a report built silently from rows of several k or counted twice."""
     _sweep(dump, tmp_path / "r")

@@ -37,9 +37,15 @@ def parse_layers(spec: str, n_layers: int | None, default: list[int]) -> list[in
 
     With ``n_layers`` None (the model not known yet) only the syntax is checked and [] is returned.
     """
+    return parse_selection(spec, n_layers, default)
+
+
+def parse_selection(spec: str, n: int | None, default: list[int], option: str = "--layers", noun: str = "layers",
+                    owner: str = "the model") -> list[int]:
+    """:func:`parse_layers`' syntax for any numbered parts (``option``, e.g. ``--heads``: ``noun`` 0..n-1 of ``owner``)."""
     spec = spec.strip().lower()
     if spec == "all":
-        return list(range(n_layers or 0))
+        return list(range(n or 0))
     if spec == "default":
         return list(default)
     out: set[int] = set()
@@ -49,24 +55,24 @@ def parse_layers(spec: str, n_layers: int | None, default: list[int]) -> list[in
                 bounds = [int(x) if x else None for x in part.split(":")]
                 if len(bounds) > 3 or (len(bounds) == 3 and bounds[2] == 0):
                     raise ValueError(part)
-                # Python's slices clip 0:100 and read -1: from the end; a layer range says what it selects
-                outside = [b for b in bounds[:2] if b is not None and n_layers is not None and not 0 <= b <= n_layers]
+                # Python's slices clip 0:100 and read -1: from the end; a range says what it selects
+                outside = [b for b in bounds[:2] if b is not None and n is not None and not 0 <= b <= n]
                 if outside:
-                    raise DumpError(f"--layers {spec!r}: the bound {outside[0]} lies outside 0..{n_layers} (the model "
-                                    f"has layers 0..{n_layers - 1})")
-                out.update(range(n_layers or 0)[slice(*bounds)])
+                    raise DumpError(f"{option} {spec!r}: the bound {outside[0]} lies outside 0..{n} ({owner} "
+                                    f"has {noun} 0..{n - 1})")
+                out.update(range(n or 0)[slice(*bounds)])
             elif "-" in part[1:]:
                 a, b = part.split("-", 1)
                 out.update(range(int(a), int(b) + 1))
             else:
                 out.add(int(part))
     except ValueError:
-        raise DumpError(f"cannot read --layers {spec!r}; use all, default, a list (2,15,28) or a range (0:30:2)") from None
-    if n_layers is None:
+        raise DumpError(f"cannot read {option} {spec!r}; use all, default, a list (2,15,28) or a range (0:30:2)") from None
+    if n is None:
         return []
-    bad = sorted(x for x in out if not 0 <= x < n_layers)
+    bad = sorted(x for x in out if not 0 <= x < n)
     if bad or not out:
-        raise DumpError(f"--layers {spec!r} selects {bad or 'no layers'}; the model has layers 0..{n_layers - 1}")
+        raise DumpError(f"{option} {spec!r} selects {bad or 'no ' + noun}; {owner} has {noun} 0..{n - 1}")
     return sorted(out)
 
 

@@ -14,13 +14,18 @@ from anns_lab.indexes.group_queries import DEFAULT as GROUP_DEFAULT
 from anns_lab.indexes.group_queries import MODES as GROUP_MODES
 
 
-def _ints(text: str | None) -> list[int] | None:
-    if text is None:
+def _heads(spec: str | None, dump_path: str | Path) -> list[int] | None:
+    """``--heads`` in ``--layers``' syntax (``0,4``, ``0-3``, ``0:9:2``, ``all``) over the dump's query heads; one that
+    names nothing is left to the sweep to refuse."""
+    from anns_lab.dumps.run import parse_selection
+    from anns_lab.dumps.store import open_dump
+
+    if spec is None:
         return None
-    try:
-        return list(dict.fromkeys(int(x) for x in text.split(",") if x.strip()))  # repeats once, in order
-    except ValueError:
-        raise AnnsLabError(f"expected a comma-separated list of integers, got {text!r}") from None
+    if not spec.replace(",", "").strip():
+        return []
+    n_heads = open_dump(dump_path, verify=False).n_heads  # the count only: the sweep opens and checks it again
+    return parse_selection(spec, n_heads, list(range(n_heads)), "--heads", "query heads", "the dump")
 
 
 def _layers(spec: str | None, dump_path: str | Path) -> list[int] | None:
@@ -93,7 +98,7 @@ def latest_dump() -> Path | None:
 @click.option("--layers", default=None,
               help="Layers as `anns-lab dump` takes them: 2,15,28, 3-7, 0:30:2, all (the dump's), or a mix "
                    "[default: three spread over the dump's layers].")
-@click.option("--heads", default=None, help="Comma-separated query heads [default: all].")
+@click.option("--heads", default=None, help="Query heads, as --layers reads layers: 0,4, 0-3, 0:9:2, all [default: all].")
 @click.option("--k", type=int, default=100, show_default=True)
 @click.option("--window", type=WINDOW, default="128,512", show_default=True, help="Static window excluded from the index.")
 @click.option("--out", type=click.Path(), default=None, help="Results folder [default: results/<dump name>, plus the selection when one is given, e.g. "
@@ -144,7 +149,7 @@ def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite, bu
             dump_path = result.dump.path
     # --indexes "" names nothing (refused by run_sweep), it does not mean every index
     names = list(dict.fromkeys(n.strip() for n in indexes.split(",") if n.strip())) if indexes is not None else None
-    layer_list, head_list = _layers(layers, dump_path), _ints(heads)
+    layer_list, head_list = _layers(layers, dump_path), _heads(heads, dump_path)
     if out is None:
         out = default_out(dump_path, names, layer_list, head_list, quick)
     try:

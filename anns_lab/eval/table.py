@@ -78,13 +78,19 @@ def table_problem(table: pd.DataFrame) -> str | None:
 
 def _kind_problem(table: pd.DataFrame) -> str | None:
     """The first value of a kind no sweep writes, in words, or None: a fractional or missing layer, head, k or key
-    count, an unknown direction, an index without a name, build parameters that are not a JSON object (the readers
+    count, a k or key count of 0 or a k above the keys, an unknown direction, an index without a name, build parameters that are not a JSON object (the readers
     failed on them with a traceback, or cast them silently)."""
     for column in COUNTS:
         v = table[column].to_numpy(dtype=float)
         bad = ~(np.isfinite(v) & (v == np.round(v)) & (v >= 0))
         if bad.any():
             return f"{column} {v[bad][0]} is not a whole number ≥ 0"
+    for column in ("k", "n_keys"):  # a search of no keys, or over none: every ratio read from it divides by zero
+        if (table[column] < 1).any():
+            return f"{column} {table.loc[table[column] < 1, column].iloc[0]} is not a count ≥ 1"
+    if (table["k"] > table["n_keys"]).any():
+        r = table[table["k"] > table["n_keys"]].iloc[0]
+        return f"k {r['k']} of {r['index']} (layer {r['layer']}, head {r['head']}) exceeds the {r['n_keys']} keys it held"
     odd = table.loc[~table["direction"].isin(DIRECTIONS), "direction"]
     if len(odd):
         return f"direction {odd.iloc[0]!r} is neither of {', '.join(DIRECTIONS)}"

@@ -46,12 +46,15 @@ def open_executor(name: str, jobs: int | None = None, address: str | None = None
     raise AnnsLabError(f"unknown executor {name!r}; known: {', '.join(EXECUTORS)}")
 
 
+CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2's CPU quota of this process's group: "QUOTA PERIOD" or "max PERIOD"
+
+
 def machine_cpus() -> int:
     """The CPUs this process may run on: its affinity (taskset, cpusets), within a cgroup v2 CPU quota (a container's
     ``--cpus``) where one is set; not the host's count."""
     cpus = len(os.sched_getaffinity(os.getpid())) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
+        with open(CPU_MAX) as f:
             quota, period = f.read().split()[:2]
         if quota != "max":  # whole CPUs: 1.5 of them run one worker at full speed, not two
             cpus = min(cpus, max(1, int(quota) // int(period)))
