@@ -296,7 +296,7 @@ def _results(path):
                 row = dict.fromkeys(COLUMNS, 0)
                 row |= {"model": "m", "layer": layer, "head": head, "index": index, "build_params": json.dumps({"R": 16}),
                         "search_params": json.dumps(sp), "direction": "q2k", "recall": recall,
-                        "scanned_fraction": scanned, "dump": "d", "kv_head": 0}
+                        "scanned_fraction": scanned, "dump": "d", "kv_head": 0, "k": 100, "n_keys": 4096}
                 rows.append(row)
                 rows.append(row | {"direction": "k2k", "recall": 1.0, "scanned_fraction": 0.001})
     pd.DataFrame(rows, columns=COLUMNS).to_parquet(path)

@@ -314,8 +314,10 @@ def test_builds_during_the_prefill_give_the_same_indexes_and_tokens(prefilled):
 @pytest.mark.parametrize("during", [True, False])
 def test_each_index_mode_builds_during_a_prefill_of_its_own(prefilled, monkeypatch, during):
     """With builds during the prefill, ``full`` and ``window`` decode from a prefill that nothing else shares the CPU
-    with, and each index mode from its own, overlapped by its builds only; their TTFT takes that prefill's time.
-    Every prefill computes the same cache, so each mode decodes as it would from one shared prefill."""
+    with, and each index mode from its own, overlapped by its builds only; their TTFT takes that prefill's time. With
+    builds after it, the index modes share one, and ``full`` and ``window`` still have one that keeps no queries (before,
+    every mode shared it and ``full``'s TTFT carried the capture). Every prefill computes the same cache, so each mode
+    decodes as it would from one shared prefill."""
     from anns_lab.decode import runner
 
     lm, pre, _ = prefilled
@@ -335,8 +337,9 @@ def test_each_index_mode_builds_during_a_prefill_of_its_own(prefilled, monkeypat
         assert [jobs for _, jobs in seen] == [None, ["roargraph"], ["flat"]]
         owner = {"full": 0, "window": 0, "roargraph": 1, "flat": 2}
     else:
-        assert [jobs for _, jobs in seen] == [None]
-        owner = dict.fromkeys(res["runs"], 0)
+        assert [jobs for _, jobs in seen] == [None, None]
+        owner = {"full": 0, "window": 0, "roargraph": 1, "flat": 1}
+        assert not seen[0][0].queries and seen[1][0].queries  # full's kept nothing, the index modes' their queries
     for name, run in res["runs"].items():
         assert run.prefill_s == seen[owner[name]][0].seconds
         shared = run_mode(lm, pre, next(m for m in modes if m.name == name), SETTINGS, STEPS)
