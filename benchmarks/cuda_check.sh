@@ -7,10 +7,11 @@
 # --wheels DIR  install the wheels in DIR first (into /tmp/site, which goes first on PYTHONPATH):
 #               for machines without a package index (faiss-cpu, gguf, transformers as needed).
 # --tests       run the decode tests with ANNS_LAB_TEST_DEVICE=cuda ($TEST_ARGS overrides which).
-# --ttft        also the time to first token of each MODEL:CONTEXT (passkey, full and roargraph), once with
-#               --until-built wait and once with --until-built exact (issue 13's GPU goal: <= 3x full). A short
-#               decode (2K) of the first model runs first, untimed: it fills numba's on-disk kernel cache, as any
-#               earlier run on a machine has, so that no TTFT counts the kernels' compilation.
+# --ttft        also the time to first token of each MODEL:CONTEXT (passkey, full and roargraph): --until-built wait
+#               with the builds during the prefill, exact with them after it (the defaults on a GPU), and exact with
+#               them during it (issue 13's GPU goal: <= 3x full). A short decode (2K) of the first model runs first,
+#               untimed: it fills numba's on-disk cache with the kernels a 2K decode compiles (a longer context may
+#               still compile one the first time: compare the rounds of a repeated run).
 # --no-warm     skip that short decode (the kernel cache is already filled on this machine).
 # --no-bench    skip bench_decode.py (the per-token split of every mode): with --ttft, the TTFT runs alone.
 # Logs and JSON go to $LOGS (default ./cuda-check). Each stage runs even if an earlier one failed;
@@ -66,9 +67,11 @@ for spec in "$@"; do
         ${BENCH_ARGS:-} --json "$LOGS/bench-$model-$context.json"
   fi
   if [ $ttft = 1 ]; then
-    for policy in wait exact; do
-      run "ttft-$model-$context-$policy" python3 -c "from anns_lab.cli import main; main()" decode --model "$model" --task passkey --context "$context" \
-          --mode full,roargraph --device cuda --until-built $policy --json "$LOGS/ttft-$model-$context-$policy.json" --overwrite
+    for run in wait:during exact:after exact:during; do  # the decoder's default timing for each policy on a GPU first
+      policy=${run%%:*}; timing=${run##*:}
+      run "ttft-$model-$context-$policy-$timing" python3 -c "from anns_lab.cli import main; main()" decode --model "$model" \
+          --task passkey --context "$context" --mode full,roargraph --device cuda --until-built $policy \
+          --build-$timing-prefill --json "$LOGS/ttft-$model-$context-$policy-$timing.json" --overwrite
     done
   fi
 done

@@ -12,9 +12,10 @@
 #    prefill (CHUNK tokens; the memory estimate refuses a chunk that cannot fit and names one that does);
 # 2. the sweep (benchmarks/bench_query_aware.py: IVF, roargraph, robust-vamana, hnsw side by side, every head
 #    of the global layers, scanned fraction at recall 0.95 and build s per head);
-# 3. `anns-lab decode` on niah and passkey, every mode on one shared prefill per sample (--build-after-prefill:
-#    a prefill per index mode would cost tens of minutes each at 128K for ~1% of TTFT hidden; time to first
-#    token, retrieval per token against flat and IVF).
+# 3. `anns-lab decode` on niah and passkey, every mode on one shared prefill per sample (--build-after-prefill
+#    --shared-prefill: a prefill per index mode, or one more for full, would cost tens of minutes each at 128K for ~1%
+#    of TTFT hidden; full's TTFT then carries the queries kept for the indexes; time to first token, retrieval per
+#    token against flat and IVF).
 # Each step writes under OUT; "peak RSS" lines come from GNU time. Steps already done are skipped (the dump and
 # the sweep resume; a decode whose JSON is complete is skipped: delete OUT/decode-*.json to rerun it).
 set -euo pipefail
@@ -52,7 +53,7 @@ for task in niah passkey; do
   # done = written and not partial (a decode stopped midway leaves "partial": true)
   [ -f "$OUT/decode-$task.json" ] && ! grep -q '"partial": true' "$OUT/decode-$task.json" && continue
   timed "decode-$task" "$LAB" decode --model "$MODEL" --task "$task" --context "$TOKENS" --samples "$SAMPLES" \
-    --mode "$MODES" --chunk "$CHUNK" --build-after-prefill --allow-extrapolation ${ROPE:+--rope-scaling "$ROPE"} $DECODE_ARGS \
+    --mode "$MODES" --chunk "$CHUNK" --build-after-prefill --shared-prefill --allow-extrapolation ${ROPE:+--rope-scaling "$ROPE"} $DECODE_ARGS \
     --json "$OUT/decode-$task.json" --overwrite  # only a partial one is left to replace (the check above)
 done
 echo "results in $OUT"

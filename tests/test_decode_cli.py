@@ -208,7 +208,7 @@ def test_the_options_that_change_timings_are_recorded_in_the_json(tiny_llama, tm
     try:
         res = _run("--model", tiny_llama, "--mode", "full,flat", "--task", "passkey", "--context", 200,
                    "--window", "4,16", "--topk", 20, "--max-new-tokens", 2, "--chunk", 64, "--build-after-prefill",
-                   "--device", "cpu", "--json", out, *(["--torch-threads", threads] if threads else []))
+                   "--shared-prefill", "--device", "cpu", "--json", out, *(["--torch-threads", threads] if threads else []))
         ran = torch.get_num_threads()
     finally:
         torch.set_num_threads(before)  # --torch-threads holds for the whole process
@@ -217,6 +217,9 @@ def test_the_options_that_change_timings_are_recorded_in_the_json(tiny_llama, tm
     settings = data["settings"]
     assert settings["torch_threads"] == (threads or before) == ran
     assert (settings["chunk"], settings["build_during_prefill"], settings["cpus_per_task"]) == (64, False, None)
+    assert settings["shared_prefill"] is True
+    full, flat = (data["modes"][m]["summary"]["prefill_s"] for m in ("full", "flat"))
+    assert full == flat  # one prefill for both
     assert (data["device"], data["executor"]) == ("cpu", "local")
 
 
@@ -238,6 +241,15 @@ def test_full_decodes_from_a_prefill_that_keeps_nothing_for_an_index():
     assert names(prefill_groups([full, flat], uncalibrated)) == [["full", "flat"]]  # nothing kept: one prefill for all
     assert names(prefill_groups([full, roar], uncalibrated)) == [["full"], ["roargraph"]]  # roargraph trains on them
     assert names(prefill_groups([full, window], during)) == [["full", "window"]]
+    shared = Settings(Window(4, 16), build_during_prefill=False, shared_prefill=True)  # --shared-prefill: one for all
+    assert names(prefill_groups([full, window, flat, roar], shared)) == [["full", "window", "flat", "roargraph"]]
+
+
+def test_shared_prefill_needs_the_builds_after_the_prefill(tiny_llama):
+    res = _run("--model", tiny_llama, "--mode", "full,flat", "--task", "passkey", "--context", 200, "--window", "4,16",
+               "--shared-prefill")
+    assert res.exit_code != 0 and "--shared-prefill puts every mode on one prefill" in res.output
+    assert "add --build-after-prefill" in res.output
 
 
 def test_builds_start_after_the_prefill_by_default_only_on_an_accelerator_with_until_built_exact():

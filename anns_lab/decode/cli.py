@@ -112,6 +112,10 @@ class _DecodeCommand(click.Command):
                    "(the overlap is not counted in TTFT), or only after the whole prefill (--eval fidelity: always after). "
                    "Default: during, except on an accelerator with --until-built exact, where the first token waits for "
                    "the prefill alone and builds beside it only slow it (SmolLM2 at 8K on an H200: 1.34 s against 0.65 s)")
+@click.option("--shared-prefill", is_flag=True,
+              help="with --build-after-prefill: every mode decodes from one prefill, the index modes' (one prefill a "
+                   "sample, the cheaper run at 128K on a CPU; full's TTFT then carries the queries the index modes keep, "
+                   "which without it it does not)")
 @click.option("--until-built", type=click.Choice(UNTIL_BUILT), default="wait", show_default=True, help=UNTIL_BUILT_HELP)
 @click.option("--from-sweep", "from_sweep", type=str, default=None,
               help="a sweep's results.parquet (or folder): decode also with the index + parameters of least scanned fraction reaching --target-recall (in place of 'default')")
@@ -140,7 +144,7 @@ class _DecodeCommand(click.Command):
                                                 "link, or what is not a regular file)")
 def decode(model, modes, params, build_params, topk, window, add_batch, train_queries, train_group, train_positions, copy_hints, task,
            prompt, evaluation, context, samples,
-           seed, max_new_tokens, positions, free_tokens, chunk, build_during_prefill, until_built, from_sweep, target_recall, calibrate, device, torch_threads,
+           seed, max_new_tokens, positions, free_tokens, chunk, build_during_prefill, shared_prefill, until_built, from_sweep, target_recall, calibrate, device, torch_threads,
            allow_extrapolation, rope_scaling, executor, address, cpus_per_task, json_path, overwrite):
     """Generate with RetrievalAttention: static window on the accelerator + retrieved keys from a CPU index."""
     from anns_lab.decode import runner
@@ -148,9 +152,13 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
 
     settings = Settings(window=window, topk=topk, add_batch=add_batch, chunk=chunk, train_queries=train_queries,
                         train_group=train_group, train_positions=train_positions,
-                        build_during_prefill=build_during_prefill is not False,
+                        build_during_prefill=build_during_prefill is not False, shared_prefill=shared_prefill,
                         until_built=until_built, copy_hints=copy_hints, calibrate=calibrate)
     _check_options(settings, evaluation, task, prompt, executor, address)
+    if shared_prefill and build_during_prefill is not False:
+        raise DecodeError("--shared-prefill puts every mode on one prefill with the builds after it: add "
+                          "--build-after-prefill (builds during a prefill give each index mode its own, so that its "
+                          "TTFT counts its own builds' contention)")
     _check_unused(click.get_current_context(), evaluation, prompt, from_sweep)
     _check_counts(max_new_tokens=max_new_tokens, seed=seed, torch_threads=torch_threads)
     mode_list = _parse_mode_list(modes, params, build_params, from_sweep)
@@ -165,8 +173,6 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
 
         check_sweep_pick(from_sweep, target_recall, settings.topk, tuple(settings.window))
     device = device or default_device()
-    settings = dataclasses.replace(settings, build_during_prefill=builds_during_prefill(build_during_prefill, until_built,
-                                                                                        device))
     lm = _load(model, device, torch_threads, rope_scaling)
     recorded = {"torch_threads": _torch_threads(torch_threads, executor),
                 "cpus_per_task": cpus_per_task if executor == "ray" else None}
@@ -203,6 +209,9 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
 
             remote = RaySamples(address, model, cpus_per_task, log=progress, rope_scaling=rope_scaling,
                                 torch_threads=torch_threads)
+        # where the samples run: a Ray cluster's tasks take its GPU, whatever this driver has
+        settings = dataclasses.replace(settings, build_during_prefill=builds_during_prefill(
+            build_during_prefill, until_built, remote.device if remote else device))
         try:
             if prompt is not None:
                 result = runner.run_prompt(lm, mode_list, settings, prompt, max_new_tokens, allow_extrapolation,
@@ -395,7 +404,8 @@ def _run_description(lm, device: str, executor: str, settings: Settings, mode_li
             "settings": {"sink": settings.window.sink, "recent": settings.window.recent, "topk": settings.topk,
                          "add_batch": settings.add_batch, "chunk": settings.chunk, "train_queries": settings.train_queries,
                          "train_group": settings.train_group, "train_positions": settings.train_positions,
-                         "build_during_prefill": settings.build_during_prefill, "until_built": settings.until_built,
+                         "build_during_prefill": settings.build_during_prefill,
+                         "shared_prefill": settings.shared_prefill, "until_built": settings.until_built,
                          "copy_hints": settings.copy_hints, "calibrate": settings.calibrate or None} | threads,
             "plans": {m.name: ({"default": m.plan.describe(), **{str(k): p.describe() for k, p in m.per_layer.items()}}
                                if m.plan else None) for m in mode_list}}

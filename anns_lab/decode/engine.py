@@ -89,6 +89,7 @@ class Settings:
     train_positions: str = rope.DEFAULT  # their queries moved to the decode steps' positions ("serving") or at their own
     lists_on_device: bool | None = None  # training lists of the indexes on the accelerator (None: when it is CUDA)
     build_during_prefill: bool = True  # start a layer's index builds once the prompt's last chunk has passed it (builds.EarlyBuilds)
+    shared_prefill: bool = False  # with the builds after the prefill: every mode on one (full's TTFT then carries the queries kept)
     steps: int = 64  # decode steps of a mode at most: the CPU stores reserve a row per step past the prompt's
     calibrate: float | str = 0.0  # > 0 or "auto": each layer's index search raised at build time to this weight recall@k where short (calibrate.calibrate; "auto", the CLI's default: calibrate.auto_target of the layer's keys)
     until_built: str = "wait"  # decode steps while a mode's indexes still build: "wait" for them, or attend those layers' whole cache, "exact"ly (UNTIL_BUILT)
@@ -175,21 +176,26 @@ def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool, build
 
 
 def warm_accelerator(lm, ids: list[int], settings: Settings) -> None:
-    """On an accelerator, one untimed forward of the prompt's first chunk through a throwaway cache, so that the timed
-    prefill after it finds the CUDA context, cuBLAS handles and kernels loaded, as a serving process does. Without it
-    the first prefill of a process (``full``'s, which runs first) would carry that one-off cost and flatter every
-    other mode's time to first token against it. On the CPU there is no such cost worth a chunk's forward."""
-    if lm.model.device.type != "cpu" and ids:
-        forward_untimed(lm, ids[:settings.chunk], settings)
+    """On an accelerator, an untimed forward of the prompt's first chunk and then of one more token through a throwaway
+    cache, so that the timed prefill and first decode step after it find the CUDA context, cuBLAS handles and the
+    kernels of both shapes loaded, as a serving process does. Without it the first prefill and step of a process
+    (``full``'s, which runs first) would carry that one-off cost and flatter every other mode's time to first token
+    against it. On the CPU there is no such cost worth a chunk's forward."""
+    if lm.model.device.type != "cpu" and len(ids) > 1:
+        forward_untimed(lm, ids[:min(settings.chunk, len(ids) - 1) + 1], settings)
 
 
 def forward_untimed(lm, ids: list[int], settings: Settings) -> None:
-    """One forward of ``ids`` through the full-attention path and a throwaway cache; nothing is kept."""
+    """A forward of ``ids`` but the last through the full-attention path and a throwaway cache, then of the last alone
+    (a decode step's shape); nothing is kept."""
     from transformers import DynamicCache
 
     ctl = Retrieval(lm.long_range_layers, "full", settings.window, False)
+    cache = DynamicCache(config=lm.model.config)
     with torch.inference_mode(), retrieving(lm.model, ctl):
-        forward_tokens(lm, DynamicCache(config=lm.model.config), ids, 0, len(ids))
+        forward_tokens(lm, cache, ids, 0, len(ids) - 1)
+        ctl.phase = "decode"
+        forward_tokens(lm, cache, ids, len(ids) - 1, len(ids))
     sync(lm.model.device)
 
 

@@ -67,7 +67,9 @@ def parse_selection(spec: str, n: int | None, default: list[int], option: str = 
             else:
                 out.add(int(part))
     except ValueError:
-        raise DumpError(f"cannot read {option} {spec!r}; use all, default, a list (2,15,28) or a range (0:30:2)") from None
+        forms = "all, default, a list (2,15,28) or a range (0:30:2)" if option == "--layers" else \
+            "all, a list (0,4) or a range (0-3, 0:9:2)"
+        raise DumpError(f"cannot read {option} {spec!r}; use {forms}") from None
     if n is None:
         return []
     bad = sorted(x for x in out if not 0 <= x < n)

@@ -78,8 +78,8 @@ def table_problem(table: pd.DataFrame) -> str | None:
 
 def _kind_problem(table: pd.DataFrame) -> str | None:
     """The first value of a kind no sweep writes, in words, or None: a fractional or missing layer, head, k or key
-    count, a k or key count of 0 or a k above the keys, an unknown direction, an index without a name, build parameters that are not a JSON object (the readers
-    failed on them with a traceback, or cast them silently)."""
+    count, a k or key count of 0 or a k above the keys, an unknown direction, an index without a name, build parameters
+    that are not a JSON object (the readers failed on them with a traceback, or cast them silently)."""
     for column in COUNTS:
         v = table[column].to_numpy(dtype=float)
         bad = ~(np.isfinite(v) & (v == np.round(v)) & (v >= 0))
