@@ -12,6 +12,7 @@
 #               them during it (issue 13's GPU goal: <= 3x full). A short decode (2K) of the first model runs first,
 #               untimed: it fills numba's on-disk cache with the kernels a 2K decode compiles (a longer context may
 #               still compile one the first time: compare the rounds of a repeated run).
+#               $TTFT_ARGS go to each of those decodes (e.g. "--build-layers 8": layers built at once, on 16 cores).
 # --no-warm     skip that short decode (the kernel cache is already filled on this machine).
 # --no-bench    skip bench_decode.py (the per-token split of every mode): with --ttft, the TTFT runs alone.
 # Logs and JSON go to $LOGS (default ./cuda-check). Each stage runs even if an earlier one failed;
@@ -71,7 +72,7 @@ for spec in "$@"; do
       policy=${run%%:*}; timing=${run##*:}
       run "ttft-$model-$context-$policy-$timing" python3 -c "from anns_lab.cli import main; main()" decode --model "$model" \
           --task passkey --context "$context" --mode full,roargraph --device cuda --until-built $policy \
-          --build-$timing-prefill --json "$LOGS/ttft-$model-$context-$policy-$timing.json" --overwrite
+          --build-$timing-prefill ${TTFT_ARGS:-} --json "$LOGS/ttft-$model-$context-$policy-$timing.json" --overwrite
     done
   fi
 done

@@ -148,6 +148,12 @@ def test_one_mode_builds_as_many_layers_at_once_as_its_budget_each_beside_the_ot
     early.close()
     monkeypatch.setattr(builds, "thread_budget", lambda: 16)  # more threads: still two layers' copies at most
     assert builds.EarlyBuilds(None, 0, [Mode("some-index")], None, None, lambda layer: None, {}).workers == 2
+    from anns_lab.decode.engine import Settings
+    from anns_lab.window import Window
+
+    for asked, workers in ((8, 8), (32, 16), (1, 1)):  # decode --build-layers, within the threads' budget
+        settings = Settings(Window(4, 16), build_layers=asked)
+        assert builds.EarlyBuilds(None, 0, [Mode("some-index")], settings, None, lambda layer: None, {}).workers == workers
     monkeypatch.setattr(builds, "thread_budget", lambda: 1)
     assert builds.EarlyBuilds(None, 0, [Mode("some-index")], None, None, lambda layer: None, {}).workers == 1
     monkeypatch.setattr(builds, "thread_budget", lambda: 2)

@@ -117,6 +117,7 @@ def test_prompt_and_fidelity(tiny_gemma3, tmp_path):
     (["--train-group", "pooled"], "'pooled' is not one of 'head', 'group', 'strided'"),
     (["--copy-hints", -1], "--copy-hints must be 0"),
     (["--max-new-tokens", 0], "--max-new-tokens must be at least 1"),
+    (["--build-layers", 0], "--build-layers must be at least 1"),
     (["--max-new-tokens", -3], "--max-new-tokens must be at least 1"),
     (["--seed", -1], "--seed must be 0 or more"),
     (["--torch-threads", -2], "--torch-threads must be 0"),
@@ -208,7 +209,8 @@ def test_the_options_that_change_timings_are_recorded_in_the_json(tiny_llama, tm
     try:
         res = _run("--model", tiny_llama, "--mode", "full,flat", "--task", "passkey", "--context", 200,
                    "--window", "4,16", "--topk", 20, "--max-new-tokens", 2, "--chunk", 64, "--build-after-prefill",
-                   "--shared-prefill", "--device", "cpu", "--json", out, *(["--torch-threads", threads] if threads else []))
+                   "--shared-prefill", "--build-layers", 1, "--device", "cpu", "--json", out,
+                   *(["--torch-threads", threads] if threads else []))
         ran = torch.get_num_threads()
     finally:
         torch.set_num_threads(before)  # --torch-threads holds for the whole process
@@ -217,7 +219,7 @@ def test_the_options_that_change_timings_are_recorded_in_the_json(tiny_llama, tm
     settings = data["settings"]
     assert settings["torch_threads"] == (threads or before) == ran
     assert (settings["chunk"], settings["build_during_prefill"], settings["cpus_per_task"]) == (64, False, None)
-    assert settings["shared_prefill"] is True
+    assert settings["shared_prefill"] is True and settings["build_layers"] == 1
     full, flat = (data["modes"][m]["summary"]["prefill_s"] for m in ("full", "flat"))
     assert full == flat  # one prefill for both
     assert (data["device"], data["executor"]) == ("cpu", "local")

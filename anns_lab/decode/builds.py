@@ -122,7 +122,9 @@ def store_notes(stores: dict[int, LayerStore], settings) -> list[str]:
     return notes
 
 
-LAYERS_AT_ONCE = 2  # layers one mode builds at once (EarlyBuilds): the next one's heads fill the threads as one ends
+LAYERS_AT_ONCE = 2  # layers one mode builds at once by default (EarlyBuilds; decode --build-layers): the next one's heads
+# fill the threads as one ends. On a 16-core GPU host the serial parts of two layers in flight set the pace (BENCHMARKS
+# "The CUDA path, measured again"); more there is not measured yet.
 
 
 class EarlyBuilds:
@@ -151,7 +153,8 @@ class EarlyBuilds:
         self.prefill_end: float | None = None
         self.ready_at: dict[int, float] = {}  # perf_counter when each layer was complete and its builds queued
         # numba's workqueue layer aborts the process when two threads run its parallel kernels at once: a layer at a time
-        self.workers = min(LAYERS_AT_ONCE, thread_budget()) if len(modes) == 1 and numba_threadsafe() else 1
+        layers = LAYERS_AT_ONCE if settings is None else settings.build_layers
+        self.workers = max(1, min(layers, thread_budget())) if len(modes) == 1 and numba_threadsafe() else 1
         # Below the prefill's priority, as the builds' own threads beside it (threads.lower_priority): what it runs
         # itself (the keys' copy, the queries' RoPE move, a budget of one's builds) must not slow the prefill either.
         self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="anns-early-build",

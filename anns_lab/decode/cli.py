@@ -17,6 +17,7 @@ import click
 
 from anns_lab.cli_types import WINDOW, given_flags
 from anns_lab.decode.calibrate import AUTO as CALIBRATE_AUTO
+from anns_lab.decode.builds import LAYERS_AT_ONCE
 from anns_lab.decode.engine import UNTIL_BUILT, UNTIL_BUILT_HELP
 from anns_lab.dumps import rope
 from anns_lab.dumps.cli import ROPE_HELP, ROPE_SCALING
@@ -112,6 +113,9 @@ class _DecodeCommand(click.Command):
                    "(the overlap is not counted in TTFT), or only after the whole prefill (--eval fidelity: always after). "
                    "Default: during, except on an accelerator with --until-built exact, where the first token waits for "
                    "the prefill alone and builds beside it only slow it (SmolLM2 at 8K on an H200: 1.34 s against 0.65 s)")
+@click.option("--build-layers", default=LAYERS_AT_ONCE, show_default=True,
+              help="layers an index mode builds at once (each on its own thread, its heads on the threads' budget, "
+                   "at most that many): more may help a many-core host, each holding its layer's keys and queries")
 @click.option("--shared-prefill", is_flag=True,
               help="with --build-after-prefill: every mode decodes from one prefill, the index modes' (one prefill a "
                    "sample, the cheaper run at 128K on a CPU; full's TTFT then carries the queries the index modes keep, "
@@ -144,7 +148,7 @@ class _DecodeCommand(click.Command):
                                                 "link, or what is not a regular file)")
 def decode(model, modes, params, build_params, topk, window, add_batch, train_queries, train_group, train_positions, copy_hints, task,
            prompt, evaluation, context, samples,
-           seed, max_new_tokens, positions, free_tokens, chunk, build_during_prefill, shared_prefill, until_built, from_sweep, target_recall, calibrate, device, torch_threads,
+           seed, max_new_tokens, positions, free_tokens, chunk, build_during_prefill, build_layers, shared_prefill, until_built, from_sweep, target_recall, calibrate, device, torch_threads,
            allow_extrapolation, rope_scaling, executor, address, cpus_per_task, json_path, overwrite):
     """Generate with RetrievalAttention: static window on the accelerator + retrieved keys from a CPU index."""
     from anns_lab.decode import runner
@@ -153,6 +157,7 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
     settings = Settings(window=window, topk=topk, add_batch=add_batch, chunk=chunk, train_queries=train_queries,
                         train_group=train_group, train_positions=train_positions,
                         build_during_prefill=build_during_prefill is not False, shared_prefill=shared_prefill,
+                        build_layers=build_layers,
                         until_built=until_built, copy_hints=copy_hints, calibrate=calibrate)
     _check_options(settings, evaluation, task, prompt, executor, address)
     if shared_prefill and build_during_prefill is not False:
@@ -236,8 +241,8 @@ def _check_options(settings: Settings, evaluation: str, task: str | None, prompt
         raise DecodeError(f"--topk must be at least 1, got {settings.topk}")
     if settings.copy_hints < 0:
         raise DecodeError("--copy-hints must be 0 (none) or more")
-    if settings.add_batch < 1 or settings.chunk < 1:
-        raise DecodeError("--add-batch and --chunk must be at least 1")
+    if settings.add_batch < 1 or settings.chunk < 1 or settings.build_layers < 1:
+        raise DecodeError("--add-batch, --chunk and --build-layers must be at least 1")
     if settings.train_queries < 0:
         raise DecodeError(f"--train-queries must be 0 (all) or more, got {settings.train_queries}")
     if evaluation == "task" and (task is None) == (prompt is None):
@@ -405,7 +410,8 @@ def _run_description(lm, device: str, executor: str, settings: Settings, mode_li
                          "add_batch": settings.add_batch, "chunk": settings.chunk, "train_queries": settings.train_queries,
                          "train_group": settings.train_group, "train_positions": settings.train_positions,
                          "build_during_prefill": settings.build_during_prefill,
-                         "shared_prefill": settings.shared_prefill, "until_built": settings.until_built,
+                         "shared_prefill": settings.shared_prefill, "build_layers": settings.build_layers,
+                         "until_built": settings.until_built,
                          "copy_hints": settings.copy_hints, "calibrate": settings.calibrate or None} | threads,
             "plans": {m.name: ({"default": m.plan.describe(), **{str(k): p.describe() for k, p in m.per_layer.items()}}
                                if m.plan else None) for m in mode_list}}

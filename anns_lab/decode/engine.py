@@ -22,7 +22,7 @@ import torch
 
 from anns_lab.decode import calibrate as calibration
 from anns_lab.decode.attention import DecodeError, Retrieval, StepTimes, retrieving, sync
-from anns_lab.decode.builds import EarlyBuilds, build_stores, builds_after
+from anns_lab.decode.builds import LAYERS_AT_ONCE, EarlyBuilds, build_stores, builds_after
 from anns_lab.decode.cache import device_kv_bytes, narrow_layer, require_ring, window_cache
 from anns_lab.decode.copy_hints import CopyHints
 from anns_lab.decode.placement import IndexPlan, LayerStore
@@ -89,6 +89,7 @@ class Settings:
     train_positions: str = rope.DEFAULT  # their queries moved to the decode steps' positions ("serving") or at their own
     lists_on_device: bool | None = None  # training lists of the indexes on the accelerator (None: when it is CUDA)
     build_during_prefill: bool = True  # start a layer's index builds once the prompt's last chunk has passed it (builds.EarlyBuilds)
+    build_layers: int = LAYERS_AT_ONCE  # layers one mode builds at once (builds.EarlyBuilds; at most the threads' budget)
     shared_prefill: bool = False  # with the builds after the prefill: every mode on one (full's TTFT then carries the queries kept)
     steps: int = 64  # decode steps of a mode at most: the CPU stores reserve a row per step past the prompt's
     calibrate: float | str = 0.0  # > 0 or "auto": each layer's index search raised at build time to this weight recall@k where short (calibrate.calibrate; "auto", the CLI's default: calibrate.auto_target of the layer's keys)
