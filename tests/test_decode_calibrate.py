@@ -294,6 +294,10 @@ def test_a_key_only_mode_keeps_only_the_newest_queries_calibration_reads(tiny_ge
     runner.check_memory(lm, [ivf], dataclasses.replace(settings, calibrate=0.0), 200)
     assert [(kw["query_layers"], kw["query_tokens"]) for kw in asked] == [(2, calibrate.QUERIES), (2, None),
                                                                           (0, calibrate.QUERIES)]
+    # only an attention-aware mode moves training queries per layer in flight (--build-layers, at most the layers)
+    assert [kw["building_layers"] for kw in asked] == [0, 2, 0]
+    runner.check_memory(lm, [roar], dataclasses.replace(settings, build_layers=8), 200)
+    assert asked[-1]["building_layers"] == len(lm.long_range_layers) == 2
 
 
 def test_calibration_beside_the_prefill_runs_on_one_thread(tiny_gemma3, monkeypatch):

@@ -28,6 +28,8 @@ def test_estimate_parts():
     newest = prefill_estimate(GEMMA_LIKE, 131072, 2048, query_layers=3, query_tokens=64)  # --calibrate alone
     assert newest.parts["prefill queries kept"] == 3 * 4 * 64 * 256 * 4
     assert decode.total > est.total + decode.parts["copy of the KV cache (full)"]
+    building = prefill_estimate(GEMMA_LIKE, 131072, 2048, index_layers=3, building_layers=2)  # decode --build-layers
+    assert building.parts["2 layers' builds in flight"] == 2 * 4 * 131072 * 256 * 4
 
 
 def test_refusal_names_the_chunk_that_fits(monkeypatch):

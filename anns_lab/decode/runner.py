@@ -125,17 +125,20 @@ def run_prompt(lm, modes: list[Mode], settings: Settings, text: str, max_new: in
 def check_memory(lm, modes: list[Mode], settings: Settings, n_tokens: int, option: str = "--context") -> None:
     """Refuse, before the prefill, a run whose estimated peak memory exceeds what is available
     (:func:`memory.check_prefill`: KV cache, a chunk's activations, the kept queries (:func:`engine.kept_queries`),
-    one mode's CPU store and indexes (modes run one after the other), and a copy of the cache: ``full``'s, or with
+    one mode's CPU store and indexes (modes run one after the other), the training queries moved for the layers
+    building at once (``--build-layers``), and a copy of the cache: ``full``'s, or with
     ``--until-built exact`` an index mode's, whose long-range layers stay whole while their indexes build).
     ``option``: the one that set the prompt's length, named in the error."""
     from anns_lab.dumps.memory import check_prefill
 
     n_long = len(lm.long_range_layers)
     indexed = n_long * min(1, sum(m.kind == "index" for m in modes))
+    aware = any(m.uses_queries() for m in modes)  # training on the queries: each layer in flight moves them
     check_prefill(lm.config, n_tokens, settings.chunk, f"decoding {n_tokens} tokens of {lm.name}", option,
                   query_layers=n_long if any(m.uses_queries(settings) for m in modes) else 0,
                   query_tokens=kept_queries(modes),
                   index_layers=indexed,
+                  building_layers=min(settings.build_layers, n_long) if aware else 0,
                   cache_copy=any(m.kind == "full" for m in modes) or (indexed > 0 and settings.until_built == "exact"))
 
 

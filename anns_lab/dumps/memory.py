@@ -82,12 +82,14 @@ def _parse_size(text: str) -> int:
 
 
 def prefill_estimate(cfg, n_tokens: int, chunk: int, query_layers: int = 0, index_layers: int = 0,
-                     cache_copy: bool = False, query_tokens: int | None = None) -> Estimate:
+                     cache_copy: bool = False, query_tokens: int | None = None, building_layers: int = 0) -> Estimate:
     """Peak bytes of a chunked prefill of ``n_tokens`` with model config ``cfg``: KV cache, one chunk's
     attention scores and MLP activations; ``query_layers`` layers whose queries are kept (decode's training
     queries; ``query_tokens``: only each head's newest so many, None: every token's); ``index_layers``
     long-range layers held on the CPU with a graph per query head (a decode mode); ``cache_copy``: a second copy
-    of the cache (decode's ``full``)."""
+    of the cache (decode's ``full``); ``building_layers``: layers whose attention-aware builds are in flight at once
+    (decode ``--build-layers``), each with its training queries moved to the serving positions (at most every
+    token's)."""
     n_layers = cfg.num_hidden_layers
     n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
@@ -108,6 +110,8 @@ def prefill_estimate(cfg, n_tokens: int, chunk: int, query_layers: int = 0, inde
         parts["CPU store and indexes"] = index_layers * n_tokens * (per_token + n_heads * GRAPH_BYTES_PER_KEY)
     if cache_copy:
         parts["copy of the KV cache (full)"] = kv
+    if building_layers:
+        parts[f"{building_layers} layers' builds in flight"] = building_layers * n_heads * n_tokens * d * FLOAT
     return Estimate(parts)
 
 
