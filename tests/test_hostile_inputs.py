@@ -876,6 +876,28 @@ def test_report_refuses_a_hand_edited_or_merged_table_in_one_line(dump, tmp_path
     assert not (tmp_path / "r" / "report.md").exists()
 
 
+def test_a_report_that_fails_while_writing_leaves_the_last_one_whole(dump, tmp_path, monkeypatch):
+    """The report's files are replaced as one set: a write failing midway (a full disk) left new figures under the
+    old pages before."""
+    from anns_lab.eval import report
+
+    _sweep(dump, tmp_path / "r")
+    assert CliRunner().invoke(main, ["report", str(tmp_path / "r")]).exit_code == 0
+    before = {f.name: f.read_bytes() for f in (tmp_path / "r").iterdir() if f.is_file()}
+    real, entered = report.atomic_path, []
+
+    def failing(path):
+        entered.append(path.name)
+        if len(entered) == 4:  # the pages and two figures written: the third figure's disk is full
+            raise OSError(28, "No space left on device", str(path))
+        return real(path)
+
+    monkeypatch.setattr(report, "atomic_path", failing)
+    one_line_error(["report", tmp_path / "r"], "cannot write the report into", "No space left on device")
+    assert entered[:2] == ["report.md", "report.html"]
+    assert {f.name: f.read_bytes() for f in (tmp_path / "r").iterdir() if f.is_file()} == before  # no temporary left
+
+
 @pytest.mark.parametrize("settings, words", [
     (None, ["sweep.json, which says the sweep's window, is missing"]),  # before: built with the window 128,512
     ({"window": "0,0"}, ["is not a sweep's settings (window '0,0')"]),  # before: TypeError traceback

@@ -10,6 +10,7 @@ numbers (see :mod:`anns_lab.eval.findings`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -24,7 +25,7 @@ from anns_lab.eval import costs, failures, figures, findings, html, ivf_gap, pap
 from anns_lab.eval.heads import check_k, load_head
 from anns_lab.eval.findings import fmt_fraction  # noqa: F401 - benchmarks import it from here
 from anns_lab.eval.table import CELL, RESULTS, SETTINGS, load_results
-from anns_lab.io import atomic_write_bytes
+from anns_lab.io import atomic_path
 
 TARGETS = (0.90, 0.95, 0.99)
 FIGURES = {"recall_vs_scanned.png": "Recall against keys scanned, Q→K and K→K (Fig. 3a / 6)",
@@ -276,11 +277,15 @@ def _check_out(out: Path, folder: Path) -> None:
 
 
 def _write(out: Path, files: dict[str, bytes]) -> None:
-    """Write the report's files into ``out`` (made if new), each atomically; an unwritable --out is one error."""
+    """Write the report's files into ``out`` (made if new) as one set: every file to a temporary beside its place
+    first, then the renames, ``report.md`` last (a report stopped while writing its figures left new PNGs under the old
+    pages); an unwritable --out is one error."""
+    pages_last = sorted(files, key=lambda name: (name != "report.md", name != "report.html"))  # renamed in reverse
     try:
         out.mkdir(parents=True, exist_ok=True)
-        for name, data in files.items():
-            atomic_write_bytes(out / name, data)
+        with contextlib.ExitStack() as renames:  # each atomic_path renames at the stack's end, or removes its temporary
+            for name in pages_last:
+                renames.enter_context(atomic_path(out / name)).write_bytes(files[name])
     except OSError as err:
         raise AnnsLabError(f"cannot write the report into {out}: {err.strerror or err} ({err.filename or out}); "
                            "give another --out") from None
