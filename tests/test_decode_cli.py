@@ -225,6 +225,18 @@ def test_the_options_that_change_timings_are_recorded_in_the_json(tiny_llama, tm
     assert (data["device"], data["executor"]) == ("cpu", "local")
 
 
+def test_the_command_line_loads_without_torch_or_transformers():
+    """Every command (``anns-lab --help`` too) imports the decode command's options: taken from the engine they pulled
+    in torch and transformers, ~3.5 s before any command ran."""
+    import subprocess
+    import sys
+
+    code = ("import sys, anns_lab.cli; "
+            "print(sorted(m for m in ('torch', 'transformers', 'faiss', 'pandas', 'ray') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_full_decodes_from_a_prefill_that_keeps_nothing_for_an_index():
     """Keeping the queries costs the prefill time that full's TTFT must not carry: full and window get a prefill of
     their own beside index modes that keep them; with the builds after the prefill the index modes share one."""

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from anns_lab.decode import calibrate as calibration
+from anns_lab.decode.options import LAYERS_AT_ONCE
 from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.dumps import rope
 from anns_lab.errors import AnnsLabError, DecodeError, error_text
@@ -120,11 +121,6 @@ def store_notes(stores: dict[int, LayerStore], settings) -> list[str]:
             notes.append(f"{first.plan.name} returns no exact ids (it estimates the softmax from samples): not calibrated, "
                          "the weight recall of its ids cannot measure it; searched as given")
     return notes
-
-
-LAYERS_AT_ONCE = 2  # layers one mode builds at once by default (EarlyBuilds; decode --build-layers): the next one's heads
-# fill the threads as one ends. On a 16-core GPU host the serial parts of two layers in flight set the pace (BENCHMARKS
-# "The CUDA path, measured again"); more there is not measured yet.
 
 
 class EarlyBuilds:

@@ -36,11 +36,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from anns_lab.decode.options import CALIBRATE_AUTO
 from anns_lab.eval.metrics import softmax_weights, topk_weight, weight_recall_at_k
 from anns_lab.indexes import protocol
 
 QUERIES = 64  # newest prefill queries per head: ~6,400 (query, key) pairs per head at top-100
-AUTO = "auto"  # the decoder's default target, and a bare ``--calibrate``'s: :func:`auto_target` of the layer's keys
+AUTO = CALIBRATE_AUTO  # the decoder's default target, and a bare ``--calibrate``'s: :func:`auto_target` of the layer's keys
 TARGET = 0.95  # the auto target up to BASE_KEYS keys (BENCHMARKS "A target of 0.95")
 BASE_KEYS = 32768  # above it the auto target grows by PER_DOUBLING per doubling of the keys (BENCHMARKS "A target that grows with the context")
 PER_DOUBLING = 0.01

@@ -16,9 +16,7 @@ from typing import TYPE_CHECKING
 import click
 
 from anns_lab.cli_types import WINDOW, given_flags
-from anns_lab.decode.calibrate import AUTO as CALIBRATE_AUTO
-from anns_lab.decode.builds import LAYERS_AT_ONCE
-from anns_lab.decode.engine import UNTIL_BUILT, UNTIL_BUILT_HELP
+from anns_lab.decode.options import CALIBRATE_AUTO, LAYERS_AT_ONCE, UNTIL_BUILT, UNTIL_BUILT_HELP
 from anns_lab.dumps import rope
 from anns_lab.dumps.cli import ROPE_HELP, ROPE_SCALING
 from anns_lab.dumps.tasks import TASKS

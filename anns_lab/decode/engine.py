@@ -22,9 +22,10 @@ import torch
 
 from anns_lab.decode import calibrate as calibration
 from anns_lab.decode.attention import DecodeError, Retrieval, StepTimes, retrieving, sync
-from anns_lab.decode.builds import LAYERS_AT_ONCE, EarlyBuilds, build_stores, builds_after
+from anns_lab.decode.builds import EarlyBuilds, build_stores, builds_after
 from anns_lab.decode.cache import device_kv_bytes, narrow_layer, require_ring, window_cache
 from anns_lab.decode.copy_hints import CopyHints
+from anns_lab.decode.options import LAYERS_AT_ONCE
 from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.dumps import rope
 from anns_lab.dumps.models import forward_tokens
@@ -66,14 +67,6 @@ def kept_queries(modes: list[Mode]) -> int | None:
     any (:meth:`Mode.uses_queries`): all of them (None) to train an attention-aware index, else only the newest
     :data:`calibrate.QUERIES` that a calibration reads (~1.6 GB fewer at 128K on Gemma-3)."""
     return None if any(m.uses_queries() for m in modes) else calibration.QUERIES
-
-
-UNTIL_BUILT = ("wait", "exact")
-UNTIL_BUILT_HELP = ("what an index mode's decode steps do while its layers' indexes are still building: wait for them "
-                    "(the time to first token then counts the build not hidden behind the prefill), or attend each such "
-                    "layer over its whole cache on the accelerator, as full attention does (the first token does not "
-                    "wait; a layer's index serves from the step after its build ends, and the table counts the steps "
-                    "before every layer's did)")
 
 
 @dataclass
