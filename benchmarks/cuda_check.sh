@@ -59,7 +59,7 @@ if [ $tests = 1 ]; then
 fi
 if [ $ttft = 1 ] && [ $warm = 1 ] && [ $# -gt 0 ]; then
   run "warm-kernels" python3 -c "from anns_lab.cli import main; main()" decode --model "${1%%:*}" --task passkey --context 2048 \
-      --mode full,roargraph --device cuda --json "$LOGS/warm-kernels.json" --overwrite
+      --mode full,roargraph --device cuda ${TTFT_ARGS:-} --json "$LOGS/warm-kernels.json" --overwrite
 fi
 for spec in "$@"; do
   model=${spec%%:*}; context=${spec##*:}
@@ -68,8 +68,8 @@ for spec in "$@"; do
         ${BENCH_ARGS:-} --json "$LOGS/bench-$model-$context.json"
   fi
   if [ $ttft = 1 ]; then
-    for run in wait:during exact:after exact:during; do  # the decoder's default timing for each policy on a GPU first
-      policy=${run%%:*}; timing=${run##*:}
+    for pair in wait:during exact:after exact:during; do  # the decoder's default timing for each policy on a GPU first
+      policy=${pair%%:*}; timing=${pair##*:}
       run "ttft-$model-$context-$policy-$timing" python3 -c "from anns_lab.cli import main; main()" decode --model "$model" \
           --task passkey --context "$context" --mode full,roargraph --device cuda --until-built $policy \
           --build-$timing-prefill ${TTFT_ARGS:-} --json "$LOGS/ttft-$model-$context-$policy-$timing.json" --overwrite

@@ -264,6 +264,9 @@ def test_shared_prefill_needs_the_builds_after_the_prefill(tiny_llama):
                "--shared-prefill")
     assert res.exit_code != 0 and "--shared-prefill puts every mode on one prefill" in res.output
     assert "add --build-after-prefill" in res.output
+    fidelity = _run("--model", tiny_llama, "--mode", "full,flat", "--eval", "fidelity", "--context", 200, "--window",
+                    "4,16", "--shared-prefill", "--build-after-prefill")  # fidelity has one prefill for every mode
+    assert fidelity.exit_code != 0 and "--shared-prefill: not used by this run" in fidelity.output
 
 
 def test_builds_start_after_the_prefill_by_default_only_on_an_accelerator_with_until_built_exact():

@@ -373,6 +373,9 @@ def test_sweep_folders_and_selections_that_cannot_be_used_are_one_error_line(dum
     ran = CliRunner().invoke(main, [str(a) for a in args + ["--heads", "0:3:2", "--jobs", 1, "--quick", "--out", tmp_path / "r"]])
     assert ran.exit_code == 0, ran.output
     assert sorted(pd.read_parquet(tmp_path / "r" / "results.parquet")["head"].unique()) == [0, 2]
+    from anns_lab.eval.cli import _heads
+
+    assert _heads("all", dump.path) is None and _heads("default", dump.path) is None  # the default sweep and folder
     r = run_sweep(dump.path, ["flat", "flat"], [1, 1], [0, 0], k=10, window=(0, 0), out=tmp_path / "dup", jobs=1,
                   progress=False)
     assert len(list((tmp_path / "dup" / "parts").glob("*.parquet"))) == 1

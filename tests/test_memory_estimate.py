@@ -32,6 +32,13 @@ def test_estimate_parts():
     assert building.parts["2 layers' builds in flight"] == 2 * 4 * 131072 * 256 * 4
 
 
+def test_a_refusal_with_layers_building_at_once_names_build_layers(monkeypatch):
+    need = prefill_estimate(GEMMA_LIKE, 131072, 128, index_layers=3, building_layers=3).total
+    monkeypatch.setenv("ANNS_LAB_MEMORY_LIMIT", str(need - 1))
+    with pytest.raises(MemoryEstimateError, match=r"or build fewer layers at once \(--build-layers, 3 here\)"):
+        check_prefill(GEMMA_LIKE, 131072, 2048, "decoding", "--context", index_layers=3, building_layers=3)
+
+
 def test_refusal_names_the_chunk_that_fits(monkeypatch):
     need_512 = prefill_estimate(GEMMA_LIKE, 131072, 512).total
     monkeypatch.setenv("ANNS_LAB_MEMORY_LIMIT", str(need_512 + 1))

@@ -123,19 +123,26 @@ def store_notes(stores: dict[int, LayerStore], settings) -> list[str]:
     return notes
 
 
+def layers_at_once(asked: int, modes: int = 1) -> int:
+    """Layers that build at once for ``asked`` (``--build-layers``): at most the threads' budget, and one where several
+    modes build (each mode's seconds its own) or numba's ``workqueue`` layer runs (it aborts on two parallel callers)."""
+    return max(1, min(asked, thread_budget())) if modes == 1 and numba_threadsafe() else 1
+
+
 class EarlyBuilds:
     """The index modes' stores, built on worker threads from the moment the prefill's last chunk passes each layer.
 
     ``layer_done(layer)`` (from the attention hook, prefill thread) queues that layer's builds, mode by mode;
     ``prefill_done()`` marks the end of the prefill; ``take(mode)`` waits for that mode's stores and returns
     them with the wall seconds during which its builds ran and the part of those before the prefill ended (hidden).
-    One mode (the decoder's case: each index mode has a prefill of its own) builds two layers at once where the
-    process gives its kernels two threads or more (:func:`threads.thread_budget`; not under numba's ``workqueue`` layer,
+    One mode (the decoder's case: each index mode has a prefill of its own) builds :func:`layers_at_once` layers at
+    once (``--build-layers``, default two) where the process gives its kernels two threads or more (:func:`threads.thread_budget`; not under numba's ``workqueue`` layer,
     :func:`threads.numba_threadsafe`): a layer at a time left a core idle
     at each layer's end (its last heads, its calibration, the next layer's keys copied and queries moved, on one
     thread): at 8K the builds after the prefill took 1.14x as long (BENCHMARKS "Two layers at once after the
-    prefill"). Two keep the threads fed across a layer's end; more would only hold more layers' copies of their keys
-    and moved queries at once (a Llama-3-8B layer at 128K: ~1 GB). Several modes build one layer at a time, so that
+    prefill"). Two keep two cores' threads fed across a layer's end; on a many-core host the layers' serial parts may
+    want more (not measured yet), each holding its copies of the keys and moved queries (a Llama-3-8B layer at 128K:
+    ~1 GB; the memory estimate counts them). Several modes build one layer at a time, so that
     each mode's seconds are its own builds' (a later mode's builds wait for the earlier ones without that wait being
     counted).
     """
@@ -149,8 +156,7 @@ class EarlyBuilds:
         self.prefill_end: float | None = None
         self.ready_at: dict[int, float] = {}  # perf_counter when each layer was complete and its builds queued
         # numba's workqueue layer aborts the process when two threads run its parallel kernels at once: a layer at a time
-        layers = LAYERS_AT_ONCE if settings is None else settings.build_layers
-        self.workers = max(1, min(layers, thread_budget())) if len(modes) == 1 and numba_threadsafe() else 1
+        self.workers = layers_at_once(LAYERS_AT_ONCE if settings is None else settings.build_layers, len(modes))
         # Below the prefill's priority, as the builds' own threads beside it (threads.lower_priority): what it runs
         # itself (the keys' copy, the queries' RoPE move, a budget of one's builds) must not slow the prefill either.
         self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="anns-early-build",

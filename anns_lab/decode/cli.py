@@ -158,11 +158,11 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
                         build_layers=build_layers,
                         until_built=until_built, copy_hints=copy_hints, calibrate=calibrate)
     _check_options(settings, evaluation, task, prompt, executor, address)
+    _check_unused(click.get_current_context(), evaluation, prompt, from_sweep)
     if shared_prefill and build_during_prefill is not False:
         raise DecodeError("--shared-prefill puts every mode on one prefill with the builds after it: add "
-                          "--build-after-prefill (builds during a prefill give each index mode its own, so that its "
-                          "TTFT counts its own builds' contention)")
-    _check_unused(click.get_current_context(), evaluation, prompt, from_sweep)
+                          "--build-after-prefill, given explicitly (builds during a prefill give each index mode its "
+                          "own, so that its TTFT counts its own builds' contention)")
     _check_counts(max_new_tokens=max_new_tokens, seed=seed, torch_threads=torch_threads)
     mode_list = _parse_mode_list(modes, params, build_params, from_sweep)
     _check_calibrate(calibrate)
@@ -261,8 +261,9 @@ def _check_unused(ctx: click.Context, evaluation: str, prompt: str | None, from_
     """Refuse options set on the command line that this run would ignore (a --seed with --eval fidelity ran as if left
     out; --eval fidelity --prompt ran for half a minute, then crashed): one :class:`DecodeError` naming them."""
     if evaluation == "fidelity":
-        unused = given_flags(ctx, "task", "prompt", "samples", "seed", "max_new_tokens")
-        why = "--eval fidelity teacher-forces --positions tokens of its own text after --context tokens of it"
+        unused = given_flags(ctx, "task", "prompt", "samples", "seed", "max_new_tokens", "shared_prefill")
+        why = ("--eval fidelity teacher-forces --positions tokens of its own text after --context tokens of it, every "
+               "mode from one prefill")
     elif prompt is not None:
         unused = given_flags(ctx, "context", "samples", "seed", "positions", "free_tokens")
         why = "--prompt decodes that text once: its tokens are the context"

@@ -172,7 +172,8 @@ def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool, build
 def warm_accelerator(lm, ids: list[int], settings: Settings) -> None:
     """On an accelerator, an untimed forward of the prompt's first chunk and then of one more token through a throwaway
     cache, so that the timed prefill and first decode step after it find the CUDA context, cuBLAS handles and the
-    kernels of both shapes loaded, as a serving process does. Without it the first prefill and step of a process
+    model's kernels of both shapes loaded, as a serving process does (an index mode's own step kernels, its window
+    attention and merge, still load in its first step: against it, not for it). Without it the first prefill and step of a process
     (``full``'s, which runs first) would carry that one-off cost and flatter every other mode's time to first token
     against it. On the CPU there is no such cost worth a chunk's forward."""
     if lm.model.device.type != "cpu" and len(ids) > 1:
@@ -180,8 +181,8 @@ def warm_accelerator(lm, ids: list[int], settings: Settings) -> None:
 
 
 def forward_untimed(lm, ids: list[int], settings: Settings) -> None:
-    """A forward of ``ids`` but the last through the full-attention path and a throwaway cache, then of the last alone
-    (a decode step's shape); nothing is kept."""
+    """A forward of ``ids`` (at least two) but the last through the full-attention path and a throwaway cache, then of
+    the last alone (a decode step's shape); nothing is kept."""
     from transformers import DynamicCache
 
     ctl = Retrieval(lm.long_range_layers, "full", settings.window, False)

@@ -127,5 +127,7 @@ def check_prefill(cfg, n_tokens: int, chunk: int, what: str, tokens_flag: str, *
                  and prefill_estimate(cfg, n_tokens, c, **kwargs).total <= have), None)
     lower = (f"pass --chunk {fits} (about {prefill_estimate(cfg, n_tokens, fits, **kwargs).total / GIB:.1f} GiB)"
              if fits else f"even --chunk 128 would not fit: lower {tokens_flag}")
+    if kwargs.get("building_layers", 0) > 1:
+        lower += f", or build fewer layers at once (--build-layers, {kwargs['building_layers']} here)"
     raise MemoryEstimateError(f"{what} needs about {est.total / GIB:.1f} GiB ({est.describe()}) but "
                               f"{have / GIB:.1f} GiB is available; {lower}")

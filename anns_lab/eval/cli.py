@@ -24,7 +24,7 @@ def _heads(spec: str | None, dump_path: str | Path) -> list[int] | None:
         return None
     if not spec.replace(",", "").strip():
         return []
-    if spec.strip().lower() == "all":  # the default: the same sweep, the same default folder
+    if spec.strip().lower() in ("all", "default"):  # the default: the same sweep, the same default folder
         return None
     n_heads = open_dump(dump_path, verify=False).n_heads  # the count only: the sweep opens and checks it again
     return parse_selection(spec, n_heads, list(range(n_heads)), "--heads", "query heads", "the dump")
