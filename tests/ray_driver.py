@@ -53,7 +53,7 @@ class RaySweep:
                 self.proc.kill()
             self.result_file.unlink(missing_ok=True)
         assert self.proc.returncode == 0 and done, f"the Ray driver exited {self.proc.returncode}:\n{output}"
-        self.logs = done["logs"]
+        self.logs, self.still_connected = done["logs"], done.get("still_connected")
         if "error" in done:
             raise AnnsLabError(done["error"])
         failures = [tuple(f) for f in done["failures"]]
@@ -72,11 +72,21 @@ def _main(settings: str, result_file: str) -> None:
     kw, logs = json.loads(settings), []
     if "window" in kw:
         kw["window"] = tuple(kw["window"])
+    connect = kw.pop("connect_first", None)  # a Ray the driver started itself, before the sweep: {"num_cpus": N}
+    if connect is not None:
+        import ray
+
+        ray.init(include_dashboard=False, logging_level="WARNING", log_to_driver=False, **connect)
     try:
         res = run_sweep(**kw, log=logs.append)
         done = {"failures": [list(f) for f in res.failures], "seconds": res.seconds}
     except AnnsLabError as err:
         done = {"error": str(err)}
+    if connect is not None:
+        import ray
+
+        done["still_connected"] = ray.is_initialized()  # the sweep used the connection, and left it to its owner
+        ray.shutdown()
     Path(result_file).write_text(json.dumps(done | {"logs": logs}))
 
 

@@ -405,6 +405,18 @@ def test_more_workers_than_cpus_is_refused_before_any_work(tiny_dump, tmp_path, 
     assert not any((tmp_path / x).exists() for x in "abc")
 
 
+def test_a_ray_connection_already_open_is_used_as_it_is(tiny_dump, tmp_path):
+    """A driver that started Ray itself (here with 1 CPU) keeps it: --jobs, which sizes only a private Ray, is not
+    checked against this machine's CPUs, and the sweep neither starts another Ray nor shuts the driver's down."""
+    from anns_lab.eval.executors import machine_cpus
+
+    with RaySweep(tiny_dump.path, tmp_path / "res", indexes=["flat"], layers=[1], heads=[0], k=K, window=WINDOW,
+                  jobs=machine_cpus() + 1, executor="ray", connect_first={"num_cpus": 1}) as run:
+        res = run.result()
+    assert len(res.table) > 0 and set(res.table["index"]) == {"flat"} and not res.failures
+    assert run.still_connected is True
+
+
 @pytest.mark.parametrize("quota, cpus", [("150000 100000", 1), ("250000 100000", 2), ("max 100000", None),
                                          ("50000 100000", 1), ("garbled", None)])
 def test_a_cgroup_cpu_quota_bounds_the_machines_cpus_in_whole_cpus(tmp_path, monkeypatch, quota, cpus):
