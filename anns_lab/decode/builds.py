@@ -136,8 +136,9 @@ class EarlyBuilds:
     ``prefill_done()`` marks the end of the prefill; ``take(mode)`` waits for that mode's stores and returns
     them with the wall seconds during which its builds ran and the part of those before the prefill ended (hidden).
     One mode (the decoder's case: each index mode has a prefill of its own) builds :func:`layers_at_once` layers at
-    once (``--build-layers``, default two) where the process gives its kernels two threads or more (:func:`threads.thread_budget`; not under numba's ``workqueue`` layer,
-    :func:`threads.numba_threadsafe`): a layer at a time left a core idle
+    once (``--build-layers``, default two) where the process gives its kernels two threads or more
+    (:func:`threads.thread_budget`; not under numba's ``workqueue`` layer, :func:`threads.numba_threadsafe`): a layer at
+    a time left a core idle
     at each layer's end (its last heads, its calibration, the next layer's keys copied and queries moved, on one
     thread): at 8K the builds after the prefill took 1.14x as long (BENCHMARKS "Two layers at once after the
     prefill"). Two keep two cores' threads fed across a layer's end; on a many-core host the layers' serial parts may

@@ -38,8 +38,9 @@ def default_device() -> str:
 def builds_during_prefill(choice: bool | None, until_built: str, device: str) -> bool:
     """``--build-during-prefill/--build-after-prefill`` as given, or by default during the prefill (its last chunk
     hides part of the builds), except on an accelerator with ``--until-built exact``: there the first token waits for the
-    prefill alone, and builds beside it slow it (their threads starve the one launching its kernels) far more than they
-    gain (SmolLM2 at 8K on an H200: the prefill 1.34 s with them, 0.65 s without; BENCHMARKS "The CUDA path")."""
+    prefill alone, and builds beside it slow it (likely their threads competing with the one launching its kernels; not
+    profiled) far more than they gain (SmolLM2 at 8K on an H200: the prefill 1.08-1.34 s with them, 0.65 s without;
+    BENCHMARKS "The CUDA path, measured again")."""
     if choice is not None:
         return choice
     return not (until_built == "exact" and not str(device).startswith("cpu"))

@@ -173,9 +173,9 @@ def warm_accelerator(lm, ids: list[int], settings: Settings) -> None:
     """On an accelerator, an untimed forward of the prompt's first chunk and then of one more token through a throwaway
     cache, so that the timed prefill and first decode step after it find the CUDA context, cuBLAS handles and the
     model's kernels of both shapes loaded, as a serving process does (an index mode's own step kernels, its window
-    attention and merge, still load in its first step: against it, not for it). Without it the first prefill and step of a process
-    (``full``'s, which runs first) would carry that one-off cost and flatter every other mode's time to first token
-    against it. On the CPU there is no such cost worth a chunk's forward."""
+    attention and merge, still load in its first step: against it, not for it). Without it the first prefill and step
+    of a process (``full``'s, which runs first) would carry that one-off cost and flatter every other mode's time to
+    first token against it. On the CPU there is no such cost worth a chunk's forward."""
     if lm.model.device.type != "cpu" and len(ids) > 1:
         forward_untimed(lm, ids[:min(settings.chunk, len(ids) - 1) + 1], settings)
 

@@ -147,12 +147,13 @@ def prefill_groups(modes: list[Mode], settings: Settings) -> list[list[Mode]]:
     """The modes that share a prefill, in run order. ``full`` and ``window`` decode from a prefill that keeps nothing
     for an index whenever an index mode runs beside them: keeping the long-range layers' queries costs the prefill time
     that ``full``'s time to first token must not carry (SmolLM2 at 8K on an H200: 0.65 s against 0.26 s; with one
-    prefill for all, ``full``'s TTFT carried it and the index's ratio to it read 1.17x where against full alone it was ~2.6x). With builds
-    during the prefill each index mode gets a prefill of its own, so that its time to first token counts its own
-    builds' contention with the prefill and no other mode's; after it the index modes share one. The prefills compute
-    the same cache: the modes decode from the same prompt state either way. ``settings.shared_prefill`` (with builds
-    after the prefill only) puts every mode on one: the cheaper run at 128K on a CPU, where a prefill takes tens of
-    minutes, and ``full``'s TTFT then carries the queries kept (SmolLM2 8K on a 2-core CPU: +2% and +13% in two rounds)."""
+    prefill for all, ``full``'s TTFT carried it and the index's ratio to it read 1.17x where against full alone it was
+    ~2.6x). With builds during the prefill each index mode gets a prefill of its own, so that its time to first token
+    counts its own builds' contention with the prefill and no other mode's; after it the index modes share one. The
+    prefills compute the same cache: the modes decode from the same prompt state either way.
+    ``settings.shared_prefill`` (with builds after the prefill only) puts every mode on one: the cheaper run at 128K on
+    a CPU, where a prefill takes tens of minutes, and ``full``'s TTFT then carries the queries kept (SmolLM2 8K on a
+    2-core CPU: +2% and +13% in two rounds)."""
     index = [m for m in modes if m.kind == "index"]
     rest = [m for m in modes if m.kind != "index"]
     if not index or (not settings.build_during_prefill

@@ -40,9 +40,13 @@ def parse_layers(spec: str, n_layers: int | None, default: list[int]) -> list[in
     return parse_selection(spec, n_layers, default)
 
 
+LAYER_FORMS = "all, default, a list (2,15,28) or a range (0:30:2)"
+
+
 def parse_selection(spec: str, n: int | None, default: list[int], option: str = "--layers", noun: str = "layers",
-                    owner: str = "the model") -> list[int]:
-    """:func:`parse_layers`' syntax for any numbered parts (``option``, e.g. ``--heads``: ``noun`` 0..n-1 of ``owner``)."""
+                    owner: str = "the model", forms: str = LAYER_FORMS) -> list[int]:
+    """:func:`parse_layers`' syntax for any numbered parts (``option``, e.g. ``--heads``: ``noun`` 0..n-1 of ``owner``;
+    ``forms``: the spellings an unreadable one is told)."""
     spec = spec.strip().lower()
     if spec == "all":
         return list(range(n or 0))
@@ -67,8 +71,6 @@ def parse_selection(spec: str, n: int | None, default: list[int], option: str = 
             else:
                 out.add(int(part))
     except ValueError:
-        forms = "all, default, a list (2,15,28) or a range (0:30:2)" if option == "--layers" else \
-            "all, a list (0,4) or a range (0-3, 0:9:2)"
         raise DumpError(f"cannot read {option} {spec!r}; use {forms}") from None
     if n is None:
         return []

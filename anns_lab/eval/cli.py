@@ -27,7 +27,8 @@ def _heads(spec: str | None, dump_path: str | Path) -> list[int] | None:
     if spec.strip().lower() in ("all", "default"):  # the default: the same sweep, the same default folder
         return None
     n_heads = open_dump(dump_path, verify=False).n_heads  # the count only: the sweep opens and checks it again
-    return parse_selection(spec, n_heads, list(range(n_heads)), "--heads", "query heads", "the dump")
+    return parse_selection(spec, n_heads, list(range(n_heads)), "--heads", "query heads", "the dump",
+                           "all, a list (0,4) or a range (0-3, 0:9:2)")
 
 
 def _layers(spec: str | None, dump_path: str | Path) -> list[int] | None:
