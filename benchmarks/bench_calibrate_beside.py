@@ -1,4 +1,5 @@
-"""``--calibrate`` beside the prefill: one-thread searches (the decoder's) against the libraries' full thread teams.
+"""``--calibrate`` beside the prefill: a layer's probes on one one-thread worker (before) against its indexes spread
+over the workers (``calibrate.calibrate(..., beside=True)``, the decoder's now).
 
     .venv/bin/python benchmarks/bench_calibrate_beside.py --dump /work/dumps/smollm2-text-8192 --mode ivf
     .venv/bin/python benchmarks/bench_calibrate_beside.py --dump /work/dumps/smollm2-text-8192 --mode roargraph
@@ -6,11 +7,12 @@
 Each listed layer's store is built first (untimed), as the decoder builds it (``decode.builds.layer_store``, no
 calibration). Then, per arm and repeat, a stand-in prefill runs on its own thread (float32 matmuls of a prefill
 chunk's MLP shape through torch's default threads, counted) while the build thread calibrates every layer one after
-another (``decode.builds.calibrate_store``, as ``EarlyBuilds`` does): ``one`` with ``beside`` (a one-thread worker, what
-the decoder does while the prefill runs), ``teams`` without (numba's and faiss's full teams on the build thread, the
-decoder's calibration beside the prefill before). Printed: the calibration alone (wall, process CPU seconds), and beside
-the stand-in its wall seconds, the stand-in's products per second while it ran as a share of its rate alone (how much
-the calibration slows the prefill) and the process's CPU seconds. The two arms choose the same values (checked).
+another: ``one`` on a single one-thread worker below the prefill's priority (every index of the layer in turn: the
+decoder's calibration up to this benchmark's commit), ``spread`` with the layer's indexes side by side on the
+one-thread workers (:func:`threads.map_one_thread`, what the decoder does now). Printed: the calibration alone (wall,
+process CPU seconds), and beside the stand-in its wall seconds, the stand-in's products per second while it ran as a
+share of its rate alone (how much the calibration slows the prefill) and the process's CPU seconds. The two arms choose
+the same values (checked).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import anns_lab
 from anns_lab.decode import builds, calibrate
 from anns_lab.decode.engine import Settings
 from anns_lab.decode.placement import IndexPlan
+from anns_lab.indexes.threads import map_one_thread
 from bench_decoder_build import fake_model, layer_inputs
 
 
@@ -62,11 +65,15 @@ class StandIn:
         return self.done / (self.t[1] - self.t[0])
 
 
-def calibrate_all(stores, newest, target: float, scaling: list[float], beside: bool) -> tuple[float, list]:
+def calibrate_all(stores, newest, target: float, scaling: list[float], spread: bool) -> tuple[float, list]:
     """Wall seconds of calibrating every store one after another from its search as built, and the values chosen."""
     plans = [s.plan for s in stores]
     t = time.perf_counter()
-    chosen = [builds.calibrate_store(s, q, target, c, beside) for s, q, c in zip(stores, newest, scaling)]
+    if spread:
+        chosen = [calibrate.calibrate(s, q, target, c, beside=True) for s, q, c in zip(stores, newest, scaling)]
+    else:  # a worker's budget is one thread: calibrate's own map then runs every index in turn on it
+        chosen = [map_one_thread(lambda st: calibrate.calibrate(st, q, target, c), [s], beside=True)[0]
+                  for s, q, c in zip(stores, newest, scaling)]
     wall = time.perf_counter() - t
     for s, plan in zip(stores, plans):  # calibration raises a store's search: the next call would start from there
         s.plan = plan
@@ -93,7 +100,7 @@ def main() -> None:
         stores.append(builds.layer_store(lm, cache, n_ids, layer, IndexPlan(a.mode), settings, queries))
         newest.append(np.ascontiguousarray(queries[:, -calibrate.QUERIES:]))
     scaling = [dump.scaling(layer) for layer in layers]
-    calibrate_all(stores, newest, a.target, scaling, False)  # compile the search kernels outside the timings
+    calibrate_all(stores, newest, a.target, scaling, True)  # compile the search kernels outside the timings
     stand_in = StandIn(a.chunk, lm.config.hidden_size)
     with stand_in:
         time.sleep(3.0)
@@ -101,25 +108,25 @@ def main() -> None:
     print(f"{a.dump}: {len(layers)} layers x {dump.n_heads} query heads, {a.mode}, target {a.target}; "
           f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, torch threads {torch.get_num_threads()}; "
           f"stand-in alone {alone:.1f} products/s", flush=True)
-    rows, chosen = {"one": [], "teams": []}, {}
+    rows, chosen = {"one": [], "spread": []}, {}
     for r in range(a.repeats):
-        for arm in ("one", "teams") if r % 2 == 0 else ("teams", "one"):
+        for arm in ("one", "spread") if r % 2 == 0 else ("spread", "one"):
             cpu = time.process_time()
-            solo, _ = calibrate_all(stores, newest, a.target, scaling, arm == "one")
+            solo, _ = calibrate_all(stores, newest, a.target, scaling, arm == "spread")
             solo_cpu, cpu = time.process_time() - cpu, time.process_time()
             with stand_in:
-                wall, chosen[arm] = calibrate_all(stores, newest, a.target, scaling, arm == "one")
+                wall, chosen[arm] = calibrate_all(stores, newest, a.target, scaling, arm == "spread")
             cpu = time.process_time() - cpu
             rows[arm].append((solo, solo_cpu, wall, stand_in.rate / alone, cpu))
-            print(f"  {arm:5s} alone {solo:.2f} s wall, {solo_cpu:.2f} CPU s; beside the stand-in {wall:.2f} s wall, "
+            print(f"  {arm:6s} alone {solo:.2f} s wall, {solo_cpu:.2f} CPU s; beside the stand-in {wall:.2f} s wall, "
                   f"the stand-in at {stand_in.rate / alone:.2f} of its rate alone, {cpu:.2f} CPU s (process)", flush=True)
-    assert chosen["one"] == chosen["teams"], chosen
+    assert chosen["one"] == chosen["spread"], chosen
     med = {arm: np.median(np.array(v), axis=0) for arm, v in rows.items()}
     for arm, (solo, solo_cpu, wall, share, cpu) in med.items():
-        print(f"median {arm:5s}: alone {solo:.2f} s wall, {solo_cpu:.2f} CPU s; beside {wall:.2f} s wall, stand-in at "
+        print(f"median {arm:6s}: alone {solo:.2f} s wall, {solo_cpu:.2f} CPU s; beside {wall:.2f} s wall, stand-in at "
               f"{share:.2f}, {cpu:.2f} CPU s")
-    o, t = med["one"], med["teams"]
-    print(f"one / teams: alone CPU s {o[1] / t[1]:.2f}x; beside: calibration wall {o[2] / t[2]:.2f}x, stand-in rate "
+    o, t = med["spread"], med["one"]
+    print(f"spread / one: alone CPU s {o[1] / t[1]:.2f}x; beside: calibration wall {o[2] / t[2]:.2f}x, stand-in rate "
           f"{o[3] / t[3]:.2f}x; load {os.getloadavg()[0]:.1f}")
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import sys
+
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -300,9 +302,11 @@ def test_a_key_only_mode_keeps_only_the_newest_queries_calibration_reads(tiny_ge
     assert asked[-1]["building_layers"] == len(lm.long_range_layers) == 2
 
 
-def test_calibration_beside_the_prefill_runs_on_one_thread(tiny_gemma3, monkeypatch):
-    """A layer calibrated while the prefill still runs (``beside``) searches on a one-thread worker, as its builds do;
-    after the prefill on the calling thread with its own (full) teams."""
+def test_calibration_searches_a_layers_indexes_side_by_side_on_one_thread_workers(tiny_gemma3, monkeypatch):
+    """A layer's calibration searches its indexes side by side, each on a one-thread worker (a probe on one thread was
+    the serial tail of a layer's build on a many-core host); beside the prefill those workers run below its priority,
+    after it at the calling thread's."""
+    import os
     import threading
 
     import faiss
@@ -311,27 +315,37 @@ def test_calibration_beside_the_prefill_runs_on_one_thread(tiny_gemma3, monkeypa
     from anns_lab.decode import builds
     from anns_lab.indexes import threads
 
-    monkeypatch.setattr(threads, "thread_budget", lambda: 2)  # a worker even on a one-core runner
+    monkeypatch.setattr(threads, "thread_budget", lambda: 2)  # two workers even on a one-core runner
     lm = load_model(str(tiny_gemma3), device=TEST_DEVICE)
     settings = Settings(Window(4, 8), topk=12, add_batch=4, chunk=24, calibrate=0.9, steps=4)
     ids = np.random.default_rng(3).integers(3, 400, size=160).tolist()
     pre = prefill(lm, ids, settings, capture_queries=True)
     seen = []
-    original = calibrate.calibrate
+    original = calibrate._checked
+    together = threading.Barrier(2, timeout=30)  # a search that waits for another one: they run at once or time out
 
-    def spy(store, queries, target, scaling):
-        seen.append((threading.current_thread().name, numba.get_num_threads(), faiss.omp_get_max_threads()))
-        return original(store, queries, target, scaling)
+    def spy(store, head, queries, k, search):
+        me = threading.get_native_id()
+        seen.append((threading.current_thread().name, numba.get_num_threads(), faiss.omp_get_max_threads(),
+                     os.getpriority(os.PRIO_PROCESS, me) if hasattr(os, "getpriority") else 0))
+        together.wait()
+        return original(store, head, queries, k, search)
 
-    monkeypatch.setattr(calibrate, "calibrate", spy)
+    monkeypatch.setattr(calibrate, "_checked", spy)
     layer = lm.long_range_layers[0]
-    before = (threading.current_thread().name, numba.get_num_threads(), faiss.omp_get_max_threads())
+    caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) if hasattr(os, "getpriority") else 0
     for beside in (True, False):
+        seen.clear()
         store = builds.layer_store(lm, pre.cache, len(ids), layer, IndexPlan("ivf", {"nlist": 8}, {}), settings,
                                    pre.queries[layer], pre.scaling[layer], beside=beside)
         assert store.calibration is not None and store.calibration.param == "nprobe"
-    assert seen[0][0].startswith("anns-lab-build") and seen[0][1:] == (1, 1)
-    assert seen[1] == before  # the calling thread's teams, as they were before the one-thread worker ran
+        groups = len(store._groups())  # ivf: an index per KV head
+        assert groups == 2 and len(seen) == groups * len(store.calibration.tried)  # each probe searched every index
+        assert all(name.startswith("anns-lab-build") and (nb, omp) == (1, 1) for name, nb, omp, _ in seen), seen
+        assert len({name for name, *_ in seen}) == 2
+        nice = {n for *_, n in seen}
+        if sys.platform.startswith("linux"):
+            assert nice == ({max(caller, threads.LOWEST_PRIORITY)} if beside else {caller}), (beside, nice)
 
 
 @pytest.mark.parametrize("during", [True, False])
@@ -345,9 +359,9 @@ def test_each_layer_is_calibrated_at_the_scale_its_attention_was_called_with(tin
     seen = {}
     original = calibrate.calibrate
 
-    def spy(store, queries, target, scaling):
+    def spy(store, queries, target, scaling, beside=False):
         seen[store.layer] = scaling
-        return original(store, queries, target, scaling)
+        return original(store, queries, target, scaling, beside)
 
     monkeypatch.setattr(calibrate, "calibrate", spy)
     pre = prefill(lm, ids, settings, capture_queries=True, build_modes=[mode])

@@ -25,7 +25,7 @@ from anns_lab.dumps import rope
 from anns_lab.errors import AnnsLabError, DecodeError, error_text
 from anns_lab.indexes import registry
 from anns_lab.indexes.group_queries import PER_HEAD, group_queries
-from anns_lab.indexes.threads import (lower_priority, map_one_thread, numba_threadsafe, settle, stopping_on,
+from anns_lab.indexes.threads import (lower_priority, numba_threadsafe, settle, stopping_on,
                                      thread_budget)
 
 
@@ -68,17 +68,9 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
                 others=others, beside=beside)
     if calibrating:  # in the store's build_s too (the decoder times its modes by the layers' spans, :meth:`EarlyBuilds.take`)
         t0 = time.perf_counter()
-        store.calibration = calibrate_store(store, newest, settings.calibrate, scaling, beside)
+        store.calibration = calibration.calibrate(store, newest, settings.calibrate, scaling, beside)
         store.build_s += time.perf_counter() - t0
     return store
-
-
-def calibrate_store(store: LayerStore, newest: np.ndarray, target: float | str, scaling: float,
-                    beside: bool = False) -> calibration.Calibration | None:
-    """:func:`calibrate.calibrate` of a built ``store`` on its ``newest`` prefill queries (H, c, d); ``beside`` the
-    prefill on a one-thread worker below its priority, as the builds (:func:`threads.map_one_thread`: spinning teams
-    slow the prefill)."""
-    return map_one_thread(lambda s: calibration.calibrate(s, newest, target, scaling), [store], beside)[0]
 
 
 def build_stores(lm, pre, mode, settings) -> tuple[dict[int, LayerStore], list[str], float]:
