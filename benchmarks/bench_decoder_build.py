@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_decoder_build.py --dump /work/dumps/smollm2-text-8192
     .venv/bin/python benchmarks/bench_decoder_build.py --dump /work/dumps/smollm2-text-8192 --layers 0:30:3 --threads 2
     .venv/bin/python benchmarks/bench_decoder_build.py --dump /work/dumps/smollm2-text-8192 --train-group group
+    .venv/bin/python benchmarks/bench_decoder_build.py --dump /work/dumps/gemma3-270m-text-32768 --given-lists
 
 For each layer, what ``anns-lab decode`` does once the prompt's last chunk has passed it (``decode.builds.layer_store``,
 called as the decoder calls it): the layer's keys and values out of a cache (the dump's prefill K and V in float32
@@ -38,7 +39,8 @@ from anns_lab.indexes import base, group_queries
 from bench_build_scale import PIECES, time_pieces
 
 DECODER_TIMED = [(rope, "to_serving", "rope move"), (builds, "subsampled_positions", "subsample"),
-                 (LayerStore, "__init__", "store"), (base, "as_matrix", "input checks")]
+                 (LayerStore, "__init__", "store"), (base, "as_matrix", "input checks"),
+                 (builds, "_device_lists", "given lists")]
 
 
 def fake_model(dump) -> SimpleNamespace:
@@ -68,6 +70,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="numba's and faiss's threads")
     ap.add_argument("--torch-threads", type=int, default=0, help="torch's (the bfloat16 products); 0 = --threads")
     ap.add_argument("--train-queries", type=int, default=0, help="the decoder's --train-queries (0 = all)")
+    ap.add_argument("--given-lists", action="store_true",
+                    help="the training lists given to the build as a CUDA host's decoder gives them (decode.device_lists, "
+                         "here by torch on the CPU: their own part, 'given lists')")
     ap.add_argument("--train-group", default=group_queries.DEFAULT, choices=group_queries.MODES,
                     help="the decoder's --train-group (head: an index per query head; group, strided: one per KV head)")
     a = ap.parse_args()
@@ -86,7 +91,7 @@ def main() -> None:
     lm = fake_model(dump)
     params = {k: float(v) if "." in v else int(v) for k, v in (p.split("=") for p in a.build_param)}
     plan = IndexPlan(a.mode, build_params=params)
-    settings = Settings(lists_on_device=False, train_queries=a.train_queries, train_group=a.train_group, calibrate=0.0)  # the builds alone
+    settings = Settings(lists_on_device=a.given_lists, train_queries=a.train_queries, train_group=a.train_group, calibrate=0.0)  # the builds alone
     n_ids = int(dump.manifest["n_tokens"]["prefill"])
     cache, queries = layer_inputs(dump, layers[0])  # compile the kernels outside the timings
     builds.layer_store(lm, cache, n_ids, layers[0], plan, settings, queries)

@@ -76,7 +76,7 @@ from anns_lab.indexes.graph.search import bytes_read, search_batch, search_singl
 from anns_lab.indexes.key_store import KeyStore
 from anns_lab.indexes.persist import expect, expect_ids
 from anns_lab.indexes.topk import topk_ip
-from anns_lab.indexes.train_lists import anchored_topk
+from anns_lab.indexes.train_lists import anchor_ids, anchored_topk
 
 MIN_TRAIN = 2048  # auto_train's floor: below it every query is kept (4096 at 8K: ~2x the build, the same scans: BENCHMARKS "Scale")
 STRANDED_POOL = 2048  # candidate out-neighbours of a stranded key at most (see link_stranded; 8192 scanned the same at 8K, cost +1.2 s per head at 32K)
@@ -233,7 +233,7 @@ class RoarGraphIndex(Index):
         if rows is not None:
             train_queries = np.ascontiguousarray(train_queries[rows])
             train_topk = None if train_topk is None else train_topk[rows]
-        knn, exact = self._train_lists(keys, train_queries, m_sq, threads, train_topk)
+        knn = self._train_lists(keys, train_queries, m_sq, threads, train_topk)
         weights = np.ones(len(train_queries), np.float32)
         if p["recent_frac"] > 0:
             weights[len(weights) - int(round(p["recent_frac"] * len(weights))):] = p["recent_weight"]
@@ -245,15 +245,18 @@ class RoarGraphIndex(Index):
         if p["min_cooc"] > 0:  # before the descent links, which then restore a way down where it cut one
             roar.drop_rare_edges(g, bip, p["min_cooc"], threads)
         if p["descent_links"] > 0:
-            # From the exact lists only: an anchored list's order between anchors is approximate, and the
-            # exact ones alone cost 1/stride (at 32K: 1.0 s -> 0.1 s per head).
-            roar.link_descent(g, knn if exact.all() else knn[exact], p["descent_rank"],
+            # From the anchors' lists only (train_lists.anchor_ids: the exact ones where the build lists them itself):
+            # an anchored list's order between anchors is approximate, and the anchors alone cost 1/stride (at 32K:
+            # 1.0 s -> 0.1 s per head). Lists given exact for every query (decode.device_lists) are read at the same
+            # rows: from all of them a Gemma-3 32K layer built in 1.8x the time it took computing its lists on the CPU.
+            seeds = anchor_ids(len(knn), self._stride(len(knn), n), p["keep_queries"])
+            roar.link_descent(g, knn if len(seeds) == len(knn) else knn[seeds], p["descent_rank"],
                               p["descent_links"], (pa, p["R"]), threads)
         self.hubs = query_hubs(keys, train_queries, p["n_hubs"], p["seed"])
         if p["enhance_L"] > 0:
             roar.connect_by_search(g, self.hubs, p["enhance_L"], (pa, p["R"], p["M_link"]), threads)
         if group_queries is not None:  # the keys no own list holds: rows from the group's other heads' lists
-            knn_g, _ = self._train_lists(keys, group_queries, m_sq, threads, group_topk)
+            knn_g = self._train_lists(keys, group_queries, m_sq, threads, group_topk)
             group = roar.bipartite(knn_g, np.ones(len(knn_g), np.float32), n, m_sq, p["idf"])
             # every rank of another head's list makes an unlisted key a pivot: past the pivot rank it would keep no row
             roar.link_unlisted(g, bip, group, self._sizes(m_sq), p["alpha"], p["group_in"], threads)
@@ -275,19 +278,26 @@ class RoarGraphIndex(Index):
         build keeps them all."""
         return subsample(m, self.params["max_train"] or auto_train(n_keys), self.params["keep_queries"])
 
-    def _train_lists(self, keys, queries, m_sq: int, threads: int, given: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-        """(lists, exact rows): each training query's top-``m_sq`` keys, best first: ``given`` (precomputed, e.g. on the accelerator
-        during the prefill) when it has the columns, else :func:`train_lists.anchored_topk` (``list_stride``)."""
+    def _train_lists(self, keys, queries, m_sq: int, threads: int, given: np.ndarray | None) -> np.ndarray:
+        """Each training query's top-``m_sq`` keys, best first: ``given`` (precomputed, e.g. on the accelerator during
+        the prefill) when it has the columns, else :func:`train_lists.anchored_topk` (exact at the anchors of
+        :meth:`_stride`, between them ranked among the neighbouring anchors' keys)."""
         if given is not None:
             if given.shape[1] < m_sq:
                 raise IndexConfigError(f"{self._owner()}: train_topk has {given.shape[1]} keys per query; this build needs "
                                        f"M_sq = {m_sq} ({type(self).__name__}.train_topk_width({len(keys)}))")
-            return np.ascontiguousarray(given[:, :m_sq], np.int32), np.ones(len(given), np.bool_)
-        stride = self.params["list_stride"] or auto_stride(len(queries), len(keys))
+            return np.ascontiguousarray(given[:, :m_sq], np.int32)
         # The build reads a list's order only below the pivot rank, and below n_cand when that cuts the list.
         ordered = max(self.lists["n_pivots"], self.lists["n_cand"] if self.lists["n_cand"] < m_sq else 0)
-        return anchored_topk(queries, keys, m_sq, stride, LIST_SPAN, self.params["keep_queries"], threads,
-                             coarse=bool(self.params["coarse_bf16"]), ordered=ordered)
+        lists, _ = anchored_topk(queries, keys, m_sq, self._stride(len(queries), len(keys)), LIST_SPAN,
+                                 self.params["keep_queries"], threads, coarse=bool(self.params["coarse_bf16"]),
+                                 ordered=ordered)
+        return lists
+
+    def _stride(self, m: int, n: int) -> int:
+        """Training queries per anchor (exact list) for ``m`` queries over ``n`` keys: ``list_stride``, else
+        :func:`auto_stride`."""
+        return self.params["list_stride"] or auto_stride(m, n)
 
     @classmethod
     def train_topk_width(cls, n_keys: int, **build_params) -> int:
