@@ -34,7 +34,7 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
     """The layer's CPU store of its non-window prefill keys/values (read from ``cache``, ``n_ids`` tokens long),
     with its indexes built from the layer's prefill ``queries`` (H, t, d) and, with ``settings.calibrate``, its search
     calibrated on their newest at the layer's softmax ``scaling``; ``beside``: the prefill still runs
-    (:meth:`LayerStore.build`; the calibration too runs its kernels on one thread then)."""
+    (:meth:`LayerStore.build`; the calibration's searches too run on the one-thread workers below its priority then)."""
     lo, hi = settings.window.outside(n_ids)
     layer_cache = cache.layers[layer]
     keys = layer_cache.keys[0, :, lo:hi].to("cpu", torch.float32).numpy()

@@ -24,7 +24,8 @@ Build, on keys K (n, d) and training queries Q (m, d) (kernels in :mod:`graph.ro
 5. **Descent links**: a search for a training query expands the keys above rank r of its list
    before rank r, so a key with no in-neighbour ranked above it is found only by luck; it gets
    in-edges from the keys above it most like it (``descent_links`` per key); this also restores the
-   ways down that step 4 cut.
+   ways down that step 4 cut. Drawn from the anchors' lists only (step 1's exact ones; lists given as
+   ``train_topk`` are read at the same rows).
 6. **Keys in no own list, from the group's other heads** (only when ``build`` is given ``group_queries``, the
    other query heads' prefill queries of the keys' GQA group, or their lists ``group_topk``): such a key's row is
    projected from the other heads' lists as step 2 projects (every rank a pivot), and the first ``group_in`` keys of
