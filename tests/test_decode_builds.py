@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent import futures
+from types import SimpleNamespace
 
 import pytest
 
@@ -143,21 +144,27 @@ def test_one_mode_builds_as_many_layers_at_once_as_its_budget_each_beside_the_ot
 
     monkeypatch.setattr(builds, "layer_store", layer_store)
     monkeypatch.setattr(builds, "store_notes", lambda stores, settings: [])
-    early = builds.EarlyBuilds(None, 0, [Mode("some-index")], None, None, lambda layer: None, {})
-    assert early.workers == 2
-    early.close()
-    monkeypatch.setattr(builds, "thread_budget", lambda: 16)  # more threads: still two layers' copies at most
-    assert builds.EarlyBuilds(None, 0, [Mode("some-index")], None, None, lambda layer: None, {}).workers == 2
+    def model(heads):  # what EarlyBuilds reads of a loaded model: its query heads
+        return SimpleNamespace(config=SimpleNamespace(num_attention_heads=heads))
+
+    def workers(heads, settings=None):
+        early = builds.EarlyBuilds(model(heads), 0, [Mode("some-index")], settings, None, lambda layer: None, {})
+        early.close()
+        return early.workers
+
+    assert workers(9) == 2 and workers(4) == 2  # auto on two threads: at least two layers
+    monkeypatch.setattr(builds, "thread_budget", lambda: 16)
+    # auto: a head per thread (16 threads: four layers of four heads, two of nine, two of 32 at least)
+    assert (workers(4), workers(9), workers(32), workers(1)) == (4, 2, 2, 16)
     from anns_lab.decode.engine import Settings
     from anns_lab.window import Window
 
-    for asked, workers in ((8, 8), (32, 16), (1, 1)):  # decode --build-layers, within the threads' budget
-        settings = Settings(Window(4, 16), build_layers=asked)
-        assert builds.EarlyBuilds(None, 0, [Mode("some-index")], settings, None, lambda layer: None, {}).workers == workers
+    for asked, n in ((8, 8), (32, 16), (1, 1), (0, 4)):  # decode --build-layers, within the threads' budget
+        assert workers(4, Settings(Window(4, 16), build_layers=asked)) == n
     monkeypatch.setattr(builds, "thread_budget", lambda: 1)
-    assert builds.EarlyBuilds(None, 0, [Mode("some-index")], None, None, lambda layer: None, {}).workers == 1
+    assert workers(4) == 1
     monkeypatch.setattr(builds, "thread_budget", lambda: 2)
-    early = builds.EarlyBuilds(None, 0, [Mode("some-index")], None, None, lambda layer: None, {})
+    early = builds.EarlyBuilds(model(4), 0, [Mode("some-index")], None, None, lambda layer: None, {})
     early.prefill_done()
     early.layer_done(0)
     early.layer_done(1)

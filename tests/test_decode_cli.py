@@ -117,7 +117,7 @@ def test_prompt_and_fidelity(tiny_gemma3, tmp_path):
     (["--train-group", "pooled"], "'pooled' is not one of 'head', 'group', 'strided'"),
     (["--copy-hints", -1], "--copy-hints must be 0"),
     (["--max-new-tokens", 0], "--max-new-tokens must be at least 1"),
-    (["--build-layers", 0], "--build-layers must be at least 1"),
+    (["--build-layers", -1], "--build-layers must be 0 (auto) or more, got -1"),
     (["--max-new-tokens", -3], "--max-new-tokens must be at least 1"),
     (["--seed", -1], "--seed must be 0 or more"),
     (["--torch-threads", -2], "--torch-threads must be 0"),

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from anns_lab.decode import calibrate as calibration
-from anns_lab.decode.options import LAYERS_AT_ONCE
+from anns_lab.decode.options import LAYERS_AT_ONCE, MIN_LAYERS_AT_ONCE
 from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.dumps import rope
 from anns_lab.errors import AnnsLabError, DecodeError, error_text
@@ -115,10 +115,15 @@ def store_notes(stores: dict[int, LayerStore], settings) -> list[str]:
     return notes
 
 
-def layers_at_once(asked: int, modes: int = 1) -> int:
-    """Layers that build at once for ``asked`` (``--build-layers``): at most the threads' budget, and one where several
-    modes build (each mode's seconds its own) or numba's ``workqueue`` layer runs (it aborts on two parallel callers)."""
-    return max(1, min(asked, thread_budget())) if modes == 1 and numba_threadsafe() else 1
+def layers_at_once(asked: int, modes: int = 1, heads: int = 1) -> int:
+    """Layers that build at once for ``asked`` (``--build-layers``; 0: auto, a head per thread of the budget for
+    layers of ``heads`` query heads, at least :data:`options.MIN_LAYERS_AT_ONCE`): at most the threads' budget, and one
+    where several modes build (each mode's seconds its own) or numba's ``workqueue`` layer runs (it aborts on two
+    parallel callers)."""
+    budget = thread_budget()
+    if asked == LAYERS_AT_ONCE:
+        asked = max(MIN_LAYERS_AT_ONCE, budget // max(1, heads))
+    return max(1, min(asked, budget)) if modes == 1 and numba_threadsafe() else 1
 
 
 class EarlyBuilds:
@@ -149,7 +154,8 @@ class EarlyBuilds:
         self.prefill_end: float | None = None
         self.ready_at: dict[int, float] = {}  # perf_counter when each layer was complete and its builds queued
         # numba's workqueue layer aborts the process when two threads run its parallel kernels at once: a layer at a time
-        self.workers = layers_at_once(LAYERS_AT_ONCE if settings is None else settings.build_layers, len(modes))
+        self.workers = layers_at_once(LAYERS_AT_ONCE if settings is None else settings.build_layers, len(modes),
+                                      lm.config.num_attention_heads if lm is not None else 1)
         # Below the prefill's priority, as the builds' own threads beside it (threads.lower_priority): what it runs
         # itself (the keys' copy, the queries' RoPE move, a budget of one's builds) must not slow the prefill either.
         self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="anns-early-build",

@@ -114,7 +114,8 @@ class _DecodeCommand(click.Command):
                    "the prefill alone and builds beside it only slow it (SmolLM2 at 8K on an H200: 1.34 s against 0.65 s)")
 @click.option("--build-layers", default=LAYERS_AT_ONCE, show_default=True,
               help="layers an index mode builds at once (each on its own thread, its heads on the threads' budget, "
-                   "at most that many): more may help a many-core host, each holding its layer's keys and queries")
+                   "at most that many; each holds its layer's keys and moved queries). 0 = auto: enough layers for a "
+                   "head per thread (the budget over the model's query heads), at least 2")
 @click.option("--shared-prefill", is_flag=True,
               help="with --build-after-prefill: every mode decodes from one prefill, the index modes' (one prefill a "
                    "sample, the cheaper run at 128K on a CPU; full's TTFT then carries the queries the index modes keep, "
@@ -240,8 +241,10 @@ def _check_options(settings: Settings, evaluation: str, task: str | None, prompt
         raise DecodeError(f"--topk must be at least 1, got {settings.topk}")
     if settings.copy_hints < 0:
         raise DecodeError("--copy-hints must be 0 (none) or more")
-    if settings.add_batch < 1 or settings.chunk < 1 or settings.build_layers < 1:
-        raise DecodeError("--add-batch, --chunk and --build-layers must be at least 1")
+    if settings.add_batch < 1 or settings.chunk < 1:
+        raise DecodeError("--add-batch and --chunk must be at least 1")
+    if settings.build_layers < 0:
+        raise DecodeError(f"--build-layers must be 0 (auto) or more, got {settings.build_layers}")
     if settings.train_queries < 0:
         raise DecodeError(f"--train-queries must be 0 (all) or more, got {settings.train_queries}")
     if evaluation == "task" and (task is None) == (prompt is None):

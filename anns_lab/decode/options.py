@@ -11,7 +11,10 @@ UNTIL_BUILT_HELP = ("what an index mode's decode steps do while its layers' inde
                     "wait; a layer's index serves from the step after its build ends, and the table counts the steps "
                     "before every layer's did)")
 
-# Layers one mode builds at once by default (builds.EarlyBuilds; decode --build-layers): the next one's heads fill the
-# threads as one ends. On a 16-core GPU host the serial parts of two layers in flight set the pace (BENCHMARKS "The CUDA
-# path, measured again"); more there is not measured yet.
-LAYERS_AT_ONCE = 2
+# Layers one mode builds at once (builds.EarlyBuilds; decode --build-layers); 0, the default: auto
+# (builds.layers_at_once: enough layers for a head per thread of the budget, at least MIN_LAYERS_AT_ONCE, so that the next
+# layer's heads fill the threads as one ends). On the H200 host's 16 cores Gemma-3's three layers at once (four heads
+# each) built in 4.2 s against 5.9 s two at a time; SmolLM2's eight at once (nine heads each) gained nothing
+# (BENCHMARKS "The CUDA path, a third lease").
+LAYERS_AT_ONCE = 0
+MIN_LAYERS_AT_ONCE = 2

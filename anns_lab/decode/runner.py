@@ -139,7 +139,8 @@ def check_memory(lm, modes: list[Mode], settings: Settings, n_tokens: int, optio
                   query_layers=n_long if any(m.uses_queries(settings) for m in modes) else 0,
                   query_tokens=kept_queries(modes),
                   index_layers=indexed,
-                  building_layers=min(layers_at_once(settings.build_layers), n_long) if aware else 0,
+                  building_layers=min(layers_at_once(settings.build_layers, heads=lm.config.num_attention_heads),
+                                      n_long) if aware else 0,
                   cache_copy=any(m.kind == "full" for m in modes) or (indexed > 0 and settings.until_built == "exact"))
 
 
