@@ -108,6 +108,24 @@ def test_the_untimed_warm_forward_leaves_the_prefill_as_it_was(prefilled):
     assert set(again.queries) == set(pre.queries) and all(np.array_equal(again.queries[l], pre.queries[l]) for l in pre.queries)
 
 
+@pytest.mark.parametrize("device,ids,warmed", [("cpu", 50, None), ("cuda", 50, 17), ("cuda", 10, 10), ("cuda", 1, None),
+                                               ("mps", 40, 17)])
+def test_the_warm_forward_runs_on_an_accelerator_only_and_covers_a_chunk_and_a_step(monkeypatch, device, ids, warmed):
+    """engine.warm_accelerator: no forward on the CPU (nothing to load, and a chunk's forward would cost seconds at 8K);
+    on an accelerator one over the first chunk plus the token after it (the decode step's shape), never the whole
+    prompt, and none for a prompt of one token."""
+    from types import SimpleNamespace
+
+    from anns_lab.decode import engine
+
+    seen = []
+    monkeypatch.setattr(engine, "forward_untimed", lambda lm, ids, settings: seen.append(list(ids)))
+    lm = SimpleNamespace(model=SimpleNamespace(device=torch.device(device)))
+    prompt = list(range(100, 100 + ids))
+    engine.warm_accelerator(lm, prompt, dataclasses.replace(SETTINGS, chunk=16))
+    assert seen == ([] if warmed is None else [prompt[:warmed]])
+
+
 @pytest.mark.parametrize("name", index_modes())
 def test_topk_covering_every_key_equals_full_attention(prefilled, name):
     lm, pre, full = prefilled
