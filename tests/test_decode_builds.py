@@ -144,27 +144,35 @@ def test_one_mode_builds_as_many_layers_at_once_as_its_budget_each_beside_the_ot
 
     monkeypatch.setattr(builds, "layer_store", layer_store)
     monkeypatch.setattr(builds, "store_notes", lambda stores, settings: [])
-    def model(heads):  # what EarlyBuilds reads of a loaded model: its query heads
-        return SimpleNamespace(config=SimpleNamespace(num_attention_heads=heads))
+    from anns_lab.decode.engine import Settings
+    from anns_lab.decode.placement import IndexPlan
+    from anns_lab.window import Window
 
-    def workers(heads, settings=None):
-        early = builds.EarlyBuilds(model(heads), 0, [Mode("some-index")], settings, None, lambda layer: None, {})
+    def model(heads, kv=1):  # what EarlyBuilds reads of a loaded model: its heads and long-range layers
+        return SimpleNamespace(config=SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv),
+                               long_range_layers=[0, 1])
+
+    def workers(heads, settings=None, index="roargraph", kv=1):
+        early = builds.EarlyBuilds(model(heads, kv), 0, [Mode(index, IndexPlan(index))], settings, None,
+                                   lambda layer: None, {})
         early.close()
         return early.workers
 
     assert workers(9) == 2 and workers(4) == 2  # auto on two threads: at least two layers
     monkeypatch.setattr(builds, "thread_budget", lambda: 16)
-    # auto: a head per thread (16 threads: four layers of four heads, two of nine, two of 32 at least)
+    # auto: an index per thread (16 threads: four layers of four heads, two of nine, two of 32 at least)
     assert (workers(4), workers(9), workers(32), workers(1)) == (4, 2, 2, 16)
-    from anns_lab.decode.engine import Settings
-    from anns_lab.window import Window
+    # an index per KV head: a key-only index, or an attention-aware one trained on its group's queries
+    assert workers(9, index="ivf", kv=3) == 5 and workers(9, Settings(train_group="group"), kv=3) == 5
+    assert workers(9, Settings(train_group="unlisted"), kv=3) == 2  # one per query head
 
     for asked, n in ((8, 8), (32, 16), (1, 1), (0, 4)):  # decode --build-layers, within the threads' budget
         assert workers(4, Settings(Window(4, 16), build_layers=asked)) == n
     monkeypatch.setattr(builds, "thread_budget", lambda: 1)
     assert workers(4) == 1
     monkeypatch.setattr(builds, "thread_budget", lambda: 2)
-    early = builds.EarlyBuilds(model(4), 0, [Mode("some-index")], None, None, lambda layer: None, {})
+    early = builds.EarlyBuilds(model(4), 0, [Mode("some-index", IndexPlan("roargraph"))], None, None, lambda layer: None,
+                               {})
     early.prefill_done()
     early.layer_done(0)
     early.layer_done(1)

@@ -115,15 +115,28 @@ def store_notes(stores: dict[int, LayerStore], settings) -> list[str]:
     return notes
 
 
-def layers_at_once(asked: int, modes: int = 1, heads: int = 1) -> int:
-    """Layers that build at once for ``asked`` (``--build-layers``; 0: auto, a head per thread of the budget for
-    layers of ``heads`` query heads, at least :data:`options.MIN_LAYERS_AT_ONCE`): at most the threads' budget, and one
-    where several modes build (each mode's seconds its own) or numba's ``workqueue`` layer runs (it aborts on two
-    parallel callers)."""
+def layers_at_once(asked: int, modes: int = 1, indexes: int = 1) -> int:
+    """Layers that build at once for ``asked`` (``--build-layers``; 0: auto, an index per thread of the budget for
+    layers of ``indexes`` indexes (:func:`indexes_per_layer`), at least :data:`options.MIN_LAYERS_AT_ONCE`): at most the
+    threads' budget, and one where several modes build (each mode's seconds its own) or numba's ``workqueue`` layer
+    runs (it aborts on two parallel callers)."""
     budget = thread_budget()
     if asked == LAYERS_AT_ONCE:
-        asked = max(MIN_LAYERS_AT_ONCE, budget // max(1, heads))
+        asked = max(MIN_LAYERS_AT_ONCE, budget // max(1, indexes))
     return max(1, min(asked, budget)) if modes == 1 and numba_threadsafe() else 1
+
+
+def indexes_per_layer(lm, mode, settings) -> int:
+    """The indexes one long-range layer of ``mode`` builds (:meth:`LayerStore.build`): one per query head for an
+    attention-aware index trained per head, one per KV head for the others (key-only indexes, ``--train-group
+    group|strided``); a query head's where the mode names no plan."""
+    config = lm.config
+    heads = config.num_attention_heads
+    plan = mode.plan_for(lm.long_range_layers[0]) if lm.long_range_layers else None
+    if plan is None:
+        return heads
+    per_head = registry.get(plan.name).uses_train_queries and (settings is None or settings.train_group in PER_HEAD)
+    return heads if per_head else getattr(config, "num_key_value_heads", None) or heads
 
 
 class EarlyBuilds:
@@ -133,14 +146,14 @@ class EarlyBuilds:
     ``prefill_done()`` marks the end of the prefill; ``take(mode)`` waits for that mode's stores and returns
     them with the wall seconds during which its builds ran and the part of those before the prefill ended (hidden).
     One mode (the decoder's case: each index mode has a prefill of its own) builds :func:`layers_at_once` layers at
-    once (``--build-layers``, default two) where the process gives its kernels two threads or more
-    (:func:`threads.thread_budget`; not under numba's ``workqueue`` layer, :func:`threads.numba_threadsafe`): a layer at
-    a time left a core idle
-    at each layer's end (its last heads, its calibration, the next layer's keys copied and queries moved, on one
-    thread): at 8K the builds after the prefill took 1.14x as long (BENCHMARKS "Two layers at once after the
-    prefill"). Two keep two cores' threads fed across a layer's end; on a many-core host the layers' serial parts may
-    want more (not measured yet), each holding its copies of the keys and moved queries (a Llama-3-8B layer at 128K:
-    ~1 GB; the memory estimate counts them). Several modes build one layer at a time, so that
+    once (``--build-layers``, default auto: an index per thread of the budget, at least two) where the process gives
+    its kernels two threads or more (:func:`threads.thread_budget`; not under numba's ``workqueue`` layer,
+    :func:`threads.numba_threadsafe`): a layer at a time left a core idle at each layer's end (its last heads, the
+    next layer's keys copied and queries moved, on one thread): at 8K the builds after the prefill took 1.14x as long
+    (BENCHMARKS "Two layers at once after the prefill"). On the H200 host's 16 cores Gemma-3's three layers of four
+    heads at once built in 4.2 s against 5.9 s two at a time, SmolLM2's eight layers of nine gained nothing over two
+    (BENCHMARKS "The CUDA path, a third lease"). Each layer in flight holds its copies of the keys and moved queries (a
+    Llama-3-8B layer at 128K: ~1 GB; the memory estimate counts them). Several modes build one layer at a time, so that
     each mode's seconds are its own builds' (a later mode's builds wait for the earlier ones without that wait being
     counted).
     """
@@ -155,7 +168,7 @@ class EarlyBuilds:
         self.ready_at: dict[int, float] = {}  # perf_counter when each layer was complete and its builds queued
         # numba's workqueue layer aborts the process when two threads run its parallel kernels at once: a layer at a time
         self.workers = layers_at_once(LAYERS_AT_ONCE if settings is None else settings.build_layers, len(modes),
-                                      lm.config.num_attention_heads if lm is not None else 1)
+                                      indexes_per_layer(lm, modes[0], settings) if lm is not None and modes else 1)
         # Below the prefill's priority, as the builds' own threads beside it (threads.lower_priority): what it runs
         # itself (the keys' copy, the queries' RoPE move, a budget of one's builds) must not slow the prefill either.
         self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="anns-early-build",

@@ -114,8 +114,9 @@ class _DecodeCommand(click.Command):
                    "the prefill alone and builds beside it only slow it (SmolLM2 at 8K on an H200: 1.34 s against 0.65 s)")
 @click.option("--build-layers", default=LAYERS_AT_ONCE, show_default=True,
               help="layers an index mode builds at once (each on its own thread, its heads on the threads' budget, "
-                   "at most that many; each holds its layer's keys and moved queries). 0 = auto: enough layers for a "
-                   "head per thread (the budget over the model's query heads), at least 2")
+                   "at most that many; each holds its layer's keys and moved queries). 0 = auto: enough layers for an "
+                   "index per thread (the threads' budget over a layer's indexes: one per query head, or per KV head for "
+                   "key-only indexes and --train-group group|strided), at least 2")
 @click.option("--shared-prefill", is_flag=True,
               help="with --build-after-prefill: every mode decodes from one prefill, the index modes' (one prefill a "
                    "sample, the cheaper run at 128K on a CPU; full's TTFT then carries the queries the index modes keep, "

@@ -129,7 +129,7 @@ def check_memory(lm, modes: list[Mode], settings: Settings, n_tokens: int, optio
     building at once (``--build-layers``), and a copy of the cache: ``full``'s, or with
     ``--until-built exact`` an index mode's, whose long-range layers stay whole while their indexes build).
     ``option``: the one that set the prompt's length, named in the error."""
-    from anns_lab.decode.builds import layers_at_once
+    from anns_lab.decode.builds import indexes_per_layer, layers_at_once
     from anns_lab.dumps.memory import check_prefill
 
     n_long = len(lm.long_range_layers)
@@ -139,8 +139,8 @@ def check_memory(lm, modes: list[Mode], settings: Settings, n_tokens: int, optio
                   query_layers=n_long if any(m.uses_queries(settings) for m in modes) else 0,
                   query_tokens=kept_queries(modes),
                   index_layers=indexed,
-                  building_layers=min(layers_at_once(settings.build_layers, heads=lm.config.num_attention_heads),
-                                      n_long) if aware else 0,
+                  building_layers=min(layers_at_once(settings.build_layers, indexes=min(
+                      indexes_per_layer(lm, m, settings) for m in modes if m.uses_queries())), n_long) if aware else 0,
                   cache_copy=any(m.kind == "full" for m in modes) or (indexed > 0 and settings.until_built == "exact"))
 
 
