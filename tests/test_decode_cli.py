@@ -74,6 +74,16 @@ def test_task_run_prints_table_and_writes_json(tiny_llama, tmp_path):
     s, rows = data["modes"]["flat"]["summary"], data["modes"]["flat"]["samples"]
     for row in rows:
         assert row["build_layers"] and all(q <= a <= b for q, a, b in row["build_layers"].values())
+    # --build-layers as it resolved: auto (the settings' 0) for flat's one index per KV head on this process's threads
+    from anns_lab.decode import builds
+    from anns_lab.decode.engine import Mode
+    from anns_lab.decode.placement import IndexPlan
+    from anns_lab.dumps.models import load_model
+
+    lm = load_model(str(tiny_llama))
+    expected = builds.layers_at_once(0, 1, builds.indexes_per_layer(lm, Mode("flat", IndexPlan("flat")), None))
+    assert data["settings"]["build_layers"] == 0 and all(row["layers_at_once"] == expected for row in rows)
+    assert all("layers_at_once" not in row for row in data["modes"]["full"]["samples"])
     spans = [[(a, b) for _, a, b in row["build_layers"].values()] for row in rows]
     assert np.mean([covered(x) for x in spans]) == pytest.approx(s["build_s"], abs=1e-3)
     assert np.mean([covered(x, end=0.0) for x in spans]) == pytest.approx(s["build_hidden_s"], abs=1e-3)

@@ -259,8 +259,10 @@ class EarlyBuilds:
         return stores, store_notes(stores, self.settings), covered(spans), covered(spans, end)
 
     def _spanned(self, layer: int, store: LayerStore, t0: float, t1: float) -> LayerStore:
-        """``store`` with its ``build_span``: when its builds were queued, started and ended, from the prefill's end
+        """``store`` with its ``layers_at_once`` (this pool's workers) and ``build_span``: when its builds were queued,
+        started and ended, from the prefill's end
         (where the first token's wait went, layer by layer)."""
+        store.layers_at_once = self.workers
         store.build_span = tuple(t - self.prefill_end for t in (self.ready_at[layer], t0, t1)) \
             if self.prefill_end is not None else None
         return store

@@ -124,6 +124,7 @@ class ModeRun:
     build_layers: dict = field(default_factory=dict)  # layer -> [queued, started, ended]: its builds, seconds from the prefill's end (built after it: from the mode's build start)
     exact_steps: int | None = None  # --until-built exact: the leading decode steps in which a layer attended its whole cache (its index still building)
     hand_over_steps: dict = field(default_factory=dict)  # --until-built exact: layer -> the first step its index served (None: no step)
+    layers_at_once: int | None = None  # layers its builds ran at once (--build-layers as resolved: auto, the threads' budget)
 
 
 def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool, build_modes: list[Mode] = (),
@@ -287,6 +288,7 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
                        for layer, c in ((layer, s.calibration) for layer, s in stores.items()) if c is not None}
     run.build_layers = {layer: [round(t, 4) for t in s.build_span] for layer, s in stores.items()
                         if s.build_span is not None}
+    run.layers_at_once = next((s.layers_at_once for s in stores.values() if s.layers_at_once is not None), None)
     if building is not None:
         run.exact_steps = exact_steps
         run.hand_over_steps = {layer: handed.get(layer) for layer in lm.long_range_layers}

@@ -84,6 +84,7 @@ class LayerStore:
         self.build_s = 0.0
         self.calibration = None  # decode.calibrate.Calibration, when the search was calibrated after the build
         self.build_span = None  # (queued, started, ended) seconds from the prefill's end (or the mode's build start after it), set by decode.builds
+        self.layers_at_once = None  # layers its mode's builds ran at once (decode.builds.EarlyBuilds' workers), set there
         self._summaries: dict[int, tuple] = {}  # per head of an estimator with summaries: (Summaries, value sums)
         self._bound: int | None = None  # the indexes' max_scanned(), once a search after a build or add has been checked
 

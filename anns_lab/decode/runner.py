@@ -227,6 +227,8 @@ def _run_prompts(lm, modes, settings, prompts, max_new, task, progress, executor
                 row["calibration"] = {str(layer): c for layer, c in run.calibration.items()}
             if run.build_layers:  # when each layer's builds were queued, started, ended (ModeRun.build_layers)
                 row["build_layers"] = {str(layer): span for layer, span in run.build_layers.items()}
+            if run.layers_at_once is not None:  # --build-layers as it resolved here (auto; the process's threads)
+                row["layers_at_once"] = run.layers_at_once
             if run.exact_steps is not None:  # --until-built exact: this prompt's steps before every index served
                 row["exact_steps"] = run.exact_steps
                 row["hand_over_steps"] = {str(layer): step for layer, step in run.hand_over_steps.items()}
