@@ -15,10 +15,15 @@
 #               $TTFT_ARGS go to each of those decodes (e.g. "--build-layers 8": layers built at once, on 16 cores).
 # --no-warm     skip that short decode (the kernel cache is already filled on this machine).
 # --no-bench    skip bench_decode.py (the per-token split of every mode): with --ttft, the TTFT runs alone.
+# $SWITCH_S (seconds, default Python's 0.005): sys.setswitchinterval in every decode and bench process. A build or a
+#               search thread takes the GIL back after each kernel and waits up to that long beside a thread running
+#               Python, as the prefill's and the decode's thread on a GPU (benchmarks/diag_gil_convoy.py: a SmolLM2 head's
+#               build 8x slower beside one at 5 ms, 2.5x at 1 ms); e.g. SWITCH_S=0.001 beside a run without.
 # Logs and JSON go to $LOGS (default ./cuda-check). Each stage runs even if an earlier one failed;
 # the exit status is that of the last failing stage.
 set -u
 LOGS=${LOGS:-cuda-check}
+PRE="import sys; sys.setswitchinterval(float('${SWITCH_S:-0.005}'))"
 mkdir -p "$LOGS"
 status=0
 run() {  # run NAME CMD...: log to $LOGS/NAME.log, remember a failure
@@ -58,19 +63,19 @@ if [ $tests = 1 ]; then
       tests/test_decode_cli.py tests/test_decode_realmodel.py tests/test_decode_until_built.py}
 fi
 if [ $ttft = 1 ] && [ $warm = 1 ] && [ $# -gt 0 ]; then
-  run "warm-kernels" python3 -c "from anns_lab.cli import main; main()" decode --model "${1%%:*}" --task passkey --context 2048 \
+  run "warm-kernels" python3 -c "$PRE; from anns_lab.cli import main; main()" decode --model "${1%%:*}" --task passkey --context 2048 \
       --mode full,roargraph --device cuda ${TTFT_ARGS:-} --json "$LOGS/warm-kernels.json" --overwrite
 fi
 for spec in "$@"; do
   model=${spec%%:*}; context=${spec##*:}
   if [ $bench = 1 ]; then
-    run "bench-$model-$context" python3 benchmarks/bench_decode.py --model "$model" --context "$context" --device cuda \
+    run "bench-$model-$context" python3 -c "$PRE; import runpy; runpy.run_path('benchmarks/bench_decode.py', run_name='__main__')" --model "$model" --context "$context" --device cuda \
         ${BENCH_ARGS:-} --json "$LOGS/bench-$model-$context.json"
   fi
   if [ $ttft = 1 ]; then
     for pair in wait:during exact:after exact:during; do  # the decoder's default timing for each policy on a GPU first
       policy=${pair%%:*}; timing=${pair##*:}
-      run "ttft-$model-$context-$policy-$timing" python3 -c "from anns_lab.cli import main; main()" decode --model "$model" \
+      run "ttft-$model-$context-$policy-$timing" python3 -c "$PRE; from anns_lab.cli import main; main()" decode --model "$model" \
           --task passkey --context "$context" --mode full,roargraph --device cuda --until-built $policy \
           --build-$timing-prefill ${TTFT_ARGS:-} --json "$LOGS/ttft-$model-$context-$policy-$timing.json" --overwrite
     done

@@ -1,0 +1,88 @@
+"""How much a roargraph head build waits for the GIL beside a thread that runs Python: the decoder's builds share the
+process with its prefill (on a GPU the prefill's thread mostly runs Python, launching kernels) and with each other.
+
+    .venv/bin/python benchmarks/diag_gil_convoy.py --dump /work/dumps/smollm2-text-8192 --layer 11 --head 0
+    .venv/bin/python benchmarks/diag_gil_convoy.py --dump /work/dumps/smollm2-text-8192 --switch 0.0002
+
+The head's build runs on one thread (as the decoder's workers run it), alone and then beside a second thread that
+counts in pure Python (on a machine of two cores or more each has a core: only the GIL is shared). The build releases
+the GIL inside its numba and faiss kernels and takes it back between them; each take beside a Python-bound thread waits
+up to the interpreter's switch interval (``sys.getswitchinterval``, 5 ms by default, ``--switch`` sets it). Printed per
+repeat: the build's wall seconds alone and beside the counter, and the counter's rate beside the build as a share of
+its rate alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+
+import anns_lab
+from anns_lab.eval.heads import load_head
+from anns_lab.indexes import registry
+from anns_lab.indexes.threads import one_thread
+
+
+class Counter:
+    """A thread counting in pure Python (it holds the GIL but for the interpreter's forced switches) until stopped."""
+
+    def __init__(self):
+        self.stop, self.count = threading.Event(), 0
+
+    def _run(self) -> None:
+        n = 0
+        while not self.stop.is_set():
+            for _ in range(1000):
+                n += 1
+            self.count = n
+
+    def rate_during(self, work) -> tuple[float, float]:
+        """(counts per second, wall seconds) while ``work()`` runs on the calling thread."""
+        self.stop.clear()
+        self.count = 0
+        thread = threading.Thread(target=self._run)
+        thread.start()
+        t0 = time.perf_counter()
+        work()
+        wall = time.perf_counter() - t0
+        self.stop.set()
+        thread.join()
+        return self.count / wall, wall
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dump", required=True)
+    ap.add_argument("--layer", type=int, default=11)
+    ap.add_argument("--head", type=int, default=0)
+    ap.add_argument("--index", default="roargraph")
+    ap.add_argument("--switch", type=float, default=0.0, help="sys.setswitchinterval seconds (0: Python's, 0.005)")
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args()
+    if a.switch > 0:
+        sys.setswitchinterval(a.switch)
+    d = load_head(anns_lab.open_dump(a.dump), a.layer, a.head)
+    cls = registry.get(a.index)
+    one_thread()
+
+    def build() -> None:
+        cls().build(d.keys, d.train_queries if cls.uses_train_queries else None)
+
+    build()  # the kernels loaded (or compiled) outside the timings
+    counter = Counter()
+    alone_rate, _ = counter.rate_during(lambda: time.sleep(2.0))
+    print(f"{a.dump} layer {a.layer} head {a.head}, {a.index}, {len(d.keys)} keys; switch interval "
+          f"{sys.getswitchinterval() * 1e3:g} ms", flush=True)
+    for _ in range(a.repeats):
+        t0 = time.perf_counter()
+        build()
+        alone = time.perf_counter() - t0
+        rate, beside = counter.rate_during(build)
+        print(f"  build alone {alone:.3f} s, beside the counting thread {beside:.3f} s ({beside / alone:.1f}x); "
+              f"the counter at {rate / alone_rate:.2f} of its rate alone", flush=True)
+
+
+if __name__ == "__main__":
+    main()
