@@ -212,6 +212,34 @@ def test_builds_beside_other_work_run_below_its_priority_and_the_others_at_the_c
         early.close()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
+def test_a_caller_at_its_own_priority_never_gets_the_threads_a_lowered_caller_started(monkeypatch):
+    """A pool's threads start on its first submits and take the submitting thread's priority: builds run with nothing
+    beside them (``beside=False``) from a thread at the lowest priority (an early-build worker after the prefill) must
+    not leave a caller at its own priority, later, a pool of lowered threads."""
+    monkeypatch.setattr(threads, "thread_budget", lambda: 2)
+    monkeypatch.setattr(threads, "_POOLS", {})
+    mine = _priority()
+    if mine >= threads.LOWEST_PRIORITY:
+        pytest.skip("the tests run at the lowest priority already (nice 19): nothing to lower")
+    seen = {}
+
+    def lowered():
+        threads.lower_priority()
+        seen["lowered"] = map_one_thread(lambda _: _priority(), range(4))
+
+    try:
+        worker = threading.Thread(target=lowered)
+        worker.start()
+        worker.join()
+        seen["mine"] = map_one_thread(lambda _: _priority(), range(4))
+    finally:
+        for pool in threads._POOLS.values():
+            pool.shutdown()
+    assert seen["lowered"] == [threads.LOWEST_PRIORITY] * 4  # its own work at its own priority
+    assert seen["mine"] == [mine] * 4
+
+
 @pytest.mark.parametrize("name, params", [("roargraph", {}), ("roargraph", {"list_stride": 4}), ("ivf", {})])
 def test_a_layers_indexes_built_side_by_side_equal_those_built_one_by_one(name, params, monkeypatch):
     """list_stride 4: the anchored lists' re-rank (a parallel kernel) runs in both builds at once."""

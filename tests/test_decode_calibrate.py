@@ -305,7 +305,7 @@ def test_a_key_only_mode_keeps_only_the_newest_queries_calibration_reads(tiny_ge
 def test_calibration_searches_a_layers_indexes_side_by_side_on_one_thread_workers(tiny_gemma3, monkeypatch):
     """A layer's calibration searches its indexes side by side, each on a one-thread worker (a probe on one thread was
     the serial tail of a layer's build on a many-core host); beside the prefill those workers run below its priority,
-    after it in the pool of workers at the priority of the thread that started them (here the test's)."""
+    after it at the calling thread's."""
     import os
     import threading
 
@@ -316,9 +316,7 @@ def test_calibration_searches_a_layers_indexes_side_by_side_on_one_thread_worker
     from anns_lab.indexes import threads
 
     monkeypatch.setattr(threads, "thread_budget", lambda: 2)  # two workers even on a one-core runner
-    # Fresh pools: a pool's threads start on their first submits and take the submitting thread's priority (an earlier
-    # test's early-build worker, at nice 19, may have started the process's pool of two)
-    monkeypatch.setattr(threads, "_POOLS", {})
+    monkeypatch.setattr(threads, "_POOLS", {})  # the test's own pools, shut down at its end
     lm = load_model(str(tiny_gemma3), device=TEST_DEVICE)
     settings = Settings(Window(4, 8), topk=12, add_batch=4, chunk=24, calibrate=0.9, steps=4)
     ids = np.random.default_rng(3).integers(3, 400, size=160).tolist()

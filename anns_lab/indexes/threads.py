@@ -36,7 +36,7 @@ import numba
 
 T = TypeVar("T")
 
-_POOLS: dict = {}  # (process, workers, beside) -> pool: a forked child must not use its parent's
+_POOLS: dict = {}  # (process, workers, beside, caller's nice) -> pool: a forked child must not use its parent's
 _POOLS_LOCK = threading.Lock()  # the decoder's early-build workers ask for their pool at the same moment
 LOWEST_PRIORITY = 19  # the nice value of a thread that builds beside the prefill
 _OMP_DEFAULT: dict = {}  # process -> OpenMP's count for a thread that set none
@@ -58,6 +58,16 @@ def lower_priority() -> None:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOWEST_PRIORITY)
         except OSError:  # not permitted here: the builds then share the cores with the prefill as equals
             pass
+
+
+def _own_priority() -> int:
+    """The calling thread's nice value (Linux: a thread's own); 0 where there is none to read."""
+    if sys.platform.startswith("linux"):
+        try:
+            return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        except OSError:
+            pass
+    return 0
 
 
 def _beside_worker() -> None:
@@ -126,7 +136,9 @@ def map_one_thread(fn: Callable[..., T], items: Iterable, beside: bool = False) 
     budget = thread_budget()
     if budget <= 1 or len(items) < (1 if beside else 2) or not numba_threadsafe():
         return [fn(x) for x in items]
-    key = (os.getpid(), budget, beside)
+    # A pool's threads start on its first submits and take the submitting thread's priority: a caller at the early
+    # builds' lowest priority must not leave a later caller at its own priority a pool of lowered threads.
+    key = (os.getpid(), budget, beside, _own_priority())
     with _POOLS_LOCK:
         if key not in _POOLS:  # separate pools: a thread's lowered priority cannot be raised again without privileges
             _POOLS[key] = ThreadPoolExecutor(budget, thread_name_prefix="anns-lab-build",
