@@ -2,7 +2,7 @@
 # The decoder's CUDA path on a GPU machine: exactness tests with the model on CUDA, then the
 # per-token latency split of every mode (benchmarks/bench_decode.py) for each MODEL:CONTEXT given.
 #
-#   benchmarks/cuda_check.sh [--wheels DIR] [--tests] [--ttft] [--no-bench] [--no-warm] [MODEL:CONTEXT ...]
+#   benchmarks/cuda_check.sh [--wheels DIR] [--tests] [--ttft] [--phases] [--no-bench] [--no-warm] [MODEL:CONTEXT ...]
 #
 # --wheels DIR  install the wheels in DIR first (into /tmp/site, which goes first on PYTHONPATH):
 #               for machines without a package index (faiss-cpu, gguf, transformers as needed).
@@ -13,6 +13,8 @@
 #               untimed: it fills numba's on-disk cache with the kernels a 2K decode compiles (a longer context may
 #               still compile one the first time: compare the rounds of a repeated run).
 #               $TTFT_ARGS go to each of those decodes (e.g. "--build-layers 8": layers built at once, on 16 cores).
+# --phases      also benchmarks/diag_build_phases.py for each MODEL:CONTEXT: where a layer's build goes on this host
+#               (its layers one after another after a prefill, wall seconds by part).
 # --no-warm     skip that short decode (the kernel cache is already filled on this machine).
 # --no-bench    skip bench_decode.py (the per-token split of every mode): with --ttft, the TTFT runs alone.
 # $SWITCH_S (seconds, default Python's 0.005): sys.setswitchinterval in every decode and bench process. A build or a
@@ -36,6 +38,7 @@ run() {  # run NAME CMD...: log to $LOGS/NAME.log, remember a failure
 
 tests=0
 ttft=0
+phases=0
 bench=1
 warm=1
 while [ $# -gt 0 ]; do
@@ -44,6 +47,7 @@ while [ $# -gt 0 ]; do
               export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}; shift 2 ;;
     --tests) tests=1; shift ;;
     --ttft) ttft=1; shift ;;
+    --phases) phases=1; shift ;;
     --no-bench) bench=0; shift ;;
     --no-warm) warm=0; shift ;;
     *) break ;;
@@ -62,7 +66,7 @@ if [ $tests = 1 ]; then
   run tests env ANNS_LAB_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider ${TEST_ARGS:-tests/test_decode_exact.py tests/test_decode_cache.py \
       tests/test_decode_cli.py tests/test_decode_realmodel.py tests/test_decode_until_built.py}
 fi
-if [ $ttft = 1 ] && [ $warm = 1 ] && [ $# -gt 0 ]; then
+if [ $((ttft + phases)) -gt 0 ] && [ $warm = 1 ] && [ $# -gt 0 ]; then
   run "warm-kernels" python3 -c "$PRE; from anns_lab.cli import main; main()" decode --model "${1%%:*}" --task passkey --context 2048 \
       --mode full,roargraph --device cuda ${TTFT_ARGS:-} --json "$LOGS/warm-kernels.json" --overwrite
 fi
@@ -71,6 +75,10 @@ for spec in "$@"; do
   if [ $bench = 1 ]; then
     run "bench-$model-$context" python3 -c "$PRE; import runpy; runpy.run_path('benchmarks/bench_decode.py', run_name='__main__')" --model "$model" --context "$context" --device cuda \
         ${BENCH_ARGS:-} --json "$LOGS/bench-$model-$context.json"
+  fi
+  if [ $phases = 1 ]; then
+    run "phases-$model-$context" python3 -c "$PRE; import runpy; runpy.run_path('benchmarks/diag_build_phases.py', run_name='__main__')" \
+        --model "$model" --context "$context" --device cuda
   fi
   if [ $ttft = 1 ]; then
     for pair in wait:during exact:after exact:during; do  # the decoder's default timing for each policy on a GPU first
