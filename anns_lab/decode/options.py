@@ -13,8 +13,8 @@ UNTIL_BUILT_HELP = ("what an index mode's decode steps do while its layers' inde
 
 # Layers one mode builds at once (builds.EarlyBuilds; decode --build-layers); 0, the default: auto
 # (builds.layers_at_once: enough layers for an index per thread of the budget, at least MIN_LAYERS_AT_ONCE, so that
-# the next layer's heads fill the threads as one ends). On the H200 host's 16 cores Gemma-3's three layers at once (four heads
-# each) built in 4.2 s against 5.9 s two at a time; SmolLM2's eight at once (nine heads each) gained nothing
-# (BENCHMARKS "The CUDA path, a third lease").
+# the next layer's heads fill the threads as one ends). On the H200 host's 16 cores Gemma-3's three layers at once
+# (four heads each) built in 4.2 s against 5.9 s two at a time; SmolLM2's eight at once (nine heads each) gained
+# nothing (BENCHMARKS "The CUDA path, a third lease").
 LAYERS_AT_ONCE = 0
 MIN_LAYERS_AT_ONCE = 2

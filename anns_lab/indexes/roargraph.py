@@ -249,7 +249,7 @@ class RoarGraphIndex(Index):
             # From the anchors' lists only (train_lists.anchor_ids: the exact ones where the build lists them itself):
             # an anchored list's order between anchors is approximate, and the anchors alone cost 1/stride (at 32K:
             # 1.0 s -> 0.1 s per head). Lists given exact for every query (decode.device_lists) are read at the same
-            # rows: from all of them a Gemma-3 32K layer built in 1.8x the time it took computing its lists on the CPU.
+            # rows: from all of them the descent cost 3.2x the CPU at 32K (bench_decoder_build.py --given-lists).
             seeds = anchor_ids(len(knn), self._stride(len(knn), n), p["keep_queries"])
             roar.link_descent(g, knn if len(seeds) == len(knn) else knn[seeds], p["descent_rank"],
                               p["descent_links"], (pa, p["R"]), threads)
