@@ -12,7 +12,9 @@
 #               them during it (issue 13's GPU goal: <= 3x full). A short decode (2K) of the first model runs first,
 #               untimed: it fills numba's on-disk cache with the kernels a 2K decode compiles (a longer context may
 #               still compile one the first time: compare the rounds of a repeated run).
-#               $TTFT_ARGS go to each of those decodes (e.g. "--build-layers 8": layers built at once, on 16 cores).
+#               $TTFT_ARGS go to each of those decodes (e.g. "--build-layers 8": layers built at once, on 16 cores;
+#               "--build-threads": the builds on threads of the decoding process, not the GPU default's worker
+#               processes, for the comparison of BENCHMARKS "Builds in worker processes").
 # --phases      also benchmarks/diag_build_phases.py for each MODEL:CONTEXT: where a layer's build goes on this host
 #               (its layers one after another after a prefill, wall seconds by part).
 # --no-warm     skip that short decode (the kernel cache is already filled on this machine).

@@ -1,6 +1,7 @@
 """Where a decode layer's build goes, in wall seconds, on the machine's device: each long-range layer built one after
 another as ``anns-lab decode``'s early builds build it (``decode.builds.layer_store`` beside other work: the layer's
-heads and its calibration's searches on one-thread workers, :func:`indexes.threads.map_one_thread`).
+heads and its calibration's searches on one-thread workers, :func:`indexes.threads.map_one_thread`; the heads in
+worker processes, ``indexes.build_processes``, where ``--build-processes``, by default on an accelerator as decode's).
 
     python benchmarks/diag_build_phases.py --model smollm2 --context 8184 --device cuda
     python benchmarks/diag_build_phases.py --model gemma3-270m --context 32560 --device cuda
@@ -21,6 +22,7 @@ import time
 import torch
 
 from anns_lab.decode import builds, calibrate, placement
+from anns_lab.decode.cli import builds_in_processes
 from anns_lab.decode.engine import Settings, kept_queries, prefill
 from anns_lab.decode.modes import parse_modes
 from anns_lab.dumps import rope, tasks
@@ -38,14 +40,19 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=8184)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--mode", default="roargraph")
+    ap.add_argument("--build-processes", action=argparse.BooleanOptionalAction, default=None,
+                    help="the head builds in worker processes (default as decode's: on an accelerator)")
     a = ap.parse_args()
     lm = load_model(a.model, device=a.device)
     sample = tasks.make_sample("passkey", lm.tokenizer, a.context, 0, 0.5)
     modes = parse_modes(a.mode, {}, {})
-    settings = Settings(calibrate=calibrate.AUTO, build_during_prefill=False)  # the CLI's defaults, nothing built yet
+    settings = Settings(calibrate=calibrate.AUTO, build_during_prefill=False,  # the CLI's defaults, nothing built yet
+                        build_processes=builds_in_processes(a.build_processes, a.device))
+    builds.start_build_processes(modes, settings)  # as decode starts them, before its prefill
     pre = prefill(lm, sample.ids, settings, True, modes, newest_queries=kept_queries(modes))
     print(f"{a.model} {len(sample.ids)} tokens on {a.device}: prefill {pre.seconds:.2f} s; thread budget "
-          f"{thread_budget()}", flush=True)
+          f"{thread_budget()}; head builds in {'worker processes' if settings.build_processes else 'threads'}",
+          flush=True)
     spent: collections.Counter = collections.Counter()
     for owner, name, label in PARTS:
         setattr(owner, name, timed(spent, label, getattr(owner, name)))

@@ -3,13 +3,16 @@ process with its prefill (on a GPU the prefill's thread mostly runs Python, laun
 
     .venv/bin/python benchmarks/diag_gil_convoy.py --dump /work/dumps/smollm2-text-8192 --layer 11 --head 0
     .venv/bin/python benchmarks/diag_gil_convoy.py --dump /work/dumps/smollm2-text-8192 --switch 0.0002
+    .venv/bin/python benchmarks/diag_gil_convoy.py --dump /work/dumps/smollm2-text-8192 --processes
 
 The head's build runs on one thread (as the decoder's workers run it), alone and then beside a second thread that
 counts in pure Python (on a machine of two cores or more each has a core: only the GIL is shared). The build releases
 the GIL inside its numba and faiss kernels and takes it back between them; each take beside a Python-bound thread waits
 up to the interpreter's switch interval (``sys.getswitchinterval``, 5 ms by default, ``--switch`` sets it). Printed per
 repeat: the build's wall seconds alone and beside the counter, and the counter's rate beside the build as a share of
-its rate alone.
+its rate alone. ``--processes``: the layer's heads (every query head of ``--layer``) build instead in one worker process
+(``indexes.build_processes``, as ``decode --build-processes`` builds them), and the same heads on one thread here are
+timed beside it for the ratio: the worker takes its own GIL, only the spooling and the restore here take this one's.
 """
 
 from __future__ import annotations
@@ -19,9 +22,12 @@ import sys
 import threading
 import time
 
+import torch
+
 import anns_lab
 from anns_lab.eval.heads import load_head
-from anns_lab.indexes import registry
+from anns_lab.indexes import build_processes, registry
+from anns_lab.indexes.key_store import KeyStore
 from anns_lab.indexes.threads import one_thread
 
 
@@ -60,28 +66,42 @@ def main() -> None:
     ap.add_argument("--index", default="roargraph")
     ap.add_argument("--switch", type=float, default=0.0, help="sys.setswitchinterval seconds (0: Python's, 0.005)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--processes", action="store_true", help="the layer's heads in a worker process, and on this thread")
     a = ap.parse_args()
     if a.switch > 0:
         sys.setswitchinterval(a.switch)
-    d = load_head(anns_lab.open_dump(a.dump), a.layer, a.head)
+    dump = anns_lab.open_dump(a.dump)
     cls = registry.get(a.index)
     one_thread()
+    torch.set_num_threads(1)  # on the main thread one_thread() leaves torch's bfloat16 product a team of the cores
+    heads = [load_head(dump, a.layer, h) for h in (range(dump.n_heads) if a.processes else [a.head])]
+    arrays = [{"train_queries": d.train_queries} if cls.uses_train_queries else {} for d in heads]
 
-    def build() -> None:
-        cls().build(d.keys, d.train_queries if cls.uses_train_queries else None)
+    def here() -> None:
+        for d, kw in zip(heads, arrays):
+            cls().build(d.keys, **kw)
 
-    build()  # the kernels loaded (or compiled) outside the timings
+    builds = [("on this thread", here)]
+    if a.processes:
+        workers = build_processes.BuildProcesses(1, (a.index,))
+        workers.start()
+        rows = [KeyStore(d.keys).head(0) for d in heads]
+        builds.append(("in a worker process", lambda: workers.build(cls, {}, rows, list(enumerate(arrays)))))
+    for _, build in builds:
+        build()  # the kernels loaded (or compiled) outside the timings
     counter = Counter()
     alone_rate, _ = counter.rate_during(lambda: time.sleep(2.0))
-    print(f"{a.dump} layer {a.layer} head {a.head}, {a.index}, {len(d.keys)} keys; switch interval "
+    what = f"layer {a.layer}'s {len(heads)} heads" if a.processes else f"layer {a.layer} head {a.head}"
+    print(f"{a.dump} {what}, {a.index}, {len(heads[0].keys)} keys; switch interval "
           f"{sys.getswitchinterval() * 1e3:g} ms", flush=True)
     for _ in range(a.repeats):
-        t0 = time.perf_counter()
-        build()
-        alone = time.perf_counter() - t0
-        rate, beside = counter.rate_during(build)
-        print(f"  build alone {alone:.3f} s, beside the counting thread {beside:.3f} s ({beside / alone:.1f}x); "
-              f"the counter at {rate / alone_rate:.2f} of its rate alone", flush=True)
+        for where, build in builds:
+            t0 = time.perf_counter()
+            build()
+            alone = time.perf_counter() - t0
+            rate, beside = counter.rate_during(build)
+            print(f"  {where}: build alone {alone:.3f} s, beside the counting thread {beside:.3f} s "
+                  f"({beside / alone:.1f}x); the counter at {rate / alone_rate:.2f} of its rate alone", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,16 @@ def smollm2_dump(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("smollm2-dump") / "dump"
     return run_dump("smollm2", tokens=2048, decode_tokens=16, layers="2,15", dtype="float32", out=out, progress=False).dump
+
+
+@pytest.fixture(scope="session")
+def plugin_dir(tmp_path_factory) -> Path:
+    """A folder that registers the ``faulty`` index (tests/faulty_indexes.py) when on sys.path / PYTHONPATH (spawned
+    workers inherit both)."""
+    d = tmp_path_factory.mktemp("faulty-plugin")
+    shutil.copy(Path(__file__).parent / "faulty_indexes.py", d / "faulty_indexes.py")
+    info = d / "anns_lab_faulty-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: anns-lab-faulty\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[anns_lab.indexes]\nfaulty = faulty_indexes:FaultyIndex\n")
+    return d

@@ -2,7 +2,8 @@
 
 ``faulty`` searches exactly like ``flat`` unless told otherwise: ``fault`` makes its search call
 ``os.abort()`` or ``sys.exit(3)``, raise KeyboardInterrupt, hang in C holding the GIL (``hang``), or normalise the queries it is given in place (``normalise``); ``pid_dir`` makes its build leave a file ``<pid>-<ns>`` per build
-(so a test can find and kill the worker) and ``sleep_s`` keeps the build busy that long.
+(so a test can find and kill the worker), ``sleep_s`` keeps the build busy that long and ``build_fault`` then makes it
+raise or ``os.abort()``.
 """
 
 from __future__ import annotations
@@ -24,12 +25,17 @@ class FaultyIndex(Index):
         "fault": Param("none", choices=("none", "abort", "exit", "normalise", "interrupt", "hang"), help="what search does"),
         "pid_dir": Param("", help="folder to leave <pid> files in at build"),
         "sleep_s": Param(0.0, 0.0, 600.0, help="seconds the build sleeps"),
+        "build_fault": Param("none", choices=("none", "raise", "abort"), help="what build does after its sleep"),
     }
 
     def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
         if self.params["pid_dir"]:
             (Path(self.params["pid_dir"]) / f"{os.getpid()}-{time.time_ns()}").write_text("")  # one file per build
         time.sleep(self.params["sleep_s"])
+        if self.params["build_fault"] == "raise":
+            raise RuntimeError("no memory for its graph")
+        if self.params["build_fault"] == "abort":
+            os.abort()
         self._keys = keys
 
     def _search(self, queries: np.ndarray, k: int):
@@ -51,3 +57,6 @@ class FaultyIndex(Index):
 
     def _arrays(self) -> dict[str, np.ndarray]:
         return {"keys": self._keys}
+
+    def _restore(self, arrays: dict[str, np.ndarray]) -> None:
+        self._keys = arrays["keys"]

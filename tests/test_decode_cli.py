@@ -230,6 +230,7 @@ def test_the_options_that_change_timings_are_recorded_in_the_json(tiny_llama, tm
     assert settings["torch_threads"] == (threads or before) == ran
     assert (settings["chunk"], settings["build_during_prefill"], settings["cpus_per_task"]) == (64, False, None)
     assert settings["shared_prefill"] is True and settings["build_layers"] == 1
+    assert settings["build_processes"] is False  # threads by default on a CPU
     full, flat = (data["modes"][m]["summary"]["prefill_s"] for m in ("full", "flat"))
     assert full == flat  # one prefill for both
     assert (data["device"], data["executor"]) == ("cpu", "local")
@@ -285,6 +286,14 @@ def test_builds_start_after_the_prefill_by_default_only_on_an_accelerator_with_u
     assert builds_during_prefill(None, "wait", "cuda") and builds_during_prefill(None, "exact", "cpu")
     assert not builds_during_prefill(None, "exact", "cuda") and not builds_during_prefill(None, "exact", "cuda:1")
     assert builds_during_prefill(True, "exact", "cuda") and not builds_during_prefill(False, "wait", "cpu")
+
+
+def test_builds_run_in_worker_processes_by_default_only_on_an_accelerator():
+    from anns_lab.decode.cli import builds_in_processes
+
+    assert builds_in_processes(None, "cuda") and builds_in_processes(None, "cuda:1")
+    assert not builds_in_processes(None, "cpu")
+    assert builds_in_processes(True, "cpu") and not builds_in_processes(False, "cuda")
 
 
 def test_until_built_exact_reaches_the_decode_table_and_json(tiny_llama, tmp_path):

@@ -8,7 +8,8 @@ import pytest
 from click.testing import CliRunner
 
 from anns_lab.cli import main
-from anns_lab.dumps.memory import GIB, MemoryEstimateError, available_bytes, check_prefill, prefill_estimate
+from anns_lab.dumps.memory import (GIB, WORKER_BYTES, MemoryEstimateError, available_bytes, check_prefill,
+                                   prefill_estimate)
 from anns_lab.dumps.run import run_dump
 
 GEMMA_LIKE = SimpleNamespace(num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
@@ -30,6 +31,10 @@ def test_estimate_parts():
     assert decode.total > est.total + decode.parts["copy of the KV cache (full)"]
     building = prefill_estimate(GEMMA_LIKE, 131072, 2048, index_layers=3, building_layers=2)  # decode --build-layers
     assert building.parts["2 layers' builds in flight"] == 2 * 4 * 131072 * 256 * 4
+    spawned = prefill_estimate(GEMMA_LIKE, 131072, 2048, index_layers=3, building_layers=2, build_workers=16)
+    spooled = 2 * (1 + 4) * 131072 * 256 * 4  # the layers in flight: keys of the KV head and queries of each query head
+    assert spawned.parts["16 build worker processes"] == 16 * (WORKER_BYTES + 2 * 131072 * 256 * 4) + spooled
+    assert spawned.parts.keys() - building.parts.keys() == {"16 build worker processes"} and spawned.total > building.total
 
 
 def test_a_refusal_with_layers_building_at_once_names_build_layers(monkeypatch):

@@ -23,7 +23,7 @@ from anns_lab.decode.options import LAYERS_AT_ONCE, MIN_LAYERS_AT_ONCE
 from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.dumps import rope
 from anns_lab.errors import AnnsLabError, DecodeError, error_text
-from anns_lab.indexes import registry
+from anns_lab.indexes import build_processes, registry
 from anns_lab.indexes.group_queries import PER_HEAD, group_queries
 from anns_lab.indexes.threads import (lower_priority, numba_threadsafe, settle, stopping_on,
                                      thread_budget)
@@ -65,7 +65,7 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
         queries = np.stack([group_queries(list(queries[g * group:(g + 1) * group]), settings.train_group)
                             for g in range(keys.shape[0])])
     store.build(queries, _device_lists(lm, plan, queries, layer_cache.keys[0, :, lo:hi], settings), per_kv_head=per_kv,
-                others=others, beside=beside)
+                others=others, beside=beside, processes=build_processes.pool() if settings.build_processes else None)
     if calibrating:  # in the store's build_s too (the decoder times its modes by the layers' spans, :meth:`EarlyBuilds.take`)
         t0 = time.perf_counter()
         store.calibration = calibration.calibrate(store, newest, settings.calibrate, scaling, beside)
@@ -95,6 +95,17 @@ def builds_after(lm, pre, mode, settings) -> EarlyBuilds:
         early.close()
         raise
     return early
+
+
+def start_build_processes(modes: list, settings) -> tuple[build_processes.BuildProcesses, float] | None:
+    """With ``settings.build_processes``, the worker processes of the index builds, started (once per process, their
+    kernels loaded) before a prefill's clock runs, and the seconds that took; None where there is nothing to start."""
+    names = tuple(sorted({p.name for m in modes if m.kind == "index" for p in [m.plan, *m.per_layer.values()] if p}))
+    if not (settings.build_processes and names):
+        return None
+    t0 = time.perf_counter()
+    workers = build_processes.pool(warm=names)
+    return workers, time.perf_counter() - t0
 
 
 def store_notes(stores: dict[int, LayerStore], settings) -> list[str]:

@@ -46,6 +46,18 @@ def builds_during_prefill(choice: bool | None, until_built: str, device: str) ->
     return not (until_built == "exact" and not str(device).startswith("cpu"))
 
 
+def builds_in_processes(choice: bool | None, device: str) -> bool:
+    """``--build-processes/--build-threads`` as given, or by default in worker processes on an accelerator: there the
+    thread that launches the model's kernels runs Python, and a build on a thread beside it waits up to the switch
+    interval (5 ms) for the GIL after each of its ~100 kernels (a SmolLM2 8K layer's builds beside a Python thread: 8x
+    their time alone on threads, 1.3x in a worker process; BENCHMARKS "Builds in worker processes"); on threads on a CPU,
+    where the prefill's thread waits in torch's kernels (GIL released) and the workers would cost their memory for
+    nothing measured."""
+    if choice is not None:
+        return choice
+    return not str(device).startswith("cpu")
+
+
 class _CalibrateTarget(click.ParamType):
     """``--calibrate``'s value: ``auto`` (the target by the keys a layer holds) or a weight recall (0: off)."""
 
@@ -117,6 +129,11 @@ class _DecodeCommand(click.Command):
                    "at most that many; each holds its layer's keys and moved queries). 0 = auto: enough layers for an "
                    "index per thread (the threads' budget over a layer's indexes: one per query head, or per KV head for "
                    "key-only indexes and --train-group group|strided), at least 2")
+@click.option("--build-processes/--build-threads", default=None,
+              help="build the indexes in worker processes (their arrays come back as a saved index's do; an index that "
+                   "cannot save builds on threads), or on threads of this process. Default: processes on an "
+                   "accelerator, where the thread launching the model's kernels runs Python and a build on a thread "
+                   "beside it waits for the GIL after each of its kernels; threads on a CPU")
 @click.option("--shared-prefill", is_flag=True,
               help="with --build-after-prefill: every mode decodes from one prefill, the index modes' (one prefill a "
                    "sample, the cheaper run at 128K on a CPU; full's TTFT then carries the queries the index modes keep, "
@@ -149,7 +166,7 @@ class _DecodeCommand(click.Command):
                                                 "link, or what is not a regular file)")
 def decode(model, modes, params, build_params, topk, window, add_batch, train_queries, train_group, train_positions, copy_hints, task,
            prompt, evaluation, context, samples,
-           seed, max_new_tokens, positions, free_tokens, chunk, build_during_prefill, build_layers, shared_prefill, until_built, from_sweep, target_recall, calibrate, device, torch_threads,
+           seed, max_new_tokens, positions, free_tokens, chunk, build_during_prefill, build_layers, build_processes, shared_prefill, until_built, from_sweep, target_recall, calibrate, device, torch_threads,
            allow_extrapolation, rope_scaling, executor, address, cpus_per_task, json_path, overwrite):
     """Generate with RetrievalAttention: static window on the accelerator + retrieved keys from a CPU index."""
     from anns_lab.decode import runner
@@ -206,7 +223,8 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
     if evaluation == "fidelity":
         mode_list = _with_full(mode_list)
         # one prefill for every mode, the indexes built after it: the result must not record builds during it
-        settings = dataclasses.replace(settings, build_during_prefill=False)
+        settings = dataclasses.replace(settings, build_during_prefill=False,
+                                       build_processes=builds_in_processes(build_processes, device))
         result = runner.run_fidelity(lm, mode_list, settings, context, positions, free_tokens, allow_extrapolation,
                                      progress)
     else:
@@ -217,7 +235,8 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
                                 torch_threads=torch_threads)
         # where the samples run: a Ray cluster's tasks take its GPU, whatever this driver has
         settings = dataclasses.replace(settings, build_during_prefill=builds_during_prefill(
-            build_during_prefill, until_built, remote.device if remote else device))
+            build_during_prefill, until_built, remote.device if remote else device),
+            build_processes=builds_in_processes(build_processes, remote.device if remote else device))
         try:
             if prompt is not None:
                 result = runner.run_prompt(lm, mode_list, settings, prompt, max_new_tokens, allow_extrapolation,
@@ -415,6 +434,7 @@ def _run_description(lm, device: str, executor: str, settings: Settings, mode_li
                          "train_group": settings.train_group, "train_positions": settings.train_positions,
                          "build_during_prefill": settings.build_during_prefill,
                          "shared_prefill": settings.shared_prefill, "build_layers": settings.build_layers,
+                         "build_processes": settings.build_processes,
                          "until_built": settings.until_built,
                          "copy_hints": settings.copy_hints, "calibrate": settings.calibrate or None} | threads,
             "plans": {m.name: ({"default": m.plan.describe(), **{str(k): p.describe() for k, p in m.per_layer.items()}}

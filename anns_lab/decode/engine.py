@@ -83,6 +83,7 @@ class Settings:
     lists_on_device: bool | None = None  # training lists of the indexes on the accelerator (None: when it is CUDA)
     build_during_prefill: bool = True  # start a layer's index builds once the prompt's last chunk has passed it (builds.EarlyBuilds)
     build_layers: int = LAYERS_AT_ONCE  # layers one mode builds at once (builds.EarlyBuilds; at most the threads' budget)
+    build_processes: bool = False  # the index builds in worker processes (indexes.build_processes), not this one's threads
     shared_prefill: bool = False  # with the builds after the prefill: every mode on one (full's TTFT then carries the queries kept)
     steps: int = 64  # decode steps of a mode at most: the CPU stores reserve a row per step past the prompt's
     calibrate: float | str = 0.0  # > 0 or "auto": each layer's index search raised at build time to this weight recall@k where short (calibrate.calibrate; "auto", the CLI's default: calibrate.auto_target of the layer's keys)

@@ -29,6 +29,7 @@ from anns_lab.decode.kernels import attend_rows_and_range, merge
 from anns_lab.errors import AnnsLabError, DecodeError, error_text
 from anns_lab.indexes import protocol, registry
 from anns_lab.indexes.base import SearchResult
+from anns_lab.indexes.build_processes import BuildProcesses
 from anns_lab.indexes.estimate import Estimate, estimate_terms, weighted_partial
 from anns_lab.indexes.group_queries import other_heads
 from anns_lab.indexes.key_store import KeyStore
@@ -91,7 +92,7 @@ class LayerStore:
     # -- build and grow ----------------------------------------------------------------------------
 
     def build(self, queries: np.ndarray | None, train_topk: np.ndarray | None = None, per_kv_head: bool = False,
-              others: bool = False, beside: bool = False) -> None:
+              others: bool = False, beside: bool = False, processes: BuildProcesses | None = None) -> None:
         """Build the indexes on every row held now; ``queries`` (H, t, d) are the prefill queries (attention-aware only),
         ``train_topk`` (H, t, c) their top keys when computed elsewhere (``device_lists``). ``per_kv_head``: queries and
         lists are (G, m, ·), one set per KV head (its GQA group's, :mod:`indexes.group_queries`), and one
@@ -100,7 +101,9 @@ class LayerStore:
         ``group_queries`` (``--train-group unlisted``). The indexes are built side by side, one core each
         (:func:`indexes.threads.map_one_thread`: the same indexes as one after another, without the kernels' thread teams
         waiting on each other beside the prefill; ``beside``: the prefill still runs, so a layer of one index builds on
-        one thread too, and every build thread runs below the prefill's priority)."""
+        one thread too, and every build thread runs below the prefill's priority), or in the worker ``processes``
+        (:mod:`indexes.build_processes`: the same indexes, no build waiting for this process's GIL) where the index
+        class saves (its arrays are how a build comes back)."""
         if self.plan is None or self.n_rows == 0:
             return
         t0 = time.perf_counter()
@@ -109,18 +112,23 @@ class LayerStore:
         # the store's rows are the decode's keys, and the queries its calibration's: an index writing into them would
         # change the attention computed from them (checked once per build; a step's search is not, for its time)
         before = protocol.input_sums(self.key_store.buf[:, :self.n_rows], queries)
+        shared = per_kv_head or not cls.uses_train_queries  # one index per KV head serves its group
         if cls.uses_train_queries:
             if queries is None:
                 raise ValueError("attention-aware index needs the prefill queries")
-            per = len(rows) if per_kv_head else self.n_heads
-            built = map_one_thread(lambda i: cls(**self.plan.build_params).build(
-                rows[i if per_kv_head else i // self.group], np.ascontiguousarray(queries[i]),
-                **({} if train_topk is None else {"train_topk": train_topk[i]}),
-                **(self._others(i, queries, train_topk) if others else {})), range(per), beside)
-            self.indexes = [built[h // self.group] for h in range(self.n_heads)] if per_kv_head else built
+            items = [(i if per_kv_head else i // self.group,
+                      {"train_queries": np.ascontiguousarray(queries[i]),
+                       **({} if train_topk is None else {"train_topk": train_topk[i]}),
+                       **(self._others(i, queries, train_topk) if others else {})})
+                     for i in range(len(rows) if per_kv_head else self.n_heads)]
         else:
-            shared = map_one_thread(lambda r: cls(**self.plan.build_params).build(r), rows, beside)
-            self.indexes = [shared[h // self.group] for h in range(self.n_heads)]
+            items = [(g, {}) for g in range(len(rows))]
+        params = self.plan.build_params
+        if processes is not None and cls.saves():
+            built = processes.build(cls, params, rows, items)
+        else:
+            built = map_one_thread(lambda item: cls(**params).build(rows[item[0]], **item[1]), items, beside)
+        self.indexes = [built[h // self.group] for h in range(self.n_heads)] if shared else built
         if protocol.input_sums(self.key_store.buf[:, :self.n_rows], queries) != before:
             raise protocol.inputs_changed(self.plan.name)
         self.n_indexed = self.n_rows

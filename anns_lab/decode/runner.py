@@ -15,6 +15,7 @@ import torch
 
 from anns_lab.errors import DecodeError
 from anns_lab.decode import stats
+from anns_lab.decode.builds import start_build_processes
 from anns_lab.decode.engine import (Mode, ModeRun, Settings, check_window, exact_seconds, kept_queries, prefill,
                                     run_mode, summarize, warmup_steps)
 from anns_lab.dumps import tasks
@@ -126,11 +127,12 @@ def check_memory(lm, modes: list[Mode], settings: Settings, n_tokens: int, optio
     """Refuse, before the prefill, a run whose estimated peak memory exceeds what is available
     (:func:`memory.check_prefill`: KV cache, a chunk's activations, the kept queries (:func:`engine.kept_queries`),
     one mode's CPU store and indexes (modes run one after the other), the training queries moved for the layers
-    building at once (``--build-layers``), and a copy of the cache: ``full``'s, or with
+    building at once (``--build-layers``), the build worker processes (``--build-processes``), and a copy of the cache: ``full``'s, or with
     ``--until-built exact`` an index mode's, whose long-range layers stay whole while their indexes build).
     ``option``: the one that set the prompt's length, named in the error."""
     from anns_lab.decode.builds import indexes_per_layer, layers_at_once
     from anns_lab.dumps.memory import check_prefill
+    from anns_lab.indexes.threads import thread_budget
 
     n_long = len(lm.long_range_layers)
     indexed = n_long * min(1, sum(m.kind == "index" for m in modes))
@@ -141,7 +143,8 @@ def check_memory(lm, modes: list[Mode], settings: Settings, n_tokens: int, optio
                   index_layers=indexed,
                   building_layers=min(layers_at_once(settings.build_layers, indexes=min(
                       indexes_per_layer(lm, m, settings) for m in modes if m.uses_queries())), n_long) if aware else 0,
-                  cache_copy=any(m.kind == "full" for m in modes) or (indexed > 0 and settings.until_built == "exact"))
+                  cache_copy=any(m.kind == "full" for m in modes) or (indexed > 0 and settings.until_built == "exact"),
+                  build_workers=thread_budget() if settings.build_processes and indexed else 0)
 
 
 def prefill_groups(modes: list[Mode], settings: Settings) -> list[list[Mode]]:
@@ -173,6 +176,9 @@ def run_sample(lm, modes: list[Mode], settings: Settings, ids: list[int], max_ne
     """
     bar = say is not None
     say = say or (lambda line: None)
+    started = start_build_processes(modes, settings)
+    if started is not None and started[1] > 0.5:  # the first sample's: later ones find them running
+        say(f"  index builds: {started[0].workers} worker processes started in {started[1]:.1f} s")
     runs = {}
     for group in prefill_groups(modes, settings):
         names = ", ".join(m.name for m in group)

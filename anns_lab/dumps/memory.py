@@ -19,6 +19,7 @@ from anns_lab.errors import AnnsLabError
 GIB = 2**30
 FLOAT = 4  # the lab runs models in float32
 GRAPH_BYTES_PER_KEY = 40 * 4 + 4 + 8  # a graph index's row (roargraph's R = 40 int32), degree and slack, per key per query head
+WORKER_BYTES = 400 * 2**20  # a build worker process started and warm (torch, faiss, numba, the kernels): 380 MiB measured
 HEADROOM = 1.15  # allocator fragmentation and Python objects on top of the counted arrays
 
 
@@ -82,14 +83,16 @@ def _parse_size(text: str) -> int:
 
 
 def prefill_estimate(cfg, n_tokens: int, chunk: int, query_layers: int = 0, index_layers: int = 0,
-                     cache_copy: bool = False, query_tokens: int | None = None, building_layers: int = 0) -> Estimate:
+                     cache_copy: bool = False, query_tokens: int | None = None, building_layers: int = 0,
+                     build_workers: int = 0) -> Estimate:
     """Peak bytes of a chunked prefill of ``n_tokens`` with model config ``cfg``: KV cache, one chunk's
     attention scores and MLP activations; ``query_layers`` layers whose queries are kept (decode's training
     queries; ``query_tokens``: only each head's newest so many, None: every token's); ``index_layers``
     long-range layers held on the CPU with a graph per query head (a decode mode); ``cache_copy``: a second copy
     of the cache (decode's ``full``); ``building_layers``: layers whose attention-aware builds are in flight at once
     (decode ``--build-layers``), each with its training queries moved to the serving positions (at most every
-    token's)."""
+    token's); ``build_workers``: worker processes that build them (decode ``--build-processes``), each holding its
+    libraries and one build's keys and queries, the layers in flight spooled to them in memory."""
     n_layers = cfg.num_hidden_layers
     n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
@@ -112,6 +115,10 @@ def prefill_estimate(cfg, n_tokens: int, chunk: int, query_layers: int = 0, inde
         parts["copy of the KV cache (full)"] = kv
     if building_layers:
         parts[f"{building_layers} layers' builds in flight"] = building_layers * n_heads * n_tokens * d * FLOAT
+    if build_workers:
+        spooled = max(1, building_layers) * (n_kv + n_heads) * n_tokens * d * FLOAT  # keys once per KV head, queries
+        parts[f"{build_workers} build worker processes"] = (build_workers * (WORKER_BYTES + 2 * n_tokens * d * FLOAT)
+                                                            + spooled)
     return Estimate(parts)
 
 

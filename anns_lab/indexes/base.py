@@ -368,7 +368,12 @@ class Index:
 
     @property
     def supports_save(self) -> bool:
-        return type(self)._arrays is not Index._arrays
+        return type(self).saves()
+
+    @classmethod
+    def saves(cls) -> bool:
+        """Whether the class implements ``_arrays`` (``save``), asked of the class: ``supports_save`` needs an index."""
+        return cls._arrays is not Index._arrays
 
     # -- persistence: .npy files (allow_pickle=False) plus one JSON file, never pickle ------------
 
@@ -404,9 +409,22 @@ class Index:
         dtype, shape and id range first (``persist.expect``), raising IndexConfigError: they come from a file."""
         raise NotImplementedError
 
+    def restored_on(self, rows: KeyRows | None, arrays: dict[str, np.ndarray], n_keys: int, dim: int) -> "Index":
+        """Set this unbuilt index up from ``_arrays()``'s arrays of one built elsewhere (a worker process:
+        :mod:`indexes.build_processes`), as ``load`` does and with its checks; an index that keeps its key rows reads
+        them from ``rows`` (the caller's store, as ``build`` on them would), if given."""
+        self.n_keys, self.dim = n_keys, dim
+        self._given_rows = rows
+        try:
+            self._restore(arrays)
+        finally:
+            self.__dict__.pop("_given_rows", None)
+        return self
+
     def _key_rows(self, keys: np.ndarray) -> KeyRows:
-        """Where to keep the float32 key rows (call from ``_build``): the caller's store given to ``build``, else a
-        store of the index's own around ``keys`` (no copy until ``add`` grows it)."""
+        """Where to keep the float32 key rows (call from ``_build`` and ``_restore``): the caller's store given to
+        ``build`` (or :meth:`restored_on`), else a store of the index's own around ``keys`` (no copy until ``add`` grows
+        it)."""
         given = self.__dict__.get("_given_rows")
         return given if given is not None else KeyStore.own(keys)
 

@@ -74,7 +74,6 @@ from anns_lab.indexes.graph.edges import add_reverse_edges, link_back, link_unre
 from anns_lab.indexes.graph.hubs import query_hubs, saved_hubs
 from anns_lab.indexes.graph.multi import search_graphs
 from anns_lab.indexes.graph.search import bytes_read, search_batch, search_single
-from anns_lab.indexes.key_store import KeyStore
 from anns_lab.indexes.persist import expect, expect_ids
 from anns_lab.indexes.topk import topk_ip
 from anns_lab.indexes.train_lists import anchor_ids, anchored_topk
@@ -444,7 +443,7 @@ class RoarGraphIndex(Index):
         if p["R"] < p["M"]:
             raise IndexConfigError(f"parameter R={p['R']} is smaller than M={p['M']}")
         keys, self._nbrs_buf, self._deg_buf = saved_graph(arrays, n, self.dim, p["R"])
-        self._store = KeyStore.own(keys)
+        self._store = self._key_rows(keys)
         self._expose(n)
         self.hubs = saved_hubs(arrays, n)
         # A save from before the row order has no n_built: its rows are in build order (the default row stop would

@@ -34,7 +34,6 @@ from anns_lab.indexes.graph.edges import link_unreachable
 from anns_lab.indexes.graph.hubs import query_hubs, saved_hubs
 from anns_lab.indexes.graph.search import bytes_read, search_batch
 from anns_lab.indexes.graph.vamana import random_graph, robust_stitch, vamana_pass
-from anns_lab.indexes.key_store import KeyStore
 from anns_lab.indexes.topk import topk_ip
 
 
@@ -113,5 +112,5 @@ class RobustVamanaIndex(Index):
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
         keys, self._nbrs, self._degree = saved_graph(arrays, self.n_keys, self.dim, self.params["R"])
-        self._store = KeyStore.own(keys)
+        self._store = self._key_rows(keys)
         self.hubs = saved_hubs(arrays, self.n_keys)

@@ -132,7 +132,7 @@ def map_one_thread(fn: Callable[..., T], items: Iterable, beside: bool = False) 
     layer (:func:`numba_threadsafe`), runs every item on the calling thread. An item's error stops the others
     (:func:`settle`), and so does the calling thread's stop (:func:`stopping_on`)."""
     items = list(items)
-    fn = _unless_stopped(fn, getattr(_STOP, "event", None))
+    fn = _unless_stopped(fn, current_stop())
     budget = thread_budget()
     if budget <= 1 or len(items) < (1 if beside else 2) or not numba_threadsafe():
         return [fn(x) for x in items]
@@ -178,6 +178,11 @@ def stopping_on(event: threading.Event) -> Iterator[None]:
         yield
     finally:
         _STOP.event = before
+
+
+def current_stop() -> threading.Event | None:
+    """The calling thread's stop (:func:`stopping_on`), or None."""
+    return getattr(_STOP, "event", None)
 
 
 def _unless_stopped(fn: Callable[..., T], stop: threading.Event | None) -> Callable[..., T]:

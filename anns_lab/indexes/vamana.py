@@ -22,7 +22,6 @@ from anns_lab.indexes.base import Index, Param
 from anns_lab.indexes.graph import Graph, saved_graph
 from anns_lab.indexes.graph.search import bytes_read, search_batch
 from anns_lab.indexes.graph.vamana import random_graph, vamana_pass
-from anns_lab.indexes.key_store import KeyStore
 from anns_lab.indexes.persist import expect, expect_ids
 
 
@@ -80,5 +79,5 @@ class VamanaIndex(Index):
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
         keys, self._nbrs, self._degree = saved_graph(arrays, self.n_keys, self.dim, self.params["R"])
-        self._store = KeyStore.own(keys)
+        self._store = self._key_rows(keys)
         self.entry = int(expect_ids("entry", expect(arrays, "entry", np.int64, (1,)), 0, self.n_keys)[0])

@@ -1,0 +1,228 @@
+"""Index builds in worker processes, so that no build waits for the GIL of a thread running Python beside it.
+
+A build releases the GIL inside its kernels (numba's ``nogil``, faiss, torch) and takes it back between them: a
+roargraph head's build at 8K takes it back about a hundred times. Beside a thread that runs Python (on a GPU, the
+thread that launches the prefill's and the decode steps' kernels) each take waits up to the interpreter's switch
+interval, 5 ms: a SmolLM2 8K layer's nine builds beside such a thread took 9x their time alone on threads of that
+process, 1.2-2x in a worker process (``benchmarks/diag_gil_convoy.py --processes``; BENCHMARKS "Builds in worker
+processes"). A worker takes only its own GIL; what is left here is the spooling and each index's restore.
+
+Inputs and results cross as one file each way on a memory-backed file system (``/dev/shm`` where it has room, else
+the temporary folder), raw numeric arrays at offsets (:func:`_pack`; no pickle), read through a private mapping
+(:func:`_unpack`: no copy, a few system calls): the layer's key rows once per KV head and each build's own arrays in
+one file, each built index back as the arrays of its ``save`` (``Index._arrays``), restored here on the caller's key
+rows (:meth:`Index.restored_on`) and checked as a load checks a saved index. Not the pool's pipe, nor a file per
+array: every system call takes the GIL back (that layer beside the Python thread: 1.9 s through the pipe, whose 64 KiB
+chunks each take it, 2.5-2.9 s with a file per array, 0.9-1.6 s with these). So only indexes that save (:meth:`Index.saves`) build here; the others build on threads
+(:func:`threads.map_one_thread`).
+
+Workers are spawned (a fork of running OpenMP or numba pools can deadlock), run their kernels on one thread each at the
+lowest priority (as the builds' threads beside the prefill do), ignore Ctrl-C (the caller's to handle) and live as
+long as the process, shared by every caller (:func:`pool`). A worker that dies (a plugin's abort, the OOM killer)
+breaks the pool: the builds waiting fail with the index named by the caller, and the next :func:`pool` starts a new one.
+"""
+
+from __future__ import annotations
+
+import mmap
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from anns_lab.errors import error_text
+from anns_lab.indexes.base import Index
+from anns_lab.indexes.key_store import KeyRows
+from anns_lab.indexes.threads import current_stop, lower_priority, one_thread, settle, thread_budget
+
+MEMORY_DIR = Path("/dev/shm")  # a tmpfs on Linux: the spool's files are copies in memory
+START_TASK_S = 0.2  # BuildProcesses.start: long enough that one warm worker does not take every task
+POLL_S = 0.05  # how often a caller waiting on its builds looks at its stop (threads.stopping_on)
+
+_POOL: dict[str, Any] = {}  # "pool": the process's BuildProcesses (one per process: workers are costly)
+_POOL_LOCK = threading.Lock()
+
+
+class BuildProcesses:
+    """``workers`` spawned worker processes that build indexes from spooled arrays (:meth:`build`)."""
+
+    def __init__(self, workers: int, warm: tuple[str, ...] = ()) -> None:
+        """``warm``: index names whose kernels each worker loads (numba's cache) as it starts, on tiny data."""
+        self.workers = workers
+        self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                         initializer=_worker_start, initargs=(tuple(warm),))
+
+    def start(self) -> float:
+        """Start every worker now and wait until they have run a task; returns the seconds it took. Otherwise they
+        start on the first builds, whose time then counts their start (a second or more each). The pool spawns a
+        worker per task submitted while none is idle: ``workers`` short tasks at once start them all."""
+        t0 = time.perf_counter()
+        for f in [self._pool.submit(time.sleep, START_TASK_S) for _ in range(self.workers)]:
+            f.result()
+        return time.perf_counter() - t0
+
+    @property
+    def broken(self) -> bool:
+        return bool(getattr(self._pool, "_broken", False))
+
+    def build(self, cls: type[Index], params: dict[str, Any], rows: list[KeyRows],
+              items: list[tuple[int, dict[str, np.ndarray]]]) -> list[Index]:
+        """``[cls(**params).build(rows[g], **arrays) for g, arrays in items]``, each build in a worker process, the
+        indexes restored here on ``rows`` (an index that keeps its key rows reads them from the caller's store, as if
+        built here). The calling thread's stop (``threads.stopping_on``) cancels the builds not started; an error of
+        one cancels the others not started and is raised once those running have ended."""
+        inputs = {f"keys{g}": rows[g].view(rows[g].n) for g in sorted({g for g, _ in items})}
+        inputs |= {f"{i}.{k}": a for i, (_, arrays) in enumerate(items) for k, a in arrays.items()}
+        spool = Path(tempfile.mkdtemp(prefix="anns-lab-build-", dir=_spool_root(sum(a.nbytes for a in inputs.values()))))
+        try:
+            packed = str(spool / "inputs")
+            layout = _pack(packed, inputs)
+            futures = [self._pool.submit(_build_remote, cls.name, params, packed, layout, f"keys{g}",
+                                         [f"{i}.{k}" for k in arrays], str(spool / f"built{i}"))
+                       for i, (g, arrays) in enumerate(items)]
+            done = _settle_watching(futures)
+            return [_restored(cls, rows[g], *d) for (g, _), d in zip(items, done)]
+        finally:
+            shutil.rmtree(spool, ignore_errors=True)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def pool(workers: int | None = None, warm: tuple[str, ...] = ()) -> BuildProcesses:
+    """The process's :class:`BuildProcesses`, started (:meth:`BuildProcesses.start`) the first time with ``workers``
+    workers (None: :func:`threads.thread_budget`'s) and ``warm``; a new one where the last broke (a worker died) or
+    ``workers`` asks for another number."""
+    with _POOL_LOCK:
+        current = _POOL.get("pool") if _POOL.get("pid") == os.getpid() else None  # a forked child's is its parent's
+        if current is None or current.broken or workers not in (None, current.workers):
+            if current is not None:
+                current.close()
+            current = BuildProcesses(workers or thread_budget(), warm)
+            current.start()
+            _POOL.update(pool=current, pid=os.getpid())
+        return current
+
+
+def shut_down() -> None:
+    """End the process's workers (they end with the process anyway)."""
+    with _POOL_LOCK:
+        current = _POOL.pop("pool", None)
+        if current is not None and _POOL.pop("pid", None) == os.getpid():
+            current.close()
+
+
+def _spool_root(nbytes: int) -> str | None:
+    """:data:`MEMORY_DIR` where it exists with room for twice ``nbytes`` (inputs and results), else None: the temporary
+    folder (a container's ``/dev/shm`` is often 64 MiB)."""
+    try:
+        if MEMORY_DIR.is_dir() and os.access(MEMORY_DIR, os.W_OK) and shutil.disk_usage(MEMORY_DIR).free > 2 * nbytes:
+            return str(MEMORY_DIR)
+    except OSError:
+        pass
+    return None
+
+
+def _pack(path: str, arrays: dict[str, np.ndarray]) -> list[tuple[str, str, tuple, int]]:
+    """Write ``arrays`` (numeric) one after another into the file ``path``, each at a 64-byte boundary; returns their
+    layout, (name, dtype, shape, offset) each, for :func:`_unpack`. One file and a write per array: each system call
+    takes the GIL back once."""
+    layout, offset = [], 0
+    with open(path, "wb") as f:
+        for name, a in arrays.items():
+            a = np.ascontiguousarray(a)
+            if a.dtype.hasobject:
+                raise TypeError(f"array {name!r} holds Python objects: only numeric arrays cross to a build worker")
+            offset = -(-offset // 64) * 64
+            f.seek(offset)
+            f.write(memoryview(a.reshape(-1)).cast("B"))
+            layout.append((name, a.dtype.str, a.shape, offset))
+            offset += a.nbytes
+    return layout
+
+
+def _unpack(path: str, layout: list[tuple[str, str, tuple, int]], names=None) -> dict[str, np.ndarray]:
+    """The arrays ``names`` (default all) of a :func:`_pack`ed file, as writable views of a private mapping of it: no
+    copy, pages read as touched, and the file may be deleted at once (the mapping keeps its pages)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else bytearray()
+    return {name: np.frombuffer(mapped, np.dtype(dtype), int(np.prod(shape)), offset).reshape(shape)
+            for name, dtype, shape, offset in layout if names is None or name in names}
+
+
+def _settle_watching(futures: list[Future]) -> list:
+    """:func:`threads.settle` of ``futures``, also cancelling those not started once the calling thread's stop is set
+    (another layer's error, an interrupt): their ``result()`` then raises ``CancelledError``."""
+    stop = current_stop()
+    if stop is not None:
+        pending = futures
+        while pending and not stop.is_set():
+            done, pending = wait(pending, timeout=POLL_S, return_when=FIRST_EXCEPTION)
+            if any(not f.cancelled() and f.exception() is not None for f in done):
+                break
+        if stop.is_set():
+            for f in futures:
+                f.cancel()
+    return settle(futures, stop)
+
+
+def _restored(cls: type[Index], rows: KeyRows, params: dict[str, Any], n_keys: int, dim: int, packed: str,
+              layout: list, keys_as: str | None) -> Index:
+    """The index a worker built, from its :func:`_pack`ed arrays (``keys_as``: the array that was the key rows given,
+    read from ``rows`` instead)."""
+    arrays = _unpack(packed, layout)
+    if keys_as is not None:
+        arrays[keys_as] = rows.view(n_keys)
+    return cls(**params).restored_on(rows, arrays, n_keys, dim)
+
+
+# -- in the workers ----------------------------------------------------------------------------------------------------
+
+
+def _worker_start(warm: tuple[str, ...]) -> None:
+    import torch
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the caller stops the builds
+    one_thread()
+    # Process-wide here (a worker runs nothing else): on a process's main thread one_thread() leaves torch's bfloat16
+    # product a team of the cores, whose threads spin between products (a SmolLM2 head's build: 1.5x its CPU alone,
+    # 2.5x beside a second worker).
+    torch.set_num_threads(1)
+    lower_priority()
+    if warm:
+        from anns_lab.indexes.warmup import warm_up
+
+        warm_up(list(warm), 64)  # numba's kernels are typed by dtype and rank, not by dimension
+
+
+def _build_remote(name: str, params: dict[str, Any], packed: str, layout: list, keys: str, arrays: list[str],
+                  out: str) -> tuple[dict[str, Any], int, int, str, list, str | None]:
+    """Build index ``name`` on the arrays ``keys`` and ``arrays`` (named ``"<item>.<build argument>"``) of the
+    :func:`_pack`ed inputs; pack its ``_arrays()`` into the file ``out``, less the key rows it keeps as they were given
+    (``keys_as`` names that array). Returns what :func:`_restored` takes."""
+    from anns_lab.indexes import registry
+
+    try:
+        given = _unpack(packed, layout, {keys, *arrays})
+        rows = given.pop(keys)
+        index = registry.get(name)(**params).build(rows, **{k.partition(".")[2]: a for k, a in given.items()})
+        saved = index._arrays()
+        keys_as = next((k for k, a in saved.items() if a.shape == rows.shape and np.shares_memory(a, rows)), None)
+        kept = _pack(out, {k: a for k, a in saved.items() if k != keys_as})
+        return index.params, index.n_keys, index.dim, out, kept, keys_as
+    except BaseException as err:  # noqa: BLE001 - sent back whole where it pickles; a plugin's own class may not
+        try:
+            pickle.loads(pickle.dumps(err))
+        except Exception:  # noqa: BLE001
+            raise RuntimeError(error_text(err)) from None
+        raise

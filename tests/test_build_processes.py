@@ -1,0 +1,178 @@
+"""Index builds in worker processes (indexes.build_processes): the same indexes as built here, errors raised here."""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import CancelledError
+from concurrent.futures.process import BrokenProcessPool
+
+import numpy as np
+import pytest
+
+from anns_lab.decode.placement import IndexPlan, LayerStore
+from anns_lab.indexes import Index, build_processes, registry
+from anns_lab.indexes.key_store import KeyStore
+from anns_lab.indexes.threads import stopping_on
+
+
+@pytest.fixture(scope="module")
+def workers(plugin_dir):
+    """The process's pool of two workers, started with the ``faulty`` plugin importable (workers inherit the path)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(plugin_dir))
+        mp.setenv("PYTHONPATH", os.pathsep.join([str(plugin_dir), os.environ.get("PYTHONPATH", "")]))
+        build_processes.shut_down()
+        yield build_processes.pool(2, ("roargraph",))
+        build_processes.shut_down()
+
+
+def _rows(seed: int = 5, heads: int = 2, n: int = 700, d: int = 16):
+    rng = np.random.default_rng(seed)
+    store = KeyStore(rng.standard_normal((heads, n, d)).astype(np.float32), n + 40)
+    return store, [store.head(g) for g in range(heads)], rng
+
+
+@pytest.mark.parametrize("name", ["roargraph", "robust-vamana", "vamana", "ivf"])
+def test_processes_build_the_indexes_a_thread_builds_on_the_callers_rows(workers, name):
+    """Every array the index saves is equal, and so are searches before and after an add; an index that keeps its key
+    rows reads them from the caller's store (no copy), as one built here does."""
+    store, rows, rng = _rows()
+    cls = registry.get(name)
+    queries = rng.standard_normal((4, 300, 16)).astype(np.float32)
+    items = ([(h // 2, {"train_queries": queries[h]}) for h in range(4)] if cls.uses_train_queries
+             else [(g, {}) for g in range(2)])
+    got = workers.build(cls, {}, rows, items)
+    want = [cls().build(rows[g], **arrays) for g, arrays in items]
+    test = rng.standard_normal((6, 16)).astype(np.float32)
+    for (g, _), a, b in zip(items, want, got):
+        assert type(b) is cls and b.params == a.params and (b.n_keys, b.dim) == (a.n_keys, a.dim)
+        saved_a, saved_b = a._arrays(), b._arrays()
+        assert saved_a.keys() == saved_b.keys()
+        for key in saved_a:
+            np.testing.assert_array_equal(saved_a[key], saved_b[key], err_msg=key)
+        if "_store" in vars(a):
+            assert b._store.store is store and not b._store.owned
+        params = a.grid()[len(a.grid()) // 2]
+        ra, rb = a.search(test, 10, **params), b.search(test, 10, **params)
+        np.testing.assert_array_equal(ra.ids, rb.ids)
+        np.testing.assert_array_equal(ra.n_scanned, rb.n_scanned)
+    new = rng.standard_normal((2, 30, 16)).astype(np.float32)
+    store.append(new)
+    for (g, _), a, b in zip(items, want, got):
+        if a.supports_add:
+            a.add(new[g])
+            b.add(new[g])
+            np.testing.assert_array_equal(a.search(test, 10).ids, b.search(test, 10).ids)
+
+
+def test_a_build_that_raises_in_a_worker_raises_here_and_the_workers_build_on(workers):
+    _, rows, _ = _rows()
+    faulty = registry.get("faulty")
+    with pytest.raises(RuntimeError, match="no memory for its graph"):
+        workers.build(faulty, {"build_fault": "raise"}, rows, [(0, {}), (1, {})])
+    assert not workers.broken
+    built = workers.build(faulty, {}, rows, [(1, {})])
+    np.testing.assert_array_equal(built[0]._keys, rows[1].view(rows[1].n))
+
+
+def test_a_worker_that_dies_fails_its_build_and_the_next_pool_is_a_new_one(workers, monkeypatch):
+    """A plugin's os.abort() in a worker ends that worker, not this process: the build raises, the pool is broken, and
+    :func:`build_processes.pool` then starts another."""
+    _, rows, _ = _rows()
+    own = build_processes.BuildProcesses(1)
+    try:
+        with pytest.raises(BrokenProcessPool):
+            own.build(registry.get("faulty"), {"build_fault": "abort"}, rows, [(0, {})])
+        assert own.broken
+        monkeypatch.setitem(build_processes._POOL, "pool", own)
+        monkeypatch.setitem(build_processes._POOL, "pid", os.getpid())
+        fresh = build_processes.pool()
+        assert fresh is not own and not fresh.broken
+        assert fresh.build(registry.get("flat"), {}, rows, [(0, {})])[0].n_keys == rows[0].n
+        fresh.close()
+    finally:
+        own.close()
+
+
+def test_the_callers_stop_cancels_the_builds_not_yet_started(workers, tmp_path):
+    """Another layer's error or an interrupt (``threads.stopping_on``): the queued builds do not run; those running end."""
+    _, rows, _ = _rows()
+    stop = threading.Event()
+    timer = threading.Timer(1.0, stop.set)
+    timer.start()
+    with stopping_on(stop), pytest.raises(CancelledError):
+        workers.build(registry.get("faulty"), {"sleep_s": 2.0, "pid_dir": str(tmp_path)}, rows, [(0, {})] * 10)
+    timer.join()
+    started = len(list(tmp_path.iterdir()))
+    assert 1 <= started <= 4  # two running, at most one more each already handed to the workers' queue
+    assert not workers.broken
+
+
+def test_a_layer_store_builds_in_the_workers_where_the_index_saves_and_on_threads_where_it_cannot(workers, monkeypatch):
+    """The decoder's per-layer build: an index class that saves comes back from the workers (the restored indexes read
+    the store's rows); one that cannot (a class made here, which no worker could import either) builds on threads."""
+    rng = np.random.default_rng(2)
+    keys, values = (rng.standard_normal((2, 500, 16)).astype(np.float32) for _ in range(2))
+    queries = rng.standard_normal((4, 200, 16)).astype(np.float32)
+    by_threads = LayerStore(0, 4, keys, values, 20, IndexPlan("roargraph"), 8)
+    by_threads.build(queries)
+    store = LayerStore(0, 4, keys, values, 20, IndexPlan("roargraph"), 8)
+    calls = []
+    real = workers.build
+    monkeypatch.setattr(workers, "build", lambda *a: calls.append(a[0].name) or real(*a))
+    store.build(queries, processes=workers)
+    assert calls == ["roargraph"]
+    for a, b in zip(by_threads.indexes, store.indexes):
+        np.testing.assert_array_equal(a._nbrs, b._nbrs)
+        assert b._store.store is store.key_store
+    class Unsaved(registry.get("flat")):
+        name = "unsaved"
+        _arrays = Index._arrays  # no save: no way back from a worker
+
+    assert not Unsaved().supports_save
+    real_get = registry.get
+    monkeypatch.setattr(registry, "get", lambda name: Unsaved if name == "unsaved" else real_get(name))
+    other = LayerStore(0, 4, keys, values, 20, IndexPlan("unsaved"), 8)
+    other.build(None, processes=workers)
+    assert calls == ["roargraph"] and all(type(ix) is Unsaved for ix in other.indexes)
+
+
+def test_a_decode_builds_the_same_indexes_in_the_workers_as_on_threads(tiny_llama, workers):
+    """``Settings.build_processes`` (``--build-processes``): the same tokens and calibrated search values, the builds
+    during the prefill in the workers."""
+    from anns_lab.decode import runner
+    from anns_lab.decode.engine import Mode, Settings
+    from anns_lab.dumps.models import load_model
+    from anns_lab.window import Window
+
+    lm = load_model(str(tiny_llama), device="cpu")
+    ids = np.random.default_rng(7).integers(3, 400, size=96).tolist()
+    mode = Mode("roargraph", IndexPlan("roargraph"))
+    runs = {}
+    for processes in (False, True):
+        settings = Settings(Window(4, 8), topk=20, add_batch=4, chunk=32, calibrate=0.9, build_processes=processes)
+        runs[processes] = runner.run_sample(lm, [mode], settings, ids, 6, set())["runs"]["roargraph"]
+    assert runs[True].tokens == runs[False].tokens
+    assert runs[True].calibration == runs[False].calibration and runs[True].calibration
+
+
+def test_the_decode_command_builds_in_the_workers_with_build_processes(tiny_llama, workers, tmp_path):
+    """``--build-processes`` on a CPU: the settings record it, and the answers are those of the threads' builds."""
+    import json
+
+    from click.testing import CliRunner
+
+    from anns_lab.cli import main
+
+    answers = {}
+    for flag in ("--build-processes", "--build-threads"):
+        out = tmp_path / f"{flag}.json"
+        res = CliRunner().invoke(main, ["decode", "--model", str(tiny_llama), "--mode", "roargraph", "--task", "passkey",
+                                        "--context", "200", "--window", "4,16", "--max-new-tokens", "4", flag,
+                                        "--json", str(out)])
+        assert res.exit_code == 0, res.output
+        data = json.loads(out.read_text())
+        assert data["settings"]["build_processes"] is (flag == "--build-processes")
+        answers[flag] = [row["answer"] for row in data["modes"]["roargraph"]["samples"]]
+    assert answers["--build-processes"] == answers["--build-threads"]
