@@ -13,6 +13,9 @@ repeat: the build's wall seconds alone and beside the counter, and the counter's
 its rate alone. ``--processes``: the layer's heads (every query head of ``--layer``) build instead in one worker process
 (``indexes.build_processes``, as ``decode --build-processes`` builds them), and the same heads on one thread here are
 timed beside it for the ratio: the worker takes its own GIL, only the spooling and the restore here take this one's.
+``--calibrate`` (with ``--processes``): the layer's store as the decoder builds it, the builds then its calibration
+(``decode.calibrate``, auto target, the layer's newest 64 training queries), on this process's threads against in the
+worker (``decode --build-processes``).
 """
 
 from __future__ import annotations
@@ -21,10 +24,15 @@ import argparse
 import sys
 import threading
 import time
+from functools import partial
 
+import numpy as np
 import torch
 
 import anns_lab
+from anns_lab.decode import builds as builds_module
+from anns_lab.decode import calibrate
+from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.eval.heads import load_head
 from anns_lab.indexes import build_processes, registry
 from anns_lab.indexes.key_store import KeyStore
@@ -67,6 +75,9 @@ def main() -> None:
     ap.add_argument("--switch", type=float, default=0.0, help="sys.setswitchinterval seconds (0: Python's, 0.005)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--processes", action="store_true", help="the layer's heads in a worker process, and on this thread")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="with --processes: the layer's store as decode builds it, its calibration (auto target) after "
+                         "the builds, here or in the worker")
     a = ap.parse_args()
     if a.switch > 0:
         sys.setswitchinterval(a.switch)
@@ -87,6 +98,22 @@ def main() -> None:
         workers.start()
         rows = [KeyStore(d.keys).head(0) for d in heads]
         builds.append(("in a worker process", lambda: workers.build(cls, {}, rows, list(enumerate(arrays)))))
+    if a.calibrate:
+        per_kv = dump.n_heads // dump.n_kv_heads
+        keys = np.stack([heads[g * per_kv].keys for g in range(dump.n_kv_heads)])
+        queries = np.stack([d.train_queries for d in heads])
+        newest, scale = np.ascontiguousarray(queries[:, -calibrate.QUERIES:]), dump.head_dim ** -0.5
+
+        def layer(processes) -> None:
+            store = LayerStore(a.layer, dump.n_heads, keys, keys, 100, IndexPlan(a.index), 64)
+            done: list = []
+            then = partial(builds_module._calibrate_in_worker, processes, store, newest, calibrate.AUTO, scale, done)
+            store.build(queries, beside=True, processes=processes, then=then if processes else None)
+            if not done:
+                calibrate.calibrate(store, newest, calibrate.AUTO, scale, beside=True)
+
+        builds = [("store and calibration here", lambda: layer(None)),
+                  ("store and calibration in a worker", lambda: layer(workers))]
     for _, build in builds:
         build()  # the kernels loaded (or compiled) outside the timings
     counter = Counter()

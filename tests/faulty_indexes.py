@@ -3,7 +3,7 @@
 ``faulty`` searches exactly like ``flat`` unless told otherwise: ``fault`` makes its search call
 ``os.abort()`` or ``sys.exit(3)``, raise KeyboardInterrupt, hang in C holding the GIL (``hang``), or normalise the queries it is given in place (``normalise``); ``pid_dir`` makes its build leave a file ``<pid>-<ns>`` per build
 (so a test can find and kill the worker), ``sleep_s`` keeps the build busy that long and ``build_fault`` then makes it
-raise or ``os.abort()``.
+raise, ``os.abort()`` or write into its keys.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ class FaultyIndex(Index):
         "fault": Param("none", choices=("none", "abort", "exit", "normalise", "interrupt", "hang"), help="what search does"),
         "pid_dir": Param("", help="folder to leave <pid> files in at build"),
         "sleep_s": Param(0.0, 0.0, 600.0, help="seconds the build sleeps"),
-        "build_fault": Param("none", choices=("none", "raise", "abort"), help="what build does after its sleep"),
+        "build_fault": Param("none", choices=("none", "raise", "abort", "write"),
+                             help="what build does after its sleep (write: doubles the keys it was given, in place)"),
     }
 
     def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
@@ -36,6 +37,8 @@ class FaultyIndex(Index):
             raise RuntimeError("no memory for its graph")
         if self.params["build_fault"] == "abort":
             os.abort()
+        if self.params["build_fault"] == "write":
+            keys *= 2
         self._keys = keys
 
     def _search(self, queries: np.ndarray, k: int):

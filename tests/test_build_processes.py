@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from anns_lab.decode.placement import IndexPlan, LayerStore
+from anns_lab.errors import IndexResultError
 from anns_lab.indexes import Index, build_processes, registry
 from anns_lab.indexes.key_store import KeyStore
 from anns_lab.indexes.threads import stopping_on
@@ -33,7 +34,22 @@ def _rows(seed: int = 5, heads: int = 2, n: int = 700, d: int = 16):
     return store, [store.head(g) for g in range(heads)], rng
 
 
-@pytest.mark.parametrize("name", ["roargraph", "robust-vamana", "vamana", "ivf"])
+EXACT = sorted(name for name, cls in registry.available().items() if build_processes.can_build(cls))
+
+
+def test_the_indexes_built_in_workers_are_those_whose_restore_is_exact():
+    assert {"roargraph", "robust-vamana", "vamana", "ivf", "flat"} <= set(EXACT)
+    assert not build_processes.can_build(registry.get("hnsw"))  # hnswlib's reload restarts its level generator
+    roar = registry.get("roargraph")
+
+    class Mine(roar):  # a plugin's subclass with a build of its own has not said its restore is exact
+        def _build(self, keys, train_queries, **kw):
+            return super()._build(keys, train_queries, **kw)
+
+    assert build_processes.can_build(type("Alias", (roar,), {"name": "alias"})) and not build_processes.can_build(Mine)
+
+
+@pytest.mark.parametrize("name", EXACT)
 def test_processes_build_the_indexes_a_thread_builds_on_the_callers_rows(workers, name):
     """Every array the index saves is equal, and so are searches before and after an add; an index that keeps its key
     rows reads them from the caller's store (no copy), as one built here does."""
@@ -76,11 +92,33 @@ def test_a_build_that_raises_in_a_worker_raises_here_and_the_workers_build_on(wo
     np.testing.assert_array_equal(built[0]._keys, rows[1].view(rows[1].n))
 
 
+def test_an_index_writing_into_its_keys_in_a_worker_fails_as_on_a_thread(workers):
+    """The worker's keys are a copy, and the caller serves its own: an index that wrote into them is refused."""
+    _, rows, _ = _rows()
+    with pytest.raises(IndexResultError, match="modified the keys or queries it was given"):
+        workers.build(registry.get("faulty"), {"build_fault": "write"}, rows, [(0, {})])
+
+
+def test_packed_arrays_come_back_as_written(tmp_path):
+    arrays = {"a": np.arange(7, dtype=np.int32), "b": np.ones((3, 5), np.float32), "s": np.array(2.5),
+              "empty": np.zeros((0, 4), np.int64)}
+    got = build_processes._unpack(str(tmp_path / "p"), build_processes._pack(str(tmp_path / "p"), arrays))
+    assert got.keys() == arrays.keys()
+    for name, a in arrays.items():
+        assert got[name].dtype == a.dtype and got[name].flags.writeable
+        np.testing.assert_array_equal(got[name], a)
+    with pytest.raises(TypeError, match="Python objects"):
+        build_processes._pack(str(tmp_path / "q"), {"o": np.array([None])})
+
+
 def test_a_worker_that_dies_fails_its_build_and_the_next_pool_is_a_new_one(workers, monkeypatch):
     """A plugin's os.abort() in a worker ends that worker, not this process: the build raises, the pool is broken, and
     :func:`build_processes.pool` then starts another."""
     _, rows, _ = _rows()
+    stale = build_processes.MEMORY_DIR / f"{build_processes.SPOOL_PREFIX}999999999-x"  # a killed process's spool
+    stale.mkdir(parents=True, exist_ok=True)
     own = build_processes.BuildProcesses(1)
+    assert not stale.exists()
     try:
         with pytest.raises(BrokenProcessPool):
             own.build(registry.get("faulty"), {"build_fault": "abort"}, rows, [(0, {})])
@@ -119,10 +157,15 @@ def test_a_layer_store_builds_in_the_workers_where_the_index_saves_and_on_thread
     by_threads.build(queries)
     store = LayerStore(0, 4, keys, values, 20, IndexPlan("roargraph"), 8)
     calls = []
-    real = workers.build
-    monkeypatch.setattr(workers, "build", lambda *a: calls.append(a[0].name) or real(*a))
+    real = workers.spooled_build
+    monkeypatch.setattr(workers, "spooled_build", lambda *a: calls.append(a[0].name) or real(*a))
     store.build(queries, processes=workers)
     assert calls == ["roargraph"]
+    one_kv = LayerStore(0, 4, keys[:1], values[:1], 20, IndexPlan("ivf"), 8)
+    one_kv.build(None, processes=workers)  # a lone index after the prefill: the libraries' full teams here
+    assert calls == ["roargraph"]
+    one_kv.build(None, processes=workers, beside=True)  # beside the prefill: in a worker
+    assert calls == ["roargraph", "ivf"]
     for a, b in zip(by_threads.indexes, store.indexes):
         np.testing.assert_array_equal(a._nbrs, b._nbrs)
         assert b._store.store is store.key_store
@@ -134,14 +177,14 @@ def test_a_layer_store_builds_in_the_workers_where_the_index_saves_and_on_thread
     real_get = registry.get
     monkeypatch.setattr(registry, "get", lambda name: Unsaved if name == "unsaved" else real_get(name))
     other = LayerStore(0, 4, keys, values, 20, IndexPlan("unsaved"), 8)
-    other.build(None, processes=workers)
-    assert calls == ["roargraph"] and all(type(ix) is Unsaved for ix in other.indexes)
+    other.build(None, processes=workers, beside=True)
+    assert calls == ["roargraph", "ivf"] and all(type(ix) is Unsaved for ix in other.indexes)
 
 
-def test_a_decode_builds_the_same_indexes_in_the_workers_as_on_threads(tiny_llama, workers):
+def test_a_decode_builds_the_same_indexes_in_the_workers_as_on_threads(tiny_llama, workers, monkeypatch):
     """``Settings.build_processes`` (``--build-processes``): the same tokens and calibrated search values, the builds
-    during the prefill in the workers."""
-    from anns_lab.decode import runner
+    during the prefill and each layer's calibration in the workers (none in this process)."""
+    from anns_lab.decode import calibrate, runner
     from anns_lab.decode.engine import Mode, Settings
     from anns_lab.dumps.models import load_model
     from anns_lab.window import Window
@@ -149,10 +192,14 @@ def test_a_decode_builds_the_same_indexes_in_the_workers_as_on_threads(tiny_llam
     lm = load_model(str(tiny_llama), device="cpu")
     ids = np.random.default_rng(7).integers(3, 400, size=96).tolist()
     mode = Mode("roargraph", IndexPlan("roargraph"))
-    runs = {}
+    runs, here = {}, []
+    real = calibrate.calibrate
+    monkeypatch.setattr(calibrate, "calibrate", lambda *a, **kw: here.append(a[0].layer) or real(*a, **kw))
     for processes in (False, True):
         settings = Settings(Window(4, 8), topk=20, add_batch=4, chunk=32, calibrate=0.9, build_processes=processes)
         runs[processes] = runner.run_sample(lm, [mode], settings, ids, 6, set())["runs"]["roargraph"]
+        assert sorted(here) == ([] if processes else sorted(lm.long_range_layers))
+        here.clear()
     assert runs[True].tokens == runs[False].tokens
     assert runs[True].calibration == runs[False].calibration and runs[True].calibration
 

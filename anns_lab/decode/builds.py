@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from functools import partial
 
 import numpy as np
 import torch
@@ -64,13 +65,42 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
         group = queries.shape[0] // keys.shape[0]
         queries = np.stack([group_queries(list(queries[g * group:(g + 1) * group]), settings.train_group)
                             for g in range(keys.shape[0])])
+    processes = build_processes.pool() if settings.build_processes and plan is not None \
+        and build_processes.can_build(registry.get(plan.name)) else None
+    in_worker: list = []  # with the builds in workers, the calibration too, on the indexes they left in the spool
+    then = partial(_calibrate_in_worker, processes, store, newest, settings.calibrate, scaling, in_worker) \
+        if calibrating and processes is not None else None
     store.build(queries, _device_lists(lm, plan, queries, layer_cache.keys[0, :, lo:hi], settings), per_kv_head=per_kv,
-                others=others, beside=beside, processes=build_processes.pool() if settings.build_processes else None)
-    if calibrating:  # in the store's build_s too (the decoder times its modes by the layers' spans, :meth:`EarlyBuilds.take`)
+                others=others, beside=beside, processes=processes, then=then)
+    if calibrating and not in_worker:
+        # in the store's build_s too (the decoder times its modes by the layers' spans, :meth:`EarlyBuilds.take`)
         t0 = time.perf_counter()
         store.calibration = calibration.calibrate(store, newest, settings.calibrate, scaling, beside)
         store.build_s += time.perf_counter() - t0
     return store
+
+
+def _calibrate_in_worker(processes, store: LayerStore, newest: np.ndarray, target: float | str, scaling: float,
+                         done: list, spool) -> None:
+    """``store``'s calibration (:func:`calibrate.calibrate`) run in a worker on the indexes its builds left in ``spool``
+    (:func:`calibrate_spooled`), and applied here (``done`` then holds True): its searches take the worker's GIL, not
+    the decoding process's (a SmolLM2 8K layer's, one probe: 0.06 s alone, 0.7 s beside a thread running Python)."""
+    store.calibration = processes.run(calibrate_spooled, spool, store.layer, store.n_heads, store.topk, store.plan,
+                                      newest, target, scaling)
+    done.append(True)
+    if store.calibration is not None:
+        calibration.apply(store, store.calibration)
+
+
+def calibrate_spooled(spool, layer: int, n_heads: int, topk: int, plan: IndexPlan, newest: np.ndarray,
+                      target: float | str, scaling: float):
+    """:func:`calibrate.calibrate` of a layer whose indexes workers built (``spool``: their arrays and the key rows),
+    in a worker, which imports it by name: the same indexes and probes as in the decoding process."""
+    keys = build_processes.spooled_keys(spool)
+    store = LayerStore(layer, n_heads, keys, keys, topk, plan, add_batch=1, reserve=1)  # values: unread by a calibration
+    rows = [store.key_store.head(g) for g in range(len(keys))]
+    store._built(build_processes.spooled_indexes(spool, rows), len(spool.heads) < n_heads)
+    return calibration.calibrate(store, newest, target, scaling)
 
 
 def build_stores(lm, pre, mode, settings) -> tuple[dict[int, LayerStore], list[str], float]:
@@ -97,10 +127,17 @@ def builds_after(lm, pre, mode, settings) -> EarlyBuilds:
     return early
 
 
+def worker_indexes(modes: list) -> tuple[str, ...]:
+    """The names of ``modes``' indexes that build in worker processes with ``--build-processes``
+    (:func:`build_processes.can_build`)."""
+    names = {p.name for m in modes if m.kind == "index" for p in [m.plan, *m.per_layer.values()] if p}
+    return tuple(sorted(n for n in names if build_processes.can_build(registry.get(n))))
+
+
 def start_build_processes(modes: list, settings) -> tuple[build_processes.BuildProcesses, float] | None:
     """With ``settings.build_processes``, the worker processes of the index builds, started (once per process, their
     kernels loaded) before a prefill's clock runs, and the seconds that took; None where there is nothing to start."""
-    names = tuple(sorted({p.name for m in modes if m.kind == "index" for p in [m.plan, *m.per_layer.values()] if p}))
+    names = worker_indexes(modes)
     if not (settings.build_processes and names):
         return None
     t0 = time.perf_counter()

@@ -160,9 +160,15 @@ def calibrate(store, queries: np.ndarray, target: float | str, scaling: float,
     values, pick = with_present(store, param, values)
     if recall(pick) < target:
         pick = first_reaching(lambda i: recall(i) >= target, pick, len(values) - 1)
-    store.plan = replace(store.plan, search_params={**store.plan.search_params, param: values[pick]})
-    return Calibration(store.layer, param, values[pick], tried[values[pick]], dict(sorted(tried.items())),
-                       per_head[values[pick]], target)
+    found = Calibration(store.layer, param, values[pick], tried[values[pick]], dict(sorted(tried.items())),
+                        per_head[values[pick]], target)
+    apply(store, found)
+    return found
+
+
+def apply(store, found: "Calibration") -> None:
+    """Search ``store``'s indexes at the calibrated value from now on (a calibration in a worker is applied here)."""
+    store.plan = replace(store.plan, search_params={**store.plan.search_params, found.param: found.value})
 
 
 def returns_no_ids(store, queries: np.ndarray, k: int) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -29,7 +30,7 @@ from anns_lab.decode.kernels import attend_rows_and_range, merge
 from anns_lab.errors import AnnsLabError, DecodeError, error_text
 from anns_lab.indexes import protocol, registry
 from anns_lab.indexes.base import SearchResult
-from anns_lab.indexes.build_processes import BuildProcesses
+from anns_lab.indexes.build_processes import BuildProcesses, Spool, can_build
 from anns_lab.indexes.estimate import Estimate, estimate_terms, weighted_partial
 from anns_lab.indexes.group_queries import other_heads
 from anns_lab.indexes.key_store import KeyStore
@@ -92,7 +93,8 @@ class LayerStore:
     # -- build and grow ----------------------------------------------------------------------------
 
     def build(self, queries: np.ndarray | None, train_topk: np.ndarray | None = None, per_kv_head: bool = False,
-              others: bool = False, beside: bool = False, processes: BuildProcesses | None = None) -> None:
+              others: bool = False, beside: bool = False, processes: BuildProcesses | None = None,
+              then: Callable[[Spool], None] | None = None) -> None:
         """Build the indexes on every row held now; ``queries`` (H, t, d) are the prefill queries (attention-aware only),
         ``train_topk`` (H, t, c) their top keys when computed elsewhere (``device_lists``). ``per_kv_head``: queries and
         lists are (G, m, ·), one set per KV head (its GQA group's, :mod:`indexes.group_queries`), and one
@@ -103,7 +105,9 @@ class LayerStore:
         waiting on each other beside the prefill; ``beside``: the prefill still runs, so a layer of one index builds on
         one thread too, and every build thread runs below the prefill's priority), or in the worker ``processes``
         (:mod:`indexes.build_processes`: the same indexes, no build waiting for this process's GIL) where the index
-        class saves (its arrays are how a build comes back)."""
+        class saves and restores exactly (:func:`build_processes.can_build`: its arrays are how a build comes back) and
+        more than one index builds or the prefill runs beside them; there ``then(spool)`` runs once they are taken, with the
+        spool that still holds their arrays (a task in a worker can read them: the decoder's calibration)."""
         if self.plan is None or self.n_rows == 0:
             return
         t0 = time.perf_counter()
@@ -124,17 +128,26 @@ class LayerStore:
         else:
             items = [(g, {}) for g in range(len(rows))]
         params = self.plan.build_params
-        if processes is not None and cls.saves():
-            built = processes.build(cls, params, rows, items)
+        # a lone index after the prefill keeps the libraries' full teams on this thread (map_one_thread); a worker has one
+        if processes is not None and can_build(cls) and (beside or len(items) > 1):
+            with processes.spooled_build(cls, params, rows, items) as (built, spool):
+                self._built(built, shared, queries, before)
+                if then is not None:
+                    then(spool)
         else:
-            built = map_one_thread(lambda item: cls(**params).build(rows[item[0]], **item[1]), items, beside)
+            self._built(map_one_thread(lambda item: cls(**params).build(rows[item[0]], **item[1]), items, beside),
+                        shared, queries, before)
+        self.build_s = time.perf_counter() - t0
+
+    def _built(self, built: list, shared: bool, queries: np.ndarray | None = None, before=None) -> None:
+        """Take the indexes ``built`` (one per KV head where ``shared``, serving its GQA group), once the store's keys
+        and ``queries`` are checked unchanged where ``before`` has their sums."""
         self.indexes = [built[h // self.group] for h in range(self.n_heads)] if shared else built
-        if protocol.input_sums(self.key_store.buf[:, :self.n_rows], queries) != before:
+        if before is not None and protocol.input_sums(self.key_store.buf[:, :self.n_rows], queries) != before:
             raise protocol.inputs_changed(self.plan.name)
         self.n_indexed = self.n_rows
         self._bound = None
         self._sum_values()
-        self.build_s = time.perf_counter() - t0
 
     def _others(self, head: int, queries: np.ndarray, train_topk: np.ndarray | None) -> dict[str, np.ndarray]:
         """``group_queries`` (and ``group_topk``) of query head ``head``: its GQA group's other heads' newest rows

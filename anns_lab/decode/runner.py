@@ -130,7 +130,7 @@ def check_memory(lm, modes: list[Mode], settings: Settings, n_tokens: int, optio
     building at once (``--build-layers``), the build worker processes (``--build-processes``), and a copy of the cache: ``full``'s, or with
     ``--until-built exact`` an index mode's, whose long-range layers stay whole while their indexes build).
     ``option``: the one that set the prompt's length, named in the error."""
-    from anns_lab.decode.builds import indexes_per_layer, layers_at_once
+    from anns_lab.decode.builds import indexes_per_layer, layers_at_once, worker_indexes
     from anns_lab.dumps.memory import check_prefill
     from anns_lab.indexes.threads import thread_budget
 
@@ -144,7 +144,7 @@ def check_memory(lm, modes: list[Mode], settings: Settings, n_tokens: int, optio
                   building_layers=min(layers_at_once(settings.build_layers, indexes=min(
                       indexes_per_layer(lm, m, settings) for m in modes if m.uses_queries())), n_long) if aware else 0,
                   cache_copy=any(m.kind == "full" for m in modes) or (indexed > 0 and settings.until_built == "exact"),
-                  build_workers=thread_budget() if settings.build_processes and indexed else 0)
+                  build_workers=thread_budget() if settings.build_processes and worker_indexes(modes) else 0)
 
 
 def prefill_groups(modes: list[Mode], settings: Settings) -> list[list[Mode]]:

@@ -169,6 +169,10 @@ class Index:
     estimates: ClassVar[bool] = False
     #: True when the estimate's normaliser and numerator are unbiased over the ``seed`` build parameter.
     unbiased: ClassVar[bool] = False
+    #: True when ``_restore`` of ``_arrays()`` gives an index that behaves as the built one ever after, ``add`` included
+    #: (hnswlib's reload restarts its level generator: not so): it may then be built in a worker process
+    #: (:mod:`indexes.build_processes`), where the decoder gets it back that way.
+    restores_exactly: ClassVar[bool] = False
 
     def __init__(self, **build_params: Any) -> None:
         self.params: dict[str, Any] = resolve_params(self._owner(), self.build_params, build_params)

@@ -13,7 +13,7 @@ the temporary folder), raw numeric arrays at offsets (:func:`_pack`; no pickle),
 one file, each built index back as the arrays of its ``save`` (``Index._arrays``), restored here on the caller's key
 rows (:meth:`Index.restored_on`) and checked as a load checks a saved index. Not the pool's pipe, nor a file per
 array: every system call takes the GIL back (that layer beside the Python thread: 1.9 s through the pipe, whose 64 KiB
-chunks each take it, 2.5-2.9 s with a file per array, 0.9-1.6 s with these). So only indexes that save (:meth:`Index.saves`) build here; the others build on threads
+chunks each take it, 2.5-2.9 s with a file per array, 0.9-1.6 s with these). So only indexes that save and restore exactly (:func:`can_build`) build here; the others build on threads
 (:func:`threads.map_one_thread`).
 
 Workers are spawned (a fork of running OpenMP or numba pools can deadlock), run their kernels on one thread each at the
@@ -24,6 +24,7 @@ breaks the pool: the builds waiting fail with the index named by the caller, and
 
 from __future__ import annotations
 
+import errno
 import mmap
 import multiprocessing
 import os
@@ -34,8 +35,10 @@ import tempfile
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator, TypeVar
 
 import numpy as np
 
@@ -45,8 +48,11 @@ from anns_lab.indexes.key_store import KeyRows
 from anns_lab.indexes.threads import current_stop, lower_priority, one_thread, settle, thread_budget
 
 MEMORY_DIR = Path("/dev/shm")  # a tmpfs on Linux: the spool's files are copies in memory
+SPOOL_PREFIX = "anns-lab-build-"  # then the process id: a spool folder's owner
 START_TASK_S = 0.2  # BuildProcesses.start: long enough that one warm worker does not take every task
 POLL_S = 0.05  # how often a caller waiting on its builds looks at its stop (threads.stopping_on)
+
+T = TypeVar("T")
 
 _POOL: dict[str, Any] = {}  # "pool": the process's BuildProcesses (one per process: workers are costly)
 _POOL_LOCK = threading.Lock()
@@ -58,6 +64,7 @@ class BuildProcesses:
     def __init__(self, workers: int, warm: tuple[str, ...] = ()) -> None:
         """``warm``: index names whose kernels each worker loads (numba's cache) as it starts, on tiny data."""
         self.workers = workers
+        _remove_stale()
         self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                          initializer=_worker_start, initargs=(tuple(warm),))
 
@@ -72,6 +79,7 @@ class BuildProcesses:
 
     @property
     def broken(self) -> bool:
+        """Whether a worker died (the executor's own flag: it then refuses every task)."""
         return bool(getattr(self._pool, "_broken", False))
 
     def build(self, cls: type[Index], params: dict[str, Any], rows: list[KeyRows],
@@ -80,22 +88,74 @@ class BuildProcesses:
         indexes restored here on ``rows`` (an index that keeps its key rows reads them from the caller's store, as if
         built here). The calling thread's stop (``threads.stopping_on``) cancels the builds not started; an error of
         one cancels the others not started and is raised once those running have ended."""
+        with self.spooled_build(cls, params, rows, items) as (indexes, _):
+            return indexes
+
+    @contextmanager
+    def spooled_build(self, cls: type[Index], params: dict[str, Any], rows: list[KeyRows],
+                      items: list[tuple[int, dict[str, np.ndarray]]]) -> Iterator[tuple[list[Index], Spool]]:
+        """:meth:`build`'s indexes, and within the block the :class:`Spool` that holds their arrays and the key rows,
+        for a later task in a worker (:meth:`run`, :func:`spooled_indexes`) to read without this process spooling them
+        again."""
         inputs = {f"keys{g}": rows[g].view(rows[g].n) for g in sorted({g for g, _ in items})}
         inputs |= {f"{i}.{k}": a for i, (_, arrays) in enumerate(items) for k, a in arrays.items()}
-        spool = Path(tempfile.mkdtemp(prefix="anns-lab-build-", dir=_spool_root(sum(a.nbytes for a in inputs.values()))))
+        folder, packed, layout = _spooled(inputs)
         try:
-            packed = str(spool / "inputs")
-            layout = _pack(packed, inputs)
             futures = [self._pool.submit(_build_remote, cls.name, params, packed, layout, f"keys{g}",
-                                         [f"{i}.{k}" for k in arrays], str(spool / f"built{i}"))
+                                         [f"{i}.{k}" for k in arrays], str(folder / f"built{i}"))
                        for i, (g, arrays) in enumerate(items)]
             done = _settle_watching(futures)
-            return [_restored(cls, rows[g], *d) for (g, _), d in zip(items, done)]
+            yield ([_restored(cls, rows[g], *d) for (g, _), d in zip(items, done)],
+                   Spool(cls.name, packed, layout, [g for g, _ in items], done))
         finally:
-            shutil.rmtree(spool, ignore_errors=True)
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a worker (a module-level function: the worker imports it by name), the calling thread's stop
+        respected as :meth:`build` respects it."""
+        return _settle_watching([self._pool.submit(fn, *args)])[0]
 
     def close(self) -> None:
+        """End the workers once their running tasks have; the queued ones are cancelled."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def can_build(cls: type[Index]) -> bool:
+    """Whether indexes of ``cls`` can be built here: it saves and restores (``_arrays``, ``_restore``), and says its
+    restore gives the index its build gave (``restores_exactly``), said by a class that defines none of the methods
+    below it: a subclass that overrides its build, add or save (a plugin's subclass of roargraph) has not said it."""
+    if not (cls.restores_exactly and cls.saves() and cls._restore is not Index._restore):
+        return False
+    said = next(c for c in cls.__mro__ if "restores_exactly" in vars(c))
+    return all(issubclass(said, next(c for c in cls.__mro__ if m in vars(c)))
+               for m in ("_build", "_add", "_arrays", "_restore"))
+
+
+@dataclass(frozen=True)
+class Spool:
+    """Where :meth:`BuildProcesses.spooled_build` left a layer's builds: the index's registry ``name``, the packed inputs
+    (``packed``, ``layout``: the key rows as ``keys<g>``), each build's KV head and what its worker returned."""
+
+    name: str
+    packed: str
+    layout: list
+    heads: list[int]
+    built: list[tuple]
+
+
+def spooled_keys(spool: Spool) -> np.ndarray:
+    """The spooled key rows (G, n, d) of every KV head built on (in a worker: views of a private mapping)."""
+    given = _unpack(spool.packed, spool.layout, {f"keys{g}" for g in spool.heads})
+    return np.stack([given[f"keys{g}"] for g in sorted(set(spool.heads))])
+
+
+def spooled_indexes(spool: Spool, rows: list[KeyRows]) -> list[Index]:
+    """The spooled builds' indexes (in a worker), restored on ``rows`` (one per KV head) as :meth:`BuildProcesses.build`
+    restores them on the caller's."""
+    from anns_lab.indexes import registry
+
+    cls = registry.get(spool.name)
+    return [_restored(cls, rows[g], *d) for g, d in zip(spool.heads, spool.built)]
 
 
 def pool(workers: int | None = None, warm: tuple[str, ...] = ()) -> BuildProcesses:
@@ -108,7 +168,11 @@ def pool(workers: int | None = None, warm: tuple[str, ...] = ()) -> BuildProcess
             if current is not None:
                 current.close()
             current = BuildProcesses(workers or thread_budget(), warm)
-            current.start()
+            try:
+                current.start()
+            except BaseException:
+                current.close()
+                raise
             _POOL.update(pool=current, pid=os.getpid())
         return current
 
@@ -123,13 +187,38 @@ def shut_down() -> None:
 
 def _spool_root(nbytes: int) -> str | None:
     """:data:`MEMORY_DIR` where it exists with room for twice ``nbytes`` (inputs and results), else None: the temporary
-    folder (a container's ``/dev/shm`` is often 64 MiB)."""
+    folder, which may be on disk (a container's ``/dev/shm`` is often 64 MiB)."""
     try:
         if MEMORY_DIR.is_dir() and os.access(MEMORY_DIR, os.W_OK) and shutil.disk_usage(MEMORY_DIR).free > 2 * nbytes:
             return str(MEMORY_DIR)
     except OSError:
         pass
     return None
+
+
+def _spooled(inputs: dict[str, np.ndarray]) -> tuple[Path, str, list]:
+    """A new spool folder (its name carries this process's id: :func:`_remove_stale`) with ``inputs`` packed in it:
+    (folder, packed file, layout). Where the memory-backed file system fills up meanwhile (layers spooling at once),
+    the temporary folder instead."""
+    root = _spool_root(sum(a.nbytes for a in inputs.values()))
+    while True:
+        folder = Path(tempfile.mkdtemp(prefix=f"{SPOOL_PREFIX}{os.getpid()}-", dir=root))
+        try:
+            return folder, str(folder / "inputs"), _pack(str(folder / "inputs"), inputs)
+        except OSError as err:
+            shutil.rmtree(folder, ignore_errors=True)
+            if err.errno != errno.ENOSPC or root is None:
+                raise
+            root = None
+
+
+def _remove_stale() -> None:
+    """Remove the spool folders that processes no longer running left in :data:`MEMORY_DIR` (killed mid-build: their
+    files hold memory until a reboot otherwise)."""
+    for folder in MEMORY_DIR.glob(f"{SPOOL_PREFIX}*-*") if MEMORY_DIR.is_dir() else []:
+        pid = folder.name[len(SPOOL_PREFIX):].split("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _pack(path: str, arrays: dict[str, np.ndarray]) -> list[tuple[str, str, tuple, int]]:
@@ -147,10 +236,12 @@ def _pack(path: str, arrays: dict[str, np.ndarray]) -> list[tuple[str, str, tupl
             f.write(memoryview(a.reshape(-1)).cast("B"))
             layout.append((name, a.dtype.str, a.shape, offset))
             offset += a.nbytes
+        f.truncate(offset)  # a last empty array's offset past the end of what was written
     return layout
 
 
-def _unpack(path: str, layout: list[tuple[str, str, tuple, int]], names=None) -> dict[str, np.ndarray]:
+def _unpack(path: str, layout: list[tuple[str, str, tuple, int]],
+            names: set[str] | None = None) -> dict[str, np.ndarray]:
     """The arrays ``names`` (default all) of a :func:`_pack`ed file, as writable views of a private mapping of it: no
     copy, pages read as touched, and the file may be deleted at once (the mapping keeps its pages)."""
     with open(path, "rb") as f:
@@ -179,8 +270,9 @@ def _settle_watching(futures: list[Future]) -> list:
 def _restored(cls: type[Index], rows: KeyRows, params: dict[str, Any], n_keys: int, dim: int, packed: str,
               layout: list, keys_as: str | None) -> Index:
     """The index a worker built, from its :func:`_pack`ed arrays (``keys_as``: the array that was the key rows given,
-    read from ``rows`` instead)."""
-    arrays = _unpack(packed, layout)
+    read from ``rows`` instead), each copied out of the mapping: a view would keep the whole file's pages (old graph
+    rows included, once an add has grown them) in the memory-backed file system for the index's life."""
+    arrays = {name: np.array(a) for name, a in _unpack(packed, layout).items()}
     if keys_as is not None:
         arrays[keys_as] = rows.view(n_keys)
     return cls(**params).restored_on(rows, arrays, n_keys, dim)
@@ -190,6 +282,7 @@ def _restored(cls: type[Index], rows: KeyRows, params: dict[str, Any], n_keys: i
 
 
 def _worker_start(warm: tuple[str, ...]) -> None:
+    """A worker's set-up: one thread for every library, the lowest priority, Ctrl-C ignored, ``warm``'s kernels loaded."""
     import torch
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the caller stops the builds
@@ -210,12 +303,17 @@ def _build_remote(name: str, params: dict[str, Any], packed: str, layout: list, 
     """Build index ``name`` on the arrays ``keys`` and ``arrays`` (named ``"<item>.<build argument>"``) of the
     :func:`_pack`ed inputs; pack its ``_arrays()`` into the file ``out``, less the key rows it keeps as they were given
     (``keys_as`` names that array). Returns what :func:`_restored` takes."""
-    from anns_lab.indexes import registry
+    from anns_lab.indexes import protocol, registry
 
     try:
         given = _unpack(packed, layout, {keys, *arrays})
         rows = given.pop(keys)
-        index = registry.get(name)(**params).build(rows, **{k.partition(".")[2]: a for k, a in given.items()})
+        given = {k.partition(".")[2]: a for k, a in given.items()}
+        before = protocol.input_sums(rows, given.get("train_queries"))
+        index = registry.get(name)(**params).build(rows, **given)
+        # the caller serves the keys it gave, not these copies: an index that wrote into them must fail as on a thread
+        if protocol.input_sums(rows, given.get("train_queries")) != before:
+            raise protocol.inputs_changed(name)
         saved = index._arrays()
         keys_as = next((k for k, a in saved.items() if a.shape == rows.shape and np.shares_memory(a, rows)), None)
         kept = _pack(out, {k: a for k, a in saved.items() if k != keys_as})

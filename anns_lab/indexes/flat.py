@@ -13,6 +13,7 @@ class FlatIndex(Index):
     """Exact top-k by inner product. Every query scans every key: ``n_scanned = n_keys``."""
 
     name = "flat"
+    restores_exactly = True  # tests/test_build_processes.py
 
     def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
         self._index = faiss.IndexFlatIP(keys.shape[1])

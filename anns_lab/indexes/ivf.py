@@ -36,6 +36,7 @@ class IVFIndex(Index):
     """faiss IVF-Flat with inner product; nprobe = nlist is exhaustive and exact."""
 
     name = "ivf"
+    restores_exactly = True  # tests/test_build_processes.py
     build_params = {
         "nlist": Param(0, 0, 1 << 20, help="number of k-means lists; 0 = auto (2·√n, ≥39 keys per list)"),
         "seed": Param(1234, 0, 2**31 - 1, help="k-means seed"),

@@ -104,9 +104,8 @@ def load_index(cls: type["Index"], path: str | Path) -> "Index":
     except (TypeError, ValueError) as e:  # a plugin's own __init__ refusing the saved parameters its own way
         raise bad(f"its saved parameters do not make an index of this class ({type(e).__name__}: {e})") from None
     arrays = _read_arrays(folder, meta, bad)
-    index.n_keys, index.dim = n_keys, dim
     try:
-        index._restore(arrays)
+        index.restored_on(None, arrays, n_keys, dim)
     except IndexConfigError as e:
         raise bad(str(e)) from None
     except (KeyError, ValueError, TypeError, IndexError, RuntimeError, MemoryError) as e:  # a payload library's own

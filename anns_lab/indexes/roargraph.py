@@ -166,6 +166,7 @@ class RoarGraphIndex(Index):
     """Projected query→key bipartite graph (pivots beyond top-1, reverse edges, descent links); counted multi-entry beam search."""
 
     name = "roargraph"
+    restores_exactly = True  # tests/test_build_processes.py
     uses_train_queries = True
     accepts_train_topk = True
     accepts_group_queries = True

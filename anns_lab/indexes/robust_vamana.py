@@ -41,6 +41,7 @@ class RobustVamanaIndex(Index):
     """OOD-DiskANN: Vamana over keys plus sample queries, RobustStitched to a keys-only graph."""
 
     name = "robust-vamana"
+    restores_exactly = True  # tests/test_build_processes.py
     uses_train_queries = True
     build_params = {
         "R": Param(32, 2, 512, help="maximum out-degree (a query node keeps its R nearest keys)"),

@@ -34,6 +34,7 @@ class VamanaIndex(Index):
     """Vamana (DiskANN) graph for maximum inner product; searched by counted beam search."""
 
     name = "vamana"
+    restores_exactly = True  # tests/test_build_processes.py
     build_params = {
         "R": Param(32, 2, 512, help="maximum out-degree"),
         "L": Param(64, 1, 4096, help="beam width while building"),
