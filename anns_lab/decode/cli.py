@@ -49,9 +49,10 @@ def builds_during_prefill(choice: bool | None, until_built: str, device: str) ->
 def builds_in_processes(choice: bool | None, device: str) -> bool:
     """``--build-processes/--build-threads`` as given, or by default in worker processes on an accelerator: there the
     thread that launches the model's kernels runs Python, and a build on a thread beside it waits up to the switch
-    interval (5 ms) for the GIL after each of its ~100 kernels (a SmolLM2 8K layer's builds beside a Python thread: 9x
-    their time alone on threads, 1.2-2x in a worker process; BENCHMARKS "Builds in worker processes"); on threads on a
-    CPU, where the prefill's thread waits in torch's kernels (GIL released) and the workers gained nothing measured."""
+    interval (5 ms) for the GIL after each of its ~100 kernels (a SmolLM2 8K layer's builds and calibration beside a
+    Python thread: 9-10x their time alone on threads, 2x in worker processes; BENCHMARKS "Builds in worker processes");
+    on threads on a CPU, where the prefill's thread waits in torch's kernels (GIL released) and the workers gained
+    nothing measured."""
     if choice is not None:
         return choice
     return not str(device).startswith("cpu")

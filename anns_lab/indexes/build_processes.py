@@ -3,9 +3,10 @@
 A build releases the GIL inside its kernels (numba's ``nogil``, faiss, torch) and takes it back between them: a
 roargraph head's build at 8K takes it back about a hundred times. Beside a thread that runs Python (on a GPU, the
 thread that launches the prefill's and the decode steps' kernels) each take waits up to the interpreter's switch
-interval, 5 ms: a SmolLM2 8K layer's nine builds beside such a thread took 9x their time alone on threads of that
-process, 1.2-2x in a worker process (``benchmarks/diag_gil_convoy.py --processes``; BENCHMARKS "Builds in worker
-processes"). A worker takes only its own GIL; what is left here is the spooling and each index's restore.
+interval, 5 ms: a SmolLM2 8K layer's nine builds and its calibration beside such a thread took 9-10x their time alone
+on threads of that process, 2x in worker processes (``benchmarks/diag_gil_convoy.py --processes --calibrate``;
+BENCHMARKS "Builds in worker processes"). A worker takes only its own GIL; what is left here is the spooling and each
+index's restore.
 
 Inputs and results cross as one file each way on a memory-backed file system (``/dev/shm`` where it has room, else
 the temporary folder), raw numeric arrays at offsets (:func:`_pack`; no pickle), read through a private mapping
