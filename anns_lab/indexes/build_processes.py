@@ -50,6 +50,7 @@ from anns_lab.indexes.threads import current_stop, lower_priority, one_thread, s
 
 MEMORY_DIR = Path("/dev/shm")  # a tmpfs on Linux: the spool's files are copies in memory
 SPOOL_PREFIX = "anns-lab-build-"  # then the process id: a spool folder's owner
+SPOOL_MARGIN = 256 * 2**20  # room left in MEMORY_DIR beyond a layer's spool (the workers' results are written there too)
 START_TASK_S = 0.2  # BuildProcesses.start: long enough that one warm worker does not take every task
 POLL_S = 0.05  # how often a caller waiting on its builds looks at its stop (threads.stopping_on)
 
@@ -187,10 +188,12 @@ def shut_down() -> None:
 
 
 def _spool_root(nbytes: int) -> str | None:
-    """:data:`MEMORY_DIR` where it exists with room for twice ``nbytes`` (inputs and results), else None: the temporary
-    folder, which may be on disk (a container's ``/dev/shm`` is often 64 MiB)."""
+    """:data:`MEMORY_DIR` where it exists with room for four times ``nbytes`` and :data:`SPOOL_MARGIN` more (the results,
+    and other layers spooling at once), else None: the temporary folder, which may be on disk (a container's
+    ``/dev/shm`` is often 64 MiB)."""
     try:
-        if MEMORY_DIR.is_dir() and os.access(MEMORY_DIR, os.W_OK) and shutil.disk_usage(MEMORY_DIR).free > 2 * nbytes:
+        if (MEMORY_DIR.is_dir() and os.access(MEMORY_DIR, os.W_OK)
+                and shutil.disk_usage(MEMORY_DIR).free > 4 * nbytes + SPOOL_MARGIN):
             return str(MEMORY_DIR)
     except OSError:
         pass
