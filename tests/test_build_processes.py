@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import CancelledError
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures.process import EXTRA_QUEUED_CALLS, BrokenProcessPool
 
 import numpy as np
 import pytest
@@ -143,7 +143,9 @@ def test_the_callers_stop_cancels_the_builds_not_yet_started(workers, tmp_path):
         workers.build(registry.get("faulty"), {"sleep_s": 2.0, "pid_dir": str(tmp_path)}, rows, [(0, {})] * 10)
     timer.join()
     started = len(list(tmp_path.iterdir()))
-    assert 1 <= started <= 4  # two running, at most one more each already handed to the workers' queue
+    # those running, and those already in the pool's call queue (its size: workers + EXTRA_QUEUED_CALLS), cannot be
+    # cancelled: with 2 workers at most 5 of the 10 ever start
+    assert 1 <= started <= 2 * workers.workers + EXTRA_QUEUED_CALLS < 10
     assert not workers.broken
 
 
