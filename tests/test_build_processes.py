@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from concurrent.futures import CancelledError
@@ -97,6 +98,32 @@ def test_an_index_writing_into_its_keys_in_a_worker_fails_as_on_a_thread(workers
     _, rows, _ = _rows()
     with pytest.raises(IndexResultError, match="modified the keys or queries it was given"):
         workers.build(registry.get("faulty"), {"build_fault": "write"}, rows, [(0, {})])
+
+
+def test_a_full_memory_file_system_spools_in_the_temporary_folder_instead(workers, monkeypatch, tmp_path):
+    """Layers spooling at once can fill /dev/shm between the room check and the write: the spool moves, the build
+    goes on, and no folder is left behind in either place."""
+    real = build_processes._pack
+    first = str(build_processes.MEMORY_DIR)
+
+    def full(path, arrays):
+        if path.startswith(first) and path.endswith("inputs"):
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return real(path, arrays)
+
+    monkeypatch.setattr(build_processes, "_pack", full)
+    monkeypatch.setattr(build_processes, "_spool_root", lambda nbytes: first)
+    monkeypatch.setattr(build_processes.tempfile, "tempdir", str(tmp_path))
+    _, rows, _ = _rows()
+    built = workers.build(registry.get("flat"), {}, rows, [(0, {}), (1, {})])
+    here = registry.get("flat")().build(rows[1])
+    np.testing.assert_array_equal(built[1].search(rows[0].view(5), 10).ids, here.search(rows[0].view(5), 10).ids)
+    mine = f"{build_processes.SPOOL_PREFIX}{os.getpid()}-"
+    assert not list(build_processes.MEMORY_DIR.glob(mine + "*")) and not list(tmp_path.glob(mine + "*"))
+    with pytest.raises(OSError, match="Permission denied"):  # another error is not a full file system: raised
+        monkeypatch.setattr(build_processes, "_pack", lambda path, arrays: (_ for _ in ()).throw(
+            OSError(errno.EACCES, "Permission denied", path)))
+        workers.build(registry.get("flat"), {}, rows, [(0, {})])
 
 
 def test_packed_arrays_come_back_as_written(tmp_path):

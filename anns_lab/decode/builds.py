@@ -97,7 +97,8 @@ def calibrate_spooled(spool, layer: int, n_heads: int, topk: int, plan: IndexPla
     """:func:`calibrate.calibrate` of a layer whose indexes workers built (``spool``: their arrays and the key rows),
     in a worker, which imports it by name: the same indexes and probes as in the decoding process."""
     keys = build_processes.spooled_keys(spool)
-    store = LayerStore(layer, n_heads, keys, keys, topk, plan, add_batch=1, reserve=1)  # values: unread by a calibration
+    # the keys stand in for the values, which a calibration never reads
+    store = LayerStore(layer, n_heads, keys, keys, topk, plan, add_batch=1, reserve=1)
     rows = [store.key_store.head(g) for g in range(len(keys))]
     store._built(build_processes.spooled_indexes(spool, rows), len(spool.heads) < n_heads)
     return calibration.calibrate(store, newest, target, scaling)

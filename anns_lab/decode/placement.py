@@ -106,8 +106,8 @@ class LayerStore:
         one thread too, and every build thread runs below the prefill's priority), or in the worker ``processes``
         (:mod:`indexes.build_processes`: the same indexes, no build waiting for this process's GIL) where the index
         class saves and restores exactly (:func:`build_processes.can_build`: its arrays are how a build comes back) and
-        more than one index builds or the prefill runs beside them; there ``then(spool)`` runs once they are taken, with the
-        spool that still holds their arrays (a task in a worker can read them: the decoder's calibration)."""
+        more than one index builds or the prefill runs beside them; there ``then(spool)`` runs once they are taken,
+        with the spool that still holds their arrays (a task in a worker can read them: the decoder's calibration)."""
         if self.plan is None or self.n_rows == 0:
             return
         t0 = time.perf_counter()
@@ -128,7 +128,8 @@ class LayerStore:
         else:
             items = [(g, {}) for g in range(len(rows))]
         params = self.plan.build_params
-        # a lone index after the prefill keeps the libraries' full teams on this thread (map_one_thread); a worker has one
+        # a lone index after the prefill keeps the libraries' full teams on this thread (map_one_thread); a worker
+        # has one thread
         if processes is not None and can_build(cls) and (beside or len(items) > 1):
             with processes.spooled_build(cls, params, rows, items) as (built, spool):
                 self._built(built, shared, queries, before)

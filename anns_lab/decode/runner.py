@@ -127,8 +127,9 @@ def check_memory(lm, modes: list[Mode], settings: Settings, n_tokens: int, optio
     """Refuse, before the prefill, a run whose estimated peak memory exceeds what is available
     (:func:`memory.check_prefill`: KV cache, a chunk's activations, the kept queries (:func:`engine.kept_queries`),
     one mode's CPU store and indexes (modes run one after the other), the training queries moved for the layers
-    building at once (``--build-layers``), the build worker processes (``--build-processes``), and a copy of the cache: ``full``'s, or with
-    ``--until-built exact`` an index mode's, whose long-range layers stay whole while their indexes build).
+    building at once (``--build-layers``), the build worker processes (``--build-processes``), and a copy of the
+    cache: ``full``'s, or with ``--until-built exact`` an index mode's, whose long-range layers stay whole while their
+    indexes build).
     ``option``: the one that set the prompt's length, named in the error."""
     from anns_lab.decode.builds import indexes_per_layer, layers_at_once, worker_indexes
     from anns_lab.dumps.memory import check_prefill

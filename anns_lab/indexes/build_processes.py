@@ -14,8 +14,8 @@ the temporary folder), raw numeric arrays at offsets (:func:`_pack`; no pickle),
 one file, each built index back as the arrays of its ``save`` (``Index._arrays``), restored here on the caller's key
 rows (:meth:`Index.restored_on`) and checked as a load checks a saved index. Not the pool's pipe, nor a file per
 array: every system call takes the GIL back (that layer beside the Python thread: 1.9 s through the pipe, whose 64 KiB
-chunks each take it, 2.5-2.9 s with a file per array, 0.9-1.6 s with these). So only indexes that save and restore exactly (:func:`can_build`) build here; the others build on threads
-(:func:`threads.map_one_thread`).
+chunks each take it, 2.5-2.9 s with a file per array, 0.9-1.6 s with these). So only indexes that save and restore
+exactly (:func:`can_build`) build here; the others build on threads (:func:`threads.map_one_thread`).
 
 Workers are spawned (a fork of running OpenMP or numba pools can deadlock), run their kernels on one thread each at the
 lowest priority (as the builds' threads beside the prefill do), ignore Ctrl-C (the caller's to handle) and live as
@@ -50,7 +50,7 @@ from anns_lab.indexes.threads import current_stop, lower_priority, one_thread, s
 
 MEMORY_DIR = Path("/dev/shm")  # a tmpfs on Linux: the spool's files are copies in memory
 SPOOL_PREFIX = "anns-lab-build-"  # then the process id: a spool folder's owner
-SPOOL_MARGIN = 256 * 2**20  # room left in MEMORY_DIR beyond a layer's spool (the workers' results are written there too)
+SPOOL_MARGIN = 256 * 2**20  # room left in MEMORY_DIR beyond a layer's spool (the workers' results go there too)
 START_TASK_S = 0.2  # BuildProcesses.start: long enough that one warm worker does not take every task
 POLL_S = 0.05  # how often a caller waiting on its builds looks at its stop (threads.stopping_on)
 
@@ -135,8 +135,8 @@ def can_build(cls: type[Index]) -> bool:
 
 @dataclass(frozen=True)
 class Spool:
-    """Where :meth:`BuildProcesses.spooled_build` left a layer's builds: the index's registry ``name``, the packed inputs
-    (``packed``, ``layout``: the key rows as ``keys<g>``), each build's KV head and what its worker returned."""
+    """Where :meth:`BuildProcesses.spooled_build` left a layer's builds: the index's registry ``name``, the packed
+    inputs (``packed``, ``layout``: the key rows as ``keys<g>``), each build's KV head and what its worker returned."""
 
     name: str
     packed: str
@@ -188,8 +188,8 @@ def shut_down() -> None:
 
 
 def _spool_root(nbytes: int) -> str | None:
-    """:data:`MEMORY_DIR` where it exists with room for four times ``nbytes`` and :data:`SPOOL_MARGIN` more (the results,
-    and other layers spooling at once), else None: the temporary folder, which may be on disk (a container's
+    """:data:`MEMORY_DIR` where it exists with room for four times ``nbytes`` and :data:`SPOOL_MARGIN` more (the
+    results, and other layers spooling at once), else None: the temporary folder, which may be on disk (a container's
     ``/dev/shm`` is often 64 MiB)."""
     try:
         if (MEMORY_DIR.is_dir() and os.access(MEMORY_DIR, os.W_OK)
@@ -286,7 +286,7 @@ def _restored(cls: type[Index], rows: KeyRows, params: dict[str, Any], n_keys: i
 
 
 def _worker_start(warm: tuple[str, ...]) -> None:
-    """A worker's set-up: one thread for every library, the lowest priority, Ctrl-C ignored, ``warm``'s kernels loaded."""
+    """A worker's set-up: one thread per library, the lowest priority, Ctrl-C ignored, ``warm``'s kernels loaded."""
     import torch
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the caller stops the builds
