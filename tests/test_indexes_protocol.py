@@ -60,6 +60,32 @@ def test_an_alias_entry_point_leaves_the_class_it_names_its_own_name(monkeypatch
     assert type(again) is type(myflat) and np.array_equal(again.search(keys[:3], 5).ids, myflat.search(keys[:3], 5).ids)
 
 
+def test_an_alias_of_a_class_with_its_own_reduction_pickles_through_it(monkeypatch, tmp_path):
+    """A class that pickles itself its own way (``__reduce__``: here rebuilt from its keys) keeps that way under an
+    alias. Before: the alias's pickling read object's state and made an empty instance (nothing built, no name's
+    reduction called)."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "recipe_plugin.py").write_text(
+        "from anns_lab.indexes.flat import FlatIndex\n\nREBUILT = []\n\n\n"
+        "def rebuild(cls, params, keys):\n    REBUILT.append(cls)\n    return cls(**params).build(keys)\n\n\n"
+        "class Recipe(FlatIndex):\n    name = 'recipe'\n\n"
+        "    def __reduce__(self):\n        return rebuild, (type(self), self.params, self._keys_seen)\n\n"
+        "    def _build(self, keys, *args, **kwargs):\n        self._keys_seen = keys.copy()\n"
+        "        return super()._build(keys, *args, **kwargs)\n")
+    real = registry._entry_points
+    monkeypatch.setattr(registry, "_entry_points", lambda: real() | {
+        "recipe": [EntryPoint("recipe", "recipe_plugin:Recipe", registry.GROUP)],
+        "myrecipe": [EntryPoint("myrecipe", "recipe_plugin:Recipe", registry.GROUP)]})
+    import recipe_plugin
+
+    keys = np.random.default_rng(1).standard_normal((40, 8)).astype(np.float32)
+    index = indexes.create("myrecipe").build(keys)
+    again = pickle.loads(pickle.dumps(index))
+    assert recipe_plugin.REBUILT == [recipe_plugin.Recipe]  # the class's own reduction, with the base class
+    assert type(again) is type(index) and again.name == "myrecipe" and again.n_keys == 40
+    assert np.array_equal(again.search(keys[:3], 5).ids, index.search(keys[:3], 5).ids)
+
+
 def test_a_plugin_subclass_of_a_builtin_that_sets_no_name_is_named_in_place(monkeypatch, tmp_path):
     """The common plugin (``class Tuned(FlatIndex)``, no ``name``) is its own class under its entry point's name; the
     alias rule read its inherited name and served a generated subclass of it (a review's catch)."""

@@ -85,14 +85,21 @@ def _named(cls: type[Index], name: str) -> type[Index]:
 
 
 def _reduce_renamed(self, protocol: int):
-    """Pickle an alias's instance as its base class and name (the subclass is made at load, not importable)."""
-    base = type(self).__mro__[1]
-    return (_new_renamed, (base, type(self).name)) + object.__reduce_ex__(self, protocol)[2:]
+    """Pickle an alias's instance as its base class's reduction (its own ``__reduce_ex__`` or ``__reduce__`` where it
+    has one, else object's), with the alias class in its arguments read as the base and the result renamed at load
+    (the generated subclass is not importable)."""
+    cls = type(self)
+    base = cls.__mro__[1]
+    make, args, *rest = base.__reduce_ex__(self, protocol)
+    args = tuple(base if a is cls else a for a in args)
+    return (_renamed, (cls.name, make, args), *rest)
 
 
-def _new_renamed(base: type[Index], name: str) -> Index:
-    cls = _named(base, name)
-    return cls.__new__(cls)
+def _renamed(name: str, make, args: tuple) -> Index:
+    """The base class's object made from its reduction, as the alias ``name``'s class (:func:`_named`)."""
+    obj = make(*args)
+    obj.__class__ = _named(type(obj), name)
+    return obj
 
 
 def available() -> dict[str, type[Index]]:
