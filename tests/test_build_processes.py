@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import tempfile
 import threading
 from concurrent.futures import CancelledError
 from concurrent.futures.process import EXTRA_QUEUED_CALLS, BrokenProcessPool
@@ -138,14 +139,19 @@ def test_packed_arrays_come_back_as_written(tmp_path):
         build_processes._pack(str(tmp_path / "q"), {"o": np.array([None])})
 
 
-def test_a_worker_that_dies_fails_its_build_and_the_next_pool_is_a_new_one(workers, monkeypatch):
+def test_a_worker_that_dies_fails_its_build_and_the_next_pool_is_a_new_one(workers, monkeypatch, tmp_path):
     """A plugin's os.abort() in a worker ends that worker, not this process: the build raises, the pool is broken, and
-    :func:`build_processes.pool` then starts another."""
+    :func:`build_processes.pool` then starts another. A new pool removes killed processes' spools in /dev/shm and in
+    the temporary folder (the fallback), not a live process's."""
     _, rows, _ = _rows()
-    stale = build_processes.MEMORY_DIR / f"{build_processes.SPOOL_PREFIX}999999999-x"  # a killed process's spool
-    stale.mkdir(parents=True, exist_ok=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    name = f"{build_processes.SPOOL_PREFIX}999999999-x"  # a killed process's spool
+    stale = [build_processes.MEMORY_DIR / name, tmp_path / name]
+    live = tmp_path / f"{build_processes.SPOOL_PREFIX}{os.getpid()}-x"
+    for folder in [*stale, live]:
+        folder.mkdir(parents=True, exist_ok=True)
     own = build_processes.BuildProcesses(1)
-    assert not stale.exists()
+    assert not any(folder.exists() for folder in stale) and live.exists()
     try:
         with pytest.raises(BrokenProcessPool):
             own.build(registry.get("faulty"), {"build_fault": "abort"}, rows, [(0, {})])

@@ -218,11 +218,12 @@ def _spooled(inputs: dict[str, np.ndarray]) -> tuple[Path, str, list]:
 
 def _remove_stale() -> None:
     """Remove the spool folders that processes no longer running left in :data:`MEMORY_DIR` (killed mid-build: their
-    files hold memory until a reboot otherwise)."""
-    for folder in MEMORY_DIR.glob(f"{SPOOL_PREFIX}*-*") if MEMORY_DIR.is_dir() else []:
-        pid = folder.name[len(SPOOL_PREFIX):].split("-")[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(folder, ignore_errors=True)
+    files hold memory until a reboot otherwise) and in the temporary folder (:func:`_spooled`'s fallback)."""
+    for root in (MEMORY_DIR, Path(tempfile.gettempdir())):
+        for folder in root.glob(f"{SPOOL_PREFIX}*-*") if root.is_dir() else []:
+            pid = folder.name[len(SPOOL_PREFIX):].split("-")[0]
+            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def _pack(path: str, arrays: dict[str, np.ndarray]) -> list[tuple[str, str, tuple, int]]:
