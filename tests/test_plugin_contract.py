@@ -3,9 +3,10 @@
 import inspect
 
 import numpy as np
+import pytest
 
 from anns_lab.indexes import Index, IndexConfigError, pad_topk
-from anns_lab.testing import check_index
+from anns_lab.testing import check_counts_plausible, check_index
 
 
 class MatmulTopK(Index):
@@ -36,6 +37,24 @@ def test_a_short_plugin_passes_the_kit():
         assert "save" in str(err)
     else:
         raise AssertionError("save() of an index without persistence must raise IndexConfigError")
+
+
+class UnderCounted(MatmulTopK):
+    """Scores every key and reports a tenth of them scanned (the count a half-done port of a real index might give)."""
+
+    name = "undercounted"
+
+    def _search(self, queries, k):
+        ids, scores, full = super()._search(queries, k)
+        return ids, scores, np.maximum(full // 10, k)
+
+
+def test_the_kit_refuses_counts_that_cannot_explain_the_recall():
+    """Before: an index reporting a tenth of its scans passed every rule (counts were checked for range only)."""
+    with pytest.raises(AssertionError, match=r"found 100\.0% of the top-10 with 10\.0% of the keys scanned"):
+        check_index(UnderCounted)
+    points = check_counts_plausible(MatmulTopK)  # the honest count of the same search
+    assert points == [(1.0, 1.0)]
 
 
 def test_default_search_group_batches_each_distinct_index():
