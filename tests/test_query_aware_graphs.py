@@ -461,14 +461,38 @@ def test_stranded_keys_link_to_a_pool_that_follows_the_number_of_keys(monkeypatc
     nbrs, degree = np.full((n, 4), -1, np.int32), np.zeros(n, np.int32)
     nbrs[:1000, 0], degree[:1000] = (np.arange(1000) + 1) % 1000, 1  # a ring of 1000 reachable keys, 2000 stranded
     seen = {}
-    real = rg.topk_ip
-    monkeypatch.setattr(rg, "topk_ip", lambda q, k, m: seen.setdefault("pool", len(k)) and real(q, k, m))
+    real = rg.topk_ip_fast
+    monkeypatch.setattr(rg, "topk_ip_fast", lambda q, k, m, *args, **kw: seen.setdefault("pool", len(k)) and real(q, k, m, *args, **kw))
     rg.link_stranded(keys, nbrs, degree, np.array([0]), 3)
     assert seen["pool"] == len(range(0, 1000, 1000 // rg.stranded_pool(n)))  # 3000 // 15 = 200 of the 1000: every 5th
     assert (degree[1000:] == 3).all() and (nbrs[1000:, :3] < 1000).all() and (nbrs[1000:, :3] % 5 == 0).all()
     pool = np.arange(0, 1000, 5)
     best = pool[np.argmax(keys[1000:] @ keys[pool].T, axis=1)]
     assert (nbrs[1000:, 0] == best).mean() > 0.99  # the nearest of the pool first (float ties aside)
+
+
+def test_stranded_keys_coarse_links_are_the_float32_nearest(monkeypatch):
+    """With ``coarse_bf16`` a stranded key's out-edges are ranked in float32 among the best M_link + STRANDED_MARGIN of a
+    bfloat16 product (where the CPU multiplies it natively): the same neighbours as faiss's float32 kNN but where
+    rounding moves one past the margin."""
+    from anns_lab.indexes import roargraph as rg
+    from anns_lab.indexes import train_lists as tl
+
+    rng = np.random.default_rng(3)
+    n = 3000
+    keys = rng.standard_normal((n, 64)).astype(np.float32)
+    links = {}
+    calls = []
+    real = tl.topk_ip_bf16
+    monkeypatch.setattr(tl, "topk_ip_bf16", lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
+    for coarse in (False, True):
+        nbrs, degree = np.full((n, 8), -1, np.int32), np.zeros(n, np.int32)
+        nbrs[:1000, 0], degree[:1000] = (np.arange(1000) + 1) % 1000, 1  # a ring of 1000 reachable keys, 2000 stranded
+        rg.link_stranded(keys, nbrs, degree, np.array([0]), 8, coarse)
+        links[coarse] = nbrs[1000:]
+    assert calls == ([rg.STRANDED_MARGIN] if tl.bf16_native() else [])
+    same = np.mean([set(a) == set(b) for a, b in zip(links[False], links[True])])
+    assert same > 0.99 and (links[False][:, 0] == links[True][:, 0]).mean() > 0.99
 
 
 def test_list_sizes_follow_the_number_of_keys_unless_given(tmp_path):

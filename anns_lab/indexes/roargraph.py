@@ -75,13 +75,13 @@ from anns_lab.indexes.graph.hubs import query_hubs, saved_hubs
 from anns_lab.indexes.graph.multi import search_graphs
 from anns_lab.indexes.graph.search import bytes_read, search_batch, search_single
 from anns_lab.indexes.persist import expect, expect_ids
-from anns_lab.indexes.topk import topk_ip
-from anns_lab.indexes.train_lists import anchor_ids, anchored_topk
+from anns_lab.indexes.train_lists import anchor_ids, anchored_topk, topk_ip_fast
 
 MIN_TRAIN = 2048  # auto_train's floor: below it every query is kept (4096 at 8K: ~2x the build, the same scans: BENCHMARKS "Scale")
 STRANDED_POOL = 2048  # candidate out-neighbours of a stranded key at most (see link_stranded; 8192 scanned the same at 8K, cost +1.2 s per head at 32K)
 STRANDED_SHARE = 15  # below ~31K keys the pool is one key in this many, at least STRANDED_MIN (512 at 8K: half the links' CPU, +0.6% scans)
 STRANDED_MIN = 512
+STRANDED_MARGIN = 8  # with coarse_bf16, a stranded key's k out-edges are ranked in float32 among its best k + this by bfloat16 (32: 1.2-1.3x the time, the same sets on real heads)
 FAR_POOL = 512  # link_unreachable: in-edge sources of a key with no reachable node near it in the graph, a stride over all keys (0 = all: up to 0.4 s per 32K head, 141 s on a real 128K head; 2048 left 1.5-2.3 s there)
 ADD_SERIAL = 1024  # adds of up to this many keys run on the calling thread: a thread-pool launch costs ms on a loaded machine
 ADD_SEARCH_L = 16  # beam of the search that links each added key (wider: the same recall, slower)
@@ -142,10 +142,12 @@ def stranded_pool(n: int) -> int:
     return min(STRANDED_POOL, max(STRANDED_MIN, n // STRANDED_SHARE))
 
 
-def link_stranded(keys: np.ndarray, nbrs: np.ndarray, degree: np.ndarray, entries: np.ndarray, k: int) -> None:
+def link_stranded(keys: np.ndarray, nbrs: np.ndarray, degree: np.ndarray, entries: np.ndarray, k: int,
+                  coarse: bool = False) -> None:
     """Out-edges for the keys that the projection left unreachable with an empty row (keys in no training
     query's top list: about half of them on real heads): their ``k`` nearest keys by inner product, one
-    blocked kNN for all of them. ``link_unreachable`` then finds each an in-edge among its (or its
+    blocked kNN for all of them (``coarse``: the best k + STRANDED_MARGIN of a bfloat16 product ranked in float32,
+    :func:`train_lists.topk_ip_fast`). ``link_unreachable`` then finds each an in-edge among its (or its
     neighbours') reachable neighbours instead of scanning every key per stranded key."""
     reach = reachable_from(Graph(keys, nbrs, degree), entries)
     stranded = np.flatnonzero(~reach & (degree == 0))
@@ -156,8 +158,9 @@ def link_stranded(keys: np.ndarray, nbrs: np.ndarray, degree: np.ndarray, entrie
     # cost as much as the bipartite graph itself.
     pool = np.flatnonzero(reach)
     pool = pool[:: max(1, len(pool) // stranded_pool(len(keys)))]
-    # faiss's float32 kNN: topk_ip_bf16 saves nothing against a pool of 2048 (its selection pass costs what its product saves)
-    near = pool[topk_ip(keys[stranded], keys[pool], k)]  # a stranded key is unreachable, so never in the pool
+    # At 32K (dimension 256, ~30K stranded keys against 1-3K) the bfloat16 product takes 0.53-0.65x faiss's float32 kNN
+    # with the same neighbour sets (BENCHMARKS "Scale"); at 8K (dimension 64, a pool of ~512) the two cost the same.
+    near = pool[topk_ip_fast(keys[stranded], keys[pool], k, coarse, margin=STRANDED_MARGIN)]  # a stranded key is unreachable: never in the pool
     nbrs[stranded, : near.shape[1]] = near
     degree[stranded] = near.shape[1]
 
@@ -188,7 +191,7 @@ class RoarGraphIndex(Index):
         "max_train": Param(0, 0, 1 << 30, help="training queries used at most: the newest keep_queries all, an even stride over the older; "
                                                "0 = auto: max(2048, n/4) for n keys (build time)"),
         "list_stride": Param(0, 0, 4096, help="training queries per exact top-M_sq list: the others rank their neighbouring exact lists' keys (1 = all exact; 0 = auto: √(m·n)/4096, 1 at 8K, 4 at 32K, ≤ 64)"),
-        "coarse_bf16": Param(1, 0, 1, help="1: the exact lists rank the best M_sq + 32 keys of a bfloat16 product in float32 (where the CPU multiplies bf16 natively; ~1.6x faster); 0: faiss's float32 kNN"),
+        "coarse_bf16": Param(1, 0, 1, help="1: the exact lists rank the best M_sq + 32 keys of a bfloat16 product in float32, the stranded keys' out-edges the best M_link + 8 (where the CPU multiplies bf16 natively; ~1.6x faster); 0: faiss's float32 kNN"),
         "enhance_L": Param(0, 0, 4096, help="beam width of the connectivity-enhancement search (0 = skip it)"),
         "M_link": Param(8, 1, 512, help="links per key from the enhancement search / out-edges of a stranded key"),
         "n_hubs": Param(32, 1, 4096, help="entry hubs: top key of each k-means centroid of the training queries, and of their mean (all counted)"),
@@ -262,7 +265,7 @@ class RoarGraphIndex(Index):
             # every rank of another head's list makes an unlisted key a pivot: past the pivot rank it would keep no row
             roar.link_unlisted(g, bip, group, self._sizes(m_sq), p["alpha"], p["group_in"], threads)
         nbrs, degree = g.nbrs, g.degree
-        link_stranded(keys, nbrs, degree, self.hubs, p["M_link"])
+        link_stranded(keys, nbrs, degree, self.hubs, p["M_link"], bool(p["coarse_bf16"]))
         link_unreachable(g, self.hubs, p["R"], FAR_POOL)
         if p["cooc_order"]:
             roar.order_rows_by_cooc(g, bip, threads)

@@ -249,11 +249,12 @@ def _x86_bf16_instructions() -> bool:
     return bool(features.get("avx512bf16") or features.get("amx-bf16"))
 
 
-def topk_ip_fast(queries: np.ndarray, keys: np.ndarray, k: int, coarse: bool, n_threads: int = 1) -> np.ndarray:
-    """Top-``k`` keys by inner product, best first: :func:`topk_ip_bf16` when ``coarse`` and :func:`bf16_native`,
-    else faiss's exact kNN (:func:`topk.topk_ip`)."""
+def topk_ip_fast(queries: np.ndarray, keys: np.ndarray, k: int, coarse: bool, n_threads: int = 1,
+                 margin: int = BF16_MARGIN) -> np.ndarray:
+    """Top-``k`` keys by inner product, best first: :func:`topk_ip_bf16` (with ``margin``) when ``coarse`` and
+    :func:`bf16_native`, else faiss's exact kNN (:func:`topk.topk_ip`)."""
     if coarse and bf16_native():
-        return topk_ip_bf16(queries, keys, k, n_threads=n_threads)
+        return topk_ip_bf16(queries, keys, k, margin, n_threads)
     return topk_ip(queries, keys, k)
 
 
