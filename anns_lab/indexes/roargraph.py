@@ -143,11 +143,11 @@ def stranded_pool(n: int) -> int:
 
 
 def link_stranded(keys: np.ndarray, nbrs: np.ndarray, degree: np.ndarray, entries: np.ndarray, k: int,
-                  coarse: bool = False) -> None:
+                  coarse: bool = False, threads: int = 1) -> None:
     """Out-edges for the keys that the projection left unreachable with an empty row (keys in no training
     query's top list: about half of them on real heads): their ``k`` nearest keys by inner product, one
-    blocked kNN for all of them (``coarse``: the best k + STRANDED_MARGIN of a bfloat16 product ranked in float32,
-    :func:`train_lists.topk_ip_fast`). ``link_unreachable`` then finds each an in-edge among its (or its
+    blocked kNN for all of them (``coarse``: the best k + STRANDED_MARGIN of a bfloat16 product ranked in float32 on
+    ``threads``, :func:`train_lists.topk_ip_fast`). ``link_unreachable`` then finds each an in-edge among its (or its
     neighbours') reachable neighbours instead of scanning every key per stranded key."""
     reach = reachable_from(Graph(keys, nbrs, degree), entries)
     stranded = np.flatnonzero(~reach & (degree == 0))
@@ -158,9 +158,10 @@ def link_stranded(keys: np.ndarray, nbrs: np.ndarray, degree: np.ndarray, entrie
     # cost as much as the bipartite graph itself.
     pool = np.flatnonzero(reach)
     pool = pool[:: max(1, len(pool) // stranded_pool(len(keys)))]
-    # At 32K (dimension 256, ~30K stranded keys against 1-3K) the bfloat16 product takes 0.53-0.65x faiss's float32 kNN
-    # with the same neighbour sets (BENCHMARKS "Scale"); at 8K (dimension 64, a pool of ~512) the two cost the same.
-    near = pool[topk_ip_fast(keys[stranded], keys[pool], k, coarse, margin=STRANDED_MARGIN)]  # a stranded key is unreachable: never in the pool
+    # The bfloat16 product and float32 re-rank: 0.61x faiss's float32 kNN at 32K (dimension 256, ~30K stranded keys
+    # against 1-3K), 0.52x at 8K, the same neighbour sets (BENCHMARKS "The stranded keys' out-edges from a bfloat16
+    # product"). A stranded key is unreachable, so never in the pool.
+    near = pool[topk_ip_fast(keys[stranded], keys[pool], k, coarse, threads, STRANDED_MARGIN)]
     nbrs[stranded, : near.shape[1]] = near
     degree[stranded] = near.shape[1]
 
@@ -265,7 +266,7 @@ class RoarGraphIndex(Index):
             # every rank of another head's list makes an unlisted key a pivot: past the pivot rank it would keep no row
             roar.link_unlisted(g, bip, group, self._sizes(m_sq), p["alpha"], p["group_in"], threads)
         nbrs, degree = g.nbrs, g.degree
-        link_stranded(keys, nbrs, degree, self.hubs, p["M_link"], bool(p["coarse_bf16"]))
+        link_stranded(keys, nbrs, degree, self.hubs, p["M_link"], bool(p["coarse_bf16"]), threads)
         link_unreachable(g, self.hubs, p["R"], FAR_POOL)
         if p["cooc_order"]:
             roar.order_rows_by_cooc(g, bip, threads)
