@@ -14,7 +14,8 @@ Rules checked (``anns_lab.indexes.base`` states the result policy):
 - at the last (most thorough) grid point on easy data, recall@k against exact search
   ≥ ``min_recall`` (1.0 = exact; ties at the k-th score count as hits);
 - counts that explain the recall: on structureless data (Gaussian keys in 128 dimensions) no grid point
-  finds more than ``PLAUSIBLE_GAIN`` (0.6) of the top-k beyond its scanned fraction (the zoo's best: 0.40);
+  finds more than ``plausible_gain`` (default 0.6) of the top-k beyond its scanned fraction (the zoo's best at its
+  defaults: 0.40; an index ranking by compressed codes may need more, or None);
 - determinism: two builds with the same parameters give identical ids, scores and counts;
 - searches from several threads at once give what each gives alone (the decoder builds and
   calibrates several layers' indexes side by side);
@@ -55,9 +56,10 @@ def easy_data(n_keys: int = 1000, dim: int = 16, n_queries: int = 40, seed: int 
     return keys, queries, train
 
 
-PLAUSIBLE_GAIN = 0.6  # recall@k above the scanned fraction on structureless data that no honest count reaches: the zoo's
-# largest is 0.40 (pqcache; 0.25-0.33 for the graphs, IVF and the other plugins, on several seeds), one that scans every key
-# and reports k scans gains ~1
+PLAUSIBLE_GAIN = 0.6  # recall@k above the scanned fraction on structureless data: at their default parameters the zoo's
+# largest is 0.40 (pqcache; 0.25-0.33 for the graphs, IVF and the other plugins, on several seeds), one that scores every
+# key and reports a tenth scanned gains 0.9. An index that ranks every key by compressed codes counts no inner product
+# for them and may gain more (pqcache with 16 sub-quantizers of 8 bits: 0.77): such a class passes its own bound.
 
 
 def structureless_data(n_keys: int = 2000, dim: int = 128, n_queries: int = 50,
@@ -67,23 +69,26 @@ def structureless_data(n_keys: int = 2000, dim: int = 128, n_queries: int = 50,
     return easy_data(n_keys, dim, n_queries, seed)
 
 
-def check_counts_plausible(cls: type[Index], k: int = 10, **build_params: Any) -> list[tuple[float, float]]:
+def check_counts_plausible(cls: type[Index], k: int = 10, gain: float = PLAUSIBLE_GAIN,
+                           **build_params: Any) -> list[tuple[float, float]]:
     """Assert that no grid point finds more of the top-``k`` than its reported ``n_scanned`` can explain, on
     :func:`structureless_data`: there a search that picks a fraction f of the keys finds about f of the top-k, and the
-    zoo's indexes find at most f + 0.40; above f + :data:`PLAUSIBLE_GAIN` the counts leave out inner products the
-    search computed (an index that scores every key and reports k scans finds all with f = k/n). A plausibility
-    bound, not a proof: it catches counts several times too low. Returns (scanned fraction, recall) per grid point."""
+    zoo's indexes at their defaults find at most f + 0.40; above f + ``gain`` the counts likely leave out inner products
+    the search computed (an index that scores every key and reports k scans finds all with f = k/n). A plausibility
+    bound, not a proof: it catches counts several times too low; an index that ranks by compressed codes (which count
+    no inner product) may need a larger ``gain``. Returns (scanned fraction, recall) per grid point."""
     keys, queries, train = structureless_data()
     index = cls(**build_params).build(keys, train if cls.uses_train_queries else None)
     points = []
     for params in index.grid():
         res = index.search(queries, k, **params)
         scanned, recall = float(res.n_scanned.mean()) / len(keys), recall_at_k(res.ids, queries, keys, k)
-        assert recall <= scanned + PLAUSIBLE_GAIN, (
+        assert recall <= scanned + gain, (
             f"search{params} on structureless data (Gaussian keys in {keys.shape[1]} dimensions) found "
-            f"{recall:.1%} of the top-{k} with {scanned:.1%} of the keys scanned: more than {PLAUSIBLE_GAIN:.0%} "
+            f"{recall:.1%} of the top-{k} with {scanned:.1%} of the keys scanned: more than {gain:.0%} "
             f"above what its scans explain. n_scanned must count every inner product the search computed "
-            f"(anns_lab.indexes.base: the result policy)")
+            f"(anns_lab.indexes.base: the result policy); an index that ranks by compressed codes may pass "
+            f"check_index(..., plausible_gain=...) a larger bound, or None")
         points.append((scanned, recall))
     return points
 
@@ -277,10 +282,11 @@ def _same_from_threads(index: Index, queries: np.ndarray, k: int, grid: list[dic
 
 
 def check_index(cls: type[Index], min_recall: float = 1.0, k: int = 10, unbiased_at: dict | None = None,
-                **build_params: Any) -> dict[str, Any]:
+                plausible_gain: float | None = PLAUSIBLE_GAIN, **build_params: Any) -> dict[str, Any]:
     """Run every conformance rule on ``cls`` built with ``build_params``; return recall and scan measurements.
 
     A class that claims ``unbiased`` is checked at search parameters ``unbiased_at`` (default: its first grid point).
+    ``plausible_gain``: :func:`check_counts_plausible`'s bound (None skips it: an index ranking by compressed codes).
     """
     check_declarations(cls)
     keys, queries, train = easy_data()
@@ -333,7 +339,8 @@ def check_index(cls: type[Index], min_recall: float = 1.0, k: int = 10, unbiased
         assert added_recall >= min_recall - 0.05, f"recall@{k} after add() is {added_recall:.4f}"
 
     check_errors(cls, index, keys, queries, build_params)
-    check_counts_plausible(cls, k, **build_params)
+    if plausible_gain is not None:
+        check_counts_plausible(cls, k, plausible_gain, **build_params)
     if cls.unbiased:
         check_unbiased(cls, unbiased_at if unbiased_at is not None else grid[0], **build_params)
     return {"grid": grid, "recall": [p[0] for p in points], "mean_scanned": [p[1] for p in points]}

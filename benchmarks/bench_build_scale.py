@@ -160,8 +160,8 @@ def main() -> None:
                                build(keys, given.train_queries, params, consts, given.group_queries))
                 row[f"{name} build s"] = secs
                 if a.pieces:
-                    print(f"  {layer}/{head} {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in PIECES.items())
-                          + f", rest {secs - sum(PIECES.values()):.2f}", flush=True)
+                    print(f"  {layer}/{head} {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in PIECES.items())
+                          + f", rest {secs - sum(PIECES.values()):.3f}", flush=True)
                 if truth is not None:
                     pts = []
                     for g in index.grid():

@@ -119,7 +119,7 @@ def test_a_full_memory_file_system_spools_in_the_temporary_folder_instead(worker
     built = workers.build(registry.get("flat"), {}, rows, [(0, {}), (1, {})])
     here = registry.get("flat")().build(rows[1])
     np.testing.assert_array_equal(built[1].search(rows[0].view(5), 10).ids, here.search(rows[0].view(5), 10).ids)
-    mine = f"{build_processes.SPOOL_PREFIX}{os.getpid()}-"
+    mine = f"{build_processes.SPOOL_PREFIX}{build_processes.owner_tag()}-"
     assert not list(build_processes.MEMORY_DIR.glob(mine + "*")) and not list(tmp_path.glob(mine + "*"))
     with pytest.raises(OSError, match="Permission denied"):  # another error is not a full file system: raised
         monkeypatch.setattr(build_processes, "_pack", lambda path, arrays: (_ for _ in ()).throw(
@@ -142,16 +142,18 @@ def test_packed_arrays_come_back_as_written(tmp_path):
 def test_a_worker_that_dies_fails_its_build_and_the_next_pool_is_a_new_one(workers, monkeypatch, tmp_path):
     """A plugin's os.abort() in a worker ends that worker, not this process: the build raises, the pool is broken, and
     :func:`build_processes.pool` then starts another. A new pool removes killed processes' spools in /dev/shm and in
-    the temporary folder (the fallback), not a live process's."""
+    the temporary folder (the fallback), not a live process's, nor one of another PID namespace (a container sharing
+    /tmp, whose live processes this /proc does not show)."""
     _, rows, _ = _rows()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    name = f"{build_processes.SPOOL_PREFIX}999999999-x"  # a killed process's spool
+    name = f"{build_processes.SPOOL_PREFIX}{build_processes.owner_tag(999999999)}-x"  # a killed process's spool
     stale = [build_processes.MEMORY_DIR / name, tmp_path / name]
-    live = tmp_path / f"{build_processes.SPOOL_PREFIX}{os.getpid()}-x"
-    for folder in [*stale, live]:
+    kept = [tmp_path / f"{build_processes.SPOOL_PREFIX}{build_processes.owner_tag()}-x",  # this process's
+            tmp_path / f"{build_processes.SPOOL_PREFIX}1-999999999-x"]  # another namespace's
+    for folder in [*stale, *kept]:
         folder.mkdir(parents=True, exist_ok=True)
     own = build_processes.BuildProcesses(1)
-    assert not any(folder.exists() for folder in stale) and live.exists()
+    assert not any(folder.exists() for folder in stale) and all(folder.exists() for folder in kept)
     try:
         with pytest.raises(BrokenProcessPool):
             own.build(registry.get("faulty"), {"build_fault": "abort"}, rows, [(0, {})])

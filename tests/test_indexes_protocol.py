@@ -84,6 +84,10 @@ def test_an_alias_of_a_class_with_its_own_reduction_pickles_through_it(monkeypat
     assert recipe_plugin.REBUILT == [recipe_plugin.Recipe]  # the class's own reduction, with the base class
     assert type(again) is type(index) and again.name == "myrecipe" and again.n_keys == 40
     assert np.array_equal(again.search(keys[:3], 5).ids, index.search(keys[:3], 5).ids)
+    # the common idiom ``return type(self), (), state``: the alias class as the callable is read as the base
+    monkeypatch.setattr(recipe_plugin.Recipe, "__reduce__", lambda self: (type(self), (), self.__dict__))
+    again = pickle.loads(pickle.dumps(index))
+    assert type(again) is type(index) and np.array_equal(again.search(keys[:3], 5).ids, index.search(keys[:3], 5).ids)
 
 
 def test_a_plugin_subclass_of_a_builtin_that_sets_no_name_is_named_in_place(monkeypatch, tmp_path):

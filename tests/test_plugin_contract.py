@@ -55,6 +55,7 @@ def test_the_kit_refuses_counts_that_cannot_explain_the_recall():
         check_index(UnderCounted)
     points = check_counts_plausible(MatmulTopK)  # the honest count of the same search
     assert points == [(1.0, 1.0)]
+    check_index(UnderCounted, plausible_gain=None)  # the bound is the caller's (an index ranking by compressed codes)
 
 
 def test_default_search_group_batches_each_distinct_index():

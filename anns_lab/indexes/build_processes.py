@@ -49,7 +49,7 @@ from anns_lab.indexes.key_store import KeyRows
 from anns_lab.indexes.threads import current_stop, lower_priority, one_thread, settle, thread_budget
 
 MEMORY_DIR = Path("/dev/shm")  # a tmpfs on Linux: the spool's files are copies in memory
-SPOOL_PREFIX = "anns-lab-build-"  # then the process id: a spool folder's owner
+SPOOL_PREFIX = "anns-lab-build-"  # then the owner's PID namespace and process id (:func:`owner_tag`)
 SPOOL_MARGIN = 256 * 2**20  # room left in MEMORY_DIR beyond a layer's spool (the workers' results go there too)
 START_TASK_S = 0.2  # BuildProcesses.start: long enough that one warm worker does not take every task
 POLL_S = 0.05  # how often a caller waiting on its builds looks at its stop (threads.stopping_on)
@@ -206,7 +206,7 @@ def _spooled(inputs: dict[str, np.ndarray]) -> tuple[Path, str, list]:
     the temporary folder instead."""
     root = _spool_root(sum(a.nbytes for a in inputs.values()))
     while True:
-        folder = Path(tempfile.mkdtemp(prefix=f"{SPOOL_PREFIX}{os.getpid()}-", dir=root))
+        folder = Path(tempfile.mkdtemp(prefix=f"{SPOOL_PREFIX}{owner_tag()}-", dir=root))
         try:
             return folder, str(folder / "inputs"), _pack(str(folder / "inputs"), inputs)
         except OSError as err:
@@ -216,12 +216,25 @@ def _spooled(inputs: dict[str, np.ndarray]) -> tuple[Path, str, list]:
             root = None
 
 
+def owner_tag(pid: int | None = None) -> str:
+    """``<PID namespace>-<pid>`` of this process (or of ``pid`` in its namespace): a spool folder's owner. /tmp and
+    /dev/shm may be shared by containers whose processes this one cannot see in /proc; only folders of its own
+    namespace are judged by their pid."""
+    try:
+        ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # no /proc: one namespace as far as this process can tell
+        ns = 0
+    return f"{ns}-{os.getpid() if pid is None else pid}"
+
+
 def _remove_stale() -> None:
-    """Remove the spool folders that processes no longer running left in :data:`MEMORY_DIR` (killed mid-build: their
-    files hold memory until a reboot otherwise) and in the temporary folder (:func:`_spooled`'s fallback)."""
+    """Remove the spool folders that processes of this PID namespace no longer running left in :data:`MEMORY_DIR`
+    (killed mid-build: their files hold memory until a reboot otherwise) and in the temporary folder (:func:`_spooled`'s
+    fallback). Another namespace's folders are left: its live processes are not in this /proc."""
+    ns = owner_tag().split("-")[0]
     for root in (MEMORY_DIR, Path(tempfile.gettempdir())):
-        for folder in root.glob(f"{SPOOL_PREFIX}*-*") if root.is_dir() else []:
-            pid = folder.name[len(SPOOL_PREFIX):].split("-")[0]
+        for folder in root.glob(f"{SPOOL_PREFIX}{ns}-*-*") if root.is_dir() else []:
+            pid = folder.name[len(SPOOL_PREFIX):].split("-")[1]
             if pid.isdigit() and not Path(f"/proc/{pid}").exists():
                 shutil.rmtree(folder, ignore_errors=True)
 

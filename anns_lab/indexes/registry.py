@@ -78,19 +78,21 @@ def _named(cls: type[Index], name: str) -> type[Index]:
     if cls.name == name:
         return cls
     if (cls, name) not in _RENAMED:  # one class per name: a second load gives the same class (isinstance holds)
-        _RENAMED[cls, name] = type(cls.__name__, (cls,), {
+        # setdefault: two threads loading (or unpickling) the alias at once keep the first class made
+        _RENAMED.setdefault((cls, name), type(cls.__name__, (cls,), {
             "name": name, "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
-            "__reduce_ex__": _reduce_renamed})
+            "__reduce_ex__": _reduce_renamed}))
     return _RENAMED[cls, name]
 
 
 def _reduce_renamed(self, protocol: int):
     """Pickle an alias's instance as its base class's reduction (its own ``__reduce_ex__`` or ``__reduce__`` where it
-    has one, else object's), with the alias class in its arguments read as the base and the result renamed at load
-    (the generated subclass is not importable)."""
+    has one, else object's), with the alias class as its callable or a top-level argument read as the base and the
+    result renamed at load (the generated subclass is not importable; deeper references to it are not rewritten)."""
     cls = type(self)
     base = cls.__mro__[1]
     make, args, *rest = base.__reduce_ex__(self, protocol)
+    make = base if make is cls else make  # ``return type(self), ...``
     args = tuple(base if a is cls else a for a in args)
     return (_renamed, (cls.name, make, args), *rest)
 
