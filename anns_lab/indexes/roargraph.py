@@ -159,8 +159,8 @@ def link_stranded(keys: np.ndarray, nbrs: np.ndarray, degree: np.ndarray, entrie
     pool = np.flatnonzero(reach)
     pool = pool[:: max(1, len(pool) // stranded_pool(len(keys)))]
     # The bfloat16 product and float32 re-rank: 0.61x faiss's float32 kNN at 32K (dimension 256, ~30K stranded keys
-    # against 1-3K), ~0.8x at 8K (a sixth of a build there), the same neighbour sets (BENCHMARKS "The stranded keys' out-edges from a bfloat16
-    # product"). A stranded key is unreachable, so never in the pool.
+    # against 1-3K), ~0.8x at 8K (a sixth of a build there), the same neighbour sets (BENCHMARKS "The stranded keys'
+    # out-edges from a bfloat16 product"). A stranded key is unreachable, so never in the pool.
     near = pool[topk_ip_fast(keys[stranded], keys[pool], k, coarse, threads, STRANDED_MARGIN)]
     nbrs[stranded, : near.shape[1]] = near
     degree[stranded] = near.shape[1]
