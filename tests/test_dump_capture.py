@@ -8,6 +8,7 @@ import torch
 
 from anns_lab.dumps.models import load_model
 from anns_lab.dumps.run import run_dump
+from anns_lab.errors import DumpError
 
 
 def model_attention_outputs(model_name: str, ids: list[int], layers: list[int]) -> dict[int, np.ndarray]:
@@ -63,6 +64,48 @@ def check_against_model(model: str, tmp_path, layers: list[int], tokens: int, ch
 
 def test_tiny_llama_gqa_chunked_prefill_and_decode(tiny_llama, tmp_path):
     check_against_model(str(tiny_llama), tmp_path, [0, 1, 2, 3], tokens=45, chunk=16, decode=5)
+
+
+def test_a_text_continuation_is_the_texts_next_tokens_and_steps_as_a_prefill_of_them(tiny_llama, tmp_path):
+    # Teacher forcing: the decode steps take the text's own tokens after the prompt, so a dump of 30 + 6 of them is,
+    # row for row, a 36-token prefill of the same text (which the model's own attention check covers).
+    result = run_dump(str(tiny_llama), tokens=30, decode_tokens=6, continuation="text", layers="0,3", dtype="float32",
+                      chunk=8, out=tmp_path / "forced", progress=False)
+    assert "decode 6 (the text's own next tokens, teacher-forced)" in result.summary()
+    forced = result.dump
+    whole = run_dump(str(tiny_llama), tokens=36, decode_tokens=0, layers="0,3", dtype="float32", chunk=8,
+                     out=tmp_path / "whole", progress=False).dump
+    greedy = run_dump(str(tiny_llama), tokens=30, decode_tokens=6, layers="0", dtype="float32", chunk=8,
+                      out=tmp_path / "greedy", progress=False).dump
+    assert forced.manifest["continuation"] == "text" and greedy.manifest["continuation"] == "greedy"
+    assert len(forced.positions("decode")) == 6
+    np.testing.assert_array_equal(forced.tokens(), whole.tokens())
+    np.testing.assert_array_equal(forced.tokens("prefill"), greedy.tokens("prefill"))
+    assert not np.array_equal(forced.tokens("decode"), greedy.tokens("decode"))  # a random model's argmax is not the text
+    with pytest.raises(DumpError, match="continuation: 'greedy' there vs 'text' now"):  # not resumed as the other kind
+        run_dump(str(tiny_llama), tokens=30, decode_tokens=6, continuation="text", layers="0", dtype="float32", chunk=8,
+                 out=tmp_path / "greedy", progress=False)
+    for layer in (0, 3):
+        for h in range(forced.n_heads):
+            np.testing.assert_allclose(forced.queries(layer, h, "all"), whole.queries(layer, h, "all"), atol=1e-5)
+        for g in range(forced.n_kv_heads):
+            np.testing.assert_allclose(forced.keys(layer, g), whole.keys(layer, g), atol=1e-5)
+            np.testing.assert_allclose(forced.values(layer, g), whole.values(layer, g), atol=1e-5)
+
+
+def test_a_text_continuation_past_the_texts_end_names_both_counts(tiny_llama, tmp_path):
+    from anns_lab.errors import PromptError
+
+    text = tmp_path / "p.txt"
+    text.write_text(open(__file__).read()[:400])
+    n = len(load_model(str(tiny_llama)).tokenizer(text.read_text())["input_ids"])
+    with pytest.raises(PromptError, match=r"--tokens 20 of prompt and --decode-tokens .* of the text after it"):
+        run_dump(str(tiny_llama), prompt_path=text, tokens=20, decode_tokens=n, continuation="text",
+                 out=tmp_path / "d", progress=False)
+    assert not (tmp_path / "d").exists()
+    dump = run_dump(str(tiny_llama), prompt_path=text, tokens=20, decode_tokens=4, continuation="text", layers="0",
+                    out=tmp_path / "d", progress=False).dump
+    assert len(dump.tokens()) == 24
 
 
 def test_tiny_gemma3_sliding_and_global_layers(tiny_gemma3, tmp_path):

@@ -76,6 +76,9 @@ def no_model_load(monkeypatch):
     ({"layers": "1:2:0"}, DumpError, "cannot read --layers"),
     ({"layers": "99"}, DumpError, "the model has layers 0..3"),
     ({"seed": -1}, DumpError, "--seed must be a non-negative"),
+    ({"continuation": "sampled"}, DumpError, "--continuation must be one of greedy, text"),
+    ({"continuation": "text", "source": "passkey"}, DumpError, "the passkey task's prompt has none"),
+    ({"continuation": "text", "prompt": "Some words to prefill."}, DumpError, "without --tokens the prompt is the whole file"),
 ])
 def test_dump_arguments_fail_before_the_model_load_and_leave_nothing(tiny_llama, tmp_path, no_model_load, kw, error,
                                                                      words):
@@ -196,6 +199,7 @@ def _drop(key):
     (lambda m: m | {"head_dim": 8}, "dimension 16, but the manifest says head_dim 8"),
     (lambda m: m | {"layers": [1, 2, 3]}, "no valid entry"),
     (lambda m: m | {"scaling": {"1": "x", "3": 0.25}}, "scaling of layer 1"),
+    (lambda m: m | {"continuation": "beam"}, "continuation must be one of greedy, text"),
 ])
 def test_an_edited_manifest_is_one_error_line(dump, tmp_path, edit, words):
     folder = _edited(dump, tmp_path, edit)

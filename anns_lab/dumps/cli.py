@@ -6,7 +6,7 @@ import click
 
 from anns_lab.cli_types import given_flags
 from anns_lab.dumps.models import RopeScaling
-from anns_lab.dumps.prompts import SOURCES
+from anns_lab.dumps.prompts import CONTINUATIONS, SOURCES
 
 
 class RopeScalingType(click.ParamType):
@@ -36,7 +36,10 @@ ROPE_HELP = ("scale the RoPE positions of the model's long-range layers: linear:
               help="Built-in prompt: real offline text, or a synthetic long-context task.")
 @click.option("--prompt", "prompt_path", type=click.Path(), default=None, help="A UTF-8 text file to use as the prompt instead.")
 @click.option("--tokens", type=int, default=None, help="Prompt length in tokens [default: 8192; with --prompt, the whole file].")
-@click.option("--decode-tokens", type=int, default=64, show_default=True, help="Greedy decode steps captured as phase 'decode'.")
+@click.option("--decode-tokens", type=int, default=64, show_default=True, help="Decode steps captured as phase 'decode'.")
+@click.option("--continuation", type=click.Choice(CONTINUATIONS), default="greedy", show_default=True,
+              help="The decode steps' tokens: the model's greedy choices, or the text's own next tokens after the prompt "
+                   "(teacher forcing; --source text or --prompt with --tokens).")
 @click.option("--layers", default="default", show_default=True,
               help="all | default (every layer; Gemma-3: its global-attention layers) | 2,15,28 | 0:30:2 | 3-7.")
 @click.option("--dtype", type=click.Choice(["float16", "float32"]), default="float16", show_default=True)
@@ -48,7 +51,7 @@ ROPE_HELP = ("scale the RoPE positions of the model's long-range layers: linear:
 @click.option("--rope-scaling", type=ROPE_SCALING, default=None, help=ROPE_HELP)
 @click.option("--allow-download", is_flag=True, help="Let transformers fetch weights from a hub (off: offline only).")
 @click.option("--device", default="cpu", show_default=True, help="Torch device for the model (cpu, cuda).")
-def dump(model, source, prompt_path, tokens, decode_tokens, layers, dtype, chunk, seed, out, overwrite,
+def dump(model, source, prompt_path, tokens, decode_tokens, continuation, layers, dtype, chunk, seed, out, overwrite,
          allow_extrapolation, rope_scaling, allow_download, device) -> None:
     """Capture post-RoPE Q/K/V of a model's prefill and decode steps into a Parquet dump."""
     from anns_lab.dumps.run import DumpInterrupted, run_dump
@@ -64,7 +67,7 @@ def dump(model, source, prompt_path, tokens, decode_tokens, layers, dtype, chunk
         result = run_dump(model, source=source, prompt_path=prompt_path, tokens=tokens, decode_tokens=decode_tokens,
                           layers=layers, dtype=dtype, chunk=chunk, seed=seed, out=out, overwrite=overwrite,
                           allow_extrapolation=allow_extrapolation, rope_scaling=rope_scaling,
-                          allow_download=allow_download, device=device)
+                          allow_download=allow_download, device=device, continuation=continuation)
     except DumpInterrupted as stop:
         click.echo(str(stop), err=True)
         raise SystemExit(130) from None

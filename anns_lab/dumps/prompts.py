@@ -10,6 +10,8 @@ from anns_lab.dumps import tasks
 from anns_lab.errors import PromptError
 
 SOURCES = ("text",) + tasks.TASKS
+CONTINUATIONS = ("greedy", "text")  # a dump's decode steps: the model's argmax tokens, or the text's own next ones
+CONTINUATION_WORDS = {"greedy": "the model's greedy tokens", "text": "the text's own next tokens, teacher-forced"}
 
 
 @dataclass(frozen=True)

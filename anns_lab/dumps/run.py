@@ -1,4 +1,8 @@
-"""``anns-lab dump``: chunked prefill and greedy decode of a real model, captured into a dump folder.
+"""``anns-lab dump``: chunked prefill and decode steps of a real model, captured into a dump folder.
+
+The decode steps' tokens are the model's greedy choices (``--continuation greedy``, the default: what a decoder serves),
+or the text's own next tokens after the prompt (``text``: teacher forcing; a small model's greedy continuation of a
+long text tends to repeat a line of it, and the steps' queries then repeat too).
 
 Work is resumable by layer: the token ids are saved first, each layer's Parquet file is recorded
 in ``.staging/progress.json`` as soon as it is renamed into place, and a re-run with the same
@@ -9,6 +13,7 @@ forward pass stops after the deepest missing layer.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -22,6 +27,7 @@ import numpy as np
 
 from anns_lab.dumps import store
 from anns_lab.dumps.models import RopeScaling
+from anns_lab.dumps.prompts import CONTINUATION_WORDS, CONTINUATIONS
 from anns_lab.errors import DumpError, PromptError
 from anns_lab.io import atomic_write_json
 from anns_lab.version import __version__
@@ -137,7 +143,8 @@ class DumpResult:
             f"dump {self.dump.path} ({head})",
             f"  model     {m['model']['name']}  ({m['model']['source']})",
             f"  prompt    {m['prompt']['source']}  {json.dumps({k: v for k, v in m['prompt']['params'].items() if k != 'corpus_sha256'})}",
-            f"  tokens    prefill {n['prefill']}, decode {n['decode']}",
+            f"  tokens    prefill {n['prefill']}, decode {n['decode']}"
+            + (f" ({CONTINUATION_WORDS[self.dump.continuation]})" if n["decode"] else ""),
             f"  layers    {len(m['layers'])}: {compact_layers(m['layers'])}",
             f"  heads     {m['n_heads']} query / {m['n_kv_heads']} KV, head_dim {m['head_dim']}, {m['dtype']}",
             f"  bytes     {total / 2**20:.1f} MiB in {len(m['files'])} files",
@@ -163,9 +170,13 @@ def default_out(model: str, source: str, tokens: int | None) -> Path:
     return Path("dumps") / f"{canonical_name(model)}-{source}-{tokens if tokens is not None else 'all'}"
 
 
+UNSET = {"continuation": "greedy"}  # settings recorded only when not their default: a missing one reads as the default
+
+
 def _settings_diff(a: dict, b: dict) -> str:
     keys = sorted(set(a) | set(b))
-    return ", ".join(f"{k}: {a.get(k)!r} there vs {b.get(k)!r} now" for k in keys if a.get(k) != b.get(k))
+    return ", ".join(f"{k}: {a.get(k, UNSET.get(k))!r} there vs {b.get(k, UNSET.get(k))!r} now" for k in keys
+                     if a.get(k) != b.get(k))
 
 
 def _layer_resolver(facts: tuple[int, list[int]] | None) -> Callable[[str], list[int] | None]:
@@ -292,7 +303,7 @@ def run_dump(model: str = "smollm2", *, source: str = "text", prompt_path: str |
              decode_tokens: int = 64, layers: str = "default", dtype: str = "float16", chunk: int = 2048, seed: int = 0,
              out: str | Path | None = None, overwrite: bool = False, allow_extrapolation: bool = False,
              rope_scaling: RopeScaling | str | None = None, allow_download: bool = False, device: str = "cpu",
-             progress: bool = True) -> DumpResult:
+             progress: bool = True, continuation: str = "greedy") -> DumpResult:
     """Capture a dump (see module doc); returns the opened dump and timings."""
     from anns_lab.dumps.models import config_layers, resolve
     from anns_lab.dumps.prompts import read_prompt_file
@@ -306,6 +317,7 @@ def run_dump(model: str = "smollm2", *, source: str = "text", prompt_path: str |
         raise PromptError("--tokens must be a positive number of tokens")
     if seed < 0:
         raise DumpError(f"--seed must be a non-negative integer, got {seed}")
+    _check_continuation(continuation, source, prompt_path, tokens)
     if isinstance(rope_scaling, str):
         try:
             rope_scaling = RopeScaling.parse(rope_scaling)
@@ -322,6 +334,8 @@ def run_dump(model: str = "smollm2", *, source: str = "text", prompt_path: str |
                 "tokens": tokens, "decode_tokens": decode_tokens, "layers": layers, "dtype": dtype, "chunk": chunk, "seed": seed}
     if rope_scaling is not None:  # only when set: dumps made before the option resume as they are
         settings["rope_scaling"] = str(rope_scaling)
+    if continuation != "greedy":  # likewise: a greedy dump made before the option resumes as it is
+        settings["continuation"] = continuation
     t_start = time.perf_counter()
     existed = out.exists()
     state, replace = _prepare_folder(out, settings, overwrite, _layer_resolver(facts))
@@ -361,7 +375,6 @@ def _capture(out, settings, state, begin, model_name, prompt_path, allow_extrapo
 
     from anns_lab.dumps.capture import StopForward, capturing
     from anns_lab.dumps.models import forward_tokens, load_model, weights_fingerprint
-    from anns_lab.dumps.prompts import build_prompt
 
     staging = out / STAGING
     lm = load_model(model_name, device=device, allow_download=allow_download, rope_scaling=rope_scaling)
@@ -373,13 +386,14 @@ def _capture(out, settings, state, begin, model_name, prompt_path, allow_extrapo
         raise DumpError(f"--layers {settings['layers']} selects {lm.name}'s full-attention layers, and it has "
                         "no full-attention layers; name the layers to capture (e.g. --layers all)")
     _check_layer_types(lm, layers)
-    prompt = build_prompt(settings["source"], lm.tokenizer, settings["tokens"], settings["seed"], prompt_path)
-    n_prefill, n_decode = len(prompt.ids), settings["decode_tokens"]
+    n_decode = settings["decode_tokens"]
+    prompt, forced = _prompt_and_continuation(settings, lm.tokenizer, n_decode, prompt_path)
+    n_prefill = len(prompt.ids)
     _check_fits(lm, n_prefill, n_decode, settings["chunk"], allow_extrapolation)
     n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
     saved_ids = state.get("token_ids")
-    if saved_ids is not None and saved_ids[:n_prefill] != prompt.ids:
+    if saved_ids is not None and (saved_ids[:n_prefill] != prompt.ids or forced and saved_ids[n_prefill:] != forced):
         raise DumpError(f"{out}: the saved tokens differ from the prompt built now (tokenizer or corpus changed); pass --overwrite")
     begin()
     done = state["done"]
@@ -388,9 +402,9 @@ def _capture(out, settings, state, begin, model_name, prompt_path, allow_extrapo
     sink = StagingSink(staging, missing, n_prefill + n_decode, n_heads, n_kv, d, DTYPES[settings["dtype"]])
 
     # Logits are needed only to choose decode tokens; once every token is known the forward can stop early.
-    all_known = saved_ids is not None or n_decode == 0
+    all_known = saved_ids is not None or n_decode == 0 or bool(forced)
     stop_after = max(missing) if (all_known and missing) else None
-    ids = list(saved_ids) if saved_ids is not None else list(prompt.ids)
+    ids = list(saved_ids) if saved_ids is not None else list(prompt.ids) + forced
     model = lm.model
     from transformers import DynamicCache
 
@@ -442,6 +456,38 @@ def _capture(out, settings, state, begin, model_name, prompt_path, allow_extrapo
     shutil.rmtree(staging, ignore_errors=True)
     kept = len(layers) - len(missing)
     return DumpResult(store.open_dump(out), time.perf_counter() - t_start, resumed_layers=kept)
+
+
+def _check_continuation(continuation: str, source: str, prompt_path: str | None, tokens: int | None) -> None:
+    """Refuse a ``--continuation`` the prompt cannot give, before any model loads: ``text`` reads the decode steps'
+    tokens from the text after the prompt, which a synthetic task (its prompt ends at its question) and a whole file
+    (nothing after it) do not have."""
+    if continuation not in CONTINUATIONS:
+        raise DumpError(f"--continuation must be one of {', '.join(CONTINUATIONS)}, got {continuation!r}")
+    if continuation != "text":
+        return
+    if prompt_path is None and source != "text":
+        raise DumpError(f"--continuation text takes the decode steps' tokens from the text after the prompt, and the "
+                        f"{source} task's prompt has none: use --source text or --prompt FILE, or --continuation greedy")
+    if prompt_path is not None and tokens is None:
+        raise DumpError("--continuation text takes the decode steps' tokens from the file after the prompt, and without "
+                        "--tokens the prompt is the whole file: give --tokens (fewer than the file's)")
+
+
+def _prompt_and_continuation(settings: dict, tokenizer, n_decode: int, prompt_path: str | None):
+    """The prompt, and with ``--continuation text`` the ``n_decode`` tokens of its text right after it (the decode
+    steps', teacher-forced); [] for greedy steps (chosen as the model goes)."""
+    from anns_lab.dumps.prompts import build_prompt
+
+    source, tokens, seed = settings["source"], settings["tokens"], settings["seed"]
+    if settings.get("continuation", "greedy") != "text" or n_decode == 0:
+        return build_prompt(source, tokenizer, tokens, seed, prompt_path), []
+    try:
+        whole = build_prompt(source, tokenizer, tokens + n_decode, seed, prompt_path)
+    except PromptError as err:
+        raise PromptError(f"{err} (--continuation text: --tokens {tokens} of prompt and --decode-tokens {n_decode} of "
+                          "the text after it)") from None
+    return dataclasses.replace(whole, ids=whole.ids[:tokens]), whole.ids[tokens:]
 
 
 def _drop_damaged(out: Path, state: dict) -> None:
@@ -567,6 +613,7 @@ def _manifest(settings, lm, prompt, layers, n_prefill, n_decode, n_heads, n_kv, 
         "tokenizer": {"class": type(tok).__name__, "vocab_size": len(tok), "bos_token_id": tok.bos_token_id,
                       "eos_token_id": tok.eos_token_id},
         "prompt": {"source": prompt.source, "params": prompt.params},
+        "continuation": settings.get("continuation", "greedy"),
         "dtype": settings["dtype"],
         "n_tokens": {"prefill": n_prefill, "decode": n_decode},
         "phases": {"prefill": [0, n_prefill], "decode": [n_prefill, n_prefill + n_decode]},

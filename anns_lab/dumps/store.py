@@ -29,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from anns_lab.dumps.prompts import CONTINUATIONS
 from anns_lab.errors import DumpError
 from anns_lab.io import atomic_path
 
@@ -163,6 +164,8 @@ def _manifest_problem(m: dict) -> str | None:
             return f"files[{name!r}] has {entry.get('rows')!r} rows, but n_tokens says {rows}"
     if set(m["files"]) != {TOKENS_FILE, *(layer_file(x) for x in layers)}:
         return f"files lists {sorted(set(m['files']) - {TOKENS_FILE, *(layer_file(x) for x in layers)})}, not files of its layers"
+    if m.get("continuation", "greedy") not in CONTINUATIONS:  # dumps made before the field: greedy
+        return f"continuation must be one of {', '.join(CONTINUATIONS)}, got {m['continuation']!r}"
     for x in layers:
         v = m["scaling"].get(str(x))
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
@@ -200,6 +203,12 @@ class Dump:
     @property
     def model(self) -> str:
         return self.manifest["model"]["name"]
+
+    @property
+    def continuation(self) -> str:
+        """How the decode steps' tokens were chosen: ``greedy`` (the model's argmax; every dump made before the field)
+        or ``text`` (the text's own next tokens, teacher-forced)."""
+        return self.manifest.get("continuation", "greedy")
 
     @property
     def layers(self) -> list[int]:
@@ -248,7 +257,7 @@ class Dump:
         return np.arange(lo, hi, dtype=np.int64)
 
     def tokens(self, phase: str = "all") -> np.ndarray:
-        """Token ids of a phase: the prompt, then the greedily decoded tokens."""
+        """Token ids of a phase: the prompt, then the decode steps' (greedy, or the text's own: the manifest's ``continuation``)."""
         lo, hi = self._rows(phase)
         return self._read(TOKENS_FILE, "token_id")[lo:hi].astype(np.int64)
 

@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from anns_lab.dumps.models import extrapolation_note
+from anns_lab.dumps.prompts import CONTINUATION_WORDS
 from anns_lab.dumps.store import open_dump
 from anns_lab.errors import AnnsLabError
 from anns_lab.eval import costs, failures, figures, findings, html, ivf_gap, paper
@@ -164,7 +165,8 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
               findings.dynamic_vs_static(decay["dynamic"].mean(), decay["static"].mean(),
                                          int(decay["step"].nunique()), k)]
     intro = (f"Dump `{dump.path}` ({dump.model}): {dump.manifest['n_tokens']['prefill']} prefill + "
-             f"{dump.manifest['n_tokens']['decode']} decode tokens; {len(pairs)} (layer, head) pairs of layers "
+             f"{dump.manifest['n_tokens']['decode']} decode tokens ({CONTINUATION_WORDS[dump.continuation]}: their "
+             f"queries are the test queries); {len(pairs)} (layer, head) pairs of layers "
              f"{sorted({p[0] for p in pairs})}; {n_keys:,} keys indexed per head (static window {window[0]},{window[1]} "
              f"excluded); recall@{k}. The paper's figures are for 128K-token contexts of Llama-3-8B and Yi-9B "
              "(docs/paper.md); the metrics are defined in docs/metrics.md.")
