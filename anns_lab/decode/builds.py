@@ -68,8 +68,9 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
     processes = build_processes.pool() if settings.build_processes and plan is not None \
         and build_processes.can_build(registry.get(plan.name)) else None
     in_worker: list = []  # with the builds in workers, the calibration too, on the indexes they left in the spool
+    # an estimator's calibration reads the values (its output error), which the workers' spool does not hold
     then = partial(_calibrate_in_worker, processes, store, newest, settings.calibrate, scaling, in_worker) \
-        if calibrating and processes is not None else None
+        if calibrating and processes is not None and not registry.get(plan.name).estimates else None
     store.build(queries, _device_lists(lm, plan, queries, layer_cache.keys[0, :, lo:hi], settings), per_kv_head=per_kv,
                 others=others, beside=beside, processes=processes, then=then)
     if calibrating and not in_worker:
@@ -97,7 +98,7 @@ def calibrate_spooled(spool, layer: int, n_heads: int, topk: int, plan: IndexPla
     """:func:`calibrate.calibrate` of a layer whose indexes workers built (``spool``: their arrays and the key rows),
     in a worker, which imports it by name: the same indexes and probes as in the decoding process."""
     keys = build_processes.spooled_keys(spool)
-    # the keys stand in for the values, which a calibration never reads
+    # the keys stand in for the values, which only an estimator's calibration reads (never run here: layer_store)
     store = LayerStore(layer, n_heads, keys, keys, topk, plan, add_batch=1, reserve=1)
     rows = [store.key_store.head(g) for g in range(len(keys))]
     store._built(build_processes.spooled_indexes(spool, rows), len(spool.heads) < n_heads)
@@ -158,9 +159,6 @@ def store_notes(stores: dict[int, LayerStore], settings) -> list[str]:
             notes.append(calibration.describe(done, settings.calibrate))
         elif calibration.store_grid(first.indexes) is None and type(first.indexes[0]).search_grid:  # several parameters (an index without any, as flat's exact scan, has none to set)
             notes.append(f"{first.plan.name} has no single search grid parameter: not calibrated")
-        elif type(first.indexes[0]).estimates:  # calibrate.returns_no_ids
-            notes.append(f"{first.plan.name} returns no exact ids (it estimates the softmax from samples): not calibrated, "
-                         "the weight recall of its ids cannot measure it; searched as given")
     return notes
 
 

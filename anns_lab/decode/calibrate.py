@@ -18,6 +18,15 @@ costs almost nothing. Set recall counts that swap a miss, and on a repetitive pr
 sentence at hundreds of positions, so a query's top-100 is a few keys among many near-equal ones) it raised the
 beam up to 12x for no change in the output (BENCHMARKS "Calibration on attention weight").
 
+An estimator (``Index.estimates``: an exact part plus an estimate of the rest, as RetroInfer's clusters or MagicPIG's
+samples) is read by what it returns, the attention output: its output over the layer's indexed keys (the exact part
+and the weighted estimate merged, as the decoder merges them) against exact attention over those keys, ‖o − o*‖ / ‖o*‖,
+and a value reaches the target where that error, the mean over the layer's heads and queries, is at most the error of
+the exact top-k cut to the target's weight (the fewest best keys of each query's exact top-k holding ``target`` of its
+weight: what a top-k index at that weight recall gives where it misses only the lightest keys). The weight recall of an
+estimator's exact hits undersold it (the estimate carries the rest of the softmax: RetroInfer at 0.8 of the weight
+can have a smaller output error than the whole exact top-k) and could not read MagicPIG at all (no exact ids).
+
 The target (``auto``, the default): 0.95 up to 32K keys, 0.01 more per doubling above (0.97 at 128K;
 :func:`auto_target`). On the 128K needles at rows of 40 the newest prefill queries read a few hundredths above the
 decode steps on the needle's hardest layer: 0.9 left seed 0's needle (layer 11 at L 100, 0.904) or seed 2's (when they
@@ -37,8 +46,9 @@ import numpy as np
 import torch
 
 from anns_lab.decode.options import CALIBRATE_AUTO
-from anns_lab.eval.metrics import softmax_weights, topk_weight, weight_recall_at_k
+from anns_lab.eval.metrics import attention_over, softmax_weights, topk_weight, weight_recall_at_k
 from anns_lab.indexes import protocol
+from anns_lab.indexes.estimate import estimate_terms, weighted_partial
 from anns_lab.indexes.threads import map_one_thread
 
 QUERIES = 64  # newest prefill queries per head: ~6,400 (query, key) pairs per head at top-100
@@ -69,20 +79,34 @@ def enabled(target: float | str) -> bool:
 
 @dataclass(frozen=True)
 class Calibration:
-    """A layer's calibrated search: the grid parameter, its value, the weight recall reached there (the mean over the
-    layer's heads, and each head's: the mean can hide one head far below the others) and the values tried (value ->
-    weight recall)."""
+    """A layer's calibrated search: the grid parameter, its value, the reading there (the mean over the layer's heads,
+    and each head's: the mean can hide one head far below the others) and the values tried (value -> reading). The
+    reading is the weight recall (``weight_recall``), or for an estimator the output error (``output_error``, to reach
+    ``bound``: the error of the exact top-k cut to the target's weight; ``weight_recall`` is then None)."""
 
     layer: int
     param: str
     value: object
-    weight_recall: float
+    weight_recall: float | None
     tried: dict
     per_head: tuple = ()
     target: float = TARGET
+    output_error: float | None = None
+    bound: float | None = None
+
+    @property
+    def reached(self) -> bool:
+        """Whether the value set reaches the target (the most thorough value tried is set where none does)."""
+        if self.output_error is not None:
+            return self.output_error <= self.bound
+        return self.weight_recall >= self.target
 
     def describe(self) -> str:
-        heads = f"; heads {min(self.per_head):.3f}-{max(self.per_head):.3f}" if len(self.per_head) > 1 else ""
+        digits = 4 if self.output_error is not None else 3  # errors of a few thousandths, recalls near 1
+        heads = f"; heads {min(self.per_head):.{digits}f}-{max(self.per_head):.{digits}f}" if len(self.per_head) > 1 else ""
+        if self.output_error is not None:
+            return (f"{self.layer}: {self.param}={self.value} (output error {self.output_error:.4f} "
+                    f"{'<=' if self.reached else '>'} {self.bound:.4f}{heads})")
         return f"{self.layer}: {self.param}={self.value} ({self.weight_recall:.3f}{heads})"
 
 
@@ -117,10 +141,11 @@ def store_grid(indexes) -> tuple[str, list] | None:
 def calibrate(store, queries: np.ndarray, target: float | str, scaling: float,
               beside: bool = False) -> Calibration | None:
     """Raise ``store``'s (a built :class:`placement.LayerStore`) search to the cheapest grid value reaching ``target``
-    (:data:`AUTO`: :func:`auto_target` of its keys) mean weight recall@k (:func:`metrics.weight_recall_at_k`, softmax
-    weights at the layer's ``scaling``) on ``queries`` (H, c, d), its newest prefill queries at their own positions,
-    where its present search (:func:`with_present`) falls short; None when its index has no single grid parameter or
-    nothing is indexed. The layer's indexes are read side by side, one per one-thread worker
+    (:data:`AUTO`: :func:`auto_target` of its keys) on ``queries`` (H, c, d), its newest prefill queries at their own
+    positions, where its present search (:func:`with_present`) falls short: mean weight recall@k
+    (:func:`metrics.weight_recall_at_k`, softmax weights at the layer's ``scaling``), or for an estimator the output
+    error of the exact top-k cut to the target's weight (:func:`_estimate_errors`); None when its index has no single
+    grid parameter or nothing is indexed. The layer's indexes are read side by side, one per one-thread worker
     (:func:`threads.map_one_thread`; ``beside``: other work runs, as the prefill or another layer's builds)."""
     if not store.indexes or not store.n_indexed:
         return None
@@ -131,37 +156,49 @@ def calibrate(store, queries: np.ndarray, target: float | str, scaling: float,
     param, values = found
     k = min(store.topk, store.n_indexed)
     queries = np.ascontiguousarray(queries, dtype=np.float32)
-    if map_one_thread(lambda q: returns_no_ids(store, q, k), [queries[0]], beside)[0]:
-        return None
     groups = store._groups()
     heads = [np.concatenate([queries[h] for h in hs]) for hs in groups]
+    estimator = type(store.indexes[0]).estimates
 
-    def reference(g: int) -> tuple[np.ndarray, np.ndarray]:  # each probe's: the same exact top-k every time
+    def reference(g: int):  # each probe's: the same exact top-k (and for an estimator its output) every time
+        if estimator:
+            return _exact_outputs(store, groups[g][0], heads[g], k, target, scaling)
         w = softmax_weights(_scores(heads[g], store.keys[groups[g][0] // store.group, : store.n_indexed]), scaling)
         return w, topk_weight(w, k)
 
     # A layer's probes on one thread were the serial tail of its build on a many-core host (an H200's 16 cores:
     # SmolLM2 8K's layer 11, seven probes up to L 1200, 1.25 s against 0.3 s for a layer probed once).
-    weights, best = zip(*map_one_thread(reference, range(len(groups)), beside))
-    tried: dict = {}
-    per_head: dict = {}  # value -> each query head's mean weight recall there
+    refs = map_one_thread(reference, range(len(groups)), beside)
+    bound = float(np.concatenate([r[1] for r in refs]).mean()) if estimator else None
 
-    def recall(i: int) -> float:
+    def read(g: int, search: dict) -> np.ndarray:  # per query of the group: its weight recall, or its output error
+        res = _checked(store, groups[g][0], heads[g], k, search)
+        if estimator:
+            return _estimate_errors(store, groups[g][0], heads[g], res, refs[g][0], scaling)
+        return weight_recall_at_k(res.ids, refs[g][0], k, refs[g][1])
+
+    tried: dict = {}
+    per_head: dict = {}  # value -> each query head's mean reading there
+
+    def reading(i: int) -> float:
         if values[i] not in tried:
             search = {**store.plan.search_params, param: values[i]}
-            got = map_one_thread(lambda g: weight_recall_at_k(_checked(store, groups[g][0], heads[g], k, search).ids,
-                                                              weights[g], k, best[g]), range(len(groups)), beside)
+            got = map_one_thread(lambda g: read(g, search), range(len(groups)), beside)
             tried[values[i]] = float(np.concatenate(got).mean())
             heads_of = [h for hs in groups for h in hs]  # a group's queries are its heads' in turn, c rows each
             means = [float(part.mean()) for g, hs in zip(got, groups) for part in np.split(g, len(hs))]
             per_head[values[i]] = tuple(m for _, m in sorted(zip(heads_of, means)))
         return tried[values[i]]
 
+    def reaches(i: int) -> bool:
+        return reading(i) <= bound if estimator else reading(i) >= target
+
     values, pick = with_present(store, param, values)
-    if recall(pick) < target:
-        pick = first_reaching(lambda i: recall(i) >= target, pick, len(values) - 1)
-    found = Calibration(store.layer, param, values[pick], tried[values[pick]], dict(sorted(tried.items())),
-                        per_head[values[pick]], target)
+    if not reaches(pick):
+        pick = first_reaching(reaches, pick, len(values) - 1)
+    value = values[pick]
+    found = Calibration(store.layer, param, value, None if estimator else tried[value], dict(sorted(tried.items())),
+                        per_head[value], target, tried[value] if estimator else None, bound)
     apply(store, found)
     return found
 
@@ -171,24 +208,57 @@ def apply(store, found: "Calibration") -> None:
     store.plan = replace(store.plan, search_params={**store.plan.search_params, found.param: found.value})
 
 
-def returns_no_ids(store, queries: np.ndarray, k: int) -> bool:
-    """Whether ``store``'s index is an estimator whose search returns no exact ids (magicpig: samples and weights only,
-    every id padding) for query head 0's ``queries``: the weight recall of its ids reads 0 at every value, the exhaustive
-    one (exact attention) included, and calibrating on it moved every layer to sampling every key."""
-    if not type(store.indexes[0]).estimates:
-        return False
-    return bool((_checked(store, 0, queries, k, store.plan.search_params).ids < 0).all())
-
-
 def _checked(store, head: int, queries: np.ndarray, k: int, search: dict):
     """Query head ``head``'s index searched with ``search``, its result held to the index protocol's id and count rules
-    (as the decoder's steps hold theirs): the recall read from it picks the value, and an id past the keys would index
-    the weights."""
+    and an estimator's to the estimate's (as the decoder's steps hold theirs): the reading taken from it picks the
+    value, and an id past the keys would index the weights."""
     index = store.indexes[head]
     res = index.search(queries, k, **search)
-    protocol.check_result(f"{store.plan.name} (layer {store.layer}) at {search}", res, len(queries), k, store.n_indexed,
-                          index.max_scanned(), check_scores=False)
+    owner = f"{store.plan.name} (layer {store.layer}) at {search}"
+    protocol.check_result(owner, res, len(queries), k, store.n_indexed, index.max_scanned(), check_scores=False)
+    if index.estimates:
+        protocol.check_estimate(owner, res, index)
     return res
+
+
+def _exact_outputs(store, head: int, queries: np.ndarray, k: int, target: float,
+                   scaling: float) -> tuple[np.ndarray, np.ndarray]:
+    """For an estimator's calibration, per query of ``head``'s index: exact attention over the indexed keys (r, dv), in
+    float64, and the output error of its exact top-k cut to ``target`` of the top-k's weight (its fewest heaviest keys
+    holding that share): the error a top-k index at weight recall ``target`` would have if it missed only the lightest
+    keys, the bound an estimator's must not exceed."""
+    keys = store.keys[head // store.group, : store.n_indexed].astype(np.float64)
+    values = store.values[head // store.group, : store.n_indexed].astype(np.float64)
+    full = np.empty((len(queries), values.shape[1]))
+    cut_errors = np.empty(len(queries))
+    for i, q in enumerate(queries):
+        logits = (keys @ q.astype(np.float64)) * scaling
+        full[i] = attention_over(logits, values)
+        top = np.argpartition(-logits, k - 1)[:k] if k < len(logits) else np.arange(len(logits))
+        top = top[np.argsort(-logits[top], kind="stable")]  # heaviest first
+        share = np.cumsum(np.exp(logits[top] - logits[top[0]]))
+        kept = top[: int(np.searchsorted(share, target * share[-1])) + 1]  # the fewest reaching the share
+        cut_errors[i] = np.linalg.norm(attention_over(logits, values, kept) - full[i]) / np.linalg.norm(full[i])
+    return full, cut_errors
+
+
+def _estimate_errors(store, head: int, queries: np.ndarray, res, full: np.ndarray, scaling: float) -> np.ndarray:
+    """Per query, the output error of an estimator's result ``res`` (``head``'s index): its exact ids and its weighted
+    estimate merged into one partial softmax over the indexed keys (:func:`estimate.weighted_partial`, as the decoder
+    merges them), against ``full``, exact attention over those keys."""
+    keys = store.keys[head // store.group, : store.n_indexed]
+    values = store.values[head // store.group, : store.n_indexed]
+    summ, sums = store._summaries.get(head, (None, None))
+    errors = np.empty(len(queries))
+    for i, q in enumerate(queries):
+        ids = np.unique(res.ids[i][res.ids[i] >= 0])
+        s_logits, s_weights, s_values = estimate_terms(q, keys, values, scaling, *res.estimate.row(i), summ, sums) \
+            if res.estimate is not None else (np.empty(0), np.empty(0), np.empty((0, values.shape[1])))
+        logits = np.concatenate([(keys[ids].astype(np.float64) @ q.astype(np.float64)) * scaling, s_logits])
+        weights = np.concatenate([np.ones(len(ids)), s_weights])
+        out, _, _ = weighted_partial(logits, weights, np.concatenate([values[ids].astype(np.float64), s_values]))
+        errors[i] = np.linalg.norm(out - full[i]) / np.linalg.norm(full[i])
+    return errors
 
 
 def _scores(queries: np.ndarray, keys: np.ndarray) -> np.ndarray:
@@ -238,10 +308,12 @@ def describe(calibrations: list[Calibration], setting: float | str = AUTO) -> st
     ``--param`` value beyond it, probed itself) fell short of their target (a weight recall of 0.9496 prints as 0.950
     beside a target of 0.95)."""
     params = " / ".join(dict.fromkeys(x.param for x in calibrations))  # a --from-sweep mode's layers may differ in index
-    short = [str(x.layer) for x in calibrations if x.weight_recall < x.target]
+    short = [str(x.layer) for x in calibrations if not x.reached]
     targets = sorted({round(x.target, 3) for x in calibrations})
     said = " / ".join(f"{t:g}" for t in targets) + (f" ({AUTO}: by the keys held)" if setting == AUTO else "")
-    return (f"calibrated {params} per layer to weight recall@k >= {said} on the newest {QUERIES} prefill queries (raised "
+    rule = (f"output error <= the exact top-k's cut to weight {said} (an estimator)"
+            if any(x.output_error is not None for x in calibrations) else f"weight recall@k >= {said}")
+    return (f"calibrated {params} per layer to {rule} on the newest {QUERIES} prefill queries (raised "
             "from the search given where that fell below): "
             + ", ".join(x.describe() for x in calibrations)
             + (f"; short of the target at the most thorough value tried: layer {', '.join(short)}" if short else ""))
