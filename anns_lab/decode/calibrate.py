@@ -46,9 +46,8 @@ import numpy as np
 import torch
 
 from anns_lab.decode.options import CALIBRATE_AUTO
-from anns_lab.eval.metrics import attention_over, softmax_weights, topk_weight, weight_recall_at_k
+from anns_lab.eval.metrics import softmax_weights, topk_weight, weight_recall_at_k
 from anns_lab.indexes import protocol
-from anns_lab.indexes.estimate import estimate_terms, weighted_partial
 from anns_lab.indexes.threads import map_one_thread
 
 QUERIES = 64  # newest prefill queries per head: ~6,400 (query, key) pairs per head at top-100
@@ -169,12 +168,12 @@ def calibrate(store, queries: np.ndarray, target: float | str, scaling: float,
     # A layer's probes on one thread were the serial tail of its build on a many-core host (an H200's 16 cores:
     # SmolLM2 8K's layer 11, seven probes up to L 1200, 1.25 s against 0.3 s for a layer probed once).
     refs = map_one_thread(reference, range(len(groups)), beside)
-    bound = float(np.concatenate([r[1] for r in refs]).mean()) if estimator else None
+    bound = float(np.concatenate([r[3] for r in refs]).mean()) if estimator else None
 
     def read(g: int, search: dict) -> np.ndarray:  # per query of the group: its weight recall, or its output error
         res = _checked(store, groups[g][0], heads[g], k, search)
         if estimator:
-            return _estimate_errors(store, groups[g][0], heads[g], res, refs[g][0], scaling)
+            return _estimate_errors(store, groups[g][0], heads[g], res, refs[g], scaling)
         return weight_recall_at_k(res.ids, refs[g][0], k, refs[g][1])
 
     tried: dict = {}
@@ -221,44 +220,77 @@ def _checked(store, head: int, queries: np.ndarray, k: int, search: dict):
     return res
 
 
+ROWS = 64  # queries per block of an estimator's dense readings: 64 × n float64 (64 MiB at 128K keys)
+
+
 def _exact_outputs(store, head: int, queries: np.ndarray, k: int, target: float,
-                   scaling: float) -> tuple[np.ndarray, np.ndarray]:
-    """For an estimator's calibration, per query of ``head``'s index: exact attention over the indexed keys (r, dv), in
-    float64, and the output error of its exact top-k cut to ``target`` of the top-k's weight (its fewest heaviest keys
-    holding that share): the error a top-k index at weight recall ``target`` would have if it missed only the lightest
-    keys, the bound an estimator's must not exceed."""
-    keys = store.keys[head // store.group, : store.n_indexed].astype(np.float64)
+                   scaling: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For an estimator's calibration, per query of ``head``'s index: its scaled logits over the indexed keys less
+    the row's largest (r, n) float32 and that largest (r,), exact attention over the keys (r, dv) in float64, and the
+    output error of its exact top-k cut to ``target`` of the top-k's weight (its fewest heaviest keys holding that
+    share): the error a top-k index at weight recall ``target`` would have if it missed only the lightest keys, the
+    bound an estimator's must not exceed."""
+    keys = store.keys[head // store.group, : store.n_indexed]
     values = store.values[head // store.group, : store.n_indexed].astype(np.float64)
+    logits = _scores(queries, keys)
+    top_logit = logits.max(axis=1)
+    logits -= top_logit[:, None]
+    logits *= np.float32(scaling)
     full = np.empty((len(queries), values.shape[1]))
     cut_errors = np.empty(len(queries))
-    for i, q in enumerate(queries):
-        logits = (keys @ q.astype(np.float64)) * scaling
-        full[i] = attention_over(logits, values)
-        top = np.argpartition(-logits, k - 1)[:k] if k < len(logits) else np.arange(len(logits))
-        top = top[np.argsort(-logits[top], kind="stable")]  # heaviest first
-        share = np.cumsum(np.exp(logits[top] - logits[top[0]]))
-        kept = top[: int(np.searchsorted(share, target * share[-1])) + 1]  # the fewest reaching the share
-        cut_errors[i] = np.linalg.norm(attention_over(logits, values, kept) - full[i]) / np.linalg.norm(full[i])
-    return full, cut_errors
+    for lo in range(0, len(queries), ROWS):
+        w = np.exp(logits[lo:lo + ROWS].astype(np.float64))
+        full[lo:lo + ROWS] = (w @ values) / w.sum(axis=1, keepdims=True)
+        top = np.argpartition(-w, k - 1, axis=1)[:, :k] if k < w.shape[1] else np.tile(np.arange(w.shape[1]), (len(w), 1))
+        top_w = np.take_along_axis(w, top, axis=1)
+        order = np.argsort(-top_w, axis=1, kind="stable")  # heaviest first
+        top, top_w = np.take_along_axis(top, order, axis=1), np.take_along_axis(top_w, order, axis=1)
+        share = np.cumsum(top_w, axis=1)
+        kept = np.arange(top.shape[1]) <= np.argmax(share >= target * share[:, -1:], axis=1)[:, None]  # fewest reaching
+        kept_w = np.where(kept, top_w, 0.0)
+        cut = np.einsum("rk,rkd->rd", kept_w, values[top]) / kept_w.sum(axis=1, keepdims=True)
+        cut_errors[lo:lo + ROWS] = _relative(cut, full[lo:lo + ROWS])
+    return logits, top_logit, full, cut_errors
 
 
-def _estimate_errors(store, head: int, queries: np.ndarray, res, full: np.ndarray, scaling: float) -> np.ndarray:
-    """Per query, the output error of an estimator's result ``res`` (``head``'s index): its exact ids and its weighted
-    estimate merged into one partial softmax over the indexed keys (:func:`estimate.weighted_partial`, as the decoder
-    merges them), against ``full``, exact attention over those keys."""
-    keys = store.keys[head // store.group, : store.n_indexed]
-    values = store.values[head // store.group, : store.n_indexed]
+def _estimate_errors(store, head: int, queries: np.ndarray, res, ref: tuple, scaling: float) -> np.ndarray:
+    """Per query, the output error of an estimator's result ``res`` (``head``'s index) against exact attention over the
+    indexed keys (``ref``: :func:`_exact_outputs`'): its exact ids (weight 1), its samples (their weights) and its
+    summaries (their members' count, the members' mean value) in one partial softmax, as a decode step merges them
+    (:func:`estimate.estimate_terms`), each block of queries as a dense weighted product over the keys."""
+    logits, top_logit, full, _ = ref
+    values = store.values[head // store.group, : store.n_indexed].astype(np.float64)
     summ, sums = store._summaries.get(head, (None, None))
     errors = np.empty(len(queries))
-    for i, q in enumerate(queries):
-        ids = np.unique(res.ids[i][res.ids[i] >= 0])
-        s_logits, s_weights, s_values = estimate_terms(q, keys, values, scaling, *res.estimate.row(i), summ, sums) \
-            if res.estimate is not None else (np.empty(0), np.empty(0), np.empty((0, values.shape[1])))
-        logits = np.concatenate([(keys[ids].astype(np.float64) @ q.astype(np.float64)) * scaling, s_logits])
-        weights = np.concatenate([np.ones(len(ids)), s_weights])
-        out, _, _ = weighted_partial(logits, weights, np.concatenate([values[ids].astype(np.float64), s_values]))
-        errors[i] = np.linalg.norm(out - full[i]) / np.linalg.norm(full[i])
+    for lo in range(0, len(queries), ROWS):
+        rows = slice(lo, min(lo + ROWS, len(queries)))
+        n_rows = rows.stop - rows.start
+        chosen = np.zeros((n_rows, logits.shape[1]))  # each key's weight in the estimate: 1 exact, 1/p sampled
+        r, c = np.nonzero(res.ids[rows] >= 0)
+        chosen[r, res.ids[rows][r, c]] = 1.0
+        if res.estimate is not None:
+            r, c = np.nonzero(res.estimate.sample_ids[rows] >= 0)
+            np.add.at(chosen, (r, res.estimate.sample_ids[rows][r, c]), res.estimate.sample_weights[rows][r, c])
+        p = chosen * np.exp(logits[rows].astype(np.float64))
+        num, z = p @ values, p.sum(axis=1)
+        if res.estimate is not None and summ is not None and (res.estimate.summary_ids[rows] >= 0).any():
+            # a centroid's logit on the rows' scale: its score less the row's best key's, scaled
+            s_logits = (queries[rows].astype(np.float64) @ summ.keys.T.astype(np.float64) - top_logit[rows, None]) * scaling
+            picked = np.zeros(s_logits.shape)
+            r, c = np.nonzero(res.estimate.summary_ids[rows] >= 0)
+            picked[r, res.estimate.summary_ids[rows][r, c]] = summ.counts[res.estimate.summary_ids[rows][r, c]]
+            ps = picked * np.exp(s_logits)
+            counts = np.maximum(summ.counts, 1).astype(np.float64)
+            num += ps @ (sums / counts[:, None])
+            z += ps.sum(axis=1)
+        out = np.divide(num, z[:, None], out=np.zeros_like(num), where=z[:, None] > 0)  # nothing returned: output 0
+        errors[rows] = _relative(out, full[rows])
     return errors
+
+
+def _relative(out: np.ndarray, exact: np.ndarray) -> np.ndarray:
+    """Per row, ‖out − exact‖ / ‖exact‖."""
+    return np.linalg.norm(out - exact, axis=1) / np.linalg.norm(exact, axis=1)
 
 
 def _scores(queries: np.ndarray, keys: np.ndarray) -> np.ndarray:

@@ -7,7 +7,7 @@ long text tends to repeat a line of it, and the steps' queries then repeat too).
 Work is resumable by layer: the token ids are saved first, each layer's Parquet file is recorded
 in ``.staging/progress.json`` as soon as it is renamed into place, and a re-run with the same
 settings (``--layers`` as the layers it selects, however spelled) keeps those files and captures
-only the missing layers. With every token known in advance (a resume, or no decode steps) the
+only the missing layers. With every token known in advance (a resume, a text continuation, or no decode steps) the
 forward pass stops after the deepest missing layer.
 """
 
