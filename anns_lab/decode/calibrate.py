@@ -10,7 +10,7 @@ of the built indexes, the union over the layer's heads where they differ: roargr
 ordered cheapest first; the most thorough one when none does). It is never lowered: the default search is the one whose fidelity was measured, and at 8K the newest
 prefill queries read below the decode steps (BENCHMARKS "Which target"), so a cut on their word would go below what
 was validated; and where the search given suffices, one probe settles it. Every index mode is calibrated alike, so
-the modes of a run are compared at the same least weight recall.
+the modes of a run are compared at the same least fidelity (an estimator read by its output, below).
 
 Weight recall (:func:`metrics.weight_recall_at_k`) counts each exact top-k key by its softmax weight at the layer's
 scale, not as one of k: attention loses a missed key's weight, so a key swapped for a near-tie just outside the top-k
