@@ -78,7 +78,8 @@ def no_model_load(monkeypatch):
     ({"seed": -1}, DumpError, "--seed must be a non-negative"),
     ({"continuation": "sampled"}, DumpError, "--continuation must be one of greedy, text"),
     ({"continuation": "text", "source": "passkey"}, DumpError, "the passkey task's prompt has none"),
-    ({"continuation": "text", "prompt": "Some words to prefill."}, DumpError, "without --tokens the prompt is the whole file"),
+    ({"continuation": "text", "prompt": "Some words to prefill."}, DumpError, "without --tokens the prompt is the whole text"),
+    ({"continuation": "text", "tokens": None}, DumpError, "without --tokens the prompt is the whole text"),
 ])
 def test_dump_arguments_fail_before_the_model_load_and_leave_nothing(tiny_llama, tmp_path, no_model_load, kw, error,
                                                                      words):

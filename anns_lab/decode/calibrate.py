@@ -257,7 +257,9 @@ def _estimate_errors(store, head: int, queries: np.ndarray, res, ref: tuple, sca
     """Per query, the output error of an estimator's result ``res`` (``head``'s index) against exact attention over the
     indexed keys (``ref``: :func:`_exact_outputs`'): its exact ids (weight 1), its samples (their weights) and its
     summaries (their members' count, the members' mean value) in one partial softmax, as a decode step merges them
-    (:func:`estimate.estimate_terms`), each block of queries as a dense weighted product over the keys."""
+    (:func:`estimate.estimate_terms`), each block of queries as a dense weighted product over the keys (a loop over
+    :func:`estimate.estimate_terms` per query took minutes on a sampled estimator; tests/test_decode_calibrate.py holds
+    these errors to the decoder's own step output, :meth:`LayerStore.side`)."""
     logits, top_logit, full, _ = ref
     values = store.values[head // store.group, : store.n_indexed].astype(np.float64)
     summ, sums = store._summaries.get(head, (None, None))

@@ -460,8 +460,8 @@ def _capture(out, settings, state, begin, model_name, prompt_path, allow_extrapo
 
 def _check_continuation(continuation: str, source: str, prompt_path: str | None, tokens: int | None) -> None:
     """Refuse a ``--continuation`` the prompt cannot give, before any model loads: ``text`` reads the decode steps'
-    tokens from the text after the prompt, which a synthetic task (its prompt ends at its question) and a whole file
-    (nothing after it) do not have."""
+    tokens from the text after the prompt, which a synthetic task (its prompt ends at its question) and a prompt of no
+    set length (a whole file: nothing after it) do not have."""
     if continuation not in CONTINUATIONS:
         raise DumpError(f"--continuation must be one of {', '.join(CONTINUATIONS)}, got {continuation!r}")
     if continuation != "text":
@@ -469,9 +469,9 @@ def _check_continuation(continuation: str, source: str, prompt_path: str | None,
     if prompt_path is None and source != "text":
         raise DumpError(f"--continuation text takes the decode steps' tokens from the text after the prompt, and the "
                         f"{source} task's prompt has none: use --source text or --prompt FILE, or --continuation greedy")
-    if prompt_path is not None and tokens is None:
-        raise DumpError("--continuation text takes the decode steps' tokens from the file after the prompt, and without "
-                        "--tokens the prompt is the whole file: give --tokens (fewer than the file's)")
+    if tokens is None:  # a file's prompt is then all of it; the built-in text has no length to stop at
+        raise DumpError("--continuation text takes the decode steps' tokens from the text after the prompt, and without "
+                        "--tokens the prompt is the whole text: give --tokens (fewer than the text's)")
 
 
 def _prompt_and_continuation(settings: dict, tokenizer, n_decode: int, prompt_path: str | None):
