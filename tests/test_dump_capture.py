@@ -223,3 +223,26 @@ def test_attention_terms_the_lab_does_not_model_are_refused_in_capture_and_decod
         retrieval.phase = phase
         with pytest.raises(DecodeError, match=what):
             retrieval.attend(module, q[:, :, :1], k, v, None, scaling=0.25, **extra)
+
+
+def test_sdpa_masks_are_additive_on_the_cpu_and_attend_as_the_boolean_ones():
+    """SDPA's CPU kernels make a float mask of a boolean one on every call (chunks of 2048 over 8K keys: 64 MB mapped
+    and page-faulted per layer); the capture and the decoder register masks built additive once per forward."""
+    import torch.nn.functional as F
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    from anns_lab.dumps.models import attention_masks
+
+    build = attention_masks("sdpa")
+    chunk = dict(batch_size=1, q_length=5, kv_length=12, q_offset=7, device="cpu", allow_is_causal_skip=True)
+    boolean = sdpa_mask(**chunk)
+    additive = build(**chunk, dtype=torch.float32)
+    assert boolean.dtype == torch.bool and additive.dtype == torch.float32
+    assert torch.equal(additive == 0, boolean) and bool((additive[~boolean] == torch.finfo(torch.float32).min).all())
+    q, k, v = torch.randn(3, 1, 2, 12, 8).unbind(0)
+    q = q[:, :, 7:]
+    torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, attn_mask=additive),
+                               F.scaled_dot_product_attention(q, k, v, attn_mask=boolean), rtol=0, atol=1e-6)
+    first = dict(chunk, q_length=12, q_offset=0)
+    assert sdpa_mask(**first) is None and build(**first, dtype=torch.float32) is None  # SDPA's own causal path
+    assert attention_masks("eager") is ALL_MASK_ATTENTION_FUNCTIONS["eager"]

@@ -22,6 +22,7 @@ def test_estimate_parts():
     # KV: one full layer over every token plus 17 sliding layers over their window, K and V, float32.
     assert est.parts["KV cache"] == 2 * 256 * 4 * (131072 + 17 * 512)
     assert est.parts["attention scores of a 2048-token chunk"] == 2 * 2048 * 4 * 131072 * 4
+    assert est.parts["attention mask of a 2048-token chunk"] == 2048 * 131072 * (4 + 1)  # float, from a boolean one
     small = prefill_estimate(GEMMA_LIKE, 131072, 512)
     assert small.total < est.total and small.parts["KV cache"] == est.parts["KV cache"]
     decode = prefill_estimate(GEMMA_LIKE, 131072, 2048, query_layers=3, index_layers=3, cache_copy=True)

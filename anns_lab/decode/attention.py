@@ -36,7 +36,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from anns_lab.decode.copy_hints import CopyHints
 from anns_lab.decode.kernels import attend_window, merge
 from anns_lab.decode.placement import LayerStore
-from anns_lab.dumps.models import unmodelled
+from anns_lab.dumps.models import attention_masks, unmodelled
 from anns_lab.errors import DecodeError
 from anns_lab.indexes.threads import one_thread
 from anns_lab.window import Window
@@ -227,7 +227,7 @@ def retrieving(model, controller: Retrieval):
         inner = "sdpa"
     controller.inner = inner
     # Masks are built per implementation name; ours must get exactly the masks the inner one expects.
-    AttentionMaskInterface.register(RETRIEVAL_IMPL, ALL_MASK_ATTENTION_FUNCTIONS[inner])
+    AttentionMaskInterface.register(RETRIEVAL_IMPL, attention_masks(inner))
     token = _ACTIVE.set(controller)
     model.set_attn_implementation(RETRIEVAL_IMPL)
     try:

@@ -16,7 +16,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from anns_lab.dumps.models import unmodelled
+from anns_lab.dumps.models import attention_masks, unmodelled
 from anns_lab.errors import DumpError
 
 CAPTURE_IMPL = "anns_capture"
@@ -63,7 +63,7 @@ def capturing(model, sink: Sink, stop_after: int | None = None):
     if inner == CAPTURE_IMPL:
         raise DumpError("capture is already active on this model")
     # Masks are built per implementation name; ours must get exactly the masks the inner one expects.
-    AttentionMaskInterface.register(CAPTURE_IMPL, ALL_MASK_ATTENTION_FUNCTIONS[inner])
+    AttentionMaskInterface.register(CAPTURE_IMPL, attention_masks(inner))
     token = _ACTIVE.set((sink, inner, stop_after))
     model.set_attn_implementation(CAPTURE_IMPL)
     try:

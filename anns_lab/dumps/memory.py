@@ -4,7 +4,7 @@ A 128K-token prefill that runs out of memory is killed by the kernel after minut
 nothing said. The big terms are known from the model's config before the first token: the KV cache
 (float32, every layer; a sliding-window layer keeps its window), the queries a decode run keeps (all of them
 for the attention-aware indexes, the newest only for ``--calibrate``), one chunk's activations (the attention
-scores, chunk × heads × context, in case the attention materialises them, and the MLP's), and what a decode mode
+scores, chunk × heads × context, in case the attention materialises them, its mask and the MLP's), and what a decode mode
 adds (a copy of the cache for ``full``; float32 keys, values and graphs of the long-range layers for an index).
 """
 
@@ -86,7 +86,7 @@ def prefill_estimate(cfg, n_tokens: int, chunk: int, query_layers: int = 0, inde
                      cache_copy: bool = False, query_tokens: int | None = None, building_layers: int = 0,
                      build_workers: int = 0) -> Estimate:
     """Peak bytes of a chunked prefill of ``n_tokens`` with model config ``cfg``: KV cache, one chunk's
-    attention scores and MLP activations; ``query_layers`` layers whose queries are kept (decode's training
+    attention scores, mask and MLP activations; ``query_layers`` layers whose queries are kept (decode's training
     queries; ``query_tokens``: only each head's newest so many, None: every token's); ``index_layers``
     long-range layers held on the CPU with a graph per query head (a decode mode); ``cache_copy``: a second copy
     of the cache (decode's ``full``); ``building_layers``: layers whose attention-aware builds are in flight at once
@@ -104,6 +104,7 @@ def prefill_estimate(cfg, n_tokens: int, chunk: int, query_layers: int = 0, inde
     parts = {
         "KV cache": kv,
         f"attention scores of a {c}-token chunk": 2 * c * n_heads * n_tokens * FLOAT,
+        f"attention mask of a {c}-token chunk": c * n_tokens * (FLOAT + 1),  # additive, built from a boolean one
         f"activations of a {c}-token chunk": c * (4 * cfg.hidden_size + 3 * getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)) * FLOAT,
     }
     if query_layers:

@@ -420,6 +420,27 @@ def weights_fingerprint(model, samples: int = 64) -> str:
     return h.hexdigest()
 
 
+def attention_masks(inner: str):
+    """The mask builder to register for an attention function that wraps a model's own ``inner`` one: the inner
+    one's masks, where SDPA's are boolean on the CPU made additive in the attention's dtype (SDPA's CPU kernels
+    convert a boolean mask to float on every call: at 8K a 64 MB buffer mapped and page-faulted per layer and
+    chunk, where this converts once per forward)."""
+    import torch
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    build = ALL_MASK_ATTENTION_FUNCTIONS[inner]
+    if inner != "sdpa":
+        return build
+
+    def additive(*args, dtype=torch.float32, **kwargs):
+        mask = build(*args, dtype=dtype, **kwargs)
+        if mask is None or mask.dtype != torch.bool or mask.device.type != "cpu":
+            return mask  # None: SDPA's own causal path (a first chunk); on an accelerator SDPA takes booleans as they are
+        return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
+
+    return additive
+
+
 def forward_tokens(lm, cache, ids: list[int], start: int, end: int):
     """Run positions ``start:end`` of ``ids`` through the model on top of ``cache``; logits of the last position."""
     import torch
