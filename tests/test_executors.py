@@ -498,10 +498,14 @@ def test_ray_worker_killed_mid_sweep_is_retried_and_the_table_is_complete(tiny_d
     assert set(zip(got["layer"], got["head"])) == {(1, 0), (1, 3), (3, 0), (3, 3)}
 
 
-def test_ray_a_stuck_plugin_is_cancelled_at_the_part_timeout_and_fails_its_own_parts_only(tiny_dump, local_table,
-                                                                                         ray_cluster, tmp_path):
+def test_ray_a_stuck_plugin_ends_its_worker_at_the_part_timeout_and_fails_its_own_parts_only(tiny_dump, local_table,
+                                                                                            ray_cluster, tmp_path):
     """Before: --part-timeout was refused on Ray, where an index that never returned held the sweep for ever. This
-    one hangs in C holding the GIL: only killing its worker stops it."""
+    one hangs in C holding the GIL: only ending its worker stops it. The worker ends itself (faulthandler's watchdog,
+    whose stack dump in the worker's log names the index's search), where the driver's force-cancel could meet a task
+    finishing and abort the driver (Ray 2.60)."""
+    logs = Path(f"/tmp/anns-ray-{os.getpid()}")  # the test cluster's --temp-dir
+    seen = {p: p.read_bytes().count(b"Timeout (0:00:03)!") for p in logs.rglob("worker-*.err")}
     pids = tmp_path / "pids"
     pids.mkdir()
     res = sweep(tiny_dump, tmp_path / "res", indexes=["faulty", "flat"], layers=[3], executor="ray",
@@ -514,6 +518,9 @@ def test_ray_a_stuck_plugin_is_cancelled_at_the_part_timeout_and_fails_its_own_p
     assert len(list(pids.iterdir())) == 2  # one build per part: a timed-out part is not retried in the run
     flat = local_table.query("index == 'flat' and layer == 3").reset_index(drop=True)
     pd.testing.assert_frame_equal(res.table[SAME].reset_index(drop=True), flat[SAME])
+    dumps = [p.read_text(errors="replace") for p in logs.rglob("worker-*.err")
+             if p.read_bytes().count(b"Timeout (0:00:03)!") > seen.get(p, 0)]
+    assert len(dumps) == 2 and all("faulty_indexes.py" in text for text in dumps), dumps  # each worker's own watchdog
 
 
 def test_ray_a_retry_after_a_worker_death_has_a_clock_of_its_own(tiny_dump, local_table, ray_cluster, tmp_path):

@@ -8,14 +8,19 @@ through the object store, released when the head's last task ends. Ray itself si
 thread pools to its ``num_cpus`` (OMP_NUM_THREADS). The driver alone writes
 ``parts/``, exactly as with the local executor, so a sweep may move between the two.
 
-With a ``part_timeout``, each task tells a small clock actor when its index starts and ends (its head's read not
-counted, as locally): the driver cancels a task that runs past it with ``force=True``, which kills its worker process
-whatever the index is doing, and fails the part as timed out, not retried in the run. The driver then retries dead
-workers itself, each attempt on the clock under its own key.
+With a ``part_timeout``, a task's worker ends itself once its index has run that long (its head's read not counted,
+as locally): ``faulthandler``'s watchdog, a C thread that needs no GIL, writes the index's stack to the worker's log
+and exits the process whatever the index is doing. Each task also tells a small clock actor when its index starts and
+ends, so the driver can tell a worker that timed out (its attempt on the clock for the timeout) from one that died,
+fails the first as timed out, not retried in the run, and retries the second itself, each attempt on the clock under
+its own key. The driver cancels nothing on time: a ``ray.cancel`` that meets a task finishing at that moment can abort
+the driver (Ray 2.60). Only a worker that outlives its own watchdog (an index that replaced it: ``faulthandler``
+keeps one) is force-cancelled, at ``BACKSTOP`` times the timeout.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import time
 from collections import deque
 from dataclasses import replace
@@ -27,11 +32,16 @@ from anns_lab.eval.executors.ray_cluster import Cluster, check_cpus_per_task
 DATA_MODES = ("auto", "path", "ship")
 # Ray errors that mean the worker (or its node) died, which a retry may outlive; a force-cancel is one too
 _DEATHS = ("WorkerCrashedError", "NodeDiedError", "OutOfMemoryError", "TaskCancelledError", "LocalRayletDiedError")
+BACKSTOP = 3.0  # the driver force-cancels a task whose worker is still running this many part timeouts after its start
+CLOCK_SLACK = 0.1  # a dead attempt counts as timed out when the clock saw it run (1 - this) x the timeout: the clock
+# hears of a start a little after the watchdog is armed (an actor call; the driver hears of a death later still)
 
 
-def _part_task(work: Work, layer: int, head: int, index: str, data=None, clock=None, key: str | None = None):
-    """Runs on a Ray worker: one part; its error (SystemExit included) comes back as text. ``clock`` (an actor
-    handle, with a part timeout) hears when the index starts and ends, as ``key`` (the part and its attempt)."""
+def _part_task(work: Work, layer: int, head: int, index: str, data=None, clock=None, key: str | None = None,
+               timeout: float = 0.0):
+    """Runs on a Ray worker: one part; its error (SystemExit included) comes back as text. With a ``timeout`` the
+    worker exits once the index has run that long; ``clock`` (an actor handle) hears when the index starts and
+    ends, as ``key`` (the part and its attempt)."""
     work.setup_worker()
     error = None
     if data is None:
@@ -39,9 +49,13 @@ def _part_task(work: Work, layer: int, head: int, index: str, data=None, clock=N
     if error:
         return None, error
     _tell(clock, "start", key)
+    if timeout:
+        faulthandler.dump_traceback_later(timeout, exit=True)
     try:
         return attempt(work, data, index)
     finally:
+        if timeout:
+            faulthandler.cancel_dump_traceback_later()
         _tell(clock, "finish", key)
 
 
@@ -155,7 +169,8 @@ class RayExecutor:
                         continue
                     retries = 0 if clock else tries.get(part, 1) - 1
                     ref = task.options(num_cpus=self.cpus_per_task, max_retries=retries, retry_exceptions=False).remote(
-                        work, part.layer, part.head, part.index, heads.get(key), clock, f"{part} #{n}")
+                        work, part.layer, part.head, part.index, heads.get(key), clock, f"{part} #{n}",
+                        self.part_timeout)
                     inflight[ref] = (part, n)
                 if not inflight:  # every part submitted so far was of an unreadable head
                     continue
@@ -166,7 +181,7 @@ class RayExecutor:
                 for ref in done:
                     part, n = inflight.pop(ref)
                     outcome = self._outcome(ref, part, n if clock else tries.get(part, 1))
-                    if ref in overdue and outcome.crashed:
+                    if outcome.crashed and (ref in overdue or self._timed_out(clock, f"{part} #{n}")):
                         outcome = Outcome(part, None, f"its Ray worker was killed: the index ran past --part-timeout "
                                                       f"{self.part_timeout:g} s", n, crashed=True)
                     elif clock is not None and outcome.crashed and n < tries.get(part, 1):
@@ -192,26 +207,46 @@ class RayExecutor:
                     pass
 
     def _clock(self):
-        """The part-timeout clock: an actor on the driver's node where it can (restarted if it dies: its attempts
-        then run without a timeout, rather than the sweep failing)."""
+        """The part-timeout clock: an actor on the driver's node where it can, up before any task starts (a worker's
+        call to an actor still starting waits in that worker, and dies with it). Restarted if it dies: the attempts
+        it lost then count as workers' deaths when their watchdog ends them, rather than the sweep failing."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         here = NodeAffinitySchedulingStrategy(self.ray.get_runtime_context().get_node_id(), soft=True)
-        return self.ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1,
-                               scheduling_strategy=here)(_StartClock).remote()
+        clock = self.ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1,
+                                scheduling_strategy=here)(_StartClock).remote()
+        try:
+            self.ray.get(clock.running_for.remote(), timeout=120)
+        except self.ray.exceptions.RayError as err:
+            self.log(f"ray: the part-timeout clock did not start ({type(err).__name__}); a part that times out counts "
+                     "as its worker's death")
+        return clock
+
+    def _timed_out(self, clock, key: str) -> bool:
+        """Whether the dead attempt ``key`` was ended by its own watchdog: the clock saw its index start and not end,
+        about the part timeout ago (False without a clock, or when it does not answer: the attempt then counts as a
+        worker's death)."""
+        if clock is None:
+            return False
+        try:
+            started = self.ray.get(clock.running_for.remote(), timeout=60)
+        except self.ray.exceptions.RayError:
+            return False
+        return started.get(key, 0.0) >= (1.0 - CLOCK_SLACK) * self.part_timeout
 
     def _cancel_overdue(self, clock, running: dict) -> set:
-        """Force-cancel the tasks (``running``: ref -> its attempt's key) whose index has run past the part timeout;
-        returns their refs. One that has just finished is left its result. (One that ends at the very moment of the
-        cancel races it, which Ray 2.60 may answer by aborting the driver: see Cluster.abandon; finished parts are on
-        disk by then, and the same command resumes.)"""
+        """Force-cancel the tasks (``running``: ref -> its attempt's key) whose worker is still running ``BACKSTOP``
+        part timeouts after its index started (its watchdog did not end it); returns their refs. One that has just
+        finished is left its result. (One that ends at the very moment of the cancel races it, which Ray 2.60 may
+        answer by aborting the driver: see Cluster.abandon; finished parts are on disk by then, and the same command
+        resumes. The watchdog leaves this to indexes that replace it.)"""
         ray = self.ray
         try:
             started = ray.get(clock.running_for.remote(), timeout=60)
         except ray.exceptions.RayError as err:
             self.log(f"ray: the part-timeout clock did not answer ({type(err).__name__}); no part timed out this round")
             return set()
-        late = [ref for ref, key in running.items() if started.get(key, 0.0) > self.part_timeout]
+        late = [ref for ref, key in running.items() if started.get(key, 0.0) > BACKSTOP * self.part_timeout]
         if late:
             ready, _ = ray.wait(late, num_returns=len(late), timeout=0)
             late = [ref for ref in late if ref not in ready]
