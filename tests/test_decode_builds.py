@@ -326,3 +326,58 @@ def test_a_plugin_that_raises_or_exits_is_one_error_naming_it_and_its_layer(tiny
                else rf"^layer \d+: broken's search raised {said}")
     with pytest.raises(DecodeError, match=pattern):
         runner.run_sample(lm, [Mode("broken", IndexPlan("broken"))], settings, ids, 6, set())
+
+
+WARM_CHECK = """
+import gc, json, sys
+import numpy as np
+from numba.core.dispatcher import Dispatcher
+from anns_lab.decode import runner
+from anns_lab.decode.engine import Mode, Settings
+from anns_lab.decode.placement import IndexPlan
+from anns_lab.dumps.models import load_model
+from anns_lab.window import Window
+
+def loaded():
+    return {(d.py_func.__qualname__, str(sig)) for d in gc.get_objects() if isinstance(d, Dispatcher) for sig in d.overloads}
+
+at_prefill = []
+real_prefill = runner.prefill
+def prefill(*args, **kwargs):  # what the process holds when the timed part begins
+    at_prefill.append(loaded())
+    return real_prefill(*args, **kwargs)
+
+runner.prefill = prefill
+if sys.argv[2] == "without":
+    runner.warm_up = lambda *args, **kwargs: 0.0
+lm = load_model(sys.argv[1], device="cpu")
+settings = Settings(Window(4, 8), topk=40, add_batch=4, chunk=24)
+modes = [Mode(name, IndexPlan(name)) for name in ("roargraph", "ivf")]
+ids = np.random.default_rng(3).integers(3, 400, size=64).tolist()
+runs = runner.run_sample(lm, modes, settings, ids, 12, set())["runs"]
+print(json.dumps({"new": sorted(q for q, _ in loaded() - at_prefill[0]),
+                  "tokens": {name: run.tokens for name, run in runs.items()}}))
+"""
+
+
+def test_the_warm_up_leaves_no_kernel_for_the_timed_decode_to_compile_or_load(tiny_llama):
+    """A fresh install compiled the index kernels inside its first decode (SmolLM2 8K, 2 cores: the builds ~28 s
+    longer, the first step ~6 s), which its time to first token counted. ``run_sample`` now calls ``warm_up`` before
+    the prefill, which readies every kernel the builds, the calibration and the steps use, at the layer's shape (the
+    step's kernel takes the heads as a tuple: a one-group warm-up left it to the first step). In a fresh interpreter,
+    nothing is compiled or loaded from numba's cache after the prefill starts; without the warm-up, the builds and
+    steps load their kernels then (so this can fail)."""
+    import json
+    import subprocess
+    import sys
+
+    def check(how: str) -> dict:
+        out = subprocess.run([sys.executable, "-c", WARM_CHECK, str(tiny_llama), how], capture_output=True, text=True,
+                             timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    warm, cold = check("with"), check("without")
+    assert warm["new"] == []
+    assert {"search_heads", "attend_rows_and_range", "_project_chunk"} <= set(cold["new"])  # inside the timed part
+    assert warm["tokens"] == cold["tokens"]  # the warm-up changes no index the decode builds

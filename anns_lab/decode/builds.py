@@ -105,6 +105,48 @@ def calibrate_spooled(spool, layer: int, n_heads: int, topk: int, plan: IndexPla
     return calibration.calibrate(store, newest, target, scaling)
 
 
+WARM_KEYS = 2560  # keys per KV head of the layer :func:`warm_up` builds (fewer: faiss's k-means warns for pqcache's codebooks)
+_WARMED: set = set()  # (plan, heads, KV heads, head dim) warmed in this process
+
+
+def warm_up(lm, modes: list, settings, failed: list | None = None) -> float:
+    """Compile (or load from numba's on-disk cache) what the index ``modes`` run at each of their plans, on a random
+    layer of the model's shape (the step's kernel takes a layer's heads as a tuple: its arity is part of the
+    signature), before anything is timed: the build, its calibration, a step's search and attention, an add.
+    Otherwise a fresh install compiles them inside its first decode (SmolLM2 8K on 2 cores: the builds ~28 s longer,
+    the first step ~6 s), and the time to first token counts it. Once per plan and shape in a process. Failures are
+    left to the real builds, which report them with the real data (``failed`` gets each plan's error). Returns the
+    seconds it took."""
+    from anns_lab.decode.kernels import warmup as warm_step_kernels
+
+    t0 = time.perf_counter()
+    cfg = lm.config
+    n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+    plans = {p.describe(): p for m in modes if m.kind == "index" for p in map(m.plan_for, lm.long_range_layers) if p}
+    rng = np.random.default_rng(0)
+    for described, plan in plans.items():
+        if (described, n_heads, n_kv, dim) in _WARMED:
+            continue
+        keys, values = (rng.standard_normal((n_kv, WARM_KEYS, dim), dtype=np.float32) for _ in range(2))
+        queries = rng.standard_normal((n_heads, WARM_KEYS // 2, dim), dtype=np.float32)
+        try:
+            store = LayerStore(-1, n_heads, keys, values, min(settings.topk, WARM_KEYS // 4), plan, settings.add_batch)
+            store.build(queries if registry.get(plan.name).uses_train_queries else None)
+            if calibration.enabled(settings.calibrate):
+                calibration.calibrate(store, queries[:, -calibration.QUERIES:], settings.calibrate, dim ** -0.5)
+            hints = np.arange(4, dtype=np.int64) if registry.get(plan.name).takes_hints else None
+            store.side(queries[:, -1], dim ** -0.5, hints)
+            store.extend(keys[:, :settings.add_batch], values[:, :settings.add_batch])
+            store.side(queries[:, -1], dim ** -0.5, hints)
+            _WARMED.add((described, n_heads, n_kv, dim))
+        except (Exception, SystemExit) as err:  # noqa: BLE001 - a warm-up only: the real build says it
+            if failed is not None:
+                failed.append((described, err))
+    warm_step_kernels()
+    return time.perf_counter() - t0
+
+
 def build_stores(lm, pre, mode, settings) -> tuple[dict[int, LayerStore], list[str], float]:
     """One LayerStore per long-range layer of ``mode``, built after the prefill ``pre`` as :class:`EarlyBuilds` builds
     them once a prefill has ended (several layers at once): (stores, notes, seconds)."""

@@ -15,7 +15,7 @@ import torch
 
 from anns_lab.errors import DecodeError
 from anns_lab.decode import stats
-from anns_lab.decode.builds import start_build_processes
+from anns_lab.decode.builds import start_build_processes, warm_up
 from anns_lab.decode.engine import (Mode, ModeRun, Settings, check_window, exact_seconds, kept_queries, prefill,
                                     run_mode, summarize, warmup_steps)
 from anns_lab.dumps import tasks
@@ -180,6 +180,8 @@ def run_sample(lm, modes: list[Mode], settings: Settings, ids: list[int], max_ne
     started = start_build_processes(modes, settings)
     if started is not None and started[1] > 0.5:  # the first sample's: later ones find them running
         say(f"  index builds: {started[0].workers} worker processes started in {started[1]:.1f} s")
+    if (warmed := warm_up(lm, modes, settings)) > 1.0:  # a fresh install's first decode: later ones load the kernels
+        say(f"  index kernels compiled or loaded in {warmed:.1f} s, before anything is timed")
     runs = {}
     for group in prefill_groups(modes, settings):
         names = ", ".join(m.name for m in group)
@@ -297,6 +299,8 @@ def run_fidelity(lm, modes: list[Mode], settings: Settings, context: int, positi
     settings = dataclasses.replace(settings, steps=steps, until_built="wait")  # every position measures the index
     ids = build_prompt("text", lm.tokenizer, context + positions).ids
     say = progress or (lambda line: None)
+    if (warmed := warm_up(lm, modes, settings)) > 1.0:
+        say(f"  index kernels compiled or loaded in {warmed:.1f} s, before anything is timed")
     say(f"  prefill: {context} tokens through {lm.name} ...")
     pre = prefill(lm, ids[:context], settings, any(m.uses_queries(settings) for m in modes),
                   progress=progress is not None, newest_queries=kept_queries(modes))
