@@ -168,6 +168,12 @@ def prefill_groups(modes: list[Mode], settings: Settings) -> list[list[Mode]]:
     return ([rest] if rest else []) + indexed
 
 
+def warm_kernels(lm, modes: list[Mode], settings: Settings, say) -> None:
+    """:func:`builds.warm_up` before a first prefill, said when it takes a while (a fresh install compiles)."""
+    if (warmed := warm_up(lm, modes, settings)) > 1.0:
+        say(f"  index kernels compiled or loaded in {warmed:.1f} s, before anything is timed")
+
+
 def run_sample(lm, modes: list[Mode], settings: Settings, ids: list[int], max_new: int, stops: set[int],
                say=None) -> dict:
     """One prompt: every mode, each group of :func:`prefill_groups` after its own full-attention prefill; the
@@ -180,8 +186,7 @@ def run_sample(lm, modes: list[Mode], settings: Settings, ids: list[int], max_ne
     started = start_build_processes(modes, settings)
     if started is not None and started[1] > 0.5:  # the first sample's: later ones find them running
         say(f"  index builds: {started[0].workers} worker processes started in {started[1]:.1f} s")
-    if (warmed := warm_up(lm, modes, settings)) > 1.0:  # a fresh install's first decode: later ones load the kernels
-        say(f"  index kernels compiled or loaded in {warmed:.1f} s, before anything is timed")
+    warm_kernels(lm, modes, settings, say)
     runs = {}
     for group in prefill_groups(modes, settings):
         names = ", ".join(m.name for m in group)
@@ -299,8 +304,7 @@ def run_fidelity(lm, modes: list[Mode], settings: Settings, context: int, positi
     settings = dataclasses.replace(settings, steps=steps, until_built="wait")  # every position measures the index
     ids = build_prompt("text", lm.tokenizer, context + positions).ids
     say = progress or (lambda line: None)
-    if (warmed := warm_up(lm, modes, settings)) > 1.0:
-        say(f"  index kernels compiled or loaded in {warmed:.1f} s, before anything is timed")
+    warm_kernels(lm, modes, settings, say)
     say(f"  prefill: {context} tokens through {lm.name} ...")
     pre = prefill(lm, ids[:context], settings, any(m.uses_queries(settings) for m in modes),
                   progress=progress is not None, newest_queries=kept_queries(modes))
