@@ -231,7 +231,13 @@ def test_a_decode_builds_the_same_indexes_in_the_workers_as_on_threads(tiny_llam
     mode = Mode("roargraph", IndexPlan("roargraph"))
     runs, here = {}, []
     real = calibrate.calibrate
-    monkeypatch.setattr(calibrate, "calibrate", lambda *a, **kw: here.append(a[0].layer) or real(*a, **kw))
+
+    def counted(store, *a, **kw):  # the layers calibrated in this process (builds.warm_up's random layer is -1)
+        if store.layer >= 0:
+            here.append(store.layer)
+        return real(store, *a, **kw)
+
+    monkeypatch.setattr(calibrate, "calibrate", counted)
     for processes in (False, True):
         settings = Settings(Window(4, 8), topk=20, add_batch=4, chunk=32, calibrate=0.9, build_processes=processes)
         runs[processes] = runner.run_sample(lm, [mode], settings, ids, 6, set())["runs"]["roargraph"]
