@@ -55,6 +55,12 @@ def tiny_dump(tiny_llama, tmp_path_factory):
                     progress=False).dump
 
 
+def ray_temp() -> Path:
+    """The test cluster's --temp-dir (its logs: workers' stderr in worker-*.err); short: Ray's socket paths must stay
+    under 108 characters."""
+    return Path(f"/tmp/anns-ray-{os.getpid()}")
+
+
 def sweep(dump, out, **kw):
     """The sweep of these tests; through Ray, driven from a subprocess (ray_driver.py says why)."""
     args = dict(indexes=["flat", "ivf"], layers=[1, 3], heads=[0, 3], k=K, window=WINDOW, out=out, jobs=2,
@@ -321,7 +327,7 @@ def ray_cluster(plugin_dir, tmp_path_factory):
     pytest.importorskip("ray")
     port = _free_port()
     address = f"127.0.0.1:{port}"
-    temp = Path(f"/tmp/anns-ray-{os.getpid()}")  # short: Ray's socket paths must stay under 108 characters
+    temp = ray_temp()
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(plugin_dir), os.environ.get("PYTHONPATH", "")]),
                         "RAY_USAGE_STATS_ENABLED": "0",
                         "RAY_AUTH_MODE": "disabled"}
@@ -504,7 +510,7 @@ def test_ray_a_stuck_plugin_ends_its_worker_at_the_part_timeout_and_fails_its_ow
     one hangs in C holding the GIL: only ending its worker stops it. The worker ends itself (faulthandler's watchdog,
     whose stack dump in the worker's log names the index's search), where the driver's force-cancel could meet a task
     finishing and abort the driver (Ray 2.60)."""
-    logs = Path(f"/tmp/anns-ray-{os.getpid()}")  # the test cluster's --temp-dir
+    logs = ray_temp()
     seen = {p: p.read_bytes().count(b"Timeout (0:00:03)!") for p in logs.rglob("worker-*.err")}
     pids = tmp_path / "pids"
     pids.mkdir()
