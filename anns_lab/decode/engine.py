@@ -329,8 +329,8 @@ def hand_over(ctl: Retrieval, cache, built: dict[int, LayerStore], window: Windo
 def warmup_steps(run: ModeRun) -> int:
     """Leading decode steps of ``run`` its per-token means leave out: those in which a layer was still attended whole
     while its index built (``--until-built exact``: their times are the builds' contention and full attention, not the
-    index's), then the first (it also compiles each index's search kernel, numba, and is the first search on the run's
-    new indexes) where at least two more follow it."""
+    index's), then the first (the first search on the run's new indexes: cold caches, the search threads waking; until
+    ``builds.warm_up`` it also compiled numba's search kernels) where at least two more follow it."""
     exact = run.exact_steps or 0
     return exact + (1 if len(run.step_s) - exact >= 3 else 0)
 
