@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from anns_lab.dumps.models import attention_masks, unmodelled
