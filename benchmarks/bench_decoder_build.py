@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 import anns_lab
-from anns_lab.decode import builds, placement
+from anns_lab.decode import builds
 from anns_lab.decode.engine import Settings
 from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.dumps import rope

@@ -17,7 +17,6 @@ import pandas as pd
 import pytest
 
 from anns_lab.errors import AnnsLabError
-from anns_lab.eval import failures
 from anns_lab.eval.executors import Part
 from anns_lab.eval.sweep import RESULTS, run_sweep
 from ray_driver import RaySweep, ray_sweep
@@ -592,8 +591,6 @@ class _FakeRay:
         return _Ref(value)
 
     def remote(self, fn):
-        ray = self
-
         class Task:
             def options(self, **_):
                 return self
