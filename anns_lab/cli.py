@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 
 import click
 
@@ -11,14 +13,32 @@ from anns_lab.errors import AnnsLabError
 
 
 class _Group(click.Group):
-    """Prints an AnnsLabError as one line (no traceback) and exits with status 2."""
+    """Prints an AnnsLabError as one line (no traceback) and exits with status 2; SIGTERM stops a command as Ctrl-C
+    does."""
 
     def invoke(self, ctx: click.Context):
+        before = _stop_on_sigterm()
         try:
             return super().invoke(ctx)
         except AnnsLabError as err:
             click.echo(f"Error: {err}", err=True)
             sys.exit(2)
+        finally:
+            if before is not None:
+                signal.signal(signal.SIGTERM, before)
+
+
+def _terminated(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _stop_on_sigterm():
+    """`kill`, `timeout` or a scheduler's stop gets the clean stop a Ctrl-C gets (workers stopped, finished work kept,
+    the resume told): by default it ended the driver alone, and its workers ran on. The previous handler, or None
+    where none can be set (not the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _terminated)
 
 
 @click.group(cls=_Group)

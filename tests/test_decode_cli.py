@@ -603,6 +603,33 @@ def test_json_is_written_after_each_sample(tiny_llama, tmp_path, monkeypatch):
     assert "partial" not in final
 
 
+def test_an_interrupted_decode_says_what_it_kept(tiny_llama, tmp_path, monkeypatch):
+    """Before: Ctrl-C (or SIGTERM) printed "Aborted!" alone, though the finished samples were kept in --json."""
+    from anns_lab.decode import runner
+
+    real = runner.run_task
+
+    def stopped_after_the_first_sample(*args):
+        def on_sample(res):
+            args[-1](res)
+            raise KeyboardInterrupt
+
+        return real(*args[:-1], on_sample)
+
+    monkeypatch.setattr(runner, "run_task", stopped_after_the_first_sample)
+    out = tmp_path / "r.json"
+    args = ["--model", tiny_llama, "--mode", "full", "--task", "passkey", "--context", 200, "--samples", 3,
+            "--max-new-tokens", 2]
+    res = _run(*args, "--json", out)
+    assert res.exit_code == 130, res.output
+    assert f"interrupted: 1 of 3 samples finished and kept in {out}" in res.output and "Aborted" not in res.output
+    kept = json.loads(out.read_text())
+    assert kept["partial"] is True and kept["samples_done"] == 1
+    monkeypatch.setattr(runner, "run_task", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    res = _run(*args)
+    assert res.exit_code == 130 and "interrupted: nothing was written (--json keeps" in res.output
+
+
 def test_serving_positions_under_dynamic_rope_are_one_error_before_the_prefill(tiny_llama, monkeypatch):
     """dynamic NTK turns positions by frequencies that follow the sequence length (dumps.rope): the training queries
     cannot be moved, and that is said before the prefill runs; key-only modes and --train-positions own are unaffected."""
@@ -724,7 +751,8 @@ def test_an_existing_json_is_replaced_only_with_overwrite(tiny_llama, tmp_path, 
     from anns_lab.decode import cli
 
     out = tmp_path / "r.json"
-    out.write_text('{"complete": true}')
+    earlier = '{"model": "m", "executor": "local", "settings": {}, "complete": true}'
+    out.write_text(earlier)
     args = ["--model", tiny_llama, "--task", "passkey", "--context", 200, "--mode", "full", "--max-new-tokens", 2,
             "--json", out]
     with monkeypatch.context() as m:
@@ -732,13 +760,13 @@ def test_an_existing_json_is_replaced_only_with_overwrite(tiny_llama, tmp_path, 
         err = _error(_run(*args))
         assert f"--json {out} exists: pass --overwrite to replace it, or choose another --json" in err
         assert "--overwrite lets --json replace" in _error(_run(*args[:-2], "--overwrite"))
-    assert out.read_text() == '{"complete": true}'
+    assert out.read_text() == earlier
     res = _run(*args, "--overwrite")
     assert res.exit_code == 0, res.output
     assert json.loads(out.read_text())["task"] == "passkey"
 
 
-@pytest.mark.parametrize("what", ["table", "settings", "symlink", "fifo"])
+@pytest.mark.parametrize("what", ["table", "settings", "symlink", "fifo", "manifest", "other"])
 def test_a_json_path_that_would_destroy_something_is_refused_even_with_overwrite(tiny_llama, tmp_path, monkeypatch, what):
     """The --from-sweep table or its settings (the pick's input), a link (replaced by a file, not written through), a
     fifo or device (as root, /dev/null became a regular file): refused before the model loads, left as they were."""
@@ -751,7 +779,13 @@ def test_a_json_path_that_would_destroy_something_is_refused_even_with_overwrite
     sweep = _results(tmp_path / "results.parquet")
     (tmp_path / SETTINGS).write_text("{}")
     target = {"table": sweep, "settings": tmp_path / SETTINGS, "symlink": tmp_path / "link.json",
-              "fifo": tmp_path / "fifo"}[what]
+              "fifo": tmp_path / "fifo", "manifest": tmp_path / "dump" / "manifest.json",
+              "other": tmp_path / "notes.txt"}[what]
+    if what == "manifest":  # another dump's, not the pick's input: --overwrite once replaced it
+        target.parent.mkdir()
+        target.write_text('{"format": "anns-lab-dump", "model": "m"}')
+    if what == "other":
+        target.write_text("my notes")
     if what == "symlink":
         target.symlink_to(tmp_path / "elsewhere.json")
     if what == "fifo":
@@ -760,9 +794,12 @@ def test_a_json_path_that_would_destroy_something_is_refused_even_with_overwrite
     err = _error(_run("--model", tiny_llama, "--task", "passkey", "--context", 200, "--window", "4,16", "--topk", 20,
                       "--mode", "full", "--from-sweep", tmp_path, "--json", target, "--overwrite"))
     needle = {"table": "which --from-sweep reads", "settings": "which --from-sweep reads",
-              "symlink": "is a symbolic link", "fifo": "is not a regular file"}[what]
+              "symlink": "is a symbolic link", "fifo": "is not a regular file",
+              "manifest": "is not an earlier decode result", "other": "is not an earlier decode result"}[what]
     assert needle in err and "choose another --json" in err, err
     assert sorted((p.name, p.is_symlink(), p.is_file()) for p in tmp_path.iterdir()) == before
+    if what in ("manifest", "other"):
+        assert "anns-lab-dump" in target.read_text() or target.read_text() == "my notes"
 
 
 def test_decode_markdown_labels_a_partial_result_in_every_table(tmp_path):

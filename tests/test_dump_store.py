@@ -327,10 +327,19 @@ def test_parse_layers(spec, expected):
     assert parse_layers(spec, 6, [1, 3]) == expected
 
 
-@pytest.mark.parametrize("spec", ["7", "x", "0:0", "-1"])
+@pytest.mark.parametrize("spec", ["7", "x", "0:0", "-1", "0,,1", "2,", "4-9"])
 def test_parse_layers_rejects(spec):
     with pytest.raises(DumpError):
         parse_layers(spec, 6, [1])
+
+
+def test_parse_layers_huge_range_is_refused_before_it_is_built():
+    # A bound of 10^11 once built a list of 10^11 ints (MemoryError), and 0-10^6 printed a 7.9 MB error line.
+    for spec in ("0-100000000000", "0-1000000"):
+        with pytest.raises(DumpError, match=r"lies outside the model's layers 0\.\.5") as err:
+            parse_layers(spec, 6, [1])
+        assert len(str(err.value)) < 200
+    assert parse_layers("0-100000000000", None, [1]) == []  # syntax only, nothing built
 
 
 def test_prompt_errors(tiny_llama, tmp_path):
@@ -392,6 +401,11 @@ def test_bad_weight_files_are_one_error(tiny_llama, tmp_path):
         with pytest.raises(ModelNotAvailable, match=match):
             small_dump(broken(name, edit), tmp_path / f"d-{name}")
         assert not (tmp_path / f"d-{name}").exists()
+    # A malformed config.json in a local folder was told to download the model from the hub.
+    folder = broken("config", lambda f: (f.parent / "config.json").write_text('{"model_type": "llama", '))
+    with pytest.raises(ModelNotAvailable, match="the folder .* cannot be loaded .*malformed: copy the model again") as err:
+        small_dump(folder, tmp_path / "d-config")
+    assert "Hugging Face" not in str(err.value) and not (tmp_path / "d-config").exists()
 
 
 

@@ -188,7 +188,7 @@ def test_bad_input(smollm2_dump, sweep, tmp_path, tiny_llama):
         run_sweep(smollm2_dump.path, ["flat"], [7], out=tmp_path / "o", progress=False)
     with pytest.raises(DumpError, match="query head 9 is out of range"):
         run_sweep(smollm2_dump.path, ["flat"], [2], [9], out=tmp_path / "o", progress=False)
-    with pytest.raises(AnnsLabError, match="other settings"):
+    with pytest.raises(AnnsLabError, match=r"other settings \(k: 100 there, 10 here\); pass --overwrite"):
         run_sweep(smollm2_dump.path, ["flat"], [2], [0], k=10, window=WINDOW, out=sweep.path.parent, progress=False)
     assert (sweep.path.parent / RESULTS).is_file()  # nothing overwritten
     with pytest.raises(AnnsLabError, match="not .*dump"):
@@ -251,7 +251,7 @@ def test_group_training_is_recorded_and_never_mixes_with_per_head_graphs(smollm2
     assert json.loads((tmp_path / "group" / SETTINGS).read_text())["train_group"] == "group"
     assert "train_group" not in json.loads((tmp_path / "head" / SETTINGS).read_text())  # as sweeps before the option
     assert len(head) == len(group) and not np.array_equal(head["scanned_fraction"], group["scanned_fraction"])
-    with pytest.raises(AnnsLabError, match="other settings"):
+    with pytest.raises(AnnsLabError, match="other settings .*train_group: group there, default here"):
         run_sweep(smollm2_dump.path, ["roargraph"], [2], [1], window=WINDOW, out=tmp_path / "group", progress=False,
                   quick=True)
     with pytest.raises(AnnsLabError, match="choose one of head, group, strided"):

@@ -99,6 +99,26 @@ def test_a_stuck_plugin_is_killed_at_the_part_timeout_and_fails_its_own_parts_on
     assert not (tmp_path / "bad").exists()
 
 
+def test_a_default_sweep_names_the_indexes_that_fail_to_load(tiny_dump, tmp_path, monkeypatch):
+    """Before: a plugin claiming ``flat`` (a conflict) or one whose module is missing left the default sweep without
+    a word: the table simply had no such index."""
+    from importlib.metadata import EntryPoint
+
+    from anns_lab.indexes import registry
+
+    real = registry._entry_points()
+    claim = EntryPoint("flat", "anns_lab.indexes.ivf:IVFIndex", registry.GROUP)
+    missing = EntryPoint("missingmod", "no_such_module_xyz:Index", registry.GROUP)
+    monkeypatch.setattr(registry, "_entry_points", lambda: {"flat": [*real["flat"], claim], "ivf": real["ivf"],
+                                                            "missingmod": [missing]})
+    lines: list[str] = []
+    res = sweep(tiny_dump, tmp_path / "res", indexes=None, layers=[1], heads=[0], jobs=1, log=lines.append)
+    assert set(res.table["index"]) == {"ivf"}
+    said = "\n".join(lines)
+    assert "flat is left out of the sweep: it fails to load" in said and "announced by 2 distributions" in said
+    assert "missingmod is left out" in said and "ModuleNotFoundError" in said
+
+
 def test_a_plugin_that_raises_keyboard_interrupt_fails_its_own_parts_once(tiny_dump, tmp_path):
     """Before: the worker died with a traceback, the part was retried as a death and recorded as "exit code 1"."""
     res = sweep(tiny_dump, tmp_path / "res", indexes=["faulty", "flat"], layers=[3],
@@ -202,8 +222,10 @@ def test_local_worker_that_dies_while_idle_is_replaced(tiny_dump, local_table, t
     pd.testing.assert_frame_equal(res.table[SAME].reset_index(drop=True), local_table[SAME].reset_index(drop=True))
 
 
-@pytest.mark.parametrize("executor", ["local", "ray"])
-def test_ctrl_c_stops_within_seconds_and_keeps_finished_parts(tiny_dump, tmp_path, executor, request):
+@pytest.mark.parametrize("executor, stop", [("local", signal.SIGINT), ("ray", signal.SIGINT), ("local", signal.SIGTERM)])
+def test_ctrl_c_stops_within_seconds_and_keeps_finished_parts(tiny_dump, tmp_path, executor, stop, request):
+    """Ctrl-C, and SIGTERM (`kill`, `timeout`: before, it ended the driver alone, its workers printed BrokenPipe
+    tracebacks and ran on), stop the sweep the same clean way."""
     pids = tmp_path / "pids"
     pids.mkdir()
     out = tmp_path / "res"
@@ -220,7 +242,7 @@ def test_ctrl_c_stops_within_seconds_and_keeps_finished_parts(tiny_dump, tmp_pat
         wait_for(lambda: list((out / "parts").glob("*.parquet")) and len(list(pids.iterdir())) >= 2 or proc.poll() is not None,
                  "the first part to finish")
         assert proc.poll() is None
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         _, err = proc.communicate(timeout=60)  # the 6 heads still queued (2 s each) are not waited for
     finally:
         if proc.poll() is None:
@@ -232,6 +254,26 @@ def test_ctrl_c_stops_within_seconds_and_keeps_finished_parts(tiny_dump, tmp_pat
     assert len(pd.read_parquet(out / RESULTS)) == sum(len(pd.read_parquet(p)) for p in kept)
     for pid in {_pid(p) for p in pids.iterdir()}:  # no worker is left running
         wait_for(lambda: not _alive(pid), f"worker {pid} to end", timeout=30)
+
+
+def test_workers_end_with_a_killed_driver_even_inside_a_hanging_index(tiny_dump, tmp_path):
+    """Before: a driver killed by SIGKILL left its worker sleeping in the index's build for good."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    cmd = [str(Path(sys.executable).parent / "anns-lab"), "sweep", "--dump", str(tiny_dump.path), "--indexes", "faulty",
+           "--layers", "1", "--heads", "0", "--k", str(K), "--window", "8,64", "--out", str(tmp_path / "res"),
+           "--jobs", "1", "--build-param", f"faulty.pid_dir={pids}", "--build-param", "faulty.sleep_s=600"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: list(pids.iterdir()) or proc.poll() is not None, "the build to start")
+        assert proc.poll() is None
+        (worker,) = {_pid(p) for p in pids.iterdir()}
+        proc.kill()
+        proc.wait(timeout=30)
+        wait_for(lambda: not _alive(worker), f"worker {worker} to end", timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_report_names_the_parts_its_sweep_lost(tiny_dump, tmp_path):

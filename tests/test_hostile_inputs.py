@@ -201,6 +201,11 @@ def _drop(key):
     (lambda m: m | {"layers": [1, 2, 3]}, "no valid entry"),
     (lambda m: m | {"scaling": {"1": "x", "3": 0.25}}, "scaling of layer 1"),
     (lambda m: m | {"continuation": "beam"}, "continuation must be one of greedy, text"),
+    # read as they were, before: --layers was read against an n_layers below the dump's layers, or a KeyError
+    (lambda m: m | {"n_layers": 2}, "n_layers must be a positive integer above every layer (3), got 2"),
+    (_drop("n_layers"), "n_layers must be"),
+    (lambda m: m | {"dtype": "float16"}, "holds float32 vectors, but the manifest says dtype float16"),
+    (lambda m: m | {"dtype": "int8"}, "dtype must be one of float16, float32"),
 ])
 def test_an_edited_manifest_is_one_error_line(dump, tmp_path, edit, words):
     folder = _edited(dump, tmp_path, edit)
@@ -237,10 +242,15 @@ def test_garbage_models_and_files_named_as_models(tmp_path):
     one_line_error(["dump", "--model", gguf, "--tokens", 24, "--out", tmp_path / "d"], "not a GGUF file")
     fake = tmp_path / "GGUF-but-not-a-model.gguf"
     fake.write_bytes(b"GGUF" + bytes(64))
-    with pytest.raises(ModelNotAvailable, match="not a GGUF model transformers can read"):
-        from anns_lab.dumps.models import _converted
+    from anns_lab.dumps.models import MODELS, _bundled_gguf, _converted
 
+    with pytest.raises(ModelNotAvailable, match="not a GGUF model transformers can read"):
         _converted(fake, "fake-test-model")
+    cut = tmp_path / "cut.gguf"  # a copy cut short: a numpy reshape error, before
+    with open(_bundled_gguf(MODELS["smollm2"]), "rb") as f:
+        cut.write_bytes(f.read(2_000_000))
+    with pytest.raises(ModelNotAvailable, match="cut.gguf is cut short or damaged.*2000000 bytes; copy or download"):
+        _converted(cut, "cut-test-model")
     text = tmp_path / "notes.txt"
     text.write_text("hello")
     one_line_error(["dump", "--model", text, "--tokens", 24, "--out", tmp_path / "d"], "is a file but not a model")
@@ -358,6 +368,17 @@ def test_a_damaged_or_stray_part_is_never_trusted(dump, tmp_path):
     part.write_bytes(good[:500])  # cut short: a resume evaluates it again instead of keeping it as finished
     _sweep(dump, out)
     assert part.read_bytes() != good[:500] and len(pd.read_parquet(out / "results.parquet")) > 0
+    nan = pd.read_parquet(part).assign(recall=np.nan)  # readable, but no index measures that: evaluated again
+    nan.to_parquet(part)
+    lines: list[str] = []
+    _sweep(dump, out, log=lines.append)
+    assert any("recall nan" in line and "evaluating" in line for line in lines), lines
+    assert pd.read_parquet(part)["recall"].between(0, 1).all()
+    shutil.copy(part, out / "parts" / "other.parquet")  # another selection's part, damaged: named, not read blindly
+    nan.to_parquet(out / "parts" / "other.parquet")
+    with pytest.raises(AnnsLabError, match="other.parquet is not a readable results part .recall nan"):
+        _sweep(dump, out)
+    (out / "parts" / "other.parquet").unlink()
     (out / "parts" / "zzz.parquet").write_bytes(b"not parquet")  # not this sweep's: named, not read blindly
     with pytest.raises(AnnsLabError, match="zzz.parquet is not a readable results part"):
         _sweep(dump, out)
@@ -373,7 +394,10 @@ def test_sweep_folders_and_selections_that_cannot_be_used_are_one_error_line(dum
     one_line_error(args + ["--heads", "", "--out", tmp_path / "e"], "--heads names nothing")
     one_line_error(args + ["--heads", 0, "--jobs", 0, "--out", tmp_path / "j"], "--jobs 0")
     # --heads reads as --layers does, over the dump's query heads (a comma list only, before)
-    one_line_error(args + ["--heads", "0-99", "--out", tmp_path / "h"], "--heads '0-99' selects [", "the dump has query heads 0..")
+    one_line_error(args + ["--heads", "0-99", "--out", tmp_path / "h"], "--heads '0-99': 99 lies outside",
+                   "the dump's query heads 0..")
+    # the range's bound is checked before the range is built (a MemoryError traceback, before)
+    one_line_error(args + ["--heads", "0-100000000000", "--out", tmp_path / "h"], "100000000000 lies outside")
     one_line_error(args + ["--heads", "two", "--out", tmp_path / "h"], "cannot read --heads 'two'")
     ran = CliRunner().invoke(main, [str(a) for a in args + ["--heads", "0:3:2", "--jobs", 1, "--quick", "--out", tmp_path / "r"]])
     assert ran.exit_code == 0, ran.output

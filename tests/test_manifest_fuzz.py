@@ -23,7 +23,8 @@ from anns_lab.errors import AnnsLabError
 
 HOSTILE = [None, -1, 0, 1, 2, 3, 10 ** 9, -(10 ** 12), 1.5, float("nan"), "x", "", True, [], {}, [0], {"a": 1}]
 #: Fields that the files confirm: fuzzed even in manifests without their own checksum.
-CHECKABLE = ["n_heads", "n_kv_heads", "head_dim", "gqa", "layers", "n_tokens", "files", "format", "format_version"]
+CHECKABLE = ["n_heads", "n_kv_heads", "head_dim", "gqa", "layers", "n_layers", "dtype", "n_tokens", "files", "format",
+             "format_version"]
 
 
 @pytest.fixture(scope="module")

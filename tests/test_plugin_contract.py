@@ -39,6 +39,19 @@ def test_a_short_plugin_passes_the_kit():
         raise AssertionError("save() of an index without persistence must raise IndexConfigError")
 
 
+def test_the_readmes_plugin_as_written_passes_the_kit():
+    """The README's example is run from its own text: a copy here once drifted from it (no name, unstable sort)."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("### Writing an index plugin", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert check_index(scope["MatmulTopK"])["recall"] == [1.0]
+
+
 class UnderCounted(MatmulTopK):
     """Scores every key and reports a tenth of them scanned (the count a half-done port of a real index might give)."""
 

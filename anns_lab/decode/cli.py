@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import json
@@ -195,63 +196,85 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
         from anns_lab.decode.modes import check_sweep_pick
 
         check_sweep_pick(from_sweep, target_recall, settings.topk, tuple(settings.window))
-    device = device or default_device()
-    lm = _load(model, device, torch_threads, rope_scaling)
-    recorded = {"torch_threads": _torch_threads(torch_threads, executor),
-                "cpus_per_task": cpus_per_task if executor == "ray" else None}
-    pick = None
-    if from_sweep:
-        mode_list, lines = _with_sweep_pick(mode_list, from_sweep, lm, target_recall, settings)
-        pick = {"path": str(from_sweep), "target_recall": target_recall, "pick": lines}
-    _check_train_positions(lm, mode_list, settings)
-    if not lm.long_range_layers and any(m.kind != "full" for m in mode_list):
-        raise DecodeError(f"{lm.name} has no full-attention layer (each attends within a sliding window of "
-                          f"{getattr(lm.config, 'sliding_window', None)} tokens): retrieval attention has no layer to "
-                          "serve; only --mode full runs on it")
+    kept: dict = {}  # samples the --json file holds: what an interrupted run says it kept
+    with _interrupt_says_what_was_kept(json_path, kept):
+        device = device or default_device()
+        lm = _load(model, device, torch_threads, rope_scaling)
+        recorded = {"torch_threads": _torch_threads(torch_threads, executor),
+                    "cpus_per_task": cpus_per_task if executor == "ray" else None}
+        pick = None
+        if from_sweep:
+            mode_list, lines = _with_sweep_pick(mode_list, from_sweep, lm, target_recall, settings)
+            pick = {"path": str(from_sweep), "target_recall": target_recall, "pick": lines}
+        _check_train_positions(lm, mode_list, settings)
+        if not lm.long_range_layers and any(m.kind != "full" for m in mode_list):
+            raise DecodeError(f"{lm.name} has no full-attention layer (each attends within a sliding window of "
+                              f"{getattr(lm.config, 'sliding_window', None)} tokens): retrieval attention has no "
+                              "layer to serve; only --mode full runs on it")
 
-    def progress(line: str) -> None:
-        click.echo(line, err=True)
+        def progress(line: str) -> None:
+            click.echo(line, err=True)
 
-    remote = None
+        remote = None
 
-    def partial(res: dict) -> None:  # after each sample: a run stopped midway keeps what it finished
-        describe = _run_description(lm, remote.device if remote else device, executor, settings, mode_list, recorded,
-                                    pick)
-        _write_json(Path(json_path), res | describe | {"partial": res["samples_done"] < res["samples_total"]})
+        def partial(res: dict) -> None:  # after each sample: a run stopped midway keeps what it finished
+            describe = _run_description(lm, remote.device if remote else device, executor, settings, mode_list,
+                                        recorded, pick)
+            _write_json(Path(json_path), res | describe | {"partial": res["samples_done"] < res["samples_total"]})
+            kept.update(done=res["samples_done"], total=res["samples_total"])
 
-    on_sample = partial if json_path else None
-    if evaluation == "fidelity":
-        mode_list = _with_full(mode_list)
-        # one prefill for every mode, the indexes built after it: the result must not record builds during it
-        settings = dataclasses.replace(settings, build_during_prefill=False,
-                                       build_processes=builds_in_processes(build_processes, device))
-        result = runner.run_fidelity(lm, mode_list, settings, context, positions, free_tokens, allow_extrapolation,
-                                     progress)
-    else:
-        if executor == "ray":
-            from anns_lab.decode.ray_samples import RaySamples
+        on_sample = partial if json_path else None
+        if evaluation == "fidelity":
+            mode_list = _with_full(mode_list)
+            # one prefill for every mode, the indexes built after it: the result must not record builds during it
+            settings = dataclasses.replace(settings, build_during_prefill=False,
+                                           build_processes=builds_in_processes(build_processes, device))
+            result = runner.run_fidelity(lm, mode_list, settings, context, positions, free_tokens,
+                                         allow_extrapolation, progress)
+        else:
+            if executor == "ray":
+                from anns_lab.decode.ray_samples import RaySamples
 
-            remote = RaySamples(address, model, cpus_per_task, log=progress, rope_scaling=rope_scaling,
-                                torch_threads=torch_threads)
-        # where the samples run: a Ray cluster's tasks take its GPU, whatever this driver has
-        settings = dataclasses.replace(settings, build_during_prefill=builds_during_prefill(
-            build_during_prefill, until_built, remote.device if remote else device),
-            build_processes=builds_in_processes(build_processes, remote.device if remote else device))
-        try:
-            if prompt is not None:
-                result = runner.run_prompt(lm, mode_list, settings, prompt, max_new_tokens, allow_extrapolation,
-                                           progress, remote, on_sample)
-            else:
-                result = runner.run_task(lm, mode_list, settings, task, context, samples, seed, max_new_tokens,
-                                         allow_extrapolation, progress, remote, on_sample)
-        finally:
-            if remote is not None:
-                remote.close()
-    result |= _run_description(lm, remote.device if remote else device, executor, settings, mode_list, recorded, pick)
-    _print_result(result, settings)
-    if json_path:
-        _write_json(Path(json_path), result)
-    sys.stdout.flush()
+                remote = RaySamples(address, model, cpus_per_task, log=progress, rope_scaling=rope_scaling,
+                                    torch_threads=torch_threads)
+            # where the samples run: a Ray cluster's tasks take its GPU, whatever this driver has
+            settings = dataclasses.replace(settings, build_during_prefill=builds_during_prefill(
+                build_during_prefill, until_built, remote.device if remote else device),
+                build_processes=builds_in_processes(build_processes, remote.device if remote else device))
+            try:
+                if prompt is not None:
+                    result = runner.run_prompt(lm, mode_list, settings, prompt, max_new_tokens, allow_extrapolation,
+                                               progress, remote, on_sample)
+                else:
+                    result = runner.run_task(lm, mode_list, settings, task, context, samples, seed, max_new_tokens,
+                                             allow_extrapolation, progress, remote, on_sample)
+            finally:
+                if remote is not None:
+                    remote.close()
+        result |= _run_description(lm, remote.device if remote else device, executor, settings, mode_list, recorded,
+                                   pick)
+        _print_result(result, settings)
+        if json_path:
+            _write_json(Path(json_path), result)
+        sys.stdout.flush()
+
+
+@contextlib.contextmanager
+def _interrupt_says_what_was_kept(json_path: str | None, kept: dict):
+    """Ctrl-C or SIGTERM ends the run with status 130 and a line saying what the ``--json`` file keeps ("Aborted!"
+    alone hid a partial result): the samples finished before it (marked partial), or nothing."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if not json_path:
+            said = "interrupted: nothing was written (--json keeps each finished sample as it ends)"
+        elif not kept:
+            said = f"interrupted before the first sample finished: nothing of this run was written to {json_path}"
+        else:
+            said = (f"interrupted: {kept['done']} of {kept['total']} samples finished and kept in {json_path} "
+                    "(\"partial\": true); run again with --overwrite to redo them all")
+        click.echo(said, err=True)
+        raise SystemExit(130) from None
 
 
 def _check_options(settings: Settings, evaluation: str, task: str | None, prompt: str | None, executor: str,
@@ -335,6 +358,22 @@ def _check_replaceable(path: Path, overwrite: bool, from_sweep: str | None) -> N
                           "replace it; choose another --json")
     if path.exists() and not overwrite:
         raise DecodeError(f"--json {path} exists: pass --overwrite to replace it, or choose another --json")
+    if path.exists() and not _is_decode_result(path):
+        raise DecodeError(f"--json {path} exists and is not an earlier decode result (a dump's manifest, a sweep's "
+                          "table, ...?): --overwrite replaces only those; choose another --json")
+
+
+RESULT_KEYS = ("model", "executor", "settings")  # what every result _write_json writes holds, partial ones too
+
+
+def _is_decode_result(path: Path) -> bool:
+    """Whether ``path`` holds what ``decode --json`` writes: --overwrite once replaced a dump's manifest.json."""
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read(64 << 20))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and all(key in data for key in RESULT_KEYS)
 
 
 def _check_writable(path: Path) -> None:

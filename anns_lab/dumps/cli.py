@@ -41,7 +41,8 @@ ROPE_HELP = ("scale the RoPE positions of the model's long-range layers: linear:
               help="The decode steps' tokens: the model's greedy choices, or the text's own next tokens after the prompt "
                    "(teacher forcing; --source text or --prompt with --tokens).")
 @click.option("--layers", default="default", show_default=True,
-              help="all | default (every layer; Gemma-3: its global-attention layers) | 2,15,28 | 0:30:2 | 3-7.")
+              help="all | default (the full-attention layers: every layer of Llama/SmolLM2, Gemma-3's global ones) | "
+                   "2,15,28 | 0:30:2 | 3-7.")
 @click.option("--dtype", type=click.Choice(["float16", "float32"]), default="float16", show_default=True)
 @click.option("--chunk", type=int, default=2048, show_default=True, help="Prefill chunk length (bounds memory).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic task prompts.")

@@ -179,6 +179,9 @@ def _converted(gguf: Path, key: str) -> Path:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except Exception as err:  # noqa: BLE001 - the gguf reader raises many kinds for a file that is not a model
+        if "cannot reshape array" in str(err):  # a tensor's data runs past the file's end: cut short in a copy
+            raise ModelNotAvailable(f"{gguf} is cut short or damaged: a tensor's data does not fit in its "
+                                    f"{gguf.stat().st_size} bytes; copy or download it again") from None
         raise ModelNotAvailable(f"{gguf} is not a GGUF model transformers can read "
                                 f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -318,6 +321,12 @@ def load_model(name: str, device: str = "cpu", allow_download: bool = False,
             raise ModelNotAvailable(f"model {name!r} ({where}): {str(err).splitlines()[0].split('. Please')[0]}; the lab "
                                     "reads and replaces attention through transformers' SDPA interface, so this "
                                     "architecture is not supported") from None
+        if isinstance(where, Path):  # a folder here: its files are at fault, no download would help
+            again = (f"delete {where} to have it converted again" if where.parent == cache_dir() / "converted"
+                     else "copy the model again")
+            raise ModelNotAvailable(f"model {name!r}: the folder {where} cannot be loaded ({type(err).__name__}: "
+                                    f"{str(err).splitlines()[0]}); a file there (config.json, the tokenizer's, the "
+                                    f"weights) is missing or malformed: {again}") from None
         spec = MODELS.get(name)
         hf = spec.hf_id if spec else where
         raise ModelNotAvailable(

@@ -35,7 +35,7 @@ from anns_lab.version import __version__
 STAGING = ".staging"
 OURS = ("layer_*.parquet", store.TOKENS_FILE, store.MANIFEST)  # the files of a dump folder this tool writes
 PROGRESS = "progress.json"
-DTYPES = {"float16": np.float16, "float32": np.float32}
+DTYPES = {name: np.dtype(name).type for name in store.VECTOR_DTYPES}
 
 
 def parse_layers(spec: str, n_layers: int | None, default: list[int]) -> list[int]:
@@ -60,7 +60,9 @@ def parse_selection(spec: str, n: int | None, default: list[int], option: str = 
         return list(default)
     out: set[int] = set()
     try:
-        for part in filter(None, (p.strip() for p in spec.split(","))):
+        for part in (p.strip() for p in spec.split(",")):
+            if not part:
+                raise DumpError(f"{option} {spec!r} has an empty item between commas; use {forms}")
             if ":" in part:
                 bounds = [int(x) if x else None for x in part.split(":")]
                 if len(bounds) > 3 or (len(bounds) == 3 and bounds[2] == 0):
@@ -72,8 +74,13 @@ def parse_selection(spec: str, n: int | None, default: list[int], option: str = 
                                     f"has {noun} 0..{n - 1})")
                 out.update(range(n or 0)[slice(*bounds)])
             elif "-" in part[1:]:
-                a, b = part.split("-", 1)
-                out.update(range(int(a), int(b) + 1))
+                a, b = (int(x) for x in part.split("-", 1))
+                # checked before the range is built: 0-100000000000 would fill memory first
+                outside = [x for x in (a, b) if n is not None and not 0 <= x < n]
+                if outside:
+                    raise DumpError(f"{option} {spec!r}: {outside[0]} lies outside {owner}'s {noun} 0..{n - 1}")
+                if n is not None:
+                    out.update(range(a, b + 1))
             else:
                 out.add(int(part))
     except ValueError:

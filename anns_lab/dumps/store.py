@@ -38,6 +38,7 @@ FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 TOKENS_FILE = "tokens.parquet"
 PHASES = ("prefill", "decode", "all")
+VECTOR_DTYPES = ("float16", "float32")  # how a dump stores Q/K/V (``--dtype``)
 
 
 def layer_file(layer: int) -> str:
@@ -122,7 +123,8 @@ def read_manifest(path: Path) -> dict:
 
 def sealed(manifest: dict) -> dict:
     """``manifest`` with ``manifest_sha256``: the sha256 of its canonical JSON without that field, so any edit
-    of a value no file can confirm (a layer's scaling, say) is caught on read. Dumps made before it have none."""
+    of a value no file can confirm (a layer's scaling, say) is caught on read. Dumps made before it have none, and
+    are read without it: the seal catches accidents, not a deliberate edit (which could recompute it as well)."""
     body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
     digest = hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=True).encode()).hexdigest()
     return body | {"manifest_sha256": digest}
@@ -155,6 +157,10 @@ def _manifest_problem(m: dict) -> str | None:
     layers = m["layers"]
     if not layers or not all(count(x, 0) for x in layers) or len(set(layers)) != len(layers):
         return f"layers must be distinct non-negative integers, got {layers!r}"
+    if not count(m.get("n_layers"), 1) or max(layers) >= m["n_layers"]:  # --layers is read against it
+        return f"n_layers must be a positive integer above every layer ({max(layers)}), got {m.get('n_layers')!r}"
+    if m.get("dtype") not in VECTOR_DTYPES:  # the files' own is checked against it when a column is read
+        return f"dtype must be one of {', '.join(VECTOR_DTYPES)}, got {m.get('dtype')!r}"
     rows = n_tokens["prefill"] + n_tokens["decode"]
     for name in [TOKENS_FILE] + [layer_file(x) for x in layers]:
         entry = m["files"].get(name)
@@ -332,9 +338,12 @@ class Dump:
         if pa.types.is_fixed_size_binary(arr.type):
             meta = table.schema.field(column).metadata or {}
             kind = meta.get(b"dtype", b"float32").decode(errors="replace")
-            if kind not in ("float16", "float32"):  # the format's two; another would be misread or raise in numpy
+            if kind not in VECTOR_DTYPES:  # the format's two; another would be misread or raise in numpy
                 raise DumpError(f"column {column} of {self.path / name} holds {kind!r} vectors; a dump holds float16 "
                                 "or float32: the file is not one anns-lab wrote")
+            if kind != self.manifest["dtype"]:
+                raise DumpError(f"column {column} of {self.path / name} holds {kind} vectors, but the manifest says "
+                                f"dtype {self.manifest['dtype']}: the manifest was edited or belongs to other files")
             dtype = np.dtype(kind).newbyteorder("<")
             d = self.head_dim
             if arr.type.byte_width != d * dtype.itemsize:  # a remainder too: rows would be read with the wrong stride

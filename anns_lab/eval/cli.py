@@ -204,13 +204,15 @@ def report(results, dump_path, out) -> None:
 
 
 @click.command(short_help="Keys, queries and ground truth of one head as .fbin files.")
-@click.option("--dump", "dump_path", type=click.Path(), required=True)
-@click.option("--layer", type=int, required=True)
-@click.option("--head", type=int, required=True)
-@click.option("--format", "fmt", type=click.Choice(["fbin"]), default="fbin", show_default=True)
-@click.option("--k", type=int, default=100, show_default=True)
-@click.option("--window", type=WINDOW, default="128,512", show_default=True)
-@click.option("--out", type=click.Path(), required=True)
+@click.option("--dump", "dump_path", type=click.Path(), required=True, help="The dump folder.")
+@click.option("--layer", type=int, required=True, help="A layer the dump holds.")
+@click.option("--head", type=int, required=True, help="A query head (its KV head's keys are exported).")
+@click.option("--format", "fmt", type=click.Choice(["fbin"]), default="fbin", show_default=True,
+              help="big-ann-benchmarks' .fbin vectors and ground-truth .bin files (docs/results-table.md).")
+@click.option("--k", type=int, default=100, show_default=True, help="Neighbours per query in the ground truth.")
+@click.option("--window", type=WINDOW, default="128,512", show_default=True,
+              help="Static window excluded from the keys, as the sweep's.")
+@click.option("--out", type=click.Path(), required=True, help="A new or empty folder (or an earlier export's).")
 @click.option("--train-positions", type=click.Choice(rope.PLACES), default=rope.DEFAULT, show_default=True, help=rope.HELP)
 @click.option("--overwrite", is_flag=True, help="Replace an earlier export in --out.")
 def export(dump_path, layer, head, fmt, k, window, out, train_positions, overwrite) -> None:

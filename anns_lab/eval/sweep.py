@@ -28,7 +28,7 @@ from anns_lab.eval import failures as failed
 from anns_lab.eval import metrics
 from anns_lab.eval.executors import Outcome, Part, open_executor
 from anns_lab.eval.heads import HeadData, check_k, default_layers, load_head
-from anns_lab.eval.table import ADDED, CELL, COLUMNS, RESULTS, SETTINGS
+from anns_lab.eval.table import ADDED, CELL, COLUMNS, RESULTS, SETTINGS, table_problem
 from anns_lab.indexes import group_queries, protocol
 from anns_lab.io import atomic_write_json
 
@@ -184,6 +184,16 @@ def _given_sums(data: HeadData) -> list[int | None]:
     return protocol.input_sums(*(getattr(data, name) for name in GIVEN))
 
 
+def _every_index(log) -> list[str]:
+    """Every index that loads, sorted; the ones that do not are named, not silently left out (a plugin that claims
+    ``flat`` takes the built-in out of the default sweep)."""
+    from anns_lab.indexes import registry
+
+    for name, err in registry.broken().items():
+        log(f"note: {name} is left out of the sweep: it fails to load ({err}); `anns-lab indexes` lists every index")
+    return sorted(registry.available())
+
+
 def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: list[int] | None = None,
               heads: list[int] | None = None, k: int = 100, window: tuple[int, int] = (128, 512),
               out: str | Path | None = None, jobs: int | None = None, overwrite: bool = False, progress: bool = True,
@@ -211,7 +221,7 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     t_start = time.perf_counter()
     log = log or (lambda line: tqdm.write(line) if progress else None)
     dump = open_dump(dump_path)
-    names = _distinct(list(indexes), "--indexes") if indexes is not None else sorted(registry.available())
+    names = _distinct(list(indexes), "--indexes") if indexes is not None else _every_index(log)
     build_params = dict(build_params or {})
     for name in set(build_params) - set(names):
         raise AnnsLabError(f"build parameters given for {name!r}, which is not among the swept indexes {names}")
@@ -273,16 +283,17 @@ def _run(runner, dump, out, names, layers, heads, k, window, build_params, quick
                  for layer in layers for h in heads for n in names}
     ours = set(part_file.values())
     for f in sorted(parts.glob("*.parquet")):  # another sweep's part in the folder, unreadable: named before any work
-        if f not in ours and not _readable_part(f):
-            raise _unreadable(f)
+        if f not in ours and (why := _part_problem(f)):
+            raise _unreadable(f, why)
     failures: list[tuple[str, int, int, str]] = []
     earlier: dict[Part, int] = {}
     tries: dict[Part, int] = {}
     for part, f in part_file.items():
-        if f.exists() and _readable_part(f):
+        why = _part_problem(f) if f.exists() else None
+        if f.exists() and why is None:
             continue
         if f.exists():  # cut short or damaged since it was written: evaluated again, not trusted
-            log(f"{f.name} is not a readable results part: evaluating {part} again")
+            log(f"{f.name} is not a results part this sweep can keep ({why}): evaluating {part} again")
             f.unlink()
         rec = failed.previous(f)
         earlier[part] = rec["attempts"] if rec else 0
@@ -360,15 +371,19 @@ def _distinct(values: list[int], flag: str) -> list[int]:
     return list(dict.fromkeys(values))
 
 
-def _readable_part(path: Path) -> bool:
-    """Whether ``path`` is a Parquet file with the results table's columns (its footer read, not its rows)."""
-    import pyarrow.parquet as pq
-
+def _part_problem(path: Path) -> str | None:
+    """Why ``path`` is not a results part a sweep can keep, in words, or None: not Parquet, without the results
+    table's columns, or holding a row no conforming index produces (a part edited or damaged since it was written
+    once kept a NaN recall through every resume, and the report said "re-run the sweep")."""
     try:
-        names = set(pq.read_schema(path).names)
-    except (OSError, ValueError, pa.ArrowException):
-        return False
-    return not (set(COLUMNS) - set(ADDED) - names)
+        part = pd.read_parquet(path)
+    except (OSError, ValueError, pa.ArrowException) as err:
+        return f"{type(err).__name__}: {err}"
+    if missing := set(COLUMNS) - set(ADDED) - set(part.columns):
+        return f"missing columns {sorted(missing)}"
+    if problem := table_problem(part.reset_index(drop=True)):
+        return problem
+    return None
 
 
 def _unreadable(path: Path, why: Exception | None = None) -> AnnsLabError:
@@ -393,7 +408,8 @@ def _prepare(out: Path, settings: dict, overwrite: bool) -> None:
             (out / "parts").mkdir(exist_ok=True)  # removed by hand to redo every part: the parts are written there
             return
         if not overwrite:
-            raise AnnsLabError(f"{out} holds a sweep of other settings ({old}); pass --overwrite or choose another --out")
+            raise AnnsLabError(f"{out} holds a sweep of other settings ({_differences(old, settings)}); pass "
+                               "--overwrite or choose another --out")
         for p in (out / "parts").glob("*.parquet"):
             p.unlink()
         failed.clear_all(out / "parts")
@@ -408,6 +424,14 @@ def _prepare(out: Path, settings: dict, overwrite: bool) -> None:
                            "choose another --out") from None
 
 
+def _differences(old, new: dict) -> str:
+    """``k: 100 there, 10 here; window: ...``: the settings in which a folder's sweep and this one differ."""
+    if not isinstance(old, dict):
+        return f"{old!r}"
+    return "; ".join(f"{key}: {old[key] if key in old else 'default'} there, {new[key] if key in new else 'default'} here"
+                     for key in sorted(set(old) | set(new), key=str) if old.get(key) != new.get(key))
+
+
 def _running(parts: list[Part]) -> str:
     """The bar's note of what the workers are on (a stuck index is seen by name): ``ivf 3/0, flat 1/2``."""
     return ", ".join(f"{p.index} {p.layer}/{p.head}" for p in parts)
@@ -417,12 +441,10 @@ def combine(out: Path) -> pd.DataFrame:
     """Union of all part files, sorted, written atomically as ``results.parquet``."""
     frames = []
     for p in sorted((out / "parts").glob("*.parquet")):
-        try:  # this sweep's own parts were checked before they were trusted; another file there is not read blindly
-            if not _readable_part(p):
-                raise ValueError("not a results table")
-            frames.append(pd.read_parquet(p))
-        except (OSError, ValueError, pa.ArrowException) as err:
-            raise _unreadable(p, err) from None
+        # this sweep's own parts were checked before they were trusted; another file there is not read blindly
+        if why := _part_problem(p):
+            raise _unreadable(p, why)
+        frames.append(pd.read_parquet(p))
     table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=COLUMNS)
     # one measurement per cell: a build's part named apart in an older folder (a float spelled 1.0 there) and its part
     # named now measure the same build; one of them is kept

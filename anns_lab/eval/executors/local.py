@@ -7,6 +7,7 @@ retries the part while its attempts last; one that dies between two heads is rep
 Workers ignore SIGINT: on Ctrl-C the driver stops them (SIGTERM, then SIGKILL) and returns at once
 instead of waiting for queued heads. With a ``part_timeout``, an index that runs longer (a stuck plugin) has its
 worker killed and its part failed as timed out, not retried in the run: a hang costs that part, not the sweep.
+Workers end with their driver, however it ends (``kill -9`` included): none is left running an index for no one.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import sys
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -22,27 +24,48 @@ from multiprocessing.connection import Connection, wait
 from anns_lab.eval.executors.base import OnOutcome, OnRunning, Outcome, Part, Unit, Work, attempt, death_text, load
 
 LOADING = "<load>"  # what a worker is doing before its first index: reading the head
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
-def _worker(conn: Connection, work: Work) -> None:
-    """Worker main: for each (layer, head, names) received, load the head and evaluate each name."""
+def _worker(conn: Connection, work: Work, driver: int) -> None:
+    """Worker main: for each (layer, head, names) received, load the head and evaluate each name; a driver gone (its
+    pipe closed) ends the worker quietly."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
+    _die_with(driver)
     work.setup_worker()
-    while True:
-        unit = conn.recv()
-        if unit is None:
+    try:
+        while True:
+            unit = conn.recv()
+            if unit is None:
+                return
+            layer, head, names = unit
+            conn.send(("start", LOADING))
+            data, load_error = load(work, layer, head)
+            for name in names:
+                conn.send(("start", name))
+                try:
+                    table, error = (None, load_error) if load_error else attempt(work, data, name)
+                except KeyboardInterrupt:  # workers ignore Ctrl-C (the driver's): this one came from the index itself
+                    table, error = None, "KeyboardInterrupt raised by the index (not a Ctrl-C: workers ignore those)"
+                conn.send(("done", name, table, error))
+            conn.send(("idle",))
+    except (EOFError, OSError):  # the driver ended (BrokenPipe, ConnectionReset): nothing is left to report to
+        return
+
+
+def _die_with(driver: int) -> None:
+    """End this worker when its driver ends, even inside an index that never returns (a driver killed by SIGKILL
+    left such a worker running for good): Linux's parent-death signal; elsewhere the closed pipe ends it at its next
+    message."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):
             return
-        layer, head, names = unit
-        conn.send(("start", LOADING))
-        data, load_error = load(work, layer, head)
-        for name in names:
-            conn.send(("start", name))
-            try:
-                table, error = (None, load_error) if load_error else attempt(work, data, name)
-            except KeyboardInterrupt:  # workers ignore Ctrl-C (the driver's): this one came from the index itself
-                table, error = None, "KeyboardInterrupt raised by the index (not a Ctrl-C: workers ignore those)"
-            conn.send(("done", name, table, error))
-        conn.send(("idle",))
+    if os.getppid() != driver:  # the driver ended before the signal was asked for
+        os._exit(0)
 
 
 @dataclass
@@ -113,7 +136,7 @@ class LocalExecutor:
 
     def _start(self, ctx, work: Work, unit: Unit) -> _Slot:
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_worker, args=(child, work), daemon=True)
+        proc = ctx.Process(target=_worker, args=(child, work, os.getpid()), daemon=True)
         env = work.worker_env()
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)  # a spawned child starts with the parent's environment of this moment
