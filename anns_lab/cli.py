@@ -35,8 +35,9 @@ def _terminated(signum, frame) -> None:
 def _stop_on_sigterm():
     """`kill`, `timeout` or a scheduler's stop gets the clean stop a Ctrl-C gets (workers stopped, finished work kept,
     the resume told): by default it ended the driver alone, and its workers ran on. The previous handler, or None
-    where none can be set (not the main thread)."""
-    if threading.current_thread() is not threading.main_thread():
+    where none is set: not the main thread, or SIGTERM ignored by whoever started us (as Python keeps an ignored
+    SIGINT)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
         return None
     return signal.signal(signal.SIGTERM, _terminated)
 
