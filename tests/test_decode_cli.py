@@ -333,7 +333,9 @@ def test_extrapolation_is_allowed_when_asked_and_said(tiny_llama, tmp_path):
     assert within.exit_code == 0 and "extrapolated" not in within.output
 
 
-def _results(path):
+def _results(path, window=(4, 16)):
+    """A sweep's table at ``path`` and its sweep.json (the window the pick is checked against) beside it."""
+    (path.parent / "sweep.json").write_text(json.dumps({"window": list(window)}))
     rows = []
     for layer in (1, 3):
         for index, sp, recall, scanned in [("flat", {}, 0.995, 1.0), ("ivf", {"nprobe": 2}, 0.90, 0.2),
@@ -349,6 +351,20 @@ def _results(path):
                 rows.append(row | {"direction": "k2k", "recall": 1.0, "scanned_fraction": 0.001})
     pd.DataFrame(rows, columns=COLUMNS).to_parquet(path)
     return path
+
+
+def test_a_pick_without_the_sweeps_window_is_refused(tmp_path):
+    """Before: a table without its sweep.json (copied alone, or a part file) was picked from for any window, its recall
+    quoted for a window it was never measured with."""
+    from anns_lab.decode.modes import check_sweep_pick
+
+    path = _results(tmp_path / "results.parquet")
+    assert check_sweep_pick(str(path), 0.95, 100, (4, 16))[1]["window"] == [4, 16]
+    with pytest.raises(DecodeError, match="swept with --window 4,16"):
+        check_sweep_pick(str(path), 0.95, 100, (8, 32))
+    (tmp_path / "sweep.json").unlink()
+    with pytest.raises(DecodeError, match="sweep.json beside its table.* are missing"):
+        check_sweep_pick(str(path), 0.95, 100, (4, 16))
 
 
 def test_from_sweep_picks_least_scanned_reaching_target_per_layer(tmp_path):
@@ -463,7 +479,7 @@ def _roargraph_sweep(folder, auto_rules):
     df = df[df["index"] == "vamana"].assign(index="roargraph", build_params=json.dumps(RoarGraphIndex().params, sort_keys=True))
     df = df.drop(columns="auto_rules") if auto_rules is None else df.assign(auto_rules=json.dumps(auto_rules))
     df.to_parquet(folder / "results.parquet")
-    (folder / SETTINGS).write_text(json.dumps({"k": 100, "train_positions": "serving"}))
+    (folder / SETTINGS).write_text(json.dumps({"k": 100, "train_positions": "serving", "window": [4, 16]}))
     return folder
 
 
@@ -601,6 +617,15 @@ def test_json_is_written_after_each_sample(tiny_llama, tmp_path, monkeypatch):
         assert len(first["modes"][name]["samples"]) == 1 and len(final["modes"][name]["samples"]) == 2
         assert first["modes"][name]["samples"][0] == final["modes"][name]["samples"][0]
     assert "partial" not in final
+
+
+def test_a_prompt_of_bytes_that_are_not_utf8_is_one_error(tiny_llama, monkeypatch):
+    """Before: a TypeError from the tokenizer (Python hands undecodable argv bytes over as surrogates)."""
+    from anns_lab.decode import cli
+
+    monkeypatch.setattr(cli, "_load", lambda *a, **k: pytest.fail("the model was loaded"))
+    bad = b"caf\xe9 au lait".decode("utf-8", "surrogateescape")
+    assert "--prompt is not valid UTF-8 text" in _error(_run("--model", tiny_llama, "--prompt", bad, "--mode", "full"))
 
 
 def test_an_interrupted_decode_says_what_it_kept(tiny_llama, tmp_path, monkeypatch):

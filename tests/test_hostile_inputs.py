@@ -897,9 +897,13 @@ def _edit_table(folder, edit) -> None:
     (lambda t: t.assign(k=0), "k 0 is not a count ≥ 1"),  # before: read as a sweep of another k
     (lambda t: t.assign(n_keys=0), "n_keys 0 is not a count ≥ 1"),  # before: read as another window's rows
     (lambda t: t.assign(k=t["n_keys"] + 1), "exceeds the"),
+    # reached report.html raw through the estimators' note (a script), the figures' math text, report.md's cells
+    (lambda t: t.assign(index="vattention (<img src=x onerror=alert(1)>)"), "is not a name (letters, digits"),
+    (lambda t: t.assign(index="a|b"), "an index name 'a|b' is not a name"),
 ], ids=["recall-text", "k-nan", "n_keys-nan", "layer-fraction", "build-params-not-json", "search-params-not-json",
      "direction-unknown", "index-none",
-        "rows-twice", "k-mixed", "k-not-the-settings", "keys-of-another-window", "k-zero", "n_keys-zero", "k-over-keys"])
+        "rows-twice", "k-mixed", "k-not-the-settings", "keys-of-another-window", "k-zero", "n_keys-zero", "k-over-keys",
+        "index-html", "index-pipe"])
 def test_report_refuses_a_hand_edited_or_merged_table_in_one_line(dump, tmp_path, edit, words):
     """Before: a raw traceback, or a report built silently from rows of several k or counted twice."""
     _sweep(dump, tmp_path / "r")

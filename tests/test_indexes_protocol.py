@@ -40,6 +40,24 @@ def test_a_name_two_distributions_claim_is_a_conflict_never_a_silent_winner(monk
     assert "flat" in indexes.available()
 
 
+def test_a_name_that_cannot_name_files_and_labels_is_refused(monkeypatch):
+    """Before: a plugin named ``<script>alert(1)</script>`` stopped a sweep at its first part file (the ``/``), one named
+    ``$\\frac{$`` a report's figures (matplotlib's math text); an estimator's name reached report.html unescaped."""
+    from anns_lab.eval import html
+
+    real = registry._entry_points
+    odd = {name: [EntryPoint(name, "anns_lab.indexes.flat:FlatIndex", registry.GROUP)]
+           for name in ("<script>alert(1)</script>", "$\\frac{$", "a|b")}
+    monkeypatch.setattr(registry, "_entry_points", lambda: real() | odd)
+    for name in odd:
+        assert "is not a name anns-lab can use" in registry.broken()[name] and name not in indexes.available()
+        with pytest.raises(IndexConfigError, match="rename its entry point"):
+            indexes.get(name)
+    assert "flat" in indexes.available()
+    assert html.paragraph("Estimators (<img src=x onerror=alert(1)>)") == \
+        "<p>Estimators (&lt;img src=x onerror=alert(1)&gt;)</p>"
+
+
 def test_an_alias_entry_point_leaves_the_class_it_names_its_own_name(monkeypatch, tmp_path):
     """Before: loading ``myflat = anns_lab.indexes.flat:FlatIndex`` set ``FlatIndex.name = "myflat"``, so flat's own
     instances (messages, saves, the decoder's labels) then said myflat."""

@@ -292,6 +292,12 @@ def _check_options(settings: Settings, evaluation: str, task: str | None, prompt
         raise DecodeError(f"--train-queries must be 0 (all) or more, got {settings.train_queries}")
     if evaluation == "task" and (task is None) == (prompt is None):
         raise DecodeError("give exactly one of --task NAME or --prompt TEXT (or --eval fidelity)")
+    if prompt is not None:
+        try:  # bytes the shell's locale cannot decode arrive as surrogates, which the tokenizer fails on (a TypeError)
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise DecodeError(f"--prompt is not valid UTF-8 text (byte {err.start} of it, or near it): pass the "
+                              "prompt as UTF-8") from None
     if executor == "ray" and evaluation == "fidelity":
         raise DecodeError("--executor ray runs task and prompt evaluations (a task per sample); --eval fidelity is "
                           "one prefill and runs here")

@@ -105,7 +105,7 @@ def check_sweep_pick(path: str, target: float, topk: int | None = None,
                      window: tuple[int, int] | None = None) -> tuple[pd.DataFrame, dict]:
     """The sweep's table and settings, refused where no pick could serve this decode: a target outside (0, 1], a table
     swept at another k than ``topk`` or another window (what needs no model: checked before it loads)."""
-    from anns_lab.eval.table import load_results
+    from anns_lab.eval.table import SETTINGS, load_results
 
     if not 0 < target <= 1:
         raise DecodeError(f"--target-recall {target} must lie in (0, 1]")
@@ -117,7 +117,10 @@ def check_sweep_pick(path: str, target: float, topk: int | None = None,
         raise DecodeError(f"{path} measured recall@{swept_k[0]}, this decode retrieves the top {topk}: "
                           f"sweep with --k {topk}, or decode with --topk {swept_k[0]}")
     swept_window = settings.get("window")
-    if window is not None and swept_window is not None and tuple(swept_window) != tuple(window):
+    if window is not None and swept_window is None:  # its recall was measured for a window nobody can tell
+        raise DecodeError(f"{path}: the sweep's settings ({SETTINGS} beside its table, with the window it was swept "
+                          "with) are missing: pick from the folder the sweep wrote")
+    if window is not None and tuple(swept_window) != tuple(window):
         raise DecodeError(f"{path} was swept with --window {','.join(map(str, swept_window))}, this decode attends "
                           f"{','.join(map(str, window))} exactly: sweep with this window, or decode with the sweep's")
     return table, settings

@@ -38,6 +38,12 @@ y=sortKey(b.cells[col].textContent);return (x>y?1:x<y?-1:0)*dir});rows.forEach(r
 """
 
 
+def paragraph(text: str) -> str:
+    """``text`` (plain, or the findings' Markdown) as an HTML paragraph, escaped: names in it come from tables and
+    plugins (an estimator's name once reached the page raw)."""
+    return f"<p>{_md_inline(text)}</p>"
+
+
 def _md_inline(text: str) -> str:
     """Escape, then render the Markdown the findings use: **bold** and `code`."""
     out = html.escape(text)

@@ -187,10 +187,10 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
                    costs.markdown_at_target(points, 0.95))
     links = sibling_sweeps(folder, str(settings.get("dump", "")), out)
     sections = [("Least fraction of keys scanned to reach a recall target (median over heads)",
-                 f"<p>{_pareto_note(kinds)}</p>" + html.table(pareto_view, "pareto")),
+                 html.paragraph(_pareto_note(kinds)) + html.table(pareto_view, "pareto")),
                 (FIGURES["recall_vs_scanned.png"], html.figure(pngs["recall_vs_scanned.png"], "recall vs scanned")),
                 ("Least bytes of index data read per query to reach a recall target (Q→K, median over heads)",
-                 f"<p>{BYTES_NOTE}</p>" + html.table(_bytes_view(par), "bytes")
+                 html.paragraph(BYTES_NOTE) + html.table(_bytes_view(par), "bytes")
                  + html.figure(pngs["recall_vs_bytes.png"], "recall and error vs bytes read")),
                  (AT_TARGET, html.table(costs.summary_at_target(points).round(4), "at-target")
                   + html.table(points.round(4), "at-target-heads")),

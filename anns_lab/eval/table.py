@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 
 from anns_lab.errors import AnnsLabError
+from anns_lab.indexes.registry import NAME
 
 RESULTS = "results.parquet"
 SETTINGS = "sweep.json"
@@ -94,9 +95,9 @@ def _kind_problem(table: pd.DataFrame) -> str | None:
     odd = table.loc[~table["direction"].isin(DIRECTIONS), "direction"]
     if len(odd):
         return f"direction {odd.iloc[0]!r} is neither of {', '.join(DIRECTIONS)}"
-    named = table["index"].map(lambda v: isinstance(v, str) and bool(v))
-    if not named.all():
-        return f"an index name {table.loc[~named, 'index'].iloc[0]!r} is not a name"
+    named = table["index"].map(lambda v: isinstance(v, str) and bool(NAME.fullmatch(v)))
+    if not named.all():  # names reach file names, figure labels and report cells
+        return f"an index name {table.loc[~named, 'index'].iloc[0]!r} is not a name (letters, digits and . _ + -)"
     for column in ("build_params", "search_params"):  # decode --from-sweep reads both (a traceback, after the load)
         for text in table[column].unique():
             try:

@@ -8,6 +8,7 @@ its index, so there is no second path. A plugin that fails to import is recorded
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
@@ -16,6 +17,9 @@ from anns_lab.errors import IndexConfigError
 from anns_lab.indexes.base import Index
 
 GROUP = "anns_lab.indexes"
+#: What an index may be called: its name becomes part file names, figure labels and report cells (a plugin named
+#: ``<script>...`` or ``$\frac{$`` once stopped a sweep or a report).
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,9 @@ def _load(name: str, eps: list[EntryPoint]) -> type[Index]:
         raise IndexConfigError(f"{name!r} is announced by {len(eps)} distributions ("
                                + ", ".join(f"{_dist(ep)[0]}: {ep.value}" for ep in eps)
                                + "); uninstall one, or rename its entry point")
+    if not NAME.fullmatch(name):
+        raise IndexConfigError(f"index name {name!r} is not a name anns-lab can use: letters, digits and . _ + - "
+                               "only, 64 at most (it names files and labels); rename its entry point")
     ep = eps[0]
     try:
         obj = ep.load()
