@@ -283,13 +283,13 @@ def _run(runner, dump, out, names, layers, heads, k, window, build_params, quick
                  for layer in layers for h in heads for n in names}
     ours = set(part_file.values())
     for f in sorted(parts.glob("*.parquet")):  # another sweep's part in the folder, unreadable: named before any work
-        if f not in ours and (why := _part_problem(f)):
+        if f not in ours and (why := _read_part(f)[1]):
             raise _unreadable(f, why)
     failures: list[tuple[str, int, int, str]] = []
     earlier: dict[Part, int] = {}
     tries: dict[Part, int] = {}
     for part, f in part_file.items():
-        why = _part_problem(f) if f.exists() else None
+        why = _read_part(f)[1] if f.exists() else None
         if f.exists() and why is None:
             continue
         if f.exists():  # cut short or damaged since it was written: evaluated again, not trusted
@@ -371,22 +371,22 @@ def _distinct(values: list[int], flag: str) -> list[int]:
     return list(dict.fromkeys(values))
 
 
-def _part_problem(path: Path) -> str | None:
-    """Why ``path`` is not a results part a sweep can keep, in words, or None: not Parquet, without the results
-    table's columns, or holding a row no conforming index produces (a part edited or damaged since it was written
-    once kept a NaN recall through every resume, and the report said "re-run the sweep")."""
+def _read_part(path: Path) -> tuple[pd.DataFrame | None, str | None]:
+    """A results part and None, or None and why ``path`` is not one a sweep can keep, in words: not Parquet, without
+    the results table's columns, or holding a row no conforming index produces (a part edited or damaged since it was
+    written once kept a NaN recall through every resume, and the report said "re-run the sweep")."""
     try:
         part = pd.read_parquet(path)
     except (OSError, ValueError, pa.ArrowException) as err:
-        return f"{type(err).__name__}: {err}"
+        return None, f"{type(err).__name__}: {err}"
     if missing := set(COLUMNS) - set(ADDED) - set(part.columns):
-        return f"missing columns {sorted(missing)}"
+        return None, f"missing columns {sorted(missing)}"
     if problem := table_problem(part.reset_index(drop=True)):
-        return problem
-    return None
+        return None, problem
+    return part, None
 
 
-def _unreadable(path: Path, why: Exception | None = None) -> AnnsLabError:
+def _unreadable(path: Path, why: str | None = None) -> AnnsLabError:
     """The error for a file in ``parts/`` that is not a results part this sweep can read."""
     return AnnsLabError(f"{path} is not a readable results part{f' ({why})' if why else ''}; remove it (or start the "
                         "folder again with --overwrite) and run the same command again")
@@ -428,7 +428,10 @@ def _differences(old, new: dict) -> str:
     """``k: 100 there, 10 here; window: ...``: the settings in which a folder's sweep and this one differ."""
     if not isinstance(old, dict):
         return f"{old!r}"
-    return "; ".join(f"{key}: {old[key] if key in old else 'default'} there, {new[key] if key in new else 'default'} here"
+    def said(settings: dict, key: str) -> str:
+        return str(settings[key]) if key in settings else "default"
+
+    return "; ".join(f"{key}: {said(old, key)} there, {said(new, key)} here"
                      for key in sorted(set(old) | set(new), key=str) if old.get(key) != new.get(key))
 
 
@@ -441,10 +444,10 @@ def combine(out: Path) -> pd.DataFrame:
     """Union of all part files, sorted, written atomically as ``results.parquet``."""
     frames = []
     for p in sorted((out / "parts").glob("*.parquet")):
-        # this sweep's own parts were checked before they were trusted; another file there is not read blindly
-        if why := _part_problem(p):
+        part, why = _read_part(p)  # checked again: a part may have changed since the run began, or be another's
+        if why:
             raise _unreadable(p, why)
-        frames.append(pd.read_parquet(p))
+        frames.append(part)
     table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=COLUMNS)
     # one measurement per cell: a build's part named apart in an older folder (a float spelled 1.0 there) and its part
     # named now measure the same build; one of them is kept
