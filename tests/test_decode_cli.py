@@ -842,3 +842,16 @@ def test_decode_markdown_labels_a_partial_result_in_every_table(tmp_path):
     assert "PARTIAL" not in md.markdown(done, ["accuracy"])
     both = md.side_by_side([done, stopped], ["accuracy"])
     assert both.count("PARTIAL: 2 of 3 samples") == 1 and "passkey 200 (PARTIAL: 2 of 3 samples): accuracy %" in both
+
+
+@pytest.mark.parametrize("column, value", [("build_params", {"R": "16"}), ("build_params", {"R": -3}),
+                                           ("search_params", {"L": 2.5})])
+def test_from_sweep_refuses_values_the_index_refuses(tmp_path, column, value):
+    """Before: an edited table's R of text or below range reached the decode, whose check then blamed the prompt's length
+    ("cannot index the 432 keys outside the window"); a fractional L reached the search."""
+    path = tmp_path / "results.parquet"
+    df = pd.read_parquet(_results(path))
+    df.loc[df["index"] == "vamana", column] = json.dumps(value)
+    df.to_parquet(path)
+    with pytest.raises(DecodeError, match=r"holds a row this version of vamana refuses \(vamana: parameter .*; sweep again"):
+        pick_from_sweep(str(path), "m", 0.95, [1, 3])

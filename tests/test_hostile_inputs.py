@@ -437,6 +437,24 @@ def test_report_reads_the_dump_the_sweep_recorded_and_refuses_another(dump, tmp_
     assert write_report(tmp_path / "rel").is_file()
 
 
+def test_report_refuses_ivf_build_parameters_the_index_refuses(dump, tmp_path):
+    """Before: an edited table's ivf nlist of text, below 0, above the keys or 1e9 reached faiss in the report's IVF
+    diagnosis (a traceback, or std::bad_alloc)."""
+    from anns_lab.eval.report import write_report
+
+    run_sweep(dump.path, ["flat", "ivf"], [1], [0], k=10, window=(0, 0), out=tmp_path / "r", jobs=1, progress=False,
+              quick=True)
+    table = pd.read_parquet(tmp_path / "r" / "results.parquet")
+    for nlist, says in (('"8"', "must be int"), ("-3", "out of range"), ("1000000000", "out of range"),
+                        ("100000", "larger than the number of keys")):
+        table.loc[table["index"] == "ivf", "build_params"] = f'{{"nlist": {nlist}, "seed": 1}}'
+        table.to_parquet(tmp_path / "r" / "results.parquet")
+        one_line_error(["report", tmp_path / "r"], "ivf rows hold build parameters this version refuses", says)
+    table.loc[table["index"] == "ivf", "build_params"] = '{"nlist": 4, "seed": 1}'
+    table.to_parquet(tmp_path / "r" / "results.parquet")
+    assert write_report(tmp_path / "r").is_file()
+
+
 def test_report_survives_odd_neighbours_and_refuses_a_file_as_out(dump, tmp_path):
     from anns_lab.eval.report import write_report
 

@@ -11,6 +11,7 @@ from anns_lab.decode.placement import IndexPlan
 from anns_lab.dumps import rope
 from anns_lab.errors import DecodeError, IndexConfigError
 from anns_lab.indexes import group_queries, registry
+from anns_lab.indexes.base import resolve_params
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -87,8 +88,6 @@ def parse_modes(spec: str, search: dict, build: dict) -> list[Mode]:
         used_b |= set(b)
         try:  # validate now, before any model is loaded
             cls(**b)
-            from anns_lab.indexes.base import resolve_params
-
             resolve_params(name, cls.search_params, s)
         except IndexConfigError as err:
             raise DecodeError(str(err)) from None
@@ -170,8 +169,13 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int],
         if gone:
             raise DecodeError(f"{path} was swept with {r['index']} parameters this version does not have "
                               f"({', '.join(gone)}); sweep again")
-        build = {k: v for k, v in swept.items() if v != cls.build_params[k].default}
         search = json.loads(r["search_params"])
+        try:  # values no sweep of this index writes (an edited table): refused here, not blamed on the context later
+            resolve_params(r["index"], cls.build_params, swept)
+            resolve_params(r["index"], cls.search_params, {k: v for k, v in search.items() if k in cls.search_params})
+        except IndexConfigError as err:
+            raise DecodeError(f"{path} holds a row this version of {r['index']} refuses ({err}); sweep again") from None
+        build = {k: v for k, v in swept.items() if v != cls.build_params[k].default}
         # The sweep records its grid's search parameters only (roargraph: L), so a missing one alone does not date a
         # row; the build parameters it records are all of them (search_params_since).
         before = {k: v for k, v in cls.search_params_before.items()

@@ -21,11 +21,12 @@ import pandas as pd
 from anns_lab.dumps.models import extrapolation_note
 from anns_lab.dumps.prompts import CONTINUATION_WORDS
 from anns_lab.dumps.store import open_dump
-from anns_lab.errors import AnnsLabError
+from anns_lab.errors import AnnsLabError, IndexConfigError
 from anns_lab.eval import costs, failures, figures, findings, html, ivf_gap, paper
 from anns_lab.eval.heads import check_k, load_head
 from anns_lab.eval.findings import fmt_fraction  # noqa: F401 - benchmarks import it from here
 from anns_lab.eval.table import CELL, RESULTS, SETTINGS, load_results
+from anns_lab.indexes import registry
 from anns_lab.io import atomic_path
 
 TARGETS = (0.90, 0.95, 0.99)
@@ -299,11 +300,17 @@ def _ivf_reason(dump, table: pd.DataFrame, par: pd.DataFrame, kinds: dict[str, s
     q, kk = findings.scan(par, "ivf", "q2k"), findings.scan(par, "ivf", "k2k")
     if kinds.get("ivf") != "key-only" or q is None or kk is None:
         return ""
-    built = json.loads(table.loc[table["index"] == "ivf", "build_params"].iloc[0])
+    rows = table[table["index"] == "ivf"]
+    try:  # an edited table's nlist of text, -3 or 1e9 reached faiss (a traceback, or bad_alloc)
+        ivf = registry.create("ivf", **json.loads(rows["build_params"].iloc[0]))
+        ivf.check_keys(int(rows["n_keys"].min()))
+    except IndexConfigError as err:
+        raise AnnsLabError(f"the results table's ivf rows hold build parameters this version refuses ({err}); "
+                           "re-run the sweep") from None
     chosen = pairs[:: max(1, len(pairs) // most)][:most]
     # IVF is key-only: its diagnosis reads no training queries, so none are moved (no model config needed)
     diag = pd.DataFrame([ivf_gap.diagnose(load_head(dump, layer, head, window, train_positions="own"), k,
-                                          built.get("nlist") or None, built.get("seed", ivf_gap.SEED))
+                                          ivf.params["nlist"] or None, ivf.params["seed"])
                          for layer, head in chosen])
     return findings.ivf_reason(diag, q.fraction, kk.fraction)
 
