@@ -455,6 +455,20 @@ def test_report_refuses_ivf_build_parameters_the_index_refuses(dump, tmp_path):
     assert write_report(tmp_path / "r").is_file()
 
 
+def test_a_dump_folder_of_any_name_stays_one_code_span_in_report_md(dump, tmp_path):
+    """Before: a dump folder named with a backtick and a newline ended report.md's code span, and its second line became
+    a heading of the report's own (report.html escaped it)."""
+    from anns_lab.eval.report import write_report
+
+    odd = tmp_path / "d `x|y\n## INJECTED <i>z"
+    shutil.copytree(dump.path, odd)
+    run_sweep(odd, ["flat"], [1], [0], k=10, window=(0, 0), out=tmp_path / "r", jobs=1, progress=False, quick=True)
+    md = (write_report(tmp_path / "r").parent / "report.md").read_text()
+    assert not any(line.startswith("## INJECTED") for line in md.splitlines())
+    assert md.splitlines()[0] == "# anns-lab report: " + dump.model + ", ``d `x|y\\n## INJECTED <i>z``"
+    assert "Dump ``" + str(odd).replace("\n", "\\n") + "`` (" in md
+
+
 def test_report_survives_odd_neighbours_and_refuses_a_file_as_out(dump, tmp_path):
     from anns_lab.eval.report import write_report
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import unicodedata
 from pathlib import Path
 
 import numpy as np
@@ -165,7 +167,7 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
                                            medians.get("K→K: held-out keys", np.nan)),
               findings.dynamic_vs_static(decay["dynamic"].mean(), decay["static"].mean(),
                                          int(decay["step"].nunique()), k)]
-    intro = (f"Dump `{dump.path}` ({dump.model}): {dump.manifest['n_tokens']['prefill']} prefill + "
+    intro = (f"Dump {_md_code(str(dump.path))} ({dump.model}): {dump.manifest['n_tokens']['prefill']} prefill + "
              f"{dump.manifest['n_tokens']['decode']} decode tokens ({CONTINUATION_WORDS[dump.continuation]}: their "
              f"queries are the test queries); {len(pairs)} (layer, head) pairs of layers "
              f"{sorted({p[0] for p in pairs})}; {n_keys:,} keys indexed per head (static window {window[0]},{window[1]} "
@@ -385,7 +387,26 @@ def _points_view(c: pd.DataFrame) -> pd.DataFrame:
 
 def _md_table(df: pd.DataFrame) -> list[str]:
     lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
-    return lines + ["| " + " | ".join(str(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return lines + ["| " + " | ".join(_md_cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
+
+
+def _md_cell(value) -> str:
+    """A table cell's text that cannot end its cell or row (an edited table's parameters may hold | or a newline)."""
+    return _visible(str(value)).replace("|", "\\|")
+
+
+def _md_code(text: str) -> str:
+    """``text`` as one Markdown code span, whatever it holds: a folder name with backticks or a newline once ended the
+    span and started a heading of its own in report.md."""
+    text = _visible(text)
+    fence = "`" * (1 + max((len(run) for run in re.findall("`+", text)), default=0))
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def _visible(text: str) -> str:
+    """Control characters (newlines, tabs, escapes) spelled as Python writes them, everything else as it is."""
+    return "".join(repr(ch)[1:-1] if unicodedata.category(ch) == "Cc" else ch for ch in text)
 
 
 AT_TARGET = "Each index at recall 0.95, head by head (Q→K): scanned fraction, bytes read, output error"
@@ -393,7 +414,7 @@ AT_TARGET = "Each index at recall 0.95, head by head (Q→K): scanned fraction, 
 
 def _markdown(dump, intro: str, found, pareto_view: pd.DataFrame, pareto_note: str, par: pd.DataFrame,
               maha: pd.DataFrame, decay: pd.DataFrame, c: pd.DataFrame, k: int, at_target: list[str]) -> str:
-    lines = [f"# anns-lab report: {dump.model}, {dump.path.name}", "", intro, "",
+    lines = [f"# anns-lab report: {dump.model}, {_md_code(dump.path.name)}", "", intro, "",
              "An HTML version with sortable tables and a per-head table is `report.html` beside this file.", "",
              "## Findings against the paper", ""]
     lines += [f.markdown() for f in found]
@@ -413,5 +434,5 @@ def _markdown(dump, intro: str, found, pareto_view: pd.DataFrame, pareto_note: s
               f"- static top-{k} (the first step's, kept fixed): {decay['static'].mean():.3f}, "
               f"{decay.loc[decay['step'] == decay['step'].max(), 'static'].mean():.3f} at the last step", "",
               "![dynamic vs static](dynamic_vs_static.png)", "", "## Every operating point (median over heads, Q→K)", ""]
-    lines += _md_table(_points_view(c).assign(**{"search params": lambda d: "`" + d["search params"] + "`"}))
+    lines += _md_table(_points_view(c).assign(**{"search params": lambda d: d["search params"].map(_md_code)}))
     return "\n".join(lines) + "\n"
