@@ -47,6 +47,8 @@ def atomic_folder(path: Path) -> Iterator[Path]:
     import shutil
 
     path = Path(path)
+    if path.is_symlink():  # the folder the link names is replaced and the link kept (a link renamed onto a folder fails)
+        path = path.resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     try:
@@ -54,7 +56,11 @@ def atomic_folder(path: Path) -> Iterator[Path]:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would keep the folder from others
         if path.exists():
             old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old"))
-            os.replace(path, old)  # onto the empty folder just made: the name is ours
+            try:
+                os.replace(path, old)  # onto the empty folder just made: the name is ours
+            except OSError:
+                old.rmdir()
+                raise
             os.replace(tmp, path)
             shutil.rmtree(old, ignore_errors=True)
         else:

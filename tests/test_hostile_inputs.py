@@ -905,6 +905,19 @@ def test_a_save_never_replaces_what_is_not_a_save_and_a_failed_save_keeps_the_ea
     assert not [f for f in tmp_path.iterdir() if f.name.startswith(".")]  # no temp folder left beside
 
 
+def test_a_save_through_a_symlinked_folder_replaces_the_folder_it_names_and_keeps_the_link(tmp_path):
+    """Before: the save renamed the link onto a temporary folder (IsADirectoryError) and left that folder behind on
+    every try."""
+    keys = np.random.default_rng(0).standard_normal((400, 8)).astype(np.float32)
+    real, link = tmp_path / "real", tmp_path / "link"
+    FlatIndex().build(keys[:200]).save(real)
+    link.symlink_to(real, target_is_directory=True)
+    FlatIndex().build(keys).save(link)
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    assert FlatIndex.load(real).n_keys == 400 == FlatIndex.load(link).n_keys
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["link", "real"]  # no temporary folder left beside
+
+
 # -- report, export and indexes, third probe (session 30): hand-edited tables, foreign --out folders, stopped exports --
 
 

@@ -275,3 +275,29 @@ def test_an_hnswlib_file_whose_levels_disagree_is_refused(tmp_path):
         _resave(tmp_path, "hnswlib_index", np.concatenate([edited.view(np.uint8), blob[_HEADER.itemsize:]]))
         with pytest.raises(IndexConfigError, match="max_level"):
             HNSWIndex.load(tmp_path)
+
+
+@pytest.mark.parametrize("shape", [(1 << 40, 16), (3, 16)])
+def test_an_npy_header_of_another_size_than_its_data_is_refused_before_it_is_read(shape, tmp_path):
+    """A forged header (64 TiB of float32) with its checksum redone was a MemoryError from numpy's allocation; a header
+    smaller than the data it precedes (the rest ignored by numpy) loads no more."""
+    from anns_lab.errors import IndexConfigError
+    from anns_lab.indexes.flat import FlatIndex
+
+    keys = np.random.default_rng(0).standard_normal((300, 16)).astype(np.float32)
+    FlatIndex().build(keys).save(tmp_path / "saved")
+    file = tmp_path / "saved" / "keys.npy"
+    data = file.read_bytes()
+    old, new = (f"'shape': {s}".encode() for s in (keys.shape, shape))
+    assert old in data[:128]
+    header = data[:128].rstrip(b"\n").rstrip(b" ").replace(old, new).ljust(127) + b"\n"  # its length field holds
+    _resave_bytes(tmp_path / "saved", "keys", header + data[128:])
+    with pytest.raises(IndexConfigError, match="keys.npy is not a readable .npy array .its header says"):
+        FlatIndex.load(tmp_path / "saved")
+
+
+def _resave_bytes(folder: Path, name: str, data: bytes) -> None:
+    (folder / f"{name}.npy").write_bytes(data)
+    meta = json.loads((folder / "index.json").read_text())
+    meta["sha256"][name] = hashlib.sha256(data).hexdigest()
+    (folder / "index.json").write_text(json.dumps(meta))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from io import BytesIO
 from pathlib import Path
@@ -145,10 +146,24 @@ def _read_arrays(folder: Path, meta: dict, bad) -> dict[str, np.ndarray]:
         if hashlib.sha256(data).hexdigest() != sums.get(name):
             raise bad(f"{file.name} does not match its sha256 in index.json (corrupt or edited)")
         try:
-            arrays[name] = np.load(BytesIO(data), allow_pickle=False)
+            arrays[name] = _npy(data)
         except (ValueError, OSError, EOFError) as e:
             raise bad(f"{file.name} is not a readable .npy array ({e})") from None
     return arrays
+
+
+def _npy(data: bytes) -> np.ndarray:
+    """The array of one ``.npy`` file's bytes, its header's size checked against them before numpy allocates it (a
+    forged header of 64 TiB was a MemoryError)."""
+    f = BytesIO(data)
+    version = np.lib.format.read_magic(f)
+    if version not in ((1, 0), (2, 0)):  # np.save writes 3.0 only for non-Latin-1 field names: no index array has any
+        raise ValueError(f".npy format version {version[0]}.{version[1]} is not one np.save writes for these arrays")
+    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, _, dtype = read_header(f)
+    if not dtype.hasobject and (held := len(data) - f.tell()) != (said := math.prod(shape) * dtype.itemsize):
+        raise ValueError(f"its header says {said:,} bytes of data, the file holds {held:,}")
+    return np.load(BytesIO(data), allow_pickle=False)
 
 
 def expect(arrays: dict[str, np.ndarray], name: str, dtype, shape: tuple, finite: bool = False) -> np.ndarray:
