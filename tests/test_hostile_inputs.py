@@ -496,6 +496,12 @@ def test_export_never_writes_into_a_folder_it_did_not_make(dump, tmp_path):
     again = CliRunner().invoke(main, [str(a) for a in args + [tmp_path / "x", "--overwrite"]])
     assert again.exit_code == 0, again.output
     assert (tmp_path / "x" / "export.json").is_file()
+    before = {f.name: f.read_bytes() for f in (tmp_path / "x").iterdir()}
+    (tmp_path / "x" / "gt_q2k.bin").unlink()
+    (tmp_path / "x" / "gt_q2k.bin").mkdir()  # named as an export's file, but a folder: half-written before
+    one_line_error(args + [tmp_path / "x", "--overwrite"], "is not an export folder (it holds the folder 'gt_q2k.bin')")
+    assert {f.name: f.read_bytes() for f in (tmp_path / "x").iterdir() if f.is_file()} == {
+        n: b for n, b in before.items() if n != "gt_q2k.bin"}  # nothing touched
 
 
 @pytest.mark.parametrize("array", ["values", "keys"])

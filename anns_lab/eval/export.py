@@ -57,9 +57,13 @@ def export_fbin(dump: Dump, layer: int, head: int, out: str | Path, k: int = 100
         raise AnnsLabError(f"--out {out} is a file; give a folder for the export")
     if out.is_dir() and any(out.iterdir()):
         # an export's own files (export.json last: an interrupted one has the others, maybe temporaries)
-        own = all(p.name in EXPORT_FILES or (p.name.startswith(".") and p.name.endswith(".tmp")) for p in out.iterdir())
-        if not own:
-            raise AnnsLabError(f"{out} exists and is not an export folder; choose another --out")
+        # files only: a folder named gt_q2k.bin passed by its name and stopped an --overwrite half way
+        other = [p for p in sorted(out.iterdir()) if not (p.is_file() and (
+            p.name in EXPORT_FILES or (p.name.startswith(".") and p.name.endswith(".tmp"))))]
+        if other:
+            what = "folder" if other[0].is_dir() else "entry"
+            raise AnnsLabError(f"{out} exists and is not an export folder (it holds the {what} {other[0].name!r}); "
+                               "choose another --out")
         if not overwrite:
             raise AnnsLabError(f"{out} holds an earlier export; pass --overwrite to replace it or choose another --out")
     check_k(dump, window, k)  # before the folder is made: a refused export leaves nothing behind
