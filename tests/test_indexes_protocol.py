@@ -58,6 +58,19 @@ def test_a_name_that_cannot_name_files_and_labels_is_refused(monkeypatch):
         "<p>Estimators (&lt;img src=x onerror=alert(1)&gt;)</p>"
 
 
+@pytest.mark.parametrize("value", ["anns_lab.indexes.flat FlatIndex", "anns_lab/indexes:FlatIndex", ":FlatIndex"])
+def test_an_entry_point_value_that_is_not_module_class_is_listed_as_such(monkeypatch, value):
+    """Before: importlib's load failed inside its own parsing ("AttributeError: 'NoneType' object has no attribute
+    'group'"), which said nothing of the plugin's pyproject."""
+    real = registry._entry_points
+    monkeypatch.setattr(registry, "_entry_points", lambda: real() | {"odd": [EntryPoint("odd", value, registry.GROUP)]})
+    assert registry.broken()["odd"].startswith(f"IndexConfigError: entry point 'odd' = {value!r}")
+    assert "is not 'module:Class'" in registry.broken()["odd"] and "odd" not in indexes.available()
+    with pytest.raises(IndexConfigError, match="fix the plugin's"):
+        indexes.get("odd")
+    assert "flat" in indexes.available()
+
+
 def test_an_alias_entry_point_leaves_the_class_it_names_its_own_name(monkeypatch, tmp_path):
     """Before: loading ``myflat = anns_lab.indexes.flat:FlatIndex`` set ``FlatIndex.name = "myflat"``, so flat's own
     instances (messages, saves, the decoder's labels) then said myflat."""

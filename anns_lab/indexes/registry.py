@@ -62,6 +62,9 @@ def _load(name: str, eps: list[EntryPoint]) -> type[Index]:
         raise IndexConfigError(f"index name {name!r} is not a name anns-lab can use: letters, digits and . _ + - "
                                "only, 64 at most (it names files and labels); rename its entry point")
     ep = eps[0]
+    if not re.fullmatch(r"\s*[\w.]+\s*:\s*[\w.]+\s*(\[.*\]\s*)?", ep.value):  # ep.load() failed on .group of None
+        raise IndexConfigError(f"entry point {name!r} = {ep.value!r} ({_dist(ep)[0]}) is not 'module:Class'; "
+                               "fix the plugin's [project.entry-points.\"anns_lab.indexes\"]")
     try:
         obj = ep.load()
     except SystemExit as err:  # a plugin's sys.exit() at import must not end the listing or the sweep
