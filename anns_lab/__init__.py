@@ -3,7 +3,8 @@
 Floors, bottom to top; a module imports only from its own floor and those below it
 (``tests/test_layering.py`` checks every import):
 
-0. ``errors``, ``version``, ``io`` (atomic writes), ``window``, ``cli_types``;
+0. ``errors``, ``version``, ``io`` (atomic writes), ``window``, ``cli_types``, ``processes`` (workers that end with
+   their parent);
 1. ``dumps``: models and prompts (used by the decoder too), capture and the Parquet format;
 2. ``indexes``: the protocol, the registry and the zoo;
 3. ``eval``: head data, metrics, the sweep, its results table (``eval.table``) and the report;

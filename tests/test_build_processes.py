@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import signal
+import subprocess
+import sys
 import tempfile
 import threading
+import time
 from concurrent.futures import CancelledError
 from concurrent.futures.process import EXTRA_QUEUED_CALLS, BrokenProcessPool
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -266,3 +272,49 @@ def test_the_decode_command_builds_in_the_workers_with_build_processes(tiny_llam
         assert data["settings"]["build_processes"] is (flag == "--build-processes")
         answers[flag] = [row["answer"] for row in data["modes"]["roargraph"]["samples"]]
     assert answers["--build-processes"] == answers["--build-threads"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat")
+    return not (state.is_file() and state.read_text().split(") ")[-1].startswith("Z"))  # a zombie has ended
+
+
+DRIVER = """
+import sys, numpy as np
+from anns_lab.indexes import build_processes, registry
+from anns_lab.indexes.key_store import KeyStore
+rows = [KeyStore(np.random.default_rng(0).standard_normal((1, 300, 8)).astype(np.float32), 340).head(0)]
+build_processes.pool(1).build(registry.get("faulty"), {"pid_dir": sys.argv[1], "sleep_s": 600.0}, rows, [(0, {})])
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_workers_end_with_a_killed_decode_even_inside_a_build(plugin_dir, tmp_path):
+    """Before: a decode killed by SIGKILL left its build workers running until their build ended (600 s here)."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugin_dir), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(pids)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        end = time.monotonic() + 120
+        while not list(pids.iterdir()) and proc.poll() is None and time.monotonic() < end:
+            time.sleep(0.2)
+        assert proc.poll() is None and list(pids.iterdir()), proc.stderr.read().decode()[-2000:] if proc.poll() else "no build"
+        (worker,) = {int(p.name.split("-")[0]) for p in pids.iterdir()}
+        proc.kill()
+        proc.wait(timeout=30)
+        end = time.monotonic() + 30
+        while _alive(worker) and time.monotonic() < end:
+            time.sleep(0.2)
+        assert not _alive(worker), f"worker {worker} still building 30 s after its decode was killed"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in pids.iterdir():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(p.name.split("-")[0]), signal.SIGKILL)

@@ -15,23 +15,22 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import sys
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
 from anns_lab.eval.executors.base import OnOutcome, OnRunning, Outcome, Part, Unit, Work, attempt, death_text, load
+from anns_lab.processes import die_with
 
 LOADING = "<load>"  # what a worker is doing before its first index: reading the head
-PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def _worker(conn: Connection, work: Work, driver: int) -> None:
     """Worker main: for each (layer, head, names) received, load the head and evaluate each name; a driver gone (its
     pipe closed) ends the worker quietly."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
-    _die_with(driver)
+    die_with(driver)  # started by the driver's thread that runs the sweep to its end
     work.setup_worker()
     try:
         while True:
@@ -51,21 +50,6 @@ def _worker(conn: Connection, work: Work, driver: int) -> None:
             conn.send(("idle",))
     except (EOFError, OSError):  # the driver ended (BrokenPipe, ConnectionReset): nothing is left to report to
         return
-
-
-def _die_with(driver: int) -> None:
-    """End this worker when its driver ends, even inside an index that never returns (a driver killed by SIGKILL
-    left such a worker running for good): Linux's parent-death signal; elsewhere the closed pipe ends it at its next
-    message."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):
-            return
-    if os.getppid() != driver:  # the driver ended before the signal was asked for
-        os._exit(0)
 
 
 @dataclass
