@@ -130,7 +130,8 @@ def test_prompt_and_fidelity(tiny_gemma3, tmp_path):
     (["--build-layers", -1], "--build-layers must be 0 (auto) or more, got -1"),
     (["--max-new-tokens", -3], "--max-new-tokens must be at least 1"),
     (["--seed", -1], "--seed must be 0 or more"),
-    (["--torch-threads", -2], "--torch-threads must be 0"),
+    (["--torch-threads", -2], "--torch-threads must lie in [0, 1024]"),
+    (["--torch-threads", 100000], "--torch-threads must lie in [0, 1024]"),  # a traceback from an import, before
     (["--train-queries", -4], "--train-queries must be 0 (all) or more"),
     (["--device", "bogus"], "unknown device 'bogus'"),
     (["--device", "cuda:99"], "device 'cuda:99':"),

@@ -332,6 +332,10 @@ def _check_unused(ctx: click.Context, evaluation: str, prompt: str | None, from_
         raise DecodeError("--target-recall is the recall a --from-sweep pick must reach: pass --from-sweep, or leave it out")
 
 
+# Above any machine's cores: 100000 threads' stacks exhausted the process's memory maps (a traceback from an import).
+MAX_TORCH_THREADS = 1024
+
+
 def _check_counts(max_new_tokens: int | None, seed: int, torch_threads: int) -> None:
     """Refuse counts out of range before anything is loaded (a negative token count decoded nothing and scored 0, 0 meant
     the task's default, a negative seed failed after the model had loaded)."""
@@ -339,8 +343,8 @@ def _check_counts(max_new_tokens: int | None, seed: int, torch_threads: int) -> 
         raise DecodeError(f"--max-new-tokens must be at least 1 (leave it out for the task's default), got {max_new_tokens}")
     if seed < 0:
         raise DecodeError(f"--seed must be 0 or more, got {seed}")
-    if torch_threads < 0:
-        raise DecodeError(f"--torch-threads must be 0 (torch's default) or more, got {torch_threads}")
+    if not 0 <= torch_threads <= MAX_TORCH_THREADS:
+        raise DecodeError(f"--torch-threads must lie in [0, {MAX_TORCH_THREADS}] (0: torch's default), got {torch_threads}")
 
 
 def _check_replaceable(path: Path, overwrite: bool, from_sweep: str | None) -> None:
