@@ -399,6 +399,8 @@ def test_sweep_folders_and_selections_that_cannot_be_used_are_one_error_line(dum
     # the range's bound is checked before the range is built (a MemoryError traceback, before)
     one_line_error(args + ["--heads", "0-100000000000", "--out", tmp_path / "h"], "100000000000 lies outside")
     one_line_error(args + ["--heads", "two", "--out", tmp_path / "h"], "cannot read --heads 'two'")
+    one_line_error(args[:-2] + ["--window", "100000,100000", "--heads", 0, "--out", tmp_path / "w"],
+                   "the static window 100000,100000 leaves 0 of", "fewer than the 200 an evaluation needs")
     ran = CliRunner().invoke(main, [str(a) for a in args + ["--heads", "0:3:2", "--jobs", 1, "--quick", "--out", tmp_path / "r"]])
     assert ran.exit_code == 0, ran.output
     assert sorted(pd.read_parquet(tmp_path / "r" / "results.parquet")["head"].unique()) == [0, 2]

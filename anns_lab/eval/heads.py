@@ -140,10 +140,11 @@ def index_range(dump: Dump, window: Window | tuple[int, int] = Window(), min_tes
     extra = max(0, min_test - int(dump.manifest["n_tokens"]["decode"]))  # held-out last prefill queries
     lo, hi = window.outside(n)
     hi = min(hi, n - extra)  # causality: no index key at or after the first test query
-    if hi - lo < max(200, n_k2k + 2):
-        held = f" and the last {extra} held out as test queries" if extra > window.recent else ""
-        raise AnnsLabError(f"the static window {window}{held} leave {max(hi - lo, 0)} of {n} prefill keys to index; "
-                           "use a longer dump or a smaller --window")
+    if hi - lo < (need := max(200, n_k2k + 2)):
+        what = (f"the static window {window} and the last {extra} held out as test queries leave" if extra > window.recent
+                else f"the static window {window} leaves")
+        raise AnnsLabError(f"{what} {max(hi - lo, 0)} of {n} prefill keys to index, fewer than the {need} an evaluation "
+                           "needs; use a longer dump or a smaller --window")
     return lo, hi, extra
 
 
