@@ -29,6 +29,10 @@ class DecodeError(AnnsLabError):
     """Bad decode input: mode, task, window, top-k, context."""
 
 
+class FolderBusy(AnnsLabError):
+    """Another process is writing into the folder a dump or sweep would write into (``io.sole_writer``)."""
+
+
 def error_text(err: BaseException) -> str:
     """One line for an index's (often a plugin's) error: an anns-lab error as it is (it names the index), another with
     its type; SystemExit gets a word, since its message alone is only a code."""

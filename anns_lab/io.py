@@ -6,8 +6,13 @@ import contextlib
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
+
+from anns_lab.errors import FolderBusy
+
+T = TypeVar("T")
 
 
 def _umask() -> int:
@@ -95,3 +100,42 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 def atomic_write_json(path: Path, obj: dict) -> None:
     """Write ``obj`` as indented JSON to ``path``, atomically."""
     atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode("utf-8"))
+
+
+@contextlib.contextmanager
+def sole_writer(folder: Path, prepare: Callable[[], T]) -> Iterator[T]:
+    """``prepare()`` (which reads ``folder``'s state and may make it) and the block, run as the only process writing into
+    ``folder``, or ``FolderBusy`` at once where another holds it: two dumps or sweeps into one folder mixed their files,
+    or one removed what the other was writing. Yields what ``prepare`` returned. The lock is taken before ``prepare``
+    where the folder exists, right after it where ``prepare`` made it (a command it refuses then makes nothing)."""
+    with contextlib.ExitStack() as held:
+        existed = folder.exists()
+        if existed:
+            held.enter_context(_held(folder))
+        prepared = prepare()
+        if not existed and folder.exists():
+            held.enter_context(_held(folder))
+        yield prepared
+
+
+@contextlib.contextmanager
+def _held(folder: Path) -> Iterator[None]:
+    """An advisory lock on the folder itself (no file is added to it), released when the block ends or the process
+    dies; where the system or its file system has no such locks, the block runs unguarded."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise FolderBusy(f"another anns-lab process is writing into {folder}; wait for it to end, or choose "
+                             "another --out") from None
+        except OSError:  # a file system without flock (some network mounts): unguarded, as before
+            pass
+        yield
+    finally:
+        os.close(fd)

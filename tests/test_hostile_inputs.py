@@ -13,6 +13,8 @@ import hashlib
 import json
 import re
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pandas as pd
@@ -1107,3 +1109,36 @@ def test_indexes_lists_every_other_index_past_a_plugin_with_malformed_declaratio
     assert r.exit_code == 0 and r.exception is None, r.output
     assert "aaa-odd  [x 1]  x:Odd\n    FAILED TO DESCRIBE: " in r.output and "\nflat  [" in r.output
     assert "Traceback" not in r.output and "failed to load or to describe: aaa-odd" in r.output
+
+
+# -- two processes writing into one folder (session 39) ----------------------------------------------------------------
+
+
+def _holder(folder):
+    """A process holding ``folder`` as a running dump or sweep does (io.sole_writer), until killed."""
+    code = ("import sys, time\nfrom pathlib import Path\nfrom anns_lab.io import sole_writer\n"
+            "with sole_writer(Path(sys.argv[1]), lambda: None):\n    print('held', flush=True)\n    time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_folder_another_process_writes_into_is_refused_and_free_once_it_ends(tiny_llama, dump, tmp_path):
+    """Before: a second dump into a folder being written (`--overwrite`, or a resume) cleared or rewrote its files under
+    the first (here: a FileNotFoundError traceback on the staging folder the first had removed); a second sweep's
+    --overwrite removed the first's parts."""
+    dump_args = ["dump", "--model", tiny_llama, "--tokens", 64, "--decode-tokens", 2, "--out", tmp_path / "d"]
+    sweep_args = ["sweep", "--dump", dump.path, "--indexes", "flat", "--layers", 1, "--heads", 0, "--k", 10, "--window",
+                  "0,0", "--quick", "--jobs", 1, "--out", tmp_path / "r"]
+    for args, folder in ((dump_args, tmp_path / "d"), (sweep_args, tmp_path / "r")):
+        folder.mkdir()
+        holder = _holder(folder)
+        try:
+            one_line_error(args, f"another anns-lab process is writing into {folder}; wait for it to end")
+            one_line_error(args + ["--overwrite"], "another anns-lab process is writing into")
+            assert not any(folder.iterdir())
+        finally:
+            holder.kill()
+            holder.wait()
+        ran = CliRunner().invoke(main, [str(a) for a in args])  # the lock ends with its process, even killed
+        assert ran.exit_code == 0, ran.output

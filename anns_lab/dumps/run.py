@@ -29,7 +29,7 @@ from anns_lab.dumps import store
 from anns_lab.dumps.models import RopeScaling
 from anns_lab.dumps.prompts import CONTINUATION_WORDS, CONTINUATIONS
 from anns_lab.errors import DumpError, PromptError
-from anns_lab.io import atomic_write_json
+from anns_lab.io import atomic_write_json, sole_writer
 from anns_lab.version import __version__
 
 STAGING = ".staging"
@@ -345,34 +345,35 @@ def run_dump(model: str = "smollm2", *, source: str = "text", prompt_path: str |
         settings["continuation"] = continuation
     t_start = time.perf_counter()
     existed = out.exists()
-    state, replace = _prepare_folder(out, settings, overwrite, _layer_resolver(facts))
-    if state is None:
-        _check_inputs_unchanged(out, prompt_path, where)
-        return DumpResult(store.open_dump(out), time.perf_counter() - t_start, already_complete=True)
-    began = not replace
+    with sole_writer(out, lambda: _prepare_folder(out, settings, overwrite, _layer_resolver(facts))) as prepared:
+        state, replace = prepared
+        if state is None:
+            _check_inputs_unchanged(out, prompt_path, where)
+            return DumpResult(store.open_dump(out), time.perf_counter() - t_start, already_complete=True)
+        began = not replace
 
-    def begin() -> None:  # the new capture's checks passed: only now does --overwrite replace the folder's dump
-        nonlocal began
-        began = True  # from here on the folder's old dump is being replaced: a failure must not say it is as it was
-        if replace:
-            _clear(out)
-            _start(out, state)
+        def begin() -> None:  # the new capture's checks passed: only now does --overwrite replace the folder's dump
+            nonlocal began
+            began = True  # from here on the folder's old dump is being replaced: a failure must not say it is as it was
+            if replace:
+                _clear(out)
+                _start(out, state)
 
-    try:
-        return _capture(out, settings, state, begin, model, prompt_path, allow_extrapolation, allow_download, device,
-                        progress, t_start, rope_scaling)
-    except BaseException as err:
-        if began and not state["done"]:  # nothing captured: leave the folder as it was, so a corrected command runs
-            shutil.rmtree(out / STAGING, ignore_errors=True)
-            if not existed and out.is_dir() and not any(out.iterdir()):
-                out.rmdir()
-        if isinstance(err, KeyboardInterrupt):
-            layers_kept = sum(name != store.TOKENS_FILE for name in state["done"])
-            raise DumpInterrupted(
-                f"interrupted before the capture began: {out} is as it was" if not began else
-                f"interrupted: {layers_kept} layer file(s) kept in {out}; run the same command again to resume"
-                if state["done"] else "interrupted before any file was written: nothing was kept") from None
-        raise
+        try:
+            return _capture(out, settings, state, begin, model, prompt_path, allow_extrapolation, allow_download, device,
+                            progress, t_start, rope_scaling)
+        except BaseException as err:
+            if began and not state["done"]:  # nothing captured: leave the folder as it was, so a corrected command runs
+                shutil.rmtree(out / STAGING, ignore_errors=True)
+                if not existed and out.is_dir() and not any(out.iterdir()):
+                    out.rmdir()
+            if isinstance(err, KeyboardInterrupt):
+                layers_kept = sum(name != store.TOKENS_FILE for name in state["done"])
+                raise DumpInterrupted(
+                    f"interrupted before the capture began: {out} is as it was" if not began else
+                    f"interrupted: {layers_kept} layer file(s) kept in {out}; run the same command again to resume"
+                    if state["done"] else "interrupted before any file was written: nothing was kept") from None
+            raise
 
 
 def _capture(out, settings, state, begin, model_name, prompt_path, allow_extrapolation, allow_download, device, progress,

@@ -30,7 +30,7 @@ from anns_lab.eval.executors import Outcome, Part, open_executor
 from anns_lab.eval.heads import HeadData, check_k, default_layers, load_head
 from anns_lab.eval.table import ADDED, CELL, COLUMNS, RESULTS, SETTINGS, table_problem
 from anns_lab.indexes import group_queries, protocol
-from anns_lab.io import atomic_write_json
+from anns_lab.io import atomic_write_json, sole_writer
 
 LATENCY_QUERIES = 16
 MAX_ATTEMPTS = 3
@@ -264,10 +264,11 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     # for a task is one error and leaves nothing behind.
     runner = open_executor(executor, jobs, address, cpus_per_task, ray_data, log=log, part_timeout=part_timeout)
     try:
-        _prepare(out, settings, overwrite)
-        return _run(runner, dump, out, names, layers, heads, k, window, build_params, quick, max_attempts,
-                    retry_failed, progress, log, t_start, train_group,
-                    train_positions if aware else "own")  # key-only indexes get no training queries: nothing to move
+        # two sweeps into one folder: an --overwrite removed the other's parts
+        with sole_writer(out, lambda: _prepare(out, settings, overwrite)):
+            return _run(runner, dump, out, names, layers, heads, k, window, build_params, quick, max_attempts,
+                        retry_failed, progress, log, t_start, train_group,
+                        train_positions if aware else "own")  # key-only indexes get no training queries: nothing to move
     finally:
         runner.close()
 
