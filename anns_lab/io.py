@@ -1,4 +1,5 @@
-"""Atomic file writing (bottom floor): a reader never sees half a file, a crash leaves the old file or none."""
+"""Atomic file writing (bottom floor): a reader never sees half a file, a crash leaves the old file or none; and
+one writer per dump or sweep folder (:func:`sole_writer`)."""
 
 from __future__ import annotations
 
@@ -127,7 +128,11 @@ def _held(folder: Path) -> Iterator[None]:
     except ImportError:  # not POSIX
         yield
         return
-    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # not readable here: what prepares the folder says why it cannot be used
+        yield
+        return
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
