@@ -1142,3 +1142,22 @@ def test_a_folder_another_process_writes_into_is_refused_and_free_once_it_ends(t
             holder.wait()
         ran = CliRunner().invoke(main, [str(a) for a in args])  # the lock ends with its process, even killed
         assert ran.exit_code == 0, ran.output
+
+
+def test_export_readers_refuse_files_cut_short_or_of_another_format(tmp_path):
+    """Before: numpy's reshape error ("cannot reshape array of size 13 into shape (3,4)"), or for a file under 8 bytes an
+    unpacking error."""
+    keys = np.arange(12, dtype=np.float32).reshape(3, 4)
+    (tmp_path / "x.fbin").write_bytes(export.fbin_bytes(keys))
+    np.testing.assert_array_equal(export.read_fbin(tmp_path / "x.fbin"), keys)
+    (tmp_path / "gt.bin").write_bytes(export.gt_bytes(np.array([[2, 0]]), np.array([[5.0, 1.0]])))
+    ids, scores = export.read_gt(tmp_path / "gt.bin")
+    assert ids.tolist() == [[2, 0]] and scores.tolist() == [[5.0, 1.0]]
+    for name, read, words in (("x.fbin", export.read_fbin, "3 x 4 float32 (56 bytes), it holds 53"),
+                              ("gt.bin", export.read_gt, "1 x 2 ids and scores (24 bytes), it holds 21")):
+        (tmp_path / name).write_bytes((tmp_path / name).read_bytes()[:-3])
+        with pytest.raises(AnnsLabError, match=re.escape(words)):
+            read(tmp_path / name)
+        (tmp_path / name).write_bytes(b"abc")
+        with pytest.raises(AnnsLabError, match="shorter than its 8-byte header"):
+            read(tmp_path / name)

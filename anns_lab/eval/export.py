@@ -23,27 +23,46 @@ EXPORT_FILES = ("base.fbin", "train_queries.fbin", "test_queries.fbin", "k2k_que
 
 
 def fbin_bytes(x: np.ndarray) -> bytes:
+    """``x`` (n, d) as an ``.fbin`` file: n and d as uint32, then the float32 rows (big-ann-benchmarks' format)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     return np.array(x.shape, dtype=np.uint32).tobytes() + x.tobytes()
 
 
 def read_fbin(path: str | Path) -> np.ndarray:
+    """The (n, d) float32 array of an ``.fbin`` file, its header checked against its size."""
     raw = Path(path).read_bytes()
-    n, d = np.frombuffer(raw[:8], dtype=np.uint32)
-    return np.frombuffer(raw[8:], dtype=np.float32).reshape(int(n), int(d))
+    n, d = _header(path, raw)
+    _expect_size(path, raw, n * d * 4, f"{n} x {d} float32")
+    return np.frombuffer(raw[8:], dtype=np.float32).reshape(n, d)
 
 
 def gt_bytes(ids: np.ndarray, scores: np.ndarray) -> bytes:
+    """A ground truth file: n and k as uint32, the ids (n, k) as uint32, then their scores (n, k) as float32."""
     return (np.array(ids.shape, dtype=np.uint32).tobytes() + np.ascontiguousarray(ids, dtype=np.uint32).tobytes()
             + np.ascontiguousarray(scores, dtype=np.float32).tobytes())
 
 
 def read_gt(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """(ids (n, k) uint32, scores (n, k) float32) of a ground truth file, its header checked against its size."""
     raw = Path(path).read_bytes()
-    n, k = (int(v) for v in np.frombuffer(raw[:8], dtype=np.uint32))
+    n, k = _header(path, raw)
+    _expect_size(path, raw, n * k * 8, f"{n} x {k} ids and scores")
     ids = np.frombuffer(raw[8:8 + 4 * n * k], dtype=np.uint32).reshape(n, k)
     scores = np.frombuffer(raw[8 + 4 * n * k:], dtype=np.float32).reshape(n, k)
     return ids, scores
+
+
+def _header(path, raw: bytes) -> tuple[int, int]:
+    if len(raw) < 8:
+        raise AnnsLabError(f"{path} is not an export file: {len(raw)} bytes, shorter than its 8-byte header")
+    n, width = (int(v) for v in np.frombuffer(raw[:8], dtype=np.uint32))
+    return n, width
+
+
+def _expect_size(path, raw: bytes, body: int, what: str) -> None:
+    if len(raw) != 8 + body:  # a file cut short, or another format: numpy's reshape error said neither
+        raise AnnsLabError(f"{path} is not a whole export file: its header says {what} ({8 + body:,} bytes), it holds "
+                           f"{len(raw):,}")
 
 
 def export_fbin(dump: Dump, layer: int, head: int, out: str | Path, k: int = 100,
