@@ -76,3 +76,29 @@ def test_too_short_for_the_task(tok):
         tasks.make_sample("niah_multikey", tok, 40, seed=0)
     with pytest.raises(PromptError, match="unknown prompt source"):
         build_prompt("essays", tok, 100)
+
+
+@pytest.mark.parametrize("n", [1, 57, 400, 3000])
+def test_a_prefix_gives_the_whole_texts_first_tokens(tok, n):
+    """--tokens N reads a file's (or the corpus's) first N tokens from a prefix of it, at a cost bounded by N (the whole
+    of a 42 MB file took 6.4 GB to tokenize): they must be the whole text's first N."""
+    from anns_lab.dumps.prompts import prefix_ids
+
+    text = corpus()[: 64 * n + 20_000]
+    whole = tasks.encode(tok, text)
+    assert prefix_ids(tok, text, n)[:n] == whole[:n]
+
+
+def test_a_prompt_file_is_read_to_its_tokens_and_refused_whole_past_the_limit(tok, tmp_path, monkeypatch):
+    from anns_lab.dumps import prompts
+
+    f = tmp_path / "p.txt"
+    f.write_text(corpus()[:40_000])
+    whole = tasks.special_prefix(tok) + tasks.encode(tok, f.read_text())
+    assert build_prompt("text", tok, 500, path=f).ids == whole[:500]
+    assert build_prompt("text", tok, None, path=f).ids == whole  # no --tokens: all of it
+    monkeypatch.setattr(prompts, "FILE_MOST", len(whole) - 1)
+    with pytest.raises(PromptError, match=f"holds more than {len(whole) - 1:,} tokens, too many to prefill whole: give "
+                                          "--tokens N"):
+        build_prompt("text", tok, None, path=f)
+    assert build_prompt("text", tok, len(whole), path=f).ids == whole  # --tokens reads past the limit

@@ -35,7 +35,7 @@ ROPE_HELP = ("scale the RoPE positions of the model's long-range layers: linear:
 @click.option("--source", type=click.Choice(SOURCES), default="text", show_default=True,
               help="Built-in prompt: real offline text, or a synthetic long-context task.")
 @click.option("--prompt", "prompt_path", type=click.Path(), default=None, help="A UTF-8 text file to use as the prompt instead.")
-@click.option("--tokens", type=int, default=None, help="Prompt length in tokens [default: 8192; with --prompt, the whole file].")
+@click.option("--tokens", type=int, default=None, help="Prompt length in tokens [default: 8192; with --prompt, the whole file, up to 1,048,576 tokens: --tokens N reads the first N of any file].")
 @click.option("--decode-tokens", type=int, default=64, show_default=True, help="Decode steps captured as phase 'decode'.")
 @click.option("--continuation", type=click.Choice(CONTINUATIONS), default="greedy", show_default=True,
               help="The decode steps' tokens: the model's greedy choices, or the text's own next tokens after the prompt "

@@ -32,14 +32,7 @@ def build_prompt(source: str, tokenizer, n_tokens: int | None, seed: int = 0, pa
     if source == "text":
         from anns_lab.dumps.text import corpus, corpus_sha256
 
-        ids = tasks.special_prefix(tokenizer)
-        text = corpus()
-        chars = 8 * n_tokens
-        body = tasks.encode(tokenizer, text[:chars])
-        while len(ids) + len(body) < n_tokens and chars < len(text):
-            chars *= 2
-            body = tasks.encode(tokenizer, text[:chars])
-        ids = ids + body
+        ids = tasks.special_prefix(tokenizer) + prefix_ids(tokenizer, corpus(), n_tokens)
         if len(ids) < n_tokens:
             raise PromptError(f"the offline corpus has {len(ids)} tokens with this tokenizer, fewer than --tokens {n_tokens}")
         return Prompt(ids[:n_tokens], "text", {"corpus": "python-stdlib-docs", "corpus_sha256": corpus_sha256()})
@@ -68,9 +61,32 @@ def read_prompt_file(path: str | Path) -> tuple[str, bytes]:
     return text, raw
 
 
+#: Tokens past which a whole prompt file (no --tokens) is refused before the rest is read (8x the paper's 128K contexts):
+#: the tokenizer's encoding of a 42 MB file took 6.4 GB, of a few hundred MB more than the machine had. --tokens N reads
+#: the first N of any file (:func:`prefix_ids`).
+FILE_MOST = 1 << 20
+#: Tokens past the ones wanted that a prefix must hold for them to be the whole text's: a cut changes the tokens at it.
+PREFIX_MARGIN = 64
+
+
+def prefix_ids(tokenizer, text: str, n: int) -> list[int]:
+    """Ids (no special tokens) of the shortest prefix of ``text`` (8·n characters, doubled as needed) holding ``n`` +
+    PREFIX_MARGIN tokens, or of all of it: its first ``n`` are those of the whole text, at a cost bounded by ``n``."""
+    chars = 8 * n
+    ids = tasks.encode(tokenizer, text[:chars])
+    while len(ids) < n + PREFIX_MARGIN and chars < len(text):
+        chars *= 2
+        ids = tasks.encode(tokenizer, text[:chars])
+    return ids
+
+
 def _from_file(path: Path, tokenizer, n_tokens: int | None) -> Prompt:
     text, raw = read_prompt_file(path)
-    ids = tasks.special_prefix(tokenizer) + tasks.encode(tokenizer, text)
+    want = FILE_MOST + 1 if n_tokens is None else n_tokens
+    ids = tasks.special_prefix(tokenizer) + prefix_ids(tokenizer, text, want)
+    if n_tokens is None and len(ids) > FILE_MOST:
+        raise PromptError(f"prompt file {path} holds more than {FILE_MOST:,} tokens, too many to prefill whole: give "
+                          "--tokens N to prefill its first N")
     if n_tokens is not None and len(ids) < n_tokens:
         raise PromptError(f"prompt file {path} has {len(ids)} tokens, fewer than --tokens {n_tokens}; "
                           "give a longer file or a smaller --tokens")
