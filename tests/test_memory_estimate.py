@@ -82,6 +82,18 @@ def test_dump_refused_before_the_prefill(tiny_llama, tmp_path, monkeypatch):
     assert not list((tmp_path / "d").glob("**/*.npy")) and not (tmp_path / "d" / "manifest.json").exists()
 
 
+def test_dump_refused_before_its_prompt_is_built(tiny_llama, tmp_path, monkeypatch):
+    """Before: the prompt's ids were built first: 10^9 of them (--source passkey --tokens 1000000000
+    --allow-extrapolation) were themselves more than the machine's memory, killed before the estimate refused them."""
+    from anns_lab.dumps import tasks
+
+    monkeypatch.setattr(tasks, "make_sample", lambda *a, **k: pytest.fail("the prompt was built before the estimate"))
+    with pytest.raises(MemoryEstimateError, match="a dump of 1000000000 \\+ 2 tokens"):
+        run_dump(str(tiny_llama), source="passkey", tokens=10**9, decode_tokens=2, out=tmp_path / "d", progress=False,
+                 allow_extrapolation=True)
+    assert not (tmp_path / "d").exists()
+
+
 def test_decode_refused_before_the_prefill(tiny_llama, monkeypatch):
     monkeypatch.setenv("ANNS_LAB_MEMORY_LIMIT", "1K")
     res = CliRunner().invoke(main, ["decode", "--model", str(tiny_llama), "--task", "passkey", "--context", "200",

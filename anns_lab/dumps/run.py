@@ -395,9 +395,11 @@ def _capture(out, settings, state, begin, model_name, prompt_path, allow_extrapo
                         "no full-attention layers; name the layers to capture (e.g. --layers all)")
     _check_layer_types(lm, layers)
     n_decode = settings["decode_tokens"]
+    if settings["tokens"] is not None:  # before the prompt is built: 10^9 tokens' ids alone were more than memory held
+        _check_fits(lm, settings["tokens"], n_decode, settings["chunk"], allow_extrapolation)
     prompt, forced = _prompt_and_continuation(settings, lm.tokenizer, n_decode, prompt_path)
     n_prefill = len(prompt.ids)
-    _check_fits(lm, n_prefill, n_decode, settings["chunk"], allow_extrapolation)
+    _check_fits(lm, n_prefill, n_decode, settings["chunk"], allow_extrapolation)  # a whole --prompt file's, now known
     n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
     saved_ids = state.get("token_ids")
