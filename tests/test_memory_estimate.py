@@ -103,6 +103,18 @@ def test_decode_refused_before_the_prefill(tiny_llama, monkeypatch):
     assert len(lines) == 1 and "decoding" in lines[0] and "GiB is available" in lines[0], res.output
 
 
+def test_decode_refused_before_its_task_prompts_are_made(tiny_llama, monkeypatch):
+    """Before: --context 1000000000 --allow-extrapolation made the passkey prompt first (20 GB, 2.5 min here) and was
+    refused only then."""
+    from anns_lab.dumps import tasks
+
+    monkeypatch.setattr(tasks, "make_sample", lambda *a, **k: pytest.fail("the prompt was made before the estimate"))
+    res = CliRunner().invoke(main, ["decode", "--model", str(tiny_llama), "--task", "passkey", "--context", str(10**9),
+                                    "--allow-extrapolation", "--mode", "full", "--max-new-tokens", "2"])
+    assert res.exit_code == 2, res.output
+    assert "Error: decoding 1000000002 tokens of" in res.output and "GiB is available" in res.output, res.output
+
+
 def test_decode_prompt_longer_than_the_context_is_refused(tiny_llama):
     res = CliRunner().invoke(main, ["decode", "--model", str(tiny_llama), "--prompt", "green grass " * 400,
                                     "--mode", "full", "--max-new-tokens", "2"])

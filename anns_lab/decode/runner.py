@@ -109,6 +109,8 @@ def run_task(lm, modes: list[Mode], settings: Settings, task: str, context: int,
     max_new = max_new or MAX_NEW[task]
     note = check_context(lm, context + max_new, allow_extrapolation)
     check_window(settings, context, modes, max_new - 1)  # the last new token is never fed back
+    # before the samples are made (each holds exactly `context` ids): 10^9 of them took 20 GB before this refused them
+    check_memory(lm, modes, dataclasses.replace(settings, steps=max_new), context + max_new)
     made = [tasks.make_sample(task, lm.tokenizer, context, seed + i, d) for i, d in enumerate(depths(samples))]
     return _run_prompts(lm, modes, settings, [(s.ids, s) for s in made], max_new, task, progress, executor, on_sample,
                         note)
