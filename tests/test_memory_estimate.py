@@ -129,3 +129,22 @@ def test_graph_bytes_per_key_cover_roargraphs_default_row():
     from anns_lab.indexes.roargraph import RoarGraphIndex
 
     assert GRAPH_BYTES_PER_KEY >= 4 * RoarGraphIndex.build_params["R"].default + 4
+
+
+def test_a_tasks_samples_are_made_one_at_a_time(tiny_llama, monkeypatch):
+    """Before: every sample's prompt was made before the first ran (--samples 10^6 would have held 10^6 prompts' ids);
+    now each is made as its turn comes, and the result is the same."""
+    from anns_lab.decode import runner
+    from anns_lab.decode.engine import Mode, Settings
+    from anns_lab.dumps import tasks
+    from anns_lab.dumps.models import load_model
+    from anns_lab.window import Window
+
+    lm = load_model(str(tiny_llama), device="cpu")
+    made, seen = [], []
+    make, run = tasks.make_sample, runner.run_sample
+    monkeypatch.setattr(tasks, "make_sample", lambda *a, **k: made.append(a[3]) or make(*a, **k))
+    monkeypatch.setattr(runner, "run_sample", lambda *a, **k: seen.append(len(made)) or run(*a, **k))
+    res = runner.run_task(lm, [Mode("full")], Settings(Window(4, 16)), "passkey", 200, 3, seed=5, max_new=2)
+    assert seen == [1, 2, 3] and made == [5, 6, 7]  # sample i made just before it runs, once
+    assert [s["seed"] for s in res["modes"]["full"]["samples"]] == [5, 6, 7] and res["context"] == 200

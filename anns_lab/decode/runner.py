@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -109,11 +110,25 @@ def run_task(lm, modes: list[Mode], settings: Settings, task: str, context: int,
     max_new = max_new or MAX_NEW[task]
     note = check_context(lm, context + max_new, allow_extrapolation)
     check_window(settings, context, modes, max_new - 1)  # the last new token is never fed back
-    # before the samples are made (each holds exactly `context` ids): 10^9 of them took 20 GB before this refused them
-    check_memory(lm, modes, dataclasses.replace(settings, steps=max_new), context + max_new)
-    made = [tasks.make_sample(task, lm.tokenizer, context, seed + i, d) for i, d in enumerate(depths(samples))]
-    return _run_prompts(lm, modes, settings, [(s.ids, s) for s in made], max_new, task, progress, executor, on_sample,
-                        note)
+    return _run_prompts(lm, modes, settings, _TaskPrompts(task, lm.tokenizer, context, seed, depths(samples)), context,
+                        max_new, task, progress, executor, on_sample, note)
+
+
+class _TaskPrompts(Sequence):
+    """A task's samples as (ids, sample), each made when read (a function of its seed and depth): a local run holds one
+    at a time (all of --samples 10^6 at once were more ids than memory holds)."""
+
+    def __init__(self, task: str, tokenizer, context: int, seed: int, at: list[float]) -> None:
+        self.task, self.tokenizer, self.context, self.seed, self.at = task, tokenizer, context, seed, at
+
+    def __len__(self) -> int:
+        return len(self.at)
+
+    def __getitem__(self, i: int) -> tuple[list[int], tasks.TaskSample]:
+        if not 0 <= i < len(self.at):
+            raise IndexError(i)
+        s = tasks.make_sample(self.task, self.tokenizer, self.context, self.seed + i, self.at[i])
+        return s.ids, s
 
 
 def run_prompt(lm, modes: list[Mode], settings: Settings, text: str, max_new: int | None = None,
@@ -122,7 +137,8 @@ def run_prompt(lm, modes: list[Mode], settings: Settings, text: str, max_new: in
     max_new = max_new or MAX_NEW["prompt"]
     note = check_context(lm, len(ids) + max_new, allow_extrapolation, "--prompt")
     check_window(settings, len(ids), modes, max_new - 1, "--prompt")
-    return _run_prompts(lm, modes, settings, [(ids, None)], max_new, "prompt", progress, executor, on_sample, note)
+    return _run_prompts(lm, modes, settings, [(ids, None)], len(ids), max_new, "prompt", progress, executor, on_sample,
+                        note)
 
 
 def check_memory(lm, modes: list[Mode], settings: Settings, n_tokens: int, option: str = "--context") -> None:
@@ -215,23 +231,24 @@ def run_sample(lm, modes: list[Mode], settings: Settings, ids: list[int], max_ne
     return {"runs": {m.name: runs[m.name] for m in modes}}
 
 
-def _run_prompts(lm, modes, settings, prompts, max_new, task, progress, executor=None, on_sample=None,
+def _run_prompts(lm, modes, settings, prompts, n_prompt: int, max_new, task, progress, executor=None, on_sample=None,
                  extrapolated: str | None = None) -> dict:
-    """Every prompt (here, or through ``executor.map_samples``), scored and merged into one result.
+    """Every prompt (here, or through ``executor.map_samples``), scored and merged into one result. ``n_prompt``: the
+    length of every prompt (a task's are made so), known before any is made: the memory estimate comes first (a task's
+    prompts of 10^9 tokens, all made before it, took 20 GB before this refused them).
 
     ``on_sample(result)``: called after each prompt with the result of the prompts so far, so that a long run
     stopped midway keeps what it finished. ``extrapolated``: :func:`check_context`'s sentence, kept in the result.
     """
     settings = dataclasses.replace(settings, steps=max_new)  # the CPU stores' room for the tokens to come
-    check_memory(lm, modes, settings, max(len(ids) for ids, _ in prompts) + max_new,
-                 "--prompt" if task == "prompt" else "--context")
+    check_memory(lm, modes, settings, n_prompt + max_new, "--prompt" if task == "prompt" else "--context")
     stops = stop_ids(lm)
     per_mode = {m.name: {"runs": [], "samples": []} for m in modes}
-    if executor is None:
-        done = (run_sample(lm, modes, settings, ids, max_new, stops, progress) for ids, _ in prompts)
+    if executor is None:  # each prompt made as its turn comes, run, and dropped
+        done = ((p, run_sample(lm, modes, settings, p[0], max_new, stops, progress)) for p in prompts)
     else:
-        done = executor.map_samples(modes, settings, [ids for ids, _ in prompts], max_new, stops)
-    for i, ((ids, sample), res) in enumerate(zip(prompts, done)):
+        done = zip(prompts, executor.map_samples(modes, settings, [ids for ids, _ in prompts], max_new, stops))
+    for i, ((ids, sample), res) in enumerate(done):
         for mode in modes:
             run = res["runs"][mode.name]
             answer = lm.tokenizer.decode(run.tokens, skip_special_tokens=True)
@@ -255,9 +272,9 @@ def _run_prompts(lm, modes, settings, prompts, max_new, task, progress, executor
                 progress(f"sample {i + 1}/{len(prompts)} {mode.name}: {answer!r}"
                          + (f" (expected {sample.answers[0]!r}, score {row['score']:g})" if sample else ""))
         if on_sample is not None:
-            on_sample(_merged(per_mode, task, len(prompts[0][0]), extrapolated)
+            on_sample(_merged(per_mode, task, n_prompt, extrapolated)
                       | {"samples_done": i + 1, "samples_total": len(prompts)})
-    return _merged(per_mode, task, len(prompts[0][0]), extrapolated)
+    return _merged(per_mode, task, n_prompt, extrapolated)
 
 
 def merged_notes(by_sample: list[list[str]]) -> list[str]:
