@@ -181,6 +181,14 @@ def test_errors_on_a_free_prompt_name_the_prompt_not_the_context(tiny_llama, arg
     assert needle in err and "--context" not in err, err
 
 
+@pytest.mark.parametrize("flag", ["--positions", "--free-tokens"])
+def test_fidelity_past_the_context_names_the_option_that_went_past_it(tiny_llama, flag):
+    """Before: --positions 10^6 on a 200-token context said "use a shorter --context"."""
+    err = _error(_run("--model", tiny_llama, "--eval", "fidelity", "--mode", "full,flat", "--window", "4,16",
+                      "--context", 200, flag, 10**6))
+    assert f"use a shorter {flag}, or pass --allow-extrapolation" in err, err
+
+
 @pytest.mark.parametrize("args", [["--prompt", "", "--max-new-tokens", 2],
                                   ["--eval", "fidelity", "--context", 0, "--positions", 2, "--free-tokens", 2],
                                   ["--eval", "fidelity", "--context", -3, "--positions", 5, "--free-tokens", 2]])

@@ -317,7 +317,8 @@ def run_fidelity(lm, modes: list[Mode], settings: Settings, context: int, positi
     if positions < 1 or free_tokens < 1:
         raise DecodeError("--positions and --free-tokens must be at least 1")
     steps = max(positions, free_tokens)
-    note = check_context(lm, context + steps, allow_extrapolation)
+    note = check_context(lm, context + steps, allow_extrapolation,
+                         "--context" if steps <= context else "--positions" if positions >= free_tokens else "--free-tokens")
     check_window(settings, context, modes, max(positions, free_tokens - 1))  # every teacher token is fed
     check_memory(lm, modes, settings, context + steps)
     settings = dataclasses.replace(settings, steps=steps, until_built="wait")  # every position measures the index
