@@ -132,6 +132,7 @@ def test_prompt_and_fidelity(tiny_gemma3, tmp_path):
     (["--seed", -1], "--seed must be 0 or more"),
     (["--torch-threads", -2], "--torch-threads must lie in [0, 1024]"),
     (["--torch-threads", 100000], "--torch-threads must lie in [0, 1024]"),  # a traceback from an import, before
+    (["--json", ""], "--json '': give a file path"),  # ran every sample, then wrote nothing, exit 0
     (["--train-queries", -4], "--train-queries must be 0 (all) or more"),
     (["--device", "bogus"], "unknown device 'bogus'"),
     (["--device", "cuda:99"], "device 'cuda:99':"),

@@ -274,6 +274,8 @@ def test_a_model_cache_that_cannot_hold_models_is_one_error_before_any_conversio
             with pytest.raises(ModelNotAvailable, match=f"cannot keep models in {cache}/.*{says}.*set ANNS_LAB_CACHE"):
                 models.load_model(name)
         assert not converted
+    monkeypatch.setenv("ANNS_LAB_CACHE", "")  # unset, not the current folder
+    assert models.cache_dir() == models.Path.home() / ".cache" / "anns-lab"
 
 
 def test_a_bundled_gemma_copy_cut_short_is_joined_again(tmp_path, monkeypatch):
@@ -1161,3 +1163,39 @@ def test_export_readers_refuse_files_cut_short_or_of_another_format(tmp_path):
         (tmp_path / name).write_bytes(b"abc")
         with pytest.raises(AnnsLabError, match="shorter than its 8-byte header"):
             read(tmp_path / name)
+
+
+def _resealed(dump, tmp_path, name: str, edit):
+    """A copy of ``dump`` whose file ``name`` another tool rewrote (``edit(table)``), its checksums redone."""
+    import pyarrow.parquet as pq
+
+    out = tmp_path / f"resealed-{len(list(tmp_path.iterdir()))}"
+    shutil.copytree(dump.path, out)
+    pq.write_table(edit(pq.read_table(out / name)), out / name)
+    m = json.loads((out / store.MANIFEST).read_text())
+    m["files"][name] |= {"bytes": (out / name).stat().st_size, "sha256": store.sha256_file(out / name)}
+    (out / store.MANIFEST).write_text(json.dumps(store.sealed(m)))
+    return open_dump(out)
+
+
+def test_rows_out_of_order_or_null_vectors_from_another_writer_are_refused(dump, tmp_path):
+    """Before (third audit of session 39): a layer file or tokens.parquet written in another row order swept with
+    exit 0 on keys matched to the wrong queries; a null vector row was read as zeros."""
+    import pyarrow as pa
+
+    def shuffled(t):
+        return t.take(pa.array(np.random.default_rng(0).permutation(t.num_rows)))
+
+    def null_first(t):
+        i = t.schema.get_field_index("k0")
+        f = t.schema.field("k0")
+        col = pa.array([None] + t.column("k0").to_pylist()[1:], type=f.type)
+        return t.set_column(i, pa.field("k0", f.type, nullable=True, metadata=f.metadata), col)
+
+    np.testing.assert_array_equal(_resealed(dump, tmp_path, "layer_001.parquet", lambda t: t).keys(1, 0), dump.keys(1, 0))
+    with pytest.raises(DumpError, match="rows are not positions 0..* in order"):
+        _resealed(dump, tmp_path, "layer_001.parquet", shuffled).keys(1, 0)
+    with pytest.raises(DumpError, match="column k0 of .* has 1 null rows"):
+        _resealed(dump, tmp_path, "layer_001.parquet", null_first).keys(1, 0)
+    with pytest.raises(DumpError, match="tokens.parquet"):
+        _resealed(dump, tmp_path, store.TOKENS_FILE, shuffled).keys(1, 0)

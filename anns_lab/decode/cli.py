@@ -185,6 +185,8 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
                           "--build-after-prefill, given explicitly (builds during a prefill give each index mode its "
                           "own, so that its TTFT counts its own builds' contention)")
     _check_counts(max_new_tokens=max_new_tokens, seed=seed, torch_threads=torch_threads)
+    if json_path is not None and not json_path.strip():  # `--json "$OUT"` with OUT unset ran, then wrote nothing
+        raise DecodeError("--json '': give a file path for the results")
     mode_list = _parse_mode_list(modes, params, build_params, from_sweep)
     _check_calibrate(calibrate)
     if json_path:  # last of the checks: it makes the folder

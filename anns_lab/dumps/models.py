@@ -139,7 +139,8 @@ def extrapolation_note(model: str, n_tokens: int, context: int | None, rope_scal
 
 def cache_dir() -> Path:
     """Where converted models are kept (``$ANNS_LAB_CACHE`` or ``~/.cache/anns-lab``)."""
-    return Path(os.environ.get("ANNS_LAB_CACHE", Path.home() / ".cache" / "anns-lab"))
+    # an empty value is unset (it was the current folder: a 517 MB converted/ there)
+    return Path(os.environ.get("ANNS_LAB_CACHE") or Path.home() / ".cache" / "anns-lab")
 
 
 def canonical_name(name: str) -> str:

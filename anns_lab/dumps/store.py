@@ -281,6 +281,10 @@ class Dump:
         if int((phases == "prefill").sum()) != p:
             raise DumpError(f"{self.path / TOKENS_FILE} marks {int((phases == 'prefill').sum())} positions as prefill, "
                             f"the manifest says {p}: the manifest was edited or belongs to other files")
+        if not (phases[:p] == "prefill").all():  # counted right, but decode rows among the prefill's
+            raise DumpError(f"{self.path / TOKENS_FILE}: its prefill rows do not come first; the file is not one "
+                            "anns-lab wrote")
+        self._check_order(TOKENS_FILE, p + d)
         return {"prefill": (0, p), "decode": (p, p + d), "all": (0, p + d)}
 
     def _rows(self, phase: str) -> tuple[int, int]:
@@ -313,7 +317,16 @@ class Dump:
         if names != want:
             raise DumpError(f"{self.path / name} holds columns for other head counts than the manifest's "
                             f"{self.n_heads} query / {self.n_kv_heads} KV heads: the manifest was edited or belongs to other files")
+        self._check_order(name)
         self._heads_checked.add(name)
+
+    def _check_order(self, name: str, rows: int | None = None) -> None:
+        """Rows are read by index as positions 0..n-1: a file written in another row order (its checksums redone by
+        another tool) swept with exit 0 on keys matched to the wrong queries."""
+        position = self._read(name, "position", rows)
+        if not np.array_equal(position, np.arange(len(position))):
+            raise DumpError(f"{self.path / name}: its rows are not positions 0..{len(position) - 1} in order; the file "
+                            "is not one anns-lab wrote")
 
     def _check_sha(self, name: str) -> None:
         if name in self._verified:
@@ -335,6 +348,9 @@ class Dump:
         if len(arr) != n:
             raise DumpError(f"{self.path / name} has {len(arr)} rows but the manifest's n_tokens add up to {n}: "
                             "the manifest was edited or belongs to other files")
+        if arr.null_count:  # a vector's null row would be read as zeros from the buffer below
+            raise DumpError(f"column {column} of {self.path / name} has {arr.null_count} null rows: the file is not one "
+                            "anns-lab wrote")
         if pa.types.is_fixed_size_binary(arr.type):
             meta = table.schema.field(column).metadata or {}
             kind = meta.get(b"dtype", b"float32").decode(errors="replace")
