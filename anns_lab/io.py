@@ -1,5 +1,5 @@
-"""Atomic file writing (bottom floor): a reader never sees half a file, a crash leaves the old file or none; and
-one writer per dump or sweep folder (:func:`sole_writer`)."""
+"""Atomic file writing (bottom floor): a reader never sees half a file, a crash leaves the old file or none; one
+writer per dump or sweep folder (:func:`sole_writer`); JSON read with one kind of error (:func:`read_json`)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import contextlib
 import json
 import os
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from anns_lab.errors import FolderBusy
 
@@ -98,6 +99,21 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         tmp.write_bytes(data)
 
 
+def loads_json(text: str | bytes) -> Any:
+    """``json.loads`` that fails only with ValueError: nesting past Python's recursion limit (the decoder's
+    RecursionError, from any file of a few hundred KB of brackets) is the malformed input it is, so one
+    ``except ValueError`` in each reader covers every file it may be handed."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to read") from None
+
+
+def read_json(path: Path) -> Any:
+    """The JSON value in ``path`` (UTF-8); OSError or ValueError (not JSON, not UTF-8, nested too deeply) otherwise."""
+    return loads_json(Path(path).read_text(encoding="utf-8"))
+
+
 def atomic_write_json(path: Path, obj: dict) -> None:
     """Write ``obj`` as indented JSON to ``path``, atomically."""
     atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode("utf-8"))
@@ -112,15 +128,15 @@ def sole_writer(folder: Path, prepare: Callable[[], T]) -> Iterator[T]:
     with contextlib.ExitStack() as held:
         existed = folder.exists()
         if existed:
-            held.enter_context(_held(folder))
+            held.enter_context(hold_folder(folder))
         prepared = prepare()
         if not existed and folder.exists():
-            held.enter_context(_held(folder))
+            held.enter_context(hold_folder(folder))
         yield prepared
 
 
 @contextlib.contextmanager
-def _held(folder: Path) -> Iterator[None]:
+def hold_folder(folder: Path) -> Iterator[None]:
     """An advisory lock on the folder itself (no file is added to it), released when the block ends or the process
     dies; where the system or its file system has no such locks, the block runs unguarded."""
     try:
@@ -142,5 +158,27 @@ def _held(folder: Path) -> Iterator[None]:
         except OSError:  # a file system without flock (some network mounts): unguarded, as before
             pass
         yield
+    finally:
+        os.close(fd)
+
+
+def abandoned(folder: Path, older_than: float = 60.0) -> bool:
+    """Whether ``folder`` was left by a writer that is gone: unchanged for ``older_than`` seconds (a writer takes
+    :func:`hold_folder` right after making it) and held by no process. False where that cannot be told."""
+    try:
+        import fcntl
+    except ImportError:
+        return False
+    try:
+        if time.time() - folder.stat().st_mtime < older_than:
+            return False
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:  # held (BlockingIOError), or no locks on this file system: nobody can tell
+        return False
     finally:
         os.close(fd)

@@ -143,16 +143,22 @@ def test_prompt_and_fidelity(tiny_gemma3, tmp_path):
     (["--mode", " , "], "names nothing"),
     (["--param", "=3"], "--param '=3': NAME is empty"),
     (["--build-param", " =3"], "--build-param ' =3': NAME is empty"),
+    (["--chunk", 0], "--chunk must be at least 1, got 0"),  # named --add-batch too, before
+    (["--add-batch", -2], "--add-batch must be at least 1, got -2"),
     # nlist left at its default: the error says what the user can change, beside the index's own words
     (["--mode", "clusterkv"], "nlist=200 is larger than the number of keys (180): --mode clusterkv cannot index the "
                               "180 keys outside the window of this prompt: use a longer --context or set its --build-param"),
+    # before: each layer's build failed after the prefill; vattention's named ivf, which the user never chose
+    (["--mode", "pqcache", "--build-param", "M=3"], "pqcache: M=3 does not divide the key dimension 16: --mode pqcache "
+                                                     "cannot index this model's keys of dimension 16"),
+    (["--mode", "vattention", "--build-param", "nlist=500"], "vattention: nlist=500 is larger than the number of keys"),
 ])
 def test_bad_input_is_one_clear_error(tiny_llama, args, needle):
     base = {"--model": tiny_llama, "--task": "passkey", "--context": 200, "--mode": "full,flat", "--window": "4,16"}
     for flag, value in zip(args[::2], args[1::2]):
         base[flag] = value
-    if base["--mode"] == "clusterkv" and "clusterkv" not in registry.available():
-        pytest.skip("the cluster-kv plugin is not installed (make test installs it)")
+    if base["--mode"] in ("clusterkv", "pqcache", "vattention") and base["--mode"] not in registry.available():
+        pytest.skip(f"the {base['--mode']} plugin is not installed (make test installs it)")
     flat = [str(x) for kv in base.items() for x in kv]
     assert needle in _error(_run(*flat))
 
@@ -163,6 +169,17 @@ def test_a_parameter_given_twice_is_refused_not_the_last_one_kept(tiny_llama, fl
     args = ["--model", tiny_llama, "--task", "passkey", "--context", 200, "--mode", "ivf", "--window", "4,16",
             flag, f"{name}=4", flag, f"{name}=8"]
     assert f"{flag} {name} is given twice (4 and 8)" in _error(_run(*args))
+
+
+def test_a_prompt_naming_a_file_is_decoded_as_text_with_a_note(tiny_llama, tmp_path, monkeypatch):
+    """dump --prompt reads a file; decode --prompt decodes its text: a file's name there decoded the name, silently."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.txt").write_text("The grass is green. " * 50)
+    res = _run("--model", tiny_llama, "--prompt", "p.txt", "--mode", "full", "--max-new-tokens", 1)
+    assert res.exit_code == 0, res.output
+    assert "note: --prompt is the text decoded; 'p.txt' also names a file, which is not read" in res.output
+    res = _run("--model", tiny_llama, "--prompt", "q.txt", "--mode", "full", "--max-new-tokens", 1)
+    assert res.exit_code == 0 and "note: --prompt" not in res.output, res.output
 
 
 def test_an_unknown_mode_lists_the_registered_indexes_once(tiny_llama):
@@ -356,7 +373,8 @@ def _results(path, window=(4, 16)):
                 row = dict.fromkeys(COLUMNS, 0)
                 row |= {"model": "m", "layer": layer, "head": head, "index": index, "build_params": json.dumps({"R": 16}),
                         "search_params": json.dumps(sp), "direction": "q2k", "recall": recall,
-                        "scanned_fraction": scanned, "dump": "d", "kv_head": 0, "k": 100, "n_keys": 4096}
+                        "scanned_fraction": scanned, "dump": "d", "kv_head": 0, "k": 100, "n_keys": 4096,
+                        "auto_rules": None}  # a table from before the column
                 rows.append(row)
                 rows.append(row | {"direction": "k2k", "recall": 1.0, "scanned_fraction": 0.001})
     pd.DataFrame(rows, columns=COLUMNS).to_parquet(path)
@@ -861,7 +879,8 @@ def test_from_sweep_refuses_values_the_index_refuses(tmp_path, column, value):
     ("cannot index the 432 keys outside the window"); a fractional L reached the search."""
     path = tmp_path / "results.parquet"
     df = pd.read_parquet(_results(path))
-    df.loc[df["index"] == "vamana", column] = json.dumps(value)
+    rows = (df["index"] == "vamana") & (df["search_params"] == json.dumps({"L": 200}))  # the pick: L=100 misses 0.95
+    df.loc[rows, column] = json.dumps(value)  # one grid point: all three alike were one cell thrice (refused as such)
     df.to_parquet(path)
     with pytest.raises(DecodeError, match=r"holds a row this version of vamana refuses \(vamana: parameter .*; sweep again"):
         pick_from_sweep(str(path), "m", 0.95, [1, 3])

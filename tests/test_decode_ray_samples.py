@@ -7,6 +7,7 @@ from click.testing import CliRunner
 
 from anns_lab.cli import main
 from anns_lab.decode import ray_samples
+from anns_lab.dumps import tasks
 from anns_lab.indexes import threads
 
 
@@ -51,12 +52,34 @@ def test_torch_threads_reach_every_ray_task(tiny_llama, monkeypatch):
     monkeypatch.setattr(ray_samples.RaySamples, "close", lambda self: None)
     monkeypatch.setattr(ray_samples, "_MODELS", {})
     monkeypatch.setattr(threads, "set_torch_threads", lambda n: set_to.append(n))  # the driver's and the tasks' calls
+    made_samples, make = [], tasks.make_sample
+    monkeypatch.setattr(tasks, "make_sample", lambda *a, **k: made_samples.append(a) or make(*a, **k))
     res = CliRunner().invoke(main, ["decode", "--model", str(tiny_llama), "--task", "passkey", "--context", "200",
                                     "--mode", "full,window", "--window", "4,16", "--max-new-tokens", "2", "--chunk", "64",
                                     "--samples", "2", "--executor", "ray", "--torch-threads", "1"], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     assert [m.get("torch_threads") for m in made] == [1]
     assert set_to == [1, 1, 1]  # the driver's load, then each of the 2 samples' tasks
+    assert len(made_samples) == 2  # each prompt made once (twice before: for the tasks, then for the scores)
+
+
+def test_ray_samples_take_their_prompts_as_the_window_frees(monkeypatch):
+    """Before: every prompt was made and submitted before the first result (--samples 10^6 held all of them)."""
+    samples = object.__new__(ray_samples.RaySamples)
+    samples.ray, samples.resources, samples.in_flight = _InProcessRay(), {"CPU": 1.0}, 3
+    samples.model, samples.device, samples.rope_scaling, samples.torch_threads = "m", "cpu", None, 0
+    monkeypatch.setattr(ray_samples, "_sample_task", lambda *args: {"ids": args[6]})
+    drawn = []
+
+    def prompts():
+        for i in range(10):
+            drawn.append(i)
+            yield [i]
+
+    for i, res in enumerate(samples.map_samples([], None, prompts(), 2, set())):
+        assert res == {"ids": [i]}  # in sample order
+        assert len(drawn) <= i + 3  # at most the window ahead of what came back
+    assert drawn == list(range(10))
 
 
 def test_a_samples_error_on_ray_reaches_the_driver_in_its_own_words(monkeypatch):

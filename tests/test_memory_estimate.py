@@ -54,8 +54,11 @@ def test_refusal_names_the_chunk_that_fits(monkeypatch):
     assert "KV cache" in str(err.value) and "GiB is available" in str(err.value)
     check_prefill(GEMMA_LIKE, 131072, 512, "a dump", "--tokens")  # fits: no error
     monkeypatch.setenv("ANNS_LAB_MEMORY_LIMIT", "0.01G")
-    with pytest.raises(MemoryEstimateError, match="even --chunk 128 would not fit: lower --tokens"):
+    with pytest.raises(MemoryEstimateError, match=r"is available \(ANNS_LAB_MEMORY_LIMIT=0.01G\); even --chunk 128 "
+                                                  "would not fit: lower --tokens"):
         check_prefill(GEMMA_LIKE, 131072, 2048, "a dump", "--tokens")
+    with pytest.raises(MemoryEstimateError, match="would not fit: give a shorter --prompt$"):  # was "lower --prompt"
+        check_prefill(GEMMA_LIKE, 131072, 2048, "decoding", "--prompt")
     monkeypatch.setenv("ANNS_LAB_MEMORY_LIMIT", "lots")
     with pytest.raises(Exception, match="ANNS_LAB_MEMORY_LIMIT"):
         available_bytes()

@@ -122,7 +122,7 @@ def warm_up(lm, modes: list, settings, failed: list | None = None) -> float:
     t0 = time.perf_counter()
     cfg = lm.config
     n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+    dim = rope.head_dim(cfg)
     plans = {p.describe(): p for m in modes if m.kind == "index" for p in map(m.plan_for, lm.long_range_layers) if p}
     rng = np.random.default_rng(0)
     for described, plan in plans.items():

@@ -24,7 +24,7 @@ from anns_lab.dumps.tasks import TASKS
 from anns_lab.errors import DecodeError
 from anns_lab.indexes.group_queries import DEFAULT as GROUP_DEFAULT
 from anns_lab.indexes.group_queries import MODES as GROUP_MODES
-from anns_lab.io import atomic_write_bytes
+from anns_lab.io import atomic_write_bytes, loads_json
 
 if TYPE_CHECKING:
     from anns_lab.decode.engine import Mode, Settings
@@ -179,6 +179,9 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
                         build_layers=build_layers,
                         until_built=until_built, copy_hints=copy_hints, calibrate=calibrate)
     _check_options(settings, evaluation, task, prompt, executor, address)
+    if prompt is not None and _names_file(prompt):  # dump's --prompt reads a file: this one decodes the name
+        click.echo(f"note: --prompt is the text decoded; {prompt!r} also names a file, which is not read (to decode "
+                   "its text: --prompt \"$(cat FILE)\")", err=True)
     _check_unused(click.get_current_context(), evaluation, prompt, from_sweep)
     if shared_prefill and build_during_prefill is not False:
         raise DecodeError("--shared-prefill puts every mode on one prefill with the builds after it: add "
@@ -279,6 +282,14 @@ def _interrupt_says_what_was_kept(json_path: str | None, kept: dict):
         raise SystemExit(130) from None
 
 
+def _names_file(text: str) -> bool:
+    """Whether ``text`` (one line) is the name of an existing file."""
+    try:
+        return "\n" not in text and len(text) < 4096 and Path(text).expanduser().is_file()
+    except (OSError, ValueError):  # a name too long for the system, a NUL in it
+        return False
+
+
 def _check_options(settings: Settings, evaluation: str, task: str | None, prompt: str | None, executor: str,
                    address: str | None) -> None:
     """Refuse inconsistent options before anything is loaded, one :class:`DecodeError` each."""
@@ -286,8 +297,9 @@ def _check_options(settings: Settings, evaluation: str, task: str | None, prompt
         raise DecodeError(f"--topk must be at least 1, got {settings.topk}")
     if settings.copy_hints < 0:
         raise DecodeError("--copy-hints must be 0 (none) or more")
-    if settings.add_batch < 1 or settings.chunk < 1:
-        raise DecodeError("--add-batch and --chunk must be at least 1")
+    for flag, value in (("--add-batch", settings.add_batch), ("--chunk", settings.chunk)):
+        if value < 1:
+            raise DecodeError(f"{flag} must be at least 1, got {value}")
     if settings.build_layers < 0:
         raise DecodeError(f"--build-layers must be 0 (auto) or more, got {settings.build_layers}")
     if settings.train_queries < 0:
@@ -382,7 +394,7 @@ def _is_decode_result(path: Path) -> bool:
     """Whether ``path`` holds what ``decode --json`` writes: --overwrite once replaced a dump's manifest.json."""
     try:
         with open(path, "rb") as f:
-            data = json.loads(f.read(64 << 20))
+            data = loads_json(f.read(64 << 20))
     except (OSError, ValueError):
         return False
     return isinstance(data, dict) and all(key in data for key in RESULT_KEYS)

@@ -382,11 +382,13 @@ def summarize(run: ModeRun, skip: int | None = None) -> dict:
     } | cpu
 
 
-def check_window(settings: Settings, n_prompt: int, modes: list[Mode], fed: int, option: str = "--context") -> None:
+def check_window(settings: Settings, n_prompt: int, modes: list[Mode], fed: int, dim: int,
+                 option: str = "--context") -> None:
     """Refuse an empty prompt, a window that covers the whole prompt, a top-k of 0 / more than the CPU side will ever
     hold (``fed``: the tokens that enter the cache after the prompt; the last generated one never does), or index
-    build parameters that cannot index the prompt's keys outside the window. ``option``: the one that set the prompt's
-    length (``--context``, or ``--prompt`` for a free prompt), named in the errors."""
+    build parameters that cannot index the prompt's keys outside the window (``dim``: the heads' dimension).
+    ``option``: the one that set the prompt's length (``--context``, or ``--prompt`` for a free prompt), named in the
+    errors."""
     w = settings.window
     require_ring(w)
     if n_prompt < 1:  # every mode, full too: the prefill of no token has no logits to decode from
@@ -406,8 +408,14 @@ def check_window(settings: Settings, n_prompt: int, modes: list[Mode], fed: int,
                               f"{w.sink}+{w.recent})")
     for m in modes:  # built over the prompt's keys outside the window (e.g. an ivf nlist above them): before the prefill
         for plan in {id(p): p for p in [m.plan, *m.per_layer.values()] if p is not None}.values():
+            index = registry.create(plan.name, **plan.build_params)
             try:
-                registry.create(plan.name, **plan.build_params).check_keys(n_prompt - w.size)
+                index.check_dim(dim)
+            except IndexConfigError as err:
+                raise DecodeError(f"{err}: --mode {m.name} cannot index this model's keys of dimension {dim}: set its "
+                                  "--build-param") from None
+            try:
+                index.check_keys(n_prompt - w.size)
             except IndexConfigError as err:  # the index's text alone blamed a parameter the user may never have set
                 raise DecodeError(f"{err}: --mode {m.name} cannot index the {n_prompt - w.size} keys outside the window "
                                   f"of this prompt: use a longer {option} or set its --build-param") from None

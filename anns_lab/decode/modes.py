@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import TYPE_CHECKING
 
@@ -12,6 +11,7 @@ from anns_lab.dumps import rope
 from anns_lab.errors import DecodeError, IndexConfigError
 from anns_lab.indexes import group_queries, registry
 from anns_lab.indexes.base import resolve_params
+from anns_lab.io import loads_json
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -164,12 +164,12 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int],
         """The row's index with only the parameters that differ from the index's defaults (short to read); a search
         parameter the row predates gets the index's value for "as before it existed" (``search_params_before``)."""
         cls = registry.get(r["index"])
-        swept = json.loads(r["build_params"])
+        swept = loads_json(r["build_params"])
         gone = sorted(set(swept) - set(cls.build_params))
         if gone:
             raise DecodeError(f"{path} was swept with {r['index']} parameters this version does not have "
                               f"({', '.join(gone)}); sweep again")
-        search = json.loads(r["search_params"])
+        search = loads_json(r["search_params"])
         try:  # values no sweep of this index writes (an edited table): refused here, not blamed on the context later
             resolve_params(r["index"], cls.build_params, swept)
             resolve_params(r["index"], cls.search_params, {k: v for k, v in search.items() if k in cls.search_params})
@@ -230,7 +230,7 @@ def _auto_rules_note(cls, name: str, swept: dict, recorded) -> str | None:
     (``Index.auto_rules``), or by one the rows do not record (tables from before the ``auto_rules`` column); else None.
     ``recorded``: the rows' ``auto_rules`` (JSON text, or None)."""
     auto = [k for k in cls.auto_rules if swept.get(k, cls.build_params[k].default) == 0]
-    seen = [json.loads(v) if isinstance(v, str) else None for v in set(recorded)]
+    seen = [loads_json(v) if isinstance(v, str) else None for v in set(recorded)]
     parts = []
     for k in auto:
         stamps = sorted({"unknown" if s is None or k not in s else s[k] for s in seen} - {cls.auto_rules[k]})

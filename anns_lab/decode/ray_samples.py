@@ -9,7 +9,9 @@ a local run does (:func:`anns_lab.decode.runner._run_prompts`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import collections
+import itertools
+from collections.abc import Iterable, Iterator
 
 from anns_lab.errors import AnnsLabError, DecodeError
 from anns_lab.eval.executors.ray_cluster import Cluster, check_cpus_per_task
@@ -45,6 +47,8 @@ def _why(err: Exception) -> str:
 class RaySamples:
     """``map_samples`` for :func:`anns_lab.decode.runner.run_task` on a Ray cluster."""
 
+    in_flight = 2  # samples submitted and not yet handed back, at most (set from the cluster's size)
+
     def __init__(self, address: str | None, model: str, cpus_per_task: float = 1.0, local_cpus: int = 2,
                  log=print, rope_scaling=None, torch_threads: int = 0) -> None:
         check_cpus_per_task(cpus_per_task)
@@ -55,25 +59,34 @@ class RaySamples:
         if self.cluster.gpus() >= 1:
             self.resources, self.device = self.resources | {"GPU": 1.0}, "cuda"
         self.cluster.require(self.resources, "decode")
+        slots = self.cluster.gpus() if self.device == "cuda" else self.cluster.cpus() / self.resources["CPU"]
+        self.in_flight = 2 * max(1, int(slots))  # every slot busy, and its next sample waiting beside it
         log(f"ray: one task per sample, each with {', '.join(f'{v:g} {k}' for k, v in self.resources.items())} "
             f"(model on {self.device})")
 
-    def map_samples(self, modes, settings, prompts: list[list[int]], max_new: int, stops: set[int]) -> Iterator[dict]:
-        """Submit every sample at once; yield their results in sample order. Ctrl-C cancels what is left."""
+    def map_samples(self, modes, settings, prompts: Iterable[list[int]], max_new: int,
+                    stops: set[int]) -> Iterator[dict]:
+        """Yield the samples' results in sample order, each prompt taken from ``prompts`` (made there as its turn comes)
+        and submitted once fewer than ``in_flight`` wait: --samples 10^6 made and sent every prompt first. Ctrl-C
+        cancels what is left."""
         task = self.ray.remote(_sample_task).options(num_cpus=self.resources["CPU"], num_gpus=self.resources.get("GPU", 0),
                                                    max_retries=2)
-        refs = [task.remote(self.model, self.device, self.rope_scaling, self.torch_threads, modes, settings, ids, max_new,
-                            stops) for ids in prompts]
+        source, pending = iter(prompts), collections.deque()
         try:
-            for ref in refs:
-                while not self.ray.wait([ref], timeout=1.0)[0]:  # wakes up for Ctrl-C
+            while True:
+                for ids in itertools.islice(source, max(0, self.in_flight - len(pending))):
+                    pending.append(task.remote(self.model, self.device, self.rope_scaling, self.torch_threads, modes,
+                                               settings, ids, max_new, stops))
+                if not pending:
+                    return
+                while not self.ray.wait([pending[0]], timeout=1.0)[0]:  # wakes up for Ctrl-C
                     pass
                 try:
-                    yield self.ray.get(ref)
+                    yield self.ray.get(pending.popleft())
                 except self.ray.exceptions.RayError as err:
                     raise DecodeError(f"a decode sample failed on Ray: {_why(err)}") from None
         except KeyboardInterrupt:
-            self.cluster.abandon(refs)
+            self.cluster.abandon(list(pending))
             raise
 
     def close(self) -> None:

@@ -7,6 +7,7 @@ attention, merge and everything else, and tokens/s.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ from anns_lab.decode import stats
 from anns_lab.decode.builds import start_build_processes, warm_up
 from anns_lab.decode.engine import (Mode, ModeRun, Settings, check_window, exact_seconds, kept_queries, prefill,
                                     run_mode, summarize, warmup_steps)
-from anns_lab.dumps import tasks
+from anns_lab.dumps import rope, tasks
 from anns_lab.dumps.models import extrapolation_note
 
 # Enough for the answer with the preamble models write first: Gemma-3 once spent 14 tokens on
@@ -109,7 +110,8 @@ def run_task(lm, modes: list[Mode], settings: Settings, task: str, context: int,
         raise DecodeError("--samples must be at least 1")
     max_new = max_new or MAX_NEW[task]
     note = check_context(lm, context + max_new, allow_extrapolation)
-    check_window(settings, context, modes, max_new - 1)  # the last new token is never fed back
+    # the last new token is never fed back
+    check_window(settings, context, modes, max_new - 1, rope.head_dim(lm.config))
     return _run_prompts(lm, modes, settings, _TaskPrompts(task, lm.tokenizer, context, seed, depths(samples)), context,
                         max_new, task, progress, executor, on_sample, note)
 
@@ -136,7 +138,7 @@ def run_prompt(lm, modes: list[Mode], settings: Settings, text: str, max_new: in
     ids = tasks.special_prefix(lm.tokenizer) + tasks.encode(lm.tokenizer, text)
     max_new = max_new or MAX_NEW["prompt"]
     note = check_context(lm, len(ids) + max_new, allow_extrapolation, "--prompt")
-    check_window(settings, len(ids), modes, max_new - 1, "--prompt")
+    check_window(settings, len(ids), modes, max_new - 1, rope.head_dim(lm.config), "--prompt")
     return _run_prompts(lm, modes, settings, [(ids, None)], len(ids), max_new, "prompt", progress, executor, on_sample,
                         note)
 
@@ -246,9 +248,17 @@ def _run_prompts(lm, modes, settings, prompts, n_prompt: int, max_new, task, pro
     per_mode = {m.name: {"runs": [], "samples": []} for m in modes}
     if executor is None:  # each prompt made as its turn comes, run, and dropped
         done = ((p, run_sample(lm, modes, settings, p[0], max_new, stops, progress)) for p in prompts)
-    else:
-        done = zip(prompts, executor.map_samples(modes, settings, [ids for ids, _ in prompts], max_new, stops))
-    for i, ((ids, sample), res) in enumerate(done):
+    else:  # likewise, made as the executor takes them (at most its window ahead), each once
+        taken = collections.deque()
+
+        def ids_of():
+            for ids, sample in prompts:
+                taken.append(sample)
+                yield ids
+
+        results = executor.map_samples(modes, settings, ids_of(), max_new, stops)
+        done = (((None, taken.popleft()), res) for res in results)
+    for i, ((_, sample), res) in enumerate(done):
         for mode in modes:
             run = res["runs"][mode.name]
             answer = lm.tokenizer.decode(run.tokens, skip_special_tokens=True)
@@ -319,7 +329,8 @@ def run_fidelity(lm, modes: list[Mode], settings: Settings, context: int, positi
     steps = max(positions, free_tokens)
     note = check_context(lm, context + steps, allow_extrapolation,
                          "--context" if steps <= context else "--positions" if positions >= free_tokens else "--free-tokens")
-    check_window(settings, context, modes, max(positions, free_tokens - 1))  # every teacher token is fed
+    # every teacher token is fed
+    check_window(settings, context, modes, max(positions, free_tokens - 1), rope.head_dim(lm.config))
     check_memory(lm, modes, settings, context + steps)
     settings = dataclasses.replace(settings, steps=steps, until_built="wait")  # every position measures the index
     ids = build_prompt("text", lm.tokenizer, context + positions).ids

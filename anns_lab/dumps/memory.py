@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from anns_lab.dumps import rope
 from anns_lab.errors import AnnsLabError
 
 GIB = 2**30
@@ -95,7 +96,7 @@ def prefill_estimate(cfg, n_tokens: int, chunk: int, query_layers: int = 0, inde
     libraries and one build's keys and queries, the layers in flight spooled to them in memory."""
     n_layers = cfg.num_hidden_layers
     n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+    d = rope.head_dim(cfg)
     window = getattr(cfg, "sliding_window", None) or n_tokens
     types = getattr(cfg, "layer_types", None) or ["full_attention"] * n_layers
     per_token = 2 * n_kv * d * FLOAT  # K and V of one layer
@@ -133,9 +134,12 @@ def check_prefill(cfg, n_tokens: int, chunk: int, what: str, tokens_flag: str, *
         return est
     fits = next((c for c in (1024, 512, 256, 128) if c < chunk
                  and prefill_estimate(cfg, n_tokens, c, **kwargs).total <= have), None)
+    shorter = "give a shorter --prompt" if tokens_flag == "--prompt" else f"lower {tokens_flag}"
     lower = (f"pass --chunk {fits} (about {prefill_estimate(cfg, n_tokens, fits, **kwargs).total / GIB:.1f} GiB)"
-             if fits else f"even --chunk 128 would not fit: lower {tokens_flag}")
+             if fits else f"even --chunk 128 would not fit: {shorter}")
     if kwargs.get("building_layers", 0) > 1:
         lower += f", or build fewer layers at once (--build-layers, {kwargs['building_layers']} here)"
+    limit = os.environ.get("ANNS_LAB_MEMORY_LIMIT")
+    said = f" (ANNS_LAB_MEMORY_LIMIT={limit})" if limit else ""  # a limit set long ago reads as a machine's size
     raise MemoryEstimateError(f"{what} needs about {est.total / GIB:.1f} GiB ({est.describe()}) but "
-                              f"{have / GIB:.1f} GiB is available; {lower}")
+                              f"{have / GIB:.1f} GiB is available{said}; {lower}")

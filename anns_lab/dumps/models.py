@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from anns_lab.errors import ModelNotAvailable
-from anns_lab.io import atomic_path
+from anns_lab.io import abandoned, atomic_path, hold_folder
 
 
 @dataclass(frozen=True)
@@ -208,7 +208,13 @@ def _converted(gguf: Path, key: str) -> Path:
     target = _converted_path(gguf, key)
     if (target / "config.json").is_file():
         return target
+    if target.exists():  # ours appear whole, by a rename: a conversion into it would end in ENOTEMPTY, every run
+        raise ModelNotAvailable(f"{target} is not a converted model (no config.json): files put there by hand or by "
+                                "another tool; delete it to convert the model again")
     _cache_folder(target.parent)  # before the conversion's 15-45 s, not after
+    for left in target.parent.glob(f".{target.name}.*"):  # a conversion killed midway: 0.5-1 GB each, for good
+        if abandoned(left):
+            shutil.rmtree(left, ignore_errors=True)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -231,13 +237,17 @@ def _converted(gguf: Path, key: str) -> Path:
         if hasattr(cfg, "quantization_config"):
             del cfg.quantization_config
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)
+        with hold_folder(tmp):  # while it is written: a later run removes it only once this one is gone
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            os.replace(tmp, target)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
         if not (target / "config.json").is_file():  # another process's conversion took the place first: it serves
             raise _cache_error(target.parent, err) from None
+    except BaseException:  # Ctrl-C, SIGTERM: half a model stays behind otherwise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return target
 
 

@@ -35,6 +35,11 @@ HELP = ("Where the attention-aware indexes' training (prefill) queries sit: 'ser
         "moves a random half and keeps the other half where it was.")
 
 
+def head_dim(cfg) -> int:
+    """The attention heads' dimension of a transformers config: its ``head_dim``, else hidden size / heads."""
+    return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+
+
 def check_place(place: str) -> str:
     """``place`` if it is one of :data:`PLACES`, else one clear error naming them."""
     if place not in PLACES:
@@ -62,8 +67,7 @@ def inv_freq(config, layer: int) -> np.ndarray | None:
                         "sequence length, not the config: its queries cannot be moved exactly; use the training "
                         "queries' own positions (--train-positions own)")
     if kind == "default":
-        dim = int((getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-                  * own.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or 1.0))
+        dim = int(head_dim(cfg) * own.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or 1.0))
         with np.errstate(all="ignore"):  # a theta of 0 or below: refused by dump_inv_freq, by name
             return 1.0 / float(own["rope_theta"]) ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from anns_lab.dumps import store
+from anns_lab.dumps import rope, store
 from anns_lab.dumps.models import RopeScaling
 from anns_lab.dumps.prompts import CONTINUATION_WORDS, CONTINUATIONS
 from anns_lab.errors import DumpError, PromptError
-from anns_lab.io import atomic_write_json, sole_writer
+from anns_lab.io import atomic_write_json, read_json, sole_writer
 from anns_lab.version import __version__
 
 STAGING = ".staging"
@@ -254,7 +254,7 @@ def _prepare_folder(out: Path, settings: dict, overwrite: bool,
         return fresh, True
     if progress_path.is_file():
         try:
-            progress = json.loads(progress_path.read_text())
+            progress = read_json(progress_path)
             if not _progress_ok(progress):  # not an assert: `python -O` would resume from it
                 raise ValueError("not a progress record")
         except (OSError, ValueError):
@@ -278,7 +278,7 @@ def _foreign_manifest(out: Path) -> bool:
     """Whether ``out``'s manifest is JSON of something else than a dump (one that is not JSON at all may be ours, cut
     short: ``--overwrite`` may replace that)."""
     try:
-        manifest = json.loads((out / store.MANIFEST).read_text(encoding="utf-8"))
+        manifest = read_json(out / store.MANIFEST)
     except (OSError, ValueError):
         return False
     return not (isinstance(manifest, dict) and manifest.get("format") == store.FORMAT)
@@ -401,7 +401,7 @@ def _capture(out, settings, state, begin, model_name, prompt_path, allow_extrapo
     n_prefill = len(prompt.ids)
     _check_fits(lm, n_prefill, n_decode, settings["chunk"], allow_extrapolation)  # a whole --prompt file's, now known
     n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+    d = rope.head_dim(cfg)
     saved_ids = state.get("token_ids")
     if saved_ids is not None and (saved_ids[:n_prefill] != prompt.ids or forced and saved_ids[n_prefill:] != forced):
         raise DumpError(f"{out}: the saved tokens differ from the prompt built now (tokenizer or corpus changed); pass --overwrite")

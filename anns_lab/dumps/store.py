@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 
 from anns_lab.dumps.prompts import CONTINUATIONS
 from anns_lab.errors import DumpError
-from anns_lab.io import atomic_path
+from anns_lab.io import atomic_path, read_json
 
 FORMAT = "anns-lab-dump"
 FORMAT_VERSION = 2
@@ -106,8 +106,8 @@ def read_manifest(path: Path) -> dict:
             raise DumpError(f"{path} is an unfinished dump (no {MANIFEST}); re-run the same `anns-lab dump` command to resume it")
         raise DumpError(f"{path} is not a dump: it has no {MANIFEST}")
     try:
-        manifest = json.loads(mpath.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        manifest = read_json(mpath)
+    except ValueError as err:  # not JSON, not UTF-8, or nested past the recursion limit
         raise DumpError(f"{mpath} is corrupt ({err})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise DumpError(f"{mpath} is not an anns-lab dump manifest")
@@ -306,19 +306,34 @@ class Dump:
             raise DumpError(f"{kind} head {head} is out of range: this dump has {n} {kind} heads (0..{n - 1})")
 
     def _check_heads(self, name: str) -> None:
-        """The layer file's head columns against the manifest's head counts (once per file)."""
+        """The layer file's columns and row order against the manifest (once per file)."""
         if name in self._heads_checked:
             return
+        self._check_columns(name)
+        self._check_order(name)
+        self._heads_checked.add(name)
+
+    def check_columns(self, layer: int) -> None:
+        """The layer's file's columns against the manifest's head counts and the format's types, from its schema
+        alone (no checksum, no data read): what a command checks of every layer it will read, before any work."""
+        self._check_layer(layer)
+        self._check_columns(layer_file(layer))
+
+    def _check_columns(self, name: str) -> None:
         try:
-            names = set(pq.read_schema(self.path / name).names)
+            schema = pq.read_schema(self.path / name)
         except (pa.ArrowException, OSError) as err:
             raise DumpError(f"cannot read {self.path / name}: {str(err).splitlines()[0]}") from None
         want = {"position"} | {f"q{h}" for h in range(self.n_heads)} | {f"{p}{g}" for p in "kv" for g in range(self.n_kv_heads)}
-        if names != want:
+        if set(schema.names) != want:
             raise DumpError(f"{self.path / name} holds columns for other head counts than the manifest's "
                             f"{self.n_heads} query / {self.n_kv_heads} KV heads: the manifest was edited or belongs to other files")
-        self._check_order(name)
-        self._heads_checked.add(name)
+        for field in schema:  # another tool's binary or list<float> columns failed each part with numpy's words
+            vector = field.name != "position"
+            if not (pa.types.is_fixed_size_binary(field.type) if vector else pa.types.is_integer(field.type)):
+                raise DumpError(f"column {field.name} of {self.path / name} is {field.type}, where a dump holds "
+                                f"{'fixed_size_binary[head_dim × itemsize] vectors' if vector else 'integers'}: the "
+                                "file is not one anns-lab wrote")
 
     def _check_order(self, name: str, rows: int | None = None) -> None:
         """Rows are read by index as positions 0..n-1: a file written in another row order (its checksums redone by

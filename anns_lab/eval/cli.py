@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -12,6 +11,7 @@ from anns_lab.errors import AnnsLabError
 from anns_lab.dumps import rope
 from anns_lab.indexes.group_queries import DEFAULT as GROUP_DEFAULT
 from anns_lab.indexes.group_queries import MODES as GROUP_MODES
+from anns_lab.io import loads_json
 
 
 def _heads(spec: str | None, dump_path: str | Path) -> list[int] | None:
@@ -54,8 +54,8 @@ def _build_params(items: tuple[str, ...]) -> dict[str, dict]:
         if not (sep and dot and index and name):
             raise AnnsLabError(f"--build-param takes INDEX.NAME=VALUE (e.g. roargraph.M=16), got {item!r}")
         try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
+            value = loads_json(raw)
+        except ValueError:
             value = raw
         if name in out.setdefault(index, {}):  # the last one silently won before: say which is meant
             raise AnnsLabError(f"--build-param {index}.{name} is given twice ({out[index][name]!r} and {value!r}): "

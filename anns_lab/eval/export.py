@@ -13,9 +13,9 @@ import numpy as np
 from anns_lab.dumps import rope
 from anns_lab.dumps.store import Dump
 from anns_lab.errors import AnnsLabError
-from anns_lab.io import atomic_write_bytes, atomic_write_json
+from anns_lab.io import atomic_write_bytes, atomic_write_json, sole_writer
 from anns_lab.eval import metrics
-from anns_lab.eval.heads import check_k, load_head
+from anns_lab.eval.heads import HeadData, check_k, load_head
 
 
 EXPORT_FILES = ("base.fbin", "train_queries.fbin", "test_queries.fbin", "k2k_queries.fbin", "gt_q2k.bin", "gt_k2k.bin",
@@ -72,6 +72,25 @@ def export_fbin(dump: Dump, layer: int, head: int, out: str | Path, k: int = 100
     The training queries sit where ``train_positions`` puts them, as the sweep's (:func:`heads.load_head`). ``out``
     must be new or empty, or an earlier export with ``overwrite``: its files are replaced, nothing else is touched."""
     out = Path(out)
+
+    def prepare() -> HeadData:
+        _check_out(out, overwrite)
+        check_k(dump, window, k)  # before the folder is made: a refused export leaves nothing behind
+        data = load_head(dump, layer, head, window, train_positions=train_positions)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise AnnsLabError(f"cannot write the export into {out}: {err.strerror or err} ({err.filename or out}); "
+                               "choose another --out") from None
+        return data
+
+    with sole_writer(out, prepare) as data:  # two exports into one folder: one's --overwrite unlinked the other's files
+        _write(out, data, dump, layer, head, k, window, train_positions)
+    return {name: out / name for name in EXPORT_FILES}
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    """Refuse an --out that is a file, or a folder holding anything but an earlier export (without ``overwrite``)."""
     if out.exists() and not out.is_dir():
         raise AnnsLabError(f"--out {out} is a file; give a folder for the export")
     if out.is_dir() and any(out.iterdir()):
@@ -85,13 +104,10 @@ def export_fbin(dump: Dump, layer: int, head: int, out: str | Path, k: int = 100
                                "choose another --out")
         if not overwrite:
             raise AnnsLabError(f"{out} holds an earlier export; pass --overwrite to replace it or choose another --out")
-    check_k(dump, window, k)  # before the folder is made: a refused export leaves nothing behind
-    data = load_head(dump, layer, head, window, train_positions=train_positions)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise AnnsLabError(f"cannot write the export into {out}: {err.strerror or err} ({err.filename or out}); "
-                           "choose another --out") from None
+
+
+def _write(out: Path, data: HeadData, dump: Dump, layer: int, head: int, k: int, window: tuple[int, int],
+           train_positions: str) -> None:
     # export.json goes first and comes back last: an export stopped part way through replacing an earlier one must not
     # leave that one's description beside its own files (the layer, head and positions of other arrays)
     (out / "export.json").unlink(missing_ok=True)
@@ -111,4 +127,3 @@ def export_fbin(dump: Dump, layer: int, head: int, out: str | Path, k: int = 100
         "k": k, "window": list(window), "metric": "inner_product", "train_positions": train_positions,
         "key_positions": data.key_pos.tolist(),
         "test_positions": data.test_pos.tolist()})
-    return {name: out / name for name in EXPORT_FILES}

@@ -8,11 +8,10 @@ it is reported without being run, so a rerun never loops on a part that kills it
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
-from anns_lab.io import atomic_write_json
+from anns_lab.io import atomic_write_json, read_json
 from anns_lab.eval.executors.base import Outcome, Part
 
 PREFIX = "failed-"
@@ -26,7 +25,7 @@ def record_path(part_file: Path) -> Path:
 def previous(part_file: Path) -> dict | None:
     """The record of an earlier failure of this part, or None (an unreadable record counts as none)."""
     try:
-        rec = json.loads(record_path(part_file).read_text())
+        rec = read_json(record_path(part_file))
         return rec if isinstance(rec, dict) and isinstance(rec.get("attempts"), int) else None
     except (OSError, ValueError):
         return None
@@ -60,7 +59,7 @@ def missing(parts: Path) -> list[dict]:
         if path.with_name(path.stem[len(PREFIX):] + ".parquet").exists():
             continue  # finished since (a record is removed on success; this one was left by hand)
         try:
-            rec = json.loads(path.read_text())
+            rec = read_json(path)
         except (OSError, ValueError):
             continue
         if isinstance(rec, dict) and {"index", "layer", "head"} <= rec.keys():

@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 from anns_lab.eval import paper
+from anns_lab.io import loads_json
 
 AGREES, DISAGREES, NOT_MEASURED = "agrees", "disagrees", "not measured"
 TARGET = 0.95  # the paper's recall@100 target
@@ -50,7 +51,7 @@ def label_builds(table: pd.DataFrame) -> pd.DataFrame:
         builds = g["build_params"].unique()
         if len(builds) < 2:
             continue
-        parsed = {b: json.loads(b) for b in builds}
+        parsed = {b: loads_json(b) for b in builds}
         differ = sorted({k for b in parsed.values() for k in b if len({json.dumps(p.get(k)) for p in parsed.values()}) > 1})
         defaults = json.dumps(registry.create(name).params, sort_keys=True) if name in installed else None
         for b, params in parsed.items():

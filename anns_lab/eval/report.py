@@ -11,7 +11,6 @@ numbers (see :mod:`anns_lab.eval.findings`).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import unicodedata
@@ -25,11 +24,12 @@ from anns_lab.dumps.prompts import CONTINUATION_WORDS
 from anns_lab.dumps.store import open_dump
 from anns_lab.errors import AnnsLabError, IndexConfigError
 from anns_lab.eval import costs, failures, figures, findings, html, ivf_gap, paper
+from anns_lab.eval.export import EXPORT_FILES
 from anns_lab.eval.heads import check_k, load_head
 from anns_lab.eval.findings import fmt_fraction  # noqa: F401 - benchmarks import it from here
-from anns_lab.eval.table import CELL, RESULTS, SETTINGS, load_results
+from anns_lab.eval.table import RESULTS, SETTINGS, load_results
 from anns_lab.indexes import registry
-from anns_lab.io import atomic_path
+from anns_lab.io import atomic_path, loads_json, read_json
 
 TARGETS = (0.90, 0.95, 0.99)
 FIGURES = {"recall_vs_scanned.png": "Recall against keys scanned, Q→K and K→K (Fig. 3a / 6)",
@@ -107,7 +107,7 @@ def sibling_sweeps(folder: Path, dump: str, out_folder: Path | None = None) -> l
         if other == folder.resolve():
             continue
         try:
-            other_settings = json.loads(settings.read_text())
+            other_settings = read_json(settings)
         except (OSError, ValueError):
             continue
         same = isinstance(other_settings, dict) and other_settings.get("dump") == dump
@@ -232,20 +232,9 @@ def _sweep_settings(table: pd.DataFrame, settings: dict, folder: Path) -> tuple[
             raise AnnsLabError(f"{folder / SETTINGS} says no window: it is not a sweep's settings; re-run the sweep")
         raise AnnsLabError(f"{folder / SETTINGS}, which says the sweep's window, is missing: report the results in the "
                            "folder the sweep wrote")
-    if not (isinstance(window, list) and len(window) == 2 and all(type(w) is int and w >= 0 for w in window)):
-        raise AnnsLabError(f"{folder / SETTINGS} is not a sweep's settings (window {window!r}); re-run the sweep")
-    for key in ("dump", "dump_created"):
-        if key in settings and not isinstance(settings[key], str):
-            raise AnnsLabError(f"{folder / SETTINGS} is not a sweep's settings ({key} {settings[key]!r}); "
-                               "re-run the sweep")
     if settings.get("k", ks[0]) != ks[0]:
         raise AnnsLabError(f"{folder / RESULTS} measured recall@{ks[0]}, but {folder / SETTINGS} is of a sweep with "
                            f"--k {settings['k']}: the table is not this folder's sweep's; re-run the sweep")
-    dup = table.duplicated(CELL)
-    if dup.any():  # the sweep writes one row per cell; a repeated one would weigh twice in every median
-        r = table[dup].iloc[0]
-        raise AnnsLabError(f"{folder / RESULTS} holds {r['index']} {r['search_params']} {r['direction']} on layer "
-                           f"{r['layer']} head {r['head']} more than once; re-run the sweep")
     return ks[0], (window[0], window[1])
 
 
@@ -263,8 +252,9 @@ def _ours(path: Path) -> bool:
 
 
 def _check_out(out: Path, folder: Path) -> None:
-    """Refuse an --out the report would damage: a file, a dump, another sweep's folder (its report would be replaced
-    by one of these results, looking like its own), or a folder holding a file of the report's names no report wrote."""
+    """Refuse an --out the report would damage: a file, a dump or an export, another sweep's folder (its report would be
+    replaced by one of these results, looking like its own), or a folder holding a file of the report's names no report
+    wrote."""
     if out.exists() and not out.is_dir():
         raise AnnsLabError(f"--out {out} is a file; give a folder for the report")
     if not out.is_dir():
@@ -272,6 +262,9 @@ def _check_out(out: Path, folder: Path) -> None:
     if out.resolve() != folder.resolve():
         if (out / "manifest.json").exists():
             raise AnnsLabError(f"--out {out} is a dump folder; give the report a folder of its own")
+        if exported := [name for name in EXPORT_FILES if os.path.lexists(out / name)]:  # its --overwrite refused then
+            raise AnnsLabError(f"--out {out} is an export folder (it holds {exported[0]}); give the report a folder of "
+                               "its own")
         if (out / RESULTS).exists() or (out / SETTINGS).exists():
             raise AnnsLabError(f"--out {out} holds another sweep's results, whose report this one would replace; "
                                "give another --out")
@@ -304,7 +297,7 @@ def _ivf_reason(dump, table: pd.DataFrame, par: pd.DataFrame, kinds: dict[str, s
         return ""
     rows = table[table["index"] == "ivf"]
     try:  # an edited table's nlist of text, -3 or 1e9 reached faiss (a traceback, or bad_alloc)
-        ivf = registry.create("ivf", **json.loads(rows["build_params"].iloc[0]))
+        ivf = registry.create("ivf", **loads_json(rows["build_params"].iloc[0]))
         ivf.check_keys(int(rows["n_keys"].min()))
     except IndexConfigError as err:
         raise AnnsLabError(f"the results table's ivf rows hold build parameters this version refuses ({err}); "

@@ -30,7 +30,7 @@ from anns_lab.eval.executors import Outcome, Part, open_executor
 from anns_lab.eval.heads import HeadData, check_k, default_layers, load_head
 from anns_lab.eval.table import ADDED, CELL, COLUMNS, RESULTS, SETTINGS, table_problem
 from anns_lab.indexes import group_queries, protocol
-from anns_lab.io import atomic_write_json, sole_writer
+from anns_lab.io import atomic_write_json, read_json, sole_writer
 
 LATENCY_QUERIES = 16
 MAX_ATTEMPTS = 3
@@ -153,7 +153,7 @@ class SweepWork:
 
     def fingerprint(self) -> str | None:
         try:
-            return json.loads((Path(self.dump) / "manifest.json").read_text()).get("created")
+            return read_json(Path(self.dump) / "manifest.json").get("created")
         except (OSError, ValueError, AttributeError):
             return None
 
@@ -238,11 +238,12 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     layers = _distinct(layers, "--layers") if layers is not None else default_layers(dump.layers)
     for layer in layers:
         dump.scaling(layer)  # raises for a layer not in the dump
+        dump.check_columns(layer)  # another tool's column types failed every part alike
     heads = _distinct(heads, "--heads") if heads is not None else list(range(dump.n_heads))
     for h in heads:
         dump.kv_head_of(h)
     n_keys = check_k(dump, window, k)  # before any index is built
-    names = _fitting(made, n_keys, build_params, chosen=indexes is not None, log=log)
+    names = _fitting(made, n_keys, dump.head_dim, build_params, chosen=indexes is not None, log=log)
     group_queries.check_mode(train_group)
     aware = any(registry.get(name).uses_train_queries for name in names)
     if rope.check_place(train_positions) != "own" and aware:
@@ -344,19 +345,22 @@ def _run(runner, dump, out, names, layers, heads, k, window, build_params, quick
     return SweepResult(table, out / RESULTS, failures, time.perf_counter() - t_start)
 
 
-def _fitting(made: dict, n_keys: int, build_params: dict, chosen: bool, log) -> list[str]:
-    """The swept indexes whose build parameters can index ``n_keys`` keys (more lists than keys cannot): one error up
-    front for an index the command named or configured, rather than one failed part per head; an index swept only as
-    one of every registered index, at its defaults, is left out with a line saying so."""
+def _fitting(made: dict, n_keys: int, dim: int, build_params: dict, chosen: bool, log) -> list[str]:
+    """The swept indexes whose build parameters can index ``n_keys`` keys of ``dim`` dimensions (more lists than keys
+    cannot): one error up front for an index the command named or configured, rather than one failed part per head; an
+    index swept only as one of every registered index, at its defaults, is left out with a line saying so."""
     names = []
     for name, index in made.items():
         try:
+            index.check_dim(dim)
             index.check_keys(n_keys)
         except IndexConfigError as err:
             if chosen or name in build_params:
-                raise AnnsLabError(f"{err}: {name} cannot index the {n_keys} keys each index holds with this dump and "
-                                   f"--window; set its --build-param, or leave it out of --indexes") from None
-            log(f"{name} left out: {err} ({n_keys} keys per index here; name it with a --build-param to sweep it)")
+                raise AnnsLabError(f"{err}: {name} cannot index the {n_keys} keys of dimension {dim} each index "
+                                   "holds with this dump and --window; set its --build-param, or leave it out of "
+                                   "--indexes") from None
+            log(f"{name} left out: {err} ({n_keys} keys of dimension {dim} per index here; name it with a "
+                "--build-param to sweep it)")
             continue
         names.append(name)
     if not names:
@@ -399,7 +403,7 @@ def _prepare(out: Path, settings: dict, overwrite: bool) -> None:
     sfile = out / SETTINGS
     if sfile.is_file():
         try:
-            old = json.loads(sfile.read_text())
+            old = read_json(sfile)
         except (OSError, ValueError) as err:
             if not overwrite:
                 raise AnnsLabError(f"{sfile} is corrupt ({err}); pass --overwrite to start this sweep again there, "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import reprlib
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +10,7 @@ import pandas as pd
 
 from anns_lab.errors import AnnsLabError
 from anns_lab.indexes.registry import NAME
+from anns_lab.io import loads_json, read_json
 
 RESULTS = "results.parquet"
 SETTINGS = "sweep.json"
@@ -22,6 +23,15 @@ NUMBERS = ("layer", "head", "k", "n_keys", "recall", "scanned_fraction", "bytes_
 COUNTS = ("layer", "head", "k", "n_keys")  # whole numbers the readers turn into ints (a NaN there was a traceback)
 DIRECTIONS = ("q2k", "k2k")
 CELL = ["layer", "head", "index", "build_params", "search_params", "direction"]  # one measurement per cell
+
+_BRIEF = reprlib.Repr()
+_BRIEF.maxstring = 80
+
+
+def _shown(value) -> str:
+    """A value of a table or settings file in an error line, as Python writes it (numpy's scalars as the plain
+    number), its text cut to 80 characters: an edited cell may hold megabytes."""
+    return _BRIEF.repr(value.item() if isinstance(value, np.generic) else value)
 
 
 def load_results(path: str | Path) -> tuple[pd.DataFrame, dict]:
@@ -45,13 +55,32 @@ def load_results(path: str | Path) -> tuple[pd.DataFrame, dict]:
     problem = table_problem(table)
     if problem:
         raise AnnsLabError(f"{file} holds a row no conforming index produces: {problem}; re-run the sweep")
+    dup = table.duplicated([*CELL, "k"])  # two sweeps of several k merged: the readers say that, in their words
+    if dup.any():  # the sweep writes one row per cell; a repeated one would weigh twice in every median and pick
+        r = table[dup].iloc[0]
+        raise AnnsLabError(f"{file} holds {r['index']} {r['search_params']} {r['direction']} on layer {r['layer']} "
+                           f"head {r['head']} more than once; re-run the sweep")
     try:
-        settings = json.loads((folder / SETTINGS).read_text()) if (folder / SETTINGS).is_file() else {}
+        settings = read_json(folder / SETTINGS) if (folder / SETTINGS).is_file() else {}
     except (OSError, ValueError) as err:
         raise AnnsLabError(f"{folder / SETTINGS} is corrupt ({err}); re-run the sweep") from None
-    if not isinstance(settings, dict):
-        raise AnnsLabError(f"{folder / SETTINGS} is not a sweep's settings (a JSON {type(settings).__name__}); re-run the sweep")
+    problem = (f"a JSON {type(settings).__name__}" if not isinstance(settings, dict) else _settings_problem(settings))
+    if problem:
+        raise AnnsLabError(f"{folder / SETTINGS} is not a sweep's settings ({problem}); re-run the sweep")
     return table, settings
+
+
+def _settings_problem(settings: dict) -> str | None:
+    """A value no sweep writes into its ``sweep.json``, in words, or None: a window that is not two whole numbers
+    ≥ 0 (report and ``decode --from-sweep`` load and compare with it), names and stamps that are not text."""
+    window = settings.get("window")
+    if window is not None and not (isinstance(window, list) and len(window) == 2
+                                   and all(type(w) is int and w >= 0 for w in window)):
+        return f"window {_shown(window)}"
+    for key in ("dump", "dump_created", "train_group", "train_positions"):
+        if key in settings and not isinstance(settings[key], str):
+            return f"{key} {_shown(settings[key])}"
+    return None
 
 
 def table_problem(table: pd.DataFrame) -> str | None:
@@ -79,8 +108,9 @@ def table_problem(table: pd.DataFrame) -> str | None:
 
 def _kind_problem(table: pd.DataFrame) -> str | None:
     """The first value of a kind no sweep writes, in words, or None: a fractional or missing layer, head, k or key
-    count, a k or key count of 0 or a k above the keys, an unknown direction, an index without a name, build parameters
-    that are not a JSON object (the readers failed on them with a traceback, or cast them silently)."""
+    count, a k or key count of 0 or a k above the keys, an unknown direction, an index without a name, a dump or model
+    that is not text, parameters or auto rules that are not a JSON object (the readers failed on them with a traceback,
+    or cast them silently)."""
     for column in COUNTS:
         v = table[column].to_numpy(dtype=float)
         bad = ~(np.isfinite(v) & (v == np.round(v)) & (v >= 0))
@@ -94,16 +124,26 @@ def _kind_problem(table: pd.DataFrame) -> str | None:
         return f"k {r['k']} of {r['index']} (layer {r['layer']}, head {r['head']}) exceeds the {r['n_keys']} keys it held"
     odd = table.loc[~table["direction"].isin(DIRECTIONS), "direction"]
     if len(odd):
-        return f"direction {odd.iloc[0]!r} is neither of {', '.join(DIRECTIONS)}"
+        return f"direction {_shown(odd.iloc[0])} is neither of {', '.join(DIRECTIONS)}"
     named = table["index"].map(lambda v: isinstance(v, str) and bool(NAME.fullmatch(v)))
     if not named.all():  # names reach file names, figure labels and report cells
-        return f"an index name {table.loc[~named, 'index'].iloc[0]!r} is not a name (letters, digits and . _ + -)"
-    for column in ("build_params", "search_params"):  # decode --from-sweep reads both (a traceback, after the load)
+        return f"an index name {_shown(table.loc[~named, 'index'].iloc[0])} is not a name (letters, digits and . _ + -)"
+    for column in ("dump", "model"):  # report and decode sort and print them (a None among text was a TypeError)
+        odd = table.loc[~table[column].map(lambda v: isinstance(v, str)), column]
+        if len(odd):
+            v = odd.iloc[0]
+            missing = v is None or (isinstance(v, float) and np.isnan(v))
+            return f"a row has no {column}" if missing else f"{column} {_shown(v)} is not text"
+    for column in ("build_params", "search_params", "auto_rules"):  # decode --from-sweep reads them (after the load)
         for text in table[column].unique():
+            if column == "auto_rules" and text is None:  # a table from before the column: the rules are unknown
+                continue
             try:
-                params = json.loads(text)
+                params = loads_json(text)
             except (TypeError, ValueError):
                 params = None
             if not isinstance(params, dict):
-                return f"{column} {text!r} is not a JSON object"
+                return f"{column} {_shown(text)} is not a JSON object"
+            if column == "auto_rules" and not all(isinstance(v, str) for v in params.values()):
+                return f"auto_rules {_shown(text)} does not name each rule with text"
     return None

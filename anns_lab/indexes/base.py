@@ -199,6 +199,7 @@ class Index:
             train_queries = as_matrix(self._owner(), "train_queries", train_queries, keys.shape[1])
         elif self.uses_train_queries:
             raise IndexConfigError(f"{self._owner()}: this index is built from train_queries; pass them to build()")
+        self.check_dim(keys.shape[1])
         self.check_keys(len(keys))
         self._given_rows = given
         extra = {}
@@ -215,6 +216,10 @@ class Index:
         """Raise IndexConfigError when these build parameters cannot index ``n_keys`` keys (e.g. more lists than
         keys): ``build`` calls it, and so do the sweep and the decoder before any work, so that the mistake is one
         error up front rather than one per head."""
+
+    def check_dim(self, dim: int) -> None:
+        """Raise IndexConfigError when these build parameters cannot index keys of ``dim`` dimensions (pqcache: ``M``
+        not dividing it): called where ``check_keys`` is."""
 
     def train_rows(self, n_keys: int, m: int) -> np.ndarray | None:
         """The rows of ``m`` training queries that a build over ``n_keys`` keys learns from (None: all): a caller may

@@ -32,6 +32,13 @@ def auto_nlist(n_keys: int) -> int:
     return max(1, min(round(2 * math.sqrt(n_keys)), n_keys // 39))
 
 
+def check_nlist(owner: str, nlist: int, n_keys: int) -> None:
+    """Refuse more k-means lists than keys (``nlist`` 0: the auto rule's), naming the index that asked for them (one
+    whose top-k is an IVF: its own name, not ivf's)."""
+    if (nlist := nlist or auto_nlist(n_keys)) > n_keys:
+        raise IndexConfigError(f"{owner}: nlist={nlist} is larger than the number of keys ({n_keys})")
+
+
 class IVFIndex(Index):
     """faiss IVF-Flat with inner product; nprobe = nlist is exhaustive and exact."""
 
@@ -46,8 +53,7 @@ class IVFIndex(Index):
     auto_rules = {"nlist": "2026-11-29"}  # auto_nlist
 
     def check_keys(self, n_keys: int) -> None:
-        if (nlist := self.params["nlist"] or auto_nlist(n_keys)) > n_keys:
-            raise IndexConfigError(f"{self._owner()}: nlist={nlist} is larger than the number of keys ({n_keys})")
+        check_nlist(self._owner(), self.params["nlist"], n_keys)
 
     def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
         nlist = self.params["nlist"] or auto_nlist(len(keys))

@@ -11,7 +11,6 @@ plain arrays; hnswlib's file is read by ``hnsw.check_hnswlib_file`` before hnswl
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import re
 from io import BytesIO
@@ -21,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from anns_lab.errors import IndexConfigError
-from anns_lab.io import atomic_folder, atomic_write_json
+from anns_lab.io import atomic_folder, atomic_write_json, read_json
 
 if TYPE_CHECKING:
     from anns_lab.indexes.base import Index
@@ -64,7 +63,7 @@ def _not_a_save(folder: Path) -> str | None:
     for f in entries:
         if f.name == "index.json":
             try:
-                meta = json.loads(f.read_text())
+                meta = read_json(f)
             except (OSError, ValueError):
                 continue  # a save cut short or damaged: replacing it loses nothing
             if not (isinstance(meta, dict) and "format" in meta and "class" in meta):
@@ -123,8 +122,8 @@ def _read_meta(folder: Path, bad) -> dict[str, Any]:
     if not meta_file.is_file():
         raise bad("no saved index there (index.json missing)")
     try:
-        meta = json.loads(meta_file.read_text(encoding="utf-8"))
-    except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        meta = read_json(meta_file)
+    except (ValueError, OSError) as e:
         raise bad(f"index.json is not readable JSON ({e})") from None
     if not isinstance(meta, dict):
         raise bad("index.json is not a JSON object")

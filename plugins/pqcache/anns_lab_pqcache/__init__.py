@@ -41,10 +41,12 @@ class PQCacheIndex(Index):
         if n_keys < 2 ** self.params["nbits"]:
             raise IndexConfigError(f"{self._owner()}: {n_keys} keys cannot train 2^{self.params['nbits']} codewords")
 
+    def check_dim(self, dim: int) -> None:
+        if dim % self.params["M"]:
+            raise IndexConfigError(f"{self._owner()}: M={self.params['M']} does not divide the key dimension {dim}")
+
     def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
         M, nbits = self.params["M"], self.params["nbits"]
-        if keys.shape[1] % M:
-            raise IndexConfigError(f"{self._owner()}: M={M} does not divide the key dimension {keys.shape[1]}")
         index = faiss.IndexPQ(keys.shape[1], M, nbits, faiss.METRIC_INNER_PRODUCT)
         index.pq.cp.seed = self.params["seed"]
         index.train(keys)

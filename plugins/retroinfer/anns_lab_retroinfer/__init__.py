@@ -20,7 +20,6 @@ import math
 import faiss
 import numpy as np
 
-from anns_lab.errors import IndexConfigError
 from anns_lab.indexes import Index, Param
 from anns_lab.indexes.estimate import Estimate, Summaries
 from anns_lab.indexes.persist import expect, expect_ids

@@ -28,7 +28,7 @@ import numpy as np
 
 from anns_lab.indexes import Index, Param
 from anns_lab.indexes.estimate import Estimate
-from anns_lab.indexes.ivf import IVFIndex
+from anns_lab.indexes.ivf import IVFIndex, check_nlist
 
 
 def query_rng(seed: int, q: np.ndarray) -> np.random.Generator:
@@ -69,6 +69,9 @@ class VAttention(Index):
     auto_rules = {"nlist": IVFIndex.auto_rules["nlist"]}  # its top-k is an IVFIndex: its rule
     estimates = True
     unbiased = True
+
+    def check_keys(self, n_keys: int) -> None:
+        check_nlist(self._owner(), self.params["nlist"], n_keys)
 
     def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
         self._ivf = IVFIndex(nlist=self.params["nlist"], seed=self.params["seed"]).build(keys)
