@@ -215,6 +215,10 @@ def test_corrupt_file_fails_its_checksum(tiny_llama, tmp_path):
     f.write_bytes(bytes(raw[:-10]))
     with pytest.raises(DumpError, match="bytes"):
         open_dump(d.path)
+    raw[-12:-8] = b"\xff\xff\xff\x7f"  # the footer's length: the schema cannot be read, and the checksum says why
+    f.write_bytes(bytes(raw))
+    with pytest.raises(DumpError, match="checksum"):
+        open_dump(d.path).check_columns(2)
 
 
 def test_head_column_of_another_type_is_one_error(tiny_llama, tmp_path):

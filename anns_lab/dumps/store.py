@@ -321,6 +321,14 @@ class Dump:
 
     def _check_columns(self, name: str) -> None:
         try:
+            self._columns_problem(name)
+        except DumpError:
+            if self._verify:  # a file damaged since the dump says so first (its footer alone was read here)
+                self._check_sha(name)
+            raise
+
+    def _columns_problem(self, name: str) -> None:
+        try:
             schema = pq.read_schema(self.path / name)
         except (pa.ArrowException, OSError) as err:
             raise DumpError(f"cannot read {self.path / name}: {str(err).splitlines()[0]}") from None
