@@ -93,8 +93,7 @@ class PQCacheIndex(Index):
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
         refuse_faiss_payload(arrays)
         M, nbits, d = self.params["M"], self.params["nbits"], self.dim
-        if d % M:
-            raise IndexConfigError(f"M={M} does not divide the key dimension {d}")
+        self.check_dim(d)
         pq = faiss.IndexPQ(d, M, nbits, faiss.METRIC_INNER_PRODUCT)
         codebooks = expect(arrays, "codebooks", np.float32, (M, 2 ** nbits, d // M), finite=True)
         codes = expect(arrays, "codes", np.uint8, (self.n_keys, pq.code_size))
