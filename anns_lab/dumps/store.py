@@ -314,8 +314,9 @@ class Dump:
         self._heads_checked.add(name)
 
     def check_columns(self, layer: int) -> None:
-        """The layer's file's columns against the manifest's head counts and the format's types, from its schema
-        alone (no checksum, no data read): what a command checks of every layer it will read, before any work."""
+        """The layer's file's columns against the manifest's head counts and the format's types, from its schema alone
+        (no data read; the checksum only where they fail): what a command checks of every layer it reads, before any
+        work."""
         self._check_layer(layer)
         self._check_columns(layer_file(layer))
 
