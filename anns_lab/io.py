@@ -122,9 +122,11 @@ def atomic_write_json(path: Path, obj: dict) -> None:
 @contextlib.contextmanager
 def sole_writer(folder: Path, prepare: Callable[[], T]) -> Iterator[T]:
     """``prepare()`` (which reads ``folder``'s state and may make it) and the block, run as the only process writing into
-    ``folder``, or ``FolderBusy`` at once where another holds it: two dumps or sweeps into one folder mixed their files,
-    or one removed what the other was writing. Yields what ``prepare`` returned. The lock is taken before ``prepare``
-    where the folder exists, right after it where ``prepare`` made it (a command it refuses then makes nothing)."""
+    ``folder``, or ``FolderBusy`` at once where another holds it: two dumps, sweeps or exports into one folder mixed
+    their files, or one removed what the other was writing. Yields what ``prepare`` returned. The lock is taken before
+    ``prepare`` where the folder exists; where ``prepare`` made it, right after, and ``prepare`` runs again as the sole
+    writer (a command it refuses then makes nothing, and another process that made the folder too and wrote into it
+    between the two is seen: two new exports into one --out both ended with exit 0, one lost)."""
     with contextlib.ExitStack() as held:
         existed = folder.exists()
         if existed:
@@ -132,6 +134,7 @@ def sole_writer(folder: Path, prepare: Callable[[], T]) -> Iterator[T]:
         prepared = prepare()
         if not existed and folder.exists():
             held.enter_context(hold_folder(folder))
+            prepared = prepare()
         yield prepared
 
 

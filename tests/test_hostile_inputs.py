@@ -1282,6 +1282,25 @@ def test_a_folder_another_process_writes_into_is_refused_and_free_once_it_ends(t
         assert ran.exit_code == 0, ran.output
 
 
+def test_a_folder_made_by_two_commands_at_once_is_written_by_one(dump, tmp_path, monkeypatch):
+    """Before (fourth audit): two exports into a new --out both looked at the missing folder, then each locked it in
+    turn: both ended with exit 0, the second writing over the first without --overwrite. Here the other export runs
+    whole between this one's look and its lock: this one now looks again as the folder's sole writer, and refuses."""
+    out, seen = tmp_path / "x", []
+    real = export._check_out
+
+    def look_then_race(folder, overwrite):
+        real(folder, overwrite)
+        seen.append(folder.exists())
+        if seen == [False, False]:  # this export's second look (its prepare's), the folder not made yet
+            export.export_fbin(dump, 1, 1, folder, k=10, window=(0, 0))
+
+    monkeypatch.setattr(export, "_check_out", look_then_race)
+    with pytest.raises(AnnsLabError, match="holds an earlier export; pass --overwrite"):
+        export.export_fbin(dump, 1, 0, out, k=10, window=(0, 0))
+    assert json.loads((out / "export.json").read_text())["head"] == 1  # the other's export, whole
+
+
 def test_export_readers_refuse_files_cut_short_or_of_another_format(tmp_path):
     """Before: numpy's reshape error ("cannot reshape array of size 13 into shape (3,4)"), or for a file under 8 bytes an
     unpacking error."""
@@ -1339,7 +1358,8 @@ def test_rows_out_of_order_or_null_vectors_from_another_writer_are_refused(dump,
 
 @pytest.mark.parametrize("kind, words", [("binary", "is binary, where a dump holds fixed_size_binary"),
                                          ("list", "is list<element: float>, where a dump holds fixed_size_binary"),
-                                         ("position", "is double, where a dump holds integers")])
+                                         ("position", "is double, where a dump holds integers"),
+                                         ("narrow", "holds vectors of dimension 8, but the manifest says head_dim 16")])
 def test_a_layer_file_of_other_column_types_is_one_error_before_any_part(dump, tmp_path, kind, words):
     """Before: a ``binary`` or ``list<float>`` vector column failed every part of the sweep with numpy's words
     (``could not convert string to float: b'\\xfb...'``, raw key bytes)."""
@@ -1354,6 +1374,10 @@ def test_a_layer_file_of_other_column_types_is_one_error_before_any_part(dump, t
             rows = dump.keys(1, 0).tolist()
             return t.set_column(i, pa.field(name, pa.list_(pa.float32()), metadata=f.metadata),
                                 pa.array(rows, type=pa.list_(pa.float32())))
+        if kind == "narrow":  # half of each vector, tagged as before: failed each part (fourth audit)
+            half = pa.binary(f.type.byte_width // 2)
+            rows = [v[:half.byte_width] for v in t.column(name).to_pylist()]
+            return t.set_column(i, pa.field(name, half, metadata=f.metadata), pa.array(rows, type=half))
         return t.set_column(i, "position", t.column(name).cast(pa.float64()))
 
     other = _resealed(dump, tmp_path, "layer_001.parquet", edit)

@@ -91,7 +91,8 @@ class _DecodeCommand(click.Command):
 @click.command(cls=_DecodeCommand, short_help="Generate with retrieval attention; accuracy and time per token.")
 @click.option("--model", default="smollm2", show_default=True, help="model alias, local folder or HF id")
 @click.option("--mode", "modes", default="full,default", show_default=True,
-              help="comma list: full, window, flat, ivf, any registered index; 'default' = attention-aware index")
+              help="comma list of full, window, or the name of a registered index (flat, ivf, roargraph, ...; "
+                   "`anns-lab indexes` lists them); default = the attention-aware index")
 @click.option("--param", "params", multiple=True, help="search parameter NAME=VALUE for the index modes (e.g. L=200)")
 @click.option("--build-param", "build_params", multiple=True, help="build parameter NAME=VALUE for the index modes")
 @click.option("--topk", default=100, show_default=True, help="keys retrieved per query head and step")

@@ -9,6 +9,7 @@ machine gets an immediate, explicit error instead of a hang.
 from __future__ import annotations
 
 import difflib
+import glob
 import importlib.util
 import math
 import os
@@ -212,7 +213,7 @@ def _converted(gguf: Path, key: str) -> Path:
         raise ModelNotAvailable(f"{target} is not a converted model (no config.json): files put there by hand or by "
                                 "another tool; delete it to convert the model again")
     _cache_folder(target.parent)  # before the conversion's 15-45 s, not after
-    for left in target.parent.glob(f".{target.name}.*"):  # a conversion killed midway: 0.5-1 GB each, for good
+    for left in target.parent.glob(f".{glob.escape(target.name)}.*"):  # a killed conversion's: 0.5-1 GB, for good
         if abandoned(left):
             shutil.rmtree(left, ignore_errors=True)
     import torch

@@ -343,6 +343,23 @@ class Dump:
                 raise DumpError(f"column {field.name} of {self.path / name} is {field.type}, where a dump holds "
                                 f"{'fixed_size_binary[head_dim × itemsize] vectors' if vector else 'integers'}: the "
                                 "file is not one anns-lab wrote")
+            if vector:
+                self._check_vectors(name, field)
+
+    def _check_vectors(self, name: str, field: pa.Field) -> None:
+        """A vector column's dtype tag and width against the manifest's dtype and head_dim."""
+        kind = (field.metadata or {}).get(b"dtype", b"float32").decode(errors="replace")
+        if kind not in VECTOR_DTYPES:  # the format's two; another would be misread or raise in numpy
+            raise DumpError(f"column {field.name} of {self.path / name} holds {kind!r} vectors; a dump holds float16 "
+                            "or float32: the file is not one anns-lab wrote")
+        if kind != self.manifest["dtype"]:
+            raise DumpError(f"column {field.name} of {self.path / name} holds {kind} vectors, but the manifest says "
+                            f"dtype {self.manifest['dtype']}: the manifest was edited or belongs to other files")
+        itemsize, d = np.dtype(kind).itemsize, self.head_dim
+        if field.type.byte_width != d * itemsize:  # a remainder too: rows would be read with the wrong stride
+            raise DumpError(f"column {field.name} of {self.path / name} holds vectors of dimension "
+                            f"{field.type.byte_width / itemsize:g}, but the manifest says head_dim {d}: "
+                            "the manifest was edited or belongs to other files")
 
     def _check_order(self, name: str, rows: int | None = None) -> None:
         """Rows are read by index as positions 0..n-1: a file written in another row order (its checksums redone by
@@ -376,20 +393,9 @@ class Dump:
             raise DumpError(f"column {column} of {self.path / name} has {arr.null_count} null rows: the file is not one "
                             "anns-lab wrote")
         if pa.types.is_fixed_size_binary(arr.type):
-            meta = table.schema.field(column).metadata or {}
-            kind = meta.get(b"dtype", b"float32").decode(errors="replace")
-            if kind not in VECTOR_DTYPES:  # the format's two; another would be misread or raise in numpy
-                raise DumpError(f"column {column} of {self.path / name} holds {kind!r} vectors; a dump holds float16 "
-                                "or float32: the file is not one anns-lab wrote")
-            if kind != self.manifest["dtype"]:
-                raise DumpError(f"column {column} of {self.path / name} holds {kind} vectors, but the manifest says "
-                                f"dtype {self.manifest['dtype']}: the manifest was edited or belongs to other files")
-            dtype = np.dtype(kind).newbyteorder("<")
+            self._check_vectors(name, table.schema.field(column))  # _check_heads did; kept where the bytes are read
+            dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
             d = self.head_dim
-            if arr.type.byte_width != d * dtype.itemsize:  # a remainder too: rows would be read with the wrong stride
-                raise DumpError(f"column {column} of {self.path / name} holds vectors of dimension "
-                                f"{arr.type.byte_width / dtype.itemsize:g}, but the manifest says head_dim {d}: "
-                                "the manifest was edited or belongs to other files")
             flat = np.frombuffer(arr.buffers()[1], dtype=dtype, count=(arr.offset + len(arr)) * d)
             flat.flags.writeable = False  # a view of the mapped file: writing would corrupt or fault
             return flat[arr.offset * d:].reshape(len(arr), d)

@@ -72,19 +72,19 @@ def export_fbin(dump: Dump, layer: int, head: int, out: str | Path, k: int = 100
     The training queries sit where ``train_positions`` puts them, as the sweep's (:func:`heads.load_head`). ``out``
     must be new or empty, or an earlier export with ``overwrite``: its files are replaced, nothing else is touched."""
     out = Path(out)
+    _check_out(out, overwrite)  # before the head is read
+    check_k(dump, window, k)  # before the folder is made: a refused export leaves nothing behind
+    data = load_head(dump, layer, head, window, train_positions=train_positions)
 
-    def prepare() -> HeadData:
+    def prepare() -> None:
         _check_out(out, overwrite)
-        check_k(dump, window, k)  # before the folder is made: a refused export leaves nothing behind
-        data = load_head(dump, layer, head, window, train_positions=train_positions)
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise AnnsLabError(f"cannot write the export into {out}: {err.strerror or err} ({err.filename or out}); "
                                "choose another --out") from None
-        return data
 
-    with sole_writer(out, prepare) as data:  # two exports into one folder: one's --overwrite unlinked the other's files
+    with sole_writer(out, prepare):  # two exports into one folder: one's --overwrite unlinked the other's files
         _write(out, data, dump, layer, head, k, window, train_positions)
     return {name: out / name for name in EXPORT_FILES}
 
