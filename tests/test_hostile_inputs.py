@@ -102,6 +102,9 @@ def test_a_failure_before_any_capture_leaves_the_folder_as_found_so_the_fix_runs
     with pytest.raises(PromptError, match="fewer than --tokens 100"):  # needs the tokenizer: after the load
         run_dump(str(tiny_llama), prompt_path=short, tokens=100, out=out, progress=False)
     assert not out.exists()
+    with pytest.raises(PromptError, match="fewer than --tokens 100"):  # --overwrite of nothing: the same
+        run_dump(str(tiny_llama), prompt_path=short, tokens=100, out=out, progress=False, overwrite=True)
+    assert not out.exists()
     (tmp_path / "empty").mkdir()
     with pytest.raises(PromptError):
         run_dump(str(tiny_llama), prompt_path=short, tokens=100, out=tmp_path / "empty", progress=False)

@@ -264,6 +264,8 @@ def _prepare_folder(out: Path, settings: dict, overwrite: bool,
         old = _as_now(progress.get("settings"), settings, None, resolve)
         if old == settings and not overwrite:
             return progress, False
+        if old == settings and not progress.get("done"):  # nothing captured, nothing for --overwrite to discard (as
+            return fresh, False  # where this command made the folder and prepares it again under its lock)
         if not overwrite:
             raise DumpError(f"{out} holds an unfinished dump with other settings ({_settings_diff(old or {}, settings)}); "
                             "pass --overwrite to discard it, or choose another --out")
