@@ -1074,6 +1074,7 @@ def _edit_table(folder, edit) -> None:
     (lambda t: t.assign(direction="x2y"), "direction 'x2y'"),  # before: KeyError traceback
     (lambda t: t.assign(index=None), "an index name None"),
     (lambda t: pd.concat([t, t]), "more than once"),  # before: a traceback (labels repeated), or rows counted twice
+    (lambda t: pd.concat([t, t.assign(search_params="{ }")]), "more than once"),  # the same cell spelled otherwise
     (lambda t: pd.concat([t, t.assign(k=5)], ignore_index=True), "mixes sweeps of several k (5, 10)"),  # before: exit 0
     (lambda t: t.assign(k=5), "measured recall@5, but"),  # before: exit 0, another sweep's table
     (lambda t: t.assign(n_keys=t["n_keys"] + 64), "rows of another sweep"),  # another window's table: exit 0 before
@@ -1091,7 +1092,7 @@ def _edit_table(folder, edit) -> None:
     (lambda t: t.assign(build_params="[" * 100_000 + "]" * 100_000), "build_params '[[[[["),  # RecursionError before
 ], ids=["recall-text", "k-nan", "n_keys-nan", "layer-fraction", "build-params-not-json", "search-params-not-json",
      "direction-unknown", "index-none",
-        "rows-twice", "k-mixed", "k-not-the-settings", "keys-of-another-window", "k-zero", "n_keys-zero", "k-over-keys",
+        "rows-twice", "rows-twice-spelled-otherwise", "k-mixed", "k-not-the-settings", "keys-of-another-window", "k-zero", "n_keys-zero", "k-over-keys",
         "index-html", "index-pipe", "dump-none", "model-number", "auto-rules-not-json", "auto-rules-list",
         "build-params-deep"])
 def test_report_refuses_a_hand_edited_or_merged_table_in_one_line(dump, tmp_path, edit, words):

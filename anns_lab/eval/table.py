@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import reprlib
 from pathlib import Path
 
@@ -55,6 +56,11 @@ def load_results(path: str | Path) -> tuple[pd.DataFrame, dict]:
     problem = table_problem(table)
     if problem:
         raise AnnsLabError(f"{file} holds a row no conforming index produces: {problem}; re-run the sweep")
+    # One spelling per value, the sweep's (keys sorted): an edited cell's spacing was another cell to the duplicate
+    # check below, and another build to the readers' groupings.
+    for column in ("build_params", "search_params"):
+        spelled = {t: json.dumps(loads_json(t), sort_keys=True) for t in table[column].unique()}
+        table[column] = table[column].map(spelled)
     dup = table.duplicated([*CELL, "k"])  # two sweeps of several k merged: the readers say that, in their words
     if dup.any():  # the sweep writes one row per cell; a repeated one would weigh twice in every median and pick
         r = table[dup].iloc[0]
