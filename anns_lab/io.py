@@ -25,6 +25,15 @@ def _umask() -> int:
 
 
 _MODE = 0o666 & ~_umask()  # what open() gives a new file: mkstemp's 0600 would keep dumps and results from others
+_FOLDER_MODE = 0o777 & ~_umask()  # what mkdir() gives a new folder
+
+
+def temp_folder(path: Path, suffix: str = "") -> Path:
+    """An empty folder beside ``path``, named after it, with a new folder's mode: mkdtemp's 0700 would keep the folder
+    it becomes, once renamed into place, from others."""
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix))
+    os.chmod(tmp, _FOLDER_MODE)
+    return tmp
 
 
 @contextlib.contextmanager
@@ -57,10 +66,9 @@ def atomic_folder(path: Path) -> Iterator[Path]:
     if path.is_symlink():  # the folder the link names is replaced and the link kept (a link renamed onto a folder fails)
         path = path.resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    tmp = temp_folder(path, ".tmp")
     try:
         yield tmp
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would keep the folder from others
         if path.exists():
             old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old"))
             try:

@@ -284,22 +284,31 @@ def _alive(pid: int) -> bool:
 
 
 DRIVER = """
-import sys, numpy as np
+import sys, threading, numpy as np
 from anns_lab.indexes import build_processes, registry
 from anns_lab.indexes.key_store import KeyStore
 rows = [KeyStore(np.random.default_rng(0).standard_normal((1, 300, 8)).astype(np.float32), 340).head(0)]
-build_processes.pool(1).build(registry.get("faulty"), {"pid_dir": sys.argv[1], "sleep_s": 600.0}, rows, [(0, {})])
+build = lambda: build_processes.pool(1).build(registry.get("faulty"), {"pid_dir": sys.argv[1], "sleep_s": 600.0},
+                                              rows, [(0, {})])
+if sys.argv[2] == "main":
+    build()
+else:  # the pool made and started by another thread (a decode's build thread)
+    thread = threading.Thread(target=build)
+    thread.start()
+    thread.join()
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
-def test_workers_end_with_a_killed_decode_even_inside_a_build(plugin_dir, tmp_path):
-    """Before: a decode killed by SIGKILL left its build workers running until their build ended (600 s here)."""
+@pytest.mark.parametrize("started_by", ["main", "thread"])
+def test_workers_end_with_a_killed_decode_even_inside_a_build(plugin_dir, tmp_path, started_by):
+    """Before: a decode killed by SIGKILL left its build workers running until their build ended (600 s here), and
+    did so still where a build thread had started the pool (the signal follows the starting thread, not asked for)."""
     pids = tmp_path / "pids"
     pids.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugin_dir), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(pids)], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(pids), started_by], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         end = time.monotonic() + 120
         while not list(pids.iterdir()) and proc.poll() is None and time.monotonic() < end:

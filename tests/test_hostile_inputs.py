@@ -325,6 +325,9 @@ def test_a_conversion_stopped_midway_leaves_no_half_model_and_sweeps_what_a_kill
     with hold_folder(running):  # another process converting the model now: its folder stays
         assert (models._converted(gguf, "m") / "config.json").is_file()
         assert sorted(f.name for f in cache.iterdir()) == [running.name, place.name]
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert place.stat().st_mode & 0o777 == 0o777 & ~umask  # mkdtemp's 0700 kept a shared cache's model from others
 
     shutil.rmtree(place)
     place.mkdir()

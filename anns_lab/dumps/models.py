@@ -14,12 +14,11 @@ import importlib.util
 import math
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from anns_lab.errors import ModelNotAvailable
-from anns_lab.io import abandoned, atomic_path, hold_folder
+from anns_lab.io import abandoned, atomic_path, hold_folder, temp_folder
 
 
 @dataclass(frozen=True)
@@ -229,7 +228,7 @@ def _converted(gguf: Path, key: str) -> Path:
         raise ModelNotAvailable(f"{gguf} is not a GGUF model transformers can read "
                                 f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
     try:
-        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+        tmp = temp_folder(target)
     except OSError as err:
         raise _cache_error(target.parent, err) from None
     # GGUF weights are dequantised to plain float32 tensors on load; only the marker blocks saving.

@@ -68,11 +68,11 @@ class BuildProcesses:
         """``warm``: index names whose kernels each worker loads (numba's cache) as it starts, on tiny data."""
         self.workers = workers
         _remove_stale()
-        # the parent-death signal follows the thread that starts a worker (:func:`processes.die_with`): asked for only
-        # where that is the main thread (start(), right after this, starts every worker)
-        parent = os.getpid() if threading.current_thread() is threading.main_thread() else None
+        # the parent-death signal follows the thread that starts a worker (:func:`processes.die_with`): start(), right
+        # after this, starts every worker from this thread
+        by_main = threading.current_thread() is threading.main_thread()
         self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                         initializer=_worker_start, initargs=(tuple(warm), parent))
+                                         initializer=_worker_start, initargs=(tuple(warm), os.getpid(), by_main))
 
     def start(self) -> float:
         """Start every worker now and wait until they have run a task; returns the seconds it took. Otherwise they
@@ -303,14 +303,13 @@ def _restored(cls: type[Index], rows: KeyRows, params: dict[str, Any], n_keys: i
 # -- in the workers ----------------------------------------------------------------------------------------------------
 
 
-def _worker_start(warm: tuple[str, ...], parent: int | None) -> None:
+def _worker_start(warm: tuple[str, ...], parent: int, by_main_thread: bool) -> None:
     """A worker's set-up: one thread per library, the lowest priority, Ctrl-C ignored, ended with ``parent`` (a
     decode killed by SIGKILL left its workers building), ``warm``'s kernels loaded."""
     import torch
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the caller stops the builds
-    if parent is not None:
-        die_with(parent)
+    die_with(parent, by_main_thread=by_main_thread)
     one_thread()
     # Process-wide here (a worker runs nothing else): on a process's main thread one_thread() leaves torch's bfloat16
     # product a team of the cores, whose threads spin between products (a SmolLM2 head's build: 1.5x its CPU alone,
