@@ -87,3 +87,38 @@ def test_held_out_prefill_queries_leave_the_training_and_test_positions_cannot_b
     assert len(sparse.train_queries) == first - 2
     with pytest.raises(ValueError, match="held-out positions must lie among the"):
         load_head(few_steps, 1, 2, (0, 0), held_out=np.array([first]))
+
+
+def test_a_layer_whose_sliding_window_is_shorter_than_the_dump_is_never_evaluated(tiny_gemma3, tmp_path):
+    """Before: a `--layers all` dump of Gemma-3 swept its sliding layers by default (2, 9, 16 on the real model),
+    scoring them against full causal attention, which they never compute (output error 0.07-0.12 against full,
+    1.06-1.40 against their own window), with no word of it. The tiny Gemma-3: layers 0 and 2 slide (8 tokens)."""
+    import json
+    import shutil
+
+    from anns_lab.errors import AnnsLabError
+    from anns_lab.eval.cli import _layers
+    from anns_lab.eval.heads import evaluable_layers, sliding_layers
+
+    dump = run_dump(str(tiny_gemma3), tokens=300, decode_tokens=2, layers="all", out=tmp_path / "d", progress=False).dump
+    assert dump.layers == [0, 1, 2, 3] and sliding_layers(dump) == {0: 8, 2: 8}
+    assert evaluable_layers(dump) == _layers("all", dump.path) == _layers("default", dump.path) == [1, 3]
+    res = run_sweep(dump.path, ["flat"], heads=[0], k=K, window=(0, 0), out=tmp_path / "s", jobs=1, progress=False,
+                    quick=True)
+    assert sorted(res.table["layer"].unique()) == [1, 3]
+    with pytest.raises(AnnsLabError, match=r"layer 0 of dump .* sliding window \(8 tokens\) .*full-attention layers \(1, 3\)"):
+        run_sweep(dump.path, ["flat"], [0, 1], [0], k=K, window=(0, 0), out=tmp_path / "s0", jobs=1, progress=False)
+    assert not (tmp_path / "s0").exists()
+
+    wide = shutil.copytree(tiny_gemma3, tmp_path / "wide")  # a window as long as the dump binds nowhere in it
+    config = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps(config | {"sliding_window": 302}))
+    dump = run_dump(str(wide), tokens=300, decode_tokens=2, layers="all", out=tmp_path / "w", progress=False).dump
+    assert dump.manifest["sliding_window"]["0"] == 302 and sliding_layers(dump) == {}
+    assert evaluable_layers(dump) == [0, 1, 2, 3]
+
+    every = shutil.copytree(tiny_gemma3, tmp_path / "every")
+    (every / "config.json").write_text(json.dumps(config | {"layer_types": ["sliding_attention"] * 4}))
+    dump = run_dump(str(every), tokens=300, decode_tokens=2, layers="all", out=tmp_path / "e", progress=False).dump
+    with pytest.raises(AnnsLabError, match=r"every layer of dump .* sliding window \(8 tokens\) shorter than its 302 positions"):
+        run_sweep(dump.path, ["flat"], heads=[0], k=K, window=(0, 0), out=tmp_path / "s1", jobs=1, progress=False)

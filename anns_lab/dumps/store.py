@@ -237,6 +237,16 @@ class Dump:
         self._check_layer(layer)
         return float(self.manifest["scaling"][str(layer)])
 
+    def sliding_window(self, layer: int) -> int | None:
+        """How many of the newest keys each query of ``layer`` attends (itself included), or None where it attends
+        every earlier key (a manifest without the field: a dump of before it, full attention throughout)."""
+        self._check_layer(layer)
+        window = (self.manifest.get("sliding_window") or {}).get(str(layer))
+        if window is not None and not (_is_int(window) and window >= 1):
+            raise DumpError(f"{self.path}'s manifest gives layer {layer} a sliding window of {window!r}, not a count "
+                            "of tokens; the manifest is damaged: make the dump again")
+        return window
+
     def kv_head_of(self, head: int) -> int:
         """The KV head that query head ``head`` reads (GQA)."""
         self._check_head(head, self.n_heads, "query")

@@ -32,17 +32,18 @@ def _heads(spec: str | None, dump_path: str | Path) -> list[int] | None:
 
 
 def _layers(spec: str | None, dump_path: str | Path) -> list[int] | None:
-    """``--layers`` read as the dump command reads it (one syntax for both); ``all`` is the dump's layers here."""
+    """``--layers`` read as the dump command reads it (one syntax for both); ``all`` is the dump's full-attention
+    layers here (:func:`heads.evaluable_layers`)."""
     from anns_lab.dumps.run import parse_layers
     from anns_lab.dumps.store import open_dump
-    from anns_lab.eval.heads import default_layers
+    from anns_lab.eval.heads import default_layers, evaluable_layers
 
     if spec is None:
         return None
     dump = open_dump(dump_path, verify=False)  # the layer count only: the sweep opens and checks it again
     if spec.strip().lower() == "all":
-        return dump.layers
-    return parse_layers(spec, int(dump.manifest["n_layers"]), default_layers(dump.layers))
+        return evaluable_layers(dump)
+    return parse_layers(spec, int(dump.manifest["n_layers"]), default_layers(evaluable_layers(dump)))
 
 
 def _build_params(items: tuple[str, ...]) -> dict[str, dict]:
@@ -99,8 +100,9 @@ def latest_dump() -> Path | None:
               help="Dump folder [default: the newest under dumps/, or make the default SmolLM2 dump first].")
 @click.option("--indexes", default=None, help="Comma-separated index names [default: every registered index].")
 @click.option("--layers", default=None,
-              help="Layers as `anns-lab dump` takes them: 2,15,28, 3-7, 0:30:2, all (the dump's), or a mix "
-                   "[default: three spread over the dump's layers].")
+              help="Layers as `anns-lab dump` takes them: 2,15,28, 3-7, 0:30:2, all (the dump's full-attention layers: "
+                   "one whose sliding window is shorter than the dump is refused), or a mix [default: three spread over "
+                   "the dump's full-attention layers].")
 @click.option("--heads", default=None, help="Query heads, as --layers reads layers: 0,4, 0-3, 0:9:2, all [default: all].")
 @click.option("--k", type=int, default=100, show_default=True)
 @click.option("--window", type=WINDOW, default="128,512", show_default=True, help="Static window excluded from the index.")

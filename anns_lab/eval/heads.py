@@ -131,6 +131,44 @@ def default_layers(layers: list[int]) -> list[int]:
     return sorted({layers[min(2, len(layers) - 1)], layers[len(layers) // 2], layers[max(len(layers) - 2, 0)]})
 
 
+def sliding_layers(dump: Dump) -> dict[int, int]:
+    """The dump's layers whose sliding window is shorter than its positions, with their window: their later queries
+    never attend its oldest keys, so neither an exact top-k over the keys outside the static window nor full causal
+    attention (what an evaluation compares with) is such a layer's attention. A window as long as the dump binds
+    nowhere in it."""
+    n = sum(int(v) for v in dump.manifest["n_tokens"].values())
+    return {layer: w for layer in dump.layers if (w := dump.sliding_window(layer)) is not None and w < n}
+
+
+def evaluable_layers(dump: Dump) -> list[int]:
+    """The dump's layers whose queries attend every earlier key (``sweep --layers all``); one error where none do."""
+    sliding = sliding_layers(dump)
+    if full := [layer for layer in dump.layers if layer not in sliding]:
+        return full
+    n = sum(int(v) for v in dump.manifest["n_tokens"].values())
+    raise AnnsLabError(f"every layer of dump {dump.path} attends within a sliding window ({_windows(sliding)}) shorter "
+                       f"than its {n:,} positions, so none attends the keys an index would hold as an evaluation "
+                       "compares them; dump a model's full-attention layers, or at most as many tokens as the window")
+
+
+def check_full_attention(dump: Dump, layers: list[int]) -> None:
+    """Refuses, before any work, a layer whose sliding window is shorter than the dump (:func:`sliding_layers`)."""
+    sliding = sliding_layers(dump)
+    if bad := [layer for layer in layers if layer in sliding]:
+        full = evaluable_layers(dump)  # raises where the dump has none
+        raise AnnsLabError(f"{'layer' if len(bad) == 1 else 'layers'} {', '.join(map(str, bad))} of dump {dump.path} "
+                           f"{'attends' if len(bad) == 1 else 'attend'} within a sliding window "
+                           f"({_windows({layer: sliding[layer] for layer in bad})}) shorter than the dump: the keys an "
+                           "index would hold lie mostly outside it, and the evaluation's references (exact top-k, full "
+                           f"causal attention) are not that attention; evaluate its full-attention layers "
+                           f"({', '.join(map(str, full))})")
+
+
+def _windows(sliding: dict[int, int]) -> str:
+    sizes = sorted(set(sliding.values()))
+    return f"{sizes[0]:,} tokens" if len(sizes) == 1 else "of " + ", ".join(f"{w:,}" for w in sizes) + " tokens"
+
+
 def index_range(dump: Dump, window: Window | tuple[int, int] = Window(), min_test: int = 64,
                 n_k2k: int = 64) -> tuple[int, int, int]:
     """``(lo, hi, extra)``: index keys (and K→K hold-outs) come from prefill positions ``[lo, hi)``; the last

@@ -27,7 +27,7 @@ from anns_lab.errors import AnnsLabError, IndexConfigError
 from anns_lab.eval import failures as failed
 from anns_lab.eval import metrics
 from anns_lab.eval.executors import Outcome, Part, open_executor
-from anns_lab.eval.heads import HeadData, check_k, default_layers, load_head
+from anns_lab.eval.heads import HeadData, check_full_attention, check_k, default_layers, evaluable_layers, load_head
 from anns_lab.eval.table import ADDED, CELL, COLUMNS, RESULTS, SETTINGS, table_problem
 from anns_lab.indexes import group_queries, protocol
 from anns_lab.io import atomic_write_json, read_json, sole_writer
@@ -235,9 +235,11 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     made = {name: registry.create(name, **build_params.get(name, {})) for name in names}
     # each value as the index takes it (idf=1 and idf=1.0 are one build: one part, not the same rows twice)
     build_params = {name: {p: made[name].params[p] for p in given} for name, given in build_params.items()}
-    layers = _distinct(layers, "--layers") if layers is not None else default_layers(dump.layers)
+    layers = _distinct(layers, "--layers") if layers is not None else default_layers(evaluable_layers(dump))
     for layer in layers:
         dump.scaling(layer)  # raises for a layer not in the dump
+    check_full_attention(dump, layers)
+    for layer in layers:
         dump.check_columns(layer)  # another tool's column types failed every part alike
     heads = _distinct(heads, "--heads") if heads is not None else list(range(dump.n_heads))
     for h in heads:
