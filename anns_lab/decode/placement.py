@@ -198,8 +198,7 @@ class LayerStore:
         own = 0
         for heads in self._groups():
             index = self.indexes[heads[0]]
-            arrays = index._arrays().values() if index.supports_save else vars(index).values()
-            shared = sum(a.nbytes for a in arrays if isinstance(a, np.ndarray) and np.may_share_memory(a, self.keys))
+            shared = sum(a.nbytes for a in index.held_arrays() if np.may_share_memory(a, self.keys))
             own += index.nbytes - shared
         held = self.keys[:, : self.n_rows]
         return 2 * held.nbytes + own  # values: the keys' shape

@@ -25,7 +25,7 @@ from __future__ import annotations
 import difflib
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, NamedTuple, Sequence
 
@@ -366,10 +366,26 @@ class Index:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the index structures, keys included: what ``_arrays()`` saves, or else the numpy arrays
-        the index holds as attributes (override when a library holds the memory)."""
-        arrays = self._arrays().values() if self.supports_save else vars(self).values()
-        return sum(a.nbytes for a in arrays if isinstance(a, np.ndarray))
+        """Bytes held by the index structures, keys included: :meth:`held_arrays` (override where a library holds
+        memory that neither its attributes nor ``_arrays()`` show)."""
+        return sum(a.nbytes for a in self.held_arrays())
+
+    def held_arrays(self) -> list[np.ndarray]:
+        """The numpy arrays the index holds, each piece of memory once: its attributes' (inside tuples, lists,
+        dicts, dataclasses; key rows as their rows) and, where it saves, ``_arrays()``' (a library's state, as faiss's
+        lists). What ``save`` writes alone left out what an index derives on load (page bounds, hash codes)."""
+        found = list(_arrays_in(vars(self).values(), self.n_keys))
+        if self.supports_save:
+            found += [a for a in self._arrays().values() if isinstance(a, np.ndarray)]
+        kept: dict[int, list[np.ndarray]] = {}  # by the memory an array views: only those can overlap
+        for a in sorted(found, key=lambda a: -a.nbytes):
+            root = a
+            while isinstance(root.base, np.ndarray):
+                root = root.base
+            group = kept.setdefault(id(root if root.base is None else root.base), [])
+            if not any(np.may_share_memory(a, b) for b in group):
+                group.append(a)
+        return [a for group in kept.values() for a in group]
 
     @property
     def supports_add(self) -> bool:
@@ -461,3 +477,19 @@ def pad_topk(ids: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarra
         ids = np.where(missing, -1, ids)
         scores[missing] = -np.inf
     return ids, scores
+
+
+def _arrays_in(values, n_keys: int, depth: int = 3):
+    """The numpy arrays among ``values`` and inside their containers, ``depth`` levels down; key rows as their first
+    ``n_keys`` rows (a store its owner appends to holds rows the index has not had yet)."""
+    for v in values:
+        if isinstance(v, np.ndarray):
+            yield v
+        elif isinstance(v, KeyRows):
+            yield v.view(min(v.n, n_keys))
+        elif depth and isinstance(v, (tuple, list)):
+            yield from _arrays_in(v, n_keys, depth - 1)
+        elif depth and isinstance(v, dict):
+            yield from _arrays_in(v.values(), n_keys, depth - 1)
+        elif depth and is_dataclass(v) and not isinstance(v, type):
+            yield from _arrays_in((getattr(v, f.name) for f in fields(v)), n_keys, depth - 1)

@@ -158,6 +158,9 @@ class HNSWGraph:
         self.up_row = up_row[perm]
         self.entry = int(to_label[st["enterpoint_node"]])
         self.maxM = M
+        # what hnswlib itself holds (its layer-0 records: links, vector, label; the upper links; the levels)
+        self.library_bytes = (st["max_elements"] * (st["size_data_per_element"] + 4)
+                              + int(levels.sum()) * row_bytes)
 
     def max_descent(self) -> int:
         """Upper bound on inner products in the upper-layer descent (each node current at most once per layer)."""
@@ -246,8 +249,10 @@ class HNSWIndex(Index):
 
     @property
     def nbytes(self) -> int:
+        """The searched graph and keys, and the hnswlib index kept beside them for ``add`` and ``save`` (a second
+        copy of the vectors with their links)."""
         g = self.graph
-        return sum(a.nbytes for a in (self._keys, g.nbrs, g.degree, g.up_nbrs, g.up_deg, g.up_row))
+        return sum(a.nbytes for a in (self._keys, g.nbrs, g.degree, g.up_nbrs, g.up_deg, g.up_row)) + g.library_bytes
 
     def _arrays(self) -> dict[str, np.ndarray]:
         # hnswlib's own file format, carried as bytes in an .npy (no pickle).
