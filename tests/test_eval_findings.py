@@ -176,3 +176,11 @@ def test_ivf_reason_states_the_measured_factors_with_their_numbers():
     par, _ = run({("ivf", "q2k"): 0.19, ("ivf", "k2k"): 0.41})
     f = F.direction_gap(par, "ivf", text)
     assert f.verdict == F.DISAGREES and f.text.endswith(text)
+
+
+def test_an_index_unreached_on_exactly_half_the_heads_is_said_so():
+    """Before: "on most heads" where 1 of 2 heads never reached the target (the median is unreached from half on)."""
+    half = F.Scan("hnsw", np.inf, reached=1, heads=2, best_recall=0.9)
+    most = F.Scan("hnsw", np.inf, reached=1, heads=3, best_recall=0.9)
+    assert "on half the heads (1 of 2 heads never reach it" in half.text
+    assert "on most heads (2 of 3 heads never reach it" in most.text

@@ -100,6 +100,9 @@ def test_report_numbers_equal_the_table(sweep, tmp_path):
     line = next(ln for ln in text.split("## Least bytes")[1].splitlines() if ln.startswith("| ivf |"))
     assert line.split("|")[4].strip().startswith(f"{np.median(per_head) / 1024:.1f} KiB")
     assert "Mahalanobis" in text and "dynamic top-100" in text
+    # 16 decode steps: 48 held-out prefill queries make up the 64 test queries (all called decode queries before)
+    assert "their queries and the last 48 prefill queries, held out of the index, are the 64 test queries" in text
+    assert "Test queries lie at a median Mahalanobis distance" in text
 
 
 def test_report_says_when_the_dump_is_beyond_the_models_context(sweep, smollm2_dump, tmp_path, monkeypatch):

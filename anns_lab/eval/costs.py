@@ -42,8 +42,8 @@ def summary_at_target(points: pd.DataFrame) -> pd.DataFrame:
 def markdown_at_target(points: pd.DataFrame, target: float = 0.95) -> list[str]:
     """Markdown lines: the per-index summary, then every head (cells "KiB read / scanned % / output error", or
     "best r" where the target is not reached)."""
-    lines = [f"| index | heads reaching {target:.2f} | scanned (median) | KiB read (median) | output rel. error (median) "
-             "| best recall where not reached |", "|---|---|---|---|---|---|"]
+    lines = [f"| index | heads reaching {target:.2f} | scanned (median of those heads) | KiB read (median of those) "
+             "| output rel. error (median of those) | best recall where not reached |", "|---|---|---|---|---|---|"]
     for r in summary_at_target(points).itertuples(index=False):
         fmt = lambda v, f: "—" if not np.isfinite(v) else f.format(v)  # noqa: E731
         lines.append(f"| {r.index} | {r.reached}/{r.heads} | {fmt(100 * r.scanned_fraction, '{:.2f}%')} | "

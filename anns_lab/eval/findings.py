@@ -102,8 +102,13 @@ class Scan:
     def text(self) -> str:
         if np.isfinite(self.fraction):
             return f"{fmt_fraction(self.fraction)} of the keys ({self.reached}/{self.heads} heads reach it)"
-        return (f"more than all the keys on most heads ({self.heads - self.reached} of {self.heads} heads never reach it; "
-                f"median best recall {self.best_recall:.2f})")
+        return (f"more than all the keys on {_most(self.heads - self.reached, self.heads)} ({self.heads - self.reached} "
+                f"of {self.heads} heads never reach it; median best recall {self.best_recall:.2f})")
+
+
+def _most(count: int, heads: int) -> str:
+    """``count`` of ``heads`` in words, where it is at least half (the median is then unreached)."""
+    return "half the heads" if 2 * count == heads else "most heads"
 
 
 def scan(par: pd.DataFrame, index: str, direction: str) -> Scan | None:
@@ -175,7 +180,8 @@ def direction_gap(par: pd.DataFrame, index: str, reason: str = "") -> Finding | 
     topic = f"{index}: Q→K against K→K (Fig. 3a)"
     ref = f"IVF {paper.Q2K_IVF} against {paper.K2K_IVF}"
     if not np.isfinite(q.fraction) and not np.isfinite(k.fraction):
-        return Finding(topic, NOT_MEASURED, f"{index} reaches recall {TARGET} in neither direction on most heads "
+        return Finding(topic, NOT_MEASURED, f"{index} reaches recall {TARGET} in neither direction on "
+                       f"{_most(max(q.heads - q.reached, k.heads - k.reached), q.heads)} "
                        f"(median best recall {q.best_recall:.2f} on Q→K, {k.best_recall:.2f} on K→K), so the gap the "
                        f"paper reports ({ref}) cannot be read here.")
     if np.isfinite(q.fraction) and np.isfinite(k.fraction) and min(q.fraction, k.fraction) > 0:
@@ -260,13 +266,14 @@ def aware_vs_key_only(par: pd.DataFrame, kinds: dict[str, str]) -> Finding:
     return Finding(topic, verdict, text)
 
 
-def out_of_distribution(q_median: float, k_median: float) -> Finding:
-    """Mahalanobis distance of decode queries against held-out keys (Fig. 3b): queries lie far out."""
+def out_of_distribution(q_median: float, k_median: float, queries: str = "Decode queries") -> Finding:
+    """Mahalanobis distance of decode queries against held-out keys (Fig. 3b): queries lie far out. ``queries``
+    names them ("Test queries" where held-out prefill queries make them up)."""
     topic = "Queries are out of distribution (Fig. 3b)"
     if not (np.isfinite(q_median) and np.isfinite(k_median)):
         return Finding(topic, NOT_MEASURED, "No Mahalanobis distances could be computed.")
     farther = q_median > k_median
-    text = (f"Decode queries lie at a median Mahalanobis distance of {q_median:.1f} from the indexed keys' "
+    text = (f"{queries} lie at a median Mahalanobis distance of {q_median:.1f} from the indexed keys' "
             f"distribution, held-out keys at {k_median:.1f} ({q_median / k_median:.1f}×); the paper finds queries "
             "far outside the keys' distribution.")
     return Finding(topic, AGREES if farther else DISAGREES, text)

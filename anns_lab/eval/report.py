@@ -25,7 +25,7 @@ from anns_lab.dumps.store import open_dump
 from anns_lab.errors import AnnsLabError, IndexConfigError
 from anns_lab.eval import costs, failures, figures, findings, html, ivf_gap, paper
 from anns_lab.eval.export import EXPORT_FILES
-from anns_lab.eval.heads import check_k, load_head
+from anns_lab.eval.heads import check_k, index_range, load_head
 from anns_lab.eval.findings import fmt_fraction  # noqa: F401 - benchmarks import it from here
 from anns_lab.eval.table import RESULTS, SETTINGS, load_results
 from anns_lab.indexes import registry
@@ -163,13 +163,18 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
             "dynamic_vs_static.png": figures.selection_decay_figure(decay, k)}
     medians = maha.groupby("kind")["distance"].median()
     found = findings.from_sweep(par, kinds, n_keys, {"ivf": _ivf_reason(dump, table, par, kinds, pairs, window, k)})
+    n_decode = int(dump.manifest["n_tokens"]["decode"])
+    topped = index_range(dump, window)[2]  # the last prefill queries held out to make up the test queries
     found += [findings.out_of_distribution(medians.get("Q→K: decode queries", np.nan),
-                                           medians.get("K→K: held-out keys", np.nan)),
+                                           medians.get("K→K: held-out keys", np.nan),
+                                           "Test queries" if topped else "Decode queries"),
               findings.dynamic_vs_static(decay["dynamic"].mean(), decay["static"].mean(),
                                          int(decay["step"].nunique()), k)]
     intro = (f"Dump {_md_code(str(dump.path))} ({dump.model}): {dump.manifest['n_tokens']['prefill']} prefill + "
-             f"{dump.manifest['n_tokens']['decode']} decode tokens ({CONTINUATION_WORDS[dump.continuation]}: their "
-             f"queries are the test queries); {len(pairs)} (layer, head) pairs of layers "
+             f"{n_decode} decode tokens ({CONTINUATION_WORDS[dump.continuation]}: "
+             + (f"their queries and the last {topped} prefill queries, held out of the index, are the {n_decode + topped} "
+                "test queries, called decode queries below" if topped else "their queries are the test queries")
+             + f"); {len(pairs)} (layer, head) pairs of layers "
              f"{sorted({p[0] for p in pairs})}; {n_keys:,} keys indexed per head (static window {window[0]},{window[1]} "
              f"excluded); recall@{k}. The paper's figures are for 128K-token contexts of Llama-3-8B and Yi-9B "
              "(docs/paper.md); the metrics are defined in docs/metrics.md.")
@@ -373,7 +378,7 @@ def _points_view(c: pd.DataFrame) -> pd.DataFrame:
                          "recall": q["recall"].map(lambda v: f"{v:.3f}"),
                          "scanned": q["scanned_fraction"].map(lambda v: f"{100 * v:.2f}%"),
                          "KiB read": q["bytes_read"].map(lambda v: f"{v / 1024:.1f}"),
-                         "mass kept": q["mass_recovered"].map(lambda v: f"{v:.4f}"),
+                         "mass kept (estimators: est. / true normaliser)": q["mass_recovered"].map(lambda v: f"{v:.4f}"),
                          "output rel. error": q["output_rel_error"].map(lambda v: f"{v:.4f}"),
                          "latency µs": q["latency_us"].map(lambda v: f"{v:.0f}")})
 

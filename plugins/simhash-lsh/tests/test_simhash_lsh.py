@@ -26,6 +26,8 @@ def test_scanned_counts_candidates_plus_hyperplanes():
     qc = np.einsum("tbd,nd->ntb", planes, queries) > 0
     collisions = (kc[None] == qc[:, None]).all(axis=3).sum(axis=2)
     assert np.array_equal(res.n_scanned, (collisions >= 2).sum(axis=1) + 16 * 6)
+    # Bytes: the scanned vectors as float32, and every key's 16 one-byte codes compared (they were left out before).
+    assert np.array_equal(res.bytes_read, res.n_scanned * 4 * keys.shape[1] + len(keys) * 16 * 1)
 
 
 def test_recall_rises_as_min_collisions_falls():
