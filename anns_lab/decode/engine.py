@@ -126,6 +126,7 @@ class ModeRun:
     exact_steps: int | None = None  # --until-built exact: the leading decode steps in which a layer attended its whole cache (its index still building)
     hand_over_steps: dict = field(default_factory=dict)  # --until-built exact: layer -> the first step its index served (None: no step)
     layers_at_once: int | None = None  # layers its builds ran at once (--build-layers as resolved: auto, the threads' budget)
+    setup_s: float = 0.0  # from its indexes ready (the run's start for the others) to its first step: the cache cut to the window, the hooks
 
 
 def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool, build_modes: list[Mode] = (),
@@ -211,6 +212,7 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
         stores, notes, build_s, hidden_s = pre.early.take(mode.name)
     elif mode.kind == "index":
         stores, notes, build_s = build_stores(lm, pre, mode, settings)
+    ready = time.perf_counter()  # what follows until the first step is in the time to first token too
     threads = torch.get_num_threads()  # set again after the steps that leave the builds a core
     try:
         if stores or building is not None:
@@ -222,7 +224,7 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
         ctl.whole = set(lm.long_range_layers) if building is not None else set()
         ctl.phase = "decode"
         plans = [mode.plan_for(layer) for layer in lm.long_range_layers] if mode.kind == "index" else []
-        if settings.copy_hints > 0 and any(p is not None and registry.get(p.name).takes_hints for p in plans):
+        if settings.copy_hints > 0 and any(registry.get(name).takes_hints for name in {p.name for p in plans if p}):
             ctl.hints = CopyHints(settings.copy_hints)  # only where a search uses them: the others' steps do not pay for them
         exact_steps, handed = 0, {}
         if building is not None:
@@ -237,6 +239,7 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
         out_tokens, all_logits, steps, step_s = [], [], [], []
         n_steps = len(teacher) if teacher is not None else max_new
         t0 = time.perf_counter()
+        setup_s = t0 - ready
         with torch.inference_mode(), retrieving(lm.model, ctl):
             for i in range(n_steps):
                 if keep_logits:
@@ -294,6 +297,7 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
     if building is not None:
         run.exact_steps = exact_steps
         run.hand_over_steps = {layer: handed.get(layer) for layer in lm.long_range_layers}
+    run.setup_s = setup_s
     run.cache = cache if keep_cache else None
     run.stores = stores  # kept for inspection (tests, index sizes)
     return run
@@ -336,8 +340,15 @@ def warmup_steps(run: ModeRun) -> int:
 
 
 def exact_seconds(run: ModeRun) -> float:
-    """Wall time of ``run``'s leading steps with a layer still whole (``--until-built exact``), seconds."""
-    return float(np.sum(run.step_s[:run.exact_steps or 0]))
+    """Wall time of ``run``'s leading steps with a layer still whole (``--until-built exact``), the set-up before the
+    first included, seconds."""
+    return (run.setup_s if run.exact_steps else 0.0) + float(np.sum(run.step_s[:run.exact_steps or 0]))
+
+
+def first_step_seconds(run: ModeRun) -> float | None:
+    """The first decode step (the second token: the prefill's logits give the first), with the set-up before it (the
+    cache cut to the window, the decoder's hooks): in the time to first token, not in the per-token means."""
+    return run.setup_s + run.step_s[0] if run.step_s else None
 
 
 def summarize(run: ModeRun, skip: int | None = None) -> dict:
@@ -345,7 +356,7 @@ def summarize(run: ModeRun, skip: int | None = None) -> dict:
     ``skip``: leading steps left out of the means (default :func:`warmup_steps`; runner._pool passes 0 for the steps
     of several runs, each already without its own)."""
     skip = warmup_steps(run) if skip is None else skip
-    first_step = run.step_s[0] if run.step_s else None  # the first token to use the index (kept in time to first token)
+    first_step = first_step_seconds(run)
     cpu = {"cpu_bytes_per_key": run.cpu_bytes / run.cpu_keys} if run.cpu_keys else {}
     if run.exact_steps is not None:  # --until-built exact
         cpu |= {"exact_steps": run.exact_steps, "exact_s": exact_seconds(run)}

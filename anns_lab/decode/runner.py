@@ -18,8 +18,8 @@ import torch
 from anns_lab.errors import DecodeError
 from anns_lab.decode import stats
 from anns_lab.decode.builds import start_build_processes, warm_up
-from anns_lab.decode.engine import (Mode, ModeRun, Settings, check_window, exact_seconds, kept_queries, prefill,
-                                    run_mode, summarize, warmup_steps)
+from anns_lab.decode.engine import (Mode, ModeRun, Settings, check_window, exact_seconds, first_step_seconds,
+                                    kept_queries, prefill, run_mode, summarize, warmup_steps)
 from anns_lab.dumps import rope, tasks
 from anns_lab.dumps.models import extrapolation_note
 
@@ -62,7 +62,7 @@ def _pool(runs: list[ModeRun]) -> dict:
                      device_kv_bytes=max(r.device_kv_bytes for r in runs),
                      build_hidden_s=sum(r.build_hidden_s for r in runs) / len(runs),
                      cpu_bytes=sum(r.cpu_bytes for r in runs), cpu_keys=sum(r.cpu_keys for r in runs))
-    firsts = [r.step_s[0] for r in runs if r.step_s]
+    firsts = [first_step_seconds(r) for r in runs if r.step_s]
     pooled = summarize(merged, skip=0)
     if pooled["steps"]:
         pooled["warmup_steps_excluded"] = sum(skips)
@@ -75,7 +75,8 @@ def _pool(runs: list[ModeRun]) -> dict:
 
 
 def time_to_first_token(modes: dict) -> None:
-    """Add ``ttft_s`` to each mode's summary: prefill + what the first decode step waited for + that step, and
+    """Add ``ttft_s`` to each mode's summary: prefill + what the first decode step waited for + that step (with the
+    set-up before it: :func:`engine.first_step_seconds`), and
     ``ttft_x_full``, the ratio to ``full``'s when it ran. The prompt's last logits give one token before the
     build; the first step is the first that needs the index, so this is what the build delays: it waits for the index
     build not hidden behind the prefill (``build_s`` − ``build_hidden_s``), or with ``--until-built exact`` for nothing
@@ -397,9 +398,10 @@ LEGEND = {
                  "mode has its own, slowed by its builds, and full and window one with nothing else running; else one for all)",
     "build_s": "building the mode's indexes from the prefill (each layer's from when the prompt's last chunk has passed it), seconds",
     "build_hidden_s": "of that build, seconds that ran while the prefill was still running (not in TTFT)",
-    "first_step_s": "the first decode step (it also compiles the search kernels), seconds",
-    "ttft_s": "time to first token: prefill + the index build not hidden behind it (none with --until-built exact) + "
-              "the first decode step, seconds",
+    "first_step_s": "the first decode step, which gives the second token (the prefill's logits give the first), with "
+                    "the set-up before it (the cache cut to the window, the decoder's hooks), seconds",
+    "ttft_s": "time to the first token the index serves, the second (the first comes from the prefill, at prefill s): "
+              "prefill + the index build not hidden behind it (none with --until-built exact) + 1st step, seconds",
     "exact_steps": "--until-built exact: leading decode steps in which a layer was still attended over its whole cache "
                    "while its index built (left out of the per-token means, as the first step after them)",
     "exact_s": "those steps' wall time from the prefill's end, seconds (every index serves the steps after them)",
@@ -415,7 +417,8 @@ LEGEND = {
                 "the CPU and accelerator sides run concurrently, so the parts may sum to more than the token",
     "token_ms": "per token: wall time of one decode step",
     "tokens_per_s": "decode steps per second",
-    "scanned_fraction": "mean share of the CPU-held keys whose inner product a search computed (an LSH index counts its "
+    "scanned_fraction": "mean share of the indexed keys whose inner product a search computed (the newest keys not yet "
+                        "added, fewer than --add-batch, are scored whole beside it, in retr ms but not here; an LSH index counts its "
                         "query's hyperplane products too: above 100% where they outnumber the keys, as magicpig's "
                         "K*L = 512 at a short context)",
     "bytes_read_per_token": "per token: bytes the CPU-side searches read, as the indexes report them, KiB",
