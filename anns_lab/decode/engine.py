@@ -224,7 +224,7 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
         ctl.whole = set(lm.long_range_layers) if building is not None else set()
         ctl.phase = "decode"
         plans = [mode.plan_for(layer) for layer in lm.long_range_layers] if mode.kind == "index" else []
-        if settings.copy_hints > 0 and any(registry.get(name).takes_hints for name in {p.name for p in plans if p}):
+        if settings.copy_hints > 0 and any(registry.get(name).takes_hints for name in {p.name for p in plans if p is not None}):
             ctl.hints = CopyHints(settings.copy_hints)  # only where a search uses them: the others' steps do not pay for them
         exact_steps, handed = 0, {}
         if building is not None:

@@ -136,8 +136,12 @@ def sliding_layers(dump: Dump) -> dict[int, int]:
     never attend its oldest keys, so neither an exact top-k over the keys outside the static window nor full causal
     attention (what an evaluation compares with) is such a layer's attention. A window as long as the dump binds
     nowhere in it."""
-    n = sum(int(v) for v in dump.manifest["n_tokens"].values())
+    n = _positions(dump)
     return {layer: w for layer in dump.layers if (w := dump.sliding_window(layer)) is not None and w < n}
+
+
+def _positions(dump: Dump) -> int:
+    return sum(int(v) for v in dump.manifest["n_tokens"].values())
 
 
 def evaluable_layers(dump: Dump) -> list[int]:
@@ -145,9 +149,8 @@ def evaluable_layers(dump: Dump) -> list[int]:
     sliding = sliding_layers(dump)
     if full := [layer for layer in dump.layers if layer not in sliding]:
         return full
-    n = sum(int(v) for v in dump.manifest["n_tokens"].values())
     raise AnnsLabError(f"every layer of dump {dump.path} attends within a sliding window ({_windows(sliding)}) shorter "
-                       f"than its {n:,} positions, so none attends the keys an index would hold as an evaluation "
+                       f"than its {_positions(dump):,} positions, so none attends the keys an index would hold as an evaluation "
                        "compares them; dump a model's full-attention layers, or at most as many tokens as the window")
 
 
