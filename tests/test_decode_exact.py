@@ -18,8 +18,9 @@ from anns_lab.dumps.models import load_model
 from anns_lab.indexes import registry
 from anns_lab.window import Window
 
-# Index modes checked for exactness; search parameters are each index's most thorough setting (capped).
-CANDIDATES = ("flat", "ivf", "hnsw", "vamana", "roargraph", "robust-vamana")
+# Index modes checked for exactness; search parameters are each index's most thorough setting (capped: the plugins'
+# token budgets then cover every key).
+CANDIDATES = ("flat", "ivf", "hnsw", "vamana", "roargraph", "robust-vamana", "quest", "shadowkv")
 
 
 def thorough(name: str) -> dict:
