@@ -453,3 +453,34 @@ def test_the_set_up_before_the_first_step_is_in_the_time_to_first_token(prefille
     s = engine.summarize(run)
     assert run.setup_s >= 0.3 and s["first_step_s"] == pytest.approx(run.setup_s + run.step_s[0])
     assert run.step_s[0] < s["first_step_s"] - 0.29  # the per-token means keep the step alone
+
+
+@pytest.mark.parametrize("mode", ["flat", "window"])
+def test_each_step_timer_starts_after_the_device_is_synchronized(prefilled, monkeypatch, mode):
+    """On an accelerator a timer started with kernels still queued counts them: the insert timer (its copy to the CPU
+    waits for the step's earlier layers) and the window side's (its attention waits for this layer's projections)
+    carried work that `full`'s timer, started after a sync, leaves to "other". A CPU run logs the order instead:
+    entering either section, the device is synchronized before the clock is first read."""
+    from anns_lab.decode import attention
+
+    lm, pre, _ = prefilled
+    events = []
+    monkeypatch.setattr(attention, "sync", lambda device: events.append("sync"))
+    clock = time.perf_counter
+    monkeypatch.setattr(attention.time, "perf_counter", lambda: events.append("clock") or clock())
+    for section in ("evicted", "_retrieval_step"):
+        method = getattr(attention.Retrieval, section)
+
+        def logged(self, *args, _method=method, _section=section):
+            if self.phase == "decode":
+                events.append(_section)
+            return _method(self, *args)
+
+        monkeypatch.setattr(attention.Retrieval, section, logged)
+    plan = IndexPlan(mode, {}, thorough(mode)) if mode != "window" else None
+    run_mode(lm, pre, Mode(mode, plan), SETTINGS, STEPS)
+    entered = [i for i, e in enumerate(events) if e in ("evicted", "_retrieval_step")]
+    assert entered and (mode == "window" or "evicted" in events)
+    for i in entered:
+        first_clock = events.index("clock", i)
+        assert "sync" in events[i:first_clock], (events[i], events[i:first_clock + 1])

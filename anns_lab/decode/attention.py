@@ -128,6 +128,7 @@ class Retrieval:
         store = self.stores.get(layer)
         if store is None:
             return
+        sync(keys.device)  # the kernels queued before (the step's earlier layers) are not this copy's: as in `attend`
         t0 = time.perf_counter()
         store.extend(keys[0].to("cpu", torch.float32).numpy(), values[0].to("cpu", torch.float32).numpy())
         self.times.insert += time.perf_counter() - t0
@@ -141,6 +142,7 @@ class Retrieval:
         q = query[0, :, 0, :]
         store = self.stores.get(layer)
         future = None
+        sync(q.device)  # the step's queued kernels (earlier layers, this one's projections) belong to "other", as in full
         t_start = time.perf_counter()
         if self.mode == "index" and store is not None:
             q_cpu = q.detach().to("cpu", torch.float32).numpy()
