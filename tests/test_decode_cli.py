@@ -411,6 +411,59 @@ def test_from_sweep_picks_least_scanned_reaching_target_per_layer(tmp_path):
         pick_from_sweep(str(path), "x", 0.9, [1])
 
 
+def _edited(path, edit):
+    """The table at ``path`` rewritten by ``edit`` (a DataFrame → DataFrame)."""
+    edit(pd.read_parquet(path)).to_parquet(path)
+    return path
+
+
+def test_from_sweep_compares_only_configurations_measured_on_every_head(tmp_path):
+    """Before: a failed part's missing rows narrowed the "mean over the layer's heads" of its configuration alone. Here
+    vamana L=100 gets 0.96 on head 0 of layer 3 and 0.80 on head 1 (mean 0.88: not a pick); without head 1's row its
+    mean over head 0 alone made it layer 3's pick, and the table's; now it is left out where it lacks a head."""
+    l100 = lambda t: (t["index"] == "vamana") & (t["search_params"] == json.dumps({"L": 100}))  # noqa: E731
+
+    def uneven(t):
+        t.loc[l100(t) & (t["layer"] == 3), "recall"] = np.where(t.loc[l100(t) & (t["layer"] == 3), "head"] == 0, 0.96, 0.80)
+        return t
+
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+    whole = _edited(_results(tmp_path / "a" / "results.parquet"), uneven)
+    mode = pick_from_sweep(str(whole), "m", 0.95, [1, 3])[0]
+    assert mode.per_layer[3].search_params == {"L": 200} and mode.plan.search_params == {"L": 200}
+    path = _edited(_results(tmp_path / "b" / "results.parquet"),
+                   lambda t: uneven(t)[~(l100(t) & (t["layer"] == 3) & (t["head"] == 1))])
+    mode, lines = pick_from_sweep(str(path), "m", 0.95, [1, 3])
+    assert mode.per_layer[3].search_params == {"L": 200} and mode.plan.search_params == {"L": 200}
+    assert mode.per_layer[1].search_params == {"L": 100}  # on layer 1 it has both heads: still that layer's pick
+    assert any("vamana: some of its configurations lack rows for heads" in x for x in lines)
+    short = _edited(path, lambda t: t[~((t["layer"] == 3) & (t["head"] == np.where(t["index"] == "flat", 0, 1)))])
+    with pytest.raises(DecodeError, match="measured on every head"):  # every configuration short of a head
+        pick_from_sweep(str(short), "m", 0.95, [1])
+
+
+def test_from_sweep_names_indexes_that_are_not_registered(tmp_path):
+    """Before: a table of indexes none of which is installed was "best mean recall nan"; one not installed among
+    others was left out without a word."""
+    path = _edited(_results(tmp_path / "results.parquet"),
+                   lambda t: t.assign(index=t["index"].replace({"ivf": "nowhere-index"})))
+    mode, lines = pick_from_sweep(str(path), "m", 0.95, [1, 3])
+    assert mode.plan.name == "vamana" and any("nowhere-index is not registered here" in x for x in lines)
+    _edited(path, lambda t: t.assign(index="nowhere-index"))
+    with pytest.raises(DecodeError, match=r"no index of the table \(nowhere-index\) is registered here"):
+        pick_from_sweep(str(path), "m", 0.95, [1, 3])
+
+
+def test_from_sweep_notes_a_sweep_of_another_key_count(tmp_path):
+    """Before: a pick from a sweep of 4,096 keys per head was quoted at the sweep's scanned fraction for a decode whose
+    indexes hold far fewer keys (an absolute nprobe there scans another share)."""
+    path = _results(tmp_path / "results.parquet")
+    assert not any("keys" in x for x in pick_from_sweep(str(path), "m", 0.95, [1, 3], n_keys=4000)[1])
+    lines = pick_from_sweep(str(path), "m", 0.95, [1, 3], n_keys=1408)[1]
+    assert any("the sweep's heads held 4,096 keys, this decode's indexes about 1,408" in x for x in lines)
+
+
 def test_from_sweep_refuses_parameters_the_index_does_not_have(tmp_path):
     """A table swept with an older version of an index (a build parameter since removed) is refused: sweep again."""
     from anns_lab.errors import DecodeError

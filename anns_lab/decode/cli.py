@@ -210,7 +210,9 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
                     "cpus_per_task": cpus_per_task if executor == "ray" else None}
         pick = None
         if from_sweep:
-            mode_list, lines = _with_sweep_pick(mode_list, from_sweep, lm, target_recall, settings)
+            # the keys the indexes will hold: a task's or fidelity's context outside the window (a --prompt's: unknown yet)
+            held = None if prompt is not None else max(0, context - settings.window.sink - settings.window.recent)
+            mode_list, lines = _with_sweep_pick(mode_list, from_sweep, lm, target_recall, settings, held)
             pick = {"path": str(from_sweep), "target_recall": target_recall, "pick": lines}
         _check_train_positions(lm, mode_list, settings)
         if not lm.long_range_layers and any(m.kind != "full" for m in mode_list):
@@ -466,13 +468,13 @@ def _with_full(mode_list: list[Mode]) -> list[Mode]:
 
 
 def _with_sweep_pick(mode_list: list[Mode], from_sweep: str, lm, target_recall: float,
-                     settings: Settings) -> tuple[list[Mode], list[str]]:
+                     settings: Settings, n_keys: int | None = None) -> tuple[list[Mode], list[str]]:
     """Add the sweep's pick for ``lm`` (and ``full``), printing what was picked and why (the lines, also returned)."""
     from anns_lab.decode import modes as modes_mod
 
     picked, lines = modes_mod.pick_from_sweep(from_sweep, lm.name, target_recall, lm.long_range_layers,
                                               settings.train_group, settings.train_positions, settings.topk,
-                                              tuple(settings.window))
+                                              tuple(settings.window), n_keys)
     for line in lines:  # its notes on stderr, beside the run's progress
         click.echo(line, err=line.startswith(modes_mod.NOTE))
     return _with_full(mode_list + [picked]), lines

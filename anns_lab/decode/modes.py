@@ -127,14 +127,18 @@ def check_sweep_pick(path: str, target: float, topk: int | None = None,
 
 def pick_from_sweep(path: str, model: str, target: float, layers: list[int],
                     train_group: str = group_queries.DEFAULT, train_positions: str = rope.DEFAULT,
-                    topk: int | None = None, window: tuple[int, int] | None = None) -> tuple[Mode, list[str]]:
+                    topk: int | None = None, window: tuple[int, int] | None = None,
+                    n_keys: int | None = None) -> tuple[Mode, list[str]]:
     """The index + parameters with the least scanned fraction reaching ``target`` recall, per layer where possible.
 
-    Recall and scanned fraction are averaged over the heads of a layer (Q→K rows only). Layers
+    Recall and scanned fraction are averaged over the heads of a layer (Q→K rows only), among the configurations
+    measured on every head the table holds there. Layers
     the table does not cover get the configuration that is best over all its layers. An attention-aware pick
     needs the decode's ``train_group`` and ``train_positions`` to be the sweep's (its rows measured those graphs); any
     pick needs its ``topk`` and ``window`` to be the sweep's ``--k`` and ``--window`` (recall@10 says nothing of a
-    top-100, nor recall beside one window of another's).
+    top-100, nor recall beside one window of another's). ``n_keys``: the keys this decode's indexes will hold, where
+    known; a note says when the sweep's heads held other counts (absolute parameters such as ``nprobe`` then scan
+    another fraction).
     """
     table, settings = check_sweep_pick(path, target, topk, window)
     rows = table[table["direction"] == "q2k"]
@@ -142,10 +146,35 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int],
     rows = rows[rows["model"] == model]
     if rows.empty:
         raise DecodeError(f"{path} has no Q→K results for model {model!r} (it has: {', '.join(models) or 'none'})")
+    missing = sorted(set(rows["index"]) - set(registry.available()))
+    if len(missing) == rows["index"].nunique():
+        raise DecodeError(f"{path}: no index of the table ({', '.join(missing)}) is registered here; install "
+                          "its plugin package, or pick from another sweep")
     rows = rows[rows["index"].isin(list(registry.available()))]
     keys = ["index", "build_params", "search_params"]
+    cautions = [f"{NOTE}{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not registered here (a plugin not "
+                "installed): left out of the pick"] if missing else []
+
+    def whole(df):
+        """The rows of the configurations measured on every (layer, head) of ``df`` (a failed or unfinished part
+        leaves one short, and its mean over the heads left would not be comparable), and the indexes cut short."""
+        pairs = df[["layer", "head"]].drop_duplicates().shape[0]
+        covered = df.groupby(keys)[["layer", "head"]].apply(lambda g: g.drop_duplicates().shape[0])
+        short = covered[covered < pairs]
+        if short.empty:
+            return df, []
+        cut = df.set_index(keys).index.isin(short.index)
+        return df[~cut], sorted({k[0] for k in short.index})
 
     def best(df):
+        df, short = whole(df)
+        for name in short:
+            line = (f"{NOTE}{name}: some of its configurations lack rows for heads of the table (a failed or unfinished "
+                    "sweep part: rerun the sweep to finish it); left out of the pick where they do")
+            if line not in cautions:
+                cautions.append(line)
+        if df.empty:
+            return None, None
         agg = df.groupby(keys, as_index=False)[["recall", "scanned_fraction"]].mean()
         ok = agg[agg["recall"] >= target]
         if ok.empty:
@@ -153,6 +182,9 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int],
         return ok.sort_values(["scanned_fraction", "recall"], ascending=[True, False]).iloc[0], None
 
     overall, top = best(rows)
+    if overall is None and top is None:
+        raise DecodeError(f"no configuration in {path} was measured on every head of the table for {model} (failed or "
+                          "unfinished sweep parts): rerun the sweep to finish them")
     if overall is None:
         raise DecodeError(f"no index in {path} reaches recall {target} for {model} (best mean recall {top:.3f}); "
                           "lower --target-recall or sweep more thorough parameters")
@@ -199,7 +231,8 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int],
             continue
         r, top = best(sub)
         if r is None:
-            lines.append(f"  layer {layer}: nothing reaches {target} (best {top:.3f}), uses {base.describe()}")
+            why = "no configuration measured on all its heads" if top is None else f"best {top:.3f}"
+            lines.append(f"  layer {layer}: nothing reaches {target} ({why}), uses {base.describe()}")
             continue
         per_layer[layer] = plan(r)
         lines.append(f"  layer {layer}: {per_layer[layer].describe()} recall {r['recall']:.3f} at "
@@ -208,6 +241,13 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int],
         many = len(uncovered) > 1
         lines.append(f"  layer{'s' if many else ''} {_ranges(uncovered)}: not in the table, "
                      f"use{'' if many else 's'} {base.describe()}")
+    swept_keys = sorted({int(v) for v in rows["n_keys"].unique()})
+    if n_keys is not None and any(abs(v - n_keys) > 0.1 * n_keys for v in swept_keys):
+        held = f"{swept_keys[0]:,}" if len(swept_keys) == 1 else f"{swept_keys[0]:,} to {swept_keys[-1]:,}"
+        cautions.append(f"{NOTE}the sweep's heads held {held} keys, this decode's indexes about {n_keys:,}: a search "
+                        "parameter counts lists, nodes or tokens, not a share of the keys, so its recall and scanned "
+                        "fraction here differ from the sweep's (sweep a dump of this context for a pick that holds)")
+    lines.extend(cautions)
     for index, before in older.items():
         lines.append(f"  {index} rows of the table predate {', '.join(before)}: run with "
                      f"{', '.join(f'{k}={v}' for k, v in before.items())}, the search they measured")
