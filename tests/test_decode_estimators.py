@@ -60,3 +60,26 @@ def test_smollm2_covering_estimate_equals_full(smollm2_prefilled, name):
     for a, b in zip(run.logits, full.logits):
         assert _rel(a, b) < 1e-4
     assert run.tokens == full.tokens
+
+
+def test_the_decoder_gives_vattention_the_layers_softmax_scale(prefilled, monkeypatch):
+    """Before: vattention's budget took 1/√d whatever the layer's softmax scale (the decoder passed no temperature);
+    now every search gets the scale the layer's attention uses, and one given with --param stays."""
+    if "vattention" not in registry.available():
+        pytest.skip("the vattention plugin is not installed (make test installs it)")
+    cls = registry.get("vattention")
+    lm, pre, _ = prefilled
+    seen = []
+    real = cls._search
+
+    def recording(self, queries, k, **params):
+        seen.append(params["temperature"])
+        return real(self, queries, k, **params)
+
+    monkeypatch.setattr(cls, "_search", recording)
+    run_mode(lm, pre, Mode("vattention", IndexPlan("vattention", {}, {})), SETTINGS, 3)
+    scales = {layer: pre.scaling[layer] for layer in lm.long_range_layers}
+    assert seen and set(seen) <= {float(s) for s in scales.values()} and 0.0 not in seen
+    seen.clear()
+    run_mode(lm, pre, Mode("vattention", IndexPlan("vattention", {}, {"temperature": 0.5})), SETTINGS, 3)
+    assert seen and set(seen) == {0.5}

@@ -17,6 +17,7 @@ from anns_lab.dumps.run import run_dump
 from anns_lab.errors import AnnsLabError, IndexResultError
 from anns_lab.eval.heads import load_head
 from anns_lab.eval.sweep import COLUMNS, evaluate_index
+from anns_lab.indexes import Param
 from anns_lab.indexes import protocol, registry
 from anns_lab.indexes.estimate import Estimate, Summaries
 from anns_lab.indexes.flat import FlatIndex
@@ -322,3 +323,29 @@ def estimate_problem_by_rows(res, summ):
         if inside & (set(exact) | set(sample)):
             return f"query {row} counts a key both in a summary and as an exact or sampled id"
     return None
+
+
+class Scaled(FlatIndex):
+    """Flat search that records the softmax scale its declared parameter receives."""
+
+    name = "scaled"
+    scale_param = "tau"
+    search_params = {"tau": Param(0.0, 0.0, 100.0, help="softmax scale; 0 = the layer's")}
+    search_grid = {"tau": (0.0, 2.0)}
+    seen: list = []
+
+    def _search(self, queries, k, tau):
+        Scaled.seen.append(tau)
+        return super()._search(queries, k)
+
+
+def test_the_sweep_gives_an_index_the_layers_softmax_scale_where_its_search_leaves_it_at_0(head, monkeypatch):
+    """Before: an estimator sizing its sample by the softmax scale (vattention's temperature) got none from the sweep
+    and fell back on 1/√d, another distribution on a model whose scale differs. The table keeps the grid's values."""
+    monkeypatch.setattr(registry, "create", lambda name, **kw: Scaled(**kw))
+    Scaled.seen = []
+    df = evaluate_index("scaled", head, 10, "d", "m", quick=True)
+    assert sorted(set(Scaled.seen)) == sorted({float(head.scaling), 2.0}) and head.scaling not in (0.0, 2.0)
+    assert sorted(df["search_params"].unique()) == ['{"tau": 0.0}', '{"tau": 2.0}']
+    assert Scaled.scaled({"tau": 0.0, "x": 1}, 0.3) == {"tau": 0.3, "x": 1} and Scaled.scaled({"tau": 2.0}, 0.3) == {"tau": 2.0}
+    assert FlatIndex.scaled({"x": 1}, 0.3) == {"x": 1}  # a class without a scale parameter gets none

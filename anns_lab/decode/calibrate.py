@@ -171,7 +171,7 @@ def calibrate(store, queries: np.ndarray, target: float | str, scaling: float,
     bound = float(np.concatenate([r[3] for r in refs]).mean()) if estimator else None
 
     def read(g: int, search: dict) -> np.ndarray:  # per query of the group: its weight recall, or its output error
-        res = _checked(store, groups[g][0], heads[g], k, search)
+        res = _checked(store, groups[g][0], heads[g], k, type(store.indexes[0]).scaled(search, scaling))
         if estimator:
             return _estimate_errors(store, groups[g][0], heads[g], res, refs[g], scaling)
         return weight_recall_at_k(res.ids, refs[g][0], k, refs[g][1])

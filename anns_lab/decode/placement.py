@@ -268,7 +268,7 @@ class LayerStore:
             if hints is not None and cls.takes_hints:
                 extra["hints"] = hints[hints < self.n_indexed]
             try:
-                res = cls.search_group(self.indexes, q, k, **extra, **self.plan.search_params)
+                res = cls.search_group(self.indexes, q, k, **extra, **cls.scaled(self.plan.search_params, scaling))
             except AnnsLabError:  # the index's name is in it
                 raise
             except (Exception, SystemExit) as err:  # a plugin's own: named (from the CPU side's thread it says neither)

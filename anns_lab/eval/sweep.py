@@ -97,9 +97,10 @@ def evaluate_index(name: str, data: HeadData, k: int, dump_label: str, model: st
     build_s = time.perf_counter() - t0
     rows = []
     for params in index.grid():
+        search = type(index).scaled(params, data.scaling)  # the table records the grid's parameters
         for direction, queries in (("q2k", data.test_queries), ("k2k", data.k2k_queries)):
             t0 = time.perf_counter()
-            res = index.search(queries, k, **params)
+            res = index.search(queries, k, **search)
             batch_s = time.perf_counter() - t0
             # Nothing that breaks the protocol enters the table: the part fails, naming the index and the rule.
             protocol.check_result(f"{name} at {params}", res, len(queries), k, len(data.keys), index.max_scanned(),
@@ -108,7 +109,7 @@ def evaluate_index(name: str, data: HeadData, k: int, dump_label: str, model: st
             lat = []
             for q in queries[:0 if quick else LATENCY_QUERIES]:
                 t0 = time.perf_counter()
-                one = index.search(q[None, :], k, **params)
+                one = index.search(q[None, :], k, **search)
                 lat.append(time.perf_counter() - t0)
                 protocol.check_result(f"{name} at {params}", one, 1, k, len(data.keys), index.max_scanned())
             mass, err = (data.attention_quality(res.ids, res.estimate, index.summaries())

@@ -165,6 +165,9 @@ class Index:
     #: True when ``search_group`` also takes ``hints``: key ids its searches enter at besides their own entry points
     #: (scanned and counted), e.g. the decoder's copy hints (``decode.copy_hints``); others are never given them.
     takes_hints: ClassVar[bool] = False
+    #: The search parameter that takes the softmax scale of the attention the index serves (an estimator may size its
+    #: sample by it), or None: the sweep and the decoder give it the layer's scale where the search leaves it at 0.
+    scale_param: ClassVar[str | None] = None
     #: True when ``search`` also returns an Estimate of the rest of the softmax (docs/estimators.md).
     estimates: ClassVar[bool] = False
     #: True when the estimate's normaliser and numerator are unbiased over the ``seed`` build parameter.
@@ -289,6 +292,14 @@ class Index:
             np.ascontiguousarray(bytes_read, dtype=np.int64),
             estimate,
         )
+
+    @classmethod
+    def scaled(cls, params: Mapping[str, Any], scaling: float) -> dict[str, Any]:
+        """``params`` with the layer's softmax ``scaling`` given to ``scale_param``, where the class has one and
+        ``params`` leaves it unset (absent or 0): what the sweep and the decoder search with."""
+        if cls.scale_param is None or params.get(cls.scale_param):
+            return dict(params)
+        return {**params, cls.scale_param: float(scaling)}
 
     def _check_integral(self, **arrays: Any) -> None:
         """Refuse ids and counts that are not integers before they are cast to int64: the cast would quietly truncate

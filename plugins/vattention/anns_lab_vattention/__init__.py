@@ -5,12 +5,13 @@ top-k) is estimated from a uniform sample without replacement, each sampled key 
 ``|R|/b``: unbiased for R's share of the softmax numerator and normaliser.
 
 Budget. With ``m`` the largest logit seen, the normaliser is ``D = D_top + D_R``, ``D_R = Σ_R
-e^{τ(l−m)}`` (τ = ``temperature``, the softmax scale; 0 means 1/√dim). A pilot of ``pilot``
+e^{τ(l−m)}`` (τ = ``temperature``, the softmax scale: the sweep and the decoder give the layer's; alone, 0 means 1/√dim). A pilot of ``pilot``
 uniform keys of R, drawn independently of the sample, gives the mean μ̂ and standard deviation
 σ̂ of ``e^{τ(l−m)}`` over R. By the central limit theorem with the finite-population
 correction, ``P(|D̂_R − D_R| > ε·D) ≤ δ`` when ``b ≥ n₀ / (1 + (n₀ − 1)/|R|)`` with
 ``n₀ = (z_{1−δ/2} · |R| · σ̂ / (ε · (D_top + |R|·μ̂)))²``: the CLT-based budget of vAttention, on
-the normaliser (an approximation: σ̂ and μ̂ are estimates, and the CLT is asymptotic).
+the normaliser (an approximation: σ̂ and μ̂ are estimates, and the CLT is asymptotic; on real heads, whose weights over R
+are heavy-tailed, a small pilot's σ̂ runs low and the error exceeds ε more often than δ: the README's measured rates).
 b is at least ``min(pilot, |R|)`` and at most ``|R|`` (then every weight is 1 and the result is exact).
 
 Sampling is seeded by ``seed`` and the query's bytes, so a search is deterministic; over seeds it
@@ -61,12 +62,15 @@ class VAttention(Index):
     search_params = {
         "nprobe": Param(16, 1, 1 << 20, help="IVF lists probed for the top-k"),
         "epsilon": Param(0.1, 1e-9, 10.0, help="relative error of the softmax normaliser"),
-        "delta": Param(0.05, 1e-9, 0.999, help="probability that the error exceeds ε"),
+        "delta": Param(0.05, 1e-9, 0.999, help="nominal probability that the error exceeds ε (CLT bound with the "
+                                               "pilot's σ̂; real heads exceed it: README)"),
         "pilot": Param(32, 2, 1 << 20, help="uniform keys scored to estimate the budget"),
-        "temperature": Param(0.0, 0.0, 1e6, help="softmax scale of q·k; 0 = 1/√dim"),
+        "temperature": Param(0.0, 0.0, 1e6, help="softmax scale of q·k; 0 = the layer's (the sweep and the decoder give "
+                                                  "it), else 1/√dim"),
     }
     search_grid = {"nprobe": (4, 16, 64), "epsilon": (0.3, 0.1, 0.03)}
     auto_rules = {"nlist": IVFIndex.auto_rules["nlist"]}  # its top-k is an IVFIndex: its rule
+    scale_param = "temperature"  # the sweep and the decoder give it the layer's softmax scale
     estimates = True
     unbiased = True
 
