@@ -1,9 +1,10 @@
-"""The attention-aware indexes' training lists computed on the accelerator, from the Q and K the prefill left there.
+"""The attention-aware indexes' training lists computed on the accelerator, against the keys the prefill left there.
 
 Each training query's top keys by inner product (``Index.build(..., train_topk=)``) are the quadratic part of
 a roargraph build: m × n products, seconds per head on a CPU core at 32K. On a GPU the same products are a
 few milliseconds of blocked matmul and ``torch.topk`` on the keys already in the prefill's cache, so the CPU
-build starts from them and does only its linear parts.
+build starts from them and does only its linear parts. The queries come from the CPU (the prefill kept them there and
+moved them by RoPE to the positions the index serves): one copy per block and layer, none per token.
 """
 
 from __future__ import annotations
