@@ -22,14 +22,15 @@ from anns_lab.eval.sweep import RESULTS, SweepResult
 
 
 class RaySweep:
-    """``run_sweep(dump_path, out=out, **settings)`` started in a subprocess; ``result()`` waits for it."""
+    """``run_sweep(dump_path, out=out, **settings)`` started in a subprocess (``env``: variables it gets besides
+    this process's); ``result()`` waits for it."""
 
-    def __init__(self, dump_path: str | Path, out: str | Path, **settings) -> None:
+    def __init__(self, dump_path: str | Path, out: str | Path, env: dict | None = None, **settings) -> None:
         fd, name = tempfile.mkstemp(prefix="ray-driver-", suffix=".json")
         os.close(fd)
         self.result_file, self.out = Path(name), Path(out)
         settings = settings | {"dump_path": str(dump_path), "out": str(out)}
-        self.proc = subprocess.Popen([sys.executable, __file__, json.dumps(settings), name],
+        self.proc = subprocess.Popen([sys.executable, __file__, json.dumps(settings), name], env=os.environ | (env or {}),
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.logs: list[str] = []
 

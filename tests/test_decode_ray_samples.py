@@ -40,11 +40,15 @@ class _InProcessRay:
 
 
 def test_torch_threads_reach_every_ray_task(tiny_llama, monkeypatch):
-    """``--torch-threads`` set torch's threads on the driver only: each task's worker ran torch with its own count."""
+    """``--torch-threads`` set torch's threads on the driver only: each task's worker ran torch with its own count. A
+    private Ray gets the machine's CPUs (it had 2 on any machine: two samples on one CPU, or two of 64)."""
+    from anns_lab.eval import executors
+
     made, set_to = [], []
+    monkeypatch.setattr(executors, "machine_cpus", lambda: 5)
 
     def fake_init(self, address, model, cpus_per_task=1.0, local_cpus=2, log=print, rope_scaling=None, **kw):
-        made.append(kw)
+        made.append(kw | {"local_cpus": local_cpus})
         self.ray, self.model, self.rope_scaling, self.device = _InProcessRay(), model, rope_scaling, "cpu"
         self.resources, self.torch_threads = {"CPU": 1.0}, kw.get("torch_threads", 0)
 
@@ -58,7 +62,7 @@ def test_torch_threads_reach_every_ray_task(tiny_llama, monkeypatch):
                                     "--mode", "full,window", "--window", "4,16", "--max-new-tokens", "2", "--chunk", "64",
                                     "--samples", "2", "--executor", "ray", "--torch-threads", "1"], catch_exceptions=False)
     assert res.exit_code == 0, res.output
-    assert [m.get("torch_threads") for m in made] == [1]
+    assert [m.get("torch_threads") for m in made] == [1] and made[0]["local_cpus"] == 5
     assert set_to == [1, 1, 1]  # the driver's load, then each of the 2 samples' tasks
     assert len(made_samples) == 2  # each prompt made once (twice before: for the tasks, then for the scores)
 

@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -682,6 +683,68 @@ def test_ray_shipping_a_head_that_cannot_be_read_fails_its_parts_not_the_sweep()
         assert by_part[Part(1, 3, name)].table is None and "damaged layer file" in by_part[Part(1, 3, name)].error
         assert by_part[Part(1, 0, name)].table is not None
     assert by_part[Part(3, 0, "flat")].table is not None
+
+
+def test_a_plugin_that_raises_keyboard_interrupt_on_ray_fails_its_part_once(tiny_dump, ray_cluster, tmp_path):
+    """Before: Ray took the index's KeyboardInterrupt for a cancelled task: one attempt ran, and its record said three
+    deaths of its worker (never tried again), its error a Ray task name in terminal colours."""
+    res = sweep(tiny_dump, tmp_path / "res", indexes=["faulty", "flat"], layers=[3], heads=[0], executor="ray",
+                address=ray_cluster, build_params={"faulty": {"fault": "interrupt"}}, max_attempts=3)
+    assert [(name, head) for name, _, head, _ in res.failures] == [("faulty", 0)]
+    rec = json.loads(next((tmp_path / "res" / "parts").glob("failed-*.json")).read_text())
+    assert rec["attempts"] == 1 and not rec["worker_died"] and rec["error"].startswith("KeyboardInterrupt raised by")
+    assert set(res.table["index"]) == {"flat"}
+
+
+def test_a_sweep_without_address_starts_a_private_ray_whatever_ray_address_says(tiny_dump, ray_cluster, tmp_path):
+    """Before: with RAY_ADDRESS set (or a `ray start` head on this machine), the private Ray's start joined that
+    cluster instead and failed: "cannot join the Ray cluster at None: ... num_cpus and num_gpus must not be provided"."""
+    logs = []
+    res = sweep(tiny_dump, tmp_path / "res", indexes=["flat"], layers=[1], heads=[0], jobs=1, executor="ray",
+                env={"RAY_ADDRESS": ray_cluster}, log=logs.append)
+    assert not res.failures and len(res.table) > 0
+    assert any("a private Ray on this machine: 1 node(s), 1 CPUs" in line for line in logs), logs
+
+
+def test_more_cpus_per_task_than_the_machine_has_is_not_answered_by_more_jobs(monkeypatch):
+    """Before: the advice was to raise --jobs past the machine's CPUs, which --jobs then refused."""
+    from anns_lab.eval import executors
+
+    monkeypatch.setattr(executors, "machine_cpus", lambda: 2)
+    with pytest.raises(AnnsLabError, match="more than the 2 CPUs this machine gives this process.*lower --cpus-per-task, "
+                                           "or join a larger cluster with --address"):
+        executors._check_jobs(2, 3)
+
+
+def test_a_node_without_the_dump_evaluates_the_heads_it_is_sent(tiny_dump, tmp_path):
+    """Before: a Ray node sent a head's arrays (--ray-data ship, for nodes that do not share the dump's folder)
+    opened the dump for its label and failed every part there: "... is not a dump: it has no manifest.json". An index
+    that writes into its inputs there fails its part as anywhere (its arrays were the task's own: nothing to restore)."""
+    from anns_lab.eval.heads import load_head
+    from anns_lab.eval.sweep import SweepWork
+    from anns_lab.indexes import protocol
+
+    data = load_head(tiny_dump, 1, 0, WINDOW)
+    work = SweepWork(str(tmp_path / "elsewhere"), K, WINDOW, {"faulty": {"build_fault": "write"}}, True,
+                     label=str(tiny_dump.path), model=tiny_dump.model)
+    table = work.evaluate(data, "flat")
+    assert (table["dump"] == str(tiny_dump.path)).all() and (table["model"] == tiny_dump.model).all()
+    with pytest.raises(protocol.IndexResultError, match="modified the keys or queries"):
+        work.evaluate(data, "faulty")
+
+
+def test_arrays_shipped_through_the_object_store_are_given_writable():
+    """numba types an array by whether it is writable: the object store's read-only arrays compiled the kernels
+    again inside the first build's timing (22-33 s against 0.3 s)."""
+    from types import SimpleNamespace
+
+    from anns_lab.eval.executors.ray_executor import _writable
+
+    ro = np.arange(6, dtype=np.float32)
+    ro.setflags(write=False)
+    rw = np.ones(3, np.float32)
+    got = _writable(SimpleNamespace(keys=ro, queries=rw, layer=3))
+    assert got.keys.flags.writeable and np.array_equal(got.keys, ro) and got.queries is rw and got.layer == 3
 
 
 def test_nothing_of_ray_is_imported_unless_asked(tiny_dump, tmp_path):

@@ -242,9 +242,10 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
         else:
             if executor == "ray":
                 from anns_lab.decode.ray_samples import RaySamples
+                from anns_lab.eval.executors import machine_cpus
 
-                remote = RaySamples(address, model, cpus_per_task, log=progress, rope_scaling=rope_scaling,
-                                    torch_threads=torch_threads)
+                remote = RaySamples(address, model, cpus_per_task, machine_cpus(), log=progress,
+                                    rope_scaling=rope_scaling, torch_threads=torch_threads)
             # where the samples run: a Ray cluster's tasks take its GPU, whatever this driver has
             settings = dataclasses.replace(settings, build_during_prefill=builds_during_prefill(
                 build_during_prefill, until_built, remote.device if remote else device),

@@ -14,7 +14,7 @@ import itertools
 from collections.abc import Iterable, Iterator
 
 from anns_lab.errors import AnnsLabError, DecodeError
-from anns_lab.eval.executors.ray_cluster import Cluster, check_cpus_per_task
+from anns_lab.eval.executors.ray_cluster import Cluster, check_cpus_per_task, ray_error_text
 
 _MODELS: dict = {}  # per Ray worker process: (model, device, RoPE scaling) → loaded model
 
@@ -32,16 +32,6 @@ def _sample_task(model: str, device: str, rope_scaling, torch_threads: int, mode
         _MODELS.clear()  # one model per worker: a second would double its memory
         _MODELS[key] = load_model(model, device=device, rope_scaling=rope_scaling)
     return run_sample(_MODELS[key], modes, settings, ids, max_new, stops)
-
-
-def _why(err: Exception) -> str:
-    """A failed task's error as one line: the exception the task raised (a ``RayTaskError``'s own first line only
-    says where it ran: "ray::_sample_task() (pid=…, ip=…)"), else the error's first line (a worker that died)."""
-    cause = getattr(err, "cause", None)
-    if cause is not None:
-        return str(cause) if isinstance(cause, AnnsLabError) else f"{type(cause).__name__}: {cause}"
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 class RaySamples:
@@ -84,7 +74,7 @@ class RaySamples:
                 try:
                     yield self.ray.get(pending.popleft())
                 except self.ray.exceptions.RayError as err:
-                    raise DecodeError(f"a decode sample failed on Ray: {_why(err)}") from None
+                    raise DecodeError(f"a decode sample failed on Ray: {ray_error_text(err)}") from None
         except KeyboardInterrupt:
             self.cluster.abandon(list(pending))
             raise

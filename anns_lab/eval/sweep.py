@@ -30,6 +30,7 @@ from anns_lab.eval.executors import Outcome, Part, open_executor
 from anns_lab.eval.heads import HeadData, check_full_attention, check_k, default_layers, evaluable_layers, load_head
 from anns_lab.eval.table import ADDED, CELL, COLUMNS, RESULTS, SETTINGS, table_problem
 from anns_lab.indexes import group_queries, protocol
+from anns_lab.indexes.warmup import warm_up
 from anns_lab.io import atomic_write_json, read_json, sole_writer
 
 LATENCY_QUERIES = 16
@@ -141,6 +142,8 @@ class SweepWork:
     quick: bool
     train_group: str = group_queries.DEFAULT
     train_positions: str = rope.DEFAULT
+    label: str | None = None  # the rows' dump and model, resolved on the driver: a node sent a head's arrays may not
+    model: str | None = None  # see the dump at all (None: read from the dump here)
 
     def worker_env(self) -> dict[str, str]:
         return dict(WORKER_ENV)
@@ -159,22 +162,46 @@ class SweepWork:
             return None
 
     def evaluate(self, data: HeadData, index: str) -> pd.DataFrame:
-        dump = open_dump(self.dump)
+        if self.label is None or self.model is None:
+            dump = open_dump(self.dump)
+            label, model = str(dump.path), dump.model
+        else:
+            label, model = self.label, self.model
+        _warm_once(index, data.keys.shape[1], self.build_params)
         before = _given_sums(data)
         try:
-            table = evaluate_index(index, data, self.k, str(dump.path), dump.model, self.build_params.get(index),
-                                   self.quick)
+            table = evaluate_index(index, data, self.k, label, model, self.build_params.get(index), self.quick)
         finally:  # a plugin that writes into its inputs would corrupt its own rows and every later index's of the head
             changed = [name for name, a, b in zip(GIVEN, before, _given_sums(data)) if a != b]
             if changed:  # those arrays back as loaded (only those: an unchanged one may be a read-only view of the dump)
-                fresh = self.load(data.layer, data.head)
-                for name in changed:
-                    np.copyto(getattr(data, name), getattr(fresh, name))
-                for cache in ("_exact", "_reference"):  # HeadData's, computed from the changed arrays
-                    data.__dict__.pop(cache, None)
+                self._restore(data, changed)
         if changed:
             raise protocol.inputs_changed(index)
         return table
+
+    def _restore(self, data: HeadData, changed: list[str]) -> None:
+        """The ``changed`` arrays of ``data`` back as loaded, for the head's later indexes. Where this node cannot
+        read the dump, the arrays were shipped to this task alone (a Ray task gets its own): none come after."""
+        try:
+            fresh = self.load(data.layer, data.head)
+        except AnnsLabError:
+            return
+        for name in changed:
+            np.copyto(getattr(data, name), getattr(fresh, name))
+        for cache in ("_exact", "_reference"):  # HeadData's, computed from the changed arrays
+            data.__dict__.pop(cache, None)
+
+
+_WARMED: set[str] = set()  # the indexes whose kernels this process has compiled (or loaded from numba's cache)
+
+
+def _warm_once(index: str, dim: int, build_params: dict) -> None:
+    """The index's kernels ready in this process before its build is timed: loaded from numba's cache, which the
+    driver's warm-up filled (else inside the first part's build_s), or compiled where it is empty (a Ray node with a
+    checkout of its own)."""
+    if index not in _WARMED:
+        _WARMED.add(index)
+        warm_up([index], dim, build_params)
 
 
 GIVEN = ("keys", "train_queries", "test_queries", "k2k_queries", "group_queries")  # what an index sees of a head
@@ -213,7 +240,7 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     (:mod:`indexes.group_queries`; each query head's index is built, on its own held-out keys, from them);
     ``train_positions``: ``serving`` moves them to the test queries' positions (:mod:`dumps.rope`), ``mix`` a random
     half of them, ``own`` none. ``part_timeout``: seconds an index may run on a head before its worker is killed and
-    its part failed (on Ray, its task is force-cancelled; 0: no bound).
+    its part failed (on Ray the worker ends itself, by its own watchdog; 0: no bound).
     """
     from tqdm.auto import tqdm
 
@@ -309,7 +336,6 @@ def _run(runner, dump, out, names, layers, heads, k, window, build_params, quick
     units = [(layer, h, [n for n in names if Part(layer, h, n) in tries]) for layer in layers for h in heads]
     units = [u for u in units if u[2]]
     if units and progress:
-        from anns_lab.indexes.warmup import warm_up
 
         log("preparing the index kernels (numba compiles them on the first run of an installation: 1-3 min) ...")
         log(f"index kernels ready in {warm_up(sorted({u for _, _, ns in units for u in ns}), dump.head_dim, build_params):.0f} s")
@@ -332,7 +358,8 @@ def _run(runner, dump, out, names, layers, heads, k, window, build_params, quick
             failures.append((o.part.index, o.part.layer, o.part.head, o.error))
         bar.update(1)
 
-    work = SweepWork(str(dump.path), k, tuple(window), build_params, quick, train_group, train_positions)
+    work = SweepWork(str(dump.path), k, tuple(window), build_params, quick, train_group, train_positions,
+                     str(dump.path), dump.model)
     if units:
         log(f"sweep {dump.path.name}: {len(tries)} parts on {runner.describe()}")
         try:

@@ -71,6 +71,10 @@ def _check_jobs(jobs: int, cpus_per_task: float = 1.0) -> None:
     if jobs > cpus:
         raise AnnsLabError(f"--jobs {jobs}: this machine gives this process {cpus} CPUs, and each job is a single-threaded "
                            f"worker (more would share CPUs and skew the timings): give at most {cpus}")
+    if cpus_per_task > cpus:  # no --jobs gives a private Ray room for it
+        raise AnnsLabError(f"--cpus-per-task {cpus_per_task:g} is more than the {cpus} CPUs this machine gives this "
+                           "process, which a private Ray can hold at most: lower --cpus-per-task, or join a larger "
+                           "cluster with --address")
     if cpus_per_task > jobs:
         raise AnnsLabError(f"--cpus-per-task {cpus_per_task:g} is more than the private Ray's {jobs} CPUs (--jobs): "
                            f"raise --jobs to {math.ceil(cpus_per_task)} (this machine has {cpus}) or lower --cpus-per-task")

@@ -83,11 +83,17 @@ def load(work: Work, layer: int, head: int) -> tuple[Any, str | None]:
         return None, error_text(err)
 
 
-def attempt(work: Work, data: Any, index: str) -> tuple[pd.DataFrame | None, str | None]:
-    """``work.evaluate`` with every error of the index (SystemExit included) caught as its part's error."""
+INDEX_INTERRUPT = "KeyboardInterrupt raised by the index (not a Ctrl-C: workers ignore those)"
+
+
+def attempt(work: Work, data: Any, index: str, worker: bool = False) -> tuple[pd.DataFrame | None, str | None]:
+    """``work.evaluate`` with every error of the index (SystemExit included) caught as its part's error; in a
+    ``worker`` (which ignores the driver's Ctrl-C) a KeyboardInterrupt is the index's own, and its part's error too."""
     try:
         return work.evaluate(data, index), None
     except KeyboardInterrupt:
+        if worker:
+            return None, INDEX_INTERRUPT
         raise
     except BaseException as err:  # noqa: BLE001 - a plugin's error, even SystemExit, fails its own part only
         return None, error_text(err)

@@ -42,10 +42,7 @@ def _worker(conn: Connection, work: Work, driver: int) -> None:
             data, load_error = load(work, layer, head)
             for name in names:
                 conn.send(("start", name))
-                try:
-                    table, error = (None, load_error) if load_error else attempt(work, data, name)
-                except KeyboardInterrupt:  # workers ignore Ctrl-C (the driver's): this one came from the index itself
-                    table, error = None, "KeyboardInterrupt raised by the index (not a Ctrl-C: workers ignore those)"
+                table, error = (None, load_error) if load_error else attempt(work, data, name, worker=True)
                 conn.send(("done", name, table, error))
             conn.send(("idle",))
     except (EOFError, OSError):  # the driver ended (BrokenPipe, ConnectionReset): nothing is left to report to

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import math
+import re
 import socket
 
 from anns_lab.errors import AnnsLabError
@@ -52,18 +53,19 @@ class Cluster:
             if address not in (None, "auto"):
                 _reachable(address)
             try:
-                if address is None:
-                    ray.init(num_cpus=max(1, local_cpus), include_dashboard=False, logging_level="WARNING",
-                             log_to_driver=False, configure_logging=True)
+                if address is None:  # "local": a new Ray, whatever RAY_ADDRESS or a `ray start` here would join
+                    ray.init(address="local", num_cpus=max(1, local_cpus), include_dashboard=False,
+                             logging_level="WARNING", log_to_driver=False, configure_logging=True)
                 else:
                     ray.init(address=address, logging_level="WARNING", log_to_driver=False)
             except (ConnectionError, RuntimeError, ValueError) as err:
-                raise AnnsLabError(f"cannot join the Ray cluster at {address}: {str(err).splitlines()[0]}") from None
+                where = "start a private Ray" if address is None else f"join the Ray cluster at {address}"
+                raise AnnsLabError(f"cannot {where}: {str(err).splitlines()[0]}") from None
         nodes = self.nodes()
         cpus = sum(n["Resources"].get("CPU", 0) for n in nodes)
         gpus = sum(n["Resources"].get("GPU", 0) for n in nodes)
         where = "a private Ray on this machine" if address is None and self.owned else \
-            f"the Ray cluster at {address or ray.get_runtime_context().gcs_address}"
+            f"the Ray cluster at {ray.get_runtime_context().gcs_address if address in (None, 'auto') else address}"
         self.summary = f"{where}: {len(nodes)} node(s), {cpus:g} CPUs, {gpus:g} GPUs"
         log(f"ray: {self.summary}")
 
@@ -102,3 +104,19 @@ class Cluster:
         if self.owned and self.ray.is_initialized():
             self.ray.shutdown()
             self.owned = False
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its task names in errors
+
+
+def ray_error_text(err: Exception) -> str:
+    """A failed Ray task's error as one plain line: the exception the task raised (a ``RayTaskError``'s own first line
+    only says where it ran, "ray::_part_task() (pid=…, ip=…)", in terminal colours), else the error's first line (a
+    worker that died)."""
+    cause = getattr(err, "cause", None)
+    if cause is not None:
+        text = str(cause) if isinstance(cause, AnnsLabError) else f"{type(cause).__name__}: {cause}"
+    else:
+        text = str(err).strip()
+        text = text.splitlines()[0] if text else type(err).__name__
+    return ANSI.sub("", text)
