@@ -13,7 +13,7 @@ import collections
 import itertools
 from collections.abc import Iterable, Iterator
 
-from anns_lab.errors import AnnsLabError, DecodeError
+from anns_lab.errors import DecodeError
 from anns_lab.eval.executors.ray_cluster import Cluster, check_cpus_per_task, ray_error_text
 
 _MODELS: dict = {}  # per Ray worker process: (model, device, RoPE scaling) → loaded model
