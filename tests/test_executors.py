@@ -731,6 +731,8 @@ def test_a_node_without_the_dump_evaluates_the_heads_it_is_sent(tiny_dump, tmp_p
     assert (table["dump"] == str(tiny_dump.path)).all() and (table["model"] == tiny_dump.model).all()
     with pytest.raises(protocol.IndexResultError, match="modified the keys or queries"):
         work.evaluate(data, "faulty")
+    with pytest.raises(AnnsLabError, match="not measured: faulty wrote into this head's arrays"):  # nothing restores them
+        work.evaluate(data, "flat")
 
 
 def test_arrays_shipped_through_the_object_store_are_given_writable():

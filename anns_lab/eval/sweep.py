@@ -167,6 +167,9 @@ class SweepWork:
             label, model = str(dump.path), dump.model
         else:
             label, model = self.label, self.model
+        if spoiler := data.__dict__.get("_spoiled_by"):
+            raise AnnsLabError(f"not measured: {spoiler} wrote into this head's arrays, which could not be read again "
+                               f"from {self.dump} to restore them")
         _warm_once(index, data.keys.shape[1], self.build_params)
         before = _given_sums(data)
         try:
@@ -174,17 +177,19 @@ class SweepWork:
         finally:  # a plugin that writes into its inputs would corrupt its own rows and every later index's of the head
             changed = [name for name, a, b in zip(GIVEN, before, _given_sums(data)) if a != b]
             if changed:  # those arrays back as loaded (only those: an unchanged one may be a read-only view of the dump)
-                self._restore(data, changed)
+                self._restore(data, changed, index)
         if changed:
             raise protocol.inputs_changed(index)
         return table
 
-    def _restore(self, data: HeadData, changed: list[str]) -> None:
+    def _restore(self, data: HeadData, changed: list[str], index: str) -> None:
         """The ``changed`` arrays of ``data`` back as loaded, for the head's later indexes. Where this node cannot
-        read the dump, the arrays were shipped to this task alone (a Ray task gets its own): none come after."""
+        read the dump (a Ray task sent the head's arrays, its own: none come after), ``data`` is marked spoiled by
+        ``index`` instead, so that no later index is measured on the changed arrays."""
         try:
             fresh = self.load(data.layer, data.head)
         except AnnsLabError:
+            data.__dict__["_spoiled_by"] = index
             return
         for name in changed:
             np.copyto(getattr(data, name), getattr(fresh, name))
