@@ -21,7 +21,7 @@ WORKER = Path(__file__).with_name("load_fuzz_worker.py")
 
 @pytest.mark.parametrize("name", ["flat", "ivf", "hnsw", "vamana", "robust-vamana", "roargraph", "simhash",
                                   "pqcache", "clusterkv", "squeezed", "quest", "shadowkv", "retroinfer",
-                                  "magicpig"])
+                                  "magicpig", "ngfix"])
 def test_every_edit_of_a_saved_index_is_refused_or_loads_correctly(name, tmp_path):
     from anns_lab.indexes import registry
 
@@ -59,7 +59,8 @@ SMALL = {"vamana": {"R": 8, "L": 16}, "robust-vamana": {"R": 8, "L": 16, "n_quer
          "roargraph": {"M": 6, "R": 12, "keep_queries": 20, "n_hubs": 4}, "hnsw": {"M": 8, "ef_construction": 32},
          "ivf": {"nlist": 4}, "simhash": {"K": 4, "L": 8}, "magicpig": {"K": 4, "L": 8}, "retroinfer": {"nlist": 16},
          "pqcache": {"M": 2, "nbits": 4}, "clusterkv": {"nlist": 8, "niter": 5},
-         "squeezed": {"nlist": 16, "n_coarse": 4, "niter": 5}}
+         "squeezed": {"nlist": 16, "n_coarse": 4, "niter": 5},
+         "ngfix": {"M": 8, "ef_construction": 32, "MEX": 8, "fix_lists": 20, "rfix_ef": 40}}
 
 
 def _saving_indexes() -> list[str]:

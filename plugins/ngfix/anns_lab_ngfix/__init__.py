@@ -1,0 +1,161 @@
+"""HNSW-NGFix*: an HNSW base graph repaired where the training queries find it hard (Hua et al., "Dynamically Detect
+and Fix Hardness for Efficient Approximate Nearest Neighbor Search", SIGMOD 2026, arXiv 2510.22316; code
+yuhuifishash/NGFix).
+
+Build, on keys K (n, d) and training queries Q (m, d) (kernels in :mod:`.fixing`):
+
+1. **Base graph**: HNSW's bottom layer (hnswlib, space ``ip``, ``2·M`` links per key), searched from one entry point,
+   the key of largest inner product with the keys' mean (the reference sets it so). hnswlib builds it with its upper
+   layers, which the search does not use (the reference inserts into the bottom layer alone).
+2. **NGFix**, per training query with its exact top-``2·N`` keys (``fixes``: N = 100, then N = 10 for the nearest,
+   as the reference's build runs): the *escape hardness* of the pair (i, j) of its first N keys is the least rank h
+   such that a path from i to j runs through keys of rank ≤ h only (within the top 2·N; none: infinite). A pair of
+   hardness above N is a defect; the defects, the closest pairs of keys first, get an edge i → j unless the edges
+   added before already join them. A key holds at most ``MEX`` such edges; a harder one replaces its easiest.
+3. **RFix**, per training query: when a search of beam 10 from the entry point ends at a key u worse than the
+   query's 10th, u gets edges (at most 6, by HNSW's occlusion rule) to the keys better than u that a search of beam
+   ``rfix_ef`` from u finds: the way from where searches get stuck to the query's neighbourhood.
+
+The training queries are at most ``max_train`` (auto as roargraph's: max(2048, n/4), an even stride), their lists
+exact (faiss's kNN), taken one after the other (the reference: on threads in no fixed order, under locks), so a build
+is deterministic.
+
+Search: the lab's best-first search (``graph.search``) with beam ``L`` from the entry point over each key's repair
+edges then its base links (``L`` < k: the k best of all keys scanned, as roargraph). ``n_scanned`` counts every inner
+product, the entry point's included; ``bytes_read`` as every graph index's (``graph.search.bytes_read``).
+
+``add`` inserts the new keys into hnswlib's graph (the reference: into the bottom layer, HNSW's rule) and keeps every
+repair edge; it repairs nothing (no queries). ``save`` writes hnswlib's own file format as bytes, the keys, the
+repair edges and their hardness, and the entry point (no pickle).
+
+Not modelled: the reference's approximate lists (``AKNN``, from its own graph) and its RaBitQ codes; its build with
+exact lists is this one's.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from anns_lab.errors import IndexConfigError
+from anns_lab.indexes.base import Param
+from anns_lab.indexes.graph import Graph
+from anns_lab.indexes.graph.search import bytes_read, search_batch
+from anns_lab.indexes.hnsw import HNSWIndex
+from anns_lab.indexes.persist import expect, expect_ids
+from anns_lab.indexes.roargraph import auto_train, subsample
+from anns_lab.indexes.topk import topk_ip
+
+from anns_lab_ngfix.fixing import EH_INF, RFIX_EH, fix_graph
+
+BEAMS = (10, 15, 20, 30, 40, 60, 80, 100, 150, 200, 300, 400, 600, 800, 1200, 1600)
+
+
+class NGFixIndex(HNSWIndex):
+    """HNSW-NGFix*: HNSW's bottom layer with edges added where the training queries' neighbourhoods are hard to search."""
+
+    name = "ngfix"
+    build_params = {
+        **HNSWIndex.build_params,
+        "MEX": Param(48, 1, 250, help="repair edges per key at most (the reference: 48)"),
+        "fix_lists": Param(100, 1, 1000, help="N of NGFix's first pass: the pairs of a training query's top N keys "
+                                              "are checked within its top 2·N (the reference: 100, then 10)"),
+        "fix_near": Param(10, 0, 1000, help="N of the second pass, on the nearest keys (0 = none; the reference: 10)"),
+        "rfix_ef": Param(1500, 0, 1 << 16, help="RFix's beam from a stuck key (0 = no RFix; the reference: 1500)"),
+        "max_train": Param(0, 0, 1 << 30, help="training queries used at most, an even stride (0 = auto: max(2048, n/4), "
+                                               "roargraph's rule)"),
+    }
+    search_params = {"L": Param(100, 1, 1 << 16, help="beam width (L < k: the k best of every key scanned)")}
+    search_grid = {"L": BEAMS}
+    auto_rules = {"max_train": "2026-12-01"}
+    uses_train_queries = True
+
+    def train_rows(self, n_keys: int, m: int) -> np.ndarray | None:
+        return subsample(m, self.params["max_train"] or auto_train(n_keys))
+
+    def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
+        super()._build(keys, None)  # hnswlib's graph, through _set
+        rows = self.train_rows(len(keys), len(train_queries))
+        queries = np.ascontiguousarray(train_queries if rows is None else train_queries[rows], np.float32)
+        fixes = np.array([n for n in (self.params["fix_lists"], self.params["fix_near"]) if n > 0], np.int64)
+        width = min(len(keys), 2 * int(fixes.max()))
+        gt = np.ascontiguousarray(topk_ip(queries, keys, width), np.int64)
+        self.entry = int(np.argmax(keys @ keys.mean(axis=0, dtype=np.float64).astype(np.float32)))
+        nbrs, degree, nfix, eh = self._combined(self.graph.nbrs, self.graph.degree)
+        slots = len(keys) + max(self.params["rfix_ef"], 10) + 1  # graph.utils.heap_slots of either RFix search
+        ws = (np.zeros(len(keys), np.int32), np.empty(slots, np.float32), np.empty(slots, np.int64),
+              np.empty(0, np.int64), np.empty(0, np.float32))
+        self.n_fixed = fix_graph(self._keys, nbrs, degree, nfix, eh, queries, gt, fixes, self.entry,
+                                 self.params["rfix_ef"], 10, ws)
+        self._set_fixes(nbrs, degree, nfix, eh)
+
+    def _combined(self, base_nbrs: np.ndarray, base_degree: np.ndarray, fix: np.ndarray | None = None,
+                  fix_eh: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+        """One adjacency of width MEX + 2·M: each row's repair edges ``fix`` (-1 padded; none when None), then its
+        base links; with the rows' degree, repair count and the repair edges' hardness (n, MEX)."""
+        n, mex = len(base_nbrs), self.params["MEX"]
+        nfix = np.zeros(n, np.int32) if fix is None else (fix >= 0).sum(axis=1).astype(np.int32)
+        nbrs = np.full((n, mex + base_nbrs.shape[1]), -1, np.int32)
+        eh = np.zeros((n, mex), np.int64) if fix_eh is None else fix_eh.astype(np.int64)
+        if fix is not None:
+            nbrs[:, :mex] = fix
+        cols = nfix[:, None] + np.arange(base_nbrs.shape[1])  # each base link right after the row's repair edges
+        np.put_along_axis(nbrs, cols, base_nbrs, axis=1)
+        return nbrs, (nfix + base_degree).astype(np.int32), nfix, eh
+
+    def _set_fixes(self, nbrs: np.ndarray, degree: np.ndarray, nfix: np.ndarray, eh: np.ndarray) -> None:
+        self.nbrs, self.degree = nbrs, degree
+        self.nfix, self.eh = nfix.astype(np.int32), eh
+
+    def fix_edges(self) -> tuple[np.ndarray, np.ndarray]:
+        """The repair edges (n, MEX) int32, -1 padded, and their escape hardness (n, MEX) (0 where none)."""
+        mex = self.params["MEX"]
+        used = np.arange(mex) < self.nfix[:, None]
+        return np.where(used, self.nbrs[:, :mex], -1).astype(np.int32), np.where(used, self.eh, 0)
+
+    def _add(self, keys: np.ndarray) -> None:
+        fix, fix_eh = self.fix_edges()
+        super()._add(keys)  # hnswlib inserts them; its bottom layer becomes the new base links
+        n_new = len(keys)
+        fix = np.vstack([fix, np.full((n_new, fix.shape[1]), -1, np.int32)])
+        fix_eh = np.vstack([fix_eh, np.zeros((n_new, fix_eh.shape[1]), fix_eh.dtype)])
+        self._set_fixes(*self._combined(self.graph.nbrs, self.graph.degree, fix, fix_eh))
+
+    def _search(self, queries: np.ndarray, k: int, L: int):
+        entries = np.full((len(queries), 1), self.entry, np.int64)
+        ids, scores, scanned, words = search_batch(Graph(self._keys, self.nbrs, self.degree), queries, entries, L, k,
+                                                   numba.get_num_threads())
+        return ids, scores, scanned, bytes_read(self.dim, scanned, words, 1)
+
+    def max_scanned(self) -> int:
+        return self.n_keys
+
+    @property
+    def nbytes(self) -> int:
+        """The searched adjacency, degrees, repair counts and hardness, the keys, and the hnswlib index kept for
+        ``add`` and ``save`` (its links and a second copy of the vectors)."""
+        return sum(a.nbytes for a in (self._keys, self.nbrs, self.degree, self.nfix, self.eh)) + self.graph.library_bytes
+
+    def _arrays(self) -> dict[str, np.ndarray]:
+        fix, fix_eh = self.fix_edges()
+        return {**super()._arrays(), "fix_edges": fix, "fix_hardness": fix_eh.astype(np.int32),
+                "entry": np.array([self.entry], np.int64)}
+
+    def _restore(self, arrays: dict[str, np.ndarray]) -> None:
+        super()._restore(arrays)
+        n, mex = self.n_keys, self.params["MEX"]
+        fix = expect(arrays, "fix_edges", np.int32, (n, mex))
+        fix_eh = expect(arrays, "fix_hardness", np.int32, (n, mex))
+        entry = expect(arrays, "entry", np.int64, (1,))
+        expect_ids("fix_edges", fix[fix >= 0], 0, n)
+        expect_ids("entry", entry, 0, n)
+        used = fix >= 0
+        if (used[:, 1:] & ~used[:, :-1]).any() or (fix < -1).any():
+            raise IndexConfigError("array 'fix_edges' is not rows of key ids padded at their ends with -1")
+        span = 2 * max(self.params["fix_lists"], self.params["fix_near"])  # a finite hardness is a rank within a list
+        held = fix_eh[used]
+        if (fix_eh[~used] != 0).any() or not np.isin(held[held >= span], (RFIX_EH, EH_INF)).all() or (held < 0).any():
+            raise IndexConfigError(f"array 'fix_hardness' holds values no build writes (ranks below {span}, "
+                                   f"{RFIX_EH}, {EH_INF} where an edge is, 0 where none)")
+        self.entry = int(entry[0])
+        self._set_fixes(*self._combined(self.graph.nbrs, self.graph.degree, fix, fix_eh))
