@@ -96,7 +96,7 @@ class NGFixIndex(HNSWIndex):
         n, mex = len(base_nbrs), self.params["MEX"]
         nfix = np.zeros(n, np.int32) if fix is None else (fix >= 0).sum(axis=1).astype(np.int32)
         nbrs = np.full((n, mex + base_nbrs.shape[1]), -1, np.int32)
-        eh = np.zeros((n, mex), np.int64) if fix_eh is None else fix_eh.astype(np.int64)
+        eh = np.zeros((n, mex), np.int32) if fix_eh is None else fix_eh.astype(np.int32)
         if fix is not None:
             nbrs[:, :mex] = fix
         cols = nfix[:, None] + np.arange(base_nbrs.shape[1])  # each base link right after the row's repair edges
@@ -104,8 +104,12 @@ class NGFixIndex(HNSWIndex):
         return nbrs, (nfix + base_degree).astype(np.int32), nfix, eh
 
     def _set_fixes(self, nbrs: np.ndarray, degree: np.ndarray, nfix: np.ndarray, eh: np.ndarray) -> None:
+        """Keep the searched adjacency; drop the base graph's arrays as extracted from hnswlib (upper layers included:
+        the search starts at the one entry point), keeping the size of what hnswlib holds for ``add`` and ``save``."""
         self.nbrs, self.degree = nbrs, degree
         self.nfix, self.eh = nfix.astype(np.int32), eh
+        self.library_bytes = self.graph.library_bytes
+        del self.graph
 
     def fix_edges(self) -> tuple[np.ndarray, np.ndarray]:
         """The repair edges (n, MEX) int32, -1 padded, and their escape hardness (n, MEX) (0 where none)."""
@@ -134,7 +138,7 @@ class NGFixIndex(HNSWIndex):
     def nbytes(self) -> int:
         """The searched adjacency, degrees, repair counts and hardness, the keys, and the hnswlib index kept for
         ``add`` and ``save`` (its links and a second copy of the vectors)."""
-        return sum(a.nbytes for a in (self._keys, self.nbrs, self.degree, self.nfix, self.eh)) + self.graph.library_bytes
+        return sum(a.nbytes for a in (self._keys, self.nbrs, self.degree, self.nfix, self.eh)) + self.library_bytes
 
     def _arrays(self) -> dict[str, np.ndarray]:
         fix, fix_eh = self.fix_edges()
