@@ -308,6 +308,31 @@ def test_training_lists_on_the_device_give_the_same_graphs(prefilled, group):
                 assert np.array_equal(x, y)
 
 
+def test_training_lists_on_the_device_give_the_same_ngfix_graphs(prefilled, monkeypatch):
+    """The other index that takes the training lists (plugins/ngfix) builds the same graphs from the device's lists
+    (and then computes none itself)."""
+    import dataclasses
+
+    if "ngfix" not in registry.available():
+        pytest.skip("the ngfix plugin is not installed (make test installs it)")
+    import anns_lab_ngfix
+
+    own_lists = []
+    exact = anns_lab_ngfix.topk_ip
+    monkeypatch.setattr(anns_lab_ngfix, "topk_ip", lambda *a: own_lists.append(1) or exact(*a))
+    lm, pre, _ = prefilled
+    plan = Mode("ngfix", IndexPlan("ngfix"))
+    runs, calls = [], []
+    for on in (False, True):
+        runs.append(run_mode(lm, pre, plan, dataclasses.replace(SETTINGS, lists_on_device=on), STEPS))
+        calls.append(len(own_lists))
+    assert calls[0] > 0 and calls[1] == calls[0]  # with the device's lists the builds computed none
+    assert runs[0].tokens == runs[1].tokens
+    for layer, store in runs[0].stores.items():
+        for a, b in zip(store.indexes, runs[1].stores[layer].indexes):
+            assert np.array_equal(a.nbrs, b.nbrs) and np.array_equal(a.degree, b.degree)
+
+
 def test_builds_during_the_prefill_give_the_same_indexes_and_tokens(prefilled):
     """Index builds started as the prefill's last chunk passes each long-range layer (builds.EarlyBuilds) make the
     same graphs, logits and tokens as builds after the prefill, and the hidden part is a part of the build."""

@@ -17,7 +17,8 @@ Build, on keys K (n, d) and training queries Q (m, d) (kernels in :mod:`.fixing`
    ``rfix_ef`` from u finds: the way from where searches get stuck to the query's neighbourhood.
 
 The training queries are at most ``max_train`` (auto as roargraph's: max(2048, n/4), an even stride), their lists
-exact (faiss's kNN), taken one after the other (the reference: on threads in no fixed order, under locks), so a build
+exact (faiss's kNN, or given to ``build`` as ``train_topk``: computed where they are cheap, the decoder's
+``device_lists`` on the accelerator), taken one after the other (the reference: on threads in no fixed order, under locks), so a build
 is deterministic.
 
 Search: the lab's best-first search (``graph.search``) with beam ``L`` from the entry point over each key's repair
@@ -69,17 +70,30 @@ class NGFixIndex(HNSWIndex):
     search_grid = {"L": BEAMS}
     auto_rules = {"max_train": "2026-12-01"}
     uses_train_queries = True
+    accepts_train_topk = True
 
     def train_rows(self, n_keys: int, m: int) -> np.ndarray | None:
         return subsample(m, self.params["max_train"] or auto_train(n_keys))
 
-    def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
+    @classmethod
+    def train_topk_width(cls, n_keys: int, **build_params) -> int:
+        """Top keys per training query a build reads: 2 × the longer NGFix list (the hardness is judged within them)."""
+        p = cls(**build_params).params
+        return min(n_keys, 2 * max(p["fix_lists"], p["fix_near"]))
+
+    def _build(self, keys: np.ndarray, train_queries: np.ndarray | None, train_topk: np.ndarray | None = None) -> None:
         super()._build(keys, None)  # hnswlib's graph, through _set
         rows = self.train_rows(len(keys), len(train_queries))
         queries = np.ascontiguousarray(train_queries if rows is None else train_queries[rows], np.float32)
         fixes = np.array([n for n in (self.params["fix_lists"], self.params["fix_near"]) if n > 0], np.int64)
-        width = min(len(keys), 2 * int(fixes.max()))
-        gt = np.ascontiguousarray(topk_ip(queries, keys, width), np.int64)
+        width = type(self).train_topk_width(len(keys), **self.params)
+        if train_topk is None:
+            gt = np.ascontiguousarray(topk_ip(queries, keys, width), np.int64)
+        elif train_topk.shape[1] < width:
+            raise IndexConfigError(f"{self._owner()}: train_topk has {train_topk.shape[1]} keys per query; this build "
+                                   f"needs {width} ({type(self).__name__}.train_topk_width({len(keys)}))")
+        else:  # computed elsewhere, e.g. on the accelerator during the prefill (decode.device_lists)
+            gt = np.ascontiguousarray((train_topk if rows is None else train_topk[rows])[:, :width], np.int64)
         self.entry = int(np.argmax(keys @ keys.mean(axis=0, dtype=np.float64).astype(np.float32)))
         nbrs, degree, nfix, eh = self._combined(self.graph.nbrs, self.graph.degree)
         slots = len(keys) + max(self.params["rfix_ef"], 10) + 1  # graph.utils.heap_slots of either RFix search

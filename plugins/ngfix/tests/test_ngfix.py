@@ -143,6 +143,22 @@ def test_rfix_links_the_stuck_key_to_keys_nearer_the_query(seed):
     assert stuck and fixed  # the case happens and gets repaired
 
 
+def test_lists_given_as_train_topk_build_the_same_graph():
+    """The training queries' top keys computed elsewhere (the decoder's device_lists) give the graph the build's own
+    exact lists give; lists narrower than the build reads are refused."""
+    from anns_lab.errors import IndexConfigError
+    from anns_lab.indexes.topk import topk_ip
+
+    keys, _, train = easy_data()
+    width = NGFixIndex.train_topk_width(len(keys), **SMALL)
+    assert width == 2 * SMALL["fix_lists"]
+    own = NGFixIndex(**SMALL).build(keys, train)
+    given = NGFixIndex(**SMALL).build(keys, train, train_topk=topk_ip(train, keys, width + 5))
+    assert np.array_equal(own.nbrs, given.nbrs) and np.array_equal(own.degree, given.degree)
+    with pytest.raises(IndexConfigError, match="train_topk has"):
+        NGFixIndex(**SMALL).build(keys, train, train_topk=topk_ip(train, keys, width - 1))
+
+
 def test_repairs_survive_add_and_save(tmp_path):
     keys, queries, train = easy_data()
     index = NGFixIndex(**SMALL).build(keys[:800], train)
