@@ -47,7 +47,7 @@ from anns_lab.indexes.persist import expect, expect_ids
 from anns_lab.indexes.roargraph import auto_train, subsample
 from anns_lab.indexes.topk import topk_ip
 
-from anns_lab_ngfix.fixing import EH_INF, RFIX_EH, fix_graph
+from anns_lab_ngfix.fixing import EH_INF, RFIX_EH, RFIX_NQ, fix_graph
 
 BEAMS = (10, 15, 20, 30, 40, 60, 80, 100, 150, 200, 300, 400, 600, 800, 1200, 1600)
 
@@ -96,11 +96,11 @@ class NGFixIndex(HNSWIndex):
             gt = np.ascontiguousarray((train_topk if rows is None else train_topk[rows])[:, :width], np.int64)
         self.entry = int(np.argmax(keys @ keys.mean(axis=0, dtype=np.float64).astype(np.float32)))
         nbrs, degree, nfix, eh = self._combined(self.graph.nbrs, self.graph.degree)
-        slots = len(keys) + max(self.params["rfix_ef"], 10) + 1  # graph.utils.heap_slots of either RFix search
+        slots = len(keys) + max(self.params["rfix_ef"], RFIX_NQ)  # graph.utils.heap_slots of either RFix search
         ws = (np.zeros(len(keys), np.int32), np.empty(slots, np.float32), np.empty(slots, np.int64),
               np.empty(0, np.int64), np.empty(0, np.float32))
         self.n_fixed = fix_graph(self._keys, nbrs, degree, nfix, eh, queries, gt, fixes, self.entry,
-                                 self.params["rfix_ef"], 10, ws)
+                                 self.params["rfix_ef"], RFIX_NQ, ws)
         self._set_fixes(nbrs, degree, nfix, eh)
 
     def _combined(self, base_nbrs: np.ndarray, base_degree: np.ndarray, fix: np.ndarray | None = None,

@@ -17,6 +17,7 @@ from anns_lab.indexes.graph.simd import dot
 EH_INF = 65535  # escape hardness of a pair that no path within the query's top-S keys joins
 RFIX_EH = 201  # hardness of a reachability edge: above any finite one of a list of at most 200 keys (the reference's MAX_S + 1)
 RFIX_OUT = 6  # reachability edges per stuck node at most, after the occlusion rule (the reference's)
+RFIX_NQ = 10  # RFix's beam from the entry point, and the rank its result must reach (the reference's)
 ONE = np.uint64(1)
 
 
