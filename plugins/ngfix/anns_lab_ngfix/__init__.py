@@ -58,6 +58,8 @@ class NGFixIndex(HNSWIndex):
     name = "ngfix"
     build_params = {
         **HNSWIndex.build_params,
+        "M": Param(16, 2, 128, help="HNSW's M: the base graph (its bottom layer) has 2·M links per key (the reference: 16)"),
+        "ef_construction": Param(200, 1, 4096, help="hnswlib's beam while building the base graph (the reference: 500)"),
         "MEX": Param(48, 1, 250, help="repair edges per key at most (the reference: 48)"),
         "fix_lists": Param(100, 1, 1000, help="N of NGFix's first pass: the pairs of a training query's top N keys "
                                               "are checked within its top 2·N (the reference: 100, then 10)"),
