@@ -5,16 +5,18 @@ yuhuifishash/NGFix).
 Build, on keys K (n, d) and training queries Q (m, d) (kernels in :mod:`.fixing`):
 
 1. **Base graph**: HNSW's bottom layer (hnswlib, space ``ip``, ``2·M`` links per key), searched from one entry point,
-   the key of largest inner product with the keys' mean (the reference sets it so). hnswlib builds it with its upper
-   layers, which the search does not use (the reference inserts into the bottom layer alone).
+   the key of largest inner product with the keys' mean (the reference sets it so every 100,000 inserts, i.e. for its
+   datasets of millions; below that its entry stays the first key). hnswlib builds it with its upper layers, which the
+   search does not use (the reference inserts into the bottom layer alone).
 2. **NGFix**, per training query with its exact top-``2·N`` keys (``fixes``: N = 100, then N = 10 for the nearest,
    as the reference's build runs): the *escape hardness* of the pair (i, j) of its first N keys is the least rank h
    such that a path from i to j runs through keys of rank ≤ h only (within the top 2·N; none: infinite). A pair of
    hardness above N is a defect; the defects, the closest pairs of keys first, get an edge i → j unless the edges
    added before already join them. A key holds at most ``MEX`` such edges; a harder one replaces its easiest.
 3. **RFix**, per training query: when a search of beam 10 from the entry point ends at a key u worse than the
-   query's 10th, u gets edges (at most 6, by HNSW's occlusion rule) to the keys better than u that a search of beam
-   ``rfix_ef`` from u finds: the way from where searches get stuck to the query's neighbourhood.
+   query's 10th, u gets edges (at most 6, by HNSW's occlusion rule) to the keys better than u among the ``rfix_ef``
+   best that a search of that beam from u scans (the reference: every key it scans that is better than u): the way
+   from where searches get stuck to the query's neighbourhood. A repair edge a row holds already is not added again.
 
 The training queries are at most ``max_train`` (auto as roargraph's: max(2048, n/4), an even stride), their lists
 exact (faiss's kNN, or given to ``build`` as ``train_topk``: computed where they are cheap, the decoder's
@@ -22,7 +24,8 @@ exact (faiss's kNN, or given to ``build`` as ``train_topk``: computed where they
 is deterministic.
 
 Search: the lab's best-first search (``graph.search``) with beam ``L`` from the entry point over each key's repair
-edges then its base links (``L`` < k: the k best of all keys scanned, as roargraph). ``n_scanned`` counts every inner
+edges then its base links; with ``L`` < k it returns the k best of every key scanned, as roargraph's (the reference's
+search widens the beam to k and stops after ``L`` expansions instead). ``n_scanned`` counts every inner
 product, the entry point's included; ``bytes_read`` as every graph index's (``graph.search.bytes_read``).
 
 ``add`` inserts the new keys into hnswlib's graph (the reference: into the bottom layer, HNSW's rule) and keeps every
@@ -61,9 +64,10 @@ class NGFixIndex(HNSWIndex):
         "M": Param(16, 2, 128, help="HNSW's M: the base graph (its bottom layer) has 2·M links per key (the reference: 16)"),
         "ef_construction": Param(200, 1, 4096, help="hnswlib's beam while building the base graph (the reference: 500)"),
         "MEX": Param(48, 1, 250, help="repair edges per key at most (the reference: 48)"),
-        "fix_lists": Param(100, 1, 1000, help="N of NGFix's first pass: the pairs of a training query's top N keys "
-                                              "are checked within its top 2·N (the reference: 100, then 10)"),
-        "fix_near": Param(10, 0, 1000, help="N of the second pass, on the nearest keys (0 = none; the reference: 10)"),
+        "fix_lists": Param(100, 1, 100, help="N of NGFix's first pass: the pairs of a training query's top N keys "
+                                             "are checked within its top 2·N (the reference: 100, then 10; at most 100, "
+                                             "as its lists of 200)"),
+        "fix_near": Param(10, 0, 100, help="N of the second pass, on the nearest keys (0 = none; the reference: 10)"),
         "rfix_ef": Param(1500, 0, 1 << 16, help="RFix's beam from a stuck key (0 = no RFix; the reference: 1500)"),
         "max_train": Param(0, 0, 1 << 30, help="training queries used at most, an even stride (0 = auto: max(2048, n/4), "
                                                "roargraph's rule)"),
@@ -128,7 +132,7 @@ class NGFixIndex(HNSWIndex):
         del self.graph
 
     def fix_edges(self) -> tuple[np.ndarray, np.ndarray]:
-        """The repair edges (n, MEX) int32, -1 padded, and their escape hardness (n, MEX) (0 where none)."""
+        """The repair edges (n, MEX) int32, newest first, -1 padded, and their escape hardness (n, MEX) (0 where none)."""
         mex = self.params["MEX"]
         used = np.arange(mex) < self.nfix[:, None]
         return np.where(used, self.nbrs[:, :mex], -1).astype(np.int32), np.where(used, self.eh, 0)
@@ -172,10 +176,15 @@ class NGFixIndex(HNSWIndex):
         used = fix >= 0
         if (used[:, 1:] & ~used[:, :-1]).any() or (fix < -1).any():
             raise IndexConfigError("array 'fix_edges' is not rows of key ids padded at their ends with -1")
-        span = 2 * max(self.params["fix_lists"], self.params["fix_near"])  # a finite hardness is a rank within a list
+        # A repair joins a pair harder than its pass's N (a finite hardness is a rank within the top 2·N) or is RFix's.
+        passes = [n for n in (self.params["fix_lists"], self.params["fix_near"]) if n > 0]
+        low, span = min(passes), 2 * max(passes)
         held = fix_eh[used]
-        if (fix_eh[~used] != 0).any() or not np.isin(held[held >= span], (RFIX_EH, EH_INF)).all() or (held < 0).any():
-            raise IndexConfigError(f"array 'fix_hardness' holds values no build writes (ranks below {span}, "
-                                   f"{RFIX_EH}, {EH_INF} where an edge is, 0 where none)")
+        finite = (held > low) & (held < span)
+        if (fix_eh[~used] != 0).any() or not (finite | np.isin(held, (RFIX_EH, EH_INF))).all():
+            raise IndexConfigError(f"array 'fix_hardness' holds values no build writes (above {low} and below {span}, "
+                                   f"{RFIX_EH} or {EH_INF} where an edge is, 0 where none)")
+        if (fix == np.arange(n)[:, None]).any():
+            raise IndexConfigError("array 'fix_edges' links a key to itself, which no build does")
         self.entry = int(entry[0])
         self._set_fixes(*self._combined(self.graph.nbrs, self.graph.degree, fix, fix_eh))

@@ -1,7 +1,7 @@
 """NGFix's and RFix's graph repairs (numba): escape hardness, the defect-fixing edges, the reachability edges.
 
 A graph here is the lab's fixed-width adjacency (:class:`anns_lab.indexes.graph.Graph`) whose row ``u`` holds first
-the ``nfix[u]`` repair edges (their escape hardness in ``eh[u]``), then the base graph's links. The repairs of one
+the ``nfix[u]`` repair edges, newest first (their escape hardness in ``eh[u]``), then the base graph's links. The repairs of one
 training query change the graph the next one is judged on, so the queries are taken one after the other, in order
 (the reference code runs them on threads under per-node locks, in no fixed order): a build is deterministic.
 """
@@ -15,7 +15,7 @@ from anns_lab.indexes.graph.search import search_one
 from anns_lab.indexes.graph.simd import dot
 
 EH_INF = 65535  # escape hardness of a pair that no path within the query's top-S keys joins
-RFIX_EH = 201  # hardness of a reachability edge: above any finite one of a list of at most 200 keys (the reference's MAX_S + 1)
+RFIX_EH = 201  # hardness of a reachability edge: above any finite one (lists of at most 100 keys, judged within 200: the reference's MAX_S + 1)
 RFIX_OUT = 6  # reachability edges per stuck node at most, after the occlusion rule (the reference's)
 RFIX_NQ = 10  # RFix's beam from the entry point, and the rank its result must reach (the reference's)
 ONE = np.uint64(1)
@@ -78,35 +78,40 @@ def escape_hardness(nbrs, degree, gt, nq, s, rank_of, f, H):
 
 @njit(cache=True, nogil=True)
 def add_fix_edge(nbrs, degree, nfix, eh, u, v, e):
-    """Add the repair edge u → v of hardness ``e`` in front of u's base links; when u's ``eh.shape[1]`` repair slots
-    are full it replaces the easiest one if ``e`` is at least as hard (the reference's rule), else it is dropped. An
-    edge u already has is not added twice."""
+    """Add the repair edge u → v of hardness ``e`` at the front of u's row (the newest repair first, then the older
+    ones, then the base links, as the reference lays a row out); when u's ``eh.shape[1]`` repair slots are full it
+    takes the slot of the easiest repair (the first in row order among equals) if ``e`` is at least as hard, else it is
+    dropped (the reference's rule). An edge u already has is not added twice. Returns 1 if the edge was placed."""
     for t in range(degree[u]):
         if nbrs[u, t] == v:
-            return
+            return 0
     mex = eh.shape[1]
     if nfix[u] == mex:
         low = 0
         for t in range(1, mex):
             if eh[u, t] < eh[u, low]:
                 low = t
-        if e >= eh[u, low]:
-            nbrs[u, low] = v
-            eh[u, low] = e
-        return
-    for t in range(degree[u], nfix[u], -1):
+        if e < eh[u, low]:
+            return 0
+        nbrs[u, low] = v
+        eh[u, low] = e
+        return 1
+    for t in range(degree[u], 0, -1):
         nbrs[u, t] = nbrs[u, t - 1]
-    nbrs[u, nfix[u]] = v
-    eh[u, nfix[u]] = e
+    for t in range(nfix[u], 0, -1):
+        eh[u, t] = eh[u, t - 1]
+    nbrs[u, 0] = v
+    eh[u, 0] = e
     nfix[u] += 1
     degree[u] += 1
+    return 1
 
 
 @njit(cache=True, nogil=True)
 def ngfix(keys, nbrs, degree, nfix, eh, gt, nq, s, rank_of, f, H):
     """NGFix for one query of top keys ``gt`` (best first): every pair of its first ``nq`` keys whose escape hardness
     exceeds ``nq`` (within its top ``s``), closest pairs first (key · key), gets an edge unless the edges added before
-    already join it; returns the edges added."""
+    already join it; returns the edges placed (a full row drops an edge easier than all it holds)."""
     escape_hardness(nbrs, degree, gt, nq, s, rank_of, f, H)
     W = (nq + 63) >> 6
     g = np.zeros((nq, W), np.uint64)  # joined: hardness ≤ nq
@@ -135,8 +140,7 @@ def ngfix(keys, nbrs, degree, nfix, eh, gt, nq, s, rank_of, f, H):
         a, b = src[p], dst[p]
         if _has(g, a, b):
             continue
-        add_fix_edge(nbrs, degree, nfix, eh, gt[a], gt[b], H[a, b])
-        added += 1
+        added += add_fix_edge(nbrs, degree, nfix, eh, gt[a], gt[b], H[a, b])
         _set(g, a, b)
         for i in range(nq):  # whatever reached a now reaches what b reaches
             if _has(g, i, a):
@@ -150,7 +154,7 @@ def rfix(keys, nbrs, degree, nfix, eh, query, gt, nq, entry, ef, ws, epoch):
     """RFix for one query: when a search of beam ``nq`` from ``entry`` ends at a key u worse than the query's
     ``nq``-th (it never reached the query's neighbourhood), the keys better than u among the best ``ef`` that a
     search of beam ``ef`` from u scans, nearest to u first and thinned by the occlusion rule to at most
-    :data:`RFIX_OUT`, get edges from u. Returns (edges added, the epoch after the searches)."""
+    :data:`RFIX_OUT`, get edges from u. Returns (edges placed, the epoch after the searches)."""
     g = (keys, nbrs, degree)
     stop = (0, 0.0, 0)
     one_id = np.empty(1, np.int64)
@@ -191,16 +195,17 @@ def rfix(keys, nbrs, degree, nfix, eh, query, gt, nq, entry, ef, ws, epoch):
         if ok:
             kept[nk] = c
             nk += 1
+    placed = 0
     for r in range(nk):
-        add_fix_edge(nbrs, degree, nfix, eh, u, kept[r], RFIX_EH)
-    return nk, epoch
+        placed += add_fix_edge(nbrs, degree, nfix, eh, u, kept[r], RFIX_EH)
+    return placed, epoch
 
 
 @njit(cache=True, nogil=True)
 def fix_graph(keys, nbrs, degree, nfix, eh, queries, gt, fixes, entry, rfix_ef, rfix_nq, ws):
     """Repair the graph with each training query in turn (its top keys ``gt``, best first): NGFix with each list
-    length of ``fixes`` (on its top 2 × that many keys), then RFix (``rfix_ef`` 0: none). Returns the edges added by
-    NGFix and by RFix."""
+    length of ``fixes`` (on its top 2 × that many keys), then RFix (``rfix_ef`` 0: none). Returns the edges placed by
+    NGFix and by RFix (one that takes a full row's easiest slot counts too)."""
     n = keys.shape[0]
     rank_of = np.full(n, -1, np.int64)
     s_max = min(2 * fixes.max(), gt.shape[1])

@@ -9,7 +9,7 @@ from anns_lab import indexes
 from anns_lab.indexes.graph.search import search_single
 from anns_lab.testing import check_index, easy_data
 from anns_lab_ngfix import NGFixIndex
-from anns_lab_ngfix.fixing import EH_INF, RFIX_EH, RFIX_OUT, add_fix_edge, escape_hardness, ngfix, rfix
+from anns_lab_ngfix.fixing import EH_INF, RFIX_EH, RFIX_OUT, add_fix_edge, escape_hardness, fix_graph, ngfix, rfix
 
 SMALL = {"M": 4, "ef_construction": 32, "MEX": 8, "fix_lists": 20, "fix_near": 5, "rfix_ef": 60}
 
@@ -98,19 +98,72 @@ def test_ngfix_joins_every_defect_and_repairs_nothing_else(seed):
 
 
 def test_a_full_row_keeps_its_hardest_repairs():
+    """Repairs enter at the row's front (newest first, then older ones, then the base links); a full row gives the
+    slot of its easiest repair, the first in row order among equals, to one at least as hard (the reference's rule)."""
     nbrs = np.full((1, 6), -1, np.int32)
     nbrs[0, :2] = [7, 8]  # two base links
     degree, nfix, eh = np.array([2], np.int32), np.zeros(1, np.int32), np.zeros((1, 3), np.int64)
-    for v, e in ((1, 50), (2, 30), (3, 70)):
-        add_fix_edge(nbrs, degree, nfix, eh, 0, v, e)
-    assert nbrs[0, :degree[0]].tolist() == [1, 2, 3, 7, 8] and nfix[0] == 3
-    add_fix_edge(nbrs, degree, nfix, eh, 0, 4, 20)  # easier than every one held: dropped
-    add_fix_edge(nbrs, degree, nfix, eh, 0, 3, 90)  # held already: not twice
-    assert nbrs[0, :degree[0]].tolist() == [1, 2, 3, 7, 8]
-    add_fix_edge(nbrs, degree, nfix, eh, 0, 5, 30)  # as hard as the easiest (2, 30): replaces it
-    assert nbrs[0, :degree[0]].tolist() == [1, 5, 3, 7, 8]
-    add_fix_edge(nbrs, degree, nfix, eh, 0, 6, RFIX_EH)  # the easiest is (5, 30) again
-    assert nbrs[0, :degree[0]].tolist() == [1, 6, 3, 7, 8] and eh[0].tolist() == [50, RFIX_EH, 70]
+    assert [add_fix_edge(nbrs, degree, nfix, eh, 0, v, e) for v, e in ((1, 50), (2, 30), (3, 70))] == [1, 1, 1]
+    assert nbrs[0, :degree[0]].tolist() == [3, 2, 1, 7, 8] and nfix[0] == 3 and eh[0].tolist() == [70, 30, 50]
+    assert add_fix_edge(nbrs, degree, nfix, eh, 0, 4, 20) == 0  # easier than every one held: dropped
+    assert add_fix_edge(nbrs, degree, nfix, eh, 0, 1, 90) == 0  # held already: not twice
+    assert add_fix_edge(nbrs, degree, nfix, eh, 0, 8, 90) == 0  # a base link already
+    assert nbrs[0, :degree[0]].tolist() == [3, 2, 1, 7, 8]
+    assert add_fix_edge(nbrs, degree, nfix, eh, 0, 5, 30) == 1  # as hard as the easiest (2, 30): takes its slot
+    assert nbrs[0, :degree[0]].tolist() == [3, 5, 1, 7, 8]
+    add_fix_edge(nbrs, degree, nfix, eh, 0, 6, RFIX_EH)  # the easiest is (5, 30) now
+    assert nbrs[0, :degree[0]].tolist() == [3, 6, 1, 7, 8] and eh[0].tolist() == [70, RFIX_EH, 50]
+    # ties: five reachability edges into four slots keep 1, 2, 3 and 5 (the reference's: 4, the newest, gives way)
+    nbrs = np.full((1, 4), -1, np.int32)
+    degree, nfix, eh = np.zeros(1, np.int32), np.zeros(1, np.int32), np.zeros((1, 4), np.int64)
+    for v in range(1, 6):
+        add_fix_edge(nbrs, degree, nfix, eh, 0, v, RFIX_EH)
+    assert nbrs[0].tolist() == [5, 3, 2, 1]
+
+
+def test_the_passes_are_ngfix_with_lists_of_n_judged_within_2n():
+    """fix_graph's NGFix passes are ngfix on the query's first N keys within its first 2·N, N = 25 then 8, in that
+    order; after them every pair of the first 25 keys and of the first 8 is joined within its pass's bound."""
+    rng = np.random.default_rng(4)
+    n, d = 400, 8
+    keys = rng.normal(size=(n, d)).astype(np.float32)
+    nbrs, degree = _random_graph(rng, n, 60 + 3, 3)
+    q = rng.normal(size=(1, d)).astype(np.float32)
+    gt = np.argsort(-(keys @ q[0]), kind="stable")[None, :50].astype(np.int64)
+    state = [(nbrs.copy(), degree.copy(), np.zeros(n, np.int32), np.zeros((n, 60), np.int64)) for _ in range(3)]
+    ws = (np.zeros(n, np.int32), np.empty(n + 10, np.float32), np.empty(n + 10, np.int64), np.empty(0, np.int64),
+          np.empty(0, np.float32))
+    fix_graph(keys, *state[0], q, gt, np.array([25, 8]), 0, 0, 10, ws)
+    for nq in (25, 8):
+        ngfix(keys, *state[1], gt[0], nq, 2 * nq, *_scratch(n, 50))
+    ngfix(keys, *state[2], gt[0], 25, 50, *_scratch(n, 50))  # the first pass alone
+    assert all(np.array_equal(a, b) for a, b in zip(state[0], state[1]))
+    assert not np.array_equal(state[1][0], state[2][0])  # the second pass added edges of its own
+    rows = [state[0][0][u, :state[0][1][u]] for u in range(n)]
+    assert (_reference_hardness(rows, gt[0], 25, 50) <= 25).all() and (_reference_hardness(rows, gt[0], 8, 16) <= 8).all()
+
+
+def test_the_entry_point_is_the_key_of_largest_inner_product_with_the_mean():
+    keys, _, train = easy_data(seed=2)
+    keys[17] = 4 * keys.mean(axis=0) / np.linalg.norm(keys.mean(axis=0))  # aligned with the mean, of a common norm
+    assert NGFixIndex(**SMALL).build(keys, train).entry == 17
+
+
+def _rfix_reference(keys, graph_row, q, u, s_u):
+    """RFix's edges from u by plain Python: the keys better than u for q among the best 60 a beam-60 search from u
+    scans, nearest to u first, thinned by the occlusion rule (kept unless a kept key is nearer to it than u is) to at
+    most 6 when there are 6 or more, less those u links to already."""
+    graph, row = graph_row
+    ids, scores, _, _ = search_single(graph, q, np.array([u]), 60, 60)
+    cands = [int(c) for c, sc in zip(ids[0], scores[0]) if c >= 0 and c != u and sc > s_u]
+    cands.sort(key=lambda c: -float(keys[u] @ keys[c]))  # a stable sort, as the kernel's
+    kept = []
+    for c in cands:
+        if len(kept) == RFIX_OUT:
+            break
+        if len(cands) < RFIX_OUT or all(keys[r] @ keys[c] <= keys[u] @ keys[c] for r in kept):
+            kept.append(c)
+    return [c for c in kept if c not in row]
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -128,18 +181,19 @@ def test_rfix_links_the_stuck_key_to_keys_nearer_the_query(seed):
     epoch = 0
     for q in rng.normal(size=(30, d)).astype(np.float32):
         gt = np.argsort(-(keys @ q), kind="stable")[:20].astype(np.int64)
-        ids, scores, _, _ = search_single((keys, nbrs.copy(), degree.copy()), q, np.array([0]), 10, 1)
+        graph_before = (keys, nbrs.copy(), degree.copy())
+        ids, scores, _, _ = search_single(graph_before, q, np.array([0]), 10, 1)
         u, before = int(ids[0, 0]), nfix.copy()
+        row_before = (graph_before, set(nbrs[u, :degree[u]].tolist()))
         added, epoch = rfix(keys, nbrs, degree, nfix, eh, q, gt, 10, 0, 60, ws, epoch)
         changed = np.flatnonzero(nfix != before)
         if scores[0, 0] >= keys[gt[9]] @ q - 1e-6:
             assert added == 0 and not len(changed)
             continue
         stuck += 1
-        assert added <= RFIX_OUT and set(changed.tolist()) <= {u}
-        new = nbrs[u, before[u]:nfix[u]] if added else []
+        assert set(changed.tolist()) <= {u}
+        assert nbrs[u, :added].tolist() == _rfix_reference(keys, row_before, q, u, scores[0, 0])[::-1]  # newest first
         fixed += bool(added)
-        assert all(keys[v] @ q > scores[0, 0] for v in new)
     assert stuck and fixed  # the case happens and gets repaired
 
 
