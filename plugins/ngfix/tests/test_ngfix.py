@@ -84,6 +84,18 @@ def test_ngfix_joins_every_defect_and_repairs_nothing_else(seed):
     H_before = _reference_hardness([nbrs[u, :degree[u]] for u in range(n)], gt, nq, s)
     added = ngfix(keys, nbrs, degree, nfix, eh, gt, nq, s, *_scratch(n, s))
     assert added == nfix.sum() > 0
+    # the same edges, in the same order, as a plain greedy: defects closest pair first, skipping pairs joined already
+    reach = [{j for j in range(nq) if H_before[i, j] <= nq} for i in range(nq)]
+    pairs = sorted(((i, j) for i in range(nq) for j in range(nq) if H_before[i, j] > nq),
+                   key=lambda p: -float(keys[gt[p[0]]] @ keys[gt[p[1]]]))
+    want = {}
+    for a, b in pairs:
+        if b not in reach[a]:
+            want.setdefault(int(gt[a]), []).insert(0, int(gt[b]))  # newest first
+            for i in range(nq):
+                if a in reach[i]:
+                    reach[i] |= reach[b]
+    assert {int(u): nbrs[u, :nfix[u]].tolist() for u in np.flatnonzero(nfix)} == want
     after = _reference_hardness([nbrs[u, :degree[u]] for u in range(n)], gt, nq, s)
     assert (after <= nq).all()  # every pair of the first nq keys joined through them
     top = {int(v): r for r, v in enumerate(gt[:nq])}
@@ -141,6 +153,40 @@ def test_the_passes_are_ngfix_with_lists_of_n_judged_within_2n():
     assert not np.array_equal(state[1][0], state[2][0])  # the second pass added edges of its own
     rows = [state[0][0][u, :state[0][1][u]] for u in range(n)]
     assert (_reference_hardness(rows, gt[0], 25, 50) <= 25).all() and (_reference_hardness(rows, gt[0], 8, 16) <= 8).all()
+
+
+def _ood_data(rng, n, d, sizes):
+    """Gaussian keys and query sets off their distribution (around a point 3 standard deviations out, as attention's
+    queries sit apart from the keys)."""
+    keys = rng.standard_normal((n, d)).astype(np.float32)
+    centre = np.zeros(d, np.float32)
+    centre[0] = 3.0
+    return (keys, *((centre + 0.5 * rng.standard_normal((m, d))).astype(np.float32) for m in sizes))
+
+
+def test_the_build_repairs_hnswlibs_bottom_layer_with_both_passes_and_rfix():
+    """The index's graph is hnswlib's layer 0 (same M, ef_construction, seed) repaired by fix_graph with the exact top
+    2·fix_lists keys of every training query, passes N = fix_lists then fix_near, RFix from the entry point."""
+    from anns_lab.indexes.hnsw import HNSWIndex
+    from anns_lab.indexes.topk import topk_ip
+
+    params = {**SMALL, "M": 2, "ef_construction": 4}  # a sparse base in 64 dimensions: RFix has stuck searches to mend
+    keys, train = _ood_data(np.random.default_rng(1), 1000, 64, (160,))
+    index = NGFixIndex(**params).build(keys, train)
+    base = HNSWIndex(M=params["M"], ef_construction=params["ef_construction"]).build(keys).graph
+    n, mex = len(keys), SMALL["MEX"]
+    nbrs = np.full((n, mex + base.nbrs.shape[1]), -1, np.int32)
+    nbrs[:, :base.nbrs.shape[1]] = base.nbrs
+    degree, nfix, eh = base.degree.copy(), np.zeros(n, np.int32), np.zeros((n, mex), np.int32)
+    entry = int(np.argmax(keys @ keys.mean(axis=0)))
+    slots = n + SMALL["rfix_ef"]
+    ws = (np.zeros(n, np.int32), np.empty(slots, np.float32), np.empty(slots, np.int64), np.empty(0, np.int64),
+          np.empty(0, np.float32))
+    gt = topk_ip(train, keys, 2 * SMALL["fix_lists"]).astype(np.int64)
+    placed = fix_graph(keys, nbrs, degree, nfix, eh, train, gt, np.array([SMALL["fix_lists"], SMALL["fix_near"]]),
+                       entry, SMALL["rfix_ef"], 10, ws)
+    assert index.entry == entry and tuple(index.n_fixed) == tuple(placed) and placed[1] > 0
+    assert np.array_equal(index.nbrs, nbrs) and np.array_equal(index.degree, degree)
 
 
 def test_the_entry_point_is_the_key_of_largest_inner_product_with_the_mean():
@@ -235,12 +281,7 @@ def test_repairs_lower_the_scans_of_queries_like_the_training_ones():
     pass, no RFix: no repair at all)."""
     from anns_lab.testing import recall_at_k
 
-    rng = np.random.default_rng(5)
-    d = 16
-    keys = rng.standard_normal((3000, d)).astype(np.float32)
-    centre = np.zeros(d, np.float32)
-    centre[0] = 3.0
-    train, queries = ((centre + 0.5 * rng.standard_normal((m, d))).astype(np.float32) for m in (600, 60))
+    keys, train, queries = _ood_data(np.random.default_rng(5), 3000, 16, (600, 60))
 
     def scans_at(index, target=0.9):
         for L in NGFixIndex.search_grid["L"]:
