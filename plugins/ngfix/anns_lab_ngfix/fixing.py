@@ -1,9 +1,10 @@
 """NGFix's and RFix's graph repairs (numba): escape hardness, the defect-fixing edges, the reachability edges.
 
 A graph here is the lab's fixed-width adjacency (:class:`anns_lab.indexes.graph.Graph`) whose row ``u`` holds first
-the ``nfix[u]`` repair edges, newest first (their escape hardness in ``eh[u]``), then the base graph's links. The repairs of one
-training query change the graph the next one is judged on, so the queries are taken one after the other, in order
-(the reference code runs them on threads under per-node locks, in no fixed order): a build is deterministic.
+the ``nfix[u]`` repair edges, newest first (their escape hardness in ``eh[u]``), then the base graph's links. The
+repairs of one training query change the graph the next one is judged on, so the queries are taken one after the
+other, in order (the reference code runs them on threads under per-node locks, in no fixed order): a build is
+deterministic.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from anns_lab.indexes.graph.search import search_one
 from anns_lab.indexes.graph.simd import dot
 
 EH_INF = 65535  # escape hardness of a pair that no path within the query's top-S keys joins
-RFIX_EH = 201  # hardness of a reachability edge: above any finite one (lists of at most 100 keys, judged within 200: the reference's MAX_S + 1)
+RFIX_EH = 201  # a reachability edge's hardness: above any finite one (lists of ≤ 100 keys judged within 200), MAX_S + 1
 RFIX_OUT = 6  # reachability edges per stuck node at most, after the occlusion rule (the reference's)
 RFIX_NQ = 10  # RFix's beam from the entry point, and the rank its result must reach (the reference's)
 ONE = np.uint64(1)
