@@ -177,7 +177,7 @@ class NGFixIndex(HNSWIndex):
         if (used[:, 1:] & ~used[:, :-1]).any() or (fix < -1).any():
             raise IndexConfigError("array 'fix_edges' is not rows of key ids padded at their ends with -1")
         # A repair joins a pair harder than its pass's N (a finite hardness is a rank within the top 2·N) or is RFix's.
-        passes = [n for n in (self.params["fix_lists"], self.params["fix_near"]) if n > 0]
+        passes = [size for size in (self.params["fix_lists"], self.params["fix_near"]) if size > 0]
         low, span = min(passes), 2 * max(passes)
         held = fix_eh[used]
         finite = (held > low) & (held < span)
