@@ -294,3 +294,35 @@ def test_repairs_lower_the_scans_of_queries_like_the_training_ones():
     bare = NGFixIndex(M=4, ef_construction=64, fix_lists=1, fix_near=0, rfix_ef=0).build(keys, train)
     assert bare.nfix.sum() == 0 and fixed.nfix.sum() > 0
     assert scans_at(fixed) < 0.8 * scans_at(bare)
+
+
+@pytest.mark.parametrize("edit", ["self-loop", "hardness within the pass", "hardness where no edge", "gap in a row"])
+def test_a_saved_repair_no_build_writes_is_refused(tmp_path, edit):
+    """Edits of the repair arrays with their checksums redone (a hostile, consistent save) are refused at load, each
+    with one IndexConfigError naming the array; the untouched save loads."""
+    import hashlib
+    import json
+
+    from anns_lab.errors import IndexConfigError
+
+    keys, _, train = easy_data()
+    index = NGFixIndex(**SMALL).build(keys, train)
+    index.save(tmp_path)
+    NGFixIndex.load(tmp_path)
+    fix, hard = np.load(tmp_path / "fix_edges.npy"), np.load(tmp_path / "fix_hardness.npy")
+    u = int(np.flatnonzero(fix[:, 1] >= 0)[0])  # a key with two repairs
+    name = "fix_hardness" if edit.startswith("hardness") else "fix_edges"
+    if edit == "self-loop":
+        fix[u, 0] = u
+    elif edit == "hardness within the pass":
+        hard[u, 0] = SMALL["fix_near"]  # a pair no harder than the shorter pass's N is no defect
+    elif edit == "hardness where no edge":
+        hard[np.flatnonzero(fix[:, -1] < 0)[0], -1] = 30
+    else:
+        fix[u, 0] = -1
+    np.save(tmp_path / f"{name}.npy", fix if name == "fix_edges" else hard, allow_pickle=False)
+    meta = json.loads((tmp_path / "index.json").read_text())
+    meta["sha256"][name] = hashlib.sha256((tmp_path / f"{name}.npy").read_bytes()).hexdigest()
+    (tmp_path / "index.json").write_text(json.dumps(meta))
+    with pytest.raises(IndexConfigError, match=name):
+        NGFixIndex.load(tmp_path)
