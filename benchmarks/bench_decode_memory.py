@@ -5,7 +5,9 @@
 Prefills SmolLM2 on ``--context`` tokens of the offline text, decodes ``--new-tokens`` greedy tokens in
 one index mode (tokens leave the window and are added every ``--add-batch``), then reports the bytes of
 distinct key buffers held by the layer stores and their indexes (each buffer counted once, however many
-arrays view it), of the stores' value buffers, and the process's resident set (VmRSS, after gc). Runs on
+arrays view it), of the stores' value buffers, the CPU side as the decode table counts it (``cpu_bytes``), what
+glibc's malloc holds in use (the prefill's cache and queries included: compare runs, not with the count), and the
+process's resident set (VmRSS, after gc). Runs on
 any commit of the lab that has ``decode.engine.prefill/run_mode``: point ``PYTHONPATH`` at an older tree to
 measure it in the same way.
 """
@@ -45,6 +47,22 @@ def rss_mib() -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
+def heap_mib() -> float:
+    """What glibc's malloc has handed out and not taken back (0 where it cannot tell: not glibc 2.33+)."""
+    import ctypes
+
+    class Mallinfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                         "fsmblks", "uordblks", "fordblks", "keepcost")]
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = Mallinfo2
+    except (OSError, AttributeError):
+        return 0.0
+    info = libc.mallinfo2()
+    return (info.uordblks + info.hblkhd) / 2**20
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--context", type=int, default=4096)
@@ -80,8 +98,11 @@ def main() -> None:
     n_indexed = next(iter(run.stores.values())).n_indexed
     print(f"{anns_lab.__file__}\nSmolLM2 context {a.context} + {len(run.tokens)} new tokens, {a.mode}, "
           f"{n_indexed} keys indexed per layer, {time.perf_counter() - t0:.0f} s")
+    counted = sum(s.cpu_bytes() for s in run.stores.values()) if hasattr(next(iter(run.stores.values())), "cpu_bytes") \
+        else float("nan")
     print(f"key buffers: stores {own / 2**20:.1f} MiB, indexes' own copies {extra / 2**20:.1f} MiB; "
-          f"value buffers {value_bytes / 2**20:.1f} MiB; VmRSS {rss_mib():.0f} MiB")
+          f"value buffers {value_bytes / 2**20:.1f} MiB; CPU side as the decode table counts it {counted / 2**20:.1f} "
+          f"MiB; malloc in use {heap_mib():.0f} MiB; VmRSS {rss_mib():.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -394,14 +394,18 @@ def test_each_index_mode_builds_during_a_prefill_of_its_own(prefilled, monkeypat
 
 def test_cpu_bytes_per_key_counts_the_store_and_each_index_once(prefilled):
     """The table's CPU B/key: keys and values held, plus each distinct index's own arrays (flat: faiss's copy
-    of the keys it indexed; roargraph: its graphs, the keys read from the store not counted again)."""
+    of the keys it indexed, at the capacity its adds grew it to; roargraph: its graphs, the keys read from the store
+    not counted again)."""
     from anns_lab.decode.engine import summarize
 
     lm, pre, _ = prefilled
     runs = {name: run_mode(lm, pre, Mode(name, IndexPlan(name)), SETTINGS, STEPS) for name in ("flat", "roargraph")}
     store = runs["flat"].stores[lm.long_range_layers[0]]
     G, d = store.keys.shape[0], store.keys.shape[2]
-    assert store.cpu_bytes() == 4 * G * d * (2 * store.n_rows + store.n_indexed)
+    flats = list({id(ix): ix for ix in store.indexes}.values())  # one per KV head
+    assert len(flats) == G and all(ix.n_keys == store.n_indexed for ix in flats)
+    assert all(ix.n_keys <= ix.nbytes // (4 * d) < 2 * ix.n_keys for ix in flats)  # faiss's vector, grown by adds
+    assert store.cpu_bytes() == 4 * G * d * 2 * store.n_rows + sum(ix.nbytes for ix in flats)
     for run in runs.values():
         assert run.cpu_keys == sum(s.n_rows for s in run.stores.values())
         assert summarize(run)["cpu_bytes_per_key"] == run.cpu_bytes / run.cpu_keys

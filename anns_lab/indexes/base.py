@@ -492,12 +492,12 @@ def pad_topk(ids: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 def _arrays_in(values, n_keys: int, depth: int = 3):
     """The numpy arrays among ``values`` and inside their containers, ``depth`` levels down; key rows as their first
-    ``n_keys`` rows (a store its owner appends to holds rows the index has not had yet)."""
+    ``n_keys`` rows (a store its owner appends to holds rows the index has not had yet), an index's own store whole."""
     for v in values:
         if isinstance(v, np.ndarray):
             yield v
         elif isinstance(v, KeyRows):
-            yield v.view(min(v.n, n_keys))
+            yield v.held(min(v.n, n_keys))
         elif depth and isinstance(v, (tuple, list)):
             yield from _arrays_in(v, n_keys, depth - 1)
         elif depth and isinstance(v, dict):

@@ -21,6 +21,7 @@ from faiss.contrib.ivf_tools import add_preassigned
 
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes.base import Index, Param, pad_topk
+from anns_lab.indexes.held_memory import filled_one_by_one
 from anns_lab.indexes.persist import expect, expect_ids, refuse_faiss_payload
 
 
@@ -72,6 +73,12 @@ class IVFIndex(Index):
         """Number of keys in each inverted list, read from faiss's invlists."""
         invlists = self._index.invlists
         return np.array([invlists.list_size(i) for i in range(self.nlist)], dtype=np.int64)
+
+    @property
+    def nbytes(self) -> int:
+        """The centroids and faiss's lists as allocated: each list's keys and ids (8 bytes each) at the capacity of a
+        vector filled one entry at a time (faiss's ``add_core``), up to twice their size."""
+        return self.nlist * self.key_bytes() + int(filled_one_by_one(self.list_sizes()).sum()) * (self.key_bytes() + 8)
 
     def _search(self, queries: np.ndarray, k: int, nprobe: int):
         nprobe = min(nprobe, self.nlist)

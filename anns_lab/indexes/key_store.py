@@ -62,6 +62,11 @@ class KeyRows(NamedTuple):
         """Rows ``[0, n)`` (C-contiguous: a slice of one head of the buffer)."""
         return self.store.buf[self.g, :n]
 
+    def held(self, n: int) -> np.ndarray:
+        """The rows whose memory the index holds: its own store's whole buffer (the capacity ``add``'s doubling left
+        included), or rows ``[0, n)`` of a store the caller owns (whose buffer the caller counts)."""
+        return self.store.buf[self.g] if self.owned else self.view(n)
+
     def append(self, start: int, rows: np.ndarray) -> None:
         """Make rows ``[start, start + t)`` hold ``rows`` (t, d): appended to a store of the index's own; already
         there (checked) in a store the caller owns, which appends them before calling the index's ``add``."""

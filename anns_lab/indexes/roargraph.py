@@ -275,7 +275,9 @@ class RoarGraphIndex(Index):
         self._nbrs_buf, self._deg_buf = nbrs, degree
         self._expose(n)
         keep = min(p["keep_queries"], len(train_queries))
-        self._recent_q = np.ascontiguousarray(train_queries[len(train_queries) - keep:])
+        # copies, not views: a view keeps the caller's whole query array alive (the decoder's stacked training queries
+        # of a layer, 133 MB per Gemma 128K layer) as long as the index, while nbytes counts the kept rows
+        self._recent_q = np.array(train_queries[len(train_queries) - keep:], np.float32, order="C")
         self._cache_lists(keys, knn[len(knn) - keep:], weights[len(weights) - keep:])
 
     def train_rows(self, n_keys: int, m: int) -> np.ndarray | None:
@@ -334,7 +336,7 @@ class RoarGraphIndex(Index):
             order = np.argsort(-s, axis=1, kind="stable")
             self._q_ids[:, : ids.shape[1]] = np.take_along_axis(ids, order, 1)
             self._q_scores[:, : ids.shape[1]] = np.take_along_axis(s, order, 1)
-        self._q_w = np.ascontiguousarray(weights, np.float32)
+        self._q_w = np.array(weights, np.float32, order="C")  # a copy, as _recent_q
 
     def _expose(self, n: int) -> None:
         """Rows [0, n) of the adjacency as ``_nbrs``/``_degree`` (views), growing the buffers with spare
@@ -434,7 +436,7 @@ class RoarGraphIndex(Index):
 
     @property
     def nbytes(self) -> int:
-        return (self._keys.nbytes + self._nbrs_buf.nbytes + self._deg_buf.nbytes + self.hubs.nbytes  # spare rows included
+        return (self._store.held(self.n_keys).nbytes + self._nbrs_buf.nbytes + self._deg_buf.nbytes + self.hubs.nbytes  # spare rows included
                 + self._recent_q.nbytes + self._q_ids.nbytes + self._q_scores.nbytes + self._q_w.nbytes)
 
     def _arrays(self) -> dict[str, np.ndarray]:

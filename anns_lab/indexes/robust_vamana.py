@@ -106,7 +106,7 @@ class RobustVamanaIndex(Index):
 
     @property
     def nbytes(self) -> int:
-        return self._keys.nbytes + self._nbrs.nbytes + self._degree.nbytes + self.hubs.nbytes
+        return self._store.held(self.n_keys).nbytes + self._nbrs.nbytes + self._degree.nbytes + self.hubs.nbytes
 
     def _arrays(self) -> dict[str, np.ndarray]:
         return {"keys": self._keys, "nbrs": self._nbrs, "degree": self._degree, "hubs": self.hubs}

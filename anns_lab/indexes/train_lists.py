@@ -20,6 +20,7 @@ score) moved it more than BF16_MARGIN ranks, which never happened on the measure
 
 from __future__ import annotations
 
+import math
 import platform
 
 import numpy as np
@@ -258,6 +259,12 @@ def topk_ip_fast(queries: np.ndarray, keys: np.ndarray, k: int, coarse: bool, n_
     return topk_ip(queries, keys, k)
 
 
+def padded_rows(n: int) -> int:
+    """``n`` rounded up to a multiple of 2^(bits(n) - 5): at most 1/16 more, and 16 sizes an octave."""
+    step = 1 << max(0, n.bit_length() - 5)
+    return -(-n // step) * step
+
+
 def topk_ip_bf16(queries: np.ndarray, keys: np.ndarray, k: int, margin: int = BF16_MARGIN, n_threads: int = 1) -> np.ndarray:
     """Top-``k`` keys (int32 ids, best first) of each query by float32 inner product, among its best ``k + margin``
     by a bfloat16 product (torch's, on its threads): the same lists as :func:`topk.topk_ip` unless rounding to
@@ -269,12 +276,21 @@ def topk_ip_bf16(queries: np.ndarray, keys: np.ndarray, k: int, margin: int = BF
     k = min(k, len(keys))
     if k + margin >= len(keys):
         return topk_ip(queries, keys, k)
-    kb = torch.tensor(keys, dtype=torch.bfloat16)  # a copy: the keys may be a read-only view of a dump
+    # Every product has one of few shapes: torch's CPU matmul keeps ~0.6 MB per distinct shape for the life of the
+    # process (its oneDNN primitives; ~0.3 MB of it even with their cache off), and a build's last block and its
+    # stranded keys gave every head new ones (a SmolLM2 8K decode: 270 builds, ~1.2 MB held after each). So the
+    # query blocks are all BF16_BLOCK rows and the keys padded to :func:`padded_rows`, their scores set to -inf.
+    n, d = keys.shape
+    kb = torch.zeros((padded_rows(n), d), dtype=torch.bfloat16)
+    kb[:n] = torch.tensor(keys, dtype=torch.bfloat16)  # a copy: the keys may be a read-only view of a dump
+    qb = torch.zeros((BF16_BLOCK, d), dtype=torch.bfloat16)
     out = np.empty((len(queries), k), np.int32)
     for i in range(0, len(queries), BF16_BLOCK):
         q = queries[i:i + BF16_BLOCK]
-        s = torch.tensor(q, dtype=torch.bfloat16) @ kb.T
-        run_chunks(_rank_coarse, (s.view(torch.int16).numpy(), q, keys, k + margin, out[i:i + BF16_BLOCK]),
+        qb[:len(q)] = torch.tensor(q, dtype=torch.bfloat16)  # rows past len(q) hold the previous block's: not ranked
+        s = qb @ kb.T
+        s[:, n:] = -math.inf  # never among a row's best k + margin < n
+        run_chunks(_rank_coarse, (s.view(torch.int16).numpy()[:len(q)], q, keys, k + margin, out[i:i + BF16_BLOCK]),
                    len(q), n_threads)
     return out
 
