@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/bench_decoder_build.py --dump /work/dumps/smollm2-text-8192 --layers 0:30:3 --threads 2
     .venv/bin/python benchmarks/bench_decoder_build.py --dump /work/dumps/smollm2-text-8192 --train-group group
     .venv/bin/python benchmarks/bench_decoder_build.py --dump /work/dumps/gemma3-270m-text-32768 --given-lists
+    .venv/bin/python benchmarks/bench_decoder_build.py --dump /work/dumps/gemma3-270m-text-131072 --layers 5,11 --held
 
 For each layer, what ``anns-lab decode`` does once the prompt's last chunk has passed it (``decode.builds.layer_store``,
 called as the decoder calls it): the layer's keys and values out of a cache (the dump's prefill K and V in float32
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import os
 import time
 from types import SimpleNamespace
@@ -37,6 +39,7 @@ from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.dumps import rope
 from anns_lab.indexes import base, group_queries
 from bench_build_scale import PIECES, time_pieces
+from bench_decode_memory import heap_mib
 
 DECODER_TIMED = [(rope, "to_serving", "rope move"), (builds, "subsampled_positions", "subsample"),
                  (LayerStore, "__init__", "store"), (base, "as_matrix", "input checks"),
@@ -73,6 +76,9 @@ def main() -> None:
     ap.add_argument("--given-lists", action="store_true",
                     help="the training lists given to the build as a CUDA host's decoder gives them (decode.device_lists, "
                          "here by torch on the CPU: their own part, 'given lists')")
+    ap.add_argument("--held", action="store_true",
+                    help="keep every layer's store and print, after each, what malloc holds since the first layer "
+                         "(glibc) against the stores' CPU side as the decode table counts it")
     ap.add_argument("--train-group", default=group_queries.DEFAULT, choices=group_queries.MODES,
                     help="the decoder's --train-group (head: an index per query head; group, strided: one per KV head)")
     a = ap.parse_args()
@@ -95,16 +101,25 @@ def main() -> None:
     n_ids = int(dump.manifest["n_tokens"]["prefill"])
     cache, queries = layer_inputs(dump, layers[0])  # compile the kernels outside the timings
     builds.layer_store(lm, cache, n_ids, layers[0], plan, settings, queries)
+    del cache, queries  # not in --held's count
     print(f"{a.dump}: {len(layers)} layers x {dump.n_heads} query heads, {a.mode}{params or ''}, n_ids {n_ids}; "
           f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; CPU s, {a.threads} thread(s), torch {torch.get_num_threads()}", flush=True)
     totals = collections.defaultdict(float)
-    per_layer = []
+    per_layer, kept = [], []
+    gc.collect()
+    heap0 = heap_mib()
     for layer in layers:
         cache, queries = layer_inputs(dump, layer)
         PIECES.clear()
         t = time.process_time()
-        builds.layer_store(lm, cache, n_ids, layer, plan, settings, queries)
+        store = builds.layer_store(lm, cache, n_ids, layer, plan, settings, queries)
         secs = time.process_time() - t
+        if a.held:
+            kept.append(store)
+            del cache, queries, store
+            gc.collect()
+            print(f"  held after layer {layer}: malloc {heap_mib() - heap0:.1f} MiB, the stores' CPU side "
+                  f"{sum(s.cpu_bytes() for s in kept) / 2**20:.1f} MiB", flush=True)
         per_layer.append(secs)
         rest = secs - sum(PIECES.values())
         for k, v in [*PIECES.items(), ("rest", rest)]:
