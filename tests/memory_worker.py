@@ -68,8 +68,8 @@ def main(name: str, n: int, m: int, d: int, n_add: int) -> None:
 
 
 def bf16_shapes(calls: int) -> None:
-    """What ``train_lists.topk_ip_bf16`` leaves held over ``calls`` calls of as many query and key counts (one size
-    bucket of :func:`train_lists.padded_rows`), after a first call: torch keeps its matmul kernels per shape."""
+    """What ``train_lists.topk_ip_bf16`` leaves held over ``calls`` calls with as many query and key counts (one size
+    bucket of ``held_memory.padded_rows``), after a first call: torch keeps its matmul kernels per shape."""
     from anns_lab.indexes.train_lists import topk_ip_bf16
 
     keys, queries = data(4, 7010, 310, 64)

@@ -53,15 +53,15 @@ def test_nbytes_is_what_the_allocator_holds_for_the_index(name):
 
 
 def test_the_bfloat16_products_leave_no_kernel_behind_per_shape():
-    """torch keeps ~0.6 MB of matmul kernels per distinct shape for the process's life: the lists' bf16 products
-    use few shapes (blocks of a fixed height, keys padded to a size bucket), so eight calls with eight query and key
-    counts of one bucket add nothing after the first (before: 9.1 MB)."""
+    """torch keeps ~0.6 MB of bf16 matmul kernels per distinct shape for the process's life: the lists' products use
+    few shapes (blocks of a fixed height, keys padded to a size bucket), so eight calls with eight query and key counts
+    of one bucket add nothing after the first (before: 9.1 MB)."""
     (s,) = _run("--bf16-shapes", "8")
     assert s["held"] < 512 << 10, s
 
 
 def test_padded_rows_buckets():
-    from anns_lab.indexes.train_lists import padded_rows
+    from anns_lab.indexes.held_memory import padded_rows
 
     sizes = range(1, 1 << 17)
     padded = [padded_rows(n) for n in sizes]

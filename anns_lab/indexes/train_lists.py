@@ -28,6 +28,7 @@ from numba import njit, prange
 
 from anns_lab.indexes.graph.simd import count_at_least, dot2x4, dot4, dot_rows, indices_at_least
 from anns_lab.indexes.graph.utils import run_chunks
+from anns_lab.indexes.held_memory import padded_rows
 from anns_lab.indexes.topk import topk_ip
 
 
@@ -259,12 +260,6 @@ def topk_ip_fast(queries: np.ndarray, keys: np.ndarray, k: int, coarse: bool, n_
     return topk_ip(queries, keys, k)
 
 
-def padded_rows(n: int) -> int:
-    """``n`` rounded up to a multiple of 2^(bits(n) - 5): at most 1/16 more, and 16 sizes an octave."""
-    step = 1 << max(0, n.bit_length() - 5)
-    return -(-n // step) * step
-
-
 def topk_ip_bf16(queries: np.ndarray, keys: np.ndarray, k: int, margin: int = BF16_MARGIN, n_threads: int = 1) -> np.ndarray:
     """Top-``k`` keys (int32 ids, best first) of each query by float32 inner product, among its best ``k + margin``
     by a bfloat16 product (torch's, on its threads): the same lists as :func:`topk.topk_ip` unless rounding to
@@ -276,10 +271,9 @@ def topk_ip_bf16(queries: np.ndarray, keys: np.ndarray, k: int, margin: int = BF
     k = min(k, len(keys))
     if k + margin >= len(keys):
         return topk_ip(queries, keys, k)
-    # Every product has one of few shapes: torch's CPU matmul keeps ~0.6 MB per distinct shape for the life of the
-    # process (its oneDNN primitives; ~0.3 MB of it even with their cache off), and a build's last block and its
-    # stranded keys gave every head new ones (a SmolLM2 8K decode: 270 builds, ~1.2 MB held after each). So the
-    # query blocks are all BF16_BLOCK rows and the keys padded to :func:`padded_rows`, their scores set to -inf.
+    # Every product has one of few shapes (torch keeps kernels per shape: held_memory.padded_rows): a build's last block
+    # and its stranded keys gave every head new ones (a SmolLM2 8K decode: 270 builds, ~1.2 MB held after each). So the
+    # query blocks are all BF16_BLOCK rows and the keys padded to padded_rows, their scores set to -inf.
     n, d = keys.shape
     kb = torch.zeros((padded_rows(n), d), dtype=torch.bfloat16)
     kb[:n] = torch.tensor(keys, dtype=torch.bfloat16)  # a copy: the keys may be a read-only view of a dump
