@@ -1,5 +1,5 @@
-"""Run by tests/test_index_memory.py, one process per index: builds the index on seeded data (once to warm its
-kernels and the libraries' pools, then measured), then adds keys, and prints one JSON line per stage with what
+"""Run by tests/test_index_memory.py: for each index named, one after another, builds it on seeded data (once to warm
+its kernels and the libraries' pools, then measured), then adds keys, and prints one JSON line per stage with what
 glibc's allocator holds more than before the index existed (``mallinfo2``: bytes in use, mapped chunks included)
 and the index's ``nbytes``. The inputs are made inside the measured window and dropped by the caller, so whatever
 the index keeps of them is held, and whatever it keeps must be in ``nbytes``."""
@@ -48,7 +48,13 @@ def add(index, seed: int, n: int, d: int) -> None:
     index.add(data(seed, n, 1, d)[0])
 
 
-def main(name: str, n: int, m: int, d: int, n_add: int) -> None:
+def main(names: list[str], n: int, m: int, d: int, n_add: int) -> None:
+    for name in names:
+        measure(name, n, m, d, n_add)
+
+
+def measure(name: str, n: int, m: int, d: int, n_add: int) -> None:
+    """One index's build and add, measured (see the module doc)."""
     from anns_lab.indexes import registry
 
     registry.get(name)  # imports the plugin before anything is measured
@@ -59,12 +65,13 @@ def main(name: str, n: int, m: int, d: int, n_add: int) -> None:
     del warm
     before = allocated()
     index = build(name, 2, n, m, d)
-    print(json.dumps({"stage": "build", "held": allocated() - before, "nbytes": int(index.nbytes), "keys": n}), flush=True)
+    print(json.dumps({"index": name, "stage": "build", "held": allocated() - before, "nbytes": int(index.nbytes),
+                      "keys": n}), flush=True)
     if not index.supports_add:
         return
     add(index, 3, n_add, d)
-    print(json.dumps({"stage": "add", "held": allocated() - before, "nbytes": int(index.nbytes), "keys": n + n_add}),
-          flush=True)
+    print(json.dumps({"index": name, "stage": "add", "held": allocated() - before, "nbytes": int(index.nbytes),
+                      "keys": n + n_add}), flush=True)
 
 
 def bf16_shapes(calls: int) -> None:
@@ -83,5 +90,5 @@ def bf16_shapes(calls: int) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "--bf16-shapes":
         bf16_shapes(int(sys.argv[2]))
-    else:
-        main(sys.argv[1], *map(int, sys.argv[2:6]))
+    else:  # N M D N_ADD NAME...
+        main(sys.argv[5:], *map(int, sys.argv[1:5]))
