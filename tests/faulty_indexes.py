@@ -3,7 +3,8 @@
 ``faulty`` searches exactly like ``flat`` unless told otherwise: ``fault`` makes its search call
 ``os.abort()`` or ``sys.exit(3)``, raise KeyboardInterrupt, hang in C holding the GIL (``hang``), or normalise the queries it is given in place (``normalise``); ``pid_dir`` makes its build leave a file ``<pid>-<ns>`` per build
 (so a test can find and kill the worker), ``sleep_s`` keeps the build busy that long and ``build_fault`` then makes it
-raise, ``os.abort()`` or write into its keys.
+raise, ``os.abort()`` or write into its keys. ``SlowWarmWork``: the sweep's work on a node whose kernels take a while to
+compile at their first warm-up.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from anns_lab.eval.sweep import SweepWork
 from anns_lab.indexes import Index, Param
 
 
@@ -63,3 +66,26 @@ class FaultyIndex(Index):
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
         self._keys = arrays["keys"]
+
+
+_WARMED: set[str] = set()  # the indexes SlowWarmWork warmed in this process
+
+
+@dataclass(frozen=True)
+class SlowWarmWork(SweepWork):
+    """The sweep's work where an index's first warm-up in a process takes ``warm_s`` seconds (a node compiling its
+    kernels); a part evaluated before its index was warmed in this process fails."""
+
+    warm_s: float = 0.0
+
+    def warm(self, data, names: list[str]) -> None:
+        for name in names:
+            if name not in _WARMED:
+                time.sleep(self.warm_s)
+                _WARMED.add(name)
+        super().warm(data, names)
+
+    def evaluate(self, data, index: str):
+        if index not in _WARMED:
+            raise RuntimeError(f"{index} evaluated before its warm-up")
+        return super().evaluate(data, index)

@@ -100,6 +100,33 @@ def test_a_stuck_plugin_is_killed_at_the_part_timeout_and_fails_its_own_parts_on
     assert not (tmp_path / "bad").exists()
 
 
+def test_a_workers_first_compile_is_not_counted_against_the_part_timeout(tiny_dump, local_table, tmp_path):
+    """Before: a part's kernels were warmed inside its timed evaluation, so a node whose numba cache was empty (a Ray
+    node with a checkout of its own) spent minutes of compiling on its first part's --part-timeout. Here each index's
+    warm-up takes 3 s against a 2 s timeout: the executors warm untimed, first, then run the parts on the clock."""
+    from faulty_indexes import SlowWarmWork
+
+    from anns_lab.eval.executors.local import LocalExecutor
+
+    work = SlowWarmWork(str(tiny_dump.path), K, WINDOW, {}, False, warm_s=3.0)
+    outcomes = []
+    LocalExecutor(1, part_timeout=2.0).run(work, [(3, 0, ["flat", "ivf"])], {}, outcomes.append)
+    assert [(o.part, o.error) for o in outcomes] == [(Part(3, 0, "flat"), None), (Part(3, 0, "ivf"), None)]
+    want = local_table.query("layer == 3 and head == 0").sort_values(["index", "search_params", "direction"])
+    got = pd.concat([o.table for o in outcomes]).sort_values(["index", "search_params", "direction"])
+    pd.testing.assert_frame_equal(got[SAME].reset_index(drop=True), want[SAME].reset_index(drop=True))
+    # a Ray task, run here in a process of its own: its watchdog (faulthandler, exit=True) is armed after the warm-up
+    script = ("import sys, json; from faulty_indexes import SlowWarmWork; "
+              "from anns_lab.eval.executors.ray_executor import _part_task; "
+              f"work = SlowWarmWork({str(tiny_dump.path)!r}, {K}, {WINDOW!r}, {{}}, False, warm_s=3.0); "
+              "table, error = _part_task(work, 3, 0, 'flat', timeout=2.0); "
+              "print(json.dumps([error, None if table is None else table['recall'].tolist()]))")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    error, recall = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert error is None and recall == want.query("index == 'flat'")["recall"].tolist()
+
+
 def test_a_default_sweep_names_the_indexes_that_fail_to_load(tiny_dump, tmp_path, monkeypatch):
     """Before: a plugin claiming ``flat`` (a conflict) or one whose module is missing left the default sweep without
     a word: the table simply had no such index."""
@@ -660,6 +687,9 @@ class _OneUnreadableHead:
         if (layer, head) == (1, 3):
             raise OSError("a damaged layer file")
         return (layer, head)
+
+    def warm(self, data, names):
+        pass
 
     def evaluate(self, data, index):
         return pd.DataFrame({"layer": [data[0]], "head": [data[1]], "index": [index]})

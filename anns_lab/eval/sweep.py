@@ -161,6 +161,10 @@ class SweepWork:
         except (OSError, ValueError, AttributeError):
             return None
 
+    def warm(self, data: HeadData, names: list[str]) -> None:
+        for name in names:
+            _warm_once(name, data.keys.shape[1], self.build_params)
+
     def evaluate(self, data: HeadData, index: str) -> pd.DataFrame:
         if self.label is None or self.model is None:
             dump = open_dump(self.dump)
@@ -170,7 +174,6 @@ class SweepWork:
         if spoiler := data.__dict__.get("_spoiled_by"):
             raise AnnsLabError(f"not measured: {spoiler} wrote into this head's arrays, which could not be read again "
                                f"from {self.dump} to restore them")
-        _warm_once(index, data.keys.shape[1], self.build_params)
         before = _given_sums(data)
         try:
             table = evaluate_index(index, data, self.k, label, model, self.build_params.get(index), self.quick)
@@ -201,9 +204,9 @@ _WARMED: set[str] = set()  # the indexes whose kernels this process has compiled
 
 
 def _warm_once(index: str, dim: int, build_params: dict) -> None:
-    """The index's kernels ready in this process before its build is timed: loaded from numba's cache, which the
-    driver's warm-up filled (else inside the first part's build_s), or compiled where it is empty (a Ray node with a
-    checkout of its own)."""
+    """The index's kernels ready in this process before its part is timed (``Work.warm``, which the executors call
+    ahead of the part's clock and --part-timeout): loaded from numba's cache, which the driver's warm-up filled, or
+    compiled where it is empty (a Ray node with a checkout of its own: minutes, which once counted as the part's)."""
     if index not in _WARMED:
         _WARMED.add(index)
         warm_up([index], dim, build_params)

@@ -50,6 +50,11 @@ class Work(Protocol):
         node means the nodes share its folder."""
         ...
 
+    def warm(self, data: Any, names: list[str]) -> None:
+        """Ready the named indexes' kernels in this process for ``data``'s shapes, before any of their parts is timed
+        (a node whose kernel cache is empty compiles for minutes: inside a part, past its --part-timeout)."""
+        ...
+
     def evaluate(self, data: Any, index: str) -> pd.DataFrame: ...
 
 

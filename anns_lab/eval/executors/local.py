@@ -40,6 +40,8 @@ def _worker(conn: Connection, work: Work, driver: int) -> None:
             layer, head, names = unit
             conn.send(("start", LOADING))
             data, load_error = load(work, layer, head)
+            if not load_error:
+                work.warm(data, names)  # still LOADING: the driver's timeout starts with each index
             for name in names:
                 conn.send(("start", name))
                 table, error = (None, load_error) if load_error else attempt(work, data, name, worker=True)
@@ -65,7 +67,7 @@ class LocalExecutor:
     def __init__(self, jobs: int, log=print, part_timeout: float = 0.0) -> None:
         self.jobs = max(1, int(jobs))
         self.log = log
-        self.part_timeout = part_timeout  # seconds an index may run (its head's load not counted); 0: no bound
+        self.part_timeout = part_timeout  # seconds an index may run (its head's load and kernels' warm-up not counted); 0: no bound
 
     def describe(self) -> str:
         return f"local: {self.jobs} single-threaded worker process{'es' if self.jobs > 1 else ''}"

@@ -8,8 +8,8 @@ through the object store, released when the head's last task ends. Ray itself si
 thread pools to its ``num_cpus`` (OMP_NUM_THREADS). The driver alone writes
 ``parts/``, exactly as with the local executor, so a sweep may move between the two.
 
-With a ``part_timeout``, a task's worker ends itself once its index has run that long (its head's read not counted,
-as locally): ``faulthandler``'s watchdog, a C thread that needs no GIL, writes the index's stack to the worker's log
+With a ``part_timeout``, a task's worker ends itself once its index has run that long (its head's read and its
+kernels' warm-up not counted, as locally): ``faulthandler``'s watchdog, a C thread that needs no GIL, writes the index's stack to the worker's log
 and exits the process whatever the index is doing. Each task also tells a small clock actor when its index starts and
 ends, so the driver can tell a worker that timed out (its attempt on the clock for the timeout) from one that died,
 fails the first as timed out, not retried in the run, and retries the second itself, each attempt on the clock under
@@ -52,6 +52,7 @@ def _part_task(work: Work, layer: int, head: int, index: str, data=None, clock=N
         data = _writable(data)
     if error:
         return None, error
+    work.warm(data, [index])  # before the clock and the watchdog: a node's first compile is not the index's time
     _tell(clock, "start", key)
     if timeout:
         faulthandler.dump_traceback_later(timeout, exit=True)
@@ -118,7 +119,7 @@ class RayExecutor:
             raise AnnsLabError(f"data must be one of {DATA_MODES}, got {data!r}")
         check_cpus_per_task(cpus_per_task)
         self.log, self.data, self.cpus_per_task = log, data, float(cpus_per_task)
-        self.part_timeout = part_timeout  # seconds an index may run (its head's load not counted); 0: no bound
+        self.part_timeout = part_timeout  # seconds an index may run (its head's load and kernels' warm-up not counted); 0: no bound
         self.cluster = Cluster(address, jobs, log)
         self.ray = self.cluster.ray
         self.cluster.require({"CPU": self.cpus_per_task}, "sweep")
