@@ -1268,7 +1268,7 @@ def _holder(folder):
 def test_a_folder_another_process_writes_into_is_refused_and_free_once_it_ends(tiny_llama, dump, tmp_path):
     """Before: a second dump into a folder being written (`--overwrite`, or a resume) cleared or rewrote its files under
     the first (here: a FileNotFoundError traceback on the staging folder the first had removed); a second sweep's
-    --overwrite removed the first's parts."""
+    --overwrite removed the first's parts; two reports into one folder both exited 0, their files possibly mixed."""
     dump_args = ["dump", "--model", tiny_llama, "--tokens", 64, "--decode-tokens", 2, "--out", tmp_path / "d"]
     sweep_args = ["sweep", "--dump", dump.path, "--indexes", "flat", "--layers", 1, "--heads", 0, "--k", 10, "--window",
                   "0,0", "--quick", "--jobs", 1, "--out", tmp_path / "r"]
@@ -1287,6 +1287,18 @@ def test_a_folder_another_process_writes_into_is_refused_and_free_once_it_ends(t
             holder.wait()
         ran = CliRunner().invoke(main, [str(a) for a in args])  # the lock ends with its process, even killed
         assert ran.exit_code == 0, ran.output
+    # session 45: a report into a folder being written (its sweep still running there, another report) is refused whole
+    _sweep(dump, tmp_path / "s")
+    before = {f.name: f.stat().st_mtime_ns for f in (tmp_path / "s").iterdir()}
+    holder = _holder(tmp_path / "s")
+    try:
+        one_line_error(["report", tmp_path / "s"], f"another anns-lab process is writing into {tmp_path / 's'}")
+        assert {f.name: f.stat().st_mtime_ns for f in (tmp_path / "s").iterdir()} == before
+    finally:
+        holder.kill()
+        holder.wait()
+    ran = CliRunner().invoke(main, ["report", str(tmp_path / "s")])
+    assert ran.exit_code == 0 and (tmp_path / "s" / "report.md").exists(), ran.output
 
 
 def test_a_folder_made_by_two_commands_at_once_is_written_by_one(dump, tmp_path, monkeypatch):

@@ -29,7 +29,7 @@ from anns_lab.eval.heads import check_k, index_range, load_head
 from anns_lab.eval.findings import fmt_fraction  # noqa: F401 - benchmarks import it from here
 from anns_lab.eval.table import RESULTS, SETTINGS, load_results
 from anns_lab.indexes import registry
-from anns_lab.io import atomic_path, loads_json, read_json
+from anns_lab.io import atomic_path, hold_folder, loads_json, read_json
 
 TARGETS = (0.90, 0.95, 0.99)
 FIGURES = {"recall_vs_scanned.png": "Recall against keys scanned, Q→K and K→K (Fig. 3a / 6)",
@@ -282,11 +282,12 @@ def _check_out(out: Path, folder: Path) -> None:
 def _write(out: Path, files: dict[str, bytes]) -> None:
     """Write the report's files into ``out`` (made if new) as one set: every file to a temporary beside its place
     first, then the renames, ``report.md`` last (a report stopped while writing its figures left new PNGs under the old
-    pages); an unwritable --out is one error."""
+    pages), under the folder's lock (two reports into one --out both exited 0, their files possibly mixed; a sweep
+    still writing its folder holds it); an unwritable --out is one error."""
     pages_last = sorted(files, key=lambda name: (name != "report.md", name != "report.html"))  # renamed in reverse
     try:
         out.mkdir(parents=True, exist_ok=True)
-        with contextlib.ExitStack() as renames:  # each atomic_path renames at the stack's end, or removes its temporary
+        with hold_folder(out), contextlib.ExitStack() as renames:  # each atomic_path renames at the stack's end
             for name in pages_last:
                 renames.enter_context(atomic_path(out / name)).write_bytes(files[name])
     except OSError as err:
