@@ -92,7 +92,7 @@ def test_held_out_prefill_queries_leave_the_training_and_test_positions_cannot_b
 def test_a_layer_whose_sliding_window_is_shorter_than_the_dump_is_never_evaluated(tiny_gemma3, tmp_path):
     """Before: a `--layers all` dump of Gemma-3 swept its sliding layers by default (2, 9, 16 on the real model),
     scoring them against full causal attention, which they never compute (output error 0.07-0.12 against full,
-    1.06-1.40 against their own window), with no word of it. The tiny Gemma-3: layers 0 and 2 slide (8 tokens)."""
+    1.06-1.40 against their own window), with no word of it; until session 45 `export` wrote such a layer's head. The tiny Gemma-3: layers 0 and 2 slide (8 tokens)."""
     import json
     import shutil
 
@@ -109,6 +109,10 @@ def test_a_layer_whose_sliding_window_is_shorter_than_the_dump_is_never_evaluate
     with pytest.raises(AnnsLabError, match=r"layer 0 of dump .* sliding window \(8 tokens\) .*full-attention layers \(1, 3\)"):
         run_sweep(dump.path, ["flat"], [0, 1], [0], k=K, window=(0, 0), out=tmp_path / "s0", jobs=1, progress=False)
     assert not (tmp_path / "s0").exists()
+    with pytest.raises(AnnsLabError, match=r"layer 2 of dump .* sliding window \(8 tokens\) .*full-attention layers \(1, 3\)"):
+        export.export_fbin(dump, 2, 0, tmp_path / "x2", k=K, window=(0, 0))  # session 45: export wrote it
+    assert not (tmp_path / "x2").exists()
+    assert export.read_fbin(export.export_fbin(dump, 3, 0, tmp_path / "x3", k=K, window=(0, 0))["base.fbin"]).shape[0] > K
 
     wide = shutil.copytree(tiny_gemma3, tmp_path / "wide")  # a window as long as the dump binds nowhere in it
     config = json.loads((wide / "config.json").read_text())

@@ -15,7 +15,7 @@ from anns_lab.dumps.store import Dump
 from anns_lab.errors import AnnsLabError
 from anns_lab.io import atomic_write_bytes, atomic_write_json, sole_writer
 from anns_lab.eval import metrics
-from anns_lab.eval.heads import HeadData, check_k, load_head
+from anns_lab.eval.heads import HeadData, check_full_attention, check_k, load_head
 
 
 EXPORT_FILES = ("base.fbin", "train_queries.fbin", "test_queries.fbin", "k2k_queries.fbin", "gt_q2k.bin", "gt_k2k.bin",
@@ -73,6 +73,7 @@ def export_fbin(dump: Dump, layer: int, head: int, out: str | Path, k: int = 100
     must be new or empty, or an earlier export with ``overwrite``: its files are replaced, nothing else is touched."""
     out = Path(out)
     _check_out(out, overwrite)  # before the head is read
+    check_full_attention(dump, [layer])  # a sliding layer's exact top-k is not what it attends (as the sweep refuses)
     check_k(dump, window, k)  # before the folder is made: a refused export leaves nothing behind
     data = load_head(dump, layer, head, window, train_positions=train_positions)
 
