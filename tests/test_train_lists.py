@@ -239,7 +239,8 @@ def test_bf16_native_is_false_where_bf16_is_emulated_or_unprobed(monkeypatch):
     assert not train_lists.bf16_native()
 
 
-@pytest.mark.parametrize("n,k,ordered", [(747, 399, 199), (400, 399, 399), (50, 50, 10), (9, 1, 1), (300, 120, 120)])
+@pytest.mark.parametrize("n,k,ordered", [(747, 399, 199), (400, 399, 399), (50, 50, 10), (9, 1, 1), (300, 120, 120),
+                                         (16, 8, 8), (182, 150, 30)])
 def test_top_sorted_against_a_stable_argsort(n, k, ordered):
     """The re-rank's selection (train_lists._top_sorted, quickselect by _select_smallest): the top k of a stable
     argsort of −s as a set, its first ``ordered`` in order; on random scores, sorted ones (the anchors' lists order
@@ -258,15 +259,20 @@ def test_top_sorted_against_a_stable_argsort(n, k, ordered):
         assert sorted(out.tolist()) == sorted(ref[:k].tolist())
 
 
-def test_radix_sort_is_a_sort():
-    """The selection's radix sort of uint64 keys against np.sort: random keys, shared bytes (skipped passes), an odd
-    number of passes (the result back in place), one and no element."""
-    from anns_lab.indexes.train_lists import _radix_sort
+@pytest.mark.parametrize("name", ["_radix_sort", "_sort_keys"])
+def test_the_selections_sorts_are_sorts(name):
+    """The selection's sorts of uint64 keys against np.sort: random keys, shared bytes (the radix sort's skipped
+    passes), an odd number of passes (the result back in place), short rows (``_sort_keys``' insertion below
+    SMALL_SORT: the stranded keys' 8, a gap's 30), already sorted and reversed ones, one and no element."""
+    from anns_lab.indexes import train_lists
 
+    sort = getattr(train_lists, name)
     rng = np.random.default_rng(9)
     cases = [rng.integers(0, 2**63, 199, dtype=np.uint64) * 2 + 1, (rng.integers(0, 900, 300, dtype=np.uint64) << 32) | 7,
              rng.integers(0, 256, 64, dtype=np.uint64), np.array([5], np.uint64), np.array([], np.uint64)]
+    cases += [rng.integers(0, 2**64 - 1, n, dtype=np.uint64) for n in (2, 8, 30, train_lists.SMALL_SORT - 1)]
+    cases += [np.sort(cases[-1]), np.sort(cases[-2])[::-1].copy()]
     for a in cases:
         got = a.copy()
-        _radix_sort(got)
+        sort(got)
         assert got.tolist() == np.sort(a).tolist()
