@@ -110,6 +110,20 @@ def test_the_untimed_warm_forward_leaves_the_prefill_as_it_was(prefilled):
     assert set(again.queries) == set(pre.queries) and all(np.array_equal(again.queries[l], pre.queries[l]) for l in pre.queries)
 
 
+def test_the_kept_prefill_queries_are_every_chunks_in_place(prefilled):
+    """The queries an index trains on, kept chunk by chunk in one buffer per layer (since session 45; before, each
+    chunk's own tensor, held to the decode's end), equal a one-chunk prefill's, every position in its place (64 tokens
+    in chunks of 24: three writes, the last short); a prefill keeping the newest 10 keeps the same last rows."""
+    lm, pre, _ = prefilled
+    whole = prefill(lm, pre.ids, dataclasses.replace(SETTINGS, chunk=len(pre.ids)), capture_queries=True)
+    newest = prefill(lm, pre.ids, SETTINGS, capture_queries=True, newest_queries=10)
+    assert set(pre.queries) == set(whole.queries) == set(newest.queries) == set(lm.long_range_layers)
+    for layer, q in pre.queries.items():
+        assert q.dtype == np.float32 and q.shape == whole.queries[layer].shape and q.shape[1] == len(pre.ids)
+        np.testing.assert_allclose(q, whole.queries[layer], rtol=1e-4, atol=1e-5)
+        assert np.array_equal(newest.queries[layer], q[:, -10:])
+
+
 @pytest.mark.parametrize("device,ids,warmed", [("cpu", 50, None), ("cuda", 50, 17), ("cuda", 10, 10), ("cuda", 1, None),
                                                ("mps", 40, 17)])
 def test_the_warm_forward_runs_on_an_accelerator_only_and_covers_a_chunk_and_a_step(monkeypatch, device, ids, warmed):

@@ -70,14 +70,16 @@ class Retrieval:
     """State of one generation: phase, mode, window, and the CPU stores of the long-range layers."""
 
     def __init__(self, long_range: list[int], mode: str, window: Window, capture_queries: bool,
-                 newest_queries: int | None = None):
+                 newest_queries: int | None = None, n_tokens: int | None = None):
         self.long_range = set(long_range)
         self.mode = mode  # "full", "window", or "index"
         self.window = window
         self.phase = "prefill"
         self.capture_queries = capture_queries
         self.newest_queries = newest_queries  # prefill: keep only each head's newest this many (None: all)
+        self.n_tokens = n_tokens  # prefill: the prompt's length, the size of the buffers that keep all queries
         self.queries: dict[int, list[torch.Tensor]] = {}
+        self._filled: dict[int, int] = {}  # prefill, all queries kept: the positions each layer's buffer holds
         self.scaling: dict[int, float] = {}  # prefill: each long-range layer's softmax scale, as its attention got it
         self.layer_done = None  # prefill: called with a long-range layer once its keys and queries are complete
         self.stores: dict[int, LayerStore] = {}
@@ -100,7 +102,7 @@ class Retrieval:
         if self.phase == "prefill":
             self.scaling[layer] = float(kwargs.get("scaling") or module.scaling)
             if self.capture_queries:
-                self._keep_queries(layer, query[0].detach().to("cpu", torch.float32))
+                self._keep_queries(layer, query[0].detach())
             if self.layer_done is not None:  # the prompt's last chunk: this layer's cache and queries are final
                 self.layer_done(layer)
             return inner(module, query, key, value, attention_mask, **kwargs)
@@ -190,21 +192,33 @@ class Retrieval:
         return t
 
     def _keep_queries(self, layer: int, chunk: torch.Tensor) -> None:
-        """Keep a prefill chunk's queries (H, t, d) of ``layer``: all of them, or with ``newest_queries`` only each
-        head's newest so many (copied, so that the chunk's array is not held)."""
+        """Keep a prefill chunk's queries (H, t, d) of ``layer`` in float32 on the CPU: all of them, copied into one
+        buffer per layer of the prompt's length (``n_tokens``; when it is not given, as parts concatenated once), or
+        with ``newest_queries`` only each head's newest so many. Copied either way, so that no chunk's tensor is held
+        (the model's memory for the next one); one buffer leaves nothing to concatenate after the prefill (a copy of
+        each layer's queries, beside them, outside every timed part: BENCHMARKS "Where the 8K first token goes")."""
+        if self.newest_queries is None and self.n_tokens is not None:
+            done = self._filled.get(layer, 0)
+            if layer not in self.queries:
+                self.queries[layer] = [torch.empty((chunk.shape[0], self.n_tokens, chunk.shape[2]), dtype=torch.float32)]
+            self.queries[layer][0][:, done:done + chunk.shape[1]].copy_(chunk)
+            self._filled[layer] = done + chunk.shape[1]
+            return
         parts = self.queries.setdefault(layer, [])
-        parts.append(chunk)
+        parts.append(chunk.to("cpu", torch.float32, copy=True))
         if self.newest_queries is not None:
             self.queries[layer] = [torch.cat(parts, dim=1)[:, -self.newest_queries:].clone()]
 
     def prefill_queries(self, layer: int) -> np.ndarray | None:
-        """(H, t, d) float32 prefill queries of ``layer``, if captured (concatenated once: the early builds and the
-        prefill's result share the array)."""
+        """(H, t, d) float32 prefill queries of ``layer`` so far, if captured (concatenated once where kept in parts:
+        the early builds and the prefill's result share the array)."""
         parts = self.queries.get(layer)
         if not parts:
             return None
         if len(parts) > 1:
             self.queries[layer] = parts = [torch.cat(parts, dim=1)]
+        if layer in self._filled:
+            return parts[0][:, :self._filled[layer]].numpy()
         return parts[0].numpy()
 
 

@@ -141,7 +141,7 @@ def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool, build
 
     warm_accelerator(lm, ids, settings)
     cache = DynamicCache(config=lm.model.config)
-    ctl = Retrieval(lm.long_range_layers, "full", settings.window, capture_queries, newest_queries)
+    ctl = Retrieval(lm.long_range_layers, "full", settings.window, capture_queries, newest_queries, len(ids))
     early = None
     if settings.build_during_prefill and any(m.kind == "index" for m in build_modes):
         early = EarlyBuilds(lm, len(ids), [m for m in build_modes if m.kind == "index"], settings, cache,
