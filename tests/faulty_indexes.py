@@ -74,12 +74,16 @@ _WARMED: set[str] = set()  # the indexes SlowWarmWork warmed in this process
 @dataclass(frozen=True)
 class SlowWarmWork(SweepWork):
     """The sweep's work where an index's first warm-up in a process takes ``warm_s`` seconds (a node compiling its
-    kernels); a part evaluated before its index was warmed in this process fails."""
+    kernels), and ``abort_on``'s aborts the process; a part evaluated before its index was warmed in this process
+    fails."""
 
     warm_s: float = 0.0
+    abort_on: str = ""
 
     def warm(self, data, names: list[str]) -> None:
         for name in names:
+            if name == self.abort_on:
+                os.abort()
             if name not in _WARMED:
                 time.sleep(self.warm_s)
                 _WARMED.add(name)

@@ -124,6 +124,36 @@ def test_the_kept_prefill_queries_are_every_chunks_in_place(prefilled):
         assert np.array_equal(newest.queries[layer], q[:, -10:])
 
 
+
+def test_the_kept_queries_are_copies_in_one_buffer_and_a_second_pass_is_refused():
+    """Retrieval._keep_queries itself: chunks of 4, 4 and 2 of a 10-token prompt (bfloat16, as a model may give them)
+    land in one float32 buffer, copies (the chunks' tensors, changed after, change nothing: until session 45 the
+    kept chunk tensors were the model's own on a float32 CPU model), read back contiguous part way and whole; an eleventh
+    position is one clear error, not a row dropped."""
+    from anns_lab.decode.attention import Retrieval
+    from anns_lab.errors import DecodeError
+
+    src = torch.randn(3, 10, 8, dtype=torch.bfloat16)
+    ctl = Retrieval([0], "full", Window(0, 0), True, None, n_tokens=10)
+    chunks = [src[:, :4].clone(), src[:, 4:8].clone(), src[:, 8:].clone()]
+    ctl._keep_queries(0, chunks[0])
+    part = ctl.prefill_queries(0)
+    assert part.shape == (3, 4, 8) and part.flags.c_contiguous
+    for chunk in chunks[1:]:
+        ctl._keep_queries(0, chunk)
+    for chunk in chunks:
+        chunk.zero_()
+    got = ctl.prefill_queries(0)
+    assert len(ctl.queries[0]) == 1 and got.dtype == np.float32 and got.flags.c_contiguous
+    assert np.array_equal(got, src.float().numpy()) and np.shares_memory(got, ctl.prefill_queries(0))
+    with pytest.raises(DecodeError, match="positions 10..10 of a 10-token prompt"):
+        ctl._keep_queries(0, src[:, :1])
+    newest = Retrieval([0], "full", Window(0, 0), True, 3)
+    for i in range(0, 10, 4):
+        newest._keep_queries(0, src[:, i:i + 4])
+    assert np.array_equal(newest.prefill_queries(0), src[:, -3:].float().numpy())
+
+
 @pytest.mark.parametrize("device,ids,warmed", [("cpu", 50, None), ("cuda", 50, 17), ("cuda", 10, 10), ("cuda", 1, None),
                                                ("mps", 40, 17)])
 def test_the_warm_forward_runs_on_an_accelerator_only_and_covers_a_chunk_and_a_step(monkeypatch, device, ids, warmed):

@@ -127,6 +127,31 @@ def test_a_workers_first_compile_is_not_counted_against_the_part_timeout(tiny_du
     assert error is None and recall == want.query("index == 'flat'")["recall"].tolist()
 
 
+def test_a_warm_up_that_crashes_or_hangs_costs_its_own_part_only(tiny_dump, monkeypatch):
+    """A worker that dies readying one index's kernels fails that part only (the first version of the untimed warm-up
+    readied a unit's every index while its worker was "loading", and the death failed them all); a warm-up that never
+    ends is killed at base.warm_limit (here 3 s against a 1 s part timeout), its part failed as timed out."""
+    from faulty_indexes import SlowWarmWork
+
+    from anns_lab.eval.executors import base
+    from anns_lab.eval.executors.local import LocalExecutor
+
+    outcomes = []
+    LocalExecutor(1).run(SlowWarmWork(str(tiny_dump.path), K, WINDOW, {}, False, abort_on="ivf"),
+                         [(3, 0, ["flat", "ivf", "hnsw"])], {}, outcomes.append)
+    assert [(o.part.index, o.error is None, o.crashed) for o in outcomes] == [("flat", True, False), ("ivf", False, True),
+                                                                            ("hnsw", True, False)]
+    assert "SIGABRT" in outcomes[1].error
+    monkeypatch.setattr(base, "WARM_LIMIT", 3.0)  # the driver's clock: the bound is applied here
+    outcomes = []
+    t0 = time.monotonic()
+    LocalExecutor(1, part_timeout=1.0).run(SlowWarmWork(str(tiny_dump.path), K, WINDOW, {}, False, warm_s=60.0),
+                                           [(3, 0, ["flat"])], {}, outcomes.append)
+    assert time.monotonic() - t0 < 45
+    (out,) = outcomes
+    assert out.table is None and "readying the index's kernels ran past 3 s" in out.error, out.error
+
+
 def test_a_default_sweep_names_the_indexes_that_fail_to_load(tiny_dump, tmp_path, monkeypatch):
     """Before: a plugin claiming ``flat`` (a conflict) or one whose module is missing left the default sweep without
     a word: the table simply had no such index."""

@@ -1265,7 +1265,7 @@ def _holder(folder):
     return proc
 
 
-def test_a_folder_another_process_writes_into_is_refused_and_free_once_it_ends(tiny_llama, dump, tmp_path):
+def test_a_folder_another_process_writes_into_is_refused_and_free_once_it_ends(tiny_llama, dump, tmp_path, monkeypatch):
     """Before: a second dump into a folder being written (`--overwrite`, or a resume) cleared or rewrote its files under
     the first (here: a FileNotFoundError traceback on the staging folder the first had removed); a second sweep's
     --overwrite removed the first's parts; two reports into one folder both exited 0, their files possibly mixed."""
@@ -1290,9 +1290,14 @@ def test_a_folder_another_process_writes_into_is_refused_and_free_once_it_ends(t
     # session 45: a report into a folder being written (its sweep still running there, another report) is refused whole
     _sweep(dump, tmp_path / "s")
     before = {f.name: f.stat().st_mtime_ns for f in (tmp_path / "s").iterdir()}
+    from anns_lab.eval import report
+
     holder = _holder(tmp_path / "s")
     try:
+        figures = report.figures
+        monkeypatch.setattr(report, "figures", None)  # refused before any figure is drawn
         one_line_error(["report", tmp_path / "s"], f"another anns-lab process is writing into {tmp_path / 's'}")
+        monkeypatch.setattr(report, "figures", figures)
         assert {f.name: f.stat().st_mtime_ns for f in (tmp_path / "s").iterdir()} == before
     finally:
         holder.kill()

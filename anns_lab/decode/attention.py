@@ -199,26 +199,31 @@ class Retrieval:
         each layer's queries, beside them, outside every timed part: BENCHMARKS "Where the 8K first token goes")."""
         if self.newest_queries is None and self.n_tokens is not None:
             done = self._filled.get(layer, 0)
+            if done + chunk.shape[1] > self.n_tokens:  # a layer called twice in a forward would misplace every row
+                raise DecodeError(f"layer {layer}: prefill queries for positions {done}..{done + chunk.shape[1] - 1} of a "
+                                  f"{self.n_tokens}-token prompt: its attention ran more than once per token")
             if layer not in self.queries:
                 self.queries[layer] = [torch.empty((chunk.shape[0], self.n_tokens, chunk.shape[2]), dtype=torch.float32)]
             self.queries[layer][0][:, done:done + chunk.shape[1]].copy_(chunk)
             self._filled[layer] = done + chunk.shape[1]
             return
         parts = self.queries.setdefault(layer, [])
-        parts.append(chunk.to("cpu", torch.float32, copy=True))
+        parts.append((chunk if self.newest_queries is None else chunk[:, -self.newest_queries:]).to("cpu", torch.float32,
+                                                                                                       copy=True))
         if self.newest_queries is not None:
             self.queries[layer] = [torch.cat(parts, dim=1)[:, -self.newest_queries:].clone()]
 
     def prefill_queries(self, layer: int) -> np.ndarray | None:
-        """(H, t, d) float32 prefill queries of ``layer`` so far, if captured (concatenated once where kept in parts:
-        the early builds and the prefill's result share the array)."""
+        """(H, t, d) float32 prefill queries of ``layer``, if captured (concatenated once where kept in parts: the
+        early builds and the prefill's result share the array); read once the prompt has passed the layer (before,
+        a contiguous copy of the positions so far)."""
         parts = self.queries.get(layer)
         if not parts:
             return None
         if len(parts) > 1:
             self.queries[layer] = parts = [torch.cat(parts, dim=1)]
-        if layer in self._filled:
-            return parts[0][:, :self._filled[layer]].numpy()
+        if self._filled.get(layer, self.n_tokens) != self.n_tokens:
+            return np.ascontiguousarray(parts[0][:, :self._filled[layer]].numpy())
         return parts[0].numpy()
 
 

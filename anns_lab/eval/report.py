@@ -150,6 +150,9 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
     _check_key_count(table, dump, window, k, folder)
     out = Path(out) if out is not None else folder
     _check_out(out, folder)
+    if out.is_dir():
+        with hold_folder(out):  # refused at once where a sweep or report is writing there (held again to write)
+            pass
     pairs = sorted({(int(r.layer), int(r.head)) for r in table[["layer", "head"]].itertuples()})
     n_keys = int(table["n_keys"].median())
 

@@ -78,6 +78,24 @@ class Executor(Protocol):
     def close(self) -> None: ...
 
 
+#: Seconds a worker may spend readying one index's kernels (``Work.warm``) when parts are bounded by --part-timeout, at
+#: least that timeout: a node whose numba cache is empty compiles for minutes, outside the part's clock but not unbounded.
+WARM_LIMIT = 600.0
+
+
+def warm_limit(part_timeout: float) -> float:
+    """The bound on one index's warm-up in a worker under ``part_timeout`` (0: no bound, as the parts)."""
+    return max(WARM_LIMIT, part_timeout) if part_timeout else 0.0
+
+
+def warm(work: Work, data: Any, index: str) -> None:
+    """``work.warm`` for one index with its error dropped: the part itself then meets it and reports it as its own."""
+    try:
+        work.warm(data, [index])
+    except Exception:  # noqa: BLE001 - a warm-up only (the sweep's swallows its own already)
+        pass
+
+
 def load(work: Work, layer: int, head: int) -> tuple[Any, str | None]:
     """``work.load`` with its error caught: a head that cannot be read fails its parts, not the sweep."""
     try:

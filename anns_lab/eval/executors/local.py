@@ -1,12 +1,14 @@
 """The local executor: ``jobs`` single-threaded worker processes on this machine, each fed one head at a time.
 
 Not a ``ProcessPoolExecutor``: when one of its workers dies the whole pool breaks and no error names
-the part. Here each worker tells the driver which index it starts, so a worker that dies (``os.abort``,
+the part. Here each worker tells the driver which index it readies (its kernels: ``Work.warm``) and starts, so a
+worker that dies (``os.abort``,
 a segfault, the OOM killer, ``kill -9``) fails exactly that part; the driver starts a new worker and
 retries the part while its attempts last; one that dies between two heads is replaced without a trace.
 Workers ignore SIGINT: on Ctrl-C the driver stops them (SIGTERM, then SIGKILL) and returns at once
 instead of waiting for queued heads. With a ``part_timeout``, an index that runs longer (a stuck plugin) has its
-worker killed and its part failed as timed out, not retried in the run: a hang costs that part, not the sweep.
+worker killed and its part failed as timed out, not retried in the run: a hang costs that part, not the sweep
+(its kernels' warm-up, before its clock starts, has a bound of its own: ``base.warm_limit``).
 Workers end with their driver, however it ends (``kill -9`` included): none is left running an index for no one.
 """
 
@@ -20,7 +22,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
-from anns_lab.eval.executors.base import OnOutcome, OnRunning, Outcome, Part, Unit, Work, attempt, death_text, load
+from anns_lab.eval.executors.base import (OnOutcome, OnRunning, Outcome, Part, Unit, Work, attempt, death_text, load,
+                                          warm, warm_limit)
 from anns_lab.processes import die_with
 
 LOADING = "<load>"  # what a worker is doing before its first index: reading the head
@@ -40,9 +43,10 @@ def _worker(conn: Connection, work: Work, driver: int) -> None:
             layer, head, names = unit
             conn.send(("start", LOADING))
             data, load_error = load(work, layer, head)
-            if not load_error:
-                work.warm(data, names)  # still LOADING: the driver's timeout starts with each index
             for name in names:
+                if not load_error:  # its kernels first, on a clock of their own (warm_limit), then the part's
+                    conn.send(("warm", name))
+                    warm(work, data, name)
                 conn.send(("start", name))
                 table, error = (None, load_error) if load_error else attempt(work, data, name, worker=True)
                 conn.send(("done", name, table, error))
@@ -59,6 +63,7 @@ class _Slot:
     current: str | None = None
     remaining: list[str] = field(default_factory=list)
     since: float = 0.0  # when ``current`` started (time.monotonic)
+    warming: bool = False  # ``current`` is readying its kernels (Work.warm), bounded by warm_limit, not yet its part
 
 
 class LocalExecutor:
@@ -111,11 +116,13 @@ class LocalExecutor:
                 self._stop(slot)
 
     def _until_overdue(self, slots: list[_Slot]) -> float | None:
-        """Seconds until the first of ``slots``' running indexes passes ``part_timeout`` (0.0: one has); None: no bound."""
-        running = [s.since for s in slots if s.current not in (None, LOADING)]
-        if not self.part_timeout or not running:
+        """Seconds until the first of ``slots``' running indexes passes ``part_timeout``, or its warm-up
+        :func:`warm_limit` (0.0: one has); None: no bound."""
+        ends = [s.since + (warm_limit(self.part_timeout) if s.warming else self.part_timeout)
+                for s in slots if s.current not in (None, LOADING)]
+        if not self.part_timeout or not ends:
             return None
-        return max(0.0, min(running) + self.part_timeout - time.monotonic())
+        return max(0.0, min(ends) - time.monotonic())
 
     def _start(self, ctx, work: Work, unit: Unit) -> _Slot:
         parent, child = ctx.Pipe()
@@ -160,8 +167,8 @@ class LocalExecutor:
                 msg = slot.conn.recv()
             except (EOFError, OSError):
                 return False
-            if msg[0] == "start":
-                slot.current, slot.since = msg[1], time.monotonic()
+            if msg[0] in ("warm", "start"):
+                slot.current, slot.since, slot.warming = msg[1], time.monotonic(), msg[0] == "warm"
             elif msg[0] == "done":
                 _, name, table, error = msg
                 part = Part(layer, head, name)
@@ -180,8 +187,11 @@ class LocalExecutor:
         out one is not, in this run); the rest of the unit is requeued."""
         slot.proc.join(timeout=5)
         layer, head, _ = slot.unit
-        how = f"was killed: the index ran past --part-timeout {self.part_timeout:g} s" if timed_out else \
-            death_text(slot.proc.exitcode)
+        how = death_text(slot.proc.exitcode)
+        if timed_out:
+            how = (f"was killed: readying the index's kernels ran past {warm_limit(self.part_timeout):g} s (at least "
+                   f"--part-timeout)" if slot.warming else f"was killed: the index ran past --part-timeout "
+                   f"{self.part_timeout:g} s")
         # Dying while reading the head counts against every part of the unit; otherwise only the current one.
         suspects = list(slot.remaining) if slot.current in (None, LOADING) else [slot.current]
         keep = [n for n in slot.remaining if n not in suspects]

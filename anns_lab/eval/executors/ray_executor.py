@@ -9,8 +9,9 @@ thread pools to its ``num_cpus`` (OMP_NUM_THREADS). The driver alone writes
 ``parts/``, exactly as with the local executor, so a sweep may move between the two.
 
 With a ``part_timeout``, a task's worker ends itself once its index has run that long (its head's read and its
-kernels' warm-up not counted, as locally): ``faulthandler``'s watchdog, a C thread that needs no GIL, writes the index's stack to the worker's log
-and exits the process whatever the index is doing. Each task also tells a small clock actor when its index starts and
+kernels' warm-up not counted, as locally; the warm-up has a watchdog of its own, ``base.warm_limit``, and a worker it
+ends is a death to the driver): ``faulthandler``'s watchdog, a C thread that needs no GIL, writes the index's stack to
+the worker's log and exits the process whatever the index is doing. Each task also tells a small clock actor when its index starts and
 ends, so the driver can tell a worker that timed out (its attempt on the clock for the timeout) from one that died,
 fails the first as timed out, not retried in the run, and retries the second itself, each attempt on the clock under
 its own key. The driver cancels nothing on time: a ``ray.cancel`` that meets a task finishing at that moment can abort
@@ -28,7 +29,8 @@ from dataclasses import replace
 import numpy as np
 
 from anns_lab.errors import AnnsLabError
-from anns_lab.eval.executors.base import OnOutcome, OnRunning, Outcome, Part, Unit, Work, attempt, load
+from anns_lab.eval.executors.base import (OnOutcome, OnRunning, Outcome, Part, Unit, Work, attempt, load, warm,
+                                          warm_limit)
 from anns_lab.eval.executors.ray_cluster import Cluster, check_cpus_per_task, ray_error_text
 
 DATA_MODES = ("auto", "path", "ship")
@@ -52,7 +54,13 @@ def _part_task(work: Work, layer: int, head: int, index: str, data=None, clock=N
         data = _writable(data)
     if error:
         return None, error
-    work.warm(data, [index])  # before the clock and the watchdog: a node's first compile is not the index's time
+    if timeout:  # the kernels readied before the clock and the part's watchdog, under a watchdog of their own
+        faulthandler.dump_traceback_later(warm_limit(timeout), exit=True)
+    try:
+        warm(work, data, index)  # a node's first compile (minutes) is not the index's time
+    finally:
+        if timeout:
+            faulthandler.cancel_dump_traceback_later()
     _tell(clock, "start", key)
     if timeout:
         faulthandler.dump_traceback_later(timeout, exit=True)
