@@ -92,7 +92,8 @@ def test_held_out_prefill_queries_leave_the_training_and_test_positions_cannot_b
 def test_a_layer_whose_sliding_window_is_shorter_than_the_dump_is_never_evaluated(tiny_gemma3, tmp_path):
     """Before: a `--layers all` dump of Gemma-3 swept its sliding layers by default (2, 9, 16 on the real model),
     scoring them against full causal attention, which they never compute (output error 0.07-0.12 against full,
-    1.06-1.40 against their own window), with no word of it; until session 45 `export` wrote such a layer's head. The tiny Gemma-3: layers 0 and 2 slide (8 tokens)."""
+    1.06-1.40 against their own window), with no word of it; until session 45 `export` wrote such a layer's head.
+    The tiny Gemma-3: layers 0 and 2 slide (8 tokens)."""
     import json
     import shutil
 

@@ -128,8 +128,8 @@ def test_the_kept_prefill_queries_are_every_chunks_in_place(prefilled):
 def test_the_kept_queries_are_copies_in_one_buffer_and_a_second_pass_is_refused():
     """Retrieval._keep_queries itself: chunks of 4, 4 and 2 of a 10-token prompt (bfloat16, as a model may give them)
     land in one float32 buffer, copies (the chunks' tensors, changed after, change nothing: until session 45 the
-    kept chunk tensors were the model's own on a float32 CPU model), read back contiguous part way and whole; an eleventh
-    position is one clear error, not a row dropped."""
+    kept chunk tensors were the model's own on a float32 CPU model), read back contiguous part way and whole; an
+    eleventh position is one clear error, not a row dropped."""
     from anns_lab.decode.attention import Retrieval
     from anns_lab.errors import DecodeError
 

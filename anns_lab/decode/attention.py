@@ -196,20 +196,22 @@ class Retrieval:
         buffer per layer of the prompt's length (``n_tokens``; when it is not given, as parts concatenated once), or
         with ``newest_queries`` only each head's newest so many. Copied either way, so that no chunk's tensor is held
         (the model's memory for the next one); one buffer leaves nothing to concatenate after the prefill (a copy of
-        each layer's queries, beside them, outside every timed part: BENCHMARKS "Where the 8K first token goes")."""
+        each layer's queries, beside them, outside every timed part: BENCHMARKS "Where the 8K first token goes
+        today")."""
         if self.newest_queries is None and self.n_tokens is not None:
-            done = self._filled.get(layer, 0)
-            if done + chunk.shape[1] > self.n_tokens:  # a layer called twice in a forward would misplace every row
-                raise DecodeError(f"layer {layer}: prefill queries for positions {done}..{done + chunk.shape[1] - 1} of a "
+            done, t = self._filled.get(layer, 0), chunk.shape[1]
+            if done + t > self.n_tokens:  # a layer called twice in a forward would misplace every row
+                raise DecodeError(f"layer {layer}: prefill queries for positions {done}..{done + t - 1} of a "
                                   f"{self.n_tokens}-token prompt: its attention ran more than once per token")
             if layer not in self.queries:
-                self.queries[layer] = [torch.empty((chunk.shape[0], self.n_tokens, chunk.shape[2]), dtype=torch.float32)]
-            self.queries[layer][0][:, done:done + chunk.shape[1]].copy_(chunk)
-            self._filled[layer] = done + chunk.shape[1]
+                h, d = chunk.shape[0], chunk.shape[2]
+                self.queries[layer] = [torch.empty((h, self.n_tokens, d), dtype=torch.float32)]
+            self.queries[layer][0][:, done:done + t].copy_(chunk)
+            self._filled[layer] = done + t
             return
+        newest = chunk if self.newest_queries is None else chunk[:, -self.newest_queries:]
         parts = self.queries.setdefault(layer, [])
-        parts.append((chunk if self.newest_queries is None else chunk[:, -self.newest_queries:]).to("cpu", torch.float32,
-                                                                                                       copy=True))
+        parts.append(newest.to("cpu", torch.float32, copy=True))
         if self.newest_queries is not None:
             self.queries[layer] = [torch.cat(parts, dim=1)[:, -self.newest_queries:].clone()]
 

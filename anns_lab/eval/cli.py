@@ -129,8 +129,8 @@ def latest_dump() -> Path | None:
                    "node has it).  [default: auto]")
 @click.option("--part-timeout", type=float, default=0.0, show_default=True,
               help="Seconds an index may run on one head before its worker is killed and the part failed as timed out "
-                   "(a stuck plugin; on Ray the worker ends itself); the head's read and the kernels' first load or compile "
-                   "in a worker are not counted (that warm-up is bounded apart, at least 600 s); 0 = no bound.")
+                   "(a stuck plugin; on Ray the worker ends itself); the head's read and the kernels' first load or "
+                   "compile in a worker are not counted (that warm-up is bounded apart, at least 600 s); 0 = no bound.")
 @click.option("--max-attempts", type=int, default=3, show_default=True,
               help="A failing part is tried at most this many times over all runs, then reported.")
 @click.option("--retry-failed", is_flag=True, help="Forget earlier failures (parts/failed-*.json) and try those parts again.")

@@ -78,8 +78,8 @@ class Executor(Protocol):
     def close(self) -> None: ...
 
 
-#: Seconds a worker may spend readying one index's kernels (``Work.warm``) when parts are bounded by --part-timeout, at
-#: least that timeout: a node whose numba cache is empty compiles for minutes, outside the part's clock but not unbounded.
+#: Seconds a worker may spend readying one index's kernels (``Work.warm``) when parts are bounded by --part-timeout (at
+#: least that timeout): a node whose numba cache is empty compiles for minutes, off the part's clock but not unbounded.
 WARM_LIMIT = 600.0
 
 

@@ -2,9 +2,8 @@
 
 Not a ``ProcessPoolExecutor``: when one of its workers dies the whole pool breaks and no error names
 the part. Here each worker tells the driver which index it readies (its kernels: ``Work.warm``) and starts, so a
-worker that dies (``os.abort``,
-a segfault, the OOM killer, ``kill -9``) fails exactly that part; the driver starts a new worker and
-retries the part while its attempts last; one that dies between two heads is replaced without a trace.
+worker that dies (``os.abort``, a segfault, the OOM killer, ``kill -9``) fails exactly that part; the driver starts a
+new worker and retries the part while its attempts last; one that dies between two heads is replaced without a trace.
 Workers ignore SIGINT: on Ctrl-C the driver stops them (SIGTERM, then SIGKILL) and returns at once
 instead of waiting for queued heads. With a ``part_timeout``, an index that runs longer (a stuck plugin) has its
 worker killed and its part failed as timed out, not retried in the run: a hang costs that part, not the sweep
@@ -72,7 +71,7 @@ class LocalExecutor:
     def __init__(self, jobs: int, log=print, part_timeout: float = 0.0) -> None:
         self.jobs = max(1, int(jobs))
         self.log = log
-        self.part_timeout = part_timeout  # seconds an index may run (its head's load and kernels' warm-up not counted); 0: no bound
+        self.part_timeout = part_timeout  # seconds an index may run (its head's load, its kernels' warm-up not counted)
 
     def describe(self) -> str:
         return f"local: {self.jobs} single-threaded worker process{'es' if self.jobs > 1 else ''}"

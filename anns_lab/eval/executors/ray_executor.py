@@ -11,10 +11,10 @@ thread pools to its ``num_cpus`` (OMP_NUM_THREADS). The driver alone writes
 With a ``part_timeout``, a task's worker ends itself once its index has run that long (its head's read and its
 kernels' warm-up not counted, as locally; the warm-up has a watchdog of its own, ``base.warm_limit``, and a worker it
 ends is a death to the driver): ``faulthandler``'s watchdog, a C thread that needs no GIL, writes the index's stack to
-the worker's log and exits the process whatever the index is doing. Each task also tells a small clock actor when its index starts and
-ends, so the driver can tell a worker that timed out (its attempt on the clock for the timeout) from one that died,
-fails the first as timed out, not retried in the run, and retries the second itself, each attempt on the clock under
-its own key. The driver cancels nothing on time: a ``ray.cancel`` that meets a task finishing at that moment can abort
+the worker's log and exits the process whatever the index is doing. Each task also tells a small clock actor when its
+index starts and ends, so the driver can tell a worker that timed out (its attempt on the clock for the timeout) from
+one that died, fails the first as timed out, not retried in the run, and retries the second itself, each attempt on
+the clock under its own key. The driver cancels nothing on time: a ``ray.cancel`` that meets a task finishing at that moment can abort
 the driver (Ray 2.60). Only a worker that outlives its own watchdog (an index that replaced it: ``faulthandler``
 keeps one) is force-cancelled, at ``BACKSTOP`` times the timeout.
 """
@@ -127,7 +127,7 @@ class RayExecutor:
             raise AnnsLabError(f"data must be one of {DATA_MODES}, got {data!r}")
         check_cpus_per_task(cpus_per_task)
         self.log, self.data, self.cpus_per_task = log, data, float(cpus_per_task)
-        self.part_timeout = part_timeout  # seconds an index may run (its head's load and kernels' warm-up not counted); 0: no bound
+        self.part_timeout = part_timeout  # seconds an index may run (its head's load, its kernels' warm-up not counted)
         self.cluster = Cluster(address, jobs, log)
         self.ray = self.cluster.ray
         self.cluster.require({"CPU": self.cpus_per_task}, "sweep")
