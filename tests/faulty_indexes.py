@@ -80,14 +80,13 @@ class SlowWarmWork(SweepWork):
     warm_s: float = 0.0
     abort_on: str = ""
 
-    def warm(self, data, names: list[str]) -> None:
-        for name in names:
-            if name == self.abort_on:
-                os.abort()
-            if name not in _WARMED:
-                time.sleep(self.warm_s)
-                _WARMED.add(name)
-        super().warm(data, names)
+    def warm(self, data, index: str) -> None:
+        if index == self.abort_on:
+            os.abort()
+        if index not in _WARMED:
+            time.sleep(self.warm_s)
+            _WARMED.add(index)
+        super().warm(data, index)
 
     def evaluate(self, data, index: str):
         if index not in _WARMED:

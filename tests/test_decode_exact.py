@@ -137,17 +137,19 @@ def test_the_kept_queries_are_copies_in_one_buffer_and_a_second_pass_is_refused(
     ctl = Retrieval([0], "full", Window(0, 0), True, None, n_tokens=10)
     chunks = [src[:, :4].clone(), src[:, 4:8].clone(), src[:, 8:].clone()]
     ctl._keep_queries(0, chunks[0])
-    part = ctl.prefill_queries(0)
-    assert part.shape == (3, 4, 8) and part.flags.c_contiguous
+    part, buffer = ctl.prefill_queries(0), ctl.queries[0]
+    assert part.shape == (3, 4, 8) and part.flags.c_contiguous and buffer.shape == (3, 10, 8)
     for chunk in chunks[1:]:
         ctl._keep_queries(0, chunk)
     for chunk in chunks:
         chunk.zero_()
     got = ctl.prefill_queries(0)
-    assert len(ctl.queries[0]) == 1 and got.dtype == np.float32 and got.flags.c_contiguous
+    assert ctl.queries[0] is buffer and got.dtype == np.float32 and got.flags.c_contiguous
     assert np.array_equal(got, src.float().numpy()) and np.shares_memory(got, ctl.prefill_queries(0))
     with pytest.raises(DecodeError, match="positions 10..10 of a 10-token prompt"):
         ctl._keep_queries(0, src[:, :1])
+    with pytest.raises(ValueError, match="needs the prompt's length"):
+        Retrieval([0], "full", Window(0, 0), True)
     newest = Retrieval([0], "full", Window(0, 0), True, 3)
     for i in range(0, 10, 4):
         newest._keep_queries(0, src[:, i:i + 4])

@@ -713,7 +713,7 @@ class _OneUnreadableHead:
             raise OSError("a damaged layer file")
         return (layer, head)
 
-    def warm(self, data, names):
+    def warm(self, data, index):
         pass
 
     def evaluate(self, data, index):

@@ -78,7 +78,9 @@ class Retrieval:
         self.capture_queries = capture_queries
         self.newest_queries = newest_queries  # prefill: keep only each head's newest this many (None: all)
         self.n_tokens = n_tokens  # prefill: the prompt's length, the size of the buffers that keep all queries
-        self.queries: dict[int, list[torch.Tensor]] = {}
+        if capture_queries and newest_queries is None and n_tokens is None:
+            raise ValueError("keeping every prefill query needs the prompt's length (n_tokens) for its buffers")
+        self.queries: dict[int, torch.Tensor] = {}  # prefill: each long-range layer's kept queries (H, t, d), float32
         self._filled: dict[int, int] = {}  # prefill, all queries kept: the positions each layer's buffer holds
         self.scaling: dict[int, float] = {}  # prefill: each long-range layer's softmax scale, as its attention got it
         self.layer_done = None  # prefill: called with a long-range layer once its keys and queries are complete
@@ -192,41 +194,35 @@ class Retrieval:
         return t
 
     def _keep_queries(self, layer: int, chunk: torch.Tensor) -> None:
-        """Keep a prefill chunk's queries (H, t, d) of ``layer`` in float32 on the CPU: all of them, copied into one
-        buffer per layer of the prompt's length (``n_tokens``; when it is not given, as parts concatenated once), or
-        with ``newest_queries`` only each head's newest so many. Copied either way, so that no chunk's tensor is held
-        (the model's memory for the next one); one buffer leaves nothing to concatenate after the prefill (a copy of
-        each layer's queries, beside them, outside every timed part: BENCHMARKS "Where the 8K first token goes
-        today")."""
-        if self.newest_queries is None and self.n_tokens is not None:
-            done, t = self._filled.get(layer, 0), chunk.shape[1]
-            if done + t > self.n_tokens:  # a layer called twice in a forward would misplace every row
-                raise DecodeError(f"layer {layer}: prefill queries for positions {done}..{done + t - 1} of a "
-                                  f"{self.n_tokens}-token prompt: its attention ran more than once per token")
-            if layer not in self.queries:
-                h, d = chunk.shape[0], chunk.shape[2]
-                self.queries[layer] = [torch.empty((h, self.n_tokens, d), dtype=torch.float32)]
-            self.queries[layer][0][:, done:done + t].copy_(chunk)
-            self._filled[layer] = done + t
-            return
-        newest = chunk if self.newest_queries is None else chunk[:, -self.newest_queries:]
-        parts = self.queries.setdefault(layer, [])
-        parts.append(newest.to("cpu", torch.float32, copy=True))
+        """Keep a prefill chunk's queries (H, t, d) of ``layer`` in float32 on the CPU: each head's newest
+        ``newest_queries``, or all of them, copied into one buffer per layer of the prompt's length (``n_tokens``).
+        Copied either way, so that no chunk's tensor is held (the model's memory for the next one); one buffer leaves
+        nothing to concatenate after the prefill (a copy of each layer's queries, beside them, outside every timed
+        part: BENCHMARKS "Where the 8K first token goes today")."""
         if self.newest_queries is not None:
-            self.queries[layer] = [torch.cat(parts, dim=1)[:, -self.newest_queries:].clone()]
+            newest = chunk[:, -self.newest_queries:].to("cpu", torch.float32, copy=True)
+            kept = self.queries.get(layer)
+            self.queries[layer] = newest if kept is None else \
+                torch.cat([kept, newest], dim=1)[:, -self.newest_queries:].clone()
+            return
+        done, t = self._filled.get(layer, 0), chunk.shape[1]
+        if done + t > self.n_tokens:  # a layer called twice in a forward would misplace every row
+            raise DecodeError(f"layer {layer}: prefill queries for positions {done}..{done + t - 1} of a "
+                              f"{self.n_tokens}-token prompt: its attention ran more than once per token")
+        if layer not in self.queries:
+            self.queries[layer] = torch.empty((chunk.shape[0], self.n_tokens, chunk.shape[2]), dtype=torch.float32)
+        self.queries[layer][:, done:done + t].copy_(chunk)
+        self._filled[layer] = done + t
 
     def prefill_queries(self, layer: int) -> np.ndarray | None:
-        """(H, t, d) float32 prefill queries of ``layer``, if captured (concatenated once where kept in parts: the
-        early builds and the prefill's result share the array); read once the prompt has passed the layer (before,
-        a contiguous copy of the positions so far)."""
-        parts = self.queries.get(layer)
-        if not parts:
+        """(H, t, d) float32 prefill queries of ``layer``, if captured (the early builds and the prefill's result
+        share the array); read once the prompt has passed the layer (before, a contiguous copy of the positions so
+        far)."""
+        kept = self.queries.get(layer)
+        if kept is None:
             return None
-        if len(parts) > 1:
-            self.queries[layer] = parts = [torch.cat(parts, dim=1)]
-        if self._filled.get(layer, self.n_tokens) != self.n_tokens:
-            return np.ascontiguousarray(parts[0][:, :self._filled[layer]].numpy())
-        return parts[0].numpy()
+        filled = self._filled.get(layer, kept.shape[1])
+        return kept.numpy() if filled == kept.shape[1] else np.ascontiguousarray(kept[:, :filled].numpy())
 
 
 _ACTIVE: ContextVar[Retrieval | None] = ContextVar("anns_lab_retrieval", default=None)

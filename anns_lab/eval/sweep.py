@@ -161,9 +161,8 @@ class SweepWork:
         except (OSError, ValueError, AttributeError):
             return None
 
-    def warm(self, data: HeadData, names: list[str]) -> None:
-        for name in names:
-            _warm_once(name, data.keys.shape[1], self.build_params)
+    def warm(self, data: HeadData, index: str) -> None:
+        _warm_once(index, data.keys.shape[1], self.build_params)
 
     def evaluate(self, data: HeadData, index: str) -> pd.DataFrame:
         if self.label is None or self.model is None:

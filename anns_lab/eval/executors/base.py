@@ -50,9 +50,9 @@ class Work(Protocol):
         node means the nodes share its folder."""
         ...
 
-    def warm(self, data: Any, names: list[str]) -> None:
-        """Ready the named indexes' kernels in this process for ``data``'s shapes, before any of their parts is timed
-        (a node whose kernel cache is empty compiles for minutes: inside a part, past its --part-timeout)."""
+    def warm(self, data: Any, index: str) -> None:
+        """Ready the index's kernels in this process for ``data``'s shapes, before its part is timed (a node whose
+        kernel cache is empty compiles for minutes: inside a part, past its --part-timeout)."""
         ...
 
     def evaluate(self, data: Any, index: str) -> pd.DataFrame: ...
@@ -91,7 +91,7 @@ def warm_limit(part_timeout: float) -> float:
 def warm(work: Work, data: Any, index: str) -> None:
     """``work.warm`` for one index with its error dropped: the part itself then meets it and reports it as its own."""
     try:
-        work.warm(data, [index])
+        work.warm(data, index)
     except Exception:  # noqa: BLE001 - a warm-up only (the sweep's swallows its own already)
         pass
 
