@@ -280,3 +280,19 @@ def test_mix_keeps_a_random_half_where_it_was_and_moves_the_rest():
     rows = np.r_[3:400:7, 390:400]  # ``rows``: those rows only, each placed as among all
     for place, full in (("mix", mixed), ("serving", served), ("own", q)):
         assert np.array_equal(rope.placed(q, pos, 1000, 1063, freqs, place, rows=rows), full[rows])
+
+
+def test_a_layers_heads_placed_at_once_are_each_head_placed_alone():
+    """The decoder places a layer's (H, n, d) queries in one call: head h's rows are exactly what placing head h alone
+    gives, for every place and with ``rows`` (the same positions drawn for every head)."""
+    rng = np.random.default_rng(6)
+    q = rng.normal(size=(3, 300, 16)).astype(np.float32)
+    pos = np.arange(300)
+    freqs = 1.0 / 10000 ** (np.arange(0, 12, 2) / 16)  # 12 of the 16 dims rotated: the rest left as they are
+    rows = np.r_[0:300:5, 295:300]
+    for place in ("serving", "mix", "own"):
+        for r in (None, rows):
+            stacked = rope.placed(q, pos, 500, 530, freqs, place, rows=r)
+            alone = np.stack([rope.placed(x, pos, 500, 530, freqs, place, rows=r) for x in q])
+            assert stacked.shape == alone.shape and np.array_equal(stacked, alone)
+    assert not np.array_equal(rope.placed(q, pos, 500, 530, freqs, "serving")[1], q[1])

@@ -57,8 +57,7 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
             if settings.train_group == "head" else None
         place = rope.check_place(settings.train_positions)
         freqs = rope.inv_freq(lm.config, layer) if place != "own" else None  # moved to the decode steps' positions (dumps.rope)
-        queries = np.stack([rope.placed(q, positions, n_ids, n_ids + settings.steps - 1, freqs, place, rows=rows)
-                            for q in queries])
+        queries = rope.placed(queries, positions, n_ids, n_ids + settings.steps - 1, freqs, place, rows=rows)  # all heads at once
     per_kv = aware and settings.train_group not in PER_HEAD
     others = aware and settings.train_group == "unlisted" and registry.get(plan.name).accepts_group_queries
     if per_kv:  # one training set per KV head: its GQA group's queries

@@ -111,34 +111,35 @@ def dump_inv_freq(manifest: dict, layer: int) -> np.ndarray | None:
 
 
 def move(vectors: np.ndarray, positions: np.ndarray, targets: np.ndarray, freqs: np.ndarray | None) -> np.ndarray:
-    """Post-RoPE ``vectors`` (n, d) at ``positions`` as they would be at ``targets`` (float32); unchanged
-    without RoPE (``freqs`` None)."""
+    """Post-RoPE ``vectors`` (..., n, d) at ``positions`` as they would be at ``targets`` (float32); unchanged
+    without RoPE (``freqs`` None). Leading axes (a layer's heads) share the n angles, computed once."""
     vectors = np.asarray(vectors, dtype=np.float32)
     if freqs is None:
         return vectors
     half = len(freqs)
     angle = (np.asarray(targets, np.float64) - np.asarray(positions, np.float64))[:, None] * freqs[None, :]
     cos, sin = np.cos(angle), np.sin(angle)
-    a, b = vectors[:, :half].astype(np.float64), vectors[:, half:2 * half].astype(np.float64)
+    a, b = vectors[..., :half].astype(np.float64), vectors[..., half:2 * half].astype(np.float64)
     out = vectors.copy()
-    out[:, :half] = a * cos - b * sin
-    out[:, half:2 * half] = b * cos + a * sin
+    out[..., :half] = a * cos - b * sin
+    out[..., half:2 * half] = b * cos + a * sin
     return out
 
 
 def to_serving(vectors: np.ndarray, positions: np.ndarray, first: int, last: int, freqs: np.ndarray | None,
                seed: int = 0, rows: np.ndarray | None = None) -> np.ndarray:
-    """``vectors`` moved each to a position drawn uniformly from ``first..last`` (the positions an index serves);
-    ``rows``: only those rows of the result, the same as among all (the positions are drawn for every row)."""
-    targets = np.random.default_rng(seed).integers(first, max(first, last) + 1, len(vectors))
+    """``vectors`` (..., n, d) moved each to a position drawn uniformly from ``first..last`` (the positions an index
+    serves; row i at the same one along the leading axes); ``rows``: only those rows of the result, the same as among
+    all (the positions are drawn for every row)."""
+    targets = np.random.default_rng(seed).integers(first, max(first, last) + 1, vectors.shape[-2])
     if rows is not None:  # only the rows asked for are turned (a build keeps a quarter of the prefill queries)
-        vectors, positions, targets = vectors[rows], np.asarray(positions)[rows], targets[rows]
+        vectors, positions, targets = vectors[..., rows, :], np.asarray(positions)[rows], targets[rows]
     return move(vectors, positions, targets, freqs)
 
 
 def placed(vectors: np.ndarray, positions: np.ndarray, first: int, last: int, freqs: np.ndarray | None, place: str,
            seed: int = 0, rows: np.ndarray | None = None) -> np.ndarray:
-    """Training queries ``vectors`` (at ``positions``) where ``place`` puts them (float32): ``own`` as they are,
+    """Training queries ``vectors`` (..., n, d; at ``positions``) where ``place`` puts them (float32): ``own`` as they are,
     ``serving`` each moved into ``first..last`` (:func:`to_serving`), ``mix`` a random half moved, the rest kept;
     ``rows``: only those rows of the result, each placed as among all.
 
@@ -146,11 +147,11 @@ def placed(vectors: np.ndarray, positions: np.ndarray, first: int, last: int, fr
     stretch of the context neighbourhoods in the graph; moved ones rank keys as the decode steps will. On a 128K
     needle prompt some heads lose half their recall at the decode queries with ``serving`` alone (BENCHMARKS)."""
     check_place(place)
-    own = np.asarray(vectors if rows is None else vectors[rows], dtype=np.float32)
+    own = np.asarray(vectors if rows is None else vectors[..., rows, :], dtype=np.float32)
     if place == "own":
         return own
     moved = to_serving(vectors, positions, first, last, freqs, seed, rows)
     if place == "serving":
         return moved
-    keep = np.random.default_rng(seed + 1).random(len(vectors)) < 0.5
+    keep = np.random.default_rng(seed + 1).random(vectors.shape[-2]) < 0.5
     return np.where((keep if rows is None else keep[rows])[:, None], own, moved)
