@@ -216,6 +216,8 @@ def _drop(key):
     (_drop("n_layers"), "n_layers must be"),
     (lambda m: m | {"dtype": "float16"}, "holds float32 vectors, but the manifest says dtype float16"),
     (lambda m: m | {"dtype": "int8"}, "dtype must be one of float16, float32"),
+    # an AttributeError traceback in the sweep and export before (session 46's audit)
+    (lambda m: m | {"sliding_window": [None, None]}, "sliding_window must map layers to window sizes"),
 ])
 def test_an_edited_manifest_is_one_error_line(dump, tmp_path, edit, words):
     folder = _edited(dump, tmp_path, edit)
@@ -477,6 +479,115 @@ def test_a_damaged_or_stray_part_is_never_trusted(dump, tmp_path):
     (out / "parts" / "zzz.parquet").write_bytes(b"not parquet")  # not this sweep's: named, not read blindly
     with pytest.raises(AnnsLabError, match="zzz.parquet is not a readable results part"):
         _sweep(dump, out)
+
+
+def _strip_settings(path) -> None:
+    """Rewrite a part as parts were written before they recorded their sweep's settings."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    meta = {k: v for k, v in (table.schema.metadata or {}).items() if k != sweep_mod.PART_SETTINGS}
+    pq.write_table(table.replace_schema_metadata(meta), path)
+
+
+def test_a_part_of_another_cell_or_sweep_is_evaluated_again_not_kept(dump, tmp_path):
+    """A resume kept any readable part under its file's name (session 46's audit): a copy of head 1's part as head 0's
+    stood in the table for head 0 (whose own rows were dropped as duplicates), an empty one as finished, a --quick
+    sweep's in a full one (NaN latency), another k's. Each is now evaluated again, its reason logged; parts written
+    before they recorded their settings have their rows checked."""
+    kw = dict(k=10, window=(0, 0), jobs=1, progress=False)
+    out, quick = tmp_path / "full", tmp_path / "quick"
+    run_sweep(dump.path, ["flat"], [1], [0, 1], out=out, **kw)
+    run_sweep(dump.path, ["flat"], [1], [0, 1], out=quick, quick=True, **kw)
+    run_sweep(dump.path, ["flat"], [1], [0, 1], out=tmp_path / "k5", **(kw | {"k": 5}))
+    parts = out / "parts"
+    h0, h1 = parts / "L001_H00_flat.parquet", parts / "L001_H01_flat.parquet"
+    good = pd.read_parquet(h0)
+    bad = {"its rows are not all index flat on layer 1 head 0's": lambda: shutil.copy(h1, h0),
+           "it holds no rows": lambda: pd.DataFrame({c: pd.Series(dtype=good[c].dtype) for c in COLUMNS}).to_parquet(h0),
+           "swept with other settings (quick: True there, default here)":
+               lambda: shutil.copy(quick / "parts" / h0.name, h0),
+           "it is a --quick sweep's part, this sweep is full":
+               lambda: (shutil.copy(quick / "parts" / h0.name, h0), _strip_settings(h0)),
+           "it measured recall@5, this sweep recall@10": lambda: (shutil.copy(tmp_path / "k5" / "parts" / h0.name, h0),
+                                                                   _strip_settings(h0)),
+           "its rows are not all index flat on layer 1 head 0's ": lambda: (shutil.copy(h1, h0), _strip_settings(h0))}
+    for words, damage in bad.items():
+        damage()
+        lines: list[str] = []
+        r = run_sweep(dump.path, ["flat"], [1], [0, 1], out=out, log=lines.append, **kw)
+        assert any(words.strip() in line and "evaluating index flat on layer 1 head 0 again" in line for line in lines), \
+            (words, lines)
+        assert sorted(r.table["head"].unique()) == [0, 1] and r.table.groupby("head").size().tolist() == [len(good)] * 2
+        pd.testing.assert_frame_equal(pd.read_parquet(h0).drop(columns=["latency_us", "qps", "build_s"]),
+                                      good.drop(columns=["latency_us", "qps", "build_s"]))
+    shutil.copy(h1, parts / "L001_H02_flat.parquet")  # not planned by this run: named before any work, not combined
+    with pytest.raises(AnnsLabError, match="L001_H02_flat.parquet is not a readable results part .its rows are not all"):
+        run_sweep(dump.path, ["flat"], [1], [0, 1], out=out, **kw)
+
+
+def test_a_dump_replaced_during_a_sweep_fails_the_parts_that_would_mix_it_in(dump, tiny_llama, tmp_path):
+    """`anns-lab dump --overwrite` into the folder a sweep reads: its heads after that came from the new dump, under the
+    same label (session 46's audit). A worker now checks the dump's stamp (its manifest's checksum) before each head."""
+    folder = tmp_path / "d"
+    shutil.copytree(dump.path, folder)
+    work = sweep_mod.SweepWork(str(folder), 10, (0, 0), {}, True, stamp=store.dump_stamp(open_dump(folder).manifest))
+    assert work.load(1, 0).head == 0 and work.fingerprint() == work.stamp
+    other = run_dump(str(tiny_llama), tokens=N, decode_tokens=DECODE, layers="1,3", dtype="float32", chunk=128,
+                     out=tmp_path / "other", progress=False, seed=1).dump
+    shutil.rmtree(folder)
+    shutil.copytree(other.path, folder)
+    with pytest.raises(AnnsLabError, match="was replaced during the sweep"):
+        work.load(1, 0)
+
+
+def test_hand_edited_failure_records_count_as_none(dump, tmp_path):
+    """A record without an error, or with a count that is not a whole number ≥ 0 (true, -50), was a KeyError traceback
+    or extra retries; it now counts as no record: the part is evaluated. A well-formed exhausted one still stops it."""
+    out = tmp_path / "r"
+    _sweep(dump, out)
+    part = next((out / "parts").glob("*.parquet"))
+    record = (out / "parts") / f"failed-{part.stem}.json"
+    for rec in ({"attempts": 5}, {"attempts": True, "error": "x"}, {"attempts": -50, "error": "x"}, [1]):
+        part.unlink()
+        record.write_text(json.dumps(rec))
+        r = run_sweep(dump.path, ["flat"], [1], [0], k=10, window=(0, 0), out=out, jobs=1, progress=False)
+        assert part.exists() and not r.failures and not record.exists(), rec
+    part.unlink()
+    record.write_text(json.dumps({"attempts": 5, "error": "boom"}))
+    r = run_sweep(dump.path, ["flat"], [1], [0], k=10, window=(0, 0), out=out, jobs=1, progress=False)
+    assert not part.exists() and len(r.failures) == 1 and "boom" in r.failures[0][3]
+
+
+def test_the_report_names_the_parts_a_stopped_sweep_never_reached(dump, tmp_path):
+    """A part with neither results nor a failure record (Ctrl-C, a killed driver) was silently left out of the medians;
+    the sweep's plan (planned.json) now lets the report name it. --overwrite forgets the plan with the parts."""
+    from anns_lab.eval.report import write_report
+
+    out = tmp_path / "r"
+    run_sweep(dump.path, ["flat", "ivf"], [1], [0, 1], k=10, window=(0, 0), out=out, jobs=1, progress=False,
+              build_params={"ivf": {"nlist": 4}})
+    assert "part(s) this sweep set out to measure" not in write_report(out).read_text()
+    ivf = next((out / "parts").glob("L001_H01_ivf*.parquet"))
+    ivf.unlink()
+    sweep_mod.combine(out, json.loads((out / "sweep.json").read_text()))  # as an interrupted run leaves the table
+    md = write_report(out).read_text()
+    assert "1 part(s) this sweep set out to measure have no results yet" in md and "ivf on layer 1 head 1" in md
+    run_sweep(dump.path, ["flat"], [1], [0], k=10, window=(0, 0), out=out, jobs=1, progress=False, overwrite=True,
+              quick=True)
+    assert json.loads((out / "planned.json").read_text())["parts"] == {
+        "L001_H00_flat.parquet": {"layer": 1, "head": 0, "index": "flat"}}
+
+
+def test_a_pick_from_a_table_of_several_dumps_is_refused(dump, tmp_path):
+    from anns_lab.decode.modes import check_sweep_pick
+    from anns_lab.errors import DecodeError
+
+    r = run_sweep(dump.path, ["flat"], [1], [0], k=10, window=(0, 0), out=tmp_path / "r", jobs=1, progress=False)
+    mixed = pd.concat([r.table, r.table.assign(dump="/elsewhere/other-dump", head=1)], ignore_index=True)
+    mixed.to_parquet(r.path)
+    with pytest.raises(DecodeError, match="mixes several dumps"):
+        check_sweep_pick(str(r.path.parent), 0.9, 10, (0, 0))
 
 
 def test_sweep_folders_and_selections_that_cannot_be_used_are_one_error_line(dump, tmp_path):

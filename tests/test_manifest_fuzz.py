@@ -41,6 +41,7 @@ def read_everything(d) -> dict:
            "shape": (d.layers, d.n_heads, d.n_kv_heads, d.head_dim)}
     for layer in d.layers:
         out[("scaling", layer)] = d.scaling(layer)
+        out[("window", layer)] = d.sliding_window(layer)
         for h in range(d.n_heads):
             g = d.kv_head_of(h)
             out[("gqa", h)] = g

@@ -109,6 +109,8 @@ def check_sweep_pick(path: str, target: float, topk: int | None = None,
     if not 0 < target <= 1:
         raise DecodeError(f"--target-recall {target} must lie in (0, 1]")
     table, settings = load_results(path)
+    if len(dumps := sorted(table["dump"].unique())) > 1:  # parts of several dumps' sweeps merged by hand: as report
+        raise DecodeError(f"{path} mixes several dumps ({', '.join(dumps)}); pick from one sweep")
     swept_k = sorted({int(v) for v in table["k"].unique()})
     if topk is not None and len(swept_k) > 1:
         raise DecodeError(f"{path} mixes sweeps of several k ({', '.join(map(str, swept_k))}); pick from one sweep")

@@ -130,6 +130,12 @@ def sealed(manifest: dict) -> dict:
     return body | {"manifest_sha256": digest}
 
 
+def dump_stamp(manifest: dict) -> str:
+    """What tells one dump from another: its manifest's own checksum, or its creation time (to the second) for a dump
+    made before manifests carried one."""
+    return str(manifest.get("manifest_sha256") or manifest.get("created"))
+
+
 def _manifest_problem(m: dict) -> str | None:
     """The first field every reader relies on that is missing or inconsistent, in words (None: all present).
 
@@ -170,6 +176,8 @@ def _manifest_problem(m: dict) -> str | None:
             return f"files[{name!r}] has {entry.get('rows')!r} rows, but n_tokens says {rows}"
     if set(m["files"]) != {TOKENS_FILE, *(layer_file(x) for x in layers)}:
         return f"files lists {sorted(set(m['files']) - {TOKENS_FILE, *(layer_file(x) for x in layers)})}, not files of its layers"
+    if m.get("sliding_window") is not None and not isinstance(m["sliding_window"], dict):  # dumps before it: none
+        return f"sliding_window must map layers to window sizes, got {m['sliding_window']!r}"
     if m.get("continuation", "greedy") not in CONTINUATIONS:  # dumps made before the field: greedy
         return f"continuation must be one of {', '.join(CONTINUATIONS)}, got {m['continuation']!r}"
     for x in layers:

@@ -23,12 +23,15 @@ def record_path(part_file: Path) -> Path:
 
 
 def previous(part_file: Path) -> dict | None:
-    """The record of an earlier failure of this part, or None (an unreadable record counts as none)."""
+    """The record of an earlier failure of this part, or None (an unreadable record counts as none, as one without a
+    count of attempts ≥ 0 or an error in words: a record edited by hand)."""
     try:
         rec = read_json(record_path(part_file))
-        return rec if isinstance(rec, dict) and isinstance(rec.get("attempts"), int) else None
     except (OSError, ValueError):
         return None
+    ok = isinstance(rec, dict) and type(rec.get("attempts")) is int and rec["attempts"] >= 0 \
+        and isinstance(rec.get("error"), str)  # type(): a JSON true is an int to isinstance
+    return rec if ok else None
 
 
 def record(part_file: Path, outcome: Outcome, build_params: dict | None, earlier: int) -> dict:

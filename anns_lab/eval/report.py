@@ -23,7 +23,7 @@ from anns_lab.dumps.models import extrapolation_note
 from anns_lab.dumps.prompts import CONTINUATION_WORDS
 from anns_lab.dumps.store import open_dump
 from anns_lab.errors import AnnsLabError, IndexConfigError
-from anns_lab.eval import costs, failures, figures, findings, html, ivf_gap, paper
+from anns_lab.eval import costs, failures, figures, findings, html, ivf_gap, paper, plan
 from anns_lab.eval.export import EXPORT_FILES
 from anns_lab.eval.heads import check_k, index_range, load_head
 from anns_lab.eval.findings import fmt_fraction  # noqa: F401 - benchmarks import it from here
@@ -37,6 +37,7 @@ FIGURES = {"recall_vs_scanned.png": "Recall against keys scanned, Q→K and K→
            "mahalanobis.png": "Out-of-distribution queries (Fig. 3b)",
            "dynamic_vs_static.png": "Dynamic against static selection (Fig. 2)"}
 REPORT_FILES = ("report.md", "report.html", *FIGURES)
+UNFINISHED_NAMED = 12  # unfinished parts named in the report's intro (a sweep stopped early lacks hundreds)
 
 
 def _least(h: pd.DataFrame, t: float, column: str = "scanned_fraction") -> float:
@@ -192,6 +193,12 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
         intro += (f" **{len(lost)} part(s) of this sweep failed and are in no table or figure below, so each such "
                   f"index's medians are over its other heads: {names} (errors in `parts/failed-*.json`; `anns-lab sweep "
                   "--retry-failed` tries them again).**")
+    if left := plan.unfinished(folder):  # a run stopped before them (Ctrl-C, a killed driver): no part, no record
+        names = "; ".join(f"{r['index']} on layer {r['layer']} head {r['head']}" for r in left[:UNFINISHED_NAMED])
+        more = f" and {len(left) - UNFINISHED_NAMED} more" if len(left) > UNFINISHED_NAMED else ""
+        intro += (f" **{len(left)} part(s) this sweep set out to measure have no results yet (its runs stopped before "
+                  f"them), so each such index's medians are over its other heads: {names}{more} (the same `anns-lab "
+                  "sweep` command resumes it).**")
     pareto_view = _pareto_view(par, kinds)
     points = costs.at_target(table, 0.95)
     md = _markdown(dump, intro, found, pareto_view, _pareto_note(kinds), par, maha, decay, c, k,

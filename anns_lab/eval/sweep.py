@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,21 +21,24 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from anns_lab.dumps import rope
-from anns_lab.dumps.store import open_dump, write_table
+from anns_lab.dumps.store import dump_stamp, open_dump, write_table
 from anns_lab.errors import AnnsLabError, IndexConfigError
 from anns_lab.eval import failures as failed
-from anns_lab.eval import metrics
+from anns_lab.eval import metrics, plan
 from anns_lab.eval.executors import Outcome, Part, open_executor
 from anns_lab.eval.heads import HeadData, check_full_attention, check_k, default_layers, evaluable_layers, load_head
-from anns_lab.eval.table import ADDED, CELL, COLUMNS, RESULTS, SETTINGS, table_problem
+from anns_lab.eval.table import ADDED, CELL, COLUMNS, DIRECTIONS, RESULTS, SETTINGS, table_problem
 from anns_lab.indexes import group_queries, protocol
 from anns_lab.indexes.warmup import warm_up
 from anns_lab.io import atomic_write_json, read_json, sole_writer
 
 LATENCY_QUERIES = 16
 MAX_ATTEMPTS = 3
+PART_SETTINGS = b"anns_lab.sweep"  # a part's Parquet schema metadata: the settings of the sweep that wrote it (JSON)
+PART_NAME = re.compile(r"L(\d+)_H(\d+)_(.+?)(-[0-9a-f]{10})?\.parquet")  # _part_name's
 
 
 class SweepInterrupted(AnnsLabError):
@@ -144,6 +148,7 @@ class SweepWork:
     train_positions: str = rope.DEFAULT
     label: str | None = None  # the rows' dump and model, resolved on the driver: a node sent a head's arrays may not
     model: str | None = None  # see the dump at all (None: read from the dump here)
+    stamp: str | None = None  # the dump's (store.dump_stamp) when the sweep began: a dump replaced since is refused
 
     def worker_env(self) -> dict[str, str]:
         return dict(WORKER_ENV)
@@ -152,12 +157,17 @@ class SweepWork:
         _single_thread()
 
     def load(self, layer: int, head: int) -> HeadData:
-        return load_head(open_dump(self.dump), layer, head, self.window, train_group=self.train_group,
+        dump = open_dump(self.dump)
+        if self.stamp is not None and dump_stamp(dump.manifest) != self.stamp:  # `dump --overwrite` into its folder
+            raise AnnsLabError(f"the dump at {self.dump} was replaced during the sweep (its manifest is not the one the "
+                               "sweep began with): its heads would mix two dumps in one table; sweep the new dump into "
+                               "another --out, or with --overwrite")
+        return load_head(dump, layer, head, self.window, train_group=self.train_group,
                          train_positions=self.train_positions)
 
     def fingerprint(self) -> str | None:
         try:
-            return read_json(Path(self.dump) / "manifest.json").get("created")
+            return dump_stamp(read_json(Path(self.dump) / "manifest.json"))
         except (OSError, ValueError, AttributeError):
             return None
 
@@ -304,14 +314,14 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     try:
         # two sweeps into one folder: an --overwrite removed the other's parts
         with sole_writer(out, lambda: _prepare(out, settings, overwrite)):
-            return _run(runner, dump, out, names, layers, heads, k, window, build_params, quick, max_attempts,
+            return _run(runner, dump, out, settings, names, layers, heads, k, window, build_params, quick, max_attempts,
                         retry_failed, progress, log, t_start, train_group,
                         train_positions if aware else "own")  # key-only indexes get no training queries: nothing to move
     finally:
         runner.close()
 
 
-def _run(runner, dump, out, names, layers, heads, k, window, build_params, quick, max_attempts, retry_failed,
+def _run(runner, dump, out, settings, names, layers, heads, k, window, build_params, quick, max_attempts, retry_failed,
          progress, log, t_start, train_group, train_positions) -> SweepResult:
     from tqdm.auto import tqdm
 
@@ -321,14 +331,15 @@ def _run(runner, dump, out, names, layers, heads, k, window, build_params, quick
     part_file = {Part(layer, h, n): parts / _part_name(layer, h, n, _non_default(n, build_params.get(n)))
                  for layer in layers for h in heads for n in names}
     ours = set(part_file.values())
-    for f in sorted(parts.glob("*.parquet")):  # another sweep's part in the folder, unreadable: named before any work
-        if f not in ours and (why := _read_part(f)[1]):
+    for f in sorted(parts.glob("*.parquet")):  # another run's part in the folder, unreadable: named before any work
+        if f not in ours and (why := _read_part(f, settings)[1]):
             raise _unreadable(f, why)
+    plan.record(out, part_file)
     failures: list[tuple[str, int, int, str]] = []
     earlier: dict[Part, int] = {}
     tries: dict[Part, int] = {}
     for part, f in part_file.items():
-        why = _read_part(f)[1] if f.exists() else None
+        why = _read_part(f, settings, part)[1] if f.exists() else None
         if f.exists() and why is None:
             continue
         if f.exists():  # cut short or damaged since it was written: evaluated again, not trusted
@@ -353,7 +364,7 @@ def _run(runner, dump, out, names, layers, heads, k, window, build_params, quick
         f = part_file[o.part]
         if o.table is not None:
             try:
-                write_table(f, pa.Table.from_pandas(o.table, preserve_index=False))
+                write_table(f, _with_settings(pa.Table.from_pandas(o.table, preserve_index=False), settings))
             except OSError as err:  # the driver's own (a full disk, the folder's permissions): it stops the sweep
                 done = sum(1 for g in part_file.values() if g.exists())
                 raise AnnsLabError(f"could not write the finished part {f.name} ({err}); {done} of {len(part_file)} "
@@ -366,19 +377,19 @@ def _run(runner, dump, out, names, layers, heads, k, window, build_params, quick
         bar.update(1)
 
     work = SweepWork(str(dump.path), k, tuple(window), build_params, quick, train_group, train_positions,
-                     str(dump.path), dump.model)
+                     str(dump.path), dump.model, dump_stamp(dump.manifest))
     if units:
         log(f"sweep {dump.path.name}: {len(tries)} parts on {runner.describe()}")
         try:
             runner.run(work, units, tries, on_outcome, on_running=lambda parts: bar.set_postfix_str(_running(parts)))
         except KeyboardInterrupt:
             bar.close()
-            combine(out)
+            combine(out, settings)
             done = sum(1 for f in part_file.values() if f.exists())
             raise SweepInterrupted(f"interrupted: {done} of {len(part_file)} parts are finished and kept in {parts}; "
                                    "run the same command again to resume") from None
     bar.close()
-    table = combine(out)
+    table = combine(out, settings)
     return SweepResult(table, out / RESULTS, failures, time.perf_counter() - t_start)
 
 
@@ -413,19 +424,69 @@ def _distinct(values: list[int], flag: str) -> list[int]:
     return list(dict.fromkeys(values))
 
 
-def _read_part(path: Path) -> tuple[pd.DataFrame | None, str | None]:
-    """A results part and None, or None and why ``path`` is not one a sweep can keep, in words: not Parquet, without
-    the results table's columns, or holding a row no conforming index produces (a part edited or damaged since it was
-    written once kept a NaN recall through every resume, and the report said "re-run the sweep")."""
+def _read_part(path: Path, settings: dict, cell: Part | None = None) -> tuple[pd.DataFrame | None, str | None]:
+    """A results part of the sweep of ``settings`` and None, or None and why ``path`` is not one it can keep, in words:
+    not Parquet, without the results table's columns, holding a row no conforming index produces (a part edited or
+    damaged since it was written once kept a NaN recall through every resume, and the report said "re-run the
+    sweep"), or not this sweep's part of ``cell`` (by default the cell its name gives): :func:`_part_problem`."""
     try:
-        part = pd.read_parquet(path)
+        arrow = pq.read_table(path)
+        part = arrow.to_pandas()
     except (OSError, ValueError, pa.ArrowException) as err:
         return None, f"{type(err).__name__}: {err}"
     if missing := set(COLUMNS) - set(ADDED) - set(part.columns):
         return None, f"missing columns {sorted(missing)}"
-    if problem := table_problem(part.reset_index(drop=True)):
+    part = part.reset_index(drop=True)
+    if problem := table_problem(part):
+        return None, problem
+    if cell is None and (named := PART_NAME.fullmatch(path.name)):
+        cell = Part(int(named[1]), int(named[2]), named[3])
+    if cell is None:
+        return None, "its name is not a part's (L<layer>_H<head>_<index>.parquet)"
+    if problem := _part_problem(part, cell, settings, (arrow.schema.metadata or {}).get(PART_SETTINGS)):
         return None, problem
     return part, None
+
+
+def _part_problem(part: pd.DataFrame, cell: Part, settings: dict, recorded: bytes | None) -> str | None:
+    """Why readable rows are not the part of ``cell`` that the sweep of ``settings`` writes, in words, or None: the
+    settings the part recorded (``recorded``; parts written before they did have none, and only their rows are
+    checked) are not the sweep's, or its rows are another cell's, lack a direction, measured another k, or are a
+    quick sweep's in a full one (no latency) or the reverse. A part copied from another folder or machine was kept as
+    finished, and its rows then stood in the table for the cell its name gave, or dropped another's as duplicates."""
+    if recorded is not None:
+        try:
+            theirs = json.loads(recorded)
+        except ValueError:
+            return "the sweep settings it recorded are unreadable"
+        if theirs != _part_settings(settings):
+            return f"swept with other settings ({_differences(theirs, _part_settings(settings))})"
+    if part.empty:
+        return "it holds no rows"
+    cells = set(zip(part["layer"].astype(int), part["head"].astype(int), part["index"]))
+    if cells != {(cell.layer, cell.head, cell.index)}:
+        return f"its rows are not all {cell}'s"
+    if lacking := sorted(set(DIRECTIONS) - set(part["direction"])):
+        return f"it has no {', '.join(lacking)} rows"
+    if (part["k"] != settings["k"]).any():
+        return f"it measured recall@{int(part['k'].iloc[0])}, this sweep recall@{settings['k']}"
+    timed, quick = part["latency_us"].notna(), bool(settings.get("quick"))
+    if quick and timed.any() or not quick and not timed.all():  # a --quick sweep times nothing, a full one every row
+        return f"it is a {'full' if timed.any() else '--quick'} sweep's part, this sweep is {'--quick' if quick else 'full'}"
+    return None
+
+
+def _part_settings(settings: dict) -> dict:
+    """What a part shares with every part of its folder: the sweep's settings but the dump's path (parts of one dump
+    swept on several machines, each with its own path to it, belong together; its creation time is among them)."""
+    return {key: value for key, value in settings.items() if key != "dump"}
+
+
+def _with_settings(table: pa.Table, settings: dict) -> pa.Table:
+    """``table`` with the sweep's settings in its schema metadata (:data:`PART_SETTINGS`), pandas' own kept."""
+    meta = dict(table.schema.metadata or {})
+    meta[PART_SETTINGS] = json.dumps(_part_settings(settings), sort_keys=True).encode()
+    return table.replace_schema_metadata(meta)
 
 
 def _unreadable(path: Path, why: str | None = None) -> AnnsLabError:
@@ -455,6 +516,7 @@ def _prepare(out: Path, settings: dict, overwrite: bool) -> None:
         for p in (out / "parts").glob("*.parquet"):
             p.unlink()
         failed.clear_all(out / "parts")
+        plan.forget(out)
         (out / RESULTS).unlink(missing_ok=True)
     elif out.exists() and any(out.iterdir()):
         raise AnnsLabError(f"{out} exists and is not a sweep folder; choose another --out")
@@ -482,11 +544,11 @@ def _running(parts: list[Part]) -> str:
     return ", ".join(f"{p.index} {p.layer}/{p.head}" for p in parts)
 
 
-def combine(out: Path) -> pd.DataFrame:
-    """Union of all part files, sorted, written atomically as ``results.parquet``."""
+def combine(out: Path, settings: dict) -> pd.DataFrame:
+    """Union of all part files of the sweep of ``settings``, sorted, written atomically as ``results.parquet``."""
     frames = []
     for p in sorted((out / "parts").glob("*.parquet")):
-        part, why = _read_part(p)  # checked again: a part may have changed since the run began, or be another's
+        part, why = _read_part(p, settings)  # checked again: a part may have changed since the run began, or be another's
         if why:
             raise _unreadable(p, why)
         frames.append(part)
