@@ -29,6 +29,11 @@ class DecodeError(AnnsLabError):
     """Bad decode input: mode, task, window, top-k, context."""
 
 
+class IndexFailed(DecodeError):
+    """An index mode's index broke during a decode (its build or search raised): that mode fails on the sample, the
+    run's other modes go on (an index breaking the result protocol is an :class:`IndexResultError`, handled alike)."""
+
+
 class FolderBusy(AnnsLabError):
     """Another process is writing into the folder a dump or sweep would write into (``io.sole_writer``)."""
 

@@ -9,7 +9,7 @@ Rules checked (``anns_lab.indexes.base`` states the result policy):
 - results at every grid point: shapes and dtypes; ids in [0, n) or -1 padding that only
   trails; no id twice in a row; scores sorted and equal to q·k of the returned ids (padding
   scores -inf); ``#returned ≤ n_scanned ≤ max_scanned()``; ``bytes_read`` int64 (nq,) and
-  non-negative; a batch gives the same ids, counts and estimate as its queries one at a time,
+  at least 1; a batch gives the same ids, counts and estimate as its queries one at a time,
   scores within float32 rounding;
 - at the last (most thorough) grid point on easy data, recall@k against exact search
   ≥ ``min_recall`` (1.0 = exact; ties at the k-th score count as hits);

@@ -63,14 +63,16 @@ def side_by_side(results: list[dict], keys: list[str]) -> str:
 
 
 def answers(result: dict) -> str:
-    """Per sample: depth, expected answer, and the modes whose answer scored 0."""
+    """Per sample: depth, expected answer, the modes whose answer scored 0 and those that failed on it."""
     samples = next(iter(result["modes"].values()))["samples"]
     lines = []
     for i, s in enumerate(samples):
         wrong = [f"{name} {m['samples'][i]['answer']!r}" for name, m in result["modes"].items()
                  if m["samples"][i].get("score", 1) < 1]
+        failed = [name for name, m in result["modes"].items() if "error" in m["samples"][i]]
+        said = ", ".join(([f"wrong: {', '.join(wrong)}"] if wrong else []) + ([f"failed: {', '.join(failed)}"] if failed else []))
         lines.append(f"- sample {i + 1} (depth {s.get('depth', 0):.2f}, expected {s.get('expected')}): "
-                     + ("every mode right" if not wrong else "wrong: " + ", ".join(wrong)))
+                     + (said or "every mode right"))
     return "\n".join(lines)
 
 

@@ -1,7 +1,7 @@
 """Misbehaving index plugins for the executor tests (installed per test into a temporary entry-point folder).
 
 ``faulty`` searches exactly like ``flat`` unless told otherwise: ``fault`` makes its search call
-``os.abort()`` or ``sys.exit(3)``, raise KeyboardInterrupt, hang in C holding the GIL (``hang``), or normalise the queries it is given in place (``normalise``); ``pid_dir`` makes its build leave a file ``<pid>-<ns>`` per build
+``os.abort()`` or ``sys.exit(3)``, raise KeyboardInterrupt or a ValueError, hang in C holding the GIL (``hang``), or normalise the queries it is given in place (``normalise``); ``pid_dir`` makes its build leave a file ``<pid>-<ns>`` per build
 (so a test can find and kill the worker), ``sleep_s`` keeps the build busy that long and ``build_fault`` then makes it
 raise, ``os.abort()`` or write into its keys. ``SlowWarmWork``: the sweep's work on a node whose kernels take a while to
 compile at their first warm-up.
@@ -25,7 +25,8 @@ class FaultyIndex(Index):
     """Exact search with injectable faults."""
 
     build_params = {
-        "fault": Param("none", choices=("none", "abort", "exit", "normalise", "interrupt", "hang"), help="what search does"),
+        "fault": Param("none", choices=("none", "abort", "exit", "normalise", "interrupt", "hang", "raise"),
+                       help="what search does"),
         "pid_dir": Param("", help="folder to leave <pid> files in at build"),
         "sleep_s": Param(0.0, 0.0, 600.0, help="seconds the build sleeps"),
         "build_fault": Param("none", choices=("none", "raise", "abort", "write"),
@@ -51,6 +52,8 @@ class FaultyIndex(Index):
             sys.exit(3)
         if self.params["fault"] == "interrupt":
             raise KeyboardInterrupt
+        if self.params["fault"] == "raise":
+            raise ValueError("boom in search")
         if self.params["fault"] == "hang":  # a backtracking regex: C code that never lets go of the GIL (2^60 steps)
             import re
 

@@ -30,6 +30,42 @@ def _error(result) -> str:
     return lines[0]
 
 
+@pytest.mark.parametrize("fault", ["fault=raise", "build_fault=raise"])
+@pytest.mark.parametrize("when", ["--build-during-prefill", "--build-after-prefill"])
+def test_a_mode_whose_index_breaks_fails_alone_and_the_others_results_stand(tiny_llama, plugin_dir, monkeypatch,
+                                                                            tmp_path, fault, when):
+    """An index whose search or build raises fails its mode on each sample (the error in its notes and samples, a
+    'failed' column, exit status 1) while every other mode's results are printed and written: before, the run ended at
+    the error, and the modes finished before it were lost (session 46's audit)."""
+    monkeypatch.syspath_prepend(str(plugin_dir))
+    out = tmp_path / "r.json"
+    res = _run("--model", tiny_llama, "--mode", "full,faulty,flat", "--build-param", fault, "--task", "passkey",
+               "--context", 200, "--samples", 2, "--window", "4,16", "--topk", 20, "--max-new-tokens", 4, "--json", out,
+               "--chunk", 64, when)
+    assert res.exit_code == 1, res.output
+    words = "boom in search" if fault.startswith("fault") else "no memory for its graph"
+    assert "FAILED: faulty on 2 sample(s)" in res.output
+    # one note where the samples' errors are the same, one a sample where they differ (the layer that failed first)
+    assert re.search(rf"^note \(faulty\): (sample 1: )?failed: .*{words}", res.output, re.M), res.output
+    assert re.search(r"^faulty +2 ", res.output, re.M)  # the table's failed column
+    data = json.loads(out.read_text())
+    faulty = data["modes"]["faulty"]
+    assert faulty["summary"] == {"failed_samples": 2}
+    assert [words in r["error"] and "answer" not in r and "score" not in r for r in faulty["samples"]] == [True, True]
+    for name in ("full", "flat"):  # measured as in a run without it
+        s = data["modes"][name]["summary"]
+        assert "failed_samples" not in s and s["accuracy"] >= 0 and s["ttft_s"] > 0 and len(data["modes"][name]["samples"]) == 2
+        assert all("answer" in r for r in data["modes"][name]["samples"])
+
+
+def test_a_quoted_parameter_value_stays_text():
+    """A string parameter can be given "1" (it read as the number 1, which its type check then refused)."""
+    from anns_lab.decode.modes import parse_params
+
+    assert parse_params(['a=1', 'b="1"', 'c=1e3', 'd="true"', 'e=true', 'f=""', 'g=x"']) == {
+        "a": 1, "b": "1", "c": 1000.0, "d": "true", "e": True, "f": "", "g": 'x"'}
+
+
 def test_task_run_prints_table_and_writes_json(tiny_llama, tmp_path):
     out = tmp_path / "r.json"
     res = _run("--model", tiny_llama, "--mode", "full,window,flat", "--task", "passkey", "--context", 200,
@@ -130,6 +166,8 @@ def test_prompt_and_fidelity(tiny_gemma3, tmp_path):
     (["--build-layers", -1], "--build-layers must be 0 (auto) or more, got -1"),
     (["--max-new-tokens", -3], "--max-new-tokens must be at least 1"),
     (["--seed", -1], "--seed must be 0 or more"),
+    (["--samples", 0], "--samples must lie in [1, 10000]"),
+    (["--samples", 99999999999], "--samples must lie in [1, 10000]"),  # a traceback allocating 745 GiB, before
     (["--torch-threads", -2], "--torch-threads must lie in [0, 1024]"),
     (["--torch-threads", 100000], "--torch-threads must lie in [0, 1024]"),  # a traceback from an import, before
     (["--json", ""], "--json '': give a file path"),  # ran every sample, then wrote nothing, exit 0

@@ -78,6 +78,8 @@ def no_model_load(monkeypatch):
     ({"layers": "1:2:0"}, DumpError, "cannot read --layers"),
     ({"layers": "99"}, DumpError, "the model has layers 0..3"),
     ({"seed": -1}, DumpError, "--seed must be a non-negative"),
+    ({"decode_tokens": -1}, DumpError, "--decode-tokens must be 0 or more, got -1"),  # one message for two, before
+    ({"chunk": 0}, DumpError, "--chunk must be at least 1, got 0"),
     ({"continuation": "sampled"}, DumpError, "--continuation must be one of greedy, text"),
     ({"continuation": "text", "source": "passkey"}, DumpError, "the passkey task's prompt has none"),
     ({"continuation": "text", "prompt": "Some words to prefill."}, DumpError, "without --tokens the prompt is the whole text"),
@@ -997,6 +999,8 @@ def test_sweep_build_parameters_repeated_spelled_apart_or_searched(dump, tmp_pat
     one_line_error(args + ["--indexes", "roargraph", "--build-param", "roargraph.L=100", "--out", tmp_path / "b"],
                    "L is a search parameter of roargraph")
     one_line_error(args + ["--indexes", "", "--out", tmp_path / "c"], "--indexes names nothing")
+    one_line_error(args + ["--indexes", "flat,,ivf", "--out", tmp_path / "c"],  # swept flat and ivf, before
+                   "--indexes 'flat,,ivf' has an empty name between its commas")
     for value in ("1", "1.0"):  # one build however its value is written: one part, its rows once
         r = CliRunner().invoke(main, [str(a) for a in args + ["--indexes", "roargraph", "--build-param",
                                                               f"roargraph.idf={value}", "--out", tmp_path / "d"]])

@@ -59,6 +59,8 @@ def test_refusal_names_the_chunk_that_fits(monkeypatch):
         check_prefill(GEMMA_LIKE, 131072, 2048, "a dump", "--tokens")
     with pytest.raises(MemoryEstimateError, match="would not fit: give a shorter --prompt$"):  # was "lower --prompt"
         check_prefill(GEMMA_LIKE, 131072, 2048, "decoding", "--prompt")
+    with pytest.raises(MemoryEstimateError, match="available .ANNS_LAB_MEMORY_LIMIT=0.01G.; lower --tokens$"):
+        check_prefill(GEMMA_LIKE, 131072, 64, "a dump", "--tokens")  # was "even --chunk 128 would not fit", at 64
     monkeypatch.setenv("ANNS_LAB_MEMORY_LIMIT", "lots")
     with pytest.raises(Exception, match="ANNS_LAB_MEMORY_LIMIT"):
         available_bytes()

@@ -93,6 +93,30 @@ def test_sweep_part_fails_naming_the_index_and_the_rule(head, fault, monkeypatch
     assert FAULTS[fault] in str(err.value)
 
 
+CLASS_FAULTS = {  # session 46's audit: each entered the table, or failed with words that named no rule
+    "bound_nan": ({"max_scanned": lambda self: float("nan")}, "max_scanned() returned nan, not a whole number ≥ 1"),
+    "bound_none": ({"max_scanned": lambda self: None}, "max_scanned() returned None"),
+    "bound_true": ({"max_scanned": lambda self: True}, "max_scanned() returned True"),
+    "nbytes_negative": ({"nbytes": property(lambda self: -123)}, "nbytes is -123, not a whole number of bytes"),
+    "nbytes_nan": ({"nbytes": property(lambda self: float("nan"))}, "nbytes is nan"),
+    "complex_scores": ({"_search": lambda self, q, k: (lambda r: (r[0], r[1] + 0j, r[2]))(FlatIndex._search(self, q, k))},
+                       "scores must be real numbers, got dtype complex64"),
+    "empty_grid": ({"grid": lambda self: []}, "its grid() gave no search parameters"),
+}
+
+
+@pytest.mark.parametrize("fault", list(CLASS_FAULTS))
+def test_an_index_whose_bound_size_scores_or_grid_break_the_rules_fails_its_part(head, fault, monkeypatch):
+    """max_scanned() must be a whole number ≥ 1 (NaN bounded nothing: 10^15 keys a query entered the table), nbytes a
+    whole number ≥ 0, scores real, and the grid not empty (a part of no rows was kept as finished)."""
+    methods, words = CLASS_FAULTS[fault]
+    cls = type("Faulty", (FlatIndex,), {"name": "badplugin", **methods})
+    monkeypatch.setattr(registry, "create", lambda name, **kw: cls(**kw))
+    with pytest.raises(IndexResultError, match="badplugin") as err:
+        evaluate_index("badplugin", head, 10, "d", "m", quick=True)
+    assert words in str(err.value), err.value
+
+
 def test_a_conforming_index_passes(head, monkeypatch):
     df = evaluate_index("flat", head, 10, "d", "m", quick=True)
     assert (df["recall"] == 1.0).all()
@@ -132,7 +156,8 @@ def test_result_problem_is_the_kits_rule_set():
         got = protocol.result_problem(tuple(np.asarray(a, dtype=b.dtype if fault != "nan_ids" else np.int64)
                                             for a, b in zip(bad, res)), 3, 5, 50, index.max_scanned(), q, keys)
         assert got is not None and words in got, (fault, got)
-    for n_bytes, words in ((res.bytes_read - res.bytes_read - 1, "bytes_read -1 is negative"),
+    for n_bytes, words in ((res.bytes_read - res.bytes_read - 1, "bytes_read -1 is below 1"),
+                           (res.bytes_read * 0, "bytes_read 0 is below 1 for a query that scanned keys"),
                            (res.bytes_read.astype(np.float64), "bytes_read must be int64")):
         got = protocol.result_problem((*res[:3], n_bytes), 3, 5, 50, index.max_scanned(), q, keys)
         assert got is not None and words in got, got

@@ -23,7 +23,7 @@ from anns_lab.decode import calibrate as calibration
 from anns_lab.decode.options import LAYERS_AT_ONCE, MIN_LAYERS_AT_ONCE
 from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.dumps import rope
-from anns_lab.errors import AnnsLabError, DecodeError, error_text
+from anns_lab.errors import AnnsLabError, DecodeError, IndexFailed, error_text
 from anns_lab.indexes import build_processes, registry
 from anns_lab.indexes.group_queries import PER_HEAD, group_queries
 from anns_lab.indexes.threads import (lower_priority, numba_threadsafe, settle, stopping_on,
@@ -356,13 +356,13 @@ class EarlyBuilds:
         return store
 
 
-def _named(err: BaseException, layer: int, plan: IndexPlan | None) -> DecodeError:
+def _named(err: BaseException, layer: int, plan: IndexPlan | None) -> IndexFailed:
     """``err``, raised building ``layer``'s store, as one line that names the layer and the index (a plugin's own error
     names neither, and with two layers at once the traceback does not say which)."""
     if isinstance(err, AnnsLabError):  # the index's name is in it (base.Index's checks: "flat: keys contain NaN ...")
-        return DecodeError(f"building layer {layer}'s indexes: {err}")
+        return IndexFailed(f"building layer {layer}'s indexes: {err}")
     what = plan.name if plan is not None else "its store"
-    return DecodeError(f"building layer {layer}'s indexes: {what} raised {error_text(err)}")
+    return IndexFailed(f"building layer {layer}'s indexes: {what} raised {error_text(err)}")
 
 
 def covered(spans: list[tuple[float, float]], end: float = float("inf")) -> float:

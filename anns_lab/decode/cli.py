@@ -94,7 +94,8 @@ class _DecodeCommand(click.Command):
               help="comma list of full, window, or the name of a registered index (flat, ivf, roargraph, ...; "
                    "`anns-lab indexes` lists them); default = the attention-aware index")
 @click.option("--param", "params", multiple=True, help="search parameter NAME=VALUE for the index modes (e.g. L=200)")
-@click.option("--build-param", "build_params", multiple=True, help="build parameter NAME=VALUE for the index modes")
+@click.option("--build-param", "build_params", multiple=True,
+              help="build parameter NAME=VALUE for the index modes (a VALUE in double quotes stays text)")
 @click.option("--topk", default=100, show_default=True, help="keys retrieved per query head and step")
 @click.option("--window", "window", type=WINDOW, default="128,512", show_default=True, help="static window: first SINK + most recent RECENT tokens")
 @click.option("--add-batch", default=64, show_default=True,
@@ -188,7 +189,7 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
         raise DecodeError("--shared-prefill puts every mode on one prefill with the builds after it: add "
                           "--build-after-prefill, given explicitly (builds during a prefill give each index mode its "
                           "own, so that its TTFT counts its own builds' contention)")
-    _check_counts(max_new_tokens=max_new_tokens, seed=seed, torch_threads=torch_threads)
+    _check_counts(max_new_tokens=max_new_tokens, seed=seed, torch_threads=torch_threads, samples=samples)
     if json_path is not None and not json_path.strip():  # `--json "$OUT"` with OUT unset ran, then wrote nothing
         raise DecodeError("--json '': give a file path for the results")
     mode_list = _parse_mode_list(modes, params, build_params, from_sweep)
@@ -266,6 +267,11 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
         if json_path:
             _write_json(Path(json_path), result)
         sys.stdout.flush()
+        if failed := {name: m["summary"]["failed_samples"] for name, m in result["modes"].items()
+                      if m["summary"].get("failed_samples")}:  # the others' results stand; the run did not all succeed
+            click.echo("FAILED: " + ", ".join(f"{name} on {n} sample(s)" for name, n in failed.items())
+                       + " (the errors are in the notes above)", err=True)
+            raise SystemExit(1)
 
 
 @contextlib.contextmanager
@@ -352,11 +358,15 @@ def _check_unused(ctx: click.Context, evaluation: str, prompt: str | None, from_
 
 # Above any machine's cores: 100000 threads' stacks exhausted the process's memory maps (a traceback from an import).
 MAX_TORCH_THREADS = 1024
+MAX_SAMPLES = 10_000  # task prompts per run at most: each is a full prefill per mode
 
 
-def _check_counts(max_new_tokens: int | None, seed: int, torch_threads: int) -> None:
+def _check_counts(max_new_tokens: int | None, seed: int, torch_threads: int, samples: int) -> None:
     """Refuse counts out of range before anything is loaded (a negative token count decoded nothing and scored 0, 0 meant
-    the task's default, a negative seed failed after the model had loaded)."""
+    the task's default, a negative seed failed after the model had loaded, 10^11 samples a traceback allocating their
+    needles' depths)."""
+    if not 1 <= samples <= MAX_SAMPLES:
+        raise DecodeError(f"--samples must lie in [1, {MAX_SAMPLES}] (each is a prefill of the context per mode), got {samples}")
     if max_new_tokens is not None and max_new_tokens < 1:
         raise DecodeError(f"--max-new-tokens must be at least 1 (leave it out for the task's default), got {max_new_tokens}")
     if seed < 0:
@@ -524,7 +534,7 @@ def _print_result(result: dict, settings: Settings) -> None:
     if result["task"] == "prompt":  # the result says what it is: a fidelity result has no answers to print
         for name, m in result["modes"].items():
             for row in m["samples"]:
-                click.echo(f"[{name}] {row['answer']}")
+                click.echo(f"[{name}] " + (row["answer"] if "answer" in row else f"(failed: {row['error']})"))
 
 
 def _write_json(path: Path, result: dict) -> None:

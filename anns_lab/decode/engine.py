@@ -127,6 +127,7 @@ class ModeRun:
     hand_over_steps: dict = field(default_factory=dict)  # --until-built exact: layer -> the first step its index served (None: no step)
     layers_at_once: int | None = None  # layers its builds ran at once (--build-layers as resolved: auto, the threads' budget)
     setup_s: float = 0.0  # from its indexes ready (the run's start for the others) to its first step: the cache cut to the window, the hooks
+    error: str | None = None  # the mode failed on this prompt (its indexes' build or search broke): why, in words
 
 
 def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool, build_modes: list[Mode] = (),

@@ -31,6 +31,10 @@ def default_index() -> str:
 
 
 def _coerce(text: str):
+    """A NAME=VALUE's value: a number or true/false where it reads as one, else text; in double quotes always text (a
+    string parameter's "1", which read as the number 1 before, and its type check refused)."""
+    if len(text) >= 2 and text[0] == text[-1] == '"':
+        return text[1:-1]
     for kind in (int, float):
         try:
             return kind(text)

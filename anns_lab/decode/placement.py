@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 
 from anns_lab.decode.kernels import attend_rows_and_range, merge
-from anns_lab.errors import AnnsLabError, DecodeError, error_text
+from anns_lab.errors import AnnsLabError, DecodeError, IndexFailed, IndexResultError, error_text
 from anns_lab.indexes import protocol, registry
 from anns_lab.indexes.base import SearchResult
 from anns_lab.indexes.build_processes import BuildProcesses, Spool, can_build
@@ -199,7 +199,7 @@ class LayerStore:
         for heads in self._groups():
             index = self.indexes[heads[0]]
             shared = sum(a.nbytes for a in index.held_arrays() if np.may_share_memory(a, self.keys))
-            own += index.nbytes - shared
+            own += protocol.held_bytes(type(index).name, index) - shared
         held = self.keys[:, : self.n_rows]
         return 2 * held.nbytes + own  # values: the keys' shape
 
@@ -269,10 +269,12 @@ class LayerStore:
                 extra["hints"] = hints[hints < self.n_indexed]
             try:
                 res = cls.search_group(self.indexes, q, k, **extra, **cls.scaled(self.plan.search_params, scaling))
-            except AnnsLabError:  # the index's name is in it
+            except IndexResultError:  # the index's name and the rule are in it
                 raise
+            except AnnsLabError as err:  # the index's name is in it (base.Index's checks of what its search returned)
+                raise IndexFailed(f"layer {self.layer}: {err}") from err
             except (Exception, SystemExit) as err:  # a plugin's own: named (from the CPU side's thread it says neither)
-                raise DecodeError(f"layer {self.layer}: {self.plan.name}'s search raised {error_text(err)}") from err
+                raise IndexFailed(f"layer {self.layer}: {self.plan.name}'s search raised {error_text(err)}") from err
             self._check(res, q, k)
             estimate = res.estimate
             rows = np.ascontiguousarray(res.ids)

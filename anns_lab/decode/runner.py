@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from anns_lab.errors import DecodeError
+from anns_lab.errors import DecodeError, IndexFailed, IndexResultError
 from anns_lab.decode import stats
 from anns_lab.decode.builds import start_build_processes, warm_up
 from anns_lab.decode.engine import (Mode, ModeRun, Settings, check_window, exact_seconds, first_step_seconds,
@@ -23,6 +23,7 @@ from anns_lab.decode.engine import (Mode, ModeRun, Settings, check_window, exact
 from anns_lab.dumps import rope, tasks
 from anns_lab.dumps.models import extrapolation_note
 
+MODE_FAILURES = (IndexFailed, IndexResultError)  # an index mode's own: it fails on the sample, the others go on
 # Enough for the answer with the preamble models write first: Gemma-3 once spent 14 tokens on
 # "magic_number = 114874" and lost the needle's last digit.
 MAX_NEW = {"passkey": 8, "number_string": 14, "kv_retrieval": 40, "niah": 24, "niah_multikey": 24,
@@ -212,18 +213,30 @@ def run_sample(lm, modes: list[Mode], settings: Settings, ids: list[int], max_ne
     for group in prefill_groups(modes, settings):
         names = ", ".join(m.name for m in group)
         say(f"  prefill for {names}: {len(ids)} tokens through {lm.name} (full attention, chunks of {settings.chunk}) ...")
-        pre = prefill(lm, ids, settings, any(m.uses_queries(settings) for m in group), group, progress=bar,
-                      newest_queries=kept_queries(group))
-        say(f"  prefill for {names}: done in {pre.seconds:.1f} s")
-        if pre.early is not None and settings.until_built == "wait":  # no mode decodes while builds still share the CPU
-            say("  index builds: started during the prefill's last chunk; finishing ...")
-            pre.early.wait()
+        try:
+            pre = prefill(lm, ids, settings, any(m.uses_queries(settings) for m in group), group, progress=bar,
+                          newest_queries=kept_queries(group))
+            say(f"  prefill for {names}: done in {pre.seconds:.1f} s")
+            if pre.early is not None and settings.until_built == "wait":  # no mode decodes while builds still share the CPU
+                say("  index builds: started during the prefill's last chunk; finishing ...")
+                pre.early.wait()
+        except MODE_FAILURES as err:  # with builds during it, an index mode's prefill is its own: its builds' error too
+            if not (settings.build_during_prefill and len(group) == 1 and group[0].kind == "index"):
+                raise
+            runs[group[0].name] = failed_run(group[0], err, say)
+            continue
         for mode in group:
             building = mode.kind == "index"
             doing = ("" if not building else "building one index per layer and head from the prefill, then "
                      if settings.until_built == "wait" else "each layer whole until its indexes are built, ")
             say(f"  {mode.name}: {doing}decoding up to {max_new} tokens ...")
-            run = run_mode(lm, pre, mode, settings, max_new, stops)
+            try:
+                run = run_mode(lm, pre, mode, settings, max_new, stops)
+            except MODE_FAILURES as err:  # an index's build or search broke: this mode's, the others' results stand
+                if not building:
+                    raise
+                runs[mode.name] = failed_run(mode, err, say)
+                continue
             say(f"  {mode.name}: " + (f"indexes built in {run.build_s:.1f} s ({run.build_hidden_s:.1f} s during the prefill), "
                                       if building else "")
                 + f"{len(run.tokens)} tokens decoded in {run.decode_s:.1f} s"
@@ -232,6 +245,13 @@ def run_sample(lm, modes: list[Mode], settings: Settings, ids: list[int], max_ne
             runs[mode.name] = run
         del pre  # the next group's prefill must not hold this one's cache beside its own
     return {"runs": {m.name: runs[m.name] for m in modes}}
+
+
+def failed_run(mode: Mode, err: Exception, say) -> ModeRun:
+    """The record of ``mode`` failing on a prompt (its indexes' build or search raised ``err``), said as it happens: the
+    other modes of the run go on, and the results name the failure (``error`` on its sample, ``failed_samples``)."""
+    say(f"  {mode.name}: failed: {err}")
+    return ModeRun(mode.name, [], [], 0.0, 0.0, [], [], error=str(err))
 
 
 def _run_prompts(lm, modes, settings, prompts, n_prompt: int, max_new, task, progress, executor=None, on_sample=None,
@@ -262,6 +282,15 @@ def _run_prompts(lm, modes, settings, prompts, n_prompt: int, max_new, task, pro
     for i, ((_, sample), res) in enumerate(done):
         for mode in modes:
             run = res["runs"][mode.name]
+            if run.error is not None:  # no answer, no score: the accuracy is over the samples the mode finished
+                row = {"sample": i, "error": run.error}
+                if sample is not None:
+                    row |= {"expected": list(sample.answers), "depth": sample.depth, "seed": sample.params["seed"]}
+                per_mode[mode.name]["samples"].append(row)
+                per_mode[mode.name].setdefault("notes_by_sample", []).append([f"failed: {run.error}"])
+                if progress:
+                    progress(f"sample {i + 1}/{len(prompts)} {mode.name}: failed")
+                continue
             answer = lm.tokenizer.decode(run.tokens, skip_special_tokens=True)
             row = {"sample": i, "answer": answer}
             if sample is not None:
@@ -300,10 +329,14 @@ def _merged(per_mode: dict, task: str, context: int, extrapolated: str | None = 
     """The result of the samples run so far: per mode, pooled timings, accuracy and the samples themselves."""
     out = {"task": task, "context": context, "extrapolated": extrapolated, "modes": {}}
     for name, d in per_mode.items():
-        summary = _pool(d["runs"])
-        if task != "prompt":
-            summary |= _accuracy([r["score"] for r in d["samples"]],
-                                 [r["score"] for r in per_mode["full"]["samples"]] if "full" in per_mode else None)
+        summary = _pool(d["runs"]) if d["runs"] else {}
+        if failed := sum("error" in r for r in d["samples"]):
+            summary["failed_samples"] = failed
+        full = per_mode["full"]["samples"] if "full" in per_mode else None
+        # the samples this mode finished (and full, which never fails alone, with it: the paired difference)
+        done = [(r, f) for r, f in zip(d["samples"], full or d["samples"]) if "score" in r and "score" in f]
+        if task != "prompt" and done:
+            summary |= _accuracy([r["score"] for r, _ in done], [f["score"] for _, f in done] if full else None)
         out["modes"][name] = {"summary": summary, "samples": list(d["samples"]), "notes": merged_notes(d.get("notes_by_sample", []))}
     time_to_first_token(out["modes"])
     return out
@@ -353,10 +386,17 @@ def run_fidelity(lm, modes: list[Mode], settings: Settings, context: int, positi
         else:
             say(f"  {mode.name}: " + ("building indexes from the prefill, then " if mode.kind == "index" else "")
                 + f"{positions} teacher-forced + {free_tokens} free tokens ...")
-            tf = run_mode(lm, pre, mode, settings, 0, teacher=teacher, keep_logits=True)
-            tf.stores = None
-            free = run_mode(lm, pre, mode, settings, free_tokens)
-            free.stores = None
+            try:
+                tf = run_mode(lm, pre, mode, settings, 0, teacher=teacher, keep_logits=True)
+                tf.stores = None
+                free = run_mode(lm, pre, mode, settings, free_tokens)
+                free.stores = None
+            except MODE_FAILURES as err:  # an index's build or search broke: this mode's, the others' results stand
+                if mode.kind != "index":
+                    raise
+                error = failed_run(mode, err, say).error
+                out["modes"][mode.name] = {"summary": {"failed_samples": 1}, "samples": [], "notes": [f"failed: {error}"]}
+                continue
         logp = torch.stack(tf.logits).double().log_softmax(-1)
         kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)[1:]  # position 0 is the prefill's own prediction
         top1 = (logp.argmax(-1) == ref_logp.argmax(-1)).double()[1:]
@@ -372,7 +412,7 @@ def run_fidelity(lm, modes: list[Mode], settings: Settings, context: int, positi
     return out
 
 
-COLUMNS = [("accuracy", "accuracy %", "{:.1f}"), ("accuracy_ci95", "acc 95% CI", "[{:.1f}, {:.1f}]"),
+COLUMNS = [("failed_samples", "failed", "{:d}"), ("accuracy", "accuracy %", "{:.1f}"), ("accuracy_ci95", "acc 95% CI", "[{:.1f}, {:.1f}]"),
            ("diff_vs_full", "Δ full", "{:+.1f}"), ("diff_vs_full_ci95", "Δ 95% CI", "[{:+.1f}, {:+.1f}]"), ("kl_mean", "KL", "{:.2e}"), ("top1_agreement", "top-1", "{:.3f}"),
            ("free_tokens_until_diff", "free=", "{:d}"), ("prefill_s", "prefill s", "{:.2f}"), ("build_s", "build s", "{:.2f}"),
            ("build_hidden_s", "hidden s", "{:.2f}"),
@@ -387,6 +427,8 @@ COLUMNS = [("accuracy", "accuracy %", "{:.1f}"), ("accuracy_ci95", "acc 95% CI",
 
 # Printed under the table for the columns it shows: every column defined on screen.
 LEGEND = {
+    "failed_samples": "samples on which the mode failed (its indexes' build or search broke: the error in its notes); "
+                      "its other columns are over the samples it finished",
     "accuracy": "share of task samples answered correctly",
     "accuracy_ci95": "95% Wilson interval of the accuracy over the samples",
     "diff_vs_full": "accuracy minus full attention's on the same samples, points",

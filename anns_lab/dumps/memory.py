@@ -136,7 +136,7 @@ def check_prefill(cfg, n_tokens: int, chunk: int, what: str, tokens_flag: str, *
                  and prefill_estimate(cfg, n_tokens, c, **kwargs).total <= have), None)
     shorter = "give a shorter --prompt" if tokens_flag == "--prompt" else f"lower {tokens_flag}"
     lower = (f"pass --chunk {fits} (about {prefill_estimate(cfg, n_tokens, fits, **kwargs).total / GIB:.1f} GiB)"
-             if fits else f"even --chunk 128 would not fit: {shorter}")
+             if fits else f"even --chunk 128 would not fit: {shorter}" if chunk > 128 else shorter)
     if kwargs.get("building_layers", 0) > 1:
         lower += f", or build fewer layers at once (--build-layers, {kwargs['building_layers']} here)"
     limit = os.environ.get("ANNS_LAB_MEMORY_LIMIT")

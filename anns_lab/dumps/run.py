@@ -319,8 +319,10 @@ def run_dump(model: str = "smollm2", *, source: str = "text", prompt_path: str |
 
     if dtype not in DTYPES:
         raise DumpError(f"--dtype must be one of {', '.join(DTYPES)}")
-    if chunk < 1 or decode_tokens < 0:
-        raise DumpError("--chunk must be ≥ 1 and --decode-tokens ≥ 0")
+    if chunk < 1:
+        raise DumpError(f"--chunk must be at least 1, got {chunk}")
+    if decode_tokens < 0:
+        raise DumpError(f"--decode-tokens must be 0 or more, got {decode_tokens}")
     # Everything checkable without the weights fails here, before the model load and before any folder is touched.
     if tokens is not None and tokens < 1:
         raise PromptError("--tokens must be a positive number of tokens")

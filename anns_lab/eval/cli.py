@@ -155,6 +155,8 @@ def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite, bu
             dump_path = result.dump.path
     # --indexes "" names nothing (refused by run_sweep), it does not mean every index
     names = list(dict.fromkeys(n.strip() for n in indexes.split(",") if n.strip())) if indexes is not None else None
+    if names and "" in (n.strip() for n in indexes.split(",")):  # as --layers 0,,1: a name lost to a typo
+        raise AnnsLabError(f"--indexes {indexes!r} has an empty name between its commas")
     layer_list, head_list = _layers(layers, dump_path), _heads(heads, dump_path)
     if out is None:
         out = default_out(dump_path, names, layer_list, head_list, quick)

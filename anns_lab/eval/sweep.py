@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 
 from anns_lab.dumps import rope
 from anns_lab.dumps.store import dump_stamp, open_dump, write_table
-from anns_lab.errors import AnnsLabError, IndexConfigError
+from anns_lab.errors import AnnsLabError, IndexConfigError, IndexResultError
 from anns_lab.eval import failures as failed
 from anns_lab.eval import metrics, plan
 from anns_lab.eval.executors import Outcome, Part, open_executor
@@ -129,9 +129,11 @@ def evaluate_index(name: str, data: HeadData, k: int, dump_label: str, model: st
                 "bytes_read": float(res.bytes_read.mean()),
                 "mass_recovered": mass, "output_rel_error": err,
                 "latency_us": float(np.median(lat) * 1e6) if lat else np.nan, "qps": len(queries) / batch_s,
-                "build_s": build_s, "index_bytes": int(index.nbytes),
+                "build_s": build_s, "index_bytes": protocol.held_bytes(name, index),
                 "auto_rules": json.dumps(dict(index.auto_rules), sort_keys=True),
             })
+    if not rows:  # a part of no rows: kept as finished, it stood for the head in the table as if measured
+        raise IndexResultError(f"{name}: its grid() gave no search parameters to measure")
     return pd.DataFrame(rows, columns=COLUMNS)
 
 

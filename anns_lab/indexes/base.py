@@ -282,6 +282,9 @@ class Index:
         ids, scores, n_scanned = out[:3]
         bytes_read = out[3] if len(out) > 3 and out[3] is not None else None
         self._check_integral(ids=ids, n_scanned=n_scanned, bytes_read=bytes_read)
+        if np.asarray(scores).dtype.kind not in "fiu":  # complex: the cast dropped the imaginary part with a warning
+            raise IndexResultError(f"{self._owner()} broke the index protocol: scores must be real numbers, got dtype "
+                                   f"{np.asarray(scores).dtype}")
         n_scanned = np.ascontiguousarray(n_scanned, dtype=np.int64)
         bytes_read = n_scanned * self.key_bytes() if bytes_read is None else bytes_read
         estimate = out[4] if len(out) > 4 else None

@@ -2,11 +2,11 @@
 
 A search result breaks the protocol when: its arrays are not ids int64 ``(nq, k)``, scores
 float32 ``(nq, k)``, n_scanned int64 ``(nq,)`` (and bytes_read int64 ``(nq,)`` when the result
-carries it, as every ``SearchResult`` does); bytes_read is negative; an id is outside ``[0, n_keys)`` and not the
-``-1`` padding, or padding comes before a valid id; a row returns an id twice; a valid id's
-score is not finite, padding's is not ``-inf``, or scores are not sorted in descending order;
-``n_scanned`` is below 1 or the number of returned ids, or above the index's ``max_scanned()``;
-and, when the queries and keys are given, a score differs from q·k of its id. The estimator rules
+carries it, as every ``SearchResult`` does); bytes_read is below 1 (every query scans a key); an id is
+outside ``[0, n_keys)`` and not the ``-1`` padding, or padding comes before a valid id; a row returns an id
+twice; a valid id's score is not finite, padding's is not ``-inf``, or scores are not sorted in descending
+order; ``n_scanned`` is below 1 or the number of returned ids, or above the index's ``max_scanned()`` (itself a
+whole number ≥ 1); and, when the queries and keys are given, a score differs from q·k of its id. The estimator rules
 (an Estimate exactly when the class ``estimates``; valid, disjoint, positively weighted terms) are
 :func:`anns_lab.indexes.estimate.estimate_problem`, applied by :func:`check_estimate`.
 """
@@ -28,6 +28,8 @@ def result_problem(res, nq: int, k: int, n_keys: int, max_scanned: int, queries:
     ``check_scores=False`` skips the score rules (the decoder reads only ids and counts); ``queries``
     and ``keys`` (float32, the rows the ids point to) add the check that scores equal q·k.
     """
+    if not _whole(max_scanned, 1):  # a NaN bound bounded nothing (n > nan is False), None was a TypeError
+        return f"max_scanned() returned {max_scanned!r}, not a whole number ≥ 1 (the most keys a query may scan)"
     ids, scores, scanned = (np.asarray(a) for a in res[:3])
     if ids.shape != (nq, k) or ids.dtype != np.int64:
         return f"ids must be int64 of shape ({nq}, {k}), got {ids.dtype} {ids.shape}"
@@ -57,8 +59,8 @@ def result_problem(res, nq: int, k: int, n_keys: int, max_scanned: int, queries:
         n_bytes = np.asarray(res[3])
         if n_bytes.shape != (nq,) or n_bytes.dtype != np.int64:
             return f"bytes_read must be int64 of shape ({nq},), got {n_bytes.dtype} {n_bytes.shape}"
-        if (n_bytes < 0).any():
-            return f"bytes_read {int(n_bytes.min())} is negative"
+        if (n_bytes < 1).any():  # n_scanned ≥ 1: a query that computed an inner product read a vector's bytes
+            return f"bytes_read {int(n_bytes.min())} is below 1 for a query that scanned keys"
     if not check_scores:
         return None
     if scores.shape != (nq, k) or scores.dtype != np.float32:
@@ -76,6 +78,20 @@ def result_problem(res, nq: int, k: int, n_keys: int, max_scanned: int, queries:
         if err.max() >= 1e-5:
             return f"returned scores differ from q·k of the returned ids (max rel err {err.max():.2e})"
     return None
+
+
+def held_bytes(owner: str, index) -> int:
+    """``index.nbytes`` as an int; IndexResultError naming ``owner`` unless it is a whole number ≥ 0 (a negative size
+    entered the table as measured, a NaN failed with numpy's words)."""
+    held = index.nbytes
+    if not _whole(held, 0):
+        raise IndexResultError(f"{owner} broke the index protocol: nbytes is {held!r}, not a whole number of bytes ≥ 0")
+    return int(held)
+
+
+def _whole(value, low: int) -> bool:
+    """Whether ``value`` is an integer (Python's or numpy's, not a bool) of at least ``low``."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= low
 
 
 def _sorted_rows(scores: np.ndarray, valid: np.ndarray) -> bool:
