@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from anns_lab.errors import AnnsLabError
 from anns_lab.window import Window, WindowError
 
 
@@ -29,3 +30,13 @@ def given_flags(ctx: click.Context, *names: str) -> list[str]:
 
     return [p.opts[0] for p in ctx.command.params if p.name in names
             and ctx.get_parameter_source(p.name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)]
+
+
+def name_list(spec: str, option: str) -> list[str]:
+    """The names of a comma list (``--indexes``, ``--mode``) in order, none for an empty one (the caller says what that
+    means); an empty item between names is refused, as ``--layers 0,,1`` is (a name lost to a typo ran the others)."""
+    items = [s.strip() for s in spec.split(",")]
+    names = [s for s in items if s]
+    if names and len(names) < len(items):
+        raise AnnsLabError(f"{option} {spec!r} has an empty item between commas")
+    return names

@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
+
 from anns_lab.errors import FolderBusy
 
 T = TypeVar("T")
@@ -115,6 +117,20 @@ def loads_json(text: str | bytes) -> Any:
         return json.loads(text)
     except RecursionError:
         raise ValueError("JSON nested too deeply to read") from None
+
+
+def param_value(text: str) -> Any:
+    """A command line's NAME=VALUE value: its JSON reading where it has one (a number, true or false, a "quoted" string
+    for text that reads as a number), else the text as given (the sweep's and the decoder's --build-param alike)."""
+    try:
+        return loads_json(text)
+    except ValueError:
+        return text
+
+
+def is_int(x) -> bool:
+    """An integer (numpy's too), not a bool (True passes isinstance(x, int))."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def read_json(path: Path) -> Any:

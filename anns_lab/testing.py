@@ -45,6 +45,7 @@ from anns_lab.errors import IndexConfigError
 from anns_lab.indexes.base import MAX_ABS, Index, SearchResult, concat_results
 from anns_lab.indexes.estimate import estimate_problem, estimate_terms
 from anns_lab.indexes.protocol import result_problem
+from anns_lab.io import is_int
 
 
 def easy_data(n_keys: int = 1000, dim: int = 16, n_queries: int = 40, seed: int = 0) -> tuple[np.ndarray, ...]:
@@ -318,7 +319,8 @@ def check_index(cls: type[Index], min_recall: float = 1.0, k: int = 10, unbiased
     _same(index.search(queries, k, **mid), again.search(queries, k, **mid), "two seeded builds")
     _same(index.search(queries, k, **mid), index.search(queries, k, **mid), "two searches")
     _same_from_threads(index, queries[:8], k, [grid[0], top])
-    assert index.nbytes > 0, "nbytes must be positive"
+    held = index.nbytes
+    assert is_int(held) and held > 0, f"nbytes must be a positive whole number of bytes (the sweep refuses others), got {held!r}"
     for a, b, what in zip((keys, queries, train), given, ("keys", "queries", "train_queries")):
         assert np.array_equal(a, b), f"build() or search() wrote into the {what} it was given: copy before changing them"
 

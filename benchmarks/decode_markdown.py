@@ -17,7 +17,7 @@ from pathlib import Path
 
 from anns_lab.decode import runner
 
-TASK_COLUMNS = "accuracy,accuracy_ci95,retrieval_ms,retrieval_cpu_ms,bytes_read_per_token,scanned_fraction,build_s,build_hidden_s,ttft_s"
+TASK_COLUMNS = "failed_samples,accuracy,accuracy_ci95,retrieval_ms,retrieval_cpu_ms,bytes_read_per_token,scanned_fraction,build_s,build_hidden_s,ttft_s"
 
 
 def _labels(keys: list[str]) -> dict[str, tuple[str, str]]:

@@ -179,6 +179,7 @@ def test_prompt_and_fidelity(tiny_gemma3, tmp_path):
     (["--mode", ""], "--mode '' names nothing: give e.g. full,default"),
     (["--mode", ","], "--mode ',' names nothing"),
     (["--mode", " , "], "names nothing"),
+    (["--mode", "full,,flat"], "--mode 'full,,flat' has an empty item between commas"),  # ran full and flat, before
     (["--param", "=3"], "--param '=3': NAME is empty"),
     (["--build-param", " =3"], "--build-param ' =3': NAME is empty"),
     (["--chunk", 0], "--chunk must be at least 1, got 0"),  # named --add-batch too, before

@@ -523,24 +523,63 @@ def test_a_part_of_another_cell_or_sweep_is_evaluated_again_not_kept(dump, tmp_p
         assert sorted(r.table["head"].unique()) == [0, 1] and r.table.groupby("head").size().tolist() == [len(good)] * 2
         pd.testing.assert_frame_equal(pd.read_parquet(h0).drop(columns=["latency_us", "qps", "build_s"]),
                                       good.drop(columns=["latency_us", "qps", "build_s"]))
+    lines = []  # the other way round: a full sweep's part in a --quick one
+    shutil.copy(h0, quick / "parts" / h0.name)
+    _strip_settings(quick / "parts" / h0.name)
+    run_sweep(dump.path, ["flat"], [1], [0, 1], out=quick, quick=True, log=lines.append, **kw)
+    assert any("it is a full sweep's part, this sweep is --quick" in line for line in lines), lines
+    half = pd.read_parquet(h0)
+    half.loc[half.index[::2], "latency_us"] = np.nan
+    half.to_parquet(h0)
+    lines = []
+    run_sweep(dump.path, ["flat"], [1], [0, 1], out=out, log=lines.append, **kw)
+    assert any("some of its rows are timed and some not" in line for line in lines), lines
     shutil.copy(h1, parts / "L001_H02_flat.parquet")  # not planned by this run: named before any work, not combined
     with pytest.raises(AnnsLabError, match="L001_H02_flat.parquet is not a readable results part .its rows are not all"):
         run_sweep(dump.path, ["flat"], [1], [0, 1], out=out, **kw)
 
 
+def test_a_folders_parts_make_one_table_of_one_dump_however_its_path_was_spelled(dump, tmp_path, monkeypatch):
+    """A resume through another spelling of the dump's path (relative, absolute; another machine's) kept rows labelled
+    with both, which report and decode --from-sweep then refused as two dumps: the table labels them all as this run
+    gives the dump. A plugin named like a build variant's file (``roar-2025061001``) is read as itself."""
+    import pyarrow as pa
+
+    from anns_lab.decode.modes import check_sweep_pick
+
+    monkeypatch.chdir(dump.path.parent)
+    out = tmp_path / "r"
+    run_sweep(dump.path.name, ["flat"], [1], [0], k=10, window=(0, 0), out=out, jobs=1, progress=False)
+    r = run_sweep(str(dump.path.resolve()), ["flat"], [1], [0, 1], k=10, window=(0, 0), out=out, jobs=1, progress=False)
+    assert set(r.table["dump"]) == {str(dump.path.resolve())} and sorted(r.table["head"].unique()) == [0, 1]
+    check_sweep_pick(str(out), 0.9, 10, (0, 0))  # one dump
+    own = sweep_mod._part_settings(json.loads((out / "sweep.json").read_text()), dump)
+    odd = out / "parts" / "L001_H02_roar-2025061001.parquet"
+    rows = pd.read_parquet(out / "parts" / "L001_H01_flat.parquet").assign(head=2, index="roar-2025061001")
+    store.write_table(odd, sweep_mod._with_settings(pa.Table.from_pandas(rows, preserve_index=False), own))
+    part, why = sweep_mod._read_part(odd, own)
+    assert why is None and set(part["index"]) == {"roar-2025061001"}
+
+
 def test_a_dump_replaced_during_a_sweep_fails_the_parts_that_would_mix_it_in(dump, tiny_llama, tmp_path):
     """`anns-lab dump --overwrite` into the folder a sweep reads: its heads after that came from the new dump, under the
-    same label (session 46's audit). A worker now checks the dump's stamp (its manifest's checksum) before each head."""
+    same label (session 46's audit). A worker now checks the dump's stamp (its manifest's checksum) before each head:
+    here the dump is replaced once the sweep has started (its first log line of work), so every part fails."""
     folder = tmp_path / "d"
     shutil.copytree(dump.path, folder)
-    work = sweep_mod.SweepWork(str(folder), 10, (0, 0), {}, True, stamp=store.dump_stamp(open_dump(folder).manifest))
-    assert work.load(1, 0).head == 0 and work.fingerprint() == work.stamp
     other = run_dump(str(tiny_llama), tokens=N, decode_tokens=DECODE, layers="1,3", dtype="float32", chunk=128,
                      out=tmp_path / "other", progress=False, seed=1).dump
-    shutil.rmtree(folder)
-    shutil.copytree(other.path, folder)
-    with pytest.raises(AnnsLabError, match="was replaced during the sweep"):
-        work.load(1, 0)
+    assert store.dump_stamp(other.manifest) != store.dump_stamp(open_dump(folder).manifest)
+
+    def replace_when_started(line: str) -> None:
+        if line.startswith("sweep d:"):  # the driver has opened the dump and handed the work out
+            shutil.rmtree(folder)
+            shutil.copytree(other.path, folder)
+
+    r = run_sweep(folder, ["flat"], [1], [0, 1], k=10, window=(0, 0), out=tmp_path / "r", jobs=1, progress=False,
+                  log=replace_when_started)
+    assert len(r.failures) == 2 and all("was replaced during the sweep" in f[3] for f in r.failures), r.failures
+    assert r.table.empty
 
 
 def test_hand_edited_failure_records_count_as_none(dump, tmp_path):
@@ -572,7 +611,8 @@ def test_the_report_names_the_parts_a_stopped_sweep_never_reached(dump, tmp_path
     assert "part(s) this sweep set out to measure" not in write_report(out).read_text()
     ivf = next((out / "parts").glob("L001_H01_ivf*.parquet"))
     ivf.unlink()
-    sweep_mod.combine(out, json.loads((out / "sweep.json").read_text()))  # as an interrupted run leaves the table
+    own = sweep_mod._part_settings(json.loads((out / "sweep.json").read_text()), dump)
+    sweep_mod.combine(out, own, str(dump.path))  # as an interrupted run leaves the table
     md = write_report(out).read_text()
     assert "1 part(s) this sweep set out to measure have no results yet" in md and "ivf on layer 1 head 1" in md
     run_sweep(dump.path, ["flat"], [1], [0], k=10, window=(0, 0), out=out, jobs=1, progress=False, overwrite=True,
@@ -1000,7 +1040,7 @@ def test_sweep_build_parameters_repeated_spelled_apart_or_searched(dump, tmp_pat
                    "L is a search parameter of roargraph")
     one_line_error(args + ["--indexes", "", "--out", tmp_path / "c"], "--indexes names nothing")
     one_line_error(args + ["--indexes", "flat,,ivf", "--out", tmp_path / "c"],  # swept flat and ivf, before
-                   "--indexes 'flat,,ivf' has an empty name between its commas")
+                   "--indexes 'flat,,ivf' has an empty item between commas")
     for value in ("1", "1.0"):  # one build however its value is written: one part, its rows once
         r = CliRunner().invoke(main, [str(a) for a in args + ["--indexes", "roargraph", "--build-param",
                                                               f"roargraph.idf={value}", "--out", tmp_path / "d"]])

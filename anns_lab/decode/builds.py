@@ -23,7 +23,7 @@ from anns_lab.decode import calibrate as calibration
 from anns_lab.decode.options import LAYERS_AT_ONCE, MIN_LAYERS_AT_ONCE
 from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.dumps import rope
-from anns_lab.errors import AnnsLabError, DecodeError, IndexFailed, error_text
+from anns_lab.errors import AnnsLabError, IndexFailed, error_text
 from anns_lab.indexes import build_processes, registry
 from anns_lab.indexes.group_queries import PER_HEAD, group_queries
 from anns_lab.indexes.threads import (lower_priority, numba_threadsafe, settle, stopping_on,

@@ -5,13 +5,14 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
+from anns_lab.cli_types import name_list
 from anns_lab.decode.engine import Mode
 from anns_lab.decode.placement import IndexPlan
 from anns_lab.dumps import rope
 from anns_lab.errors import DecodeError, IndexConfigError
 from anns_lab.indexes import group_queries, registry
 from anns_lab.indexes.base import resolve_params
-from anns_lab.io import loads_json
+from anns_lab.io import loads_json, param_value
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -30,21 +31,6 @@ def default_index() -> str:
     return "flat"
 
 
-def _coerce(text: str):
-    """A NAME=VALUE's value: a number or true/false where it reads as one, else text; in double quotes always text (a
-    string parameter's "1", which read as the number 1 before, and its type check refused)."""
-    if len(text) >= 2 and text[0] == text[-1] == '"':
-        return text[1:-1]
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    return text
-
-
 def parse_params(items: tuple[str, ...] | list[str], what: str = "--param") -> dict:
     """``["L=200", "nprobe=32"]`` → ``{"L": 200, "nprobe": 32}``."""
     out = {}
@@ -59,13 +45,13 @@ def parse_params(items: tuple[str, ...] | list[str], what: str = "--param") -> d
                               f"{value.strip()}), which every selected index mode that declares NAME takes")
         if name in out:  # the last one silently won before: say which is meant
             raise DecodeError(f"{what} {name} is given twice ({out[name]!r} and {value.strip()}): give one value")
-        out[name] = _coerce(value.strip())
+        out[name] = param_value(value.strip())
     return out
 
 
 def mode_names(spec: str) -> list[str]:
-    """``--mode``'s names in order, refused when it names none."""
-    names = [s.strip() for s in spec.split(",") if s.strip()]
+    """``--mode``'s names in order, refused when it names none or has an empty item."""
+    names = name_list(spec, "--mode")
     if not names:  # an empty --mode once ran the default index alone, as if asked for
         raise DecodeError(f"--mode {spec!r} names nothing: give e.g. full,default")
     return names

@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 
 from anns_lab.decode.kernels import attend_rows_and_range, merge
-from anns_lab.errors import AnnsLabError, DecodeError, IndexFailed, IndexResultError, error_text
+from anns_lab.errors import AnnsLabError, IndexFailed, IndexResultError, error_text
 from anns_lab.indexes import protocol, registry
 from anns_lab.indexes.base import SearchResult
 from anns_lab.indexes.build_processes import BuildProcesses, Spool, can_build
@@ -146,6 +146,8 @@ class LayerStore:
         self.indexes = [built[h // self.group] for h in range(self.n_heads)] if shared else built
         if before is not None and protocol.input_sums(self.key_store.buf[:, :self.n_rows], queries) != before:
             raise protocol.inputs_changed(self.plan.name)
+        for index in built:  # its size is read at the run's end (cpu_bytes): refused now, not after every step
+            protocol.held_bytes(self.plan.name, index)
         self.n_indexed = self.n_rows
         self._bound = None
         self._sum_values()

@@ -224,6 +224,7 @@ def run_sample(lm, modes: list[Mode], settings: Settings, ids: list[int], max_ne
             if not (settings.build_during_prefill and len(group) == 1 and group[0].kind == "index"):
                 raise
             runs[group[0].name] = failed_run(group[0], err, say)
+            pre = None  # its cache must not be held beside the next group's (a build fails after the prefill too)
             continue
         for mode in group:
             building = mode.kind == "index"

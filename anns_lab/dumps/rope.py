@@ -112,17 +112,19 @@ def dump_inv_freq(manifest: dict, layer: int) -> np.ndarray | None:
 
 def move(vectors: np.ndarray, positions: np.ndarray, targets: np.ndarray, freqs: np.ndarray | None) -> np.ndarray:
     """Post-RoPE ``vectors`` (..., n, d) at ``positions`` as they would be at ``targets`` (float32); unchanged
-    without RoPE (``freqs`` None). Leading axes (a layer's heads) share the n angles, computed once."""
+    without RoPE (``freqs`` None). Leading axes (a layer's heads) share the n angles, computed once; the float64 turn
+    runs one (n, d) block at a time (a layer's at once held ~5x its queries: GBs per layer of a large model at 128K)."""
     vectors = np.asarray(vectors, dtype=np.float32)
     if freqs is None:
         return vectors
     half = len(freqs)
     angle = (np.asarray(targets, np.float64) - np.asarray(positions, np.float64))[:, None] * freqs[None, :]
     cos, sin = np.cos(angle), np.sin(angle)
-    a, b = vectors[..., :half].astype(np.float64), vectors[..., half:2 * half].astype(np.float64)
-    out = vectors.copy()
-    out[..., :half] = a * cos - b * sin
-    out[..., half:2 * half] = b * cos + a * sin
+    out = np.array(vectors, order="C")  # a copy: the unrotated dimensions stay as they are
+    for block in out.reshape(-1, *out.shape[-2:]):  # views into out
+        a, b = block[:, :half].astype(np.float64), block[:, half:2 * half].astype(np.float64)
+        block[:, :half] = a * cos - b * sin
+        block[:, half:2 * half] = b * cos + a * sin
     return out
 
 

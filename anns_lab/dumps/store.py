@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 
 from anns_lab.dumps.prompts import CONTINUATIONS
 from anns_lab.errors import DumpError
-from anns_lab.io import atomic_path, read_json
+from anns_lab.io import atomic_path, is_int, read_json
 
 FORMAT = "anns-lab-dump"
 FORMAT_VERSION = 2
@@ -250,7 +250,7 @@ class Dump:
         every earlier key (a manifest without the field: a dump of before it, full attention throughout)."""
         self._check_layer(layer)
         window = (self.manifest.get("sliding_window") or {}).get(str(layer))
-        if window is not None and not (_is_int(window) and window >= 1):
+        if window is not None and not (is_int(window) and window >= 1):
             raise DumpError(f"{self.path}'s manifest gives layer {layer} a sliding window of {window!r}, not a count "
                             "of tokens; the manifest is damaged: make the dump again")
         return window
@@ -311,14 +311,14 @@ class Dump:
         return self._phase_rows[phase]
 
     def _check_layer(self, layer: int) -> None:
-        if not _is_int(layer):  # 1.0 or True passed `in`, then failed as a file name or a manifest key
+        if not is_int(layer):  # 1.0 or True passed `in`, then failed as a file name or a manifest key
             raise DumpError(f"layer {layer!r} must be an integer (one of {self.layers})")
         if layer not in self.manifest["layers"]:
             raise DumpError(f"layer {layer} is not in dump {self.path}; it holds layers {self.layers}")
 
     @staticmethod
     def _check_head(head: int, n: int, kind: str) -> None:
-        if not _is_int(head):
+        if not is_int(head):
             raise DumpError(f"{kind} head {head!r} must be an integer in 0..{n - 1}")
         if not 0 <= head < n:
             raise DumpError(f"{kind} head {head} is out of range: this dump has {n} {kind} heads (0..{n - 1})")
@@ -434,8 +434,3 @@ def open_dump(path: str | Path, verify: bool = True) -> Dump:
     if not isinstance(path, (str, os.PathLike)):
         raise DumpError(f"a dump is a folder: give its path, not {path!r}")
     return Dump(path, verify=verify)
-
-
-def _is_int(x) -> bool:
-    """An integer (numpy's too), not a bool."""
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))

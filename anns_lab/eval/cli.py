@@ -6,12 +6,12 @@ from pathlib import Path
 
 import click
 
-from anns_lab.cli_types import WINDOW
+from anns_lab.cli_types import WINDOW, name_list
 from anns_lab.errors import AnnsLabError
 from anns_lab.dumps import rope
 from anns_lab.indexes.group_queries import DEFAULT as GROUP_DEFAULT
 from anns_lab.indexes.group_queries import MODES as GROUP_MODES
-from anns_lab.io import loads_json
+from anns_lab.io import param_value
 
 
 def _heads(spec: str | None, dump_path: str | Path) -> list[int] | None:
@@ -54,10 +54,7 @@ def _build_params(items: tuple[str, ...]) -> dict[str, dict]:
         index, dot, name = key.partition(".")
         if not (sep and dot and index and name):
             raise AnnsLabError(f"--build-param takes INDEX.NAME=VALUE (e.g. roargraph.M=16), got {item!r}")
-        try:
-            value = loads_json(raw)
-        except ValueError:
-            value = raw
+        value = param_value(raw)
         if name in out.setdefault(index, {}):  # the last one silently won before: say which is meant
             raise AnnsLabError(f"--build-param {index}.{name} is given twice ({out[index][name]!r} and {value!r}): "
                                "give one value")
@@ -154,9 +151,7 @@ def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite, bu
             click.echo(result.summary())
             dump_path = result.dump.path
     # --indexes "" names nothing (refused by run_sweep), it does not mean every index
-    names = list(dict.fromkeys(n.strip() for n in indexes.split(",") if n.strip())) if indexes is not None else None
-    if names and "" in (n.strip() for n in indexes.split(",")):  # as --layers 0,,1: a name lost to a typo
-        raise AnnsLabError(f"--indexes {indexes!r} has an empty name between its commas")
+    names = list(dict.fromkeys(name_list(indexes, "--indexes"))) if indexes is not None else None
     layer_list, head_list = _layers(layers, dump_path), _heads(heads, dump_path)
     if out is None:
         out = default_out(dump_path, names, layer_list, head_list, quick)

@@ -328,20 +328,21 @@ def _run(runner, dump, out, settings, names, layers, heads, k, window, build_par
     from tqdm.auto import tqdm
 
     parts = out / "parts"
+    own = _part_settings(settings, dump)  # what each part records, and a part kept must have recorded
     if retry_failed and (n := failed.clear_all(parts)):
         log(f"--retry-failed: {n} failed part(s) will be tried again")
     part_file = {Part(layer, h, n): parts / _part_name(layer, h, n, _non_default(n, build_params.get(n)))
                  for layer in layers for h in heads for n in names}
     ours = set(part_file.values())
     for f in sorted(parts.glob("*.parquet")):  # another run's part in the folder, unreadable: named before any work
-        if f not in ours and (why := _read_part(f, settings)[1]):
+        if f not in ours and (why := _read_part(f, own)[1]):
             raise _unreadable(f, why)
     plan.record(out, part_file)
     failures: list[tuple[str, int, int, str]] = []
     earlier: dict[Part, int] = {}
     tries: dict[Part, int] = {}
     for part, f in part_file.items():
-        why = _read_part(f, settings, part)[1] if f.exists() else None
+        why = _read_part(f, own, part)[1] if f.exists() else None
         if f.exists() and why is None:
             continue
         if f.exists():  # cut short or damaged since it was written: evaluated again, not trusted
@@ -366,7 +367,7 @@ def _run(runner, dump, out, settings, names, layers, heads, k, window, build_par
         f = part_file[o.part]
         if o.table is not None:
             try:
-                write_table(f, _with_settings(pa.Table.from_pandas(o.table, preserve_index=False), settings))
+                write_table(f, _with_settings(pa.Table.from_pandas(o.table, preserve_index=False), own))
             except OSError as err:  # the driver's own (a full disk, the folder's permissions): it stops the sweep
                 done = sum(1 for g in part_file.values() if g.exists())
                 raise AnnsLabError(f"could not write the finished part {f.name} ({err}); {done} of {len(part_file)} "
@@ -386,12 +387,12 @@ def _run(runner, dump, out, settings, names, layers, heads, k, window, build_par
             runner.run(work, units, tries, on_outcome, on_running=lambda parts: bar.set_postfix_str(_running(parts)))
         except KeyboardInterrupt:
             bar.close()
-            combine(out, settings)
+            combine(out, own, str(dump.path))
             done = sum(1 for f in part_file.values() if f.exists())
             raise SweepInterrupted(f"interrupted: {done} of {len(part_file)} parts are finished and kept in {parts}; "
                                    "run the same command again to resume") from None
     bar.close()
-    table = combine(out, settings)
+    table = combine(out, own, str(dump.path))
     return SweepResult(table, out / RESULTS, failures, time.perf_counter() - t_start)
 
 
@@ -426,11 +427,12 @@ def _distinct(values: list[int], flag: str) -> list[int]:
     return list(dict.fromkeys(values))
 
 
-def _read_part(path: Path, settings: dict, cell: Part | None = None) -> tuple[pd.DataFrame | None, str | None]:
-    """A results part of the sweep of ``settings`` and None, or None and why ``path`` is not one it can keep, in words:
-    not Parquet, without the results table's columns, holding a row no conforming index produces (a part edited or
-    damaged since it was written once kept a NaN recall through every resume, and the report said "re-run the
-    sweep"), or not this sweep's part of ``cell`` (by default the cell its name gives): :func:`_part_problem`."""
+def _read_part(path: Path, own: dict, cell: Part | None = None) -> tuple[pd.DataFrame | None, str | None]:
+    """A results part of the sweep whose parts record ``own`` (:func:`_part_settings`) and None, or None and why
+    ``path`` is not one it can keep, in words: not Parquet, without the results table's columns, holding a row no
+    conforming index produces (a part edited or damaged since it was written once kept a NaN recall through every
+    resume, and the report said "re-run the sweep"), or not this sweep's part of ``cell`` (by default the cell its name
+    gives): :func:`_part_problem`."""
     try:
         arrow = pq.read_table(path)
         part = arrow.to_pandas()
@@ -441,28 +443,36 @@ def _read_part(path: Path, settings: dict, cell: Part | None = None) -> tuple[pd
     part = part.reset_index(drop=True)
     if problem := table_problem(part):
         return None, problem
-    if cell is None and (named := PART_NAME.fullmatch(path.name)):
-        cell = Part(int(named[1]), int(named[2]), named[3])
+    cell = cell or _named_cell(path, part)
     if cell is None:
         return None, "its name is not a part's (L<layer>_H<head>_<index>.parquet)"
-    if problem := _part_problem(part, cell, settings, (arrow.schema.metadata or {}).get(PART_SETTINGS)):
+    if problem := _part_problem(part, cell, own, (arrow.schema.metadata or {}).get(PART_SETTINGS)):
         return None, problem
     return part, None
 
 
-def _part_problem(part: pd.DataFrame, cell: Part, settings: dict, recorded: bytes | None) -> str | None:
-    """Why readable rows are not the part of ``cell`` that the sweep of ``settings`` writes, in words, or None: the
+def _named_cell(path: Path, part: pd.DataFrame) -> Part | None:
+    """The cell a part's file name gives, or None: ``L001_H00_ivf-<hash>`` is ivf's build variant, unless the rows are
+    of an index whose name itself ends in a dash and ten hex digits (``roar-2025061001``)."""
+    if not (named := PART_NAME.fullmatch(path.name)):
+        return None
+    index = named[3] + named[4] if named[4] and (part["index"] == named[3] + named[4]).all() else named[3]
+    return Part(int(named[1]), int(named[2]), index)
+
+
+def _part_problem(part: pd.DataFrame, cell: Part, own: dict, recorded: bytes | None) -> str | None:
+    """Why readable rows are not the part of ``cell`` that the sweep recording ``own`` writes, in words, or None: the
     settings the part recorded (``recorded``; parts written before they did have none, and only their rows are
-    checked) are not the sweep's, or its rows are another cell's, lack a direction, measured another k, or are a
-    quick sweep's in a full one (no latency) or the reverse. A part copied from another folder or machine was kept as
+    checked) are not ``own``, or its rows are another cell's, lack a direction, measured another k, or are a quick
+    sweep's in a full one (no latency) or the reverse. A part copied from another folder or machine was kept as
     finished, and its rows then stood in the table for the cell its name gave, or dropped another's as duplicates."""
     if recorded is not None:
         try:
             theirs = json.loads(recorded)
         except ValueError:
             return "the sweep settings it recorded are unreadable"
-        if theirs != _part_settings(settings):
-            return f"swept with other settings ({_differences(theirs, _part_settings(settings))})"
+        if theirs != own:
+            return f"swept with other settings ({_differences(theirs, own)})"
     if part.empty:
         return "it holds no rows"
     cells = set(zip(part["layer"].astype(int), part["head"].astype(int), part["index"]))
@@ -470,24 +480,27 @@ def _part_problem(part: pd.DataFrame, cell: Part, settings: dict, recorded: byte
         return f"its rows are not all {cell}'s"
     if lacking := sorted(set(DIRECTIONS) - set(part["direction"])):
         return f"it has no {', '.join(lacking)} rows"
-    if (part["k"] != settings["k"]).any():
-        return f"it measured recall@{int(part['k'].iloc[0])}, this sweep recall@{settings['k']}"
-    timed, quick = part["latency_us"].notna(), bool(settings.get("quick"))
-    if quick and timed.any() or not quick and not timed.all():  # a --quick sweep times nothing, a full one every row
-        return f"it is a {'full' if timed.any() else '--quick'} sweep's part, this sweep is {'--quick' if quick else 'full'}"
+    if (other := part.loc[part["k"] != own["k"], "k"]).any():
+        return f"it measured recall@{int(other.iloc[0])}, this sweep recall@{own['k']}"
+    timed, quick = part["latency_us"].notna(), bool(own.get("quick"))
+    if timed.any() and not timed.all():  # a sweep times every row or none
+        return "some of its rows are timed and some not"
+    if quick == timed.all():  # a --quick sweep times nothing, a full one every row
+        return f"it is a {'full' if timed.all() else '--quick'} sweep's part, this sweep is {'--quick' if quick else 'full'}"
     return None
 
 
-def _part_settings(settings: dict) -> dict:
-    """What a part shares with every part of its folder: the sweep's settings but the dump's path (parts of one dump
-    swept on several machines, each with its own path to it, belong together; its creation time is among them)."""
-    return {key: value for key, value in settings.items() if key != "dump"}
+def _part_settings(settings: dict, dump) -> dict:
+    """What each part of the sweep of ``settings`` over ``dump`` records: the settings but the dump's path (parts of one
+    dump swept on several machines, each with its own path to it, belong together), and the dump's stamp
+    (``store.dump_stamp``: its manifest's checksum, where its creation time, to the second, may be another's too)."""
+    return {key: value for key, value in settings.items() if key != "dump"} | {"dump_stamp": dump_stamp(dump.manifest)}
 
 
-def _with_settings(table: pa.Table, settings: dict) -> pa.Table:
-    """``table`` with the sweep's settings in its schema metadata (:data:`PART_SETTINGS`), pandas' own kept."""
+def _with_settings(table: pa.Table, own: dict) -> pa.Table:
+    """``table`` with ``own`` in its schema metadata (:data:`PART_SETTINGS`), pandas' own kept."""
     meta = dict(table.schema.metadata or {})
-    meta[PART_SETTINGS] = json.dumps(_part_settings(settings), sort_keys=True).encode()
+    meta[PART_SETTINGS] = json.dumps(own, sort_keys=True).encode()
     return table.replace_schema_metadata(meta)
 
 
@@ -546,15 +559,17 @@ def _running(parts: list[Part]) -> str:
     return ", ".join(f"{p.index} {p.layer}/{p.head}" for p in parts)
 
 
-def combine(out: Path, settings: dict) -> pd.DataFrame:
-    """Union of all part files of the sweep of ``settings``, sorted, written atomically as ``results.parquet``."""
+def combine(out: Path, own: dict, label: str) -> pd.DataFrame:
+    """Union of all part files of the sweep whose parts record ``own``, sorted, written atomically as
+    ``results.parquet``; every row's ``dump`` is ``label`` (the dump as this run was given it: the parts are checked to
+    be of one dump, and rows of the same dump under other spellings of its path read as several to ``report``)."""
     frames = []
     for p in sorted((out / "parts").glob("*.parquet")):
-        part, why = _read_part(p, settings)  # checked again: a part may have changed since the run began, or be another's
+        part, why = _read_part(p, own)  # checked again: a part may have changed since the run began, or be another's
         if why:
             raise _unreadable(p, why)
         frames.append(part)
-    table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=COLUMNS)
+    table = pd.concat(frames, ignore_index=True).assign(dump=label) if frames else pd.DataFrame(columns=COLUMNS)
     # one measurement per cell: a build's part named apart in an older folder (a float spelled 1.0 there) and its part
     # named now measure the same build; one of them is kept
     table = table.drop_duplicates(CELL, ignore_index=True)

@@ -18,6 +18,7 @@ import zlib
 import numpy as np
 
 from anns_lab.errors import IndexResultError
+from anns_lab.io import is_int
 from anns_lab.indexes.estimate import estimate_problem
 
 
@@ -28,7 +29,7 @@ def result_problem(res, nq: int, k: int, n_keys: int, max_scanned: int, queries:
     ``check_scores=False`` skips the score rules (the decoder reads only ids and counts); ``queries``
     and ``keys`` (float32, the rows the ids point to) add the check that scores equal q·k.
     """
-    if not _whole(max_scanned, 1):  # a NaN bound bounded nothing (n > nan is False), None was a TypeError
+    if not (is_int(max_scanned) and max_scanned >= 1):  # a NaN bound bounded nothing (n > nan is False), None was a TypeError
         return f"max_scanned() returned {max_scanned!r}, not a whole number ≥ 1 (the most keys a query may scan)"
     ids, scores, scanned = (np.asarray(a) for a in res[:3])
     if ids.shape != (nq, k) or ids.dtype != np.int64:
@@ -84,14 +85,9 @@ def held_bytes(owner: str, index) -> int:
     """``index.nbytes`` as an int; IndexResultError naming ``owner`` unless it is a whole number ≥ 0 (a negative size
     entered the table as measured, a NaN failed with numpy's words)."""
     held = index.nbytes
-    if not _whole(held, 0):
+    if not (is_int(held) and held >= 0):
         raise IndexResultError(f"{owner} broke the index protocol: nbytes is {held!r}, not a whole number of bytes ≥ 0")
     return int(held)
-
-
-def _whole(value, low: int) -> bool:
-    """Whether ``value`` is an integer (Python's or numpy's, not a bool) of at least ``low``."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= low
 
 
 def _sorted_rows(scores: np.ndarray, valid: np.ndarray) -> bool:
