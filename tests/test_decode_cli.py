@@ -58,6 +58,37 @@ def test_a_mode_whose_index_breaks_fails_alone_and_the_others_results_stand(tiny
         assert all("answer" in r for r in data["modes"][name]["samples"])
 
 
+def test_decode_loads_only_the_indexes_it_names(tmp_path, monkeypatch, capsys):
+    """A plugin that hangs or fails at import stopped every decode, --mode full too (the modes loaded every
+    registered index): now only the named ones are imported; 'default' falls back to flat when roargraph will not load."""
+    from anns_lab.decode.modes import parse_modes
+    from anns_lab.errors import IndexConfigError
+    from anns_lab.indexes import registry
+
+    d = tmp_path / "plugin"
+    info = d / "anns_lab_noisy-0.1.dist-info"
+    info.mkdir(parents=True)
+    (d / "noisy_plugin.py").write_text("import os, pathlib\npathlib.Path(os.environ['NOISY_MARK']).write_text('x')\n"
+                                       "from anns_lab.indexes.flat import FlatIndex as Noisy\n")
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: anns-lab-noisy\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[anns_lab.indexes]\nnoisy = noisy_plugin:Noisy\n")
+    monkeypatch.syspath_prepend(str(d))
+    monkeypatch.setenv("NOISY_MARK", str(tmp_path / "imported"))
+    assert [m.name for m in parse_modes("full,window,flat", {}, {})] == ["full", "window", "flat"]
+    assert not (tmp_path / "imported").exists()
+    assert [m.name for m in parse_modes("full,noisy", {}, {})] == ["full", "noisy"] and (tmp_path / "imported").exists()
+    real = registry.get
+
+    def get(name):
+        if name == "roargraph":
+            raise IndexConfigError("index 'roargraph' failed to load: ImportError: no numba")
+        return real(name)
+
+    monkeypatch.setattr(registry, "get", get)
+    assert [m.name for m in parse_modes("default", {}, {})] == ["flat"]
+    assert "no numba); the default mode is 'flat'" in capsys.readouterr().err
+
+
 def test_a_quoted_parameter_value_stays_text():
     """A string parameter can be given "1" (it read as the number 1, which its type check then refused)."""
     from anns_lab.decode.modes import parse_params

@@ -24,10 +24,12 @@ NOTE = "  note: "  # the start of a pick line that warns (the decode CLI prints 
 
 def default_index() -> str:
     """The attention-aware index when registered, else exact top-k (``flat``), with a note why."""
-    if ATTENTION_AWARE in registry.available():
+    try:
+        registry.get(ATTENTION_AWARE)
         return ATTENTION_AWARE
-    print(f"note: the attention-aware index {ATTENTION_AWARE!r} is not registered; the default mode is 'flat' "
-          "(exact top-k)", file=sys.stderr)
+    except IndexConfigError as err:
+        print(f"note: the attention-aware index is not available ({err}); the default mode is 'flat' (exact top-k)",
+              file=sys.stderr)
     return "flat"
 
 
@@ -60,18 +62,15 @@ def mode_names(spec: str) -> list[str]:
 def parse_modes(spec: str, search: dict, build: dict) -> list[Mode]:
     """``full,window,flat,roargraph`` → modes; each --param goes to every index that declares it."""
     names = [default_index() if n == "default" else n for n in mode_names(spec)]
-    known = registry.available()
     modes, used_s, used_b = [], set(), set()
     for name in dict.fromkeys(names):
         if name in BASELINES:
             modes.append(Mode(name))
             continue
-        if name not in known:
-            try:
-                registry.get(name)  # the registry's own message, with close names
-            except IndexConfigError as err:
-                raise DecodeError(f"unknown mode {name!r}: use full, window or a registered index; {err}") from None
-        cls = known[name]
+        try:  # the named indexes only: a plugin that hangs or fails at import stops no run that leaves it out
+            cls = registry.get(name)
+        except IndexConfigError as err:  # the registry's own message, with close names
+            raise DecodeError(f"unknown mode {name!r}: use full, window or a registered index; {err}") from None
         s = {k: v for k, v in search.items() if k in cls.search_params}
         b = {k: v for k, v in build.items() if k in cls.build_params}
         used_s |= set(s)
