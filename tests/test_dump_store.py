@@ -104,8 +104,12 @@ def test_interrupted_dump_resumes_without_redoing_finished_layers(tiny_llama, tm
     real = store.write_table
     written = []
     monkeypatch.setattr(store, "write_table", lambda p, t: written.append(p.name) or real(p, t))
+    forwards = _count_forwards(monkeypatch)
     res = small_dump(tiny_llama, tmp_path / "d")
     assert sorted(written) == ["layer_002.parquet", "layer_003.parquet"]
+    # interrupted while writing the layer files: the capture was complete in the staging maps, the model did not run
+    # again (at 128K on a CPU that forward is hours of an 8B model's)
+    assert forwards == []
     assert res.resumed_layers == 2
     for n, mtime in kept.items():
         assert os.stat(tmp_path / "d" / n).st_mtime_ns == mtime
@@ -114,6 +118,36 @@ def test_interrupted_dump_resumes_without_redoing_finished_layers(tiny_llama, tm
         np.testing.assert_array_equal(d.keys(layer, 1), reference.keys(layer, 1))
         np.testing.assert_array_equal(d.queries(layer, 2, "all"), reference.queries(layer, 2, "all"))
     assert d.tokens().tolist() == reference.tokens().tolist()
+
+
+def _count_forwards(monkeypatch) -> list:
+    """The forward calls of the dumps from now on (their (start, end)), as a list that fills as they run."""
+    from anns_lab.dumps import models
+
+    calls, real = [], models.forward_tokens
+    monkeypatch.setattr(models, "forward_tokens", lambda lm, cache, ids, start, end: calls.append((start, end))
+                        or real(lm, cache, ids, start, end))
+    return calls
+
+
+def test_staging_maps_gone_or_of_another_shape_are_captured_again(tiny_llama, tmp_path, monkeypatch):
+    """The staged maps are read only when all are there with the capture's shapes: one deleted, or another shape left
+    by hand, and the model runs again for the missing layers, the dump the same."""
+    reference = small_dump(tiny_llama, tmp_path / "ref").dump
+    for damage in ("delete", "reshape"):
+        out = tmp_path / damage
+        _interrupt_after_two_layers(tiny_llama, out, monkeypatch)
+        q3 = out / run_mod.STAGING / "layer_003.q.npy"
+        if damage == "delete":
+            q3.unlink()
+        else:
+            np.save(q3, np.zeros((1, 2, 3), np.float32), allow_pickle=False)
+        forwards = _count_forwards(monkeypatch)
+        d = small_dump(tiny_llama, out).dump
+        assert forwards, damage
+        for layer in reference.layers:
+            np.testing.assert_array_equal(d.queries(layer, 2, "all"), reference.queries(layer, 2, "all"))
+        monkeypatch.undo()
 
 
 def test_resume_with_other_weights_at_the_same_path_is_refused(tmp_path, monkeypatch):

@@ -715,8 +715,27 @@ def test_a_dump_folder_of_any_name_stays_one_code_span_in_report_md(dump, tmp_pa
     run_sweep(odd, ["flat"], [1], [0], k=10, window=(0, 0), out=tmp_path / "r", jobs=1, progress=False, quick=True)
     md = (write_report(tmp_path / "r").parent / "report.md").read_text()
     assert not any(line.startswith("## INJECTED") for line in md.splitlines())
-    assert md.splitlines()[0] == "# anns-lab report: " + dump.model + ", ``d `x|y\\n## INJECTED <i>z``"
+    assert md.splitlines()[0] == "# anns-lab report: `" + dump.model + "`, ``d `x|y\\n## INJECTED <i>z``"
     assert "Dump ``" + str(odd).replace("\n", "\\n") + "`` (" in md
+
+
+def test_build_parameter_values_and_a_model_name_reach_report_md_and_the_figures_as_written(dump, tmp_path):
+    """A build variant's label carries its parameters' values: a $ in one failed the report in matplotlib's formula
+    parser, and the at-target tables of report.md took a | or a newline as the end of a cell or row and <script> or
+    [a](b) as HTML or a link (session 46's audit); the model's name went into the title and intro as Markdown."""
+    from anns_lab.eval.report import write_report
+
+    r = run_sweep(dump.path, ["flat"], [1], [0], k=10, window=(0, 0), out=tmp_path / "r", jobs=1, progress=False)
+    t = pd.read_parquet(r.path)
+    hostile = json.dumps({"note": "$\\frac{$ <script>x</script>|y\n# H [a](j:x) *b*"}, sort_keys=True)
+    pd.concat([t, t.assign(build_params=hostile)], ignore_index=True).to_parquet(r.path)
+    md = write_report(tmp_path / "r").read_text()
+    assert (tmp_path / "r" / "recall_vs_bytes.png").stat().st_size > 0
+    assert not any(line.startswith("# H") for line in md.splitlines()), md
+    assert "<script>" not in md and "[a](j:x)" not in md and "\\<script\\>" in md
+    rows = [line for line in md.splitlines() if line.startswith("| flat (note=")]
+    assert len(rows) >= 4 and all("\\|y\\\\n# H" in line for line in rows), rows  # each table's, one line each
+    assert md.splitlines()[0].startswith(f"# anns-lab report: `{dump.model}`")
 
 
 def test_report_survives_odd_neighbours_and_refuses_a_file_as_out(dump, tmp_path):
@@ -773,6 +792,23 @@ def test_json_nested_past_the_recursion_limit_is_a_corrupt_file_to_every_reader(
     assert not _is_decode_result(tmp_path / "j.json")  # decode --json --overwrite checks what it replaces
 
 
+def test_a_dump_at_a_path_that_is_not_utf8_is_one_error(dump, tiny_llama, tmp_path, no_model_load):
+    """A folder name of bytes that are not UTF-8 (Linux allows them): every read failed in pyarrow with a
+    UnicodeEncodeError traceback (session 46's audit); the dump is refused by name, as is such a --out."""
+    import os
+
+    odd = tmp_path / os.fsdecode(b"d\xffx")
+    shutil.copytree(dump.path, odd)
+    with pytest.raises(DumpError, match=r"the path of a dump, .*d\\udcffx, is not UTF-8 text"):
+        open_dump(odd)
+    one_line_error(["export", "--dump", odd, "--layer", 1, "--head", 0, "--k", 10, "--window", "0,0", "--out",
+                    tmp_path / "x"], "is not UTF-8 text")
+    out = tmp_path / os.fsdecode(b"o\xfe")
+    with pytest.raises(DumpError, match="the path of --out"):  # before the model loads (no_model_load)
+        run_dump(str(tiny_llama), tokens=30, decode_tokens=1, out=out, progress=False)
+    assert not out.exists()
+
+
 def test_export_never_writes_into_a_folder_it_did_not_make(dump, tmp_path):
     args = ["export", "--dump", dump.path, "--layer", 1, "--head", 0, "--k", 10, "--window", "0,0", "--out"]
     one_line_error(args + [dump.path], "is not an export folder")
@@ -780,7 +816,7 @@ def test_export_never_writes_into_a_folder_it_did_not_make(dump, tmp_path):
     assert ok.exit_code == 0, ok.output
     one_line_error(args + [tmp_path / "x"], "holds an earlier export", "--overwrite")
     (tmp_path / "x" / "export.json").unlink()  # as an interrupted export leaves it: still its own folder
-    one_line_error(args + [tmp_path / "x"], "holds an earlier export", "--overwrite")
+    one_line_error(args + [tmp_path / "x"], "holds files of an export's names but no export.json", "--overwrite")
     again = CliRunner().invoke(main, [str(a) for a in args + [tmp_path / "x", "--overwrite"]])
     assert again.exit_code == 0, again.output
     assert (tmp_path / "x" / "export.json").is_file()
@@ -1385,9 +1421,11 @@ def test_export_stopped_while_replacing_an_earlier_one_never_keeps_its_descripti
     monkeypatch.setattr(export, "atomic_write_bytes", real)
     assert not (out / "export.json").exists()
     assert np.array_equal(export.read_fbin(out / "base.fbin"), load_head(dump, 3, 1, (0, 0)).keys)
+    # nor the earlier export's other files: a tool reading the folder scored layer 3's queries against layer 1's truth
+    assert sorted(p.name for p in out.iterdir()) == ["base.fbin"]
     (out / ".gt_q2k.bin.abc123.tmp").write_bytes(b"left by a killed export")
     args = ["export", "--dump", dump.path, "--layer", 3, "--head", 1, "--k", 10, "--window", "0,0", "--out", out]
-    one_line_error(args, "holds an earlier export", "--overwrite")
+    one_line_error(args, "holds files of an export's names but no export.json", "--overwrite")
     r = CliRunner().invoke(main, [str(a) for a in args + ["--overwrite"]])
     assert r.exit_code == 0, r.output
     assert json.loads((out / "export.json").read_text())["layer"] == 3

@@ -98,19 +98,33 @@ class DumpInterrupted(KeyboardInterrupt):
 
 
 class StagingSink:
-    """Captured rows go straight into ``.npy`` memory maps, one per layer and tensor, so memory stays bounded."""
+    """Captured rows go straight into ``.npy`` memory maps, one per layer and tensor, so memory stays bounded.
+    ``staged`` (layer -> its softmax scaling): layers a finished forward left complete in the maps (the progress record
+    says so), opened as they are: a resume killed while writing the layer files need not run the model again."""
 
-    def __init__(self, folder: Path, layers: list[int], n_rows: int, n_heads: int, n_kv: int, d: int, dtype):
+    def __init__(self, folder: Path, layers: list[int], n_rows: int, n_heads: int, n_kv: int, d: int, dtype,
+                 staged: dict[int, float] | None = None):
         from numpy.lib.format import open_memmap
 
         self.layers = set(layers)
         self.row = 0
-        self.scaling: dict[int, float] = {}
+        self.scaling: dict[int, float] = dict(staged or {})
         self.arrays = {
-            layer: {name: open_memmap(folder / f"layer_{layer:03d}.{name}.npy", mode="w+", dtype=dtype, shape=(h, n_rows, d))
+            layer: {name: open_memmap(folder / f"layer_{layer:03d}.{name}.npy", mode="r" if staged else "w+", dtype=dtype,
+                                      shape=None if staged else (h, n_rows, d))
                     for name, h in (("q", n_heads), ("k", n_kv), ("v", n_kv))}
             for layer in layers
         }
+        shapes = {name: (h, n_rows, d) for name, h in (("q", n_heads), ("k", n_kv), ("v", n_kv))}
+        if staged and any(a.shape != shapes[name] or a.dtype != np.dtype(dtype)
+                          for maps in self.arrays.values() for name, a in maps.items()):
+            raise ValueError("the staged maps are not this capture's")
+
+    def flush(self) -> None:
+        """Every map's rows on disk (a kill after this keeps them: the progress record may then say so)."""
+        for maps in self.arrays.values():
+            for a in maps.values():
+                a.flush()
 
     def record(self, layer, q, k, v, scaling) -> None:
         if layer not in self.layers:
@@ -218,10 +232,11 @@ def _progress_ok(progress) -> bool:
     read on, it ended in a raw TypeError or a manifest refused later)."""
     if not isinstance(progress, dict) or not isinstance(progress.get("done"), dict):
         return False
-    ids, scaling = progress.get("token_ids"), progress.get("scaling", {})
+    ids, scaling, staged = progress.get("token_ids"), progress.get("scaling", {}), progress.get("staged", {})
     return (all(isinstance(rec, dict) for rec in progress["done"].values())
             and (ids is None or (isinstance(ids, list) and all(type(i) is int for i in ids)))
-            and isinstance(scaling, dict) and all(isinstance(v, (int, float)) for v in scaling.values())
+            and all(isinstance(s, dict) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in s.values())
+                    for s in (scaling, staged))
             and isinstance(progress.get("provenance", {}), dict))
 
 
@@ -338,6 +353,7 @@ def run_dump(model: str = "smollm2", *, source: str = "text", prompt_path: str |
         read_prompt_file(prompt_path)
     src = "file" if prompt_path else source
     out = Path(out) if out is not None else default_out(model, src, tokens)
+    store.check_utf8(out, "--out")
     canon, where, _ = resolve(model)  # fails fast on unknown models
     facts = config_layers(where, canon)  # the config alone, before any weight loads (None: not at hand yet)
     parse_layers(layers, facts[0] if facts else None, [])  # the syntax always; the range when the config is at hand
@@ -413,7 +429,13 @@ def _capture(out, settings, state, begin, model_name, prompt_path, allow_extrapo
     done = state["done"]
     _drop_damaged(out, state)
     missing = [layer for layer in layers if store.layer_file(layer) not in done]
-    sink = StagingSink(staging, missing, n_prefill + n_decode, n_heads, n_kv, d, DTYPES[settings["dtype"]])
+    sink = _staged_sink(staging, state, missing, n_prefill + n_decode, n_heads, n_kv, d, DTYPES[settings["dtype"]])
+    if sink is not None:
+        tqdm.write(f"{out}: the capture of {len(missing)} layer(s) is complete in {STAGING}: writing their files")
+        missing_forward = []
+    else:
+        sink = StagingSink(staging, missing, n_prefill + n_decode, n_heads, n_kv, d, DTYPES[settings["dtype"]])
+        missing_forward = missing
 
     # Logits are needed only to choose decode tokens; once every token is known the forward can stop early.
     all_known = saved_ids is not None or n_decode == 0 or bool(forced)
@@ -426,7 +448,7 @@ def _capture(out, settings, state, begin, model_name, prompt_path, allow_extrapo
     t_prefill = t_decode = c_prefill = 0.0
     # Two bars: a decode step costs about as much as a whole prefill chunk, so one bar over all tokens would
     # sit at 99% for the whole of the decode steps.
-    quiet = not progress or not missing
+    quiet = not progress or not missing_forward
     bar = tqdm(total=n_prefill, unit="tok", desc=f"dump {lm.name} prefill", disable=quiet)
 
     def forward(start: int, end: int):
@@ -436,7 +458,7 @@ def _capture(out, settings, state, begin, model_name, prompt_path, allow_extrapo
         except StopForward:
             return None
 
-    if missing:
+    if missing_forward:
         with torch.inference_mode(), capturing(model, sink, stop_after=stop_after):
             t0, c0 = time.perf_counter(), time.process_time()
             logits = None
@@ -456,10 +478,12 @@ def _capture(out, settings, state, begin, model_name, prompt_path, allow_extrapo
                 bar.update(1)
             t_decode = time.perf_counter() - t0
         bar.close()
+        sink.flush()  # the layers captured: recorded below, a kill while their files are written keeps them
+        state["staged"] = {str(layer): sink.scaling[layer] for layer in missing}
     if store.TOKENS_FILE not in done:
         state["token_ids"] = ids
         done[store.TOKENS_FILE] = store.write_table(out / store.TOKENS_FILE, store.tokens_table(ids, n_prefill))
-        atomic_write_json(staging / PROGRESS, state)
+    atomic_write_json(staging / PROGRESS, state)
 
     t_write = _write_layers(out, missing, sink, state, progress)
 
@@ -502,6 +526,19 @@ def _prompt_and_continuation(settings: dict, tokenizer, n_decode: int, prompt_pa
         raise PromptError(f"{err} (--continuation text: --tokens {tokens} of prompt and --decode-tokens {n_decode} of "
                           "the text after it)") from None
     return dataclasses.replace(whole, ids=whole.ids[:tokens]), whole.ids[tokens:]
+
+
+def _staged_sink(staging: Path, state: dict, missing: list[int], n_rows: int, n_heads: int, n_kv: int, d: int,
+                 dtype) -> StagingSink | None:
+    """A sink over the maps of ``missing`` when the progress record holds them all as staged by a finished forward (the
+    tokens written with it) and the maps are there with this capture's shapes; else None: the model runs again."""
+    staged = state.get("staged", {})
+    if not missing or store.TOKENS_FILE not in state["done"] or not all(str(layer) in staged for layer in missing):
+        return None
+    try:
+        return StagingSink(staging, missing, n_rows, n_heads, n_kv, d, dtype, {layer: staged[str(layer)] for layer in missing})
+    except (OSError, ValueError):  # gone, cut short or another capture's: captured again
+        return None
 
 
 def _drop_damaged(out: Path, state: dict) -> None:
@@ -595,6 +632,7 @@ def _write_layers(out, missing: list[int], sink, state: dict, progress: bool) ->
         name = store.layer_file(layer)
         done[name] = store.write_table(out / name, store.layer_table(arrays["q"], arrays["k"], arrays["v"]))
         state.setdefault("scaling", {})[str(layer)] = sink.scaling[layer]
+        state.get("staged", {}).pop(str(layer), None)  # its maps are deleted next
         atomic_write_json(staging / PROGRESS, state)
         del sink.arrays[layer]
         for part in "qkv":

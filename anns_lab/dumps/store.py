@@ -433,4 +433,15 @@ def open_dump(path: str | Path, verify: bool = True) -> Dump:
     """Open a finished dump folder for reading (raises DumpError for an unfinished or corrupt one)."""
     if not isinstance(path, (str, os.PathLike)):
         raise DumpError(f"a dump is a folder: give its path, not {path!r}")
+    check_utf8(path, "a dump")
     return Dump(path, verify=verify)
+
+
+def check_utf8(path: str | Path, what: str) -> None:
+    """Refuse a path that is not UTF-8 (bytes the file system allows, read as surrogates): pyarrow opens files by their
+    UTF-8 name, and such a dump failed every read with a UnicodeEncodeError traceback."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        raise DumpError(f"the path of {what}, {str(path).encode('utf-8', 'backslashreplace').decode()}, is not UTF-8 "
+                        "text, which Parquet files cannot be opened under: rename or move it") from None

@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from anns_lab.eval import markdown
+
 
 def at_target(table: pd.DataFrame, target: float = 0.95, direction: str = "q2k") -> pd.DataFrame:
     """Per (index, layer, head): the grid point of least bytes read with recall ≥ ``target`` (``reached`` True),
@@ -46,12 +48,12 @@ def markdown_at_target(points: pd.DataFrame, target: float = 0.95) -> list[str]:
              "| output rel. error (median of those) | best recall where not reached |", "|---|---|---|---|---|---|"]
     for r in summary_at_target(points).itertuples(index=False):
         fmt = lambda v, f: "—" if not np.isfinite(v) else f.format(v)  # noqa: E731
-        lines.append(f"| {r.index} | {r.reached}/{r.heads} | {fmt(100 * r.scanned_fraction, '{:.2f}%')} | "
+        lines.append(f"| {markdown.cell(r.index)} | {r.reached}/{r.heads} | {fmt(100 * r.scanned_fraction, '{:.2f}%')} | "
                      f"{fmt(r.kib_read, '{:.1f}')} | {fmt(r.output_rel_error, '{:.4f}')} | {fmt(r.best_recall_unreached, '{:.3f}')} |")
     names = sorted(points["index"].unique())
     lines += ["", "Per head (KiB read / scanned / output rel. error at the least-bytes point reaching "
               f"{target:.2f}; *best r* = not reached, best recall r):", "",
-              "| layer | head | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+              "| layer | head | " + " | ".join(map(markdown.cell, names)) + " |", "|---|---|" + "---|" * len(names)]
     for (layer, head), g in points.groupby(["layer", "head"], sort=True):
         cells = []
         for name in names:

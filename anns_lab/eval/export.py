@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from anns_lab.dumps import rope
-from anns_lab.dumps.store import Dump
+from anns_lab.dumps.store import Dump, dump_stamp
 from anns_lab.errors import AnnsLabError
 from anns_lab.io import atomic_write_bytes, atomic_write_json, sole_writer
 from anns_lab.eval import metrics
@@ -104,15 +104,20 @@ def _check_out(out: Path, overwrite: bool) -> None:
             raise AnnsLabError(f"{out} exists and is not an export folder (it holds the {what} {other[0].name!r}); "
                                "choose another --out")
         if not overwrite:
-            raise AnnsLabError(f"{out} holds an earlier export; pass --overwrite to replace it or choose another --out")
+            what = "an earlier export" if (out / "export.json").is_file() else \
+                "files of an export's names but no export.json (an export stopped part way, or another tool's)"
+            raise AnnsLabError(f"{out} holds {what}; pass --overwrite to replace them or choose another --out")
 
 
 def _write(out: Path, data: HeadData, dump: Dump, layer: int, head: int, k: int, window: tuple[int, int],
            train_positions: str) -> None:
     # export.json goes first and comes back last: an export stopped part way through replacing an earlier one must not
-    # leave that one's description beside its own files (the layer, head and positions of other arrays)
+    # leave that one's description beside its own files (the layer, head and positions of other arrays); nor the
+    # earlier one's files beside its own: a tool reading the folder (DiskANN, RoarGraph) scored one head's queries
+    # against another's ground truth, the sizes being equal
     (out / "export.json").unlink(missing_ok=True)
-    for name in EXPORT_FILES:  # temporaries a killed export left (atomic writes remove their own otherwise)
+    for name in EXPORT_FILES:  # with the temporaries a killed export left (atomic writes remove their own otherwise)
+        (out / name).unlink(missing_ok=True)
         for tmp in out.glob(f".{name}.*.tmp"):
             tmp.unlink(missing_ok=True)
     files = {"base.fbin": data.keys, "train_queries.fbin": data.train_queries,
@@ -124,7 +129,7 @@ def _write(out: Path, data: HeadData, dump: Dump, layer: int, head: int, k: int,
         ids = metrics.exact_topk(scores, k)
         atomic_write_bytes(out / f"gt_{direction}.bin", gt_bytes(ids, np.take_along_axis(scores, ids, axis=1)))
     atomic_write_json(out / "export.json", {
-        "dump": str(dump.path.resolve()), "model": dump.model, "layer": layer, "head": head, "kv_head": data.kv_head,
+        "dump": str(dump.path.resolve()), "dump_stamp": dump_stamp(dump.manifest), "model": dump.model, "layer": layer, "head": head, "kv_head": data.kv_head,
         "k": k, "window": list(window), "metric": "inner_product", "train_positions": train_positions,
         "key_positions": data.key_pos.tolist(),
         "test_positions": data.test_pos.tolist()})

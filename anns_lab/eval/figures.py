@@ -44,8 +44,14 @@ def _styles(names, kinds: dict[str, str], sns) -> dict[str, dict]:
     """One colour and marker per index, the same in every figure of a report (tab20 has room for 20 names)."""
     order = sorted(names)
     palette = sns.color_palette("tab10" if len(order) <= 10 else "tab20", len(order))
-    return {n: {"color": c, "marker": MARKERS[i % len(MARKERS)], "label": f"{n} ({kinds.get(n, '?')})"}
+    return {n: {"color": c, "marker": MARKERS[i % len(MARKERS)], "label": _plain(f"{n} ({kinds.get(n, '?')})")}
             for i, (n, c) in enumerate(zip(order, palette))}
+
+
+def _plain(text: str) -> str:
+    """``text`` drawn as written: matplotlib reads a ``$`` as the start of a formula (a build parameter's value in a
+    label, ``$\\frac{$``, failed the report with a parse error, ``$a^2$`` was drawn as one)."""
+    return text.replace("$", r"\$")
 
 
 def frontier(points: pd.DataFrame, x: str, y: str, lower_is_better: bool = False) -> pd.DataFrame:
@@ -108,7 +114,7 @@ def recall_vs_scanned(curves: pd.DataFrame, k: int, kinds: dict[str, str], refer
         ax.set_ylabel(f"recall@{k}")
     handles = [Line2D([], [], color="black", ls=ls, label=label) for label, ls in DIRECTIONS.values()]
     if ref is not None:
-        handles.append(Line2D([], [], color="0.6", lw=2.5, alpha=0.6, label=f"{ref_name} Q→K (reference)"))
+        handles.append(Line2D([], [], color="0.6", lw=2.5, alpha=0.6, label=_plain(f"{ref_name} Q→K (reference)")))
     handles.append(Line2D([], [], color="grey", ls=":", label="recall 0.95"))
     fig.legend(handles=handles, loc="upper center", ncol=len(handles), frameon=False, bbox_to_anchor=(0.5, 1.0))
     fig.suptitle("Recall against keys scanned, medians over heads; lines: best recall at that cost, dots: every grid "
@@ -142,7 +148,7 @@ def recall_vs_bytes(curves: pd.DataFrame, k: int, kinds: dict[str, str]) -> byte
             if exact and y == "output_rel_error" and len(f):
                 # Every top-k set's error stops at the exact top-k's: the line estimators must get under.
                 ax.axhline(float(f[y].min()), color=st["color"], ls=":", lw=1.2, zorder=2,
-                           label=f"exact top-{k} error ({name})")
+                           label=_plain(f"exact top-{k} error ({name})"))
         if (c["bytes_read"] > 0).any():
             ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(NullFormatter())

@@ -48,7 +48,7 @@ def _md_inline(text: str) -> str:
     """Escape, then render the Markdown the findings use: **bold** and `code`."""
     out = html.escape(text)
     out = re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", out)
-    # A code span as Markdown writes it: a fence of n backticks ends at the next run of exactly n (report.py's _md_code
+    # A code span as Markdown writes it: a fence of n backticks ends at the next run of exactly n (markdown.code
     # fences a name holding backticks with a longer run), one space inside each end is padding.
     return re.sub(r"(?<!`)(`+)(?!`) ?(.+?) ?(?<!`)\1(?!`)", r"<code>\2</code>", out)
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
-import unicodedata
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +21,7 @@ from anns_lab.dumps.models import extrapolation_note
 from anns_lab.dumps.prompts import CONTINUATION_WORDS
 from anns_lab.dumps.store import open_dump
 from anns_lab.errors import AnnsLabError, IndexConfigError
-from anns_lab.eval import costs, failures, figures, findings, html, ivf_gap, paper, plan
+from anns_lab.eval import costs, failures, figures, findings, html, ivf_gap, markdown, paper, plan
 from anns_lab.eval.export import EXPORT_FILES
 from anns_lab.eval.heads import check_k, index_range, load_head
 from anns_lab.eval.findings import fmt_fraction  # noqa: F401 - benchmarks import it from here
@@ -174,7 +172,7 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
                                            "Test queries" if topped else "Decode queries"),
               findings.dynamic_vs_static(decay["dynamic"].mean(), decay["static"].mean(),
                                          int(decay["step"].nunique()), k)]
-    intro = (f"Dump {_md_code(str(dump.path))} ({dump.model}): {dump.manifest['n_tokens']['prefill']} prefill + "
+    intro = (f"Dump {markdown.code(str(dump.path))} ({markdown.code(dump.model)}): {dump.manifest['n_tokens']['prefill']} prefill + "
              f"{n_decode} decode tokens ({CONTINUATION_WORDS[dump.continuation]}: "
              + (f"their queries and the last {topped} prefill queries, held out of the index, are the {n_decode + topped} "
                 "test queries, called decode queries below" if topped else "their queries are the test queries")
@@ -394,28 +392,13 @@ def _points_view(c: pd.DataFrame) -> pd.DataFrame:
                          "latency µs": q["latency_us"].map(lambda v: f"{v:.0f}")})
 
 
-def _md_table(df: pd.DataFrame) -> list[str]:
+def _md_table(df: pd.DataFrame, code: tuple[str, ...] = ()) -> list[str]:
+    """``df`` as a Markdown table, each cell as written (:func:`markdown.cell`), those of the ``code`` columns as code
+    spans (a ``|`` inside one still ends its cell in a table: escaped too)."""
     lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
-    return lines + ["| " + " | ".join(_md_cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
-
-
-def _md_cell(value) -> str:
-    """A table cell's text that cannot end its cell or row (an edited table's parameters may hold | or a newline)."""
-    return _visible(str(value)).replace("|", "\\|")
-
-
-def _md_code(text: str) -> str:
-    """``text`` as one Markdown code span, whatever it holds: a folder name with backticks or a newline once ended the
-    span and started a heading of its own in report.md."""
-    text = _visible(text)
-    fence = "`" * (1 + max((len(run) for run in re.findall("`+", text)), default=0))
-    pad = " " if text.startswith("`") or text.endswith("`") else ""
-    return f"{fence}{pad}{text}{pad}{fence}"
-
-
-def _visible(text: str) -> str:
-    """Control characters (newlines, tabs, escapes) spelled as Python writes them, everything else as it is."""
-    return "".join(repr(ch)[1:-1] if unicodedata.category(ch) == "Cc" else ch for ch in text)
+    as_code = [c in code for c in df.columns]
+    return lines + ["| " + " | ".join(markdown.code(str(v)).replace("|", "\\|") if c else markdown.cell(v)
+                                      for v, c in zip(row, as_code)) + " |" for row in df.itertuples(index=False)]
 
 
 AT_TARGET = "Each index at recall 0.95, head by head (Q→K): scanned fraction, bytes read, output error"
@@ -423,7 +406,7 @@ AT_TARGET = "Each index at recall 0.95, head by head (Q→K): scanned fraction, 
 
 def _markdown(dump, intro: str, found, pareto_view: pd.DataFrame, pareto_note: str, par: pd.DataFrame,
               maha: pd.DataFrame, decay: pd.DataFrame, c: pd.DataFrame, k: int, at_target: list[str]) -> str:
-    lines = [f"# anns-lab report: {dump.model}, {_md_code(dump.path.name)}", "", intro, "",
+    lines = [f"# anns-lab report: {markdown.code(dump.model)}, {markdown.code(dump.path.name)}", "", intro, "",
              "An HTML version with sortable tables and a per-head table is `report.html` beside this file.", "",
              "## Findings against the paper", ""]
     lines += [f.markdown() for f in found]
@@ -443,5 +426,5 @@ def _markdown(dump, intro: str, found, pareto_view: pd.DataFrame, pareto_note: s
               f"- static top-{k} (the first step's, kept fixed): {decay['static'].mean():.3f}, "
               f"{decay.loc[decay['step'] == decay['step'].max(), 'static'].mean():.3f} at the last step", "",
               "![dynamic vs static](dynamic_vs_static.png)", "", "## Every operating point (median over heads, Q→K)", ""]
-    lines += _md_table(_points_view(c).assign(**{"search params": lambda d: d["search params"].map(_md_code)}))
+    lines += _md_table(_points_view(c), code=("search params",))
     return "\n".join(lines) + "\n"
