@@ -150,6 +150,35 @@ def test_staging_maps_gone_or_of_another_shape_are_captured_again(tiny_llama, tm
         monkeypatch.undo()
 
 
+def test_a_capture_run_again_and_stopped_in_its_forward_never_leaves_its_maps_listed_as_complete(tiny_llama, tmp_path,
+                                                                                                monkeypatch):
+    """Maps found unusable (one deleted) are written anew by a second forward; killed in it, the progress record still
+    listed them as staged, and a third run sealed their zeros past its last chunk into the dump (a review's finding)."""
+    from anns_lab.dumps import models
+
+    reference = small_dump(tiny_llama, tmp_path / "ref").dump
+    out = tmp_path / "d"
+    _interrupt_after_two_layers(tiny_llama, out, monkeypatch)
+    (out / run_mod.STAGING / "layer_003.q.npy").unlink()
+    real, calls = models.forward_tokens, []
+
+    def stop_in_the_second_chunk(lm, cache, ids, start, end):
+        calls.append(start)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(lm, cache, ids, start, end)
+
+    monkeypatch.setattr(models, "forward_tokens", stop_in_the_second_chunk)
+    with pytest.raises(KeyboardInterrupt):
+        small_dump(tiny_llama, out)
+    monkeypatch.setattr(models, "forward_tokens", real)
+    assert "staged" not in json.loads((out / run_mod.STAGING / run_mod.PROGRESS).read_text())
+    d = small_dump(tiny_llama, out).dump
+    for layer in reference.layers:
+        np.testing.assert_array_equal(d.queries(layer, 2, "all"), reference.queries(layer, 2, "all"))
+        np.testing.assert_array_equal(d.values(layer, 1), reference.values(layer, 1))
+
+
 def test_resume_with_other_weights_at_the_same_path_is_refused(tmp_path, monkeypatch):
     from conftest import make_tiny_model
 

@@ -725,16 +725,18 @@ def test_build_parameter_values_and_a_model_name_reach_report_md_and_the_figures
     [a](b) as HTML or a link (session 46's audit); the model's name went into the title and intro as Markdown."""
     from anns_lab.eval.report import write_report
 
-    r = run_sweep(dump.path, ["flat"], [1], [0], k=10, window=(0, 0), out=tmp_path / "r", jobs=1, progress=False)
+    r = run_sweep(dump.path, ["flat", "ivf"], [1], [0], k=10, window=(0, 0), out=tmp_path / "r", jobs=1, progress=False)
     t = pd.read_parquet(r.path)
     hostile = json.dumps({"note": "$\\frac{$ <script>x</script>|y\n# H [a](j:x) *b*"}, sort_keys=True)
-    pd.concat([t, t.assign(build_params=hostile)], ignore_index=True).to_parquet(r.path)
+    variant = t.assign(build_params=[json.dumps(json.loads(b) | json.loads(hostile), sort_keys=True) for b in t["build_params"]])
+    pd.concat([t, variant], ignore_index=True).to_parquet(r.path)  # flat's in the tables, ivf's in the findings too
     md = write_report(tmp_path / "r").read_text()
     assert (tmp_path / "r" / "recall_vs_bytes.png").stat().st_size > 0
     assert not any(line.startswith("# H") for line in md.splitlines()), md
     assert "<script>" not in md and "[a](j:x)" not in md and "\\<script\\>" in md
     rows = [line for line in md.splitlines() if line.startswith("| flat (note=")]
     assert len(rows) >= 4 and all("\\|y\\\\n# H" in line for line in rows), rows  # each table's, one line each
+    assert any(line.startswith("- **ivf (note=") and "\\<script\\>" in line for line in md.splitlines()), md
     assert md.splitlines()[0].startswith(f"# anns-lab report: `{dump.model}`")
 
 

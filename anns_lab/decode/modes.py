@@ -89,6 +89,15 @@ def parse_modes(spec: str, search: dict, build: dict) -> list[Mode]:
     return modes
 
 
+def _loads(name: str) -> bool:
+    """Whether index ``name`` is registered and loads (one entry point imported, not every plugin's)."""
+    try:
+        registry.get(name)
+        return True
+    except IndexConfigError:
+        return False
+
+
 def check_sweep_pick(path: str, target: float, topk: int | None = None,
                      window: tuple[int, int] | None = None) -> tuple[pd.DataFrame, dict]:
     """The sweep's table and settings, refused where no pick could serve this decode: a target outside (0, 1], a table
@@ -137,11 +146,11 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int],
     rows = rows[rows["model"] == model]
     if rows.empty:
         raise DecodeError(f"{path} has no Q→K results for model {model!r} (it has: {', '.join(models) or 'none'})")
-    missing = sorted(set(rows["index"]) - set(registry.available()))
+    missing = sorted(name for name in set(rows["index"]) if not _loads(name))  # the table's indexes only
     if len(missing) == rows["index"].nunique():
         raise DecodeError(f"{path}: no index of the table ({', '.join(missing)}) is registered here; install "
                           "its plugin package, or pick from another sweep")
-    rows = rows[rows["index"].isin(list(registry.available()))]
+    rows = rows[~rows["index"].isin(missing)]
     keys = ["index", "build_params", "search_params"]
     cautions = [f"{NOTE}{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not registered here (a plugin not "
                 "installed): left out of the pick"] if missing else []

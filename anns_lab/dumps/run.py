@@ -109,13 +109,13 @@ class StagingSink:
         self.layers = set(layers)
         self.row = 0
         self.scaling: dict[int, float] = dict(staged or {})
+        shapes = {"q": (n_heads, n_rows, d), "k": (n_kv, n_rows, d), "v": (n_kv, n_rows, d)}
         self.arrays = {
             layer: {name: open_memmap(folder / f"layer_{layer:03d}.{name}.npy", mode="r" if staged else "w+", dtype=dtype,
-                                      shape=None if staged else (h, n_rows, d))
-                    for name, h in (("q", n_heads), ("k", n_kv), ("v", n_kv))}
+                                      shape=None if staged else shape)
+                    for name, shape in shapes.items()}
             for layer in layers
         }
-        shapes = {name: (h, n_rows, d) for name, h in (("q", n_heads), ("k", n_kv), ("v", n_kv))}
         if staged and any(a.shape != shapes[name] or a.dtype != np.dtype(dtype)
                           for maps in self.arrays.values() for name, a in maps.items()):
             raise ValueError("the staged maps are not this capture's")
@@ -172,8 +172,9 @@ class DumpResult:
         ]
         if "timing" in m and not self.already_complete:
             t = m["timing"]
-            lines.append(f"  time      load {t['load_s']:.1f} s, prefill {t['prefill_s']:.1f} s "
-                         f"({n['prefill'] / max(t['prefill_s'], 1e-9):.0f} tok/s), decode {t['decode_s']:.1f} s, write {t['write_s']:.1f} s")
+            ran = (f"prefill {t['prefill_s']:.1f} s ({n['prefill'] / max(t['prefill_s'], 1e-9):.0f} tok/s), decode "
+                   f"{t['decode_s']:.1f} s" if t.get("prefill_s") is not None else "no forward pass (the capture was staged)")
+            lines.append(f"  time      load {t['load_s']:.1f} s, {ran}, write {t['write_s']:.1f} s")
         if self.resumed_layers:
             lines.append(f"  resumed   {self.resumed_layers} layer files kept from the interrupted run")
         return "\n".join(lines)
@@ -434,6 +435,8 @@ def _capture(out, settings, state, begin, model_name, prompt_path, allow_extrapo
         tqdm.write(f"{out}: the capture of {len(missing)} layer(s) is complete in {STAGING}: writing their files")
         missing_forward = []
     else:
+        if state.pop("staged", None) is not None:  # the maps are written anew: a kill in this forward must not find
+            atomic_write_json(staging / PROGRESS, state)  # them listed as complete (zeros past its last chunk)
         sink = StagingSink(staging, missing, n_prefill + n_decode, n_heads, n_kv, d, DTYPES[settings["dtype"]])
         missing_forward = missing
 
@@ -445,7 +448,7 @@ def _capture(out, settings, state, begin, model_name, prompt_path, allow_extrapo
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    t_prefill = t_decode = c_prefill = 0.0
+    t_prefill = t_decode = c_prefill = 0.0 if missing_forward else None  # no forward: no prefill time to report
     # Two bars: a decode step costs about as much as a whole prefill chunk, so one bar over all tokens would
     # sit at 99% for the whole of the decode steps.
     quiet = not progress or not missing_forward

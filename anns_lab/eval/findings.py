@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from anns_lab.eval import paper
+from anns_lab.eval import markdown, paper
 from anns_lab.io import loads_json
 
 AGREES, DISAGREES, NOT_MEASURED = "agrees", "disagrees", "not measured"
@@ -29,8 +29,9 @@ class Finding:
     text: str
 
     def markdown(self) -> str:
-        """One list item: topic, verdict in bold, sentence."""
-        return f"- **{self.topic}: {self.verdict}.** {self.text}"
+        """One list item: topic, verdict in bold, sentence (index labels in them carry build-parameter values: as
+        written, :func:`markdown.cell`)."""
+        return f"- **{markdown.cell(self.topic)}: {self.verdict}.** {markdown.cell(self.text)}"
 
 
 def fmt_fraction(v: float) -> str:

@@ -9,21 +9,23 @@ from __future__ import annotations
 import re
 import unicodedata
 
-MARKUP = re.compile(r"([\\`*\[\]<>|])")  # what ends a cell, opens a span, a link or raw HTML
+MARKUP = re.compile(r"([\\`*\[\]<>|])")  # what ends a cell, opens a code span, bold, a link or raw HTML
 
 
 def cell(value) -> str:
-    """A table cell's text that reads as written: it cannot end its cell or row, nor open a link, emphasis or HTML."""
+    """Text (a table cell's, a sentence's) that reads as written: it cannot end a cell or row, nor open a code span, a
+    link, ``*`` emphasis or HTML (``_``, ``~`` and ``&`` are left: names hold them, and they harm nothing)."""
     return MARKUP.sub(r"\\\1", visible(str(value)))
 
 
-def code(text: str) -> str:
+def code(text: str, in_table: bool = False) -> str:
     """``text`` as one Markdown code span, whatever it holds: a folder name with backticks or a newline once ended the
-    span and started a heading of its own in report.md."""
+    span and started a heading of its own in report.md. ``in_table``: a ``|`` ends a table's cell even inside a span."""
     text = visible(text)
     fence = "`" * (1 + max((len(run) for run in re.findall("`+", text)), default=0))
     pad = " " if text.startswith("`") or text.endswith("`") else ""
-    return f"{fence}{pad}{text}{pad}{fence}"
+    span = f"{fence}{pad}{text}{pad}{fence}"
+    return span.replace("|", "\\|") if in_table else span
 
 
 def visible(text: str) -> str:

@@ -183,16 +183,17 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
     model_facts = dump.manifest.get("model", {})
     beyond = extrapolation_note(dump.model, dump.manifest["n_tokens"]["prefill"], model_facts.get("context"),
                                 model_facts.get("rope_scaling"), dump.manifest["n_tokens"]["decode"])
-    if beyond:
-        intro += f" **{beyond[0].upper()}{beyond[1:]}.**"
+    if beyond:  # it names the model, as the dump's manifest gives it
+        intro += f" **{markdown.cell(beyond[0].upper() + beyond[1:])}.**"
     lost = failures.missing(folder / "parts")
     if lost:  # otherwise an index's medians and (n/m) would silently be over the heads it has left
-        names = "; ".join(f"{r['index']} on layer {r['layer']} head {r['head']}" for r in lost)
+        names = "; ".join(f"{markdown.cell(r['index'])} on layer {r['layer']} head {r['head']}" for r in lost)
         intro += (f" **{len(lost)} part(s) of this sweep failed and are in no table or figure below, so each such "
                   f"index's medians are over its other heads: {names} (errors in `parts/failed-*.json`; `anns-lab sweep "
                   "--retry-failed` tries them again).**")
     if left := plan.unfinished(folder):  # a run stopped before them (Ctrl-C, a killed driver): no part, no record
-        names = "; ".join(f"{r['index']} on layer {r['layer']} head {r['head']}" for r in left[:UNFINISHED_NAMED])
+        names = "; ".join(f"{markdown.cell(r['index'])} on layer {r['layer']} head {r['head']}"
+                          for r in left[:UNFINISHED_NAMED])
         more = f" and {len(left) - UNFINISHED_NAMED} more" if len(left) > UNFINISHED_NAMED else ""
         intro += (f" **{len(left)} part(s) this sweep set out to measure have no results yet (its runs stopped before "
                   f"them), so each such index's medians are over its other heads: {names}{more} (the same `anns-lab "
@@ -394,10 +395,10 @@ def _points_view(c: pd.DataFrame) -> pd.DataFrame:
 
 def _md_table(df: pd.DataFrame, code: tuple[str, ...] = ()) -> list[str]:
     """``df`` as a Markdown table, each cell as written (:func:`markdown.cell`), those of the ``code`` columns as code
-    spans (a ``|`` inside one still ends its cell in a table: escaped too)."""
+    spans."""
     lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
     as_code = [c in code for c in df.columns]
-    return lines + ["| " + " | ".join(markdown.code(str(v)).replace("|", "\\|") if c else markdown.cell(v)
+    return lines + ["| " + " | ".join(markdown.code(str(v), in_table=True) if c else markdown.cell(v)
                                       for v, c in zip(row, as_code)) + " |" for row in df.itertuples(index=False)]
 
 
