@@ -24,6 +24,7 @@ from anns_lab.dumps import rope, tasks
 from anns_lab.dumps.models import extrapolation_note
 
 MODE_FAILURES = (IndexFailed, IndexResultError)  # an index mode's own: it fails on the sample, the others go on
+
 # Enough for the answer with the preamble models write first: Gemma-3 once spent 14 tokens on
 # "magic_number = 114874" and lost the needle's last digit.
 MAX_NEW = {"passkey": 8, "number_string": 14, "kv_retrieval": 40, "niah": 24, "niah_multikey": 24,

@@ -173,7 +173,7 @@ class DumpResult:
         if "timing" in m and not self.already_complete:
             t = m["timing"]
             ran = (f"prefill {t['prefill_s']:.1f} s ({n['prefill'] / max(t['prefill_s'], 1e-9):.0f} tok/s), decode "
-                   f"{t['decode_s']:.1f} s" if t.get("prefill_s") is not None else "no forward pass (the capture was staged)")
+                   f"{t['decode_s']:.1f} s" if t.get("prefill_s") is not None else "no forward pass (resumed from a complete capture)")
             lines.append(f"  time      load {t['load_s']:.1f} s, {ran}, write {t['write_s']:.1f} s")
         if self.resumed_layers:
             lines.append(f"  resumed   {self.resumed_layers} layer files kept from the interrupted run")
