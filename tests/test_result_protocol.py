@@ -193,6 +193,17 @@ class FaultyFlatTrain(Faulty):
         super()._build(keys, None)
 
 
+@pytest.mark.parametrize("size", [-123, float("nan"), 2.5])
+def test_the_decoder_refuses_an_index_size_that_is_no_byte_count_when_its_layer_is_built(monkeypatch, size):
+    """The decoder reads nbytes for its CPU bytes per key at the run's end: a size that is no whole number of bytes is
+    refused when the layer's indexes are built, not after every step of the sample."""
+    from anns_lab.indexes.flat import FlatIndex
+
+    bad = type("BadSize", (FlatIndex,), {"nbytes": property(lambda self: size)})
+    with pytest.raises(IndexResultError, match=r"badplugin broke the index protocol: nbytes is .*not a whole number"):
+        _store(monkeypatch, bad, False)
+
+
 @pytest.mark.parametrize("attention_aware", [False, True])
 def test_the_decoder_refuses_an_index_that_writes_into_the_layer_stores_keys(monkeypatch, attention_aware):
     """The store's rows are the decode's keys (every attention over them reads them): an index normalising them in

@@ -129,7 +129,7 @@ def _write(out: Path, data: HeadData, dump: Dump, layer: int, head: int, k: int,
         ids = metrics.exact_topk(scores, k)
         atomic_write_bytes(out / f"gt_{direction}.bin", gt_bytes(ids, np.take_along_axis(scores, ids, axis=1)))
     atomic_write_json(out / "export.json", {
-        "dump": str(dump.path.resolve()), "dump_stamp": dump_stamp(dump.manifest), "model": dump.model, "layer": layer, "head": head, "kv_head": data.kv_head,
-        "k": k, "window": list(window), "metric": "inner_product", "train_positions": train_positions,
+        "dump": str(dump.path.resolve()), "dump_stamp": dump_stamp(dump.manifest), "model": dump.model, "layer": layer,
+        "head": head, "kv_head": data.kv_head, "k": k, "window": list(window), "metric": "inner_product", "train_positions": train_positions,
         "key_positions": data.key_pos.tolist(),
         "test_positions": data.test_pos.tolist()})
