@@ -687,6 +687,39 @@ def test_report_reads_the_dump_the_sweep_recorded_and_refuses_another(dump, tmp_
     assert write_report(tmp_path / "rel").is_file()
 
 
+def test_report_tells_two_dumps_made_in_one_second_apart(dump, tmp_path):
+    """Before: the report matched a dump by its creation time alone (to the second), so another dump made in the same
+    second (a script's second prompt) passed for the sweep's; sweep.json now holds the manifest's checksum too."""
+    from anns_lab.eval.report import write_report
+
+    _sweep(dump, tmp_path / "r")
+    assert json.loads((tmp_path / "r" / "sweep.json").read_text())["dump_stamp"] == store.dump_stamp(dump.manifest)
+    twin = _edited(dump, tmp_path, lambda m: store.sealed(m | {"prompt": {**m["prompt"], "source": "another text"}}))
+    assert json.loads((tmp_path / "edited" / store.MANIFEST).read_text())["created"] == dump.manifest["created"]
+    one_line_error(["report", tmp_path / "r", "--dump", twin], "is not the dump these results come from",
+                   "manifest checksum")
+    assert write_report(tmp_path / "r", dump_path=dump.path).is_file()
+
+
+def test_a_sweep_folder_from_before_the_stamp_resumes_and_gains_it(dump, tmp_path):
+    """A sweep.json written before it held the dump's stamp is the same sweep (its parts record the stamp themselves):
+    a resume keeps its parts and writes the stamp in, rather than refusing the folder as another sweep's."""
+    out = tmp_path / "r"
+    _sweep(dump, out)
+    settings = json.loads((out / "sweep.json").read_text())
+    (out / "sweep.json").write_text(json.dumps({k: v for k, v in settings.items() if k != "dump_stamp"}))
+    (part,) = (out / "parts").glob("*.parquet")
+    before = part.stat().st_mtime_ns
+    lines: list[str] = []
+    _sweep(dump, out, log=lines.append)
+    assert part.stat().st_mtime_ns == before, lines  # kept as finished, not evaluated again
+    assert json.loads((out / "sweep.json").read_text()) == settings
+    other = dict(settings, dump_created="2000-01-01T00:00:00")
+    (out / "sweep.json").write_text(json.dumps({k: v for k, v in other.items() if k != "dump_stamp"}))
+    with pytest.raises(AnnsLabError, match="other settings .*dump_created"):  # another dump's folder stays refused
+        _sweep(dump, out)
+
+
 def test_report_refuses_ivf_build_parameters_the_index_refuses(dump, tmp_path):
     """Before: an edited table's ivf nlist of text, below 0, above the keys or 1e9 reached faiss in the report's IVF
     diagnosis (a traceback, or std::bad_alloc)."""

@@ -19,7 +19,7 @@ import pandas as pd
 
 from anns_lab.dumps.models import extrapolation_note
 from anns_lab.dumps.prompts import CONTINUATION_WORDS
-from anns_lab.dumps.store import open_dump
+from anns_lab.dumps.store import dump_stamp, open_dump
 from anns_lab.errors import AnnsLabError, IndexConfigError
 from anns_lab.eval import costs, failures, figures, findings, html, ivf_gap, markdown, paper, plan
 from anns_lab.eval.export import EXPORT_FILES
@@ -117,8 +117,9 @@ def sibling_sweeps(folder: Path, dump: str, out_folder: Path | None = None) -> l
 
 def _results_dump(label: str, settings: dict, dump_path: str | Path | None):
     """The dump the results come from: ``dump_path`` when given, else the one the sweep recorded (``sweep.json``'s
-    absolute path; the table's label, as typed then, for sweeps without one), checked to be that dump by its creation
-    stamp, so a path that now names another dump, or one reached from another folder, is never read for figures."""
+    absolute path; the table's label, as typed then, for sweeps without one), checked to be that dump by its stamp
+    (``store.dump_stamp``: the manifest's checksum; its creation time, to the second, for sweeps before they recorded
+    it), so a path that now names another dump, or one reached from another folder, is never read for figures."""
     recorded = settings.get("dump") or label
     created = settings.get("dump_created")
     if dump_path is None and not Path(recorded).is_dir():
@@ -126,9 +127,11 @@ def _results_dump(label: str, settings: dict, dump_path: str | Path | None):
             raise AnnsLabError(f"the dump these results come from, {recorded}, is not there; give it with --dump")
         recorded = label
     dump = open_dump(dump_path if dump_path is not None else recorded)
-    if created is not None and dump.manifest.get("created") != created:
-        raise AnnsLabError(f"{dump.path} is not the dump these results come from ({recorded}, made {created}); "
-                           "give the matching --dump")
+    stamp = settings.get("dump_stamp")
+    if (stamp is not None and dump_stamp(dump.manifest) != stamp) or (
+            created is not None and dump.manifest.get("created") != created):
+        raise AnnsLabError(f"{dump.path} is not the dump these results come from ({recorded}, made {created}"
+                           + (f", manifest checksum {stamp[:12]}" if stamp not in (None, created) else "") + "); give the matching --dump")
     if created is None and dump_path is not None and Path(dump_path).resolve() != Path(recorded).resolve():
         raise AnnsLabError(f"the results come from dump {recorded}, not {dump_path}; give the matching dump")
     return dump

@@ -303,7 +303,8 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     if jobs is not None and jobs < 1:
         raise AnnsLabError(f"--jobs {jobs}: give at least 1 worker process")
     out = Path(out) if out is not None else Path("results") / dump.path.name
-    settings = {"dump": str(dump.path.resolve()), "dump_created": dump.manifest["created"], "k": k, "window": list(window)}
+    settings = {"dump": str(dump.path.resolve()), "dump_created": dump.manifest["created"],
+                "dump_stamp": dump_stamp(dump.manifest), "k": k, "window": list(window)}
     if quick:  # a quick sweep lacks columns a full one has: never mix their parts in one folder
         settings["quick"] = True
     if train_group != "head":  # sweeps from before the option trained per query head: their folders stay valid
@@ -522,6 +523,9 @@ def _prepare(out: Path, settings: dict, overwrite: bool) -> None:
                 raise AnnsLabError(f"{sfile} is corrupt ({err}); pass --overwrite to start this sweep again there, "
                                    "or choose another --out") from None
             old = None
+        if isinstance(old, dict) and "dump_stamp" not in old and old | {"dump_stamp": settings["dump_stamp"]} == settings:
+            old = settings  # a folder of a sweep from before sweep.json held the stamp: its parts check it themselves
+            atomic_write_json(sfile, settings)
         if old == settings:
             (out / "parts").mkdir(exist_ok=True)  # removed by hand to redo every part: the parts are written there
             return

@@ -83,7 +83,7 @@ def _settings_problem(settings: dict) -> str | None:
     if window is not None and not (isinstance(window, list) and len(window) == 2
                                    and all(type(w) is int and w >= 0 for w in window)):
         return f"window {_shown(window)}"
-    for key in ("dump", "dump_created", "train_group", "train_positions"):
+    for key in ("dump", "dump_created", "dump_stamp", "train_group", "train_positions"):
         if key in settings and not isinstance(settings[key], str):
             return f"{key} {_shown(settings[key])}"
     return None
