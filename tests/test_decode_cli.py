@@ -216,7 +216,7 @@ def test_prompt_and_fidelity(tiny_gemma3, tmp_path):
     (["--chunk", 0], "--chunk must be at least 1, got 0"),  # named --add-batch too, before
     (["--add-batch", -2], "--add-batch must be at least 1, got -2"),
     # nlist left at its default: the error says what the user can change, beside the index's own words
-    (["--mode", "clusterkv"], "nlist=200 is larger than the number of keys (180): --mode clusterkv cannot index the "
+    (["--mode", "clusterkv"], "nlist=400 is larger than the number of keys (180): --mode clusterkv cannot index the "
                               "180 keys outside the window of this prompt: use a longer --context or set its --build-param"),
     # before: each layer's build failed after the prefill; vattention's named ivf, which the user never chose
     (["--mode", "pqcache", "--build-param", "M=3"], "pqcache: M=3 does not divide the key dimension 16: --mode pqcache "

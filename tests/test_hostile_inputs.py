@@ -1174,11 +1174,11 @@ def test_a_sweep_folder_named_before_values_were_coerced_still_resumes(dump, tmp
 
 
 def test_an_index_whose_defaults_cannot_serve_the_heads_is_left_out_of_a_default_sweep_only(dump, tmp_path):
-    """clusterkv's 200 lists on a dump whose indexes hold 186 keys: named, one error saying what to change; swept only
+    """clusterkv's 400 lists on a dump whose indexes hold 186 keys: named, one error saying what to change; swept only
     as one of every registered index, left out with a line (before: one failed part per head either way)."""
     window = (0, 150)
     one_line_error(["sweep", "--dump", dump.path, "--indexes", "clusterkv,flat", "--layers", 1, "--heads", 0, "--k", 10,
-                    "--window", "0,150", "--out", tmp_path / "a"], "nlist=200 is larger than the number of keys (186)",
+                    "--window", "0,150", "--out", tmp_path / "a"], "nlist=400 is larger than the number of keys (186)",
                    "leave it out of --indexes")
     lines = []
     r = run_sweep(dump.path, None, [1], [0], k=10, window=window, out=tmp_path / "b", jobs=1, progress=False,
