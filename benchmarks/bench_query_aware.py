@@ -8,7 +8,7 @@
 Runs the lab's own sweep (``anns_lab.eval.sweep.run_sweep``: static window 128 + 512
 excluded, decode queries as test queries, one thread per head, ``--jobs`` heads at once),
 then reads the results table: per (layer, head) and index, the fraction of keys scanned at
-recall@100 = ``--target`` (linear interpolation between grid points; "-" if never reached),
+recall@100 = ``--target`` (linear interpolation between the frontier's grid points around it; "-" if never reached),
 the batch-1 single-thread latency at the first grid point reaching the target, and build
 time. Prints a markdown table and the medians over heads, and each index's ratio to IVF
 (IVF's scanned fraction / the index's, same run).
@@ -26,22 +26,16 @@ import numpy as np
 import pandas as pd
 
 from anns_lab.dumps import rope
+from anns_lab.eval.metrics import at_recall
 from anns_lab.eval.sweep import run_sweep
 from anns_lab.indexes.group_queries import MODES
 
 
 def at_target(rows: pd.DataFrame, target: float) -> tuple[float, float]:
-    """(scanned fraction at ``target`` recall, latency µs of the first grid point reaching it); NaN if never."""
-    rows = rows.sort_values("scanned_fraction")
-    prev = None
-    for r in rows.itertuples():
-        if r.recall >= target:
-            if prev is None or r.recall == prev.recall:
-                return r.scanned_fraction, r.latency_us
-            f = prev.scanned_fraction + (r.scanned_fraction - prev.scanned_fraction) * (target - prev.recall) / (r.recall - prev.recall)
-            return f, r.latency_us
-        prev = r
-    return np.nan, np.nan
+    """(scanned fraction at ``target`` recall, between the grid points around it: ``metrics.at_recall``; latency µs
+    of the first grid point reaching it); NaN if never."""
+    fraction, _, reached, _ = at_recall(rows["recall"], rows["scanned_fraction"], target)
+    return fraction, (float(rows["latency_us"].iloc[reached]) if reached >= 0 else np.nan)
 
 
 def summarise(table: pd.DataFrame, target: float) -> pd.DataFrame:

@@ -1,5 +1,5 @@
-"""Print, as markdown, each index's cheapest operating point at a recall target per head (scanned fraction,
-bytes read per query, output error), from one or more sweep results folders.
+"""Print, as markdown, each index's least cost at a recall target per head (between the grid points around it:
+scanned fraction, bytes read per query, output error), from one or more sweep results folders.
 
     python benchmarks/costs_at_recall.py results/smollm2-text-8192 [more folders] [--target 0.95] [--indexes ivf,quest]
         [--versus roargraph]     # per head, compact: KiB read by each index, roargraph's against the least other's

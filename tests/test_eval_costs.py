@@ -21,11 +21,18 @@ def _table():
 
 
 def test_least_bytes_reaching_the_target_and_best_recall_otherwise():
+    # a's frontier by bytes: (1000, 0.90), (4000, 0.97); (5000, 0.96) recalls less than a cheaper point. 0.95 lies
+    # 5/7 of the way: every column mixed alike (before: the grid point of 4000 bytes, the whole step past the target)
     pts = costs.at_target(_table(), 0.95).set_index("index")
-    assert pts.loc["a", "reached"] and pts.loc["a", "bytes_read"] == 4000 and pts.loc["a", "output_rel_error"] == 0.05
-    assert not pts.loc["b", "reached"] and pts.loc["b", "recall"] == 0.93
+    w = 5 / 7
+    assert pts.loc["a", "reached"] and np.isclose(pts.loc["a", "bytes_read"], 1000 + w * 3000)
+    assert np.isclose(pts.loc["a", "recall"], 0.95) and np.isclose(pts.loc["a", "scanned_fraction"], 0.1 + w * 0.3)
+    assert np.isclose(pts.loc["a", "output_rel_error"], 0.3 + w * (0.05 - 0.3)) and pts.loc["a", "search_params"] == "1 – 3"
+    assert not pts.loc["b", "reached"] and pts.loc["b", "recall"] == 0.93 and pts.loc["b", "search_params"] == "x"
     s = costs.summary_at_target(costs.at_target(_table(), 0.95)).set_index("index")
-    assert s.loc["a", "reached"] == 1 and s.loc["a", "kib_read"] == 4000 / 1024
+    assert s.loc["a", "reached"] == 1 and np.isclose(s.loc["a", "kib_read"], (1000 + w * 3000) / 1024)
     assert s.loc["b", "reached"] == 0 and np.isnan(s.loc["b", "kib_read"]) and s.loc["b", "best_recall_unreached"] == 0.93
     text = "\n".join(costs.markdown_at_target(costs.at_target(_table(), 0.95)))
-    assert "| 1 | 0 | 4 / 40.0% / 0.050 | *best 0.930* |" in text
+    assert "| 1 | 0 | 3 / 31.4% / 0.121 | *best 0.930* |" in text
+    at_first = costs.at_target(_table(), 0.85).set_index("index")  # the cheapest point reaches it: its own values
+    assert at_first.loc["a", "bytes_read"] == 1000 and at_first.loc["a", "recall"] == 0.90 and at_first.loc["a", "search_params"] == "1"

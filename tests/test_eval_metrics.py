@@ -96,3 +96,21 @@ def test_weight_recall_is_the_share_of_the_exact_top_k_attention_mass_returned()
     weights = metrics.softmax_weights(scores.copy(), 1.0)
     assert metrics.recall_at_k(np.array([[0, 2]]), scores, 2)[0] == 0.5
     assert metrics.weight_recall_at_k(np.array([[0, 2]]), weights, 2)[0] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_at_recall_interpolates_on_the_frontier_between_the_points_around_the_target():
+    from anns_lab.eval.metrics import at_recall
+
+    # cost-ordered: (1, .5), (2, .8), (3, .7) off the frontier (a cheaper point recalls more), (4, .9), (5, .96);
+    # a point of no measured cost is skipped. 0.95 lies between (4, .9) and (5, .96), 5/6 of the way
+    recall = np.array([0.96, 0.5, 0.7, 0.8, 0.9, 0.99])
+    cost = np.array([5.0, 1.0, 3.0, 2.0, 4.0, np.nan])
+    value, below, reached, w = at_recall(recall, cost, 0.95)
+    assert (below, reached) == (4, 0) and np.isclose(w, 5 / 6) and np.isclose(value, 4 + 5 / 6)
+    value, below, reached, _ = at_recall(recall, cost, 0.85)  # halfway from (2, .8): (3, .7) plays no part
+    assert (below, reached) == (3, 4) and np.isclose(value, 3.0)
+    assert at_recall(recall, cost, 0.4) == (1.0, 1, 1, 1.0)  # the cheapest point reaches it: its own cost
+    value, *rest = at_recall(recall, cost, 0.97)  # never reached
+    assert np.isnan(value) and rest[:2] == [-1, -1]
+    # among equal costs the better recall is the frontier's point
+    assert at_recall([0.9, 0.97], [2.0, 2.0], 0.95) == (2.0, 1, 1, 1.0)

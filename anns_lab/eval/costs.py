@@ -1,4 +1,5 @@
-"""Each index's cheapest operating point at a recall target, per head: scanned fraction, bytes read and output error.
+"""Each index's least cost at a recall target, per head (between the grid points around it): scanned fraction,
+bytes read and output error.
 
 The per-head view behind the Pareto medians: where an index does not reach the target on a head, its best
 recall there is shown instead, so a median never hides a head that failed.
@@ -9,21 +10,30 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from anns_lab.eval import markdown
+from anns_lab.eval import markdown, metrics
 
 
 def at_target(table: pd.DataFrame, target: float = 0.95, direction: str = "q2k") -> pd.DataFrame:
-    """Per (index, layer, head): the grid point of least bytes read with recall ≥ ``target`` (``reached`` True),
-    or, where none reaches it, the point of best recall (``reached`` False)."""
+    """Per (index, layer, head): the least bytes read reaching recall ``target`` (:func:`metrics.at_recall`: between
+    the two grid points around it, its scanned fraction and output error mixed alike; ``reached`` True), or, where
+    no point reaches it, the point of best recall (``reached`` False)."""
     rows = []
     t = table[table["direction"] == direction]
     for (index, layer, head), g in t.groupby(["index", "layer", "head"], sort=True):
-        ok = g[g["recall"] >= target]
-        best = ok.loc[ok["bytes_read"].idxmin()] if len(ok) else g.loc[g["recall"].idxmax()]
-        rows.append({"index": index, "layer": int(layer), "head": int(head), "reached": bool(len(ok)),
-                     "recall": float(best["recall"]), "scanned_fraction": float(best["scanned_fraction"]),
-                     "bytes_read": float(best["bytes_read"]), "output_rel_error": float(best["output_rel_error"]),
-                     "search_params": best["search_params"]})
+        _, below, hit, w = metrics.at_recall(g["recall"], g["bytes_read"], target)
+        reached, one = hit >= 0, hit < 0 or below == hit  # one: the cost is a grid point's own
+        if reached:
+            lo, hi = g.iloc[below], g.iloc[hit]
+        else:
+            lo = hi = g.loc[g["recall"].idxmax()]
+
+        def mix(column: str) -> float:
+            return float(hi[column]) if one else float(lo[column] + w * (hi[column] - lo[column]))
+
+        rows.append({"index": index, "layer": int(layer), "head": int(head), "reached": reached,
+                     "recall": mix("recall"), "scanned_fraction": mix("scanned_fraction"), "bytes_read": mix("bytes_read"),
+                     "output_rel_error": mix("output_rel_error"),
+                     "search_params": hi["search_params"] if one else f"{lo['search_params']} – {hi['search_params']}"})
     return pd.DataFrame(rows)
 
 
@@ -51,7 +61,7 @@ def markdown_at_target(points: pd.DataFrame, target: float = 0.95) -> list[str]:
         lines.append(f"| {markdown.cell(r.index)} | {r.reached}/{r.heads} | {fmt(100 * r.scanned_fraction, '{:.2f}%')} | "
                      f"{fmt(r.kib_read, '{:.1f}')} | {fmt(r.output_rel_error, '{:.4f}')} | {fmt(r.best_recall_unreached, '{:.3f}')} |")
     names = sorted(points["index"].unique())
-    lines += ["", "Per head (KiB read / scanned / output rel. error at the least-bytes point reaching "
+    lines += ["", "Per head (KiB read / scanned / output rel. error at the least bytes reaching "
               f"{target:.2f}; *best r* = not reached, best recall r):", "",
               "| layer | head | " + " | ".join(map(markdown.cell, names)) + " |", "|---|---|" + "---|" * len(names)]
     for (layer, head), g in points.groupby(["layer", "head"], sort=True):

@@ -140,10 +140,11 @@ def recall_vs_bytes(curves: pd.DataFrame, k: int, kinds: dict[str, str]) -> byte
             st, exact = styles[name], kinds.get(name) == "exact"
             f = frontier(c[c["index"] == name], "bytes_read", y, lower_is_better=lower)
             # The attention-aware index is drawn over the key-only ones, whose error curves pile up on the same floor.
-            # Steps, not slopes: between two grid points the best reachable value is the cheaper point's (a grid
-            # that jumps, like retroinfer's last nprobe to every cluster, must not look like a smooth descent).
+            # Lines between the grid points (markers): searching each query at one of two settings reaches every
+            # point between them, what the tables read off at a target (metrics.at_recall); a grid that jumps, like
+            # retroinfer's last nprobe to every cluster, shows as two markers far apart.
             ax.plot(f["bytes_read"], f[y], color=st["color"], marker=st["marker"], ms=13 if exact else 5,
-                    mfc="none" if exact else st["color"], mew=2 if exact else 1, drawstyle="steps-post",
+                    mfc="none" if exact else st["color"], mew=2 if exact else 1,
                     zorder=5 if exact else 4 if kinds.get(name) == "attention-aware" else 3, lw=1.6, label=st["label"])
             if exact and y == "output_rel_error" and len(f):
                 # Every top-k set's error stops at the exact top-k's: the line estimators must get under.
@@ -158,8 +159,8 @@ def recall_vs_bytes(curves: pd.DataFrame, k: int, kinds: dict[str, str]) -> byte
         axes[1].set_yscale("log")
     handles, labels = axes[1].get_legend_handles_labels()
     axes[1].legend(handles, labels, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
-    fig.suptitle("Q→K: recall and output error against bytes read per query (each line: the best value within that "
-                 "many bytes)")
+    fig.suptitle("Q→K: recall and output error against bytes read per query (each line joins the grid points no "
+                 "cheaper point beats)")
     return _png(fig)
 
 

@@ -206,13 +206,13 @@ def direction_gap(par: pd.DataFrame, index: str, reason: str = "") -> Finding | 
 def ivf_reason(diag: pd.DataFrame, q_grid: float, k_grid: float) -> str:
     """Why IVF's two directions compare as they do, from :func:`anns_lab.eval.ivf_gap.diagnose` rows (one per head).
 
-    ``q_grid`` / ``k_grid``: the sweep's own least fractions (read off its nprobe grid).
+    ``q_grid`` / ``k_grid``: the sweep's own fractions (read between the two points of its nprobe grid around 0.95).
     """
     m = diag.median(numeric_only=True)
     pct = lambda v: fmt_fraction(float(v))  # noqa: E731
     parts = [f"Why, measured on {len(diag)} of the heads with IVF's recall at every nprobe (the sweep doubles nprobe, "
-             f"so its least fractions {pct(q_grid)} and {pct(k_grid)} are grid points): Q→K needs {pct(m['q2k'])} and "
-             f"K→K {pct(m['k2k'])} (medians)."]
+             f"so its fractions {pct(q_grid)} and {pct(k_grid)} lie on lines between grid points a doubling apart): "
+             f"Q→K needs {pct(m['q2k'])} and K→K {pct(m['k2k'])} (medians)."]
     parts.append(f"The exact top-{int(diag['k'].iloc[0])} of a decode query lies in {m['q2k_lists']:.0f} of the "
                  f"{int(m['nlist'])} lists, that of a held-out key in {m['k2k_lists']:.0f}: the list count a search must "
                  "probe follows how scattered the answers are.")

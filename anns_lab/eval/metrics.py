@@ -99,3 +99,27 @@ def mahalanobis(points: np.ndarray, reference: np.ndarray) -> np.ndarray:
     cov = np.cov(ref, rowvar=False) + 1e-6 * np.eye(ref.shape[1])
     diff = np.asarray(points, dtype=np.float64) - mu
     return np.sqrt(np.einsum("ij,ij->i", diff @ np.linalg.inv(cov), diff))
+
+
+def at_recall(recall, cost, target: float) -> tuple[float, int, int, float]:
+    """The cost of mean recall ``target`` on one head's grid of operating points (``recall`` and ``cost`` per point):
+    on the frontier (points in order of cost, each recalling more than every cheaper one), the first point that
+    reaches the target, or, where a cheaper frontier point falls short of it, the line between the two at the
+    target: the expected cost of searching each query at one of them, with the chance that makes the expected
+    recall ``target``, a mixture any index can run. So an index whose grid steps coarsely is not charged the whole
+    step past the target (the plugins' grid points overshot it by a median 1.08-1.22x, roargraph's finer grid by
+    1.06x: BENCHMARKS "The field's retrievers"). Returns (cost, below, reached, weight): the positions of the two
+    points (``below == reached`` where the frontier's first point reaches the target) and ``reached``'s weight in the
+    mix; (nan, -1, -1, nan) where no point reaches it."""
+    recall, cost = np.asarray(recall, dtype=float), np.asarray(cost, dtype=float)
+    best, below = -np.inf, -1
+    for i in np.lexsort((-recall, cost)):  # by cost, the best recall first among equal costs
+        if not (np.isfinite(recall[i]) and np.isfinite(cost[i])) or recall[i] <= best:
+            continue  # unmeasured, or no better than a cheaper point: off the frontier
+        if recall[i] >= target:
+            if below < 0:
+                return float(cost[i]), int(i), int(i), 1.0
+            w = (target - recall[below]) / (recall[i] - recall[below])
+            return float(cost[below] + w * (cost[i] - cost[below])), below, int(i), float(w)
+        best, below = recall[i], int(i)
+    return float("nan"), -1, -1, float("nan")

@@ -21,7 +21,7 @@ from anns_lab.dumps.models import extrapolation_note
 from anns_lab.dumps.prompts import CONTINUATION_WORDS
 from anns_lab.dumps.store import dump_stamp, open_dump
 from anns_lab.errors import AnnsLabError, IndexConfigError
-from anns_lab.eval import costs, failures, figures, findings, html, ivf_gap, markdown, paper, plan
+from anns_lab.eval import costs, failures, figures, findings, html, ivf_gap, markdown, metrics, paper, plan
 from anns_lab.eval.export import EXPORT_FILES
 from anns_lab.eval.heads import check_k, index_range, load_head
 from anns_lab.eval.findings import fmt_fraction  # noqa: F401 - benchmarks import it from here
@@ -39,12 +39,13 @@ UNFINISHED_NAMED = 12  # unfinished parts named in the report's intro (a sweep s
 
 
 def _least(h: pd.DataFrame, t: float, column: str = "scanned_fraction") -> float:
-    return h.loc[h["recall"] >= t, column].min()
+    return metrics.at_recall(h["recall"], h[column], t)[0]
 
 
 def per_head(table: pd.DataFrame, targets=TARGETS) -> pd.DataFrame:
     """Per (layer, head, index, direction): the least scanned fraction (``scan@t``) and bytes read per query
-    (``bytes@t``) reaching each recall target (NaN: never), and the best recall."""
+    (``bytes@t``) reaching each recall target (:func:`metrics.at_recall`: between the two grid points around it; NaN:
+    never), and the best recall."""
     rows = []
     for (layer, head, index, direction), g in table.groupby(["layer", "head", "index", "direction"], sort=True):
         row = {"layer": layer, "head": head, "index": index, "direction": direction,
@@ -330,8 +331,10 @@ def _ivf_reason(dump, table: pd.DataFrame, par: pd.DataFrame, kinds: dict[str, s
 
 def _pareto_note(kinds: dict[str, str]) -> str:
     """What the Pareto table's cells mean, and why estimators are read by their output error instead."""
-    note = ("A head that never reaches the target counts as needing more than every key; (n/m) is how many of the "
-            "heads reach it.")
+    note = ("Per head, the cost at the target lies between the two grid points around it, on the line joining them "
+            "(the expected cost of searching each query at one or the other: grids of coarse and fine steps compare "
+            "at the same recall); a head that never reaches the target counts as needing more than every key; (n/m) "
+            "is how many of the heads reach it.")
     estimators = sorted(n for n, kind in kinds.items() if kind == "estimator")
     if estimators:
         note += (f" Estimators ({', '.join(estimators)}) return a weighted sample or cluster summaries beyond their "
