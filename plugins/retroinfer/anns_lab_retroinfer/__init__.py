@@ -10,7 +10,9 @@ clusters, best first, are estimated; the others are dropped. Not unbiased: every
 estimated cluster is given its centroid's logit. With single-key clusters it is exact.
 
 Counting: ``n_scanned`` = ``nlist`` centroids + the probed clusters' keys; ``bytes_read`` = those
-vectors, the values of the exact keys beyond the top-k and the estimated clusters' value sums, as float32.
+vectors, the values of the exact keys beyond the top-k and the estimated clusters' value sums, as float32, and the
+index data read to find them: 8 bytes per probed key's id in its cluster's member list (as ivf and clusterkv charge)
+and 8 per estimated cluster's member count (uncharged until session 47: ~3% of the bytes at d = 64).
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class RetroInfer(Index):
         scores = np.full((nq, k), -np.inf, np.float32)
         samples, summary_ids = [], []
         n_scanned = np.zeros(nq, np.int64)
+        n_index = np.zeros(nq, np.int64)  # bytes of index data read: member ids, member counts
         for row, q in enumerate(queries):
             probed = order[row, :nprobe]
             exact = np.concatenate([summ.members[summ.offsets[c]: summ.offsets[c + 1]] for c in probed])
@@ -92,8 +95,9 @@ class RetroInfer(Index):
             rest = order[row, nprobe:]
             summary_ids.append(rest[: math.ceil(estimate_frac * len(rest))])
             n_scanned[row] = n_c + len(exact)
+            n_index[row] = 8 * len(exact) + 8 * len(summary_ids[-1])
         estimate = Estimate.make(samples, [np.ones(len(s)) for s in samples], summary_ids, nq=nq)
-        return ids, scores, n_scanned, (n_scanned + estimate.n_terms()) * 4 * d, estimate
+        return ids, scores, n_scanned, (n_scanned + estimate.n_terms()) * 4 * d + n_index, estimate
 
     def grid(self) -> list[dict]:
         n_c = len(self._summ.keys)

@@ -44,3 +44,21 @@ def test_centroids_are_member_means_and_error_falls_with_nprobe():
         z, num = estimated_sums(index, index.search(queries, 10, nprobe=nprobe), queries, keys, values, 0.3)
         errors.append(float(np.median(np.linalg.norm(num / z[:, None] - tnum / tz[:, None], axis=1))))
     assert errors[0] > errors[1] > errors[2] and errors[2] < 1e-9
+
+
+def test_bytes_read_count_the_member_lists_and_counts_it_reads():
+    """Before: the probed keys' ids (8 B each, as ivf and clusterkv charge them) and the estimated clusters' member
+    counts went uncharged. By hand from the clusters: centroids, probed keys and the values beyond the top-k and of
+    each estimated cluster at 4·d bytes, ids and counts at 8."""
+    keys, queries, _ = easy_data(n_keys=600)
+    d, k, nprobe = keys.shape[1], 10, 3
+    index = RetroInfer(nlist=40).build(keys)
+    summ = index.summaries()
+    sizes = np.diff(summ.offsets)
+    for frac in (1.0, 0.5):
+        res = index.search(queries, k, nprobe=nprobe, estimate_frac=frac)
+        order = np.argsort(-(queries @ summ.keys.T), axis=1, kind="stable")
+        probed = sizes[order[:, :nprobe]].sum(axis=1)
+        estimated = np.ceil(frac * (len(sizes) - nprobe)).astype(int)
+        want = 4 * d * (len(sizes) + probed + np.maximum(probed - k, 0) + estimated) + 8 * probed + 8 * estimated
+        np.testing.assert_array_equal(res.bytes_read, want)
