@@ -6,8 +6,9 @@ included) for mean recall@100 ≥ 0.95, from IVF's exact curve at every nprobe
 (anns_lab.eval.ivf_gap), under:
 
 - ``q2k`` / ``k2k``: the sweep's settings at every nprobe (decode queries / 64 random held-out
-  keys, inner product, nlist auto, window 128,512); ``*_grid``: the same read off the sweep's
-  doubling nprobe grid;
+  keys, inner product, nlist auto, window 128,512); ``*_grid``: the first point of the sweep's
+  doubling nprobe grid reaching the target (what the report read before session 47; it now reads between the two
+  grid points around the target);
 - ``k2k_recent``: the keys of the last 64 prefill positions as queries (decode-like positions);
 - ``k2k_l2``: held-out keys, L2 ground truth and L2 lists (in-distribution search as ANN
   benchmarks define it); ``k2k_cos``: unit-normalised keys and queries (inner product without norms);

@@ -6,8 +6,8 @@
 The sweep's protocol in one process (``eval.heads.load_head``: window 128 + 512 out, decode queries as test queries,
 training queries at the serving positions): each head is built once at the index's defaults, then every ``L`` of
 roargraph's grid is searched at each ``MISSES:CREDIT`` setting; the scanned fraction at recall@100 ``--target`` is
-interpolated between grid points (``bench_build_scale.scan_at``, as bench_query_aware.py's tables; the report's take
-the least grid point). Prints, per setting, the median over heads and the median per-head ratio to the first setting
+interpolated between grid points (``bench_build_scale.scan_at``, as bench_query_aware.py's tables and, since session 47,
+the report's). Prints, per setting, the median over heads and the median per-head ratio to the first setting
 (the defaults unless told otherwise), same run.
 """
 

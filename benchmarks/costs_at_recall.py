@@ -1,4 +1,4 @@
-"""Print, as markdown, each index's least cost at a recall target per head (between the grid points around it:
+"""Print, as markdown, each index's cost at a recall target per head (between the grid points around it:
 scanned fraction, bytes read per query, output error), from one or more sweep results folders.
 
     python benchmarks/costs_at_recall.py results/smollm2-text-8192 [more folders] [--target 0.95] [--indexes ivf,quest]

@@ -92,8 +92,8 @@ def curves(search, queries: np.ndarray, keys: np.ndarray, grid=GRID) -> tuple[np
 
 
 def at_target(recall: np.ndarray, scanned: np.ndarray, n_keys: int, target: float) -> float:
-    """Scanned fraction (%) at mean recall ``target`` over the grid (interpolated as bench_query_aware.py's tables; the
-    report's take the least grid point)."""
+    """Scanned fraction (%) at mean recall ``target`` over the grid (interpolated as bench_query_aware.py's tables and
+    the report's)."""
     return 100 * scan_at(list(zip(scanned.mean(axis=1) / n_keys, recall.mean(axis=1))), target)
 
 

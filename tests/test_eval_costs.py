@@ -1,4 +1,4 @@
-"""eval.costs: each index's cheapest point at a recall target per head, checked by hand on a small table."""
+"""eval.costs: each index's cost at a recall target per head (between its grid points), checked by hand on a small table."""
 
 import numpy as np
 import pandas as pd
@@ -36,3 +36,13 @@ def test_least_bytes_reaching_the_target_and_best_recall_otherwise():
     assert "| 1 | 0 | 3 / 31.4% / 0.121 | *best 0.930* |" in text
     at_first = costs.at_target(_table(), 0.85).set_index("index")  # the cheapest point reaches it: its own values
     assert at_first.loc["a", "bytes_read"] == 1000 and at_first.loc["a", "recall"] == 0.90 and at_first.loc["a", "search_params"] == "1"
+
+
+def test_rows_in_any_order_and_with_any_labels_give_the_same_points():
+    # at_recall returns positions: a table read back in another order, with labels that are not positions, must not
+    # mix one row's bytes with another's scanned fraction
+    table = _table()
+    shuffled = table.iloc[::-1].set_axis(np.arange(100, 100 + len(table)))
+    a = costs.at_target(table, 0.95).set_index("index")
+    b = costs.at_target(shuffled, 0.95).set_index("index")
+    pd.testing.assert_frame_equal(a, b)

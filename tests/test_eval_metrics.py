@@ -114,3 +114,17 @@ def test_at_recall_interpolates_on_the_frontier_between_the_points_around_the_ta
     assert np.isnan(value) and rest[:2] == [-1, -1]
     # among equal costs the better recall is the frontier's point
     assert at_recall([0.9, 0.97], [2.0, 2.0], 0.95) == (2.0, 1, 1, 1.0)
+    assert at_recall(recall, cost, 0.9) == (4.0, 4, 4, 1.0)  # met exactly by a later point: that point, no mix
+    assert at_recall([np.nan, np.inf, 0.96], [1.0, 2.0, 3.0], 0.95) == (3.0, 2, 2, 1.0)  # unmeasured recalls skipped
+    assert np.isnan(at_recall([], [], 0.95)[0]) and at_recall([0.99], [7.0], 0.95) == (7.0, 0, 0, 1.0)
+
+
+def test_the_mixture_line_is_sampled_in_linear_space_with_the_points_marked():
+    from anns_lab.eval.figures import mixture_line
+
+    xs, ys, at = mixture_line([1.0, 100.0, 200.0], [0.5, 0.9, 1.0], per_segment=4)
+    np.testing.assert_allclose(xs[at], [1.0, 100.0, 200.0])
+    np.testing.assert_allclose(ys[at], [0.5, 0.9, 1.0])
+    # halfway in bytes is halfway in recall (a mix), where a straight stroke on a log axis would put 0.9 near x = 10
+    assert np.isclose(xs[2], 50.5) and np.isclose(ys[2], 0.7)
+    assert np.all(np.diff(xs) > 0) and len(mixture_line([3.0], [0.2])[0]) == 1

@@ -1,4 +1,4 @@
-"""Each index's least cost at a recall target, per head (between the grid points around it): scanned fraction,
+"""Each index's cost at a recall target, per head (between the grid points around it): scanned fraction,
 bytes read and output error.
 
 The per-head view behind the Pareto medians: where an index does not reach the target on a head, its best
@@ -14,7 +14,7 @@ from anns_lab.eval import markdown, metrics
 
 
 def at_target(table: pd.DataFrame, target: float = 0.95, direction: str = "q2k") -> pd.DataFrame:
-    """Per (index, layer, head): the least bytes read reaching recall ``target`` (:func:`metrics.at_recall`: between
+    """Per (index, layer, head): the bytes read at recall ``target`` (:func:`metrics.at_recall`: between
     the two grid points around it, its scanned fraction and output error mixed alike; ``reached`` True), or, where
     no point reaches it, the point of best recall (``reached`` False)."""
     rows = []
@@ -61,7 +61,7 @@ def markdown_at_target(points: pd.DataFrame, target: float = 0.95) -> list[str]:
         lines.append(f"| {markdown.cell(r.index)} | {r.reached}/{r.heads} | {fmt(100 * r.scanned_fraction, '{:.2f}%')} | "
                      f"{fmt(r.kib_read, '{:.1f}')} | {fmt(r.output_rel_error, '{:.4f}')} | {fmt(r.best_recall_unreached, '{:.3f}')} |")
     names = sorted(points["index"].unique())
-    lines += ["", "Per head (KiB read / scanned / output rel. error at the least bytes reaching "
+    lines += ["", "Per head (KiB read / scanned / output rel. error at "
               f"{target:.2f}; *best r* = not reached, best recall r):", "",
               "| layer | head | " + " | ".join(map(markdown.cell, names)) + " |", "|---|---|" + "---|" * len(names)]
     for (layer, head), g in points.groupby(["layer", "head"], sort=True):

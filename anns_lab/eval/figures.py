@@ -67,6 +67,20 @@ def frontier(points: pd.DataFrame, x: str, y: str, lower_is_better: bool = False
     return p[keep]
 
 
+def mixture_line(x, y, per_segment: int = 24) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """The line between consecutive points ``(x, y)`` sampled evenly in linear space (``per_segment`` steps a
+    segment), and the sampled positions of the points themselves (for ``markevery``): on a log axis the mixture of
+    two settings (each query searched at one of them) is this curve, not the straight stroke between their markers,
+    which looks better than any mix reaches (by 2.4x in error on magicpig's last segment)."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    if len(x) < 2:
+        return x, y, list(range(len(x)))
+    t = np.linspace(0.0, 1.0, per_segment, endpoint=False)
+    xs = np.concatenate([x[i] + t * (x[i + 1] - x[i]) for i in range(len(x) - 1)] + [x[-1:]])
+    ys = np.concatenate([y[i] + t * (y[i + 1] - y[i]) for i in range(len(y) - 1)] + [y[-1:]])
+    return xs, ys, list(range(0, len(xs), per_segment))
+
+
 def recall_vs_scanned(curves: pd.DataFrame, k: int, kinds: dict[str, str], reference: str | None = None) -> bytes:
     """One panel per top-k index: median recall@k against median fraction scanned, Q→K solid and K→K dashed.
 
@@ -92,7 +106,7 @@ def recall_vs_scanned(curves: pd.DataFrame, k: int, kinds: dict[str, str], refer
     for ax, name in zip(axes.flat, names):
         st = styles[name]
         if ref is not None and name != ref_name:
-            ax.plot(ref["scanned_fraction"], ref["recall"], color="0.6", lw=2.5, alpha=0.6, zorder=1)
+            ax.plot(*mixture_line(ref["scanned_fraction"], ref["recall"])[:2], color="0.6", lw=2.5, alpha=0.6, zorder=1)
         for direction, (_, ls) in DIRECTIONS.items():
             sub = curves[(curves["index"] == name) & (curves["direction"] == direction)]
             if sub.empty:
@@ -100,7 +114,8 @@ def recall_vs_scanned(curves: pd.DataFrame, k: int, kinds: dict[str, str], refer
             ax.plot(sub["scanned_fraction"], sub["recall"], ls="none", marker=st["marker"], ms=3, color=st["color"],
                     alpha=0.35)
             f = frontier(sub, "scanned_fraction", "recall")
-            ax.plot(f["scanned_fraction"], f["recall"], ls=ls, lw=1.8, color=st["color"], marker=st["marker"], ms=4)
+            xs, ys, at = mixture_line(f["scanned_fraction"], f["recall"])
+            ax.plot(xs, ys, ls=ls, lw=1.8, color=st["color"], marker=st["marker"], ms=4, markevery=at)
         ax.axhline(0.95, color="grey", ls=":", lw=1)
         ax.set_title(st["label"], fontsize=10)
         ax.set_xscale("log")
@@ -117,8 +132,8 @@ def recall_vs_scanned(curves: pd.DataFrame, k: int, kinds: dict[str, str], refer
         handles.append(Line2D([], [], color="0.6", lw=2.5, alpha=0.6, label=_plain(f"{ref_name} Q→K (reference)")))
     handles.append(Line2D([], [], color="grey", ls=":", label="recall 0.95"))
     fig.legend(handles=handles, loc="upper center", ncol=len(handles), frameon=False, bbox_to_anchor=(0.5, 1.0))
-    fig.suptitle("Recall against keys scanned, medians over heads; lines: best recall at that cost, dots: every grid "
-                 "point (paper Fig. 3a / 6)", y=1.04, fontsize=11)
+    fig.suptitle("Recall against keys scanned, medians over heads; lines: mixes of the grid points no cheaper point "
+                 "beats, dots: every grid point (paper Fig. 3a / 6)", y=1.04, fontsize=11)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     return _png(fig)
 
@@ -143,7 +158,8 @@ def recall_vs_bytes(curves: pd.DataFrame, k: int, kinds: dict[str, str]) -> byte
             # Lines between the grid points (markers): searching each query at one of two settings reaches every
             # point between them, what the tables read off at a target (metrics.at_recall); a grid that jumps, like
             # retroinfer's last nprobe to every cluster, shows as two markers far apart.
-            ax.plot(f["bytes_read"], f[y], color=st["color"], marker=st["marker"], ms=13 if exact else 5,
+            xs, ys, at = mixture_line(f["bytes_read"], f[y])
+            ax.plot(xs, ys, color=st["color"], marker=st["marker"], ms=13 if exact else 5, markevery=at,
                     mfc="none" if exact else st["color"], mew=2 if exact else 1,
                     zorder=5 if exact else 4 if kinds.get(name) == "attention-aware" else 3, lw=1.6, label=st["label"])
             if exact and y == "output_rel_error" and len(f):
@@ -159,8 +175,8 @@ def recall_vs_bytes(curves: pd.DataFrame, k: int, kinds: dict[str, str]) -> byte
         axes[1].set_yscale("log")
     handles, labels = axes[1].get_legend_handles_labels()
     axes[1].legend(handles, labels, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
-    fig.suptitle("Q→K: recall and output error against bytes read per query (each line joins the grid points no "
-                 "cheaper point beats)")
+    fig.suptitle("Q→K: recall and output error against bytes read per query (each line: the mixes of the grid points "
+                 "no cheaper point beats)")
     return _png(fig)
 
 

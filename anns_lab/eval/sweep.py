@@ -530,7 +530,10 @@ def _prepare(out: Path, settings: dict, overwrite: bool) -> None:
             (out / "parts").mkdir(exist_ok=True)  # removed by hand to redo every part: the parts are written there
             return
         if not overwrite:
-            raise AnnsLabError(f"{out} holds a sweep of other settings ({_differences(old, settings)}); pass "
+            said = settings
+            if isinstance(old, dict) and "dump_stamp" not in old:  # a folder from before the stamp: not a difference
+                said = {key: value for key, value in settings.items() if key != "dump_stamp"}
+            raise AnnsLabError(f"{out} holds a sweep of other settings ({_differences(old, said)}); pass "
                                "--overwrite or choose another --out")
         for p in (out / "parts").glob("*.parquet"):
             p.unlink()
