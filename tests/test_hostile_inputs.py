@@ -459,6 +459,27 @@ def _sweep(dump, out, **kw) -> None:
     run_sweep(dump.path, ["flat"], [1], [0], k=10, window=(0, 0), out=out, jobs=1, progress=False, **kw)
 
 
+def test_a_part_built_before_a_default_changed_is_built_again(dump, tmp_path, monkeypatch):
+    """Before: a resume kept a part built before a default changed (clusterkv's nlist 200 -> 400, session 47) as the
+    default build, beside heads built at the new default: the report split one index into two builds over different
+    heads, and `decode --from-sweep` dropped both. Parameters one side lacks (added since) are not compared."""
+    from anns_lab.indexes import Param
+    from anns_lab.indexes.ivf import IVFIndex
+
+    out = tmp_path / "r"
+    run_sweep(dump.path, ["ivf"], [1], [0], k=10, window=(0, 0), out=out, jobs=1, progress=False)
+    (part,) = (out / "parts").glob("*.parquet")
+    before = part.stat().st_mtime_ns
+    monkeypatch.setitem(IVFIndex.build_params, "added_since", Param(1, 0, 2))  # a parameter the part never saw
+    lines: list[str] = []
+    run_sweep(dump.path, ["ivf"], [1], [0], k=10, window=(0, 0), out=out, jobs=1, progress=False, log=lines.append)
+    assert part.stat().st_mtime_ns == before, lines  # kept
+    monkeypatch.setitem(IVFIndex.build_params, "seed", Param(99, 0, 2**31 - 1))  # a default changed since
+    run_sweep(dump.path, ["ivf"], [1], [0], k=10, window=(0, 0), out=out, jobs=1, progress=False, log=lines.append)
+    assert any("built with other parameters (seed: 1234 there, 99 here)" in line for line in lines), lines
+    assert part.stat().st_mtime_ns != before
+
+
 def test_a_damaged_or_stray_part_is_never_trusted(dump, tmp_path):
     out = tmp_path / "r"
     _sweep(dump, out)

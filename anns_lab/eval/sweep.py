@@ -343,8 +343,8 @@ def _run(runner, dump, out, settings, names, layers, heads, k, window, build_par
     earlier: dict[Part, int] = {}
     tries: dict[Part, int] = {}
     for part, f in part_file.items():
-        why = _read_part(f, own, part)[1] if f.exists() else None
-        if f.exists() and why is None:
+        kept, why = _read_part(f, own, part) if f.exists() else (None, None)
+        if kept is not None and (why := _built_otherwise(kept, part.index, build_params.get(part.index))) is None:
             continue
         if f.exists():  # cut short or damaged since it was written: evaluated again, not trusted
             log(f"{f.name} is not a results part this sweep can keep ({why}): evaluating {part} again")
@@ -488,6 +488,21 @@ def _part_problem(part: pd.DataFrame, cell: Part, own: dict, recorded: bytes | N
         return "some of its rows are timed and some not"
     if quick == timed.all():  # a --quick sweep times nothing, a full one every row
         return f"it is a {'full' if timed.all() else '--quick'} sweep's part, this sweep is {'--quick' if quick else 'full'}"
+    return None
+
+
+def _built_otherwise(rows: pd.DataFrame, index: str, given: dict | None) -> str | None:
+    """Why a part's rows were built with other parameters than this sweep builds ``index`` with, in words, or None: a
+    default changed since (clusterkv's nlist in session 47), and the resumed folder kept the old build as the default
+    one, its heads beside new ones built otherwise. Parameters named on one side only (added or dropped since) are not
+    compared: a part from before a parameter existed stays."""
+    from anns_lab.indexes import registry
+
+    now = registry.create(index, **(given or {})).params
+    then = json.loads(rows["build_params"].iloc[0])
+    if differ := [key for key in sorted(set(now) & set(then)) if then[key] != now[key]]:
+        return "built with other parameters (" + "; ".join(f"{key}: {then[key]} there, {now[key]} here"
+                                                           for key in differ) + ")"
     return None
 
 
