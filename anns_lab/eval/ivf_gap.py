@@ -1,8 +1,8 @@
 """IVF's recall against keys scanned at every ``nprobe``, to explain its Q→K / K→K gap one factor at a time.
 
 The sweep searches a doubling ``nprobe`` grid, so its fraction for a recall target is read between
-grid points a doubling apart (``metrics.at_recall``). Here the curve is exact at every ``nprobe`` (1 … nlist): each query ranks
-the lists by its coarse score, and recall at ``nprobe`` is the share of its true top-k that lie
+grid points a doubling apart (``metrics.at_recall``). Here the curve is exact at every ``nprobe``
+(1 … nlist): each query ranks the lists by its coarse score, and recall at ``nprobe`` is the share of its true top-k that lie
 in the first ``nprobe`` lists (IVF-Flat scores every key of a probed list exactly, so nothing
 else is lost). Lists come from faiss's own IVF training (inner-product assignment, as the lab's
 ``ivf`` index), or L2 k-means for the in-distribution L2 search that ANN benchmarks measure.

@@ -131,8 +131,9 @@ def _results_dump(label: str, settings: dict, dump_path: str | Path | None):
     stamp = settings.get("dump_stamp")
     if (stamp is not None and dump_stamp(dump.manifest) != stamp) or (
             created is not None and dump.manifest.get("created") != created):
-        raise AnnsLabError(f"{dump.path} is not the dump these results come from ({recorded}, made {created}"
-                           + (f", manifest checksum {stamp[:12]}" if stamp not in (None, created) else "") + "); give the matching --dump")
+        checksum = f", manifest checksum {stamp[:12]}" if stamp not in (None, created) else ""
+        raise AnnsLabError(f"{dump.path} is not the dump these results come from ({recorded}, made {created}{checksum}); "
+                           "give the matching --dump")
     if created is None and dump_path is not None and Path(dump_path).resolve() != Path(recorded).resolve():
         raise AnnsLabError(f"the results come from dump {recorded}, not {dump_path}; give the matching dump")
     return dump

@@ -538,15 +538,16 @@ def _prepare(out: Path, settings: dict, overwrite: bool) -> None:
                 raise AnnsLabError(f"{sfile} is corrupt ({err}); pass --overwrite to start this sweep again there, "
                                    "or choose another --out") from None
             old = None
-        if isinstance(old, dict) and "dump_stamp" not in old and old | {"dump_stamp": settings["dump_stamp"]} == settings:
-            old = settings  # a folder of a sweep from before sweep.json held the stamp: its parts check it themselves
+        before_stamp = isinstance(old, dict) and "dump_stamp" not in old  # a sweep from before sweep.json held it
+        if before_stamp and old | {"dump_stamp": settings["dump_stamp"]} == settings:
+            old = settings  # the same sweep: its parts check the stamp themselves
             atomic_write_json(sfile, settings)
         if old == settings:
             (out / "parts").mkdir(exist_ok=True)  # removed by hand to redo every part: the parts are written there
             return
         if not overwrite:
             said = settings
-            if isinstance(old, dict) and "dump_stamp" not in old:  # a folder from before the stamp: not a difference
+            if before_stamp:  # the stamp such a folder lacks is no difference to name
                 said = {key: value for key, value in settings.items() if key != "dump_stamp"}
             raise AnnsLabError(f"{out} holds a sweep of other settings ({_differences(old, said)}); pass "
                                "--overwrite or choose another --out")
