@@ -504,12 +504,15 @@ def test_a_damaged_or_stray_part_is_never_trusted(dump, tmp_path):
         _sweep(dump, out)
 
 
-def _strip_settings(path) -> None:
-    """Rewrite a part as parts were written before they recorded their sweep's settings."""
+def _strip_settings(path, recorded: bytes | None = None) -> None:
+    """Rewrite a part as parts were written before they recorded their sweep's settings (or with ``recorded`` as
+    the settings it recorded)."""
     import pyarrow.parquet as pq
 
     table = pq.read_table(path)
     meta = {k: v for k, v in (table.schema.metadata or {}).items() if k != sweep_mod.PART_SETTINGS}
+    if recorded is not None:
+        meta[sweep_mod.PART_SETTINGS] = recorded
     pq.write_table(table.replace_schema_metadata(meta), path)
 
 
@@ -534,7 +537,9 @@ def test_a_part_of_another_cell_or_sweep_is_evaluated_again_not_kept(dump, tmp_p
                lambda: (shutil.copy(quick / "parts" / h0.name, h0), _strip_settings(h0)),
            "it measured recall@5, this sweep recall@10": lambda: (shutil.copy(tmp_path / "k5" / "parts" / h0.name, h0),
                                                                    _strip_settings(h0)),
-           "its rows are not all index flat on layer 1 head 0's ": lambda: (shutil.copy(h1, h0), _strip_settings(h0))}
+           "its rows are not all index flat on layer 1 head 0's ": lambda: (shutil.copy(h1, h0), _strip_settings(h0)),
+           # nested past the recursion limit: a RecursionError traceback stopped the resume before
+           "the sweep settings it recorded are unreadable": lambda: _strip_settings(h0, b"[" * 100_000 + b"]" * 100_000)}
     for words, damage in bad.items():
         damage()
         lines: list[str] = []

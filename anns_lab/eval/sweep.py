@@ -33,7 +33,7 @@ from anns_lab.eval.heads import HeadData, check_full_attention, check_k, default
 from anns_lab.eval.table import ADDED, CELL, COLUMNS, DIRECTIONS, RESULTS, SETTINGS, table_problem
 from anns_lab.indexes import group_queries, protocol
 from anns_lab.indexes.warmup import warm_up
-from anns_lab.io import atomic_write_json, read_json, sole_writer
+from anns_lab.io import atomic_write_json, loads_json, read_json, sole_writer
 
 LATENCY_QUERIES = 16
 MAX_ATTEMPTS = 3
@@ -469,7 +469,7 @@ def _part_problem(part: pd.DataFrame, cell: Part, own: dict, recorded: bytes | N
     finished, and its rows then stood in the table for the cell its name gave, or dropped another's as duplicates."""
     if recorded is not None:
         try:
-            theirs = json.loads(recorded)
+            theirs = loads_json(recorded)
         except ValueError:
             return "the sweep settings it recorded are unreadable"
         if theirs != own:
@@ -499,7 +499,7 @@ def _built_otherwise(rows: pd.DataFrame, index: str, given: dict | None) -> str 
     from anns_lab.indexes import registry
 
     now = registry.create(index, **(given or {})).params
-    then = json.loads(rows["build_params"].iloc[0])
+    then = loads_json(rows["build_params"].iloc[0])
     if differ := [key for key in sorted(set(now) & set(then)) if then[key] != now[key]]:
         return "built with other parameters (" + "; ".join(f"{key}: {then[key]} there, {now[key]} here"
                                                            for key in differ) + ")"
