@@ -3,8 +3,10 @@
 For each (layer, head) of a dump, every index is built once and searched at every grid point with
 the decode-step queries (the sweep's Q→K protocol, k = 100, window 128 + 512); each point gives the
 mean ``bytes_read`` per query and the sweep's ``output_rel_error`` (exact part plus the estimate for
-estimators). Per head and index: the least error among the points within a byte budget, budgets
-being fractions of one full key scan (n_keys × dim × 4 bytes, what ``flat`` reads). Prints the
+estimators). Per head and index: the least error at a byte budget, read like the report's cost at a recall
+target (``metrics.within_budget``: the last frontier point within the budget, or the mix of it and the next
+whose expected bytes are the budget, each query searched at one of the two), budgets being fractions of one
+full key scan (n_keys × dim × 4 bytes, what ``flat`` reads). Prints the
 median over heads per index and budget (a head with no point within the budget: not reached) and
 writes every point to ``--csv``.
 
@@ -27,6 +29,7 @@ import pandas as pd
 from anns_lab.dumps.store import open_dump
 from anns_lab.errors import AnnsLabError
 from anns_lab.eval.heads import load_head
+from anns_lab.eval.metrics import within_budget
 from anns_lab.eval.table import load_results
 from anns_lab.indexes import registry
 
@@ -72,14 +75,15 @@ def from_sweep(folders: list[str], names: list[str]) -> pd.DataFrame:
 
 
 def within_budgets(points: pd.DataFrame, budgets=BUDGETS) -> pd.DataFrame:
-    """Per (layer, head, index, budget): least output error with bytes read ≤ budget × one full key scan (inf if none)."""
+    """Per (layer, head, index, budget): the least output error at an expected byte read of at most budget × one full
+    key scan (:func:`metrics.within_budget`: between the two frontier points around the budget; inf if none)."""
     frac = points["bytes_read"] / points["full_scan_bytes"]
     out = []
     for (layer, head, index), g in points.assign(fraction=frac).groupby(["layer", "head", "index"]):
         for b in budgets:
-            ok = g[g["fraction"] <= b * (1 + 1e-9)]
+            best = -within_budget(-g["output_rel_error"].to_numpy(), g["fraction"].to_numpy(), b * (1 + 1e-9))
             out.append({"layer": layer, "head": head, "index": index, "budget": b,
-                        "error": float(ok["output_rel_error"].min()) if len(ok) else np.inf})
+                        "error": best if np.isfinite(best) else np.inf})
     return pd.DataFrame(out)
 
 

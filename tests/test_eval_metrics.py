@@ -119,6 +119,26 @@ def test_at_recall_interpolates_on_the_frontier_between_the_points_around_the_ta
     assert np.isnan(at_recall([], [], 0.95)[0]) and at_recall([0.99], [7.0], 0.95) == (7.0, 0, 0, 1.0)
 
 
+def test_within_budget_is_at_recall_the_other_way_round():
+    from anns_lab.eval.metrics import at_recall, within_budget
+
+    # output errors (a loss: passed negated) at byte costs; (3, .30) is off the frontier, (0.5, nan) unmeasured
+    error = np.array([0.40, 0.10, 0.30, 0.20, 0.05, 0.01])
+    cost = np.array([1.0, 4.0, 3.0, 2.0, 8.0, 0.5])
+    cost[5] = np.nan
+    least = lambda b: -within_budget(-error, cost, b)  # noqa: E731
+    assert np.isnan(within_budget(-error, cost, 0.9))  # nothing within it
+    assert least(1.0) == 0.40 and least(4.0) == 0.10  # a frontier point at the budget: its own error
+    assert np.isclose(least(1.5), 0.30)  # halfway between (1, .40) and (2, .20)
+    assert np.isclose(least(3.0), 0.15)  # between (2, .20) and (4, .10): (3, .30) plays no part
+    assert np.isclose(least(6.0), 0.075) and least(100.0) == 0.05  # past the dearest point: its error
+    # the two readings agree: the recall a budget buys costs that budget
+    recall = np.array([0.5, 0.8, 0.7, 0.9, 0.96])
+    spend = np.array([1.0, 2.0, 3.0, 4.0, 5.0])
+    for b in (1.3, 2.0, 3.7, 4.5):
+        assert np.isclose(at_recall(recall, spend, within_budget(recall, spend, b))[0], b)
+
+
 def test_the_mixture_line_is_sampled_in_linear_space_with_the_points_marked():
     from anns_lab.eval.figures import mixture_line
 

@@ -101,27 +101,55 @@ def mahalanobis(points: np.ndarray, reference: np.ndarray) -> np.ndarray:
     return np.sqrt(np.einsum("ij,ij->i", diff @ np.linalg.inv(cov), diff))
 
 
+def frontier(quality, cost) -> np.ndarray:
+    """Positions of one head's operating points on the cost frontier, cheapest first: each point (finite ``quality``
+    and ``cost``) scores a higher ``quality`` than every cheaper one (among equal costs the best first). Any other point
+    is worse than one of these at no less cost."""
+    quality, cost = np.asarray(quality, dtype=float), np.asarray(cost, dtype=float)
+    best, out = -np.inf, []
+    for i in np.lexsort((-quality, cost)):  # by cost, the best first among equal costs
+        if np.isfinite(quality[i]) and np.isfinite(cost[i]) and quality[i] > best:
+            best = quality[i]
+            out.append(int(i))
+    return np.asarray(out, dtype=np.int64)
+
+
 def at_recall(recall, cost, target: float) -> tuple[float, int, int, float]:
     """The cost of mean recall ``target`` on one head's grid of operating points (``recall`` and ``cost`` per point):
-    on the frontier (points in order of cost, each recalling more than every cheaper one), the first point that
-    reaches the target, or, where a cheaper frontier point falls short of it, the line between the two at the
-    target: the expected cost of searching each query at one of them, with the chance that makes the expected
-    recall ``target``, a mixture any index can run. So an index whose grid steps coarsely is not charged the whole
-    step past the target (at the grid points, pqcache's and clusterkv's bytes at 0.95 overshot by a median 1.2x,
-    roargraph's by 1.06x: BENCHMARKS "Today's figures: read between grid points"). Mixes of points further apart can
-    cost less where the frontier is not concave (at most 3.3%, on 6 of 273 real (index, head) pairs): not sought.
+    on the :func:`frontier`, the first point that reaches the target, or, where a cheaper frontier point falls short
+    of it, the line between the two at the target: the expected cost of searching each query at one of them, with
+    the chance that makes the expected recall ``target``, a mixture any index can run. So an index whose grid steps
+    coarsely is not charged the whole step past the target (at the grid points, pqcache's and clusterkv's bytes at
+    0.95 overshot by a median 1.2x, roargraph's by 1.06x: BENCHMARKS "Today's figures: read between grid points").
+    Mixes of points further apart can cost less where the frontier is not concave (at most 3.3%, on 6 of 273 real
+    (index, head) pairs): not sought.
     Returns (cost, below, reached, weight): the positions of the two points (``below == reached`` where a frontier
     point meets the target with none cheaper short of it, or meets it exactly) and ``reached``'s weight in the mix;
     (nan, -1, -1, nan) where no point reaches it."""
     recall, cost = np.asarray(recall, dtype=float), np.asarray(cost, dtype=float)
-    best, below = -np.inf, -1
-    for i in np.lexsort((-recall, cost)):  # by cost, the best recall first among equal costs
-        if not (np.isfinite(recall[i]) and np.isfinite(cost[i])) or recall[i] <= best:
-            continue  # unmeasured, or no better than a cheaper point: off the frontier
+    below = -1
+    for i in frontier(recall, cost):
         if recall[i] >= target:
             if below < 0 or recall[i] == target:  # no step to cross: the grid point's own cost
                 return float(cost[i]), int(i), int(i), 1.0
             w = (target - recall[below]) / (recall[i] - recall[below])
             return float(cost[below] + w * (cost[i] - cost[below])), below, int(i), float(w)
-        best, below = recall[i], int(i)
+        below = int(i)
     return float("nan"), -1, -1, float("nan")
+
+
+def within_budget(quality, cost, budget: float) -> float:
+    """The best mean ``quality`` one head's grid of operating points reaches at an expected cost of at most
+    ``budget``: :func:`at_recall` the other way round. On the :func:`frontier`, the last point within the budget, or,
+    where the next costs more, the mix of the two whose expected cost is the budget (each query searched at one of
+    them); NaN where no point is within it. For a loss such as an output error pass ``-error`` and negate."""
+    quality, cost = np.asarray(quality, dtype=float), np.asarray(cost, dtype=float)
+    best = -1
+    for i in frontier(quality, cost):
+        if cost[i] > budget:
+            if best < 0:
+                return float("nan")
+            w = (budget - cost[best]) / (cost[i] - cost[best])
+            return float(quality[best] + w * (quality[i] - quality[best]))
+        best = int(i)
+    return float(quality[best]) if best >= 0 else float("nan")
