@@ -58,6 +58,64 @@ def test_a_mode_whose_index_breaks_fails_alone_and_the_others_results_stand(tiny
         assert all("answer" in r for r in data["modes"][name]["samples"])
 
 
+@pytest.mark.parametrize("give_up_after", [2, 0])
+def test_a_mode_that_keeps_failing_is_left_out_of_the_later_samples(tiny_llama, plugin_dir, monkeypatch, tmp_path,
+                                                                    give_up_after):
+    """Before: a broken index mode was tried on every sample, each try (with builds during the prefill) a prefill of its
+    own. After --give-up-after samples failed in a row it is left out of the rest, said and recorded; 0 tries all."""
+    monkeypatch.syspath_prepend(str(plugin_dir))
+    out = tmp_path / "r.json"
+    res = _run("--model", tiny_llama, "--mode", "full,faulty", "--build-param", "build_fault=raise", "--task", "passkey",
+               "--context", 200, "--samples", 4, "--window", "4,16", "--topk", 20, "--max-new-tokens", 2, "--json", out,
+               "--chunk", 64, "--build-during-prefill", "--give-up-after", give_up_after)
+    assert res.exit_code == 1, res.output
+    tried = 2 if give_up_after else 4
+    assert len(re.findall(r"prefill for faulty: 200 tokens", res.output)) == tried  # each try, a prefill of its own
+    faulty = json.loads(out.read_text())["modes"]["faulty"]
+    rows = faulty["samples"]
+    assert [r["sample"] for r in rows] == [0, 1, 2, 3] and all("no memory" in r["error"] for r in rows[:tried])
+    if give_up_after:
+        assert "FAILED: faulty on 4 sample(s) (2 of them left out)" in res.output
+        assert faulty["summary"] == {"failed_samples": 4, "skipped_samples": 2}
+        assert [r.get("skipped", False) for r in rows] == [False, False, True, True]
+        assert rows[2]["error"].startswith("left out: failed on the 2 samples before it") and "expected" in rows[2]
+        assert any(n.startswith("left out of 2 sample(s) (3-4)") for n in faulty["notes"]), faulty["notes"]
+        assert re.search(r"^faulty +4 +2 ", res.output, re.M), res.output  # the failed and left-out columns
+    else:
+        assert "FAILED: faulty on 4 sample(s) (the errors" in res.output and faulty["summary"] == {"failed_samples": 4}
+
+
+def test_give_up_after_counts_failures_in_a_row_only(monkeypatch):
+    """A sample's failure between successes does not end a mode; two in a row do, and the samples after them run
+    without it (``run_sample`` stubbed: which modes each sample was asked to run, and which of them fail when)."""
+    from types import SimpleNamespace
+
+    from anns_lab.decode import runner
+    from anns_lab.decode.engine import ModeRun, Settings
+    from anns_lab.decode.modes import Mode
+
+    fails = {"a": {0, 2, 3}, "b": {1}}  # a: fails, finishes, fails twice (left out of 4 and 5); b: fails once
+    asked = []
+
+    def run_sample(lm, modes, settings, ids, max_new, stops, say=None):
+        i = len(asked)
+        asked.append([m.name for m in modes])
+        return {"runs": {m.name: ModeRun(m.name, [], [], 0.0, 0.0, [], [],
+                                         error="broke" if i in fails.get(m.name, ()) else None) for m in modes}}
+
+    monkeypatch.setattr(runner, "run_sample", run_sample)
+    monkeypatch.setattr(runner, "check_memory", lambda *a, **k: None)
+    monkeypatch.setattr(runner, "_pool", lambda runs: {})
+    lm = SimpleNamespace(tokenizer=SimpleNamespace(eos_token_id=None, decode=lambda ids, **k: ""), model=None)
+    modes = [Mode("a"), Mode("b")]
+    res = runner._run_prompts(lm, modes, Settings(), [([1], None)] * 6, 1, 2, "prompt", None)
+    assert asked == [["a", "b"]] * 4 + [["b"]] * 2
+    a, b = res["modes"]["a"], res["modes"]["b"]
+    assert a["summary"] == {"failed_samples": 5, "skipped_samples": 2}
+    assert [r.get("skipped", False) for r in a["samples"]] == [False] * 4 + [True] * 2
+    assert b["summary"] == {"failed_samples": 1} and [("error" in r) for r in b["samples"]] == [False, True] + [False] * 4
+
+
 def test_decode_loads_only_the_indexes_it_names(tmp_path, monkeypatch, capsys):
     """A plugin that hangs or fails at import stopped every decode, --mode full too (the modes loaded every
     registered index): now only the named ones are imported; 'default' falls back to flat when roargraph will not load."""
@@ -785,12 +843,12 @@ def test_an_interrupted_decode_says_what_it_kept(tiny_llama, tmp_path, monkeypat
 
     real = runner.run_task
 
-    def stopped_after_the_first_sample(*args):
+    def stopped_after_the_first_sample(*args, **kwargs):
         def on_sample(res):
             args[-1](res)
             raise KeyboardInterrupt
 
-        return real(*args[:-1], on_sample)
+        return real(*args[:-1], on_sample, **kwargs)
 
     monkeypatch.setattr(runner, "run_task", stopped_after_the_first_sample)
     out = tmp_path / "r.json"
@@ -801,7 +859,7 @@ def test_an_interrupted_decode_says_what_it_kept(tiny_llama, tmp_path, monkeypat
     assert f"interrupted: 1 of 3 samples finished and kept in {out}" in res.output and "Aborted" not in res.output
     kept = json.loads(out.read_text())
     assert kept["partial"] is True and kept["samples_done"] == 1
-    monkeypatch.setattr(runner, "run_task", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(runner, "run_task", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
     res = _run(*args)
     assert res.exit_code == 130 and "interrupted: nothing was written (--json keeps" in res.output
 

@@ -80,7 +80,7 @@ def test_ray_samples_take_their_prompts_as_the_window_frees(monkeypatch):
             drawn.append(i)
             yield [i]
 
-    for i, res in enumerate(samples.map_samples([], None, prompts(), 2, set())):
+    for i, res in enumerate(samples.map_samples(list, None, prompts(), 2, set())):
         assert res == {"ids": [i]}  # in sample order
         assert len(drawn) <= i + 3  # at most the window ahead of what came back
     assert drawn == list(range(10))
@@ -117,6 +117,6 @@ def test_a_samples_error_on_ray_reaches_the_driver_in_its_own_words(monkeypatch)
     samples.ray, samples.resources = FailingRay(), {"CPU": 1.0}
     samples.model, samples.device, samples.rope_scaling, samples.torch_threads = "m", "cpu", None, 0
     with pytest.raises(DecodeError) as err:
-        next(samples.map_samples([], None, [[1, 2, 3]], 2, set()))
+        next(samples.map_samples(list, None, [[1, 2, 3]], 2, set()))
     assert str(err.value) == ("a decode sample failed on Ray: building layer 1's indexes: broken raised RuntimeError: "
                               "no memory for its graph")

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import click
 
 from anns_lab.cli_types import WINDOW, given_flags
-from anns_lab.decode.options import CALIBRATE_AUTO, LAYERS_AT_ONCE, UNTIL_BUILT, UNTIL_BUILT_HELP
+from anns_lab.decode.options import CALIBRATE_AUTO, GIVE_UP_AFTER, LAYERS_AT_ONCE, UNTIL_BUILT, UNTIL_BUILT_HELP
 from anns_lab.dumps import rope
 from anns_lab.dumps.cli import ROPE_HELP, ROPE_SCALING
 from anns_lab.dumps.tasks import TASKS
@@ -117,6 +117,10 @@ class _DecodeCommand(click.Command):
               help="fidelity: teacher-forced KL and top-1 agreement against full attention on real text")
 @click.option("--context", default=2048, show_default=True, help="prompt tokens (task and fidelity)")
 @click.option("--samples", default=1, show_default=True, help="task prompts per mode, their needles at depths spread over the context")
+@click.option("--give-up-after", default=GIVE_UP_AFTER, show_default=True,
+              help="leave an index mode out of the later samples once it has failed (its build or search broke) on "
+                   "this many samples in a row: a broken plugin fails on every sample, and with builds during the "
+                   "prefill each try costs a prefill; 0 = try it on every sample")
 @click.option("--seed", default=0, show_default=True, help="seed of the first task prompt (its key, needle and values); sample i uses SEED+i")
 @click.option("--max-new-tokens", type=int, default=None, help="generated tokens (default per task)")
 @click.option("--positions", default=256, show_default=True, help="fidelity: teacher-forced positions")
@@ -168,7 +172,7 @@ class _DecodeCommand(click.Command):
 @click.option("--overwrite", is_flag=True, help="let --json replace an existing file (never the --from-sweep table, a "
                                                 "link, or what is not a regular file)")
 def decode(model, modes, params, build_params, topk, window, add_batch, train_queries, train_group, train_positions, copy_hints, task,
-           prompt, evaluation, context, samples,
+           prompt, evaluation, context, samples, give_up_after,
            seed, max_new_tokens, positions, free_tokens, chunk, build_during_prefill, build_layers, build_processes, shared_prefill, until_built, from_sweep, target_recall, calibrate, device, torch_threads,
            allow_extrapolation, rope_scaling, executor, address, cpus_per_task, json_path, overwrite):
     """Generate with RetrievalAttention: static window on the accelerator + retrieved keys from a CPU index."""
@@ -189,7 +193,8 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
         raise DecodeError("--shared-prefill puts every mode on one prefill with the builds after it: add "
                           "--build-after-prefill, given explicitly (builds during a prefill give each index mode its "
                           "own, so that its TTFT counts its own builds' contention)")
-    _check_counts(max_new_tokens=max_new_tokens, seed=seed, torch_threads=torch_threads, samples=samples)
+    _check_counts(max_new_tokens=max_new_tokens, seed=seed, torch_threads=torch_threads, samples=samples,
+                  give_up_after=give_up_after)
     if json_path is not None and not json_path.strip():  # `--json "$OUT"` with OUT unset ran, then wrote nothing
         raise DecodeError("--json '': give a file path for the results")
     mode_list = _parse_mode_list(modes, params, build_params, from_sweep)
@@ -257,7 +262,8 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
                                                progress, remote, on_sample)
                 else:
                     result = runner.run_task(lm, mode_list, settings, task, context, samples, seed, max_new_tokens,
-                                             allow_extrapolation, progress, remote, on_sample)
+                                             allow_extrapolation, progress, remote, on_sample,
+                                             give_up_after=give_up_after)
             finally:
                 if remote is not None:
                     remote.close()
@@ -269,7 +275,10 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
         sys.stdout.flush()
         if failed := {name: m["summary"]["failed_samples"] for name, m in result["modes"].items()
                       if m["summary"].get("failed_samples")}:  # the others' results stand; the run did not all succeed
-            click.echo("FAILED: " + ", ".join(f"{name} on {n} sample(s)" for name, n in failed.items())
+            left_out = {name: m["summary"].get("skipped_samples") for name, m in result["modes"].items()}
+            click.echo("FAILED: " + ", ".join(f"{name} on {n} sample(s)"
+                                              + (f" ({left_out[name]} of them left out)" if left_out[name] else "")
+                                              for name, n in failed.items())
                        + " (the errors are in the notes above)", err=True)
             raise SystemExit(1)
 
@@ -338,11 +347,11 @@ def _check_unused(ctx: click.Context, evaluation: str, prompt: str | None, from_
     """Refuse options set on the command line that this run would ignore (a --seed with --eval fidelity ran as if left
     out; --eval fidelity --prompt ran for half a minute, then crashed): one :class:`DecodeError` naming them."""
     if evaluation == "fidelity":
-        unused = given_flags(ctx, "task", "prompt", "samples", "seed", "max_new_tokens", "shared_prefill")
+        unused = given_flags(ctx, "task", "prompt", "samples", "give_up_after", "seed", "max_new_tokens", "shared_prefill")
         why = ("--eval fidelity teacher-forces --positions tokens of its own text after --context tokens of it, every "
                "mode from one prefill")
     elif prompt is not None:
-        unused = given_flags(ctx, "context", "samples", "seed", "positions", "free_tokens")
+        unused = given_flags(ctx, "context", "samples", "give_up_after", "seed", "positions", "free_tokens")
         why = "--prompt decodes that text once: its tokens are the context"
     else:
         unused = given_flags(ctx, "positions", "free_tokens")
@@ -361,12 +370,15 @@ MAX_TORCH_THREADS = 1024
 MAX_SAMPLES = 10_000  # task prompts per run at most: each is a full prefill per mode
 
 
-def _check_counts(max_new_tokens: int | None, seed: int, torch_threads: int, samples: int) -> None:
+def _check_counts(max_new_tokens: int | None, seed: int, torch_threads: int, samples: int,
+                  give_up_after: int = GIVE_UP_AFTER) -> None:
     """Refuse counts out of range before anything is loaded (a negative token count decoded nothing and scored 0, 0 meant
     the task's default, a negative seed failed after the model had loaded, 10^11 samples a traceback allocating their
     needles' depths)."""
     if not 1 <= samples <= MAX_SAMPLES:
         raise DecodeError(f"--samples must lie in [1, {MAX_SAMPLES}] (each is a prefill of the context per mode), got {samples}")
+    if give_up_after < 0:
+        raise DecodeError(f"--give-up-after must be 0 (never give up) or more, got {give_up_after}")
     if max_new_tokens is not None and max_new_tokens < 1:
         raise DecodeError(f"--max-new-tokens must be at least 1 (leave it out for the task's default), got {max_new_tokens}")
     if seed < 0:

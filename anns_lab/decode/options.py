@@ -18,3 +18,8 @@ UNTIL_BUILT_HELP = ("what an index mode's decode steps do while its layers' inde
 # nothing (BENCHMARKS "The CUDA path, a third lease").
 LAYERS_AT_ONCE = 0
 MIN_LAYERS_AT_ONCE = 2
+
+# A mode that failed on this many samples in a row is left out of the rest (decode --give-up-after): a broken plugin
+# fails every sample, and with builds during the prefill each try costs a prefill of its own; one sample's failure
+# alone does not end it.
+GIVE_UP_AFTER = 2

@@ -57,15 +57,16 @@ class RaySamples:
     def map_samples(self, modes, settings, prompts: Iterable[list[int]], max_new: int,
                     stops: set[int]) -> Iterator[dict]:
         """Yield the samples' results in sample order, each prompt taken from ``prompts`` (made there as its turn comes)
-        and submitted once fewer than ``in_flight`` wait: --samples 10^6 made and sent every prompt first. Ctrl-C
-        cancels what is left."""
+        and submitted once fewer than ``in_flight`` wait: --samples 10^6 made and sent every prompt first. ``modes()``:
+        the modes a sample runs, asked as it is submitted (a mode the driver has given up on is left out from then).
+        Ctrl-C cancels what is left."""
         task = self.ray.remote(_sample_task).options(num_cpus=self.resources["CPU"], num_gpus=self.resources.get("GPU", 0),
                                                    max_retries=2)
         source, pending = iter(prompts), collections.deque()
         try:
             while True:
                 for ids in itertools.islice(source, max(0, self.in_flight - len(pending))):
-                    pending.append(task.remote(self.model, self.device, self.rope_scaling, self.torch_threads, modes,
+                    pending.append(task.remote(self.model, self.device, self.rope_scaling, self.torch_threads, modes(),
                                                settings, ids, max_new, stops))
                 if not pending:
                     return

@@ -18,6 +18,7 @@ import torch
 from anns_lab.errors import DecodeError, IndexFailed, IndexResultError
 from anns_lab.decode import stats
 from anns_lab.decode.builds import start_build_processes, warm_up
+from anns_lab.decode.options import GIVE_UP_AFTER
 from anns_lab.decode.engine import (Mode, ModeRun, Settings, check_window, exact_seconds, first_step_seconds,
                                     kept_queries, prefill, run_mode, summarize, warmup_steps)
 from anns_lab.dumps import rope, tasks
@@ -102,11 +103,12 @@ def depths(samples: int) -> list[float]:
 
 def run_task(lm, modes: list[Mode], settings: Settings, task: str, context: int, samples: int, seed: int,
              max_new: int | None = None, allow_extrapolation: bool = False, progress=None, executor=None,
-             on_sample=None) -> dict:
+             on_sample=None, give_up_after: int = GIVE_UP_AFTER) -> dict:
     """Every mode on ``samples`` samples of ``task``; per sample the full-attention prefills of :func:`prefill_groups`.
 
     ``executor`` (e.g. :class:`anns_lab.decode.ray_samples.RaySamples`) runs the samples elsewhere; the
-    result is the same dict either way."""
+    result is the same dict either way. ``give_up_after``: an index mode that failed on that many samples in a row is
+    left out of the later ones (0: tried on every sample)."""
     if task not in tasks.TASKS:
         raise DecodeError(f"unknown task {task!r}; known: {', '.join(tasks.TASKS)}")
     if samples < 1:
@@ -116,7 +118,7 @@ def run_task(lm, modes: list[Mode], settings: Settings, task: str, context: int,
     # the last new token is never fed back
     check_window(settings, context, modes, max_new - 1, rope.head_dim(lm.config))
     return _run_prompts(lm, modes, settings, _TaskPrompts(task, lm.tokenizer, context, seed, depths(samples)), context,
-                        max_new, task, progress, executor, on_sample, note)
+                        max_new, task, progress, executor, on_sample, note, give_up_after)
 
 
 class _TaskPrompts(Sequence):
@@ -257,20 +259,27 @@ def failed_run(mode: Mode, err: Exception, say) -> ModeRun:
 
 
 def _run_prompts(lm, modes, settings, prompts, n_prompt: int, max_new, task, progress, executor=None, on_sample=None,
-                 extrapolated: str | None = None) -> dict:
+                 extrapolated: str | None = None, give_up_after: int = GIVE_UP_AFTER) -> dict:
     """Every prompt (here, or through ``executor.map_samples``), scored and merged into one result. ``n_prompt``: the
     length of every prompt (a task's are made so), known before any is made: the memory estimate comes first (a task's
     prompts of 10^9 tokens, all made before it, took 20 GB before this refused them).
 
     ``on_sample(result)``: called after each prompt with the result of the prompts so far, so that a long run
     stopped midway keeps what it finished. ``extrapolated``: :func:`check_context`'s sentence, kept in the result.
+    ``give_up_after``: as :func:`run_task`'s; a mode left out has each later sample recorded as failed, ``skipped``
+    (the prompts already handed to the executor still run it).
     """
     settings = dataclasses.replace(settings, steps=max_new)  # the CPU stores' room for the tokens to come
     check_memory(lm, modes, settings, n_prompt + max_new, "--prompt" if task == "prompt" else "--context")
     stops = stop_ids(lm)
     per_mode = {m.name: {"runs": [], "samples": []} for m in modes}
+    streak, given_up = dict.fromkeys(per_mode, 0), set()  # samples each mode failed in a row; the modes left out
+
+    def live() -> list[Mode]:  # the modes the next sample runs
+        return [m for m in modes if m.name not in given_up]
+
     if executor is None:  # each prompt made as its turn comes, run, and dropped
-        done = ((p, run_sample(lm, modes, settings, p[0], max_new, stops, progress)) for p in prompts)
+        done = ((p, run_sample(lm, live(), settings, p[0], max_new, stops, progress)) for p in prompts)
     else:  # likewise, made as the executor takes them (at most its window ahead), each once
         taken = collections.deque()
 
@@ -279,20 +288,32 @@ def _run_prompts(lm, modes, settings, prompts, n_prompt: int, max_new, task, pro
                 taken.append(sample)
                 yield ids
 
-        results = executor.map_samples(modes, settings, ids_of(), max_new, stops)
+        results = executor.map_samples(live, settings, ids_of(), max_new, stops)
         done = (((None, taken.popleft()), res) for res in results)
     for i, ((_, sample), res) in enumerate(done):
         for mode in modes:
-            run = res["runs"][mode.name]
-            if run.error is not None:  # no answer, no score: the accuracy is over the samples the mode finished
-                row = {"sample": i, "error": run.error}
+            run = res["runs"].get(mode.name)
+            if run is None or run.error is not None:  # no answer, no score: the accuracy is over the samples it finished
+                left_out = run is None
+                error = (f"left out: failed on the {give_up_after} samples before it in a row (--give-up-after)"
+                         if left_out else run.error)
+                row = {"sample": i, "error": error} | ({"skipped": True} if left_out else {})
                 if sample is not None:
                     row |= {"expected": list(sample.answers), "depth": sample.depth, "seed": sample.params["seed"]}
                 per_mode[mode.name]["samples"].append(row)
-                per_mode[mode.name].setdefault("notes_by_sample", []).append([f"failed: {run.error}"])
+                if not left_out:  # a note for each failure; the samples left out have one note for all
+                    per_mode[mode.name].setdefault("notes_by_sample", []).append([f"failed: {error}"])
+                streak[mode.name] += 1
+                if give_up_after and streak[mode.name] == give_up_after and mode.name not in given_up \
+                        and i + 1 < len(prompts):
+                    given_up.add(mode.name)
+                    if progress:
+                        progress(f"{mode.name}: failed on {give_up_after} samples in a row: left out of the "
+                                 f"{len(prompts) - i - 1} sample(s) after them (--give-up-after {give_up_after})")
                 if progress:
-                    progress(f"sample {i + 1}/{len(prompts)} {mode.name}: failed")
+                    progress(f"sample {i + 1}/{len(prompts)} {mode.name}: " + ("left out" if left_out else "failed"))
                 continue
+            streak[mode.name] = 0
             answer = lm.tokenizer.decode(run.tokens, skip_special_tokens=True)
             row = {"sample": i, "answer": answer}
             if sample is not None:
@@ -327,6 +348,17 @@ def merged_notes(by_sample: list[list[str]]) -> list[str]:
     return common + own
 
 
+def _spans(samples: list[int]) -> str:
+    """Sample numbers (0-based, ascending) as 1-based runs: [2, 3, 4, 7] -> '3-5, 8'."""
+    runs = []
+    for i in samples:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a + 1}" if a == b else f"{a + 1}-{b + 1}" for a, b in runs)
+
+
 def _merged(per_mode: dict, task: str, context: int, extrapolated: str | None = None) -> dict:
     """The result of the samples run so far: per mode, pooled timings, accuracy and the samples themselves."""
     out = {"task": task, "context": context, "extrapolated": extrapolated, "modes": {}}
@@ -334,12 +366,17 @@ def _merged(per_mode: dict, task: str, context: int, extrapolated: str | None = 
         summary = _pool(d["runs"]) if d["runs"] else {}
         if failed := sum("error" in r for r in d["samples"]):
             summary["failed_samples"] = failed
+        notes = merged_notes(d.get("notes_by_sample", []))
+        if skipped := [r["sample"] for r in d["samples"] if r.get("skipped")]:
+            summary["skipped_samples"] = len(skipped)
+            notes.append(f"left out of {len(skipped)} sample(s) ({_spans(skipped)}) after failing on the samples "
+                         "before them in a row (--give-up-after; 0 tries every sample)")
         full = per_mode["full"]["samples"] if "full" in per_mode else None
         # the samples this mode finished (and full, which never fails alone, with it: the paired difference)
         done = [(r, f) for r, f in zip(d["samples"], full or d["samples"]) if "score" in r and "score" in f]
         if task != "prompt" and done:
             summary |= _accuracy([r["score"] for r, _ in done], [f["score"] for _, f in done] if full else None)
-        out["modes"][name] = {"summary": summary, "samples": list(d["samples"]), "notes": merged_notes(d.get("notes_by_sample", []))}
+        out["modes"][name] = {"summary": summary, "samples": list(d["samples"]), "notes": notes}
     time_to_first_token(out["modes"])
     return out
 
@@ -414,7 +451,7 @@ def run_fidelity(lm, modes: list[Mode], settings: Settings, context: int, positi
     return out
 
 
-COLUMNS = [("failed_samples", "failed", "{:d}"), ("accuracy", "accuracy %", "{:.1f}"), ("accuracy_ci95", "acc 95% CI", "[{:.1f}, {:.1f}]"),
+COLUMNS = [("failed_samples", "failed", "{:d}"), ("skipped_samples", "left out", "{:d}"), ("accuracy", "accuracy %", "{:.1f}"), ("accuracy_ci95", "acc 95% CI", "[{:.1f}, {:.1f}]"),
            ("diff_vs_full", "Δ full", "{:+.1f}"), ("diff_vs_full_ci95", "Δ 95% CI", "[{:+.1f}, {:+.1f}]"), ("kl_mean", "KL", "{:.2e}"), ("top1_agreement", "top-1", "{:.3f}"),
            ("free_tokens_until_diff", "free=", "{:d}"), ("prefill_s", "prefill s", "{:.2f}"), ("build_s", "build s", "{:.2f}"),
            ("build_hidden_s", "hidden s", "{:.2f}"),
@@ -431,6 +468,7 @@ COLUMNS = [("failed_samples", "failed", "{:d}"), ("accuracy", "accuracy %", "{:.
 LEGEND = {
     "failed_samples": "samples on which the mode failed (its indexes' build or search broke: the error in its notes); "
                       "its other columns are over the samples it finished",
+    "skipped_samples": "of those, samples the mode was left out of after failing on --give-up-after samples in a row",
     "accuracy": "share of task samples answered correctly",
     "accuracy_ci95": "95% Wilson interval of the accuracy over the samples",
     "diff_vs_full": "accuracy minus full attention's on the same samples, points",
