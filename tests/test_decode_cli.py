@@ -257,6 +257,7 @@ def test_prompt_and_fidelity(tiny_gemma3, tmp_path):
     (["--seed", -1], "--seed must be 0 or more"),
     (["--samples", 0], "--samples must lie in [1, 10000]"),
     (["--samples", 99999999999], "--samples must lie in [1, 10000]"),  # a traceback allocating 745 GiB, before
+    (["--give-up-after", -1], "--give-up-after must be 0 (never give up) or more, got -1"),
     (["--torch-threads", -2], "--torch-threads must lie in [0, 1024]"),
     (["--torch-threads", 100000], "--torch-threads must lie in [0, 1024]"),  # a traceback from an import, before
     (["--json", ""], "--json '': give a file path"),  # ran every sample, then wrote nothing, exit 0
@@ -950,6 +951,8 @@ def test_a_nan_is_never_written_as_json_nor_printed_as_missing(tmp_path):
     (["--eval", "fidelity", "--seed", 0], "--seed: not used"),  # given, though at its default
     (["--prompt", "hello", "--context", 300], "--context: not used by this run (--prompt decodes that text once"),
     (["--prompt", "hello", "--samples", 2, "--seed", 1], "--samples, --seed: not used"),
+    (["--prompt", "hello", "--give-up-after", 1], "--give-up-after: not used"),
+    (["--eval", "fidelity", "--give-up-after", 0], "--give-up-after: not used"),
     (["--task", "passkey", "--positions", 8], "--positions: not used by this run (--positions and --free-tokens are for --eval fidelity)"),
     (["--task", "passkey", "--target-recall", 0.9], "--target-recall is the recall a --from-sweep pick must reach"),
     (["--task", "passkey", "--cpus-per-task", 2], "--cpus-per-task: not used by this run"),
