@@ -78,7 +78,7 @@ def test_a_mode_that_keeps_failing_is_left_out_of_the_later_samples(tiny_llama, 
         assert "FAILED: faulty on 4 sample(s) (2 of them left out)" in res.output
         assert faulty["summary"] == {"failed_samples": 4, "skipped_samples": 2}
         assert [r.get("skipped", False) for r in rows] == [False, False, True, True]
-        assert rows[2]["error"].startswith("left out: failed on the 2 samples before it") and "expected" in rows[2]
+        assert rows[2]["error"] == "left out after failing on 2 samples in a row (--give-up-after)" and "expected" in rows[2]
         assert any(n.startswith("left out of 2 sample(s) (3-4)") for n in faulty["notes"]), faulty["notes"]
         assert re.search(r"^faulty +4 +2 ", res.output, re.M), res.output  # the failed and left-out columns
     else:

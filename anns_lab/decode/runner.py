@@ -295,7 +295,7 @@ def _run_prompts(lm, modes, settings, prompts, n_prompt: int, max_new, task, pro
             run = res["runs"].get(mode.name)
             if run is None or run.error is not None:  # no answer, no score: the accuracy is over the samples it finished
                 left_out = run is None
-                error = (f"left out: failed on the {give_up_after} samples before it in a row (--give-up-after)"
+                error = (f"left out after failing on {give_up_after} samples in a row (--give-up-after)"
                          if left_out else run.error)
                 row = {"sample": i, "error": error} | ({"skipped": True} if left_out else {})
                 if sample is not None:
