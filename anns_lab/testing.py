@@ -222,6 +222,9 @@ def check_declarations(cls: type[Index]) -> None:
     for name, build in cls.search_params_since.items():
         assert name in cls.search_params_before, f"search_params_since names {name!r}, which is not in search_params_before"
         assert build in cls.build_params, f"search_params_since[{name!r}] = {build!r} is not a declared build parameter"
+    for name, v in cls.build_params_before.items():
+        assert name in cls.build_params, f"build_params_before names {name!r}, which is not a declared build parameter"
+        cls.build_params[name].check(cls.__name__, name, v)
     for name, stamp in cls.auto_rules.items():
         assert name in cls.build_params, f"auto_rules names {name!r}, which is not a declared build parameter"
         cls.build_params[name].check(cls.__name__, name, 0)  # 0 is the value that asks for the rule

@@ -114,6 +114,17 @@ def test_give_up_after_counts_failures_in_a_row_only(monkeypatch):
     assert a["summary"] == {"failed_samples": 5, "skipped_samples": 2}
     assert [r.get("skipped", False) for r in a["samples"]] == [False] * 4 + [True] * 2
     assert b["summary"] == {"failed_samples": 1} and [("error" in r) for r in b["samples"]] == [False, True] + [False] * 4
+    # through an executor (Ray's takes its prompts a window ahead): each sample runs the modes asked as it is handed out
+    asked.clear()
+
+    class Executor:
+        def map_samples(self, modes, settings, prompts, max_new, stops):
+            for ids in prompts:
+                yield run_sample(None, modes(), settings, ids, max_new, stops)
+
+    prompts = [([1], None)] * 6
+    res = runner._run_prompts(lm, modes, Settings(), prompts, 1, 2, "prompt", None, executor=Executor())
+    assert asked == [["a", "b"]] * 4 + [["b"]] * 2 and res["modes"]["a"]["summary"]["skipped_samples"] == 2
 
 
 def test_decode_loads_only_the_indexes_it_names(tmp_path, monkeypatch, capsys):
@@ -626,6 +637,24 @@ def test_from_sweep_runs_rows_from_before_the_row_stop_with_full_rows(tmp_path):
     mode, lines = pick_from_sweep(str(path), "m", 0.95, [1, 3], train_positions="own")
     assert mode.plan.search_params == {"L": 200, "row_misses": 6, "row_credit": 0.3}
     assert not any("predate" in x for x in lines)
+
+
+def test_from_sweep_builds_rows_from_before_a_build_parameter_as_they_were_built(tmp_path):
+    """A retroinfer row swept before its estimation budget existed (session 48) estimated every cluster it did not
+    attend: the pick builds it with estimation_budget 1, what the row measured, not today's default; a row that names
+    the budget keeps its own."""
+    if "retroinfer" not in registry.available():
+        pytest.skip("the retroinfer plugin is not installed (make test installs it)")
+    path = tmp_path / "results.parquet"
+    df = pd.read_parquet(_results(path))
+    df = df[df["index"] == "ivf"].assign(index="retroinfer", build_params=json.dumps({"nlist": 0, "niter": 10}))
+    df.to_parquet(path)
+    mode = pick_from_sweep(str(path), "m", 0.95, [1, 3])[0]
+    assert mode.plan.name == "retroinfer" and mode.plan.build_params == {"estimation_budget": 1.0}
+    assert registry.get("retroinfer").build_params["estimation_budget"].default != 1.0
+    df["build_params"] = json.dumps({"nlist": 0, "niter": 10, "estimation_budget": 0.232})
+    df.to_parquet(path)
+    assert pick_from_sweep(str(path), "m", 0.95, [1, 3])[0].plan.build_params == {}
 
 
 def test_from_sweep_runs_rows_of_a_current_sweep_with_their_row_stop(tmp_path):

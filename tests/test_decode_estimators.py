@@ -20,7 +20,7 @@ from anns_lab.indexes import registry
 COVERING = {
     "magicpig": ({}, {"min_collisions": 0}),             # every key sampled with probability 1
     "vattention": ({}, {"nprobe": 1, "epsilon": 1e-9}),  # the budget is the whole rest: weights |R|/|R| = 1
-    "retroinfer": ({"nlist": 1 << 20}, {"nprobe": 1}),   # one cluster per key: a summary is its key exactly
+    "retroinfer": ({"nlist": 1 << 20, "estimation_budget": 1.0}, {"nprobe": 1}),  # a cluster per key, each estimated: exactly
 }
 
 

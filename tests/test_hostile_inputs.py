@@ -462,7 +462,8 @@ def _sweep(dump, out, **kw) -> None:
 def test_a_part_built_before_a_default_changed_is_built_again(dump, tmp_path, monkeypatch):
     """Before: a resume kept a part built before a default changed (clusterkv's nlist 200 -> 400, session 47) as the
     default build, beside heads built at the new default: the report split one index into two builds over different
-    heads, and `decode --from-sweep` dropped both. Parameters one side lacks (added since) are not compared."""
+    heads, and `decode --from-sweep` dropped both. Parameters one side lacks (added since) are not compared, but where
+    the index declares how a part without one was built (``build_params_before``: retroinfer's estimation budget)."""
     from anns_lab.indexes import Param
     from anns_lab.indexes.ivf import IVFIndex
 
@@ -474,6 +475,13 @@ def test_a_part_built_before_a_default_changed_is_built_again(dump, tmp_path, mo
     lines: list[str] = []
     run_sweep(dump.path, ["ivf"], [1], [0], k=10, window=(0, 0), out=out, jobs=1, progress=False, log=lines.append)
     assert part.stat().st_mtime_ns == before, lines  # kept
+    # ... unless the index says the part, built before the parameter existed, was built as with another value
+    monkeypatch.setattr(IVFIndex, "build_params_before", {"added_since": 0})
+    run_sweep(dump.path, ["ivf"], [1], [0], k=10, window=(0, 0), out=out, jobs=1, progress=False, log=lines.append)
+    assert any("built with other parameters (added_since: 0 there, 1 here)" in line for line in lines), lines
+    assert part.stat().st_mtime_ns != before
+    before = part.stat().st_mtime_ns
+    monkeypatch.setattr(IVFIndex, "build_params_before", {})  # (the worker that built it again knew no added_since)
     monkeypatch.setitem(IVFIndex.build_params, "seed", Param(99, 0, 2**31 - 1))  # a default changed since
     run_sweep(dump.path, ["ivf"], [1], [0], k=10, window=(0, 0), out=out, jobs=1, progress=False, log=lines.append)
     assert any("built with other parameters (seed: 1234 there, 99 here)" in line for line in lines), lines

@@ -198,6 +198,7 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int],
         cls = registry.get(r["index"])
         swept = loads_json(r["build_params"])
         gone = sorted(set(swept) - set(cls.build_params))
+        swept = dict(cls.build_params_before) | swept  # a build parameter the row predates: as it was built then
         if gone:
             raise DecodeError(f"{path} was swept with {r['index']} parameters this version does not have "
                               f"({', '.join(gone)}); sweep again")

@@ -494,12 +494,15 @@ def _part_problem(part: pd.DataFrame, cell: Part, own: dict, recorded: bytes | N
 def _built_otherwise(rows: pd.DataFrame, index: str, given: dict | None) -> str | None:
     """Why a part's rows were built with other parameters than this sweep builds ``index`` with, in words, or None: a
     default changed since (clusterkv's nlist in session 47), and the resumed folder kept the old build as the default
-    one, its heads beside new ones built otherwise. Parameters named on one side only (added or dropped since) are not
-    compared: a part from before a parameter existed stays."""
+    one, its heads beside new ones built otherwise. A parameter added since counts in an older part as the value that
+    built as the part was (``Index.build_params_before``: retroinfer's estimation budget in session 48), where the index
+    declares one; parameters otherwise named on one side only are not compared (a part from before a parameter that
+    changed nothing stays)."""
     from anns_lab.indexes import registry
 
-    now = registry.create(index, **(given or {})).params
-    then = loads_json(rows["build_params"].iloc[0])
+    built = registry.create(index, **(given or {}))
+    now = built.params
+    then = dict(type(built).build_params_before) | loads_json(rows["build_params"].iloc[0])
     if differ := [key for key in sorted(set(now) & set(then)) if then[key] != now[key]]:
         return "built with other parameters (" + "; ".join(f"{key}: {then[key]} there, {now[key]} here"
                                                            for key in differ) + ")"

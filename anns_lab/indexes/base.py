@@ -152,6 +152,10 @@ class Index:
     #: its grid's search parameters but every build parameter, so a row naming that build parameter was swept after the
     #: search parameter existed (measured with its default); none: every row that lacks the search parameter predates it.
     search_params_since: ClassVar[Mapping[str, str]] = {}
+    #: Build parameters added after results tables were swept, each with the value that builds as the index did before
+    #: it existed: a swept row that lacks one was built with that value (a sweep's resume builds such a part again where
+    #: today's value differs; ``decode --from-sweep`` runs the row with it, what it measured).
+    build_params_before: ClassVar[Mapping[str, Any]] = {}
     #: Build parameters whose 0 means "auto" (resolved at build time, e.g. from the number of keys), each with a short
     #: stamp of its rule's version (the date it last changed; a suffix for a second change that day): change the stamp
     #: with the rule. The sweep records them in every row; ``decode --from-sweep`` notes a row swept by other rules.

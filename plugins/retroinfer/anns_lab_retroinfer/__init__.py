@@ -1,13 +1,19 @@
 """RetroInfer-style clustered estimate (VLDB 2026): exact tokens of the best clusters, the rest from centroids.
 
 Keys are grouped by k-means (faiss, ``nlist`` clusters; ``nlist ≥ n`` makes every key its own
-cluster). A query scores every centroid, attends exactly to every key of the ``nprobe`` best
-clusters (the top-k of them as ``ids``, the others as samples of weight 1), and estimates
-each remaining cluster ``c`` from its centroid (the mean of its member keys): ``n_c·e^{l_c}``
-in the normaliser and ``e^{l_c}·Σ_{i∈c} v_i`` in the numerator. The value sums are the
-consumer's, from :meth:`summaries` (members per cluster). ``estimate_frac`` of the remaining
-clusters, best first, are estimated; the others are dropped. Not unbiased: every member of an
-estimated cluster is given its centroid's logit. With single-key clusters it is exact.
+cluster). A query scores every centroid and splits the clusters, best first, into RetroInfer's
+zones: every key of the ``nprobe`` best is attended exactly (the top-k of them as ``ids``, the
+others as samples of weight 1); the next ``round(estimation_budget·nlist)`` are estimated from
+their centroids (the mean of a cluster's keys): ``n_c·e^{l_c}`` in the normaliser and
+``e^{l_c}·Σ_{i∈c} v_i`` in the numerator, the value sums the consumer's, from :meth:`summaries`
+(members per cluster); the rest are dropped. ``estimation_budget`` is the reference's (a share of
+all clusters, 0.232 by default, microsoft/RetrievalAttention's RetroInfer config); 1 estimates
+every cluster not attended. Not unbiased: every member of an estimated cluster is given its
+centroid's logit. With single-key clusters and every cluster estimated it is exact.
+
+Two choices of ours, measured (BENCHMARKS "Estimators"): faiss L2 k-means over all keys where the
+reference runs segmented spherical (inner-product) k-means, no better at 8K; and until session 48
+every other cluster was estimated (``estimation_budget`` 1, what tables swept before it measured).
 
 Counting: ``n_scanned`` = ``nlist`` centroids + the probed clusters' keys; ``bytes_read`` = those
 vectors, the values of the exact keys beyond the top-k and the estimated clusters' value sums, as float32, and the
@@ -16,8 +22,6 @@ and 8 per estimated cluster's member count (uncharged until session 47: ~3% of t
 """
 
 from __future__ import annotations
-
-import math
 
 import faiss
 import numpy as np
@@ -35,12 +39,15 @@ class RetroInfer(Index):
                                            "≥ n: one cluster per key"),
         "niter": Param(10, 1, 1000, help="k-means iterations"),
         "seed": Param(1234, 0, 2**31 - 1, help="k-means seed"),
+        "estimation_budget": Param(0.232, 0.0, 1.0, help="share of all clusters estimated from centroid and value sum, "
+                                                         "best first after the nprobe attended (RetroInfer's default); "
+                                                         "the rest are dropped; 1 = every other cluster"),
     }
     search_params = {
         "nprobe": Param(8, 1, 1 << 24, help="clusters attended exactly (clipped to nlist)"),
-        "estimate_frac": Param(1.0, 0.0, 1.0, help="share of the other clusters, best first, estimated from centroids"),
     }
     search_grid = {"nprobe": (1, 2, 4, 8, 16, 32, 64, 128)}
+    build_params_before = {"estimation_budget": 1.0}  # tables swept before session 48 estimated every other cluster
     auto_rules = {"nlist": "2026-11-30"}
     estimates = True
 
@@ -72,10 +79,11 @@ class RetroInfer(Index):
     def summaries(self) -> Summaries:
         return self._summ
 
-    def _search(self, queries: np.ndarray, k: int, nprobe: int, estimate_frac: float):
+    def _search(self, queries: np.ndarray, k: int, nprobe: int):
         summ = self._summ
         n_c = len(summ.keys)
         nprobe = min(nprobe, n_c)
+        n_est = min(round(self.params["estimation_budget"] * n_c), n_c - nprobe)  # the reference's es_cluster_num
         cscores = queries @ summ.keys.T
         order = np.argsort(-cscores, axis=1, kind="stable")
         nq, d = queries.shape
@@ -92,8 +100,7 @@ class RetroInfer(Index):
             top = best[:k]
             ids[row, : len(top)], scores[row, : len(top)] = exact[top], s[top]
             samples.append(np.sort(exact[best[k:]]))
-            rest = order[row, nprobe:]
-            summary_ids.append(rest[: math.ceil(estimate_frac * len(rest))])
+            summary_ids.append(order[row, nprobe: nprobe + n_est])
             n_scanned[row] = n_c + len(exact)
             n_index[row] = 8 * len(exact) + 8 * len(summary_ids[-1])
         estimate = Estimate.make(samples, [np.ones(len(s)) for s in samples], summary_ids, nq=nq)
