@@ -33,3 +33,26 @@ def test_full_budget_is_exact():
     w = np.exp((queries.astype(np.float64) @ keys.astype(np.float64).T) * 0.25)
     np.testing.assert_allclose(z, w.sum(axis=1), rtol=1e-9)
     np.testing.assert_allclose(num, w @ values.astype(np.float64), rtol=1e-9, atol=1e-9)
+
+
+def test_the_heavy_set_and_the_pilot_are_the_authors_shares_and_charged():
+    """vAttention's deterministic part is a heavy set, a share of the keys (its authors' benchmark: 2%), and its pilot a
+    share of the rest (1%): here 10% and half, on 400 keys. The top-k of the heavy set are the ids, the rest of it
+    weight-1 samples whose values are charged; the pilot's keys are scored and charged; before session 48 both were
+    the top-k and 32 keys (heavy 0, pilot_share 0)."""
+    keys, queries, _ = easy_data(n_keys=400)
+    k, d = 10, keys.shape[1]
+    index = VAttention(heavy=0.1, pilot_share=0.5).build(keys)
+    res = index.search(queries, k, nprobe=2, epsilon=0.3)
+    heavy = index._ivf.search(queries, 40, nprobe=2)  # the IVF's best 40, the heavy set
+    np.testing.assert_array_equal(res.ids, heavy.ids[:, :k])
+    np.testing.assert_array_equal(res.estimate.sample_ids[:, :30], heavy.ids[:, k:40])
+    assert (res.estimate.sample_weights[:, :30] == 1.0).all()
+    sampled = (res.estimate.sample_ids[:, 30:] >= 0).sum(axis=1)
+    pilot = 180  # half of the 360 keys outside the heavy set
+    np.testing.assert_array_equal(res.n_scanned, heavy.n_scanned + pilot + sampled)
+    np.testing.assert_array_equal(res.bytes_read, heavy.bytes_read + (pilot + sampled + 30 + sampled) * 4 * d)
+    assert VAttention.build_params_before == {"heavy": 0.0, "pilot_share": 0.0}
+    old = VAttention(heavy=0.0, pilot_share=0.0).build(keys).search(queries, k, nprobe=2, epsilon=0.3)
+    np.testing.assert_array_equal(old.ids, heavy.ids[:, :k])
+    assert ((old.n_scanned - heavy.n_scanned) >= 32).all() and (old.estimate.sample_weights[old.estimate.sample_ids >= 0] > 1).all()
