@@ -59,10 +59,11 @@ def budget(rest_logits: np.ndarray, top_logits: np.ndarray, n_rest: int, epsilon
 
 
 class VAttention(Index):
-    """Exact top-k (IVF) + a uniform sample of the rest weighted |R|/b; b from (ε, δ) by a CLT bound."""
+    """Exact heavy set (IVF: a share of the keys, the top-k the ids) + a uniform sample of the rest weighted |R|/b; b
+    from (ε, δ) by a CLT bound."""
 
     build_params = {
-        "nlist": Param(0, 0, 1 << 20, help="IVF lists for the top-k; 0 = auto (2·√n)"),
+        "nlist": Param(0, 0, 1 << 20, help="IVF lists for the heavy set; 0 = auto (2·√n)"),
         "seed": Param(1234, 0, 2**31 - 1, help="k-means and sampling seed"),
         "heavy": Param(0.02, 0.0, 1.0, help="share of the keys attended exactly, best first from the IVF (vAttention's "
                                             "heavy set; its authors' benchmark: 0.02); the top-k where that is more"),
@@ -70,7 +71,7 @@ class VAttention(Index):
                                                   "sampling rate; its authors' benchmark: 0.01), at least `pilot` keys"),
     }
     search_params = {
-        "nprobe": Param(16, 1, 1 << 20, help="IVF lists probed for the top-k"),
+        "nprobe": Param(16, 1, 1 << 20, help="IVF lists probed for the heavy set"),
         "epsilon": Param(0.1, 1e-9, 10.0, help="relative error of the softmax normaliser"),
         "delta": Param(0.05, 1e-9, 0.999, help="nominal probability that the error exceeds ε (CLT bound with the "
                                                "pilot's σ̂; real heads exceed it: README)"),
