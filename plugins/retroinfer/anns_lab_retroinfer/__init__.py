@@ -32,8 +32,7 @@ from anns_lab.indexes.persist import expect, expect_ids
 
 
 class RetroInfer(Index):
-    """k-means clusters: keys of the nprobe best clusters exact, the next estimation_budget share of the clusters
-    estimated from centroid and value sum, the rest dropped (RetroInfer's zones)."""
+    """k-means clusters in RetroInfer's zones: nprobe exact, estimation_budget from centroid and value sum, rest dropped."""
 
     build_params = {
         "nlist": Param(0, 0, 1 << 24, help="k-means clusters; 0 = auto (n/16, RetroInfer's ~16 keys per cluster); "

@@ -59,8 +59,7 @@ def budget(rest_logits: np.ndarray, top_logits: np.ndarray, n_rest: int, epsilon
 
 
 class VAttention(Index):
-    """Exact heavy set (IVF: a share of the keys, the top-k the ids) + a uniform sample of the rest weighted |R|/b; b
-    from (ε, δ) by a CLT bound."""
+    """Exact heavy set (IVF, a share of the keys) + a uniform sample of the rest weighted |R|/b; b from (ε, δ) by CLT."""
 
     build_params = {
         "nlist": Param(0, 0, 1 << 20, help="IVF lists for the heavy set; 0 = auto (2·√n)"),
