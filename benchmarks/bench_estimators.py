@@ -82,6 +82,7 @@ def within_budgets(points: pd.DataFrame, budgets=BUDGETS) -> pd.DataFrame:
     for (layer, head, index), g in points.assign(fraction=frac).groupby(["layer", "head", "index"]):
         for b in budgets:
             best = -within_budget(-g["output_rel_error"].to_numpy(), g["fraction"].to_numpy(), b * (1 + 1e-9))
+            # none within the budget: inf, so the median over heads counts that head as worse than any it can serve
             out.append({"layer": layer, "head": head, "index": index, "budget": b,
                         "error": best if np.isfinite(best) else np.inf})
     return pd.DataFrame(out)

@@ -86,6 +86,8 @@ def test_a_mode_that_keeps_failing_is_left_out_of_the_later_samples(tiny_llama, 
 
 
 def test_give_up_after_counts_failures_in_a_row_only(monkeypatch):
+    import collections
+
     """A sample's failure between successes does not end a mode; two in a row do, and the samples after them run
     without it (``run_sample`` stubbed: which modes each sample was asked to run, and which of them fail when)."""
     from types import SimpleNamespace
@@ -114,17 +116,29 @@ def test_give_up_after_counts_failures_in_a_row_only(monkeypatch):
     assert a["summary"] == {"failed_samples": 5, "skipped_samples": 2}
     assert [r.get("skipped", False) for r in a["samples"]] == [False] * 4 + [True] * 2
     assert b["summary"] == {"failed_samples": 1} and [("error" in r) for r in b["samples"]] == [False, True] + [False] * 4
-    # through an executor (Ray's takes its prompts a window ahead): each sample runs the modes asked as it is handed out
+    # a mode alone, given up: the later samples run nothing, not even a prefill
     asked.clear()
+    fails["a"] = set(range(6))
+    res = runner._run_prompts(lm, [Mode("a")], Settings(), [([1], None)] * 6, 1, 2, "prompt", None)
+    assert asked == [["a"]] * 2 and res["modes"]["a"]["summary"] == {"failed_samples": 6, "skipped_samples": 4}
 
+    # through an executor that hands samples out two ahead of their results, as Ray's window does: each sample runs the
+    # modes live when it is handed out; a mode left out comes back when a sample already running it finishes
     class Executor:
         def map_samples(self, modes, settings, prompts, max_new, stops):
+            window = collections.deque()
             for ids in prompts:
-                yield run_sample(None, modes(), settings, ids, max_new, stops)
+                window.append(run_sample(None, modes(), settings, ids, max_new, stops))
+                if len(window) == 2:
+                    yield window.popleft()
+            yield from window
 
-    prompts = [([1], None)] * 6
-    res = runner._run_prompts(lm, modes, Settings(), prompts, 1, 2, "prompt", None, executor=Executor())
-    assert asked == [["a", "b"]] * 4 + [["b"]] * 2 and res["modes"]["a"]["summary"]["skipped_samples"] == 2
+    asked.clear()
+    fails["a"] = {0, 2, 3}  # left out after sample 3's result; sample 4, handed out before it, finishes: back
+    res = runner._run_prompts(lm, modes, Settings(), [([1], None)] * 7, 1, 2, "prompt", None, executor=Executor())
+    assert asked == [["a", "b"]] * 5 + [["b"]] + [["a", "b"]]
+    a = res["modes"]["a"]
+    assert a["summary"] == {"failed_samples": 4, "skipped_samples": 1} and a["samples"][5].get("skipped")
 
 
 def test_decode_loads_only_the_indexes_it_names(tmp_path, monkeypatch, capsys):
@@ -649,12 +663,15 @@ def test_from_sweep_builds_rows_from_before_a_build_parameter_as_they_were_built
     df = pd.read_parquet(_results(path))
     df = df[df["index"] == "ivf"].assign(index="retroinfer", build_params=json.dumps({"nlist": 0, "niter": 10}))
     df.to_parquet(path)
-    mode = pick_from_sweep(str(path), "m", 0.95, [1, 3])[0]
+    mode, lines = pick_from_sweep(str(path), "m", 0.95, [1, 3])
     assert mode.plan.name == "retroinfer" and mode.plan.build_params == {"estimation_budget": 1.0}
+    assert "  retroinfer rows of the table predate estimation_budget: built with estimation_budget=1.0, the index they " \
+           "measured" in lines
     assert registry.get("retroinfer").build_params["estimation_budget"].default != 1.0
     df["build_params"] = json.dumps({"nlist": 0, "niter": 10, "estimation_budget": 0.232})
     df.to_parquet(path)
-    assert pick_from_sweep(str(path), "m", 0.95, [1, 3])[0].plan.build_params == {}
+    mode, lines = pick_from_sweep(str(path), "m", 0.95, [1, 3])
+    assert mode.plan.build_params == {} and not any("predate" in x for x in lines)
 
 
 def test_from_sweep_runs_rows_of_a_current_sweep_with_their_row_stop(tmp_path):

@@ -80,7 +80,7 @@ def test_ray_samples_take_their_prompts_as_the_window_frees(monkeypatch):
             drawn.append(i)
             yield [i]
 
-    for i, res in enumerate(samples.map_samples(list, None, prompts(), 2, set())):
+    for i, res in enumerate(samples.map_samples(lambda: ["full"], None, prompts(), 2, set())):
         assert res == {"ids": [i]}  # in sample order
         assert len(drawn) <= i + 3  # at most the window ahead of what came back
     assert drawn == list(range(10))
@@ -117,6 +117,24 @@ def test_a_samples_error_on_ray_reaches_the_driver_in_its_own_words(monkeypatch)
     samples.ray, samples.resources = FailingRay(), {"CPU": 1.0}
     samples.model, samples.device, samples.rope_scaling, samples.torch_threads = "m", "cpu", None, 0
     with pytest.raises(DecodeError) as err:
-        next(samples.map_samples(list, None, [[1, 2, 3]], 2, set()))
+        next(samples.map_samples(lambda: ["full"], None, [[1, 2, 3]], 2, set()))
     assert str(err.value) == ("a decode sample failed on Ray: building layer 1's indexes: broken raised RuntimeError: "
                               "no memory for its graph")
+
+
+def test_each_sample_runs_the_modes_live_when_it_is_handed_out(monkeypatch):
+    """decode --give-up-after on Ray: ``modes()`` is asked as each sample is submitted (the window's samples keep the
+    modes they were sent with), and a sample with no mode left is not sent at all (a task loads the model and
+    prefills: the cost giving up saves)."""
+    samples = object.__new__(ray_samples.RaySamples)
+    samples.ray, samples.resources, samples.in_flight = _InProcessRay(), {"CPU": 1.0}, 3
+    samples.model, samples.device, samples.rope_scaling, samples.torch_threads = "m", "cpu", None, 0
+    sent = []
+    monkeypatch.setattr(ray_samples, "_sample_task", lambda *args: sent.append(args[6]) or {"modes": args[4]})
+    live = [["full", "broken"]]
+    got = []
+    for i, res in enumerate(samples.map_samples(lambda: list(live[0]), None, ([i] for i in range(7)), 2, set())):
+        got.append(res)
+        live[0] = ["full"] if i == 0 else [] if i == 3 else live[0]  # as the driver gives up, after results 0 and 3
+    assert [r.get("modes") for r in got] == [["full", "broken"]] * 3 + [["full"]] * 3 + [None]
+    assert got[-1] == {"runs": {}} and sent == [[i] for i in range(6)]  # the last sample never sent

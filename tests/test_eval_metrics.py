@@ -132,6 +132,9 @@ def test_within_budget_is_at_recall_the_other_way_round():
     assert np.isclose(least(1.5), 0.30)  # halfway between (1, .40) and (2, .20)
     assert np.isclose(least(3.0), 0.15)  # between (2, .20) and (4, .10): (3, .30) plays no part
     assert np.isclose(least(6.0), 0.075) and least(100.0) == 0.05  # past the dearest point: its error
+    # two settings at one cost: the better is the frontier's, whichever comes first
+    assert -within_budget([-0.25, -0.20, -0.40], [2.0, 2.0, 1.0], 2.0) == 0.20
+    assert np.isclose(-within_budget([-0.20, -0.25, -0.40], [2.0, 2.0, 1.0], 1.5), 0.30)
     # the two readings agree: the recall a budget buys costs that budget
     recall = np.array([0.5, 0.8, 0.7, 0.9, 0.96])
     spend = np.array([1.0, 2.0, 3.0, 4.0, 5.0])

@@ -190,6 +190,7 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int],
                           "lower --target-recall or sweep more thorough parameters")
 
     older = {}  # index → the search parameters its rows predate, run as before they existed
+    built_before = {}  # index → the build parameters its rows predate, built as before they existed
     notes = {}  # (index, build parameters) → the note on the auto rules its rows were swept with, once
 
     def plan(r) -> IndexPlan:
@@ -198,7 +199,9 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int],
         cls = registry.get(r["index"])
         swept = loads_json(r["build_params"])
         gone = sorted(set(swept) - set(cls.build_params))
-        swept = dict(cls.build_params_before) | swept  # a build parameter the row predates: as it was built then
+        if filled := {k: v for k, v in cls.build_params_before.items() if k not in swept}:
+            built_before.setdefault(r["index"], filled)
+        swept = filled | swept  # a build parameter the row predates: as it was built then
         if gone:
             raise DecodeError(f"{path} was swept with {r['index']} parameters this version does not have "
                               f"({', '.join(gone)}); sweep again")
@@ -240,7 +243,7 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int],
                      f"{100 * r['scanned_fraction']:.2f}% scanned")
     if uncovered:
         many = len(uncovered) > 1
-        lines.append(f"  layer{'s' if many else ''} {_ranges(uncovered)}: not in the table, "
+        lines.append(f"  layer{'s' if many else ''} {ranges(uncovered)}: not in the table, "
                      f"use{'' if many else 's'} {base.describe()}")
     swept_keys = sorted({int(v) for v in rows["n_keys"].unique()})
     if n_keys is not None and any(abs(v - n_keys) > 0.1 * n_keys for v in swept_keys):
@@ -252,6 +255,9 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int],
     for index, before in older.items():
         lines.append(f"  {index} rows of the table predate {', '.join(before)}: run with "
                      f"{', '.join(f'{k}={v}' for k, v in before.items())}, the search they measured")
+    for index, before in built_before.items():
+        lines.append(f"  {index} rows of the table predate {', '.join(before)}: built with "
+                     f"{', '.join(f'{k}={v}' for k, v in before.items())}, the index they measured")
     lines.extend(notes.values())
     swept_group = settings.get("train_group", "head")  # sweeps before the option: one graph per query head
     aware = sorted({p.name for p in (base, *per_layer.values()) if registry.get(p.name).uses_train_queries})
@@ -283,8 +289,8 @@ def _auto_rules_note(cls, name: str, swept: dict, recorded) -> str | None:
             f"{', '.join(parts)}; this decode builds them with today's rules, which the sweep's figures may not describe")
 
 
-def _ranges(values: list[int]) -> str:
-    """[0, 1, 3, 4, 5, 9] → '0-1, 3-5, 9'."""
+def ranges(values: list[int]) -> str:
+    """Ascending whole numbers as runs, for a line a person reads: [0, 1, 3, 4, 5, 9] → '0-1, 3-5, 9'."""
     out, start = [], None
     for i, v in enumerate(values):
         if start is None:

@@ -58,18 +58,23 @@ class RaySamples:
                     stops: set[int]) -> Iterator[dict]:
         """Yield the samples' results in sample order, each prompt taken from ``prompts`` (made there as its turn comes)
         and submitted once fewer than ``in_flight`` wait: --samples 10^6 made and sent every prompt first. ``modes()``:
-        the modes a sample runs, asked as it is submitted (a mode the driver has given up on is left out from then).
-        Ctrl-C cancels what is left."""
+        the modes a sample runs, asked as it is submitted (a mode the driver has given up on is left out from then); a
+        sample with none left is not sent (its result has no runs). Ctrl-C cancels what is left."""
         task = self.ray.remote(_sample_task).options(num_cpus=self.resources["CPU"], num_gpus=self.resources.get("GPU", 0),
                                                    max_retries=2)
         source, pending = iter(prompts), collections.deque()
         try:
             while True:
                 for ids in itertools.islice(source, max(0, self.in_flight - len(pending))):
-                    pending.append(task.remote(self.model, self.device, self.rope_scaling, self.torch_threads, modes(),
-                                               settings, ids, max_new, stops))
+                    now = modes()
+                    pending.append(task.remote(self.model, self.device, self.rope_scaling, self.torch_threads, now,
+                                               settings, ids, max_new, stops) if now else None)
                 if not pending:
                     return
+                if pending[0] is None:  # every mode left out: nothing ran
+                    pending.popleft()
+                    yield {"runs": {}}
+                    continue
                 while not self.ray.wait([pending[0]], timeout=1.0)[0]:  # wakes up for Ctrl-C
                     pass
                 try:
@@ -77,7 +82,7 @@ class RaySamples:
                 except self.ray.exceptions.RayError as err:
                     raise DecodeError(f"a decode sample failed on Ray: {ray_error_text(err)}") from None
         except KeyboardInterrupt:
-            self.cluster.abandon(list(pending))
+            self.cluster.abandon([ref for ref in pending if ref is not None])
             raise
 
     def close(self) -> None:

@@ -18,6 +18,7 @@ import torch
 from anns_lab.errors import DecodeError, IndexFailed, IndexResultError
 from anns_lab.decode import stats
 from anns_lab.decode.builds import start_build_processes, warm_up
+from anns_lab.decode.modes import ranges
 from anns_lab.decode.options import GIVE_UP_AFTER
 from anns_lab.decode.engine import (Mode, ModeRun, Settings, check_window, exact_seconds, first_step_seconds,
                                     kept_queries, prefill, run_mode, summarize, warmup_steps)
@@ -273,13 +274,16 @@ def _run_prompts(lm, modes, settings, prompts, n_prompt: int, max_new, task, pro
     check_memory(lm, modes, settings, n_prompt + max_new, "--prompt" if task == "prompt" else "--context")
     stops = stop_ids(lm)
     per_mode = {m.name: {"runs": [], "samples": []} for m in modes}
-    streak, given_up = dict.fromkeys(per_mode, 0), set()  # samples each mode failed in a row; the modes left out
+    give_up = GiveUp(give_up_after)
 
     def live() -> list[Mode]:  # the modes the next sample runs
-        return [m for m in modes if m.name not in given_up]
+        return give_up.live(modes)
+
+    def run_live(ids: list[int]) -> dict:  # no prefill for a sample every mode is left out of
+        return run_sample(lm, now, settings, ids, max_new, stops, progress) if (now := live()) else {"runs": {}}
 
     if executor is None:  # each prompt made as its turn comes, run, and dropped
-        done = ((p, run_sample(lm, live(), settings, p[0], max_new, stops, progress)) for p in prompts)
+        done = ((p, run_live(p[0])) for p in prompts)
     else:  # likewise, made as the executor takes them (at most its window ahead), each once
         taken = collections.deque()
 
@@ -303,17 +307,13 @@ def _run_prompts(lm, modes, settings, prompts, n_prompt: int, max_new, task, pro
                 per_mode[mode.name]["samples"].append(row)
                 if not left_out:  # a note for each failure; the samples left out have one note for all
                     per_mode[mode.name].setdefault("notes_by_sample", []).append([f"failed: {error}"])
-                streak[mode.name] += 1
-                if give_up_after and streak[mode.name] == give_up_after and mode.name not in given_up \
-                        and i + 1 < len(prompts):
-                    given_up.add(mode.name)
-                    if progress:
-                        progress(f"{mode.name}: failed on {give_up_after} samples in a row: left out of the "
-                                 f"{len(prompts) - i - 1} sample(s) after them (--give-up-after {give_up_after})")
+                if not left_out and give_up.failed(mode.name) and i + 1 < len(prompts) and progress:
+                    progress(f"{mode.name}: failed on {give_up_after} samples in a row: left out of the samples not "
+                             f"yet started (--give-up-after {give_up_after})")
                 if progress:
                     progress(f"sample {i + 1}/{len(prompts)} {mode.name}: " + ("left out" if left_out else "failed"))
                 continue
-            streak[mode.name] = 0
+            give_up.finished(mode.name)
             answer = lm.tokenizer.decode(run.tokens, skip_special_tokens=True)
             row = {"sample": i, "answer": answer}
             if sample is not None:
@@ -348,15 +348,28 @@ def merged_notes(by_sample: list[list[str]]) -> list[str]:
     return common + own
 
 
-def _spans(samples: list[int]) -> str:
-    """Sample numbers (0-based, ascending) as 1-based runs: [2, 3, 4, 7] -> '3-5, 8'."""
-    runs = []
-    for i in samples:
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ", ".join(f"{a + 1}" if a == b else f"{a + 1}-{b + 1}" for a, b in runs)
+class GiveUp:
+    """Which modes the next sample runs (``decode --give-up-after``): a mode leaves once its last ``after`` finished
+    samples all failed (0: never), and comes back if one of the samples already running when it left finishes (on Ray,
+    those still run it): it is left out while its latest samples say it fails."""
+
+    def __init__(self, after: int) -> None:
+        self.after, self.streak, self.out = after, collections.Counter(), set()
+
+    def live(self, modes: list[Mode]) -> list[Mode]:
+        return [m for m in modes if m.name not in self.out]
+
+    def failed(self, name: str) -> bool:
+        """Count a failure of ``name``; True when this one leaves it out."""
+        self.streak[name] += 1
+        leaves = bool(self.after) and self.streak[name] >= self.after and name not in self.out
+        if leaves:
+            self.out.add(name)
+        return leaves
+
+    def finished(self, name: str) -> None:
+        self.streak[name] = 0
+        self.out.discard(name)
 
 
 def _merged(per_mode: dict, task: str, context: int, extrapolated: str | None = None) -> dict:
@@ -369,8 +382,8 @@ def _merged(per_mode: dict, task: str, context: int, extrapolated: str | None = 
         notes = merged_notes(d.get("notes_by_sample", []))
         if skipped := [r["sample"] for r in d["samples"] if r.get("skipped")]:
             summary["skipped_samples"] = len(skipped)
-            notes.append(f"left out of {len(skipped)} sample(s) ({_spans(skipped)}) after failing on the samples "
-                         "before them in a row (--give-up-after; 0 tries every sample)")
+            notes.append(f"left out of {len(skipped)} sample(s) ({ranges([i + 1 for i in skipped])}) after failing on "
+                         "--give-up-after samples in a row (0 tries every sample)")
         full = per_mode["full"]["samples"] if "full" in per_mode else None
         # the samples this mode finished (and full, which never fails alone, with it: the paired difference)
         done = [(r, f) for r, f in zip(d["samples"], full or d["samples"]) if "score" in r and "score" in f]

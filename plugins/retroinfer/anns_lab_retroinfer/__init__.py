@@ -1,9 +1,10 @@
-"""RetroInfer-style clustered estimate (VLDB 2026): exact tokens of the best clusters, the rest from centroids.
+"""RetroInfer-style clustered estimate (VLDB 2026): exact tokens of the best clusters, the next from centroids.
 
 Keys are grouped by k-means (faiss, ``nlist`` clusters; ``nlist ≥ n`` makes every key its own
 cluster). A query scores every centroid and splits the clusters, best first, into RetroInfer's
 zones: every key of the ``nprobe`` best is attended exactly (the top-k of them as ``ids``, the
-others as samples of weight 1); the next ``round(estimation_budget·nlist)`` are estimated from
+others as samples of weight 1); the next ``round(estimation_budget·n_c)`` (n_c: the non-empty clusters of the
+``nlist``, which k-means may leave some of empty; the reference counts ``nlist``) are estimated from
 their centroids (the mean of a cluster's keys): ``n_c·e^{l_c}`` in the normaliser and
 ``e^{l_c}·Σ_{i∈c} v_i`` in the numerator, the value sums the consumer's, from :meth:`summaries`
 (members per cluster); the rest are dropped. ``estimation_budget`` is the reference's (a share of

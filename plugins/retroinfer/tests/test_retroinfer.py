@@ -73,11 +73,13 @@ def test_the_estimation_zone_is_a_share_of_all_clusters_next_after_the_probed():
     assert index.params["estimation_budget"] == 0.232
     summ = index.summaries()
     n_c, nprobe = len(summ.keys), 5
+    assert n_c == 100  # no cluster left empty: 23 of them estimated
     res = index.search(queries, 10, nprobe=nprobe)
     order = np.argsort(-(queries @ summ.keys.T), axis=1, kind="stable")
-    n_est = round(0.232 * n_c)
     for i in range(len(queries)):
-        np.testing.assert_array_equal(res.estimate.row(i)[2], order[i, nprobe: nprobe + n_est])
-    # never past the clusters left: a budget above what nprobe leaves estimates every other one
-    res = index.search(queries, 10, nprobe=n_c - 3)
-    assert all(len(res.estimate.row(i)[2]) == 3 for i in range(len(queries)))
+        np.testing.assert_array_equal(res.estimate.row(i)[2], order[i, nprobe: nprobe + 23])
+    # never past the clusters left: where nprobe leaves fewer than the budget's, every other one
+    res = index.search(queries, 10, nprobe=n_c - 10)
+    assert all(len(res.estimate.row(i)[2]) == 10 for i in range(len(queries)))
+    half = RetroInfer(nlist=100, estimation_budget=0.5).build(keys).search(queries, 10, nprobe=n_c - 10)
+    assert all(len(half.estimate.row(i)[2]) == 10 for i in range(len(queries)))

@@ -56,3 +56,23 @@ def test_the_heavy_set_and_the_pilot_are_the_authors_shares_and_charged():
     old = VAttention(heavy=0.0, pilot_share=0.0).build(keys).search(queries, k, nprobe=2, epsilon=0.3)
     np.testing.assert_array_equal(old.ids, heavy.ids[:, :k])
     assert ((old.n_scanned - heavy.n_scanned) >= 32).all() and (old.estimate.sample_weights[old.estimate.sample_ids >= 0] > 1).all()
+
+
+def test_a_heavy_set_short_of_its_share_and_a_pilot_at_its_floor():
+    """The heavy set comes from the probed lists' keys: where they hold fewer than its share, it is all of them (the
+    rows shorter, every key counted once); a pilot share below ``pilot`` keys is raised to ``pilot``."""
+    keys, queries, _ = easy_data(n_keys=400)
+    k = 10
+    index = VAttention(nlist=40, heavy=0.5, pilot_share=0.01).build(keys)  # 200 heavy keys asked, ~10 a list
+    res = index.search(queries, k, nprobe=2, epsilon=0.3, pilot=50)
+    probed = index._ivf.search(queries, 400, nprobe=2)  # every key of the 2 probed lists, best first
+    for row in range(len(queries)):
+        held = probed.ids[row][probed.ids[row] >= 0]
+        assert len(held) < 200  # the probed lists hold fewer than the share
+        np.testing.assert_array_equal(res.ids[row], held[:k])
+        heavy = res.estimate.sample_ids[row][res.estimate.sample_weights[row] == 1.0]
+        np.testing.assert_array_equal(np.sort(heavy), np.sort(held[k:]))
+        sample_ids = res.estimate.row(row)[0]
+        assert len(set(sample_ids)) == len(sample_ids) and not set(sample_ids) & set(res.ids[row])
+        b = len(sample_ids) - len(held[k:])
+        assert res.n_scanned[row] == probed.n_scanned[row] + 50 + b  # a pilot of 50 keys, not 1% of the rest
