@@ -153,8 +153,9 @@ class Index:
     #: search parameter existed (measured with its default); none: every row that lacks the search parameter predates it.
     search_params_since: ClassVar[Mapping[str, str]] = {}
     #: Build parameters added after results tables were swept, each with the value that builds as the index did before
-    #: it existed: a swept row that lacks one was built with that value (a sweep's resume builds such a part again where
-    #: today's value differs; ``decode --from-sweep`` runs the row with it, what it measured).
+    #: it existed: a swept row or a saved index that lacks one was built with that value (a sweep's resume builds such a
+    #: part again where today's value differs; ``decode --from-sweep`` runs the row with it, what it measured; ``load``
+    #: restores the save with it).
     build_params_before: ClassVar[Mapping[str, Any]] = {}
     #: Build parameters whose 0 means "auto" (resolved at build time, e.g. from the number of keys), each with a short
     #: stamp of its rule's version (the date it last changed; a suffix for a second change that day): change the stamp

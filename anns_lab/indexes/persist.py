@@ -89,6 +89,7 @@ def load_index(cls: type["Index"], path: str | Path) -> "Index":
     params, n_keys, dim = meta.get("params"), meta.get("n_keys"), meta.get("dim")
     if not isinstance(params, dict):
         raise bad("index.json 'params' is not an object")
+    params = dict(cls.build_params_before) | params  # one saved before a parameter existed was built as with this
     missing = sorted(set(cls.build_params) - set(params))  # a save holds every parameter its class had then
     if missing:
         raise bad(f"index.json has no value for {', '.join(missing)}: saved before {'it' if len(missing) == 1 else 'they'} "

@@ -83,3 +83,26 @@ def test_the_estimation_zone_is_a_share_of_all_clusters_next_after_the_probed():
     assert all(len(res.estimate.row(i)[2]) == 10 for i in range(len(queries)))
     half = RetroInfer(nlist=100, estimation_budget=0.5).build(keys).search(queries, 10, nprobe=n_c - 10)
     assert all(len(half.estimate.row(i)[2]) == 10 for i in range(len(queries)))
+
+
+def test_a_save_from_before_the_estimation_budget_loads_as_it_was_built(tmp_path):
+    """A retroinfer saved before session 48 has no estimation_budget: it estimated every cluster not attended, and it
+    loads so (Index.build_params_before), where a save lacking a parameter with no earlier value is refused."""
+    import json
+
+    import pytest
+
+    from anns_lab.errors import IndexConfigError
+
+    keys, queries, _ = easy_data(n_keys=600)
+    RetroInfer(nlist=40, estimation_budget=1.0).build(keys).save(tmp_path / "idx")
+    meta_file = tmp_path / "idx" / "index.json"
+    meta = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps({**meta, "params": {k: v for k, v in meta["params"].items() if k != "estimation_budget"}}))
+    old = RetroInfer.load(tmp_path / "idx")
+    assert old.params["estimation_budget"] == 1.0
+    res = old.search(queries, 10, nprobe=3)
+    assert all(len(res.estimate.row(i)[2]) == len(old.summaries().keys) - 3 for i in range(len(queries)))
+    meta_file.write_text(json.dumps({**meta, "params": {k: v for k, v in meta["params"].items() if k != "niter"}}))
+    with pytest.raises(IndexConfigError, match="no value for niter"):
+        RetroInfer.load(tmp_path / "idx")
