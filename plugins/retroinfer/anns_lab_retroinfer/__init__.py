@@ -3,7 +3,7 @@
 Keys are grouped by k-means (faiss, ``nlist`` clusters; ``nlist ≥ n`` makes every key its own
 cluster). A query scores every centroid and splits the clusters, best first, into RetroInfer's
 zones: every key of the ``nprobe`` best is attended exactly (the top-k of them as ``ids``, the
-others as samples of weight 1); the next ``round(estimation_budget·n_c)`` (n_c: the non-empty clusters of the
+others as samples of weight 1); the next ``round(estimation_budget·C)`` (C: the non-empty clusters of the
 ``nlist``, which k-means may leave some of empty; the reference counts ``nlist``) are estimated from
 their centroids (the mean of a cluster's keys): ``n_c·e^{l_c}`` in the normaliser and
 ``e^{l_c}·Σ_{i∈c} v_i`` in the numerator, the value sums the consumer's, from :meth:`summaries`

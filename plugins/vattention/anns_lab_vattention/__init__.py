@@ -3,9 +3,9 @@
 The exact part is a heavy set from the lab's IVF index (``nprobe`` lists): its ``heavy`` share of the keys, best
 first (vAttention's heavy set, 2% in its authors' benchmark configuration), or the top-k where that is more; the top-k
 of it are the ids, the rest of it weight-1 samples. It comes from the keys of the probed lists, so it is short where
-they hold fewer (Gemma-3 32K at nprobe 4: ~360 of 642 keys; the sweep's cheapest points). The rest R (every key not in the heavy set) is estimated from a
-uniform sample without replacement, each sampled key weighted ``|R|/b``: unbiased for R's share of the softmax
-numerator and normaliser.
+they hold fewer (Gemma-3 32K at nprobe 4: ~360 of 642 keys; the sweep's cheapest points). The rest R (every key not
+in the heavy set) is estimated from a uniform sample without replacement, each sampled key weighted ``|R|/b``:
+unbiased for R's share of the softmax numerator and normaliser.
 
 Budget. With ``m`` the largest logit seen, the normaliser is ``D = D_top + D_R``, ``D_R = Σ_R
 e^{τ(l−m)}`` (τ = ``temperature``, the softmax scale: the sweep and the decoder give the layer's; alone, 0 means 1/√dim).
