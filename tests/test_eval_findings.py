@@ -7,7 +7,8 @@ import pandas as pd
 import pytest
 
 from anns_lab.eval import findings as F
-from anns_lab.eval.report import _pareto_view, curves, pareto
+from anns_lab.eval.figures import grid_medians
+from anns_lab.eval.report import _pareto_view, pareto
 from anns_lab.eval.table import COLUMNS
 
 HEADS = [(2, 0), (15, 4), (28, 8)]
@@ -50,12 +51,12 @@ def test_pareto_reads_the_synthetic_table_back():
     assert F.scan(par, "hnsw", "q2k").fraction == np.inf and F.scan(par, "hnsw", "q2k").reached == 0
 
 
-def test_curves_take_medians_over_the_heads_of_one_build_never_across_builds():
+def test_grid_medians_are_taken_over_the_heads_of_one_build_never_across_builds():
     # Build variants of one index share a sweep folder (their parts are named apart) and their grids share search
     # parameters: a grid point is a (build, search parameters) pair, each median over heads of that build alone.
     a = synthetic({("ivf", "q2k"): 0.4})
     b = a.assign(build_params='{"nlist": 20}', recall=a["recall"] - 0.6)
-    c = curves(pd.concat([a, b], ignore_index=True))
+    c = grid_medians(pd.concat([a, b], ignore_index=True))
     assert len(c) == 2 * a["search_params"].nunique()
     got = sorted(zip(c["search_params"], c["recall"].round(6)))
     want = sorted([(p, round(r, 6)) for p, r in zip(a["search_params"][:3], [0.8, 0.95, 0.99])]

@@ -45,20 +45,20 @@ def test_mahalanobis_matches_a_known_distribution():
 
 
 @pytest.mark.parametrize("lower", [False, True])
-def test_figure_frontier_keeps_exactly_the_undominated_points(lower):
-    from anns_lab.eval.figures import frontier
+def test_frontier_keeps_exactly_the_undominated_points(lower):
+    from anns_lab.eval.metrics import frontier
 
     rng = np.random.default_rng(3)
-    pts = pd.DataFrame({"x": rng.integers(0, 30, 200).astype(float), "y": rng.integers(0, 40, 200) / 40})
-    f = frontier(pts, "x", "y", lower_is_better=lower)
+    x, y = rng.integers(0, 30, 200).astype(float), rng.integers(0, 40, 200) / 40
+    f = frontier(-y if lower else y, x)
     better = (lambda a, b: a < b) if lower else (lambda a, b: a > b)
     # Brute force: a point is on the frontier iff no point at the same or lower cost is better, and it is the first
     # (cheapest) point reaching its value.
-    expected = {(x, y) for x, y in zip(pts["x"], pts["y"])
-                if not any(better(y2, y) for x2, y2 in zip(pts["x"], pts["y"]) if x2 <= x)
-                and not any(y2 == y and x2 < x for x2, y2 in zip(pts["x"], pts["y"]))}
-    assert set(zip(f["x"], f["y"])) == expected
-    assert f["x"].is_monotonic_increasing and (f["y"].is_monotonic_decreasing if lower else f["y"].is_monotonic_increasing)
+    expected = {(x2, y2) for x2, y2 in zip(x, y)
+                if not any(better(y3, y2) for x3, y3 in zip(x, y) if x3 <= x2)
+                and not any(y3 == y2 and x3 < x2 for x3, y3 in zip(x, y))}
+    assert set(zip(x[f], y[f])) == expected and len(f) == len(expected)
+    assert np.all(np.diff(x[f]) > 0) and np.all(np.diff(y[f]) < 0 if lower else np.diff(y[f]) > 0)
 
 
 def test_recall_at_k_against_a_per_row_set_count():
@@ -142,12 +142,56 @@ def test_within_budget_is_at_recall_the_other_way_round():
         assert np.isclose(at_recall(recall, spend, within_budget(recall, spend, b))[0], b)
 
 
-def test_the_mixture_line_is_sampled_in_linear_space_with_the_points_marked():
-    from anns_lab.eval.figures import mixture_line
+def _grid(rng, n_points):
+    """One head's grid: costs and recalls that mostly grow together, with points off the frontier."""
+    cost = np.sort(rng.uniform(1.0, 100.0, n_points))
+    recall = np.clip(np.sort(rng.uniform(0.5, 1.0, n_points)) + rng.normal(0, 0.05, n_points), 0, 1)
+    return recall, cost
 
-    xs, ys, at = mixture_line([1.0, 100.0, 200.0], [0.5, 0.9, 1.0], per_segment=4)
-    np.testing.assert_allclose(xs[at], [1.0, 100.0, 200.0])
-    np.testing.assert_allclose(ys[at], [0.5, 0.9, 1.0])
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_median_line_is_the_median_of_each_heads_reach_within_a_cost(seed):
+    from anns_lab.eval.metrics import median_frontier, within_budget
+
+    rng = np.random.default_rng(seed)
+    heads = [_grid(rng, int(rng.integers(1, 9))) for _ in range(int(rng.integers(2, 12)))]
+    xs, ys = median_frontier(heads, per_segment=5)
+    assert len(xs) and np.all(np.diff(xs) > 0)
+    # the scalar reading head by head, a head with nothing within the cost reaching nothing
+    reach = lambda q, c, x: np.nan_to_num(within_budget(q, c, x), nan=-np.inf)  # noqa: E731
+    want = [np.median([reach(q, c, x) for q, c in heads]) for x in xs]
+    np.testing.assert_allclose(ys, want, rtol=0, atol=1e-12)
+    # it starts where half the heads have a point within the cost
+    firsts = sorted(np.nanmin(c) for _, c in heads)
+    assert np.isclose(xs[0], firsts[(len(heads) - 1) // 2] if len(heads) % 2 else firsts[len(heads) // 2])
+
+
+@pytest.mark.parametrize("seed", [3, 4, 5, 6])
+def test_the_median_line_meets_a_target_at_the_tables_median_cost(seed):
+    # For an odd number of heads the line reaches recall t from the median over heads of at_recall's cost on (what
+    # the report's tables say), and not before; the medians of the grid points taken across heads need not.
+    from anns_lab.eval.metrics import at_recall, median_frontier
+
+    rng = np.random.default_rng(seed)
+    heads = [_grid(rng, 6) for _ in range(9)]
+    xs, ys = median_frontier(heads, per_segment=50)
+    for t in (0.8, 0.9, 0.95):
+        costs = [at_recall(q, c, t)[0] for q, c in heads]
+        m = float(np.median(np.where(np.isfinite(costs), costs, np.inf)))
+        if not np.isfinite(m):
+            assert np.all(ys < t)
+            continue
+        assert np.all(ys[xs < m * (1 - 1e-9)] < t) and np.all(ys[xs >= m] >= t - 1e-12)
+
+
+def test_the_median_line_mixes_points_linearly_in_cost():
+    from anns_lab.eval.metrics import median_frontier
+
+    xs, ys = median_frontier([([0.5, 0.9, 1.0], [1.0, 100.0, 200.0])], per_segment=4)
+    np.testing.assert_allclose(xs, [1.0, 25.75, 50.5, 75.25, 100.0, 125.0, 150.0, 175.0, 200.0])
     # halfway in bytes is halfway in recall (a mix), where a straight stroke on a log axis would put 0.9 near x = 10
-    assert np.isclose(xs[2], 50.5) and np.isclose(ys[2], 0.7)
-    assert np.all(np.diff(xs) > 0) and len(mixture_line([3.0], [0.2])[0]) == 1
+    assert np.isclose(ys[2], 0.7) and ys[-1] == 1.0
+    assert len(median_frontier([([0.2], [3.0])])[0]) == 1
+    # heads with no measured point reach nothing: one head of three cannot carry the median
+    xs, _ = median_frontier([([0.9], [1.0]), ([np.nan], [2.0]), ([], [])])
+    assert len(xs) == 0 and len(median_frontier([])[0]) == 0

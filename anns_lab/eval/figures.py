@@ -54,49 +54,46 @@ def _plain(text: str) -> str:
     return text.replace("$", r"\$")
 
 
-def frontier(points: pd.DataFrame, x: str, y: str, lower_is_better: bool = False) -> pd.DataFrame:
-    """The operating points no cheaper point beats: the best ``y`` reached at or below each ``x``.
-
-    Grids with several parameters put points of worse recall at higher cost; the frontier is what a user
-    tuning the index would pick, and what "least cost to reach a target" reads off.
-    """
-    p = points.sort_values([x, y], ascending=[True, lower_is_better])
-    best = p[y].cummin() if lower_is_better else p[y].cummax()
-    keep = p[y] == best
-    keep &= ~best.duplicated()
-    return p[keep]
-
-
-def mixture_line(x, y, per_segment: int = 24) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """The line between consecutive points ``(x, y)`` sampled evenly in linear space (``per_segment`` steps a
-    segment), and the sampled positions of the points themselves (for ``markevery``): on a log axis the mixture of
-    two settings (each query searched at one of them) is this curve, not the straight stroke between their markers,
-    which looks better than any mix reaches (by 2.4x in error on magicpig's last segment)."""
-    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-    if len(x) < 2:
-        return x, y, list(range(len(x)))
-    t = np.linspace(0.0, 1.0, per_segment, endpoint=False)
-    xs = np.concatenate([x[i] + t * (x[i + 1] - x[i]) for i in range(len(x) - 1)] + [x[-1:]])
-    ys = np.concatenate([y[i] + t * (y[i + 1] - y[i]) for i in range(len(y) - 1)] + [y[-1:]])
-    return xs, ys, list(range(0, len(xs), per_segment))
+def grid_medians(table: pd.DataFrame) -> pd.DataFrame:
+    """Median recall, scanned fraction, bytes and errors over heads, per index, direction and grid point (build and
+    search parameters): what one setting gives, drawn as dots."""
+    # Build variants of one index share a sweep folder and search parameters: one median must not mix them.
+    return (table.groupby(["index", "build_params", "direction", "search_params"], sort=False)
+            .agg(recall=("recall", "median"), scanned_fraction=("scanned_fraction", "median"),
+                 bytes_read=("bytes_read", "median"),
+                 mass_recovered=("mass_recovered", "median"), output_rel_error=("output_rel_error", "median"),
+                 latency_us=("latency_us", "median"))
+            .reset_index())
 
 
-def recall_vs_scanned(curves: pd.DataFrame, k: int, kinds: dict[str, str], reference: str | None = None) -> bytes:
-    """One panel per top-k index: median recall@k against median fraction scanned, Q→K solid and K→K dashed.
+def head_median_line(points: pd.DataFrame, x: str, y: str, lower_is_better: bool = False):
+    """The line of one index and direction: the median over heads of the best ``y`` each head reaches within each
+    ``x`` (:func:`metrics.median_frontier`), so it meets a recall target at the tables' median cost. Where heads'
+    cheapest settings cost apart, it starts steep: heads that cannot run so cheaply reach nothing there."""
+    sign = -1.0 if lower_is_better else 1.0
+    heads = [(sign * g[y].to_numpy(dtype=float), g[x].to_numpy(dtype=float))
+             for _, g in points.groupby(["layer", "head"], sort=True)]
+    xs, ys = metrics.median_frontier(heads)
+    return xs, sign * ys
+
+
+def recall_vs_scanned(table: pd.DataFrame, k: int, kinds: dict[str, str], reference: str | None = None) -> bytes:
+    """One panel per top-k index: recall@k against fraction scanned, Q→K solid and K→K dashed.
 
     The paper's point is the gap between the two directions for the same index, so each index gets its own
-    panel with both; the ``reference`` index's Q→K frontier (the report passes the best attention-aware one) is
-    drawn in grey in every other panel for scale.
+    panel with both; the ``reference`` index's Q→K line (the report passes the best attention-aware one) is
+    drawn in grey in every other panel for scale. Lines: :func:`head_median_line`; dots: :func:`grid_medians`.
     Estimators are left out (their recall describes only their exact part: see the bytes figure).
     """
     plt, sns = _plots()
     from matplotlib.lines import Line2D
 
-    styles = _styles(curves["index"].unique(), kinds, sns)
-    names = sorted(n for n in curves["index"].unique() if kinds.get(n) not in ("estimator", "exact"))
-    q = curves[(curves["direction"] == "q2k") & (curves["index"] == reference)]
+    dots = grid_medians(table)
+    styles = _styles(table["index"].unique(), kinds, sns)
+    names = sorted(n for n in table["index"].unique() if kinds.get(n) not in ("estimator", "exact"))
+    q = table[(table["direction"] == "q2k") & (table["index"] == reference)]
     ref_name = reference if len(q) else None
-    ref = frontier(q, "scanned_fraction", "recall") if ref_name else None
+    ref = head_median_line(q, "scanned_fraction", "recall") if ref_name else None
     cols = min(4, max(1, len(names)))
     rows = -(-max(1, len(names)) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.3 * cols, 2.8 * rows + 0.8), sharex=True, sharey=True,
@@ -106,16 +103,16 @@ def recall_vs_scanned(curves: pd.DataFrame, k: int, kinds: dict[str, str], refer
     for ax, name in zip(axes.flat, names):
         st = styles[name]
         if ref is not None and name != ref_name:
-            ax.plot(*mixture_line(ref["scanned_fraction"], ref["recall"])[:2], color="0.6", lw=2.5, alpha=0.6, zorder=1)
+            ax.plot(*ref, color="0.6", lw=2.5, alpha=0.6, zorder=1)
         for direction, (_, ls) in DIRECTIONS.items():
-            sub = curves[(curves["index"] == name) & (curves["direction"] == direction)]
+            sub = table[(table["index"] == name) & (table["direction"] == direction)]
             if sub.empty:
                 continue
-            ax.plot(sub["scanned_fraction"], sub["recall"], ls="none", marker=st["marker"], ms=3, color=st["color"],
+            d = dots[(dots["index"] == name) & (dots["direction"] == direction)]
+            ax.plot(d["scanned_fraction"], d["recall"], ls="none", marker=st["marker"], ms=3, color=st["color"],
                     alpha=0.35)
-            f = frontier(sub, "scanned_fraction", "recall")
-            xs, ys, at = mixture_line(f["scanned_fraction"], f["recall"])
-            ax.plot(xs, ys, ls=ls, lw=1.8, color=st["color"], marker=st["marker"], ms=4, markevery=at)
+            xs, ys = head_median_line(sub, "scanned_fraction", "recall")
+            ax.plot(xs, ys, ls=ls, lw=1.8, color=st["color"], marker=st["marker"] if len(xs) == 1 else None, ms=4)
         ax.axhline(0.95, color="grey", ls=":", lw=1)
         ax.set_title(st["label"], fontsize=10)
         ax.set_xscale("log")
@@ -132,51 +129,66 @@ def recall_vs_scanned(curves: pd.DataFrame, k: int, kinds: dict[str, str], refer
         handles.append(Line2D([], [], color="0.6", lw=2.5, alpha=0.6, label=_plain(f"{ref_name} Q→K (reference)")))
     handles.append(Line2D([], [], color="grey", ls=":", label="recall 0.95"))
     fig.legend(handles=handles, loc="upper center", ncol=len(handles), frameon=False, bbox_to_anchor=(0.5, 1.0))
-    fig.suptitle("Recall against keys scanned, medians over heads; lines: mixes of the grid points no cheaper point "
-                 "beats, dots: every grid point (paper Fig. 3a / 6)", y=1.04, fontsize=11)
+    fig.suptitle("Recall against keys scanned (paper Fig. 3a / 6). Lines: the median over heads of the best recall "
+                 "each head reaches within a cost,\nmixing its grid points (a target is crossed at the tables' median "
+                 "cost; steep at first where heads' cheapest settings cost apart); dots: each grid point's median", y=1.06,
+                 fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     return _png(fig)
 
 
-def recall_vs_bytes(curves: pd.DataFrame, k: int, kinds: dict[str, str]) -> bytes:
-    """Q→K recall@k (top-k indexes) and attention-output error (every index, estimators too) against bytes read."""
+def recall_vs_bytes(table: pd.DataFrame, k: int, kinds: dict[str, str]) -> bytes:
+    """Q→K recall@k (top-k indexes) and attention-output error (every index, estimators too) against bytes read:
+    lines :func:`head_median_line`, dots :func:`grid_medians`."""
     plt, sns = _plots()
     from matplotlib.ticker import NullFormatter
 
-    c = curves[curves["direction"] == "q2k"]
-    styles = _styles(curves["index"].unique(), kinds, sns)
+    t = table[table["direction"] == "q2k"]
+    c = grid_medians(t)
+    styles = _styles(table["index"].unique(), kinds, sns)
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"wspace": 0.3})
     panels = ((axes[0], "recall", f"recall@{k} (top-k indexes)", False),
               (axes[1], "output_rel_error", "attention output rel. error (every index)", True))
     for ax, y, label, lower in panels:
-        for name in sorted(c["index"].unique()):
+        for name in sorted(t["index"].unique()):
             if y == "recall" and kinds.get(name) == "estimator":
                 continue
             st, exact = styles[name], kinds.get(name) == "exact"
-            f = frontier(c[c["index"] == name], "bytes_read", y, lower_is_better=lower)
+            d = c[c["index"] == name]
+            if exact:  # one setting: its median point, large and hollow
+                ax.plot(d["bytes_read"], d[y], ls="none", color=st["color"], marker=st["marker"], ms=13, mfc="none",
+                        mew=2, zorder=5, label=st["label"])
+                if y == "output_rel_error" and len(d):
+                    # Every top-k set's error stops at the exact top-k's: the line estimators must get under.
+                    ax.axhline(float(d[y].min()), color=st["color"], ls=":", lw=1.2, zorder=2,
+                               label=_plain(f"exact top-{k} error ({name})"))
+                continue
             # The attention-aware index is drawn over the key-only ones, whose error curves pile up on the same floor.
-            # Lines between the grid points (markers): searching each query at one of two settings reaches every
-            # point between them, what the tables read off at a target (metrics.at_recall); a grid that jumps, like
-            # retroinfer's last nprobe to every cluster, shows as two markers far apart.
-            xs, ys, at = mixture_line(f["bytes_read"], f[y])
-            ax.plot(xs, ys, color=st["color"], marker=st["marker"], ms=13 if exact else 5, markevery=at,
-                    mfc="none" if exact else st["color"], mew=2 if exact else 1,
-                    zorder=5 if exact else 4 if kinds.get(name) == "attention-aware" else 3, lw=1.6, label=st["label"])
-            if exact and y == "output_rel_error" and len(f):
-                # Every top-k set's error stops at the exact top-k's: the line estimators must get under.
-                ax.axhline(float(f[y].min()), color=st["color"], ls=":", lw=1.2, zorder=2,
-                           label=_plain(f"exact top-{k} error ({name})"))
+            # A grid that jumps, like retroinfer's last nprobe to every cluster, shows as dots far apart.
+            zorder = 4 if kinds.get(name) == "attention-aware" else 3
+            ax.plot(d["bytes_read"], d[y], ls="none", color=st["color"], marker=st["marker"], ms=4, alpha=0.45,
+                    zorder=zorder)
+            xs, ys = head_median_line(t[t["index"] == name], "bytes_read", y, lower_is_better=lower)
+            ax.plot(xs, ys, color=st["color"], marker=st["marker"], ms=5, markevery=[-1] if len(xs) else None,
+                    zorder=zorder, lw=1.6, label=st["label"])
         if (c["bytes_read"] > 0).any():
             ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set(xlabel="bytes of index data read per query\n(median over heads, log scale)", ylabel=label)
+        ax.set(xlabel="bytes of index data read per query\n(log scale)", ylabel=label)
     axes[0].axhline(0.95, color="grey", ls=":", lw=1)
     if (c["output_rel_error"] > 0).any():
         axes[1].set_yscale("log")
+    top = c["output_rel_error"].replace([np.inf, -np.inf], np.nan).max()
+    if np.isfinite(top) and top > 0:
+        # A line's first steps (heads whose cheapest settings cost more reach nothing there) may rise past every grid
+        # point's median: the panel keeps to the points' range.
+        axes[1].set_ylim(top=1.5 * top)
     handles, labels = axes[1].get_legend_handles_labels()
     axes[1].legend(handles, labels, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
-    fig.suptitle("Q→K: recall and output error against bytes read per query (each line: the mixes of the grid points "
-                 "no cheaper point beats)")
+    fig.suptitle("Q→K: recall and output error against bytes read per query. Lines: the median over heads of the best "
+                 "each head reaches within a cost, mixing its grid points\n(the tables' reading; steep at first where "
+                 "heads' cheapest settings cost apart; a marker ends each line); dots: each grid point's median over "
+                 "heads", fontsize=10)
     return _png(fig)
 
 

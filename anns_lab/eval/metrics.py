@@ -153,3 +153,30 @@ def within_budget(quality, cost, budget: float) -> float:
             return float(quality[best] + w * (quality[i] - quality[best]))
         best = int(i)
     return float(quality[best]) if best >= 0 else float("nan")
+
+
+def median_frontier(heads: list, per_segment: int = 24) -> tuple[np.ndarray, np.ndarray]:
+    """The median over heads of what each head reaches within a cost: at each cost, the median of
+    :func:`within_budget` over ``heads`` (one pair of ``quality`` and ``cost`` arrays per head), sampled ``per_segment``
+    steps between consecutive costs of any head's frontier, evenly in linear cost (a mix of two settings is a line
+    there, a curve on a log axis). A head with no point within a cost reaches nothing there, so the line starts
+    where half the heads have one. Each head's quality only grows with cost, so the line reaches a target where
+    half the heads do: at :func:`at_recall`'s median cost over heads, the tables' figure (exactly for an odd number of
+    heads); the median of each grid point across heads can lie either side of it. Returns (costs, qualities)."""
+    fronts = []
+    for quality, cost in heads:
+        quality, cost = np.asarray(quality, dtype=float), np.asarray(cost, dtype=float)
+        f = frontier(quality, cost)
+        if len(f):
+            fronts.append((cost[f], quality[f]))
+    if not fronts:
+        return np.empty(0), np.empty(0)
+    costs = np.unique(np.concatenate([c for c, _ in fronts]))
+    t = np.linspace(0.0, 1.0, per_segment, endpoint=False)
+    xs = np.concatenate([(a + t * (b - a)) for a, b in zip(costs[:-1], costs[1:])] + [costs[-1:]])
+    ys = np.full((len(heads), len(xs)), -np.inf)  # heads without a finite point reach nothing anywhere
+    for row, (c, q) in zip(ys, fronts):
+        row[:] = np.interp(xs, c, q, left=-np.inf, right=q[-1])
+    med = np.median(ys, axis=0)
+    keep = np.isfinite(med)
+    return xs[keep], med[keep]

@@ -74,18 +74,6 @@ def pareto(table: pd.DataFrame, targets=TARGETS) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def curves(table: pd.DataFrame) -> pd.DataFrame:
-    """Median recall and scanned fraction over heads, per index, direction and grid point (build and search
-    parameters)."""
-    # Build variants of one index share a sweep folder and search parameters: one median must not mix them.
-    return (table.groupby(["index", "build_params", "direction", "search_params"], sort=False)
-            .agg(recall=("recall", "median"), scanned_fraction=("scanned_fraction", "median"),
-                 bytes_read=("bytes_read", "median"),
-                 mass_recovered=("mass_recovered", "median"), output_rel_error=("output_rel_error", "median"),
-                 latency_us=("latency_us", "median"))
-            .reset_index())
-
-
 def paper_figure(index: str, direction: str, kind: str) -> str:
     """What the paper reports for this kind of index in this direction at recall 0.95 ("—": no figure)."""
     if kind == "exact":
@@ -161,11 +149,11 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
     n_keys = int(table["n_keys"].median())
 
     kinds = findings.index_kinds(table)
-    par, heads, c = pareto(table), per_head(table), curves(table)
+    par, heads, c = pareto(table), per_head(table), figures.grid_medians(table)
     maha = figures.mahalanobis_per_head(dump, pairs, window)
     decay = pd.concat([figures.selection_decay(dump, layer, head, k) for layer, head in pairs], ignore_index=True)
-    pngs = {"recall_vs_scanned.png": figures.recall_vs_scanned(c, k, kinds, _best_attention_aware(par, kinds)),
-            "recall_vs_bytes.png": figures.recall_vs_bytes(c, k, kinds),
+    pngs = {"recall_vs_scanned.png": figures.recall_vs_scanned(table, k, kinds, _best_attention_aware(par, kinds)),
+            "recall_vs_bytes.png": figures.recall_vs_bytes(table, k, kinds),
             "mahalanobis.png": figures.mahalanobis_figure(maha),
             "dynamic_vs_static.png": figures.selection_decay_figure(decay, k)}
     medians = maha.groupby("kind")["distance"].median()
