@@ -20,7 +20,8 @@ from anns_lab.window import Window
 
 # Index modes checked for exactness; search parameters are each index's most thorough setting (capped: the plugins'
 # token budgets then cover every key).
-CANDIDATES = ("flat", "ivf", "hnsw", "vamana", "roargraph", "robust-vamana", "quest", "shadowkv", "ngfix")
+CANDIDATES = ("flat", "ivf", "hnsw", "vamana", "roargraph", "robust-vamana", "quest", "shadowkv", "ngfix", "sparq",
+              "loki")
 
 
 def thorough(name: str) -> dict:

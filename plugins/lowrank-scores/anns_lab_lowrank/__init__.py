@@ -1,0 +1,7 @@
+"""Retrievers that rank every key by a cheap inner product over r of the d dimensions and score only the best
+``budget`` keys exactly: SparQ (the query's r largest channels) and Loki (the keys' r leading principal components)."""
+
+from anns_lab_lowrank.loki import Loki
+from anns_lab_lowrank.sparq import SparQ
+
+__all__ = ["Loki", "SparQ"]

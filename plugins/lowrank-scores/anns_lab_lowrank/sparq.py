@@ -1,0 +1,63 @@
+"""SparQ Attention's key selection (Ribar et al., "SparQ Attention: Bandwidth-Efficient LLM Inference", ICML 2024;
+code graphcore-research/llm-inference-research).
+
+A query keeps its r components of largest magnitude; every key is scored on those r dimensions alone, read from a
+second, transposed copy of the keys (one row per dimension, as SparQ stores K twice so that r of its rows are read
+whole); the ``budget`` keys of largest partial score are scored exactly and the top-k returned.
+
+Not modelled: SparQ's softmax temperature for the partial scores (it rescales them, never reorders them: the same
+keys are chosen), its forced recent tokens (the lab's static window holds them) and its mean-value reallocation (the
+rest of the softmax as the mean value, an estimate; this is a top-k index). Its GQA rule is per query head here, as
+for every index of the lab.
+
+Counting (:mod:`anns_lab_lowrank.partial`): ``n_scanned`` = ceil(n·r/d) + keys scored exactly; ``bytes_read`` =
+4·r·n + 4·d per key scored. Choosing the r components reads the query alone: nothing of the index.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from anns_lab.indexes import Index
+from anns_lab.indexes.persist import expect
+from anns_lab_lowrank import partial
+
+
+class SparQ(Index):
+    """SparQ: every key scored on the query's r largest components, the best ``budget`` scored exactly."""
+
+    search_params = {"rank": partial.RANK, "budget": partial.BUDGET}
+    search_grid = {"rank": partial.RANKS, "budget": partial.BUDGETS}
+
+    def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
+        self._keys = keys
+        self._by_dim = np.ascontiguousarray(keys.T)  # (d, n): SparQ's second copy, r rows read per query
+
+    def _search(self, queries: np.ndarray, k: int, rank: float, budget: int):
+        n, d = self._keys.shape
+        r = partial.channels(rank, d)
+        ids = np.full((len(queries), k), -1, np.int64)
+        scores = np.full((len(queries), k), -np.inf, np.float32)
+        scored = np.zeros(len(queries), np.int64)
+        for row, q in enumerate(queries):  # one query at a time: a batch gives what single queries give
+            dims = np.sort(np.argsort(-np.abs(q), kind="stable")[:r])
+            approx = q[dims] @ self._by_dim[dims]
+            got, s, scored[row] = partial.best_exact(q, self._keys, approx, budget, k)
+            ids[row, : len(got)], scores[row, : len(got)] = got, s
+        products, nbytes = partial.partial_cost(n, r, d)
+        return ids, scores, products + scored, nbytes + 4 * d * scored
+
+    def grid(self) -> list[dict]:
+        return partial.grid(self.n_keys)
+
+    def max_scanned(self) -> int:
+        return 2 * self.n_keys
+
+    def _add(self, keys: np.ndarray) -> None:
+        self._build(np.ascontiguousarray(np.vstack([self._keys, keys])), None)
+
+    def _arrays(self) -> dict[str, np.ndarray]:
+        return {"keys": self._keys}
+
+    def _restore(self, arrays: dict[str, np.ndarray]) -> None:
+        self._build(expect(arrays, "keys", np.float32, (self.n_keys, self.dim), finite=True), None)  # from a file

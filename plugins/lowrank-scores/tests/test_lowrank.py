@@ -1,0 +1,107 @@
+"""SparQ and Loki: the conformance kit, the keys each scores exactly recomputed by plain loops, and the counts."""
+
+import math
+
+import numpy as np
+import pytest
+
+from anns_lab import indexes
+from anns_lab.errors import IndexConfigError
+from anns_lab.testing import check_index, easy_data
+from anns_lab_lowrank import Loki, SparQ
+from anns_lab_lowrank.loki import principal_basis
+
+
+def test_conformance():
+    # Recall 1 at the last grid point, which scores every key exactly. SparQ's partial pass counts r/d of a product
+    # per key, and a Gaussian query's r largest components carry most of its product: it finds up to 63% of the
+    # top-10 beyond its scanned share there (the kit's bound for a full product's ranking is 60%).
+    check_index(SparQ, plausible_gain=0.7)
+    check_index(Loki)
+
+
+def test_registered_through_entry_points():
+    assert indexes.get("sparq") is SparQ and indexes.get("loki") is Loki
+
+
+def _top_by(partial, budget):
+    """The ``budget`` ids of largest partial score, by sorting (random data: no ties at the cut)."""
+    return set(np.argsort(-partial)[:budget].tolist())
+
+
+@pytest.mark.parametrize("rank,budget", [(0.125, 40), (0.25, 7), (0.5, 200), (0.3, 1000), (1.0, 64)])
+def test_sparq_scores_the_best_keys_on_the_querys_largest_components(rank, budget):
+    keys, queries, _ = easy_data(n_keys=600, dim=16, seed=4)
+    res = SparQ().build(keys).search(queries, 5, rank=rank, budget=budget)
+    r = max(1, round(rank * 16))
+    c = min(budget, 600)
+    for q, ids, scanned, nbytes in zip(queries, res.ids, res.n_scanned, res.bytes_read):
+        dims = sorted(range(16), key=lambda i: -abs(float(q[i])))[:r]
+        partial = keys[:, dims].astype(np.float64) @ q[dims].astype(np.float64)
+        cand = np.array(sorted(_top_by(partial, c)))
+        want = cand[np.argsort(-(keys[cand] @ q))[:5]]
+        assert sorted(ids.tolist()) == sorted(want.tolist())
+        assert scanned == math.ceil(600 * r / 16) + c
+        assert nbytes == 4 * r * 600 + 4 * 16 * c
+
+
+def test_loki_basis_is_the_keys_principal_directions():
+    """Against numpy's SVD of the centred keys: the same directions (up to sign), largest variance first."""
+    rng = np.random.default_rng(0)
+    scales = np.array([9.0, 5.0, 3.0, 2.0, 1.0, 0.5, 0.25, 0.1])
+    keys = (rng.standard_normal((2000, 8)) * scales + 4.0) @ np.linalg.qr(rng.standard_normal((8, 8)))[0]
+    keys = keys.astype(np.float32)
+    basis = principal_basis(keys)
+    _, _, vt = np.linalg.svd(keys.astype(np.float64) - keys.mean(0), full_matrices=False)
+    np.testing.assert_allclose(np.abs(np.sum(basis * vt.T, axis=0)), 1.0, atol=1e-5)
+    np.testing.assert_allclose(basis.T @ basis, np.eye(8), atol=1e-5)
+
+
+@pytest.mark.parametrize("rank,budget", [(0.125, 40), (0.25, 7), (0.5, 200), (1.0, 64)])
+def test_loki_scores_the_best_keys_on_the_leading_components(rank, budget):
+    keys, queries, _ = easy_data(n_keys=600, dim=16, seed=6)
+    index = Loki().build(keys)
+    res = index.search(queries, 5, rank=rank, budget=budget)
+    r = max(1, round(rank * 16))
+    _, _, vt = np.linalg.svd(keys.astype(np.float64) - keys.mean(0), full_matrices=False)
+    lead = vt[:r]  # the first r principal directions (their signs do not change the products' sum)
+    for q, ids, scanned, nbytes in zip(queries, res.ids, res.n_scanned, res.bytes_read):
+        partial = (keys.astype(np.float64) @ lead.T) @ (lead @ q.astype(np.float64))
+        cand = np.array(sorted(_top_by(partial, budget)))
+        want = cand[np.argsort(-(keys[cand] @ q))[:5]]
+        assert sorted(ids.tolist()) == sorted(want.tolist())
+        assert scanned == r + math.ceil(600 * r / 16) + budget
+        assert nbytes == 4 * 16 * r + 4 * r * 600 + 4 * 16 * budget
+
+
+def test_a_few_components_find_keys_that_differ_along_them():
+    """Keys that vary along 2 of 32 directions and barely along the rest: 2 components rank them as the full
+    product does, so a budget of the top-k finds them all; 2 random coordinates of SparQ's would not on a rotated
+    basis, but the query's largest components carry its product (both recall 1 here)."""
+    rng = np.random.default_rng(3)
+    rot = np.linalg.qr(rng.standard_normal((32, 32)))[0]
+    keys = ((rng.standard_normal((3000, 32)) * np.r_[10.0, 6.0, np.full(30, 0.01)]) @ rot.T).astype(np.float32)
+    queries = (rng.standard_normal((20, 32)) @ rot.T).astype(np.float32)
+    exact = np.argsort(-(queries @ keys.T), axis=1)[:, :10]
+    got = Loki().build(keys).search(queries, 10, rank=2 / 32, budget=10).ids
+    assert np.mean([len(set(a) & set(b)) / 10 for a, b in zip(got, exact)]) >= 0.99
+
+
+def test_loki_add_keeps_the_builds_basis():
+    keys, queries, _ = easy_data(n_keys=500, dim=8, seed=5)
+    grown = Loki().build(keys[:301])
+    basis = grown._basis.copy()
+    grown.add(keys[301:])
+    np.testing.assert_array_equal(grown._basis, basis)
+    np.testing.assert_allclose(grown._coords, (keys @ basis).T, rtol=1e-5, atol=1e-5)
+    exact = grown.search(queries, 10, rank=0.25, budget=500)
+    assert np.array_equal(exact.ids, np.argsort(-(queries @ keys.T), axis=1, kind="stable")[:, :10])
+
+
+def test_a_saved_loki_basis_that_is_not_orthonormal_is_refused(tmp_path):
+    keys, _, _ = easy_data(n_keys=200, dim=8, seed=2)
+    index = Loki().build(keys)
+    index._basis = index._basis * 1.5
+    index.save(tmp_path / "bad")
+    with pytest.raises(IndexConfigError, match="not orthonormal"):
+        Loki.load(tmp_path / "bad")
