@@ -24,9 +24,15 @@ CANDIDATES = ("flat", "ivf", "hnsw", "vamana", "roargraph", "robust-vamana", "qu
               "loki")
 
 
+# Where the most thorough value of a parameter would make the rest exact by construction, the cheapest: sparq's and loki's
+# partial products over every dimension are the full ones; over an eighth the budget (every key) must make them exact.
+CHEAPEST = {"sparq": {"rank": 0.125}, "loki": {"rank": 0.125}}
+
+
 def thorough(name: str) -> dict:
     cls = registry.get(name)
-    return {p: type(spec.default)(min(spec.high, 4096)) for p, spec in cls.search_params.items() if spec.high is not None}
+    most = {p: type(spec.default)(min(spec.high, 4096)) for p, spec in cls.search_params.items() if spec.high is not None}
+    return most | CHEAPEST.get(name, {})
 
 
 def index_modes() -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from anns_lab.eval import metrics
@@ -181,6 +182,39 @@ def test_the_median_line_meets_a_target_at_the_tables_median_cost(seed):
             assert np.all(ys < t)
             continue
         assert np.all(ys[xs < m * (1 - 1e-9)] < t) and np.all(ys[xs >= m] >= t - 1e-12)
+
+
+@pytest.mark.parametrize("seed", [7, 8])
+def test_for_an_even_number_of_heads_the_line_meets_a_target_between_the_middle_two_costs(seed):
+    from anns_lab.eval.metrics import at_recall, median_frontier
+
+    rng = np.random.default_rng(seed)
+    heads = [_grid(rng, 6) for _ in range(12)]
+    xs, ys = median_frontier(heads, per_segment=50)
+    costs = sorted(np.nan_to_num([at_recall(q, c, 0.85)[0] for q, c in heads], nan=np.inf))
+    low, high = costs[5], costs[6]  # the tables give their mean
+    assert np.all(ys[xs < low * (1 - 1e-9)] < 0.85)
+    if np.isfinite(high):
+        assert np.all(ys[xs >= high] >= 0.85 - 1e-12)
+    # exactly half the heads reaching it: the tables say never; the mean of the middle two readings may still reach it
+    xs, ys = median_frontier([([0.99], [1.0]), ([0.92], [1.0])])
+    assert np.isclose(ys[0], 0.955) and np.isinf(np.median([at_recall([0.99], [1.0], 0.95)[0], np.inf]))
+
+
+def test_the_figures_line_reads_each_head_and_refuses_two_builds():
+    from anns_lab.eval.figures import head_median_line
+
+    rows = [  # two heads; errors fall with bytes, one point off head 0's frontier
+        (0, 0, 100.0, 0.30), (0, 0, 200.0, 0.10), (0, 0, 300.0, 0.20),
+        (0, 1, 150.0, 0.40), (0, 1, 250.0, 0.05), (1, 0, 120.0, 0.35),
+    ]
+    pts = pd.DataFrame(rows, columns=["layer", "head", "bytes_read", "output_rel_error"]).assign(build_params="{}")
+    xs, ys = head_median_line(pts, "bytes_read", "output_rel_error", lower_is_better=True)
+    # at 250 bytes: head 0/0 at 0.10 (its 300-byte point is worse), 0/1 at 0.05, 1/0 at 0.35: the median 0.10
+    assert np.isclose(ys[np.searchsorted(xs, 250.0)], 0.10) and np.all(np.diff(ys) <= 1e-12)
+    assert xs[0] == 120.0  # two of the three heads have a point from there
+    with pytest.raises(ValueError, match="several builds"):
+        head_median_line(pts.assign(build_params=["{}"] * 5 + ['{"nlist": 8}']), "bytes_read", "output_rel_error")
 
 
 def test_the_median_line_mixes_points_linearly_in_cost():

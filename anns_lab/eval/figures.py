@@ -68,8 +68,12 @@ def grid_medians(table: pd.DataFrame) -> pd.DataFrame:
 
 def head_median_line(points: pd.DataFrame, x: str, y: str, lower_is_better: bool = False):
     """The line of one index and direction: the median over heads of the best ``y`` each head reaches within each
-    ``x`` (:func:`metrics.median_frontier`), so it meets a recall target at the tables' median cost. Where heads'
-    cheapest settings cost apart, it starts steep: heads that cannot run so cheaply reach nothing there."""
+    ``x`` (:func:`metrics.median_frontier`), so it meets a recall target at the tables' median cost (for an even
+    number of heads, between the two middle heads' costs). Where heads' cheapest settings cost apart, it starts
+    steep: heads that cannot run so cheaply reach nothing there. ``points`` hold one build of the index (the
+    report labels builds apart first: a head must not take the better of two builds)."""
+    if points["build_params"].nunique() > 1:
+        raise ValueError("head_median_line: several builds of one index; label them apart (findings.label_builds)")
     sign = -1.0 if lower_is_better else 1.0
     heads = [(sign * g[y].to_numpy(dtype=float), g[x].to_numpy(dtype=float))
              for _, g in points.groupby(["layer", "head"], sort=True)]
@@ -129,10 +133,9 @@ def recall_vs_scanned(table: pd.DataFrame, k: int, kinds: dict[str, str], refere
         handles.append(Line2D([], [], color="0.6", lw=2.5, alpha=0.6, label=_plain(f"{ref_name} Q→K (reference)")))
     handles.append(Line2D([], [], color="grey", ls=":", label="recall 0.95"))
     fig.legend(handles=handles, loc="upper center", ncol=len(handles), frameon=False, bbox_to_anchor=(0.5, 1.0))
-    fig.suptitle("Recall against keys scanned (paper Fig. 3a / 6). Lines: the median over heads of the best recall "
-                 "each head reaches within a cost,\nmixing its grid points (a target is crossed at the tables' median "
-                 "cost; steep at first where heads' cheapest settings cost apart); dots: each grid point's median", y=1.06,
-                 fontsize=10)
+    fig.suptitle("Recall against keys scanned (paper Fig. 3a / 6)\nlines: at each cost, the median over heads of each "
+                 "head's best recall, mixing its grid points (the tables' reading: steep where the heads' cheapest "
+                 "settings cost apart)\ndots: each grid point's median over heads", y=1.07, fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     return _png(fig)
 
@@ -185,10 +188,9 @@ def recall_vs_bytes(table: pd.DataFrame, k: int, kinds: dict[str, str]) -> bytes
         axes[1].set_ylim(top=1.5 * top)
     handles, labels = axes[1].get_legend_handles_labels()
     axes[1].legend(handles, labels, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
-    fig.suptitle("Q→K: recall and output error against bytes read per query. Lines: the median over heads of the best "
-                 "each head reaches within a cost, mixing its grid points\n(the tables' reading; steep at first where "
-                 "heads' cheapest settings cost apart; a marker ends each line); dots: each grid point's median over "
-                 "heads", fontsize=10)
+    fig.suptitle("Q→K: recall and output error against bytes read per query\nlines: at each cost, the median over "
+                 "heads of each head's best, mixing its grid points (the tables' reading; a marker ends each line); "
+                 "dots: each grid point's median over heads", fontsize=10)
     return _png(fig)
 
 

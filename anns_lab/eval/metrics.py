@@ -160,9 +160,11 @@ def median_frontier(heads: list, per_segment: int = 24) -> tuple[np.ndarray, np.
     :func:`within_budget` over ``heads`` (one pair of ``quality`` and ``cost`` arrays per head), sampled ``per_segment``
     steps between consecutive costs of any head's frontier, evenly in linear cost (a mix of two settings is a line
     there, a curve on a log axis). A head with no point within a cost reaches nothing there, so the line starts
-    where half the heads have one. Each head's quality only grows with cost, so the line reaches a target where
-    half the heads do: at :func:`at_recall`'s median cost over heads, the tables' figure (exactly for an odd number of
-    heads); the median of each grid point across heads can lie either side of it. Returns (costs, qualities)."""
+    where more than half the heads have one. Each head's quality only grows with cost, so for an odd number of heads
+    the line reaches a target exactly at :func:`at_recall`'s median cost over heads, the tables' figure; for an even
+    number, between the two middle heads' costs (the tables give their mean; where exactly half the heads reach it,
+    the tables say never, and the mean of the two middle readings may still reach it). The median of each grid point
+    across heads can lie either side of the line. Returns (costs, qualities)."""
     fronts = []
     for quality, cost in heads:
         quality, cost = np.asarray(quality, dtype=float), np.asarray(cost, dtype=float)

@@ -16,13 +16,13 @@ from anns_lab.indexes import Param
 BUDGETS = (128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768)
 RANKS = (0.125, 0.25, 0.5)
 
-RANK = Param(0.25, 1e-6, 1.0, help="share r/d of the dimensions the partial scores use (r = max(1, round(rank·d)))")
+RANK = Param(0.25, 1e-6, 1.0, help="share r/d of the dimensions the partial scores use (r = max(1, ⌊rank·d + ½⌋))")
 BUDGET = Param(1024, 1, 1 << 30, help="keys scored exactly: those of the best partial scores")
 
 
 def channels(rank: float, dim: int) -> int:
     """r: the dimensions a partial score uses."""
-    return max(1, min(dim, int(round(rank * dim))))
+    return max(1, min(dim, math.floor(rank * dim + 0.5)))  # halves up (Python's round takes them to even)
 
 
 def partial_cost(n: int, r: int, d: int) -> tuple[int, int]:

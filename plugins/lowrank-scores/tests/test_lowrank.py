@@ -98,6 +98,17 @@ def test_loki_add_keeps_the_builds_basis():
     assert np.array_equal(exact.ids, np.argsort(-(queries @ keys.T), axis=1, kind="stable")[:, :10])
 
 
+def test_sparq_add_reads_the_new_keys_dimensions():
+    # a budget below the keys: the partial pass over the transposed copy must hold the added keys too
+    keys, queries, _ = easy_data(n_keys=500, dim=8, seed=9)
+    grown = SparQ().build(keys[:301])
+    grown.add(keys[301:])
+    fresh = SparQ().build(keys)
+    a, b = grown.search(queries, 10, rank=0.25, budget=60), fresh.search(queries, 10, rank=0.25, budget=60)
+    assert np.array_equal(a.ids, b.ids) and np.array_equal(a.n_scanned, b.n_scanned)
+    assert (a.ids >= 301).any()  # the added keys are found
+
+
 def test_a_saved_loki_basis_that_is_not_orthonormal_is_refused(tmp_path):
     keys, _, _ = easy_data(n_keys=200, dim=8, seed=2)
     index = Loki().build(keys)
