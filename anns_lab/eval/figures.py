@@ -98,6 +98,8 @@ def recall_vs_scanned(table: pd.DataFrame, k: int, kinds: dict[str, str], refere
     q = table[(table["direction"] == "q2k") & (table["index"] == reference)]
     ref_name = reference if len(q) else None
     ref = head_median_line(q, "scanned_fraction", "recall") if ref_name else None
+    # a log axis with nothing on it fails to draw: every panel shares the x axis, so one needs a measured point
+    logx = bool((np.isfinite(table["recall"]) & (table["scanned_fraction"] > 0)).any())
     cols = min(4, max(1, len(names)))
     rows = -(-max(1, len(names)) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.3 * cols, 2.8 * rows + 0.8), sharex=True, sharey=True,
@@ -119,7 +121,8 @@ def recall_vs_scanned(table: pd.DataFrame, k: int, kinds: dict[str, str], refere
             ax.plot(xs, ys, ls=ls, lw=1.8, color=st["color"], marker=st["marker"] if len(xs) == 1 else None, ms=4)
         ax.axhline(0.95, color="grey", ls=":", lw=1)
         ax.set_title(st["label"], fontsize=10)
-        ax.set_xscale("log")
+        if logx:
+            ax.set_xscale("log")
         ax.set_ylim(-0.02, 1.02)
     for col in range(cols):
         # The lowest panel in use in each column carries the axis (the last row may be short).
@@ -174,8 +177,11 @@ def recall_vs_bytes(table: pd.DataFrame, k: int, kinds: dict[str, str]) -> bytes
             xs, ys = head_median_line(t[t["index"] == name], "bytes_read", y, lower_is_better=lower)
             ax.plot(xs, ys, color=st["color"], marker=st["marker"], ms=5, markevery=[-1] if len(xs) else None,
                     zorder=zorder, lw=1.6, label=st["label"])
-        if (c["bytes_read"] > 0).any():
+        shown = c[np.isfinite(c[y]) & (c["bytes_read"] > 0)]
+        if len(shown):
             ax.set_xscale("log")
+        else:  # a log axis with nothing on it fails to draw (a --quick sweep measures no output error)
+            ax.text(0.5, 0.5, "not measured", transform=ax.transAxes, ha="center", va="center", color="0.4")
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set(xlabel="bytes of index data read per query\n(log scale)", ylabel=label)
     axes[0].axhline(0.95, color="grey", ls=":", lw=1)
