@@ -73,12 +73,22 @@ def _reference_per_head(store, queries, param, value, scaling: float | None = SC
     return per_head
 
 
-def _expected(values, recalls, floor, target) -> int:
-    """The rule, written out: the floor where it reaches the target, else the cheapest value above it that does, else the
-    most thorough."""
+def _over_scan(store, queries, param, value) -> float:
+    """Mean bytes read per query at ``param`` = ``value`` (each head's index searched alone, as its own count says) over
+    an exact scan's: every indexed key, 4·d bytes."""
+    read = [store.indexes[h].search(queries[h], store.topk, **{param: value}).bytes_read for h in range(store.n_heads)]
+    return float(np.concatenate(read).mean()) / (store.n_indexed * 4 * store.keys.shape[2])
+
+
+def _expected(values, recalls, floor, target, over=None) -> tuple[int, bool]:
+    """The rule, written out: the floor where it reaches the target, else the cheapest value above it that reaches it or
+    reads more than a scan (``over``: each value's bytes over a scan's), else the most thorough; and whether the layer
+    is then scanned exactly (a raise that read more than a scan)."""
+    over = over or [0.0] * len(values)
     if recalls[floor] >= target:
-        return floor
-    return next((i for i in range(floor + 1, len(values)) if recalls[i] >= target), len(values) - 1)
+        return floor, False
+    want = next((i for i in range(floor + 1, len(values)) if recalls[i] >= target or over[i] > 1), len(values) - 1)
+    return want, over[want] > 1
 
 
 @pytest.mark.parametrize("name,build,target,present", [
@@ -92,27 +102,36 @@ def _expected(values, recalls, floor, target) -> int:
     ("simhash", {"K": 2, "L": 8}, 0.01, 5),
     ("simhash", {"K": 4, "L": 8}, 0.99, 5),
     ("ivf", {"nlist": 32}, 0.9, None),
-    ("ivf", {"nlist": 32}, 0.3, 1)])
+    ("ivf", {"nlist": 32}, 0.3, 1),
+    ("ivf", {"nlist": 32}, 1.01, None),  # unreachable: every list reads the centroids and every key, more than a scan
+    ("ivf", {"nlist": 32}, 0.5, 32),  # every list given and reaching: kept, though it reads more than a scan
+    ("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64), 1.01, None)])
 def test_calibration_raises_the_search_to_the_cheapest_grid_value_reaching_the_target(name, build, target, present):
     store, newest = _store(name, build)
     param = next(iter(registry.get(name).search_grid))
     if present is not None:  # as --param gives it
         store.plan = dataclasses.replace(store.plan, search_params={param: present})
-    cal = calibrate.calibrate(store, newest, target, SCALING)
     values = [point[param] for point in store.indexes[0].grid()]  # the built index's grid (IVF: clipped to its nlist)
     start = present if present is not None else registry.get(name).search_params[param].default
     order = 1 if values[-1] > values[0] else -1  # cheapest first: simhash's fewest collisions is its most thorough
     if start not in values:  # the value given, in its place by the grid's order
         values = sorted([*values, start], key=lambda v: order * v)
     recalls = [_reference_recall(store, newest, param, v) for v in values]
+    over = [_over_scan(store, newest, param, v) for v in values]
+    per_head = [_reference_per_head(store, newest, param, v) for v in values]
     floor = values.index(start)
-    want = _expected(values, recalls, floor, target)
+    want, scanned = _expected(values, recalls, floor, target, over)
+    cal = calibrate.calibrate(store, newest, target, SCALING)
     assert order * values[want] >= order * start  # never below the search it was given
     assert (cal.param, cal.value) == (param, values[want])
     assert cal.weight_recall == pytest.approx(recalls[want])
     # and each head's (IVF: one index per KV head, its two query heads' readings told apart)
-    assert cal.per_head == pytest.approx(_reference_per_head(store, newest, param, values[want]))
-    assert store.plan.search_params[param] == values[want]  # the layer's searches use it from now on
+    assert cal.per_head == pytest.approx(per_head[want])
+    if scanned:  # a raise past a scan's bytes: the layer is scanned exactly instead
+        assert cal.exact_scan == pytest.approx(over[want]) and store.plan.name == "flat"
+    else:
+        assert cal.exact_scan is None
+        assert store.plan.search_params[param] == values[want]  # the layer's searches use it from now on
     assert all(tried == pytest.approx(recalls[values.index(v)]) for v, tried in cal.tried.items())
     if recalls[floor] >= target:
         assert list(cal.tried) == [values[floor]]  # one probe where the search given suffices
@@ -126,7 +145,7 @@ def test_calibration_counts_each_key_by_its_weight_at_the_layers_scale():
     values = [point["nprobe"] for point in store.indexes[0].grid()]
     target = 0.92
     want = {scaling: _expected(values, [_reference_recall(store, newest, "nprobe", v, scaling) for v in values], 0,
-                               target) for scaling in (SCALING, None, 1.0)}
+                               target)[0] for scaling in (SCALING, None, 1.0)}
     assert want[SCALING] != want[None] and want[SCALING] != want[1.0]  # the data tell the three apart
     cal = calibrate.calibrate(store, newest, target, SCALING)
     assert cal.value == values[want[SCALING]]
@@ -418,11 +437,15 @@ def test_calibration_reaches_the_most_thorough_value_of_every_heads_grid():
     wide = registry.get("ivf")(nlist=64)
     wide.build(store.keys[1, : store.n_indexed])
     store.indexes = [*store.indexes[:2], wide, wide]  # query heads 2 and 3 read KV head 1
+    assert _reference_recall(store, newest, "nprobe", 32) < 1.0  # the first head's top would not do
+    whole = _reference_recall(store, newest, "nprobe", 64)
+    assert calibrate.store_grid(store.indexes) == ("nprobe", [1, 2, 4, 8, 16, 32, 64])
+    over = {v: _over_scan(store, newest, "nprobe", v) for v in (32, 64)}
+    assert over[32] < 1 < over[64]  # at 32 the wide group reads half its lists: less than a scan
     cal = calibrate.calibrate(store, newest, 1.01, SCALING)
     assert cal.value == 64 and set(cal.tried) <= {1, 2, 4, 8, 16, 32, 64}
-    assert cal.weight_recall == pytest.approx(1.0) == pytest.approx(_reference_recall(store, newest, "nprobe", 64))
-    assert _reference_recall(store, newest, "nprobe", 32) < 1.0  # the first head's top would not do
-    assert calibrate.store_grid(store.indexes) == ("nprobe", [1, 2, 4, 8, 16, 32, 64])
+    assert cal.weight_recall == pytest.approx(1.0) == pytest.approx(whole)
+    assert cal.exact_scan == pytest.approx(over[64])  # and there, more than a scan: scanned instead
     assert calibrate.store_grid([wide, registry.get("flat")()]) is None  # flat has no grid parameter
 
 
@@ -492,7 +515,7 @@ PEAKED = 2.0  # a softmax scale at which a few keys hold most of a query's weigh
     ("retroinfer", {"nlist": 24}, 0.9, 1),  # raised past 1 and 2 (their estimates off by 0.43 and 0.21)
     ("retroinfer", {"nlist": 24}, 0.99, 1),
     ("retroinfer", {}, 0.99, None),  # its default suffices: one probe
-    ("magicpig", {}, 0.9, None),  # its samples at the default fall short: raised to sample every key
+    ("magicpig", {}, 0.9, None),  # its samples at the default fall short: raised until it reads more than a scan
     ("magicpig", {}, 0.3, None)])
 def test_an_estimator_is_raised_until_its_output_is_as_close_as_the_exact_top_k_cut_to_the_target(name, build, target,
                                                                                                   present):
@@ -507,19 +530,23 @@ def test_an_estimator_is_raised_until_its_output_is_as_close_as_the_exact_top_k_
     param = next(iter(registry.get(name).search_grid))
     if present is not None:
         store.plan = dataclasses.replace(store.plan, search_params={param: present})
-    cal = calibrate.calibrate(store, newest, target, PEAKED)
     bound = _cut_topk_error(store, newest, target, PEAKED)
     values = [point[param] for point in store.indexes[0].grid()]
-    errors = {v: np.concatenate(_output_errors(store, newest, param, v, PEAKED)).mean() for v in values}
+    per_head = {v: [e.mean() for e in _output_errors(store, newest, param, v, PEAKED)] for v in values}
+    errors = {v: np.mean(e) for v, e in per_head.items()}  # the heads have as many queries each
+    over = [_over_scan(store, newest, param, v) for v in values]
     floor = values.index(present if present is not None else registry.get(name).search_params[param].default)
-    want = next((i for i in range(floor, len(values)) if errors[values[i]] <= bound), len(values) - 1)
+    want, scanned = _expected(values, [-errors[v] for v in values], floor, -bound, over)  # errors fall as recalls rise
+    cal = calibrate.calibrate(store, newest, target, PEAKED)
     assert cal.bound == pytest.approx(bound, rel=1e-6)
     assert (cal.param, cal.value) == (param, values[want])
     assert cal.output_error == pytest.approx(errors[values[want]], rel=1e-4, abs=1e-9) and cal.weight_recall is None
-    assert cal.per_head == pytest.approx([e.mean() for e in _output_errors(store, newest, param, values[want], PEAKED)],
-                                         rel=1e-4, abs=1e-9)
-    assert cal.reached == (errors[values[want]] <= bound)
-    assert store.plan.search_params[param] == values[want]
+    assert cal.per_head == pytest.approx(per_head[values[want]], rel=1e-4, abs=1e-9)
+    if scanned:  # MagicPIG sampling every key reads its hash codes and every key: the layer is scanned instead
+        assert cal.exact_scan == pytest.approx(over[want]) and cal.reached and store.plan.name == "flat"
+    else:
+        assert cal.exact_scan is None and cal.reached == (errors[values[want]] <= bound)
+        assert store.plan.search_params[param] == values[want]
     if errors[values[floor]] <= bound:
         assert list(cal.tried) == [values[floor]]
 
@@ -537,3 +564,45 @@ def test_an_estimators_calibration_is_told_as_its_output_error_in_the_notes():
     assert f"5: nprobe={store.calibration.value} (output error {store.calibration.output_error:.4f}" in notes, notes
 
 
+
+
+def test_a_layer_scanned_instead_returns_the_exact_top_k_and_reads_a_scans_bytes():
+    """Where a raise would read more than a scan (IVF at every list: its centroids and every key), the layer is served
+    by an exact scan: each step's output is attention over the exact top-k (numpy, float64), it reads n·4·d bytes per
+    query head, tokens added later are scanned too, and the notes and JSON say so."""
+    store, newest = _store("ivf", {"nlist": 32})
+    cal = calibrate.calibrate(store, newest, 1.01, SCALING)
+    assert cal.exact_scan > 1 and cal.reached and store.plan.name == "flat"
+    assert "5: exact scan (nprobe=32 read " in calibrate.describe([cal], 1.01)
+    assert "short of the target" not in calibrate.describe([cal], 1.01)
+    rng = np.random.default_rng(1)
+    later = rng.normal(size=(2, store.add_batch, 16)).astype(np.float32)
+    store.extend(later, rng.normal(size=later.shape).astype(np.float32))  # a full batch: added to the scans
+    assert store.n_indexed == store.n_rows == 600 + store.add_batch
+    n, k = store.n_indexed, store.topk
+    for q in newest[:, -3:].transpose(1, 0, 2):
+        side = store.side(q, SCALING)
+        assert side.bytes_read == store.n_heads * n * 4 * 16 and side.scanned == 1.0
+        for h in range(store.n_heads):
+            keys = store.keys[h // store.group, :n].astype(np.float64)
+            values = store.values[h // store.group, :n].astype(np.float64)
+            logits = keys @ q[h].astype(np.float64)
+            top = np.argsort(-logits)[:k]
+            w = np.exp(SCALING * (logits[top] - logits[top].max()))
+            np.testing.assert_allclose(side.out[h], (w / w.sum()) @ values[top], rtol=1e-4, atol=1e-5)
+
+
+def test_a_decode_tells_each_layer_scanned_instead_in_its_json_and_notes(tiny_gemma3):
+    """A decode whose target only every list reaches (weight recall 1 of IVF on a short prompt): each layer is scanned
+    instead, served by flat, and the run's calibration and notes record the ratio that decided it."""
+    lm = load_model(str(tiny_gemma3), device=TEST_DEVICE)
+    settings = Settings(Window(4, 8), topk=12, add_batch=4, chunk=24, calibrate=1.0)
+    ids = np.random.default_rng(3).integers(3, 400, size=160).tolist()
+    pre = prefill(lm, ids, settings, capture_queries=True)
+    run = run_mode(lm, pre, Mode("ivf", IndexPlan("ivf", {}, {"nprobe": 1})), settings, 3)
+    scanned = {layer for layer, s in run.stores.items() if s.calibration.exact_scan is not None}
+    assert scanned, {layer: s.calibration for layer, s in run.stores.items()}
+    for layer, s in run.stores.items():
+        assert run.calibration[layer].get("exact_scan") == s.calibration.exact_scan
+        assert (s.plan.name == "flat") == (layer in scanned)
+    assert any(f"{layer}: exact scan (nprobe=" in n for n in run.notes for layer in scanned)

@@ -7,7 +7,12 @@ come right after them), get their exact top-k over the keys the indexes hold, an
 index's default, or the value ``--param`` / ``--from-sweep`` gave) does not reach the target mean weight recall@k over
 the layer's heads, the search is raised to the cheapest value of its index's grid parameter that does (``Index.grid``
 of the built indexes, the union over the layer's heads where they differ: roargraph ``L``, IVF ``nprobe``, HNSW ``ef``,
-ordered cheapest first; the most thorough one when none does). It is never lowered: the default search is the one whose fidelity was measured, and at 8K the newest
+ordered cheapest first; the most thorough one when none does). A raise never goes past an exact scan's bytes: where
+the first value that reaches the target, or any on the way to it, reads more index data than a scan of the layer's keys
+(MagicPIG at ``min_collisions`` 0 samples every key and reads its hash codes too: 2.1x a scan on Gemma-3's layers), the layer
+is served by an exact scan (``flat``: the exact top-k, weight recall 1, for those bytes; :meth:`LayerStore.scan_exactly`)
+and the note says so. A search given that already reads more (``--param``, ``--from-sweep``, an index's default) and
+reaches the target is kept: it is what was asked. It is never lowered: the default search is the one whose fidelity was measured, and at 8K the newest
 prefill queries read below the decode steps (BENCHMARKS "Which target"), so a cut on their word would go below what
 was validated; and where the search given suffices, one probe settles it. Every index mode is calibrated alike, so
 the modes of a run are compared at the same least fidelity (an estimator read by its output, below).
@@ -92,10 +97,14 @@ class Calibration:
     target: float = TARGET
     output_error: float | None = None
     bound: float | None = None
+    exact_scan: float | None = None  # the layer scanned exactly instead: ``value``'s bytes read over a scan's
 
     @property
     def reached(self) -> bool:
-        """Whether the value set reaches the target (the most thorough value tried is set where none does)."""
+        """Whether the value set reaches the target (the most thorough value tried is set where none does; an exact
+        scan, the exact top-k, does)."""
+        if self.exact_scan is not None:
+            return True
         if self.output_error is not None:
             return self.output_error <= self.bound
         return self.weight_recall >= self.target
@@ -103,6 +112,10 @@ class Calibration:
     def describe(self) -> str:
         digits = 4 if self.output_error is not None else 3  # errors of a few thousandths, recalls near 1
         heads = f"; heads {min(self.per_head):.{digits}f}-{max(self.per_head):.{digits}f}" if len(self.per_head) > 1 else ""
+        if self.exact_scan is not None:
+            reading = (f"output error {self.output_error:.4f}" if self.output_error is not None
+                       else f"{self.weight_recall:.3f}")
+            return f"{self.layer}: exact scan ({self.param}={self.value} read {self.exact_scan:.2f}x a scan's bytes at {reading})"
         if self.output_error is not None:
             return (f"{self.layer}: {self.param}={self.value} (output error {self.output_error:.4f} "
                     f"{'<=' if self.reached else '>'} {self.bound:.4f}{heads})")
@@ -170,41 +183,54 @@ def calibrate(store, queries: np.ndarray, target: float | str, scaling: float,
     refs = map_one_thread(reference, range(len(groups)), beside)
     bound = float(np.concatenate([r[3] for r in refs]).mean()) if estimator else None
 
-    def read(g: int, search: dict) -> np.ndarray:  # per query of the group: its weight recall, or its output error
+    def read(g: int, search: dict) -> tuple[np.ndarray, np.ndarray]:
+        """Per query of the group: its weight recall, or its output error, and the bytes its search read."""
         res = _checked(store, groups[g][0], heads[g], k, type(store.indexes[0]).scaled(search, scaling))
         if estimator:
-            return _estimate_errors(store, groups[g][0], heads[g], res, refs[g], scaling)
-        return weight_recall_at_k(res.ids, refs[g][0], k, refs[g][1])
+            return _estimate_errors(store, groups[g][0], heads[g], res, refs[g], scaling), res.bytes_read
+        return weight_recall_at_k(res.ids, refs[g][0], k, refs[g][1]), res.bytes_read
 
     tried: dict = {}
     per_head: dict = {}  # value -> each query head's mean reading there
+    over_scan: dict = {}  # value -> its mean bytes read per query over an exact scan's
+    scan_bytes = store.n_indexed * store.indexes[0].key_bytes()  # flat's per query: every indexed key
 
     def reading(i: int) -> float:
         if values[i] not in tried:
             search = {**store.plan.search_params, param: values[i]}
             got = map_one_thread(lambda g: read(g, search), range(len(groups)), beside)
-            tried[values[i]] = float(np.concatenate(got).mean())
+            tried[values[i]] = float(np.concatenate([r for r, _ in got]).mean())
+            over_scan[values[i]] = float(np.concatenate([b for _, b in got]).mean()) / scan_bytes
             heads_of = [h for hs in groups for h in hs]  # a group's queries are its heads' in turn, c rows each
-            means = [float(part.mean()) for g, hs in zip(got, groups) for part in np.split(g, len(hs))]
+            means = [float(part.mean()) for (r, _), hs in zip(got, groups) for part in np.split(r, len(hs))]
             per_head[values[i]] = tuple(m for _, m in sorted(zip(heads_of, means)))
         return tried[values[i]]
 
     def reaches(i: int) -> bool:
         return reading(i) <= bound if estimator else reading(i) >= target
 
+    def settled(i: int) -> bool:  # a raise stops where it reaches the target or reads more than a scan
+        return reaches(i) or over_scan[values[i]] > 1.0
+
     values, pick = with_present(store, param, values)
-    if not reaches(pick):
-        pick = first_reaching(reaches, pick, len(values) - 1)
+    raised = not reaches(pick)
+    if raised:
+        pick = first_reaching(settled, pick, len(values) - 1)
     value = values[pick]
+    scanned = over_scan[value] if raised and over_scan[value] > 1.0 else None
     found = Calibration(store.layer, param, value, None if estimator else tried[value], dict(sorted(tried.items())),
-                        per_head[value], target, tried[value] if estimator else None, bound)
+                        per_head[value], target, tried[value] if estimator else None, bound, scanned)
     apply(store, found)
     return found
 
 
 def apply(store, found: "Calibration") -> None:
-    """Search ``store``'s indexes at the calibrated value from now on (a calibration in a worker is applied here)."""
-    store.plan = replace(store.plan, search_params={**store.plan.search_params, found.param: found.value})
+    """Search ``store``'s indexes at the calibrated value from now on, or scan its keys exactly where calibration says
+    so (a calibration in a worker is applied here)."""
+    if found.exact_scan is not None:
+        store.scan_exactly()
+    else:
+        store.plan = replace(store.plan, search_params={**store.plan.search_params, found.param: found.value})
 
 
 def _checked(store, head: int, queries: np.ndarray, k: int, search: dict):

@@ -121,7 +121,7 @@ class ModeRun:
     cpu_bytes: int = 0  # CPU-side stores and indexes of the long-range layers at the end of decoding
     cpu_keys: int = 0  # tokens those stores held, summed over the layers
     prefill_s: float = 0.0  # the prefill this run decoded from (with any builds that overlapped it), seconds
-    calibration: dict = field(default_factory=dict)  # layer -> {param, value, weight_recall, tried, per_head, target; an estimator's output_error, bound} where the search was calibrated
+    calibration: dict = field(default_factory=dict)  # layer -> {param, value, weight_recall, tried, per_head, target; an estimator's output_error, bound; exact_scan: the value's bytes over a scan's, where the layer was scanned instead} where the search was calibrated
     build_layers: dict = field(default_factory=dict)  # layer -> [queued, started, ended]: its builds, seconds from the prefill's end (built after it: from the mode's build start)
     exact_steps: int | None = None  # --until-built exact: the leading decode steps in which a layer attended its whole cache (its index still building)
     hand_over_steps: dict = field(default_factory=dict)  # --until-built exact: layer -> the first step its index served (None: no step)
@@ -291,6 +291,7 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
                                "per_head": list(c.per_head),  # each query head's reading at the value set
                                "target": c.target}
                               | ({"output_error": c.output_error, "bound": c.bound} if c.output_error is not None else {})
+                              | ({"exact_scan": c.exact_scan} if c.exact_scan is not None else {})
                        for layer, c in ((layer, s.calibration) for layer, s in stores.items()) if c is not None}
     run.build_layers = {layer: [round(t, 4) for t in s.build_span] for layer, s in stores.items()
                         if s.build_span is not None}

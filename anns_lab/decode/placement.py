@@ -152,6 +152,14 @@ class LayerStore:
         self._bound = None
         self._sum_values()
 
+    def scan_exactly(self) -> None:
+        """Serve the layer by an exact scan (``flat``: one per KV head, the exact top-k of every indexed key) in place of
+        its indexes: what calibration does where raising their search would read more than the scan
+        (:mod:`decode.calibrate`)."""
+        flat = registry.get("flat")
+        self.plan = IndexPlan(flat.name)
+        self._built([flat().build(self.key_store.head(g)) for g in range(self.key_store.buf.shape[0])], shared=True)
+
     def _others(self, head: int, queries: np.ndarray, train_topk: np.ndarray | None) -> dict[str, np.ndarray]:
         """``group_queries`` (and ``group_topk``) of query head ``head``: its GQA group's other heads' newest rows
         (:func:`indexes.group_queries.other_heads`); none for a group of one."""
