@@ -36,14 +36,9 @@ class SparQ(Index):
     def _search(self, queries: np.ndarray, k: int, rank: float, budget: int):
         n, d = self._keys.shape
         r = partial.channels(rank, d)
-        ids = np.full((len(queries), k), -1, np.int64)
-        scores = np.full((len(queries), k), -np.inf, np.float32)
-        scored = np.zeros(len(queries), np.int64)
-        for row, q in enumerate(queries):  # one query at a time: a batch gives what single queries give
-            dims = np.sort(np.argsort(-np.abs(q), kind="stable")[:r])
-            approx = q[dims] @ self._by_dim[dims]
-            got, s, scored[row] = partial.best_exact(q, self._keys, approx, budget, k)
-            ids[row, : len(got)], scores[row, : len(got)] = got, s
+        dims = np.sort(np.argsort(-np.abs(queries), axis=1, kind="stable")[:, :r], axis=1)  # each query's own
+        ids, scores, scored = partial.search(self._by_dim, dims, np.take_along_axis(queries, dims, axis=1), self._keys,
+                                             queries, budget, k)
         products, nbytes = partial.partial_cost(n, r, d)
         return ids, scores, products + scored, nbytes + 4 * d * scored
 

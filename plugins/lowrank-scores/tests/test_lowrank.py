@@ -116,3 +116,25 @@ def test_a_saved_loki_basis_that_is_not_orthonormal_is_refused(tmp_path):
     index.save(tmp_path / "bad")
     with pytest.raises(IndexConfigError, match="not orthonormal"):
         Loki.load(tmp_path / "bad")
+
+
+@pytest.mark.parametrize("budget", [1, 9, 40, 120])
+def test_ties_go_to_the_lower_id_at_both_cuts(budget):
+    """Small integers (float32 sums exact in any order) and repeated keys: the ``budget`` candidates are the largest
+    partial scores with ties at the cut taken by id, and the top-k the largest exact scores, ties by id, as a sort by
+    (score, id) gives them."""
+    rng = np.random.default_rng(11)
+    keys = rng.integers(-2, 3, size=(120, 8)).astype(np.float32)
+    keys[60:] = keys[:60]  # every key twice
+    queries = rng.integers(-3, 4, size=(6, 8)).astype(np.float32)
+    queries[:, :2] *= 4  # SparQ's two largest components: distinct magnitudes, no tie in choosing them
+    queries[:, 0] += np.sign(queries[:, 0]) + (queries[:, 0] == 0)
+    res = SparQ().build(keys).search(queries, 7, rank=0.25, budget=budget)
+    for q, ids, scores in zip(queries, res.ids, res.scores):
+        dims = sorted(range(8), key=lambda i: -abs(float(q[i])))[:2]
+        partial = keys[:, dims] @ q[dims]
+        cand = sorted(range(120), key=lambda j: (-partial[j], j))[:budget]
+        exact = keys @ q
+        want = sorted(cand, key=lambda j: (-exact[j], j))[:7]
+        assert ids[: len(want)].tolist() == want and (ids[len(want):] == -1).all()
+        np.testing.assert_array_equal(scores[: len(want)], exact[want])
