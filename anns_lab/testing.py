@@ -210,6 +210,8 @@ def check_declarations(cls: type[Index]) -> None:
     """Assert the class's parameter declarations and grid are consistent."""
     for name, p in {**cls.build_params, **cls.search_params}.items():
         p.check(cls.__name__, name, p.default)
+    assert cls.calibrated_by is None or cls.calibrated_by in cls.search_grid, \
+        f"calibrated_by names {cls.calibrated_by!r}, which is not a search_grid parameter"
     for name, values in cls.search_grid.items():
         assert name in cls.search_params, f"search_grid names {name!r}, which is not a declared search parameter"
         assert len(values) > 0, f"search_grid[{name!r}] is empty"

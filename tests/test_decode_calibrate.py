@@ -73,10 +73,18 @@ def _reference_per_head(store, queries, param, value, scaling: float | None = SC
     return per_head
 
 
-def _over_scan(store, queries, param, value) -> float:
-    """Mean bytes read per query at ``param`` = ``value`` (each head's index searched alone, as its own count says) over
-    an exact scan's: every indexed key, 4·d bytes."""
-    read = [store.indexes[h].search(queries[h], store.topk, **{param: value}).bytes_read for h in range(store.n_heads)]
+def _raised(name: str) -> str:
+    """The grid parameter calibration raises: the grid's one, or the one the class names among several."""
+    cls = registry.get(name)
+    return cls.calibrated_by or next(iter(cls.search_grid))
+
+
+def _over_scan(store, queries, param, value, scaling: float = SCALING) -> float:
+    """Mean bytes read per query at ``param`` = ``value`` (each head's index searched alone, as its own count says; an
+    estimator sizing its sample by the softmax's spread at the layer's ``scaling``) over an exact scan's: every indexed
+    key, 4·d bytes."""
+    search = type(store.indexes[0]).scaled({param: value}, scaling)
+    read = [store.indexes[h].search(queries[h], store.topk, **search).bytes_read for h in range(store.n_heads)]
     return float(np.concatenate(read).mean()) / (store.n_indexed * 4 * store.keys.shape[2])
 
 
@@ -105,13 +113,17 @@ def _expected(values, recalls, floor, target, over=None) -> tuple[int, bool]:
     ("ivf", {"nlist": 32}, 0.3, 1),
     ("ivf", {"nlist": 32}, 1.01, None),  # unreachable: every list reads the centroids and every key, more than a scan
     ("ivf", {"nlist": 32}, 0.5, 32),  # every list given and reaching: kept, though it reads more than a scan
-    ("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64), 1.01, None)])
+    ("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64), 1.01, None),
+    ("sparq", {}, 0.9, None),  # two grid parameters: budget raised at the default rank (1/4)
+    ("sparq", {}, 0.999, 128),
+    ("loki", {}, 0.999, 128)])
 def test_calibration_raises_the_search_to_the_cheapest_grid_value_reaching_the_target(name, build, target, present):
     store, newest = _store(name, build)
-    param = next(iter(registry.get(name).search_grid))
+    param = _raised(name)
     if present is not None:  # as --param gives it
         store.plan = dataclasses.replace(store.plan, search_params={param: present})
-    values = [point[param] for point in store.indexes[0].grid()]  # the built index's grid (IVF: clipped to its nlist)
+    # the built index's grid (IVF: clipped to its nlist; sparq's budgets, each once)
+    values = list(dict.fromkeys(point[param] for point in store.indexes[0].grid()))
     start = present if present is not None else registry.get(name).search_params[param].default
     order = 1 if values[-1] > values[0] else -1  # cheapest first: simhash's fewest collisions is its most thorough
     if start not in values:  # the value given, in its place by the grid's order
@@ -414,18 +426,23 @@ def test_first_reaching_finds_the_least_index_reaching_and_probes_cheaply(last):
                 assert max(probed) - short <= 2 * (at - short)
 
 
-def test_the_notes_name_an_index_calibration_cannot_set_and_say_nothing_of_one_without_a_grid():
-    """With calibration on (the CLI's default): an index of several grid parameters (vattention: nprobe and epsilon)
-    gets the note that it was not calibrated; one without any (flat's exact scan) none, as without calibration."""
+def test_the_notes_name_an_index_calibration_cannot_set_and_say_nothing_of_one_without_a_grid(monkeypatch):
+    """With calibration on (the CLI's default): an index of several grid parameters naming none to raise (vattention
+    without its ``calibrated_by``: nprobe and epsilon) gets the note that it was not calibrated; one without any (flat's
+    exact scan) none, as without calibration."""
     from anns_lab.decode.builds import store_notes
 
+    if "vattention" not in registry.available():
+        pytest.skip("the vattention plugin is not installed (make test installs it)")
+    monkeypatch.setattr(registry.get("vattention"), "calibrated_by", None)
     settings = Settings(Window(4, 8), calibrate=calibrate.AUTO)
     for name, said in (("vattention", True), ("flat", False)):
         store, newest = _store(name, {})
         store.calibration = calibrate.calibrate(store, newest, settings.calibrate, SCALING)
         assert store.calibration is None
         notes = store_notes({store.layer: store}, settings)
-        assert any("no single search grid parameter: not calibrated" in n for n in notes) == said, (name, notes)
+        assert any("several search grid parameters and names none to raise (Index.calibrated_by): not calibrated" in n
+                   for n in notes) == said, (name, notes)
         assert not any("calibrat" in n for n in store_notes({store.layer: store}, dataclasses.replace(settings, calibrate=0.0)))
 
 
@@ -516,7 +533,9 @@ PEAKED = 2.0  # a softmax scale at which a few keys hold most of a query's weigh
     ("retroinfer", {"nlist": 24}, 0.99, 1),
     ("retroinfer", {}, 0.99, None),  # its default suffices: one probe
     ("magicpig", {}, 0.9, None),  # its samples at the default fall short: raised until it reads more than a scan
-    ("magicpig", {}, 0.3, None)])
+    ("magicpig", {}, 0.3, None),
+    ("vattention", {}, 0.9, None),  # two grid parameters: epsilon tightened, nprobe as given
+    ("vattention", {}, 0.99, 0.3)])
 def test_an_estimator_is_raised_until_its_output_is_as_close_as_the_exact_top_k_cut_to_the_target(name, build, target,
                                                                                                   present):
     """An estimator returns its exact part and an estimate of the rest: the weight recall of its ids undersold it
@@ -527,14 +546,14 @@ def test_an_estimator_is_raised_until_its_output_is_as_close_as_the_exact_top_k_
     if name not in registry.available():
         pytest.skip(f"the {name} plugin is not installed (make test installs it)")
     store, newest = _store(name, build, value_mean=0.5)
-    param = next(iter(registry.get(name).search_grid))
+    param = _raised(name)
     if present is not None:
         store.plan = dataclasses.replace(store.plan, search_params={param: present})
     bound = _cut_topk_error(store, newest, target, PEAKED)
-    values = [point[param] for point in store.indexes[0].grid()]
+    values = list(dict.fromkeys(point[param] for point in store.indexes[0].grid()))
     per_head = {v: [e.mean() for e in _output_errors(store, newest, param, v, PEAKED)] for v in values}
     errors = {v: np.mean(e) for v, e in per_head.items()}  # the heads have as many queries each
-    over = [_over_scan(store, newest, param, v) for v in values]
+    over = [_over_scan(store, newest, param, v, PEAKED) for v in values]
     floor = values.index(present if present is not None else registry.get(name).search_params[param].default)
     want, scanned = _expected(values, [-errors[v] for v in values], floor, -bound, over)  # errors fall as recalls rise
     cal = calibrate.calibrate(store, newest, target, PEAKED)

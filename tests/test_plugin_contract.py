@@ -106,8 +106,10 @@ def test_the_kit_refuses_a_search_param_before_that_the_index_does_not_declare()
 
     check_declarations(Beam)
     check_declarations(RoarGraphIndex)
+    check_declarations(type("Raised", (Beam,), {"search_grid": {"beam": (8, 16)}, "calibrated_by": "beam"}))
     for bad in ({"search_params_before": {"L": 1}}, {"search_params_before": {"beam": 0}},
-                {"search_params_since": {"beam": "depth"}}, {"search_params_since": {"nope": "width"}}):
+                {"search_params_since": {"beam": "depth"}}, {"search_params_since": {"nope": "width"}},
+                {"calibrated_by": "beam"}, {"search_grid": {"beam": (8, 16)}, "calibrated_by": "width"}):
         with pytest.raises((AssertionError, IndexConfigError)):
             check_declarations(type("Bad", (Beam,), bad))
 

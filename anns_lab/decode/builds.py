@@ -199,7 +199,8 @@ def store_notes(stores: dict[int, LayerStore], settings) -> list[str]:
         if done:
             notes.append(calibration.describe(done, settings.calibrate))
         elif calibration.store_grid(first.indexes) is None and type(first.indexes[0]).search_grid:  # several parameters (an index without any, as flat's exact scan, has none to set)
-            notes.append(f"{first.plan.name} has no single search grid parameter: not calibrated")
+            notes.append(f"{first.plan.name} has several search grid parameters and names none to raise "
+                         "(Index.calibrated_by): not calibrated")
     return notes
 
 

@@ -6,15 +6,16 @@ measures it on the prompt being decoded: the layer's newest prefill queries, at 
 come right after them), get their exact top-k over the keys the indexes hold, and where the layer's search (the
 index's default, or the value ``--param`` / ``--from-sweep`` gave) does not reach the target mean weight recall@k over
 the layer's heads, the search is raised to the cheapest value of its index's grid parameter that does (``Index.grid``
-of the built indexes, the union over the layer's heads where they differ: roargraph ``L``, IVF ``nprobe``, HNSW ``ef``,
-ordered cheapest first; the most thorough one when none does). A raise never goes past an exact scan's bytes: where
-the first value that reaches the target, or any on the way to it, reads more index data than a scan of the layer's keys
-(MagicPIG at ``min_collisions`` 0 samples every key and reads its hash codes too: 2.1x a scan on Gemma-3's layers), the layer
-is served by an exact scan (``flat``: the exact top-k, weight recall 1, for those bytes; :meth:`LayerStore.scan_exactly`)
+of the built indexes, the union over the layer's heads where they differ: roargraph ``L``, IVF ``nprobe``, HNSW ``ef``;
+of a grid of several, the one its class names, ``Index.calibrated_by``, as sparq's ``budget``; ordered cheapest
+first; the most thorough one when none does). A raise never goes past an exact scan's bytes: where the first value
+that reaches the target, or any on the way to it, reads more index data than a scan of the layer's keys (MagicPIG at
+``min_collisions`` 0 samples every key and reads its hash codes too: 2.1x a scan on Gemma-3's layers), the layer is
+served by an exact scan (``flat``: the exact top-k, weight recall 1, for those bytes; :meth:`LayerStore.scan_exactly`)
 and the note says so. A search given that already reads more (``--param``, ``--from-sweep``, an index's default) and
-reaches the target is kept: it is what was asked. It is never lowered: the default search is the one whose fidelity was measured, and at 8K the newest
-prefill queries read below the decode steps (BENCHMARKS "Which target"), so a cut on their word would go below what
-was validated; and where the search given suffices, one probe settles it. Every index mode is calibrated alike, so
+reaches the target is kept: it is what was asked. It is never lowered: the default search is the one whose fidelity
+was measured, and at 8K the newest prefill queries read below the decode steps (BENCHMARKS "Which target"), so a cut
+on their word would go below what was validated; and where the search given suffices, one probe settles it. Every index mode is calibrated alike, so
 the modes of a run are compared at the same least fidelity (an estimator read by its output, below).
 
 Weight recall (:func:`metrics.weight_recall_at_k`) counts each exact top-k key by its softmax weight at the layer's
@@ -123,22 +124,26 @@ class Calibration:
 
 
 def built_grid(index) -> tuple[str, list] | None:
-    """The built index's one grid parameter and its values, cheapest first, as its :meth:`Index.grid` gives them (only
-    values valid for this index: simhash's ``min_collisions`` at most its ``L``, IVF's ``nprobe`` up to its ``nlist``),
-    or None (no grid, or several parameters)."""
+    """The built index's grid parameter that calibration raises and its values, cheapest first, as its
+    :meth:`Index.grid` gives them (only values valid for this index: simhash's ``min_collisions`` at most its ``L``,
+    IVF's ``nprobe`` up to its ``nlist``): its one parameter, or where it has several the one it names
+    (``Index.calibrated_by``: sparq's ``budget``, the others searched as given); else None."""
     grid = index.grid()
     names = {tuple(point) for point in grid}
-    if len(names) != 1 or len(next(iter(names))) != 1:
+    if len(names) != 1:
         return None
-    param = next(iter(names))[0]
+    params = next(iter(names))
+    param = params[0] if len(params) == 1 else type(index).calibrated_by
+    if param not in params:
+        return None
     return param, list(dict.fromkeys(point[param] for point in grid))
 
 
 def store_grid(indexes) -> tuple[str, list] | None:
-    """The one grid parameter of a layer's ``indexes`` and the union of their built grids' values, cheapest first: an
-    index's grid may depend on what it holds (RetroInfer's ``nprobe`` ends at its head's non-empty clusters), and the one
+    """The grid parameter of a layer's ``indexes`` (:func:`built_grid`) and the union of their built grids' values,
+    cheapest first: an index's grid may depend on what it holds (RetroInfer's ``nprobe`` ends at its head's non-empty clusters), and the one
     value calibration sets must reach the most thorough point of every head's (a head clips a value past its own end).
-    None when an index has no single grid parameter, or two name different ones."""
+    None when an index has no such parameter, or two name different ones."""
     grids = [built_grid(index) for index in {id(ix): ix for ix in indexes}.values()]
     if not grids or any(g is None for g in grids) or len({param for param, _ in grids}) != 1:
         return None
@@ -156,8 +161,8 @@ def calibrate(store, queries: np.ndarray, target: float | str, scaling: float,
     (:data:`AUTO`: :func:`auto_target` of its keys) on ``queries`` (H, c, d), its newest prefill queries at their own
     positions, where its present search (:func:`with_present`) falls short: mean weight recall@k
     (:func:`metrics.weight_recall_at_k`, softmax weights at the layer's ``scaling``), or for an estimator the output
-    error of the exact top-k cut to the target's weight (:func:`_estimate_errors`); None when its index has no single
-    grid parameter or nothing is indexed. The layer's indexes are read side by side, one per one-thread worker
+    error of the exact top-k cut to the target's weight (:func:`_estimate_errors`); None when its index has no grid
+    parameter to raise (:func:`built_grid`) or nothing is indexed. The layer's indexes are read side by side, one per one-thread worker
     (:func:`threads.map_one_thread`; ``beside``: other work runs, as the prefill or another layer's builds)."""
     if not store.indexes or not store.n_indexed:
         return None

@@ -145,6 +145,9 @@ class Index:
     search_params: ClassVar[Mapping[str, Param]] = {}
     #: Values of each search parameter to sweep, cheapest first; the last point is the most thorough.
     search_grid: ClassVar[Mapping[str, Sequence[Any]]] = {}
+    #: Where the grid has several parameters: the one the decoder's calibration raises (its values in the grid's order,
+    #: cheapest first), the others held at the search given (sparq, loki: ``budget`` at the given ``rank``).
+    calibrated_by: ClassVar[str | None] = None
     #: Search parameters added after results tables were swept, each with the value that searches as the index did
     #: before it existed: ``decode --from-sweep`` runs a swept row that lacks one with that value (what it measured).
     search_params_before: ClassVar[Mapping[str, Any]] = {}

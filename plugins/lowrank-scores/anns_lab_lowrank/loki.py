@@ -43,6 +43,7 @@ class Loki(Index):
 
     search_params = {"rank": partial.RANK, "budget": partial.BUDGET}
     search_grid = {"rank": partial.RANKS, "budget": partial.BUDGETS}
+    calibrated_by = "budget"  # the decoder raises the keys scored exactly, at the rank given
 
     def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
         self._set(keys, principal_basis(keys))

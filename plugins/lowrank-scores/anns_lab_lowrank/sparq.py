@@ -28,6 +28,7 @@ class SparQ(Index):
 
     search_params = {"rank": partial.RANK, "budget": partial.BUDGET}
     search_grid = {"rank": partial.RANKS, "budget": partial.BUDGETS}
+    calibrated_by = "budget"  # the decoder raises the keys scored exactly, at the rank given
 
     def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
         self._keys = keys

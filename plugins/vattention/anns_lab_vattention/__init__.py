@@ -80,6 +80,7 @@ class VAttention(Index):
                                                   "it), else 1/√dim"),
     }
     search_grid = {"nprobe": (4, 16, 64), "epsilon": (0.3, 0.1, 0.03)}
+    calibrated_by = "epsilon"  # the decoder tightens the estimate's error bound, the heavy set probed as given
     build_params_before = {"heavy": 0.0, "pilot_share": 0.0}  # tables swept before session 48: the top-k, 32 keys
     auto_rules = {"nlist": IVFIndex.auto_rules["nlist"]}  # its top-k is an IVFIndex: its rule
     scale_param = "temperature"  # the sweep and the decoder give it the layer's softmax scale
