@@ -67,16 +67,14 @@ class StandIn:
 
 def calibrate_all(stores, newest, target: float, scaling: list[float], spread: bool) -> tuple[float, list]:
     """Wall seconds of calibrating every store one after another from its search as built, and the values chosen."""
-    plans = [s.plan for s in stores]
-    t = time.perf_counter()
+    t = time.perf_counter()  # readings only (change_store=False): every call starts from the search as built
     if spread:
-        chosen = [calibrate.calibrate(s, q, target, c, beside=True) for s, q, c in zip(stores, newest, scaling)]
-    else:  # a worker's budget is one thread: calibrate's own map then runs every index in turn on it
-        chosen = [map_one_thread(lambda st: calibrate.calibrate(st, q, target, c), [s], beside=True)[0]
+        chosen = [calibrate.calibrate(s, q, target, c, beside=True, change_store=False)
                   for s, q, c in zip(stores, newest, scaling)]
+    else:  # a worker's budget is one thread: calibrate's own map then runs every index in turn on it
+        chosen = [map_one_thread(lambda st: calibrate.calibrate(st, q, target, c, change_store=False), [s],
+                                 beside=True)[0] for s, q, c in zip(stores, newest, scaling)]
     wall = time.perf_counter() - t
-    for s, plan in zip(stores, plans):  # calibration raises a store's search: the next call would start from there
-        s.plan = plan
     return wall, [(c.param, c.value) for c in chosen if c is not None]
 
 

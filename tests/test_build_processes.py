@@ -253,6 +253,35 @@ def test_a_decode_builds_the_same_indexes_in_the_workers_as_on_threads(tiny_llam
     assert runs[True].calibration == runs[False].calibration and runs[True].calibration
 
 
+def test_a_layer_the_workers_calibration_scans_is_scanned_in_the_decoder_as_on_threads(tiny_gemma3, workers,
+                                                                                       monkeypatch):
+    """A calibration in the workers that decides an exact scan (IVF at a target only every list reaches, which reads
+    more than a scan) is applied in the decoding process: the same layers served by flat, the same tokens and
+    calibrations as the threads' builds, and no layer calibrated in this process."""
+    from anns_lab.decode import calibrate
+    from anns_lab.decode.engine import Mode, Settings, prefill, run_mode
+    from anns_lab.dumps.models import load_model
+    from anns_lab.window import Window
+
+    lm = load_model(str(tiny_gemma3), device="cpu")
+    ids = np.random.default_rng(3).integers(3, 400, size=160).tolist()
+    mode = Mode("ivf", IndexPlan("ivf", {}, {"nprobe": 1}))
+    here: list = []
+    real = calibrate.calibrate
+    monkeypatch.setattr(calibrate, "calibrate",
+                        lambda store, *a, **kw: (here.append(store.layer) if store.layer >= 0 else None,
+                                                 real(store, *a, **kw))[1])
+    runs = {}
+    for processes in (False, True):
+        settings = Settings(Window(4, 8), topk=12, add_batch=4, chunk=24, calibrate=1.0, build_processes=processes)
+        runs[processes] = run_mode(lm, prefill(lm, ids, settings, capture_queries=True), mode, settings, 4)
+        assert sorted(here) == ([] if processes else sorted(lm.long_range_layers))
+        here.clear()
+    served = {p: {layer: s.plan.name for layer, s in run.stores.items()} for p, run in runs.items()}
+    assert served[True] == served[False] and "flat" in served[True].values()
+    assert runs[True].tokens == runs[False].tokens and runs[True].calibration == runs[False].calibration
+
+
 def test_the_decode_command_builds_in_the_workers_with_build_processes(tiny_llama, workers, tmp_path):
     """``--build-processes`` on a CPU: the settings record it, and the answers are those of the threads' builds."""
     import json

@@ -95,6 +95,8 @@ def _expected(values, recalls, floor, target, over=None) -> tuple[int, bool]:
     over = over or [0.0] * len(values)
     if recalls[floor] >= target:
         return floor, False
+    if over[floor] > 1:  # a search given that falls short and reads more than a scan: scanned at once
+        return floor, True
     want = next((i for i in range(floor + 1, len(values)) if recalls[i] >= target or over[i] > 1), len(values) - 1)
     return want, over[want] > 1
 
@@ -113,6 +115,7 @@ def _expected(values, recalls, floor, target, over=None) -> tuple[int, bool]:
     ("ivf", {"nlist": 32}, 0.3, 1),
     ("ivf", {"nlist": 32}, 1.01, None),  # unreachable: every list reads the centroids and every key, more than a scan
     ("ivf", {"nlist": 32}, 0.5, 32),  # every list given and reaching: kept, though it reads more than a scan
+    ("ivf", {"nlist": 32}, 1.01, 31),  # given, short and reading more than a scan: scanned, nothing raised
     ("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64), 1.01, None),
     ("sparq", {}, 0.9, None),  # two grid parameters: budget raised at the default rank (1/4)
     ("sparq", {}, 0.999, 128),
@@ -136,13 +139,16 @@ def test_calibration_raises_the_search_to_the_cheapest_grid_value_reaching_the_t
     cal = calibrate.calibrate(store, newest, target, SCALING)
     assert order * values[want] >= order * start  # never below the search it was given
     assert (cal.param, cal.value) == (param, values[want])
-    assert cal.weight_recall == pytest.approx(recalls[want])
-    # and each head's (IVF: one index per KV head, its two query heads' readings told apart)
-    assert cal.per_head == pytest.approx(per_head[want])
-    if scanned:  # a raise past a scan's bytes: the layer is scanned exactly instead
+    if scanned:  # a raise past a scan's bytes: the layer is scanned exactly instead, told by the exact top-k's reading
         assert cal.exact_scan == pytest.approx(over[want]) and store.plan.name == "flat"
+        assert cal.weight_recall == 1.0 and cal.per_head == (1.0,) * store.n_heads
+        if want == floor:
+            assert list(cal.tried) == [values[floor]]  # the search given read more already: no raise probed
     else:
         assert cal.exact_scan is None
+        assert cal.weight_recall == pytest.approx(recalls[want])
+        # and each head's (IVF: one index per KV head, its two query heads' readings told apart)
+        assert cal.per_head == pytest.approx(per_head[want])
         assert store.plan.search_params[param] == values[want]  # the layer's searches use it from now on
     assert all(tried == pytest.approx(recalls[values.index(v)]) for v, tried in cal.tried.items())
     if recalls[floor] >= target:
@@ -556,14 +562,17 @@ def test_an_estimator_is_raised_until_its_output_is_as_close_as_the_exact_top_k_
     over = [_over_scan(store, newest, param, v, PEAKED) for v in values]
     floor = values.index(present if present is not None else registry.get(name).search_params[param].default)
     want, scanned = _expected(values, [-errors[v] for v in values], floor, -bound, over)  # errors fall as recalls rise
+    topk_error = _cut_topk_error(store, newest, 1.0, PEAKED)  # the whole exact top-k's
     cal = calibrate.calibrate(store, newest, target, PEAKED)
     assert cal.bound == pytest.approx(bound, rel=1e-6)
-    assert (cal.param, cal.value) == (param, values[want])
-    assert cal.output_error == pytest.approx(errors[values[want]], rel=1e-4, abs=1e-9) and cal.weight_recall is None
-    assert cal.per_head == pytest.approx(per_head[values[want]], rel=1e-4, abs=1e-9)
+    assert (cal.param, cal.value) == (param, values[want]) and cal.weight_recall is None
     if scanned:  # MagicPIG sampling every key reads its hash codes and every key: the layer is scanned instead
         assert cal.exact_scan == pytest.approx(over[want]) and cal.reached and store.plan.name == "flat"
+        assert cal.output_error == pytest.approx(topk_error, rel=1e-4)  # what serves it now
+        assert topk_error <= bound
     else:
+        assert cal.output_error == pytest.approx(errors[values[want]], rel=1e-4, abs=1e-9)
+        assert cal.per_head == pytest.approx(per_head[values[want]], rel=1e-4, abs=1e-9)
         assert cal.exact_scan is None and cal.reached == (errors[values[want]] <= bound)
         assert store.plan.search_params[param] == values[want]
     if errors[values[floor]] <= bound:
@@ -593,6 +602,7 @@ def test_a_layer_scanned_instead_returns_the_exact_top_k_and_reads_a_scans_bytes
     cal = calibrate.calibrate(store, newest, 1.01, SCALING)
     assert cal.exact_scan > 1 and cal.reached and store.plan.name == "flat"
     assert "5: exact scan (nprobe=32 read " in calibrate.describe([cal], 1.01)
+    assert "a scan's bytes; the exact top-k: weight recall 1)" in calibrate.describe([cal], 1.01)
     assert "short of the target" not in calibrate.describe([cal], 1.01)
     rng = np.random.default_rng(1)
     later = rng.normal(size=(2, store.add_batch, 16)).astype(np.float32)

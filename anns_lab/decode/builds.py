@@ -101,7 +101,7 @@ def calibrate_spooled(spool, layer: int, n_heads: int, topk: int, plan: IndexPla
     store = LayerStore(layer, n_heads, keys, keys, topk, plan, add_batch=1, reserve=1)
     rows = [store.key_store.head(g) for g in range(len(keys))]
     store._built(build_processes.spooled_indexes(spool, rows), len(spool.heads) < n_heads)
-    return calibration.calibrate(store, newest, target, scaling)
+    return calibration.calibrate(store, newest, target, scaling, change_store=False)  # applied in the decoder
 
 
 WARM_KEYS = 2560  # keys per KV head of the layer :func:`warm_up` builds (fewer: faiss's k-means warns for pqcache's codebooks)
@@ -133,7 +133,9 @@ def warm_up(lm, modes: list, settings, failed: list | None = None) -> float:
             store = LayerStore(-1, n_heads, keys, values, min(settings.topk, WARM_KEYS // 4), plan, settings.add_batch)
             store.build(queries if registry.get(plan.name).uses_train_queries else None)
             if calibration.enabled(settings.calibrate):
-                calibration.calibrate(store, queries[:, -calibration.QUERIES:], settings.calibrate, dim ** -0.5)
+                # a reading only: the steps below warm the mode's own search even where a real layer would be scanned
+                calibration.calibrate(store, queries[:, -calibration.QUERIES:], settings.calibrate, dim ** -0.5,
+                                      change_store=False)
             hints = np.arange(4, dtype=np.int64) if registry.get(plan.name).takes_hints else None
             store.side(queries[:, -1], dim ** -0.5, hints)
             store.extend(keys[:, :settings.add_batch], values[:, :settings.add_batch])
@@ -191,7 +193,9 @@ def start_build_processes(modes: list, settings) -> tuple[build_processes.BuildP
 def store_notes(stores: dict[int, LayerStore], settings) -> list[str]:
     """What a mode's table row should carry as notes: a side-buffer kept for good, the calibrated search."""
     notes = []
-    first = next(iter(stores.values()), None)
+    # a layer scanned instead (decode.calibrate) serves by flat: the mode's own index is told by another, where one is
+    first = next((s for s in stores.values() if s.calibration is None or s.calibration.exact_scan is None),
+                 next(iter(stores.values()), None))
     if first is not None and first.indexes and not first.supports_add:
         notes.append(f"{first.plan.name} has no add(): tokens leaving the window are kept exactly in a CPU side-buffer")
     if calibration.enabled(settings.calibrate) and first is not None and first.indexes:

@@ -11,8 +11,9 @@ of a grid of several, the one its class names, ``Index.calibrated_by``, as sparq
 first; the most thorough one when none does). A raise never goes past an exact scan's bytes: where the first value
 that reaches the target, or any on the way to it, reads more index data than a scan of the layer's keys (MagicPIG at
 ``min_collisions`` 0 samples every key and reads its hash codes too: 2.1x a scan on Gemma-3's layers), the layer is
-served by an exact scan (``flat``: the exact top-k, weight recall 1, for those bytes; :meth:`LayerStore.scan_exactly`)
-and the note says so. A search given that already reads more (``--param``, ``--from-sweep``, an index's default) and
+served by an exact scan (``flat``: the exact top-k, weight recall 1, for those bytes; :meth:`LayerStore.scan_exactly`;
+a search given that falls short and reads more already is scanned at once) and the note says so, with the exact
+top-k's reading. A search given that already reads more (``--param``, ``--from-sweep``, an index's default) and
 reaches the target is kept: it is what was asked. It is never lowered: the default search is the one whose fidelity
 was measured, and at 8K the newest prefill queries read below the decode steps (BENCHMARKS "Which target"), so a cut
 on their word would go below what was validated; and where the search given suffices, one probe settles it. Every index mode is calibrated alike, so
@@ -98,7 +99,8 @@ class Calibration:
     target: float = TARGET
     output_error: float | None = None
     bound: float | None = None
-    exact_scan: float | None = None  # the layer scanned exactly instead: ``value``'s bytes read over a scan's
+    exact_scan: float | None = None  # the layer scanned exactly instead: ``value``'s bytes read over a scan's (the
+    # readings are then the exact top-k's: weight recall 1, or its output error against the layer's exact attention)
 
     @property
     def reached(self) -> bool:
@@ -113,10 +115,10 @@ class Calibration:
     def describe(self) -> str:
         digits = 4 if self.output_error is not None else 3  # errors of a few thousandths, recalls near 1
         heads = f"; heads {min(self.per_head):.{digits}f}-{max(self.per_head):.{digits}f}" if len(self.per_head) > 1 else ""
-        if self.exact_scan is not None:
-            reading = (f"output error {self.output_error:.4f}" if self.output_error is not None
-                       else f"{self.weight_recall:.3f}")
-            return f"{self.layer}: exact scan ({self.param}={self.value} read {self.exact_scan:.2f}x a scan's bytes at {reading})"
+        if self.exact_scan is not None:  # its readings are the exact top-k's
+            reading = f"output error {self.output_error:.4f}" if self.output_error is not None else "weight recall 1"
+            return (f"{self.layer}: exact scan ({self.param}={self.value} read {self.exact_scan:.2f}x a scan's bytes; "
+                    f"the exact top-k: {reading})")
         if self.output_error is not None:
             return (f"{self.layer}: {self.param}={self.value} (output error {self.output_error:.4f} "
                     f"{'<=' if self.reached else '>'} {self.bound:.4f}{heads})")
@@ -156,14 +158,16 @@ def store_grid(indexes) -> tuple[str, list] | None:
 
 
 def calibrate(store, queries: np.ndarray, target: float | str, scaling: float,
-              beside: bool = False) -> Calibration | None:
+              beside: bool = False, change_store: bool = True) -> Calibration | None:
     """Raise ``store``'s (a built :class:`placement.LayerStore`) search to the cheapest grid value reaching ``target``
     (:data:`AUTO`: :func:`auto_target` of its keys) on ``queries`` (H, c, d), its newest prefill queries at their own
     positions, where its present search (:func:`with_present`) falls short: mean weight recall@k
     (:func:`metrics.weight_recall_at_k`, softmax weights at the layer's ``scaling``), or for an estimator the output
     error of the exact top-k cut to the target's weight (:func:`_estimate_errors`); None when its index has no grid
-    parameter to raise (:func:`built_grid`) or nothing is indexed. The layer's indexes are read side by side, one per one-thread worker
-    (:func:`threads.map_one_thread`; ``beside``: other work runs, as the prefill or another layer's builds)."""
+    parameter to raise (:func:`built_grid`) or nothing is indexed. The layer's indexes are read side by side, one per
+    one-thread worker (:func:`threads.map_one_thread`; ``beside``: other work runs, as the prefill or another layer's
+    builds). ``change_store``: the store searches as found from now on (:func:`apply`); else a reading only (a worker's,
+    applied in the decoding process; a benchmark's)."""
     if not store.indexes or not store.n_indexed:
         return None
     target = layer_target(target, store.n_indexed)
@@ -206,9 +210,7 @@ def calibrate(store, queries: np.ndarray, target: float | str, scaling: float,
             got = map_one_thread(lambda g: read(g, search), range(len(groups)), beside)
             tried[values[i]] = float(np.concatenate([r for r, _ in got]).mean())
             over_scan[values[i]] = float(np.concatenate([b for _, b in got]).mean()) / scan_bytes
-            heads_of = [h for hs in groups for h in hs]  # a group's queries are its heads' in turn, c rows each
-            means = [float(part.mean()) for (r, _), hs in zip(got, groups) for part in np.split(r, len(hs))]
-            per_head[values[i]] = tuple(m for _, m in sorted(zip(heads_of, means)))
+            per_head[values[i]] = _per_head([r for r, _ in got], groups)
         return tried[values[i]]
 
     def reaches(i: int) -> bool:
@@ -219,14 +221,30 @@ def calibrate(store, queries: np.ndarray, target: float | str, scaling: float,
 
     values, pick = with_present(store, param, values)
     raised = not reaches(pick)
-    if raised:
+    if raised and over_scan[values[pick]] <= 1.0:  # a search given that falls short and reads more is scanned at once
         pick = first_reaching(settled, pick, len(values) - 1)
     value = values[pick]
-    scanned = over_scan[value] if raised and over_scan[value] > 1.0 else None
-    found = Calibration(store.layer, param, value, None if estimator else tried[value], dict(sorted(tried.items())),
-                        per_head[value], target, tried[value] if estimator else None, bound, scanned)
-    apply(store, found)
+    if raised and over_scan[value] > 1.0:  # told by what serves the layer: the exact top-k, not the value left
+        if estimator:
+            errors = [r[4] for r in refs]
+            reading, heads_read = float(np.concatenate(errors).mean()), _per_head(errors, groups)
+        else:
+            reading, heads_read = 1.0, (1.0,) * store.n_heads
+        found = Calibration(store.layer, param, value, None if estimator else reading, dict(sorted(tried.items())),
+                            heads_read, target, reading if estimator else None, bound, over_scan[value])
+    else:
+        found = Calibration(store.layer, param, value, None if estimator else tried[value], dict(sorted(tried.items())),
+                            per_head[value], target, tried[value] if estimator else None, bound)
+    if change_store:
+        apply(store, found)
     return found
+
+
+def _per_head(readings: list[np.ndarray], groups: list[list[int]]) -> tuple:
+    """Each query head's mean reading, from each group's readings (its heads' queries in turn, as many each)."""
+    heads_of = [h for hs in groups for h in hs]
+    means = [float(part.mean()) for r, hs in zip(readings, groups) for part in np.split(r, len(hs))]
+    return tuple(m for _, m in sorted(zip(heads_of, means)))
 
 
 def apply(store, found: "Calibration") -> None:
@@ -255,12 +273,12 @@ ROWS = 64  # queries per block of an estimator's dense readings: 64 × n float64
 
 
 def _exact_outputs(store, head: int, queries: np.ndarray, k: int, target: float,
-                   scaling: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                   scaling: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """For an estimator's calibration, per query of ``head``'s index: its scaled logits over the indexed keys less
-    the row's largest (r, n) float32 and that largest (r,), exact attention over the keys (r, dv) in float64, and the
+    the row's largest (r, n) float32 and that largest (r,), exact attention over the keys (r, dv) in float64, the
     output error of its exact top-k cut to ``target`` of the top-k's weight (its fewest heaviest keys holding that
     share): the error a top-k index at weight recall ``target`` would have if it missed only the lightest keys, the
-    bound an estimator's must not exceed."""
+    bound an estimator's must not exceed; and the whole exact top-k's output error (a layer scanned instead)."""
     keys = store.keys[head // store.group, : store.n_indexed]
     values = store.values[head // store.group, : store.n_indexed].astype(np.float64)
     logits = _scores(queries, keys)
@@ -268,7 +286,7 @@ def _exact_outputs(store, head: int, queries: np.ndarray, k: int, target: float,
     logits -= top_logit[:, None]
     logits *= np.float32(scaling)
     full = np.empty((len(queries), values.shape[1]))
-    cut_errors = np.empty(len(queries))
+    cut_errors, topk_errors = np.empty(len(queries)), np.empty(len(queries))
     for lo in range(0, len(queries), ROWS):
         w = np.exp(logits[lo:lo + ROWS].astype(np.float64))
         full[lo:lo + ROWS] = (w @ values) / w.sum(axis=1, keepdims=True)
@@ -281,7 +299,9 @@ def _exact_outputs(store, head: int, queries: np.ndarray, k: int, target: float,
         kept_w = np.where(kept, top_w, 0.0)
         cut = np.einsum("rk,rkd->rd", kept_w, values[top]) / kept_w.sum(axis=1, keepdims=True)
         cut_errors[lo:lo + ROWS] = _relative(cut, full[lo:lo + ROWS])
-    return logits, top_logit, full, cut_errors
+        whole = np.einsum("rk,rkd->rd", top_w, values[top]) / top_w.sum(axis=1, keepdims=True)
+        topk_errors[lo:lo + ROWS] = _relative(whole, full[lo:lo + ROWS])
+    return logits, top_logit, full, cut_errors, topk_errors
 
 
 def _estimate_errors(store, head: int, queries: np.ndarray, res, ref: tuple, scaling: float) -> np.ndarray:
@@ -291,7 +311,7 @@ def _estimate_errors(store, head: int, queries: np.ndarray, res, ref: tuple, sca
     (:func:`estimate.estimate_terms`), each block of queries as a dense weighted product over the keys (a loop over
     :func:`estimate.estimate_terms` per query took minutes on a sampled estimator; tests/test_decode_calibrate.py holds
     these errors to the decoder's own step output, :meth:`LayerStore.side`)."""
-    logits, top_logit, full, _ = ref
+    logits, top_logit, full = ref[:3]
     values = store.values[head // store.group, : store.n_indexed].astype(np.float64)
     summ, sums = store._summaries.get(head, (None, None))
     errors = np.empty(len(queries))
