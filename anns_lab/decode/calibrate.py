@@ -227,11 +227,11 @@ def calibrate(store, queries: np.ndarray, target: float | str, scaling: float,
     if raised and over_scan[value] > 1.0:  # told by what serves the layer: the exact top-k, not the value left
         if estimator:
             errors = [r[4] for r in refs]
-            reading, heads_read = float(np.concatenate(errors).mean()), _per_head(errors, groups)
+            scan, heads_read = float(np.concatenate(errors).mean()), _per_head(errors, groups)
         else:
-            reading, heads_read = 1.0, (1.0,) * store.n_heads
-        found = Calibration(store.layer, param, value, None if estimator else reading, dict(sorted(tried.items())),
-                            heads_read, target, reading if estimator else None, bound, over_scan[value])
+            scan, heads_read = 1.0, (1.0,) * store.n_heads
+        found = Calibration(store.layer, param, value, None if estimator else scan, dict(sorted(tried.items())),
+                            heads_read, target, scan if estimator else None, bound, over_scan[value])
     else:
         found = Calibration(store.layer, param, value, None if estimator else tried[value], dict(sorted(tried.items())),
                             per_head[value], target, tried[value] if estimator else None, bound)
