@@ -570,6 +570,7 @@ def test_an_estimator_is_raised_until_its_output_is_as_close_as_the_exact_top_k_
         assert cal.exact_scan == pytest.approx(over[want]) and cal.reached and store.plan.name == "flat"
         assert cal.output_error == pytest.approx(topk_error, rel=1e-4)  # what serves it now
         assert topk_error <= bound
+        assert f"the exact top-k: output error {cal.output_error:.4f} <= {bound:.4f})" in cal.describe()
     else:
         assert cal.output_error == pytest.approx(errors[values[want]], rel=1e-4, abs=1e-9)
         assert cal.per_head == pytest.approx(per_head[values[want]], rel=1e-4, abs=1e-9)

@@ -116,7 +116,8 @@ class Calibration:
         digits = 4 if self.output_error is not None else 3  # errors of a few thousandths, recalls near 1
         heads = f"; heads {min(self.per_head):.{digits}f}-{max(self.per_head):.{digits}f}" if len(self.per_head) > 1 else ""
         if self.exact_scan is not None:  # its readings are the exact top-k's
-            reading = f"output error {self.output_error:.4f}" if self.output_error is not None else "weight recall 1"
+            reading = (f"output error {self.output_error:.4f} {'<=' if self.output_error <= self.bound else '>'} "
+                       f"{self.bound:.4f}" if self.output_error is not None else "weight recall 1")
             return (f"{self.layer}: exact scan ({self.param}={self.value} read {self.exact_scan:.2f}x a scan's bytes; "
                     f"the exact top-k: {reading})")
         if self.output_error is not None:
