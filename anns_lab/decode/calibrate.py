@@ -16,8 +16,9 @@ a search given that falls short and reads more already is scanned at once) and t
 top-k's reading. A search given that already reads more (``--param``, ``--from-sweep``, an index's default) and
 reaches the target is kept: it is what was asked. It is never lowered: the default search is the one whose fidelity
 was measured, and at 8K the newest prefill queries read below the decode steps (BENCHMARKS "Which target"), so a cut
-on their word would go below what was validated; and where the search given suffices, one probe settles it. Every index mode is calibrated alike, so
-the modes of a run are compared at the same least fidelity (an estimator read by its output, below).
+on their word would go below what was validated; and where the search given suffices, one probe settles it. Every
+index mode is calibrated alike, so the modes of a run are compared at the same least fidelity (an estimator read by its
+output, below).
 
 Weight recall (:func:`metrics.weight_recall_at_k`) counts each exact top-k key by its softmax weight at the layer's
 scale, not as one of k: attention loses a missed key's weight, so a key swapped for a near-tie just outside the top-k
@@ -144,9 +145,9 @@ def built_grid(index) -> tuple[str, list] | None:
 
 def store_grid(indexes) -> tuple[str, list] | None:
     """The grid parameter of a layer's ``indexes`` (:func:`built_grid`) and the union of their built grids' values,
-    cheapest first: an index's grid may depend on what it holds (RetroInfer's ``nprobe`` ends at its head's non-empty clusters), and the one
-    value calibration sets must reach the most thorough point of every head's (a head clips a value past its own end).
-    None when an index has no such parameter, or two name different ones."""
+    cheapest first: an index's grid may depend on what it holds (RetroInfer's ``nprobe`` ends at its head's non-empty
+    clusters), and the one value calibration sets must reach the most thorough point of every head's (a head clips a
+    value past its own end). None when an index has no such parameter, or two name different ones."""
     grids = [built_grid(index) for index in {id(ix): ix for ix in indexes}.values()]
     if not grids or any(g is None for g in grids) or len({param for param, _ in grids}) != 1:
         return None
