@@ -70,7 +70,7 @@ class Loki(Index):
         return 2 * self.n_keys + self.dim
 
     def _add(self, keys: np.ndarray) -> None:
-        # the new keys' coordinates only: every key's again cost n·d² products an add (2.1 GFLOP at Gemma-3 8K)
+        # the new keys' coordinates only: every key's again cost n·d² products an add (0.54 G multiply-adds at Gemma-3 8K)
         self._keys = np.ascontiguousarray(np.vstack([self._keys, keys]))
         self._coords = np.ascontiguousarray(np.hstack([self._coords, self._basis.T @ keys.T]))
 
