@@ -189,6 +189,49 @@ def hold_folder(folder: Path) -> Iterator[None]:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def hold_file(path: Path) -> Iterator[None]:
+    """An advisory lock on writing the file ``path`` (two decodes given one ``--json`` both ran, and the later writer's
+    result replaced the other's): a hidden ``.NAME.lock`` beside it, held while the block runs and removed at its end;
+    ``FolderBusy`` at once where another process holds it; unguarded where the system or file system has no such locks.
+    A lock taken on a file its holder has just removed is taken again on the new one (the inodes are compared)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    lock = path.parent / f".{path.name}.lock"
+    while True:
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, _MODE)
+        except OSError:  # not writable here: the command's own write says why
+            yield
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise FolderBusy(f"another anns-lab process is writing {path}; wait for it to end, or choose another "
+                             "file") from None
+        except OSError:  # a file system without flock: unguarded
+            os.close(fd)
+            yield
+            return
+        try:
+            same = os.stat(lock).st_ino == os.fstat(fd).st_ino
+        except OSError:  # removed by the holder before us
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(lock)  # while held: a process that opened it meanwhile sees another inode and tries again
+        os.close(fd)
+
+
 def abandoned(folder: Path, older_than: float = 60.0) -> bool:
     """Whether ``folder`` was left by a writer that is gone: unchanged for ``older_than`` seconds (a writer takes
     :func:`hold_folder` right after making it) and held by no process. False where that cannot be told."""

@@ -1569,6 +1569,53 @@ def test_a_folder_another_process_writes_into_is_refused_and_free_once_it_ends(t
     assert ran.exit_code == 0 and (tmp_path / "s" / "report.md").exists(), ran.output
 
 
+def test_a_json_file_another_decode_writes_is_refused_and_free_once_it_ends(tiny_llama, tmp_path, monkeypatch):
+    """Before (session 50): two decodes given one --json both ran, and the later writer's result replaced the other's
+    (with --overwrite, or where neither file existed yet when both looked). A decode holding the file now refuses the
+    other at once, before the model loads; a decode that finds the file written once it holds it refuses as before."""
+    from anns_lab.decode import cli as decode_cli
+    from anns_lab.errors import FolderBusy
+    from anns_lab.io import hold_file
+
+    out = tmp_path / "r.json"
+    args = ["decode", "--model", tiny_llama, "--task", "passkey", "--context", 200, "--mode", "full",
+            "--max-new-tokens", 2, "--json", out]
+    code = ("import sys, time\nfrom pathlib import Path\nfrom anns_lab.io import hold_file\n"
+            "with hold_file(Path(sys.argv[1])):\n    print('held', flush=True)\n    time.sleep(600)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with monkeypatch.context() as m:
+            m.setattr(decode_cli, "_load", lambda *a, **k: pytest.fail("the model was loaded"))
+            for extra in ([], ["--overwrite"]):
+                one_line_error(args + extra, f"another anns-lab process is writing {out}; wait for it to end")
+        assert not out.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    # killed, its lock is gone with it (its hidden file stays until the next holder's end)
+    ran = CliRunner().invoke(main, [str(a) for a in args])
+    assert ran.exit_code == 0 and json.loads(out.read_text())["task"] == "passkey", ran.output
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["r.json"]  # the lock file removed by its last holder
+    # the file written between this decode's look and its lock: looked at again once held, and refused
+    real = decode_cli._check_writable
+
+    def written_meanwhile(path):
+        real(path)
+        path.write_text(out.read_text())
+
+    monkeypatch.setattr(decode_cli, "_check_writable", written_meanwhile)
+    again = [str(a) for a in args[:-1]] + [str(tmp_path / "s.json")]
+    one_line_error(again, f"--json {tmp_path / 's.json'} exists: pass --overwrite to replace it")
+    # in one process too: a second holder is refused while the first holds
+    with hold_file(tmp_path / "t.json"):
+        with pytest.raises(FolderBusy, match="another anns-lab process is writing"):
+            with hold_file(tmp_path / "t.json"):
+                pass
+    with hold_file(tmp_path / "t.json"):  # free again
+        pass
+
+
 def test_a_folder_made_by_two_commands_at_once_is_written_by_one(dump, tmp_path, monkeypatch):
     """Before (fourth audit): two exports into a new --out both looked at the missing folder, then each locked it in
     turn: both ended with exit 0, the second writing over the first without --overwrite. Here the other export runs

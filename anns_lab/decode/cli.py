@@ -24,7 +24,7 @@ from anns_lab.dumps.tasks import TASKS
 from anns_lab.errors import DecodeError
 from anns_lab.indexes.group_queries import DEFAULT as GROUP_DEFAULT
 from anns_lab.indexes.group_queries import MODES as GROUP_MODES
-from anns_lab.io import atomic_write_bytes, loads_json
+from anns_lab.io import atomic_write_bytes, hold_file, loads_json
 
 if TYPE_CHECKING:
     from anns_lab.decode.engine import Mode, Settings
@@ -209,7 +209,7 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
 
         check_sweep_pick(from_sweep, target_recall, settings.topk, tuple(settings.window))
     kept: dict = {}  # samples the --json file holds: what an interrupted run says it kept
-    with _interrupt_says_what_was_kept(json_path, kept):
+    with _held_json(json_path, overwrite, from_sweep, kept):
         device = device or default_device()
         lm = _load(model, device, torch_threads, rope_scaling)
         recorded = {"torch_threads": _torch_threads(torch_threads, executor),
@@ -281,6 +281,18 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
                                               for name, n in failed.items())
                        + " (the errors are in the notes above)", err=True)
             raise SystemExit(1)
+
+
+@contextlib.contextmanager
+def _held_json(json_path: str | None, overwrite: bool, from_sweep: str | None, kept: dict):
+    """The run's ``--json`` file held by this process alone (:func:`io.hold_file`; its checks made again once held:
+    another decode may have written it since), and what it keeps said on an interrupt."""
+    with contextlib.ExitStack() as held:
+        if json_path:
+            held.enter_context(hold_file(Path(json_path)))
+            _check_replaceable(Path(json_path), overwrite, from_sweep)
+        with _interrupt_says_what_was_kept(json_path, kept):
+            yield
 
 
 @contextlib.contextmanager
