@@ -167,23 +167,12 @@ def hold_folder(folder: Path) -> Iterator[None]:
     """An advisory lock on the folder itself (no file is added to it), released when the block ends or the process
     dies; where the system or its file system has no such locks, the block runs unguarded."""
     try:
-        import fcntl
-    except ImportError:  # not POSIX
-        yield
-        return
-    try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:  # not readable here: what prepares the folder says why it cannot be used
         yield
         return
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise FolderBusy(f"another anns-lab process is writing into {folder}; wait for it to end, or choose "
-                             "another --out") from None
-        except OSError:  # a file system without flock (some network mounts): unguarded, as before
-            pass
+        _lock(fd, f"another anns-lab process is writing into {folder}; wait for it to end, or choose another --out")
         yield
     finally:
         os.close(fd)
@@ -195,11 +184,6 @@ def hold_file(path: Path) -> Iterator[None]:
     result replaced the other's): a hidden ``.NAME.lock`` beside it, held while the block runs and removed at its end;
     ``FolderBusy`` at once where another process holds it; unguarded where the system or file system has no such locks.
     A lock taken on a file its holder has just removed is taken again on the new one (the inodes are compared)."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX
-        yield
-        return
     lock = path.parent / f".{path.name}.lock"
     while True:
         try:
@@ -208,28 +192,39 @@ def hold_file(path: Path) -> Iterator[None]:
             yield
             return
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            held = _lock(fd, f"another anns-lab process is writing {path}; wait for it to end, or choose another file")
+            same = held and os.stat(lock).st_ino == os.fstat(fd).st_ino
+        except FolderBusy:
             os.close(fd)
-            raise FolderBusy(f"another anns-lab process is writing {path}; wait for it to end, or choose another "
-                             "file") from None
-        except OSError:  # a file system without flock: unguarded
-            os.close(fd)
-            yield
-            return
-        try:
-            same = os.stat(lock).st_ino == os.fstat(fd).st_ino
+            raise
         except OSError:  # removed by the holder before us
-            same = False
-        if same:
+            held, same = True, False
+        if not held or same:
             break
         os.close(fd)
     try:
         yield
     finally:
-        with contextlib.suppress(OSError):
-            os.unlink(lock)  # while held: a process that opened it meanwhile sees another inode and tries again
+        if held:
+            with contextlib.suppress(OSError):
+                os.unlink(lock)  # while held: a process that opened it meanwhile sees another inode and tries again
         os.close(fd)
+
+
+def _lock(fd: int, busy: str) -> bool:
+    """``fd``'s exclusive advisory lock, taken at once: True; False where the system or file system has no such locks
+    (the caller runs unguarded); ``FolderBusy(busy)`` where another process holds it."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise FolderBusy(busy) from None
+    except OSError:  # a file system without flock (some network mounts)
+        return False
+    return True
 
 
 def abandoned(folder: Path, older_than: float = 60.0) -> bool:
