@@ -23,7 +23,7 @@ BUILD = {"vamana": {"R": 8, "L": 16}, "robust-vamana": {"R": 8, "L": 16, "n_quer
          "pqcache": {"M": 2, "nbits": 4}, "clusterkv": {"nlist": 8}, "squeezed": {"nlist": 8, "n_coarse": 2},
          "quest": {"page_size": 16}, "shadowkv": {"chunk_size": 8, "outliers": 0.05}, "retroinfer": {"nlist": 8},
          "magicpig": {"K": 4, "L": 8}, "ngfix": {"M": 8, "ef_construction": 32, "MEX": 8, "fix_lists": 20, "rfix_ef": 40},
-         "sparq": {}, "loki": {}}
+         "sparq": {}, "loki": {}, "snapkv": {"window": 16}}
 OPAQUE = {"hnswlib_index"}  # hnswlib's file: edited whole by hnswlib_bytes below, not an element at a time
 JUNK = [None, -1, 0, 10**12, "x", [], {}, 1.5, True, -(2**63)]
 

@@ -21,7 +21,7 @@ WORKER = Path(__file__).with_name("load_fuzz_worker.py")
 
 @pytest.mark.parametrize("name", ["flat", "ivf", "hnsw", "vamana", "robust-vamana", "roargraph", "simhash",
                                   "pqcache", "clusterkv", "squeezed", "quest", "shadowkv", "retroinfer",
-                                  "magicpig", "ngfix", "sparq", "loki"])
+                                  "magicpig", "ngfix", "sparq", "loki", "snapkv"])
 def test_every_edit_of_a_saved_index_is_refused_or_loads_correctly(name, tmp_path):
     from anns_lab.indexes import registry
 
