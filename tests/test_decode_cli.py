@@ -99,7 +99,7 @@ def test_give_up_after_counts_failures_in_a_row_only(monkeypatch):
     fails = {"a": {0, 2, 3}, "b": {1}}  # a: fails, finishes, fails twice (left out of 4 and 5); b: fails once
     asked = []
 
-    def run_sample(lm, modes, settings, ids, max_new, stops, say=None):
+    def run_sample(lm, modes, settings, ids, max_new, stops, say=None, question=0):
         i = len(asked)
         asked.append([m.name for m in modes])
         return {"runs": {m.name: ModeRun(m.name, [], [], 0.0, 0.0, [], [],

@@ -821,7 +821,8 @@ def test_ray_decode_gives_the_local_answers(tiny_llama, ray_cluster, tmp_path):
     from anns_lab.cli import main
 
     args = ["decode", "--model", str(tiny_llama), "--mode", "full,flat", "--task", "passkey", "--context", "200",
-            "--samples", "2", "--window", "4,16", "--topk", "20", "--max-new-tokens", "4"]
+            "--samples", "2", "--window", "4,16", "--topk", "20", "--max-new-tokens", "4",
+            "--question-after-prefill"]  # each prompt's question crosses to its task beside its ids
     r = CliRunner().invoke(main, args + ["--json", str(tmp_path / "local.json")])
     assert r.exit_code == 0, r.output
     # Through Ray, the command runs as a user's does, in a process of its own (ray_driver.py says why); each task builds
@@ -834,6 +835,7 @@ def test_ray_decode_gives_the_local_answers(tiny_llama, ray_cluster, tmp_path):
     local, ray_ = runs["local"], runs["ray"]
     assert ray_["executor"] == "ray" and ray_["device"] == "cpu"
     assert ray_["settings"]["build_processes"] is True and local["settings"]["build_processes"] is False
+    assert ray_["settings"]["question_after_prefill"] is True
     assert set(ray_["modes"]) == {"full", "flat"}
     for mode in ("full", "flat"):
         # when each layer's builds ran (wall times) and how many at once (the task's CPUs set it): not answers
@@ -846,6 +848,7 @@ def test_ray_decode_gives_the_local_answers(tiny_llama, ray_cluster, tmp_path):
                    if "build_layers" in ref)
         for key in ("accuracy", "accuracy_ci95", "diff_vs_full", "diff_vs_full_ci95", "steps"):
             assert ray_["modes"][mode]["summary"][key] == local["modes"][mode]["summary"][key]
+        assert ray_["modes"][mode]["summary"]["steps"] > 2 * 3  # the questions' steps too, not 3 a sample alone
 
 
 def test_ray_decode_bad_input(tiny_llama, tmp_path):

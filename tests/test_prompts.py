@@ -41,6 +41,22 @@ def test_needle_and_answer_are_in_the_prompt_at_its_depth(tok, task):
         assert pairs[key] == s.answers[0]
 
 
+QUESTIONS = {"passkey": "What is the pass key?", "number_string": "What is the sequence of digits?",
+             "kv_retrieval": "Key: \"", "niah": "What is the special magic number for",
+             "niah_multikey": "What is the special magic number for", "niah_multivalue": "What is all the special magic"}
+
+
+@pytest.mark.parametrize("task", tasks.TASKS)
+def test_the_last_question_ids_ask_and_the_rest_holds_every_answer(tok, task):
+    """``question`` splits a sample where ``decode --question-after-prefill`` does: the context before it holds the
+    needles and not the question, the tail is the question alone."""
+    s = tasks.make_sample(task, tok, 1500, seed=11, depth=0.25)
+    context, question = tok.decode(s.ids[: -s.question]), tok.decode(s.ids[-s.question:])
+    assert 0 < s.question < len(s.ids) // 4
+    assert QUESTIONS[task] in question and QUESTIONS[task] not in context
+    assert all(answer in context and answer not in question for answer in s.answers)
+
+
 def test_samples_depend_on_seed_only(tok):
     a = tasks.make_sample("passkey", tok, 400, seed=5)
     b = tasks.make_sample("passkey", tok, 400, seed=5)

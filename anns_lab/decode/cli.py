@@ -146,6 +146,10 @@ class _DecodeCommand(click.Command):
                    "sample, the cheaper run at 128K on a CPU; full's TTFT then carries the queries the index modes keep, "
                    "which without it it does not)")
 @click.option("--until-built", type=click.Choice(UNTIL_BUILT), default="wait", show_default=True, help=UNTIL_BUILT_HELP)
+@click.option("--question-after-prefill", is_flag=True,
+              help="--task: prefill the context without the task's question and build the indexes on it, then feed the "
+                   "question's tokens as decode steps through each mode before it answers (a cached context asked "
+                   "later: no index, and no selection such as snapkv's, has seen the question)")
 @click.option("--from-sweep", "from_sweep", type=str, default=None,
               help="a sweep's results.parquet (or folder): decode also with the index + parameters of least scanned fraction reaching --target-recall (in place of 'default')")
 @click.option("--target-recall", default=0.95, show_default=True,
@@ -173,7 +177,7 @@ class _DecodeCommand(click.Command):
                                                 "link, or what is not a regular file)")
 def decode(model, modes, params, build_params, topk, window, add_batch, train_queries, train_group, train_positions, copy_hints, task,
            prompt, evaluation, context, samples, give_up_after,
-           seed, max_new_tokens, positions, free_tokens, chunk, build_during_prefill, build_layers, build_processes, shared_prefill, until_built, from_sweep, target_recall, calibrate, device, torch_threads,
+           seed, max_new_tokens, positions, free_tokens, chunk, build_during_prefill, build_layers, build_processes, shared_prefill, until_built, question_after_prefill, from_sweep, target_recall, calibrate, device, torch_threads,
            allow_extrapolation, rope_scaling, executor, address, cpus_per_task, json_path, overwrite):
     """Generate with RetrievalAttention: static window on the accelerator + retrieved keys from a CPU index."""
     from anns_lab.decode import runner
@@ -183,7 +187,8 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
                         train_group=train_group, train_positions=train_positions,
                         build_during_prefill=build_during_prefill is not False, shared_prefill=shared_prefill,
                         build_layers=build_layers,
-                        until_built=until_built, copy_hints=copy_hints, calibrate=calibrate)
+                        until_built=until_built, copy_hints=copy_hints, calibrate=calibrate,
+                        question_after_prefill=question_after_prefill)
     _check_options(settings, evaluation, task, prompt, executor, address)
     if prompt is not None and _names_file(prompt):  # dump's --prompt reads a file: this one decodes the name
         click.echo(f"note: --prompt is the text decoded; {prompt!r} also names a file, which is not read (to decode "
@@ -359,12 +364,14 @@ def _check_unused(ctx: click.Context, evaluation: str, prompt: str | None, from_
     """Refuse options set on the command line that this run would ignore (a --seed with --eval fidelity ran as if left
     out; --eval fidelity --prompt ran for half a minute, then crashed): one :class:`DecodeError` naming them."""
     if evaluation == "fidelity":
-        unused = given_flags(ctx, "task", "prompt", "samples", "give_up_after", "seed", "max_new_tokens", "shared_prefill")
+        unused = given_flags(ctx, "task", "prompt", "samples", "give_up_after", "seed", "max_new_tokens", "shared_prefill",
+                             "question_after_prefill")
         why = ("--eval fidelity teacher-forces --positions tokens of its own text after --context tokens of it, every "
                "mode from one prefill")
     elif prompt is not None:
-        unused = given_flags(ctx, "context", "samples", "give_up_after", "seed", "positions", "free_tokens")
-        why = "--prompt decodes that text once: its tokens are the context"
+        unused = given_flags(ctx, "context", "samples", "give_up_after", "seed", "positions", "free_tokens",
+                             "question_after_prefill")
+        why = "--prompt decodes that text once: its tokens are the context (a task's question is the one it can defer)"
     else:
         unused = given_flags(ctx, "positions", "free_tokens")
         why = "--positions and --free-tokens are for --eval fidelity"
@@ -537,7 +544,8 @@ def _run_description(lm, device: str, executor: str, settings: Settings, mode_li
                          "shared_prefill": settings.shared_prefill, "build_layers": settings.build_layers,
                          "build_processes": settings.build_processes,
                          "until_built": settings.until_built,
-                         "copy_hints": settings.copy_hints, "calibrate": settings.calibrate or None} | threads,
+                         "copy_hints": settings.copy_hints, "calibrate": settings.calibrate or None,
+                         "question_after_prefill": settings.question_after_prefill} | threads,
             "plans": {m.name: ({"default": m.plan.describe(), **{str(k): p.describe() for k, p in m.per_layer.items()}}
                                if m.plan else None) for m in mode_list}}
 
@@ -549,6 +557,8 @@ def _print_result(result: dict, settings: Settings) -> None:
     w = settings.window
     click.echo(f"{result['model']}  {result['task']}  context {result['context']}  device {result['device']}  "
                f"window {w.sink}+{w.recent}  top-k {settings.topk}")
+    if settings.question_after_prefill:
+        click.echo("the question fed after the prefill and the builds, as decode steps (in each mode's per-token figures)")
     if result.get("extrapolated"):
         click.echo(result["extrapolated"])
     click.echo(runner.table(result))

@@ -88,6 +88,7 @@ class Settings:
     steps: int = 64  # decode steps of a mode at most: the CPU stores reserve a row per step past the prompt's
     calibrate: float | str = 0.0  # > 0 or "auto": each layer's index search raised at build time to this weight recall@k where short (calibrate.calibrate; "auto", the CLI's default: calibrate.auto_target of the layer's keys)
     until_built: str = "wait"  # decode steps while a mode's indexes still build: "wait" for them, or attend those layers' whole cache, "exact"ly (UNTIL_BUILT)
+    question_after_prefill: bool = False  # a task's question fed as decode steps after the prefill and the builds (runner.run_sample)
     copy_hints: int = 8  # per step, the positions after this many earlier occurrences of the context's suffix (and the 2 steps before's, moved on) enter the searches (0 = none)
 
 
@@ -199,8 +200,11 @@ def forward_untimed(lm, ids: list[int], settings: Settings) -> None:
 
 
 def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, stop_ids=(),
-             teacher: list[int] | None = None, keep_logits: bool = False, keep_cache: bool = False) -> ModeRun:
-    """Greedy decoding (or teacher forcing with ``teacher``) from a copy of the prefill state.
+             teacher: list[int] | None = None, keep_logits: bool = False, keep_cache: bool = False,
+             forced: list[int] = ()) -> ModeRun:
+    """Greedy decoding (or teacher forcing with ``teacher``) from a copy of the prefill state; ``forced``: tokens fed
+    first, one decode step each, through the mode's attention (a question asked after the prefill), then ``max_new``
+    greedy ones (the run's tokens are those).
 
     ``keep_cache`` keeps the decode cache on the result (``run.cache``, for inspection); by default it
     is freed with the run's end, so that runs kept for their timings do not hold accelerator memory.
@@ -238,17 +242,18 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
         ids = list(pre.ids)
         logits = pre.logits
         out_tokens, all_logits, steps, step_s = [], [], [], []
-        n_steps = len(teacher) if teacher is not None else max_new
+        n_steps = len(teacher) if teacher is not None else len(forced) + max_new
         t0 = time.perf_counter()
         setup_s = t0 - ready
         with torch.inference_mode(), retrieving(lm.model, ctl):
             for i in range(n_steps):
                 if keep_logits:
                     all_logits.append(logits.detach().to("cpu"))
-                tok = teacher[i] if teacher is not None else int(logits.argmax())
-                out_tokens.append(tok)
-                if teacher is None and (tok in stop_ids or i == n_steps - 1):
-                    break
+                tok = teacher[i] if teacher is not None else forced[i] if i < len(forced) else int(logits.argmax())
+                if i >= len(forced):
+                    out_tokens.append(tok)
+                    if teacher is None and (tok in stop_ids or i == n_steps - 1):
+                        break
                 ids.append(tok)
                 ts = time.perf_counter()
                 if building is not None:  # in the step's time: a layer whose build has ended goes over to its index

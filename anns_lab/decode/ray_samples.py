@@ -19,8 +19,8 @@ from anns_lab.eval.executors.ray_cluster import Cluster, check_cpus_per_task, ra
 _MODELS: dict = {}  # per Ray worker process: (model, device, RoPE scaling) → loaded model
 
 
-def _sample_task(model: str, device: str, rope_scaling, torch_threads: int, modes, settings, ids: list[int], max_new: int,
-                 stops: set[int]) -> dict:
+def _sample_task(model: str, device: str, rope_scaling, torch_threads: int, modes, settings, prompt: tuple[list[int], int],
+                 max_new: int, stops: set[int]) -> dict:
     from anns_lab.decode.runner import run_sample
     from anns_lab.dumps.models import load_model
     from anns_lab.indexes.threads import set_torch_threads
@@ -31,7 +31,8 @@ def _sample_task(model: str, device: str, rope_scaling, torch_threads: int, mode
     if key not in _MODELS:
         _MODELS.clear()  # one model per worker: a second would double its memory
         _MODELS[key] = load_model(model, device=device, rope_scaling=rope_scaling)
-    return run_sample(_MODELS[key], modes, settings, ids, max_new, stops)
+    ids, question = prompt
+    return run_sample(_MODELS[key], modes, settings, ids, max_new, stops, question=question)
 
 
 class RaySamples:
@@ -54,9 +55,10 @@ class RaySamples:
         log(f"ray: one task per sample, each with {', '.join(f'{v:g} {k}' for k, v in self.resources.items())} "
             f"(model on {self.device})")
 
-    def map_samples(self, modes, settings, prompts: Iterable[list[int]], max_new: int,
+    def map_samples(self, modes, settings, prompts: Iterable[tuple[list[int], int]], max_new: int,
                     stops: set[int]) -> Iterator[dict]:
-        """Yield the samples' results in sample order, each prompt taken from ``prompts`` (made there as its turn comes)
+        """Yield the samples' results in sample order, each prompt (its ids, and how many of the last ask the question:
+        ``runner.run_sample``'s ``question``) taken from ``prompts`` (made there as its turn comes)
         and submitted once fewer than ``in_flight`` wait: --samples 10^6 made and sent every prompt first. ``modes()``:
         the modes a sample runs, asked as it is submitted (a mode the driver has given up on is left out from then); a
         sample with none left is not sent (its result has no runs). Ctrl-C cancels what is left."""
@@ -65,10 +67,10 @@ class RaySamples:
         source, pending = iter(prompts), collections.deque()
         try:
             while True:
-                for ids in itertools.islice(source, max(0, self.in_flight - len(pending))):
+                for prompt in itertools.islice(source, max(0, self.in_flight - len(pending))):
                     now = modes()
                     pending.append(task.remote(self.model, self.device, self.rope_scaling, self.torch_threads, now,
-                                               settings, ids, max_new, stops) if now else None)
+                                               settings, prompt, max_new, stops) if now else None)
                 if not pending:
                     return
                 if pending[0] is None:  # every mode left out: nothing ran

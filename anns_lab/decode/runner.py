@@ -201,14 +201,24 @@ def warm_kernels(lm, modes: list[Mode], settings: Settings, say) -> None:
 
 
 def run_sample(lm, modes: list[Mode], settings: Settings, ids: list[int], max_new: int, stops: set[int],
-               say=None) -> dict:
+               say=None, question: int = 0) -> dict:
     """One prompt: every mode, each group of :func:`prefill_groups` after its own full-attention prefill; the
     unit a Ray task runs. Returns ``{"runs": {mode name: ModeRun}}`` in the order of ``modes``.
 
     ``say`` (a callable taking a line) hears what is happening before each long step and how long it took.
+    ``question``: the prompt's last ids that ask (a task's); with ``settings.question_after_prefill`` the prefill and
+    the builds take the rest alone, and each mode feeds them as decode steps before it answers (a cached context
+    asked a question later: no index, no selection made from the prompt, has seen it).
     """
     bar = say is not None
     say = say or (lambda line: None)
+    forced: list[int] = []
+    if settings.question_after_prefill and question:
+        ids, forced = ids[:-question], ids[-question:]
+        if len(ids) <= settings.window.size:
+            raise DecodeError(f"the context before the question holds {len(ids)} tokens, not more than the window's "
+                              f"{settings.window.size}: nothing would be retrieved; use a longer --context")
+        settings = dataclasses.replace(settings, steps=settings.steps + len(forced))  # the stores' room for them
     started = start_build_processes(modes, settings)
     if started is not None and started[1] > 0.5:  # the first sample's: later ones find them running
         say(f"  index builds: {started[0].workers} worker processes started in {started[1]:.1f} s")
@@ -236,7 +246,7 @@ def run_sample(lm, modes: list[Mode], settings: Settings, ids: list[int], max_ne
                      if settings.until_built == "wait" else "each layer whole until its indexes are built, ")
             say(f"  {mode.name}: {doing}decoding up to {max_new} tokens ...")
             try:
-                run = run_mode(lm, pre, mode, settings, max_new, stops)
+                run = run_mode(lm, pre, mode, settings, max_new, stops, forced=forced)
             except MODE_FAILURES as err:  # an index's build or search broke: this mode's, the others' results stand
                 if not building:
                     raise
@@ -279,18 +289,21 @@ def _run_prompts(lm, modes, settings, prompts, n_prompt: int, max_new, task, pro
     def live() -> list[Mode]:  # the modes the next sample runs
         return give_up.live(modes)
 
-    def run_live(ids: list[int]) -> dict:  # no prefill for a sample every mode is left out of
-        return run_sample(lm, now, settings, ids, max_new, stops, progress) if (now := live()) else {"runs": {}}
+    def run_live(ids: list[int], question: int) -> dict:  # no prefill for a sample every mode is left out of
+        return run_sample(lm, now, settings, ids, max_new, stops, progress, question=question) if (now := live()) else {"runs": {}}
+
+    def asked(sample) -> int:
+        return sample.question if sample is not None else 0
 
     if executor is None:  # each prompt made as its turn comes, run, and dropped
-        done = ((p, run_live(p[0])) for p in prompts)
+        done = ((p, run_live(p[0], asked(p[1]))) for p in prompts)
     else:  # likewise, made as the executor takes them (at most its window ahead), each once
         taken = collections.deque()
 
         def ids_of():
             for ids, sample in prompts:
                 taken.append(sample)
-                yield ids
+                yield ids, asked(sample)
 
         results = executor.map_samples(live, settings, ids_of(), max_new, stops)
         done = (((None, taken.popleft()), res) for res in results)

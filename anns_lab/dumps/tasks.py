@@ -27,13 +27,15 @@ _NIAH_WORDS = (
 
 @dataclass(frozen=True)
 class TaskSample:
-    """One prompt of a task: exactly ``len(ids)`` tokens, the expected answer(s) and where the needle lies."""
+    """One prompt of a task: exactly ``len(ids)`` tokens, the expected answer(s) and where the needle lies; its last
+    ``question`` ids ask for the answer (the rest is the context a cache may hold before the question comes)."""
 
     task: str
     ids: list[int]
     answers: tuple[str, ...]
     depth: float
     params: dict = field(default_factory=dict)
+    question: int = 0
 
 
 def special_prefix(tokenizer) -> list[int]:
@@ -71,8 +73,9 @@ def _haystack_ids(tokenizer, n: int, haystack: str | None) -> list[int]:
 
 
 def _assemble(tokenizer, n_tokens: int, head: str, needles: list[str], question: str,
-              depths: list[float], haystack: str | None) -> list[int]:
-    """head + haystack with needles inserted at relative depths + question, exactly n_tokens long."""
+              depths: list[float], haystack: str | None) -> tuple[list[int], int]:
+    """head + haystack with needles inserted at relative depths + question, exactly n_tokens long; and the question's
+    length in tokens."""
     pre = special_prefix(tokenizer) + encode(tokenizer, head)
     needle_ids = [encode(tokenizer, " " + s + " ") for s in needles]
     q = encode(tokenizer, question)
@@ -89,7 +92,7 @@ def _assemble(tokenizer, n_tokens: int, head: str, needles: list[str], question:
         cut_prev = cut
     out += hay[cut_prev:] + q
     assert len(out) == n_tokens
-    return out
+    return out, len(q)
 
 
 def make_sample(task: str, tokenizer, n_tokens: int, seed: int, depth: float | None = None) -> TaskSample:
@@ -102,18 +105,18 @@ def make_sample(task: str, tokenizer, n_tokens: int, seed: int, depth: float | N
     if task == "passkey":
         key = str(rng.integers(10_000, 100_000))
         head = "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. I will quiz you about the important information there."
-        ids = _assemble(tokenizer, n_tokens, head + " ", [f"The pass key is {key}. Remember it. {key} is the pass key."],
-                        " What is the pass key? The pass key is", [depth], PASSKEY_FILLER)
-        return TaskSample(task, ids, (key,), depth, params)
+        ids, asked = _assemble(tokenizer, n_tokens, head + " ", [f"The pass key is {key}. Remember it. {key} is the pass key."],
+                               " What is the pass key? The pass key is", [depth], PASSKEY_FILLER)
+        return TaskSample(task, ids, (key,), depth, params, asked)
     if task == "number_string":
         digits = "".join(str(d) for d in rng.integers(0, 10, size=10))
         if digits[0] == "0":
             digits = str(rng.integers(1, 10)) + digits[1:]
         head = "There is an important info hidden inside a lot of irrelevant text. Find it. I will quiz you about the important information there."
-        ids = _assemble(tokenizer, n_tokens, head + " ",
-                        [f"The sequence of digits is {digits}. Remember it. {digits} is the sequence of digits."],
-                        " What is the sequence of digits? The sequence of digits is", [depth], PASSKEY_FILLER)
-        return TaskSample(task, ids, (digits,), depth, params)
+        ids, asked = _assemble(tokenizer, n_tokens, head + " ",
+                               [f"The sequence of digits is {digits}. Remember it. {digits} is the sequence of digits."],
+                               " What is the sequence of digits? The sequence of digits is", [depth], PASSKEY_FILLER)
+        return TaskSample(task, ids, (digits,), depth, params, asked)
     if task == "kv_retrieval":
         return _kv_retrieval(tokenizer, n_tokens, rng, depth, params)
     if task in ("niah", "niah_multikey", "niah_multivalue"):
@@ -130,8 +133,8 @@ def make_sample(task: str, tokenizer, n_tokens: int, seed: int, depth: float | N
         what = "all the special magic numbers" if task == "niah_multivalue" else "the special magic number"
         head = "Some special magic numbers are hidden within the following text. Make sure to memorize it. I will quiz you about the numbers afterwards.\n"
         question = f"\nWhat is {what} for {words[0]} mentioned in the provided text? The special magic number for {words[0]} mentioned in the provided text is"
-        ids = _assemble(tokenizer, n_tokens, head, needles, question, depths, None)
-        return TaskSample(task, ids, answers, depth, params | {"key": words[0]})
+        ids, asked = _assemble(tokenizer, n_tokens, head, needles, question, depths, None)
+        return TaskSample(task, ids, answers, depth, params | {"key": words[0]}, asked)
     raise PromptError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
 
 
@@ -162,7 +165,7 @@ def _kv_retrieval(tokenizer, n_tokens: int, rng: np.random.Generator, depth: flo
     ids = pre + _filler_ids(tokenizer, pad, PASSKEY_FILLER) + body + q if pad > 0 else pre + body + q
     if len(ids) != n_tokens:
         raise PromptError(f"could not fit a kv_retrieval sample into exactly {n_tokens} tokens")
-    return TaskSample("kv_retrieval", ids, (value,), depth, params | {"n_pairs": len(pairs)})
+    return TaskSample("kv_retrieval", ids, (value,), depth, params | {"n_pairs": len(pairs)}, len(q))
 
 
 def score(task: str, answer: str, expected: tuple[str, ...]) -> float:

@@ -1,0 +1,98 @@
+"""``decode --question-after-prefill``: the context prefilled and indexed alone, the question fed as decode steps through
+each mode; full attention answers as it does with the question in the prompt, and a static selection made before the
+question (snapkv's) no longer sees it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from conftest import TEST_DEVICE
+
+from anns_lab.cli import main
+from anns_lab.decode import runner
+from anns_lab.decode.engine import Mode, Settings, prefill, run_mode
+from anns_lab.decode.placement import IndexPlan
+from anns_lab.dumps.models import load_model
+from anns_lab.window import Window
+
+PROMPT, QUESTION, NEW = 96, 7, 5
+SETTINGS = Settings(Window(4, 8), topk=PROMPT + QUESTION + NEW, add_batch=2, chunk=32, steps=QUESTION + NEW,
+                    build_during_prefill=False)
+
+
+@pytest.fixture(scope="module", params=["tiny_llama", "tiny_gemma3"])
+def lm_ids(request):
+    lm = load_model(str(request.getfixturevalue(request.param)), device=TEST_DEVICE)
+    return lm, np.random.default_rng(3).integers(3, 400, size=PROMPT).tolist()
+
+
+def test_full_attention_answers_the_question_fed_after_the_prefill_as_with_it_in_the_prompt(lm_ids):
+    lm, ids = lm_ids
+    whole = run_mode(lm, prefill(lm, ids, SETTINGS, capture_queries=False), Mode("full"), SETTINGS, NEW, keep_logits=True)
+    context = prefill(lm, ids[:-QUESTION], SETTINGS, capture_queries=False)
+    late = run_mode(lm, context, Mode("full"), SETTINGS, NEW, keep_logits=True, forced=ids[-QUESTION:])
+    assert late.tokens == whole.tokens and len(late.tokens) == NEW  # the question's tokens are not the answer's
+    assert len(late.step_s) == QUESTION + NEW - 1  # one step per question token, then the answer's
+    for a, b in zip(whole.logits, late.logits[QUESTION:]):  # each answer token's logits: the same attention
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+def test_an_exact_index_mode_answers_as_full_and_its_steps_search_for_the_question(lm_ids):
+    """flat at a top-k of every key: the question's steps go through the index (the mode's per-token figures count
+    them) and the answer is full attention's."""
+    lm, ids = lm_ids
+    settings = dataclasses.replace(SETTINGS, question_after_prefill=True)
+    res = runner.run_sample(lm, [Mode("full"), Mode("flat", IndexPlan("flat"))], settings, ids, NEW, set(),
+                            question=QUESTION)["runs"]
+    assert res["flat"].tokens == res["full"].tokens and len(res["flat"].tokens) == NEW
+    assert len(res["flat"].steps) == QUESTION + NEW - 1
+    off = runner.run_sample(lm, [Mode("full")], dataclasses.replace(settings, question_after_prefill=False), ids, NEW,
+                            set(), question=QUESTION)["runs"]["full"]
+    assert len(off.step_s) == NEW - 1 and off.tokens == res["full"].tokens  # the flag alone moves the question
+
+
+def test_the_indexes_are_built_before_the_question_exists(lm_ids, monkeypatch):
+    """The queries an attention-aware index learns from are the context's: snapkv's observation window ends where the
+    question begins."""
+    from anns_lab.indexes import registry
+
+    lm, ids = lm_ids
+    cls = registry.get("snapkv")
+    seen = []
+    real = cls._build
+
+    def spy(self, keys, train_queries):
+        seen.append((len(keys), len(train_queries)))
+        return real(self, keys, train_queries)
+
+    monkeypatch.setattr(cls, "_build", spy)
+    settings = dataclasses.replace(SETTINGS, question_after_prefill=True, calibrate=0.0)
+    pre_rows = []
+    real_prefill = runner.prefill
+    monkeypatch.setattr(runner, "prefill", lambda lm, ids, *a, **k: pre_rows.append(len(ids)) or real_prefill(lm, ids, *a, **k))
+    runner.run_sample(lm, [Mode("snapkv", IndexPlan("snapkv", {"window": 8}))], settings, ids, NEW, set(),
+                      question=QUESTION)
+    held = PROMPT - QUESTION - SETTINGS.window.size  # the context's keys outside the window (the warm-up builds others)
+    assert pre_rows == [PROMPT - QUESTION] and {s for s in seen if s[0] == held} == {(held, 8)}
+
+
+def test_the_option_is_refused_where_no_question_can_wait(tiny_llama):
+    for args, why in ((["--prompt", "hello there"], "--prompt decodes that text once"),
+                      (["--eval", "fidelity", "--context", "300"], "--eval fidelity teacher-forces")):
+        res = CliRunner().invoke(main, ["decode", "--model", str(tiny_llama), "--mode", "full", "--question-after-prefill",
+                                        *args])
+        assert res.exit_code != 0 and "--question-after-prefill" in res.output and why in res.output, res.output
+
+
+def test_a_context_no_longer_than_the_window_before_the_question_is_refused(lm_ids):
+    lm, ids = lm_ids
+    settings = dataclasses.replace(SETTINGS, question_after_prefill=True, window=Window(4, 86))
+    from anns_lab.errors import DecodeError
+
+    with pytest.raises(DecodeError, match="before the question holds 89 tokens"):
+        runner.run_sample(lm, [Mode("full"), Mode("flat", IndexPlan("flat"))], settings, ids, NEW, set(), question=QUESTION)
