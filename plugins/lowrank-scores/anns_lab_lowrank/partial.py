@@ -13,6 +13,7 @@ import numpy as np
 from numba import njit
 
 from anns_lab.indexes import Param
+from anns_lab.indexes.scan_rows import largest, score_rows, select_largest
 
 BUDGETS = (128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768)
 RANKS = (0.125, 0.25, 0.5)
@@ -48,7 +49,7 @@ def search(table: np.ndarray, dims: np.ndarray, weights: np.ndarray, keys: np.nd
 def _search(table, dims, weights, keys, queries, budget, ids, scores, scored):
     """:func:`search` on one thread, without BLAS (its team spun beside the decoder's torch: 35 CPU ms of a token's
     search took 93 ms of wall time at Gemma-3 8K) and without gathered copies of the rows or the candidates."""
-    n, d = keys.shape
+    n = keys.shape[0]
     k = ids.shape[1]
     c = min(budget, n)
     approx = np.empty(n, np.float32)
@@ -60,44 +61,13 @@ def _search(table, dims, weights, keys, queries, budget, ids, scores, scored):
             row = table[dims[i, a]]
             for j in range(n):
                 approx[j] += w * row[j]
-        cand = _select(approx, c)  # by id: the exact scores' ties go to the lower id
-        q = queries[i]
-        for t in range(c):
-            key = keys[cand[t]]
-            acc = np.float32(0.0)
-            for e in range(d):
-                acc += key[e] * q[e]
-            exact[t] = acc
-        top = _largest(exact, min(k, c))
+        cand = select_largest(approx, c)  # by id: the exact scores' ties go to the lower id
+        score_rows(keys, cand, queries[i], exact)
+        top = largest(exact, min(k, c))
         for t in range(len(top)):
             ids[i, t] = cand[top[t]]
             scores[i, t] = exact[top[t]]
         scored[i] = c
-
-
-@njit(cache=True, nogil=True)
-def _select(values, m):
-    """Positions of the ``m`` largest ``values`` in position order (ties at the cut: the first positions)."""
-    n = len(values)
-    if m >= n:
-        return np.arange(n)
-    cut = -np.partition(-values, m - 1)[m - 1]  # the m-th largest
-    at_cut = m - np.sum(values > cut)  # how many of those equal to it are taken
-    picked = np.empty(m, np.int64)
-    taken = 0
-    for j in range(n):
-        if values[j] > cut or (values[j] == cut and at_cut > 0):
-            at_cut -= values[j] == cut
-            picked[taken] = j
-            taken += 1
-    return picked
-
-
-@njit(cache=True, nogil=True)
-def _largest(values, m):
-    """Positions of the ``m`` largest ``values``, largest first, ties by position."""
-    picked = _select(values, m)
-    return picked[np.argsort(-values[picked], kind="mergesort")]  # stable: picked is in position order
 
 
 def grid(n_keys: int) -> list[dict]:

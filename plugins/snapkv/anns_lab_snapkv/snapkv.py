@@ -29,8 +29,8 @@ from numba import njit
 
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes import Index, Param
-from anns_lab.indexes.graph.utils import kth_largest, kth_scratch
 from anns_lab.indexes.persist import expect, expect_ids
+from anns_lab.indexes.scan_rows import largest, score_rows
 
 BUDGETS = (128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768)
 POOLINGS = ("avg", "max")
@@ -137,35 +137,14 @@ class SnapKV(Index):
         self._set_up(self._key_rows(keys), order)
 
 
-@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})  # sums in SIMD lanes: finite float32 throughout
+@njit(cache=True, nogil=True)
 def _search(keys, cand, queries, ids, scores):
-    """Each query's exact products with the keys ``cand`` (ascending) and its top-k of them, ties to the lower id; one
-    thread, no BLAS team beside the decoder's torch, no gathered copy of the rows."""
-    d = keys.shape[1]
-    c = len(cand)
-    m = min(ids.shape[1], c)
-    exact = np.empty(c, np.float32)
-    scratch = kth_scratch(c, m)
-    picked = np.empty(m, np.int64)
+    """Each query's exact products with the keys ``cand`` (ascending) and its top-k of them, ties to the lower id."""
+    m = min(ids.shape[1], len(cand))
+    exact = np.empty(len(cand), np.float32)
     for i in range(len(queries)):
-        q = queries[i]
-        for t in range(c):
-            key = keys[cand[t]]
-            acc = np.float32(0.0)
-            for e in range(d):
-                acc += key[e] * q[e]
-            exact[t] = acc
-        cut = kth_largest(exact, m, scratch)
-        at_cut = m
-        for t in range(c):
-            at_cut -= exact[t] > cut
-        taken = 0
-        for t in range(c):  # in id order: ties at the cut go to the lower ids
-            if exact[t] > cut or (exact[t] == cut and at_cut > 0):
-                at_cut -= exact[t] == cut
-                picked[taken] = t
-                taken += 1
-        best = picked[np.argsort(-exact[picked], kind="mergesort")]  # stable: picked is in id order
+        score_rows(keys, cand, queries[i], exact)
+        best = largest(exact, m)
         for t in range(m):
             ids[i, t] = cand[best[t]]
             scores[i, t] = exact[best[t]]
