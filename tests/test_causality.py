@@ -8,6 +8,7 @@ leave out keys after a query; checked against a per-query causal mask in plain n
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from anns_lab.dumps.run import run_dump
@@ -127,3 +128,22 @@ def test_a_layer_whose_sliding_window_is_shorter_than_the_dump_is_never_evaluate
     dump = run_dump(str(every), tokens=300, decode_tokens=2, layers="all", out=tmp_path / "e", progress=False).dump
     with pytest.raises(AnnsLabError, match=r"every layer of dump .* sliding window \(8 tokens\) shorter than its 302 positions"):
         run_sweep(dump.path, ["flat"], heads=[0], k=K, window=(0, 0), out=tmp_path / "s1", jobs=1, progress=False)
+
+
+def test_an_index_that_reads_queries_where_they_were_gets_them_unmoved(few_steps, tmp_path):
+    """``Index.own_positions`` (snapkv): the sweep gives such an index the training queries at their prefill positions
+    whatever ``--train-positions`` moved for the others."""
+    from anns_lab.indexes import registry
+
+    moved = load_head(few_steps, 1, 2, (4, 16), train_positions="serving")
+    own = load_head(few_steps, 1, 2, (4, 16), train_positions="own")
+    assert not np.allclose(moved.train_queries, own.train_queries)
+    np.testing.assert_array_equal(moved.train_queries_for(registry.get("snapkv")), own.train_queries)
+    np.testing.assert_array_equal(moved.train_queries_for(registry.get("roargraph")), moved.train_queries)
+    np.testing.assert_array_equal(own.train_queries_for(registry.get("snapkv")), own.train_queries)
+    a = run_sweep(few_steps.path, ["snapkv"], [1], [2], k=K, window=(4, 16), out=tmp_path / "s", jobs=1, progress=False,
+                  quick=True, train_positions="serving").table
+    b = run_sweep(few_steps.path, ["snapkv"], [1], [2], k=K, window=(4, 16), out=tmp_path / "o", jobs=1, progress=False,
+                  quick=True, train_positions="own").table
+    cols = ["search_params", "direction", "recall", "scanned_fraction"]
+    pd.testing.assert_frame_equal(a[cols].reset_index(drop=True), b[cols].reset_index(drop=True))

@@ -15,7 +15,7 @@ from conftest import TEST_DEVICE
 
 from anns_lab.cli import main
 from anns_lab.decode import runner
-from anns_lab.decode.engine import Mode, Settings, prefill, run_mode
+from anns_lab.decode.engine import Mode, Settings, first_step_seconds, prefill, run_mode
 from anns_lab.decode.placement import IndexPlan
 from anns_lab.dumps.models import load_model
 from anns_lab.window import Window
@@ -38,6 +38,10 @@ def test_full_attention_answers_the_question_fed_after_the_prefill_as_with_it_in
     late = run_mode(lm, context, Mode("full"), SETTINGS, NEW, keep_logits=True, forced=ids[-QUESTION:])
     assert late.tokens == whole.tokens and len(late.tokens) == NEW  # the question's tokens are not the answer's
     assert len(late.step_s) == QUESTION + NEW - 1  # one step per question token, then the answer's
+    # the answer's first token comes from the last question step: the time to it holds every question step
+    assert late.forced_steps == QUESTION and whole.forced_steps == 0
+    assert first_step_seconds(late) == pytest.approx(late.setup_s + sum(late.step_s[:QUESTION]))
+    assert first_step_seconds(whole) == pytest.approx(whole.setup_s + whole.step_s[0])
     for a, b in zip(whole.logits, late.logits[QUESTION:]):  # each answer token's logits: the same attention
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
@@ -96,3 +100,18 @@ def test_a_context_no_longer_than_the_window_before_the_question_is_refused(lm_i
 
     with pytest.raises(DecodeError, match="before the question holds 89 tokens"):
         runner.run_sample(lm, [Mode("full"), Mode("flat", IndexPlan("flat"))], settings, ids, NEW, set(), question=QUESTION)
+
+
+def test_an_index_that_cannot_hold_the_context_before_the_question_is_refused_up_front(tiny_llama):
+    """The build-parameter check counts the keys of the context without its question: an IVF with one list per key of
+    the whole context would fail on every sample, after a prefill each."""
+    from anns_lab.dumps import tasks
+    from transformers import AutoTokenizer
+
+    asked = tasks.make_sample("passkey", AutoTokenizer.from_pretrained(tiny_llama), 300, 0, 0.5).question
+    held = 300 - asked - 20  # --window 4,16
+    args = ["decode", "--model", str(tiny_llama), "--mode", "full,ivf", "--task", "passkey", "--context", "300",
+            "--window", "4,16", "--topk", "5", "--build-param", f"nlist={held + 1}", "--samples", "1"]
+    res = CliRunner().invoke(main, args + ["--question-after-prefill"])
+    assert res.exit_code != 0 and f"cannot index the {held} keys outside the window" in res.output, res.output
+    assert "prefill" not in res.output  # refused before any sample ran

@@ -54,6 +54,7 @@ def test_the_last_question_ids_ask_and_the_rest_holds_every_answer(tok, task):
     context, question = tok.decode(s.ids[: -s.question]), tok.decode(s.ids[-s.question:])
     assert 0 < s.question < len(s.ids) // 4
     assert QUESTIONS[task] in question and QUESTIONS[task] not in context
+    assert question.lstrip().startswith("}" if task == "kv_retrieval" else "What")  # not a token more or fewer
     assert all(answer in context and answer not in question for answer in s.answers)
 
 

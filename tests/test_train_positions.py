@@ -117,6 +117,16 @@ def test_the_decoders_indexes_get_the_queries_moved_to_its_steps(tiny_gemma3):
         ref = RoarGraphIndex(**params).build(store.key_store.head(h // store.group), moved)
         assert np.array_equal(ix._nbrs, ref._nbrs) and np.array_equal(ix.hubs, ref.hubs)
         assert np.array_equal(ix._recent_q, ref._recent_q) and len(ix._recent_q) == 32
+    # An index that reads them where they were (Index.own_positions: snapkv's window) is never given them moved.
+    from anns_lab.indexes import registry
+
+    snap = registry.get("snapkv")
+    for place in rope.PLACES:
+        store = layer_store(lm, pre.cache, len(ids), layer, IndexPlan("snapkv", {"window": 16}, {}),
+                            dataclasses.replace(base, train_positions=place, calibrate=0.0), queries)
+        for h, ix in enumerate(store.indexes):
+            ref = snap(window=16).build(store.key_store.head(h // store.group), queries[h, -16:])
+            assert np.array_equal(ix._order, ref._order)
     with pytest.raises(AnnsLabError, match="choose one of serving, own"):  # a Settings built by hand, not the CLI
         layer_store(lm, pre.cache, len(ids), layer, IndexPlan("roargraph", {}, {}),
                     dataclasses.replace(base, train_positions="decode"), queries)

@@ -55,7 +55,7 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
         # a build), each as it would be among all; one index per query head only (a group's set is subsampled whole).
         rows = registry.get(plan.name)(**plan.build_params).train_rows(hi - lo, len(positions)) \
             if settings.train_group == "head" else None
-        place = rope.check_place(settings.train_positions)
+        place = "own" if registry.get(plan.name).own_positions else rope.check_place(settings.train_positions)
         freqs = rope.inv_freq(lm.config, layer) if place != "own" else None  # moved to the decode steps' positions (dumps.rope)
         queries = rope.placed(queries, positions, n_ids, n_ids + settings.steps - 1, freqs, place, rows=rows)  # all heads at once
     per_kv = aware and settings.train_group not in PER_HEAD

@@ -128,6 +128,7 @@ class ModeRun:
     hand_over_steps: dict = field(default_factory=dict)  # --until-built exact: layer -> the first step its index served (None: no step)
     layers_at_once: int | None = None  # layers its builds ran at once (--build-layers as resolved: auto, the threads' budget)
     setup_s: float = 0.0  # from its indexes ready (the run's start for the others) to its first step: the cache cut to the window, the hooks
+    forced_steps: int = 0  # --question-after-prefill: the leading steps that fed the question (the last of them gives the answer's first token)
     error: str | None = None  # the mode failed on this prompt (its indexes' build or search broke): why, in words
 
 
@@ -305,6 +306,7 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
         run.exact_steps = exact_steps
         run.hand_over_steps = {layer: handed.get(layer) for layer in lm.long_range_layers}
     run.setup_s = setup_s
+    run.forced_steps = min(len(forced), len(step_s))
     run.cache = cache if keep_cache else None
     run.stores = stores  # kept for inspection (tests, index sizes)
     return run
@@ -354,8 +356,9 @@ def exact_seconds(run: ModeRun) -> float:
 
 def first_step_seconds(run: ModeRun) -> float | None:
     """The first decode step (the second token: the prefill's logits give the first), with the set-up before it (the
-    cache cut to the window, the decoder's hooks): in the time to first token, not in the per-token means."""
-    return run.setup_s + run.step_s[0] if run.step_s else None
+    cache cut to the window, the decoder's hooks): in the time to first token, not in the per-token means. With a
+    question fed after the prefill, its steps instead: the last of them gives the answer's first token."""
+    return run.setup_s + float(np.sum(run.step_s[:max(1, run.forced_steps)])) if run.step_s else None
 
 
 def summarize(run: ModeRun, skip: int | None = None) -> dict:

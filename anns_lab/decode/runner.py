@@ -116,8 +116,12 @@ def run_task(lm, modes: list[Mode], settings: Settings, task: str, context: int,
         raise DecodeError("--samples must be at least 1")
     max_new = max_new or MAX_NEW[task]
     note = check_context(lm, context + max_new, allow_extrapolation)
+    # with the question held back, the indexes are built on the context before it (the first sample's: the others'
+    # questions differ by a word at most)
+    asked = tasks.make_sample(task, lm.tokenizer, context, seed, depths(samples)[0]).question \
+        if settings.question_after_prefill else 0
     # the last new token is never fed back
-    check_window(settings, context, modes, max_new - 1, rope.head_dim(lm.config))
+    check_window(settings, context - asked, modes, asked + max_new - 1, rope.head_dim(lm.config))
     return _run_prompts(lm, modes, settings, _TaskPrompts(task, lm.tokenizer, context, seed, depths(samples)), context,
                         max_new, task, progress, executor, on_sample, note, give_up_after)
 
@@ -507,9 +511,11 @@ LEGEND = {
     "build_s": "building the mode's indexes from the prefill (each layer's from when the prompt's last chunk has passed it), seconds",
     "build_hidden_s": "of that build, seconds that ran while the prefill was still running (not in TTFT)",
     "first_step_s": "the first decode step, which gives the second token (the prefill's logits give the first), with "
-                    "the set-up before it (the cache cut to the window, the decoder's hooks), seconds",
+                    "the set-up before it (the cache cut to the window, the decoder's hooks), seconds; with "
+                    "--question-after-prefill the question's steps, the last of which gives the answer's first token",
     "ttft_s": "time to the first token the index serves, the second (the first comes from the prefill, at prefill s): "
-              "prefill + the index build not hidden behind it (none with --until-built exact) + 1st step, seconds",
+              "prefill + the index build not hidden behind it (none with --until-built exact) + 1st step, seconds "
+              "(with --question-after-prefill: to the answer's first token)",
     "exact_steps": "--until-built exact: leading decode steps in which a layer was still attended over its whole cache "
                    "while its index built (left out of the per-token means, as the first step after them)",
     "exact_s": "those steps' wall time from the prefill's end, seconds (every index serves the steps after them)",

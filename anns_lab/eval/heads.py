@@ -51,6 +51,12 @@ class HeadData:
     n_prefill: int
     index_end: int              # first position after the index keys: keys from here on are in the recent window
     group_queries: np.ndarray | None = None  # train_group "unlisted": the GQA group's other heads' newest prefill queries
+    own_train_queries: np.ndarray | None = None  # train_queries at their prefill positions, where those were moved
+
+    def train_queries_for(self, cls) -> np.ndarray:
+        """The training queries index class ``cls`` learns from: where the prefill had them for one that asks
+        (``Index.own_positions``), else as the sweep placed them."""
+        return self.own_train_queries if cls.own_positions and self.own_train_queries is not None else self.train_queries
 
     def exact(self, direction: str) -> np.ndarray:
         """Exact scores (nq, n) of the direction's queries against the index keys (computed once)."""
@@ -237,9 +243,11 @@ def load_head(dump: Dump, layer: int, head: int, window: Window | tuple[int, int
     for h, q in zip(group, per_head):  # the training queries, every head's of the group it uses
         if not np.isfinite(q).all():
             raise DumpError(f"{dump.path}: the prefill queries of {where}, query head {h} hold NaN or inf; make the dump again")
+    own_q = None
     if rope.check_place(train_positions) != "own":
         freqs = rope.dump_inv_freq(dump.manifest, layer)
         first, last = int(test_pos.min()), int(test_pos.max())
+        own_q = group_queries.group_queries(per_head, train_group)  # for an index that reads them where they were
         per_head = [rope.placed(q, rows, first, last, freqs, train_positions) for q in per_head]
     train_q = group_queries.group_queries(per_head, train_group)
     others = group_queries.other_heads(per_head, 0) if train_group == "unlisted" else None
@@ -249,4 +257,4 @@ def load_head(dump: Dump, layer: int, head: int, window: Window | tuple[int, int
             raise DumpError(f"{dump.path}: the {name} of {where}, query head {head} hold NaN or inf; make the dump again")
     return HeadData(layer, head, g, np.ascontiguousarray(all_keys[key_pos]), key_pos, train_q,
                     np.ascontiguousarray(test_q), test_pos, np.ascontiguousarray(all_keys[held]), all_keys,
-                    values, dump.scaling(layer), window, n, hi, others)
+                    values, dump.scaling(layer), window, n, hi, others, own_q)

@@ -98,7 +98,7 @@ def evaluate_index(name: str, data: HeadData, k: int, dump_label: str, model: st
     index = registry.create(name, **(build_params or {}))
     t0 = time.perf_counter()
     group = data.group_queries if index.accepts_group_queries else None
-    index.build(data.keys, data.train_queries if index.uses_train_queries else None, group_queries=group)
+    index.build(data.keys, data.train_queries_for(type(index)) if index.uses_train_queries else None, group_queries=group)
     build_s = time.perf_counter() - t0
     rows = []
     for params in index.grid():
@@ -223,7 +223,7 @@ def _warm_once(index: str, dim: int, build_params: dict) -> None:
         warm_up([index], dim, build_params)
 
 
-GIVEN = ("keys", "train_queries", "test_queries", "k2k_queries", "group_queries")  # what an index sees of a head
+GIVEN = ("keys", "train_queries", "own_train_queries", "test_queries", "k2k_queries", "group_queries")  # what an index sees of a head
 
 
 def _given_sums(data: HeadData) -> list[int | None]:

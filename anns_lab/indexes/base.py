@@ -166,6 +166,10 @@ class Index:
     auto_rules: ClassVar[Mapping[str, str]] = {}
     #: True when ``build`` uses ``train_queries`` (attention-aware indexes); others ignore them.
     uses_train_queries: ClassVar[bool] = False
+    #: True when the build reads the training queries where the prefill had them (SnapKV: the prompt's last queries
+    #: score the context as they attended it): the sweep and the decoder never move them (``--train-positions`` moves
+    #: them for the indexes that learn what the decode steps will ask).
+    own_positions: ClassVar[bool] = False
     #: True when ``build`` also takes ``train_topk``, the training queries' top keys computed elsewhere.
     accepts_train_topk: ClassVar[bool] = False
     #: True when ``build`` also takes ``group_queries``: the prefill queries of the other query heads of the GQA group.

@@ -13,9 +13,10 @@ Not modelled: SnapKV keeps the observation window's own keys (the lab's static w
 its softmax runs over the whole prompt, here over the keys the index holds (the static window's are never passed to
 an index), which weighs a query whose attention stays in the window as much as one that reaches back; the scale is
 1/√d unless ``scale`` is given (Llama, SmolLM2, Gemma-3's 256-dimensional heads alike). The observation queries are
-the last rows of the training queries as given: with ``--train-positions serving`` (the default) moved to the
-decode steps' positions, a few dozen tokens past their own. The GQA rule is per query head (SnapKV's, after
-``repeat_kv``), as for every index of the lab.
+the last rows of the training queries, at their own positions whatever ``--train-positions`` says
+(``Index.own_positions``). The GQA rule is per query head (SnapKV's, after ``repeat_kv``), as for every index of the
+lab. In the decoder a step attends the top-k (``--topk``) of the keys a search scores: SnapKV attends every kept key,
+so ``--topk`` at least ``budget`` runs it as its reference does.
 
 Counting: the selection is the build's (``window`` products per key, made once); a search computes one product per
 key it scores and reads 4·d + 8 bytes for it (its float32 row and its int64 id in the kept list), so
@@ -72,6 +73,7 @@ class SnapKV(Index):
                                                            "are always searched)")}
     search_grid = {"budget": BUDGETS}
     uses_train_queries = True
+    own_positions = True  # the window scores the context as it attended it, at its own positions
     restores_exactly = True
 
     def __init__(self, **build_params) -> None:

@@ -52,6 +52,7 @@ def test_a_search_returns_the_top_k_of_the_kept_keys_and_counts_them(budget):
     for row, (ids, scanned, nbytes) in enumerate(zip(res.ids, res.n_scanned, res.bytes_read)):
         want = cand[np.argsort(-exact[:, row])[: min(10, len(cand))]]
         assert ids[: len(want)].tolist() == want.tolist() and (ids[len(want):] == -1).all()
+        assert np.isneginf(res.scores[row, len(want):]).all()  # fewer kept keys than k: the padding's scores
         assert scanned == len(cand) and nbytes == (4 * 16 + 8) * len(cand)
 
 
