@@ -115,3 +115,19 @@ def test_an_index_that_cannot_hold_the_context_before_the_question_is_refused_up
     res = CliRunner().invoke(main, args + ["--question-after-prefill"])
     assert res.exit_code != 0 and f"cannot index the {held} keys outside the window" in res.output, res.output
     assert "prefill" not in res.output  # refused before any sample ran
+
+
+def test_the_flag_reaches_each_sample_from_the_command_line(tiny_llama, tmp_path):
+    """The CLI's flag through run_task to each sample: the JSON records it and each mode's steps hold the question's."""
+    import json
+
+    args = ["decode", "--model", str(tiny_llama), "--mode", "full,flat", "--task", "passkey", "--context", "200",
+            "--samples", "1", "--window", "4,16", "--topk", "20", "--max-new-tokens", "3", "--chunk", "64"]
+    for late in (False, True):
+        out = tmp_path / f"{late}.json"
+        res = CliRunner().invoke(main, args + ["--json", str(out)] + (["--question-after-prefill"] if late else []))
+        assert res.exit_code == 0, res.output
+        result = json.loads(out.read_text())
+        assert result["settings"]["question_after_prefill"] is late
+        steps = result["modes"]["flat"]["summary"]["steps"] + result["modes"]["flat"]["summary"]["warmup_steps_excluded"]
+        assert (steps > 2) is late  # 2 steps for 3 new tokens; the question's besides with the flag

@@ -78,10 +78,10 @@ def test_ray_samples_take_their_prompts_as_the_window_frees(monkeypatch):
     def prompts():
         for i in range(10):
             drawn.append(i)
-            yield [i]
+            yield [i], 0
 
     for i, res in enumerate(samples.map_samples(lambda: ["full"], None, prompts(), 2, set())):
-        assert res == {"ids": [i]}  # in sample order
+        assert res == {"ids": ([i], 0)}  # in sample order: each prompt's ids and its question's length
         assert len(drawn) <= i + 3  # at most the window ahead of what came back
     assert drawn == list(range(10))
 
@@ -117,7 +117,7 @@ def test_a_samples_error_on_ray_reaches_the_driver_in_its_own_words(monkeypatch)
     samples.ray, samples.resources = FailingRay(), {"CPU": 1.0}
     samples.model, samples.device, samples.rope_scaling, samples.torch_threads = "m", "cpu", None, 0
     with pytest.raises(DecodeError) as err:
-        next(samples.map_samples(lambda: ["full"], None, [[1, 2, 3]], 2, set()))
+        next(samples.map_samples(lambda: ["full"], None, [([1, 2, 3], 0)], 2, set()))
     assert str(err.value) == ("a decode sample failed on Ray: building layer 1's indexes: broken raised RuntimeError: "
                               "no memory for its graph")
 
@@ -133,8 +133,8 @@ def test_each_sample_runs_the_modes_live_when_it_is_handed_out(monkeypatch):
     monkeypatch.setattr(ray_samples, "_sample_task", lambda *args: sent.append(args[6]) or {"modes": args[4]})
     live = [["full", "broken"]]
     got = []
-    for i, res in enumerate(samples.map_samples(lambda: list(live[0]), None, ([i] for i in range(7)), 2, set())):
+    for i, res in enumerate(samples.map_samples(lambda: list(live[0]), None, (([i], 0) for i in range(7)), 2, set())):
         got.append(res)
         live[0] = ["full"] if i == 0 else [] if i == 3 else live[0]  # as the driver gives up, after results 0 and 3
     assert [r.get("modes") for r in got] == [["full", "broken"]] * 3 + [["full"]] * 3 + [None]
-    assert got[-1] == {"runs": {}} and sent == [[i] for i in range(6)]  # the last sample never sent
+    assert got[-1] == {"runs": {}} and sent == [([i], 0) for i in range(6)]  # the last sample never sent

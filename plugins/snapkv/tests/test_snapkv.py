@@ -71,6 +71,7 @@ def test_added_keys_are_always_searched_and_the_votes_stay_the_builds():
     keys, queries, train = easy_data(n_keys=500, dim=8, seed=9)
     grown = SnapKV().build(keys[:400], train)
     order = grown._order.copy()
+    assert (grown.search(queries, 10, budget=30).n_scanned == 30).all()  # a kept set made before the add
     grown.add(keys[400:])
     np.testing.assert_array_equal(grown._order, order)
     res = grown.search(queries, 10, budget=30)
