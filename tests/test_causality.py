@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 from anns_lab.dumps.run import run_dump
+from anns_lab.errors import AnnsLabError
 from anns_lab.eval import export
 from anns_lab.eval.heads import load_head
 from anns_lab.eval.sweep import run_sweep
@@ -135,12 +136,15 @@ def test_an_index_that_reads_queries_where_they_were_gets_them_unmoved(few_steps
     whatever ``--train-positions`` moved for the others."""
     from anns_lab.indexes import registry
 
-    moved = load_head(few_steps, 1, 2, (4, 16), train_positions="serving")
+    moved = load_head(few_steps, 1, 2, (4, 16), train_positions="serving", keep_own=True)
     own = load_head(few_steps, 1, 2, (4, 16), train_positions="own")
     assert not np.allclose(moved.train_queries, own.train_queries)
     np.testing.assert_array_equal(moved.train_queries_for(registry.get("snapkv")), own.train_queries)
     np.testing.assert_array_equal(moved.train_queries_for(registry.get("roargraph")), moved.train_queries)
     np.testing.assert_array_equal(own.train_queries_for(registry.get("snapkv")), own.train_queries)
+    # moved and not kept (no swept index asked): never the moved ones in their place
+    with pytest.raises(AnnsLabError, match="loaded without them"):
+        load_head(few_steps, 1, 2, (4, 16), train_positions="serving").train_queries_for(registry.get("snapkv"))
     a = run_sweep(few_steps.path, ["snapkv"], [1], [2], k=K, window=(4, 16), out=tmp_path / "s", jobs=1, progress=False,
                   quick=True, train_positions="serving").table
     b = run_sweep(few_steps.path, ["snapkv"], [1], [2], k=K, window=(4, 16), out=tmp_path / "o", jobs=1, progress=False,

@@ -51,12 +51,17 @@ class HeadData:
     n_prefill: int
     index_end: int              # first position after the index keys: keys from here on are in the recent window
     group_queries: np.ndarray | None = None  # train_group "unlisted": the GQA group's other heads' newest prefill queries
-    own_train_queries: np.ndarray | None = None  # train_queries at their prefill positions, where those were moved
+    own_train_queries: np.ndarray | None = None  # train_queries at their prefill positions (None: moved, not kept)
 
     def train_queries_for(self, cls) -> np.ndarray:
         """The training queries index class ``cls`` learns from: where the prefill had them for one that asks
         (``Index.own_positions``), else as the sweep placed them."""
-        return self.own_train_queries if cls.own_positions and self.own_train_queries is not None else self.train_queries
+        if not cls.own_positions:
+            return self.train_queries
+        if self.own_train_queries is None:  # never the moved ones in their place
+            raise AnnsLabError(f"{cls.name or cls.__name__} reads the training queries at their own positions, and this "
+                               f"head ({self.layer}, {self.head}) was loaded without them (load_head(keep_own=True))")
+        return self.own_train_queries
 
     def exact(self, direction: str) -> np.ndarray:
         """Exact scores (nq, n) of the direction's queries against the index keys (computed once)."""
@@ -207,14 +212,15 @@ def check_k(dump: Dump, window: Window | tuple[int, int], k: int, n_k2k: int = 6
 
 def load_head(dump: Dump, layer: int, head: int, window: Window | tuple[int, int] = Window(), min_test: int = 64,
               n_k2k: int = 64, seed: int = 0, train_group: str = group_queries.DEFAULT,
-              train_positions: str = rope.DEFAULT, held_out: np.ndarray | None = None) -> HeadData:
+              train_positions: str = rope.DEFAULT, held_out: np.ndarray | None = None, keep_own: bool = False) -> HeadData:
     """Assemble :class:`HeadData` for one (layer, head) of ``dump``; ``train_group`` picks the training queries
     (:mod:`indexes.group_queries`: the head's own, or its GQA group's, each before the first test position) and
     ``train_positions`` where they sit: ``serving`` moves each to a position drawn from the test queries' span
     (:mod:`dumps.rope`: the positions a decoder's index serves), ``mix`` moves a random half, ``own`` keeps
     each at its prefill position. ``held_out``: prefill positions whose queries (every head's) are left out of the
     training (``benchmarks/diag_calibration_metric.py --hold-out``: how the queries a calibration reads would read out of
-    the training set; BENCHMARKS "A target of 0.95")."""
+    the training set; BENCHMARKS "A target of 0.95"). ``keep_own``: where ``train_positions`` moves the training
+    queries, keep them also where they were (``own_train_queries``, for an index with ``own_positions``)."""
     n = int(dump.manifest["n_tokens"]["prefill"])
     window = Window(*window)
     lo, hi, extra = index_range(dump, window, min_test, n_k2k)
@@ -243,13 +249,15 @@ def load_head(dump: Dump, layer: int, head: int, window: Window | tuple[int, int
     for h, q in zip(group, per_head):  # the training queries, every head's of the group it uses
         if not np.isfinite(q).all():
             raise DumpError(f"{dump.path}: the prefill queries of {where}, query head {h} hold NaN or inf; make the dump again")
-    own_q = None
-    if rope.check_place(train_positions) != "own":
+    moved = rope.check_place(train_positions) != "own"
+    own_q = group_queries.group_queries(per_head, train_group) if moved and keep_own else None
+    if moved:
         freqs = rope.dump_inv_freq(dump.manifest, layer)
         first, last = int(test_pos.min()), int(test_pos.max())
-        own_q = group_queries.group_queries(per_head, train_group)  # for an index that reads them where they were
         per_head = [rope.placed(q, rows, first, last, freqs, train_positions) for q in per_head]
     train_q = group_queries.group_queries(per_head, train_group)
+    if not moved:
+        own_q = train_q  # the same array: at their own positions already
     others = group_queries.other_heads(per_head, 0) if train_group == "unlisted" else None
     values = dump.values(layer, g, "all")
     for name, arr in (("keys", all_keys), ("values", values), ("test queries", test_q)):

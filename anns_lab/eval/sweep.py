@@ -151,6 +151,7 @@ class SweepWork:
     label: str | None = None  # the rows' dump and model, resolved on the driver: a node sent a head's arrays may not
     model: str | None = None  # see the dump at all (None: read from the dump here)
     stamp: str | None = None  # the dump's (store.dump_stamp) when the sweep began: a dump replaced since is refused
+    keep_own: bool = False  # an index swept reads the training queries where they were (Index.own_positions)
 
     def worker_env(self) -> dict[str, str]:
         return dict(WORKER_ENV)
@@ -165,7 +166,7 @@ class SweepWork:
                                "sweep began with): its heads would mix two dumps in one table; sweep the new dump into "
                                "another --out, or with --overwrite")
         return load_head(dump, layer, head, self.window, train_group=self.train_group,
-                         train_positions=self.train_positions)
+                         train_positions=self.train_positions, keep_own=self.keep_own)
 
     def fingerprint(self) -> str | None:
         try:
@@ -380,8 +381,11 @@ def _run(runner, dump, out, settings, names, layers, heads, k, window, build_par
             failures.append((o.part.index, o.part.layer, o.part.head, o.error))
         bar.update(1)
 
+    from anns_lab.indexes import registry
+
     work = SweepWork(str(dump.path), k, tuple(window), build_params, quick, train_group, train_positions,
-                     str(dump.path), dump.model, dump_stamp(dump.manifest))
+                     str(dump.path), dump.model, dump_stamp(dump.manifest),
+                     any(registry.get(n).own_positions for n in names))
     if units:
         log(f"sweep {dump.path.name}: {len(tries)} parts on {runner.describe()}")
         try:
