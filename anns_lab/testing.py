@@ -57,6 +57,14 @@ def easy_data(n_keys: int = 1000, dim: int = 16, n_queries: int = 40, seed: int 
     return keys, queries, train
 
 
+def positions(cls: type[Index], n_keys: int, n_train: int) -> dict[str, np.ndarray]:
+    """``build``'s position arguments for a class that reads them (``reads_positions``), else none: the keys at
+    positions 0..n-1, the training queries spread evenly over them (as the prefill's, among the keys)."""
+    if not cls.reads_positions:
+        return {}
+    return {"key_positions": np.arange(n_keys), "train_positions": np.linspace(0, n_keys - 1, n_train).astype(np.int64)}
+
+
 PLAUSIBLE_GAIN = 0.6  # recall@k above the scanned fraction on structureless data: at their default parameters the zoo's
 # largest is 0.40 (pqcache; 0.25-0.33 for the graphs, IVF and the other plugins, on several seeds), one that scores every
 # key and reports a tenth scanned gains 0.9. An index that ranks every key by compressed codes counts no inner product
@@ -79,7 +87,8 @@ def check_counts_plausible(cls: type[Index], k: int = 10, gain: float = PLAUSIBL
     bound, not a proof: it catches counts several times too low; an index that ranks by compressed codes (which count
     no inner product) may need a larger ``gain``. Returns (scanned fraction, recall) per grid point."""
     keys, queries, train = structureless_data()
-    index = cls(**build_params).build(keys, train if cls.uses_train_queries else None)
+    index = cls(**build_params).build(keys, train if cls.uses_train_queries else None,
+                                      **positions(cls, len(keys), len(train)))
     points = []
     for params in index.grid():
         res = index.search(queries, k, **params)
@@ -210,6 +219,8 @@ def check_declarations(cls: type[Index]) -> None:
     """Assert the class's parameter declarations and grid are consistent."""
     for name, p in {**cls.build_params, **cls.search_params}.items():
         p.check(cls.__name__, name, p.default)
+    assert not cls.reads_positions or cls.own_positions, \
+        "reads_positions needs own_positions: the positions are the prefill's, where the queries were never moved"
     assert cls.calibrated_by is None or cls.calibrated_by in cls.search_grid, \
         f"calibrated_by names {cls.calibrated_by!r}, which is not a search_grid parameter"
     for name, values in cls.search_grid.items():
@@ -240,12 +251,13 @@ def check_errors(cls: type[Index], index: Index, keys: np.ndarray, queries: np.n
     for what, value in (("NaN", np.nan), ("infinity", np.inf), (f"magnitude beyond MAX_ABS ({MAX_ABS:.0e})", 1e30)):
         bad_keys = keys.copy()
         bad_keys[3, 1] = value
-        _expect_error(f"keys with {what}", cls(**build_params).build, bad_keys, train)
+        where = positions(cls, len(keys), len(queries))
+        _expect_error(f"keys with {what}", cls(**build_params).build, bad_keys, train, **where)
         bad_q = queries.copy()
         bad_q[1, 0] = -value
         _expect_error(f"queries with {what}", index.search, bad_q, 5)
         if train is not None:
-            _expect_error(f"train_queries with {what}", cls(**build_params).build, keys, bad_q)
+            _expect_error(f"train_queries with {what}", cls(**build_params).build, keys, bad_q, **where)
         if index.supports_add:
             _expect_error(f"add() of keys with {what}", index.add, bad_keys[:5])
     _expect_error("queries of another dimension", index.search, np.zeros((2, keys.shape[1] + 1), np.float32), 5)
@@ -298,7 +310,8 @@ def check_index(cls: type[Index], min_recall: float = 1.0, k: int = 10, unbiased
     keys, queries, train = easy_data()
     given = [a.copy() for a in (keys, queries, train)]
     train_q = train if cls.uses_train_queries else None
-    index = cls(**build_params).build(keys, train_q)
+    where = positions(cls, len(keys), len(train))
+    index = cls(**build_params).build(keys, train_q, **where)
     assert index.n_keys == len(keys) and index.dim == keys.shape[1], "n_keys / dim not set by build()"
     grid = index.grid()
     assert grid, "grid() is empty"
@@ -320,7 +333,7 @@ def check_index(cls: type[Index], min_recall: float = 1.0, k: int = 10, unbiased
     check_result(index, index.search(queries[:4], len(keys), **top), queries[:4], keys, len(keys), "k=n_keys")
 
     mid = grid[len(grid) // 2]
-    again = cls(**build_params).build(keys, train_q)
+    again = cls(**build_params).build(keys, train_q, **where)
     _same(index.search(queries, k, **mid), again.search(queries, k, **mid), "two seeded builds")
     _same(index.search(queries, k, **mid), index.search(queries, k, **mid), "two searches")
     _same_from_threads(index, queries[:8], k, [grid[0], top])
@@ -337,7 +350,7 @@ def check_index(cls: type[Index], min_recall: float = 1.0, k: int = 10, unbiased
             _same(index.search(queries, k, **params), loaded.search(queries, k, **params), f"save/load at {params}")
 
     if index.supports_add:
-        part = cls(**build_params).build(keys[:800], train_q)
+        part = cls(**build_params).build(keys[:800], train_q, **positions(cls, 800, len(train)))
         part.add(keys[800:])
         assert part.n_keys == len(keys), "add() did not grow n_keys"
         res = part.search(queries, k, **part.grid()[-1])

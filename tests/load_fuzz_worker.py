@@ -14,6 +14,7 @@ import numpy as np
 
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes import registry
+from anns_lab.testing import positions
 
 N, DIM, K = 300, 16, 10
 BUILD = {"vamana": {"R": 8, "L": 16}, "robust-vamana": {"R": 8, "L": 16, "n_queries": 50},
@@ -23,7 +24,7 @@ BUILD = {"vamana": {"R": 8, "L": 16}, "robust-vamana": {"R": 8, "L": 16, "n_quer
          "pqcache": {"M": 2, "nbits": 4}, "clusterkv": {"nlist": 8}, "squeezed": {"nlist": 8, "n_coarse": 2},
          "quest": {"page_size": 16}, "shadowkv": {"chunk_size": 8, "outliers": 0.05}, "retroinfer": {"nlist": 8},
          "magicpig": {"K": 4, "L": 8}, "ngfix": {"M": 8, "ef_construction": 32, "MEX": 8, "fix_lists": 20, "rfix_ef": 40},
-         "sparq": {}, "loki": {}, "snapkv": {"window": 16}}
+         "sparq": {}, "loki": {}, "snapkv": {"window": 16}, "infllm": {"block": 32}}
 OPAQUE = {"hnswlib_index"}  # hnswlib's file: edited whole by hnswlib_bytes below, not an element at a time
 JUNK = [None, -1, 0, 10**12, "x", [], {}, 1.5, True, -(2**63)]
 
@@ -116,7 +117,7 @@ def main(name: str, root: Path, n_cases: int = 36) -> None:
     train = (rng.standard_normal((200, DIM)) + 0.3).astype(np.float32)
     queries = (rng.standard_normal((8, DIM)) + 0.3).astype(np.float32)
     cls = registry.get(name)
-    index = cls(**BUILD[name]).build(keys, train)
+    index = cls(**BUILD[name]).build(keys, train, **positions(cls, len(keys), len(train)))
     saved = root / "saved"
     index.save(saved)
     grid = index.grid()[:2]

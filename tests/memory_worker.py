@@ -38,10 +38,11 @@ def data(seed: int, n: int, m: int, d: int) -> tuple[np.ndarray, np.ndarray]:
 
 def build(name: str, seed: int, n: int, m: int, d: int):
     from anns_lab.indexes import registry
+    from anns_lab.testing import positions
 
     keys, queries = data(seed, n, m, d)
     index = registry.create(name)
-    return index.build(keys, queries if index.uses_train_queries else None)
+    return index.build(keys, queries if index.uses_train_queries else None, **positions(type(index), n, m))
 
 
 def add(index, seed: int, n: int, d: int) -> None:

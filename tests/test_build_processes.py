@@ -23,6 +23,7 @@ from anns_lab.errors import IndexResultError
 from anns_lab.indexes import Index, build_processes, registry
 from anns_lab.indexes.key_store import KeyStore
 from anns_lab.indexes.threads import stopping_on
+from anns_lab.testing import positions
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,8 @@ def test_processes_build_the_indexes_a_thread_builds_on_the_callers_rows(workers
     store, rows, rng = _rows()
     cls = registry.get(name)
     queries = rng.standard_normal((4, 300, 16)).astype(np.float32)
-    items = ([(h // 2, {"train_queries": queries[h]}) for h in range(4)] if cls.uses_train_queries
+    where = positions(cls, rows[0].n, 300)  # the positions travel to the worker with the queries
+    items = ([(h // 2, {"train_queries": queries[h], **where}) for h in range(4)] if cls.uses_train_queries
              else [(g, {}) for g in range(2)])
     got = workers.build(cls, {}, rows, items)
     want = [cls().build(rows[g], **arrays) for g, arrays in items]

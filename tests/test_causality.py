@@ -7,6 +7,8 @@ leave out keys after a query; checked against a per-query causal mask in plain n
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -16,6 +18,7 @@ from anns_lab.errors import AnnsLabError
 from anns_lab.eval import export
 from anns_lab.eval.heads import load_head
 from anns_lab.eval.sweep import run_sweep
+from anns_lab.testing import recall_at_k
 
 N, DECODE, K = 400, 4, 10
 WINDOWS = [(0, 0), (0, 16), (16, 16), (8, 60), (16, 100), (32, 64)]
@@ -151,3 +154,38 @@ def test_an_index_that_reads_queries_where_they_were_gets_them_unmoved(few_steps
                   quick=True, train_positions="own").table
     cols = ["search_params", "direction", "recall", "scanned_fraction"]
     pd.testing.assert_frame_equal(a[cols].reset_index(drop=True), b[cols].reset_index(drop=True))
+
+
+def test_an_index_that_reads_positions_is_given_the_keys_and_the_training_queries(few_steps, tmp_path):
+    """``Index.reads_positions`` (infllm): the sweep gives it each index key's position (the held-out keys leave holes)
+    and each training query's, and sweeps what a build given them by hand measures; a GQA group's interleaved
+    queries have no positions of their own: refused before any work."""
+    from anns_lab.indexes import registry
+
+    infllm = registry.get("infllm")
+    head = load_head(few_steps, 1, 2, (4, 16), train_positions="serving", keep_own=True)
+    where = head.positions_for(infllm)
+    np.testing.assert_array_equal(where["key_positions"], head.key_pos)
+    assert head.key_pos[-1] - head.key_pos[0] + 1 > len(head.key_pos)  # holes where the held-out keys were
+    np.testing.assert_array_equal(where["train_positions"], np.arange(len(head.own_train_queries)))
+    assert head.positions_for(registry.get("roargraph")) == {}
+    params = {"block": 8, "repr": 2, "local": 24}
+    table = run_sweep(few_steps.path, ["infllm"], [1], [2], k=K, window=(4, 16), out=tmp_path / "s", jobs=1,
+                      progress=False, quick=True, build_params={"infllm": params}).table
+    ref = infllm(**params).build(head.keys, head.own_train_queries, **where)
+    rows = table[table.direction == "q2k"]
+    assert len(rows) == len(ref.grid()) > 3
+    for row in rows.itertuples():
+        res = ref.search(head.test_queries, K, **json.loads(row.search_params))
+        assert row.scanned_fraction == pytest.approx(res.n_scanned.mean() / len(head.keys))
+        assert row.recall == pytest.approx(recall_at_k(res.ids, head.test_queries, head.keys, K))
+    other = infllm(**params).build(head.keys, head.own_train_queries, key_positions=head.key_pos + 40,
+                                   train_positions=where["train_positions"])
+    assert not np.array_equal(other._reps, ref._reps)  # the positions it was given decide its representatives
+    with pytest.raises(AnnsLabError, match="infllm read each training query's position; --train-group group"):
+        run_sweep(few_steps.path, ["infllm"], [1], [2], k=K, window=(4, 16), out=tmp_path / "g", jobs=1,
+                  progress=False, quick=True, train_group="group")
+    assert not (tmp_path / "g").exists()
+    grouped = load_head(few_steps, 1, 2, (4, 16), train_group="group", train_positions="own")
+    with pytest.raises(AnnsLabError, match="interleaved .* have none of their own"):
+        grouped.positions_for(infllm)

@@ -21,7 +21,7 @@ from anns_lab.window import Window
 # Index modes checked for exactness; search parameters are each index's most thorough setting (capped: the plugins'
 # token budgets then cover every key).
 CANDIDATES = ("flat", "ivf", "hnsw", "vamana", "roargraph", "robust-vamana", "quest", "shadowkv", "ngfix", "sparq",
-              "loki", "snapkv")
+              "loki", "snapkv", "infllm")
 
 
 # Where the most thorough value of a parameter would make the rest exact by construction, the cheapest: sparq's and loki's

@@ -21,7 +21,7 @@ WORKER = Path(__file__).with_name("load_fuzz_worker.py")
 
 @pytest.mark.parametrize("name", ["flat", "ivf", "hnsw", "vamana", "robust-vamana", "roargraph", "simhash",
                                   "pqcache", "clusterkv", "squeezed", "quest", "shadowkv", "retroinfer",
-                                  "magicpig", "ngfix", "sparq", "loki", "snapkv"])
+                                  "magicpig", "ngfix", "sparq", "loki", "snapkv", "infllm"])
 def test_every_edit_of_a_saved_index_is_refused_or_loads_correctly(name, tmp_path):
     from anns_lab.indexes import registry
 
@@ -60,7 +60,7 @@ SMALL = {"vamana": {"R": 8, "L": 16}, "robust-vamana": {"R": 8, "L": 16, "n_quer
          "ivf": {"nlist": 4}, "simhash": {"K": 4, "L": 8}, "magicpig": {"K": 4, "L": 8}, "retroinfer": {"nlist": 16},
          "pqcache": {"M": 2, "nbits": 4}, "clusterkv": {"nlist": 8, "niter": 5},
          "squeezed": {"nlist": 16, "n_coarse": 4, "niter": 5},
-         "ngfix": {"M": 8, "ef_construction": 32, "MEX": 8, "fix_lists": 20, "rfix_ef": 40}}
+         "ngfix": {"M": 8, "ef_construction": 32, "MEX": 8, "fix_lists": 20, "rfix_ef": 40}, "infllm": {"block": 32}}
 
 
 def _saving_indexes() -> list[str]:
@@ -99,10 +99,12 @@ def test_a_hostile_edit_with_its_checksum_redone_is_refused_by_every_index(name,
     rng = np.random.default_rng(0)
     keys, train = (rng.standard_normal((n, 16)).astype(np.float32) for n in (300, 100))
     cls = registry.get(name)
-    cls(**SMALL.get(name, {})).build(keys, train).save(tmp_path / "saved")
+    from anns_lab.testing import positions
+
+    cls(**SMALL.get(name, {})).build(keys, train, **positions(cls, len(keys), len(train))).save(tmp_path / "saved")
     meta = json.loads((tmp_path / "saved" / "index.json").read_text())
     more = np.concatenate([keys, keys[:1] + 1])  # a library's payload (faiss, hnswlib) of a build on one key more
-    cls(**SMALL.get(name, {})).build(more, train).save(tmp_path / "more")
+    cls(**SMALL.get(name, {})).build(more, train, **positions(cls, len(more), len(train))).save(tmp_path / "more")
     loaded = []
     for array in meta["arrays"]:
         a = np.load(tmp_path / "saved" / f"{array}.npy")

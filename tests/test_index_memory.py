@@ -17,7 +17,7 @@ import pytest
 
 WORKER = Path(__file__).with_name("memory_worker.py")
 ALL = ["flat", "ivf", "hnsw", "vamana", "robust-vamana", "roargraph", "simhash", "pqcache", "clusterkv", "squeezed",
-       "quest", "shadowkv", "retroinfer", "magicpig", "vattention", "ngfix", "sparq", "loki", "snapkv"]
+       "quest", "shadowkv", "retroinfer", "magicpig", "vattention", "ngfix", "sparq", "loki", "snapkv", "infllm"]
 TOLERANCE = 0.02  # of what the allocator holds, plus SLACK: a library's small objects (faiss's per-list vectors)
 SLACK = 64 << 10
 

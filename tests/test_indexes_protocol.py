@@ -12,6 +12,7 @@ from anns_lab.errors import IndexConfigError
 from anns_lab.indexes import registry
 from anns_lab.indexes.base import Param
 from anns_lab.indexes.cli import indexes as indexes_cmd
+from anns_lab.testing import positions
 
 BUILTINS = ["flat", "hnsw", "ivf", "vamana"]
 
@@ -232,8 +233,10 @@ def test_cli_lists_params_grid_and_plugin():
 def _build_random(name: str, n: int, rng) -> "indexes.Index":
     cls = registry.get(name)
     keys = rng.standard_normal((n, 32)).astype(np.float32)
-    queries = rng.standard_normal((200, 32)).astype(np.float32) if cls.uses_train_queries else None
-    return registry.create(name).build(keys, train_queries=queries) if queries is not None else registry.create(name).build(keys)
+    if not cls.uses_train_queries:
+        return registry.create(name).build(keys)
+    queries = rng.standard_normal((200, 32)).astype(np.float32)
+    return registry.create(name).build(keys, train_queries=queries, **positions(cls, n, 200))
 
 
 @pytest.mark.parametrize("name", sorted(registry.available()))

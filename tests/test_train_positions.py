@@ -127,6 +127,26 @@ def test_the_decoders_indexes_get_the_queries_moved_to_its_steps(tiny_gemma3):
         for h, ix in enumerate(store.indexes):
             ref = snap(window=16).build(store.key_store.head(h // store.group), queries[h, -16:])
             assert np.array_equal(ix._order, ref._order)
+    # One that reads positions (Index.reads_positions: infllm) gets the keys' (those outside the window) and the kept
+    # training queries' (--train-queries: evenly spaced, the last included), in the prompt.
+    from anns_lab.decode.builds import subsampled_positions
+    from anns_lab.decode.engine import Mode, check_window
+    from anns_lab.errors import DecodeError
+
+    infllm, params = registry.get("infllm"), {"block": 16, "repr": 2, "local": 40}
+    lo, hi = base.window.outside(len(ids))
+    for kept_q in (0, 70):
+        store = layer_store(lm, pre.cache, len(ids), layer, IndexPlan("infllm", params, {}),
+                            dataclasses.replace(base, train_queries=kept_q, calibrate=0.0), queries)
+        rows = subsampled_positions(len(ids), kept_q)
+        assert len(rows) == (kept_q or len(ids))
+        for h, ix in enumerate(store.indexes):
+            ref = infllm(**params).build(store.key_store.head(h // store.group), queries[h, rows],
+                                         key_positions=np.arange(lo, hi), train_positions=rows)
+            assert np.array_equal(ix._reps, ref._reps) and np.array_equal(ix._starts, ref._starts)
+    with pytest.raises(DecodeError, match="--mode infllm reads each training query's position; --train-group strided"):
+        check_window(dataclasses.replace(base, train_group="strided"), len(ids), [Mode("infllm", IndexPlan("infllm"))],
+                     16, 32)
     with pytest.raises(AnnsLabError, match="choose one of serving, own"):  # a Settings built by hand, not the CLI
         layer_store(lm, pre.cache, len(ids), layer, IndexPlan("roargraph", {}, {}),
                     dataclasses.replace(base, train_positions="decode"), queries)

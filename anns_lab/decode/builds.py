@@ -70,8 +70,10 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
     # an estimator's calibration reads the values (its output error), which the workers' spool does not hold
     then = partial(_calibrate_in_worker, processes, store, newest, settings.calibrate, scaling, in_worker) \
         if calibrating and processes is not None and not registry.get(plan.name).estimates else None
+    where = {"key_positions": np.arange(lo, hi), "train_positions": positions} \
+        if aware and registry.get(plan.name).reads_positions else None  # both the prompt's (InfLLM)
     store.build(queries, _device_lists(lm, plan, queries, layer_cache.keys[0, :, lo:hi], settings), per_kv_head=per_kv,
-                others=others, beside=beside, processes=processes, then=then)
+                others=others, beside=beside, processes=processes, then=then, positions=where)
     if calibrating and not in_worker:
         # in the store's build_s too (the decoder times its modes by the layers' spans, :meth:`EarlyBuilds.take`)
         t0 = time.perf_counter()
@@ -131,7 +133,10 @@ def warm_up(lm, modes: list, settings, failed: list | None = None) -> float:
         queries = rng.standard_normal((n_heads, WARM_KEYS // 2, dim), dtype=np.float32)
         try:
             store = LayerStore(-1, n_heads, keys, values, min(settings.topk, WARM_KEYS // 4), plan, settings.add_batch)
-            store.build(queries if registry.get(plan.name).uses_train_queries else None)
+            cls = registry.get(plan.name)
+            where = {"key_positions": np.arange(WARM_KEYS), "train_positions": np.arange(0, WARM_KEYS, 2)} \
+                if cls.reads_positions else None
+            store.build(queries if cls.uses_train_queries else None, positions=where)
             if calibration.enabled(settings.calibrate):
                 # a reading only: the steps below warm the mode's own search even where a real layer would be scanned
                 calibration.calibrate(store, queries[:, -calibration.QUERIES:], settings.calibrate, dim ** -0.5,

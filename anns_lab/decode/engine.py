@@ -430,6 +430,10 @@ def check_window(settings: Settings, n_prompt: int, modes: list[Mode], fed: int,
     for m in modes:  # built over the prompt's keys outside the window (e.g. an ivf nlist above them): before the prefill
         for plan in {id(p): p for p in [m.plan, *m.per_layer.values()] if p is not None}.values():
             index = registry.create(plan.name, **plan.build_params)
+            if index.reads_positions and settings.train_group not in group_queries.PER_HEAD:
+                raise DecodeError(f"--mode {m.name} reads each training query's position; --train-group "
+                                  f"{settings.train_group} interleaves a GQA group's queries, which have none of their "
+                                  "own: use --train-group head or unlisted")
             try:
                 index.check_dim(dim)
             except IndexConfigError as err:

@@ -94,7 +94,7 @@ class LayerStore:
 
     def build(self, queries: np.ndarray | None, train_topk: np.ndarray | None = None, per_kv_head: bool = False,
               others: bool = False, beside: bool = False, processes: BuildProcesses | None = None,
-              then: Callable[[Spool], None] | None = None) -> None:
+              then: Callable[[Spool], None] | None = None, positions: dict[str, np.ndarray] | None = None) -> None:
         """Build the indexes on every row held now; ``queries`` (H, t, d) are the prefill queries (attention-aware only),
         ``train_topk`` (H, t, c) their top keys when computed elsewhere (``device_lists``). ``per_kv_head``: queries and
         lists are (G, m, ·), one set per KV head (its GQA group's, :mod:`indexes.group_queries`), and one
@@ -107,7 +107,9 @@ class LayerStore:
         (:mod:`indexes.build_processes`: the same indexes, no build waiting for this process's GIL) where the index
         class saves and restores exactly (:func:`build_processes.can_build`: its arrays are how a build comes back) and
         more than one index builds or the prefill runs beside them; there ``then(spool)`` runs once they are taken,
-        with the spool that still holds their arrays (a task in a worker can read them: the decoder's calibration)."""
+        with the spool that still holds their arrays (a task in a worker can read them: the decoder's calibration).
+        ``positions``: ``key_positions`` and ``train_positions`` for an index that reads them (``Index.reads_positions``;
+        per query head), given to every build."""
         if self.plan is None or self.n_rows == 0:
             return
         t0 = time.perf_counter()
@@ -123,7 +125,7 @@ class LayerStore:
             items = [(i if per_kv_head else i // self.group,
                       {"train_queries": np.ascontiguousarray(queries[i]),
                        **({} if train_topk is None else {"train_topk": train_topk[i]}),
-                       **(self._others(i, queries, train_topk) if others else {})})
+                       **(self._others(i, queries, train_topk) if others else {}), **(positions or {})})
                      for i in range(len(rows) if per_kv_head else self.n_heads)]
         else:
             items = [(g, {}) for g in range(len(rows))]

@@ -52,6 +52,7 @@ class HeadData:
     index_end: int              # first position after the index keys: keys from here on are in the recent window
     group_queries: np.ndarray | None = None  # train_group "unlisted": the GQA group's other heads' newest prefill queries
     own_train_queries: np.ndarray | None = None  # train_queries at their prefill positions (None: moved, not kept)
+    own_train_pos: np.ndarray | None = None  # their positions, where one head's (None: a group's rows interleaved)
 
     def train_queries_for(self, cls) -> np.ndarray:
         """The training queries index class ``cls`` learns from: where the prefill had them for one that asks
@@ -62,6 +63,16 @@ class HeadData:
             raise AnnsLabError(f"{cls.name or cls.__name__} reads the training queries at their own positions, and this "
                                f"head ({self.layer}, {self.head}) was loaded without them (load_head(keep_own=True))")
         return self.own_train_queries
+
+    def positions_for(self, cls) -> dict[str, np.ndarray]:
+        """``build``'s position arguments for index class ``cls`` (``Index.reads_positions``; none for others)."""
+        if not cls.reads_positions:
+            return {}
+        if self.own_train_pos is None:
+            raise AnnsLabError(f"{cls.name or cls.__name__} reads each training query's position; a GQA group's queries "
+                               "interleaved (--train-group group or strided) have none of their own: sweep it with "
+                               "--train-group head or unlisted")
+        return {"key_positions": self.key_pos, "train_positions": self.own_train_pos}
 
     def exact(self, direction: str) -> np.ndarray:
         """Exact scores (nq, n) of the direction's queries against the index keys (computed once)."""
@@ -265,4 +276,5 @@ def load_head(dump: Dump, layer: int, head: int, window: Window | tuple[int, int
             raise DumpError(f"{dump.path}: the {name} of {where}, query head {head} hold NaN or inf; make the dump again")
     return HeadData(layer, head, g, np.ascontiguousarray(all_keys[key_pos]), key_pos, train_q,
                     np.ascontiguousarray(test_q), test_pos, np.ascontiguousarray(all_keys[held]), all_keys,
-                    values, dump.scaling(layer), window, n, hi, others, own_q)
+                    values, dump.scaling(layer), window, n, hi, others, own_q,
+                    rows if train_group in group_queries.PER_HEAD or len(group) == 1 else None)

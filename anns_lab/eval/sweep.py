@@ -98,7 +98,8 @@ def evaluate_index(name: str, data: HeadData, k: int, dump_label: str, model: st
     index = registry.create(name, **(build_params or {}))
     t0 = time.perf_counter()
     group = data.group_queries if index.accepts_group_queries else None
-    index.build(data.keys, data.train_queries_for(type(index)) if index.uses_train_queries else None, group_queries=group)
+    index.build(data.keys, data.train_queries_for(type(index)) if index.uses_train_queries else None, group_queries=group,
+                **data.positions_for(type(index)))
     build_s = time.perf_counter() - t0
     rows = []
     for params in index.grid():
@@ -295,6 +296,11 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     n_keys = check_k(dump, window, k)  # before any index is built
     names = _fitting(made, n_keys, dump.head_dim, build_params, chosen=indexes is not None, log=log)
     group_queries.check_mode(train_group)
+    positional = [n for n in names if registry.get(n).reads_positions]
+    if positional and train_group not in group_queries.PER_HEAD and dump.n_heads > dump.n_kv_heads:
+        raise AnnsLabError(f"{', '.join(positional)} read each training query's position; --train-group {train_group} "
+                           "interleaves a GQA group's queries, which have none of their own: sweep them with "
+                           "--train-group head or unlisted")
     aware = any(registry.get(name).uses_train_queries for name in names)
     if rope.check_place(train_positions) != "own" and aware:
         for layer in layers:  # the frequencies that move the queries: a manifest without them is one error, before any work

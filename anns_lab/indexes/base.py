@@ -170,6 +170,9 @@ class Index:
     #: score the context as they attended it): the sweep and the decoder never move them (``--train-positions`` moves
     #: them for the indexes that learn what the decode steps will ask).
     own_positions: ClassVar[bool] = False
+    #: With ``own_positions``: True when ``build`` also takes ``key_positions`` (n,) and ``train_positions`` (m,), each
+    #: key's and each training query's token position (InfLLM: a key is scored by the queries that follow it closely).
+    reads_positions: ClassVar[bool] = False
     #: True when ``build`` also takes ``train_topk``, the training queries' top keys computed elsewhere.
     accepts_train_topk: ClassVar[bool] = False
     #: True when ``build`` also takes ``group_queries``: the prefill queries of the other query heads of the GQA group.
@@ -197,12 +200,15 @@ class Index:
     # -- the protocol ---------------------------------------------------------------------------
 
     def build(self, keys: Any, train_queries: Any | None = None, train_topk: Any | None = None,
-              group_queries: Any | None = None, group_topk: Any | None = None) -> "Index":
+              group_queries: Any | None = None, group_topk: Any | None = None, key_positions: Any | None = None,
+              train_positions: Any | None = None) -> "Index":
         """Index ``keys`` (n, d); attention-aware indexes also learn from ``train_queries`` (m, d), and those that
         accept it take ``train_topk`` (m, c): each training query's top-c key ids by inner product, best first,
         computed elsewhere (e.g. on the accelerator during the prefill) so the build need not. Those that accept
         ``group_queries`` (m', d), the other query heads' prefill queries of the keys' GQA group, use them where the
-        head's own lists leave keys out (``group_topk`` (m', c): their top keys, as ``train_topk``).
+        head's own lists leave keys out (``group_topk`` (m', c): their top keys, as ``train_topk``). Those that
+        read positions (``reads_positions``) take ``key_positions`` (n,) and ``train_positions`` (m,): each key's and
+        each training query's token position, both ascending.
 
         ``keys`` may be :class:`KeyRows`, one head of a growable :class:`KeyStore` the caller owns (the
         decoder's): an index that keeps float32 key rows reads them there instead of a copy of its own,
@@ -222,6 +228,8 @@ class Index:
             extra["train_topk"] = self._check_topk(train_topk, train_queries, len(keys))
         if group_queries is not None or group_topk is not None:
             extra.update(self._check_group(keys, train_queries, group_queries, group_topk))
+        if self.reads_positions or key_positions is not None or train_positions is not None:
+            extra.update(self._check_positions(len(keys), train_queries, key_positions, train_positions))
         self._build(keys, train_queries, **extra)
         self.__dict__.pop("_given_rows", None)
         self.n_keys, self.dim = keys.shape
@@ -263,6 +271,30 @@ class Index:
         if arr.min() < 0 or arr.max() >= n_keys:
             raise IndexConfigError(f"{owner}: {what} holds ids outside [0, {n_keys}) (the keys given to build)")
         return np.ascontiguousarray(arr, dtype=np.int32)
+
+    def _check_positions(self, n_keys: int, train_queries: np.ndarray | None, key_positions: Any | None,
+                         train_positions: Any | None) -> dict[str, np.ndarray]:
+        """``key_positions`` and ``train_positions`` as int64 arrays, one per key and per training query, ascending
+        (strictly for the keys: one key a position), or raise: for an index that reads them, none other."""
+        owner = self._owner()
+        if not self.reads_positions:
+            raise IndexConfigError(f"{owner}: this index does not take key_positions or train_positions")
+        given = {"key_positions": (key_positions, n_keys),
+                 "train_positions": (train_positions, None if train_queries is None else len(train_queries))}
+        out = {}
+        for what, (arr, n) in given.items():
+            if arr is None or n is None:
+                raise IndexConfigError(f"{owner}: this index reads each key's and each training query's token position; "
+                                       f"pass {what} to build() (with the train_queries)")
+            arr = np.asarray(arr)
+            if not np.issubdtype(arr.dtype, np.integer) or arr.shape != (n,):
+                raise IndexConfigError(f"{owner}: {what} must be {n} integer positions, got {arr.dtype} {arr.shape}")
+            steps = np.diff(arr)
+            if (arr < 0).any() or (steps < (1 if what == "key_positions" else 0)).any():
+                raise IndexConfigError(f"{owner}: {what} must be non-negative and ascending"
+                                       f"{' (one key a position)' if what == 'key_positions' else ''}")
+            out[what] = np.array(arr, dtype=np.int64)  # a copy: the caller's (HeadData.key_pos) stay as given
+        return out
 
     def _check_group(self, keys: np.ndarray, train_queries: np.ndarray | None, group_queries: Any | None,
                      group_topk: Any | None) -> dict[str, np.ndarray]:
