@@ -43,23 +43,30 @@ CHUNK = 256  # training queries scored at once: a (CHUNK, local + span) matrix o
 def local_scores(keys: np.ndarray, key_pos: np.ndarray, queries: np.ndarray, query_pos: np.ndarray, local: int,
                  scale: float) -> np.ndarray:
     """Each key's softmax weight summed over the ``queries`` at most ``local`` positions after it (float64, (n,)); each
-    query's softmax over the keys it reaches (positions in (t - local, t]). Both position arrays ascending."""
-    scores = np.zeros(len(keys))
+    query's softmax over the keys it reaches (positions in (t - local, t]). Both position arrays ascending.
+
+    The products are torch's: its team is the calling thread's (one thread on the decoder's build threads,
+    ``indexes.threads``), where numpy's BLAS keeps a pool of its own that several builds at once spin against (a
+    Gemma-3 8K layer's four builds: 10x slower, session 52)."""
+    import torch
+
+    scores = torch.zeros(len(keys), dtype=torch.float64)
+    all_keys, all_queries = torch.tensor(keys), torch.tensor(queries)  # copies: the arrays may be read-only views
+    positions = torch.from_numpy(np.ascontiguousarray(key_pos, dtype=np.int64))
     for a in range(0, len(queries), CHUNK):
         t = query_pos[a:a + CHUNK]
         lo = int(np.searchsorted(key_pos, t[0] - local, side="right"))
         hi = int(np.searchsorted(key_pos, t[-1], side="right"))
         if hi <= lo:
             continue
-        p = key_pos[lo:hi]
-        logits = (queries[a:a + CHUNK] @ keys[lo:hi].T) * np.float32(scale)
-        reached = (p[None, :] <= t[:, None]) & (p[None, :] > t[:, None] - local)
-        logits[~reached] = -np.inf
-        any_key = reached.any(axis=1)
-        logits = logits[any_key]
-        weights = np.exp(logits - logits.max(axis=1, keepdims=True))
-        scores[lo:hi] += (weights / weights.sum(axis=1, keepdims=True, dtype=np.float64)).sum(axis=0)
-    return scores
+        at = torch.from_numpy(np.ascontiguousarray(t, dtype=np.int64))[:, None]
+        p = positions[lo:hi][None, :]
+        reached = (p <= at) & (p > at - local)
+        logits = (all_queries[a:a + CHUNK] @ all_keys[lo:hi].T) * scale
+        logits.masked_fill_(~reached, -torch.inf)
+        weights = torch.softmax(logits[reached.any(dim=1)], dim=1)
+        scores[lo:hi] += weights.sum(dim=0, dtype=torch.float64)
+    return scores.numpy()
 
 
 def block_starts(n_keys: int, block: int) -> np.ndarray:
