@@ -112,6 +112,8 @@ class LayerStore:
         per query head), given to every build."""
         if self.plan is None or self.n_rows == 0:
             return
+        if positions is not None and per_kv_head:  # a KV head's rows interleave its group's queries (check_window)
+            raise ValueError("positions are a query head's own: not for one index per KV head")
         t0 = time.perf_counter()
         cls = registry.get(self.plan.name)
         rows = [self.key_store.head(g) for g in range(self.key_store.buf.shape[0])]

@@ -277,4 +277,4 @@ def load_head(dump: Dump, layer: int, head: int, window: Window | tuple[int, int
     return HeadData(layer, head, g, np.ascontiguousarray(all_keys[key_pos]), key_pos, train_q,
                     np.ascontiguousarray(test_q), test_pos, np.ascontiguousarray(all_keys[held]), all_keys,
                     values, dump.scaling(layer), window, n, hi, others, own_q,
-                    rows if train_group in group_queries.PER_HEAD or len(group) == 1 else None)
+                    rows if train_group in group_queries.PER_HEAD else None)

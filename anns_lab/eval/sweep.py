@@ -297,7 +297,7 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     names = _fitting(made, n_keys, dump.head_dim, build_params, chosen=indexes is not None, log=log)
     group_queries.check_mode(train_group)
     positional = [n for n in names if registry.get(n).reads_positions]
-    if positional and train_group not in group_queries.PER_HEAD and dump.n_heads > dump.n_kv_heads:
+    if positional and train_group not in group_queries.PER_HEAD:
         raise AnnsLabError(f"{', '.join(positional)} read each training query's position; --train-group {train_group} "
                            "interleaves a GQA group's queries, which have none of their own: sweep them with "
                            "--train-group head or unlisted")

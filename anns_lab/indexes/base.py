@@ -287,8 +287,10 @@ class Index:
                 raise IndexConfigError(f"{owner}: this index reads each key's and each training query's token position; "
                                        f"pass {what} to build() (with the train_queries)")
             arr = np.asarray(arr)
-            if not np.issubdtype(arr.dtype, np.integer) or arr.shape != (n,):
-                raise IndexConfigError(f"{owner}: {what} must be {n} integer positions, got {arr.dtype} {arr.shape}")
+            if not np.issubdtype(arr.dtype, np.integer) or arr.shape != (n,) or (
+                    arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max):
+                raise IndexConfigError(f"{owner}: {what} must be {n} integer positions (int64), got {arr.dtype} "
+                                       f"{arr.shape}")
             steps = np.diff(arr)
             if (arr < 0).any() or (steps < (1 if what == "key_positions" else 0)).any():
                 raise IndexConfigError(f"{owner}: {what} must be non-negative and ascending"

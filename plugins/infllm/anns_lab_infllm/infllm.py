@@ -16,12 +16,13 @@ representatives summed), here each query head chooses its own, as every index of
 in its favour); its softmax runs over the local window's keys and the memory it attended, here over the index's keys
 within ``local`` positions (the sink and the static window are never passed to an index); InfLLM gives the memory one
 relative position (its queries rotated by ``n_local``), here the model's RoPE stands; keys added after the build
-(the decoder's generated tokens) form no blocks: every search scores them. The lab's static window plays InfLLM's
+(the decoder's generated tokens) form no blocks: every search scores them, as it scores the built keys after the last
+whole block (InfLLM attends that remainder whole too). The lab's static window plays InfLLM's
 initial and local tokens. In the decoder a step attends the top-k (``--topk``) of the keys a search scores: InfLLM
 attends every key of its blocks, so ``--topk`` at least ``blocks`` × ``block`` runs it as its reference does.
 
 Counting: a search computes one product per block (its representative mean, 4·d bytes) and one per key of the chosen
-blocks and per added key (4·d bytes each, contiguous rows), and reads 8 bytes of each chosen block's offset:
+blocks, of the remainder and per added key (4·d bytes each, contiguous rows), and reads 8 bytes of each chosen block's offset:
 ``n_scanned`` = blocks built + keys scored, ``bytes_read`` = 4·d·``n_scanned`` + 8 × blocks chosen. The build's
 products (each training query with the keys it reaches) are the build's, made once.
 """
@@ -36,7 +37,7 @@ from anns_lab.indexes import Index, Param
 from anns_lab.indexes.persist import expect
 from anns_lab.indexes.scan_rows import largest, score_rows, select_largest
 
-BLOCKS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+BLOCKS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 CHUNK = 256  # training queries scored at once: a (CHUNK, local + span) matrix of products
 
 
@@ -70,8 +71,10 @@ def local_scores(keys: np.ndarray, key_pos: np.ndarray, queries: np.ndarray, que
 
 
 def block_starts(n_keys: int, block: int) -> np.ndarray:
-    """The first id of each block of ``block`` consecutive keys, then ``n_keys`` (the last block may be shorter)."""
-    return np.append(np.arange(0, n_keys, block), n_keys).astype(np.int64)
+    """The first id of each whole block of ``block`` consecutive keys, then the end of the last one: the keys after it
+    (fewer than a block) stay outside the blocks, as InfLLM keeps the remainder that fills no block, and every search
+    reads them."""
+    return np.arange(0, n_keys // block * block + 1, block, dtype=np.int64)
 
 
 def representatives(keys: np.ndarray, scores: np.ndarray, starts: np.ndarray, n_repr: int) -> np.ndarray:
@@ -131,7 +134,7 @@ class InfLLM(Index):
         return ids, scores, scanned, 4 * self.dim * scanned + 8 * chosen
 
     def grid(self) -> list[dict]:
-        built = len(self._reps)  # the last point reads every block: exact search
+        built = max(1, len(self._reps))  # the last point reads every block: exact search
         return [{"blocks": b} for b in sorted({min(b, built) for b in BLOCKS} | {built})]
 
     def max_scanned(self) -> int:
@@ -146,9 +149,10 @@ class InfLLM(Index):
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
         keys = expect(arrays, "keys", np.float32, (self.n_keys, self.dim), finite=True)
         starts = expect(arrays, "starts", np.int64, (None,))
-        if len(starts) < 2 or starts[0] != 0 or starts[-1] > self.n_keys or (np.diff(starts) <= 0).any():
-            raise IndexConfigError(f"array 'starts' is not a partition of the first keys into blocks (ascending from "
-                                   f"0, at most n = {self.n_keys})")
+        if not (len(starts) >= 1 and 0 <= starts[-1] <= self.n_keys
+                and np.array_equal(starts, block_starts(int(starts[-1]), self.params["block"]))):
+            raise IndexConfigError(f"array 'starts' is not a partition of the first keys into blocks of "
+                                   f"{self.params['block']} (0, block, 2·block, ..., at most n = {self.n_keys})")
         reps = expect(arrays, "representatives", np.float32, (len(starts) - 1, self.dim), finite=True)
         self._set_up(self._key_rows(keys), reps, starts)
 

@@ -52,16 +52,17 @@ def test_the_scores_are_each_querys_softmax_over_the_keys_it_reaches(local):
                                atol=1e-9)
 
 
-def _reference_ids(keys, index, queries, k, blocks, block, n_repr, scores):
-    """The keys a search at ``blocks`` returns, in numpy: each block the mean of its best-scored keys, the blocks of
-    the highest products with the query (ties: the lower block), their keys' exact top-k."""
-    starts = list(range(0, len(keys), block)) + [len(keys)]
+def _reference_ids(keys, queries, k, blocks, block, n_repr, scores):
+    """The keys a search at ``blocks`` returns, in numpy: each whole block the mean of its best-scored keys, the blocks
+    of the highest products with the query (ties: the lower block), their keys and the remainder after the last whole
+    block, and those keys' exact top-k."""
+    starts = list(range(0, len(keys) // block * block + 1, block))
     reps = np.stack([keys[s + np.argsort(-scores[s:e], kind="stable")[:n_repr]].mean(axis=0)
                      for s, e in zip(starts[:-1], starts[1:])])
     out = []
     for q in queries:
         chosen = np.sort(np.argsort(-(reps @ q), kind="stable")[:blocks])
-        cand = np.concatenate([np.arange(starts[b], starts[b + 1]) for b in chosen])
+        cand = np.concatenate([np.arange(starts[b], starts[b + 1]) for b in chosen] + [np.arange(starts[-1], len(keys))])
         out.append((cand[np.argsort(-(keys[cand] @ q), kind="stable")[:k]], len(reps) + len(cand), len(chosen)))
     return out
 
@@ -74,8 +75,7 @@ def test_a_search_reads_the_blocks_of_best_representatives_and_counts_them(block
                                                              train_positions=query_pos)
     res = index.search(queries, 10, blocks=blocks)
     scores = _scores_one_by_one(keys, key_pos, train, query_pos, 50, 0.25)
-    for row, (want, scanned, chosen) in enumerate(_reference_ids(keys, index, queries, 10, blocks, block, n_repr,
-                                                                 scores)):
+    for row, (want, scanned, chosen) in enumerate(_reference_ids(keys, queries, 10, blocks, block, n_repr, scores)):
         assert res.ids[row, :len(want)].tolist() == want.tolist()
         assert res.n_scanned[row] == scanned and res.bytes_read[row] == 4 * 16 * scanned + 8 * chosen
 
@@ -122,6 +122,7 @@ def test_added_keys_are_always_searched():
     ({"key_positions": np.zeros(300, int), "train_positions": np.arange(160)}, "one key a position"),
     ({"key_positions": np.arange(300) - 1, "train_positions": np.arange(160)}, "non-negative"),
     ({"key_positions": np.arange(300), "train_positions": np.arange(160)[::-1]}, "ascending"),
+    ({"key_positions": np.arange(300, dtype=np.uint64) + np.uint64(2**63), "train_positions": np.arange(160)}, "int64"),
 ])
 def test_missing_or_wrong_positions_are_refused(where, message):
     keys, _, train = easy_data(n_keys=300, dim=8, seed=1)
@@ -144,8 +145,10 @@ def test_a_save_with_broken_blocks_is_refused():
     keys, _, train = easy_data(n_keys=300, dim=8, seed=1)
     index = InfLLM(block=64).build(keys, train, key_positions=np.arange(300), train_positions=np.arange(160))
     arrays = index._arrays()
-    for starts in (np.array([0, 64, 64, 300]), np.array([1, 64, 300]), np.array([0, 400])):
-        broken = {**arrays, "starts": starts, "representatives": np.zeros((len(starts) - 1, 8), np.float32)}
+    assert index._starts.tolist() == [0, 64, 128, 192, 256]  # whole blocks: keys 256..299 are read by every search
+    for starts in (np.array([0, 64, 64, 256]), np.array([1, 65, 129]), np.array([0, 64, 100]), np.array([0, 400]),
+                   np.array([], np.int64)):
+        broken = {**arrays, "starts": starts, "representatives": np.zeros((max(0, len(starts) - 1), 8), np.float32)}
         fresh = InfLLM(block=64)
         fresh.n_keys, fresh.dim = index.n_keys, index.dim
         with pytest.raises(IndexConfigError, match="partition"):
@@ -162,3 +165,18 @@ def test_exact_at_every_block():
     want = np.argsort(-(queries @ keys.T), axis=1, kind="stable")[:, :10]
     np.testing.assert_array_equal(res.ids, want)
     assert (res.n_scanned == 9 + 900).all()
+
+
+def test_fewer_keys_than_a_block_are_all_read_and_the_scale_is_the_scores():
+    keys, queries, train = easy_data(n_keys=100, dim=16, seed=6)
+    short = InfLLM(block=128).build(keys, train, key_positions=np.arange(100), train_positions=np.arange(len(train)))
+    assert short.grid() == [{"blocks": 1}] and len(short._reps) == 0
+    res = short.search(queries, 10, blocks=1)
+    np.testing.assert_array_equal(res.ids, np.argsort(-(queries @ keys.T), axis=1, kind="stable")[:, :10])
+    assert (res.n_scanned == 100).all() and (res.bytes_read == 4 * 16 * 100).all()
+    where = {"key_positions": np.arange(100), "train_positions": np.arange(0, 2 * len(train), 2)}
+    hot = InfLLM(block=10, repr=2, local=30, scale=3.0).build(keys, train, **where)
+    scores = _scores_one_by_one(keys, where["key_positions"], train, where["train_positions"], 30, 3.0)
+    want = [keys[s + np.argsort(-scores[s:s + 10], kind="stable")[:2]].mean(axis=0) for s in range(0, 100, 10)]
+    np.testing.assert_allclose(hot._reps, np.stack(want), rtol=1e-6)
+    assert not np.allclose(InfLLM(block=10, repr=2, local=30).build(keys, train, **where)._reps, hot._reps)
