@@ -147,6 +147,12 @@ def test_the_decoders_indexes_get_the_queries_moved_to_its_steps(tiny_gemma3):
     with pytest.raises(DecodeError, match="--mode infllm reads each training query's position; --train-group strided"):
         check_window(dataclasses.replace(base, train_group="strided"), len(ids), [Mode("infllm", IndexPlan("infllm"))],
                      16, 32)
+    store = layer_store(lm, pre.cache, len(ids), layer, None, base, None)  # no plan: nothing built
+    store.plan = IndexPlan("infllm", params, {})
+    per_kv = np.stack([queries[0]] * store.key_store.buf.shape[0])  # a KV head's rows: no positions of their own
+    with pytest.raises(ValueError, match="positions are a query head's own"):
+        store.build(per_kv, per_kv_head=True,
+                    positions={"key_positions": np.arange(lo, hi), "train_positions": np.arange(len(ids))})
     with pytest.raises(AnnsLabError, match="choose one of serving, own"):  # a Settings built by hand, not the CLI
         layer_store(lm, pre.cache, len(ids), layer, IndexPlan("roargraph", {}, {}),
                     dataclasses.replace(base, train_positions="decode"), queries)

@@ -52,7 +52,7 @@ def local_scores(keys: np.ndarray, key_pos: np.ndarray, queries: np.ndarray, que
     import torch
 
     scores = torch.zeros(len(keys), dtype=torch.float64)
-    all_keys, all_queries = torch.tensor(keys), torch.tensor(queries)  # copies: the arrays may be read-only views
+    all_keys = torch.tensor(keys)  # a copy: the keys may be a read-only view (the queries: a chunk at a time)
     positions = torch.from_numpy(np.ascontiguousarray(key_pos, dtype=np.int64))
     for a in range(0, len(queries), CHUNK):
         t = query_pos[a:a + CHUNK]
@@ -63,7 +63,7 @@ def local_scores(keys: np.ndarray, key_pos: np.ndarray, queries: np.ndarray, que
         at = torch.from_numpy(np.ascontiguousarray(t, dtype=np.int64))[:, None]
         p = positions[lo:hi][None, :]
         reached = (p <= at) & (p > at - local)
-        logits = (all_queries[a:a + CHUNK] @ all_keys[lo:hi].T) * scale
+        logits = (torch.tensor(queries[a:a + CHUNK]) @ all_keys[lo:hi].T) * scale
         logits.masked_fill_(~reached, -torch.inf)
         weights = torch.softmax(logits[reached.any(dim=1)], dim=1)
         scores[lo:hi] += weights.sum(dim=0, dtype=torch.float64)
