@@ -337,6 +337,14 @@ def check_index(cls: type[Index], min_recall: float = 1.0, k: int = 10, unbiased
     _same(index.search(queries, k, **mid), again.search(queries, k, **mid), "two seeded builds")
     _same(index.search(queries, k, **mid), index.search(queries, k, **mid), "two searches")
     _same_from_threads(index, queries[:8], k, [grid[0], top])
+    newest = index.newest_train_queries() if cls.uses_train_queries else None
+    if newest is not None:  # a decoder keeps only these of the prefill's queries
+        assert is_int(newest) and newest > 0, f"newest_train_queries() must be a positive whole number, got {newest!r}"
+        tail = {key: rows[-newest:] if key == "train_positions" else rows for key, rows in where.items()}
+        alone = cls(**build_params).build(keys, train[-newest:], **tail)
+        for params in (grid[0], top):
+            _same(index.search(queries, k, **params), alone.search(queries, k, **params),
+                  f"a build from the newest {newest} training queries alone (newest_train_queries) at {params}")
     held = index.nbytes
     assert is_int(held) and held > 0, f"nbytes must be a positive whole number of bytes (the sweep refuses others), got {held!r}"
     for a, b, what in zip((keys, queries, train), given, ("keys", "queries", "train_queries")):

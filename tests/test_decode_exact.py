@@ -163,6 +163,36 @@ def test_the_kept_queries_are_copies_in_one_buffer_and_a_second_pass_is_refused(
     assert np.array_equal(newest.prefill_queries(0), src[:, -3:].float().numpy())
 
 
+def test_a_prefill_keeps_only_the_newest_queries_its_indexes_and_calibration_read(prefilled):
+    """engine.kept_queries: SnapKV reads its window's newest queries (Index.newest_train_queries), a calibration the
+    newest calibrate.QUERIES, an index that may read any keeps them all, and so does a strided subsample of them; a
+    SnapKV mode decoding from a prefill that kept only its window's queries (8 of 64) makes the same tokens and logits
+    as from one that kept all."""
+    from anns_lab.decode import calibrate as calibration
+    from anns_lab.decode.engine import kept_queries
+
+    if "snapkv" not in registry.available():
+        pytest.skip("the snapkv plugin is not installed")
+    lm, pre, _ = prefilled
+    snap = Mode("snapkv", IndexPlan("snapkv", {"window": 8}, {"budget": 16}))
+    calibrated = dataclasses.replace(SETTINGS, calibrate=0.9)
+    assert kept_queries([Mode("full"), snap], SETTINGS) == 8
+    assert kept_queries([snap, Mode("snapkv", IndexPlan("snapkv", {"window": 20}))], SETTINGS) == 20
+    assert kept_queries([snap], calibrated) == kept_queries([Mode("flat", IndexPlan("flat"))], calibrated) \
+        == calibration.QUERIES
+    assert kept_queries([snap, Mode("roargraph", IndexPlan("roargraph"))], SETTINGS) is None
+    assert kept_queries([Mode("flat", IndexPlan("flat"), {lm.long_range_layers[0]: IndexPlan("roargraph")})],
+                        SETTINGS) is None
+    assert kept_queries([snap], dataclasses.replace(SETTINGS, train_queries=16)) is None
+    newest = prefill(lm, pre.ids, SETTINGS, capture_queries=True, newest_queries=kept_queries([snap], SETTINGS))
+    assert all(q.shape[1] == 8 for q in newest.queries.values())
+    a = run_mode(lm, newest, snap, SETTINGS, STEPS, keep_logits=True)
+    b = run_mode(lm, pre, snap, SETTINGS, STEPS, keep_logits=True)
+    assert a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+    for layer, store in a.stores.items():
+        assert all(np.array_equal(x._order, y._order) for x, y in zip(store.indexes, b.stores[layer].indexes))
+
+
 @pytest.mark.parametrize("device,ids,warmed", [("cpu", 50, None), ("cuda", 50, 17), ("cuda", 10, 10), ("cuda", 1, None),
                                                ("mps", 40, 17)])
 def test_the_warm_forward_runs_on_an_accelerator_only_and_covers_a_chunk_and_a_step(monkeypatch, device, ids, warmed):

@@ -180,7 +180,7 @@ def builds_after(lm, pre, mode, settings) -> EarlyBuilds:
 def worker_indexes(modes: list) -> tuple[str, ...]:
     """The names of ``modes``' indexes that build in worker processes with ``--build-processes``
     (:func:`build_processes.can_build`)."""
-    names = {p.name for m in modes if m.kind == "index" for p in [m.plan, *m.per_layer.values()] if p}
+    names = {p.name for m in modes if m.kind == "index" for p in m.plans()}
     return tuple(sorted(n for n in names if build_processes.can_build(registry.get(n))))
 
 

@@ -58,15 +58,30 @@ class Mode:
             return False
         if settings is not None and calibration.enabled(settings.calibrate):
             return True
-        plans = [p for p in [self.plan, *self.per_layer.values()] if p is not None]
-        return any(registry.get(p.name).uses_train_queries for p in plans)
+        return any(registry.get(p.name).uses_train_queries for p in self.plans())
+
+    def plans(self) -> list[IndexPlan]:
+        """Every index plan of the mode: its own and its layers' (none for ``full`` and ``window``)."""
+        return [p for p in [self.plan, *self.per_layer.values()] if p is not None]
 
 
-def kept_queries(modes: list[Mode]) -> int | None:
+def kept_queries(modes: list[Mode], settings: "Settings") -> int | None:
     """How many of each head's newest prefill queries a prefill for ``modes`` keeps per long-range layer when it keeps
-    any (:meth:`Mode.uses_queries`): all of them (None) to train an attention-aware index, else only the newest
-    :data:`calibrate.QUERIES` that a calibration reads (~1.6 GB fewer at 128K on Gemma-3)."""
-    return None if any(m.uses_queries() for m in modes) else calibration.QUERIES
+    any (:meth:`Mode.uses_queries`): all of them (None) where an attention-aware index may read any (or
+    ``settings.train_queries`` strides over them all), else the most that its indexes read
+    (:meth:`Index.newest_train_queries`: SnapKV's window) and a calibration reads (:data:`calibrate.QUERIES`, with
+    ``settings.calibrate``); at 128K on Gemma-3 all of them are ~1.6 GB."""
+    from anns_lab.indexes import registry
+
+    needs = [calibration.QUERIES] if calibration.enabled(settings.calibrate) else []
+    for mode in modes:
+        for plan in mode.plans():
+            if registry.get(plan.name).uses_train_queries:
+                newest = registry.get(plan.name)(**plan.build_params).newest_train_queries()
+                if newest is None or settings.train_queries:
+                    return None
+                needs.append(newest)
+    return max(needs, default=calibration.QUERIES)  # none: no mode keeps any
 
 
 @dataclass
@@ -428,7 +443,7 @@ def check_window(settings: Settings, n_prompt: int, modes: list[Mode], fed: int,
                               f"by the end of this run ({n_prompt} prompt + {fed} tokens fed back, window "
                               f"{w.sink}+{w.recent})")
     for m in modes:  # built over the prompt's keys outside the window (e.g. an ivf nlist above them): before the prefill
-        for plan in {id(p): p for p in [m.plan, *m.per_layer.values()] if p is not None}.values():
+        for plan in {id(p): p for p in m.plans()}.values():
             index = registry.create(plan.name, **plan.build_params)
             if index.reads_positions and settings.train_group not in group_queries.PER_HEAD:
                 raise DecodeError(f"--mode {m.name} reads each training query's position; --train-group "

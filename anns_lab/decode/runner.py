@@ -170,7 +170,7 @@ def check_memory(lm, modes: list[Mode], settings: Settings, n_tokens: int, optio
     aware = any(m.uses_queries() for m in modes)  # training on the queries: each layer in flight moves them
     check_prefill(lm.config, n_tokens, settings.chunk, f"decoding {n_tokens} tokens of {lm.name}", option,
                   query_layers=n_long if any(m.uses_queries(settings) for m in modes) else 0,
-                  query_tokens=kept_queries(modes),
+                  query_tokens=kept_queries(modes, settings),
                   index_layers=indexed,
                   building_layers=min(layers_at_once(settings.build_layers, indexes=min(
                       indexes_per_layer(lm, m, settings) for m in modes if m.uses_queries())), n_long) if aware else 0,
@@ -233,7 +233,7 @@ def run_sample(lm, modes: list[Mode], settings: Settings, ids: list[int], max_ne
         say(f"  prefill for {names}: {len(ids)} tokens through {lm.name} (full attention, chunks of {settings.chunk}) ...")
         try:
             pre = prefill(lm, ids, settings, any(m.uses_queries(settings) for m in group), group, progress=bar,
-                          newest_queries=kept_queries(group))
+                          newest_queries=kept_queries(group, settings))
             say(f"  prefill for {names}: done in {pre.seconds:.1f} s")
             if pre.early is not None and settings.until_built == "wait":  # no mode decodes while builds still share the CPU
                 say("  index builds: started during the prefill's last chunk; finishing ...")
@@ -441,7 +441,7 @@ def run_fidelity(lm, modes: list[Mode], settings: Settings, context: int, positi
     warm_kernels(lm, modes, settings, say)
     say(f"  prefill: {context} tokens through {lm.name} ...")
     pre = prefill(lm, ids[:context], settings, any(m.uses_queries(settings) for m in modes),
-                  progress=progress is not None, newest_queries=kept_queries(modes))
+                  progress=progress is not None, newest_queries=kept_queries(modes, settings))
     say(f"  prefill: done in {pre.seconds:.1f} s; full attention: {positions} teacher-forced + {free_tokens} free tokens ...")
     teacher = ids[context:]
     full_tf = run_mode(lm, pre, Mode("full"), settings, 0, teacher=teacher, keep_logits=True)

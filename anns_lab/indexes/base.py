@@ -249,6 +249,12 @@ class Index:
         prepare and pass only those (the decoder's RoPE move), for the same index."""
         return None
 
+    def newest_train_queries(self) -> int | None:
+        """At most how many of the newest training queries a build reads, however many it is given (None: any of
+        them): a decoder keeps only so many of the prefill's (SnapKV: its observation window), and a build given only
+        those behaves as one given all (``testing.check_index``)."""
+        return None
+
     @classmethod
     def train_topk_width(cls, n_keys: int, **build_params: Any) -> int:
         """Top keys per training query that a build over ``n_keys`` keys reads from ``train_topk`` (indexes that

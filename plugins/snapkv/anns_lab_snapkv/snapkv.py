@@ -85,6 +85,9 @@ class SnapKV(Index):
     def train_rows(self, n_keys: int, m: int) -> np.ndarray:
         return np.arange(max(0, m - self.params["window"]), m)
 
+    def newest_train_queries(self) -> int:
+        return self.params["window"]
+
     def _build(self, keys: np.ndarray, train_queries: np.ndarray) -> None:
         scale = self.params["scale"] or 1.0 / np.sqrt(keys.shape[1])
         window = train_queries[-self.params["window"]:]
