@@ -131,3 +131,66 @@ def test_the_flag_reaches_each_sample_from_the_command_line(tiny_llama, tmp_path
         assert result["settings"]["question_after_prefill"] is late
         steps = result["modes"]["flat"]["summary"]["steps"] + result["modes"]["flat"]["summary"]["warmup_steps_excluded"]
         assert (steps > 2) is late  # 2 steps for 3 new tokens; the question's besides with the flag
+
+
+def test_the_searches_are_raised_again_on_the_questions_steps_before_its_last(lm_ids, monkeypatch):
+    """--calibrate-question: each layer's search is calibrated once more, on the queries its searches had at the
+    question's steps but the last (as the steps gave them to the store), before that last step, whose output is the
+    answer's first token; from it on the layer searches as raised. (The build's calibration is left out here, so that
+    the search starts at nprobe 1 of 4 and there is something to raise.)"""
+    from anns_lab.decode import engine
+    from anns_lab.decode.placement import LayerStore
+
+    lm, ids = lm_ids
+    settings = dataclasses.replace(SETTINGS, topk=4, question_after_prefill=True, calibrate=0.999,
+                                   calibrate_question=True)
+    searched, asked = [], []
+    real_side, real_calibrate = LayerStore.side, engine.calibration.calibrate
+
+    def side(self, q, *args, **kwargs):
+        if self.layer >= 0:  # not the kernels' warm-up (builds.warm_up)
+            searched.append((self.layer, q.copy(), self.plan.describe()))
+        return real_side(self, q, *args, **kwargs)
+
+    def calibrate(store, queries, *args, **kwargs):
+        if store.layer < 0:
+            return real_calibrate(store, queries, *args, **kwargs)
+        asked.append((store.layer, queries.copy(), len(searched)))
+        return real_calibrate(store, queries, *args, **kwargs) if searched else None  # none at build time
+
+    monkeypatch.setattr(LayerStore, "side", side)
+    monkeypatch.setattr(engine.calibration, "calibrate", calibrate)
+    mode = Mode("ivf", IndexPlan("ivf", {"nlist": 4}, {"nprobe": 1}))
+    run = runner.run_sample(lm, [mode], settings, ids, NEW, set(), question=QUESTION)["runs"]["ivf"]
+    layers = lm.long_range_layers
+    probes = QUESTION - 1
+    on_steps = [a for a in asked if a[2] > 0]
+    assert [a[0] for a in on_steps] == sorted(layers) and {a[2] for a in on_steps} == {probes * len(layers)}
+    for layer, queries, _ in on_steps:
+        given = [q for l, q, _ in searched[:probes * len(layers)] if l == layer]
+        assert queries.shape == (lm.config.num_attention_heads, probes, given[0].shape[1])
+        assert np.array_equal(queries, np.stack(given, axis=1))  # the steps' own queries, in order
+    assert set(run.question_calibration) == set(layers)
+    # raised (a top-4 at 0.999 of its weight needs more than one list of four), or where that reads more than a scan,
+    # the layer scanned exactly (calibrate's rule at build time too)
+    raised = {layer: "flat" if "exact_scan" in c else f"ivf(nlist=4, nprobe={c['value']})"
+              for layer, c in run.question_calibration.items()}
+    assert set(raised.values()) != {"ivf(nlist=4, nprobe=1)"}
+    for step, (layer, _, plan) in enumerate(searched):
+        assert plan == ("ivf(nlist=4, nprobe=1)" if step < probes * len(layers) else raised[layer])
+    assert len(searched) == (QUESTION + NEW - 1) * len(layers)
+    assert any("raised again on the question's 6 steps" in note for note in run.notes)
+
+    asked.clear(), searched.clear()
+    plain = runner.run_sample(lm, [mode], dataclasses.replace(settings, calibrate_question=False), ids, NEW, set(),
+                              question=QUESTION)["runs"]["ivf"]
+    assert not plain.question_calibration and not [a for a in asked if a[2] > 0]
+
+
+def test_calibrating_on_the_question_needs_a_late_question_and_a_target(tiny_llama):
+    args = ["decode", "--model", str(tiny_llama), "--mode", "full,flat", "--task", "passkey", "--context", "200",
+            "--calibrate-question"]
+    for extra, why in (([], "add --question-after-prefill"),
+                       (["--question-after-prefill", "--calibrate", "0"], "--calibrate 0 sets none")):
+        res = CliRunner().invoke(main, args + extra)
+        assert res.exit_code != 0 and why in res.output, res.output

@@ -88,6 +88,7 @@ class Retrieval:
         self.whole: set[int] = set()  # decode: long-range layers still attended over their whole cache (--until-built exact)
         self.inner = "sdpa"
         self.hints: CopyHints | None = None  # decode: where this step may copy from (entry points of the searches)
+        self.step_queries: dict[int, list[np.ndarray]] | None = None  # decode, when a dict: each indexed layer's step queries (H, d), kept
         self.times = StepTimes()
         self._pool: ThreadPoolExecutor | None = None
 
@@ -150,6 +151,8 @@ class Retrieval:
         t_start = time.perf_counter()
         if self.mode == "index" and store is not None:
             q_cpu = q.detach().to("cpu", torch.float32).numpy()
+            if self.step_queries is not None:  # a copy: on the CPU the step's query tensor may be q_cpu's own memory
+                self.step_queries.setdefault(layer, []).append(q_cpu.copy())
             hints = None if self.hints is None else self.hints.rows(self.window.sink)
             future = self._executor().submit(store.side, q_cpu, scaling, hints)
         # Accelerator side: the static window (sinks + recent) is the whole device cache of this layer; its

@@ -150,6 +150,10 @@ class _DecodeCommand(click.Command):
               help="--task: prefill the context without the task's question and build the indexes on it, then feed the "
                    "question's tokens as decode steps through each mode before it answers (a cached context asked "
                    "later: no index, and no selection such as snapkv's, has seen the question)")
+@click.option("--calibrate-question", is_flag=True,
+              help="with --question-after-prefill: raise each layer's search again, as --calibrate does at build time, "
+                   "on the queries of the question's steps but its last (whose output is the answer's first token), "
+                   "in that step's time; the answer's tokens search as raised")
 @click.option("--from-sweep", "from_sweep", type=str, default=None,
               help="a sweep's results.parquet (or folder): decode also with the index + parameters of least scanned fraction reaching --target-recall (in place of 'default')")
 @click.option("--target-recall", default=0.95, show_default=True,
@@ -177,7 +181,7 @@ class _DecodeCommand(click.Command):
                                                 "link, or what is not a regular file)")
 def decode(model, modes, params, build_params, topk, window, add_batch, train_queries, train_group, train_positions, copy_hints, task,
            prompt, evaluation, context, samples, give_up_after,
-           seed, max_new_tokens, positions, free_tokens, chunk, build_during_prefill, build_layers, build_processes, shared_prefill, until_built, question_after_prefill, from_sweep, target_recall, calibrate, device, torch_threads,
+           seed, max_new_tokens, positions, free_tokens, chunk, build_during_prefill, build_layers, build_processes, shared_prefill, until_built, question_after_prefill, calibrate_question, from_sweep, target_recall, calibrate, device, torch_threads,
            allow_extrapolation, rope_scaling, executor, address, cpus_per_task, json_path, overwrite):
     """Generate with RetrievalAttention: static window on the accelerator + retrieved keys from a CPU index."""
     from anns_lab.decode import runner
@@ -188,7 +192,7 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
                         build_during_prefill=build_during_prefill is not False, shared_prefill=shared_prefill,
                         build_layers=build_layers,
                         until_built=until_built, copy_hints=copy_hints, calibrate=calibrate,
-                        question_after_prefill=question_after_prefill)
+                        question_after_prefill=question_after_prefill, calibrate_question=calibrate_question)
     _check_options(settings, evaluation, task, prompt, executor, address)
     if prompt is not None and _names_file(prompt):  # dump's --prompt reads a file: this one decodes the name
         click.echo(f"note: --prompt is the text decoded; {prompt!r} also names a file, which is not read (to decode "
@@ -329,6 +333,8 @@ def _names_file(text: str) -> bool:
 def _check_options(settings: Settings, evaluation: str, task: str | None, prompt: str | None, executor: str,
                    address: str | None) -> None:
     """Refuse inconsistent options before anything is loaded, one :class:`DecodeError` each."""
+    from anns_lab.decode.calibrate import enabled as calibrate_enabled
+
     if settings.topk < 1:
         raise DecodeError(f"--topk must be at least 1, got {settings.topk}")
     if settings.copy_hints < 0:
@@ -354,6 +360,10 @@ def _check_options(settings: Settings, evaluation: str, task: str | None, prompt
     if evaluation == "fidelity" and settings.until_built != "wait":
         raise DecodeError("--until-built exact is for --task and --prompt runs: --eval fidelity measures each index on "
                           "every position, so its steps wait for the builds")
+    if settings.calibrate_question and not settings.question_after_prefill:
+        raise DecodeError("--calibrate-question raises the searches on the question's steps: add --question-after-prefill")
+    if settings.calibrate_question and not calibrate_enabled(settings.calibrate):
+        raise DecodeError("--calibrate-question raises each search to --calibrate's target: --calibrate 0 sets none")
     if executor == "local" and address is not None:
         raise DecodeError("--address is for --executor ray")
     if task is not None and task not in TASKS:
@@ -365,12 +375,12 @@ def _check_unused(ctx: click.Context, evaluation: str, prompt: str | None, from_
     out; --eval fidelity --prompt ran for half a minute, then crashed): one :class:`DecodeError` naming them."""
     if evaluation == "fidelity":
         unused = given_flags(ctx, "task", "prompt", "samples", "give_up_after", "seed", "max_new_tokens", "shared_prefill",
-                             "question_after_prefill")
+                             "question_after_prefill", "calibrate_question")
         why = ("--eval fidelity teacher-forces --positions tokens of its own text after --context tokens of it, every "
                "mode from one prefill")
     elif prompt is not None:
         unused = given_flags(ctx, "context", "samples", "give_up_after", "seed", "positions", "free_tokens",
-                             "question_after_prefill")
+                             "question_after_prefill", "calibrate_question")
         why = "--prompt decodes that text once: its tokens are the context (a task's question is the one it can defer)"
     else:
         unused = given_flags(ctx, "positions", "free_tokens")
@@ -545,7 +555,8 @@ def _run_description(lm, device: str, executor: str, settings: Settings, mode_li
                          "build_processes": settings.build_processes,
                          "until_built": settings.until_built,
                          "copy_hints": settings.copy_hints, "calibrate": settings.calibrate or None,
-                         "question_after_prefill": settings.question_after_prefill} | threads,
+                         "question_after_prefill": settings.question_after_prefill,
+                         "calibrate_question": settings.calibrate_question} | threads,
             "plans": {m.name: ({"default": m.plan.describe(), **{str(k): p.describe() for k, p in m.per_layer.items()}}
                                if m.plan else None) for m in mode_list}}
 

@@ -104,6 +104,7 @@ class Settings:
     calibrate: float | str = 0.0  # > 0 or "auto": each layer's index search raised at build time to this weight recall@k where short (calibrate.calibrate; "auto", the CLI's default: calibrate.auto_target of the layer's keys)
     until_built: str = "wait"  # decode steps while a mode's indexes still build: "wait" for them, or attend those layers' whole cache, "exact"ly (UNTIL_BUILT)
     question_after_prefill: bool = False  # a task's question fed as decode steps after the prefill and the builds (runner.run_sample)
+    calibrate_question: bool = False  # with question_after_prefill and calibrate: each layer's search raised again on the question's steps' queries, before its last step (question_calibration)
     copy_hints: int = 8  # per step, the positions after this many earlier occurrences of the context's suffix (and the 2 steps before's, moved on) enter the searches (0 = none)
 
 
@@ -144,6 +145,7 @@ class ModeRun:
     layers_at_once: int | None = None  # layers its builds ran at once (--build-layers as resolved: auto, the threads' budget)
     setup_s: float = 0.0  # from its indexes ready (the run's start for the others) to its first step: the cache cut to the window, the hooks
     forced_steps: int = 0  # --question-after-prefill: the leading steps that fed the question (the last of them gives the answer's first token)
+    question_calibration: dict = field(default_factory=dict)  # --calibrate-question: as calibration, read on the question's steps before its last (in that step's time)
     error: str | None = None  # the mode failed on this prompt (its indexes' build or search broke): why, in words
 
 
@@ -248,6 +250,10 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
         if settings.copy_hints > 0 and any(registry.get(name).takes_hints for name in {p.name for p in plans if p is not None}):
             ctl.hints = CopyHints(settings.copy_hints)  # only where a search uses them: the others' steps do not pay for them
         exact_steps, handed = 0, {}
+        probed = question_probes(mode, settings, teacher, len(forced))
+        if probed:
+            ctl.step_queries = {}
+        raised: dict = {}
         if building is not None:
             torch.set_num_threads(steps_threads(lm.model.device, threads))
         with torch.inference_mode():  # the prefill's tensors are inference tensors; so are the copies
@@ -281,6 +287,8 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
                         torch.set_num_threads(threads)
                 if ctl.hints is not None:  # in the step's time: the decoder pays for its hints
                     ctl.hints.update(ids)
+                if probed and i == probed:  # in the step's time: the answer's first token waits for it
+                    raised = calibrate_on_steps(ctl, settings.calibrate, pre.scaling)
                 logits = forward_tokens(lm, cache, ids, len(ids) - 1, len(ids))[0, -1].float()
                 sync(lm.model.device)
                 step_s.append(time.perf_counter() - ts)
@@ -307,13 +315,8 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
     run = ModeRun(mode.name, out_tokens, all_logits, build_s, decode_s, steps, step_s, notes, device_kv_bytes(cache),
                   hidden_s, sum(s.cpu_bytes() for s in stores.values()), sum(s.n_rows for s in stores.values()),
                   pre.seconds)
-    run.calibration = {layer: {"param": c.param, "value": c.value, "weight_recall": c.weight_recall,
-                               "tried": {str(v): r for v, r in c.tried.items()},  # each probe's value -> its reading
-                               "per_head": list(c.per_head),  # each query head's reading at the value set
-                               "target": c.target}
-                              | ({"output_error": c.output_error, "bound": c.bound} if c.output_error is not None else {})
-                              | ({"exact_scan": c.exact_scan} if c.exact_scan is not None else {})
-                       for layer, c in ((layer, s.calibration) for layer, s in stores.items()) if c is not None}
+    run.calibration = {layer: calibration_record(s.calibration) for layer, s in stores.items()
+                       if s.calibration is not None}
     run.build_layers = {layer: [round(t, 4) for t in s.build_span] for layer, s in stores.items()
                         if s.build_span is not None}
     run.layers_at_once = next((s.layers_at_once for s in stores.values() if s.layers_at_once is not None), None)
@@ -322,9 +325,42 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
         run.hand_over_steps = {layer: handed.get(layer) for layer in lm.long_range_layers}
     run.setup_s = setup_s
     run.forced_steps = min(len(forced), len(step_s))
+    run.question_calibration = {layer: calibration_record(c) for layer, c in raised.items()}
+    if raised:
+        run.notes.append(f"raised again on the question's {probed} steps: "
+                         + calibration.describe(list(raised.values()), settings.calibrate))
     run.cache = cache if keep_cache else None
     run.stores = stores  # kept for inspection (tests, index sizes)
     return run
+
+
+def calibration_record(c: "calibration.Calibration") -> dict:
+    """A layer's calibration as the JSON keeps it (:attr:`ModeRun.calibration`)."""
+    return ({"param": c.param, "value": c.value, "weight_recall": c.weight_recall,
+             "tried": {str(v): r for v, r in c.tried.items()},  # each probe's value -> its reading
+             "per_head": list(c.per_head),  # each query head's reading at the value set
+             "target": c.target}
+            | ({"output_error": c.output_error, "bound": c.bound} if c.output_error is not None else {})
+            | ({"exact_scan": c.exact_scan} if c.exact_scan is not None else {}))
+
+
+def question_probes(mode: Mode, settings: Settings, teacher, n_forced: int) -> int:
+    """With ``settings.calibrate_question``: how many of the question's steps (all but its last, whose logits give
+    the answer's first token) an index mode's searches are raised again on (:func:`calibrate_on_steps`); else 0."""
+    on = settings.calibrate_question and mode.kind == "index" and teacher is None and calibration.enabled(settings.calibrate)
+    return max(0, n_forced - 1) if on else 0
+
+
+def calibrate_on_steps(ctl: Retrieval, target: float | str, scaling: dict[int, float]) -> dict:
+    """Each store's search raised where the decode steps' queries that ``ctl`` recorded (``step_queries``) find less
+    than ``target`` (:func:`calibrate.calibrate`, which never lowers it); recording stops. Returns the layers'
+    :class:`calibrate.Calibration`."""
+    steps, ctl.step_queries = ctl.step_queries, None
+    found = {}
+    for layer, rows in sorted(steps.items()):
+        if (c := calibration.calibrate(ctl.stores[layer], np.stack(rows, axis=1), target, scaling[layer])) is not None:
+            found[layer] = c
+    return found
 
 
 def check_finite(logits: torch.Tensor, where: str) -> None:

@@ -338,6 +338,8 @@ def _run_prompts(lm, modes, settings, prompts, n_prompt: int, max_new, task, pro
                         "score": tasks.score(task, answer, sample.answers)}
             if run.calibration:  # the prompt's own search values (the plans in the JSON are the ones asked for)
                 row["calibration"] = {str(layer): c for layer, c in run.calibration.items()}
+            if run.question_calibration:  # --calibrate-question: raised again on the question's steps
+                row["question_calibration"] = {str(layer): c for layer, c in run.question_calibration.items()}
             if run.build_layers:  # when each layer's builds were queued, started, ended (ModeRun.build_layers)
                 row["build_layers"] = {str(layer): span for layer, span in run.build_layers.items()}
             if run.layers_at_once is not None:  # --build-layers as it resolved here (auto; the process's threads)
