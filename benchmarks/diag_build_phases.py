@@ -49,7 +49,7 @@ def main() -> None:
     settings = Settings(calibrate=calibrate.AUTO, build_during_prefill=False,  # the CLI's defaults, nothing built yet
                         build_processes=builds_in_processes(a.build_processes, a.device))
     builds.start_build_processes(modes, settings)  # as decode starts them, before its prefill
-    pre = prefill(lm, sample.ids, settings, True, modes, newest_queries=kept_queries(modes))
+    pre = prefill(lm, sample.ids, settings, True, modes, newest_queries=kept_queries(modes, settings))
     print(f"{a.model} {len(sample.ids)} tokens on {a.device}: prefill {pre.seconds:.2f} s; thread budget "
           f"{thread_budget()}; head builds in {'worker processes' if settings.build_processes else 'threads'}",
           flush=True)

@@ -165,8 +165,8 @@ def test_the_kept_queries_are_copies_in_one_buffer_and_a_second_pass_is_refused(
 
 def test_a_prefill_keeps_only_the_newest_queries_its_indexes_and_calibration_read(prefilled):
     """engine.kept_queries: SnapKV reads its window's newest queries (Index.newest_train_queries), a calibration the
-    newest calibrate.QUERIES, an index that may read any keeps them all, and so does a strided subsample of them; a
-    SnapKV mode decoding from a prefill that kept only its window's queries (8 of 64) makes the same tokens and logits
+    newest calibrate.QUERIES, an index that may read any keeps them all, and so do a strided subsample of them and
+    the training groups that mix or rank a head's rows; a SnapKV mode decoding from a prefill that kept only its window's queries (8 of 64) makes the same tokens and logits
     as from one that kept all."""
     from anns_lab.decode import calibrate as calibration
     from anns_lab.decode.engine import kept_queries
@@ -184,6 +184,9 @@ def test_a_prefill_keeps_only_the_newest_queries_its_indexes_and_calibration_rea
     assert kept_queries([Mode("flat", IndexPlan("flat"), {lm.long_range_layers[0]: IndexPlan("roargraph")})],
                         SETTINGS) is None
     assert kept_queries([snap], dataclasses.replace(SETTINGS, train_queries=16)) is None
+    assert kept_queries([Mode("snapkv", IndexPlan("snapkv", {"window": 100}))], calibrated) == 100
+    for group in ("group", "strided", "unlisted"):  # a head's rows mixed or ranked by their count: all of them
+        assert kept_queries([snap], dataclasses.replace(SETTINGS, train_group=group)) is None
     newest = prefill(lm, pre.ids, SETTINGS, capture_queries=True, newest_queries=kept_queries([snap], SETTINGS))
     assert all(q.shape[1] == 8 for q in newest.queries.values())
     a = run_mode(lm, newest, snap, SETTINGS, STEPS, keep_logits=True)

@@ -179,7 +179,8 @@ def test_the_searches_are_raised_again_on_the_questions_steps_before_its_last(lm
     for step, (layer, _, plan) in enumerate(searched):
         assert plan == ("ivf(nlist=4, nprobe=1)" if step < probes * len(layers) else raised[layer])
     assert len(searched) == (QUESTION + NEW - 1) * len(layers)
-    assert any("raised again on the question's 6 steps" in note for note in run.notes)
+    assert any(note.startswith("again, before the answer: calibrated nprobe per layer") and
+               "on the queries of the question's first 6 steps (raised" in note for note in run.notes)
 
     asked.clear(), searched.clear()
     plain = runner.run_sample(lm, [mode], dataclasses.replace(settings, calibrate_question=False), ids, NEW, set(),
@@ -191,6 +192,7 @@ def test_calibrating_on_the_question_needs_a_late_question_and_a_target(tiny_lla
     args = ["decode", "--model", str(tiny_llama), "--mode", "full,flat", "--task", "passkey", "--context", "200",
             "--calibrate-question"]
     for extra, why in (([], "add --question-after-prefill"),
-                       (["--question-after-prefill", "--calibrate", "0"], "--calibrate 0 sets none")):
+                       (["--question-after-prefill", "--calibrate", "0"], "--calibrate 0 sets none"),
+                       (["--question-after-prefill", "--until-built", "exact"], "use --until-built wait")):
         res = CliRunner().invoke(main, args + extra)
         assert res.exit_code != 0 and why in res.output, res.output

@@ -48,9 +48,10 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
     newest = np.ascontiguousarray(queries[:, -calibration.QUERIES:]) if calibrating else None  # own positions
     aware = queries is not None and plan is not None and registry.get(plan.name).uses_train_queries
     if aware:
-        positions = subsampled_positions(queries.shape[1], settings.train_queries)
-        if len(positions) < queries.shape[1]:
-            queries = queries[:, positions]
+        kept = subsampled_positions(queries.shape[1], settings.train_queries)
+        positions = kept + (n_ids - queries.shape[1])  # the prompt's newest where only they were kept (engine.kept_queries)
+        if len(kept) < queries.shape[1]:
+            queries = queries[:, kept]
         # Only the rows the build will learn from are prepared (at 8K a quarter: the move cost as much as a tenth of
         # a build), each as it would be among all; one index per query head only (a group's set is subsampled whole).
         rows = registry.get(plan.name)(**plan.build_params).train_rows(hi - lo, len(positions)) \

@@ -389,18 +389,19 @@ def with_present(store, param: str, values: list) -> tuple[list, int]:
     return [*values[:at], present, *values[at:]], at
 
 
-def describe(calibrations: list[Calibration], setting: float | str = AUTO) -> str:
+def describe(calibrations: list[Calibration], setting: float | str = AUTO,
+             probes: str = f"the newest {QUERIES} prefill queries") -> str:
     """One line for a mode's notes: the target (``setting``: :data:`AUTO`, each layer's by its keys, or the one given),
-    each layer's calibrated value and weight recall, and the layers whose most thorough value tried (the grid's, or a
-    ``--param`` value beyond it, probed itself) fell short of their target (a weight recall of 0.9496 prints as 0.950
-    beside a target of 0.95)."""
+    the queries read (``probes``), each layer's calibrated value and weight recall, and the layers whose most thorough
+    value tried (the grid's, or a ``--param`` value beyond it, probed itself) fell short of their target (a weight
+    recall of 0.9496 prints as 0.950 beside a target of 0.95)."""
     params = " / ".join(dict.fromkeys(x.param for x in calibrations))  # a --from-sweep mode's layers may differ in index
     short = [str(x.layer) for x in calibrations if not x.reached]
     targets = sorted({round(x.target, 3) for x in calibrations})
     said = " / ".join(f"{t:g}" for t in targets) + (f" ({AUTO}: by the keys held)" if setting == AUTO else "")
     rule = (f"output error <= the exact top-k's cut to weight {said} (an estimator)"
             if any(x.output_error is not None for x in calibrations) else f"weight recall@k >= {said}")
-    return (f"calibrated {params} per layer to {rule} on the newest {QUERIES} prefill queries (raised "
+    return (f"calibrated {params} per layer to {rule} on {probes} (raised "
             "from the search given where that fell below): "
             + ", ".join(x.describe() for x in calibrations)
             + (f"; short of the target at the most thorough value tried: layer {', '.join(short)}" if short else ""))

@@ -362,6 +362,9 @@ def _check_options(settings: Settings, evaluation: str, task: str | None, prompt
                           "every position, so its steps wait for the builds")
     if settings.calibrate_question and not settings.question_after_prefill:
         raise DecodeError("--calibrate-question raises the searches on the question's steps: add --question-after-prefill")
+    if settings.calibrate_question and settings.until_built == "exact":
+        raise DecodeError("--calibrate-question raises every layer's search before the question's last step; with "
+                          "--until-built exact a layer still building then has none: use --until-built wait")
     if settings.calibrate_question and not calibrate_enabled(settings.calibrate):
         raise DecodeError("--calibrate-question raises each search to --calibrate's target: --calibrate 0 sets none")
     if executor == "local" and address is not None:

@@ -67,18 +67,21 @@ class Mode:
 
 def kept_queries(modes: list[Mode], settings: "Settings") -> int | None:
     """How many of each head's newest prefill queries a prefill for ``modes`` keeps per long-range layer when it keeps
-    any (:meth:`Mode.uses_queries`): all of them (None) where an attention-aware index may read any (or
-    ``settings.train_queries`` strides over them all), else the most that its indexes read
-    (:meth:`Index.newest_train_queries`: SnapKV's window) and a calibration reads (:data:`calibrate.QUERIES`, with
-    ``settings.calibrate``); at 128K on Gemma-3 all of them are ~1.6 GB."""
+    any (:meth:`Mode.uses_queries`): all of them (None) where an attention-aware index may read any, else the most
+    that its indexes read (:meth:`Index.newest_train_queries`: SnapKV's window) and a calibration reads
+    (:data:`calibrate.QUERIES`, with ``settings.calibrate``); at 128K on Gemma-3 all of them are ~1.6 GB. All of them
+    too where fewer could change what the build is given: ``settings.train_queries`` strides over them all, a
+    ``--train-group`` other than ``head`` mixes or ranks a head's rows by their count, and queries moved by RoPE
+    (an index without ``own_positions``) are placed by a draw over them all."""
     from anns_lab.indexes import registry
 
     needs = [calibration.QUERIES] if calibration.enabled(settings.calibrate) else []
     for mode in modes:
         for plan in mode.plans():
-            if registry.get(plan.name).uses_train_queries:
-                newest = registry.get(plan.name)(**plan.build_params).newest_train_queries()
-                if newest is None or settings.train_queries:
+            cls = registry.get(plan.name)
+            if cls.uses_train_queries:
+                newest = cls(**plan.build_params).newest_train_queries()
+                if newest is None or settings.train_queries or settings.train_group != "head" or not cls.own_positions:
                     return None
                 needs.append(newest)
     return max(needs, default=calibration.QUERIES)  # none: no mode keeps any
@@ -327,8 +330,8 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
     run.forced_steps = min(len(forced), len(step_s))
     run.question_calibration = {layer: calibration_record(c) for layer, c in raised.items()}
     if raised:
-        run.notes.append(f"raised again on the question's {probed} steps: "
-                         + calibration.describe(list(raised.values()), settings.calibrate))
+        run.notes.append("again, before the answer: " + calibration.describe(
+            list(raised.values()), settings.calibrate, f"the queries of the question's first {probed} steps"))
     run.cache = cache if keep_cache else None
     run.stores = stores  # kept for inspection (tests, index sizes)
     return run
