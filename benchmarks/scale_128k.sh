@@ -7,6 +7,9 @@
 #       # the decodes with the global layers' RoPE positions scaled (full attention then answers at 128K), each
 #       # index mode's search raised per layer to weight recall 0.95 on the prompt's newest queries (the decoder's
 #       # default `--calibrate`: roargraph L, IVF nprobe; BENCHMARKS "A target of 0.95": the fixed L 100 is short at 128K)
+#   ROPE=linear:4 MODES=full,window,flat,ivf,roargraph,snapkv,infllm,quest OUT=results/scale-baselines benchmarks/scale_128k.sh
+#       # the paper's 128K comparison: StreamingLLM (window), SnapKV, InfLLM, Quest, flat and IVF beside roargraph
+#       # (BENCHMARKS "The paper's baselines at 128K in one decode"; plugins/ installed, as `make setup` does)
 #
 # 1. `anns-lab dump` beyond the 32K training length (--allow-extrapolation: the results say so), chunked
 #    prefill (CHUNK tokens; the memory estimate refuses a chunk that cannot fit and names one that does);
