@@ -340,13 +340,6 @@ def test_a_key_only_mode_keeps_only_the_newest_queries_calibration_reads(tiny_ge
     assert [kw["building_layers"] for kw in asked] == [0, 2, 0]
     runner.check_memory(lm, [roar], dataclasses.replace(settings, build_layers=8), 200)
     assert asked[-1]["building_layers"] == len(lm.long_range_layers) == 2
-    # snapkv reads each head's queries where they were (own_positions): no copy per layer, unless a group stacks them
-    if "snapkv" in registry.available():
-        snap = Mode("snapkv", IndexPlan("snapkv", {}, {}))
-        runner.check_memory(lm, [snap], settings, 200)
-        runner.check_memory(lm, [snap], dataclasses.replace(settings, train_group="group"), 200)
-        assert [kw["building_layers"] for kw in asked[-2:]] == [0, 2]
-        assert asked[-2]["query_tokens"] == calibrate.QUERIES  # its window's 32 and the calibration's 64
 
 
 def test_calibration_searches_a_layers_indexes_side_by_side_on_one_thread_workers(tiny_gemma3, monkeypatch):

@@ -156,29 +156,24 @@ def run_prompt(lm, modes: list[Mode], settings: Settings, text: str, max_new: in
 def check_memory(lm, modes: list[Mode], settings: Settings, n_tokens: int, option: str = "--context") -> None:
     """Refuse, before the prefill, a run whose estimated peak memory exceeds what is available
     (:func:`memory.check_prefill`: KV cache, a chunk's activations, the kept queries (:func:`engine.kept_queries`),
-    one mode's CPU store and indexes (modes run one after the other), the training queries moved (or stacked) for the
-    layers building at once (``--build-layers``), the build worker processes (``--build-processes``), and a copy of the
+    one mode's CPU store and indexes (modes run one after the other), the training queries moved for the layers
+    building at once (``--build-layers``), the build worker processes (``--build-processes``), and a copy of the
     cache: ``full``'s, or with ``--until-built exact`` an index mode's, whose long-range layers stay whole while their
     indexes build).
     ``option``: the one that set the prompt's length, named in the error."""
     from anns_lab.decode.builds import indexes_per_layer, layers_at_once, worker_indexes
     from anns_lab.dumps.memory import check_prefill
-    from anns_lab.indexes import registry
-    from anns_lab.indexes.group_queries import PER_HEAD
     from anns_lab.indexes.threads import thread_budget
 
     n_long = len(lm.long_range_layers)
     indexed = n_long * min(1, sum(m.kind == "index" for m in modes))
-    # training on copies of the queries (moved by RoPE, or a GQA group's stacked): each layer in flight holds its own;
-    # an index reading each head's where they were (own_positions) is given them as they are
-    copied = [m for m in modes if any(registry.get(p.name).uses_train_queries and (
-        not registry.get(p.name).own_positions or settings.train_group not in PER_HEAD) for p in m.plans())]
+    aware = any(m.uses_queries() for m in modes)  # training on the queries: each layer in flight moves them
     check_prefill(lm.config, n_tokens, settings.chunk, f"decoding {n_tokens} tokens of {lm.name}", option,
                   query_layers=n_long if any(m.uses_queries(settings) for m in modes) else 0,
                   query_tokens=kept_queries(modes, settings),
                   index_layers=indexed,
                   building_layers=min(layers_at_once(settings.build_layers, indexes=min(
-                      indexes_per_layer(lm, m, settings) for m in copied)), n_long) if copied else 0,
+                      indexes_per_layer(lm, m, settings) for m in modes if m.uses_queries())), n_long) if aware else 0,
                   cache_copy=any(m.kind == "full" for m in modes) or (indexed > 0 and settings.until_built == "exact"),
                   build_workers=thread_budget() if settings.build_processes and worker_indexes(modes) else 0)
 
