@@ -71,7 +71,7 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
     # an estimator's calibration reads the values (its output error), which the workers' spool does not hold
     then = partial(_calibrate_in_worker, processes, store, newest, settings.calibrate, scaling, in_worker) \
         if calibrating and processes is not None and not registry.get(plan.name).estimates else None
-    where = {"key_positions": np.arange(lo, hi), "train_positions": positions} \
+    where = {"key_positions": np.arange(lo, hi), "train_positions": positions if rows is None else positions[rows]} \
         if aware and registry.get(plan.name).reads_positions else None  # both the prompt's (InfLLM)
     store.build(queries, _device_lists(lm, plan, queries, layer_cache.keys[0, :, lo:hi], settings), per_kv_head=per_kv,
                 others=others, beside=beside, processes=processes, then=then, positions=where)
