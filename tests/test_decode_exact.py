@@ -166,8 +166,8 @@ def test_the_kept_queries_are_copies_in_one_buffer_and_a_second_pass_is_refused(
 def test_a_prefill_keeps_only_the_newest_queries_its_indexes_and_calibration_read(prefilled):
     """engine.kept_queries: SnapKV reads its window's newest queries (Index.newest_train_queries), a calibration the
     newest calibrate.QUERIES, an index that may read any keeps them all, and so do a strided subsample of them and
-    the training groups that mix or rank a head's rows; a SnapKV mode decoding from a prefill that kept only its window's queries (8 of 64) makes the same tokens and logits
-    as from one that kept all."""
+    the training groups that mix or rank a head's rows; a SnapKV mode decoding from a prefill that kept only its
+    window's queries (8 of 64) makes the same tokens and logits as from one that kept all."""
     from anns_lab.decode import calibrate as calibration
     from anns_lab.decode.engine import kept_queries
 

@@ -182,13 +182,14 @@ def test_the_searches_are_raised_again_on_the_questions_steps_before_its_last(lm
     assert any(note.startswith("again, before the answer: calibrated nprobe per layer") and
                "on the queries of the question's first 6 steps (raised" in note for note in run.notes)
 
-    asked.clear(), searched.clear()
+    asked.clear()
+    searched.clear()
     plain = runner.run_sample(lm, [mode], dataclasses.replace(settings, calibrate_question=False), ids, NEW, set(),
                               question=QUESTION)["runs"]["ivf"]
     assert not plain.question_calibration and not [a for a in asked if a[2] > 0]
 
 
-def test_calibrating_on_the_question_needs_a_late_question_and_a_target(tiny_llama):
+def test_calibrating_on_the_question_needs_a_late_question_a_target_and_the_builds_waited_for(tiny_llama):
     args = ["decode", "--model", str(tiny_llama), "--mode", "full,flat", "--task", "passkey", "--context", "200",
             "--calibrate-question"]
     for extra, why in (([], "add --question-after-prefill"),
