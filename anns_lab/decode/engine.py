@@ -52,8 +52,6 @@ class Mode:
     def uses_queries(self, settings: "Settings | None" = None) -> bool:
         """Whether the prefill must keep the long-range layers' queries for this mode: to train an attention-aware
         index, or to calibrate any index's search (``settings.calibrate``)."""
-        from anns_lab.indexes import registry
-
         if self.kind != "index":
             return False
         if settings is not None and calibration.enabled(settings.calibrate):
@@ -73,8 +71,6 @@ def kept_queries(modes: list[Mode], settings: "Settings") -> int | None:
     too where fewer could change what the build is given: ``settings.train_queries`` strides over them all, a
     ``--train-group`` other than ``head`` mixes or ranks a head's rows by their count, and queries moved by RoPE
     (an index without ``own_positions``) are placed by a draw over them all."""
-    from anns_lab.indexes import registry
-
     needs = [calibration.QUERIES] if calibration.enabled(settings.calibrate) else []
     for mode in modes:
         for plan in mode.plans():
