@@ -170,6 +170,7 @@ def test_a_prefill_keeps_only_the_newest_queries_its_indexes_and_calibration_rea
     window's queries (8 of 64) makes the same tokens and logits as from one that kept all."""
     from anns_lab.decode import calibrate as calibration
     from anns_lab.decode.engine import kept_queries
+    from anns_lab.errors import IndexConfigError
 
     if "snapkv" not in registry.available():
         pytest.skip("the snapkv plugin is not installed")
@@ -187,6 +188,12 @@ def test_a_prefill_keeps_only_the_newest_queries_its_indexes_and_calibration_rea
     assert kept_queries([Mode("snapkv", IndexPlan("snapkv", {"window": 100}))], calibrated) == 100
     for group in ("group", "strided", "unlisted"):  # a head's rows mixed or ranked by their count: all of them
         assert kept_queries([snap], dataclasses.replace(SETTINGS, train_group=group)) is None
+    cls = registry.get("snapkv")
+    for bad in (0, -3, 2.5, "8"):  # a plugin's declaration: one clear error before the prefill, never a wrong slice
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cls, "newest_train_queries", lambda self, bad=bad: bad)
+            with pytest.raises(IndexConfigError, match=f"snapkv: newest_train_queries\\(\\) is {bad!r}"):
+                kept_queries([snap], SETTINGS)
     newest = prefill(lm, pre.ids, SETTINGS, capture_queries=True, newest_queries=kept_queries([snap], SETTINGS))
     assert all(q.shape[1] == 8 for q in newest.queries.values())
     a = run_mode(lm, newest, snap, SETTINGS, STEPS, keep_logits=True)

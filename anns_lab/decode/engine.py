@@ -31,6 +31,7 @@ from anns_lab.dumps import rope
 from anns_lab.dumps.models import forward_tokens
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes import group_queries, registry
+from anns_lab.io import is_int
 from anns_lab.window import Window
 
 
@@ -77,6 +78,9 @@ def kept_queries(modes: list[Mode], settings: "Settings") -> int | None:
             cls = registry.get(plan.name)
             if cls.uses_train_queries:
                 newest = cls(**plan.build_params).newest_train_queries()
+                if newest is not None and not (is_int(newest) and newest >= 1):  # a plugin's word, checked before a prefill
+                    raise IndexConfigError(f"{plan.name}: newest_train_queries() is {newest!r}, not None or a whole "
+                                           "number of queries >= 1")
                 if newest is None or settings.train_queries or settings.train_group != "head" or not cls.own_positions:
                     return None
                 needs.append(newest)
