@@ -630,6 +630,30 @@ def test_from_sweep_refuses_parameters_the_index_does_not_have(tmp_path):
         pick_from_sweep(str(path), "m", 0.95, [1, 3])
 
 
+def test_from_sweep_refuses_search_parameters_the_index_does_not_have(tmp_path):
+    """Before: the pick was printed as valid and the mode failed on every sample, each after its prefill."""
+    path = tmp_path / "results.parquet"
+    df = pd.read_parquet(_results(path))
+    df["search_params"] = df["search_params"].map(lambda p: json.dumps({**json.loads(p), "foo": 1}))
+    df.to_parquet(path)
+    with pytest.raises(DecodeError, match=r"search parameters this version does not have \(foo\); sweep again"):
+        pick_from_sweep(str(path), "m", 0.95, [1, 3])
+
+
+@pytest.mark.parametrize("build, words", [({"kernel": 4}, "kernel=4 must be odd"), ({"window": 0}, "window")])
+def test_from_sweep_holds_a_row_to_its_index_classs_own_rules(tmp_path, build, words):
+    """A rule of the class itself (snapkv's odd kernel), not only its parameters' ranges, refuses an edited row at the
+    pick: before, after the model load."""
+    if "snapkv" not in registry.available():
+        pytest.skip("the snapkv plugin is not installed (make test installs it)")
+    path = tmp_path / "results.parquet"
+    df = pd.read_parquet(_results(path))
+    df = df[df["index"] == "flat"].assign(index="snapkv", build_params=json.dumps(build), search_params="{}")
+    df.to_parquet(path)
+    with pytest.raises(DecodeError, match=rf"holds a row this version of snapkv refuses \(.*{words}"):
+        pick_from_sweep(str(path), "m", 0.95, [1, 3])
+
+
 def test_from_sweep_runs_rows_from_before_the_row_stop_with_full_rows(tmp_path):
     """A roargraph row swept before the row stop existed (search parameters: L only) measured full rows: the pick runs
     it with row_misses=0 and says so; a row that names its row stop keeps it, with no such line. (A sweep that old trained

@@ -197,3 +197,8 @@ def test_calibrating_on_the_question_needs_a_late_question_a_target_and_the_buil
                        (["--question-after-prefill", "--until-built", "exact"], "use --until-built wait")):
         res = CliRunner().invoke(main, args + extra)
         assert res.exit_code != 0 and why in res.output, res.output
+    # runs with no question to defer are told so once (before: "add --question-after-prefill", which they refuse too)
+    for run in (["--prompt", "hello"], ["--eval", "fidelity", "--context", "200"]):
+        res = CliRunner().invoke(main, ["decode", "--model", str(tiny_llama), "--mode", "full,flat", *run,
+                                        "--calibrate-question"])
+        assert res.exit_code != 0 and "--calibrate-question: not used by this run" in res.output, res.output

@@ -1397,6 +1397,21 @@ def test_a_sweep_json_window_no_sweep_writes_is_refused_by_report_and_decode_ali
         check_sweep_pick(str(tmp_path / "r"), 0.9, topk=10, window=(0, 0))
 
 
+@pytest.mark.parametrize("key, value", [("train_group", "bogus"), ("train_positions", "nowhere")])
+def test_a_sweep_json_training_setting_no_sweep_writes_is_refused(dump, tmp_path, key, value):
+    """Before: decode --from-sweep read it after the model load and asked for it back ("pass --train-group bogus",
+    which click refuses)."""
+    from anns_lab.decode.modes import check_sweep_pick
+
+    _sweep(dump, tmp_path / "r")
+    settings = json.loads((tmp_path / "r" / "sweep.json").read_text())
+    (tmp_path / "r" / "sweep.json").write_text(json.dumps({**settings, key: value}))
+    words = f"is not a sweep's settings ({key} '{value}', not one of"
+    one_line_error(["report", tmp_path / "r"], words)
+    with pytest.raises(AnnsLabError, match=re.escape(words)):
+        check_sweep_pick(str(tmp_path / "r"), 0.9, topk=10, window=(0, 0))
+
+
 def test_a_report_that_fails_while_writing_leaves_the_last_one_whole(dump, tmp_path, monkeypatch):
     """The report's files are replaced as one set: a write failing midway (a full disk) left new figures under the
     old pages before."""

@@ -360,12 +360,13 @@ def _check_options(settings: Settings, evaluation: str, task: str | None, prompt
     if evaluation == "fidelity" and settings.until_built != "wait":
         raise DecodeError("--until-built exact is for --task and --prompt runs: --eval fidelity measures each index on "
                           "every position, so its steps wait for the builds")
-    if settings.calibrate_question and not settings.question_after_prefill:
+    question = settings.calibrate_question and evaluation != "fidelity" and prompt is None  # else: _check_unused's
+    if question and not settings.question_after_prefill:
         raise DecodeError("--calibrate-question raises the searches on the question's steps: add --question-after-prefill")
-    if settings.calibrate_question and settings.until_built == "exact":
+    if question and settings.until_built == "exact":
         raise DecodeError("--calibrate-question raises every layer's search before the question's last step; with "
                           "--until-built exact a layer still building then has none: use --until-built wait")
-    if settings.calibrate_question and not calibrate_enabled(settings.calibrate):
+    if question and not calibrate_enabled(settings.calibrate):
         raise DecodeError("--calibrate-question raises each search to --calibrate's target: --calibrate 0 sets none")
     if executor == "local" and address is not None:
         raise DecodeError("--address is for --executor ray")

@@ -206,11 +206,16 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int],
             raise DecodeError(f"{path} was swept with {r['index']} parameters this version does not have "
                               f"({', '.join(gone)}); sweep again")
         search = loads_json(r["search_params"])
+        if unknown := sorted(set(search) - set(cls.search_params)):
+            raise DecodeError(f"{path} was swept with {r['index']} search parameters this version does not have "
+                              f"({', '.join(unknown)}); sweep again")
         try:  # values no sweep of this index writes (an edited table): refused here, not blamed on the context later
-            resolve_params(r["index"], cls.build_params, swept)
-            resolve_params(r["index"], cls.search_params, {k: v for k, v in search.items() if k in cls.search_params})
+            cls(**swept)  # the class's own rules too (snapkv's odd kernel, infllm's repr within its block)
+            resolve_params(r["index"], cls.search_params, search)
         except IndexConfigError as err:
             raise DecodeError(f"{path} holds a row this version of {r['index']} refuses ({err}); sweep again") from None
+        except Exception as err:  # a plugin's own check that raised something else
+            raise DecodeError(f"{r['index']} failed on a row of {path} ({type(err).__name__}: {err})") from err
         build = {k: v for k, v in swept.items() if v != cls.build_params[k].default}
         # The sweep records its grid's search parameters only (roargraph: L), so a missing one alone does not date a
         # row; the build parameters it records are all of them (search_params_since).

@@ -9,7 +9,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from anns_lab.dumps import rope
 from anns_lab.errors import AnnsLabError
+from anns_lab.indexes import group_queries
 from anns_lab.indexes.registry import NAME
 from anns_lab.io import loads_json, read_json
 
@@ -86,6 +88,9 @@ def _settings_problem(settings: dict) -> str | None:
     for key in ("dump", "dump_created", "dump_stamp", "train_group", "train_positions"):
         if key in settings and not isinstance(settings[key], str):
             return f"{key} {_shown(settings[key])}"
+    for key, known in (("train_group", group_queries.MODES), ("train_positions", rope.PLACES)):
+        if key in settings and settings[key] not in known:  # decode --from-sweep would ask for it back
+            return f"{key} {_shown(settings[key])}, not one of {', '.join(known)}"
     return None
 
 

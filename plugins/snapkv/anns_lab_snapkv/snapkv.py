@@ -35,15 +35,22 @@ from anns_lab.indexes.scan_rows import largest, score_rows
 
 BUDGETS = (128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768)
 POOLINGS = ("avg", "max")
+VOTE_BYTES = 64 << 20  # float64 weights of the window's queries over the keys held at once (the default's 32 rows: one
+# block up to 256K keys)
 
 
 def votes(keys: np.ndarray, window_queries: np.ndarray, scale: float) -> np.ndarray:
-    """Each key's softmax weight summed over ``window_queries`` (float64, (n,)); each query's softmax over ``keys``."""
-    logits = (window_queries @ keys.T).astype(np.float64) * scale
-    logits -= logits.max(axis=1, keepdims=True)
-    weights = np.exp(logits)
-    weights /= weights.sum(axis=1, keepdims=True)
-    return weights.sum(axis=0)
+    """Each key's softmax weight summed over ``window_queries`` (float64, (n,)); each query's softmax over ``keys``.
+    Read :data:`VOTE_BYTES` of weights at a time: a window of thousands over 128K keys is gigabytes at once."""
+    total = np.zeros(len(keys))
+    rows = max(1, VOTE_BYTES // (8 * max(1, len(keys))))
+    for lo in range(0, len(window_queries), rows):
+        logits = (window_queries[lo:lo + rows] @ keys.T).astype(np.float64) * scale
+        logits -= logits.max(axis=1, keepdims=True)
+        weights = np.exp(logits)
+        weights /= weights.sum(axis=1, keepdims=True)
+        total += weights.sum(axis=0)
+    return total
 
 
 def pooled(values: np.ndarray, kernel: int, pooling: str) -> np.ndarray:

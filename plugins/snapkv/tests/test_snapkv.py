@@ -41,6 +41,17 @@ def test_the_kept_keys_are_those_snapkvs_formula_keeps(window, kernel, pooling, 
     assert set(index.kept(budget).tolist()) == want
 
 
+def test_a_window_wider_than_one_block_of_votes_keeps_the_same_keys(monkeypatch):
+    """The votes are summed a block of the window's queries at a time (a window of thousands over 128K keys held
+    gigabytes at once): blocks of 7 rows keep what the reference keeps."""
+    from anns_lab_snapkv import snapkv
+
+    monkeypatch.setattr(snapkv, "VOTE_BYTES", 8 * 800 * 7)
+    keys, _, train = easy_data(n_keys=800, dim=16, seed=4)
+    index = SnapKV(window=200).build(keys, train)
+    assert set(index.kept(150).tolist()) == _torch_kept(keys, train[-200:], 150, 5, "avg")
+
+
 @pytest.mark.parametrize("budget", [1, 50, 333, 10_000])
 def test_a_search_returns_the_top_k_of_the_kept_keys_and_counts_them(budget):
     keys, queries, train = easy_data(n_keys=600, dim=16, seed=5)
