@@ -28,7 +28,8 @@ def given_flags(ctx: click.Context, *names: str) -> list[str]:
     the options a run refuses as unused are those a person typed, not defaults."""
     from click.core import ParameterSource
 
-    return [p.opts[0] for p in ctx.command.params if p.name in names
+    return [p.secondary_opts[0] if getattr(p, "secondary_opts", None) and ctx.params.get(p.name) is False else p.opts[0]
+            for p in ctx.command.params if p.name in names  # a --x/--no-x pair: the one typed
             and ctx.get_parameter_source(p.name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)]
 
 

@@ -17,6 +17,7 @@ from conftest import TEST_DEVICE
 
 from anns_lab.cli import main
 from anns_lab.decode import calibrate
+from anns_lab.decode.options import calibrates
 from anns_lab.decode.engine import Mode, Settings, prefill, run_mode
 from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.dumps.models import load_model
@@ -253,7 +254,7 @@ def test_the_auto_target_grows_by_a_hundredth_per_doubling_of_the_keys_above_32k
     assert at(65536) == pytest.approx(0.96) and at(131072) == pytest.approx(0.97) and at(130368) == pytest.approx(0.9699, abs=1e-4)
     assert at(1 << 30) == calibrate.MAX_TARGET == 0.99
     assert calibrate.layer_target(calibrate.AUTO, 131072) == at(131072) and calibrate.layer_target(0.9, 131072) == 0.9
-    assert calibrate.enabled(calibrate.AUTO) and calibrate.enabled(0.5) and not calibrate.enabled(0.0)
+    assert calibrates(calibrate.AUTO) and calibrates(0.5) and not calibrates(0.0)
     store, newest = _store("roargraph", dict(M=8, R=16, n_hubs=4, keep_queries=64))
     auto = calibrate.calibrate(store, newest, calibrate.AUTO, SCALING)
     assert auto.target == at(store.n_indexed) == 0.95

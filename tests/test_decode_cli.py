@@ -342,7 +342,8 @@ def test_an_unknown_mode_lists_the_registered_indexes_once(tiny_llama):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--prompt", "The grass is green. " * 200, "--mode", "full"], "use a shorter --prompt, or pass --allow-extrapolation"),
+    (["--prompt", "The grass is green. " * 200, "--mode", "full,window"],
+     "use a shorter --prompt, or pass --allow-extrapolation"),
     (["--prompt", "The grass is green.", "--mode", "full,flat"], "use a smaller --window or a longer --prompt"),
     (["--prompt", "The grass is green. " * 12, "--mode", "full,ivf", "--build-param", "nlist=500", "--topk", 10],
      "use a longer --prompt or set its --build-param"),
@@ -359,6 +360,24 @@ def test_fidelity_past_the_context_names_the_option_that_went_past_it(tiny_llama
     err = _error(_run("--model", tiny_llama, "--eval", "fidelity", "--mode", "full,flat", "--window", "4,16",
                       "--context", 200, flag, 10**6))
     assert f"use a shorter {flag}, or pass --allow-extrapolation" in err, err
+
+
+@pytest.mark.parametrize("modes, extra, words", [
+    ("full", ["--topk", 700], "--topk: not used by this run (--mode full has no index mode)"),
+    ("full,window", ["--calibrate", 0.9, "--copy-hints", 3], "--copy-hints, --calibrate: not used by this run"),
+    ("window", ["--build-after-prefill"], "--build-after-prefill: not used"),
+    ("full", ["--window", "600,600"], "--window: not used by this run (--mode full attends every key)"),
+])
+def test_an_index_option_without_an_index_mode_is_refused(tiny_llama, modes, extra, words):
+    """Before: dropped in silence (the README says refused), the table printing the --window it never used."""
+    assert words in _error(_run("--model", tiny_llama, "--mode", modes, "--task", "passkey", "--context", 200, *extra))
+
+
+def test_the_window_with_a_window_mode_and_index_options_with_an_index_mode_are_taken(tiny_llama, tmp_path):
+    res = _run("--model", tiny_llama, "--mode", "full,window", "--window", "8,8", "--task", "passkey", "--context", 200,
+               "--max-new-tokens", 2, "--json", tmp_path / "w.json")
+    assert res.exit_code == 0, res.output
+    assert {k: json.loads((tmp_path / "w.json").read_text())["settings"][k] for k in ("sink", "recent")} == {"sink": 8, "recent": 8}
 
 
 @pytest.mark.parametrize("args", [["--prompt", "", "--max-new-tokens", 2],
@@ -427,6 +446,18 @@ def test_the_command_line_loads_without_torch_or_transformers():
             "print(sorted(m for m in ('torch', 'transformers', 'faiss', 'pandas', 'ray') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_an_option_refused_is_refused_before_torch_or_transformers_load():
+    """A refusal that needs no model nor mode (here two prompts) came after the engine's imports (~5 s, 16 s cold)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom click.testing import CliRunner\nfrom anns_lab.cli import main\n"
+            "res = CliRunner().invoke(main, ['decode', '--task', 'passkey', '--prompt', 'x'])\n"
+            "print(res.exit_code, sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "2 []"
 
 
 def test_full_decodes_from_a_prefill_that_keeps_nothing_for_an_index():

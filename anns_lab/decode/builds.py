@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from anns_lab.decode import calibrate as calibration
-from anns_lab.decode.options import LAYERS_AT_ONCE, MIN_LAYERS_AT_ONCE
+from anns_lab.decode.options import LAYERS_AT_ONCE, MIN_LAYERS_AT_ONCE, calibrates
 from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.dumps import rope
 from anns_lab.errors import AnnsLabError, IndexFailed, error_text
@@ -42,7 +42,7 @@ def layer_store(lm, cache, n_ids: int, layer: int, plan: IndexPlan | None, setti
     values = layer_cache.values[0, :, lo:hi].to("cpu", torch.float32).numpy()
     store = LayerStore(layer, lm.config.num_attention_heads, keys, values, settings.topk, plan, settings.add_batch,
                        settings.steps)
-    calibrating = calibration.enabled(settings.calibrate) and queries is not None
+    calibrating = calibrates(settings.calibrate) and queries is not None
     if calibrating and scaling is None:
         raise ValueError("calibrating a layer's search needs its softmax scaling (the prefill records it)")
     newest = np.ascontiguousarray(queries[:, -calibration.QUERIES:]) if calibrating else None  # own positions
@@ -138,7 +138,7 @@ def warm_up(lm, modes: list, settings, failed: list | None = None) -> float:
             where = {"key_positions": np.arange(WARM_KEYS), "train_positions": np.arange(0, WARM_KEYS, 2)} \
                 if cls.reads_positions else None
             store.build(queries if cls.uses_train_queries else None, positions=where)
-            if calibration.enabled(settings.calibrate):
+            if calibrates(settings.calibrate):
                 # a reading only: the steps below warm the mode's own search even where a real layer would be scanned
                 calibration.calibrate(store, queries[:, -calibration.QUERIES:], settings.calibrate, dim ** -0.5,
                                       change_store=False)
@@ -204,7 +204,7 @@ def store_notes(stores: dict[int, LayerStore], settings) -> list[str]:
                  next(iter(stores.values()), None))
     if first is not None and first.indexes and not first.supports_add:
         notes.append(f"{first.plan.name} has no add(): tokens leaving the window are kept exactly in a CPU side-buffer")
-    if calibration.enabled(settings.calibrate) and first is not None and first.indexes:
+    if calibrates(settings.calibrate) and first is not None and first.indexes:
         done = [s.calibration for s in stores.values() if s.calibration is not None]
         if done:
             notes.append(calibration.describe(done, settings.calibrate))

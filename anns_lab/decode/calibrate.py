@@ -79,11 +79,6 @@ def layer_target(target: float | str, n_keys: int) -> float:
     return auto_target(n_keys) if target == AUTO else float(target)
 
 
-def enabled(target: float | str) -> bool:
-    """Whether a setting calibrates at all (0 = off)."""
-    return target == AUTO or float(target) > 0
-
-
 @dataclass(frozen=True)
 class Calibration:
     """A layer's calibrated search: the grid parameter, its value, the reading there (the mean over the layer's heads,

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 import click
 
 from anns_lab.cli_types import WINDOW, given_flags
-from anns_lab.decode.options import CALIBRATE_AUTO, GIVE_UP_AFTER, LAYERS_AT_ONCE, UNTIL_BUILT, UNTIL_BUILT_HELP
+from anns_lab.decode.options import (CALIBRATE_AUTO, GIVE_UP_AFTER, LAYERS_AT_ONCE, UNTIL_BUILT, UNTIL_BUILT_HELP,
+                                     Settings, calibrates)
 from anns_lab.dumps import rope
 from anns_lab.dumps.cli import ROPE_HELP, ROPE_SCALING
 from anns_lab.dumps.tasks import TASKS
@@ -27,7 +28,7 @@ from anns_lab.indexes.group_queries import MODES as GROUP_MODES
 from anns_lab.io import atomic_write_bytes, hold_file, loads_json
 
 if TYPE_CHECKING:
-    from anns_lab.decode.engine import Mode, Settings
+    from anns_lab.decode.engine import Mode
 
 
 def default_device() -> str:
@@ -184,9 +185,6 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
            seed, max_new_tokens, positions, free_tokens, chunk, build_during_prefill, build_layers, build_processes, shared_prefill, until_built, question_after_prefill, calibrate_question, from_sweep, target_recall, calibrate, device, torch_threads,
            allow_extrapolation, rope_scaling, executor, address, cpus_per_task, json_path, overwrite):
     """Generate with RetrievalAttention: static window on the accelerator + retrieved keys from a CPU index."""
-    from anns_lab.decode import runner
-    from anns_lab.decode.engine import Settings
-
     settings = Settings(window=window, topk=topk, add_batch=add_batch, chunk=chunk, train_queries=train_queries,
                         train_group=train_group, train_positions=train_positions,
                         build_during_prefill=build_during_prefill is not False, shared_prefill=shared_prefill,
@@ -206,7 +204,10 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
                   give_up_after=give_up_after)
     if json_path is not None and not json_path.strip():  # `--json "$OUT"` with OUT unset ran, then wrote nothing
         raise DecodeError("--json '': give a file path for the results")
+    from anns_lab.decode import runner  # torch and transformers: after the checks that need neither
+
     mode_list = _parse_mode_list(modes, params, build_params, from_sweep)
+    _check_unused_by_modes(click.get_current_context(), mode_list, from_sweep)
     _check_calibrate(calibrate)
     if json_path:  # last of the checks: it makes the folder
         _check_replaceable(Path(json_path), overwrite, from_sweep)
@@ -333,7 +334,6 @@ def _names_file(text: str) -> bool:
 def _check_options(settings: Settings, evaluation: str, task: str | None, prompt: str | None, executor: str,
                    address: str | None) -> None:
     """Refuse inconsistent options before anything is loaded, one :class:`DecodeError` each."""
-    from anns_lab.decode.calibrate import enabled as calibrate_enabled
 
     if settings.topk < 1:
         raise DecodeError(f"--topk must be at least 1, got {settings.topk}")
@@ -366,7 +366,7 @@ def _check_options(settings: Settings, evaluation: str, task: str | None, prompt
     if question and settings.until_built == "exact":
         raise DecodeError("--calibrate-question raises every layer's search before the question's last step; with "
                           "--until-built exact a layer still building then has none: use --until-built wait")
-    if question and not calibrate_enabled(settings.calibrate):
+    if question and not calibrates(settings.calibrate):
         raise DecodeError("--calibrate-question raises each search to --calibrate's target: --calibrate 0 sets none")
     if executor == "local" and address is not None:
         raise DecodeError("--address is for --executor ray")
@@ -396,6 +396,22 @@ def _check_unused(ctx: click.Context, evaluation: str, prompt: str | None, from_
                           "ray, or leave it out")
     if from_sweep is None and given_flags(ctx, "target_recall"):
         raise DecodeError("--target-recall is the recall a --from-sweep pick must reach: pass --from-sweep, or leave it out")
+
+
+INDEX_OPTIONS = ("topk", "add_batch", "train_queries", "train_group", "train_positions", "copy_hints",
+                 "build_during_prefill", "build_layers", "build_processes", "until_built", "calibrate", "calibrate_question")
+
+
+def _check_unused_by_modes(ctx: click.Context, mode_list: list, from_sweep: str | None) -> None:
+    """Refuse the options of index modes where none runs (``--mode full,window``), and ``--window`` where only ``full``
+    runs: they were dropped in silence (``--mode full --window 600,600`` printed that window in its table)."""
+    kinds = {m.kind for m in mode_list} | ({"index"} if from_sweep else set())
+    if "index" not in kinds and (unused := given_flags(ctx, *INDEX_OPTIONS)):
+        raise DecodeError(f"{', '.join(unused)}: not used by this run (--mode {','.join(m.name for m in mode_list)} "
+                          f"has no index mode); leave {'them' if len(unused) > 1 else 'it'} out, or add an index mode")
+    if kinds == {"full"} and given_flags(ctx, "window"):
+        raise DecodeError("--window: not used by this run (--mode full attends every key); leave it out, or add a "
+                          "window or index mode")
 
 
 # Above any machine's cores: 100000 threads' stacks exhausted the process's memory maps (a traceback from an import).
@@ -508,11 +524,11 @@ def _parse_mode_list(modes: str, params: tuple[str, ...], build_params: tuple[st
 def _load(model: str, device: str, torch_threads: int, rope_scaling=None):
     """The model on ``device`` (its RoPE scaled when asked), torch limited to ``torch_threads`` CPU threads when > 0."""
     from anns_lab.dumps.models import load_model
+    from anns_lab.indexes.threads import numpy_blas_one_thread, set_torch_threads
 
     if torch_threads > 0:
-        from anns_lab.indexes.threads import set_torch_threads
-
         set_torch_threads(torch_threads)
+    numpy_blas_one_thread()
     return load_model(model, device=device, rope_scaling=rope_scaling)
 
 

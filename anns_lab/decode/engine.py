@@ -25,9 +25,8 @@ from anns_lab.decode.attention import DecodeError, Retrieval, StepTimes, retriev
 from anns_lab.decode.builds import EarlyBuilds, build_stores, builds_after
 from anns_lab.decode.cache import device_kv_bytes, narrow_layer, require_ring, window_cache
 from anns_lab.decode.copy_hints import CopyHints
-from anns_lab.decode.options import LAYERS_AT_ONCE
+from anns_lab.decode.options import Settings, calibrates
 from anns_lab.decode.placement import IndexPlan, LayerStore
-from anns_lab.dumps import rope
 from anns_lab.dumps.models import forward_tokens
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes import group_queries, registry
@@ -55,7 +54,7 @@ class Mode:
         index, or to calibrate any index's search (``settings.calibrate``)."""
         if self.kind != "index":
             return False
-        if settings is not None and calibration.enabled(settings.calibrate):
+        if settings is not None and calibrates(settings.calibrate):
             return True
         return any(registry.get(p.name).uses_train_queries for p in self.plans())
 
@@ -72,7 +71,7 @@ def kept_queries(modes: list[Mode], settings: "Settings") -> int | None:
     too where fewer could change what the build is given: ``settings.train_queries`` strides over them all, a
     ``--train-group`` other than ``head`` mixes or ranks a head's rows by their count, and queries moved by RoPE
     (an index without ``own_positions``) are placed by a draw over them all."""
-    needs = [calibration.QUERIES] if calibration.enabled(settings.calibrate) else []
+    needs = [calibration.QUERIES] if calibrates(settings.calibrate) else []
     for mode in modes:
         for plan in mode.plans():
             cls = registry.get(plan.name)
@@ -85,30 +84,6 @@ def kept_queries(modes: list[Mode], settings: "Settings") -> int | None:
                     return None
                 needs.append(newest)
     return max(needs, default=calibration.QUERIES)  # none: no mode keeps any
-
-
-@dataclass
-class Settings:
-    """Window, top-k and insertion batch shared by every mode of a run."""
-
-    window: Window = Window()
-    topk: int = 100
-    add_batch: int = 64
-    chunk: int = 2048
-    train_queries: int = 0  # prefill queries given to attention-aware indexes, evenly strided (0 = all)
-    train_group: str = group_queries.DEFAULT  # attention-aware indexes: one per KV head on its group's queries, or "head"
-    train_positions: str = rope.DEFAULT  # their queries moved to the decode steps' positions ("serving") or at their own
-    lists_on_device: bool | None = None  # training lists of the indexes on the accelerator (None: when it is CUDA)
-    build_during_prefill: bool = True  # start a layer's index builds once the prompt's last chunk has passed it (builds.EarlyBuilds)
-    build_layers: int = LAYERS_AT_ONCE  # layers one mode builds at once (builds.EarlyBuilds; at most the threads' budget)
-    build_processes: bool = False  # the index builds in worker processes (indexes.build_processes), not this one's threads
-    shared_prefill: bool = False  # with the builds after the prefill: every mode on one (full's TTFT then carries the queries kept)
-    steps: int = 64  # decode steps of a mode at most: the CPU stores reserve a row per step past the prompt's
-    calibrate: float | str = 0.0  # > 0 or "auto": each layer's index search raised at build time to this weight recall@k where short (calibrate.calibrate; "auto", the CLI's default: calibrate.auto_target of the layer's keys)
-    until_built: str = "wait"  # decode steps while a mode's indexes still build: "wait" for them, or attend those layers' whole cache, "exact"ly (UNTIL_BUILT)
-    question_after_prefill: bool = False  # a task's question fed as decode steps after the prefill and the builds (runner.run_sample)
-    calibrate_question: bool = False  # with question_after_prefill and calibrate: each layer's search raised again on the question's steps' queries, before its last step (question_calibration)
-    copy_hints: int = 8  # per step, the positions after this many earlier occurrences of the context's suffix (and the 2 steps before's, moved on) enter the searches (0 = none)
 
 
 @dataclass
@@ -350,7 +325,7 @@ def calibration_record(c: "calibration.Calibration") -> dict:
 def question_probes(mode: Mode, settings: Settings, teacher, n_forced: int) -> int:
     """With ``settings.calibrate_question``: how many of the question's steps (all but its last, whose logits give
     the answer's first token) an index mode's searches are raised again on (:func:`calibrate_on_steps`); else 0."""
-    on = settings.calibrate_question and mode.kind == "index" and teacher is None and calibration.enabled(settings.calibrate)
+    on = settings.calibrate_question and mode.kind == "index" and teacher is None and calibrates(settings.calibrate)
     return max(0, n_forced - 1) if on else 0
 
 

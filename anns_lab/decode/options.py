@@ -1,8 +1,23 @@
 """The decoder's option values that the command line needs before anything heavy loads (``anns-lab --help`` and
 every other command import the decode command's options: importing them from the engine pulled in torch and
-transformers, ~3.5 s before any command ran)."""
+transformers, ~3.5 s before any command ran), and the run's :class:`Settings`, which the decode command checks before
+it imports the engine (a refused option answered after ~5 s of imports)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from anns_lab.dumps import rope
+from anns_lab.indexes import group_queries
+from anns_lab.window import Window
 
 CALIBRATE_AUTO = "auto"  # the decoder's default target, and a bare ``--calibrate``'s: :func:`calibrate.auto_target` of the layer's keys
+
+
+def calibrates(target: float | str) -> bool:
+    """Whether a ``--calibrate`` setting calibrates at all (0 = off)."""
+    return target == CALIBRATE_AUTO or float(target) > 0
+
 
 UNTIL_BUILT = ("wait", "exact")
 UNTIL_BUILT_HELP = ("what an index mode's decode steps do while its layers' indexes are still building: wait for them "
@@ -23,3 +38,27 @@ MIN_LAYERS_AT_ONCE = 2
 # fails every sample, and with builds during the prefill each try costs a prefill of its own; one sample's failure
 # alone does not end it.
 GIVE_UP_AFTER = 2
+
+
+@dataclass
+class Settings:
+    """Window, top-k and insertion batch shared by every mode of a run."""
+
+    window: Window = Window()
+    topk: int = 100
+    add_batch: int = 64
+    chunk: int = 2048
+    train_queries: int = 0  # prefill queries given to attention-aware indexes, evenly strided (0 = all)
+    train_group: str = group_queries.DEFAULT  # attention-aware indexes: one per KV head on its group's queries, or "head"
+    train_positions: str = rope.DEFAULT  # their queries moved to the decode steps' positions ("serving") or at their own
+    lists_on_device: bool | None = None  # training lists of the indexes on the accelerator (None: when it is CUDA)
+    build_during_prefill: bool = True  # start a layer's index builds once the prompt's last chunk has passed it (builds.EarlyBuilds)
+    build_layers: int = LAYERS_AT_ONCE  # layers one mode builds at once (builds.EarlyBuilds; at most the threads' budget)
+    build_processes: bool = False  # the index builds in worker processes (indexes.build_processes), not this one's threads
+    shared_prefill: bool = False  # with the builds after the prefill: every mode on one (full's TTFT then carries the queries kept)
+    steps: int = 64  # decode steps of a mode at most: the CPU stores reserve a row per step past the prompt's
+    calibrate: float | str = 0.0  # > 0 or "auto": each layer's index search raised at build time to this weight recall@k where short (calibrate.calibrate; "auto", the CLI's default: calibrate.auto_target of the layer's keys)
+    until_built: str = "wait"  # decode steps while a mode's indexes still build: "wait" for them, or attend those layers' whole cache, "exact"ly (UNTIL_BUILT)
+    question_after_prefill: bool = False  # a task's question fed as decode steps after the prefill and the builds (runner.run_sample)
+    calibrate_question: bool = False  # with question_after_prefill and calibrate: each layer's search raised again on the question's steps' queries, before its last step (question_calibration)
+    copy_hints: int = 8  # per step, the positions after this many earlier occurrences of the context's suffix (and the 2 steps before's, moved on) enter the searches (0 = none)

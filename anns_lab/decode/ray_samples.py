@@ -23,10 +23,11 @@ def _sample_task(model: str, device: str, rope_scaling, torch_threads: int, mode
                  max_new: int, stops: set[int]) -> dict:
     from anns_lab.decode.runner import run_sample
     from anns_lab.dumps.models import load_model
-    from anns_lab.indexes.threads import set_torch_threads
+    from anns_lab.indexes.threads import numpy_blas_one_thread, set_torch_threads
 
     if torch_threads > 0:  # --torch-threads holds on the workers as on the driver
         set_torch_threads(torch_threads)
+    numpy_blas_one_thread()  # as on the driver
     key = (model, device, rope_scaling)
     if key not in _MODELS:
         _MODELS.clear()  # one model per worker: a second would double its memory

@@ -46,7 +46,8 @@ import numpy as np
 from anns_lab.errors import error_text
 from anns_lab.indexes.base import Index
 from anns_lab.indexes.key_store import KeyRows
-from anns_lab.indexes.threads import current_stop, lower_priority, one_thread, settle, thread_budget
+from anns_lab.indexes.threads import (current_stop, lower_priority, numpy_blas_one_thread, one_thread, settle,
+                                     thread_budget)
 from anns_lab.processes import die_with
 
 MEMORY_DIR = Path("/dev/shm")  # a tmpfs on Linux: the spool's files are copies in memory
@@ -315,6 +316,7 @@ def _worker_start(warm: tuple[str, ...], parent: int, by_main_thread: bool) -> N
     # product a team of the cores, whose threads spin between products (a SmolLM2 head's build: 1.5x its CPU alone,
     # 2.5x beside a second worker).
     torch.set_num_threads(1)
+    numpy_blas_one_thread()
     lower_priority()
     if warm:
         from anns_lab.indexes.warmup import warm_up

@@ -50,6 +50,19 @@ def one_thread() -> None:
     _torch_one_thread()
 
 
+NUMPY_BLAS = "libscipy_openblas"  # the OpenBLAS numpy's wheels bundle (threadpoolctl's ``prefix``); torch has MKL or its own
+
+
+def numpy_blas_one_thread() -> None:
+    """numpy's own BLAS on one thread, for the whole process (its count is global, unlike the libraries
+    :func:`one_thread` narrows per thread): the decoder's build and search threads call it (plugins' ``keys[ids] @ q``,
+    loki's covariance) beside the prefill, where its team spins against the prefill's threads (BENCHMARKS "numpy's
+    BLAS on one thread in the decoder"). torch and faiss keep their teams; a numpy on another BLAS keeps its own."""
+    from threadpoolctl import ThreadpoolController
+
+    ThreadpoolController().select(prefix=NUMPY_BLAS).limit(limits=1)
+
+
 def lower_priority() -> None:
     """Run the calling thread at the lowest CPU priority (nice :data:`LOWEST_PRIORITY`) for good: on Linux, where nice
     is a thread's own (other threads keep theirs); elsewhere, or where it is refused, it keeps its priority."""
