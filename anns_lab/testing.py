@@ -346,7 +346,8 @@ def check_index(cls: type[Index], min_recall: float = 1.0, k: int = 10, unbiased
             _same(index.search(queries, k, **params), alone.search(queries, k, **params),
                   f"a build from the newest {newest} training queries alone (newest_train_queries) at {params}")
     held = index.nbytes
-    assert is_int(held) and held > 0, f"nbytes must be a positive whole number of bytes (the sweep refuses others), got {held!r}"
+    assert is_int(held) and held > 0, (f"nbytes must be a positive whole number of bytes (a built index holds its keys "
+                                       f"or something of them; the sweep refuses a negative or fractional one), got {held!r}")
     for a, b, what in zip((keys, queries, train), given, ("keys", "queries", "train_queries")):
         assert np.array_equal(a, b), f"build() or search() wrote into the {what} it was given: copy before changing them"
 

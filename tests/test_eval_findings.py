@@ -65,6 +65,29 @@ def test_grid_medians_are_taken_over_the_heads_of_one_build_never_across_builds(
 
 
 
+def test_a_target_reached_at_the_grids_cheapest_point_reads_as_a_bound():
+    """A grid whose first point already reaches the target cannot say what less would read: where it does so on at
+    least half of the heads the cell says "≤" (before, recall 0.90 and 0.95 could read the same figure, the grid's
+    start, with nothing to tell it)."""
+    from anns_lab.eval.report import _bytes_view
+
+    table = synthetic({("ivf", "q2k"): 0.2})  # per head (0.1, 0.8), (0.2, 0.95), (0.4, 0.99)
+
+    def cells(first_recall: dict[int, float]) -> tuple[str, str, str]:
+        t = table.copy()
+        for head, recall in first_recall.items():
+            t.loc[(t["head"] == head) & (t["scanned_fraction"] == 0.1), "recall"] = recall
+        par = pareto(t)
+        view = _pareto_view(par, F.index_kinds(t)).set_index("index").loc["ivf"]
+        return view["recall 0.90"], view["recall 0.95"], _bytes_view(par).set_index("index").loc["ivf", "recall 0.90"]
+
+    assert cells({}) == ("16.7% (3/3)", "20.0% (3/3)", cells({})[2]) and not cells({})[2].startswith("≤")
+    every = cells({0: 0.91, 4: 0.91, 8: 0.91})
+    assert every[:2] == ("≤ 10.0% (3/3)", "20.0% (3/3)") and every[2].startswith("≤ ")
+    assert cells({4: 0.91, 8: 0.91})[0].startswith("≤ ")  # two of three heads: the median is one of them
+    assert not cells({0: 0.91})[0].startswith("≤")
+
+
 def test_each_build_of_an_index_is_reported_apart_and_the_defaults_keep_its_name():
     # A second build in the same folder (sweep --build-param) must not let each head take the better of the two:
     # head 0 is cheap only in the defaults, head 1 only in the variant; the best of both per head (0.1, 0.1, 0.5)
@@ -90,8 +113,10 @@ def test_central_result_agrees_disagrees_or_is_not_measured():
     f = F.aware_vs_key_only(*run({("roargraph", "q2k"): 0.02, ("ivf", "q2k"): 0.4, ("hnsw", "q2k"): None}))
     assert f.verdict == F.AGREES and "roargraph" in f.text and "2.0%" in f.text and "40.0%" in f.text
     assert "20.0× fewer" in f.text and "1–3%" in f.text and "30–50%" in f.text
+    assert "the best of the key-only indexes (hnsw, ivf), ivf, needs 40.0%" in f.text
     f = F.aware_vs_key_only(*run({("roargraph", "q2k"): 0.5, ("ivf", "q2k"): 0.2}))
     assert f.verdict == F.DISAGREES and "50.0%" in f.text and "20.0%" in f.text
+    assert "the key-only index, ivf, needs 20.0%" in f.text  # not "(ivf), ivf"
     f = F.aware_vs_key_only(*run({("ivf", "q2k"): 0.2, ("hnsw", "q2k"): 0.3}))
     assert f.verdict == F.NOT_MEASURED and "no attention-aware index" in f.text
     assert "20.0%" not in f.text  # IVF is never set against the attention-aware figure

@@ -145,10 +145,11 @@ def rendered_dom(page) -> str:
 
 
 def test_html_report_renders_its_figures_and_tables_in_a_browser(sweep, tmp_path):
-    # A second sweep of the same dump beside this one: the page links to it.
-    other = sweep.path.parent.parent / "other"
-    other.mkdir(exist_ok=True)
-    (other / "sweep.json").write_text((sweep.path.parent / "sweep.json").read_text())
+    # Sweeps of the same dump beside this one: the page links to the one with a report, names the one without.
+    for name in ("other", "unreported"):
+        (sweep.path.parent.parent / name).mkdir(exist_ok=True)
+        (sweep.path.parent.parent / name / "sweep.json").write_text((sweep.path.parent / "sweep.json").read_text())
+    (sweep.path.parent.parent / "other" / "report.html").write_text("<html></html>")
     report.write_report(sweep.path)
     page = sweep.path.parent / "report.html"
     assert "http" not in re.sub(r'<img [^>]*>', "", page.read_text()).replace("http-equiv", "")  # nothing to fetch
@@ -164,7 +165,8 @@ def test_html_report_renders_its_figures_and_tables_in_a_browser(sweep, tmp_path
     assert rows("points") == t[t["direction"] == "q2k"].groupby(["index", "search_params"]).ngroups
     findings = re.search(r'<ul id="findings">(.*?)</ul>', dom, re.S).group(1)
     assert findings.count("<li>") >= 6 and "IVF reaches recall 0.95 on Q→K" in findings
-    assert 'href="../other/report.html"' in dom
+    assert 'href="../other/report.html"' in dom and "unreported (no report yet)" in dom
+    assert "unreported/report.html" not in dom  # before: a link to a page no one wrote
 
 
 def test_queries_are_out_of_distribution_for_keys(smollm2_dump):

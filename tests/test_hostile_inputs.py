@@ -512,6 +512,22 @@ def test_a_damaged_or_stray_part_is_never_trusted(dump, tmp_path):
         _sweep(dump, out)
 
 
+def test_a_resumed_sweep_says_so_and_names_the_files_it_does_not_read(dump, tmp_path):
+    """Before: a resume printed only the parts left ("1 parts on ..."), as a fresh run of a smaller plan would, and a
+    stray file other than a .parquet in parts/ was passed over in silence (the README says such files are named)."""
+    out = tmp_path / "r"
+    run_sweep(dump.path, ["flat"], [1], [0, 1], k=10, window=(0, 0), out=out, jobs=1, progress=False)
+    first = sorted((out / "parts").glob("*.parquet"))[0]
+    first.unlink()
+    (out / "parts" / "notes.txt").write_text("mine")
+    lines: list[str] = []
+    run_sweep(dump.path, ["flat"], [1], [0, 1], k=10, window=(0, 0), out=out, jobs=1, progress=False, log=lines.append)
+    assert any(line.endswith("1 part on local: 1 single-threaded worker process (resumed: 1 of 2 finished parts kept)")
+               for line in lines), lines
+    assert any("holds 1 file(s) no sweep writes, not read: notes.txt" in line for line in lines), lines
+    assert first.exists() and (out / "parts" / "notes.txt").read_text() == "mine"
+
+
 def _strip_settings(path, recorded: bytes | None = None) -> None:
     """Rewrite a part as parts were written before they recorded their sweep's settings (or with ``recorded`` as
     the settings it recorded)."""

@@ -261,9 +261,11 @@ def aware_vs_key_only(par: pd.DataFrame, kinds: dict[str, str]) -> Finding:
         better = np.isfinite(aware.fraction)
         gap = ""
     verdict = AGREES if better else DISAGREES
-    others = ", ".join(_of_kind(kinds, "key-only"))
-    text = (f"The best attention-aware index, {aware.index}, reaches recall {TARGET} on Q→K with {aware.text}; the best "
-            f"of the key-only indexes ({others}), {key_only.index}, needs {key_only.text}{gap}. The paper: {ref}.")
+    others = _of_kind(kinds, "key-only")
+    which = (f"the best of the key-only indexes ({', '.join(others)}), {key_only.index}," if len(others) > 1
+             else f"the key-only index, {key_only.index},")  # before: "(ivf), ivf" where it was the only one
+    text = (f"The best attention-aware index, {aware.index}, reaches recall {TARGET} on Q→K with {aware.text}; {which} "
+            f"needs {key_only.text}{gap}. The paper: {ref}.")
     return Finding(topic, verdict, text)
 
 

@@ -67,12 +67,14 @@ def figure(png: bytes, alt: str) -> str:
 
 
 def page(title: str, intro: str, findings: list[Finding], sections: list[tuple[str, str]],
-         links: list[tuple[str, str]]) -> str:
-    """The whole page: title, links to the dump's other sweeps, findings, then (heading, HTML body) sections."""
+         links: list[tuple[str, str | None]]) -> str:
+    """The whole page: title, links to the dump's other sweeps (named without a link where they have no report yet),
+    findings, then (heading, HTML body) sections."""
     nav = ""
     if links:
-        nav = "<nav>Other sweeps of this dump: " + "".join(
-            f'<a href="{html.escape(href)}">{html.escape(label)}</a>' for label, href in links) + "</nav>"
+        nav = "<nav>Other sweeps of this dump: " + " · ".join(
+            f'<a href="{html.escape(href)}">{html.escape(label)}</a>' if href else f"{html.escape(label)} (no report yet)"
+            for label, href in links) + "</nav>"
     items = "\n".join(f'<li><b class="{f.verdict.replace(" ", "-")}">{html.escape(f.topic)}: {f.verdict}.</b> '
                       f"{_md_inline(f.text)}</li>" for f in findings)
     body = "\n".join(f"<h2>{html.escape(h)}</h2>\n{content}" for h, content in sections)

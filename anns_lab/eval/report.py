@@ -42,6 +42,13 @@ def _least(h: pd.DataFrame, t: float, column: str = "scanned_fraction") -> float
     return metrics.at_recall(h["recall"], h[column], t)[0]
 
 
+def _at_first_point(h: pd.DataFrame, t: float) -> bool:
+    """Whether the head's cheapest grid point (on the frontier) already reaches ``t``: its cost there is a bound, the
+    least it could cost is below the grid."""
+    first = metrics.frontier(h["recall"], h["scanned_fraction"])
+    return len(first) > 0 and float(h["recall"].iloc[first[0]]) >= t
+
+
 def per_head(table: pd.DataFrame, targets=TARGETS) -> pd.DataFrame:
     """Per (layer, head, index, direction): the least scanned fraction (``scan@t``) and bytes read per query
     (``bytes@t``) reaching each recall target (:func:`metrics.at_recall`: between the two grid points around it; NaN:
@@ -52,6 +59,7 @@ def per_head(table: pd.DataFrame, targets=TARGETS) -> pd.DataFrame:
                "best_recall": float(g["recall"].max())}
         row.update({f"scan@{t:.2f}": _least(g, t) for t in targets})
         row.update({f"bytes@{t:.2f}": _least(g, t, "bytes_read") for t in targets})
+        row.update({f"first@{t:.2f}": _at_first_point(g, t) for t in targets})
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -68,6 +76,7 @@ def pareto(table: pd.DataFrame, targets=TARGETS) -> pd.DataFrame:
             # A head that never reaches the target counts as needing everything (scanned fraction ≥ 1).
             row[f"scan@{t:.2f}"] = float(np.median(np.where(np.isfinite(v), v, np.inf)))
             row[f"reached@{t:.2f}"] = int(np.isfinite(v).sum())
+            row[f"first@{t:.2f}"] = int(g[f"first@{t:.2f}"].sum())
             b = g[f"bytes@{t:.2f}"].to_numpy(dtype=float)
             row[f"bytes@{t:.2f}"] = float(np.median(np.where(np.isfinite(b), b, np.inf)))
         rows.append(row)
@@ -85,9 +94,9 @@ def paper_figure(index: str, direction: str, kind: str) -> str:
     return str(paper.K2K_IVF) if index == "ivf" else "—"
 
 
-def sibling_sweeps(folder: Path, dump: str, out_folder: Path | None = None) -> list[tuple[str, str]]:
-    """(name, link to its report.html relative to ``out_folder``, the page's folder, default ``folder``) of the other
-    sweep folders beside ``folder`` of the same dump."""
+def sibling_sweeps(folder: Path, dump: str, out_folder: Path | None = None) -> list[tuple[str, str | None]]:
+    """(name, link to its report.html relative to ``out_folder``, the page's folder, default ``folder``; None where it
+    has no report yet) of the other sweep folders beside ``folder`` of the same dump."""
     start = (out_folder or folder).resolve()
     out = []
     for settings in sorted(folder.resolve().parent.glob(f"*/{SETTINGS}")):
@@ -100,7 +109,8 @@ def sibling_sweeps(folder: Path, dump: str, out_folder: Path | None = None) -> l
             continue
         same = isinstance(other_settings, dict) and other_settings.get("dump") == dump
         if same:
-            out.append((other.name, Path(os.path.relpath(other / "report.html", start)).as_posix()))
+            page = other / "report.html"
+            out.append((other.name, Path(os.path.relpath(page, start)).as_posix() if page.is_file() else None))
     return out
 
 
@@ -323,7 +333,8 @@ def _pareto_note(kinds: dict[str, str]) -> str:
     note = ("Per head, the cost at the target lies between the two grid points around it, on the line joining them "
             "(the expected cost of searching each query at one or the other: grids of coarse and fine steps compare "
             "at the same recall); a head that never reaches the target counts as needing more than every key; (n/m) "
-            "is how many of the heads reach it.")
+            "is how many of the heads reach it; ≤: at least half of the heads reach it at their grid's cheapest point, "
+            "so the median is at most that (a grid starting lower could read less).")
     estimators = sorted(n for n, kind in kinds.items() if kind == "estimator")
     if estimators:
         note += (f" Estimators ({', '.join(estimators)}) return a weighted sample or cluster summaries beyond their "
@@ -343,10 +354,17 @@ def _pareto_view(par: pd.DataFrame, kinds: dict[str, str]) -> pd.DataFrame:
     for r in par.to_dict("records"):
         row = {"index": r["index"], "direction": r["direction"], "heads": r["heads"]}
         for t in TARGETS:
-            row[f"recall {t:.2f}"] = f"{fmt_fraction(r[f'scan@{t:.2f}'])} ({r[f'reached@{t:.2f}']}/{r['heads']})"
+            row[f"recall {t:.2f}"] = (f"{_bound(r, t)}{fmt_fraction(r[f'scan@{t:.2f}'])} "
+                                      f"({r[f'reached@{t:.2f}']}/{r['heads']})")
         row["paper at 0.95"] = paper_figure(r["index"], r["direction"], kinds.get(r["index"], "unknown"))
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _bound(r: dict, t: float) -> str:
+    """"≤ " where at least half of the heads reach ``t`` at their grid's cheapest point (the median is then a bound
+    the grid cannot read below), else ""."""
+    return "≤ " if 2 * r[f"first@{t:.2f}"] >= r["heads"] > 0 else ""
 
 
 BYTES_NOTE = ("Bytes read count every index the same way (full keys at 4 bytes per dimension, centroids, page bounds, "
@@ -363,8 +381,8 @@ def _bytes_view(par: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for r in par[par["direction"] == "q2k"].to_dict("records"):
         row = {"index": r["index"], "heads": r["heads"]}
-        row.update({f"recall {t:.2f}": f"{fmt_bytes(r[f'bytes@{t:.2f}'])} ({r[f'reached@{t:.2f}']}/{r['heads']})"
-                    for t in TARGETS})
+        row.update({f"recall {t:.2f}": f"{_bound(r, t)}{fmt_bytes(r[f'bytes@{t:.2f}'])} "
+                                       f"({r[f'reached@{t:.2f}']}/{r['heads']})" for t in TARGETS})
         rows.append(row)
     return pd.DataFrame(rows)
 

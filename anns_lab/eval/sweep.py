@@ -345,6 +345,10 @@ def _run(runner, dump, out, settings, names, layers, heads, k, window, build_par
     for f in sorted(parts.glob("*.parquet")):  # another run's part in the folder, unreadable: named before any work
         if f not in ours and (why := _read_part(f, own)[1]):
             raise _unreadable(f, why)
+    if parts.is_dir() and (others := sorted(f.name for f in parts.iterdir() if f.suffix != ".parquet"
+                                           and not f.name.startswith((".", failed.PREFIX)))):  # temp files: "."
+        log(f"note: {parts} holds {len(others)} file(s) no sweep writes, not read: {', '.join(others[:5])}"
+            + (", ..." if len(others) > 5 else ""))
     plan.record(out, part_file)
     failures: list[tuple[str, int, int, str]] = []
     earlier: dict[Part, int] = {}
@@ -393,7 +397,9 @@ def _run(runner, dump, out, settings, names, layers, heads, k, window, build_par
                      str(dump.path), dump.model, dump_stamp(dump.manifest),
                      any(registry.get(n).own_positions for n in names))
     if units:
-        log(f"sweep {dump.path.name}: {len(tries)} parts on {runner.describe()}")
+        kept = len(part_file) - len(tries) - len(failures)
+        log(f"sweep {dump.path.name}: {len(tries)} part{'s' if len(tries) > 1 else ''} on {runner.describe()}"
+            + (f" (resumed: {kept} of {len(part_file)} finished parts kept)" if kept else ""))
         try:
             runner.run(work, units, tries, on_outcome, on_running=lambda parts: bar.set_postfix_str(_running(parts)))
         except KeyboardInterrupt:
