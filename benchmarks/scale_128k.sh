@@ -52,11 +52,14 @@ timed dump "$LAB" dump --model "$MODEL" --tokens "$TOKENS" --decode-tokens "$DEC
   --allow-extrapolation --out "$DUMP"
 timed sweep "$PY" benchmarks/bench_query_aware.py --dump "$DUMP" --indexes "$INDEXES" --layers "$LAYERS" \
   --jobs "$JOBS" --out "$OUT/sweep" ${QUICK:+--quick}
+# every mode on one prefill, the builds after it: options of the index modes, refused where MODES names none
+SHARED="--build-after-prefill --shared-prefill"
+case ",$MODES," in ,full,|,window,|,full,window,|,window,full,) SHARED= ;; esac
 for task in niah passkey; do
   # done = written and not partial (a decode stopped midway leaves "partial": true)
   [ -f "$OUT/decode-$task.json" ] && ! grep -q '"partial": true' "$OUT/decode-$task.json" && continue
   timed "decode-$task" "$LAB" decode --model "$MODEL" --task "$task" --context "$TOKENS" --samples "$SAMPLES" \
-    --mode "$MODES" --chunk "$CHUNK" --build-after-prefill --shared-prefill --allow-extrapolation ${ROPE:+--rope-scaling "$ROPE"} $DECODE_ARGS \
+    --mode "$MODES" --chunk "$CHUNK" $SHARED --allow-extrapolation ${ROPE:+--rope-scaling "$ROPE"} $DECODE_ARGS \
     --json "$OUT/decode-$task.json" --overwrite  # only a partial one is left to replace (the check above)
 done
 echo "results in $OUT"

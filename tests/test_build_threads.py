@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from pathlib import Path
 
 import faiss
 import numba
@@ -34,30 +35,33 @@ def test_workers_run_their_kernels_on_one_thread_and_the_caller_keeps_its_own(mo
         pool.shutdown()
 
 
-def test_the_decoder_runs_numpys_blas_on_one_thread_and_leaves_torch_and_faiss_theirs(tiny_llama, monkeypatch):
+def test_the_decoder_runs_numpys_blas_on_one_thread_and_leaves_torch_and_faiss_theirs(tiny_llama):
     """numpy's OpenBLAS count is the process's: the decoder sets it to one (its team spun beside the prefill in the
-    build and search threads); torch's threads and faiss's OpenBLAS (OpenMP, per thread) are not touched."""
+    build and search threads); torch's threads and every other library's (faiss's own OpenBLAS, OpenMP) are not
+    touched."""
     from threadpoolctl import ThreadpoolController
 
     from anns_lab.decode import cli
 
-    numpy_blas = ThreadpoolController().select(prefix=threads.NUMPY_BLAS)
-    if not numpy_blas.lib_controllers:
-        pytest.skip("this numpy is not on the OpenBLAS its wheels bundle")
-    others = [(c.filepath, c.num_threads) for c in ThreadpoolController().lib_controllers
-              if c.prefix != threads.NUMPY_BLAS]
-    original = numpy_blas.info()[0]["num_threads"]
-    numpy_blas.limit(limits=2)
+    own = threads.numpy_blas()
+    if not own:
+        pytest.skip("this numpy has no BLAS of its own (a system or conda one)")
+    assert all("numpy" in Path(c.filepath).parent.name or ".dylibs" in c.filepath for c in own)
+    original = [c.num_threads for c in own]
+    for c in own:
+        c.set_num_threads(2)
+    mine = {c.filepath for c in own}
+    others = [(c.filepath, c.num_threads) for c in ThreadpoolController().lib_controllers if c.filepath not in mine]
     torch_threads = torch.get_num_threads()
     try:
         cli._load(str(tiny_llama), "cpu", 0)
-        narrowed = ThreadpoolController().select(prefix=threads.NUMPY_BLAS).lib_controllers  # scipy's, loaded since, too
-        assert narrowed and all(c.num_threads == 1 for c in narrowed)
+        assert [c.num_threads for c in threads.numpy_blas()] == [1] * len(own)
         after = {c.filepath: c.num_threads for c in ThreadpoolController().lib_controllers}
         assert [(path, after[path]) for path, _ in others] == others
         assert torch.get_num_threads() == torch_threads
     finally:
-        ThreadpoolController().select(prefix=threads.NUMPY_BLAS).limit(limits=original)
+        for c, n in zip(threads.numpy_blas(), original):
+            c.set_num_threads(n)
 
 
 def test_one_item_runs_on_the_calling_thread():

@@ -366,6 +366,9 @@ def test_fidelity_past_the_context_names_the_option_that_went_past_it(tiny_llama
     ("full", ["--topk", 700], "--topk: not used by this run (--mode full has no index mode)"),
     ("full,window", ["--calibrate", 0.9, "--copy-hints", 3], "--copy-hints, --calibrate: not used by this run"),
     ("window", ["--build-after-prefill"], "--build-after-prefill: not used"),
+    # before: "add --build-after-prefill", then that refused as unused (benchmarks/scale_128k.sh's baseline-only run)
+    ("full,window", ["--shared-prefill"], "--shared-prefill: not used by this run"),
+    ("full,window", ["--calibrate-question"], "--calibrate-question: not used by this run"),
     ("full", ["--window", "600,600"], "--window: not used by this run (--mode full attends every key)"),
 ])
 def test_an_index_option_without_an_index_mode_is_refused(tiny_llama, modes, extra, words):
@@ -378,6 +381,12 @@ def test_the_window_with_a_window_mode_and_index_options_with_an_index_mode_are_
                "--max-new-tokens", 2, "--json", tmp_path / "w.json")
     assert res.exit_code == 0, res.output
     assert {k: json.loads((tmp_path / "w.json").read_text())["settings"][k] for k in ("sink", "recent")} == {"sink": 8, "recent": 8}
+    res = _run("--model", tiny_llama, "--mode", "full,flat", "--window", "8,8", "--topk", 7, "--calibrate", 0,
+               "--build-after-prefill", "--shared-prefill", "--task", "passkey", "--context", 200, "--max-new-tokens", 2,
+               "--json", tmp_path / "f.json")
+    assert res.exit_code == 0, res.output
+    settings = json.loads((tmp_path / "f.json").read_text())["settings"]
+    assert settings["topk"] == 7 and settings["shared_prefill"] is True
 
 
 @pytest.mark.parametrize("args", [["--prompt", "", "--max-new-tokens", 2],
@@ -556,7 +565,8 @@ def _results(path, window=(4, 16)):
                                            ("vamana", {"L": 200}, 0.99, 0.12)]:
             for head in range(2):
                 row = dict.fromkeys(COLUMNS, 0)
-                row |= {"model": "m", "layer": layer, "head": head, "index": index, "build_params": json.dumps({"R": 16}),
+                build = {"R": 16} if index == "vamana" else {}  # each index's own: a pick checks every row
+                row |= {"model": "m", "layer": layer, "head": head, "index": index, "build_params": json.dumps(build),
                         "search_params": json.dumps(sp), "direction": "q2k", "recall": recall,
                         "scanned_fraction": scanned, "dump": "d", "kv_head": 0, "k": 100, "n_keys": 4096,
                         "auto_rules": None}  # a table from before the column
@@ -655,7 +665,7 @@ def test_from_sweep_refuses_parameters_the_index_does_not_have(tmp_path):
 
     path = tmp_path / "results.parquet"
     df = pd.read_parquet(_results(path))
-    df["build_params"] = json.dumps({"R": 16, "tail_links": 4})
+    df.loc[df["index"] == "vamana", "build_params"] = json.dumps({"R": 16, "tail_links": 4})
     df.to_parquet(path)
     with pytest.raises(DecodeError, match=r"parameters this version does not have \(tail_links\); sweep again"):
         pick_from_sweep(str(path), "m", 0.95, [1, 3])
@@ -669,6 +679,9 @@ def test_from_sweep_refuses_search_parameters_the_index_does_not_have(tmp_path):
     df.to_parquet(path)
     with pytest.raises(DecodeError, match=r"search parameters this version does not have \(foo\); sweep again"):
         pick_from_sweep(str(path), "m", 0.95, [1, 3])
+    # through the command line, before the model loads (a path that names none would be the error otherwise)
+    err = _error(_run("--model", tmp_path / "no-model", "--from-sweep", tmp_path, "--window", "4,16", "--task", "passkey"))
+    assert "search parameters this version does not have (foo)" in err, err
 
 
 @pytest.mark.parametrize("build, words", [({"kernel": 4}, "kernel=4 must be odd"), ({"window": 0}, "window")])
@@ -861,7 +874,6 @@ def test_from_sweep_on_the_command_line(tiny_llama, tmp_path):
     path = _results(tmp_path / "results.parquet")
     table = pd.read_parquet(path)
     table["model"] = canonical_name(str(tiny_llama))
-    table["build_params"] = json.dumps({"R": 16})
     table["k"] = 20  # swept at the decode's --topk: another k is refused (test_hostile_inputs)
     table.to_parquet(path)
     res = _run("--model", tiny_llama, "--task", "passkey", "--context", 200, "--window", "4,16", "--topk", 20,

@@ -86,6 +86,12 @@ def test_a_target_reached_at_the_grids_cheapest_point_reads_as_a_bound():
     assert every[:2] == ("≤ 10.0% (3/3)", "20.0% (3/3)") and every[2].startswith("≤ ")
     assert cells({4: 0.91, 8: 0.91})[0].startswith("≤ ")  # two of three heads: the median is one of them
     assert not cells({0: 0.91})[0].startswith("≤")
+    # Each table by its own cost: where the scan's cheapest point reads the most bytes, the bytes' cheapest point is
+    # the one at recall 0.95, which reaches 0.90 at once: a bound in bytes, a mix of two points in scanned fraction.
+    dear = table.assign(bytes_read=np.where(table["scanned_fraction"] == 0.1, 1e12, table["bytes_read"]))
+    par = pareto(dear)
+    assert _pareto_view(par, F.index_kinds(dear)).set_index("index").loc["ivf", "recall 0.90"] == "16.7% (3/3)"
+    assert _bytes_view(par).set_index("index").loc["ivf", "recall 0.90"].startswith("≤ ")
 
 
 def test_each_build_of_an_index_is_reported_apart_and_the_defaults_keep_its_name():

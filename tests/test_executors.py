@@ -856,7 +856,7 @@ def test_ray_decode_bad_input(tiny_llama, tmp_path):
 
     from anns_lab.cli import main
 
-    base = ["decode", "--model", str(tiny_llama), "--mode", "full", "--task", "passkey", "--context", "200",
+    base = ["decode", "--model", str(tiny_llama), "--mode", "full,window", "--task", "passkey", "--context", "200",
             "--window", "4,16", "--max-new-tokens", "2", "--executor", "ray"]
     r = CliRunner().invoke(main, base + ["--address", f"127.0.0.1:{_free_port()}"])
     assert r.exit_code == 2 and "cannot reach a Ray cluster" in r.output

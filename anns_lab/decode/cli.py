@@ -18,7 +18,7 @@ import click
 
 from anns_lab.cli_types import WINDOW, given_flags
 from anns_lab.decode.options import (CALIBRATE_AUTO, GIVE_UP_AFTER, LAYERS_AT_ONCE, UNTIL_BUILT, UNTIL_BUILT_HELP,
-                                     Settings, calibrates)
+                                     Settings, calibrates, mode_kind, mode_names)
 from anns_lab.dumps import rope
 from anns_lab.dumps.cli import ROPE_HELP, ROPE_SCALING
 from anns_lab.dumps.tasks import TASKS
@@ -191,6 +191,7 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
                         build_layers=build_layers,
                         until_built=until_built, copy_hints=copy_hints, calibrate=calibrate,
                         question_after_prefill=question_after_prefill, calibrate_question=calibrate_question)
+    _check_unused_by_modes(click.get_current_context(), mode_names(modes), from_sweep)
     _check_options(settings, evaluation, task, prompt, executor, address)
     if prompt is not None and _names_file(prompt):  # dump's --prompt reads a file: this one decodes the name
         click.echo(f"note: --prompt is the text decoded; {prompt!r} also names a file, which is not read (to decode "
@@ -207,7 +208,6 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
     from anns_lab.decode import runner  # torch and transformers: after the checks that need neither
 
     mode_list = _parse_mode_list(modes, params, build_params, from_sweep)
-    _check_unused_by_modes(click.get_current_context(), mode_list, from_sweep)
     _check_calibrate(calibrate)
     if json_path:  # last of the checks: it makes the folder
         _check_replaceable(Path(json_path), overwrite, from_sweep)
@@ -399,16 +399,18 @@ def _check_unused(ctx: click.Context, evaluation: str, prompt: str | None, from_
 
 
 INDEX_OPTIONS = ("topk", "add_batch", "train_queries", "train_group", "train_positions", "copy_hints",
-                 "build_during_prefill", "build_layers", "build_processes", "until_built", "calibrate", "calibrate_question")
+                 "build_during_prefill", "build_layers", "build_processes", "shared_prefill", "until_built", "calibrate",
+                 "calibrate_question")
 
 
-def _check_unused_by_modes(ctx: click.Context, mode_list: list, from_sweep: str | None) -> None:
+def _check_unused_by_modes(ctx: click.Context, names: list[str], from_sweep: str | None) -> None:
     """Refuse the options of index modes where none runs (``--mode full,window``), and ``--window`` where only ``full``
-    runs: they were dropped in silence (``--mode full --window 600,600`` printed that window in its table)."""
-    kinds = {m.kind for m in mode_list} | ({"index"} if from_sweep else set())
+    runs: they were dropped in silence (``--mode full --window 600,600`` printed that window in its table). Read from
+    the names alone (``options.mode_kind``), before anything heavy loads."""
+    kinds = {mode_kind(n) for n in names} | ({"index"} if from_sweep else set())
     if "index" not in kinds and (unused := given_flags(ctx, *INDEX_OPTIONS)):
-        raise DecodeError(f"{', '.join(unused)}: not used by this run (--mode {','.join(m.name for m in mode_list)} "
-                          f"has no index mode); leave {'them' if len(unused) > 1 else 'it'} out, or add an index mode")
+        raise DecodeError(f"{', '.join(unused)}: not used by this run (--mode {','.join(names)} has no index mode); "
+                          f"leave {'them' if len(unused) > 1 else 'it'} out, or add an index mode")
     if kinds == {"full"} and given_flags(ctx, "window"):
         raise DecodeError("--window: not used by this run (--mode full attends every key); leave it out, or add a "
                           "window or index mode")
@@ -516,7 +518,7 @@ def _parse_mode_list(modes: str, params: tuple[str, ...], build_params: tuple[st
     from anns_lab.decode import modes as modes_mod
 
     if from_sweep:  # modes named explicitly stay
-        modes = ",".join(t for t in modes_mod.mode_names(modes) if t != "default") or "full"
+        modes = ",".join(t for t in mode_names(modes) if t != "default") or "full"
     return modes_mod.parse_modes(modes, modes_mod.parse_params(params),
                                  modes_mod.parse_params(build_params, "--build-param"))
 

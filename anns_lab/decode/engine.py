@@ -25,7 +25,7 @@ from anns_lab.decode.attention import DecodeError, Retrieval, StepTimes, retriev
 from anns_lab.decode.builds import EarlyBuilds, build_stores, builds_after
 from anns_lab.decode.cache import device_kv_bytes, narrow_layer, require_ring, window_cache
 from anns_lab.decode.copy_hints import CopyHints
-from anns_lab.decode.options import Settings, calibrates
+from anns_lab.decode.options import Settings, calibrates, mode_kind
 from anns_lab.decode.placement import IndexPlan, LayerStore
 from anns_lab.dumps.models import forward_tokens
 from anns_lab.errors import IndexConfigError
@@ -44,7 +44,7 @@ class Mode:
 
     @property
     def kind(self) -> str:
-        return self.name if self.name in ("full", "window") else "index"
+        return mode_kind(self.name)
 
     def plan_for(self, layer: int) -> IndexPlan | None:
         return self.per_layer.get(layer, self.plan)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
-from anns_lab.cli_types import name_list
 from anns_lab.decode.engine import Mode
+from anns_lab.decode.options import BASELINES, mode_names
 from anns_lab.decode.placement import IndexPlan
 from anns_lab.dumps import rope
 from anns_lab.errors import DecodeError, IndexConfigError
@@ -17,7 +17,6 @@ from anns_lab.io import loads_json, param_value
 if TYPE_CHECKING:
     import pandas as pd
 
-BASELINES = ("full", "window")
 ATTENTION_AWARE = "roargraph"
 NOTE = "  note: "  # the start of a pick line that warns (the decode CLI prints those on stderr too)
 
@@ -51,14 +50,6 @@ def parse_params(items: tuple[str, ...] | list[str], what: str = "--param") -> d
     return out
 
 
-def mode_names(spec: str) -> list[str]:
-    """``--mode``'s names in order, refused when it names none or has an empty item."""
-    names = name_list(spec, "--mode")
-    if not names:  # an empty --mode once ran the default index alone, as if asked for
-        raise DecodeError(f"--mode {spec!r} names nothing: give e.g. full,default")
-    return names
-
-
 def parse_modes(spec: str, search: dict, build: dict) -> list[Mode]:
     """``full,window,flat,roargraph`` → modes; each --param goes to every index that declares it."""
     names = [default_index() if n == "default" else n for n in mode_names(spec)]
@@ -75,11 +66,8 @@ def parse_modes(spec: str, search: dict, build: dict) -> list[Mode]:
         b = {k: v for k, v in build.items() if k in cls.build_params}
         used_s |= set(s)
         used_b |= set(b)
-        try:  # validate now, before any model is loaded
-            cls(**b)
-            resolve_params(name, cls.search_params, s)
-        except IndexConfigError as err:
-            raise DecodeError(str(err)) from None
+        if why := params_problem(cls, name, b, s):  # before any model is loaded
+            raise DecodeError(why)
         modes.append(Mode(name, IndexPlan(name, b, s)))
     for given, used, flag in ((search, used_s, "--param"), (build, used_b, "--build-param")):
         unused = sorted(set(given) - used)
@@ -122,7 +110,44 @@ def check_sweep_pick(path: str, target: float, topk: int | None = None,
     if window is not None and tuple(swept_window) != tuple(window):
         raise DecodeError(f"{path} was swept with --window {','.join(map(str, swept_window))}, this decode attends "
                           f"{','.join(map(str, window))} exactly: sweep with this window, or decode with the sweep's")
+    rows = table.loc[table["direction"] == "q2k", ["index", "build_params", "search_params"]].drop_duplicates()
+    for index, build, search in rows.itertuples(index=False):  # any of them may be the pick
+        if _loads(index):  # one not registered here is left out of the pick, with a note
+            _swept_row(path, index, build, search)
     return table, settings
+
+
+def _swept_row(path: str, index: str, build_params: str, search_params: str) -> tuple[type, dict, dict, dict]:
+    """A table row's index class, build parameters (those the row predates filled in as built then), search parameters
+    and the build parameters filled in; one DecodeError where this version of the index refuses them (swept with
+    another version, or an edited table): refused before the model loads, not blamed on the context after it."""
+    cls = registry.get(index)
+    swept = loads_json(build_params)
+    if gone := sorted(set(swept) - set(cls.build_params)):
+        raise DecodeError(f"{path} was swept with {index} parameters this version does not have ({', '.join(gone)}); "
+                          "sweep again")
+    filled = {k: v for k, v in cls.build_params_before.items() if k not in swept}
+    swept = filled | swept
+    search = loads_json(search_params)
+    if unknown := sorted(set(search) - set(cls.search_params)):
+        raise DecodeError(f"{path} was swept with {index} search parameters this version does not have "
+                          f"({', '.join(unknown)}); sweep again")
+    if why := params_problem(cls, index, swept, search):
+        raise DecodeError(f"{path} holds a row this version of {index} refuses ({why}); sweep again")
+    return cls, swept, search, filled
+
+
+def params_problem(cls, name: str, build: dict, search: dict) -> str | None:
+    """Why index ``name`` (``cls``) refuses these build parameters (their ranges, and its constructor's own rules:
+    snapkv's odd kernel, infllm's repr within its block) or search parameters (their ranges), or None."""
+    try:
+        cls(**build)
+        resolve_params(name, cls.search_params, search)
+    except IndexConfigError as err:
+        return str(err)
+    except Exception as err:  # a plugin's own check that raised something else
+        return f"{name}: {type(err).__name__}: {err}"
+    return None
 
 
 def pick_from_sweep(path: str, model: str, target: float, layers: list[int],
@@ -196,26 +221,9 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int],
     def plan(r) -> IndexPlan:
         """The row's index with only the parameters that differ from the index's defaults (short to read); a search
         parameter the row predates gets the index's value for "as before it existed" (``search_params_before``)."""
-        cls = registry.get(r["index"])
-        swept = loads_json(r["build_params"])
-        gone = sorted(set(swept) - set(cls.build_params))
-        if filled := {k: v for k, v in cls.build_params_before.items() if k not in swept}:
+        cls, swept, search, filled = _swept_row(path, r["index"], r["build_params"], r["search_params"])
+        if filled:
             built_before.setdefault(r["index"], filled)
-        swept = filled | swept  # a build parameter the row predates: as it was built then
-        if gone:
-            raise DecodeError(f"{path} was swept with {r['index']} parameters this version does not have "
-                              f"({', '.join(gone)}); sweep again")
-        search = loads_json(r["search_params"])
-        if unknown := sorted(set(search) - set(cls.search_params)):
-            raise DecodeError(f"{path} was swept with {r['index']} search parameters this version does not have "
-                              f"({', '.join(unknown)}); sweep again")
-        try:  # values no sweep of this index writes (an edited table): refused here, not blamed on the context later
-            cls(**swept)  # the class's own rules too (snapkv's odd kernel, infllm's repr within its block)
-            resolve_params(r["index"], cls.search_params, search)
-        except IndexConfigError as err:
-            raise DecodeError(f"{path} holds a row this version of {r['index']} refuses ({err}); sweep again") from None
-        except Exception as err:  # a plugin's own check that raised something else
-            raise DecodeError(f"{r['index']} failed on a row of {path} ({type(err).__name__}: {err})") from err
         build = {k: v for k, v in swept.items() if v != cls.build_params[k].default}
         # The sweep records its grid's search parameters only (roargraph: L), so a missing one alone does not date a
         # row; the build parameters it records are all of them (search_params_since).

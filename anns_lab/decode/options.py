@@ -7,9 +7,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from anns_lab.cli_types import name_list
 from anns_lab.dumps import rope
+from anns_lab.errors import DecodeError
 from anns_lab.indexes import group_queries
 from anns_lab.window import Window
+
+BASELINES = ("full", "window")  # the modes that build no index
+
+
+def mode_names(spec: str) -> list[str]:
+    """``--mode``'s names in order, refused when it names none or has an empty item."""
+    names = name_list(spec, "--mode")
+    if not names:  # an empty --mode once ran the default index alone, as if asked for
+        raise DecodeError(f"--mode {spec!r} names nothing: give e.g. full,default")
+    return names
+
+
+def mode_kind(name: str) -> str:
+    """A mode's kind: ``full``, ``window``, or ``index`` (every other name, ``default`` and ``sweep:...`` too)."""
+    return name if name in BASELINES else "index"
 
 CALIBRATE_AUTO = "auto"  # the decoder's default target, and a bare ``--calibrate``'s: :func:`calibrate.auto_target` of the layer's keys
 

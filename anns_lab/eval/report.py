@@ -42,10 +42,10 @@ def _least(h: pd.DataFrame, t: float, column: str = "scanned_fraction") -> float
     return metrics.at_recall(h["recall"], h[column], t)[0]
 
 
-def _at_first_point(h: pd.DataFrame, t: float) -> bool:
-    """Whether the head's cheapest grid point (on the frontier) already reaches ``t``: its cost there is a bound, the
-    least it could cost is below the grid."""
-    first = metrics.frontier(h["recall"], h["scanned_fraction"])
+def _at_first_point(h: pd.DataFrame, t: float, column: str = "scanned_fraction") -> bool:
+    """Whether the head's cheapest grid point by ``column`` (on that frontier) already reaches ``t``: its cost there is a
+    bound, the least it could cost is below the grid."""
+    first = metrics.frontier(h["recall"], h[column])
     return len(first) > 0 and float(h["recall"].iloc[first[0]]) >= t
 
 
@@ -60,6 +60,7 @@ def per_head(table: pd.DataFrame, targets=TARGETS) -> pd.DataFrame:
         row.update({f"scan@{t:.2f}": _least(g, t) for t in targets})
         row.update({f"bytes@{t:.2f}": _least(g, t, "bytes_read") for t in targets})
         row.update({f"first@{t:.2f}": _at_first_point(g, t) for t in targets})
+        row.update({f"first_bytes@{t:.2f}": _at_first_point(g, t, "bytes_read") for t in targets})
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -77,6 +78,7 @@ def pareto(table: pd.DataFrame, targets=TARGETS) -> pd.DataFrame:
             row[f"scan@{t:.2f}"] = float(np.median(np.where(np.isfinite(v), v, np.inf)))
             row[f"reached@{t:.2f}"] = int(np.isfinite(v).sum())
             row[f"first@{t:.2f}"] = int(g[f"first@{t:.2f}"].sum())
+            row[f"first_bytes@{t:.2f}"] = int(g[f"first_bytes@{t:.2f}"].sum())
             b = g[f"bytes@{t:.2f}"].to_numpy(dtype=float)
             row[f"bytes@{t:.2f}"] = float(np.median(np.where(np.isfinite(b), b, np.inf)))
         rows.append(row)
@@ -361,10 +363,10 @@ def _pareto_view(par: pd.DataFrame, kinds: dict[str, str]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _bound(r: dict, t: float) -> str:
-    """"≤ " where at least half of the heads reach ``t`` at their grid's cheapest point (the median is then a bound
-    the grid cannot read below), else ""."""
-    return "≤ " if 2 * r[f"first@{t:.2f}"] >= r["heads"] > 0 else ""
+def _bound(r: dict, t: float, count: str = "first") -> str:
+    """"≤ " where at least half of the heads reach ``t`` at their grid's cheapest point (``count``: by scanned fraction,
+    or ``first_bytes`` by bytes read; the median is then a bound the grid cannot read below), else ""."""
+    return "≤ " if 2 * r[f"{count}@{t:.2f}"] >= r["heads"] > 0 else ""
 
 
 BYTES_NOTE = ("Bytes read count every index the same way (full keys at 4 bytes per dimension, centroids, page bounds, "
@@ -381,7 +383,7 @@ def _bytes_view(par: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for r in par[par["direction"] == "q2k"].to_dict("records"):
         row = {"index": r["index"], "heads": r["heads"]}
-        row.update({f"recall {t:.2f}": f"{_bound(r, t)}{fmt_bytes(r[f'bytes@{t:.2f}'])} "
+        row.update({f"recall {t:.2f}": f"{_bound(r, t, 'first_bytes')}{fmt_bytes(r[f'bytes@{t:.2f}'])} "
                                        f"({r[f'reached@{t:.2f}']}/{r['heads']})" for t in TARGETS})
         rows.append(row)
     return pd.DataFrame(rows)

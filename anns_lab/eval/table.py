@@ -88,9 +88,12 @@ def _settings_problem(settings: dict) -> str | None:
     for key in ("dump", "dump_created", "dump_stamp", "train_group", "train_positions"):
         if key in settings and not isinstance(settings[key], str):
             return f"{key} {_shown(settings[key])}"
-    for key, known in (("train_group", group_queries.MODES), ("train_positions", rope.PLACES)):
-        if key in settings and settings[key] not in known:  # decode --from-sweep would ask for it back
-            return f"{key} {_shown(settings[key])}, not one of {', '.join(known)}"
+    for key, check in (("train_group", group_queries.check_mode), ("train_positions", rope.check_place)):
+        try:  # decode --from-sweep would ask for it back
+            if key in settings:
+                check(settings[key])
+        except AnnsLabError as err:
+            return f"{key}: {err}"
     return None
 
 

@@ -50,17 +50,26 @@ def one_thread() -> None:
     _torch_one_thread()
 
 
-NUMPY_BLAS = "libscipy_openblas"  # the OpenBLAS numpy's wheels bundle (threadpoolctl's ``prefix``); torch has MKL or its own
+def numpy_blas() -> list:
+    """threadpoolctl's controllers of the BLAS numpy's wheels bundle (``numpy.libs`` beside the package, ``.dylibs``
+    inside it on macOS: ``libscipy_openblas`` since numpy 2, ``libopenblas64_`` before); none for a numpy linked to a
+    BLAS of the system or of conda, which torch or faiss may share."""
+    import numpy
+    from threadpoolctl import ThreadpoolController
+
+    package = Path(numpy.__file__).resolve().parent
+    own = (package.parent / "numpy.libs", package / ".dylibs")
+    return [c for c in ThreadpoolController().lib_controllers
+            if c.user_api == "blas" and any(Path(c.filepath).resolve().is_relative_to(d) for d in own)]
 
 
 def numpy_blas_one_thread() -> None:
-    """numpy's own BLAS on one thread, for the whole process (its count is global, unlike the libraries
-    :func:`one_thread` narrows per thread): the decoder's build and search threads call it (plugins' ``keys[ids] @ q``,
-    loki's covariance) beside the prefill, where its team spins against the prefill's threads (BENCHMARKS "numpy's
-    BLAS on one thread in the decoder"). torch and faiss keep their teams; a numpy on another BLAS keeps its own."""
-    from threadpoolctl import ThreadpoolController
-
-    ThreadpoolController().select(prefix=NUMPY_BLAS).limit(limits=1)
+    """numpy's own BLAS (:func:`numpy_blas`) on one thread, for the whole process (its count is global, unlike the
+    libraries :func:`one_thread` narrows per thread): the decoder's build and search threads call it (plugins'
+    ``keys[ids] @ q``, loki's covariance) beside the prefill, where its team spins against the prefill's threads
+    (BENCHMARKS "numpy's BLAS on one thread in the decoder"). torch and faiss keep their teams."""
+    for controller in numpy_blas():
+        controller.set_num_threads(1)
 
 
 def lower_priority() -> None:
