@@ -334,7 +334,6 @@ def _names_file(text: str) -> bool:
 def _check_options(settings: Settings, evaluation: str, task: str | None, prompt: str | None, executor: str,
                    address: str | None) -> None:
     """Refuse inconsistent options before anything is loaded, one :class:`DecodeError` each."""
-
     if settings.topk < 1:
         raise DecodeError(f"--topk must be at least 1, got {settings.topk}")
     if settings.copy_hints < 0:

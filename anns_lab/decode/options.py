@@ -28,6 +28,7 @@ def mode_kind(name: str) -> str:
     """A mode's kind: ``full``, ``window``, or ``index`` (every other name, ``default`` and ``sweep:...`` too)."""
     return name if name in BASELINES else "index"
 
+
 CALIBRATE_AUTO = "auto"  # the decoder's default target, and a bare ``--calibrate``'s: :func:`calibrate.auto_target` of the layer's keys
 
 
