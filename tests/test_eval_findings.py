@@ -92,6 +92,8 @@ def test_a_target_reached_at_the_grids_cheapest_point_reads_as_a_bound():
     par = pareto(dear)
     assert _pareto_view(par, F.index_kinds(dear)).set_index("index").loc["ivf", "recall 0.90"] == "16.7% (3/3)"
     assert _bytes_view(par).set_index("index").loc["ivf", "recall 0.90"].startswith("≤ ")
+    exact = synthetic({("flat", "q2k"): 1.0})  # one grid point: nothing cheaper to try, no bound (it read "≤ 100.0%")
+    assert _pareto_view(pareto(exact), F.index_kinds(exact)).set_index("index").loc["flat", "recall 0.95"] == "100.0% (3/3)"
 
 
 def test_each_build_of_an_index_is_reported_apart_and_the_defaults_keep_its_name():

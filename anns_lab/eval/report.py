@@ -44,9 +44,9 @@ def _least(h: pd.DataFrame, t: float, column: str = "scanned_fraction") -> float
 
 def _at_first_point(h: pd.DataFrame, t: float, column: str = "scanned_fraction") -> bool:
     """Whether the head's cheapest grid point by ``column`` (on that frontier) already reaches ``t``: its cost there is a
-    bound, the least it could cost is below the grid."""
+    bound, the least it could cost is below the grid. Not for a grid of one point (flat's): no setting is cheaper."""
     first = metrics.frontier(h["recall"], h[column])
-    return len(first) > 0 and float(h["recall"].iloc[first[0]]) >= t
+    return len(h) > 1 and len(first) > 0 and float(h["recall"].iloc[first[0]]) >= t
 
 
 def per_head(table: pd.DataFrame, targets=TARGETS) -> pd.DataFrame:
