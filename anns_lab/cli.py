@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import signal
 import sys
-import threading
 
 import click
 
-from anns_lab.version import __version__
+from anns_lab import stops
 from anns_lab.errors import AnnsLabError
+from anns_lab.version import __version__
 
 
 class _Group(click.Group):
@@ -17,29 +16,16 @@ class _Group(click.Group):
     does."""
 
     def invoke(self, ctx: click.Context):
-        before = _stop_on_sigterm()
+        # `kill`, `timeout` or a scheduler's stop gets the clean stop a Ctrl-C gets (by default it ended the driver
+        # alone, and its workers ran on), and neither is lost in a finalizer (stops.py)
+        restore = stops.install()
         try:
             return super().invoke(ctx)
         except AnnsLabError as err:
             click.echo(f"Error: {err}", err=True)
             sys.exit(2)
         finally:
-            if before is not None:
-                signal.signal(signal.SIGTERM, before)
-
-
-def _terminated(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
-def _stop_on_sigterm():
-    """`kill`, `timeout` or a scheduler's stop gets the clean stop a Ctrl-C gets (workers stopped, finished work kept,
-    the resume told): by default it ended the driver alone, and its workers ran on. The previous handler, or None
-    where none is set: not the main thread, or SIGTERM ignored by whoever started us (as Python keeps an ignored
-    SIGINT)."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
-        return None
-    return signal.signal(signal.SIGTERM, _terminated)
+            restore()
 
 
 @click.group(cls=_Group)

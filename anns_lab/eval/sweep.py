@@ -23,6 +23,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from anns_lab import stops
 from anns_lab.dumps import rope
 from anns_lab.dumps.store import dump_stamp, open_dump, write_table
 from anns_lab.errors import AnnsLabError, IndexConfigError, IndexResultError
@@ -390,6 +391,7 @@ def _run(runner, dump, out, settings, names, layers, heads, k, window, build_par
             failed.record(f, o, build_params.get(o.part.index), earlier[o.part])
             failures.append((o.part.index, o.part.layer, o.part.head, o.error))
         bar.update(1)
+        stops.check()  # a Ctrl-C whose exception a finalizer swallowed (a part writer's): stop after this part
 
     from anns_lab.indexes import registry
 

@@ -21,6 +21,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
+from anns_lab import stops
 from anns_lab.eval.executors.base import (OnOutcome, OnRunning, Outcome, Part, Unit, Work, attempt, death_text, load,
                                           warm, warm_limit)
 from anns_lab.processes import die_with
@@ -90,6 +91,7 @@ class LocalExecutor:
         running: list[Part] = []
         try:
             while queue or any(s.unit for s in slots):
+                stops.check()  # the outcomes drained before are written: a lost Ctrl-C stops here (stops.py)
                 for slot in list(slots):
                     if slot.unit is None and queue and not self._give(slot, queue):
                         slots.remove(slot)  # it died idle (the OOM killer, kill -9): nothing of a unit was lost

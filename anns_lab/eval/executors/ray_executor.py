@@ -28,6 +28,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from anns_lab import stops
 from anns_lab.errors import AnnsLabError
 from anns_lab.eval.executors.base import (OnOutcome, OnRunning, Outcome, Part, Unit, Work, attempt, load, warm,
                                           warm_limit)
@@ -180,6 +181,7 @@ class RayExecutor:
         overdue: set = set()  # refs cancelled for the part timeout
         try:
             while todo or inflight:
+                stops.check()  # the outcomes taken before are written: a lost Ctrl-C stops here (stops.py)
                 while todo and len(inflight) < limit:
                     part, n = todo.popleft()
                     key = (part.layer, part.head)

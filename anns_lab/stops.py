@@ -1,0 +1,45 @@
+"""Ctrl-C and SIGTERM as one stop that is not lost.
+
+Both raise KeyboardInterrupt in the main thread, where the command's clean stop takes over (workers stopped, finished
+work kept, the resume told). An exception raised inside a finalizer is printed and dropped by Python ("Exception
+ignored in ... __del__"): a Ctrl-C that landed in pyarrow's ``ParquetWriter.__del__`` let a sweep run to its end with
+status 0. So the handler also records the stop, and the long loops :func:`check` it at their safe points.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Callable
+
+_STOP = threading.Event()
+
+
+def _stop(signum, frame) -> None:
+    _STOP.set()
+    raise KeyboardInterrupt
+
+
+def install() -> Callable[[], None]:
+    """Route SIGINT and SIGTERM to the recorded stop for a command's run (the main thread only; a signal ignored by
+    whoever started us stays ignored, as Python keeps an ignored SIGINT); returns what restores the handlers before."""
+    _STOP.clear()
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s, handler in before.items():
+        if handler != signal.SIG_IGN:
+            signal.signal(s, _stop)
+
+    def restore() -> None:
+        for s, handler in before.items():
+            if handler != signal.SIG_IGN:
+                signal.signal(s, handler)
+
+    return restore
+
+
+def check() -> None:
+    """Raise KeyboardInterrupt where a stop was asked for whose own exception was lost."""
+    if _STOP.is_set():
+        raise KeyboardInterrupt
