@@ -457,13 +457,15 @@ def test_the_command_line_loads_without_torch_or_transformers():
     assert out.strip() == "[]"
 
 
-def test_an_option_refused_is_refused_before_torch_or_transformers_load():
-    """A refusal that needs no model nor mode (here two prompts) came after the engine's imports (~5 s, 16 s cold)."""
+@pytest.mark.parametrize("args", [["--task", "passkey", "--prompt", "x"],  # needs no model nor mode
+                                  ["--mode", "full", "--topk", "5", "--task", "passkey"]])  # read from the mode names
+def test_an_option_refused_is_refused_before_torch_or_transformers_load(args):
+    """Such refusals came after the engine's imports (~5 s, 16 s cold)."""
     import subprocess
     import sys
 
     code = ("import sys\nfrom click.testing import CliRunner\nfrom anns_lab.cli import main\n"
-            "res = CliRunner().invoke(main, ['decode', '--task', 'passkey', '--prompt', 'x'])\n"
+            f"res = CliRunner().invoke(main, ['decode', *{args!r}])\n"
             "print(res.exit_code, sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "2 []"
