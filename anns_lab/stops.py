@@ -32,6 +32,7 @@ def install() -> Callable[[], None]:
             signal.signal(s, _stop)
 
     def restore() -> None:
+        _STOP.clear()  # the command's stop is over: a later call in this process (a test's, a notebook's) runs
         for s, handler in before.items():
             if handler != signal.SIG_IGN:
                 signal.signal(s, handler)
@@ -40,6 +41,7 @@ def install() -> Callable[[], None]:
 
 
 def check() -> None:
-    """Raise KeyboardInterrupt where a stop was asked for whose own exception was lost."""
+    """Raise KeyboardInterrupt where a stop was asked for whose own exception was lost; once, as the signal's own."""
     if _STOP.is_set():
+        _STOP.clear()
         raise KeyboardInterrupt

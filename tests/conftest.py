@@ -103,6 +103,24 @@ def broken_index(monkeypatch) -> str:
     return "broken"
 
 
+@pytest.fixture
+def lost_ctrl_c():
+    """A call that does what a Ctrl-C landing in a finalizer does (pyarrow's ParquetWriter.__del__, seen in CI): the
+    handler records the stop and raises, and Python prints and drops the raise. The handlers are a command's
+    (``stops.install``, as the CLI's) for the test, restored after it."""
+    import signal
+
+    from anns_lab import stops
+
+    class Finalized:
+        def __del__(self):
+            stops._stop(signal.SIGINT, None)
+
+    restore = stops.install()
+    yield lambda: Finalized()  # made and dropped at once: its finalizer runs, its KeyboardInterrupt is lost
+    restore()
+
+
 @pytest.fixture(scope="session")
 def smollm2_dump(tmp_path_factory):
     """A real SmolLM2-135M dump: 2048 tokens of offline text, 16 decode steps, layers 2 and 15, float32."""

@@ -1183,3 +1183,42 @@ def test_from_sweep_refuses_values_the_index_refuses(tmp_path, column, value):
     df.to_parquet(path)
     with pytest.raises(DecodeError, match=r"holds a row this version of vamana refuses \(vamana: parameter .*; sweep again"):
         pick_from_sweep(str(path), "m", 0.95, [1, 3])
+
+
+def test_a_ctrl_c_lost_in_a_finalizer_still_stops_the_decode(tiny_llama, tmp_path, monkeypatch, lost_ctrl_c):
+    """A Ctrl-C whose raise a finalizer dropped (stops.py: pyarrow's, a file's) stops the decode at its next prefill
+    chunk, decode step or sample, as the Ctrl-C would have, saying what --json keeps; before, the run went on to its
+    end with status 0."""
+    from anns_lab.decode import cli as decode_cli
+    from anns_lab.decode import engine
+
+    args = ["--model", tiny_llama, "--mode", "full", "--task", "passkey", "--context", 200, "--samples", 3,
+            "--max-new-tokens", 3, "--chunk", 64]
+    real_forward, real_write = engine.forward_tokens, decode_cli._write_json
+    for at in ("prefill", "decode", "sample"):
+        calls, out, written = [], tmp_path / f"{at}.json", []
+
+        def forward(lm, cache, ids, start, end):
+            calls.append(end - start)
+            if at == "prefill" and len(calls) == 2 or at == "decode" and end - start == 1:
+                lost_ctrl_c()
+            return real_forward(lm, cache, ids, start, end)
+
+        def write(path, result):
+            real_write(path, result)
+            written.append(len(calls))
+            if at == "sample":
+                lost_ctrl_c()
+
+        with monkeypatch.context() as m:
+            m.setattr(engine, "forward_tokens", forward)
+            m.setattr(decode_cli, "_write_json", write)
+            res = _run(*args, "--json", out)
+        assert res.exit_code == 130, (at, res.output)
+        if at == "sample":
+            assert f"interrupted: 1 of 3 samples finished and kept in {out}" in res.output
+            assert json.loads(out.read_text())["samples_done"] == 1
+            assert written == [len(calls)], "the next sample's prefill began"
+        else:
+            assert "interrupted before the first sample finished" in res.output and not out.exists()
+            assert calls[-1] == (64 if at == "prefill" else 1) and len(calls) <= 5, (at, calls)

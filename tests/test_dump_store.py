@@ -522,3 +522,44 @@ def test_an_atomic_write_leaves_a_file_of_a_new_files_mode_and_no_temporary(tmp_
     assert stat.S_IMODE((tmp_path / "a.json").stat().st_mode) == stat.S_IMODE((tmp_path / "b.json").stat().st_mode) \
         == 0o666 & ~mask
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.json"]
+
+
+def test_a_ctrl_c_lost_in_a_finalizer_still_stops_the_dump(tiny_llama, tmp_path, monkeypatch, lost_ctrl_c):
+    """A Ctrl-C whose raise a finalizer dropped (stops.py) stops the dump at its next chunk, decode step or layer file,
+    as the Ctrl-C would have: before, the dump ran to its end. Stopped at a layer file, the files written are kept and
+    the resume does not run the model again."""
+    from anns_lab.dumps import models
+
+    reference = small_dump(tiny_llama, tmp_path / "ref").dump
+    for at in ("prefill", "decode"):
+        real, calls = models.forward_tokens, []
+
+        def forward(lm, cache, ids, start, end):
+            calls.append(end - start)
+            if len(calls) == 2 and at == "prefill" or end - start == 1 and at == "decode":
+                lost_ctrl_c()
+            return real(lm, cache, ids, start, end)
+
+        with monkeypatch.context() as m:
+            m.setattr(models, "forward_tokens", forward)
+            with pytest.raises(run_mod.DumpInterrupted, match="before any file was written"):
+                small_dump(tiny_llama, tmp_path / at)
+        assert calls == ([8, 8] if at == "prefill" else [8, 8, 8, 6, 1]), calls
+        assert not (tmp_path / at / store.MANIFEST).exists()
+    real_write = store.write_table
+
+    def writing(path, table):
+        out = real_write(path, table)
+        if path.name == "layer_001.parquet":
+            lost_ctrl_c()
+        return out
+
+    with monkeypatch.context() as m:
+        m.setattr(store, "write_table", writing)
+        with pytest.raises(run_mod.DumpInterrupted, match="2 layer file"):
+            small_dump(tiny_llama, tmp_path / "d")
+    forwards = _count_forwards(monkeypatch)
+    res = small_dump(tiny_llama, tmp_path / "d")
+    assert forwards == [] and res.resumed_layers == 2
+    np.testing.assert_array_equal(res.dump.keys(3, 1), reference.keys(3, 1))
+

@@ -13,7 +13,6 @@ import hashlib
 import json
 import re
 import shutil
-import signal
 import subprocess
 import sys
 
@@ -529,29 +528,18 @@ def test_a_resumed_sweep_says_so_and_names_the_files_it_does_not_read(dump, tmp_
     assert first.exists() and (out / "parts" / "notes.txt").read_text() == "mine"
 
 
-def test_a_ctrl_c_lost_in_a_finalizer_still_stops_the_sweep(dump, tmp_path, monkeypatch):
+def test_a_ctrl_c_lost_in_a_finalizer_still_stops_the_sweep(dump, tmp_path, monkeypatch, lost_ctrl_c):
     """A Ctrl-C that lands in a finalizer (pyarrow's ParquetWriter.__del__, in CI) is printed and dropped by Python:
     the sweep ran to its end with status 0. The stop is recorded, and checked after each part."""
-    from anns_lab import stops
-
-    class Finalized:
-        def __del__(self):
-            stops._stop(signal.SIGINT, None)  # the handler, as the signal would run it here: its raise is dropped
-
     def writing(*args, **kwargs):  # the first part's write, then its writer's finalizer, where the Ctrl-C lands
         out = real(*args, **kwargs)
-        Finalized()
+        lost_ctrl_c()
         return out
 
     real = sweep_mod.write_table
     monkeypatch.setattr(sweep_mod, "write_table", writing)
-    restore = stops.install()
-    try:
-        with pytest.raises(sweep_mod.SweepInterrupted, match="interrupted: 1 of 2 parts are finished and kept"):
-            run_sweep(dump.path, ["flat"], [1], [0, 1], k=10, window=(0, 0), out=tmp_path / "r", jobs=1, progress=False)
-    finally:
-        restore()
-        stops._STOP.clear()
+    with pytest.raises(sweep_mod.SweepInterrupted, match="interrupted: 1 of 2 parts are finished and kept"):
+        run_sweep(dump.path, ["flat"], [1], [0, 1], k=10, window=(0, 0), out=tmp_path / "r", jobs=1, progress=False)
     assert len(list((tmp_path / "r" / "parts").glob("*.parquet"))) == 1
 
 

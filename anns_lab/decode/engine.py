@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from anns_lab import stops
 from anns_lab.decode import calibrate as calibration
 from anns_lab.decode.attention import DecodeError, Retrieval, StepTimes, retrieving, sync
 from anns_lab.decode.builds import EarlyBuilds, build_stores, builds_after
@@ -155,6 +156,7 @@ def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool, build
                     ctl.layer_done = early.layer_done  # the last chunk completes each long-range layer as it passes it
                 logits = forward_tokens(lm, cache, ids, start, end)
                 bar.update(end - start)
+                stops.check()  # a Ctrl-C a finalizer swallowed (stops.py): stop between chunks
         sync(lm.model.device)
         check_finite(logits[0, -1], f"the full-attention prefill of {len(ids)} tokens through {lm.name}")
     except BaseException:
@@ -272,6 +274,7 @@ def run_mode(lm, pre: Prefilled, mode: Mode, settings: Settings, max_new: int, s
                 step_s.append(time.perf_counter() - ts)
                 steps.append(ctl.take_times())
                 check_finite(logits, f"--mode {mode.name} at decode step {i + 1} of {n_steps}")  # outside its time
+                stops.check()
         if teacher is not None and keep_logits:
             all_logits.append(logits.detach().to("cpu"))
         decode_s = time.perf_counter() - t0

@@ -13,6 +13,7 @@ import collections
 import itertools
 from collections.abc import Iterable, Iterator
 
+from anns_lab import stops as stop_requests  # `stops` here are the stop tokens' ids
 from anns_lab.errors import DecodeError
 from anns_lab.eval.executors.ray_cluster import Cluster, check_cpus_per_task, ray_error_text
 
@@ -79,7 +80,7 @@ class RaySamples:
                     yield {"runs": {}}
                     continue
                 while not self.ray.wait([pending[0]], timeout=1.0)[0]:  # wakes up for Ctrl-C
-                    pass
+                    stop_requests.check()
                 try:
                     yield self.ray.get(pending.popleft())
                 except self.ray.exceptions.RayError as err:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from anns_lab import stops as stop_requests  # `stops` here are the stop tokens' ids
 from anns_lab.errors import DecodeError, IndexFailed, IndexResultError
 from anns_lab.decode import stats
 from anns_lab.decode.builds import start_build_processes, warm_up
@@ -356,6 +357,7 @@ def _run_prompts(lm, modes, settings, prompts, n_prompt: int, max_new, task, pro
         if on_sample is not None:
             on_sample(_merged(per_mode, task, n_prompt, extrapolated)
                       | {"samples_done": i + 1, "samples_total": len(prompts)})
+        stop_requests.check()  # the sample is kept: a Ctrl-C a finalizer swallowed (stops.py) stops here
     return _merged(per_mode, task, n_prompt, extrapolated)
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from anns_lab import stops
 from anns_lab.dumps import rope, store
 from anns_lab.dumps.models import RopeScaling
 from anns_lab.dumps.prompts import CONTINUATION_WORDS, CONTINUATIONS
@@ -469,6 +470,7 @@ def _capture(out, settings, state, begin, model_name, prompt_path, allow_extrapo
                 end = min(start + settings["chunk"], n_prefill)
                 logits = forward(start, end)
                 bar.update(end - start)
+                stops.check()  # a Ctrl-C a finalizer swallowed (stops.py): stop between chunks
             t_prefill, c_prefill = time.perf_counter() - t0, time.process_time() - c0
             bar.close()
             bar = tqdm(total=n_decode, unit="step", desc=f"dump {lm.name} decode", disable=quiet or not n_decode)
@@ -479,6 +481,7 @@ def _capture(out, settings, state, begin, model_name, prompt_path, allow_extrapo
                     ids.append(int(logits[0, -1].argmax()))
                 logits = forward(pos, pos + 1)
                 bar.update(1)
+                stops.check()
             t_decode = time.perf_counter() - t0
         bar.close()
         sink.flush()  # the layers captured: recorded below, a kill while their files are written keeps them
@@ -640,6 +643,7 @@ def _write_layers(out, missing: list[int], sink, state: dict, progress: bool) ->
         del sink.arrays[layer]
         for part in "qkv":
             (staging / f"layer_{layer:03d}.{part}.npy").unlink(missing_ok=True)
+        stops.check()  # this layer's file is recorded: a lost Ctrl-C (a Parquet writer's finalizer) stops here
     return time.perf_counter() - t0
 
 
