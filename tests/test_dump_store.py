@@ -563,3 +563,78 @@ def test_a_ctrl_c_lost_in_a_finalizer_still_stops_the_dump(tiny_llama, tmp_path,
     assert forwards == [] and res.resumed_layers == 2
     np.testing.assert_array_equal(res.dump.keys(3, 1), reference.keys(3, 1))
 
+
+@pytest.mark.parametrize("arch, kw", [("tiny_llama", {}), ("tiny_gemma3", {}),
+                                      ("tiny_gemma3", {"decode_tokens": 0, "layers": "1"})])
+def test_a_dump_interrupted_in_its_prefill_resumes_from_its_checkpoint(arch, kw, tmp_path, monkeypatch, request):
+    """A dump stopped in its prefill kept nothing: at 128K that was the whole hour. With checkpoints (the cache after
+    a chunk: full layers' rows, sliding layers' windows) the resume runs only the chunks after the last one, and the
+    dump is the uninterrupted one's, bit for bit (Gemma-3's sliding layers of 8 tokens, a forward that stops early)."""
+    from anns_lab.dumps import models
+
+    model = request.getfixturevalue(arch)
+    reference = small_dump(model, tmp_path / "ref", **kw).dump
+    real, calls = models.forward_tokens, []
+
+    def stopped_at_the_fourth_chunk(lm, cache, ids, start, end):
+        calls.append((start, end))
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(lm, cache, ids, start, end)
+
+    with monkeypatch.context() as m:
+        m.setattr(models, "forward_tokens", stopped_at_the_fourth_chunk)
+        with pytest.raises(run_mod.DumpInterrupted, match="the prefill's first 24 tokens kept"):
+            small_dump(model, tmp_path / "d", checkpoint_every=1e-9, **kw)
+    forwards = _count_forwards(monkeypatch)
+    d = small_dump(model, tmp_path / "d", checkpoint_every=1e-9, **kw).dump
+    assert forwards[0] == (24, 30), forwards  # the chunks before the checkpoint did not run again
+    assert not list((tmp_path / "d" / run_mod.STAGING).glob("cache_*")), "the checkpoint's files were left behind"
+    for layer in reference.layers:
+        for h in range(reference.n_kv_heads):
+            np.testing.assert_array_equal(d.keys(layer, h), reference.keys(layer, h))
+            np.testing.assert_array_equal(d.values(layer, h), reference.values(layer, h))
+        np.testing.assert_array_equal(d.queries(layer, 1, "all"), reference.queries(layer, 1, "all"))
+    assert d.tokens().tolist() == reference.tokens().tolist()
+    assert d.manifest["timing"]["prefill_s"] > 0 and d.manifest["timing"]["prefill_resumed_at"] == 24
+    assert "prefill_resumed_at" not in reference.manifest["timing"]
+
+
+def test_a_damaged_prefill_checkpoint_is_said_and_the_prefill_runs_again(tiny_gemma3, tmp_path, monkeypatch, capsys):
+    """A checkpoint whose files are gone or cut short only costs the time it would have saved: said, dropped, and the
+    prefill runs from its start to the same dump."""
+    from anns_lab.dumps import models
+
+    reference = small_dump(tiny_gemma3, tmp_path / "ref").dump
+    real = models.forward_tokens
+    for damage in ("sliding window gone", "full rows cut short", "record damaged"):
+        out, calls = tmp_path / damage.replace(" ", "-"), []
+
+        def stopped(lm, cache, ids, start, end):
+            calls.append(start)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return real(lm, cache, ids, start, end)
+
+        with monkeypatch.context() as m:
+            m.setattr(models, "forward_tokens", stopped)
+            with pytest.raises(run_mod.DumpInterrupted, match="first 16 tokens kept"):
+                small_dump(tiny_gemma3, out, checkpoint_every=1e-9)
+        staging = out / run_mod.STAGING
+        if damage == "sliding window gone":
+            next(staging.glob("cache_000.k.r16.npy")).unlink()
+        elif damage == "full rows cut short":  # numpy's "r+" would have extended the file with zeros
+            f = staging / "cache_001.v.npy"
+            f.write_bytes(f.read_bytes()[:200])
+        else:
+            state = json.loads((staging / run_mod.PROGRESS).read_text())
+            state["prefill_at"]["row"] = "16"
+            atomic_write_json(staging / run_mod.PROGRESS, state)
+        capsys.readouterr()
+        with monkeypatch.context() as m:
+            forwards = _count_forwards(m)
+            d = small_dump(tiny_gemma3, out, checkpoint_every=1e-9).dump
+        assert forwards[0] == (0, 8), forwards
+        assert "the prefill's checkpoint cannot be used" in "".join(capsys.readouterr())
+        np.testing.assert_array_equal(d.keys(1, 0), reference.keys(1, 0))
+        np.testing.assert_array_equal(d.queries(1, 1, "all"), reference.queries(1, 1, "all"))

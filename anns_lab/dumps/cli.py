@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from anns_lab.cli_types import given_flags
+from anns_lab.dumps.checkpoint import EVERY as CHECKPOINT_EVERY
 from anns_lab.dumps.models import RopeScaling
 from anns_lab.dumps.prompts import CONTINUATIONS, SOURCES
 
@@ -52,8 +53,10 @@ ROPE_HELP = ("scale the RoPE positions of the model's long-range layers: linear:
 @click.option("--rope-scaling", type=ROPE_SCALING, default=None, help=ROPE_HELP)
 @click.option("--allow-download", is_flag=True, help="Let transformers fetch weights from a hub (off: offline only).")
 @click.option("--device", default="cpu", show_default=True, help="Torch device for the model (cpu, cuda).")
+@click.option("--checkpoint-every", type=float, default=CHECKPOINT_EVERY, show_default=True, metavar="SECONDS",
+              help="Save the prefill's state this often, so that an interrupted dump resumes its prefill there (0: never).")
 def dump(model, source, prompt_path, tokens, decode_tokens, continuation, layers, dtype, chunk, seed, out, overwrite,
-         allow_extrapolation, rope_scaling, allow_download, device) -> None:
+         allow_extrapolation, rope_scaling, allow_download, device, checkpoint_every) -> None:
     """Capture post-RoPE Q/K/V of a model's prefill and decode steps into a Parquet dump."""
     from anns_lab.dumps.run import DumpInterrupted, run_dump
     from anns_lab.errors import DumpError
@@ -68,7 +71,8 @@ def dump(model, source, prompt_path, tokens, decode_tokens, continuation, layers
         result = run_dump(model, source=source, prompt_path=prompt_path, tokens=tokens, decode_tokens=decode_tokens,
                           layers=layers, dtype=dtype, chunk=chunk, seed=seed, out=out, overwrite=overwrite,
                           allow_extrapolation=allow_extrapolation, rope_scaling=rope_scaling,
-                          allow_download=allow_download, device=device, continuation=continuation)
+                          allow_download=allow_download, device=device, continuation=continuation,
+                          checkpoint_every=checkpoint_every)
     except DumpInterrupted as stop:
         click.echo(str(stop), err=True)
         raise SystemExit(130) from None

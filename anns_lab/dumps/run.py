@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from anns_lab import stops
-from anns_lab.dumps import rope, store
+from anns_lab.dumps import checkpoint, rope, store
 from anns_lab.dumps.models import RopeScaling
 from anns_lab.dumps.prompts import CONTINUATION_WORDS, CONTINUATIONS
 from anns_lab.errors import DumpError, PromptError
@@ -101,10 +101,11 @@ class DumpInterrupted(KeyboardInterrupt):
 class StagingSink:
     """Captured rows go straight into ``.npy`` memory maps, one per layer and tensor, so memory stays bounded.
     ``staged`` (layer -> its softmax scaling): layers a finished forward left complete in the maps (the progress record
-    says so), opened as they are: a resume killed while writing the layer files need not run the model again."""
+    says so), opened as they are: a resume killed while writing the layer files need not run the model again.
+    ``resume``: the maps hold the rows before a prefill checkpoint's (checkpoint.py), opened to take the rest."""
 
     def __init__(self, folder: Path, layers: list[int], n_rows: int, n_heads: int, n_kv: int, d: int, dtype,
-                 staged: dict[int, float] | None = None):
+                 staged: dict[int, float] | None = None, resume: bool = False):
         from numpy.lib.format import open_memmap
 
         self.layers = set(layers)
@@ -112,13 +113,14 @@ class StagingSink:
         self.scaling: dict[int, float] = dict(staged or {})
         shapes = {"q": (n_heads, n_rows, d), "k": (n_kv, n_rows, d), "v": (n_kv, n_rows, d)}
         self.arrays = {
-            layer: {name: open_memmap(folder / f"layer_{layer:03d}.{name}.npy", mode="r" if staged else "w+", dtype=dtype,
-                                      shape=None if staged else shape)
+            layer: {name: checkpoint.reopen_map(folder / f"layer_{layer:03d}.{name}.npy") if resume else
+                    open_memmap(folder / f"layer_{layer:03d}.{name}.npy", dtype=dtype, mode="r" if staged else "w+",
+                                shape=None if staged else shape)
                     for name, shape in shapes.items()}
             for layer in layers
         }
-        if staged and any(a.shape != shapes[name] or a.dtype != np.dtype(dtype)
-                          for maps in self.arrays.values() for name, a in maps.items()):
+        if (staged or resume) and any(a.shape != shapes[name] or a.dtype != np.dtype(dtype)
+                                      for maps in self.arrays.values() for name, a in maps.items()):
             raise ValueError("the staged maps are not this capture's")
 
     def flush(self) -> None:
@@ -178,6 +180,9 @@ class DumpResult:
             lines.append(f"  time      load {t['load_s']:.1f} s, {ran}, write {t['write_s']:.1f} s")
         if self.resumed_layers:
             lines.append(f"  resumed   {self.resumed_layers} layer files kept from the interrupted run")
+        if (at := m.get("timing", {}).get("prefill_resumed_at")) and not self.already_complete:
+            lines.append(f"  resumed   the prefill at token {at}, from the interrupted run's checkpoint (its seconds "
+                         "before it counted)")
         return "\n".join(lines)
 
 
@@ -329,8 +334,9 @@ def run_dump(model: str = "smollm2", *, source: str = "text", prompt_path: str |
              decode_tokens: int = 64, layers: str = "default", dtype: str = "float16", chunk: int = 2048, seed: int = 0,
              out: str | Path | None = None, overwrite: bool = False, allow_extrapolation: bool = False,
              rope_scaling: RopeScaling | str | None = None, allow_download: bool = False, device: str = "cpu",
-             progress: bool = True, continuation: str = "greedy") -> DumpResult:
-    """Capture a dump (see module doc); returns the opened dump and timings."""
+             progress: bool = True, continuation: str = "greedy", checkpoint_every: float = checkpoint.EVERY) -> DumpResult:
+    """Capture a dump (see module doc); returns the opened dump and timings. ``checkpoint_every``: seconds between
+    the prefill's checkpoints (checkpoint.py; 0: none)."""
     from anns_lab.dumps.models import config_layers, resolve
     from anns_lab.dumps.prompts import read_prompt_file
 
@@ -340,6 +346,8 @@ def run_dump(model: str = "smollm2", *, source: str = "text", prompt_path: str |
         raise DumpError(f"--chunk must be at least 1, got {chunk}")
     if decode_tokens < 0:
         raise DumpError(f"--decode-tokens must be 0 or more, got {decode_tokens}")
+    if not checkpoint_every >= 0:  # a NaN too
+        raise DumpError(f"--checkpoint-every must be 0 (none) or more seconds, got {checkpoint_every}")
     # Everything checkable without the weights fails here, before the model load and before any folder is touched.
     if tokens is not None and tokens < 1:
         raise PromptError("--tokens must be a positive number of tokens")
@@ -383,9 +391,11 @@ def run_dump(model: str = "smollm2", *, source: str = "text", prompt_path: str |
 
         try:
             return _capture(out, settings, state, begin, model, prompt_path, allow_extrapolation, allow_download, device,
-                            progress, t_start, rope_scaling)
+                            progress, t_start, rope_scaling, checkpoint_every)
         except BaseException as err:
-            if began and not state["done"]:  # nothing captured: leave the folder as it was, so a corrected command runs
+            at = state.get(checkpoint.PREFILL_AT)
+            at = at if checkpoint.well_formed(at) else None
+            if began and not state["done"] and at is None:  # nothing captured: leave the folder as it was, so a corrected command runs
                 shutil.rmtree(out / STAGING, ignore_errors=True)
                 if not existed and out.is_dir() and not any(out.iterdir()):
                     out.rmdir()
@@ -394,12 +404,15 @@ def run_dump(model: str = "smollm2", *, source: str = "text", prompt_path: str |
                 raise DumpInterrupted(
                     f"interrupted before the capture began: {out} is as it was" if not began else
                     f"interrupted: {layers_kept} layer file(s) kept in {out}; run the same command again to resume"
-                    if state["done"] else "interrupted before any file was written: nothing was kept") from None
+                    if state["done"] else
+                    f"interrupted: the prefill's first {at['row']} tokens kept in {out / STAGING} (its checkpoint); "
+                    "run the same command again to resume from there" if at is not None else
+                    "interrupted before any file was written: nothing was kept") from None
             raise
 
 
 def _capture(out, settings, state, begin, model_name, prompt_path, allow_extrapolation, allow_download, device, progress,
-             t_start, rope_scaling):
+             t_start, rope_scaling, checkpoint_every):
     import torch
     from tqdm.auto import tqdm
 
@@ -430,6 +443,8 @@ def _capture(out, settings, state, begin, model_name, prompt_path, allow_extrapo
     begin()
     done = state["done"]
     _drop_damaged(out, state)
+    if checkpoint.PREFILL_AT in state and not checkpoint.well_formed(state[checkpoint.PREFILL_AT]):
+        _forget_checkpoint(out, state, "its progress record is damaged")
     missing = [layer for layer in layers if store.layer_file(layer) not in done]
     sink = _staged_sink(staging, state, missing, n_prefill + n_decode, n_heads, n_kv, d, DTYPES[settings["dtype"]])
     if sink is not None:
@@ -438,7 +453,15 @@ def _capture(out, settings, state, begin, model_name, prompt_path, allow_extrapo
     else:
         if state.pop("staged", None) is not None:  # the maps are written anew: a kill in this forward must not find
             atomic_write_json(staging / PROGRESS, state)  # them listed as complete (zeros past its last chunk)
-        sink = StagingSink(staging, missing, n_prefill + n_decode, n_heads, n_kv, d, DTYPES[settings["dtype"]])
+        sink = None
+        if state.get(checkpoint.PREFILL_AT) is not None:  # the maps hold the rows before the checkpoint
+            try:
+                sink = StagingSink(staging, missing, n_prefill + n_decode, n_heads, n_kv, d, DTYPES[settings["dtype"]],
+                                   resume=True)
+            except (OSError, ValueError):
+                _forget_checkpoint(out, state, "its capture's maps are gone or another capture's")
+        if sink is None:
+            sink = StagingSink(staging, missing, n_prefill + n_decode, n_heads, n_kv, d, DTYPES[settings["dtype"]])
         missing_forward = missing
 
     # Logits are needed only to choose decode tokens; once every token is known the forward can stop early.
@@ -450,10 +473,14 @@ def _capture(out, settings, state, begin, model_name, prompt_path, allow_extrapo
 
     cache = DynamicCache(config=model.config)
     t_prefill = t_decode = c_prefill = 0.0 if missing_forward else None  # no forward: no prefill time to report
+    checkpoints, first = None, 0
+    if missing_forward:
+        checkpoints, first, cache = _checkpoints(out, state, lambda: DynamicCache(config=model.config), ids[:n_prefill],
+                                                 checkpoint_every, model.device)
     # Two bars: a decode step costs about as much as a whole prefill chunk, so one bar over all tokens would
     # sit at 99% for the whole of the decode steps.
     quiet = not progress or not missing_forward
-    bar = tqdm(total=n_prefill, unit="tok", desc=f"dump {lm.name} prefill", disable=quiet)
+    bar = tqdm(total=n_prefill, initial=first, unit="tok", desc=f"dump {lm.name} prefill", disable=quiet)
 
     def forward(start: int, end: int):
         sink.row = start
@@ -464,12 +491,16 @@ def _capture(out, settings, state, begin, model_name, prompt_path, allow_extrapo
 
     if missing_forward:
         with torch.inference_mode(), capturing(model, sink, stop_after=stop_after):
-            t0, c0 = time.perf_counter(), time.process_time()
+            at = state.get(checkpoint.PREFILL_AT) or {}  # the seconds of the prefill before its checkpoint count too
+            t0, c0 = time.perf_counter() - at.get("seconds", 0.0), time.process_time() - at.get("cpu_seconds", 0.0)
             logits = None
-            for start in range(0, n_prefill, settings["chunk"]):
+            for start in range(first, n_prefill, settings["chunk"]):
                 end = min(start + settings["chunk"], n_prefill)
                 logits = forward(start, end)
                 bar.update(end - start)
+                if checkpoints is not None and checkpoints.due(end):
+                    checkpoints.save(cache, end, state, lambda: atomic_write_json(staging / PROGRESS, state), sink,
+                                     time.perf_counter() - t0, time.process_time() - c0, ids[:n_prefill])
                 stops.check()  # a Ctrl-C a finalizer swallowed (stops.py): stop between chunks
             t_prefill, c_prefill = time.perf_counter() - t0, time.process_time() - c0
             bar.close()
@@ -486,16 +517,18 @@ def _capture(out, settings, state, begin, model_name, prompt_path, allow_extrapo
         bar.close()
         sink.flush()  # the layers captured: recorded below, a kill while their files are written keeps them
         state["staged"] = {str(layer): sink.scaling[layer] for layer in missing}
+        state.pop(checkpoint.PREFILL_AT, None)  # the staged maps supersede it: its files go once that is recorded
     if store.TOKENS_FILE not in done:
         state["token_ids"] = ids
         done[store.TOKENS_FILE] = store.write_table(out / store.TOKENS_FILE, store.tokens_table(ids, n_prefill))
     atomic_write_json(staging / PROGRESS, state)
+    checkpoint.delete(staging)
 
     t_write = _write_layers(out, missing, sink, state, progress)
 
     manifest = _manifest(settings, lm, prompt, layers, n_prefill, n_decode, n_heads, n_kv, d, state, {
         "load_s": t_loaded - t_start, "prefill_s": t_prefill, "prefill_cpu_s": c_prefill, "decode_s": t_decode, "write_s": t_write,
-        "total_s": time.perf_counter() - t_start})
+        "total_s": time.perf_counter() - t_start} | ({"prefill_resumed_at": first} if first else {}))
     atomic_write_json(out / store.MANIFEST, store.sealed(manifest))
     shutil.rmtree(staging, ignore_errors=True)
     kept = len(layers) - len(missing)
@@ -600,16 +633,51 @@ def _check_layer_types(lm, layers: list[int]) -> None:
                         f"(--layers default: {compact_layers(lm.long_range_layers) or 'none'}) or name others")
 
 
+def _checkpoints(out: Path, state: dict, new_cache, prompt: list[int], every: float, device):
+    """The prefill's checkpoints (None: off, or the model's cache cannot be restored exactly), the row its forward
+    starts at (the checkpoint's, or 0) and the cache it starts with (``new_cache()``, the checkpoint's restored)."""
+    from tqdm.auto import tqdm
+
+    at, cache = state.get(checkpoint.PREFILL_AT), new_cache()
+    if (why := checkpoint.unsupported(cache)) is not None:
+        if at is not None:
+            _forget_checkpoint(out, state, why)
+        if every > 0 and len(prompt) > 1:
+            tqdm.write(f"{out}: no prefill checkpoints ({why}): an interrupted prefill starts again")
+        return None, 0, cache
+    checkpoints = checkpoint.PrefillCheckpoints(out / STAGING, len(prompt), every)
+    if at is None:
+        return checkpoints, 0, cache
+    try:
+        checkpoints.restore(cache, at, prompt, device)
+    except (OSError, ValueError, KeyError, TypeError) as err:  # a checkpoint only saves time: start again without it
+        _forget_checkpoint(out, state, str(err) or type(err).__name__)
+        return checkpoint.PrefillCheckpoints(out / STAGING, len(prompt), every), 0, new_cache()
+    tqdm.write(f"{out}: resuming the prefill at token {at['row']} of {len(prompt)} from its checkpoint")
+    return checkpoints, at["row"], cache
+
+
+def _forget_checkpoint(out: Path, state: dict, why: str) -> None:
+    """Drop an unusable prefill checkpoint (said, recorded, its files deleted): the prefill starts again."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(f"{out}: the prefill's checkpoint cannot be used ({why}): the prefill starts again")
+    state.pop(checkpoint.PREFILL_AT, None)
+    atomic_write_json(out / STAGING / PROGRESS, state)
+    checkpoint.delete(out / STAGING)
+
+
 def _check_provenance(out: Path, state: dict, now: dict[str, str]) -> None:
     """Refuse to resume an unfinished dump with other weights (the same path or model name holding another checkpoint)
     or on another kind of device than its finished layers came from: the dump would mix two models' or two numerics'
     Q/K/V without a trace. A first run, or a resume of a dump begun before these were recorded, records them."""
     before = state.get("provenance", {})
-    if state["done"] and before.get("weights") not in (None, now["weights"]):
+    resumes = state["done"] or state.get(checkpoint.PREFILL_AT) is not None
+    if resumes and before.get("weights") not in (None, now["weights"]):
         raise DumpError(f"{out} holds an unfinished dump captured from other weights than those of this model now "
                         f"(weights fingerprint {before['weights']} there vs {now['weights']} now): the files at its "
                         "path changed; restore them, or pass --overwrite to start the dump again")
-    if state["done"] and before.get("device") not in (None, now["device"]):
+    if resumes and before.get("device") not in (None, now["device"]):
         raise DumpError(f"{out} holds an unfinished dump captured on {before['device']}; resume it with --device "
                         f"{before['device']} (finishing it on {now['device']} would mix two devices' numerics), "
                         "or pass --overwrite to start again")
