@@ -67,7 +67,7 @@ def make_tiny_model(folder: Path, arch: str, seed: int = 0) -> Path:
 
         cfg = MistralConfig(**common, sliding_window=8)
     else:
-        cfg = Gemma3TextConfig(**common, query_pre_attn_scalar=16, sliding_window=8,
+        cfg = Gemma3TextConfig(**common, query_pre_attn_scalar=64, sliding_window=8,  # a scale of 1/8, not 1/sqrt(16)
                                layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
     model = AutoModelForCausalLM.from_config(cfg)
     folder.mkdir(parents=True, exist_ok=True)

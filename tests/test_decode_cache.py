@@ -147,12 +147,12 @@ def test_device_holds_the_window_only_and_decoding_stays_exact(prefilled):
 
 
 def test_window_mode_drops_what_leaves_and_reports_device_bytes(prefilled):
-    from test_decode_exact import _masked_window_reference
+    from test_decode_exact import _masked_reference, _window_keys
 
     lm, pre, full = prefilled
     run = run_mode(lm, pre, Mode("window"), SETTINGS, STEPS, keep_logits=True, keep_cache=True)
     # The ring keeps exactly the window, step after step (a token kept too long or evicted too soon would show).
-    for step, (a, b) in enumerate(zip(run.logits, _masked_window_reference(lm, pre, SETTINGS, STEPS))):
+    for step, (a, b) in enumerate(zip(run.logits, _masked_reference(lm, pre, STEPS, _window_keys(SETTINGS)))):
         assert _rel(a, b.to("cpu")) < 1e-4, step
     window = SETTINGS.window.size
     for i in lm.long_range_layers:

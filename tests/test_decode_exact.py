@@ -318,11 +318,46 @@ def test_small_topk_differs_but_runs(prefilled):
     assert len(run.logits) == STEPS and max(_rel(a, b) for a, b in zip(run.logits, full.logits)) > 1e-4
 
 
-# -- window mode against an independent computation ------------------------------------------------
+# -- window and top-k modes against an independent computation ---------------------------------------
 
 
-def _masked_window_reference(lm, pre, settings, steps):
-    """Window-only decoding computed independently: sdpa with a boolean mask over the window positions."""
+def _window_keys(settings):
+    """The keys window mode attends, as a mask over a step's n keys (every head the same)."""
+    def keep(q, k):
+        n = k.shape[1]
+        allowed = torch.zeros(q.shape[0], n, dtype=torch.bool)
+        allowed[:, : settings.window.sink] = True
+        allowed[:, max(0, n - settings.window.recent):] = True
+        return allowed
+
+    return keep
+
+
+def _topk_keys(settings, n_prompt):
+    """The keys an exact index mode attends at a step of n keys, from their definition: the window, and of the keys
+    outside it the side-buffer whole (tokens that left the window since the prefill, fewer than ``add_batch`` past
+    the last insertion) and each query head's ``topk`` largest q·k among the rest (the indexed ones)."""
+    sink, recent = settings.window.sink, settings.window.recent
+    window = _window_keys(settings)
+
+    def keep(q, k):
+        n, group = k.shape[1], q.shape[0] // k.shape[0]
+        allowed = window(q, k)
+        n0 = n_prompt - settings.window.size  # indexed after the prefill
+        left = n - recent - sink - n0  # keys that have left the window since
+        indexed = n0 + settings.add_batch * (left // settings.add_batch)
+        allowed[:, sink + indexed: n - recent] = True
+        for h in range(q.shape[0]):
+            scores = k[h // group, sink: sink + indexed].double() @ q[h].double()
+            allowed[h, sink + torch.topk(scores, min(settings.topk, indexed)).indices] = True
+        return allowed
+
+    return keep
+
+
+def _masked_reference(lm, pre, steps, keep):
+    """Decoding computed independently: sdpa over the keys ``keep(q (H, d), k (G, n, d))`` allows each query head
+    at each decode step of a long-range layer (the model's own attention elsewhere)."""
     import copy
 
     from transformers import AttentionInterface
@@ -336,14 +371,11 @@ def _masked_window_reference(lm, pre, settings, steps):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         if module.layer_idx in long_range and query.shape[2] == 1:
-            n = key.shape[2]
-            allowed = torch.zeros(n, dtype=torch.bool, device=key.device)
-            allowed[: settings.window.sink] = True
-            allowed[max(0, n - settings.window.recent):] = True
+            allowed = keep(query[0, :, 0].cpu(), key[0].cpu()).to(key.device)
             rep = query.shape[1] // key.shape[1]
             k = key.repeat_interleave(rep, dim=1)
             v = value.repeat_interleave(rep, dim=1)
-            out = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=allowed[None, None, None, :],
+            out = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=allowed[None, :, None, :],
                                                                    scale=kwargs.get("scaling") or module.scaling)
             return out.transpose(1, 2).contiguous(), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -368,10 +400,24 @@ def _masked_window_reference(lm, pre, settings, steps):
 def test_window_mode_equals_independent_window_attention(prefilled):
     lm, pre, full = prefilled
     run = run_mode(lm, pre, Mode("window"), SETTINGS, STEPS, keep_logits=True)
-    ref = _masked_window_reference(lm, pre, SETTINGS, STEPS)
+    ref = _masked_reference(lm, pre, STEPS, _window_keys(SETTINGS))
     for a, b in zip(run.logits, ref):
         assert _rel(a, b) < 1e-4
     assert max(_rel(a, b) for a, b in zip(run.logits, full.logits)) > 1e-3  # the window alone is not full attention
+
+
+@pytest.mark.parametrize("window, topk, add_batch", [((4, 8), 5, 4), ((0, 1), 1, 1), ((1, 16), 7, 3)])
+def test_a_topk_short_of_the_keys_equals_attention_over_the_window_buffer_and_exact_top_keys(prefilled, window, topk,
+                                                                                             add_batch):
+    """Exactness with a top-k covering every key cannot tell k from k - 1, or a window one key short: checked against
+    the keys the mode attends by definition, a k far below the keys outside the window (a review's finding)."""
+    lm, pre, full = prefilled
+    settings = dataclasses.replace(SETTINGS, window=Window(*window), topk=topk, add_batch=add_batch)
+    run = run_mode(lm, pre, Mode("flat", IndexPlan("flat")), settings, STEPS, keep_logits=True)
+    ref = _masked_reference(lm, pre, STEPS, _topk_keys(settings, len(pre.ids)))
+    for a, b in zip(run.logits, ref):
+        assert _rel(a, b) < 1e-4
+    assert max(_rel(a, b) for a, b in zip(run.logits, full.logits)) > 1e-3  # not full attention
 
 
 def test_train_query_subsample_is_even_and_keeps_the_last():

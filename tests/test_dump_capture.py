@@ -28,7 +28,7 @@ def model_attention_outputs(model_name: str, ids: list[int], layers: list[int]) 
 
 
 def attention_from_dump(dump, layer: int, window: int | None) -> np.ndarray:
-    """Causal softmax(q·kᵀ/√d)·v of every position and query head, from the dump alone, in float64."""
+    """Causal softmax(q·kᵀ·scaling)·v of every position and query head, from the dump alone, in float64."""
     n, d = len(dump.positions()), dump.head_dim
     out = np.zeros((n, dump.n_heads * d))
     i = np.arange(n)[:, None]
@@ -39,7 +39,7 @@ def attention_from_dump(dump, layer: int, window: int | None) -> np.ndarray:
         g = dump.kv_head_of(h)
         k = dump.keys(layer, g).astype(np.float64)
         v = dump.values(layer, g).astype(np.float64)
-        s = np.where(allowed, q @ k.T / np.sqrt(d), -np.inf)
+        s = np.where(allowed, q @ k.T * dump.scaling(layer), -np.inf)
         p = np.exp(s - s.max(axis=1, keepdims=True))
         out[:, h * d:(h + 1) * d] = (p / p.sum(axis=1, keepdims=True)) @ v
     return out
@@ -51,8 +51,9 @@ def check_against_model(model: str, tmp_path, layers: list[int], tokens: int, ch
     dump = result.dump
     assert dump.layers == layers
     assert len(dump.positions("prefill")) == tokens and len(dump.positions("decode")) == decode
+    cfg = load_model(model).config  # the model's own scale: Gemma's query_pre_attn_scalar (the tiny one's is not d)
     for layer in layers:
-        assert dump.scaling(layer) == pytest.approx(dump.head_dim ** -0.5)
+        assert dump.scaling(layer) == pytest.approx(getattr(cfg, "query_pre_attn_scalar", dump.head_dim) ** -0.5)
     ref = model_attention_outputs(model, dump.tokens().tolist(), layers)
     for layer in layers:
         window = dump.manifest["sliding_window"][str(layer)]
