@@ -90,7 +90,6 @@ class PrefillCheckpoints:
     def __init__(self, folder: Path, n_prefill: int, every: float):
         self.folder, self.n_prefill, self.every = folder, n_prefill, every
         self.last = time.perf_counter()
-        self.maps: dict[int, dict[str, np.ndarray]] = {}  # full-attention layers: their growing maps
         self.saved_row = 0
 
     def due(self, row: int) -> bool:
@@ -112,15 +111,14 @@ class PrefillCheckpoints:
                 if _sliding(layer):
                     np.save(self.folder / f"cache_{i:03d}.{name}.r{row}.npy", a, allow_pickle=False)
                     continue
-                if i not in self.maps or name not in self.maps[i]:
-                    self.maps.setdefault(i, {})[name] = open_memmap(
-                        self.folder / f"cache_{i:03d}.{name}.npy", mode="r+" if self.saved_row else "w+",
-                        dtype=a.dtype, shape=None if self.saved_row else (a.shape[0], self.n_prefill, a.shape[2]))
-                self.maps[i][name][:, self.saved_row:row] = a[:, self.saved_row:row]
-            layers[str(i)] = {"sliding": _sliding(layer), "length": layer.get_seq_length()}
-        for maps in self.maps.values():
-            for m in maps.values():
+                # opened for each save, not held: a map held open counts its written pages in the process's memory
+                path = self.folder / f"cache_{i:03d}.{name}.npy"
+                m = reopen_map(path) if self.saved_row else open_memmap(
+                    path, mode="w+", dtype=a.dtype, shape=(a.shape[0], self.n_prefill, a.shape[2]))
+                m[:, self.saved_row:row] = a[:, self.saved_row:row]
                 m.flush()
+                del m
+            layers[str(i)] = {"sliding": _sliding(layer), "length": layer.get_seq_length()}
         sink.flush()
         before = state.get(PREFILL_AT)
         state[PREFILL_AT] = {"row": row, "seconds": seconds, "cpu_seconds": cpu_seconds, "ids": ids_digest(ids),
@@ -134,6 +132,8 @@ class PrefillCheckpoints:
     def restore(self, cache, at: dict, ids, device) -> None:
         """Fill ``cache`` (new, empty) with the checkpoint ``at`` (the progress record's); ValueError where the files
         are not that checkpoint's (gone, cut short, another prompt's)."""
+        from numpy.lib.format import open_memmap
+
         row = at["row"]
         if at["ids"] != ids_digest(ids) or not 0 < row < self.n_prefill:
             raise ValueError("the checkpoint is another prompt's")
@@ -146,11 +146,11 @@ class PrefillCheckpoints:
                 if rec["sliding"]:
                     a = np.load(self.folder / f"cache_{i:03d}.{name}.r{row}.npy", allow_pickle=False)
                 else:
-                    m = reopen_map(self.folder / f"cache_{i:03d}.{name}.npy")
+                    m = open_memmap(self.folder / f"cache_{i:03d}.{name}.npy", mode="r")  # raises on a file cut short
                     if m.shape[1] != self.n_prefill or m.dtype != np.dtype(_BITS.get(at["dtype"], at["dtype"])):
                         raise ValueError(f"layer {i}'s map is another capture's")
-                    self.maps.setdefault(i, {})[name] = m
-                    a = m[:, :row]
+                    a = np.array(m[:, :row])
+                    del m
                 parts.append(_from_numpy(a, at["dtype"], device))
             layer.update(*parts)
             if rec["sliding"]:  # it held the last rows only: its count of the rows it has seen is the checkpoint's
