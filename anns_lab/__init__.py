@@ -4,12 +4,13 @@ Floors, bottom to top; a module imports only from its own floor and those below 
 (``tests/test_layering.py`` checks every import):
 
 0. ``errors``, ``version``, ``io`` (atomic writes), ``window``, ``cli_types``, ``processes`` (workers that end with
-   their parent);
+   their parent), ``stops`` (Ctrl-C and SIGTERM recorded);
 1. ``dumps``: models and prompts (used by the decoder too), capture and the Parquet format;
-2. ``indexes``: the protocol, the registry and the zoo;
+2. ``indexes``: the protocol, the registry and the zoo, and ``testing`` (the conformance kit, which
+   ``anns-lab indexes --check`` runs);
 3. ``eval``: head data, metrics, the sweep, its results table (``eval.table``) and the report;
 4. ``decode``: the RetrievalAttention decoder;
-5. this package root, ``cli`` and ``testing`` (the conformance kit).
+5. this package root and ``cli``.
 """
 
 from anns_lab.errors import AnnsLabError

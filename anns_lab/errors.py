@@ -38,10 +38,22 @@ class FolderBusy(AnnsLabError):
     """Another process is writing into the folder a dump or sweep would write into (``io.sole_writer``)."""
 
 
-def error_text(err: BaseException) -> str:
+class ErrorText(str):
+    """:func:`error_text`'s line, with ``trace``: the error's traceback, which a failed sweep part's record keeps (a
+    plugin's IndexError deep in its build said nothing of where). Pickles with it, to and from worker processes."""
+
+    trace: str = ""
+
+
+def error_text(err: BaseException) -> ErrorText:
     """One line for an index's (often a plugin's) error: an anns-lab error as it is (it names the index), another with
     its type; SystemExit gets a word, since its message alone is only a code."""
+    import traceback
+
     if isinstance(err, SystemExit):
-        return f"SystemExit({err.code!r}): the index tried to end the process"
-    text = str(err)
-    return text if isinstance(err, AnnsLabError) else f"{type(err).__name__}: {text}"
+        text = f"SystemExit({err.code!r}): the index tried to end the process"
+    else:
+        text = str(err) if isinstance(err, AnnsLabError) else f"{type(err).__name__}: {err}"
+    line = ErrorText(text)
+    line.trace = "".join(traceback.format_exception(err))
+    return line

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from anns_lab.errors import IndexConfigError
+from anns_lab.indexes import protocol
 from anns_lab.indexes.base import MAX_ABS, Index, SearchResult, concat_results
 from anns_lab.indexes.estimate import estimate_problem, estimate_terms
 from anns_lab.indexes.protocol import result_problem
@@ -216,32 +217,9 @@ def _expect_error(what: str, fn, *args, **kwargs) -> None:
 
 
 def check_declarations(cls: type[Index]) -> None:
-    """Assert the class's parameter declarations and grid are consistent."""
-    for name, p in {**cls.build_params, **cls.search_params}.items():
-        p.check(cls.__name__, name, p.default)
-    assert not cls.reads_positions or cls.own_positions, \
-        "reads_positions needs own_positions: the positions are the prefill's, where the queries were never moved"
-    assert cls.calibrated_by is None or cls.calibrated_by in cls.search_grid, \
-        f"calibrated_by names {cls.calibrated_by!r}, which is not a search_grid parameter"
-    for name, values in cls.search_grid.items():
-        assert name in cls.search_params, f"search_grid names {name!r}, which is not a declared search parameter"
-        assert len(values) > 0, f"search_grid[{name!r}] is empty"
-        for v in values:
-            cls.search_params[name].check(cls.__name__, name, v)
-    # decode --from-sweep puts these into a plan: a wrong one would fail only at the decode's first search
-    for name, v in cls.search_params_before.items():
-        assert name in cls.search_params, f"search_params_before names {name!r}, which is not a declared search parameter"
-        cls.search_params[name].check(cls.__name__, name, v)
-    for name, build in cls.search_params_since.items():
-        assert name in cls.search_params_before, f"search_params_since names {name!r}, which is not in search_params_before"
-        assert build in cls.build_params, f"search_params_since[{name!r}] = {build!r} is not a declared build parameter"
-    for name, v in cls.build_params_before.items():
-        assert name in cls.build_params, f"build_params_before names {name!r}, which is not a declared build parameter"
-        cls.build_params[name].check(cls.__name__, name, v)
-    for name, stamp in cls.auto_rules.items():
-        assert name in cls.build_params, f"auto_rules names {name!r}, which is not a declared build parameter"
-        cls.build_params[name].check(cls.__name__, name, 0)  # 0 is the value that asks for the rule
-        assert isinstance(stamp, str) and stamp, f"auto_rules[{name!r}] must be a non-empty stamp, got {stamp!r}"
+    """Assert the class's parameter declarations and grid are consistent (:func:`protocol.declaration_problem`)."""
+    problem = protocol.declaration_problem(cls)
+    assert problem is None, problem
 
 
 def check_errors(cls: type[Index], index: Index, keys: np.ndarray, queries: np.ndarray, build_params: dict) -> None:

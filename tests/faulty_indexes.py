@@ -34,6 +34,8 @@ class FaultyIndex(Index):
     }
 
     def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
+        if os.environ.get("ANNS_LAB_TEST_FAULTY_BROKEN"):  # as an author's edit that broke it: the same parameters
+            raise RuntimeError("an edit broke the build")
         if self.params["pid_dir"]:
             (Path(self.params["pid_dir"]) / f"{os.getpid()}-{time.time_ns()}").write_text("")  # one file per build
         time.sleep(self.params["sleep_s"])

@@ -52,6 +52,8 @@ def test_a_mode_whose_index_breaks_fails_alone_and_the_others_results_stand(tiny
     faulty = data["modes"]["faulty"]
     assert faulty["summary"] == {"failed_samples": 2}
     assert [words in r["error"] and "answer" not in r and "score" not in r for r in faulty["samples"]] == [True, True]
+    # where the plugin raised it, for its author: the traceback down to its own line
+    assert all("faulty_indexes.py" in r["traceback"] and words in r["traceback"] for r in faulty["samples"])
     for name in ("full", "flat"):  # measured as in a run without it
         s = data["modes"][name]["summary"]
         assert "failed_samples" not in s and s["accuracy"] >= 0 and s["ttft_s"] > 0 and len(data["modes"][name]["samples"]) == 2
@@ -1222,3 +1224,13 @@ def test_a_ctrl_c_lost_in_a_finalizer_still_stops_the_decode(tiny_llama, tmp_pat
         else:
             assert "interrupted before the first sample finished" in res.output and not out.exists()
             assert calls[-1] == (64 if at == "prefill" else 1) and len(calls) <= 5, (at, calls)
+
+
+def test_the_builds_after_the_prefill_show_a_bar_over_the_layers(tiny_llama):
+    """After the prefill the builds of a long context ran a minute with no sign of life (a plugin author's review): a
+    bar counts the layers' builds, to every one of them."""
+    res = _run("--model", tiny_llama, "--mode", "roargraph", "--task", "passkey", "--context", 300, "--samples", 1,
+               "--window", "4,16", "--max-new-tokens", 2, "--chunk", 64)
+    assert res.exit_code == 0, res.output
+    assert "index builds: started during the prefill's last chunk; finishing ..." in res.output
+    assert re.search(r"index builds: 100%.*4/4", res.output), res.output

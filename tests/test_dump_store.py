@@ -638,3 +638,43 @@ def test_a_damaged_prefill_checkpoint_is_said_and_the_prefill_runs_again(tiny_ge
         assert "the prefill's checkpoint cannot be used" in "".join(capsys.readouterr())
         np.testing.assert_array_equal(d.keys(1, 0), reference.keys(1, 0))
         np.testing.assert_array_equal(d.queries(1, 1, "all"), reference.queries(1, 1, "all"))
+
+
+def test_a_progress_record_naming_a_file_outside_the_dump_is_refused_and_the_file_kept(tiny_llama, tmp_path,
+                                                                                      monkeypatch):
+    """A resume deletes each file its progress record lists whose checksum no longer matches: a record naming
+    "../victim.parquet" (or an absolute path) deleted that file, outside the dump (a hostile-input audit)."""
+    _interrupt_after_two_layers(tiny_llama, tmp_path / "d", monkeypatch)
+    victim = tmp_path / "victim.parquet"
+    victim.write_text("precious")
+    progress = tmp_path / "d" / run_mod.STAGING / run_mod.PROGRESS
+    for name in ("../victim.parquet", str(victim)):
+        state = json.loads(progress.read_text())
+        state["done"][name] = {"rows": 1, "bytes": 1, "sha256": "0"}
+        atomic_write_json(progress, state)
+        with pytest.raises(DumpError, match="progress.json is corrupt; pass --overwrite"):
+            small_dump(tiny_llama, tmp_path / "d")
+        assert victim.read_text() == "precious"
+        del state["done"][name]
+        atomic_write_json(progress, state)
+
+
+def test_a_staged_map_changed_since_the_capture_is_captured_again_not_sealed(tiny_llama, tmp_path, monkeypatch,
+                                                                             capsys):
+    """A dump stopped while writing its layer files writes the rest from the staged maps: a map changed since (a NaN,
+    one edited value) was written into the sealed dump under a fresh checksum (a hostile-input audit). Each map's
+    sha256 is recorded when the capture stages it; a map that differs is captured again."""
+    from numpy.lib.format import open_memmap
+
+    reference = small_dump(tiny_llama, tmp_path / "ref").dump
+    _interrupt_after_two_layers(tiny_llama, tmp_path / "d", monkeypatch)
+    m = open_memmap(tmp_path / "d" / run_mod.STAGING / "layer_003.k.npy", mode="r+")
+    m[0, 5, 0] = 12345.0
+    m.flush()
+    del m
+    capsys.readouterr()
+    forwards = _count_forwards(monkeypatch)
+    d = small_dump(tiny_llama, tmp_path / "d").dump
+    assert "layer_003.k.npy changed since the capture staged it: capturing again" in "".join(capsys.readouterr())
+    assert forwards, "the model did not run again"
+    np.testing.assert_array_equal(d.keys(3, 0), reference.keys(3, 0))

@@ -874,3 +874,42 @@ def test_ray_cpus_per_task_must_be_a_positive_number_before_any_cluster_is_touch
         RayExecutor(None, 1, cpus)
     with pytest.raises(AnnsLabError, match="--cpus-per-task must be a positive number"):
         RaySamples(None, "smollm2", cpus)
+
+
+@pytest.mark.parametrize("executor", ["local", "ray"])
+def test_a_failed_parts_record_keeps_where_the_index_raised(tiny_dump, tmp_path, executor, request):
+    """A plugin's error was one line ("RuntimeError: ...") in its failed part's record and on the command line: an
+    author could not tell where in their code it came from. The record keeps the traceback, from a worker process or a
+    Ray task alike."""
+    where = {"address": request.getfixturevalue("ray_cluster")} if executor == "ray" else {}
+    res = sweep(tiny_dump, tmp_path / "res", indexes=["faulty"], layers=[3], heads=[0], executor=executor,
+                build_params={"faulty": {"build_fault": "raise"}}, max_attempts=1, **where)
+    assert [(name, head) for name, _, head, _ in res.failures] == [("faulty", 0)]
+    rec = json.loads(next((tmp_path / "res" / "parts").glob("failed-*.json")).read_text())
+    assert rec["error"].startswith("RuntimeError") and "\n" not in rec["error"]
+    assert "faulty_indexes.py" in rec["traceback"] and "in _build" in rec["traceback"], rec["traceback"]
+
+
+def test_a_part_evaluated_again_is_kept_aside_until_its_new_one_is_written(tiny_dump, tmp_path, monkeypatch):
+    """A resume deleted a part it evaluated again (its index's code changed) before the new one existed: an edit that
+    broke the plugin then cost the finished parts (a hostile-input audit). The old part waits in parts/stale/, out of
+    the table, until its new one is written."""
+    from anns_lab.indexes import registry
+
+    out, lines = tmp_path / "res", []
+    sweep(tiny_dump, out, indexes=["faulty", "flat"], layers=[3], heads=[0])
+    part = out / "parts" / "L003_H00_faulty.parquet"
+    first = part.read_bytes()
+    real = registry.code_stamp
+    monkeypatch.setattr(registry, "code_stamp", lambda name: real(name) | (
+        {"source_sha256": "edited"} if name == "faulty" else {}))
+    monkeypatch.setenv("ANNS_LAB_TEST_FAULTY_BROKEN", "1")
+    res = sweep(tiny_dump, out, indexes=["faulty", "flat"], layers=[3], heads=[0], log=lines.append, max_attempts=1)
+    assert [name for name, *_ in res.failures] == ["faulty"] and not part.exists()
+    assert (out / "parts" / "stale" / part.name).read_bytes() == first
+    assert set(res.table["index"]) == {"flat"}
+    assert any("1 earlier part(s) whose new evaluation failed wait in" in line for line in lines), lines
+    monkeypatch.delenv("ANNS_LAB_TEST_FAULTY_BROKEN")
+    res = sweep(tiny_dump, out, indexes=["faulty", "flat"], layers=[3], heads=[0], retry_failed=True)
+    assert not res.failures and part.exists() and not (out / "parts" / "stale" / part.name).exists()
+    assert set(res.table["index"]) == {"faulty", "flat"}

@@ -543,6 +543,39 @@ def test_a_ctrl_c_lost_in_a_finalizer_still_stops_the_sweep(dump, tmp_path, monk
     assert len(list((tmp_path / "r" / "parts").glob("*.parquet"))) == 1
 
 
+def test_a_part_of_an_index_whose_code_changed_since_is_evaluated_again(dump, tmp_path, monkeypatch):
+    """A plugin author who edits their index and runs the same sweep again got the old rows back, silently (a new-user
+    review): each part records its index's code (distribution, version, a hash of its class's source files) and is
+    evaluated again where that changed. A part written before parts recorded it is kept."""
+    import pyarrow.parquet as pq
+
+    from anns_lab.indexes import registry
+
+    kw = dict(k=10, window=(0, 0), jobs=1, progress=False)
+    out, lines = tmp_path / "r", []
+    run_sweep(dump.path, ["flat", "ivf"], [1], [0], out=out, **kw)
+    flat, ivf = out / "parts" / "L001_H00_flat.parquet", out / "parts" / "L001_H00_ivf.parquet"
+    recorded = json.loads(pq.read_schema(flat).metadata[sweep_mod.PART_CODE])
+    assert recorded == registry.code_stamp("flat") and recorded["distribution"] == "anns-lab"
+    written = {f: f.stat().st_mtime_ns for f in (flat, ivf)}
+    real = registry.code_stamp
+    monkeypatch.setattr(registry, "code_stamp", lambda name: real(name) | (
+        {"source_sha256": "0" * 16} if name == "flat" else {}))
+    run_sweep(dump.path, ["flat", "ivf"], [1], [0], out=out, log=lines.append, **kw)
+    assert any("L001_H00_flat.parquet is not a results part this sweep can keep (flat's source changed since it was "
+               "written)" in line for line in lines), lines
+    assert flat.stat().st_mtime_ns != written[flat] and ivf.stat().st_mtime_ns == written[ivf]
+    monkeypatch.setattr(registry, "code_stamp", lambda name: real(name) | {"version": "9.9"})
+    run_sweep(dump.path, ["ivf"], [1], [0], out=out, log=lines.append, **kw)
+    assert any("written by ivf of anns-lab 0.1.0, now anns-lab 9.9" in line for line in lines), lines
+    table = pq.read_table(ivf)  # as parts were written before they recorded it: kept
+    meta = {k: v for k, v in table.schema.metadata.items() if k != sweep_mod.PART_CODE}
+    pq.write_table(table.replace_schema_metadata(meta), ivf)
+    before, lines = ivf.stat().st_mtime_ns, []
+    run_sweep(dump.path, ["ivf"], [1], [0], out=out, log=lines.append, **kw)
+    assert ivf.stat().st_mtime_ns == before and not any("evaluating" in line for line in lines), lines
+
+
 def _strip_settings(path, recorded: bytes | None = None) -> None:
     """Rewrite a part as parts were written before they recorded their sweep's settings (or with ``recorded`` as
     the settings it recorded)."""
@@ -621,7 +654,7 @@ def test_a_folders_parts_make_one_table_of_one_dump_however_its_path_was_spelled
     own = sweep_mod._part_settings(json.loads((out / "sweep.json").read_text()), dump)
     odd = out / "parts" / "L001_H02_roar-2025061001.parquet"
     rows = pd.read_parquet(out / "parts" / "L001_H01_flat.parquet").assign(head=2, index="roar-2025061001")
-    store.write_table(odd, sweep_mod._with_settings(pa.Table.from_pandas(rows, preserve_index=False), own))
+    store.write_table(odd, sweep_mod._with_settings(pa.Table.from_pandas(rows, preserve_index=False), own, {}))
     part, why = sweep_mod._read_part(odd, own)
     assert why is None and set(part["index"]) == {"roar-2025061001"}
 
@@ -1385,11 +1418,19 @@ def _edit_table(folder, edit) -> None:
     (lambda t: t.assign(auto_rules="notjson"), "auto_rules 'notjson' is not a JSON object"),  # decode: JSONDecodeError
     (lambda t: t.assign(auto_rules='{"M": [1]}'), "does not name each rule with text"),  # decode: unhashable list
     (lambda t: t.assign(build_params="[" * 100_000 + "]" * 100_000), "build_params '[[[[["),  # RecursionError before
+    # a hostile-input audit (session 55): printed as measured, or a traceback in the bytes figure
+    (lambda t: t.assign(output_rel_error=np.inf), "output_rel_error inf of"),
+    (lambda t: t.assign(latency_us=-5.0), "latency_us -5.0 of"),
+    (lambda t: t.assign(mass_recovered=-0.5), "mass_recovered -0.5 of"),
+    (lambda t: t.assign(build_s=np.nan), "build_s nan of"),
+    (lambda t: t.assign(qps=-1.0), "qps -1.0 of"),
+    (lambda t: t.assign(index_bytes="12"), "column index_bytes holds"),
 ], ids=["recall-text", "k-nan", "n_keys-nan", "layer-fraction", "build-params-not-json", "search-params-not-json",
      "direction-unknown", "index-none",
         "rows-twice", "rows-twice-spelled-otherwise", "k-mixed", "k-not-the-settings", "keys-of-another-window", "k-zero", "n_keys-zero", "k-over-keys",
         "index-html", "index-pipe", "dump-none", "model-number", "auto-rules-not-json", "auto-rules-list",
-        "build-params-deep"])
+        "build-params-deep", "error-inf", "latency-negative", "mass-negative", "build-nan", "qps-negative",
+        "index-bytes-text"])
 def test_report_refuses_a_hand_edited_or_merged_table_in_one_line(dump, tmp_path, edit, words):
     """Before: a raw traceback, or a report built silently from rows of several k or counted twice."""
     _sweep(dump, tmp_path / "r")
@@ -1766,3 +1807,86 @@ def test_a_layer_file_of_other_column_types_is_one_error_before_any_part(dump, t
     one_line_error(["sweep", "--dump", other.path, "--indexes", "flat", "--layers", 1, "--heads", 0, "--k", 10,
                     "--window", "0,0", "--out", tmp_path / "s"], words)
     assert not (tmp_path / "s").exists()
+
+
+def test_an_index_class_whose_declarations_disagree_is_one_error_before_any_work(dump, tmp_path, monkeypatch):
+    """A search_grid naming a parameter the class does not declare failed each head's part alone, saying "unknown
+    parameter 'nprobe' (known: ...)" as if the command were wrong (a plugin author's review): the sweep and the decoder
+    now say what in the class is inconsistent, before any work; a default sweep leaves such an index out."""
+    from anns_lab.decode.modes import parse_modes
+    from anns_lab.errors import DecodeError
+
+    class GridTypo(FlatIndex):
+        search_grid = {"nprobe": (1, 2)}
+
+    real = registry.get
+    monkeypatch.setattr(registry, "get", lambda name: GridTypo if name == "gridtypo" else real(name))
+    with pytest.raises(AnnsLabError, match="index gridtypo's class is inconsistent: search_grid names 'nprobe', which "
+                                           "is not a declared search parameter"):
+        run_sweep(dump.path, ["flat", "gridtypo"], [1], [0], k=10, window=(0, 0), out=tmp_path / "r", jobs=1,
+                  progress=False)
+    assert not (tmp_path / "r" / "parts").exists() or not list((tmp_path / "r" / "parts").iterdir())
+    with pytest.raises(DecodeError, match="index gridtypo's class is inconsistent: search_grid names 'nprobe'"):
+        parse_modes("full,gridtypo", {}, {})
+    lines = []
+    made = {"flat": FlatIndex(), "gridtypo": GridTypo()}
+    assert sweep_mod._fitting(made, 100, 16, {}, chosen=False, log=lines.append) == ["flat"]
+    assert lines == ["gridtypo left out: index gridtypo's class is inconsistent: search_grid names 'nprobe', which is "
+                     "not a declared search parameter"]
+
+
+def test_a_mode_that_fails_to_load_is_named_so_and_an_unknown_one_hints_at_pythonpath(tmp_path, monkeypatch):
+    """decode called a registered plugin that fails to import an "unknown mode"; an unknown name with no close one
+    now says where a --target install is seen from (a plugin author's review)."""
+    from anns_lab.decode.modes import parse_modes
+    from anns_lab.errors import DecodeError
+
+    info = tmp_path / "anns_lab_gone-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: anns-lab-gone\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[anns_lab.indexes]\ngone = anns_lab_gone_nowhere:Gone\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(DecodeError) as err:
+        parse_modes("full,gone", {}, {})
+    assert str(err.value).startswith("mode 'gone': index 'gone' (anns_lab_gone_nowhere:Gone) failed to load: "
+                                     "ModuleNotFoundError"), err.value
+    with pytest.raises(DecodeError, match="unknown mode 'qqqq'.*a plugin installed with pip --target DIR is seen "
+                                          "with DIR on PYTHONPATH"):
+        parse_modes("qqqq", {}, {})
+
+
+def test_a_damaged_dump_file_is_one_error_before_the_sweep_spends_an_attempt(dump, tmp_path):
+    """A layer file damaged since the dump failed each of its parts alone, each failure an attempt spent (after a
+    repair the parts waited for --retry-failed), and wrote a table of nothing (a hostile-input audit): the sweep checks
+    the swept layers' files first."""
+    folder = tmp_path / "d"
+    shutil.copytree(dump.path, folder)
+    f = folder / store.layer_file(1)
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    out = tmp_path / "s"
+    one_line_error(["sweep", "--dump", folder, "--indexes", "flat", "--layers", 1, "--heads", 0, "--k", 10, "--window",
+                    "0,0", "--out", out], "fails its sha256 checksum")
+    assert not (out / "parts").exists() or not list((out / "parts").iterdir())
+
+
+def test_a_flipped_byte_in_a_results_table_is_refused_not_read_as_a_number(dump, tmp_path):
+    """A results table carries no manifest checksum: a byte flipped in a value read as another number, report exit 0
+    (a hostile-input audit). Its pages carry CRCs: the report refuses it, a resume evaluates such a part again."""
+    _sweep(dump, tmp_path / "r")
+    results = tmp_path / "r" / "results.parquet"
+    data = bytearray(results.read_bytes())
+    start = data.index(b"PAR1") + 4  # the first page's header, then its values: flip one in the values
+    data[start + 64] ^= 0x01
+    results.write_bytes(bytes(data))
+    one_line_error(["report", tmp_path / "r"], "is not an anns-lab results table", "CRC")
+    part = tmp_path / "r" / "parts" / "L001_H00_flat.parquet"
+    data = bytearray(part.read_bytes())
+    data[data.index(b"PAR1") + 4 + 64] ^= 0x01
+    part.write_bytes(bytes(data))
+    lines = []
+    run_sweep(dump.path, ["flat"], [1], [0], k=10, window=(0, 0), out=tmp_path / "r", jobs=1, progress=False,
+              log=lines.append)
+    assert any("L001_H00_flat.parquet is not a results part this sweep can keep (OSError" in line and "CRC" in line
+               for line in lines), lines

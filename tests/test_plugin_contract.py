@@ -147,3 +147,28 @@ def test_the_kit_fails_an_index_that_writes_into_its_inputs():
 
     with pytest.raises(AssertionError, match="wrote into the keys it was given"):
         check_index(Normalising)
+
+
+def test_the_indexes_command_runs_the_kit_on_a_registered_index(monkeypatch):
+    """`anns-lab indexes --check NAME`: a plugin's CI gets the kit's verdict as an exit status (1: a rule broken, said;
+    2: no such index), where the listing exits 0 whatever fails to load (a plugin author's review)."""
+    from click.testing import CliRunner
+
+    from anns_lab.cli import main
+    from anns_lab.indexes import registry
+    from anns_lab.indexes.flat import FlatIndex
+
+    class Undercounts(FlatIndex):
+        def _search(self, queries, k, **params):
+            ids, scores, scanned, *rest = super()._search(queries, k, **params)
+            return (ids, scores, scanned // 10, *rest)
+
+    real = registry.get
+    monkeypatch.setattr(registry, "get", lambda name: Undercounts if name == "undercounts" else real(name))
+    ok = CliRunner().invoke(main, ["indexes", "--check", "flat"])
+    assert ok.exit_code == 0 and "flat passes the conformance kit: recall@10 1.000" in ok.output, ok.output
+    bad = CliRunner().invoke(main, ["indexes", "--check", "undercounts"])
+    assert bad.exit_code == 1 and "undercounts fails the conformance kit: AssertionError:" in bad.output, bad.output
+    assert "n_scanned" in bad.output, bad.output
+    unknown = CliRunner().invoke(main, ["indexes", "--check", "nosuch"])
+    assert unknown.exit_code == 2 and "unknown index 'nosuch'" in unknown.output

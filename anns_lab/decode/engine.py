@@ -126,6 +126,7 @@ class ModeRun:
     forced_steps: int = 0  # --question-after-prefill: the leading steps that fed the question (the last of them gives the answer's first token)
     question_calibration: dict = field(default_factory=dict)  # --calibrate-question: as calibration, read on the question's steps before its last (in that step's time)
     error: str | None = None  # the mode failed on this prompt (its indexes' build or search broke): why, in words
+    trace: str | None = None  # and where: the error's traceback, its cause's (a plugin's own line) included
 
 
 def prefill(lm, ids: list[int], settings: Settings, capture_queries: bool, build_modes: list[Mode] = (),

@@ -10,7 +10,7 @@ from anns_lab.decode.options import BASELINES, mode_names
 from anns_lab.decode.placement import IndexPlan
 from anns_lab.dumps import rope
 from anns_lab.errors import DecodeError, IndexConfigError
-from anns_lab.indexes import group_queries, registry
+from anns_lab.indexes import group_queries, protocol, registry
 from anns_lab.indexes.base import resolve_params
 from anns_lab.io import loads_json, param_value
 
@@ -60,7 +60,9 @@ def parse_modes(spec: str, search: dict, build: dict) -> list[Mode]:
             continue
         try:  # the named indexes only: a plugin that hangs or fails at import stops no run that leaves it out
             cls = registry.get(name)
-        except IndexConfigError as err:  # the registry's own message, with close names
+        except IndexConfigError as err:  # the registry's own message: close names, or why a registered one fails
+            if any(e.name == name for e in registry.entries()):  # announced, but it fails to load: not "unknown"
+                raise DecodeError(f"mode {name!r}: {err}") from None
             raise DecodeError(f"unknown mode {name!r}: use full, window or a registered index; {err}") from None
         s = {k: v for k, v in search.items() if k in cls.search_params}
         b = {k: v for k, v in build.items() if k in cls.build_params}
@@ -140,6 +142,8 @@ def _swept_row(path: str, index: str, build_params: str, search_params: str) -> 
 def params_problem(cls, name: str, build: dict, search: dict) -> str | None:
     """Why index ``name`` (``cls``) refuses these build parameters (their ranges, and its constructor's own rules:
     snapkv's odd kernel, infllm's repr within its block) or search parameters (their ranges), or None."""
+    if problem := protocol.declaration_problem(cls):  # its calibration's grid, its --from-sweep tables
+        return f"index {name}'s class is inconsistent: {problem}; fix its declarations"
     try:
         cls(**build)
         resolve_params(name, cls.search_params, search)

@@ -238,7 +238,7 @@ def run_sample(lm, modes: list[Mode], settings: Settings, ids: list[int], max_ne
             say(f"  prefill for {names}: done in {pre.seconds:.1f} s")
             if pre.early is not None and settings.until_built == "wait":  # no mode decodes while builds still share the CPU
                 say("  index builds: started during the prefill's last chunk; finishing ...")
-                pre.early.wait()
+                pre.early.wait(progress=bar)
         except MODE_FAILURES as err:  # with builds during it, an index mode's prefill is its own: its builds' error too
             if not (settings.build_during_prefill and len(group) == 1 and group[0].kind == "index"):
                 raise
@@ -269,9 +269,12 @@ def run_sample(lm, modes: list[Mode], settings: Settings, ids: list[int], max_ne
 
 def failed_run(mode: Mode, err: Exception, say) -> ModeRun:
     """The record of ``mode`` failing on a prompt (its indexes' build or search raised ``err``), said as it happens: the
-    other modes of the run go on, and the results name the failure (``error`` on its sample, ``failed_samples``)."""
+    other modes of the run go on, and the results name the failure (``error`` and ``traceback`` on its sample,
+    ``failed_samples``)."""
+    import traceback
+
     say(f"  {mode.name}: failed: {err}")
-    return ModeRun(mode.name, [], [], 0.0, 0.0, [], [], error=str(err))
+    return ModeRun(mode.name, [], [], 0.0, 0.0, [], [], error=str(err), trace="".join(traceback.format_exception(err)))
 
 
 def _run_prompts(lm, modes, settings, prompts, n_prompt: int, max_new, task, progress, executor=None, on_sample=None,
@@ -319,7 +322,8 @@ def _run_prompts(lm, modes, settings, prompts, n_prompt: int, max_new, task, pro
                 left_out = run is None
                 error = (f"left out after failing on {give_up_after} samples in a row (--give-up-after)"
                          if left_out else run.error)
-                row = {"sample": i, "error": error} | ({"skipped": True} if left_out else {})
+                row = {"sample": i, "error": error} | ({"skipped": True} if left_out else {}) \
+                    | ({"traceback": run.trace} if run is not None and run.trace else {})
                 if sample is not None:
                     row |= {"expected": list(sample.answers), "depth": sample.depth, "seed": sample.params["seed"]}
                 per_mode[mode.name]["samples"].append(row)

@@ -17,6 +17,7 @@ import dataclasses
 import datetime
 import hashlib
 import json
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from anns_lab.version import __version__
 STAGING = ".staging"
 OURS = ("layer_*.parquet", store.TOKENS_FILE, store.MANIFEST)  # the files of a dump folder this tool writes
 PROGRESS = "progress.json"
+DONE_NAME = re.compile(rf"layer_\d{{3,}}\.parquet|{re.escape(store.TOKENS_FILE)}")  # the files a progress record lists
 DTYPES = {name: np.dtype(name).type for name in store.VECTOR_DTYPES}
 
 
@@ -112,9 +114,10 @@ class StagingSink:
         self.row = 0
         self.scaling: dict[int, float] = dict(staged or {})
         shapes = {"q": (n_heads, n_rows, d), "k": (n_kv, n_rows, d), "v": (n_kv, n_rows, d)}
+        self.folder = folder
         self.arrays = {
-            layer: {name: checkpoint.reopen_map(folder / f"layer_{layer:03d}.{name}.npy") if resume else
-                    open_memmap(folder / f"layer_{layer:03d}.{name}.npy", dtype=dtype, mode="r" if staged else "w+",
+            layer: {name: checkpoint.reopen_map(self.path(layer, name)) if resume else
+                    open_memmap(self.path(layer, name), dtype=dtype, mode="r" if staged else "w+",
                                 shape=None if staged else shape)
                     for name, shape in shapes.items()}
             for layer in layers
@@ -122,6 +125,15 @@ class StagingSink:
         if (staged or resume) and any(a.shape != shapes[name] or a.dtype != np.dtype(dtype)
                                       for maps in self.arrays.values() for name, a in maps.items()):
             raise ValueError("the staged maps are not this capture's")
+
+    def path(self, layer: int, name: str) -> Path:
+        """The map of ``layer``'s ``name`` (q, k or v)."""
+        return self.folder / f"layer_{layer:03d}.{name}.npy"
+
+    def digests(self) -> dict[str, str]:
+        """Each map's sha256 by file name: a resume writes the layer files from maps that are still these."""
+        return {self.path(layer, name).name: store.sha256_file(self.path(layer, name))
+                for layer in sorted(self.arrays) for name in "qkv"}
 
     def flush(self) -> None:
         """Every map's rows on disk (a kill after this keeps them: the progress record may then say so)."""
@@ -240,7 +252,9 @@ def _progress_ok(progress) -> bool:
     if not isinstance(progress, dict) or not isinstance(progress.get("done"), dict):
         return False
     ids, scaling, staged = progress.get("token_ids"), progress.get("scaling", {}), progress.get("staged", {})
-    return (all(isinstance(rec, dict) for rec in progress["done"].values())
+    # names a resume deletes when their file is damaged: only a dump's own (a "../x" deleted a file outside the folder)
+    return (all(DONE_NAME.fullmatch(name) for name in progress["done"])
+            and all(isinstance(rec, dict) for rec in progress["done"].values())
             and (ids is None or (isinstance(ids, list) and all(type(i) is int for i in ids)))
             and all(isinstance(s, dict) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in s.values())
                     for s in (scaling, staged))
@@ -490,33 +504,36 @@ def _capture(out, settings, state, begin, model_name, prompt_path, allow_extrapo
             return None
 
     if missing_forward:
-        with torch.inference_mode(), capturing(model, sink, stop_after=stop_after):
-            at = state.get(checkpoint.PREFILL_AT) or {}  # the seconds of the prefill before its checkpoint count too
-            t0, c0 = time.perf_counter() - at.get("seconds", 0.0), time.process_time() - at.get("cpu_seconds", 0.0)
-            logits = None
-            for start in range(first, n_prefill, settings["chunk"]):
-                end = min(start + settings["chunk"], n_prefill)
-                logits = forward(start, end)
-                bar.update(end - start)
-                if checkpoints is not None and checkpoints.due(end):
-                    checkpoints.save(cache, end, state, lambda: atomic_write_json(staging / PROGRESS, state), sink,
-                                     time.perf_counter() - t0, time.process_time() - c0, ids[:n_prefill])
-                stops.check()  # a Ctrl-C a finalizer swallowed (stops.py): stop between chunks
-            t_prefill, c_prefill = time.perf_counter() - t0, time.process_time() - c0
-            bar.close()
-            bar = tqdm(total=n_decode, unit="step", desc=f"dump {lm.name} decode", disable=quiet or not n_decode)
-            t0 = time.perf_counter()
-            for step in range(n_decode):
-                pos = n_prefill + step
-                if pos >= len(ids):
-                    ids.append(int(logits[0, -1].argmax()))
-                logits = forward(pos, pos + 1)
-                bar.update(1)
-                stops.check()
-            t_decode = time.perf_counter() - t0
-        bar.close()
+        try:
+            with torch.inference_mode(), capturing(model, sink, stop_after=stop_after):
+                at = state.get(checkpoint.PREFILL_AT) or {}  # the seconds of the prefill before its checkpoint count too
+                t0, c0 = time.perf_counter() - at.get("seconds", 0.0), time.process_time() - at.get("cpu_seconds", 0.0)
+                logits = None
+                for start in range(first, n_prefill, settings["chunk"]):
+                    end = min(start + settings["chunk"], n_prefill)
+                    logits = forward(start, end)
+                    bar.update(end - start)
+                    if checkpoints is not None and checkpoints.due(end):
+                        checkpoints.save(cache, end, state, lambda: atomic_write_json(staging / PROGRESS, state), sink,
+                                         time.perf_counter() - t0, time.process_time() - c0, ids[:n_prefill])
+                    stops.check()  # a Ctrl-C a finalizer swallowed (stops.py): stop between chunks
+                t_prefill, c_prefill = time.perf_counter() - t0, time.process_time() - c0
+                bar.close()
+                bar = tqdm(total=n_decode, unit="step", desc=f"dump {lm.name} decode", disable=quiet or not n_decode)
+                t0 = time.perf_counter()
+                for step in range(n_decode):
+                    pos = n_prefill + step
+                    if pos >= len(ids):
+                        ids.append(int(logits[0, -1].argmax()))
+                    logits = forward(pos, pos + 1)
+                    bar.update(1)
+                    stops.check()
+                t_decode = time.perf_counter() - t0
+        finally:
+            bar.close()  # an interrupt's message then starts on a line of its own
         sink.flush()  # the layers captured: recorded below, a kill while their files are written keeps them
         state["staged"] = {str(layer): sink.scaling[layer] for layer in missing}
+        state["staged_sha256"] = sink.digests()  # a map damaged since is captured again, not sealed into the dump
         state.pop(checkpoint.PREFILL_AT, None)  # the staged maps supersede it: its files go once that is recorded
     if store.TOKENS_FILE not in done:
         state["token_ids"] = ids
@@ -575,9 +592,16 @@ def _staged_sink(staging: Path, state: dict, missing: list[int], n_rows: int, n_
     if not missing or store.TOKENS_FILE not in state["done"] or not all(str(layer) in staged for layer in missing):
         return None
     try:
-        return StagingSink(staging, missing, n_rows, n_heads, n_kv, d, dtype, {layer: staged[str(layer)] for layer in missing})
+        sink = StagingSink(staging, missing, n_rows, n_heads, n_kv, d, dtype, {layer: staged[str(layer)] for layer in missing})
     except (OSError, ValueError):  # gone, cut short or another capture's: captured again
         return None
+    sums = state.get("staged_sha256")  # a record from before they were kept: trusted as then
+    if isinstance(sums, dict) and (changed := sorted(n for n, h in sink.digests().items() if sums.get(n) != h)):
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"{staging / changed[0]} changed since the capture staged it: capturing again")
+        return None
+    return sink
 
 
 def _drop_damaged(out: Path, state: dict) -> None:
@@ -710,7 +734,8 @@ def _write_layers(out, missing: list[int], sink, state: dict, progress: bool) ->
         atomic_write_json(staging / PROGRESS, state)
         del sink.arrays[layer]
         for part in "qkv":
-            (staging / f"layer_{layer:03d}.{part}.npy").unlink(missing_ok=True)
+            sink.path(layer, part).unlink(missing_ok=True)
+            state.get("staged_sha256", {}).pop(sink.path(layer, part).name, None)
         stops.check()  # this layer's file is recorded: a lost Ctrl-C (a Parquet writer's finalizer) stops here
     return time.perf_counter() - t0
 

@@ -54,11 +54,12 @@ def sha256_file(path: Path) -> str:
 
 
 def write_table(path: Path, table: pa.Table) -> dict:
-    """Write one Parquet file atomically, as a single row group; returns its manifest entry."""
+    """Write one Parquet file atomically, as a single row group, each page with its CRC (a results table, which no
+    manifest checksums, read with ``page_checksum_verification`` refuses a flipped byte); returns its manifest entry."""
     with atomic_path(path) as tmp:
         # Float columns neither compress nor dictionary-encode usefully; plain pages read fastest.
         pq.write_table(table, tmp, compression="none", use_dictionary=["phase"] if "phase" in table.column_names else False,
-                       row_group_size=max(table.num_rows, 1), write_statistics=False)
+                       row_group_size=max(table.num_rows, 1), write_statistics=False, write_page_checksum=True)
         return {"rows": table.num_rows, "bytes": os.path.getsize(tmp), "sha256": sha256_file(tmp)}
 
 
@@ -285,10 +286,12 @@ class Dump:
         lo, hi = self._rows(phase)
         return self._read(TOKENS_FILE, "token_id")[lo:hi].astype(np.int64)
 
-    def verify(self) -> None:
-        """Check every file against its sha256 now (otherwise each is checked on first read)."""
-        for name in self.manifest["files"]:
+    def verify(self, layers: list[int] | None = None) -> None:
+        """Check every file (or the tokens file and ``layers``') against its sha256 now, and the phases against the
+        tokens file (otherwise each is checked on first read)."""
+        for name in self.manifest["files"] if layers is None else [TOKENS_FILE, *map(layer_file, layers)]:
             self._check_sha(name)
+        self._phase_rows  # reading it checks the phases
 
     @cached_property
     def _phase_rows(self) -> dict[str, tuple[int, int]]:

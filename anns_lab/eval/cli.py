@@ -164,6 +164,10 @@ def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite, bu
     except SweepInterrupted as stop:
         click.echo(str(stop), err=True)
         raise SystemExit(130) from None
+    except KeyboardInterrupt:  # before any part ran (the kernels' warm-up): click said "Aborted!", status 1
+        click.echo(f"interrupted before any part was evaluated: nothing of this run was written to {out}; run the "
+                   "same command again", err=True)
+        raise SystemExit(130) from None
     t = res.table
     click.echo(f"sweep of {dump_path}: {len(t)} rows ({plural(t.groupby(['layer', 'head']).ngroups, 'head')} × "
                f"{plural(t['index'].nunique(), 'index')}) in {res.path} ({res.seconds:.0f} s)")
@@ -174,6 +178,9 @@ def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite, bu
                    f"(other indexes, layers or heads); `anns-lab report` covers them all")
     for name, layer, head, err in res.failures:
         click.echo(f"  FAILED {name} on layer {layer} head {head}: {err}", err=True)
+    if any(getattr(err, "trace", "") for *_, err in res.failures):
+        click.echo(f"  (where each index raised its error: the \"traceback\" of {res.path.parent / 'parts'}/failed-*.json)",
+                   err=True)
     if res.failures:
         raise SystemExit(1)
 

@@ -39,6 +39,8 @@ def record(part_file: Path, outcome: Outcome, build_params: dict | None, earlier
     rec = {"layer": outcome.part.layer, "head": outcome.part.head, "index": outcome.part.index,
            "build_params": build_params or {}, "attempts": earlier + outcome.attempts, "error": outcome.error,
            "worker_died": outcome.crashed, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if trace := getattr(outcome.error, "trace", ""):  # where the index raised it (errors.error_text)
+        rec["traceback"] = trace
     atomic_write_json(record_path(part_file), rec)
     return rec
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,8 @@ from anns_lab.io import atomic_write_json, loads_json, read_json, sole_writer
 LATENCY_QUERIES = 16
 MAX_ATTEMPTS = 3
 PART_SETTINGS = b"anns_lab.sweep"  # a part's Parquet schema metadata: the settings of the sweep that wrote it (JSON)
+PART_CODE = b"anns_lab.index_code"  # and its index's code (registry.code_stamp, JSON)
+STALE = "stale"  # parts/stale/: a part being evaluated again, kept there until its new one is written
 PART_NAME = re.compile(r"L(\d+)_H(\d+)_(.+?)(-[0-9a-f]{10})?\.parquet")  # _part_name's
 
 
@@ -291,6 +294,7 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     check_full_attention(dump, layers)
     for layer in layers:
         dump.check_columns(layer)  # another tool's column types failed every part alike
+    dump.verify(layers)  # so did a damaged file, each failure an attempt spent: one error, before any work
     heads = _distinct(heads, "--heads") if heads is not None else list(range(dump.n_heads))
     for h in heads:
         dump.kv_head_of(h)
@@ -338,6 +342,9 @@ def _run(runner, dump, out, settings, names, layers, heads, k, window, build_par
 
     parts = out / "parts"
     own = _part_settings(settings, dump)  # what each part records, and a part kept must have recorded
+    from anns_lab.indexes import registry
+
+    code = {n: registry.code_stamp(n) for n in names}
     if retry_failed and (n := failed.clear_all(parts)):
         log(f"--retry-failed: {n} failed part(s) will be tried again")
     part_file = {Part(layer, h, n): parts / _part_name(layer, h, n, _non_default(n, build_params.get(n)))
@@ -346,7 +353,7 @@ def _run(runner, dump, out, settings, names, layers, heads, k, window, build_par
     for f in sorted(parts.glob("*.parquet")):  # another run's part in the folder, unreadable: named before any work
         if f not in ours and (why := _read_part(f, own)[1]):
             raise _unreadable(f, why)
-    if parts.is_dir() and (others := sorted(f.name for f in parts.iterdir() if f.suffix != ".parquet"
+    if parts.is_dir() and (others := sorted(f.name for f in parts.iterdir() if f.suffix != ".parquet" and f.name != STALE
                                            and not f.name.startswith((".", failed.PREFIX)))):  # temp files: "."
         log(f"note: {parts} holds {len(others)} file(s) no sweep writes, not read: {', '.join(others[:5])}"
             + (", ..." if len(others) > 5 else ""))
@@ -356,11 +363,14 @@ def _run(runner, dump, out, settings, names, layers, heads, k, window, build_par
     tries: dict[Part, int] = {}
     for part, f in part_file.items():
         kept, why = _read_part(f, own, part) if f.exists() else (None, None)
-        if kept is not None and (why := _built_otherwise(kept, part.index, build_params.get(part.index))) is None:
+        if kept is not None and (why := _built_otherwise(kept, part.index, build_params.get(part.index))
+                                 or _code_changed(f, part.index, code[part.index])) is None:
             continue
-        if f.exists():  # cut short or damaged since it was written: evaluated again, not trusted
-            log(f"{f.name} is not a results part this sweep can keep ({why}): evaluating {part} again")
-            f.unlink()
+        if f.exists():  # cut short, damaged, or of other code since it was written: evaluated again, not trusted
+            log(f"{f.name} is not a results part this sweep can keep ({why}): evaluating {part} again (the part "
+                f"waits in {STALE}/ until its new one is written)")
+            (parts / STALE).mkdir(exist_ok=True)  # out of the table; a new one that fails must not have cost the old
+            f.replace(parts / STALE / f.name)
         rec = failed.previous(f)
         earlier[part] = rec["attempts"] if rec else 0
         if earlier[part] >= max_attempts:
@@ -380,20 +390,20 @@ def _run(runner, dump, out, settings, names, layers, heads, k, window, build_par
         f = part_file[o.part]
         if o.table is not None:
             try:
-                write_table(f, _with_settings(pa.Table.from_pandas(o.table, preserve_index=False), own))
+                write_table(f, _with_settings(pa.Table.from_pandas(o.table, preserve_index=False), own,
+                                              code[o.part.index]))
             except OSError as err:  # the driver's own (a full disk, the folder's permissions): it stops the sweep
                 done = sum(1 for g in part_file.values() if g.exists())
                 raise AnnsLabError(f"could not write the finished part {f.name} ({err}); {done} of {len(part_file)} "
                                    f"parts are kept in {parts}: free space or fix the folder, then run the same "
                                    "command again to resume") from err
             failed.clear(f)
+            (parts / STALE / f.name).unlink(missing_ok=True)
         else:
             failed.record(f, o, build_params.get(o.part.index), earlier[o.part])
             failures.append((o.part.index, o.part.layer, o.part.head, o.error))
         bar.update(1)
         stops.check()  # a Ctrl-C whose exception a finalizer swallowed (a part writer's): stop after this part
-
-    from anns_lab.indexes import registry
 
     work = SweepWork(str(dump.path), k, tuple(window), build_params, quick, train_group, train_positions,
                      str(dump.path), dump.model, dump_stamp(dump.manifest),
@@ -412,6 +422,9 @@ def _run(runner, dump, out, settings, names, layers, heads, k, window, build_par
                                    "run the same command again to resume") from None
     bar.close()
     table = combine(out, own, str(dump.path))
+    if stale := sorted(f.name for f in (parts / STALE).glob("*.parquet")):
+        log(f"note: {len(stale)} earlier part(s) whose new evaluation failed wait in {parts / STALE} (not in the "
+            f"table; deleted once a run evaluates them again): {', '.join(stale[:5])}" + (", ..." if len(stale) > 5 else ""))
     return SweepResult(table, out / RESULTS, failures, time.perf_counter() - t_start)
 
 
@@ -421,6 +434,13 @@ def _fitting(made: dict, n_keys: int, dim: int, build_params: dict, chosen: bool
     index swept only as one of every registered index, at its defaults, is left out with a line saying so."""
     names = []
     for name, index in made.items():
+        if problem := protocol.declaration_problem(type(index)):  # else one failed part per head, read as a bad --param
+            said = f"index {name}'s class is inconsistent: {problem}"
+            if chosen or name in build_params:
+                raise AnnsLabError(f"{said}; fix its declarations (anns_lab.testing.check_index says so too), or leave "
+                                   "it out of --indexes")
+            log(f"{name} left out: {said}")
+            continue
         try:
             index.check_dim(dim)
             index.check_keys(n_keys)
@@ -453,7 +473,7 @@ def _read_part(path: Path, own: dict, cell: Part | None = None) -> tuple[pd.Data
     resume, and the report said "re-run the sweep"), or not this sweep's part of ``cell`` (by default the cell its name
     gives): :func:`_part_problem`."""
     try:
-        arrow = pq.read_table(path)
+        arrow = pq.read_table(path, page_checksum_verification=True)  # a flipped byte: evaluated again
         part = arrow.to_pandas()
     except (OSError, ValueError, pa.ArrowException) as err:
         return None, f"{type(err).__name__}: {err}"
@@ -534,11 +554,30 @@ def _part_settings(settings: dict, dump) -> dict:
     return {key: value for key, value in settings.items() if key != "dump"} | {"dump_stamp": dump_stamp(dump.manifest)}
 
 
-def _with_settings(table: pa.Table, own: dict) -> pa.Table:
-    """``table`` with ``own`` in its schema metadata (:data:`PART_SETTINGS`), pandas' own kept."""
+def _with_settings(table: pa.Table, own: dict, code: dict) -> pa.Table:
+    """``table`` with ``own`` and its index's ``code`` in its schema metadata (:data:`PART_SETTINGS`,
+    :data:`PART_CODE`), pandas' own kept."""
     meta = dict(table.schema.metadata or {})
     meta[PART_SETTINGS] = json.dumps(own, sort_keys=True).encode()
+    meta[PART_CODE] = json.dumps(code, sort_keys=True).encode()
     return table.replace_schema_metadata(meta)
+
+
+def _code_changed(path: Path, index: str, now: dict) -> str | None:
+    """Why a part's rows are of other code than ``index``'s now (:func:`registry.code_stamp`), in words, or None: a
+    plugin edited and swept again kept its old rows, the command's resume trusting them. A part written before parts
+    recorded it is kept."""
+    try:
+        recorded = (pq.read_schema(path).metadata or {}).get(PART_CODE)
+        then = loads_json(recorded) if recorded is not None else now
+    except (OSError, ValueError, pa.ArrowException):
+        return "its index's code record is unreadable"
+    if then == now:
+        return None
+    if then.get("source_sha256") != now.get("source_sha256") and then.get("version") == now.get("version"):
+        return f"{index}'s source changed since it was written"
+    return (f"written by {index} of {then.get('distribution')} {then.get('version')}, "
+            f"now {now.get('distribution')} {now.get('version')}")
 
 
 def _unreadable(path: Path, why: str | None = None) -> AnnsLabError:
@@ -574,6 +613,7 @@ def _prepare(out: Path, settings: dict, overwrite: bool) -> None:
                                "--overwrite or choose another --out")
         for p in (out / "parts").glob("*.parquet"):
             p.unlink()
+        shutil.rmtree(out / "parts" / STALE, ignore_errors=True)
         failed.clear_all(out / "parts")
         plan.forget(out)
         (out / RESULTS).unlink(missing_ok=True)

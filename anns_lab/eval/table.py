@@ -22,7 +22,7 @@ COLUMNS = ["dump", "model", "layer", "head", "kv_head", "index", "build_params",
            "qps", "build_s", "index_bytes", "auto_rules"]
 ADDED = ("auto_rules",)  # columns added after tables were swept: a table without one loads with it None (unknown)
 NUMBERS = ("layer", "head", "k", "n_keys", "recall", "scanned_fraction", "bytes_read", "mass_recovered",
-           "output_rel_error", "latency_us")
+           "output_rel_error", "latency_us", "qps", "build_s", "index_bytes")
 COUNTS = ("layer", "head", "k", "n_keys")  # whole numbers the readers turn into ints (a NaN there was a traceback)
 DIRECTIONS = ("q2k", "k2k")
 CELL = ["layer", "head", "index", "build_params", "search_params", "direction"]  # one measurement per cell
@@ -45,7 +45,7 @@ def load_results(path: str | Path) -> tuple[pd.DataFrame, dict]:
     if not file.is_file():
         raise AnnsLabError(f"no results table at {file}; run `anns-lab sweep` first")
     try:
-        table = pd.read_parquet(file)
+        table = pd.read_parquet(file, page_checksum_verification=True)  # a flipped byte: an error, not a number
     except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
         raise AnnsLabError(f"{file} is not an anns-lab results table ({type(err).__name__}: {err})") from None
     missing = set(COLUMNS) - set(table.columns) - set(ADDED)
@@ -108,10 +108,21 @@ def table_problem(table: pd.DataFrame) -> str | None:
     for column in NUMBERS:  # before any comparison: text there made the readers fail with a traceback
         if not pd.api.types.is_numeric_dtype(table[column]) or pd.api.types.is_bool_dtype(table[column]):
             return f"column {column} holds {table[column].dtype} values, not numbers"
+    def at_least(column: str, low: float, unmeasured: bool = False) -> pd.Series:  # NaN: not measured (a quick sweep)
+        v = table[column].astype(float)
+        return (np.isfinite(v) & (v >= low)) | (np.isnan(v) if unmeasured else False)
+
     checks = (("recall", (table["recall"] >= 0) & (table["recall"] <= 1), "is not in [0, 1]"),
               ("scanned_fraction", (table["scanned_fraction"] > 0) & np.isfinite(table["scanned_fraction"]),
                "is not a positive finite fraction"),
-              ("bytes_read", (table["bytes_read"] >= 0) & np.isfinite(table["bytes_read"]), "is not a non-negative number"))
+              ("bytes_read", at_least("bytes_read", 0), "is not a non-negative number"),
+              # a negative latency or an infinite error was printed in the report as measured, or broke its figures
+              ("mass_recovered", at_least("mass_recovered", 0, True), "is neither unmeasured nor a number ≥ 0"),
+              ("output_rel_error", at_least("output_rel_error", 0, True), "is neither unmeasured nor a number ≥ 0"),
+              ("latency_us", at_least("latency_us", 0, True), "is neither unmeasured nor a number ≥ 0"),
+              ("qps", at_least("qps", 0, True), "is neither unmeasured nor a number ≥ 0"),
+              ("build_s", at_least("build_s", 0), "is not a number ≥ 0"),
+              ("index_bytes", at_least("index_bytes", 0), "is not a number ≥ 0"))
     for column, ok, rule in checks:
         if not ok.all():
             r = table[~ok].iloc[0]

@@ -29,8 +29,16 @@ def _describe(cls) -> list[str]:
 
 
 @click.command(short_help="List registered indexes with their parameters and grids.")
-def indexes() -> None:
+@click.option("--check", metavar="NAME", default=None,
+              help="Run the conformance kit (anns_lab.testing.check_index) on index NAME at its default build "
+                   "parameters instead; exit status 1 when it fails (a plugin's CI).")
+@click.option("--min-recall", type=click.FloatRange(0, 1), default=0.9, show_default=True,
+              help="With --check: the recall@10 its most thorough grid point must reach on the kit's data.")
+def indexes(check: str | None, min_recall: float) -> None:
     """List registered indexes (entry-point group anns_lab.indexes) and any that fail to load."""
+    if check is not None:
+        _check(check, min_recall)
+        return
     broken = registry.broken()
     classes = registry.available()
     for entry in registry.entries():
@@ -49,3 +57,19 @@ def indexes() -> None:
     if broken:
         click.echo(f"\n{len(broken)} index plugin(s) failed to load or to describe: {', '.join(broken)}; the others "
                    "work.", err=True)
+
+
+def _check(name: str, min_recall: float) -> None:
+    """The conformance kit on ``name``: what it measured, or the rule it broke and exit status 1."""
+    from anns_lab.testing import check_index
+
+    cls = registry.get(name)  # an unknown or broken name: one error, exit status 2
+    click.echo(f"checking {name} ({cls.__module__}.{cls.__qualname__}) with the conformance kit ...", err=True)
+    try:
+        measured = check_index(cls, min_recall=min_recall)
+    except Exception as err:  # noqa: BLE001 - the kit's AssertionError, or the index's own error: both its failure
+        click.echo(f"{name} fails the conformance kit: {type(err).__name__}: {err}", err=True)
+        raise SystemExit(1) from None
+    top = ", ".join(f"{k}={v}" for k, v in measured["grid"][-1].items()) or "no search parameters"
+    click.echo(f"{name} passes the conformance kit: recall@10 {measured['recall'][-1]:.3f} at its most thorough grid "
+               f"point ({top}), {len(measured['grid'])} grid point(s) searched")

@@ -81,6 +81,53 @@ def result_problem(res, nq: int, k: int, n_keys: int, max_scanned: int, queries:
     return None
 
 
+def declaration_problem(cls) -> str | None:
+    """The first inconsistency in an index class's declarations, in words, or None: a default out of its own range, a
+    ``search_grid`` naming an undeclared parameter or holding a value out of range, ``calibrated_by`` outside the grid,
+    the ``*_before`` / ``*_since`` / ``auto_rules`` tables naming undeclared parameters. The sweep and the decoder ask it before any
+    work (else each head's part failed alone, reading like a bad command-line parameter); the kit asserts it."""
+    from anns_lab.errors import IndexConfigError
+
+    def undeclared(table: str, name: str, declared: str) -> str:
+        return f"{table} names {name!r}, which is not a declared {declared} parameter"
+
+    try:
+        for name, p in {**cls.build_params, **cls.search_params}.items():
+            p.check(cls.__name__, name, p.default)
+        if cls.reads_positions and not cls.own_positions:
+            return "reads_positions needs own_positions: the positions are the prefill's, where the queries were never moved"
+        if cls.calibrated_by is not None and cls.calibrated_by not in cls.search_grid:
+            return f"calibrated_by names {cls.calibrated_by!r}, which is not a search_grid parameter"
+        for name, values in cls.search_grid.items():
+            if name not in cls.search_params:
+                return undeclared("search_grid", name, "search")
+            if len(values) == 0:
+                return f"search_grid[{name!r}] is empty"
+            for v in values:
+                cls.search_params[name].check(cls.__name__, name, v)
+        # decode --from-sweep puts these into a plan: a wrong one would fail only at the decode's first search
+        for kind, before, declared in (("search", cls.search_params_before, cls.search_params),
+                                       ("build", cls.build_params_before, cls.build_params)):
+            for name, v in before.items():
+                if name not in declared:
+                    return undeclared(f"{kind}_params_before", name, kind)
+                declared[name].check(cls.__name__, name, v)
+        for name, build in cls.search_params_since.items():
+            if name not in cls.search_params_before:
+                return f"search_params_since names {name!r}, which is not in search_params_before"
+            if build not in cls.build_params:
+                return f"search_params_since[{name!r}] = {build!r} is not a declared build parameter"
+        for name, stamp in cls.auto_rules.items():
+            if name not in cls.build_params:
+                return undeclared("auto_rules", name, "build")
+            cls.build_params[name].check(cls.__name__, name, 0)  # 0 is the value that asks for the rule
+            if not isinstance(stamp, str) or not stamp:
+                return f"auto_rules[{name!r}] must be a non-empty stamp, got {stamp!r}"
+    except IndexConfigError as err:
+        return str(err)
+    return None
+
+
 def held_bytes(owner: str, index) -> int:
     """``index.nbytes`` as an int; IndexResultError naming ``owner`` unless it is a whole number ≥ 0 (a negative size
     entered the table as measured, a NaN failed with numpy's words)."""

@@ -7,10 +7,14 @@ its index, so there is no second path. A plugin that fails to import is recorded
 
 from __future__ import annotations
 
+import ast
 import difflib
+import hashlib
+import inspect
 import re
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
 from typing import Any
 
 from anns_lab.errors import IndexConfigError
@@ -144,7 +148,8 @@ def get(name: str) -> type[Index]:
     eps = _entry_points()
     if name not in eps:
         close = difflib.get_close_matches(name, list(eps), n=3, cutoff=0.5)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        hint = (f"; did you mean {', '.join(close)}?" if close else
+                "; a plugin installed with pip --target DIR is seen with DIR on PYTHONPATH")
         raise IndexConfigError(f"unknown index {name!r} (registered: {', '.join(eps) or 'none'}){hint}")
     try:
         return _load(name, eps[name])
@@ -153,6 +158,29 @@ def get(name: str) -> type[Index]:
     except Exception as err:  # noqa: BLE001
         value = " | ".join(ep.value for ep in eps[name])
         raise IndexConfigError(f"index {name!r} ({value}) failed to load: {type(err).__name__}: {err}") from err
+
+
+def code_stamp(name: str) -> dict[str, str]:
+    """What says which code ``name``'s index is: the distribution and version announcing it, and a sha256 over the
+    source files of its class and its bases but ``Index``, as parsed (a comment or a blank line changes nothing): a
+    plugin edited in place keeps its version, and a sweep's resume must not keep the rows of its code before."""
+    cls = get(name)
+    digest = hashlib.sha256()
+    for base in cls.__mro__:
+        if base in (Index, object):
+            continue
+        try:
+            source = Path(inspect.getsourcefile(base)).read_bytes()
+        except (TypeError, OSError):  # a class with no file of its own (built-in, made at run time)
+            digest.update(f"{base.__module__}.{base.__qualname__}".encode())
+            continue
+        try:
+            digest.update(ast.dump(ast.parse(source)).encode())
+        except (SyntaxError, ValueError):  # not Python we can parse: its bytes
+            digest.update(source)
+    entry = next((e for e in entries() if e.name == name), None)
+    return {"distribution": entry.distribution if entry else "?", "version": entry.version if entry else "?",
+            "source_sha256": digest.hexdigest()[:16]}
 
 
 def create(name: str, **build_params: Any) -> Index:
