@@ -607,7 +607,8 @@ def test_a_damaged_prefill_checkpoint_is_said_and_the_prefill_runs_again(tiny_ge
 
     reference = small_dump(tiny_gemma3, tmp_path / "ref").dump
     real = models.forward_tokens
-    for damage in ("sliding window gone", "full rows cut short", "record damaged"):
+    for damage in ("sliding window gone", "full rows cut short", "record damaged", "full row changed",
+                   "window changed", "captured row changed", "a length changed"):
         out, calls = tmp_path / damage.replace(" ", "-"), []
 
         def stopped(lm, cache, ids, start, end):
@@ -626,9 +627,21 @@ def test_a_damaged_prefill_checkpoint_is_said_and_the_prefill_runs_again(tiny_ge
         elif damage == "full rows cut short":  # numpy's "r+" would have extended the file with zeros
             f = staging / "cache_001.v.npy"
             f.write_bytes(f.read_bytes()[:200])
+        elif damage in ("full row changed", "window changed", "captured row changed"):  # a value, not the size
+            from numpy.lib.format import open_memmap
+
+            name = {"full row changed": "cache_001.v.npy", "window changed": "cache_002.k.r16.npy",
+                    "captured row changed": "layer_001.q.npy"}[damage]
+            m = open_memmap(staging / name, mode="r+")
+            m[0, 3, 0] += 1.0
+            m.flush()
+            del m
         else:
             state = json.loads((staging / run_mod.PROGRESS).read_text())
-            state["prefill_at"]["row"] = "16"
+            if damage == "record damaged":
+                state["prefill_at"]["row"] = "16"
+            else:  # a sliding layer's: its count sets the sliding masks' offset, the restore cannot tell it
+                state["prefill_at"]["layers"]["0"]["length"] = 15
             atomic_write_json(staging / run_mod.PROGRESS, state)
         capsys.readouterr()
         with monkeypatch.context() as m:
@@ -678,3 +691,37 @@ def test_a_staged_map_changed_since_the_capture_is_captured_again_not_sealed(tin
     assert "layer_003.k.npy changed since the capture staged it: capturing again" in "".join(capsys.readouterr())
     assert forwards, "the model did not run again"
     np.testing.assert_array_equal(d.keys(3, 0), reference.keys(3, 0))
+
+
+def test_a_new_capture_leaves_no_checkpoint_on_disk_to_resume_its_zeroed_maps_from(tiny_gemma3, tmp_path, monkeypatch):
+    """--overwrite of a dump of the same settings with nothing finished starts the capture's maps anew while the progress
+    record on disk still named the old checkpoint: a kill no handler sees (the OOM killer) before the first new one,
+    and the next run resumed from the old cache onto zeroed rows (the diff's review). The record and the checkpoint's
+    files go before the maps are opened."""
+    from anns_lab.dumps import models
+
+    real, calls = models.forward_tokens, []
+
+    def stopped(lm, cache, ids, start, end):
+        calls.append(start)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(lm, cache, ids, start, end)
+
+    with monkeypatch.context() as m:
+        m.setattr(models, "forward_tokens", stopped)
+        with pytest.raises(run_mod.DumpInterrupted, match="first 16 tokens kept"):
+            small_dump(tiny_gemma3, tmp_path / "d", checkpoint_every=1e-9)
+    staging = tmp_path / "d" / run_mod.STAGING
+    seen = []
+
+    def looking(lm, cache, ids, start, end):  # what a kill at this chunk would leave
+        if start == 8:
+            seen.append((json.loads((staging / run_mod.PROGRESS).read_text()).get("prefill_at"),
+                         sorted(f.name for f in staging.glob("cache_*"))))
+        return real(lm, cache, ids, start, end)
+
+    with monkeypatch.context() as m:
+        m.setattr(models, "forward_tokens", looking)
+        small_dump(tiny_gemma3, tmp_path / "d", overwrite=True, checkpoint_every=0)
+    assert seen == [(None, [])], seen

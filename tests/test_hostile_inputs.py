@@ -574,6 +574,10 @@ def test_a_part_of_an_index_whose_code_changed_since_is_evaluated_again(dump, tm
     before, lines = ivf.stat().st_mtime_ns, []
     run_sweep(dump.path, ["ivf"], [1], [0], out=out, log=lines.append, **kw)
     assert ivf.stat().st_mtime_ns == before and not any("evaluating" in line for line in lines), lines
+    table = pq.read_table(ivf)  # a record that is JSON but no object: a traceback before (the diff's review)
+    pq.write_table(table.replace_schema_metadata(table.schema.metadata | {sweep_mod.PART_CODE: b"[1]"}), ivf)
+    run_sweep(dump.path, ["ivf"], [1], [0], out=out, log=lines.append, **kw)
+    assert any("(its index's code record is unreadable)" in line for line in lines), lines
 
 
 def _strip_settings(path, recorded: bytes | None = None) -> None:

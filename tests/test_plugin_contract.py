@@ -172,3 +172,5 @@ def test_the_indexes_command_runs_the_kit_on_a_registered_index(monkeypatch):
     assert "n_scanned" in bad.output, bad.output
     unknown = CliRunner().invoke(main, ["indexes", "--check", "nosuch"])
     assert unknown.exit_code == 2 and "unknown index 'nosuch'" in unknown.output
+    alone = CliRunner().invoke(main, ["indexes", "--min-recall", "0.5"])  # was ignored, the listing printed
+    assert alone.exit_code == 2 and "--min-recall goes with --check NAME" in alone.output

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from anns_lab import stops as stop_requests  # `stops` here are the stop tokens' ids
-from anns_lab.errors import DecodeError, IndexFailed, IndexResultError
+from anns_lab.errors import DecodeError, IndexFailed, IndexResultError, error_text
 from anns_lab.decode import stats
 from anns_lab.decode.builds import start_build_processes, warm_up
 from anns_lab.decode.modes import ranges
@@ -271,10 +271,8 @@ def failed_run(mode: Mode, err: Exception, say) -> ModeRun:
     """The record of ``mode`` failing on a prompt (its indexes' build or search raised ``err``), said as it happens: the
     other modes of the run go on, and the results name the failure (``error`` and ``traceback`` on its sample,
     ``failed_samples``)."""
-    import traceback
-
     say(f"  {mode.name}: failed: {err}")
-    return ModeRun(mode.name, [], [], 0.0, 0.0, [], [], error=str(err), trace="".join(traceback.format_exception(err)))
+    return ModeRun(mode.name, [], [], 0.0, 0.0, [], [], error=str(err), trace=error_text(err).trace)
 
 
 def _run_prompts(lm, modes, settings, prompts, n_prompt: int, max_new, task, progress, executor=None, on_sample=None,

@@ -130,6 +130,10 @@ class StagingSink:
         """The map of ``layer``'s ``name`` (q, k or v)."""
         return self.folder / f"layer_{layer:03d}.{name}.npy"
 
+    def maps(self):
+        """Each map with its file, as (path, array)."""
+        return [(self.path(layer, name), a) for layer in sorted(self.arrays) for name, a in self.arrays[layer].items()]
+
     def digests(self) -> dict[str, str]:
         """Each map's sha256 by file name: a resume writes the layer files from maps that are still these."""
         return {self.path(layer, name).name: store.sha256_file(self.path(layer, name))
@@ -258,7 +262,9 @@ def _progress_ok(progress) -> bool:
             and (ids is None or (isinstance(ids, list) and all(type(i) is int for i in ids)))
             and all(isinstance(s, dict) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in s.values())
                     for s in (scaling, staged))
-            and isinstance(progress.get("provenance", {}), dict))
+            and isinstance(progress.get("provenance", {}), dict)
+            and isinstance(sums := progress.get("staged_sha256", {}), dict)
+            and all(isinstance(v, str) for v in sums.values()))
 
 
 def _prepare_folder(out: Path, settings: dict, overwrite: bool,
@@ -474,7 +480,12 @@ def _capture(out, settings, state, begin, model_name, prompt_path, allow_extrapo
                                    resume=True)
             except (OSError, ValueError):
                 _forget_checkpoint(out, state, "its capture's maps are gone or another capture's")
-        if sink is None:
+        if sink is None:  # the maps begin anew: no checkpoint on disk may outlive them (the record said nothing of an
+            # old one after --overwrite of the same settings, and a kill before the first new one resumed from it onto
+            # zeroed maps)
+            state.pop(checkpoint.PREFILL_AT, None)
+            atomic_write_json(staging / PROGRESS, state)
+            checkpoint.delete(staging)
             sink = StagingSink(staging, missing, n_prefill + n_decode, n_heads, n_kv, d, DTYPES[settings["dtype"]])
         missing_forward = missing
 
@@ -490,7 +501,7 @@ def _capture(out, settings, state, begin, model_name, prompt_path, allow_extrapo
     checkpoints, first = None, 0
     if missing_forward:
         checkpoints, first, cache = _checkpoints(out, state, lambda: DynamicCache(config=model.config), ids[:n_prefill],
-                                                 checkpoint_every, model.device)
+                                                 checkpoint_every, sink, stop_after, model)
     # Two bars: a decode step costs about as much as a whole prefill chunk, so one bar over all tokens would
     # sit at 99% for the whole of the decode steps.
     quiet = not progress or not missing_forward
@@ -657,9 +668,10 @@ def _check_layer_types(lm, layers: list[int]) -> None:
                         f"(--layers default: {compact_layers(lm.long_range_layers) or 'none'}) or name others")
 
 
-def _checkpoints(out: Path, state: dict, new_cache, prompt: list[int], every: float, device):
+def _checkpoints(out: Path, state: dict, new_cache, prompt: list[int], every: float, sink, stop_after: int | None, model):
     """The prefill's checkpoints (None: off, or the model's cache cannot be restored exactly), the row its forward
-    starts at (the checkpoint's, or 0) and the cache it starts with (``new_cache()``, the checkpoint's restored)."""
+    starts at (the checkpoint's, or 0) and the cache it starts with (``new_cache()``, the checkpoint's restored; the
+    forward runs the layers up to ``stop_after``, or all)."""
     from tqdm.auto import tqdm
 
     at, cache = state.get(checkpoint.PREFILL_AT), new_cache()
@@ -673,8 +685,9 @@ def _checkpoints(out: Path, state: dict, new_cache, prompt: list[int], every: fl
     if at is None:
         return checkpoints, 0, cache
     try:
-        checkpoints.restore(cache, at, prompt, device)
-    except (OSError, ValueError, KeyError, TypeError) as err:  # a checkpoint only saves time: start again without it
+        checkpoints.restore(cache, at, prompt, sink, len(cache.layers) if stop_after is None else stop_after + 1,
+                            checkpoint.dtype_name(model.dtype), model.device)
+    except Exception as err:  # noqa: BLE001 - whatever is wrong with it: a checkpoint only saves time, start again
         _forget_checkpoint(out, state, str(err) or type(err).__name__)
         return checkpoint.PrefillCheckpoints(out / STAGING, len(prompt), every), 0, new_cache()
     tqdm.write(f"{out}: resuming the prefill at token {at['row']} of {len(prompt)} from its checkpoint")

@@ -164,9 +164,9 @@ def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite, bu
     except SweepInterrupted as stop:
         click.echo(str(stop), err=True)
         raise SystemExit(130) from None
-    except KeyboardInterrupt:  # before any part ran (the kernels' warm-up): click said "Aborted!", status 1
-        click.echo(f"interrupted before any part was evaluated: nothing of this run was written to {out}; run the "
-                   "same command again", err=True)
+    except KeyboardInterrupt:  # outside the parts' run (the kernels' warm-up): click said "Aborted!", status 1
+        click.echo(f"interrupted: the finished parts in {Path(out) / 'parts'} are kept; run the same command again to "
+                   "resume", err=True)
         raise SystemExit(130) from None
     t = res.table
     click.echo(f"sweep of {dump_path}: {len(t)} rows ({plural(t.groupby(['layer', 'head']).ngroups, 'head')} × "

@@ -139,7 +139,10 @@ def evaluate_index(name: str, data: HeadData, k: int, dump_label: str, model: st
             })
     if not rows:  # a part of no rows: kept as finished, it stood for the head in the table as if measured
         raise IndexResultError(f"{name}: its grid() gave no search parameters to measure")
-    return pd.DataFrame(rows, columns=COLUMNS)
+    table = pd.DataFrame(rows, columns=COLUMNS)
+    if problem := table_problem(table):  # an estimate's infinite error: its readers refuse such a part, every resume
+        raise IndexResultError(f"{name}: {problem}")
+    return table
 
 
 @dataclass(frozen=True)
@@ -294,7 +297,6 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     check_full_attention(dump, layers)
     for layer in layers:
         dump.check_columns(layer)  # another tool's column types failed every part alike
-    dump.verify(layers)  # so did a damaged file, each failure an attempt spent: one error, before any work
     heads = _distinct(heads, "--heads") if heads is not None else list(range(dump.n_heads))
     for h in heads:
         dump.kv_head_of(h)
@@ -323,6 +325,7 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
         settings["train_group"] = train_group
     if rope.check_place(train_positions) != "own":  # likewise: before, the training queries sat at their own positions
         settings["train_positions"] = train_positions
+    dump.verify(layers)  # a damaged file failed every part alike, an attempt spent each: one error, before any work
     # Connect (Ray) before the results folder is touched: a cluster that is unreachable or too small
     # for a task is one error and leaves nothing behind.
     runner = open_executor(executor, jobs, address, cpus_per_task, ray_data, log=log, part_timeout=part_timeout)
@@ -424,7 +427,8 @@ def _run(runner, dump, out, settings, names, layers, heads, k, window, build_par
     table = combine(out, own, str(dump.path))
     if stale := sorted(f.name for f in (parts / STALE).glob("*.parquet")):
         log(f"note: {len(stale)} earlier part(s) whose new evaluation failed wait in {parts / STALE} (not in the "
-            f"table; deleted once a run evaluates them again): {', '.join(stale[:5])}" + (", ..." if len(stale) > 5 else ""))
+            f"table): fix the index and run again (they go once evaluated again), or undo the edit and move them back "
+            f"into {parts}: {', '.join(stale[:5])}" + (", ..." if len(stale) > 5 else ""))
     return SweepResult(table, out / RESULTS, failures, time.perf_counter() - t_start)
 
 
@@ -437,8 +441,8 @@ def _fitting(made: dict, n_keys: int, dim: int, build_params: dict, chosen: bool
         if problem := protocol.declaration_problem(type(index)):  # else one failed part per head, read as a bad --param
             said = f"index {name}'s class is inconsistent: {problem}"
             if chosen or name in build_params:
-                raise AnnsLabError(f"{said}; fix its declarations (anns_lab.testing.check_index says so too), or leave "
-                                   "it out of --indexes")
+                raise AnnsLabError(f"{said}; fix its declarations (`anns-lab indexes --check {name}` says so too), "
+                                   "or leave it out of --indexes")
             log(f"{name} left out: {said}")
             continue
         try:
@@ -571,6 +575,8 @@ def _code_changed(path: Path, index: str, now: dict) -> str | None:
         recorded = (pq.read_schema(path).metadata or {}).get(PART_CODE)
         then = loads_json(recorded) if recorded is not None else now
     except (OSError, ValueError, pa.ArrowException):
+        return "its index's code record is unreadable"
+    if not isinstance(then, dict):
         return "its index's code record is unreadable"
     if then == now:
         return None

@@ -39,6 +39,8 @@ def indexes(check: str | None, min_recall: float) -> None:
     if check is not None:
         _check(check, min_recall)
         return
+    if click.get_current_context().get_parameter_source("min_recall") is not click.core.ParameterSource.DEFAULT:
+        raise click.UsageError("--min-recall goes with --check NAME")
     broken = registry.broken()
     classes = registry.available()
     for entry in registry.entries():

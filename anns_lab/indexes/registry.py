@@ -7,7 +7,6 @@ its index, so there is no second path. A plugin that fails to import is recorded
 
 from __future__ import annotations
 
-import ast
 import difflib
 import hashlib
 import inspect
@@ -162,8 +161,8 @@ def get(name: str) -> type[Index]:
 
 def code_stamp(name: str) -> dict[str, str]:
     """What says which code ``name``'s index is: the distribution and version announcing it, and a sha256 over the
-    source files of its class and its bases but ``Index``, as parsed (a comment or a blank line changes nothing): a
-    plugin edited in place keeps its version, and a sweep's resume must not keep the rows of its code before."""
+    source files of its class and its bases but ``Index`` (but blank and comment-only lines, and indentation): a plugin
+    edited in place keeps its version, and a sweep's resume must not keep the rows of its code before."""
     cls = get(name)
     digest = hashlib.sha256()
     for base in cls.__mro__:
@@ -174,10 +173,9 @@ def code_stamp(name: str) -> dict[str, str]:
         except (TypeError, OSError):  # a class with no file of its own (built-in, made at run time)
             digest.update(f"{base.__module__}.{base.__qualname__}".encode())
             continue
-        try:
-            digest.update(ast.dump(ast.parse(source)).encode())
-        except (SyntaxError, ValueError):  # not Python we can parse: its bytes
-            digest.update(source)
+        # its lines but blank and comment-only ones, stripped: the same on any Python (ast.dump's text is not)
+        digest.update(b"\n".join(line.strip() for line in source.splitlines()
+                                 if line.strip() and not line.strip().startswith(b"#")))
     entry = next((e for e in entries() if e.name == name), None)
     return {"distribution": entry.distribution if entry else "?", "version": entry.version if entry else "?",
             "source_sha256": digest.hexdigest()[:16]}
