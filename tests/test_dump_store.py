@@ -564,28 +564,33 @@ def test_a_ctrl_c_lost_in_a_finalizer_still_stops_the_dump(tiny_llama, tmp_path,
     np.testing.assert_array_equal(res.dump.keys(3, 1), reference.keys(3, 1))
 
 
+def _stopped_at_chunk(model, out, monkeypatch, n: int, **kw) -> None:
+    """A dump of chunks of 8 with a checkpoint after each, stopped by a Ctrl-C as its ``n``-th chunk begins."""
+    from anns_lab.dumps import models
+
+    real, calls = models.forward_tokens, []
+
+    def stopped(lm, cache, ids, start, end):
+        calls.append(start)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return real(lm, cache, ids, start, end)
+
+    with monkeypatch.context() as m:
+        m.setattr(models, "forward_tokens", stopped)
+        with pytest.raises(run_mod.DumpInterrupted, match=f"the prefill's first {8 * (n - 1)} tokens kept"):
+            small_dump(model, out, checkpoint_every=1e-9, **kw)
+
+
 @pytest.mark.parametrize("arch, kw", [("tiny_llama", {}), ("tiny_gemma3", {}),
                                       ("tiny_gemma3", {"decode_tokens": 0, "layers": "1"})])
 def test_a_dump_interrupted_in_its_prefill_resumes_from_its_checkpoint(arch, kw, tmp_path, monkeypatch, request):
     """A dump stopped in its prefill kept nothing: at 128K that was the whole hour. With checkpoints (the cache after
     a chunk: full layers' rows, sliding layers' windows) the resume runs only the chunks after the last one, and the
     dump is the uninterrupted one's, bit for bit (Gemma-3's sliding layers of 8 tokens, a forward that stops early)."""
-    from anns_lab.dumps import models
-
     model = request.getfixturevalue(arch)
     reference = small_dump(model, tmp_path / "ref", **kw).dump
-    real, calls = models.forward_tokens, []
-
-    def stopped_at_the_fourth_chunk(lm, cache, ids, start, end):
-        calls.append((start, end))
-        if len(calls) == 4:
-            raise KeyboardInterrupt
-        return real(lm, cache, ids, start, end)
-
-    with monkeypatch.context() as m:
-        m.setattr(models, "forward_tokens", stopped_at_the_fourth_chunk)
-        with pytest.raises(run_mod.DumpInterrupted, match="the prefill's first 24 tokens kept"):
-            small_dump(model, tmp_path / "d", checkpoint_every=1e-9, **kw)
+    _stopped_at_chunk(model, tmp_path / "d", monkeypatch, 4, **kw)
     forwards = _count_forwards(monkeypatch)
     d = small_dump(model, tmp_path / "d", checkpoint_every=1e-9, **kw).dump
     assert forwards[0] == (24, 30), forwards  # the chunks before the checkpoint did not run again
@@ -603,24 +608,11 @@ def test_a_dump_interrupted_in_its_prefill_resumes_from_its_checkpoint(arch, kw,
 def test_a_damaged_prefill_checkpoint_is_said_and_the_prefill_runs_again(tiny_gemma3, tmp_path, monkeypatch, capsys):
     """A checkpoint whose files are gone or cut short only costs the time it would have saved: said, dropped, and the
     prefill runs from its start to the same dump."""
-    from anns_lab.dumps import models
-
     reference = small_dump(tiny_gemma3, tmp_path / "ref").dump
-    real = models.forward_tokens
     for damage in ("sliding window gone", "full rows cut short", "record damaged", "full row changed",
                    "window changed", "captured row changed", "a length changed"):
-        out, calls = tmp_path / damage.replace(" ", "-"), []
-
-        def stopped(lm, cache, ids, start, end):
-            calls.append(start)
-            if len(calls) == 3:
-                raise KeyboardInterrupt
-            return real(lm, cache, ids, start, end)
-
-        with monkeypatch.context() as m:
-            m.setattr(models, "forward_tokens", stopped)
-            with pytest.raises(run_mod.DumpInterrupted, match="first 16 tokens kept"):
-                small_dump(tiny_gemma3, out, checkpoint_every=1e-9)
+        out = tmp_path / damage.replace(" ", "-")
+        _stopped_at_chunk(tiny_gemma3, out, monkeypatch, 3)
         staging = out / run_mod.STAGING
         if damage == "sliding window gone":
             next(staging.glob("cache_000.k.r16.npy")).unlink()
@@ -700,18 +692,8 @@ def test_a_new_capture_leaves_no_checkpoint_on_disk_to_resume_its_zeroed_maps_fr
     files go before the maps are opened."""
     from anns_lab.dumps import models
 
-    real, calls = models.forward_tokens, []
-
-    def stopped(lm, cache, ids, start, end):
-        calls.append(start)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(lm, cache, ids, start, end)
-
-    with monkeypatch.context() as m:
-        m.setattr(models, "forward_tokens", stopped)
-        with pytest.raises(run_mod.DumpInterrupted, match="first 16 tokens kept"):
-            small_dump(tiny_gemma3, tmp_path / "d", checkpoint_every=1e-9)
+    _stopped_at_chunk(tiny_gemma3, tmp_path / "d", monkeypatch, 3)
+    real = models.forward_tokens
     staging = tmp_path / "d" / run_mod.STAGING
     seen = []
 
