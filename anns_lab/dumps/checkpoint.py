@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 EVERY = 300.0  # seconds between checkpoints: an interrupted prefill loses at most this much
-PREFILL_AT = "prefill_at"  # the progress record's key: {"row", "seconds", "cpu_seconds", "ids", "layers", "dtype"}
+PREFILL_AT = "prefill_at"  # the progress record's key: row, seconds, cpu_seconds, ids, layers, dtype, windows, rows
 _BITS = {"bfloat16": "int16"}  # numpy has no bfloat16: its bits are kept as int16
 
 
