@@ -136,8 +136,7 @@ class StagingSink:
 
     def digests(self) -> dict[str, str]:
         """Each map's sha256 by file name: a resume writes the layer files from maps that are still these."""
-        return {self.path(layer, name).name: store.sha256_file(self.path(layer, name))
-                for layer in sorted(self.arrays) for name in "qkv"}
+        return {path.name: store.sha256_file(path) for path, _ in self.maps()}
 
     def flush(self) -> None:
         """Every map's rows on disk (a kill after this keeps them: the progress record may then say so)."""

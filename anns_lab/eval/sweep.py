@@ -365,9 +365,8 @@ def _run(runner, dump, out, settings, names, layers, heads, k, window, build_par
     earlier: dict[Part, int] = {}
     tries: dict[Part, int] = {}
     for part, f in part_file.items():
-        kept, why = _read_part(f, own, part) if f.exists() else (None, None)
-        if kept is not None and (why := _built_otherwise(kept, part.index, build_params.get(part.index))
-                                 or _code_changed(f, part.index, code[part.index])) is None:
+        kept, why = _read_part(f, own, part, code[part.index]) if f.exists() else (None, None)
+        if kept is not None and (why := _built_otherwise(kept, part.index, build_params.get(part.index))) is None:
             continue
         if f.exists():  # cut short, damaged, or of other code since it was written: evaluated again, not trusted
             log(f"{f.name} is not a results part this sweep can keep ({why}): evaluating {part} again (the part "
@@ -470,12 +469,13 @@ def _distinct(values: list[int], flag: str) -> list[int]:
     return list(dict.fromkeys(values))
 
 
-def _read_part(path: Path, own: dict, cell: Part | None = None) -> tuple[pd.DataFrame | None, str | None]:
+def _read_part(path: Path, own: dict, cell: Part | None = None,
+               code: dict | None = None) -> tuple[pd.DataFrame | None, str | None]:
     """A results part of the sweep whose parts record ``own`` (:func:`_part_settings`) and None, or None and why
     ``path`` is not one it can keep, in words: not Parquet, without the results table's columns, holding a row no
     conforming index produces (a part edited or damaged since it was written once kept a NaN recall through every
-    resume, and the report said "re-run the sweep"), or not this sweep's part of ``cell`` (by default the cell its name
-    gives): :func:`_part_problem`."""
+    resume, and the report said "re-run the sweep"), not this sweep's part of ``cell`` (by default the cell its name
+    gives): :func:`_part_problem`, or, given its index's ``code`` now, written by other code: :func:`_code_changed`."""
     try:
         arrow = pq.read_table(path, page_checksum_verification=True)  # a flipped byte: evaluated again
         part = arrow.to_pandas()
@@ -489,7 +489,10 @@ def _read_part(path: Path, own: dict, cell: Part | None = None) -> tuple[pd.Data
     cell = cell or _named_cell(path, part)
     if cell is None:
         return None, "its name is not a part's (L<layer>_H<head>_<index>.parquet)"
-    if problem := _part_problem(part, cell, own, (arrow.schema.metadata or {}).get(PART_SETTINGS)):
+    meta = arrow.schema.metadata or {}
+    if problem := _part_problem(part, cell, own, meta.get(PART_SETTINGS)):
+        return None, problem
+    if code is not None and (problem := _code_changed(meta.get(PART_CODE), cell.index, code)):
         return None, problem
     return part, None
 
@@ -567,14 +570,13 @@ def _with_settings(table: pa.Table, own: dict, code: dict) -> pa.Table:
     return table.replace_schema_metadata(meta)
 
 
-def _code_changed(path: Path, index: str, now: dict) -> str | None:
-    """Why a part's rows are of other code than ``index``'s now (:func:`registry.code_stamp`), in words, or None: a
-    plugin edited and swept again kept its old rows, the command's resume trusting them. A part written before parts
-    recorded it is kept."""
+def _code_changed(recorded: bytes | None, index: str, now: dict) -> str | None:
+    """Why a part whose metadata holds ``recorded`` (:data:`PART_CODE`) is of other code than ``index``'s now
+    (:func:`registry.code_stamp`), in words, or None: a plugin edited and swept again kept its old rows, the command's
+    resume trusting them. A part written before parts recorded it is kept."""
     try:
-        recorded = (pq.read_schema(path).metadata or {}).get(PART_CODE)
         then = loads_json(recorded) if recorded is not None else now
-    except (OSError, ValueError, pa.ArrowException):
+    except ValueError:
         return "its index's code record is unreadable"
     if not isinstance(then, dict):
         return "its index's code record is unreadable"
