@@ -1531,8 +1531,8 @@ def test_report_needs_its_sweeps_window(dump, tmp_path, settings, words):
 
 def test_report_out_never_replaces_what_no_report_wrote(dump, tmp_path):
     """Before: --out another sweep's folder replaced its report by this one's (looking like its own), --out a dump
-    wrote six files into it, a user's report.md or PNG of the report's names was overwritten, and an --out below a file
-    or unmakeable was a traceback."""
+    wrote six files into it, a user's report.md or PNG of the report's names was overwritten, an --out below a file
+    or unmakeable was a traceback, and an --out in a sweep's parts/ wrote files its resume names as no sweep's."""
     from anns_lab.eval.report import write_report
 
     _sweep(dump, tmp_path / "a")
@@ -1562,6 +1562,10 @@ def test_report_out_never_replaces_what_no_report_wrote(dump, tmp_path):
     again = CliRunner().invoke(main, ["report", str(tmp_path / "a"), "--out", str(deep)])  # its own earlier report
     assert again.exit_code == 0, again.output
     assert '<a href="../../b/report.html">b</a>' in (deep / "report.html").read_text()  # from the page, not the results
+    parts = sorted(p.name for p in (tmp_path / "a" / "parts").rglob("*"))
+    for inside in (tmp_path / "a" / "parts", tmp_path / "a" / "parts" / "stale" / "r"):  # before: written among parts
+        one_line_error(["report", tmp_path / "a", "--out", inside], "is inside the sweep folder")
+    assert sorted(p.name for p in (tmp_path / "a" / "parts").rglob("*")) == parts
 
 
 def test_export_stopped_while_replacing_an_earlier_one_never_keeps_its_description(dump, tmp_path, monkeypatch):

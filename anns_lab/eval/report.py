@@ -276,6 +276,11 @@ def _check_out(out: Path, folder: Path) -> None:
     wrote."""
     if out.exists() and not out.is_dir():
         raise AnnsLabError(f"--out {out} is a file; give a folder for the report")
+    # a sweep reads every file under its parts/ as its own (and names the rest): a report there would be one of them
+    for above in (out.resolve(), *out.resolve().parents):
+        if above.name == "parts" and (above.parent / SETTINGS).is_file():
+            raise AnnsLabError(f"--out {out} is inside the sweep folder {above.parent}'s parts/, which holds its "
+                               "results only; give the report a folder of its own")
     if not out.is_dir():
         return
     if out.resolve() != folder.resolve():
