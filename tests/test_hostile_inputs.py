@@ -804,12 +804,14 @@ def test_report_tells_two_dumps_made_in_one_second_apart(dump, tmp_path):
 
 
 def test_a_sweep_folder_from_before_the_stamp_resumes_and_gains_it(dump, tmp_path):
-    """A sweep.json written before it held the dump's stamp is the same sweep (its parts record the stamp themselves):
-    a resume keeps its parts and writes the stamp in, rather than refusing the folder as another sweep's."""
+    """A sweep.json written before it held the dump's stamp and its format is the same sweep (its parts record the
+    stamp themselves): a resume keeps its parts and writes both in, rather than refusing the folder as another sweep's."""
     out = tmp_path / "r"
     _sweep(dump, out)
     settings = json.loads((out / "sweep.json").read_text())
-    (out / "sweep.json").write_text(json.dumps({k: v for k, v in settings.items() if k != "dump_stamp"}))
+    assert settings["format_version"] == 1
+    older = ("dump_stamp", "format_version")
+    (out / "sweep.json").write_text(json.dumps({k: v for k, v in settings.items() if k not in older}))
     (part,) = (out / "parts").glob("*.parquet")
     before = part.stat().st_mtime_ns
     lines: list[str] = []
@@ -821,6 +823,25 @@ def test_a_sweep_folder_from_before_the_stamp_resumes_and_gains_it(dump, tmp_pat
     with pytest.raises(AnnsLabError, match="other settings .*dump_created") as refused:  # another dump's folder
         _sweep(dump, out)
     assert "dump_stamp" not in str(refused.value)  # the stamp it lacks is no difference to name
+
+
+def test_a_sweep_folder_of_another_format_is_named_so(dump, tmp_path):
+    """Before sweep.json recorded its format, a newer lab's folder read as "a sweep of other settings" (a resume) or
+    as this lab's results (report, --from-sweep); now each reader says which format it is and reads none but its own."""
+    from anns_lab.eval.report import write_report
+    from anns_lab.eval.table import load_results
+
+    out = tmp_path / "r"
+    _sweep(dump, out)
+    settings = json.loads((out / "sweep.json").read_text())
+    (out / "sweep.json").write_text(json.dumps(settings | {"format_version": 2}))
+    (part,) = (out / "parts").glob("*.parquet")
+    for read in (lambda: _sweep(dump, out), lambda: load_results(out), lambda: write_report(out)):
+        with pytest.raises(AnnsLabError, match="sweep format is 2, this anns-lab reads format 1"):
+            read()
+    assert part.is_file() and not (out / "report.md").exists()
+    _sweep(dump, out, overwrite=True)  # the user's word: start it again there
+    assert json.loads((out / "sweep.json").read_text()) == settings
 
 
 def test_report_refuses_ivf_build_parameters_the_index_refuses(dump, tmp_path):

@@ -32,7 +32,8 @@ from anns_lab.eval import failures as failed
 from anns_lab.eval import metrics, plan
 from anns_lab.eval.executors import Outcome, Part, open_executor
 from anns_lab.eval.heads import HeadData, check_full_attention, check_k, default_layers, evaluable_layers, load_head
-from anns_lab.eval.table import ADDED, CELL, COLUMNS, DIRECTIONS, RESULTS, SETTINGS, table_problem
+from anns_lab.eval.table import (ADDED, CELL, COLUMNS, DIRECTIONS, RESULTS, SETTINGS, SWEEP_FORMAT, format_problem,
+                                 table_problem)
 from anns_lab.indexes import group_queries, protocol
 from anns_lab.indexes.warmup import warm_up
 from anns_lab.io import atomic_write_json, loads_json, read_json, sole_writer
@@ -317,7 +318,7 @@ def run_sweep(dump_path: str | Path, indexes: list[str] | None = None, layers: l
     if jobs is not None and jobs < 1:
         raise AnnsLabError(f"--jobs {jobs}: give at least 1 worker process")
     out = Path(out) if out is not None else Path("results") / dump.path.name
-    settings = {"dump": str(dump.path.resolve()), "dump_created": dump.manifest["created"],
+    settings = {"format_version": SWEEP_FORMAT, "dump": str(dump.path.resolve()), "dump_created": dump.manifest["created"],
                 "dump_stamp": dump_stamp(dump.manifest), "k": k, "window": list(window)}
     if quick:  # a quick sweep lacks columns a full one has: never mix their parts in one folder
         settings["quick"] = True
@@ -558,7 +559,9 @@ def _part_settings(settings: dict, dump) -> dict:
     """What each part of the sweep of ``settings`` over ``dump`` records: the settings but the dump's path (parts of one
     dump swept on several machines, each with its own path to it, belong together), and the dump's stamp
     (``store.dump_stamp``: its manifest's checksum, where its creation time, to the second, may be another's too)."""
-    return {key: value for key, value in settings.items() if key != "dump"} | {"dump_stamp": dump_stamp(dump.manifest)}
+    # nor the folder's format: a part is read by its own schema, and one written before the record is this sweep's
+    own = {key: value for key, value in settings.items() if key not in ("dump", "format_version")}
+    return own | {"dump_stamp": dump_stamp(dump.manifest)}
 
 
 def _with_settings(table: pa.Table, own: dict, code: dict) -> pa.Table:
@@ -606,6 +609,13 @@ def _prepare(out: Path, settings: dict, overwrite: bool) -> None:
                 raise AnnsLabError(f"{sfile} is corrupt ({err}); pass --overwrite to start this sweep again there, "
                                    "or choose another --out") from None
             old = None
+        if isinstance(old, dict) and (other := format_problem(old)) and not overwrite:
+            raise AnnsLabError(f"{sfile}: {other}; finish it with the anns-lab that began it, pass --overwrite to "
+                               "start this sweep again there, or choose another --out")
+        if isinstance(old, dict) and "format_version" not in old:  # a folder from before the record: format 1
+            old = {"format_version": 1, **old}
+            if old == settings:
+                atomic_write_json(sfile, settings)
         before_stamp = isinstance(old, dict) and "dump_stamp" not in old  # a sweep from before sweep.json held it
         if before_stamp and old | {"dump_stamp": settings["dump_stamp"]} == settings:
             old = settings  # the same sweep: its parts check the stamp themselves

@@ -17,6 +17,7 @@ from anns_lab.io import loads_json, read_json
 
 RESULTS = "results.parquet"
 SETTINGS = "sweep.json"
+SWEEP_FORMAT = 1  # sweep.json's "format_version" (folders from before it have none: format 1)
 COLUMNS = ["dump", "model", "layer", "head", "kv_head", "index", "build_params", "search_params", "direction", "k",
            "n_keys", "n_queries", "recall", "scanned_fraction", "bytes_read", "mass_recovered", "output_rel_error", "latency_us",
            "qps", "build_s", "index_bytes", "auto_rules"]
@@ -73,9 +74,19 @@ def load_results(path: str | Path) -> tuple[pd.DataFrame, dict]:
     except (OSError, ValueError) as err:
         raise AnnsLabError(f"{folder / SETTINGS} is corrupt ({err}); re-run the sweep") from None
     problem = (f"a JSON {type(settings).__name__}" if not isinstance(settings, dict) else _settings_problem(settings))
+    if not problem and (other := format_problem(settings)):
+        raise AnnsLabError(f"{folder / SETTINGS}: {other}; read it with the anns-lab that swept it, or sweep again")
     if problem:
         raise AnnsLabError(f"{folder / SETTINGS} is not a sweep's settings ({problem}); re-run the sweep")
     return table, settings
+
+
+def format_problem(settings: dict) -> str | None:
+    """Why this anns-lab cannot read a sweep folder of ``settings`` (another sweep format), in words, or None."""
+    version = settings.get("format_version", 1)
+    if version == SWEEP_FORMAT:
+        return None
+    return f"its sweep format is {_shown(version)}, this anns-lab reads format {SWEEP_FORMAT}"
 
 
 def _settings_problem(settings: dict) -> str | None:
