@@ -174,3 +174,42 @@ def test_the_indexes_command_runs_the_kit_on_a_registered_index(monkeypatch):
     assert unknown.exit_code == 2 and "unknown index 'nosuch'" in unknown.output
     alone = CliRunner().invoke(main, ["indexes", "--min-recall", "0.5"])  # was ignored, the listing printed
     assert alone.exit_code == 2 and "--min-recall goes with --check NAME" in alone.output
+
+
+def test_the_code_stamp_reads_the_helper_modules_of_its_package(tmp_path, monkeypatch):
+    """A sweep's resume keeps a part only while its index's code stamp is unchanged: an edit of a helper module the
+    class imports (here inside a function, relatively, two levels down) went unseen, the old rows kept (a plugin
+    walkthrough, session 55). Comments and blank lines still do not count; another package's modules do not."""
+    import importlib
+    import sys
+
+    from anns_lab.indexes import registry
+
+    pkg = tmp_path / "stamp_plugin"
+    (pkg / "kernels").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from stamp_plugin.index import Stamped\n")
+    (pkg / "index.py").write_text(
+        "import json\nfrom anns_lab.indexes.flat import FlatIndex\n\n\nclass Stamped(FlatIndex):\n"
+        "    name = 'stamped'\n\n    def _build(self, keys, train_queries):\n        from .kernels import fast\n"
+        "        return super()._build(fast.scale(keys), train_queries)\n")
+    (pkg / "kernels" / "__init__.py").write_text("")
+    (pkg / "kernels" / "fast.py").write_text("from . import deep\n\n\ndef scale(keys):\n    return keys\n")
+    (pkg / "kernels" / "deep.py").write_text("FACTOR = 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m.startswith("stamp_plugin")]:
+        monkeypatch.delitem(sys.modules, name)
+    cls = importlib.import_module("stamp_plugin").Stamped
+    real = registry.get
+    monkeypatch.setattr(registry, "get", lambda name: cls if name == "stamped" else real(name))
+
+    first = registry.code_stamp("stamped")["source_sha256"]
+    (pkg / "kernels" / "deep.py").write_text("# the factor\n\nFACTOR = 1.0\n")
+    assert registry.code_stamp("stamped")["source_sha256"] == first  # a comment is no edit
+    (pkg / "kernels" / "deep.py").write_text("FACTOR = 2.0\n")
+    assert registry.code_stamp("stamped")["source_sha256"] != first  # two imports below the class
+    (pkg / "kernels" / "deep.py").write_text("FACTOR = 1.0\n")
+    (pkg / "kernels" / "fast.py").write_text("from . import deep\n\n\ndef scale(keys):\n    return keys * 1\n")
+    assert registry.code_stamp("stamped")["source_sha256"] != first  # imported inside _build, relatively
+    (pkg / "kernels" / "fast.py").write_text("from . import deep\n\n\ndef scale(keys):\n    return keys\n")
+    assert registry.code_stamp("stamped")["source_sha256"] == first
+    assert registry.code_stamp("flat") == registry.code_stamp("flat")  # the same on every call

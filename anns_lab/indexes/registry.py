@@ -7,8 +7,10 @@ its index, so there is no second path. A plugin that fails to import is recorded
 
 from __future__ import annotations
 
+import ast
 import difflib
 import hashlib
+import importlib.util
 import inspect
 import re
 from dataclasses import dataclass
@@ -161,24 +163,81 @@ def get(name: str) -> type[Index]:
 
 def code_stamp(name: str) -> dict[str, str]:
     """What says which code ``name``'s index is: the distribution and version announcing it, and a sha256 over the
-    source files of its class and its bases but ``Index`` (but blank and comment-only lines, and indentation): a plugin
-    edited in place keeps its version, and a sweep's resume must not keep the rows of its code before."""
+    source files of its class and its bases but ``Index``, and of every module of their own package they import, at
+    any depth (but blank and comment-only lines, and indentation): a plugin edited in place keeps its version, and a
+    sweep's resume must not keep the rows of its code before (a helper kernel's edit included)."""
     cls = get(name)
     digest = hashlib.sha256()
+    files: list[Path] = []
     for base in cls.__mro__:
         if base in (Index, object):
             continue
         try:
-            source = Path(inspect.getsourcefile(base)).read_bytes()
+            files.append(Path(inspect.getsourcefile(base)))
         except (TypeError, OSError):  # a class with no file of its own (built-in, made at run time)
             digest.update(f"{base.__module__}.{base.__qualname__}".encode())
-            continue
+    top = cls.__module__.split(".")[0]
+    for path in [*files, *_imported_sources(files, top, skip={Path(inspect.getsourcefile(Index))} | set(files))]:
         # its lines but blank and comment-only ones, stripped: the same on any Python (ast.dump's text is not)
-        digest.update(b"\n".join(line.strip() for line in source.splitlines()
+        digest.update(b"\n".join(line.strip() for line in path.read_bytes().splitlines()
                                  if line.strip() and not line.strip().startswith(b"#")))
     entry = next((e for e in entries() if e.name == name), None)
     return {"distribution": entry.distribution if entry else "?", "version": entry.version if entry else "?",
             "source_sha256": digest.hexdigest()[:16]}
+
+
+def _imported_sources(files: list[Path], top: str, skip: set[Path]) -> list[Path]:
+    """The source files of the modules of package ``top`` that ``files`` import, and those they import, at any depth
+    (sorted; none of ``skip``): read from each file's import statements, so what a function imports counts too."""
+    found: dict[str, Path] = {}
+    todo = list(files)
+    while todo:
+        path = todo.pop()
+        try:
+            tree = ast.parse(path.read_bytes())
+        except (OSError, SyntaxError, ValueError):
+            continue
+        package = _module_of(path, top)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level and package is not None:  # relative: from the importing module's package
+                    up = node.level - 1  # level 1 is the module's own package
+                    parent = package.rsplit(".", up)[0] if up <= package.count(".") else ""
+                    base = f"{parent}.{base}".strip(".") if parent else ""
+                names = [base, *(f"{base}.{alias.name}" for alias in node.names)] if base else []
+            else:
+                continue
+            for module in names:
+                if module.split(".")[0] != top or module in found:
+                    continue
+                origin = _source_of(module)
+                if origin is not None and origin not in skip:
+                    found[module] = origin
+                    skip = skip | {origin}
+                    todo.append(origin)
+    return [found[m] for m in sorted(found)]
+
+
+def _module_of(path: Path, top: str) -> str | None:
+    """The dotted package a source file of package ``top`` belongs to (``a.b`` for ``.../a/b/c.py`` or ``a/b/__init__.py``)."""
+    parts = path.with_suffix("").parts
+    if top not in parts:
+        return None
+    dotted = parts[len(parts) - 1 - parts[::-1].index(top):]
+    return ".".join(dotted[:-1]) if dotted[-1] != "__init__" else ".".join(dotted[:-1])
+
+
+def _source_of(module: str) -> Path | None:
+    """The .py file of an importable module, or None (a name that is no module: an imported function's)."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError, AttributeError):
+        return None
+    origin = spec.origin if spec is not None else None
+    return Path(origin) if origin and origin.endswith(".py") else None
 
 
 def create(name: str, **build_params: Any) -> Index:
