@@ -16,7 +16,8 @@ Two choices of ours, measured (BENCHMARKS "Estimators"): faiss L2 k-means over a
 reference runs segmented spherical (inner-product) k-means, no better at 8K; and until session 48
 every other cluster was estimated (``estimation_budget`` 1, what tables swept before it measured).
 
-Counting: ``n_scanned`` = ``nlist`` centroids + the probed clusters' keys; ``bytes_read`` = those
+Counting: ``n_scanned`` = the non-empty clusters' centroids (``nlist`` when none is empty) + the probed clusters'
+keys; ``bytes_read`` = those
 vectors, the values of the exact keys beyond the top-k and the estimated clusters' value sums, as float32, and the
 index data read to find them: 8 bytes per probed key's id in its cluster's member list (as ivf and clusterkv charge)
 and 8 per estimated cluster's member count (uncharged until session 47: ~3% of the bytes at d = 64).

@@ -14,7 +14,8 @@ build), and θ is the angle between q and k − μ. Softmax is unchanged by the 
 every logit), but attention keys share a large common direction, and without it almost no key
 collides with an out-of-distribution query.
 
-Counting: ``n_scanned`` = sampled keys (their logits) + ``K·L`` hyperplanes; ``bytes_read`` =
+Counting: ``n_scanned`` = sampled keys (their logits) + ``K·L`` hyperplanes, + 1 when centred (q·μ, which
+turns a centred logit q·(k − μ) into the attention's q·k); ``bytes_read`` =
 those vectors and the sampled keys' values as float32, plus the key codes compared (``n·L·⌈K/8⌉``
 bytes, a packed table's width).
 """
@@ -62,6 +63,9 @@ class MagicPIG(SimHashLSH):
         self._codes = self._hash(keys - self._mean)  # queries are hashed as they are
         self._norms = np.linalg.norm((keys - self._mean).astype(np.float64), axis=1)
 
+    def max_scanned(self) -> int:
+        return super().max_scanned() + int(self.params["center"])  # q·μ
+
     def _add(self, keys: np.ndarray) -> None:
         self._keys = np.vstack([self._keys, keys])
         self._codes = np.vstack([self._codes, self._hash(keys - self._mean)])
@@ -91,7 +95,7 @@ class MagicPIG(SimHashLSH):
             keep = p > 0  # a key with p = 0 cannot have collided; guards the weight against rounding
             samples.append(cand[keep])
             weights.append(1.0 / p[keep])
-            n_scanned[row] = len(cand) + K * L
+            n_scanned[row] = len(cand) + K * L + int(self.params["center"])
         estimate = Estimate.make(samples, weights, nq=nq)
         bytes_read = (n_scanned + estimate.n_terms()) * 4 * d + n * L * math.ceil(K / 8)
         ids = np.full((nq, k), -1, np.int64)

@@ -39,3 +39,19 @@ def test_min_collisions_zero_samples_every_key_exactly():
     w = np.exp((queries.astype(np.float64) @ keys.astype(np.float64).T) * 0.25)
     np.testing.assert_allclose(z, w.sum(axis=1), rtol=1e-9)
     np.testing.assert_allclose(num, w @ values.astype(np.float64), rtol=1e-9, atol=1e-9)
+
+
+def test_scanned_counts_candidates_hyperplanes_and_the_mean():
+    """Every product of a query: its K·L hyperplanes, q·(k − μ) for each key colliding often enough (recounted from
+    the codes bit by bit), and, centred, q·μ once (the attention's logit is q·(k − μ) + q·μ; an audit found it
+    uncounted, one product a query)."""
+    keys, queries, _ = easy_data()
+    for center in (True, False):
+        index = MagicPIG(K=6, L=16, center=center).build(keys)
+        res = index.search(queries, 10, min_collisions=2)
+        mean = keys.mean(axis=0) if center else 0.0
+        planes = index._planes.reshape(16, 6, -1)
+        kc = np.einsum("tbd,nd->ntb", planes, keys - mean) > 0
+        qc = np.einsum("tbd,nd->ntb", planes, queries) > 0
+        collisions = (kc[None] == qc[:, None]).all(axis=3).sum(axis=2)
+        assert np.array_equal(res.n_scanned, (collisions >= 2).sum(axis=1) + 16 * 6 + int(center))
