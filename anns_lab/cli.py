@@ -13,7 +13,7 @@ from anns_lab.version import __version__
 
 class _Group(click.Group):
     """Prints an AnnsLabError as one line (no traceback) and exits with status 2; SIGTERM stops a command as Ctrl-C
-    does."""
+    does, and every command stopped so exits with status 130 (dump, sweep and decode say what they kept)."""
 
     def invoke(self, ctx: click.Context):
         # `kill`, `timeout` or a scheduler's stop gets the clean stop a Ctrl-C gets (by default it ended the driver
@@ -24,6 +24,9 @@ class _Group(click.Group):
         except AnnsLabError as err:
             click.echo(f"Error: {err}", err=True)
             sys.exit(2)
+        except KeyboardInterrupt:  # report, export, indexes: click's own "Aborted!" exits 1, unlike the others' 130
+            click.echo(f"interrupted: anns-lab {ctx.invoked_subcommand} stopped", err=True)
+            sys.exit(130)
         finally:
             restore()
 

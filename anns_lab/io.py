@@ -4,6 +4,7 @@ writer per dump or sweep folder (:func:`sole_writer`); JSON read with one kind o
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import tempfile
@@ -101,6 +102,26 @@ def _sync_dir(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def new_map(path: Path, dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """A new ``.npy`` memory map of ``shape`` at ``path``, its disk space reserved: a full disk is an OSError here
+    (ENOSPC), not a SIGBUS at a later write into a page the file system cannot back (a sparse file's pages are
+    allocated as they are first written; a dump or its checkpoint on a full disk ended with status 135)."""
+    from numpy.lib.format import open_memmap
+
+    m = open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+    try:
+        with open(path, "r+b") as f:
+            if hasattr(os, "posix_fallocate"):  # not on macOS: its maps stay sparse
+                os.posix_fallocate(f.fileno(), 0, os.fstat(f.fileno()).st_size)
+    except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            del m
+            path.unlink(missing_ok=True)
+            raise
+        # a file system without it (EOPNOTSUPP, EINVAL): the map stays sparse, as before
+    return m
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

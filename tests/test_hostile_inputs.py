@@ -1589,6 +1589,26 @@ def test_report_out_never_replaces_what_no_report_wrote(dump, tmp_path):
     assert sorted(p.name for p in (tmp_path / "a" / "parts").rglob("*")) == parts
 
 
+def test_every_command_stopped_by_ctrl_c_exits_130(dump, tmp_path, monkeypatch):
+    """dump, sweep and decode exit 130 on a Ctrl-C (or SIGTERM), as docs/architecture.md says of every command; report
+    and export printed click's "Aborted!" and exited 1 (a docs review)."""
+    from anns_lab.eval import report as report_mod
+
+    _sweep(dump, tmp_path / "a")
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report_mod, "write_report", stopped)
+    monkeypatch.setattr(export, "export_fbin", stopped)
+    for args, name in ((["report", str(tmp_path / "a")], "report"),
+                       (["export", "--dump", str(dump.path), "--layer", "1", "--head", "0", "--k", "10", "--window",
+                         "0,0", "--out", str(tmp_path / "ex")], "export")):
+        res = CliRunner().invoke(main, args)
+        assert res.exit_code == 130 and f"interrupted: anns-lab {name} stopped" in res.output, res.output
+        assert "Aborted!" not in res.output
+
+
 def test_export_stopped_while_replacing_an_earlier_one_never_keeps_its_description(dump, tmp_path, monkeypatch):
     """Before: an --overwrite export of another head stopped after base.fbin left the earlier export.json, saying layer 1
     head 0, beside layer 3 head 1's keys: a folder that looked complete and described other arrays."""

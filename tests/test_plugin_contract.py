@@ -179,7 +179,8 @@ def test_the_indexes_command_runs_the_kit_on_a_registered_index(monkeypatch):
 def test_the_code_stamp_reads_the_helper_modules_of_its_package(tmp_path, monkeypatch):
     """A sweep's resume keeps a part only while its index's code stamp is unchanged: an edit of a helper module the
     class imports (here inside a function, relatively, two levels down) went unseen, the old rows kept (a plugin
-    walkthrough, session 55). Comments and blank lines still do not count; another package's modules do not."""
+    walkthrough, session 55). Comments and blank lines still do not count, indentation does; another package's modules
+    do not."""
     import importlib
     import sys
 
@@ -212,4 +213,8 @@ def test_the_code_stamp_reads_the_helper_modules_of_its_package(tmp_path, monkey
     assert registry.code_stamp("stamped")["source_sha256"] != first  # imported inside _build, relatively
     (pkg / "kernels" / "fast.py").write_text("from . import deep\n\n\ndef scale(keys):\n    return keys\n")
     assert registry.code_stamp("stamped")["source_sha256"] == first
+    (pkg / "kernels" / "deep.py").write_text("if False:\n    pass\n    FACTOR = 1.0\n")
+    changed = registry.code_stamp("stamped")["source_sha256"]
+    (pkg / "kernels" / "deep.py").write_text("if False:\n    pass\nFACTOR = 1.0\n")
+    assert registry.code_stamp("stamped")["source_sha256"] != changed  # a line's indentation alone is code too
     assert registry.code_stamp("flat") == registry.code_stamp("flat")  # the same on every call

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from anns_lab.io import new_map
+
 EVERY = 300.0  # seconds between checkpoints: an interrupted prefill loses at most this much
 PREFILL_AT = "prefill_at"  # the progress record's key: row, seconds, cpu_seconds, ids, layers, dtype, windows, rows
 _BITS = {"bfloat16": "int16"}  # numpy has no bfloat16: its bits are kept as int16
@@ -121,8 +123,6 @@ class PrefillCheckpoints:
             tqdm.write(f"{self.folder}: no more prefill checkpoints ({err.strerror or err}); the dump goes on")
 
     def _save(self, cache, row: int, state: dict, write_state, sink, seconds: float, cpu_seconds: float, ids) -> None:
-        from numpy.lib.format import open_memmap
-
         layers, windows, rows, dtype = {}, {}, {name: list(spans) for name, spans in self.rows.items()}, None
         for i, layer in enumerate(cache.layers):
             if not layer.is_initialized:  # past the deepest layer the capture runs (StopForward)
@@ -137,8 +137,8 @@ class PrefillCheckpoints:
                 # opened for each save, not held: a map held open counts its written pages in the process's memory
                 path = self.folder / f"cache_{i:03d}.{name}.npy"
                 new = _to_numpy(t[:, :, self.saved_row:row])  # the rows since the last save only (off the device)
-                m = reopen_map(path) if self.saved_row else open_memmap(
-                    path, mode="w+", dtype=new.dtype, shape=(new.shape[0], self.n_prefill, new.shape[2]))
+                m = reopen_map(path) if self.saved_row else new_map(
+                    path, new.dtype, (new.shape[0], self.n_prefill, new.shape[2]))
                 m[:, self.saved_row:row] = new
                 m.flush()
                 del m

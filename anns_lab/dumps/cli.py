@@ -11,7 +11,8 @@ from anns_lab.dumps.prompts import CONTINUATIONS, SOURCES
 
 
 class RopeScalingType(click.ParamType):
-    """``KIND:FACTOR``: RoPE position scaling of the model's long-range layers (:class:`dumps.models.RopeScaling`);
+    """``KIND:FACTOR``: RoPE position scaling of the model's long-range layers, every layer where its config has one RoPE
+    set (:class:`dumps.models.RopeScaling`);
     ``anns-lab decode`` takes it too."""
 
     name = "KIND:FACTOR"
@@ -26,7 +27,8 @@ class RopeScalingType(click.ParamType):
 
 
 ROPE_SCALING = RopeScalingType()
-ROPE_HELP = ("scale the RoPE positions of the model's long-range layers: linear:4 maps 4x the trained context into "
+ROPE_HELP = ("scale the RoPE positions of the model's long-range layers (every layer where its config has one RoPE "
+             "set): linear:4 maps 4x the trained context into "
              "it (dynamic, yarn also; the model was not trained so: still an extrapolation)")
 
 

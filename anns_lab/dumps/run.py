@@ -31,7 +31,7 @@ from anns_lab.dumps import checkpoint, rope, store
 from anns_lab.dumps.models import RopeScaling
 from anns_lab.dumps.prompts import CONTINUATION_WORDS, CONTINUATIONS
 from anns_lab.errors import DumpError, PromptError
-from anns_lab.io import atomic_write_json, read_json, sole_writer
+from anns_lab.io import atomic_write_json, new_map, read_json, sole_writer
 from anns_lab.version import __version__
 
 STAGING = ".staging"
@@ -117,8 +117,8 @@ class StagingSink:
         self.folder = folder
         self.arrays = {
             layer: {name: checkpoint.reopen_map(self.path(layer, name)) if resume else
-                    open_memmap(self.path(layer, name), dtype=dtype, mode="r" if staged else "w+",
-                                shape=None if staged else shape)
+                    open_memmap(self.path(layer, name), mode="r") if staged else
+                    new_map(self.path(layer, name), dtype, shape)
                     for name, shape in shapes.items()}
             for layer in layers
         }
@@ -485,7 +485,13 @@ def _capture(out, settings, state, begin, model_name, prompt_path, allow_extrapo
             state.pop(checkpoint.PREFILL_AT, None)
             atomic_write_json(staging / PROGRESS, state)
             checkpoint.delete(staging)
-            sink = StagingSink(staging, missing, n_prefill + n_decode, n_heads, n_kv, d, DTYPES[settings["dtype"]])
+            try:
+                sink = StagingSink(staging, missing, n_prefill + n_decode, n_heads, n_kv, d, DTYPES[settings["dtype"]])
+            except OSError as err:  # a full disk: the maps' space is reserved as they are made (io.new_map)
+                need = (n_prefill + n_decode) * (n_heads + 2 * n_kv) * d * np.dtype(DTYPES[settings["dtype"]]).itemsize
+                raise DumpError(f"cannot stage the capture in {staging}: {err.strerror or err}; its maps take "
+                                f"{need * len(missing) / 2**30:.2f} GiB (fewer --layers or --tokens take less): free "
+                                "space there, or choose another --out") from None
         missing_forward = missing
 
     # Logits are needed only to choose decode tokens; once every token is known the forward can stop early.

@@ -164,8 +164,9 @@ def get(name: str) -> type[Index]:
 def code_stamp(name: str) -> dict[str, str]:
     """What says which code ``name``'s index is: the distribution and version announcing it, and a sha256 over the
     source files of its class and its bases but ``Index``, and of every module of their own package they import, at
-    any depth (but blank and comment-only lines, and indentation): a plugin edited in place keeps its version, and a
-    sweep's resume must not keep the rows of its code before (a helper kernel's edit included)."""
+    any depth (but blank and comment-only lines and trailing spaces; indentation counts: it is Python's syntax): a
+    plugin edited in place keeps its version, and a sweep's resume must not keep the rows of its code before (a helper
+    kernel's edit included)."""
     cls = get(name)
     digest = hashlib.sha256()
     files: list[Path] = []
@@ -178,8 +179,8 @@ def code_stamp(name: str) -> dict[str, str]:
             digest.update(f"{base.__module__}.{base.__qualname__}".encode())
     top = cls.__module__.split(".")[0]
     for path in [*files, *_imported_sources(files, top, skip={Path(inspect.getsourcefile(Index))} | set(files))]:
-        # its lines but blank and comment-only ones, stripped: the same on any Python (ast.dump's text is not)
-        digest.update(b"\n".join(line.strip() for line in path.read_bytes().splitlines()
+        # its lines but blank and comment-only ones: the same on any Python (ast.dump's text is not)
+        digest.update(b"\n".join(line.rstrip() for line in path.read_bytes().splitlines()
                                  if line.strip() and not line.strip().startswith(b"#")))
     entry = next((e for e in entries() if e.name == name), None)
     return {"distribution": entry.distribution if entry else "?", "version": entry.version if entry else "?",
