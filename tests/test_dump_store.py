@@ -731,7 +731,7 @@ def test_a_full_disk_is_said_where_the_maps_are_made_not_a_crash_at_a_later_writ
     with monkeypatch.context() as m:
         m.setattr(os, "posix_fallocate", full_for("layer_"))
         with pytest.raises(DumpError, match=r"cannot stage the capture in .*No space left on device; its maps take "
-                                            r"[0-9.]+ GiB .*free space there, or choose another --out"):
+                                            r"[0-9.,]+ [MG]iB .*free space there, or choose another --out"):
             small_dump(tiny_gemma3, tmp_path / "full")
     assert not list((tmp_path / "full" / run_mod.STAGING).glob("layer_*.npy"))  # no map half made
     capsys.readouterr()

@@ -1326,7 +1326,7 @@ def test_a_resume_whose_every_file_was_damaged_then_fails_leaves_a_folder_the_ne
         f.write_bytes(b"x" * f.stat().st_size)  # every finished file damaged
     with pytest.MonkeyPatch.context() as mp:  # the resume fails before writing anything again
         mp.setattr(run_mod, "StagingSink", lambda *a, **kw: (_ for _ in ()).throw(OSError("disk full")))
-        with pytest.raises(OSError):
+        with pytest.raises(DumpError, match="cannot stage the capture in .*: disk full"):
             _small(tiny_llama, out)
     assert _small(tiny_llama, out).dump.manifest["n_tokens"]["prefill"] == 30  # before: "is not a dump folder"
 

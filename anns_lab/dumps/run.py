@@ -488,10 +488,11 @@ def _capture(out, settings, state, begin, model_name, prompt_path, allow_extrapo
             try:
                 sink = StagingSink(staging, missing, n_prefill + n_decode, n_heads, n_kv, d, DTYPES[settings["dtype"]])
             except OSError as err:  # a full disk: the maps' space is reserved as they are made (io.new_map)
-                need = (n_prefill + n_decode) * (n_heads + 2 * n_kv) * d * np.dtype(DTYPES[settings["dtype"]]).itemsize
-                raise DumpError(f"cannot stage the capture in {staging}: {err.strerror or err}; its maps take "
-                                f"{need * len(missing) / 2**30:.2f} GiB (fewer --layers or --tokens take less): free "
-                                "space there, or choose another --out") from None
+                row = (n_heads + 2 * n_kv) * d * np.dtype(DTYPES[settings["dtype"]]).itemsize
+                need = (n_prefill + n_decode) * row * len(missing) / 2**20
+                size = f"{need / 1024:,.2f} GiB" if need >= 1024 else f"{need:,.1f} MiB"
+                raise DumpError(f"cannot stage the capture in {staging}: {err.strerror or err}; its maps take {size} "
+                                "(fewer --layers or --tokens take less): free space there, or choose another --out") from None
         missing_forward = missing
 
     # Logits are needed only to choose decode tokens; once every token is known the forward can stop early.
