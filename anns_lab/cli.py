@@ -37,6 +37,15 @@ def main() -> None:
     """anns-lab: ANN indexes for attention-query → key retrieval."""
 
 
+def entry() -> None:
+    """The ``anns-lab`` console script: :func:`main`, its exit status kept through the interpreter's shutdown."""
+    try:
+        main()
+    except SystemExit as finished:
+        stops.exit_on_signal(finished.code)
+        raise
+
+
 def _register() -> None:
     from anns_lab.decode.cli import decode
     from anns_lab.dumps.cli import dump

@@ -564,6 +564,24 @@ def test_a_ctrl_c_lost_in_a_finalizer_still_stops_the_dump(tiny_llama, tmp_path,
     np.testing.assert_array_equal(res.dump.keys(3, 1), reference.keys(3, 1))
 
 
+def test_a_dump_stopped_between_a_layer_file_and_its_record_counts_what_the_record_holds(tiny_llama, tmp_path,
+                                                                                         monkeypatch):
+    """The stop's message counted the layers in memory, one of them not yet in the progress record on disk: "2 layer
+    file(s) kept", then the resume kept 1 and wrote the other again (an interrupt fuzz). It counts the record's now."""
+    real = run_mod.atomic_write_json
+
+    def recording(path, obj):
+        if path.name == run_mod.PROGRESS and sum(n.startswith("layer_") for n in obj.get("done", {})) == 2:
+            raise KeyboardInterrupt  # the second layer's file is written, its record not
+        return real(path, obj)
+
+    with monkeypatch.context() as m:
+        m.setattr(run_mod, "atomic_write_json", recording)
+        with pytest.raises(run_mod.DumpInterrupted, match="interrupted: 1 layer file.s. kept"):
+            small_dump(tiny_llama, tmp_path / "d")
+    assert small_dump(tiny_llama, tmp_path / "d").resumed_layers == 1
+
+
 def _stopped_at_chunk(model, out, monkeypatch, n: int, **kw) -> None:
     """A dump of chunks of 8 with a checkpoint after each, stopped by a Ctrl-C as its ``n``-th chunk begins."""
     from anns_lab.dumps import models

@@ -526,6 +526,11 @@ def test_a_resumed_sweep_says_so_and_names_the_files_it_does_not_read(dump, tmp_
                for line in lines), lines
     assert any("holds 1 file(s) no sweep writes, not read: notes.txt" in line for line in lines), lines
     assert first.exists() and (out / "parts" / "notes.txt").read_text() == "mine"
+    (out / "results.parquet").unlink()  # every part finished, the table not yet written (a kill between them)
+    lines.clear()
+    run_sweep(dump.path, ["flat"], [1], [0, 1], k=10, window=(0, 0), out=out, jobs=1, progress=False, log=lines.append)
+    assert any(line.endswith("every part is finished (resumed: 2 of 2 finished parts kept)") for line in lines), lines
+    assert (out / "results.parquet").is_file()
 
 
 def test_a_ctrl_c_lost_in_a_finalizer_still_stops_the_sweep(dump, tmp_path, monkeypatch, lost_ctrl_c):
@@ -541,6 +546,16 @@ def test_a_ctrl_c_lost_in_a_finalizer_still_stops_the_sweep(dump, tmp_path, monk
     with pytest.raises(sweep_mod.SweepInterrupted, match="interrupted: 1 of 2 parts are finished and kept"):
         run_sweep(dump.path, ["flat"], [1], [0, 1], k=10, window=(0, 0), out=tmp_path / "r", jobs=1, progress=False)
     assert len(list((tmp_path / "r" / "parts").glob("*.parquet"))) == 1
+    # stopped at its last part: nothing is left to resume, and "run the same command again" said otherwise
+    from anns_lab import stops
+
+    stops._STOP.clear()  # the first run's table write above recorded one more (a command's end clears it)
+    with pytest.raises(sweep_mod.SweepInterrupted, match="interrupted after its last part: all 1 parts are finished "
+                                                         "and kept in .*, and their table written"):
+        run_sweep(dump.path, ["flat"], [1], [0], k=10, window=(0, 0), out=tmp_path / "one", jobs=1, progress=False)
+    from anns_lab.eval.table import load_results
+
+    assert sorted(load_results(tmp_path / "one")[0]["head"].unique()) == [0]
 
 
 def test_a_part_of_an_index_whose_code_changed_since_is_evaluated_again(dump, tmp_path, monkeypatch):
@@ -1607,6 +1622,24 @@ def test_every_command_stopped_by_ctrl_c_exits_130(dump, tmp_path, monkeypatch):
         res = CliRunner().invoke(main, args)
         assert res.exit_code == 130 and f"interrupted: anns-lab {name} stopped" in res.output, res.output
         assert "Aborted!" not in res.output
+
+
+@pytest.mark.parametrize("args, status", [(["indexes", "--check", "flat"], 0), (["indexes", "--check", "nosuch"], 2)])
+def test_a_signal_during_the_interpreters_shutdown_keeps_the_commands_status(args, status):
+    """A SIGTERM or Ctrl-C after a command's end, while Python shut down (torch's takes up to a second), killed the
+    process with the signal's status (-15, -2) or printed a KeyboardInterrupt from an atexit callback (an interrupt
+    fuzz): the console script's status is the command's, whatever arrives then."""
+    import subprocess
+    import sys
+
+    script = ("import atexit, os, signal, sys\n"
+              "from anns_lab.cli import entry\n"
+              "atexit.register(lambda: os.kill(os.getpid(), signal.SIGTERM))\n"
+              f"sys.argv = ['anns-lab', *{args!r}]\n"
+              "entry()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == status, (done.returncode, done.stderr[-2000:])
+    assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr, done.stderr[-2000:]
 
 
 def test_export_stopped_while_replacing_an_earlier_one_never_keeps_its_description(dump, tmp_path, monkeypatch):

@@ -419,11 +419,12 @@ def run_dump(model: str = "smollm2", *, source: str = "text", prompt_path: str |
                 if not existed and out.is_dir() and not any(out.iterdir()):
                     out.rmdir()
             if isinstance(err, KeyboardInterrupt):
-                layers_kept = sum(name != store.TOKENS_FILE for name in state["done"])
+                recorded = _recorded(out, state) if began else {}
+                layers_kept = sum(name != store.TOKENS_FILE for name in recorded)
                 raise DumpInterrupted(
                     f"interrupted before the capture began: {out} is as it was" if not began else
                     f"interrupted: {layers_kept} layer file(s) kept in {out}; run the same command again to resume"
-                    if state["done"] else
+                    if recorded else
                     f"interrupted: the prefill's first {at['row']} tokens kept in {out / STAGING} (its checkpoint); "
                     "run the same command again to resume from there" if at is not None else
                     "interrupted before any file was written: nothing was kept") from None
@@ -737,6 +738,16 @@ def _check_fits(lm, n_prefill: int, n_decode: int, chunk: int, allow_extrapolati
                           "use fewer --tokens, or pass --allow-extrapolation to go beyond it")
     check_prefill(lm.config, n_prefill + n_decode, chunk, f"a dump of {n_prefill} + {n_decode} tokens of {lm.name}",
                   "--decode-tokens" if n_decode > n_prefill else "--tokens")
+
+
+def _recorded(out: Path, state: dict) -> dict:
+    """The files the progress record on disk lists as done (what a resume keeps): ``state``'s may hold one more, a
+    stop having landed between a layer's file and its record (an interrupt fuzz: "12 kept", then 11 resumed)."""
+    try:
+        done = read_json(out / STAGING / PROGRESS).get("done")
+    except (OSError, ValueError, AttributeError):
+        return state["done"]
+    return done if isinstance(done, dict) else state["done"]
 
 
 def _write_layers(out, missing: list[int], sink, state: dict, progress: bool) -> float:

@@ -411,6 +411,8 @@ def _run(runner, dump, out, settings, names, layers, heads, k, window, build_par
     work = SweepWork(str(dump.path), k, tuple(window), build_params, quick, train_group, train_positions,
                      str(dump.path), dump.model, dump_stamp(dump.manifest),
                      any(registry.get(n).own_positions for n in names))
+    if not units and (kept := sum(1 for f in part_file.values() if f.exists())):  # a resume with nothing left to run
+        log(f"sweep {dump.path.name}: every part is finished (resumed: {kept} of {len(part_file)} finished parts kept)")
     if units:
         kept = len(part_file) - len(tries) - len(failures)
         log(f"sweep {dump.path.name}: {len(tries)} part{'s' if len(tries) > 1 else ''} on {runner.describe()}"
@@ -421,6 +423,9 @@ def _run(runner, dump, out, settings, names, layers, heads, k, window, build_par
             bar.close()
             combine(out, own, str(dump.path))
             done = sum(1 for f in part_file.values() if f.exists())
+            if done == len(part_file):  # nothing left to resume: the table above holds every part
+                raise SweepInterrupted(f"interrupted after its last part: all {done} parts are finished and kept in "
+                                       f"{parts}, and their table written") from None
             raise SweepInterrupted(f"interrupted: {done} of {len(part_file)} parts are finished and kept in {parts}; "
                                    "run the same command again to resume") from None
     bar.close()
