@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from anns_lab.errors import AnnsLabError
+from anns_lab.io import param_value
 from anns_lab.window import Window, WindowError
 
 
@@ -41,3 +42,22 @@ def name_list(spec: str, option: str) -> list[str]:
     if names and len(names) < len(items):
         raise AnnsLabError(f"{option} {spec!r} has an empty item between commas")
     return names
+
+
+def parse_params(items: tuple[str, ...] | list[str], what: str = "--param") -> dict:
+    """``["L=200", "nprobe=32"]`` → ``{"L": 200, "nprobe": 32}`` (decode's --param and --build-param, indexes --check's
+    --param and --unbiased-at)."""
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise AnnsLabError(f"{what} {item!r}: write NAME=VALUE, e.g. {what} L=200")
+        name, value = item.split("=", 1)
+        if not (name := name.strip()):  # else it reached the modes as a parameter named '' that none declares
+            raise AnnsLabError(f"{what} {item!r}: NAME is empty; write NAME=VALUE, e.g. {what} L=200")
+        if "." in name:  # the sweep's INDEX.NAME: here a parameter goes to every named index that declares it
+            raise AnnsLabError(f"{what} {item!r}: write NAME=VALUE without the index's name (e.g. {what} "
+                               f"{name.rsplit('.', 1)[1]}={value.strip()}): every index named that declares NAME takes it")
+        if name in out:  # the last one silently won before: say which is meant
+            raise AnnsLabError(f"{what} {name} is given twice ({out[name]!r} and {value.strip()}): give one value")
+        out[name] = param_value(value.strip())
+    return out

@@ -99,7 +99,8 @@ def check_counts_plausible(cls: type[Index], k: int = 10, gain: float = PLAUSIBL
             f"{recall:.1%} of the top-{k} with {scanned:.1%} of the keys scanned: more than {gain:.0%} "
             f"above what its scans explain. n_scanned must count every inner product the search computed "
             f"(anns_lab.indexes.base: the result policy); an index that ranks by compressed codes may pass "
-            f"check_index(..., plausible_gain=...) a larger bound, or None")
+            f"check_index(..., plausible_gain=...) a larger bound, or None (`anns-lab indexes --check NAME "
+            f"--plausible-gain X|none`)")
         points.append((scanned, recall))
     return points
 

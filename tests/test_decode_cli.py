@@ -176,7 +176,7 @@ def test_decode_loads_only_the_indexes_it_names(tmp_path, monkeypatch, capsys):
 
 def test_a_quoted_parameter_value_stays_text():
     """A string parameter can be given "1" (it read as the number 1, which its type check then refused)."""
-    from anns_lab.decode.modes import parse_params
+    from anns_lab.cli_types import parse_params
 
     assert parse_params(['a=1', 'b="1"', 'c=1e3', 'd="true"', 'e=true', 'f=""', 'g=x"']) == {
         "a": 1, "b": "1", "c": 1000.0, "d": "true", "e": True, "f": "", "g": 'x"'}
@@ -275,7 +275,7 @@ def test_prompt_and_fidelity(tiny_gemma3, tmp_path):
     (["--param", "L"], "NAME=VALUE"),
     (["--mode", "flat", "--param", "nprobe=4"], "no selected index mode declares it"),
     (["--mode", "ivf", "--param", "nprobe=0"], "nprobe"),
-    (["--mode", "ivf", "--param", "ivf.nprobe=4"], "decode takes NAME=VALUE (e.g. --param nprobe=4)"),
+    (["--mode", "ivf", "--param", "ivf.nprobe=4"], "write NAME=VALUE without the index's name (e.g. --param nprobe=4)"),
     (["--train-group", "pooled"], "'pooled' is not one of 'head', 'group', 'strided'"),
     (["--copy-hints", -1], "--copy-hints must be 0"),
     (["--max-new-tokens", 0], "--max-new-tokens must be at least 1"),

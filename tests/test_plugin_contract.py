@@ -174,6 +174,35 @@ def test_the_indexes_command_runs_the_kit_on_a_registered_index(monkeypatch):
     assert unknown.exit_code == 2 and "unknown index 'nosuch'" in unknown.output
     alone = CliRunner().invoke(main, ["indexes", "--min-recall", "0.5"])  # was ignored, the listing printed
     assert alone.exit_code == 2 and "--min-recall goes with --check NAME" in alone.output
+    alone = CliRunner().invoke(main, ["indexes", "--param", "K=4", "--plausible-gain", "none"])
+    assert alone.exit_code == 2 and "--param, --plausible-gain go with --check NAME" in alone.output, alone.output
+
+
+def test_the_indexes_command_passes_the_kits_arguments():
+    """`indexes --check` ran the kit at its defaults only: the lab's own magicpig (no exact ids; unbiased where its
+    tests check it) and sparq (it finds more of the top-k than its scans explain, by design) failed it whatever was
+    given (a docs review). Build parameters, the unbiasedness point and the plausibility bound go through now."""
+    from click.testing import CliRunner
+
+    from anns_lab.cli import main
+
+    plain = CliRunner().invoke(main, ["indexes", "--check", "magicpig", "--min-recall", "0"])
+    assert plain.exit_code == 1 and "magicpig fails the conformance kit" in plain.output, plain.output
+    given = CliRunner().invoke(main, ["indexes", "--check", "magicpig", "--min-recall", "0", "--unbiased-at",
+                                      "min_collisions=2", "--param", "K=4", "--param", "L=16"])
+    assert given.exit_code == 0 and "magicpig passes the conformance kit" in given.output, given.output
+    sparq = ["indexes", "--check", "sparq", "--min-recall", "0.5"]
+    refused = CliRunner().invoke(main, sparq)
+    assert refused.exit_code == 1 and "above what its scans explain" in refused.output, refused.output
+    assert "--plausible-gain X|none" in refused.output
+    for gain in ("0.7", "none"):
+        passed = CliRunner().invoke(main, [*sparq, "--plausible-gain", gain])
+        assert passed.exit_code == 0 and "sparq passes the conformance kit" in passed.output, (gain, passed.output)
+    for bad, words in ((["--plausible-gain", "-1"], "give a number above 0, or none"),
+                       (["--param", "K"], "--param 'K': write NAME=VALUE"),
+                       (["--unbiased-at", "magicpig.min_collisions=2"], "without the index's name")):
+        res = CliRunner().invoke(main, ["indexes", "--check", "magicpig", *bad])
+        assert res.exit_code == 2 and words in res.output, (bad, res.output)
 
 
 def test_the_code_stamp_reads_the_helper_modules_of_its_package(tmp_path, monkeypatch):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from anns_lab.cli_types import WINDOW, given_flags
+from anns_lab.cli_types import WINDOW, given_flags, parse_params
 from anns_lab.decode.options import (CALIBRATE_AUTO, GIVE_UP_AFTER, LAYERS_AT_ONCE, UNTIL_BUILT, UNTIL_BUILT_HELP,
                                      Settings, calibrates, mode_kind, mode_names)
 from anns_lab.dumps import rope
@@ -518,8 +518,7 @@ def _parse_mode_list(modes: str, params: tuple[str, ...], build_params: tuple[st
 
     if from_sweep:  # modes named explicitly stay
         modes = ",".join(t for t in mode_names(modes) if t != "default") or "full"
-    return modes_mod.parse_modes(modes, modes_mod.parse_params(params),
-                                 modes_mod.parse_params(build_params, "--build-param"))
+    return modes_mod.parse_modes(modes, parse_params(params), parse_params(build_params, "--build-param"))
 
 
 def _load(model: str, device: str, torch_threads: int, rope_scaling=None):

@@ -12,7 +12,7 @@ from anns_lab.dumps import rope
 from anns_lab.errors import DecodeError, IndexConfigError
 from anns_lab.indexes import group_queries, protocol, registry
 from anns_lab.indexes.base import resolve_params
-from anns_lab.io import loads_json, param_value
+from anns_lab.io import loads_json
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -30,24 +30,6 @@ def default_index() -> str:
         print(f"note: the attention-aware index is not available ({err}); the default mode is 'flat' (exact top-k)",
               file=sys.stderr)
     return "flat"
-
-
-def parse_params(items: tuple[str, ...] | list[str], what: str = "--param") -> dict:
-    """``["L=200", "nprobe=32"]`` → ``{"L": 200, "nprobe": 32}``."""
-    out = {}
-    for item in items:
-        if "=" not in item:
-            raise DecodeError(f"{what} {item!r}: write NAME=VALUE, e.g. {what} L=200")
-        name, value = item.split("=", 1)
-        if not (name := name.strip()):  # else it reached the modes as a parameter named '' that none declares
-            raise DecodeError(f"{what} {item!r}: NAME is empty; write NAME=VALUE, e.g. {what} L=200")
-        if "." in name:  # the sweep's INDEX.NAME: here a parameter goes to every selected mode that declares it
-            raise DecodeError(f"{what} {item!r}: decode takes NAME=VALUE (e.g. {what} {name.rsplit('.', 1)[1]}="
-                              f"{value.strip()}), which every selected index mode that declares NAME takes")
-        if name in out:  # the last one silently won before: say which is meant
-            raise DecodeError(f"{what} {name} is given twice ({out[name]!r} and {value.strip()}): give one value")
-        out[name] = param_value(value.strip())
-    return out
 
 
 def parse_modes(spec: str, search: dict, build: dict) -> list[Mode]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from anns_lab.cli_types import given_flags, parse_params
+from anns_lab.errors import AnnsLabError
 from anns_lab.indexes import registry
 from anns_lab.indexes.base import Param
 
@@ -34,13 +36,24 @@ def _describe(cls) -> list[str]:
                    "parameters instead; exit status 1 when it fails (a plugin's CI).")
 @click.option("--min-recall", type=click.FloatRange(0, 1), default=0.9, show_default=True,
               help="With --check: the recall@10 its most thorough grid point must reach on the kit's data.")
-def indexes(check: str | None, min_recall: float) -> None:
+@click.option("--param", "params", multiple=True, metavar="NAME=VALUE",
+              help="With --check: a build parameter other than its default (repeatable), as check_index's keywords.")
+@click.option("--unbiased-at", "unbiased_at", multiple=True, metavar="NAME=VALUE",
+              help="With --check, for an estimator that claims to be unbiased: the search parameters its unbiasedness "
+                   "is checked at (repeatable) [default: its first grid point].")
+@click.option("--plausible-gain", default=None, metavar="X|none",
+              help="With --check: the bound of the kit's counts-plausibility rule (how much more of the top-k than "
+                   "its scanned share an index may find), or none to skip it (an index ranking by partial products "
+                   "or codes) [default: the kit's].")
+def indexes(check: str | None, min_recall: float, params: tuple[str, ...], unbiased_at: tuple[str, ...],
+            plausible_gain: str | None) -> None:
     """List registered indexes (entry-point group anns_lab.indexes) and any that fail to load."""
     if check is not None:
-        _check(check, min_recall)
+        _check(check, min_recall, parse_params(params), parse_params(unbiased_at, "--unbiased-at") or None,
+               _gain(plausible_gain))
         return
-    if click.get_current_context().get_parameter_source("min_recall") is not click.core.ParameterSource.DEFAULT:
-        raise click.UsageError("--min-recall goes with --check NAME")
+    if given := given_flags(click.get_current_context(), "min_recall", "params", "unbiased_at", "plausible_gain"):
+        raise click.UsageError(f"{', '.join(given)} go{'es' if len(given) == 1 else ''} with --check NAME")
     broken = registry.broken()
     classes = registry.available()
     for entry in registry.entries():
@@ -61,14 +74,31 @@ def indexes(check: str | None, min_recall: float) -> None:
                    "work.", err=True)
 
 
-def _check(name: str, min_recall: float) -> None:
+def _gain(text: str | None):
+    """``--plausible-gain``: the kit's default (None given), a bound, or ``none`` (the rule skipped: False here)."""
+    if text is None:
+        return None
+    if text.strip().lower() == "none":
+        return False
+    try:
+        gain = float(text)
+    except ValueError:
+        gain = float("nan")
+    if not gain > 0:
+        raise AnnsLabError(f"--plausible-gain {text!r}: give a number above 0, or none")
+    return gain
+
+
+def _check(name: str, min_recall: float, build: dict | None = None, unbiased_at: dict | None = None,
+           plausible_gain=None) -> None:
     """The conformance kit on ``name``: what it measured, or the rule it broke and exit status 1."""
     from anns_lab.testing import check_index
 
     cls = registry.get(name)  # an unknown or broken name: one error, exit status 2
     click.echo(f"checking {name} ({cls.__module__}.{cls.__qualname__}) with the conformance kit ...", err=True)
+    kit = {} if plausible_gain is None else {"plausible_gain": plausible_gain or None}
     try:
-        measured = check_index(cls, min_recall=min_recall)
+        measured = check_index(cls, min_recall=min_recall, unbiased_at=unbiased_at, **kit, **(build or {}))
     except Exception as err:  # noqa: BLE001 - the kit's AssertionError, or the index's own error: both its failure
         click.echo(f"{name} fails the conformance kit: {type(err).__name__}: {err}", err=True)
         raise SystemExit(1) from None
