@@ -41,9 +41,8 @@ def entry() -> None:
     """The ``anns-lab`` console script: :func:`main`, its exit status kept through the interpreter's shutdown."""
     try:
         main()
-    except SystemExit as finished:
-        stops.exit_on_signal(finished.code)
-        raise
+    finally:
+        stops.ignore_after_end()
 
 
 def _register() -> None:

@@ -120,7 +120,8 @@ def new_map(path: Path, dtype, shape: tuple[int, ...]) -> np.ndarray:
             del m
             path.unlink(missing_ok=True)
             raise
-        # a file system without it (EOPNOTSUPP, EINVAL): the map stays sparse, as before
+        # a file system without it (EOPNOTSUPP, EINVAL) where glibc does not write the blocks itself (it does on NFSv3
+        # and older ZFS: slow for a large checkpoint, but reserved): the map stays sparse, as before
     return m
 
 

@@ -8,9 +8,7 @@ status 0. So the handler also records the stop, and the long loops :func:`check`
 
 from __future__ import annotations
 
-import os
 import signal
-import sys
 import threading
 from typing import Callable
 
@@ -49,21 +47,12 @@ def check() -> None:
         raise KeyboardInterrupt
 
 
-def exit_on_signal(code) -> None:
-    """From now on SIGINT and SIGTERM end the process at once with the status ``code`` (``sys.exit``'s argument): the
-    command is over and its files written, and a signal during the interpreter's shutdown (torch's takes up to a second)
-    killed it with the signal's status, or printed a KeyboardInterrupt from an atexit callback (an interrupt fuzz)."""
-    status = code if isinstance(code, int) else (0 if code is None else 1)
-
-    def done(signum, frame) -> None:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):  # closed, or a pipe whose reader is gone: nothing left to say there
-                pass
-        os._exit(status)
-
+def ignore_after_end() -> None:
+    """From now on SIGINT and SIGTERM are ignored: the command is over and its files written, and a signal during the
+    interpreter's shutdown (torch's takes up to a second) killed it with the signal's status, or printed a
+    KeyboardInterrupt from an atexit callback (an interrupt fuzz); ignored, the process ends with the command's own
+    status (a Python handler would be gone once the interpreter finalizes, before torch's shutdown is). For the
+    console script's process alone: a notebook's would no longer stop on Ctrl-C."""
     if threading.current_thread() is threading.main_thread():
         for s in (signal.SIGINT, signal.SIGTERM):
-            if signal.getsignal(s) != signal.SIG_IGN:
-                signal.signal(s, done)
+            signal.signal(s, signal.SIG_IGN)

@@ -295,7 +295,8 @@ def main() -> None:
 
     from anns_lab.decode.builds import subsample
     from anns_lab.decode.kernels import warmup
-    from anns_lab.decode.modes import parse_modes, parse_params
+    from anns_lab.cli_types import parse_params
+    from anns_lab.decode.modes import parse_modes
     from anns_lab.decode.placement import LayerStore
     from anns_lab.dumps.store import open_dump
 

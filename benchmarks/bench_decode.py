@@ -45,7 +45,8 @@ def main() -> None:
 
     from anns_lab.decode import calibrate, runner
     from anns_lab.decode.engine import Mode, Settings
-    from anns_lab.decode.modes import parse_modes, parse_params
+    from anns_lab.cli_types import parse_params
+    from anns_lab.decode.modes import parse_modes
     from anns_lab.dumps.models import load_model
     from anns_lab.window import Window
 

@@ -24,7 +24,7 @@ import sys
 import numpy as np
 
 from anns_lab.decode.copy_hints import CopyHints
-from anns_lab.decode.modes import parse_params
+from anns_lab.cli_types import parse_params
 from anns_lab.dumps.store import open_dump
 from anns_lab.eval.heads import load_head
 from anns_lab.eval.metrics import exact_scores, exact_topk, recall_at_k

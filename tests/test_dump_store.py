@@ -736,6 +736,8 @@ def test_a_full_disk_is_said_where_the_maps_are_made_not_a_crash_at_a_later_writ
     import errno
     import os
 
+    from anns_lab.dumps import models
+
     reference = small_dump(tiny_gemma3, tmp_path / "ref").dump
     real = os.posix_fallocate
 
@@ -753,9 +755,27 @@ def test_a_full_disk_is_said_where_the_maps_are_made_not_a_crash_at_a_later_writ
             small_dump(tiny_gemma3, tmp_path / "full")
     assert not list((tmp_path / "full" / run_mod.STAGING).glob("layer_*.npy"))  # no map half made
     capsys.readouterr()
-    with monkeypatch.context() as m:
-        m.setattr(os, "posix_fallocate", full_for("cache_"))
-        d = small_dump(tiny_gemma3, tmp_path / "d", checkpoint_every=1e-9).dump
-    assert "no more prefill checkpoints (No space left on device); the dump goes on" in "".join(capsys.readouterr())
-    np.testing.assert_array_equal(d.keys(1, 0), reference.keys(1, 0))
-    np.testing.assert_array_equal(d.queries(1, 1, "all"), reference.queries(1, 1, "all"))
+    for made in (0, 2):  # the first save's first map, or its third: the two made before hold the disk's space
+        calls, left = [], []
+        staging = tmp_path / f"d{made}" / run_mod.STAGING
+
+        def fallocate(fd, offset, length):
+            if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith("cache_"):
+                calls.append(fd)
+                if len(calls) > made:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real(fd, offset, length)
+
+        def forward(lm, cache, ids, start, end):  # what the chunks after the failed save find on disk
+            if len(calls) > made:
+                left.extend(f.name for f in staging.glob("cache_*"))
+            return real_forward(lm, cache, ids, start, end)
+
+        real_forward = models.forward_tokens
+        with monkeypatch.context() as m:
+            m.setattr(os, "posix_fallocate", fallocate)
+            m.setattr(models, "forward_tokens", forward)
+            d = small_dump(tiny_gemma3, tmp_path / f"d{made}", checkpoint_every=1e-9).dump
+        assert "no more prefill checkpoints (No space left on device); the dump goes on" in "".join(capsys.readouterr())
+        np.testing.assert_array_equal(d.keys(1, 0), reference.keys(1, 0))
+        assert len(calls) == made + 1 and not left, left  # a failed first save's maps held the disk's space

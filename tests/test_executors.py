@@ -340,6 +340,11 @@ def test_report_names_the_parts_its_sweep_lost(tiny_dump, tmp_path):
     md = write_report(out)
     for text in (md.read_text(), md.with_suffix(".html").read_text()):
         assert "faulty on layer 3 head 0" in text and "faulty on layer 3 head 3" in text
+    lines = []  # resumed, its failed parts out of attempts: not "every part is finished" (a diff review)
+    sweep(tiny_dump, out, indexes=["flat", "faulty"], layers=[3], build_params={"faulty": {"fault": "exit"}},
+          max_attempts=1, log=lines.append)
+    assert any(line.endswith("nothing left to run (the rest failed their attempts) (resumed: 2 of 4 finished parts "
+                             "kept)") for line in lines), lines
 
 
 def test_local_a_part_the_driver_cannot_write_stops_the_sweep(tiny_dump, tmp_path, monkeypatch):

@@ -583,6 +583,14 @@ def test_a_part_of_an_index_whose_code_changed_since_is_evaluated_again(dump, tm
     monkeypatch.setattr(registry, "code_stamp", lambda name: real(name) | {"version": "9.9"})
     run_sweep(dump.path, ["ivf"], [1], [0], out=out, log=lines.append, **kw)
     assert any("written by ivf of anns-lab 0.1.0, now anns-lab 9.9" in line for line in lines), lines
+    # parts stamped under session 55's rule (no stamp_rule): every one evaluated again once, said so
+    monkeypatch.setattr(registry, "code_stamp", lambda name: {k: v for k, v in real(name).items() if k != "stamp_rule"})
+    run_sweep(dump.path, ["ivf"], [1], [0], out=out, log=lines.append, **kw)
+    monkeypatch.setattr(registry, "code_stamp", real)
+    lines.clear()
+    run_sweep(dump.path, ["ivf"], [1], [0], out=out, log=lines.append, **kw)
+    assert any("(the lab reads an index's code otherwise since it was written (evaluated again once))" in line
+               for line in lines), lines
     table = pq.read_table(ivf)  # as parts were written before they recorded it: kept
     meta = {k: v for k, v in table.schema.metadata.items() if k != sweep_mod.PART_CODE}
     pq.write_table(table.replace_schema_metadata(meta), ivf)
@@ -854,6 +862,10 @@ def test_a_sweep_folder_of_another_format_is_named_so(dump, tmp_path):
     for read in (lambda: _sweep(dump, out), lambda: load_results(out), lambda: write_report(out)):
         with pytest.raises(AnnsLabError, match="sweep format is 2, this anns-lab reads format 1"):
             read()
+    (out / "sweep.json").write_text(json.dumps(settings | {"format_version": 2, "window": {"sink": 0}}))
+    with pytest.raises(AnnsLabError, match="sweep format is 2"):  # not "not a sweep's settings (window ...)"
+        load_results(out)
+    (out / "sweep.json").write_text(json.dumps(settings | {"format_version": 2}))
     assert part.is_file() and not (out / "report.md").exists()
     _sweep(dump, out, overwrite=True)  # the user's word: start it again there
     assert json.loads((out / "sweep.json").read_text()) == settings

@@ -198,35 +198,49 @@ def test_the_indexes_command_passes_the_kits_arguments():
     for gain in ("0.7", "none"):
         passed = CliRunner().invoke(main, [*sparq, "--plausible-gain", gain])
         assert passed.exit_code == 0 and "sparq passes the conformance kit" in passed.output, (gain, passed.output)
-    for bad, words in ((["--plausible-gain", "-1"], "give a number above 0, or none"),
-                       (["--param", "K"], "--param 'K': write NAME=VALUE"),
-                       (["--unbiased-at", "magicpig.min_collisions=2"], "without the index's name")):
-        res = CliRunner().invoke(main, ["indexes", "--check", "magicpig", *bad])
+    for name, bad, words in (("magicpig", ["--plausible-gain", "-1"], "give a number above 0, or none"),
+                             ("magicpig", ["--param", "K"], "--param 'K': write NAME=VALUE"),
+                             ("magicpig", ["--unbiased-at", "magicpig.min_collisions=2"], "without the index's name"),
+                             ("magicpig", ["--param", "k=1"], "--param k: magicpig has no such build parameter"),
+                             ("magicpig", ["--param", "min_recall=0"], "no such build parameter (its own: K, L,"),
+                             ("magicpig", ["--unbiased-at", "K=2"], "--unbiased-at K: magicpig has no such search"),
+                             ("ivf", ["--unbiased-at", "nprobe=2"], "ivf does not claim to be unbiased")):
+        res = CliRunner().invoke(main, ["indexes", "--check", name, *bad])  # before: the kit's k, a TypeError, ignored
         assert res.exit_code == 2 and words in res.output, (bad, res.output)
 
 
 def test_the_code_stamp_reads_the_helper_modules_of_its_package(tmp_path, monkeypatch):
     """A sweep's resume keeps a part only while its index's code stamp is unchanged: an edit of a helper module the
     class imports (here inside a function, relatively, two levels down) went unseen, the old rows kept (a plugin
-    walkthrough, session 55). Comments and blank lines still do not count, indentation does; another package's modules
-    do not."""
+    walkthrough, session 55), or a module of a base class's own package (a diff review: ngfix missed hnsw's kernels).
+    Comments and blank lines still do not count, indentation does; modules are read from disk, never imported."""
     import importlib
     import sys
 
     from anns_lab.indexes import registry
 
-    pkg = tmp_path / "stamp_plugin"
+    pkg, other = tmp_path / "stamp_plugin", tmp_path / "stamp_base"
     (pkg / "kernels").mkdir(parents=True)
+    other.mkdir()
     (pkg / "__init__.py").write_text("from stamp_plugin.index import Stamped\n")
     (pkg / "index.py").write_text(
-        "import json\nfrom anns_lab.indexes.flat import FlatIndex\n\n\nclass Stamped(FlatIndex):\n"
+        "import json\nfrom stamp_base import Based\n\n\nclass Stamped(Based):\n"
         "    name = 'stamped'\n\n    def _build(self, keys, train_queries):\n        from .kernels import fast\n"
         "        return super()._build(fast.scale(keys), train_queries)\n")
     (pkg / "kernels" / "__init__.py").write_text("")
     (pkg / "kernels" / "fast.py").write_text("from . import deep\n\n\ndef scale(keys):\n    return keys\n")
     (pkg / "kernels" / "deep.py").write_text("FACTOR = 1.0\n")
+    (pkg / "kernels" / "broken.py").write_text("raise RuntimeError('imported')\n")  # read, never imported
+    (pkg / "late.py").write_text("from .kernels import broken\n")
+    # a base class of another package: its own helper counts too (ngfix's hnsw kernels were missed)
+    (other / "__init__.py").write_text("from anns_lab.indexes.flat import FlatIndex\n\n\n"
+                                       "class Based(FlatIndex):\n    def _search(self, queries, k):\n"
+                                       "        from stamp_base.helper import HELP\n"
+                                       "        return super()._search(queries, k)\n")
+    (other / "helper.py").write_text("HELP = 1\n")
+    (pkg / "index.py").write_text((pkg / "index.py").read_text() + "\n\ndef later():\n    from . import late\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    for name in [m for m in sys.modules if m.startswith("stamp_plugin")]:
+    for name in [m for m in sys.modules if m.startswith(("stamp_plugin", "stamp_base"))]:
         monkeypatch.delitem(sys.modules, name)
     cls = importlib.import_module("stamp_plugin").Stamped
     real = registry.get
@@ -246,4 +260,11 @@ def test_the_code_stamp_reads_the_helper_modules_of_its_package(tmp_path, monkey
     changed = registry.code_stamp("stamped")["source_sha256"]
     (pkg / "kernels" / "deep.py").write_text("if False:\n    pass\nFACTOR = 1.0\n")
     assert registry.code_stamp("stamped")["source_sha256"] != changed  # a line's indentation alone is code too
+    changed = registry.code_stamp("stamped")["source_sha256"]
+    (other / "helper.py").write_text("HELP = 2\n")
+    assert registry.code_stamp("stamped")["source_sha256"] != changed  # the base class's package's helper
+    changed = registry.code_stamp("stamped")["source_sha256"]
+    (pkg / "kernels" / "broken.py").write_text("raise RuntimeError('imported, edited')\n")
+    assert registry.code_stamp("stamped")["source_sha256"] != changed  # read from disk, never imported
+    assert "stamp_plugin.kernels.broken" not in sys.modules and "stamp_plugin.late" not in sys.modules
     assert registry.code_stamp("flat") == registry.code_stamp("flat")  # the same on every call

@@ -118,7 +118,9 @@ class PrefillCheckpoints:
             from tqdm.auto import tqdm
 
             self.every = 0
-            for f in self.folder.glob(f"cache_*.r{row}.npy"):
+            # the maps a first save made hold its space reserved, and no checkpoint: gone, or the dump's own files
+            # found the disk full after "the dump goes on" (a diff review)
+            for f in self.folder.glob("cache_*.npy" if not self.saved_row else f"cache_*.r{row}.npy"):
                 f.unlink(missing_ok=True)
             tqdm.write(f"{self.folder}: no more prefill checkpoints ({err.strerror or err}); the dump goes on")
 

@@ -412,7 +412,9 @@ def _run(runner, dump, out, settings, names, layers, heads, k, window, build_par
                      str(dump.path), dump.model, dump_stamp(dump.manifest),
                      any(registry.get(n).own_positions for n in names))
     if not units and (kept := sum(1 for f in part_file.values() if f.exists())):  # a resume with nothing left to run
-        log(f"sweep {dump.path.name}: every part is finished (resumed: {kept} of {len(part_file)} finished parts kept)")
+        log(f"sweep {dump.path.name}: " + ("every part is finished" if kept == len(part_file) else
+                                           "nothing left to run (the rest failed their attempts)")
+            + f" (resumed: {kept} of {len(part_file)} finished parts kept)")
     if units:
         kept = len(part_file) - len(tries) - len(failures)
         log(f"sweep {dump.path.name}: {len(tries)} part{'s' if len(tries) > 1 else ''} on {runner.describe()}"
@@ -590,6 +592,8 @@ def _code_changed(recorded: bytes | None, index: str, now: dict) -> str | None:
         return "its index's code record is unreadable"
     if then == now:
         return None
+    if then.get("stamp_rule") != now.get("stamp_rule") and then.get("version") == now.get("version"):
+        return "the lab reads an index's code otherwise since it was written (evaluated again once)"
     if then.get("source_sha256") != now.get("source_sha256") and then.get("version") == now.get("version"):
         return f"{index}'s source changed since it was written"
     return (f"written by {index} of {then.get('distribution')} {then.get('version')}, "

@@ -73,9 +73,9 @@ def load_results(path: str | Path) -> tuple[pd.DataFrame, dict]:
         settings = read_json(folder / SETTINGS) if (folder / SETTINGS).is_file() else {}
     except (OSError, ValueError) as err:
         raise AnnsLabError(f"{folder / SETTINGS} is corrupt ({err}); re-run the sweep") from None
-    problem = (f"a JSON {type(settings).__name__}" if not isinstance(settings, dict) else _settings_problem(settings))
-    if not problem and (other := format_problem(settings)):
+    if isinstance(settings, dict) and (other := format_problem(settings)):  # another format's settings read otherwise
         raise AnnsLabError(f"{folder / SETTINGS}: {other}; read it with the anns-lab that swept it, or sweep again")
+    problem = (f"a JSON {type(settings).__name__}" if not isinstance(settings, dict) else _settings_problem(settings))
     if problem:
         raise AnnsLabError(f"{folder / SETTINGS} is not a sweep's settings ({problem}); re-run the sweep")
     return table, settings

@@ -95,6 +95,14 @@ def _check(name: str, min_recall: float, build: dict | None = None, unbiased_at:
     from anns_lab.testing import check_index
 
     cls = registry.get(name)  # an unknown or broken name: one error, exit status 2
+    # the command's mistakes, status 2, before the kit: a --param k=1 was the kit's own k, min_recall a TypeError
+    for option, given, declared in (("--param", build or {}, dict(cls.build_params)),
+                                    ("--unbiased-at", unbiased_at or {}, dict(cls.search_params))):
+        if unknown := sorted(set(given) - set(declared)):
+            raise AnnsLabError(f"{option} {unknown[0]}: {name} has no such {option == '--param' and 'build' or 'search'}"
+                               f" parameter (its own: {', '.join(declared) or 'none'})")
+    if unbiased_at and not cls.unbiased:
+        raise AnnsLabError(f"--unbiased-at: {name} does not claim to be unbiased (the kit checks it only where it does)")
     click.echo(f"checking {name} ({cls.__module__}.{cls.__qualname__}) with the conformance kit ...", err=True)
     kit = {} if plausible_gain is None else {"plausible_gain": plausible_gain or None}
     try:

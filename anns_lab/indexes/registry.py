@@ -10,9 +10,9 @@ from __future__ import annotations
 import ast
 import difflib
 import hashlib
-import importlib.util
 import inspect
 import re
+import sys
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
@@ -161,15 +161,21 @@ def get(name: str) -> type[Index]:
         raise IndexConfigError(f"index {name!r} ({value}) failed to load: {type(err).__name__}: {err}") from err
 
 
+#: How :func:`code_stamp` reads an index's code; a part recorded under another rule is evaluated again, said so.
+#: 2 (session 56): the modules its classes import from their own packages count, and indentation.
+STAMP_RULE = 2
+
+
 def code_stamp(name: str) -> dict[str, str]:
     """What says which code ``name``'s index is: the distribution and version announcing it, and a sha256 over the
-    source files of its class and its bases but ``Index``, and of every module of their own package they import, at
-    any depth (but blank and comment-only lines and trailing spaces; indentation counts: it is Python's syntax): a
+    source files of its class and its bases but ``Index``, and of every module of their packages they import, at any
+    depth (anns-lab's own classes: of ``anns_lab.indexes``), but blank and comment-only lines and trailing spaces: a
     plugin edited in place keeps its version, and a sweep's resume must not keep the rows of its code before (a helper
-    kernel's edit included)."""
+    kernel's edit, or a base class's kernel's, included)."""
     cls = get(name)
     digest = hashlib.sha256()
     files: list[Path] = []
+    scopes: set[str] = set()
     for base in cls.__mro__:
         if base in (Index, object):
             continue
@@ -177,19 +183,27 @@ def code_stamp(name: str) -> dict[str, str]:
             files.append(Path(inspect.getsourcefile(base)))
         except (TypeError, OSError):  # a class with no file of its own (built-in, made at run time)
             digest.update(f"{base.__module__}.{base.__qualname__}".encode())
-    top = cls.__module__.split(".")[0]
-    for path in [*files, *_imported_sources(files, top, skip={Path(inspect.getsourcefile(Index))} | set(files))]:
-        # its lines but blank and comment-only ones: the same on any Python (ast.dump's text is not)
+            continue
+        top = base.__module__.split(".")[0]
+        scopes.add("anns_lab.indexes" if top == "anns_lab" else top)  # the lab's file handling is no index's code
+    skip = {Path(inspect.getsourcefile(Index)), *files}
+    for path in [*files, *_imported_sources(files, scopes, skip)]:
+        # its lines but blank and comment-only ones: the same on any Python (ast.dump's text is not); indentation is
+        # Python's syntax, kept
         digest.update(b"\n".join(line.rstrip() for line in path.read_bytes().splitlines()
                                  if line.strip() and not line.strip().startswith(b"#")))
     entry = next((e for e in entries() if e.name == name), None)
     return {"distribution": entry.distribution if entry else "?", "version": entry.version if entry else "?",
-            "source_sha256": digest.hexdigest()[:16]}
+            "source_sha256": digest.hexdigest()[:16], "stamp_rule": STAMP_RULE}
 
 
-def _imported_sources(files: list[Path], top: str, skip: set[Path]) -> list[Path]:
-    """The source files of the modules of package ``top`` that ``files`` import, and those they import, at any depth
-    (sorted; none of ``skip``): read from each file's import statements, so what a function imports counts too."""
+def _imported_sources(files: list[Path], scopes: set[str], skip: set[Path]) -> list[Path]:
+    """The source files of the modules within ``scopes`` (dotted packages) that ``files`` import, and those they
+    import, at any depth (sorted; none of ``skip``): read from each file's import statements, so what a function
+    imports counts too, and found on disk, never imported (a module's import may fail, or print)."""
+    def within(module: str) -> bool:
+        return any(module == scope or module.startswith(scope + ".") for scope in scopes)
+
     found: dict[str, Path] = {}
     todo = list(files)
     while todo:
@@ -198,21 +212,22 @@ def _imported_sources(files: list[Path], top: str, skip: set[Path]) -> list[Path
             tree = ast.parse(path.read_bytes())
         except (OSError, SyntaxError, ValueError):
             continue
-        package = _module_of(path, top)
+        package = _package_of(path, {scope.split(".")[0] for scope in scopes})
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
-                if node.level and package is not None:  # relative: from the importing module's package
-                    up = node.level - 1  # level 1 is the module's own package
-                    parent = package.rsplit(".", up)[0] if up <= package.count(".") else ""
-                    base = f"{parent}.{base}".strip(".") if parent else ""
-                names = [base, *(f"{base}.{alias.name}" for alias in node.names)] if base else []
+                if node.level:  # relative: from the importing module's package (level 1 is that package)
+                    if package is None or node.level - 1 > package.count("."):
+                        continue
+                    parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = f"{parent}.{base}" if base else parent
+                names = [base, *(f"{base}.{alias.name}" for alias in node.names)]
             else:
                 continue
             for module in names:
-                if module.split(".")[0] != top or module in found:
+                if not within(module) or module in found:
                     continue
                 origin = _source_of(module)
                 if origin is not None and origin not in skip:
@@ -222,23 +237,35 @@ def _imported_sources(files: list[Path], top: str, skip: set[Path]) -> list[Path
     return [found[m] for m in sorted(found)]
 
 
-def _module_of(path: Path, top: str) -> str | None:
-    """The dotted package a source file of package ``top`` belongs to (``a.b`` for ``.../a/b/c.py`` or ``a/b/__init__.py``)."""
-    parts = path.with_suffix("").parts
-    if top not in parts:
-        return None
-    dotted = parts[len(parts) - 1 - parts[::-1].index(top):]
-    return ".".join(dotted[:-1]) if dotted[-1] != "__init__" else ".".join(dotted[:-1])
+def _roots(top: str) -> list[Path]:
+    """The folders of the (imported) top-level package ``top``; none for a single-file module or one not imported."""
+    module = sys.modules.get(top)
+    return [Path(p) for p in getattr(module, "__path__", None) or []]
+
+
+def _package_of(path: Path, tops: set[str]) -> str | None:
+    """The dotted package a source file under one of the packages ``tops`` belongs to (``a.b`` for ``a/b/c.py`` and
+    for ``a/b/__init__.py``), or None."""
+    for top in sorted(tops):
+        for root in _roots(top):
+            try:
+                parts = path.resolve().relative_to(root.resolve()).with_suffix("").parts
+            except ValueError:
+                continue
+            return ".".join([top, *parts[:-1]])
+    return None
 
 
 def _source_of(module: str) -> Path | None:
-    """The .py file of an importable module, or None (a name that is no module: an imported function's)."""
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError, AttributeError):
-        return None
-    origin = spec.origin if spec is not None else None
-    return Path(origin) if origin and origin.endswith(".py") else None
+    """The .py file of a module of an imported package, found on disk, or None (a name that is no module: an
+    imported function's)."""
+    top, *rest = module.split(".")
+    for root in _roots(top):
+        base = root.joinpath(*rest)
+        for candidate in ((base.with_suffix(".py"),) if rest else ()) + (base / "__init__.py",):
+            if candidate.is_file():
+                return candidate
+    return None
 
 
 def create(name: str, **build_params: Any) -> Index:
