@@ -13,6 +13,7 @@ import threading
 from typing import Callable
 
 _STOP = threading.Event()
+_ARMED: set[int] = set()  # the signals install() routed to the stop (rearm() routes them again)
 
 
 def _stop(signum, frame) -> None:
@@ -30,14 +31,24 @@ def install() -> Callable[[], None]:
     for s, handler in before.items():
         if handler != signal.SIG_IGN:
             signal.signal(s, _stop)
+            _ARMED.add(s)
 
     def restore() -> None:
         _STOP.clear()  # the command's stop is over: a later call in this process (a test's, a notebook's) runs
+        _ARMED.clear()
         for s, handler in before.items():
             if handler != signal.SIG_IGN:
                 signal.signal(s, handler)
 
     return restore
+
+
+def rearm() -> None:
+    """Route the signals :func:`install` routed to the stop again: ``ray.init`` replaces the SIGTERM handler with its
+    own, which printed a stack dump and ended the driver with status 15 (no table written, no resume said)."""
+    if threading.current_thread() is threading.main_thread():
+        for s in _ARMED:
+            signal.signal(s, _stop)
 
 
 def check() -> None:

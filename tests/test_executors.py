@@ -275,7 +275,8 @@ def test_local_worker_that_dies_while_idle_is_replaced(tiny_dump, local_table, t
     pd.testing.assert_frame_equal(res.table[SAME].reset_index(drop=True), local_table[SAME].reset_index(drop=True))
 
 
-@pytest.mark.parametrize("executor, stop", [("local", signal.SIGINT), ("ray", signal.SIGINT), ("local", signal.SIGTERM)])
+@pytest.mark.parametrize("executor, stop", [("local", signal.SIGINT), ("ray", signal.SIGINT), ("local", signal.SIGTERM),
+                                            ("ray", signal.SIGTERM)])
 def test_ctrl_c_stops_within_seconds_and_keeps_finished_parts(tiny_dump, tmp_path, executor, stop, request):
     """Ctrl-C, and SIGTERM (`kill`, `timeout`: before, it ended the driver alone, its workers printed BrokenPipe
     tracebacks and ran on), stop the sweep the same clean way."""
@@ -869,15 +870,15 @@ def test_ray_decode_bad_input(tiny_llama, tmp_path):
     assert r.exit_code == 2 and "--eval fidelity is one prefill" in r.output
 
 
-@pytest.mark.parametrize("cpus", [0.0, -1.0, float("nan"), float("inf")])
+@pytest.mark.parametrize("cpus", [0.0, -1.0, float("nan"), float("inf"), 1e-9])
 def test_ray_cpus_per_task_must_be_a_positive_number_before_any_cluster_is_touched(cpus):
     from anns_lab.decode.ray_samples import RaySamples
     from anns_lab.errors import AnnsLabError
     from anns_lab.eval.executors.ray_executor import RayExecutor
 
-    with pytest.raises(AnnsLabError, match="--cpus-per-task must be a positive number"):
+    with pytest.raises(AnnsLabError, match="--cpus-per-task must be a number of CPUs of at least 0.0001"):
         RayExecutor(None, 1, cpus)
-    with pytest.raises(AnnsLabError, match="--cpus-per-task must be a positive number"):
+    with pytest.raises(AnnsLabError, match="--cpus-per-task must be a number of CPUs of at least 0.0001"):
         RaySamples(None, "smollm2", cpus)
 
 
@@ -918,3 +919,32 @@ def test_a_part_evaluated_again_is_kept_aside_until_its_new_one_is_written(tiny_
     res = sweep(tiny_dump, out, indexes=["faulty", "flat"], layers=[3], heads=[0], retry_failed=True)
     assert not res.failures and part.exists() and not (out / "parts" / "stale" / part.name).exists()
     assert set(res.table["index"]) == {"faulty", "flat"}
+
+
+def test_a_node_lost_during_the_dump_probe_is_said_and_the_arrays_shipped(tiny_dump):
+    """A worker node killed while `--ray-data auto` probed it (Ray's TaskUnschedulableError) ended the sweep with a
+    traceback, exit 1 (a Ray failure fuzz): its probe is said to have failed, and the arrays go through the object store,
+    which every node still alive can read."""
+    from anns_lab.eval.executors.ray_executor import RayExecutor
+    from anns_lab.eval.sweep import SweepWork
+
+    class Lost(_FakeRay):
+        calls = 0
+
+        def get(self, ref, timeout=None):
+            Lost.calls += 1
+            if Lost.calls == 2:
+                raise self.exceptions.RayError("TaskUnschedulableError: the node died")
+            return ref.value
+
+    class Nodes:
+        def nodes(self):
+            return [{"NodeManagerAddress": f"10.0.0.{i}", "NodeID": f"{i}" * 56} for i in (1, 2)]
+
+    lines = []
+    ex = RayExecutor.__new__(RayExecutor)
+    ex.ray, ex.data, ex.log, ex.cluster = Lost(), "auto", lines.append, Nodes()
+    work = SweepWork(str(tiny_dump.path), K, WINDOW, {}, False, "head", "own", str(tiny_dump.path), tiny_dump.model,
+                     "stamp", False)
+    assert ex.data_mode(work) == "ship"
+    assert any("node 10.0.0.2 22222222 did not answer the dump probe (RuntimeError)" in line for line in lines), lines

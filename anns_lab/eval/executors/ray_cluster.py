@@ -9,6 +9,7 @@ import math
 import re
 import socket
 
+from anns_lab import stops
 from anns_lab.errors import AnnsLabError
 
 
@@ -25,8 +26,8 @@ def require_ray():
 def check_cpus_per_task(value: float) -> float:
     """``value`` if it is a positive finite number of CPUs for one Ray task, else one clear error (NaN passes a
     ``<= 0`` test)."""
-    if not (math.isfinite(value) and value > 0):
-        raise AnnsLabError(f"--cpus-per-task must be a positive number, got {value}")
+    if not (math.isfinite(value) and value >= 0.0001):  # Ray's own precision: below it, its ValueError after the folder
+        raise AnnsLabError(f"--cpus-per-task must be a number of CPUs of at least 0.0001, got {value}")
     return float(value)
 
 
@@ -61,6 +62,7 @@ class Cluster:
             except (ConnectionError, RuntimeError, ValueError) as err:
                 where = "start a private Ray" if address is None else f"join the Ray cluster at {address}"
                 raise AnnsLabError(f"cannot {where}: {str(err).splitlines()[0]}") from None
+            stops.rearm()  # ray.init took SIGTERM over: a `kill` ended the driver without its clean stop
         nodes = self.nodes()
         cpus = sum(n["Resources"].get("CPU", 0) for n in nodes)
         gpus = sum(n["Resources"].get("GPU", 0) for n in nodes)

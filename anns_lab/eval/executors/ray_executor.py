@@ -152,7 +152,13 @@ class RayExecutor:
         refs = {n["NodeManagerAddress"] + " " + n["NodeID"][:8]: probe.options(
             num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(work)
                 for n in self.cluster.nodes()}
-        seen = dict(zip(refs, self.ray.get(list(refs.values()), timeout=300)))
+        seen = {}
+        for node, ref in refs.items():
+            try:
+                seen[node] = self.ray.get(ref, timeout=300)
+            except self.ray.exceptions.RayError as err:  # a node gone or stuck while probed was a traceback, exit 1
+                self.log(f"ray: node {node} did not answer the dump probe ({type(err).__name__})")
+                seen[node] = None
         missing = [node for node, fp in seen.items() if fp != mine]
         if missing:
             self.log(f"ray: the dump is not at its path on node(s) {', '.join(missing)}: the driver ships each head's "
