@@ -50,7 +50,7 @@ def indexes(check: str | None, min_recall: float, params: tuple[str, ...], unbia
     """List registered indexes (entry-point group anns_lab.indexes) and any that fail to load."""
     if check is not None:
         _check(check, min_recall, parse_params(params), parse_params(unbiased_at, "--unbiased-at") or None,
-               _gain(plausible_gain))
+               _gain(plausible_gain) if plausible_gain is not None else {})
         return
     if given := given_flags(click.get_current_context(), "min_recall", "params", "unbiased_at", "plausible_gain"):
         raise click.UsageError(f"{', '.join(given)} go{'es' if len(given) == 1 else ''} with --check NAME")
@@ -74,23 +74,21 @@ def indexes(check: str | None, min_recall: float, params: tuple[str, ...], unbia
                    "work.", err=True)
 
 
-def _gain(text: str | None):
-    """``--plausible-gain``: the kit's default (None given), a bound, or ``none`` (the rule skipped: False here)."""
-    if text is None:
-        return None
+def _gain(text: str) -> dict:
+    """``--plausible-gain X|none`` as the kit's keyword: a bound above 0, or None (the rule skipped)."""
     if text.strip().lower() == "none":
-        return False
+        return {"plausible_gain": None}
     try:
         gain = float(text)
     except ValueError:
         gain = float("nan")
     if not gain > 0:
         raise AnnsLabError(f"--plausible-gain {text!r}: give a number above 0, or none")
-    return gain
+    return {"plausible_gain": gain}
 
 
 def _check(name: str, min_recall: float, build: dict | None = None, unbiased_at: dict | None = None,
-           plausible_gain=None) -> None:
+           kit: dict | None = None) -> None:
     """The conformance kit on ``name``: what it measured, or the rule it broke and exit status 1."""
     from anns_lab.testing import check_index
 
@@ -104,9 +102,8 @@ def _check(name: str, min_recall: float, build: dict | None = None, unbiased_at:
     if unbiased_at and not cls.unbiased:
         raise AnnsLabError(f"--unbiased-at: {name} does not claim to be unbiased (the kit checks it only where it does)")
     click.echo(f"checking {name} ({cls.__module__}.{cls.__qualname__}) with the conformance kit ...", err=True)
-    kit = {} if plausible_gain is None else {"plausible_gain": plausible_gain or None}
     try:
-        measured = check_index(cls, min_recall=min_recall, unbiased_at=unbiased_at, **kit, **(build or {}))
+        measured = check_index(cls, min_recall=min_recall, unbiased_at=unbiased_at, **(kit or {}), **(build or {}))
     except Exception as err:  # noqa: BLE001 - the kit's AssertionError, or the index's own error: both its failure
         click.echo(f"{name} fails the conformance kit: {type(err).__name__}: {err}", err=True)
         raise SystemExit(1) from None
