@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -189,6 +190,8 @@ def _edited(dump, tmp_path, edit) -> str:
     shutil.copytree(dump.path, folder)
     m = json.loads((folder / store.MANIFEST).read_text())
     m.pop("manifest_sha256")  # as in a dump made before manifests carried their own checksum: each field is checked
+    if m.get("continuation") == "greedy":
+        m.pop("continuation")  # nor, then, this field (greedy where absent)
     m = edit(m)
     (folder / store.MANIFEST).write_text(json.dumps(m))
     return str(folder)
@@ -226,6 +229,25 @@ def test_an_edited_manifest_is_one_error_line(dump, tmp_path, edit, words):
     one_line_error(["export", "--dump", folder, "--layer", 1, "--head", 0, "--k", 10, "--window", "0,0", "--out",
                     tmp_path / "x"], words)
     assert not (tmp_path / "x").exists()
+
+
+def test_a_manifest_that_lost_its_seal_is_refused_unless_made_before_seals(dump, tmp_path):
+    """A manifest without ``manifest_sha256`` was read as one from before seals, so deleting the seal let any edit
+    through (a files audit). Every manifest that records ``continuation`` (written since soon after the seal) was
+    sealed: without its seal it is refused; one without either is read as before."""
+    from anns_lab.dumps.store import read_manifest
+
+    m = json.loads((Path(dump.path) / store.MANIFEST).read_text())
+    assert "manifest_sha256" in m and m["continuation"] == "greedy"
+    folder = tmp_path / "unsealed"
+    shutil.copytree(dump.path, folder)
+    (folder / store.MANIFEST).write_text(json.dumps({k: v for k, v in m.items() if k != "manifest_sha256"}))
+    one_line_error(["export", "--dump", folder, "--layer", 1, "--head", 0, "--k", 10, "--window", "0,0", "--out",
+                    tmp_path / "x"], "has lost its own checksum (manifest_sha256): the anns-lab that made it seals "
+                                     "every manifest, so it was edited; re-create the dump")
+    assert not (tmp_path / "x").exists()
+    older = _edited(dump, tmp_path, lambda m: m)  # neither field: as a dump made before seals
+    assert read_manifest(Path(older))["n_heads"] == m["n_heads"]
 
 
 def test_phases_are_checked_against_the_tokens_file_when_the_edit_is_consistent(dump, tmp_path):

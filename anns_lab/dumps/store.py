@@ -119,13 +119,17 @@ def read_manifest(path: Path) -> dict:
         raise DumpError(f"{mpath} is corrupt or was edited: {problem}; re-create the dump")
     if "manifest_sha256" in manifest and sealed(manifest)["manifest_sha256"] != manifest["manifest_sha256"]:
         raise DumpError(f"{mpath} fails its own checksum (manifest_sha256): it was edited or is corrupt; re-create the dump")
+    if "manifest_sha256" not in manifest and "continuation" in manifest:
+        raise DumpError(f"{mpath} has lost its own checksum (manifest_sha256): the anns-lab that made it seals every "
+                        "manifest, so it was edited; re-create the dump")
     return manifest
 
 
 def sealed(manifest: dict) -> dict:
     """``manifest`` with ``manifest_sha256``: the sha256 of its canonical JSON without that field, so any edit
     of a value no file can confirm (a layer's scaling, say) is caught on read. Dumps made before it have none, and
-    are read without it: the seal catches accidents, not a deliberate edit (which could recompute it as well)."""
+    are read without it; a manifest that records ``continuation`` (written since a little after the seal) must carry
+    it. The seal catches accidents, not a deliberate edit (which could recompute it as well)."""
     body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
     digest = hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=True).encode()).hexdigest()
     return body | {"manifest_sha256": digest}
