@@ -34,6 +34,10 @@ class IndexFailed(DecodeError):
     run's other modes go on (an index breaking the result protocol is an :class:`IndexResultError`, handled alike)."""
 
 
+class ExecutorLost(AnnsLabError):
+    """What runs the work is gone for good (a Ray cluster's head): the run stops, keeping what finished."""
+
+
 class FolderBusy(AnnsLabError):
     """Another process is writing into the folder a dump or sweep would write into (``io.sole_writer``)."""
 

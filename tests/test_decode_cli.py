@@ -982,6 +982,31 @@ def test_an_interrupted_decode_says_what_it_kept(tiny_llama, tmp_path, monkeypat
     assert res.exit_code == 130 and "interrupted: nothing was written (--json keeps" in res.output
 
 
+def test_a_decode_that_loses_its_ray_head_says_what_it_kept(tiny_llama, tmp_path, monkeypatch):
+    """As an interrupt's line, in the error a lost Ray head ends the run with (the executor's watch raises it; Ray
+    itself would have ended the process without a word)."""
+    from anns_lab.decode import runner
+    from anns_lab.errors import ExecutorLost
+
+    real = runner.run_task
+
+    def lost_after_the_first_sample(*args, **kwargs):
+        def on_sample(res):
+            args[-1](res)
+            raise ExecutorLost("lost the Ray head at 10.0.0.1:6379: it has not answered for 30 s")
+
+        return real(*args[:-1], on_sample, **kwargs)
+
+    monkeypatch.setattr(runner, "run_task", lost_after_the_first_sample)
+    out = tmp_path / "r.json"
+    res = _run("--model", tiny_llama, "--mode", "full", "--task", "passkey", "--context", 200, "--samples", 3,
+               "--max-new-tokens", 2, "--json", out)
+    assert _error(res) == (
+        f"Error: lost the Ray head at 10.0.0.1:6379: it has not answered for 30 s: 1 of 3 samples finished and kept in {out} "
+        "(\"partial\": true); run again with --overwrite to redo them all")
+    assert json.loads(out.read_text())["samples_done"] == 1
+
+
 def test_serving_positions_under_dynamic_rope_are_one_error_before_the_prefill(tiny_llama, monkeypatch):
     """dynamic NTK turns positions by frequencies that follow the sequence length (dumps.rope): the training queries
     cannot be moved, and that is said before the prefill runs; key-only modes and --train-positions own are unaffected."""

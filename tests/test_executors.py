@@ -19,6 +19,7 @@ import pytest
 
 from anns_lab.errors import AnnsLabError
 from anns_lab.eval.executors import Part
+from anns_lab.eval.executors.ray_cluster import Cluster
 from anns_lab.eval.sweep import RESULTS, run_sweep
 from ray_driver import RaySweep, ray_sweep
 
@@ -734,7 +735,7 @@ def test_ray_shipping_a_head_that_cannot_be_read_fails_its_parts_not_the_sweep()
 
     ex = RayExecutor.__new__(RayExecutor)
     ex.ray, ex.data, ex.cpus_per_task, ex.log, ex.part_timeout = _FakeRay(), "ship", 1.0, print, 0.0
-    ex.cluster = SimpleNamespace(cpus=lambda: 2.0, abandon=lambda refs: None)
+    ex.cluster = SimpleNamespace(cpus=lambda: 2.0, abandon=lambda refs: None, ray=ex.ray, fits=lambda r: True)
     units = [(1, 0, ["flat", "ivf"]), (1, 3, ["flat", "ivf"]), (3, 0, ["flat"])]
     outcomes = []
     ex.run(_OneUnreadableHead(), units, {}, outcomes.append)
@@ -744,6 +745,177 @@ def test_ray_shipping_a_head_that_cannot_be_read_fails_its_parts_not_the_sweep()
         assert by_part[Part(1, 3, name)].table is None and "damaged layer file" in by_part[Part(1, 3, name)].error
         assert by_part[Part(1, 0, name)].table is not None
     assert by_part[Part(3, 0, "flat")].table is not None
+
+
+def test_an_open_port_that_is_not_a_ray_head_is_refused_before_ray_init(monkeypatch):
+    """A wrong --address whose port takes connections (here an HTTP server) passed the TCP check, and ``ray.init``
+    then retried its GCS connection for ever (5 minutes and counting, a Ray failure fuzz): now the gRPC handshake a
+    Ray head's GCS port answers is asked first (conftest refuses ``ray.init`` in this process)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from anns_lab.eval.executors import ray_cluster
+
+    pytest.importorskip("grpc")
+    monkeypatch.setattr(ray_cluster, "HANDSHAKE_S", 2.0)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    address = f"127.0.0.1:{server.server_address[1]}"
+    try:
+        assert ray_cluster._speaks_grpc(address) is False
+        with pytest.raises(AnnsLabError, match=f"{address} takes connections but is not a Ray head: no gRPC "
+                                               "handshake within 2 s"):
+            ray_cluster.Cluster(address, 1, log=lambda line: None)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class _Nodes:
+    """A cluster whose alive nodes have ``cpus`` CPUs each (None: the GCS does not answer); Cluster's own ``fits`` and
+    ``largest`` read them."""
+
+    gcs = head = "10.0.0.1:6379"
+
+    def __init__(self, *cpus, ray=None):
+        self.alive, self.ray, self.head_up = list(cpus), ray or _FakeRay(), True
+
+    def head_answers(self):
+        return self.head_up
+
+    def nodes(self):
+        if self.alive is None:
+            raise _FakeRay.exceptions.RayError("the GCS is gone")
+        return [{"Alive": True, "Resources": {"CPU": c}} for c in self.alive]
+
+    def abandon(self, refs):
+        pass
+
+    fits, largest, cpus = Cluster.fits, Cluster.largest, Cluster.cpus
+
+
+def test_a_driver_whose_nodes_all_died_says_it_waits_once_and_says_when_one_joins():
+    """The only node with CPUs lost mid-sweep: Ray holds the tasks until a node joins, and the driver waited without a
+    word (a Ray failure fuzz). Asked every 10 s of the driver's clock; said once each way; a cluster that does not
+    answer says nothing."""
+    from anns_lab.eval.executors.ray_cluster import ClusterWatch
+
+    now, lines, nodes = [0.0], [], _Nodes(0, 4)
+    watch = ClusterWatch(nodes, {"CPU": 1.0}, "sweep", "Ctrl-C stops it.", lines.append, every=10.0,
+                          clock=lambda: now[0])
+    for t, cpus in ((5, [0, 4]), (10, [0, 4]), (11, [0]), (19, [0]), (20, [0]), (25, [0]), (30, [0]), (40, None),
+                    (50, [0, 2]), (55, [0, 2]), (60, [0, 2])):
+        now[0], nodes.alive = float(t), cpus
+        watch()
+        if t == 19:
+            assert not lines  # not asked since t = 10
+    assert lines == ["ray: no node alive can run a sweep task now (each needs 1 CPU; the alive nodes have at most 0 "
+                     "CPU): the sweep waits for a node to join. Ctrl-C stops it.",
+                     "ray: a node that can run sweep tasks has joined; going on"]
+
+
+def test_a_head_silent_for_half_of_rays_reconnect_timeout_is_lost(monkeypatch):
+    """A Ray head lost mid-sweep: Ray's own calls block, and Ray ends the driver after its reconnect timeout (60 s) with
+    "Failed to connect to GCS", exit 1, no table, no word of what was kept (a Ray failure fuzz). The watch asks the
+    head's port without Ray and gives up at half that: a head back within it is not lost."""
+    from anns_lab.errors import ExecutorLost
+    from anns_lab.eval.executors.ray_cluster import ClusterWatch
+
+    monkeypatch.setenv("RAY_gcs_rpc_server_reconnect_timeout_s", "40")
+    now, nodes = [0.0], _Nodes(2)
+    watch = ClusterWatch(nodes, {"CPU": 1.0}, "sweep", "", lambda line: None, every=5.0, clock=lambda: now[0])
+    for t, up in ((5, False), (10, False), (15, True), (20, False), (35, False)):  # silent 10 s, back, silent 15 s
+        now[0], nodes.head_up = float(t), up
+        watch()
+    now[0] = 40.0
+    with pytest.raises(ExecutorLost, match=r"lost the Ray head at 10.0.0.1:6379: it has not answered for 20 s"):
+        watch()
+
+
+def test_a_sweep_that_loses_its_ray_head_writes_the_table_of_its_finished_parts_and_says_how_to_go_on(
+        tiny_dump, tmp_path, monkeypatch):
+    from anns_lab.errors import ExecutorLost
+    from anns_lab.eval import sweep as sweep_mod
+    from anns_lab.eval.executors.local import LocalExecutor
+
+    class HeadLost(LocalExecutor):
+        def run(self, work, units, tries, on_outcome, on_running=None):
+            super().run(work, units[:1], tries, on_outcome)
+            raise ExecutorLost("lost the Ray head at 10.0.0.1:6379: it has not answered for 30 s")
+
+    monkeypatch.setattr(sweep_mod, "open_executor", lambda *a, **kw: HeadLost(1, print, 0.0))
+    with pytest.raises(AnnsLabError) as caught:
+        run_sweep(tiny_dump.path, ["flat", "ivf"], [1], [0, 3], k=K, window=WINDOW, out=tmp_path / "res",
+                  progress=False)
+    assert str(caught.value) == (f"lost the Ray head at 10.0.0.1:6379: it has not answered for 30 s; 2 of 4 parts are "
+                                 f"finished and kept in {tmp_path / 'res' / 'parts'}; run the same command again to "
+                                 "resume")
+    table = pd.read_parquet(tmp_path / "res" / RESULTS)
+    assert set(zip(table["layer"], table["head"], table["index"])) == {(1, 0, "flat"), (1, 0, "ivf")}
+    monkeypatch.undo()
+    res = run_sweep(tiny_dump.path, ["flat", "ivf"], [1], [0, 3], k=K, window=WINDOW, out=tmp_path / "res",
+                    progress=False, log=lambda line: None)
+    assert set(zip(res.table["layer"], res.table["head"], res.table["index"])) == {
+        (1, h, i) for h in (0, 3) for i in ("flat", "ivf")}
+
+
+def test_the_sweeps_waiting_loop_asks_whether_a_node_can_still_run_its_parts(monkeypatch):
+    """The watch above is asked while the Ray executor waits on its parts (here three turns without a result)."""
+    from anns_lab.eval.executors import ray_cluster
+    from anns_lab.eval.executors.ray_executor import RayExecutor
+
+    class Slow(_FakeRay):
+        turns = 0
+
+        def wait(self, refs, num_returns=1, timeout=None):
+            Slow.turns += 1
+            return ([], refs) if Slow.turns <= 3 else (refs[:num_returns], refs[num_returns:])
+
+    monkeypatch.setattr(ray_cluster, "WATCH_EVERY_S", 0.0)
+    lines = []
+    ex = RayExecutor.__new__(RayExecutor)
+    ex.ray, ex.data, ex.cpus_per_task, ex.log, ex.part_timeout = Slow(), "ship", 1.0, lines.append, 0.0
+    ex.cluster = _Nodes(0, ray=ex.ray)
+    outcomes = []
+    ex.run(_OneUnreadableHead(), [(1, 0, ["flat"])], {}, outcomes.append)
+    assert len(outcomes) == 1 and outcomes[0].table is not None
+    assert [line for line in lines if "waits for a node to join" in line] == [
+        "ray: no node alive can run a sweep task now (each needs 1 CPU; the alive nodes have at most 0 CPU): the sweep "
+        "waits for a node to join. Ctrl-C stops it; the same command then goes on from the parts written"]
+
+
+def test_a_ray_decode_waiting_on_its_sample_asks_whether_a_node_can_still_run_it(monkeypatch):
+    """The same watch in a Ray decode's wait for its next sample (a node with its GPU lost, here)."""
+    from anns_lab.decode.ray_samples import RaySamples
+    from anns_lab.eval.executors import ray_cluster
+
+    class Slow(_FakeRay):
+        turns = 0
+
+        def remote(self, fn):
+            class Task:
+                def options(self, **_):
+                    return self
+
+                def remote(self, *args):
+                    return _Ref({"runs": {"full": "ran"}})
+
+            return Task()
+
+        def wait(self, refs, num_returns=1, timeout=None):
+            Slow.turns += 1
+            return ([], refs) if Slow.turns <= 3 else (refs[:num_returns], refs[num_returns:])
+
+    monkeypatch.setattr(ray_cluster, "WATCH_EVERY_S", 0.0)
+    lines = []
+    samples = RaySamples.__new__(RaySamples)
+    samples.ray, samples.log, samples.model, samples.device = Slow(), lines.append, "m", "cuda"
+    samples.rope_scaling, samples.torch_threads, samples.resources = None, 0, {"CPU": 1.0, "GPU": 1.0}
+    samples.cluster = _Nodes(4, ray=samples.ray)
+    got = list(samples.map_samples(lambda: ["full"], {}, [([1, 2], 0)], 2, set()))
+    assert got == [{"runs": {"full": "ran"}}]
+    assert [line for line in lines if "waits for a node" in line] == [
+        "ray: no node alive can run a decode task now (each needs 1 CPU, 1 GPU; the alive nodes have at most 4 CPU, "
+        "0 GPU): the decode waits for a node to join. Ctrl-C stops it"]
 
 
 def test_a_plugin_that_raises_keyboard_interrupt_on_ray_fails_its_part_once(tiny_dump, ray_cluster, tmp_path):

@@ -22,7 +22,7 @@ from anns_lab.decode.options import (CALIBRATE_AUTO, GIVE_UP_AFTER, LAYERS_AT_ON
 from anns_lab.dumps import rope
 from anns_lab.dumps.cli import ROPE_HELP, ROPE_SCALING
 from anns_lab.dumps.tasks import TASKS
-from anns_lab.errors import DecodeError
+from anns_lab.errors import DecodeError, ExecutorLost
 from anns_lab.indexes.group_queries import DEFAULT as GROUP_DEFAULT
 from anns_lab.indexes.group_queries import MODES as GROUP_MODES
 from anns_lab.io import atomic_write_bytes, hold_file, loads_json
@@ -301,26 +301,32 @@ def _held_json(json_path: str | None, overwrite: bool, from_sweep: str | None, k
         if json_path:
             held.enter_context(hold_file(Path(json_path)))
             _check_replaceable(Path(json_path), overwrite, from_sweep)
-        with _interrupt_says_what_was_kept(json_path, kept):
+        with _a_stop_says_what_was_kept(json_path, kept):
             yield
 
 
 @contextlib.contextmanager
-def _interrupt_says_what_was_kept(json_path: str | None, kept: dict):
+def _a_stop_says_what_was_kept(json_path: str | None, kept: dict):
     """Ctrl-C or SIGTERM ends the run with status 130 and a line saying what the ``--json`` file keeps ("Aborted!"
-    alone hid a partial result): the samples finished before it (marked partial), or nothing."""
+    alone hid a partial result): the samples finished before it (marked partial), or nothing; a Ray head lost says
+    the same in its error."""
     try:
         yield
     except KeyboardInterrupt:
-        if not json_path:
-            said = "interrupted: nothing was written (--json keeps each finished sample as it ends)"
-        elif not kept:
-            said = f"interrupted before the first sample finished: nothing of this run was written to {json_path}"
-        else:
-            said = (f"interrupted: {kept['done']} of {kept['total']} samples finished and kept in {json_path} "
-                    "(\"partial\": true); run again with --overwrite to redo them all")
-        click.echo(said, err=True)
+        click.echo(_kept_words("interrupted", json_path, kept), err=True)
         raise SystemExit(130) from None
+    except ExecutorLost as err:  # likewise, when the Ray cluster's head is gone
+        raise ExecutorLost(_kept_words(str(err), json_path, kept)) from None
+
+
+def _kept_words(why: str, json_path: str | None, kept: dict) -> str:
+    """``why`` the run stopped, and what its ``--json`` file keeps."""
+    if not json_path:
+        return f"{why}: nothing was written (--json keeps each finished sample as it ends)"
+    if not kept:
+        return f"{why} before the first sample finished: nothing of this run was written to {json_path}"
+    return (f"{why}: {kept['done']} of {kept['total']} samples finished and kept in {json_path} (\"partial\": true); "
+            "run again with --overwrite to redo them all")
 
 
 def _names_file(text: str) -> bool:

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 
 from anns_lab import stops as stop_requests  # `stops` here are the stop tokens' ids
 from anns_lab.errors import DecodeError
-from anns_lab.eval.executors.ray_cluster import Cluster, check_cpus_per_task, ray_error_text
+from anns_lab.eval.executors.ray_cluster import Cluster, ClusterWatch, check_cpus_per_task, ray_error_text
 
 _MODELS: dict = {}  # per Ray worker process: (model, device, RoPE scaling) → loaded model
 
@@ -46,6 +46,7 @@ class RaySamples:
                  log=print, rope_scaling=None, torch_threads: int = 0) -> None:
         check_cpus_per_task(cpus_per_task)
         self.cluster = Cluster(address, local_cpus, log)
+        self.log = log
         self.ray = self.cluster.ray
         self.model, self.rope_scaling, self.torch_threads = model, rope_scaling, torch_threads
         self.resources, self.device = {"CPU": float(cpus_per_task)}, "cpu"
@@ -67,6 +68,7 @@ class RaySamples:
         task = self.ray.remote(_sample_task).options(num_cpus=self.resources["CPU"], num_gpus=self.resources.get("GPU", 0),
                                                    max_retries=2)
         source, pending = iter(prompts), collections.deque()
+        watch = None  # made at the first wait
         try:
             while True:
                 for prompt in itertools.islice(source, max(0, self.in_flight - len(pending))):
@@ -81,6 +83,8 @@ class RaySamples:
                     continue
                 while not self.ray.wait([pending[0]], timeout=1.0)[0]:  # wakes up for Ctrl-C
                     stop_requests.check()
+                    watch = watch or ClusterWatch(self.cluster, self.resources, "decode", "Ctrl-C stops it", self.log)
+                    watch()
                 try:
                     yield self.ray.get(pending.popleft())
                 except self.ray.exceptions.RayError as err:

@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 from anns_lab import stops
 from anns_lab.dumps import rope
 from anns_lab.dumps.store import dump_stamp, open_dump, write_table
-from anns_lab.errors import AnnsLabError, IndexConfigError, IndexResultError
+from anns_lab.errors import AnnsLabError, ExecutorLost, IndexConfigError, IndexResultError
 from anns_lab.eval import failures as failed
 from anns_lab.eval import metrics, plan
 from anns_lab.eval.executors import Outcome, Part, open_executor
@@ -421,15 +421,17 @@ def _run(runner, dump, out, settings, names, layers, heads, k, window, build_par
             + (f" (resumed: {kept} of {len(part_file)} finished parts kept)" if kept else ""))
         try:
             runner.run(work, units, tries, on_outcome, on_running=lambda parts: bar.set_postfix_str(_running(parts)))
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, ExecutorLost) as err:
             bar.close()
             combine(out, own, str(dump.path))
             done = sum(1 for f in part_file.values() if f.exists())
+            stop, why = (SweepInterrupted, ("interrupted after its last part:", "interrupted:")) \
+                if isinstance(err, KeyboardInterrupt) else (AnnsLabError, (f"{err};", f"{err};"))
             if done == len(part_file):  # nothing left to resume: the table above holds every part
-                raise SweepInterrupted(f"interrupted after its last part: all {done} parts are finished and kept in "
-                                       f"{parts}, and their table written") from None
-            raise SweepInterrupted(f"interrupted: {done} of {len(part_file)} parts are finished and kept in {parts}; "
-                                   "run the same command again to resume") from None
+                raise stop(f"{why[0]} all {done} parts are finished and kept in {parts}, and their table written") \
+                    from None
+            raise stop(f"{why[1]} {done} of {len(part_file)} parts are finished and kept in {parts}; run the same "
+                       "command again to resume") from None
     bar.close()
     table = combine(out, own, str(dump.path))
     if stale := sorted(f.name for f in (parts / STALE).glob("*.parquet")):

@@ -6,11 +6,14 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 import socket
+import time
+from collections.abc import Callable
 
 from anns_lab import stops
-from anns_lab.errors import AnnsLabError
+from anns_lab.errors import AnnsLabError, ExecutorLost
 
 
 def require_ray():
@@ -31,7 +34,14 @@ def check_cpus_per_task(value: float) -> float:
     return float(value)
 
 
+HANDSHAKE_S = 10.0  # how long a Ray head's GCS port may take to answer the gRPC handshake
+WATCH_EVERY_S = 10.0  # how often a driver waiting on its tasks asks whether a node can still run them
+
+
 def _reachable(address: str) -> None:
+    """One clear error unless something at ``address`` answers as a Ray head would: a TCP port that takes a
+    connection, then a gRPC (HTTP/2) handshake. ``ray.init`` at an open port of another kind (an HTTP server, SSH)
+    retried its GCS connection for ever."""
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
         raise AnnsLabError(f"--address takes HOST:PORT of a Ray head (e.g. 10.0.0.5:6379) or 'auto', got {address!r}")
@@ -40,6 +50,29 @@ def _reachable(address: str) -> None:
     except OSError as err:
         raise AnnsLabError(f"cannot reach a Ray cluster at {address} ({err.strerror or err}); start one there with "
                            "`ray start --head --port PORT`, or leave out --address to run Ray on this machine") from None
+    if _speaks_grpc(address) is False:
+        raise AnnsLabError(f"{address} takes connections but is not a Ray head: no gRPC handshake within "
+                           f"{HANDSHAKE_S:g} s (a Ray head's GCS port answers one: the PORT of `ray start --head "
+                           "--port PORT`, 6379 by default)")
+
+
+def _speaks_grpc(address: str) -> bool | None:
+    """Whether a gRPC server at ``address`` completes the handshake within ``HANDSHAKE_S``; None when this cannot be
+    told here (no grpc module, or a cluster on TLS, whose handshake needs its certificates)."""
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        return None
+    try:
+        import grpc
+    except ImportError:
+        return None
+    channel = grpc.insecure_channel(address)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=HANDSHAKE_S)
+        return True
+    except grpc.FutureTimeoutError:
+        return False
+    finally:
+        channel.close()
 
 
 class Cluster:
@@ -63,11 +96,12 @@ class Cluster:
                 where = "start a private Ray" if address is None else f"join the Ray cluster at {address}"
                 raise AnnsLabError(f"cannot {where}: {str(err).splitlines()[0]}") from None
             stops.rearm()  # ray.init took SIGTERM over: a `kill` ended the driver without its clean stop
+        self.gcs = ray.get_runtime_context().gcs_address  # HOST:PORT as Ray itself reaches the head
+        self.head = address if address not in (None, "auto") else self.gcs  # in the user's words
         nodes = self.nodes()
         cpus = sum(n["Resources"].get("CPU", 0) for n in nodes)
         gpus = sum(n["Resources"].get("GPU", 0) for n in nodes)
-        where = "a private Ray on this machine" if address is None and self.owned else \
-            f"the Ray cluster at {ray.get_runtime_context().gcs_address if address in (None, 'auto') else address}"
+        where = "a private Ray on this machine" if address is None and self.owned else f"the Ray cluster at {self.head}"
         self.summary = f"{where}: {len(nodes)} node(s), {cpus:g} CPUs, {gpus:g} GPUs"
         log(f"ray: {self.summary}")
 
@@ -80,14 +114,30 @@ class Cluster:
     def cpus(self) -> float:
         return sum(n["Resources"].get("CPU", 0) for n in self.nodes())
 
+    def head_answers(self) -> bool:
+        """Whether the head's GCS port takes a connection (asked without Ray: once the head is gone, Ray's own calls
+        block until Ray ends the process, after ``reconnect_s``)."""
+        host, _, port = self.gcs.rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()
+            return True
+        except OSError:
+            return False
+
+    def fits(self, resources: dict[str, float]) -> bool:
+        """Whether an alive node has ``resources`` (in all: taken or free)."""
+        return any(all(n["Resources"].get(r, 0) >= v for r, v in resources.items()) for n in self.nodes())
+
+    def largest(self, resources: dict[str, float]) -> str:
+        """The most of each of ``resources`` an alive node has, in words ("1 CPU, 0 GPU")."""
+        return ", ".join(f"{max((n['Resources'].get(r, 0) for n in self.nodes()), default=0):g} {r}" for r in resources)
+
     def require(self, resources: dict[str, float], what: str) -> None:
         """Refuse, before any work, a task that no node can hold (Ray would wait for it forever)."""
-        for n in self.nodes():
-            if all(n["Resources"].get(r, 0) >= v for r, v in resources.items()):
-                return
-        largest = {r: max((n["Resources"].get(r, 0) for n in self.nodes()), default=0) for r in resources}
+        if self.fits(resources):
+            return
         need = ", ".join(f"{v:g} {r}" for r, v in resources.items())
-        have = ", ".join(f"{v:g} {r}" for r, v in largest.items())
+        have = self.largest(resources)
         self.close()
         raise AnnsLabError(f"no node of {self.summary} can run a {what} task needing {need} (the largest node has {have}); "
                            "lower the request or add a node that has it")
@@ -106,6 +156,55 @@ class Cluster:
         if self.owned and self.ray.is_initialized():
             self.ray.shutdown()
             self.owned = False
+
+
+def reconnect_s() -> float:
+    """How long Ray's processes wait for a head whose GCS stopped answering before Ray ends them (a driver too: no
+    Python runs then, so nothing can say what was kept)."""
+    try:
+        return float(os.environ.get("RAY_gcs_rpc_server_reconnect_timeout_s", 60))
+    except ValueError:
+        return 60.0
+
+
+class ClusterWatch:
+    """Asked at each turn of a driver's waiting loop (at most every ``every`` seconds, ``WATCH_EVERY_S``): says, once,
+    when no alive node can run a task any more (the nodes that could have died: Ray then holds the tasks until one
+    joins, and the driver waited without a word), and once when one can again; raises :class:`ExecutorLost` when the
+    head has not answered for half of ``reconnect_s`` (Ray would end the driver at the whole, with no word of what was
+    kept: the run's own stop writes what finished and says how to go on)."""
+
+    def __init__(self, cluster: Cluster, resources: dict[str, float], what: str, after: str, log=print,
+                 every: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cluster, self.resources, self.what, self.after = cluster, resources, what, after
+        self.log, self.every, self.clock = log, WATCH_EVERY_S if every is None else every, clock
+        self.errors = (OSError, RuntimeError, cluster.ray.exceptions.RayError)  # a head going away
+        self.next, self.short, self.silent_since = clock() + self.every, False, None
+        self.lost_after = reconnect_s() / 2
+
+    def __call__(self) -> None:
+        now = self.clock()
+        if now < self.next:
+            return
+        self.next = now + self.every
+        if not self.cluster.head_answers():
+            self.silent_since = now if self.silent_since is None else self.silent_since
+            if now - self.silent_since >= self.lost_after:
+                raise ExecutorLost(f"lost the Ray head at {self.cluster.head}: it has not answered for "
+                                   f"{now - self.silent_since:.0f} s")
+            return
+        self.silent_since = None
+        try:
+            have = None if self.cluster.fits(self.resources) else self.cluster.largest(self.resources)
+        except self.errors:  # the head going away just now: asked again at the next turn
+            return
+        if have is not None and not self.short:
+            need = ", ".join(f"{v:g} {r}" for r, v in self.resources.items())
+            self.log(f"ray: no node alive can run a {self.what} task now (each needs {need}; the alive nodes have at "
+                     f"most {have}): the {self.what} waits for a node to join. {self.after}")
+        elif have is None and self.short:
+            self.log(f"ray: a node that can run {self.what} tasks has joined; going on")
+        self.short = have is not None
 
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its task names in errors

@@ -29,10 +29,10 @@ from dataclasses import replace
 import numpy as np
 
 from anns_lab import stops
-from anns_lab.errors import AnnsLabError
+from anns_lab.errors import AnnsLabError, ExecutorLost
 from anns_lab.eval.executors.base import (OnOutcome, OnRunning, Outcome, Part, Unit, Work, attempt, load, warm,
                                           warm_limit)
-from anns_lab.eval.executors.ray_cluster import Cluster, check_cpus_per_task, ray_error_text
+from anns_lab.eval.executors.ray_cluster import Cluster, ClusterWatch, check_cpus_per_task, ray_error_text
 
 DATA_MODES = ("auto", "path", "ship")
 # Ray errors that mean the worker (or its node) died, which a retry may outlive; a force-cancel is one too
@@ -185,6 +185,8 @@ class RayExecutor:
         limit = max(2, int(2 * self.cluster.cpus() / self.cpus_per_task))  # keeps workers fed, memory bounded
         clock = self._clock() if self.part_timeout else None
         overdue: set = set()  # refs cancelled for the part timeout
+        watch = ClusterWatch(self.cluster, {"CPU": self.cpus_per_task}, "sweep", "Ctrl-C stops it; the same command "
+                              "then goes on from the parts written", self.log)
         try:
             while todo or inflight:
                 stops.check()  # the outcomes taken before are written: a lost Ctrl-C stops here (stops.py)
@@ -208,6 +210,7 @@ class RayExecutor:
                 if not inflight:  # every part submitted so far was of an unreadable head
                     continue
                 done, _ = ray.wait(list(inflight), num_returns=1, timeout=1.0)  # wakes up for Ctrl-C
+                watch()
                 if clock is not None:
                     overdue |= self._cancel_overdue(clock, {r: f"{p} #{n}" for r, (p, n) in inflight.items()
                                                             if r not in done and r not in overdue})
@@ -231,6 +234,9 @@ class RayExecutor:
                         heads.pop((part.layer, part.head), None)  # its last task ended: free the shipped arrays
         except KeyboardInterrupt:
             self.cluster.abandon(list(inflight))
+            raise
+        except ExecutorLost:
+            clock = None  # an actor call to a cluster without its head waits for Ray's end of the process
             raise
         finally:
             if clock is not None:
