@@ -858,22 +858,25 @@ def test_a_sweep_that_loses_its_ray_head_writes_the_table_of_its_finished_parts_
         (1, h, i) for h in (0, 3) for i in ("flat", "ivf")}
 
 
+class _SlowRay(_FakeRay):
+    """Ray whose tasks have no result for the driver's first three waits."""
+
+    turns = 0
+
+    def wait(self, refs, num_returns=1, timeout=None):
+        self.turns += 1
+        return ([], refs) if self.turns <= 3 else (refs[:num_returns], refs[num_returns:])
+
+
 def test_the_sweeps_waiting_loop_asks_whether_a_node_can_still_run_its_parts(monkeypatch):
     """The watch above is asked while the Ray executor waits on its parts (here three turns without a result)."""
     from anns_lab.eval.executors import ray_cluster
     from anns_lab.eval.executors.ray_executor import RayExecutor
 
-    class Slow(_FakeRay):
-        turns = 0
-
-        def wait(self, refs, num_returns=1, timeout=None):
-            Slow.turns += 1
-            return ([], refs) if Slow.turns <= 3 else (refs[:num_returns], refs[num_returns:])
-
     monkeypatch.setattr(ray_cluster, "WATCH_EVERY_S", 0.0)
     lines = []
     ex = RayExecutor.__new__(RayExecutor)
-    ex.ray, ex.data, ex.cpus_per_task, ex.log, ex.part_timeout = Slow(), "ship", 1.0, lines.append, 0.0
+    ex.ray, ex.data, ex.cpus_per_task, ex.log, ex.part_timeout = _SlowRay(), "ship", 1.0, lines.append, 0.0
     ex.cluster = _Nodes(0, ray=ex.ray)
     outcomes = []
     ex.run(_OneUnreadableHead(), [(1, 0, ["flat"])], {}, outcomes.append)
@@ -888,22 +891,9 @@ def test_a_ray_decode_waiting_on_its_sample_asks_whether_a_node_can_still_run_it
     from anns_lab.decode.ray_samples import RaySamples
     from anns_lab.eval.executors import ray_cluster
 
-    class Slow(_FakeRay):
-        turns = 0
-
+    class Slow(_SlowRay):
         def remote(self, fn):
-            class Task:
-                def options(self, **_):
-                    return self
-
-                def remote(self, *args):
-                    return _Ref({"runs": {"full": "ran"}})
-
-            return Task()
-
-        def wait(self, refs, num_returns=1, timeout=None):
-            Slow.turns += 1
-            return ([], refs) if Slow.turns <= 3 else (refs[:num_returns], refs[num_returns:])
+            return super().remote(lambda *args: {"runs": {"full": "ran"}})
 
     monkeypatch.setattr(ray_cluster, "WATCH_EVERY_S", 0.0)
     lines = []
