@@ -426,7 +426,7 @@ def _run(runner, dump, out, settings, names, layers, heads, k, window, build_par
             combine(out, own, str(dump.path))
             done = sum(1 for f in part_file.values() if f.exists())
             stop, why = (SweepInterrupted, ("interrupted after its last part:", "interrupted:")) \
-                if isinstance(err, KeyboardInterrupt) else (AnnsLabError, (f"{err};", f"{err};"))
+                if isinstance(err, KeyboardInterrupt) else (ExecutorLost, (f"{err};", f"{err};"))
             if done == len(part_file):  # nothing left to resume: the table above holds every part
                 raise stop(f"{why[0]} all {done} parts are finished and kept in {parts}, and their table written") \
                     from None
