@@ -205,7 +205,31 @@ def hold_file(path: Path) -> Iterator[None]:
     """An advisory lock on writing the file ``path`` (two decodes given one ``--json`` both ran, and the later writer's
     result replaced the other's): a hidden ``.NAME.lock`` beside it, held while the block runs and removed at its end;
     ``FolderBusy`` at once where another process holds it; unguarded where the system or file system has no such locks.
-    A lock taken on a file its holder has just removed is taken again on the new one (the inodes are compared)."""
+    A lock taken on a file its holder has just removed is taken again on the new one (the inodes are compared). The
+    folders on the way that did not exist are made for the lock (without them two runs went unguarded) and removed at
+    the end where left empty."""
+    made = []
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        made.append(folder)
+        folder = folder.parent
+    try:
+        for folder in reversed(made):
+            folder.mkdir()
+    except OSError:  # not writable here: the command's own write says why
+        made = made[made.index(folder) + 1:]
+    try:
+        with _held(path):
+            yield
+    finally:
+        for folder in made:  # deepest first
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
+@contextlib.contextmanager
+def _held(path: Path) -> Iterator[None]:
+    """:func:`hold_file`'s lock, in a folder that exists where it can."""
     lock = path.parent / f".{path.name}.lock"
     while True:
         try:

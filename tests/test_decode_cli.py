@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -356,6 +359,68 @@ def test_errors_on_a_free_prompt_name_the_prompt_not_the_context(tiny_llama, arg
     assert needle in err and "--context" not in err, err
 
 
+@pytest.mark.parametrize("args", [["--task", "passkey", "--context", 200], ["--prompt", "The grass is green."]])
+def test_new_tokens_past_the_context_name_max_new_tokens(tiny_llama, args):
+    """Before (a decode audit): --max-new-tokens 10^5 on a 200-token context said "use a shorter --context"."""
+    err = _error(_run("--model", tiny_llama, "--mode", "full,window", "--window", "4,16", "--max-new-tokens", 10**5,
+                      *args))
+    assert "use a shorter --max-new-tokens, or pass --allow-extrapolation" in err, err
+
+
+def test_an_empty_from_sweep_is_refused_not_ignored(tiny_llama, monkeypatch):
+    """Before (a decode audit): `--from-sweep "$SWEEP"` with SWEEP unset ran without any pick, --target-recall taken."""
+    from anns_lab.decode import cli
+
+    monkeypatch.setattr(cli, "_load", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert _error(_run("--model", tiny_llama, "--task", "passkey", "--context", 200, "--mode", "full,flat",
+                       "--from-sweep", "", "--target-recall", 0.5)) == \
+        "Error: --from-sweep '': give the folder of an `anns-lab sweep`"
+
+
+def test_a_result_table_that_cannot_be_printed_loses_no_result(tiny_llama, tmp_path):
+    """Before (a decode audit): with standard output on a full disk a fidelity run ended in a traceback and wrote no
+    --json (the table was printed first, and a fidelity run has no after-sample write); a reader's closed pipe, exit
+    1 and no word. Here the output is /dev/full, a real device whose every write fails."""
+    out = tmp_path / "f.json"
+    cmd = [str(Path(sys.executable).parent / "anns-lab"), "decode", "--model", str(tiny_llama), "--eval", "fidelity",
+           "--context", "200", "--positions", "2", "--free-tokens", "2", "--window", "4,16", "--topk", "8", "--mode",
+           "full,flat", "--json", str(out)]
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(cmd, stdout=full, stderr=subprocess.PIPE, text=True, timeout=600)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"Error: cannot print the result table (OSError: No space left on device); the result is in {out}" \
+        in proc.stderr, proc.stderr
+    assert json.loads(out.read_text())["task"] == "fidelity"
+
+
+def test_a_json_write_that_fails_mid_run_says_what_the_file_keeps(tiny_llama, tmp_path, monkeypatch):
+    """Before (a decode audit): a --json write that failed after the first sample (its folder made read-only, a full
+    disk) ended the run in a traceback, the samples kept unsaid. A finished run's file keeps its after-sample keys."""
+    from anns_lab.decode import cli
+
+    real, writes = cli.atomic_write_bytes, []
+
+    def second_fails(path, data):
+        writes.append(path)
+        if len(writes) == 2:
+            raise PermissionError(13, "Permission denied")
+        real(path, data)
+
+    out = tmp_path / "r.json"
+    args = ("--model", tiny_llama, "--mode", "full", "--task", "passkey", "--context", 200, "--samples", 2,
+            "--max-new-tokens", 2, "--json", out)
+    monkeypatch.setattr(cli, "atomic_write_bytes", second_fails)
+    assert _error(_run(*args)) == (f"Error: --json {out}: cannot write it (PermissionError: Permission denied): 1 of 2 "
+                                   f"samples finished and kept in {out} (\"partial\": true); run again with --overwrite "
+                                   "to redo them all")
+    assert json.loads(out.read_text())["samples_done"] == 1
+    monkeypatch.undo()
+    res = _run(*args, "--overwrite")
+    assert res.exit_code == 0, res.output
+    assert {k: json.loads(out.read_text())[k] for k in ("partial", "samples_done", "samples_total")} == \
+        {"partial": False, "samples_done": 2, "samples_total": 2}
+
+
 @pytest.mark.parametrize("flag", ["--positions", "--free-tokens"])
 def test_fidelity_past_the_context_names_the_option_that_went_past_it(tiny_llama, flag):
     """Before: --positions 10^6 on a 200-token context said "use a shorter --context"."""
@@ -372,6 +437,7 @@ def test_fidelity_past_the_context_names_the_option_that_went_past_it(tiny_llama
     ("full,window", ["--shared-prefill"], "--shared-prefill: not used by this run"),
     ("full,window", ["--calibrate-question"], "--calibrate-question: not used by this run"),
     ("full", ["--window", "600,600"], "--window: not used by this run (--mode full attends every key)"),
+    ("full,window", ["--give-up-after", 3], "--give-up-after: not used by this run"),  # a decode audit: taken before
 ])
 def test_an_index_option_without_an_index_mode_is_refused(tiny_llama, modes, extra, words):
     """Before: dropped in silence (the README says refused), the table printing the --window it never used."""

@@ -1819,6 +1819,30 @@ def test_a_json_file_another_decode_writes_is_refused_and_free_once_it_ends(tiny
         pass
 
 
+def test_a_json_file_in_a_folder_not_made_yet_is_held_too(tmp_path):
+    """Before (a decode audit): the lock beside a --json whose folder did not exist yet could not be made, and two
+    decodes into `new/r.json` both ran, the later replacing the other's result. The folders on the way are made for
+    the lock and removed at the end where left empty (a refused run leaves nothing)."""
+    from anns_lab.errors import FolderBusy
+    from anns_lab.io import hold_file
+
+    out = tmp_path / "new" / "deeper" / "r.json"
+    with hold_file(out):
+        assert (out.parent / ".r.json.lock").exists()
+        with pytest.raises(FolderBusy, match="another anns-lab process is writing"):
+            with hold_file(out):
+                pass
+    assert not (tmp_path / "new").exists()
+    with hold_file(out):
+        out.write_text("{}")
+    assert sorted(p.name for p in out.parent.iterdir()) == ["r.json"]  # the written file's folders stay
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with hold_file(blocker / "sub" / "r.json"):  # not makeable: unguarded, the command's own write says why
+        pass
+    assert blocker.read_text() == "x"
+
+
 def test_a_folder_made_by_two_commands_at_once_is_written_by_one(dump, tmp_path, monkeypatch):
     """Before (fourth audit): two exports into a new --out both looked at the missing folder, then each locked it in
     turn: both ended with exit 0, the second writing over the first without --overwrite. Here the other export runs

@@ -205,6 +205,8 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
                   give_up_after=give_up_after)
     if json_path is not None and not json_path.strip():  # `--json "$OUT"` with OUT unset ran, then wrote nothing
         raise DecodeError("--json '': give a file path for the results")
+    if from_sweep is not None and not from_sweep.strip():  # `--from-sweep "$SWEEP"` unset ran without any pick
+        raise DecodeError("--from-sweep '': give the folder of an `anns-lab sweep`")
     from anns_lab.decode import runner  # torch and transformers: after the checks that need neither
 
     mode_list = _parse_mode_list(modes, params, build_params, from_sweep)
@@ -244,7 +246,8 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
         def partial(res: dict) -> None:  # after each sample: a run stopped midway keeps what it finished
             describe = _run_description(lm, remote.device if remote else device, executor, settings, mode_list,
                                         recorded, pick)
-            _write_json(Path(json_path), res | describe | {"partial": res["samples_done"] < res["samples_total"]})
+            _write_json(Path(json_path), res | describe | {"partial": res["samples_done"] < res["samples_total"]},
+                        kept)
             kept.update(done=res["samples_done"], total=res["samples_total"])
 
         on_sample = partial if json_path else None
@@ -279,10 +282,10 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
                     remote.close()
         result |= _run_description(lm, remote.device if remote else device, executor, settings, mode_list, recorded,
                                    pick)
-        _print_result(result, settings)
-        if json_path:
-            _write_json(Path(json_path), result)
-        sys.stdout.flush()
+        if json_path:  # before the table: a failed print (a closed pipe, a full disk) loses no result
+            done = {"partial": False, "samples_done": kept["total"], "samples_total": kept["total"]} if kept else {}
+            _write_json(Path(json_path), result | done, kept)  # the keys its after-sample writes had
+        _print_table(result, settings, json_path)
         if failed := {name: m["summary"]["failed_samples"] for name, m in result["modes"].items()
                       if m["summary"].get("failed_samples")}:  # the others' results stand; the run did not all succeed
             left_out = {name: m["summary"].get("skipped_samples") for name, m in result["modes"].items()}
@@ -325,6 +328,8 @@ def _kept_words(why: str, json_path: str | None, kept: dict) -> str:
         return f"{why}: nothing was written (--json keeps each finished sample as it ends)"
     if not kept:
         return f"{why} before the first sample finished: nothing of this run was written to {json_path}"
+    if kept["done"] == kept["total"]:
+        return f"{why}: all {kept['total']} samples finished and kept in {json_path}"
     return (f"{why}: {kept['done']} of {kept['total']} samples finished and kept in {json_path} (\"partial\": true); "
             "run again with --overwrite to redo them all")
 
@@ -405,7 +410,7 @@ def _check_unused(ctx: click.Context, evaluation: str, prompt: str | None, from_
 
 INDEX_OPTIONS = ("topk", "add_batch", "train_queries", "train_group", "train_positions", "copy_hints",
                  "build_during_prefill", "build_layers", "build_processes", "shared_prefill", "until_built", "calibrate",
-                 "calibrate_question")
+                 "calibrate_question", "give_up_after")
 
 
 def _check_unused_by_modes(ctx: click.Context, names: list[str], from_sweep: str | None) -> None:
@@ -587,6 +592,21 @@ def _run_description(lm, device: str, executor: str, settings: Settings, mode_li
                                if m.plan else None) for m in mode_list}}
 
 
+def _print_table(result: dict, settings: Settings, json_path: str | None) -> None:
+    """:func:`_print_result` to a standard output that may be closed or failing (a pipe whose reader ended, a full
+    disk): one error saying where the result is, not a traceback or a silent exit 1."""
+    try:
+        _print_result(result, settings)
+        if sys.stdout is not None:  # None where the process started with it closed
+            sys.stdout.flush()
+    except OSError as err:
+        with contextlib.suppress(OSError):  # the interpreter's own flush at exit would fail again, with a traceback
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        where = f"the result is in {json_path}" if json_path else "nothing was written (--json keeps the result)"
+        raise DecodeError(f"cannot print the result table ({type(err).__name__}: {err.strerror or err}); {where}") \
+            from None
+
+
 def _print_result(result: dict, settings: Settings) -> None:
     """The headline, the per-mode table, each mode's notes and, for a free prompt, each mode's answer."""
     from anns_lab.decode import runner
@@ -608,16 +628,21 @@ def _print_result(result: dict, settings: Settings) -> None:
                 click.echo(f"[{name}] " + (row["answer"] if "answer" in row else f"(failed: {row['error']})"))
 
 
-def _write_json(path: Path, result: dict) -> None:
+def _write_json(path: Path, result: dict, kept: dict) -> None:
     """The full result as JSON, written atomically (numpy scalars as floats); refused where it holds a NaN or an
-    infinity (bare ``NaN`` is no JSON, and no figure either)."""
+    infinity (bare ``NaN`` is no JSON, and no figure either). A write that fails (a full disk, the folder's permissions
+    changed) is one error saying what the file still keeps (``kept``: its last write's samples)."""
     try:
         text = json.dumps(result, indent=1, default=float, allow_nan=False)
     except ValueError:
         raise DecodeError(f"--json {path}: not written: the result holds a NaN or an infinity at "
                           f"{_non_finite(result)}, a failed measurement") from None
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, text.encode("utf-8"))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, text.encode("utf-8"))
+    except OSError as err:
+        raise DecodeError(_kept_words(f"--json {path}: cannot write it ({type(err).__name__}: {err.strerror or err})",
+                                      str(path), kept)) from None
     click.echo(f"wrote {path}", err=True)
 
 

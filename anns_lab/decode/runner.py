@@ -116,7 +116,8 @@ def run_task(lm, modes: list[Mode], settings: Settings, task: str, context: int,
     if samples < 1:
         raise DecodeError("--samples must be at least 1")
     max_new = max_new or MAX_NEW[task]
-    note = check_context(lm, context + max_new, allow_extrapolation)
+    note = check_context(lm, context + max_new, allow_extrapolation,
+                         "--context" if max_new <= context else "--max-new-tokens")
     # with the question held back, the indexes are built on the context before it (the first sample's: the others'
     # questions differ by a word at most)
     asked = tasks.make_sample(task, lm.tokenizer, context, seed, depths(samples)[0]).question \
@@ -148,7 +149,7 @@ def run_prompt(lm, modes: list[Mode], settings: Settings, text: str, max_new: in
                allow_extrapolation: bool = False, progress=None, executor=None, on_sample=None) -> dict:
     ids = tasks.special_prefix(lm.tokenizer) + tasks.encode(lm.tokenizer, text)
     max_new = max_new or MAX_NEW["prompt"]
-    note = check_context(lm, len(ids) + max_new, allow_extrapolation, "--prompt")
+    note = check_context(lm, len(ids) + max_new, allow_extrapolation, "--prompt" if max_new <= len(ids) else "--max-new-tokens")
     check_window(settings, len(ids), modes, max_new - 1, rope.head_dim(lm.config), "--prompt")
     return _run_prompts(lm, modes, settings, [(ids, None)], len(ids), max_new, "prompt", progress, executor, on_sample,
                         note)
@@ -287,7 +288,8 @@ def _run_prompts(lm, modes, settings, prompts, n_prompt: int, max_new, task, pro
     (the prompts already handed to the executor still run it).
     """
     settings = dataclasses.replace(settings, steps=max_new)  # the CPU stores' room for the tokens to come
-    check_memory(lm, modes, settings, n_prompt + max_new, "--prompt" if task == "prompt" else "--context")
+    check_memory(lm, modes, settings, n_prompt + max_new, "--max-new-tokens" if max_new > n_prompt else
+                 "--prompt" if task == "prompt" else "--context")
     stops = stop_ids(lm)
     per_mode = {m.name: {"runs": [], "samples": []} for m in modes}
     give_up = GiveUp(give_up_after)
@@ -436,11 +438,11 @@ def run_fidelity(lm, modes: list[Mode], settings: Settings, context: int, positi
     if positions < 1 or free_tokens < 1:
         raise DecodeError("--positions and --free-tokens must be at least 1")
     steps = max(positions, free_tokens)
-    note = check_context(lm, context + steps, allow_extrapolation,
-                         "--context" if steps <= context else "--positions" if positions >= free_tokens else "--free-tokens")
+    longest = "--context" if steps <= context else "--positions" if positions >= free_tokens else "--free-tokens"
+    note = check_context(lm, context + steps, allow_extrapolation, longest)
     # every teacher token is fed
     check_window(settings, context, modes, max(positions, free_tokens - 1), rope.head_dim(lm.config))
-    check_memory(lm, modes, settings, context + steps)
+    check_memory(lm, modes, settings, context + steps, longest)
     settings = dataclasses.replace(settings, steps=steps, until_built="wait")  # every position measures the index
     ids = build_prompt("text", lm.tokenizer, context + positions).ids
     say = progress or (lambda line: None)
