@@ -761,7 +761,7 @@ def test_an_open_port_that_is_not_a_ray_head_is_refused_before_ray_init(monkeypa
     threading.Thread(target=server.serve_forever, daemon=True).start()
     address = f"127.0.0.1:{server.server_address[1]}"
     try:
-        assert ray_cluster._speaks_grpc(address) is False
+        assert ray_cluster._speaks_grpc(address, 2.0) is False
         with pytest.raises(AnnsLabError, match=f"{address} takes connections but is not a Ray head: no gRPC "
                                                "handshake within 2 s"):
             ray_cluster.Cluster(address, 1, log=lambda line: None)
@@ -866,6 +866,77 @@ class _SlowRay(_FakeRay):
     def wait(self, refs, num_returns=1, timeout=None):
         self.turns += 1
         return ([], refs) if self.turns <= 3 else (refs[:num_returns], refs[num_returns:])
+
+
+def test_the_heads_probe_is_a_direct_grpc_handshake_not_a_tcp_connect(monkeypatch):
+    """A head whose process is stopped or hung still has its TCP connections taken by the kernel: the watch took it for
+    alive and then blocked in Ray's own calls for ever (a review). The probe is a gRPC handshake, here against a real
+    gRPC server, a socket that listens and never answers, and a closed port; direct, as Ray's channels are, whatever
+    ``http_proxy`` says (a live head was refused under one)."""
+    import socket
+    from concurrent import futures
+
+    grpc = pytest.importorskip("grpc")
+    from anns_lab.eval.executors import ray_cluster
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    frozen = socket.socket()
+    frozen.bind(("127.0.0.1", 0))
+    frozen.listen(8)
+    closed = _free_port()
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
+    monkeypatch.setattr(ray_cluster, "PROBE_S", 1.0)
+    cluster = Cluster.__new__(Cluster)
+    try:
+        answers = {}
+        for name, at in (("live", port), ("frozen", frozen.getsockname()[1]), ("closed", closed)):
+            cluster.gcs = f"127.0.0.1:{at}"
+            answers[name] = cluster.head_answers()
+        assert answers == {"live": True, "frozen": False, "closed": False}
+    finally:
+        server.stop(0)
+        frozen.close()
+    assert ray_cluster._host_port("[::1]:6379") == ("::1", 6379)
+    with pytest.raises(AnnsLabError, match=r"an IPv6 host in brackets: \[::1\]:6379"):
+        ray_cluster._host_port("::1:6379")  # gRPC could not parse it: a live head was "not a Ray head"
+
+
+def test_a_silent_head_is_not_asked_through_rays_calls_and_its_clock_is_left_alone(monkeypatch):
+    """Under --part-timeout the driver's loop asked the clock actor at every turn, a call that blocked once the head was
+    gone until Ray ended the driver (exit 1, no table; a review): while the head is silent the clock is not asked, and
+    the run that loses it does not kill the clock on its way out."""
+    from anns_lab.errors import ExecutorLost
+    from anns_lab.eval.executors import ray_cluster, ray_executor
+    from anns_lab.eval.executors.ray_executor import RayExecutor
+
+    class NeverDone(_FakeRay):
+        killed: list = []
+
+        def wait(self, refs, num_returns=1, timeout=None):
+            return (refs, []) if refs == ["clock's answer"] else ([], refs)
+
+        def get(self, ref, timeout=None):
+            return {} if ref == "clock's answer" else ref.value
+
+        def kill(self, actor):
+            self.killed.append(actor)
+
+    asked = []
+    clock = type("Clock", (), {"running_for": type("Call", (), {
+        "remote": staticmethod(lambda: asked.append(1) or "clock's answer")})})()
+    monkeypatch.setattr(ray_cluster, "WATCH_EVERY_S", 0.0)
+    monkeypatch.setenv("RAY_gcs_rpc_server_reconnect_timeout_s", "1e-6")
+    monkeypatch.setattr(ray_executor, "_part_task", lambda *args: (None, "not run"))
+    ex = RayExecutor.__new__(RayExecutor)
+    ex.ray, ex.data, ex.cpus_per_task, ex.log, ex.part_timeout = NeverDone(), "ship", 1.0, print, 5.0
+    ex.cluster = _Nodes(1, ray=ex.ray)
+    ex.cluster.head_up = False
+    monkeypatch.setattr(ex, "_clock", lambda: clock)
+    with pytest.raises(ExecutorLost, match="lost the Ray head at 10.0.0.1:6379"):
+        ex.run(_OneUnreadableHead(), [(1, 0, ["flat"])], {}, lambda outcome: None)
+    assert asked == [] and NeverDone.killed == [] and ex.cluster.lost
 
 
 def test_the_sweeps_waiting_loop_asks_whether_a_node_can_still_run_its_parts(monkeypatch):

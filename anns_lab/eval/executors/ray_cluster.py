@@ -36,38 +36,54 @@ def check_cpus_per_task(value: float) -> float:
 
 HANDSHAKE_S = 10.0  # how long a Ray head's GCS port may take to answer the gRPC handshake
 WATCH_EVERY_S = 10.0  # how often a driver waiting on its tasks asks whether a node can still run them
+PROBE_S = 2.0  # how long the head may take to answer the driver's watch
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` split, an IPv6 host in brackets; one clear error for anything else."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or (":" in host and not (host.startswith("[") and host.endswith("]"))):
+        raise AnnsLabError(f"--address takes HOST:PORT of a Ray head (e.g. 10.0.0.5:6379, an IPv6 host in brackets: "
+                           f"[::1]:6379) or 'auto', got {address!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _tcp_answers(address: str, timeout: float) -> OSError | None:
+    """None when ``address`` takes a TCP connection within ``timeout`` seconds, else the error."""
+    try:
+        socket.create_connection(_host_port(address), timeout=timeout).close()
+        return None
+    except OSError as err:
+        return err
 
 
 def _reachable(address: str) -> None:
     """One clear error unless something at ``address`` answers as a Ray head would: a TCP port that takes a
     connection, then a gRPC (HTTP/2) handshake. ``ray.init`` at an open port of another kind (an HTTP server, SSH)
     retried its GCS connection for ever."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise AnnsLabError(f"--address takes HOST:PORT of a Ray head (e.g. 10.0.0.5:6379) or 'auto', got {address!r}")
-    try:
-        socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=5).close()
-    except OSError as err:
+    if err := _tcp_answers(address, 5):
         raise AnnsLabError(f"cannot reach a Ray cluster at {address} ({err.strerror or err}); start one there with "
-                           "`ray start --head --port PORT`, or leave out --address to run Ray on this machine") from None
-    if _speaks_grpc(address) is False:
+                           "`ray start --head --port PORT`, or leave out --address to run Ray on this machine")
+    if _speaks_grpc(address, HANDSHAKE_S) is False:
         raise AnnsLabError(f"{address} takes connections but is not a Ray head: no gRPC handshake within "
                            f"{HANDSHAKE_S:g} s (a Ray head's GCS port answers one: the PORT of `ray start --head "
                            "--port PORT`, 6379 by default)")
 
 
-def _speaks_grpc(address: str) -> bool | None:
-    """Whether a gRPC server at ``address`` completes the handshake within ``HANDSHAKE_S``; None when this cannot be
-    told here (no grpc module, or a cluster on TLS, whose handshake needs its certificates)."""
+def _speaks_grpc(address: str, timeout: float) -> bool | None:
+    """Whether a gRPC server at ``address`` completes the handshake within ``timeout`` seconds (a process that is
+    stopped or hung does not, though the kernel still takes its TCP connections); None when this cannot be told here
+    (no grpc module, or a cluster on TLS, whose handshake needs its certificates). Direct, as Ray's own channels:
+    never through an ``http_proxy``."""
     if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
         return None
     try:
         import grpc
     except ImportError:
         return None
-    channel = grpc.insecure_channel(address)
+    channel = grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)])
     try:
-        grpc.channel_ready_future(channel).result(timeout=HANDSHAKE_S)
+        grpc.channel_ready_future(channel).result(timeout=timeout)
         return True
     except grpc.FutureTimeoutError:
         return False
@@ -82,7 +98,7 @@ class Cluster:
 
     def __init__(self, address: str | None, local_cpus: int, log=print) -> None:
         self.ray = ray = require_ray()
-        self.owned = not ray.is_initialized()
+        self.owned, self.lost = not ray.is_initialized(), False
         if self.owned:
             if address not in (None, "auto"):
                 _reachable(address)
@@ -115,14 +131,10 @@ class Cluster:
         return sum(n["Resources"].get("CPU", 0) for n in self.nodes())
 
     def head_answers(self) -> bool:
-        """Whether the head's GCS port takes a connection (asked without Ray: once the head is gone, Ray's own calls
-        block until Ray ends the process, after ``reconnect_s``)."""
-        host, _, port = self.gcs.rpartition(":")
-        try:
-            socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()
-            return True
-        except OSError:
-            return False
+        """Whether the head's GCS completes a gRPC handshake within ``PROBE_S`` (on TLS: takes a TCP connection),
+        asked without Ray: once the head is gone, Ray's own calls block until Ray ends the process."""
+        spoke = _speaks_grpc(self.gcs, PROBE_S)
+        return spoke if spoke is not None else _tcp_answers(self.gcs, PROBE_S) is None
 
     def fits(self, resources: dict[str, float]) -> bool:
         """Whether an alive node has ``resources`` (in all: taken or free)."""
@@ -153,7 +165,9 @@ class Cluster:
             self.ray.cancel(ref)
 
     def close(self) -> None:
-        if self.owned and self.ray.is_initialized():
+        """Leave Ray where this connection started it; not a cluster whose head is lost (Ray's shutdown then waits
+        on it, up to Ray's own end of the process, and the run's last words would be lost)."""
+        if self.owned and self.ray.is_initialized() and not self.lost:
             self.ray.shutdown()
             self.owned = False
 
@@ -177,23 +191,33 @@ class ClusterWatch:
     def __init__(self, cluster: Cluster, resources: dict[str, float], what: str, after: str, log=print,
                  every: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.cluster, self.resources, self.what, self.after = cluster, resources, what, after
-        self.log, self.every, self.clock = log, WATCH_EVERY_S if every is None else every, clock
+        self.lost_after = reconnect_s() / 2
+        # asked often enough to give up well before Ray ends the driver (at twice lost_after)
+        every = min(WATCH_EVERY_S, self.lost_after / 3) if every is None else every
+        self.log, self.every, self.clock = log, every, clock
         self.errors = (OSError, RuntimeError, cluster.ray.exceptions.RayError)  # a head going away
         self.next, self.short, self.silent_since = clock() + self.every, False, None
-        self.lost_after = reconnect_s() / 2
+
+    def head_up(self) -> bool:
+        """Whether the head answers now (asked at once, its silence timed as the watch's): before a call of Ray's that
+        would block on a head that is gone (an actor's, whose restart needs it)."""
+        if self.cluster.head_answers():
+            self.silent_since = None
+            return True
+        self.silent_since = self.clock() if self.silent_since is None else self.silent_since
+        return False
 
     def __call__(self) -> None:
         now = self.clock()
         if now < self.next:
             return
         self.next = now + self.every
-        if not self.cluster.head_answers():
-            self.silent_since = now if self.silent_since is None else self.silent_since
+        if not self.head_up():
             if now - self.silent_since >= self.lost_after:
+                self.cluster.lost = True
                 raise ExecutorLost(f"lost the Ray head at {self.cluster.head}: it has not answered for "
                                    f"{now - self.silent_since:.0f} s")
             return
-        self.silent_since = None
         try:
             have = None if self.cluster.fits(self.resources) else self.cluster.largest(self.resources)
         except self.errors:  # the head going away just now: asked again at the next turn

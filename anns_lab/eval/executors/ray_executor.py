@@ -38,6 +38,8 @@ DATA_MODES = ("auto", "path", "ship")
 # Ray errors that mean the worker (or its node) died, which a retry may outlive; a force-cancel is one too
 _DEATHS = ("WorkerCrashedError", "NodeDiedError", "OutOfMemoryError", "TaskCancelledError", "LocalRayletDiedError")
 BACKSTOP = 3.0  # the driver force-cancels a task whose worker is still running this many part timeouts after its start
+CLOCK_WAIT_S = 10.0  # how long the driver's loop waits for the clock's answer
+CLOCK_EVERY_S = 5.0  # how often it looks for parts past BACKSTOP part timeouts
 CLOCK_SLACK = 0.1  # a dead attempt counts as timed out when the clock saw it run (1 - this) x the timeout: the clock
 # hears of a start a little after the watchdog is armed (an actor call; the driver hears of a death later still)
 
@@ -185,6 +187,7 @@ class RayExecutor:
         limit = max(2, int(2 * self.cluster.cpus() / self.cpus_per_task))  # keeps workers fed, memory bounded
         clock = self._clock() if self.part_timeout else None
         overdue: set = set()  # refs cancelled for the part timeout
+        next_clock = 0.0  # when the overdue parts are looked for next
         watch = ClusterWatch(self.cluster, {"CPU": self.cpus_per_task}, "sweep", "Ctrl-C stops it; the same command "
                               "then goes on from the parts written", self.log)
         try:
@@ -210,14 +213,15 @@ class RayExecutor:
                 if not inflight:  # every part submitted so far was of an unreadable head
                     continue
                 done, _ = ray.wait(list(inflight), num_returns=1, timeout=1.0)  # wakes up for Ctrl-C
-                watch()
-                if clock is not None:
+                if clock is not None and time.monotonic() >= next_clock and watch.head_up():  # its calls block on a
+                    next_clock = time.monotonic() + CLOCK_EVERY_S  # head that is gone: asked each time, not too often
                     overdue |= self._cancel_overdue(clock, {r: f"{p} #{n}" for r, (p, n) in inflight.items()
                                                             if r not in done and r not in overdue})
                 for ref in done:
                     part, n = inflight.pop(ref)
                     outcome = self._outcome(ref, part, n if clock else tries.get(part, 1))
-                    if outcome.crashed and (ref in overdue or self._timed_out(clock, f"{part} #{n}")):
+                    if outcome.crashed and (ref in overdue or watch.head_up() and self._timed_out(clock,
+                                                                                              f"{part} #{n}")):
                         outcome = Outcome(part, None, f"its Ray worker was killed: the index ran past --part-timeout "
                                                       f"{self.part_timeout:g} s", n, crashed=True)
                     elif clock is not None and outcome.crashed and n < tries.get(part, 1):
@@ -232,6 +236,7 @@ class RayExecutor:
                     left[(part.layer, part.head)] -= 1
                     if not left[(part.layer, part.head)]:
                         heads.pop((part.layer, part.head), None)  # its last task ended: free the shipped arrays
+                watch()  # after the finished parts are handed on: a head lost now loses none of them
         except KeyboardInterrupt:
             self.cluster.abandon(list(inflight))
             raise
@@ -261,17 +266,24 @@ class RayExecutor:
                      "as its worker's death")
         return clock
 
+    def _ask(self, clock, timeout: float) -> dict | None:
+        """The clock's ``running_for``, or None where it does not answer within ``timeout`` seconds (waited for with
+        ``ray.wait``: ``ray.get``'s own timeout never came once the head was gone, and Ray ended the driver)."""
+        try:
+            ref = clock.running_for.remote()
+            ready, _ = self.ray.wait([ref], timeout=timeout)
+            return self.ray.get(ref) if ready else None
+        except self.ray.exceptions.RayError:
+            return None
+
     def _timed_out(self, clock, key: str) -> bool:
         """Whether the dead attempt ``key`` was ended by its own watchdog: the clock saw its index start and not end,
         about the part timeout ago (False without a clock, or when it does not answer: the attempt then counts as a
         worker's death)."""
         if clock is None:
             return False
-        try:
-            started = self.ray.get(clock.running_for.remote(), timeout=60)
-        except self.ray.exceptions.RayError:
-            return False
-        return started.get(key, 0.0) >= (1.0 - CLOCK_SLACK) * self.part_timeout
+        started = self._ask(clock, 60.0)
+        return started is not None and started.get(key, 0.0) >= (1.0 - CLOCK_SLACK) * self.part_timeout
 
     def _cancel_overdue(self, clock, running: dict) -> set:
         """Force-cancel the tasks (``running``: ref -> its attempt's key) whose worker is still running ``BACKSTOP``
@@ -280,10 +292,9 @@ class RayExecutor:
         answer by aborting the driver: see Cluster.abandon; finished parts are on disk by then, and the same command
         resumes. The watchdog leaves this to indexes that replace it.)"""
         ray = self.ray
-        try:
-            started = ray.get(clock.running_for.remote(), timeout=60)
-        except ray.exceptions.RayError as err:
-            self.log(f"ray: the part-timeout clock did not answer ({type(err).__name__}); no part timed out this round")
+        started = self._ask(clock, CLOCK_WAIT_S)
+        if started is None:
+            self.log("ray: the part-timeout clock did not answer; no part timed out this round")
             return set()
         late = [ref for ref, key in running.items() if started.get(key, 0.0) > BACKSTOP * self.part_timeout]
         if late:
