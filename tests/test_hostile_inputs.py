@@ -1102,6 +1102,28 @@ def test_a_sweep_pick_that_cannot_serve_is_refused_before_the_model_loads(dump, 
     one_line_error(args + extra, words)
 
 
+def test_a_sweep_of_another_model_under_the_same_name_is_refused(dump, tiny_gemma3, tmp_path):
+    """Before (a decode audit): the table names its model by the folder's name alone, and a Gemma-3 in a folder named
+    as the swept Llama took the Llama's picks. The sweep's dump says the model's shape; where the dump is gone, the
+    name alone is matched and a note says so."""
+    _sweep(dump, tmp_path / "r")
+    impostor = tmp_path / "elsewhere" / Path(dump.manifest["model"]["source"]).name
+    shutil.copytree(tiny_gemma3, impostor)
+    args = ["decode", "--model", impostor, "--task", "passkey", "--context", 200, "--from-sweep", tmp_path / "r",
+            "--topk", 10, "--window", "0,0", "--max-new-tokens", 2, "--mode", "full"]
+    one_line_error(args, f"was swept on a dump of another model named {dump.manifest['model']['name']!r} "
+                         "(architecture LlamaForCausalLM there, Gemma3ForCausalLM here", "pick from a sweep of this model")
+    same = CliRunner().invoke(main, [str(a) for a in args[:2] + [dump.manifest["model"]["source"]] + args[3:]])
+    assert "of another model" not in same.output and "matched by name alone" not in same.output, same.output
+    assert "--window 0,0: sink must be" in same.output  # past the model's check (a decode needs a recent window)
+    shutil.move(dump.path, tmp_path / "moved")
+    try:
+        gone = CliRunner().invoke(main, [str(a) for a in args])
+    finally:
+        shutil.move(tmp_path / "moved", dump.path)
+    assert f"note: the sweep's dump is not at {dump.path}: its model is matched by name alone" in gone.output
+
+
 # -- the dump, second probe (session 29): --overwrite, stale or damaged inputs, foreign folders, ambiguous options -------
 
 

@@ -558,9 +558,36 @@ def _with_sweep_pick(mode_list: list[Mode], from_sweep: str, lm, target_recall: 
     picked, lines = modes_mod.pick_from_sweep(from_sweep, lm.name, target_recall, lm.long_range_layers,
                                               settings.train_group, settings.train_positions, settings.topk,
                                               tuple(settings.window), n_keys)
+    lines += _check_swept_model(from_sweep, lm)
     for line in lines:  # its notes on stderr, beside the run's progress
         click.echo(line, err=line.startswith(modes_mod.NOTE))
     return _with_full(mode_list + [picked]), lines
+
+
+def _check_swept_model(from_sweep: str, lm) -> list[str]:
+    """Refuse a sweep whose dump came from a model of another shape than ``lm`` (the table names its model by the
+    folder's name alone: a Llama's picks were taken for a Gemma-3 of the same name); a note where that dump is not at
+    the path the sweep read it from, so the name alone was matched."""
+    from anns_lab.decode.modes import NOTE
+    from anns_lab.dumps.rope import head_dim
+    from anns_lab.dumps.store import read_manifest
+    from anns_lab.errors import DumpError
+    from anns_lab.eval.table import SETTINGS, sweep_folder
+
+    where = None
+    try:
+        where = loads_json((sweep_folder(from_sweep) / SETTINGS).read_bytes()).get("dump")  # load_results checked it
+        m = read_manifest(Path(where))
+    except (AttributeError, DumpError, OSError, TypeError, ValueError):
+        return [f"{NOTE}the sweep's dump is not at {where}: its model is matched by name alone ({lm.name})"]
+    cfg = lm.config
+    here = {"architecture": type(lm.model).__name__, "n_layers": cfg.num_hidden_layers,
+            "n_heads": cfg.num_attention_heads, "n_kv_heads": cfg.num_key_value_heads, "head_dim": head_dim(cfg)}
+    there = {"architecture": m["model"].get("architecture")} | {k: m[k] for k in list(here)[1:]}
+    if differ := [f"{k} {there[k]} there, {v} here" for k, v in here.items() if there[k] != v]:
+        raise DecodeError(f"{from_sweep} was swept on a dump of another model named {lm.name!r} ({'; '.join(differ)}): "
+                          "pick from a sweep of this model")
+    return []
 
 
 def _torch_threads(asked: int, executor: str) -> int | None:

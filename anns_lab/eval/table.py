@@ -38,10 +38,16 @@ def _shown(value) -> str:
     return _BRIEF.repr(value.item() if isinstance(value, np.generic) else value)
 
 
+def sweep_folder(path: str | Path) -> Path:
+    """The sweep's folder of ``path``, a results.parquet or the folder itself."""
+    path = Path(path)
+    return path if path.is_dir() else path.parent
+
+
 def load_results(path: str | Path) -> tuple[pd.DataFrame, dict]:
     """The results table and its sweep settings, from a results.parquet or its folder."""
     path = Path(path)
-    folder = path if path.is_dir() else path.parent
+    folder = sweep_folder(path)
     file = folder / RESULTS if path.is_dir() else path
     if not file.is_file():
         raise AnnsLabError(f"no results table at {file}; run `anns-lab sweep` first")
