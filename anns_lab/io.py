@@ -209,22 +209,30 @@ def hold_file(path: Path) -> Iterator[None]:
     folders on the way that did not exist are made for the lock (without them two runs went unguarded) and removed at
     the end where left empty."""
     made = []
-    folder = path.parent
-    while not folder.exists() and folder != folder.parent:
-        made.append(folder)
-        folder = folder.parent
-    try:
-        for folder in reversed(made):
+    for folder in reversed(missing_folders(path.parent)):
+        try:
             folder.mkdir()
-    except OSError:  # not writable here: the command's own write says why
-        made = made[made.index(folder) + 1:]
+            made.append(folder)
+        except FileExistsError:  # another process made it meanwhile: its to remove
+            continue
+        except OSError:  # not writable here: the command's own write says why
+            break
     try:
         with _held(path):
             yield
     finally:
-        for folder in made:  # deepest first
+        for folder in reversed(made):  # deepest first
             with contextlib.suppress(OSError):
                 folder.rmdir()
+
+
+def missing_folders(folder: Path) -> list[Path]:
+    """The folders from ``folder`` up that do not exist, deepest first (the next one up exists, or is the root)."""
+    missing = []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
 
 
 @contextlib.contextmanager

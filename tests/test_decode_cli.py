@@ -410,15 +410,22 @@ def test_a_json_write_that_fails_mid_run_says_what_the_file_keeps(tiny_llama, tm
     args = ("--model", tiny_llama, "--mode", "full", "--task", "passkey", "--context", 200, "--samples", 2,
             "--max-new-tokens", 2, "--json", out)
     monkeypatch.setattr(cli, "atomic_write_bytes", second_fails)
-    assert _error(_run(*args)) == (f"Error: --json {out}: cannot write it (PermissionError: Permission denied): 1 of 2 "
-                                   f"samples finished and kept in {out} (\"partial\": true); run again with --overwrite "
-                                   "to redo them all")
+    assert _error(_run(*args)) == (f"Error: --json {out}: cannot write it (PermissionError: Permission denied); it "
+                                   "holds the 1 of 2 samples of its last write (\"partial\": true; run again with "
+                                   "--overwrite to redo them all)")
     assert json.loads(out.read_text())["samples_done"] == 1
     monkeypatch.undo()
     res = _run(*args, "--overwrite")
     assert res.exit_code == 0, res.output
     assert {k: json.loads(out.read_text())[k] for k in ("partial", "samples_done", "samples_total")} == \
         {"partial": False, "samples_done": 2, "samples_total": 2}
+    # a fidelity run has no after-sample write: its last write failing prints its table still, and says so
+    monkeypatch.setattr(cli, "atomic_write_bytes", lambda path, data: (_ for _ in ()).throw(OSError(28, "No space left")))
+    res = _run("--model", tiny_llama, "--eval", "fidelity", "--context", 200, "--positions", 2, "--free-tokens", 2,
+               "--window", "4,16", "--topk", 8, "--mode", "full,flat", "--json", tmp_path / "f.json")
+    assert _error(res) == f"Error: --json {tmp_path / 'f.json'}: cannot write it (OSError: No space left); it holds " \
+                          "nothing of this run"
+    assert "fidelity" in res.output and "flat" in res.output.split("Error:")[0]  # the table, printed before the error
 
 
 @pytest.mark.parametrize("flag", ["--positions", "--free-tokens"])

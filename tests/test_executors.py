@@ -939,6 +939,44 @@ def test_a_silent_head_is_not_asked_through_rays_calls_and_its_clock_is_left_alo
     assert asked == [] and NeverDone.killed == [] and ex.cluster.lost
 
 
+def test_a_head_lost_as_a_part_finishes_keeps_the_part_and_the_cluster_is_left_unshut(monkeypatch):
+    """The watch is asked after the turn's finished parts are handed on (asked before them, a part Ray had returned
+    was dropped with the lost head); a lost cluster is not shut down (Ray's shutdown waited 16 s on the gone head, the
+    run's last words at risk); a short Ray patience makes the watch ask more often (a review)."""
+    from anns_lab.errors import ExecutorLost
+    from anns_lab.eval.executors import ray_cluster
+    from anns_lab.eval.executors.ray_executor import RayExecutor
+
+    class Shut(_FakeRay):
+        shut = 0
+
+        def is_initialized(self):
+            return True
+
+        def shutdown(self):
+            Shut.shut += 1
+
+    monkeypatch.setenv("RAY_gcs_rpc_server_reconnect_timeout_s", "6")
+    assert ray_cluster.ClusterWatch(_Nodes(1), {"CPU": 1.0}, "sweep", "", print).every == 1.0  # a third of 3 s
+    monkeypatch.setattr(ray_cluster, "WATCH_EVERY_S", 0.0)
+    monkeypatch.setenv("RAY_gcs_rpc_server_reconnect_timeout_s", "0")
+    ex = RayExecutor.__new__(RayExecutor)
+    ex.ray, ex.data, ex.cpus_per_task, ex.log, ex.part_timeout = Shut(), "ship", 1.0, print, 0.0
+    ex.cluster = Cluster.__new__(Cluster)
+    ex.cluster.ray, ex.cluster.owned, ex.cluster.lost, ex.cluster.gcs = ex.ray, True, False, "127.0.0.1:1"
+    ex.cluster.head = ex.cluster.gcs
+    ex.cluster.nodes = lambda: [{"Alive": True, "Resources": {"CPU": 1}}]
+    outcomes = []
+    with pytest.raises(ExecutorLost):
+        ex.run(_OneUnreadableHead(), [(1, 0, ["flat"])], {}, outcomes.append)
+    assert [o.part for o in outcomes] == [Part(1, 0, "flat")] and outcomes[0].table is not None
+    ex.close()
+    assert ex.cluster.lost and Shut.shut == 0
+    ex.cluster.lost = False
+    ex.close()
+    assert Shut.shut == 1
+
+
 def test_the_sweeps_waiting_loop_asks_whether_a_node_can_still_run_its_parts(monkeypatch):
     """The watch above is asked while the Ray executor waits on its parts (here three turns without a result)."""
     from anns_lab.eval.executors import ray_cluster

@@ -25,7 +25,7 @@ from anns_lab.dumps.tasks import TASKS
 from anns_lab.errors import DecodeError, ExecutorLost
 from anns_lab.indexes.group_queries import DEFAULT as GROUP_DEFAULT
 from anns_lab.indexes.group_queries import MODES as GROUP_MODES
-from anns_lab.io import atomic_write_bytes, hold_file, loads_json
+from anns_lab.io import atomic_write_bytes, hold_file, loads_json, missing_folders
 
 if TYPE_CHECKING:
     from anns_lab.decode.engine import Mode
@@ -284,7 +284,11 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
                                    pick)
         if json_path:  # before the table: a failed print (a closed pipe, a full disk) loses no result
             done = {"partial": False, "samples_done": kept["total"], "samples_total": kept["total"]} if kept else {}
-            _write_json(Path(json_path), result | done, kept)  # the keys its after-sample writes had
+            try:
+                _write_json(Path(json_path), result | done, kept)  # the keys its after-sample writes had
+            except DecodeError:
+                _print_table(result, settings, None)  # the run's figures, where the file could not take them
+                raise
         _print_table(result, settings, json_path)
         if failed := {name: m["summary"]["failed_samples"] for name, m in result["modes"].items()
                       if m["summary"].get("failed_samples")}:  # the others' results stand; the run did not all succeed
@@ -454,10 +458,10 @@ def _check_replaceable(path: Path, overwrite: bool, from_sweep: str | None) -> N
     replaced /dev/null with a file), or, without ``--overwrite``, an existing file (a stopped rerun replaced a complete
     result with a partial one)."""
     if from_sweep:
-        from anns_lab.eval.table import RESULTS, SETTINGS
+        from anns_lab.eval.table import RESULTS, SETTINGS, sweep_folder
 
         sweep = Path(from_sweep)
-        folder = sweep if sweep.is_dir() else sweep.parent
+        folder = sweep_folder(sweep)
         for read in (folder / RESULTS if sweep.is_dir() else sweep, folder / SETTINGS):
             if path.exists() and read.exists() and os.path.samefile(path, read):
                 raise DecodeError(f"--json {path} is {read}, which --from-sweep reads: choose another --json")
@@ -491,9 +495,7 @@ def _check_writable(path: Path) -> None:
     """Refuse a ``--json`` path that cannot be written before the first sample runs: its first write comes after that
     sample, which an error there would lose. Makes no folder (a refused or failed run leaves nothing behind):
     the nearest existing folder on the way must let one be made, or the file be written."""
-    folder = path.parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
+    folder = (missing_folders(path.parent) or [path])[-1].parent
     try:
         if not folder.is_dir():
             raise NotADirectoryError(20, "not a folder", str(folder))
@@ -578,13 +580,14 @@ def _check_swept_model(from_sweep: str, lm) -> list[str]:
     try:
         where = loads_json((sweep_folder(from_sweep) / SETTINGS).read_bytes()).get("dump")  # load_results checked it
         m = read_manifest(Path(where))
-    except (AttributeError, DumpError, OSError, TypeError, ValueError):
-        return [f"{NOTE}the sweep's dump is not at {where}: its model is matched by name alone ({lm.name})"]
+    except (AttributeError, DumpError, OSError, TypeError, ValueError) as err:
+        why = str(err) if isinstance(err, DumpError) else f"the sweep records none at {where}"
+        return [f"{NOTE}the sweep's dump cannot be read ({why}): its model is matched by name alone ({lm.name})"]
     cfg = lm.config
     here = {"architecture": type(lm.model).__name__, "n_layers": cfg.num_hidden_layers,
             "n_heads": cfg.num_attention_heads, "n_kv_heads": cfg.num_key_value_heads, "head_dim": head_dim(cfg)}
     there = {"architecture": m["model"].get("architecture")} | {k: m[k] for k in list(here)[1:]}
-    if differ := [f"{k} {there[k]} there, {v} here" for k, v in here.items() if there[k] != v]:
+    if differ := [f"{k} {there[k]} there, {v} here" for k, v in here.items() if there[k] not in (None, v)]:
         raise DecodeError(f"{from_sweep} was swept on a dump of another model named {lm.name!r} ({'; '.join(differ)}): "
                           "pick from a sweep of this model")
     return []
@@ -627,8 +630,6 @@ def _print_table(result: dict, settings: Settings, json_path: str | None) -> Non
         if sys.stdout is not None:  # None where the process started with it closed
             sys.stdout.flush()
     except OSError as err:
-        with contextlib.suppress(OSError):  # the interpreter's own flush at exit would fail again, with a traceback
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         where = f"the result is in {json_path}" if json_path else "nothing was written (--json keeps the result)"
         raise DecodeError(f"cannot print the result table ({type(err).__name__}: {err.strerror or err}); {where}") \
             from None
@@ -668,8 +669,11 @@ def _write_json(path: Path, result: dict, kept: dict) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(path, text.encode("utf-8"))
     except OSError as err:
-        raise DecodeError(_kept_words(f"--json {path}: cannot write it ({type(err).__name__}: {err.strerror or err})",
-                                      str(path), kept)) from None
+        holds = ("nothing of this run" if not kept else f"all {kept['total']} samples" if kept["done"] == kept["total"]
+                 else f"the {kept['done']} of {kept['total']} samples of its last write (\"partial\": true; run again "
+                      "with --overwrite to redo them all)")
+        raise DecodeError(f"--json {path}: cannot write it ({type(err).__name__}: {err.strerror or err}); it holds "
+                          f"{holds}") from None
     click.echo(f"wrote {path}", err=True)
 
 

@@ -25,7 +25,7 @@ from anns_lab.eval import costs, failures, figures, findings, html, ivf_gap, mar
 from anns_lab.eval.export import EXPORT_FILES
 from anns_lab.eval.heads import check_k, index_range, load_head
 from anns_lab.eval.findings import fmt_fraction  # noqa: F401 - benchmarks import it from here
-from anns_lab.eval.table import RESULTS, SETTINGS, load_results
+from anns_lab.eval.table import RESULTS, SETTINGS, load_results, sweep_folder
 from anns_lab.indexes import registry
 from anns_lab.io import atomic_path, hold_folder, loads_json, read_json
 
@@ -147,7 +147,7 @@ def write_report(results: str | Path, out: str | Path | None = None, dump_path: 
     dumps = sorted(table["dump"].unique())
     if len(dumps) != 1:
         raise AnnsLabError(f"{results} mixes several dumps ({dumps}); report one sweep at a time")
-    folder = Path(results) if Path(results).is_dir() else Path(results).parent
+    folder = sweep_folder(results)
     k, window = _sweep_settings(table, settings, folder)
     table = findings.label_builds(table)
     dump = _results_dump(dumps[0], settings, dump_path)

@@ -70,25 +70,30 @@ def _reachable(address: str) -> None:
                            "--port PORT`, 6379 by default)")
 
 
+# An HTTP/2 client's opening (RFC 9113 §3.4): its preface, then an empty SETTINGS frame (length 0, type 4, stream 0)
+_H2_OPENING = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
 def _speaks_grpc(address: str, timeout: float) -> bool | None:
-    """Whether a gRPC server at ``address`` completes the handshake within ``timeout`` seconds (a process that is
-    stopped or hung does not, though the kernel still takes its TCP connections); None when this cannot be told here
-    (no grpc module, or a cluster on TLS, whose handshake needs its certificates). Direct, as Ray's own channels:
-    never through an ``http_proxy``."""
+    """Whether the server at ``address`` answers an HTTP/2 client's opening, as gRPC servers (a Ray head's GCS) do,
+    with its own SETTINGS frame within ``timeout`` seconds (a process that is stopped or hung does not, though the
+    kernel still takes its TCP connections); None on a cluster on TLS, whose handshake needs its certificates. A
+    plain socket, a few milliseconds: grpc's own channel checks its state every 200 ms, and it took an
+    ``http_proxy`` that Ray's channels do not."""
     if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
         return None
     try:
-        import grpc
-    except ImportError:
-        return None
-    channel = grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)])
-    try:
-        grpc.channel_ready_future(channel).result(timeout=timeout)
-        return True
-    except grpc.FutureTimeoutError:
+        with socket.create_connection(_host_port(address), timeout=timeout) as sock:
+            sock.sendall(_H2_OPENING)
+            header = b""
+            while len(header) < 9:  # the first frame's header: length (3), type (1), flags, stream (4)
+                chunk = sock.recv(9 - len(header))
+                if not chunk:
+                    return False
+                header += chunk
+    except OSError:  # refused, reset, or no answer within the timeout
         return False
-    finally:
-        channel.close()
+    return header[3] == 4 and header[5:9] == bytes(4)
 
 
 class Cluster:
@@ -198,13 +203,14 @@ class ClusterWatch:
         self.errors = (OSError, RuntimeError, cluster.ray.exceptions.RayError)  # a head going away
         self.next, self.short, self.silent_since = clock() + self.every, False, None
 
-    def head_up(self) -> bool:
-        """Whether the head answers now (asked at once, its silence timed as the watch's): before a call of Ray's that
-        would block on a head that is gone (an actor's, whose restart needs it)."""
+    def head_up(self, now: float | None = None) -> bool:
+        """Whether the head answers now (asked at once, its silence timed from ``now``, the watch's clock): before a
+        call of Ray's that would block on a head that is gone (an actor's, whose restart needs it)."""
+        now = self.clock() if now is None else now
         if self.cluster.head_answers():
             self.silent_since = None
             return True
-        self.silent_since = self.clock() if self.silent_since is None else self.silent_since
+        self.silent_since = now if self.silent_since is None else self.silent_since
         return False
 
     def __call__(self) -> None:
@@ -212,7 +218,7 @@ class ClusterWatch:
         if now < self.next:
             return
         self.next = now + self.every
-        if not self.head_up():
+        if not self.head_up(now):
             if now - self.silent_since >= self.lost_after:
                 self.cluster.lost = True
                 raise ExecutorLost(f"lost the Ray head at {self.cluster.head}: it has not answered for "

@@ -220,8 +220,8 @@ class RayExecutor:
                 for ref in done:
                     part, n = inflight.pop(ref)
                     outcome = self._outcome(ref, part, n if clock else tries.get(part, 1))
-                    if outcome.crashed and (ref in overdue or watch.head_up() and self._timed_out(clock,
-                                                                                              f"{part} #{n}")):
+                    if outcome.crashed and (ref in overdue or clock is not None and watch.head_up()
+                                            and self._timed_out(clock, f"{part} #{n}")):
                         outcome = Outcome(part, None, f"its Ray worker was killed: the index ran past --part-timeout "
                                                       f"{self.part_timeout:g} s", n, crashed=True)
                     elif clock is not None and outcome.crashed and n < tries.get(part, 1):
@@ -266,15 +266,15 @@ class RayExecutor:
                      "as its worker's death")
         return clock
 
-    def _ask(self, clock, timeout: float) -> dict | None:
-        """The clock's ``running_for``, or None where it does not answer within ``timeout`` seconds (waited for with
-        ``ray.wait``: ``ray.get``'s own timeout never came once the head was gone, and Ray ended the driver)."""
+    def _ask(self, clock, timeout: float) -> dict | str:
+        """The clock's ``running_for``, or why not (its error's name, or that it did not answer within ``timeout``
+        seconds: waited for with ``ray.wait``, as ``ray.get``'s own timeout never came once the head was gone)."""
         try:
             ref = clock.running_for.remote()
             ready, _ = self.ray.wait([ref], timeout=timeout)
-            return self.ray.get(ref) if ready else None
-        except self.ray.exceptions.RayError:
-            return None
+            return self.ray.get(ref) if ready else f"no answer in {timeout:g} s"
+        except self.ray.exceptions.RayError as err:
+            return type(err).__name__
 
     def _timed_out(self, clock, key: str) -> bool:
         """Whether the dead attempt ``key`` was ended by its own watchdog: the clock saw its index start and not end,
@@ -283,7 +283,7 @@ class RayExecutor:
         if clock is None:
             return False
         started = self._ask(clock, 60.0)
-        return started is not None and started.get(key, 0.0) >= (1.0 - CLOCK_SLACK) * self.part_timeout
+        return isinstance(started, dict) and started.get(key, 0.0) >= (1.0 - CLOCK_SLACK) * self.part_timeout
 
     def _cancel_overdue(self, clock, running: dict) -> set:
         """Force-cancel the tasks (``running``: ref -> its attempt's key) whose worker is still running ``BACKSTOP``
@@ -293,8 +293,8 @@ class RayExecutor:
         resumes. The watchdog leaves this to indexes that replace it.)"""
         ray = self.ray
         started = self._ask(clock, CLOCK_WAIT_S)
-        if started is None:
-            self.log("ray: the part-timeout clock did not answer; no part timed out this round")
+        if not isinstance(started, dict):
+            self.log(f"ray: the part-timeout clock did not answer ({started}); no part timed out this round")
             return set()
         late = [ref for ref, key in running.items() if started.get(key, 0.0) > BACKSTOP * self.part_timeout]
         if late:
