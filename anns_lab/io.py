@@ -213,7 +213,7 @@ def hold_file(path: Path) -> Iterator[None]:
         try:
             folder.mkdir()
             made.append(folder)
-        except FileExistsError:  # another process made it meanwhile: its to remove
+        except FileExistsError:  # another process made it meanwhile: theirs to remove
             continue
         except OSError:  # not writable here: the command's own write says why
             break
