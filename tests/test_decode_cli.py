@@ -1004,8 +1004,8 @@ def test_json_is_written_after_each_sample(tiny_llama, tmp_path, monkeypatch):
 
     seen = []
     real = cli._write_json
-    monkeypatch.setattr(cli, "_write_json", lambda path, result: (seen.append(json.loads(json.dumps(result, default=float))),
-                                                                   real(path, result)))
+    monkeypatch.setattr(cli, "_write_json", lambda path, result, *kept: (
+        seen.append(json.loads(json.dumps(result, default=float))), real(path, result, *kept)))
     out = tmp_path / "r.json"
     res = _run("--model", tiny_llama, "--mode", "full,flat", "--task", "passkey", "--context", 200, "--samples", 2,
                "--window", "4,16", "--topk", 20, "--max-new-tokens", 3, "--json", out)
@@ -1016,7 +1016,7 @@ def test_json_is_written_after_each_sample(tiny_llama, tmp_path, monkeypatch):
     for name in ("full", "flat"):
         assert len(first["modes"][name]["samples"]) == 1 and len(final["modes"][name]["samples"]) == 2
         assert first["modes"][name]["samples"][0] == final["modes"][name]["samples"][0]
-    assert "partial" not in final
+    assert (final["partial"], final["samples_done"], final["samples_total"]) == (False, 2, 2)  # its last write's keys
 
 
 def test_a_prompt_of_bytes_that_are_not_utf8_is_one_error(tiny_llama, monkeypatch):
@@ -1304,8 +1304,8 @@ def test_a_ctrl_c_lost_in_a_finalizer_still_stops_the_decode(tiny_llama, tmp_pat
                 lost_ctrl_c()
             return real_forward(lm, cache, ids, start, end)
 
-        def write(path, result):
-            real_write(path, result)
+        def write(path, result, *kept):
+            real_write(path, result, *kept)
             written.append(len(calls))
             if at == "sample":
                 lost_ctrl_c()

@@ -1121,7 +1121,8 @@ def test_a_sweep_of_another_model_under_the_same_name_is_refused(dump, tiny_gemm
         gone = CliRunner().invoke(main, [str(a) for a in args])
     finally:
         shutil.move(tmp_path / "moved", dump.path)
-    assert f"note: the sweep's dump is not at {dump.path}: its model is matched by name alone" in gone.output
+    assert f"note: the sweep's dump cannot be read (dump folder {dump.path} does not exist): its model is matched by " \
+           "name alone" in gone.output
 
 
 # -- the dump, second probe (session 29): --overwrite, stale or damaged inputs, foreign folders, ambiguous options -------

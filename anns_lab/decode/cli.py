@@ -572,21 +572,14 @@ def _check_swept_model(from_sweep: str, lm) -> list[str]:
     the path the sweep read it from, so the name alone was matched."""
     from anns_lab.decode.modes import NOTE
     from anns_lab.dumps.rope import head_dim
-    from anns_lab.dumps.store import read_manifest
-    from anns_lab.errors import DumpError
-    from anns_lab.eval.table import SETTINGS, sweep_folder
+    from anns_lab.eval.table import swept_model
 
-    where = None
-    try:
-        where = loads_json((sweep_folder(from_sweep) / SETTINGS).read_bytes()).get("dump")  # load_results checked it
-        m = read_manifest(Path(where))
-    except (AttributeError, DumpError, OSError, TypeError, ValueError) as err:
-        why = str(err) if isinstance(err, DumpError) else f"the sweep records none at {where}"
-        return [f"{NOTE}the sweep's dump cannot be read ({why}): its model is matched by name alone ({lm.name})"]
+    there = swept_model(from_sweep)
+    if isinstance(there, str):
+        return [f"{NOTE}the sweep's dump cannot be read ({there}): its model is matched by name alone ({lm.name})"]
     cfg = lm.config
     here = {"architecture": type(lm.model).__name__, "n_layers": cfg.num_hidden_layers,
             "n_heads": cfg.num_attention_heads, "n_kv_heads": cfg.num_key_value_heads, "head_dim": head_dim(cfg)}
-    there = {"architecture": m["model"].get("architecture")} | {k: m[k] for k in list(here)[1:]}
     if differ := [f"{k} {there[k]} there, {v} here" for k, v in here.items() if there[k] not in (None, v)]:
         raise DecodeError(f"{from_sweep} was swept on a dump of another model named {lm.name!r} ({'; '.join(differ)}): "
                           "pick from a sweep of this model")
@@ -656,7 +649,7 @@ def _print_result(result: dict, settings: Settings) -> None:
                 click.echo(f"[{name}] " + (row["answer"] if "answer" in row else f"(failed: {row['error']})"))
 
 
-def _write_json(path: Path, result: dict, kept: dict) -> None:
+def _write_json(path: Path, result: dict, kept: dict | None = None) -> None:
     """The full result as JSON, written atomically (numpy scalars as floats); refused where it holds a NaN or an
     infinity (bare ``NaN`` is no JSON, and no figure either). A write that fails (a full disk, the folder's permissions
     changed) is one error saying what the file still keeps (``kept``: its last write's samples)."""

@@ -44,6 +44,22 @@ def sweep_folder(path: str | Path) -> Path:
     return path if path.is_dir() else path.parent
 
 
+def swept_model(path: str | Path) -> dict | str:
+    """The shape of the model whose dump the sweep at ``path`` read (``architecture``, None where the manifest predates
+    it; ``n_layers``, ``n_heads``, ``n_kv_heads``, ``head_dim``), or why that dump cannot be read."""
+    from anns_lab.dumps.store import read_manifest
+    from anns_lab.errors import DumpError
+
+    where = None
+    try:
+        where = loads_json((sweep_folder(path) / SETTINGS).read_bytes()).get("dump")
+        m = read_manifest(Path(where))
+    except (AttributeError, DumpError, OSError, TypeError, ValueError) as err:
+        return str(err) if isinstance(err, DumpError) else f"the sweep records none at {where}"
+    return {"architecture": m["model"].get("architecture")} | {k: m[k] for k in ("n_layers", "n_heads", "n_kv_heads",
+                                                                                  "head_dim")}
+
+
 def load_results(path: str | Path) -> tuple[pd.DataFrame, dict]:
     """The results table and its sweep settings, from a results.parquet or its folder."""
     path = Path(path)
