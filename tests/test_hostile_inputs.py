@@ -1125,6 +1125,25 @@ def test_a_sweep_of_another_model_under_the_same_name_is_refused(dump, tiny_gemm
            "name alone" in gone.output
 
 
+def test_a_sweep_of_other_weights_of_this_shape_is_noted(dump, tmp_path):
+    """Before (session 57's left-alone item): a fine-tune under the swept model's name took the picks in silence. The
+    sweep's dump records its weights' fingerprint; other weights of the same shape are named in a note (the picks may
+    serve, but were measured on another model's attention), the same weights are not."""
+    from conftest import make_tiny_model
+
+    _sweep(dump, tmp_path / "r")
+    other = make_tiny_model(tmp_path / "elsewhere" / Path(dump.manifest["model"]["source"]).name, "llama", seed=7)
+    args = ["decode", "--task", "passkey", "--context", 200, "--from-sweep", tmp_path / "r", "--topk", 10,
+            "--window", "0,0", "--max-new-tokens", 2, "--mode", "full"]
+    there = CliRunner().invoke(main, [str(a) for a in args[:1] + ["--model", other] + args[1:]])
+    fingerprint = dump.manifest["model"]["weights_fingerprint"]
+    assert f"note: the sweep's dump came from other weights than {Path(other).name}'s (weights fingerprint " \
+           f"{fingerprint[:12]}… there" in there.output, there.output
+    assert "--window 0,0: sink must be" in there.output  # the run goes on to its next check
+    same = CliRunner().invoke(main, [str(a) for a in args[:1] + ["--model", dump.manifest["model"]["source"]] + args[1:]])
+    assert "other weights" not in same.output and "--window 0,0: sink must be" in same.output, same.output
+
+
 # -- the dump, second probe (session 29): --overwrite, stale or damaged inputs, foreign folders, ambiguous options -------
 
 

@@ -569,8 +569,10 @@ def _with_sweep_pick(mode_list: list[Mode], from_sweep: str, lm, target_recall: 
 def _check_swept_model(from_sweep: str, lm) -> list[str]:
     """Refuse a sweep whose dump came from a model of another shape than ``lm`` (the table names its model by the
     folder's name alone: a Llama's picks were taken for a Gemma-3 of the same name); a note where that dump is not at
-    the path the sweep read it from, so the name alone was matched."""
+    the path the sweep read it from, so the name alone was matched, and where it came from other weights of this shape
+    (a fine-tune, another revision: the picks may still serve, but were measured on another model's attention)."""
     from anns_lab.decode.modes import NOTE
+    from anns_lab.dumps.models import weights_fingerprint
     from anns_lab.dumps.rope import head_dim
     from anns_lab.eval.table import swept_model
 
@@ -583,6 +585,10 @@ def _check_swept_model(from_sweep: str, lm) -> list[str]:
     if differ := [f"{k} {there[k]} there, {v} here" for k, v in here.items() if there[k] not in (None, v)]:
         raise DecodeError(f"{from_sweep} was swept on a dump of another model named {lm.name!r} ({'; '.join(differ)}): "
                           "pick from a sweep of this model")
+    if there["weights_fingerprint"] not in (None, here := weights_fingerprint(lm.model)):
+        return [f"{NOTE}the sweep's dump came from other weights than {lm.name}'s (weights fingerprint "
+                f"{there['weights_fingerprint'][:12]}… there, {here[:12]}… here: a fine-tune or another revision): its "
+                "picks were measured on that model's attention and may not reach the target recall on this one"]
     return []
 
 
