@@ -451,6 +451,30 @@ def test_an_index_option_without_an_index_mode_is_refused(tiny_llama, modes, ext
     assert words in _error(_run("--model", tiny_llama, "--mode", modes, "--task", "passkey", "--context", 200, *extra))
 
 
+@pytest.mark.parametrize("modes, extra, words", [
+    ("full,flat", ["--train-group", "strided"], "--train-group: read by none of this run's indexes (flat: none trains "
+                                                "on the prefill's queries"),
+    ("flat,ivf", ["--copy-hints", 3, "--train-queries", 64], "--train-queries, --copy-hints: read by none of this "
+                                                             "run's indexes (flat, ivf: none trains"),
+    ("full,flat", ["--train-positions", "serving"], "none moves training queries to other positions"),
+    ("flat,robust-vamana", ["--copy-hints", 2], "--copy-hints: read by none of this run's indexes (flat, robust-vamana: "
+                                                "none takes copy hints)"),
+])
+def test_an_option_no_index_of_the_run_reads_is_refused(tiny_llama, modes, extra, words):
+    """Before (session 57's decode audit): taken and recorded in the JSON's settings as if they had shaped the run."""
+    assert words in _error(_run("--model", tiny_llama, "--mode", modes, "--task", "passkey", "--context", 200,
+                                "--window", "4,16", *extra))
+
+
+def test_an_option_one_index_of_the_run_reads_is_taken(tiny_llama, tmp_path):
+    res = _run("--model", tiny_llama, "--mode", "flat,roargraph", "--window", "4,16", "--task", "passkey", "--context",
+               200, "--max-new-tokens", 2, "--copy-hints", 3, "--train-group", "strided", "--train-positions",
+               "serving", "--json", tmp_path / "r.json")
+    assert res.exit_code == 0, res.output
+    settings = json.loads((tmp_path / "r.json").read_text())["settings"]
+    assert (settings["copy_hints"], settings["train_group"], settings["train_positions"]) == (3, "strided", "serving")
+
+
 def test_the_window_with_a_window_mode_and_index_options_with_an_index_mode_are_taken(tiny_llama, tmp_path):
     res = _run("--model", tiny_llama, "--mode", "full,window", "--window", "8,8", "--task", "passkey", "--context", 200,
                "--max-new-tokens", 2, "--json", tmp_path / "w.json")

@@ -210,6 +210,8 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
     from anns_lab.decode import runner  # torch and transformers: after the checks that need neither
 
     mode_list = _parse_mode_list(modes, params, build_params, from_sweep)
+    if not from_sweep:  # the pick's index is known once the model has loaded
+        _check_unread_by_indexes(click.get_current_context(), mode_list)
     _check_calibrate(calibrate)
     if json_path:  # last of the checks: it makes the folder
         _check_replaceable(Path(json_path), overwrite, from_sweep)
@@ -231,6 +233,7 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
             # the keys the indexes will hold: a task's or fidelity's context outside the window (a --prompt's: unknown yet)
             held = None if prompt is not None else max(0, context - settings.window.sink - settings.window.recent)
             mode_list, lines = _with_sweep_pick(mode_list, from_sweep, lm, target_recall, settings, held)
+            _check_unread_by_indexes(click.get_current_context(), mode_list)
             pick = {"path": str(from_sweep), "target_recall": target_recall, "pick": lines}
         _check_train_positions(lm, mode_list, settings)
         if not lm.long_range_layers and any(m.kind != "full" for m in mode_list):
@@ -428,6 +431,33 @@ def _check_unused_by_modes(ctx: click.Context, names: list[str], from_sweep: str
     if kinds == {"full"} and given_flags(ctx, "window"):
         raise DecodeError("--window: not used by this run (--mode full attends every key); leave it out, or add a "
                           "window or index mode")
+
+
+# The options only some index classes read: what a class must be to read each, and what a run none reads lacks.
+_TRAINS = ("uses_train_queries", "none trains on the prefill's queries ('uses train_queries' in `anns-lab indexes`)")
+READ_BY = {"train_queries": _TRAINS, "train_group": _TRAINS,
+           "train_positions": ("moves_train_queries", "none moves training queries to other positions"),
+           "copy_hints": ("takes_hints", "none takes copy hints")}
+
+
+def _check_unread_by_indexes(ctx: click.Context, mode_list: list[Mode]) -> None:
+    """Refuse the options that no index of the run reads (``--mode flat --train-group strided``, ``--copy-hints``
+    where no index takes hints): they were recorded in the JSON's settings as if they had shaped the run. Asked once
+    the modes are known (a plugin's class says what it reads)."""
+    from anns_lab.indexes import registry
+
+    classes = {registry.get(p.name) for m in mode_list for p in m.plans()}
+    if not classes:  # no index mode: _check_unused_by_modes has spoken
+        return
+    reads = {"uses_train_queries": lambda c: c.uses_train_queries, "takes_hints": lambda c: c.takes_hints,
+             "moves_train_queries": lambda c: c.uses_train_queries and not c.own_positions}
+    unread = {flag: why for option, (kind, why) in READ_BY.items() if not any(reads[kind](c) for c in classes)
+              for flag in given_flags(ctx, option)}
+    if unread:
+        names = ", ".join(sorted({p.name for m in mode_list for p in m.plans()}))
+        it = "them" if len(unread) > 1 else "it"
+        raise DecodeError(f"{', '.join(unread)}: read by none of this run's indexes ({names}: "
+                          f"{'; '.join(dict.fromkeys(unread.values()))}); leave {it} out, or add an index that reads {it}")
 
 
 # Above any machine's cores: 100000 threads' stacks exhausted the process's memory maps (a traceback from an import).
