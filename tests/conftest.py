@@ -47,15 +47,16 @@ def _tiny_tokenizer(folder: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>").save_pretrained(folder)
 
 
-def make_tiny_model(folder: Path, arch: str, seed: int = 0) -> Path:
+def make_tiny_model(folder: Path, arch: str, seed: int = 0, **config) -> Path:
     """A randomly initialised Llama (GQA 4 q / 2 kv), Mistral (sliding window everywhere), Llama-4 (chunked + global
-    layers) or Gemma-3 (sliding + global layers) saved to ``folder``."""
+    layers) or Gemma-3 (sliding + global layers) saved to ``folder``; ``config``: entries that replace the common ones
+    (``head_dim=8``)."""
     import torch
     from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
 
     torch.manual_seed(seed)
     common = dict(vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=1, eos_token_id=2) | config
     if arch == "llama":
         cfg = LlamaConfig(**common, rope_theta=10000.0)
     elif arch == "llama4":  # chunked attention on three layers of four (layer_types), no RoPE on the fourth

@@ -367,6 +367,28 @@ def test_new_tokens_past_the_context_name_max_new_tokens(tiny_llama, args):
     assert "use a shorter --max-new-tokens, or pass --allow-extrapolation" in err, err
 
 
+@pytest.mark.parametrize("context, max_new, named", [(300, 300, "--context"), (299, 300, "--max-new-tokens")])
+def test_the_longer_of_context_and_new_tokens_is_named_past_the_context(tiny_llama, context, max_new, named):
+    """The option that set most of the length is the one to shorten; at a tie, --context."""
+    err = _error(_run("--model", tiny_llama, "--mode", "full,window", "--window", "4,16", "--task", "passkey",
+                      "--context", context, "--max-new-tokens", max_new))
+    assert f"context of 512 tokens; use a shorter {named}, or pass --allow-extrapolation" in err, err
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--task", "passkey", "--context", 200, "--max-new-tokens", 300], "lower --max-new-tokens"),
+    (["--task", "passkey", "--context", 200, "--max-new-tokens", 200], "lower --context"),
+    (["--prompt", "The grass is green and the sky is blue. " * 12, "--max-new-tokens", 4], "give a shorter --prompt"),
+])
+def test_a_run_past_memory_names_the_option_that_made_it_long(tiny_llama, monkeypatch, args, named):
+    """Before (session 57's decode audit) the memory refusal always named --context."""
+    from anns_lab.dumps import memory
+
+    monkeypatch.setattr(memory, "available_bytes", lambda: 1)
+    err = _error(_run("--model", tiny_llama, "--mode", "full,flat", "--window", "4,16", "--topk", 10, *args))
+    assert "GiB is available" in err and err.endswith(named), err
+
+
 def test_an_empty_from_sweep_is_refused_not_ignored(tiny_llama, monkeypatch):
     """Before (a decode audit): `--from-sweep "$SWEEP"` with SWEEP unset ran without any pick, --target-recall taken."""
     from anns_lab.decode import cli

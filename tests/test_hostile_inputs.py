@@ -1125,6 +1125,20 @@ def test_a_sweep_of_another_model_under_the_same_name_is_refused(dump, tiny_gemm
            "name alone" in gone.output
 
 
+@pytest.mark.parametrize("config, differ", [({"head_dim": 8}, "head_dim 16 there, 8 here"),
+                                            ({"num_key_value_heads": 4}, "n_kv_heads 2 there, 4 here"),
+                                            ({"num_hidden_layers": 5}, "n_layers 4 there, 5 here")])
+def test_a_sweep_of_a_model_that_differs_in_one_dimension_is_refused(dump, tmp_path, config, differ):
+    """Each shape the check reads is compared: a Llama of the swept one's architecture and name, one number apart."""
+    from conftest import make_tiny_model
+
+    _sweep(dump, tmp_path / "r")
+    other = make_tiny_model(tmp_path / "elsewhere" / Path(dump.manifest["model"]["source"]).name, "llama", **config)
+    one_line_error(["decode", "--model", other, "--task", "passkey", "--context", 200, "--from-sweep", tmp_path / "r",
+                    "--topk", 10, "--window", "0,0", "--max-new-tokens", 2, "--mode", "full"],
+                   f"was swept on a dump of another model named {dump.manifest['model']['name']!r} ({differ})")
+
+
 def test_a_sweep_of_other_weights_of_this_shape_is_noted(dump, tmp_path):
     """Before (session 57's left-alone item): a fine-tune under the swept model's name took the picks in silence. The
     sweep's dump records its weights' fingerprint; other weights of the same shape are named in a note (the picks may
