@@ -46,3 +46,17 @@ def test_rows_in_any_order_and_with_any_labels_give_the_same_points():
     a = costs.at_target(table, 0.95).set_index("index")
     b = costs.at_target(shuffled, 0.95).set_index("index")
     pd.testing.assert_frame_equal(a, b)
+
+
+def test_an_unmeasured_output_error_reads_as_a_dash_not_nan():
+    """A quick sweep leaves `output_rel_error` NaN: the report's tables (Markdown and HTML) read "nan" there before."""
+    from anns_lab.eval import html, report
+
+    table = _table().assign(output_rel_error=np.nan, mass_recovered=np.nan, latency_us=np.nan)
+    points = costs.at_target(table, 0.95)
+    text = "\n".join(costs.markdown_at_target(points))
+    assert "| a | 1/1 | 31.43% | 3.1 | — | — |" in text and "| 1 | 0 | 3 / 31.4% / — | *best 0.930* |" in text
+    assert "nan" not in text.lower()
+    page = html.table(costs.summary_at_target(points).round(4), "t") + html.table(report._points_view(table), "p")
+    assert "<td>—</td>" in page and "nan" not in page.lower()
+    assert html.table(pd.DataFrame({"x": [0.5, np.nan], "y": ["nan", "b"]}), "u").count("<td>—</td>") == 1  # text stays

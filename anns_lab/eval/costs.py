@@ -56,8 +56,8 @@ def markdown_at_target(points: pd.DataFrame, target: float = 0.95) -> list[str]:
     "best r" where the target is not reached)."""
     lines = [f"| index | heads reaching {target:.2f} | scanned (median of those heads) | KiB read (median of those) "
              "| output rel. error (median of those) | best recall where not reached |", "|---|---|---|---|---|---|"]
+    fmt = markdown.number
     for r in summary_at_target(points).itertuples(index=False):
-        fmt = lambda v, f: "—" if not np.isfinite(v) else f.format(v)  # noqa: E731
         lines.append(f"| {markdown.cell(r.index)} | {r.reached}/{r.heads} | {fmt(100 * r.scanned_fraction, '{:.2f}%')} | "
                      f"{fmt(r.kib_read, '{:.1f}')} | {fmt(r.output_rel_error, '{:.4f}')} | {fmt(r.best_recall_unreached, '{:.3f}')} |")
     names = sorted(points["index"].unique())
@@ -72,7 +72,7 @@ def markdown_at_target(points: pd.DataFrame, target: float = 0.95) -> list[str]:
                 cells.append("")
             elif p["reached"].iloc[0]:
                 cells.append(f"{p['bytes_read'].iloc[0] / 1024:.0f} / {100 * p['scanned_fraction'].iloc[0]:.1f}% / "
-                             f"{p['output_rel_error'].iloc[0]:.3f}")
+                             f"{fmt(p['output_rel_error'].iloc[0], '{:.3f}')}")
             else:
                 cells.append(f"*best {p['recall'].iloc[0]:.3f}*")
         lines.append(f"| {layer} | {head} | " + " | ".join(cells) + " |")

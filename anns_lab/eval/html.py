@@ -14,6 +14,7 @@ import re
 import pandas as pd
 
 from anns_lab.eval.findings import Finding
+from anns_lab.eval.markdown import UNMEASURED
 
 _STYLE = """
 body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
@@ -54,11 +55,15 @@ def _md_inline(text: str) -> str:
 
 
 def table(df: pd.DataFrame, table_id: str) -> str:
-    """A sortable HTML table of ``df``'s cells as they are (format them first)."""
+    """A sortable HTML table of ``df``'s cells as they are (format them first), a NaN as unmeasured."""
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in df.columns)
-    body = "\n".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row) + "</tr>"
+    body = "\n".join("<tr>" + "".join(f"<td>{html.escape(_text(v))}</td>" for v in row) + "</tr>"
                      for row in df.itertuples(index=False))
     return f'<table class="sortable" id="{table_id}"><thead><tr>{head}</tr></thead><tbody>\n{body}\n</tbody></table>'
+
+
+def _text(value) -> str:
+    return UNMEASURED if isinstance(value, float) and value != value else str(value)  # NaN: no figure measured
 
 
 def figure(png: bytes, alt: str) -> str:

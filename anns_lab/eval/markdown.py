@@ -6,10 +6,18 @@ Markdown a ``|`` ends a table cell, a newline a row, ``<script>`` is raw HTML an
 
 from __future__ import annotations
 
+import math
 import re
 import unicodedata
 
 MARKUP = re.compile(r"([\\`*\[\]<>|])")  # what ends a cell, opens a code span, bold, a link or raw HTML
+UNMEASURED = "—"  # a table's cell for a figure the sweep did not measure (a NaN column: docs/results-table.md)
+
+
+def number(value: float, spec: str) -> str:
+    """``value`` formatted by ``spec`` (``"{:.4f}"``), or :data:`UNMEASURED` where it is NaN or infinite: a quick
+    sweep's output error read "nan" in the report's tables."""
+    return spec.format(value) if math.isfinite(value) else UNMEASURED
 
 
 def cell(value) -> str:

@@ -408,9 +408,10 @@ def _points_view(c: pd.DataFrame) -> pd.DataFrame:
                          "recall": q["recall"].map(lambda v: f"{v:.3f}"),
                          "scanned": q["scanned_fraction"].map(lambda v: f"{100 * v:.2f}%"),
                          "KiB read": q["bytes_read"].map(lambda v: f"{v / 1024:.1f}"),
-                         "mass kept (estimators: est. / true normaliser)": q["mass_recovered"].map(lambda v: f"{v:.4f}"),
-                         "output rel. error": q["output_rel_error"].map(lambda v: f"{v:.4f}"),
-                         "latency µs": q["latency_us"].map(lambda v: f"{v:.0f}")})
+                         "mass kept (estimators: est. / true normaliser)": q["mass_recovered"].map(
+                             lambda v: markdown.number(v, "{:.4f}")),
+                         "output rel. error": q["output_rel_error"].map(lambda v: markdown.number(v, "{:.4f}")),
+                         "latency µs": q["latency_us"].map(lambda v: markdown.number(v, "{:.0f}"))})
 
 
 def _md_table(df: pd.DataFrame, code: tuple[str, ...] = ()) -> list[str]:
