@@ -183,7 +183,9 @@ def recall_vs_bytes(table: pd.DataFrame, k: int, kinds: dict[str, str]) -> bytes
         if len(shown):
             ax.set_xscale("log")
         else:  # a log axis with nothing on it fails to draw (a --quick sweep measures no output error)
-            ax.text(0.5, 0.5, "not measured", transform=ax.transAxes, ha="center", va="center", color="0.4")
+            ax.text(0.5, 0.5, "not measured\n(a --quick sweep measures no attention quality)", transform=ax.transAxes,
+                    ha="center", va="center", color="0.4")
+            ax.set(xticks=[], yticks=[])  # matplotlib's ±0.04 around an empty axis read as a scale
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set(xlabel="bytes of index data read per query\n(log scale)", ylabel=label)
     axes[0].axhline(0.95, color="grey", ls=":", lw=1)
