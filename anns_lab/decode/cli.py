@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING
 
 import click
 
-from anns_lab.cli_types import WINDOW, given_flags, parse_params
+from anns_lab.cli_types import WINDOW, parse_params
+from anns_lab.decode import checks
 from anns_lab.decode.options import (CALIBRATE_AUTO, GIVE_UP_AFTER, LAYERS_AT_ONCE, UNTIL_BUILT, UNTIL_BUILT_HELP,
-                                     Settings, calibrates, mode_kind, mode_names)
+                                     Settings, mode_names)
 from anns_lab.dumps import rope
 from anns_lab.dumps.cli import ROPE_HELP, ROPE_SCALING
 from anns_lab.dumps.tasks import TASKS
@@ -83,7 +84,7 @@ class _DecodeCommand(click.Command):
             given = flag.partition("=")[2] if flag.startswith("--calibrate=") else value if flag == "--calibrate" else ""
             if given.startswith("-"):
                 try:
-                    _check_calibrate(float(given))
+                    checks.check_calibrate(float(given))
                 except ValueError:  # another option: the flag's default target
                     pass
         return super().parse_args(ctx, args)
@@ -191,18 +192,18 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
                         build_layers=build_layers,
                         until_built=until_built, copy_hints=copy_hints, calibrate=calibrate,
                         question_after_prefill=question_after_prefill, calibrate_question=calibrate_question)
-    _check_unused_by_modes(click.get_current_context(), mode_names(modes), from_sweep)
-    _check_options(settings, evaluation, task, prompt, executor, address)
+    checks.check_unused_by_modes(click.get_current_context(), mode_names(modes), from_sweep)
+    checks.check_options(settings, evaluation, task, prompt, executor, address)
     if prompt is not None and _names_file(prompt):  # dump's --prompt reads a file: this one decodes the name
         click.echo(f"note: --prompt is the text decoded; {prompt!r} also names a file, which is not read (to decode "
                    "its text: --prompt \"$(cat FILE)\")", err=True)
-    _check_unused(click.get_current_context(), evaluation, prompt, from_sweep)
+    checks.check_unused(click.get_current_context(), evaluation, prompt, from_sweep)
     if shared_prefill and build_during_prefill is not False:
         raise DecodeError("--shared-prefill puts every mode on one prefill with the builds after it: add "
                           "--build-after-prefill, given explicitly (builds during a prefill give each index mode its "
                           "own, so that its TTFT counts its own builds' contention)")
-    _check_counts(max_new_tokens=max_new_tokens, seed=seed, torch_threads=torch_threads, samples=samples,
-                  give_up_after=give_up_after)
+    checks.check_counts(max_new_tokens=max_new_tokens, seed=seed, torch_threads=torch_threads, samples=samples,
+                        give_up_after=give_up_after)
     if json_path is not None and not json_path.strip():  # `--json "$OUT"` with OUT unset ran, then wrote nothing
         raise DecodeError("--json '': give a file path for the results")
     if from_sweep is not None and not from_sweep.strip():  # `--from-sweep "$SWEEP"` unset ran without any pick
@@ -211,8 +212,8 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
 
     mode_list = _parse_mode_list(modes, params, build_params, from_sweep)
     if not from_sweep:  # the pick's index is known once the model has loaded
-        _check_unread_by_indexes(click.get_current_context(), mode_list)
-    _check_calibrate(calibrate)
+        checks.check_unread_by_indexes(click.get_current_context(), mode_list)
+    checks.check_calibrate(calibrate)
     if json_path:  # last of the checks: it makes the folder
         _check_replaceable(Path(json_path), overwrite, from_sweep)
         _check_writable(Path(json_path))
@@ -233,9 +234,9 @@ def decode(model, modes, params, build_params, topk, window, add_batch, train_qu
             # the keys the indexes will hold: a task's or fidelity's context outside the window (a --prompt's: unknown yet)
             held = None if prompt is not None else max(0, context - settings.window.sink - settings.window.recent)
             mode_list, lines = _with_sweep_pick(mode_list, from_sweep, lm, target_recall, settings, held)
-            _check_unread_by_indexes(click.get_current_context(), mode_list)
+            checks.check_unread_by_indexes(click.get_current_context(), mode_list)
             pick = {"path": str(from_sweep), "target_recall": target_recall, "pick": lines}
-        _check_train_positions(lm, mode_list, settings)
+        checks.check_train_positions(lm, mode_list, settings)
         if not lm.long_range_layers and any(m.kind != "full" for m in mode_list):
             raise DecodeError(f"{lm.name} has no full-attention layer (each attends within a sliding window of "
                               f"{getattr(lm.config, 'sliding_window', None)} tokens): retrieval attention has no "
@@ -349,139 +350,6 @@ def _names_file(text: str) -> bool:
         return False
 
 
-def _check_options(settings: Settings, evaluation: str, task: str | None, prompt: str | None, executor: str,
-                   address: str | None) -> None:
-    """Refuse inconsistent options before anything is loaded, one :class:`DecodeError` each."""
-    if settings.topk < 1:
-        raise DecodeError(f"--topk must be at least 1, got {settings.topk}")
-    if settings.copy_hints < 0:
-        raise DecodeError("--copy-hints must be 0 (none) or more")
-    for flag, value in (("--add-batch", settings.add_batch), ("--chunk", settings.chunk)):
-        if value < 1:
-            raise DecodeError(f"{flag} must be at least 1, got {value}")
-    if settings.build_layers < 0:
-        raise DecodeError(f"--build-layers must be 0 (auto) or more, got {settings.build_layers}")
-    if settings.train_queries < 0:
-        raise DecodeError(f"--train-queries must be 0 (all) or more, got {settings.train_queries}")
-    if evaluation == "task" and (task is None) == (prompt is None):
-        raise DecodeError("give exactly one of --task NAME or --prompt TEXT (or --eval fidelity)")
-    if prompt is not None:
-        try:  # bytes the shell's locale cannot decode arrive as surrogates, which the tokenizer fails on (a TypeError)
-            prompt.encode("utf-8")
-        except UnicodeEncodeError as err:
-            raise DecodeError(f"--prompt is not valid UTF-8 text (byte {err.start} of it, or near it): pass the "
-                              "prompt as UTF-8") from None
-    if executor == "ray" and evaluation == "fidelity":
-        raise DecodeError("--executor ray runs task and prompt evaluations (a task per sample); --eval fidelity is "
-                          "one prefill and runs here")
-    if evaluation == "fidelity" and settings.until_built != "wait":
-        raise DecodeError("--until-built exact is for --task and --prompt runs: --eval fidelity measures each index on "
-                          "every position, so its steps wait for the builds")
-    question = settings.calibrate_question and evaluation != "fidelity" and prompt is None  # else: _check_unused's
-    if question and not settings.question_after_prefill:
-        raise DecodeError("--calibrate-question raises the searches on the question's steps: add --question-after-prefill")
-    if question and settings.until_built == "exact":
-        raise DecodeError("--calibrate-question raises every layer's search before the question's last step; with "
-                          "--until-built exact a layer still building then has none: use --until-built wait")
-    if question and not calibrates(settings.calibrate):
-        raise DecodeError("--calibrate-question raises each search to --calibrate's target: --calibrate 0 sets none")
-    if executor == "local" and address is not None:
-        raise DecodeError("--address is for --executor ray")
-    if task is not None and task not in TASKS:
-        raise DecodeError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
-
-
-def _check_unused(ctx: click.Context, evaluation: str, prompt: str | None, from_sweep: str | None) -> None:
-    """Refuse options set on the command line that this run would ignore (a --seed with --eval fidelity ran as if left
-    out; --eval fidelity --prompt ran for half a minute, then crashed): one :class:`DecodeError` naming them."""
-    if evaluation == "fidelity":
-        unused = given_flags(ctx, "task", "prompt", "samples", "give_up_after", "seed", "max_new_tokens", "shared_prefill",
-                             "question_after_prefill", "calibrate_question")
-        why = ("--eval fidelity teacher-forces --positions tokens of its own text after --context tokens of it, every "
-               "mode from one prefill")
-    elif prompt is not None:
-        unused = given_flags(ctx, "context", "samples", "give_up_after", "seed", "positions", "free_tokens",
-                             "question_after_prefill", "calibrate_question")
-        why = "--prompt decodes that text once: its tokens are the context (a task's question is the one it can defer)"
-    else:
-        unused = given_flags(ctx, "positions", "free_tokens")
-        why = "--positions and --free-tokens are for --eval fidelity"
-    if unused:
-        raise DecodeError(f"{', '.join(unused)}: not used by this run ({why}); leave {'them' if len(unused) > 1 else 'it'} out")
-    if ctx.params.get("executor") != "ray" and given_flags(ctx, "cpus_per_task"):
-        raise DecodeError("--cpus-per-task: not used by this run (it reserves CPUs for each Ray task); pass --executor "
-                          "ray, or leave it out")
-    if from_sweep is None and given_flags(ctx, "target_recall"):
-        raise DecodeError("--target-recall is the recall a --from-sweep pick must reach: pass --from-sweep, or leave it out")
-
-
-INDEX_OPTIONS = ("topk", "add_batch", "train_queries", "train_group", "train_positions", "copy_hints",
-                 "build_during_prefill", "build_layers", "build_processes", "shared_prefill", "until_built", "calibrate",
-                 "calibrate_question", "give_up_after")
-
-
-def _check_unused_by_modes(ctx: click.Context, names: list[str], from_sweep: str | None) -> None:
-    """Refuse the options of index modes where none runs (``--mode full,window``), and ``--window`` where only ``full``
-    runs: they were dropped in silence (``--mode full --window 600,600`` printed that window in its table). Read from
-    the names alone (``options.mode_kind``), before anything heavy loads."""
-    kinds = {mode_kind(n) for n in names} | ({"index"} if from_sweep else set())
-    if "index" not in kinds and (unused := given_flags(ctx, *INDEX_OPTIONS)):
-        raise DecodeError(f"{', '.join(unused)}: not used by this run (--mode {','.join(names)} has no index mode); "
-                          f"leave {'them' if len(unused) > 1 else 'it'} out, or add an index mode")
-    if kinds == {"full"} and given_flags(ctx, "window"):
-        raise DecodeError("--window: not used by this run (--mode full attends every key); leave it out, or add a "
-                          "window or index mode")
-
-
-# The options only some index classes read: what a class must be to read each, and what a run none reads lacks.
-_TRAINS = ("uses_train_queries", "none trains on the prefill's queries ('uses train_queries' in `anns-lab indexes`)")
-READ_BY = {"train_queries": _TRAINS, "train_group": _TRAINS,
-           "train_positions": ("moves_train_queries", "none moves training queries to other positions"),
-           "copy_hints": ("takes_hints", "none takes copy hints")}
-
-
-def _check_unread_by_indexes(ctx: click.Context, mode_list: list[Mode]) -> None:
-    """Refuse the options that no index of the run reads (``--mode flat --train-group strided``, ``--copy-hints``
-    where no index takes hints): they were recorded in the JSON's settings as if they had shaped the run. Asked once
-    the modes are known (a plugin's class says what it reads)."""
-    from anns_lab.indexes import registry
-
-    classes = {registry.get(p.name) for m in mode_list for p in m.plans()}
-    if not classes:  # no index mode: _check_unused_by_modes has spoken
-        return
-    reads = {"uses_train_queries": lambda c: c.uses_train_queries, "takes_hints": lambda c: c.takes_hints,
-             "moves_train_queries": lambda c: c.uses_train_queries and not c.own_positions}
-    unread = {flag: why for option, (kind, why) in READ_BY.items() if not any(reads[kind](c) for c in classes)
-              for flag in given_flags(ctx, option)}
-    if unread:
-        names = ", ".join(sorted({p.name for m in mode_list for p in m.plans()}))
-        it = "them" if len(unread) > 1 else "it"
-        raise DecodeError(f"{', '.join(unread)}: read by none of this run's indexes ({names}: "
-                          f"{'; '.join(dict.fromkeys(unread.values()))}); leave {it} out, or add an index that reads {it}")
-
-
-# Above any machine's cores: 100000 threads' stacks exhausted the process's memory maps (a traceback from an import).
-MAX_TORCH_THREADS = 1024
-MAX_SAMPLES = 10_000  # task prompts per run at most: each is a full prefill per mode
-
-
-def _check_counts(max_new_tokens: int | None, seed: int, torch_threads: int, samples: int,
-                  give_up_after: int = GIVE_UP_AFTER) -> None:
-    """Refuse counts out of range before anything is loaded (a negative token count decoded nothing and scored 0, 0 meant
-    the task's default, a negative seed failed after the model had loaded, 10^11 samples a traceback allocating their
-    needles' depths)."""
-    if not 1 <= samples <= MAX_SAMPLES:
-        raise DecodeError(f"--samples must lie in [1, {MAX_SAMPLES}] (each is a prefill of the context per mode), got {samples}")
-    if give_up_after < 0:
-        raise DecodeError(f"--give-up-after must be 0 (never give up) or more, got {give_up_after}")
-    if max_new_tokens is not None and max_new_tokens < 1:
-        raise DecodeError(f"--max-new-tokens must be at least 1 (leave it out for the task's default), got {max_new_tokens}")
-    if seed < 0:
-        raise DecodeError(f"--seed must be 0 or more, got {seed}")
-    if not 0 <= torch_threads <= MAX_TORCH_THREADS:
-        raise DecodeError(f"--torch-threads must lie in [0, {MAX_TORCH_THREADS}] (0: torch's default), got {torch_threads}")
-
-
 def _check_replaceable(path: Path, overwrite: bool, from_sweep: str | None) -> None:
     """Refuse a ``--json`` path whose first write (an atomic rename over it) would destroy something: the
     ``--from-sweep`` table or its settings (the pick's input), a link or anything but a regular file (as root a run
@@ -540,20 +408,6 @@ def _check_writable(path: Path) -> None:
                           f"{err.strerror or err})") from None
 
 
-def _check_calibrate(target: float | str) -> None:
-    """A calibration target is ``auto`` or a weight recall: in (0, 1], or 0 for none."""
-    if target != CALIBRATE_AUTO and not (target == 0 or 0 < target <= 1):
-        raise DecodeError(f"--calibrate takes a weight recall target in (0, 1] (0: off), got {target}")
-
-
-def _check_train_positions(lm, mode_list: list[Mode], settings: Settings) -> None:
-    """Refuse, before the prefill, training queries that cannot be moved to the serving positions (the RoPE
-    frequencies of a long-range layer unknown: :func:`dumps.rope.inv_freq`'s one error)."""
-    if settings.train_positions != "own" and any(m.uses_queries() for m in mode_list):
-        for layer in lm.long_range_layers:
-            rope.inv_freq(lm.config, layer)
-
-
 def _parse_mode_list(modes: str, params: tuple[str, ...], build_params: tuple[str, ...],
                      from_sweep: str | None) -> list[Mode]:
     """The modes of ``--mode`` with their parameters; with ``--from-sweep`` the sweep's pick replaces 'default'."""
@@ -590,36 +444,10 @@ def _with_sweep_pick(mode_list: list[Mode], from_sweep: str, lm, target_recall: 
     picked, lines = modes_mod.pick_from_sweep(from_sweep, lm.name, target_recall, lm.long_range_layers,
                                               settings.train_group, settings.train_positions, settings.topk,
                                               tuple(settings.window), n_keys)
-    lines += _check_swept_model(from_sweep, lm)
+    lines += checks.check_swept_model(from_sweep, lm)
     for line in lines:  # its notes on stderr, beside the run's progress
         click.echo(line, err=line.startswith(modes_mod.NOTE))
     return _with_full(mode_list + [picked]), lines
-
-
-def _check_swept_model(from_sweep: str, lm) -> list[str]:
-    """Refuse a sweep whose dump came from a model of another shape than ``lm`` (the table names its model by the
-    folder's name alone: a Llama's picks were taken for a Gemma-3 of the same name); a note where that dump is not at
-    the path the sweep read it from, so the name alone was matched, and where it came from other weights of this shape
-    (a fine-tune, another revision: the picks may still serve, but were measured on another model's attention)."""
-    from anns_lab.decode.modes import NOTE
-    from anns_lab.dumps.models import weights_fingerprint
-    from anns_lab.dumps.rope import head_dim
-    from anns_lab.eval.table import swept_model
-
-    there = swept_model(from_sweep)
-    if isinstance(there, str):
-        return [f"{NOTE}the sweep's dump cannot be read ({there}): its model is matched by name alone ({lm.name})"]
-    cfg = lm.config
-    here = {"architecture": type(lm.model).__name__, "n_layers": cfg.num_hidden_layers,
-            "n_heads": cfg.num_attention_heads, "n_kv_heads": cfg.num_key_value_heads, "head_dim": head_dim(cfg)}
-    if differ := [f"{k} {there[k]} there, {v} here" for k, v in here.items() if there[k] not in (None, v)]:
-        raise DecodeError(f"{from_sweep} was swept on a dump of another model named {lm.name!r} ({'; '.join(differ)}): "
-                          "pick from a sweep of this model")
-    if there["weights_fingerprint"] not in (None, here := weights_fingerprint(lm.model)):
-        return [f"{NOTE}the sweep's dump came from other weights than {lm.name}'s (weights fingerprint "
-                f"{there['weights_fingerprint'][:12]}… there, {here[:12]}… here: a fine-tune or another revision): its "
-                "picks were measured on that model's attention and may not reach the target recall on this one"]
-    return []
 
 
 def _torch_threads(asked: int, executor: str) -> int | None:
