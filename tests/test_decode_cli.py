@@ -478,23 +478,42 @@ def test_an_index_option_without_an_index_mode_is_refused(tiny_llama, modes, ext
                                                 "on the prefill's queries"),
     ("flat,ivf", ["--copy-hints", 3, "--train-queries", 64], "--train-queries, --copy-hints: read by none of this "
                                                              "run's indexes (flat, ivf: none trains"),
-    ("full,flat", ["--train-positions", "serving"], "none moves training queries to other positions"),
+    ("full,flat", ["--train-positions", "own"], "--train-positions: read by none of this run's indexes (flat: none "
+                                                "trains on the prefill's queries"),
+    # snapkv reads its queries where the prefill had them: serving moves none, unlisted gives it nothing
+    ("full,snapkv", ["--train-positions", "serving"], "--train-positions serving moves training queries, and none of "
+                                                      "this run's indexes (snapkv) has any moved"),
+    ("full,snapkv", ["--train-group", "unlisted"], "--train-group unlisted gives the GQA group's other queries to an "
+                                                   "index that takes them (roargraph); none of this run's does (snapkv)"),
+    ("full,robust-vamana", ["--train-group", "unlisted"], "none of this run's does (robust-vamana): pass --train-group head"),
     ("flat,robust-vamana", ["--copy-hints", 2], "--copy-hints: read by none of this run's indexes (flat, robust-vamana: "
                                                 "none takes copy hints)"),
 ])
 def test_an_option_no_index_of_the_run_reads_is_refused(tiny_llama, modes, extra, words):
     """Before (session 57's decode audit): taken and recorded in the JSON's settings as if they had shaped the run."""
+    if "snapkv" in modes and "snapkv" not in registry.available():
+        pytest.skip("the snapkv plugin is not installed (make test installs it)")
     assert words in _error(_run("--model", tiny_llama, "--mode", modes, "--task", "passkey", "--context", 200,
                                 "--window", "4,16", *extra))
 
 
-def test_an_option_one_index_of_the_run_reads_is_taken(tiny_llama, tmp_path):
-    res = _run("--model", tiny_llama, "--mode", "flat,roargraph", "--window", "4,16", "--task", "passkey", "--context",
-               200, "--max-new-tokens", 2, "--copy-hints", 3, "--train-group", "strided", "--train-positions",
-               "serving", "--json", tmp_path / "r.json")
+@pytest.mark.parametrize("modes, extra", [
+    ("flat,roargraph", ["--copy-hints", 3, "--train-group", "strided", "--train-positions", "serving"]),
+    ("flat,roargraph", ["--train-group", "unlisted"]),
+    ("flat,robust-vamana", ["--train-group", "strided", "--train-positions", "serving", "--train-queries", 64]),
+    # its queries where the prefill had them: own is what it does, and a RoPE that cannot move them is no matter
+    ("full,snapkv", ["--train-queries", 64, "--train-positions", "own"]),
+    ("full,snapkv", ["--rope-scaling", "dynamic:2"]),  # refused before: "use --train-positions own"
+])
+def test_an_option_one_index_of_the_run_reads_is_taken(tiny_llama, tmp_path, modes, extra):
+    if "snapkv" in modes and "snapkv" not in registry.available():
+        pytest.skip("the snapkv plugin is not installed (make test installs it)")
+    res = _run("--model", tiny_llama, "--mode", modes, "--window", "4,16", "--task", "passkey", "--context", 200,
+               "--max-new-tokens", 2, "--topk", 20, *extra, "--json", tmp_path / "r.json")
     assert res.exit_code == 0, res.output
     settings = json.loads((tmp_path / "r.json").read_text())["settings"]
-    assert (settings["copy_hints"], settings["train_group"], settings["train_positions"]) == (3, "strided", "serving")
+    given = {flag[2:].replace("-", "_"): value for flag, value in zip(extra[::2], extra[1::2]) if flag != "--rope-scaling"}
+    assert {k: settings[k] for k in given} == given
 
 
 def test_the_window_with_a_window_mode_and_index_options_with_an_index_mode_are_taken(tiny_llama, tmp_path):
@@ -1009,6 +1028,29 @@ def test_from_sweep_on_the_command_line(tiny_llama, tmp_path):
     assert any("layer 1: vamana(R=16, L=100)" in line for line in recorded["pick"])
     names = [line.split()[0] for line in res.output.splitlines() if line.startswith(("full", "window", "flat", "sweep:"))]
     assert names == ["full", "window", "flat", "sweep:vamana"]  # explicit modes stay; the pick replaces 'default'
+
+
+def test_the_options_a_pick_reads_are_asked_of_the_run_after_the_pick(tiny_llama, tmp_path):
+    """--copy-hints where only the sweep's pick takes hints (roargraph) runs; where the pick does not (vamana) it is
+    refused once the pick is known, after the model loads (the modes named before it read none)."""
+    from anns_lab.dumps.models import canonical_name
+
+    path = _results(tmp_path / "results.parquet")
+    table = pd.read_parquet(path).assign(model=canonical_name(str(tiny_llama)), k=20)
+    aware = table["index"] == "vamana"
+    table.assign(index=table["index"].where(~aware, "roargraph"), build_params=table["build_params"].where(~aware, "{}")
+                 ).to_parquet(path)
+    (tmp_path / "sweep.json").write_text(json.dumps({"window": [4, 16], "train_positions": "serving"}))
+    args = ["--model", tiny_llama, "--task", "passkey", "--context", 200, "--window", "4,16", "--topk", 20,
+            "--max-new-tokens", 2, "--from-sweep", path, "--target-recall", 0.95, "--mode", "full,flat,default",
+            "--copy-hints", 3]
+    res = _run(*args)
+    assert res.exit_code == 0, res.output
+    assert re.search(r"layer 1: roargraph\(.*L=100", res.output) and "\nsweep:roargraph " in res.output, res.output
+    table.to_parquet(path)  # vamana's rows again: no index of the run takes hints
+    res = _run(*args)
+    assert "layer 1: vamana(R=16, L=100)" in res.output  # refused after the pick was made
+    assert "Error: --copy-hints: read by none of this run's indexes (flat, vamana: none takes copy hints)" in _error(res)
 
 
 def test_every_table_column_is_defined_in_the_legend():

@@ -102,31 +102,43 @@ def check_unused_by_modes(ctx: click.Context, names: list[str], from_sweep: str 
                           "window or index mode")
 
 
-# The options only some index classes read: what a class must be to read each, and what a run none reads lacks.
-_TRAINS = ("uses_train_queries", "none trains on the prefill's queries ('uses train_queries' in `anns-lab indexes`)")
-READ_BY = {"train_queries": _TRAINS, "train_group": _TRAINS,
-           "train_positions": ("moves_train_queries", "none moves training queries to other positions"),
-           "copy_hints": ("takes_hints", "none takes copy hints")}
+def moves_train_queries(cls) -> bool:
+    """Whether an index class's training queries are moved by ``--train-positions`` (not where they were: snapkv's)."""
+    return cls.uses_train_queries and not cls.own_positions
+
+
+# The options only some index classes read: which classes read each, and what a run none of whose indexes does lacks.
+_TRAINS = (lambda c: c.uses_train_queries,
+           "none trains on the prefill's queries ('uses train_queries' in `anns-lab indexes`)")
+READ_BY = {"train_queries": _TRAINS, "train_group": _TRAINS, "train_positions": _TRAINS,
+           "copy_hints": (lambda c: c.takes_hints, "none takes copy hints")}
 
 
 def check_unread_by_indexes(ctx: click.Context, mode_list: list[Mode]) -> None:
     """Refuse the options that no index of the run reads (``--mode flat --train-group strided``, ``--copy-hints``
-    where no index takes hints): they were recorded in the JSON's settings as if they had shaped the run. Asked once
-    the modes are known (a plugin's class says what it reads)."""
+    where no index takes hints) and the values none acts on (``--train-positions serving`` where every index reads
+    its queries where they were, ``--train-group unlisted`` where none takes another head's): they were recorded in
+    the JSON's settings as if they had shaped the run. Asked once the modes are known (a plugin's class says)."""
     from anns_lab.indexes import registry
 
     classes = {registry.get(p.name) for m in mode_list for p in m.plans()}
     if not classes:  # no index mode: check_unused_by_modes has spoken
         return
-    reads = {"uses_train_queries": lambda c: c.uses_train_queries, "takes_hints": lambda c: c.takes_hints,
-             "moves_train_queries": lambda c: c.uses_train_queries and not c.own_positions}
-    unread = {flag: why for option, (kind, why) in READ_BY.items() if not any(reads[kind](c) for c in classes)
+    unread = {flag: why for option, (reads, why) in READ_BY.items() if not any(reads(c) for c in classes)
               for flag in given_flags(ctx, option)}
+    names = ", ".join(sorted({p.name for m in mode_list for p in m.plans()}))
     if unread:
-        names = ", ".join(sorted({p.name for m in mode_list for p in m.plans()}))
         it = "them" if len(unread) > 1 else "it"
         raise DecodeError(f"{', '.join(unread)}: read by none of this run's indexes ({names}: "
                           f"{'; '.join(dict.fromkeys(unread.values()))}); leave {it} out, or add an index that reads {it}")
+    place = ctx.params.get("train_positions")
+    if given_flags(ctx, "train_positions") and place != "own" and not any(moves_train_queries(c) for c in classes):
+        raise DecodeError(f"--train-positions {place} moves training queries, and none of this run's indexes ({names}) "
+                          "has any moved: each reads them where the prefill had them; leave it out")
+    if given_flags(ctx, "train_group") and ctx.params.get("train_group") == "unlisted" and not any(
+            c.accepts_group_queries for c in classes):  # it builds as `head` there, keeping every prefill query
+        raise DecodeError(f"--train-group unlisted gives the GQA group's other queries to an index that takes them "
+                          f"(roargraph); none of this run's does ({names}): pass --train-group head")
 
 
 # Above any machine's cores: 100000 threads' stacks exhausted the process's memory maps (a traceback from an import).
@@ -160,7 +172,10 @@ def check_calibrate(target: float | str) -> None:
 def check_train_positions(lm, mode_list: list[Mode], settings: Settings) -> None:
     """Refuse, before the prefill, training queries that cannot be moved to the serving positions (the RoPE
     frequencies of a long-range layer unknown: :func:`dumps.rope.inv_freq`'s one error)."""
-    if settings.train_positions != "own" and any(m.uses_queries() for m in mode_list):
+    from anns_lab.indexes import registry
+
+    if settings.train_positions != "own" and any(moves_train_queries(registry.get(p.name))
+                                                  for m in mode_list for p in m.plans()):
         for layer in lm.long_range_layers:
             rope.inv_freq(lm.config, layer)
 
@@ -171,7 +186,7 @@ def check_swept_model(from_sweep: str, lm) -> list[str]:
     the path the sweep read it from, so the name alone was matched, and where it came from other weights of this shape
     (a fine-tune, another revision: the picks may still serve, but were measured on another model's attention)."""
     from anns_lab.decode.modes import NOTE
-    from anns_lab.dumps.models import weights_fingerprint
+    from anns_lab.dumps.models import files_stamp, weights_fingerprint
     from anns_lab.dumps.rope import head_dim
     from anns_lab.eval.table import swept_model
 
@@ -184,8 +199,12 @@ def check_swept_model(from_sweep: str, lm) -> list[str]:
     if differ := [f"{k} {there[k]} there, {v} here" for k, v in here.items() if there[k] not in (None, v)]:
         raise DecodeError(f"{from_sweep} was swept on a dump of another model named {lm.name!r} ({'; '.join(differ)}): "
                           "pick from a sweep of this model")
-    if there["weights_fingerprint"] not in (None, here := weights_fingerprint(lm.model)):
+    swept = there["weights_fingerprint"]  # none in a manifest from before it (or not text: not compared)
+    if not isinstance(swept, str) or (there["source"] == lm.source and there["files_stamp"] is not None
+                                      and there["files_stamp"] == files_stamp(lm.source)):
+        return []  # the very files the dump read (a fingerprint by an older sampling rule would differ)
+    if swept != (now := weights_fingerprint(lm.model)):
         return [f"{NOTE}the sweep's dump came from other weights than {lm.name}'s (weights fingerprint "
-                f"{there['weights_fingerprint'][:12]}… there, {here[:12]}… here: a fine-tune or another revision): its "
+                f"{swept[:12]}… there, {now[:12]}… here: another checkpoint, a fine-tune, revision or format): its "
                 "picks were measured on that model's attention and may not reach the target recall on this one"]
     return []

@@ -46,8 +46,8 @@ def sweep_folder(path: str | Path) -> Path:
 
 def swept_model(path: str | Path) -> dict | str:
     """The shape of the model whose dump the sweep at ``path`` read (``architecture``, None where the manifest predates
-    it; ``n_layers``, ``n_heads``, ``n_kv_heads``, ``head_dim``) and its ``weights_fingerprint`` (None likewise), or
-    why that dump cannot be read."""
+    it; ``n_layers``, ``n_heads``, ``n_kv_heads``, ``head_dim``), its ``weights_fingerprint``, ``source`` and
+    ``files_stamp`` (None likewise), or why that dump cannot be read."""
     from anns_lab.dumps.store import read_manifest
     from anns_lab.errors import DumpError
 
@@ -57,7 +57,7 @@ def swept_model(path: str | Path) -> dict | str:
         m = read_manifest(Path(where))
     except (AttributeError, DumpError, OSError, TypeError, ValueError) as err:
         return str(err) if isinstance(err, DumpError) else f"the sweep records none at {where}"
-    return {k: m["model"].get(k) for k in ("architecture", "weights_fingerprint")} | {
+    return {k: m["model"].get(k) for k in ("architecture", "weights_fingerprint", "source", "files_stamp")} | {
         k: m[k] for k in ("n_layers", "n_heads", "n_kv_heads", "head_dim")}
 
 
