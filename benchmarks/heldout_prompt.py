@@ -3,6 +3,7 @@ defaults were not tuned on.
 
     python benchmarks/heldout_prompt.py --out /tmp/heldout.txt [--packages numpy,pandas,torch]
     python benchmarks/heldout_prompt.py --out /tmp/man.txt --man-pages 400      # prose of another domain: shell tools
+    python benchmarks/heldout_prompt.py --out /tmp/langref.txt --language-reference  # the Python Language Reference
     anns-lab dump --model smollm2 --prompt /tmp/heldout.txt --tokens 8192 --decode-tokens 64 --out dumps/smollm2-heldout-8192
 
 The lab's default prompt (``--source text``) is the Python standard library's documentation, and every
@@ -10,7 +11,9 @@ roargraph default was chosen on dumps of it. This script writes, as UTF-8, the l
 characters, tests skipped) of the packages given, found with ``importlib.util.find_spec`` (nothing is
 imported), interleaved one docstring per package in turn so that any prefix mixes them. ``--man-pages N`` writes
 instead N section-1 manual pages (a seeded sample of ``/usr/share/man/man1``), each rendered by ``man -l`` and
-reflowed into paragraphs (the terminal layout's indentation would be most of the tokens).
+reflowed into paragraphs (the terminal layout's indentation would be most of the tokens). ``--language-reference``
+writes the Python Language Reference as the interpreter ships it for ``help()`` (``pydoc_data.topics``, its topics in
+name order): strings of the stdlib that are not docstrings, so not in the default prompt.
 """
 
 from __future__ import annotations
@@ -62,13 +65,26 @@ def man_pages(count: int, seed: int = 0, folder: Path = Path("/usr/share/man/man
     return out
 
 
+def language_reference() -> list[str]:
+    """The topics of the Python Language Reference that ``help()`` shows (keywords, statements, operators, data
+    model), in name order."""
+    from pydoc_data.topics import topics
+
+    return [topics[name] for name in sorted(topics)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="the UTF-8 prompt file to write")
     ap.add_argument("--packages", default="numpy,pandas,torch", help="comma-separated installed packages")
     ap.add_argument("--man-pages", type=int, default=None, help="write this many English manual pages instead (section 1)")
+    ap.add_argument("--language-reference", action="store_true", help="write the Python Language Reference instead")
     args = ap.parse_args()
-    if args.man_pages is not None:
+    if args.man_pages is not None and args.language_reference:
+        raise SystemExit("give --man-pages or --language-reference, not both")
+    if args.language_reference:
+        docs, source = language_reference(), "topics of the Python Language Reference (pydoc_data.topics)"
+    elif args.man_pages is not None:
         docs, source = man_pages(args.man_pages), "manual pages of /usr/share/man/man1"
     else:
         per_package = [package_docstrings(p) for p in args.packages.split(",")]
