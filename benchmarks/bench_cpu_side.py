@@ -15,7 +15,9 @@ back cold from memory — the graph searches' case in the decoder (``--layers 0-
 
 ``--legacy`` adds ``<mode>-legacy`` rows: the side() of commit 3d8cf12 (per-head kernel calls for
 graph indexes, side-buffer rows materialised and concatenated, then ``attend_rows``), copied below,
-on the same stores — the before/after ratio of this rewrite measured in one run. ``--held`` adds
+on the same stores — the before/after ratio of this rewrite measured in one run. Its graph searches read full
+rows (3d8cf12 predates the row stop): compare them with the ``--full-rows`` rows (their outputs are checked
+against those where both run), not with the default search's. ``--held`` adds
 ``<mode>-held`` rows for per-head graph indexes: the side() of commit ae1a1ea, whose store held a
 ``GraphGroup`` and called its kernel directly, where side() now goes through the index protocol's
 ``search_group`` (which finds the cached group itself) — the cost of that hook, in one run. ``--full-rows`` adds
@@ -349,16 +351,21 @@ def main() -> None:
         first = {name: fn(queries[layer][0]) for name, fn in runs[layer].items()}  # compile / load every kernel
         for name in runs[layer]:
             if name.endswith(("-legacy", "-held")):
-                diff = np.abs(first[name][0] - first[name.rsplit("-", 1)[0]][0]).max()
-                print(f"{name}: max |output − new output| = {diff:.2e}")
+                base = name.rsplit("-", 1)[0]
+                if name.endswith("-legacy") and base + "-fullrows" in first:  # the legacy search reads full rows
+                    base += "-fullrows"
+                diff = np.abs(first[name][0] - first[base][0]).max()
+                print(f"{name}: max |output − {base} output| = {diff:.2e}")
     names = list(runs[layers[0]])
-    stats = None
+    stats, per_layer = None, {}
     if a.stats:  # one untimed pass over the same calls: what each mode's retrieval does per head and step
         stats = {}
         for name in names:
             if (layers[0], name) in stores:
                 per = [_stats(stores[layer, name], queries[layer]) for layer in layers]
                 stats[name] = {key: float(np.mean([p[key] for p in per])) for key in per[0]}
+                for layer, one in zip(layers, per):
+                    per_layer.setdefault(layer, {})[name] = one
     if a.cycle:  # every call visits each layer in turn, as a decode step does: the layers' data are cold
         wall, split, cpu = {n: [] for n in names}, {n: [] for n in names}, {n: [] for n in names}
         for r in range(a.rounds):
@@ -385,7 +392,7 @@ def main() -> None:
                 cpu[name].append((time.thread_time() - c0) / len(queries[layer]))
                 wall[name].append((time.perf_counter() - t0) / len(queries[layer]))
                 split[name].append(np.mean(parts, axis=0))
-        results[layer] = _report(f"layer {layer}", n_keys, H, G, wall, split, cpu)
+        results[layer] = _report(f"layer {layer}", n_keys, H, G, wall, split, cpu, per_layer.get(layer))
     if len(results) > 1:
         for part in ("side", "retrieval"):
             print(f"\nsum over layers, {part} µs: " + ", ".join(f"{n} {sum(r[part][n] for r in results.values()):.0f}" for n in names))

@@ -76,6 +76,17 @@ def answers(result: dict) -> str:
     return "\n".join(lines)
 
 
+def read(path: Path) -> dict:
+    """An ``anns-lab decode --json`` result, or exit with what the file is not (bench_decode.py's JSON has no model
+    or device, and its modes another form)."""
+    result = json.loads(path.read_text())
+    missing = [key for key in ("model", "task", "modes", "device") if not isinstance(result, dict) or key not in result]
+    if missing:
+        raise SystemExit(f"{path}: not an `anns-lab decode --json` result (no {', '.join(missing)}); this script "
+                         "reads those only")
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", nargs="+", type=Path, help="JSON files written by anns-lab decode --json")
@@ -84,11 +95,11 @@ def main() -> None:
     ap.add_argument("--by-run", default=None, help="comma list of summary keys: the runs side by side in one table")
     a = ap.parse_args()
     if a.by_run:
-        results = [json.loads(path.read_text()) for path in a.results]
+        results = [read(path) for path in a.results]
         print(side_by_side(results, a.by_run.split(",")))
         return
     for path in a.results:
-        result = json.loads(path.read_text())
+        result = read(path)
         fidelity = result["task"] == "fidelity"
         cols = a.columns or ("kl_mean,top1_agreement,free_tokens_until_diff,scanned_fraction,bytes_read_per_token,"
                              "build_s" if fidelity else TASK_COLUMNS)

@@ -25,6 +25,7 @@ from anns_lab.decode import builds, calibrate, placement
 from anns_lab.decode.cli import builds_in_processes
 from anns_lab.decode.engine import Settings, kept_queries, prefill
 from anns_lab.decode.modes import parse_modes
+from anns_lab.decode.runner import MAX_NEW
 from anns_lab.dumps import rope, tasks
 from anns_lab.dumps.models import load_model
 from anns_lab.indexes.threads import thread_budget
@@ -46,7 +47,9 @@ def main() -> None:
     lm = load_model(a.model, device=a.device)
     sample = tasks.make_sample("passkey", lm.tokenizer, a.context, 0, 0.5)
     modes = parse_modes(a.mode, {}, {})
-    settings = Settings(calibrate=calibrate.AUTO, build_during_prefill=False,  # the CLI's defaults, nothing built yet
+    # the CLI's defaults, nothing built yet, and decode's room for a passkey's answer (runner.run_prompts): the
+    # steps decide the positions the training queries move to, and so the calibration's raises
+    settings = Settings(calibrate=calibrate.AUTO, build_during_prefill=False, steps=MAX_NEW["passkey"],
                         build_processes=builds_in_processes(a.build_processes, a.device))
     builds.start_build_processes(modes, settings)  # as decode starts them, before its prefill
     pre = prefill(lm, sample.ids, settings, True, modes, newest_queries=kept_queries(modes, settings))

@@ -6,7 +6,9 @@
 Per head (the sweep's protocol: window 128 + 512 out, decode queries, ``eval.heads.load_head``): builds
 roargraph, finds the first grid L whose mean recall@100 reaches ``--target``, and replays each test
 query's search at that L in plain Python (the sorted-list reference of the kernels: the same nodes
-expanded, ties aside; the returned keys are the best k of all scanned, as the kernel's L < k mode).
+expanded, ties aside; the returned keys are the best k of all scanned, as the kernel's L < k mode). The search
+is the one with full rows (``row_misses=0``; the default's row stop, which ends a row's scan after misses, is not
+replayed), so L is the first that reaches the target without it.
 Every scanned key is attributed to where it came from: the entry points, the expansion of a key in the
 query's exact top-100 ("in-region"), or the expansion of any other key. Also: how many inner products
 the search spends before it first scans a top-100 key, after it scans the last one it will find (what a
@@ -84,7 +86,7 @@ def diagnose_head(dump, layer: int, head: int, build_params: dict, target: float
     n = len(data.keys)
     chosen = None
     for L in RoarGraphIndex.search_grid["L"]:
-        res = index.search(data.test_queries, K, L=L)
+        res = index.search(data.test_queries, K, L=L, row_misses=0)  # full rows: the search replay() walks
         r = float(recall_at_k(res.ids, exact, K).mean())
         if r >= target:
             chosen = (L, r, float(res.n_scanned.mean()))
