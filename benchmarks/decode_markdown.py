@@ -76,14 +76,15 @@ def answers(result: dict) -> str:
     return "\n".join(lines)
 
 
-def read(path: Path) -> dict:
-    """An ``anns-lab decode --json`` result, or exit with what the file is not (bench_decode.py's JSON has no model
-    or device, and its modes another form)."""
+def read(path: Path, needs: tuple[str, ...]) -> dict:
+    """A result holding the keys ``needs``, or exit naming what it lacks: ``--by-run`` reads the runner's own keys
+    (bench_decode.py's JSON has them too), a run's table also the model and device that ``anns-lab decode --json``
+    adds."""
     result = json.loads(path.read_text())
-    missing = [key for key in ("model", "task", "modes", "device") if not isinstance(result, dict) or key not in result]
+    missing = [key for key in needs if not isinstance(result, dict) or key not in result]
     if missing:
-        raise SystemExit(f"{path}: not an `anns-lab decode --json` result (no {', '.join(missing)}); this script "
-                         "reads those only")
+        raise SystemExit(f"{path}: no {', '.join(missing)} in it: a run's table reads `anns-lab decode --json` results "
+                         "(--by-run also bench_decode.py's)")
     return result
 
 
@@ -95,11 +96,11 @@ def main() -> None:
     ap.add_argument("--by-run", default=None, help="comma list of summary keys: the runs side by side in one table")
     a = ap.parse_args()
     if a.by_run:
-        results = [read(path) for path in a.results]
+        results = [read(path, ("task", "context", "modes")) for path in a.results]
         print(side_by_side(results, a.by_run.split(",")))
         return
     for path in a.results:
-        result = read(path)
+        result = read(path, ("model", "task", "context", "modes", "device"))
         fidelity = result["task"] == "fidelity"
         cols = a.columns or ("kl_mean,top1_agreement,free_tokens_until_diff,scanned_fraction,bytes_read_per_token,"
                              "build_s" if fidelity else TASK_COLUMNS)

@@ -187,7 +187,7 @@ def recall_vs_bytes(table: pd.DataFrame, k: int, kinds: dict[str, str]) -> bytes
                     ha="center", va="center", color="0.4")
             ax.set(xticks=[], yticks=[])  # matplotlib's ±0.04 around an empty axis read as a scale
         ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set(xlabel="bytes of index data read per query\n(log scale)", ylabel=label)
+        ax.set(xlabel="bytes of index data read per query" + ("\n(log scale)" if len(shown) else ""), ylabel=label)
     axes[0].axhline(0.95, color="grey", ls=":", lw=1)
     if (c["output_rel_error"] > 0).any():
         axes[1].set_yscale("log")
