@@ -487,7 +487,7 @@ def test_an_index_option_without_an_index_mode_is_refused(tiny_llama, modes, ext
                                                    "index that takes them (roargraph); none of this run's does (snapkv)"),
     ("full,robust-vamana", ["--train-group", "unlisted"], "none of this run's does (robust-vamana): pass --train-group head"),
     ("flat,robust-vamana", ["--copy-hints", 2], "--copy-hints: read by none of this run's indexes (flat, robust-vamana: "
-                                                "none takes copy hints)"),
+                                                "none takes copy hints ('takes copy hints' in `anns-lab indexes`))"),
 ])
 def test_an_option_no_index_of_the_run_reads_is_refused(tiny_llama, modes, extra, words):
     """Before (session 57's decode audit): taken and recorded in the JSON's settings as if they had shaped the run."""
@@ -1050,7 +1050,7 @@ def test_the_options_a_pick_reads_are_asked_of_the_run_after_the_pick(tiny_llama
     table.to_parquet(path)  # vamana's rows again: no index of the run takes hints
     res = _run(*args)
     assert "layer 1: vamana(R=16, L=100)" in res.output  # refused after the pick was made
-    assert "Error: --copy-hints: read by none of this run's indexes (flat, vamana: none takes copy hints)" in _error(res)
+    assert "Error: --copy-hints: read by none of this run's indexes (flat, vamana: none takes copy hints (" in _error(res)
 
 
 def test_every_table_column_is_defined_in_the_legend():

@@ -1,6 +1,7 @@
 """The index protocol, the entry-point registry, `anns-lab indexes`, and bad-input errors."""
 
 import pickle
+import re
 from importlib.metadata import EntryPoint
 
 import numpy as np
@@ -228,6 +229,14 @@ def test_cli_lists_params_grid_and_plugin():
     assert "search grid: nprobe ∈ [1, 2, 4" in out.output
     # The example plugin is installed by `make setup` (every plugins/*/pyproject.toml).
     assert "simhash  [anns-lab-simhash" in out.output
+    # what each reads of the prefill queries and of decode's hints: the options decode refuses where none reads them
+    block = {chunk.split("  [")[0]: chunk for chunk in re.split(r"\n(?=\S)", out.output)}
+    assert "uses train_queries: no\n" in block["flat"] and "takes copy hints (decode --copy-hints): no" in block["flat"]
+    assert "uses train_queries: yes, moved by --train-positions and the GQA group's other heads' (--train-group " \
+           "unlisted)" in block["roargraph"] and "takes copy hints (decode --copy-hints): yes" in block["roargraph"]
+    assert "uses train_queries: yes, moved by --train-positions\n" in block["robust-vamana"]
+    if "snapkv" in block:
+        assert "uses train_queries: yes, at their own positions (reads no --train-positions)" in block["snapkv"]
 
 
 def _build_random(name: str, n: int, rng) -> "indexes.Index":

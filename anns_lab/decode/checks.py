@@ -111,7 +111,7 @@ def moves_train_queries(cls) -> bool:
 _TRAINS = (lambda c: c.uses_train_queries,
            "none trains on the prefill's queries ('uses train_queries' in `anns-lab indexes`)")
 READ_BY = {"train_queries": _TRAINS, "train_group": _TRAINS, "train_positions": _TRAINS,
-           "copy_hints": (lambda c: c.takes_hints, "none takes copy hints")}
+           "copy_hints": (lambda c: c.takes_hints, "none takes copy hints ('takes copy hints' in `anns-lab indexes`)")}
 
 
 def check_unread_by_indexes(ctx: click.Context, mode_list: list[Mode]) -> None:

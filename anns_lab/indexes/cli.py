@@ -19,11 +19,23 @@ def _param_lines(title: str, params: dict[str, Param]) -> list[str]:
     return lines
 
 
+def _training(cls) -> str:
+    """What an index reads of the prefill queries: which of the options on them (``--train-*``) it reads."""
+    if not cls.uses_train_queries:
+        return "no"
+    how = ["at their own positions (reads no --train-positions)" if cls.own_positions
+           else "moved by --train-positions"]
+    if cls.accepts_group_queries:
+        how.append("and the GQA group's other heads' (--train-group unlisted)")
+    return f"yes, {' '.join(how)}"
+
+
 def _describe(cls) -> list[str]:
     """The lines under an index's heading: description, training queries, parameters and search grid."""
     doc = (cls.__doc__ or "").strip().splitlines()
     lines = [f"    {doc[0]}" if doc else "    (no description)"]
-    lines.append(f"    uses train_queries: {'yes' if cls.uses_train_queries else 'no'}")
+    lines.append(f"    uses train_queries: {_training(cls)}")
+    lines.append(f"    takes copy hints (decode --copy-hints): {'yes' if cls.takes_hints else 'no'}")
     lines += _param_lines("build parameters", dict(cls.build_params))
     lines += _param_lines("search parameters", dict(cls.search_params))
     grid = "  ".join(f"{name} ∈ {list(values)}" for name, values in cls.search_grid.items()) or "none"
