@@ -1359,6 +1359,21 @@ def test_decode_markdown_labels_a_partial_result_in_every_table(tmp_path):
     assert both.count("PARTIAL: 2 of 3 samples") == 1 and "passkey 200 (PARTIAL: 2 of 3 samples): accuracy %" in both
 
 
+def test_decode_markdown_reads_what_each_table_needs_and_names_what_a_file_lacks(tmp_path):
+    """A run's table needs `anns-lab decode --json`'s model and device (bench_decode.py's JSON raised a KeyError);
+    --by-run needs the runner's keys only, which bench_decode.py's JSON has."""
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"task": "passkey", "context": 200,
+                                 "modes": {"full": {"summary": {"accuracy": 100.0}, "samples": []}}}))
+    script = [sys.executable, str(Path(__file__).resolve().parent.parent / "benchmarks" / "decode_markdown.py")]
+    table = subprocess.run(script + [str(bench)], capture_output=True, text=True)
+    assert table.returncode == 1 and "Traceback" not in table.stderr
+    assert table.stderr.strip() == f"{bench}: no model, device in it: a run's table reads `anns-lab decode --json` " \
+                                   "results (--by-run also bench_decode.py's)"
+    by_run = subprocess.run(script + [str(bench), "--by-run", "accuracy"], capture_output=True, text=True)
+    assert by_run.returncode == 0 and "passkey 200: accuracy %" in by_run.stdout, by_run
+
+
 @pytest.mark.parametrize("column, value", [("build_params", {"R": "16"}), ("build_params", {"R": -3}),
                                            ("search_params", {"L": 2.5})])
 def test_from_sweep_refuses_values_the_index_refuses(tmp_path, column, value):

@@ -102,11 +102,6 @@ def check_unused_by_modes(ctx: click.Context, names: list[str], from_sweep: str 
                           "window or index mode")
 
 
-def moves_train_queries(cls) -> bool:
-    """Whether an index class's training queries are moved by ``--train-positions`` (not where they were: snapkv's)."""
-    return cls.uses_train_queries and not cls.own_positions
-
-
 # The options only some index classes read: which classes read each, and what a run none of whose indexes does lacks.
 _TRAINS = (lambda c: c.uses_train_queries,
            "none trains on the prefill's queries ('uses train_queries' in `anns-lab indexes`)")
@@ -132,7 +127,7 @@ def check_unread_by_indexes(ctx: click.Context, mode_list: list[Mode]) -> None:
         raise DecodeError(f"{', '.join(unread)}: read by none of this run's indexes ({names}: "
                           f"{'; '.join(dict.fromkeys(unread.values()))}); leave {it} out, or add an index that reads {it}")
     place = ctx.params.get("train_positions")
-    if given_flags(ctx, "train_positions") and place != "own" and not any(moves_train_queries(c) for c in classes):
+    if given_flags(ctx, "train_positions") and place != "own" and not any(c.moves_train_queries() for c in classes):
         raise DecodeError(f"--train-positions {place} moves training queries, and none of this run's indexes ({names}) "
                           "has any moved: each reads them where the prefill had them; leave it out")
     if given_flags(ctx, "train_group") and ctx.params.get("train_group") == "unlisted" and not any(
@@ -174,7 +169,7 @@ def check_train_positions(lm, mode_list: list[Mode], settings: Settings) -> None
     frequencies of a long-range layer unknown: :func:`dumps.rope.inv_freq`'s one error)."""
     from anns_lab.indexes import registry
 
-    if settings.train_positions != "own" and any(moves_train_queries(registry.get(p.name))
+    if settings.train_positions != "own" and any(registry.get(p.name).moves_train_queries()
                                                   for m in mode_list for p in m.plans()):
         for layer in lm.long_range_layers:
             rope.inv_freq(lm.config, layer)

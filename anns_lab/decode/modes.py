@@ -264,7 +264,7 @@ def pick_from_sweep(path: str, model: str, target: float, layers: list[int],
         raise DecodeError(f"{path} was swept with --train-group {swept_group}: its {', '.join(aware)} rows measured those "
                           f"graphs, not the decode's --train-group {train_group}; pass --train-group {swept_group}")
     swept_at = settings.get("train_positions", "own")  # sweeps before the option: queries at their own positions
-    moved = [name for name in aware if not registry.get(name).own_positions]  # the others never move them
+    moved = [name for name in aware if registry.get(name).moves_train_queries()]
     if moved and swept_at != train_positions:
         raise DecodeError(f"{path} was swept with --train-positions {swept_at}: its {', '.join(moved)} rows measured "
                           f"those graphs, not the decode's --train-positions {train_positions}; pass --train-positions {swept_at}")

@@ -349,6 +349,12 @@ class Index:
         )
 
     @classmethod
+    def moves_train_queries(cls) -> bool:
+        """Whether the sweep and the decoder move this index's training queries (``--train-positions``): it learns
+        from them (``uses_train_queries``) and not where the prefill had them (``own_positions``)."""
+        return cls.uses_train_queries and not cls.own_positions
+
+    @classmethod
     def scaled(cls, params: Mapping[str, Any], scaling: float) -> dict[str, Any]:
         """``params`` with the layer's softmax ``scaling`` given to ``scale_param``, where the class has one and
         ``params`` leaves it unset (absent or 0): what the sweep and the decoder search with."""
