@@ -45,9 +45,13 @@ demo: $(STAMP)  # the demo needs no browser: only the HTML report's test renders
 	$(BIN)/anns-lab sweep --dump dumps/smollm2-text-8192 --out results/smollm2-text-8192
 	$(BIN)/anns-lab report results/smollm2-text-8192
 
+# Two pytest workers, each taking whole files (module fixtures made once; the Ray cluster file's tests on one
+# worker, in order): the suite waits on subprocesses and Ray much of the time, and one process kept ~1 of 2 cores busy.
+TEST_WORKERS ?= 2
+
 test: setup
 	# -X faulthandler: a crash, even at exit after the last test, prints where it happened
-	$(BIN)/python -X faulthandler -m pytest -q --durations=15
+	$(BIN)/python -X faulthandler -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(VENV)

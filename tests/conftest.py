@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import shutil
 from pathlib import Path
@@ -15,9 +16,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TEST_DEVICE = os.environ.get("ANNS_LAB_TEST_DEVICE", "cpu")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's faulthandler plugin, which then keeps it on after the session
 def pytest_configure(config) -> None:
     """Refuse a Ray driver in the test process: each ``ray.init`` ... ``ray.shutdown`` leaves gRPC threads behind,
-    and a process carrying many to its exit can die there (tests/ray_driver.py drives Ray from a subprocess)."""
+    and a process carrying many to its exit can die there (tests/ray_driver.py drives Ray from a subprocess).
+    A pytest-xdist worker (``make test``) gets the faulthandler that ``python -X faulthandler`` gives the main
+    process, so that a worker's crash, even at its exit, says where."""
+    faulthandler.enable()
     try:
         import ray
     except ImportError:
