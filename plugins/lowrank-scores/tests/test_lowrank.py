@@ -1,4 +1,4 @@
-"""SparQ and Loki: the conformance kit, the keys each scores exactly recomputed by plain loops, and the counts."""
+"""SparQ, Loki and Double Sparsity: the conformance kit, the keys each scores exactly recomputed by plain loops, and the counts."""
 
 import math
 
@@ -8,7 +8,8 @@ import pytest
 from anns_lab import indexes
 from anns_lab.errors import IndexConfigError
 from anns_lab.testing import check_index, easy_data
-from anns_lab_lowrank import Loki, SparQ
+from anns_lab_lowrank import DoubleSparsity, Loki, SparQ
+from anns_lab_lowrank.double_sparsity import heavy_channels
 from anns_lab_lowrank.loki import principal_basis
 
 
@@ -18,10 +19,12 @@ def test_conformance():
     # top-10 beyond its scanned share there (the kit's bound for a full product's ranking is 60%).
     check_index(SparQ, plausible_gain=0.7)
     check_index(Loki)
+    check_index(DoubleSparsity)
 
 
 def test_registered_through_entry_points():
     assert indexes.get("sparq") is SparQ and indexes.get("loki") is Loki
+    assert indexes.get("double-sparsity") is DoubleSparsity
 
 
 def _top_by(partial, budget):
@@ -139,3 +142,87 @@ def test_ties_go_to_the_lower_id_at_both_cuts(budget, k):
         want = sorted(cand, key=lambda j: (-exact[j], j))[:k]
         assert ids[: len(want)].tolist() == want and (ids[len(want):] == -1).all()
         np.testing.assert_array_equal(scores[: len(want)], exact[want])
+
+
+def _paired(n_keys=600, dim=16, seed=8):
+    """Keys at positions 0, 2, 4, ... and training queries at every position 0..2n: half of them at a key's."""
+    keys, queries, _ = easy_data(n_keys=n_keys, dim=dim, n_queries=30, seed=seed)
+    rng = np.random.default_rng(seed)
+    train = rng.standard_normal((2 * n_keys, dim)).astype(np.float32) * rng.uniform(0.2, 3.0, dim).astype(np.float32)
+    return keys, queries, train, np.arange(0, 2 * n_keys, 2), np.arange(2 * n_keys)
+
+
+def test_double_sparsity_channels_are_the_mean_query_key_product_of_each_token():
+    """By plain loops: each channel's mean |q_c·k_c| over the tokens holding a key and a query, heaviest first."""
+    keys, _, train, key_pos, train_pos = _paired(n_keys=300, dim=8)
+    at = {int(p): i for i, p in enumerate(train_pos)}
+    weight = [sum(abs(float(keys[i, c]) * float(train[at[int(p)], c])) for i, p in enumerate(key_pos)) / len(keys)
+              for c in range(8)]
+    want = sorted(range(8), key=lambda c: (-weight[c], c))
+    assert heavy_channels(keys, key_pos, train, train_pos).tolist() == want
+    index = DoubleSparsity().build(keys, train, key_positions=key_pos, train_positions=train_pos)
+    assert index._order.tolist() == want
+
+
+def test_double_sparsity_reads_only_the_queries_at_the_keys_positions():
+    """Queries at positions holding no key of the index (the static window's, the held-out keys') weigh nothing:
+    made huge on one channel, they leave the order as it was; none at a key's position is refused."""
+    keys, _, train, key_pos, train_pos = _paired(n_keys=300, dim=8)
+    before = heavy_channels(keys, key_pos, train, train_pos)
+    loud = train.copy()
+    loud[1::2, before[-1]] = 1e6  # the odd positions: no key there
+    assert heavy_channels(keys, key_pos, loud, train_pos).tolist() == before.tolist()
+    with pytest.raises(IndexConfigError, match="no training query is at a key's position"):
+        DoubleSparsity().build(keys, train[1::2], key_positions=key_pos, train_positions=train_pos[1::2])
+
+
+@pytest.mark.parametrize("rank,budget", [(0.125, 40), (0.25, 7), (0.5, 200), (1.0, 64)])
+def test_double_sparsity_scores_the_best_keys_on_the_heads_heavy_channels(rank, budget):
+    keys, queries, train, key_pos, train_pos = _paired()
+    index = DoubleSparsity().build(keys, train, key_positions=key_pos, train_positions=train_pos)
+    res = index.search(queries, 5, rank=rank, budget=budget)
+    r = max(1, round(rank * 16))
+    dims = heavy_channels(keys, key_pos, train, train_pos)[:r]  # the same for every query
+    for q, ids, scanned, nbytes in zip(queries, res.ids, res.n_scanned, res.bytes_read):
+        partial = keys[:, dims].astype(np.float64) @ q[dims].astype(np.float64)
+        cand = np.array(sorted(_top_by(partial, budget)))
+        want = cand[np.argsort(-(keys[cand] @ q))[:5]]
+        assert sorted(ids.tolist()) == sorted(want.tolist())
+        assert scanned == math.ceil(600 * r / 16) + budget
+        assert nbytes == 4 * r * 600 + 4 * 16 * budget
+
+
+def test_double_sparsity_finds_keys_on_the_channels_attention_uses():
+    """Queries and keys large together on 2 of 32 channels (where their products, and so the attention, live):
+    those 2 channels rank the keys as the full product does, so a budget of the top-k finds them all."""
+    rng = np.random.default_rng(3)
+    scale = np.r_[np.full(30, 0.01), 10.0, 6.0].astype(np.float32)
+    keys = (rng.standard_normal((3000, 32)) * scale).astype(np.float32)
+    train = (rng.standard_normal((3000, 32)) * scale[::-1] + rng.standard_normal((3000, 32)) * scale).astype(np.float32)
+    queries = (rng.standard_normal((20, 32)) * scale).astype(np.float32)
+    index = DoubleSparsity().build(keys, train, key_positions=np.arange(3000), train_positions=np.arange(3000))
+    assert sorted(index._order[:2].tolist()) == [30, 31]
+    exact = np.argsort(-(queries @ keys.T), axis=1)[:, :10]
+    got = index.search(queries, 10, rank=2 / 32, budget=10).ids
+    assert np.mean([len(set(a) & set(b)) / 10 for a, b in zip(got, exact)]) >= 0.99
+
+
+def test_double_sparsity_add_keeps_the_builds_channels():
+    keys, queries, train, key_pos, train_pos = _paired(n_keys=500, dim=8)
+    grown = DoubleSparsity().build(keys[:301], train, key_positions=key_pos[:301], train_positions=train_pos)
+    order = grown._order.copy()
+    grown.add(keys[301:])
+    np.testing.assert_array_equal(grown._order, order)
+    a = grown.search(queries, 10, rank=0.25, budget=60)
+    assert (a.ids >= 301).any()  # the added keys are scored on the same channels
+    exact = grown.search(queries, 10, rank=0.25, budget=500)
+    assert np.array_equal(exact.ids, np.argsort(-(queries @ keys.T), axis=1, kind="stable")[:, :10])
+
+
+def test_a_saved_channel_order_that_is_no_ordering_is_refused(tmp_path):
+    keys, _, train, key_pos, train_pos = _paired(n_keys=200, dim=8)
+    index = DoubleSparsity().build(keys, train, key_positions=key_pos, train_positions=train_pos)
+    index._order = np.array([0, 1, 2, 3, 4, 5, 6, 6], dtype=np.int64)
+    index.save(tmp_path / "bad")
+    with pytest.raises(IndexConfigError, match="not an ordering of the 8 channels"):
+        DoubleSparsity.load(tmp_path / "bad")
