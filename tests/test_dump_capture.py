@@ -7,18 +7,25 @@ import pytest
 import torch
 
 from anns_lab.dumps.models import load_model
-from anns_lab.dumps.run import run_dump
+from anns_lab.dumps.store import open_dump
+from anns_lab.dumps.run import StagingSink, run_dump
 from anns_lab.errors import DumpError
 
 
+def _output_projection(model, layer: int):
+    """A layer's attention output projection: Llama-like models' ``o_proj``, GPT-NeoX's ``dense``."""
+    if hasattr(model, "gpt_neox"):
+        return model.gpt_neox.layers[layer].attention.dense
+    return model.model.layers[layer].self_attn.o_proj
+
+
 def model_attention_outputs(model_name: str, ids: list[int], layers: list[int]) -> dict[int, np.ndarray]:
-    """The input of each layer's o_proj (the attention output per head), from one plain forward pass."""
+    """The input of each layer's output projection (the attention output per head), from one plain forward pass."""
     lm = load_model(model_name)
     seen: dict[int, np.ndarray] = {}
     hooks = []
     for layer in layers:
-        attn = lm.model.model.layers[layer].self_attn
-        hooks.append(attn.o_proj.register_forward_pre_hook(
+        hooks.append(_output_projection(lm.model, layer).register_forward_pre_hook(
             lambda mod, args, layer=layer: seen.__setitem__(layer, args[0][0].double().numpy())))
     with torch.inference_mode():
         lm.model(torch.tensor([ids]))
@@ -120,6 +127,58 @@ def test_tiny_mistral_sliding_window_on_every_layer(tmp_path):
     model = make_tiny_model(tmp_path / "mistral", "mistral")
     check_against_model(str(model), tmp_path, [0, 1, 2, 3], tokens=40, chunk=12, decode=3)
 
+
+
+def test_a_config_without_kv_heads_is_multi_head_attention(tmp_path):
+    """GPT-NeoX's config names no num_key_value_heads (one KV head per query head), and its RoPE turns a quarter of
+    each head: the dump had failed with an AttributeError; now it reproduces the model's attention."""
+    from transformers import AutoModelForCausalLM, GPTNeoXConfig
+
+    from conftest import _tiny_tokenizer
+
+    torch.manual_seed(0)
+    cfg = GPTNeoXConfig(vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        rotary_pct=0.25, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+    assert not hasattr(cfg, "num_key_value_heads")
+    folder = tmp_path / "neox"
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    _tiny_tokenizer(folder)
+    check_against_model(str(folder), tmp_path, [0, 1], tokens=30, chunk=12, decode=3)
+    assert open_dump(tmp_path / "dump").n_kv_heads == 4
+
+
+def test_an_attention_of_other_heads_or_width_than_the_config_is_refused(tmp_path):
+    """Where the attention's tensors are not the config's heads × head_dim (multi-head latent attention's 16-wide
+    queries where its config's head_dim is the RoPE part's 8; a KV-head count the weights lack), the capture refuses
+    the layer rather than broadcast or fail inside numpy."""
+    sink = StagingSink(tmp_path, [0], n_rows=8, n_heads=4, n_kv=2, d=8, dtype=np.float32)
+    with pytest.raises(DumpError, match="Q as 4 heads of 16 dimensions where the model's config says 4 of 8"):
+        sink.record(0, torch.zeros(4, 8, 16), torch.zeros(2, 8, 8), torch.zeros(2, 8, 8), 0.25)
+    with pytest.raises(DumpError, match="K as 1 heads of 8 dimensions where the model's config says 2 of 8"):
+        sink.record(0, torch.zeros(4, 8, 8), torch.zeros(1, 8, 8), torch.zeros(2, 8, 8), 0.25)
+    sink.record(0, torch.ones(4, 8, 8), torch.ones(2, 8, 8), torch.ones(2, 8, 8), 0.25)  # the config's shapes pass
+    assert sink.arrays[0]["k"].sum() == 2 * 8 * 8
+
+
+@pytest.mark.parametrize("config, says", [
+    (dict(model_type="falcon", alibi=True), "ALiBi position biases"),
+    (dict(model_type="mpt", position_embedding_type="alibi"), "ALiBi position biases"),
+    (dict(model_type="deepseek_v3", kv_lora_rank=512), "compressed latents .*kv_lora_rank=512"),
+    (dict(model_type="diffllama"), "difference of two softmaxes"),
+])
+def test_attention_that_is_not_softmax_over_the_cached_keys_is_refused(config, says):
+    """Each passed transformers' SDPA check and ran: Falcon's ALiBi dumped Q/K that do not give its attention (the
+    bias is in the mask), DeepSeek-V3 decoded from its compressed cache as if it held keys (flat's top-1 0.44), and
+    DiffLlama's dump kept half-values; refused by the config before any weight loads."""
+    from transformers import PretrainedConfig
+
+    from anns_lab.dumps.models import check_attention
+    from anns_lab.errors import ModelNotAvailable
+
+    cfg = PretrainedConfig(**config)
+    with pytest.raises(ModelNotAvailable, match=f"model 'm' .*{says}.*not supported"):
+        check_attention("m", cfg)
+    check_attention("m", PretrainedConfig(model_type="llama", alibi=False, kv_lora_rank=None))  # the usual passes
 
 
 def test_chunked_attention_layers_are_refused_and_the_full_ones_dump(tmp_path):

@@ -123,7 +123,7 @@ def warm_up(lm, modes: list, settings, failed: list | None = None) -> float:
 
     t0 = time.perf_counter()
     cfg = lm.config
-    n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    n_heads, n_kv = cfg.num_attention_heads, rope.kv_heads(cfg)
     dim = rope.head_dim(cfg)
     plans = {p.describe(): p for m in modes if m.kind == "index" for p in map(m.plan_for, lm.long_range_layers) if p}
     rng = np.random.default_rng(0)
@@ -235,7 +235,7 @@ def indexes_per_layer(lm, mode, settings) -> int:
     if plan is None:
         return heads
     per_head = registry.get(plan.name).uses_train_queries and (settings is None or settings.train_group in PER_HEAD)
-    return heads if per_head else getattr(config, "num_key_value_heads", None) or heads
+    return heads if per_head else rope.kv_heads(config)
 
 
 class EarlyBuilds:

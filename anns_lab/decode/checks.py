@@ -182,7 +182,7 @@ def check_swept_model(from_sweep: str, lm) -> list[str]:
     (a fine-tune, another revision: the picks may still serve, but were measured on another model's attention)."""
     from anns_lab.decode.modes import NOTE
     from anns_lab.dumps.models import files_stamp, weights_fingerprint
-    from anns_lab.dumps.rope import head_dim
+    from anns_lab.dumps.rope import head_dim, kv_heads
     from anns_lab.eval.table import swept_model
 
     there = swept_model(from_sweep)
@@ -190,7 +190,7 @@ def check_swept_model(from_sweep: str, lm) -> list[str]:
         return [f"{NOTE}the sweep's dump cannot be read ({there}): its model is matched by name alone ({lm.name})"]
     cfg = lm.config
     here = {"architecture": type(lm.model).__name__, "n_layers": cfg.num_hidden_layers,
-            "n_heads": cfg.num_attention_heads, "n_kv_heads": cfg.num_key_value_heads, "head_dim": head_dim(cfg)}
+            "n_heads": cfg.num_attention_heads, "n_kv_heads": kv_heads(cfg), "head_dim": head_dim(cfg)}
     if differ := [f"{k} {there[k]} there, {v} here" for k, v in here.items() if there[k] not in (None, v)]:
         raise DecodeError(f"{from_sweep} was swept on a dump of another model named {lm.name!r} ({'; '.join(differ)}): "
                           "pick from a sweep of this model")

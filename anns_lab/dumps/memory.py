@@ -95,7 +95,7 @@ def prefill_estimate(cfg, n_tokens: int, chunk: int, query_layers: int = 0, inde
     token's); ``build_workers``: worker processes that build them (decode ``--build-processes``), each holding its
     libraries and one build's keys and queries, the layers in flight spooled to them in memory."""
     n_layers = cfg.num_hidden_layers
-    n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    n_heads, n_kv = cfg.num_attention_heads, rope.kv_heads(cfg)
     d = rope.head_dim(cfg)
     window = getattr(cfg, "sliding_window", None) or n_tokens
     types = getattr(cfg, "layer_types", None) or ["full_attention"] * n_layers

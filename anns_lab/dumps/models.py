@@ -317,11 +317,30 @@ def check_attention(name: str, config) -> None:
     """Refuse a model whose attention is not softmax(scaling · q·k) over its keys: one that caps its attention logits
     (Gemma-2's ``attn_logit_softcapping``) would be dumped, evaluated and decoded as if it did not, every weight and
     output of the lab's attention then another than the model's."""
-    cap = getattr(config.get_text_config(), "attn_logit_softcapping", None)
+    cfg = config.get_text_config()
+    cap = getattr(cfg, "attn_logit_softcapping", None)
     if cap is not None:
         raise ModelNotAvailable(f"model {name!r} caps its attention logits (attn_logit_softcapping={cap}): the lab's "
                                 "dumps, metrics and retrieval attention compute softmax(scaling * q.k) without a cap, so "
                                 "they would not be this model's attention; such models are not supported")
+    other = _other_attention(cfg)
+    if other is not None:
+        raise ModelNotAvailable(f"model {name!r} {other}: the lab's dumps, metrics and retrieval attention hold each "
+                                "head's keys and values and compute softmax(scaling * q.k) over them, so they would not "
+                                "be this model's attention; such models are not supported")
+
+
+def _other_attention(cfg) -> str | None:
+    """How a text config's attention differs from softmax(scaling · q·k) over cached keys and values, in words, or
+    None. Each passed transformers' SDPA check and ran, its dump or decode silently another model's."""
+    if getattr(cfg, "alibi", False) or getattr(cfg, "position_embedding_type", None) == "alibi":
+        return "adds ALiBi position biases to its attention logits (inside the mask, which retrieval does not read)"
+    if getattr(cfg, "kv_lora_rank", None):
+        return (f"caches compressed latents (multi-head latent attention, kv_lora_rank={cfg.kv_lora_rank}), not each "
+                "head's keys and values")
+    if getattr(cfg, "model_type", None) == "diffllama":
+        return "takes the difference of two softmaxes a layer (differential attention), each over half of the values"
+    return None
 
 
 def unmodelled(kwargs: dict) -> str | None:

@@ -40,6 +40,12 @@ def head_dim(cfg) -> int:
     return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
 
 
+def kv_heads(cfg) -> int:
+    """The key/value heads of a transformers config: ``num_key_value_heads``, else one per query head (GPT-NeoX,
+    GPT-J and Persimmon configs name none: multi-head attention)."""
+    return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+
+
 def check_place(place: str) -> str:
     """``place`` if it is one of :data:`PLACES`, else one clear error naming them."""
     if place not in PLACES:

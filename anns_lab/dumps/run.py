@@ -155,6 +155,13 @@ class StagingSink:
                 raise DumpError(f"the model produced non-finite {name.upper()} values at layer {layer}, "
                                 f"positions {self.row}..{self.row + t - 1}")
             dst = self.arrays[layer][name]
+            if (x.shape[0], x.shape[-1]) != (dst.shape[0], dst.shape[-1]):
+                # the config's heads or head dimension are not the attention's (multi-head latent attention's
+                # compressed cache, a KV-head count the weights do not have): the dump would not be the model's
+                raise DumpError(f"layer {layer}'s attention gives {name.upper()} as {x.shape[0]} heads of {x.shape[-1]} "
+                                f"dimensions where the model's config says {dst.shape[0]} of {dst.shape[-1]}: its "
+                                "attention is not the multi-head softmax attention the lab records; such models are "
+                                "not supported")
             with np.errstate(over="ignore"):  # an overflow is reported below, as one error
                 dst[:, self.row:self.row + t] = x.detach().to("cpu", dtype=torch.float32).numpy()
             # A finite value past float16's range is stored as inf: the dump would no longer be the model's.
@@ -455,7 +462,7 @@ def _capture(out, settings, state, begin, model_name, prompt_path, allow_extrapo
     prompt, forced = _prompt_and_continuation(settings, lm.tokenizer, n_decode, prompt_path)
     n_prefill = len(prompt.ids)
     _check_fits(lm, n_prefill, n_decode, settings["chunk"], allow_extrapolation)  # a whole --prompt file's, now known
-    n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    n_heads, n_kv = cfg.num_attention_heads, rope.kv_heads(cfg)
     d = rope.head_dim(cfg)
     saved_ids = state.get("token_ids")
     if saved_ids is not None and (saved_ids[:n_prefill] != prompt.ids or forced and saved_ids[n_prefill:] != forced):
