@@ -65,13 +65,9 @@ class DoubleSparsity(Index):
         self._by_dim = np.ascontiguousarray(keys.T)  # (d, n): the label cache's rows, r of them read per query
 
     def _search(self, queries: np.ndarray, k: int, rank: float, budget: int):
-        n, d = self._keys.shape
-        r = partial.channels(rank, d)
-        dims = np.broadcast_to(np.sort(self._order[:r]), (len(queries), r))
-        ids, scores, scored = partial.search(self._by_dim, dims, np.take_along_axis(queries, dims, axis=1), self._keys,
-                                             queries, budget, k)
-        products, nbytes = partial.partial_cost(n, r, d)
-        return ids, scores, products + scored, nbytes + 4 * d * scored
+        r = partial.channels(rank, self.dim)
+        dims = np.broadcast_to(np.sort(self._order[:r]), (len(queries), r))  # the head's, the same for every query
+        return partial.search_channels(self._by_dim, dims, self._keys, queries, budget, k)
 
     def grid(self) -> list[dict]:
         return partial.grid(self.n_keys)

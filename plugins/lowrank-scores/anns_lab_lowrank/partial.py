@@ -45,6 +45,17 @@ def search(table: np.ndarray, dims: np.ndarray, weights: np.ndarray, keys: np.nd
     return ids, scores, scored
 
 
+def search_channels(by_dim: np.ndarray, dims: np.ndarray, keys: np.ndarray, queries: np.ndarray, budget: int,
+                    k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Each query's partial scores on its channels ``dims`` (rows of the transposed keys ``by_dim``, (d, n)), the
+    ``budget`` best scored exactly: (ids, scores, n_scanned, bytes_read), counted as the module says (sparq's and
+    double-sparsity's search: the query's own channels, or its head's)."""
+    n, d = keys.shape
+    ids, scores, scored = search(by_dim, dims, np.take_along_axis(queries, dims, axis=1), keys, queries, budget, k)
+    products, nbytes = partial_cost(n, dims.shape[1], d)
+    return ids, scores, products + scored, nbytes + 4 * d * scored
+
+
 @njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})  # sums in SIMD lanes: finite float32 throughout
 def _search(table, dims, weights, keys, queries, budget, ids, scores, scored):
     """:func:`search` on one thread, without BLAS (its team spun beside the decoder's torch: 35 CPU ms of a token's

@@ -35,13 +35,9 @@ class SparQ(Index):
         self._by_dim = np.ascontiguousarray(keys.T)  # (d, n): SparQ's second copy, r rows read per query
 
     def _search(self, queries: np.ndarray, k: int, rank: float, budget: int):
-        n, d = self._keys.shape
-        r = partial.channels(rank, d)
+        r = partial.channels(rank, self.dim)
         dims = np.sort(np.argsort(-np.abs(queries), axis=1, kind="stable")[:, :r], axis=1)  # each query's own
-        ids, scores, scored = partial.search(self._by_dim, dims, np.take_along_axis(queries, dims, axis=1), self._keys,
-                                             queries, budget, k)
-        products, nbytes = partial.partial_cost(n, r, d)
-        return ids, scores, products + scored, nbytes + 4 * d * scored
+        return partial.search_channels(self._by_dim, dims, self._keys, queries, budget, k)
 
     def grid(self) -> list[dict]:
         return partial.grid(self.n_keys)
