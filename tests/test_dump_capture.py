@@ -162,7 +162,7 @@ def test_an_attention_of_other_heads_or_width_than_the_config_is_refused(tmp_pat
 
 @pytest.mark.parametrize("config, says", [
     (dict(model_type="falcon", alibi=True), "ALiBi position biases"),
-    (dict(model_type="mpt", position_embedding_type="alibi"), "ALiBi position biases"),
+    (dict(model_type="jais", position_embedding_type="alibi"), "ALiBi position biases"),  # a remote-code config
     (dict(model_type="deepseek_v3", kv_lora_rank=512), "compressed latents .*kv_lora_rank=512"),
     (dict(model_type="diffllama"), "difference of two softmaxes"),
 ])

@@ -15,7 +15,7 @@ index of the lab), its per-GQA-group channel sums; keys added later are scored o
 reference's offline ones serve every token.
 
 Counting (:mod:`anns_lab_lowrank.partial`): ``n_scanned`` = ceil(n·r/d) + keys scored exactly; ``bytes_read`` =
-4·r·n + 4·d per key scored. The channels are the index's: reading them costs no inner product.
+8·r (the head's r channel ids, read from the index: no inner product) + 4·r·n + 4·d per key scored.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ class DoubleSparsity(Index):
     def _search(self, queries: np.ndarray, k: int, rank: float, budget: int):
         r = partial.channels(rank, self.dim)
         dims = np.broadcast_to(np.sort(self._order[:r]), (len(queries), r))  # the head's, the same for every query
-        return partial.search_channels(self._by_dim, dims, self._keys, queries, budget, k)
+        ids, scores, scanned, nbytes = partial.search_channels(self._by_dim, dims, self._keys, queries, budget, k)
+        return ids, scores, scanned, nbytes + 8 * r  # and the r channel ids (int64) read from the index
 
     def grid(self) -> list[dict]:
         return partial.grid(self.n_keys)

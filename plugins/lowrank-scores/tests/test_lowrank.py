@@ -164,6 +164,22 @@ def test_double_sparsity_channels_are_the_mean_query_key_product_of_each_token()
     assert index._order.tolist() == want
 
 
+def test_double_sparsity_weighs_the_mean_magnitude_of_every_tokens_product():
+    """Keys of ones, so each product is the query's value: channel 2 is 2 on the first 4,096 tokens, channel 1 is 3
+    on the last 1,904, channel 0 is 1 then -1, channel 3 is 20/3 on one token in ten. Summed |q·k|: 8,192, 6,000,
+    5,712, 4,000, so 2, 0, 1, 3. Squared products order them 3, 1, 2, 0; signed ones 2, 1, 3, 0; the first 4,096
+    tokens alone 2, 0, 3, 1; the last 1,904 alone 1, 0, 3, 2 (a sum over one chunk of the statistic's loop)."""
+    n = 6000
+    keys = np.ones((n, 4), np.float32)
+    queries = np.zeros((n, 4), np.float32)
+    queries[:4096, 2] = 2.0
+    queries[4096:, 1] = 3.0
+    queries[:, 0] = np.where(np.arange(n) < 4096, 1.0, -1.0)
+    queries[::10, 3] = 20.0 / 3.0
+    order = heavy_channels(keys, np.arange(n), queries, np.arange(n))
+    assert order.tolist() == [2, 0, 1, 3]
+
+
 def test_double_sparsity_reads_only_the_queries_at_the_keys_positions():
     """Queries at positions holding no key of the index (the static window's, the held-out keys') weigh nothing:
     made huge on one channel, they leave the order as it was; none at a key's position is refused."""
@@ -189,7 +205,7 @@ def test_double_sparsity_scores_the_best_keys_on_the_heads_heavy_channels(rank, 
         want = cand[np.argsort(-(keys[cand] @ q))[:5]]
         assert sorted(ids.tolist()) == sorted(want.tolist())
         assert scanned == math.ceil(600 * r / 16) + budget
-        assert nbytes == 4 * r * 600 + 4 * 16 * budget
+        assert nbytes == 8 * r + 4 * r * 600 + 4 * 16 * budget
 
 
 def test_double_sparsity_finds_keys_on_the_channels_attention_uses():
