@@ -5,6 +5,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,22 @@ def pytest_configure(config) -> None:
                            "(tests/ray_driver.py, or the anns-lab command)")
 
     ray.init = refuse
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_sessionfinish(session):
+    """Under pytest-xdist (``make test``), a worker that dies at its exit, after its last test, fails the run as one
+    process's crash there does: xdist itself reports only a worker lost during a test. Its exit status is read from
+    execnet's process handle once xdist has ended the workers."""
+    dsession = session.config.pluginmanager.getplugin("dsession")
+    group = getattr(getattr(dsession, "nodemanager", None), "group", None)
+    workers = [(gw.id, gw._io.popen) for gw in list(group or []) if hasattr(getattr(gw, "_io", None), "popen")]
+    yield
+    died = [f"{name} (exit status {p.returncode})" for name, p in workers if p.returncode not in (0, None)]
+    if died:
+        print(f"\npytest-xdist worker(s) ended abnormally after their tests: {', '.join(died)}; the traceback above "
+              "(faulthandler) says where", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def _tiny_tokenizer(folder: Path) -> None:
