@@ -165,6 +165,7 @@ def test_an_attention_of_other_heads_or_width_than_the_config_is_refused(tmp_pat
     (dict(model_type="jais", position_embedding_type="alibi"), "ALiBi position biases"),  # a remote-code config
     (dict(model_type="deepseek_v3", kv_lora_rank=512), "compressed latents .*kv_lora_rank=512"),
     (dict(model_type="diffllama"), "difference of two softmaxes"),
+    (dict(model_type="gemma3n_text", num_kv_shared_layers=10), "last 10 layers .*num_kv_shared_layers=10"),
 ])
 def test_attention_that_is_not_softmax_over_the_cached_keys_is_refused(config, says):
     """Each passed transformers' SDPA check and ran: Falcon's ALiBi dumped Q/K that do not give its attention (the
@@ -178,7 +179,22 @@ def test_attention_that_is_not_softmax_over_the_cached_keys_is_refused(config, s
     cfg = PretrainedConfig(**config)
     with pytest.raises(ModelNotAvailable, match=f"model 'm' .*{says}.*not supported"):
         check_attention("m", cfg)
-    check_attention("m", PretrainedConfig(model_type="llama", alibi=False, kv_lora_rank=None))  # the usual passes
+    check_attention("m", PretrainedConfig(model_type="llama", alibi=False, kv_lora_rank=None,
+                                          num_kv_shared_layers=0))  # the usual passes
+
+
+def test_a_config_with_per_layer_attention_shapes_is_refused_before_any_weight_loads():
+    """Gemma-4's global layers are wider (``global_head_dim``) than its sliding ones: transformers then refuses to give
+    one ``head_dim`` (a traceback from the dump's memory estimate before); the same config with one width passes."""
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
+
+    from anns_lab.dumps.models import check_attention
+    from anns_lab.errors import ModelNotAvailable
+
+    shapes = dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], head_dim=16)
+    with pytest.raises(ModelNotAvailable, match="model 'g' sets head_dim per layer .*one attention shape.*not supp"):
+        check_attention("g", Gemma4TextConfig(**shapes, global_head_dim=32))
+    check_attention("g", Gemma4TextConfig(**shapes, global_head_dim=16))
 
 
 def test_chunked_attention_layers_are_refused_and_the_full_ones_dump(tmp_path):

@@ -323,6 +323,11 @@ def check_attention(name: str, config) -> None:
         raise ModelNotAvailable(f"model {name!r} caps its attention logits (attn_logit_softcapping={cap}): the lab's "
                                 "dumps, metrics and retrieval attention compute softmax(scaling * q.k) without a cap, so "
                                 "they would not be this model's attention; such models are not supported")
+    varying = getattr(cfg, "per_layer_attributes", None)
+    if varying:  # Gemma-4's wider global heads: transformers refuses to give one head_dim, which the lab reads
+        raise ModelNotAvailable(f"model {name!r} sets {', '.join(sorted(varying))} per layer (per_layer_config): the "
+                                "lab's dumps, indexes and decoder hold one attention shape for all of a model's "
+                                "layers; such models are not supported")
     other = _other_attention(cfg)
     if other is not None:
         raise ModelNotAvailable(f"model {name!r} {other}: the lab's dumps, metrics and retrieval attention hold each "
@@ -340,6 +345,10 @@ def _other_attention(cfg) -> str | None:
                 "head's keys and values")
     if getattr(cfg, "model_type", None) == "diffllama":
         return "takes the difference of two softmaxes a layer (differential attention), each over half of the values"
+    shared = getattr(cfg, "num_kv_shared_layers", None)
+    if shared:  # Gemma-3n, Gemma-4 E2B/E4B: the dump's shared layers were another layer's, decode failed in a build
+        return (f"attends in its last {shared} layers over keys and values an earlier layer made (cross-layer KV "
+                f"sharing, num_kv_shared_layers={shared}), not over each layer's own")
     return None
 
 
