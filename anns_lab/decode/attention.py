@@ -211,7 +211,8 @@ class Retrieval:
         done, t = self._filled.get(layer, 0), chunk.shape[1]
         if done + t > self.n_tokens:  # a layer called twice in a forward would misplace every row
             raise DecodeError(f"layer {layer}: prefill queries for positions {done}..{done + t - 1} of a "
-                              f"{self.n_tokens}-token prompt: its attention ran more than once per token")
+                              f"{self.n_tokens}-token prompt: its attention ran more than once per token (a model "
+                              "that runs a layer's attention twice a forward is not supported)")
         if layer not in self.queries:
             self.queries[layer] = torch.empty((chunk.shape[0], self.n_tokens, chunk.shape[2]), dtype=torch.float32)
         self.queries[layer][:, done:done + t].copy_(chunk)
