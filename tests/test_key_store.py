@@ -30,3 +30,49 @@ def test_an_index_of_its_own_wraps_then_grows():
     assert np.shares_memory(rows.view(3), keys)  # no copy until an append
     rows.append(3, np.ones((2, 4), np.float32))
     assert rows.n == 5 and not np.shares_memory(rows.view(5), keys) and rows.view(5)[3:].sum() == 8
+
+
+LIBRARY_HELD = {"flat", "ivf"}  # faiss keeps its own vector of the keys (counted by their nbytes), not a numpy copy
+
+
+def _registered_with_add():
+    from anns_lab.indexes import registry
+
+    return sorted(name for name, cls in registry.available().items() if name not in LIBRARY_HELD)
+
+
+@pytest.mark.parametrize("name", _registered_with_add())
+def test_an_index_on_the_callers_store_keeps_no_copy_of_its_keys_through_adds(name):
+    """Built on one head of the decoder's store, an index reads the rows there: neither its build nor its adds (the
+    store's buffer replaced as it grows) leave it a copy of every key. Until session 60, thirteen indexes' ``add``
+    stacked the keys into a copy of their own: per query head, O(n·d) a batch."""
+    from anns_lab.indexes import registry
+
+    cls = registry.get(name)
+    rng = np.random.default_rng(3)
+    n, d = 600, 16
+    store = KeyStore(rng.normal(size=(1, n, d)).astype(np.float32), capacity=n + 10)
+    extra = {}
+    if cls.uses_train_queries:
+        extra["train_queries"] = rng.normal(size=(200, d)).astype(np.float32)
+    if cls.reads_positions:
+        extra |= {"key_positions": np.arange(n), "train_positions": np.arange(n - 200, n)}
+    index = cls().build(store.head(0), **extra)
+
+    def copies() -> list[tuple]:
+        rows = store.buf[0, : index.n_keys]
+        return [a.shape for a in index.held_arrays()
+                if a.shape == rows.shape and not np.shares_memory(a, store.buf) and np.array_equal(a, rows)]
+
+    assert copies() == []
+    if not index.supports_add:
+        return
+    for batch in (64, 700):  # the second outgrows the buffer's doubled capacity: a new buffer under the index
+        new = rng.normal(size=(1, batch, d)).astype(np.float32)
+        store.append(new)
+        index.add(new[0])
+        assert index.n_keys == store.n and copies() == [], batch
+    if cls.estimates:  # a sampler's top-k may hold no key (magicpig's estimate is its answer)
+        return
+    q = store.buf[0, n + 10: n + 12] * 10  # added keys, long: an index that searches them all finds each first
+    assert index.search(q, 5, **(index.grid()[-1])).ids[:, 0].tolist() == [n + 10, n + 11]

@@ -540,6 +540,28 @@ def concat_results(parts: Sequence[SearchResult]) -> SearchResult:
     return SearchResult(*arrays, None if any(e is None for e in estimates) else Estimate.concat(estimates))
 
 
+class KeyRowsIndex(Index):
+    """An :class:`Index` that reads its float32 key rows as ``self._keys``: held by :meth:`_hold_keys` in the
+    caller's store given to ``build`` (the decoder's: the rows once for a GQA group's heads, whatever reads them) or a
+    store of the index's own, and grown by :meth:`_append_keys` in ``_add``, which copies the new rows only (a copy
+    of every key an add cost the decoder each index's own duplicate of the keys and O(n·d) a batch)."""
+
+    def _hold_keys(self, keys: np.ndarray) -> None:
+        """Hold ``keys`` (n, d) as the index's rows: call from ``_build`` and ``_restore``."""
+        self._rows = self._key_rows(keys)
+
+    @property
+    def _keys(self) -> np.ndarray:
+        """Rows ``[0, n_keys)``, a fresh view each time (the store's buffer is replaced as it grows)."""
+        return self._rows.view(self.n_keys or self._rows.n)
+
+    def _append_keys(self, keys: np.ndarray) -> np.ndarray:
+        """Append ``keys`` (t, d) from ``_add`` (a caller's store already holds them: checked there); returns every
+        row, the old and the new."""
+        self._rows.append(self.n_keys, keys)
+        return self._rows.view(self.n_keys + len(keys))
+
+
 def pad_topk(ids: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Apply the padding policy: any id < 0 becomes -1 with score -inf (faiss pads with -1 / -FLT_MAX)."""
     ids = np.asarray(ids, dtype=np.int64)

@@ -27,7 +27,7 @@ import numpy as np
 from numba import njit, prange
 
 from anns_lab.errors import IndexConfigError
-from anns_lab.indexes.base import Index, Param
+from anns_lab.indexes.base import KeyRowsIndex, Param
 from anns_lab.indexes.graph import Graph
 from anns_lab.indexes.graph.search import bytes_read, search_batch
 from anns_lab.indexes.graph.simd import dot
@@ -223,7 +223,7 @@ def descend_batch(data, up_row, up_nbrs, up_deg, entry, max_level, queries):
     return entries, counts, words
 
 
-class HNSWIndex(Index):
+class HNSWIndex(KeyRowsIndex):
     """HNSW for maximum inner product: hnswlib builds, a counted numba traversal of hnswlib's graph searches."""
 
     name = "hnsw"
@@ -240,11 +240,11 @@ class HNSWIndex(Index):
         p.init_index(max_elements=len(keys), M=self.params["M"], ef_construction=self.params["ef_construction"], random_seed=self.params["seed"])
         p.set_num_threads(1)
         p.add_items(keys, np.arange(len(keys)))
-        self._set(p, keys)
+        self._hold_keys(keys)
+        self._set(p)
 
-    def _set(self, p: hnswlib.Index, keys: np.ndarray) -> None:
+    def _set(self, p: hnswlib.Index) -> None:
         self.hnswlib_index = p  # kept for add(), save() and the tests' cross-check
-        self._keys = keys
         self.graph = HNSWGraph(p)
 
     def _add(self, keys: np.ndarray) -> None:
@@ -252,7 +252,8 @@ class HNSWIndex(Index):
         n0 = p.get_current_count()
         p.resize_index(n0 + len(keys))
         p.add_items(keys, np.arange(n0, n0 + len(keys)))
-        self._set(p, np.ascontiguousarray(np.vstack([self._keys, keys])))
+        self._append_keys(keys)
+        self._set(p)
 
     def _search(self, queries: np.ndarray, k: int, ef: int):
         g = self.graph
@@ -271,7 +272,8 @@ class HNSWIndex(Index):
         """The searched graph and keys, and the hnswlib index kept beside them for ``add`` and ``save`` (a second
         copy of the vectors with their links)."""
         g = self.graph
-        return sum(a.nbytes for a in (self._keys, g.nbrs, g.degree, g.up_nbrs, g.up_deg, g.up_row)) + g.library_bytes
+        keys = self._rows.held(self.n_keys)  # the rows' store, spare rows included where it is the index's own
+        return sum(a.nbytes for a in (keys, g.nbrs, g.degree, g.up_nbrs, g.up_deg, g.up_row)) + g.library_bytes
 
     def _arrays(self) -> dict[str, np.ndarray]:
         # hnswlib's own file format, carried as bytes in an .npy (no pickle).
@@ -302,7 +304,8 @@ class HNSWIndex(Index):
             raise IndexConfigError("array 'hnswlib_index' was built over other vectors than array 'keys'")
         del st, rec, stored
         p.set_num_threads(1)
-        self._set(p, keys)
+        self._hold_keys(keys)
+        self._set(p)
         g, n = self.graph, len(keys)
         # hnswlib's loader leaves each list's count (16 bits) unchecked; the numba descent reads up to it unchecked
         for name, deg, width in (("layer 0", g.degree, g.nbrs.shape[1]), ("upper layers", g.up_deg, g.up_nbrs.shape[2])):

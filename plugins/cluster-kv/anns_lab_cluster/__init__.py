@@ -25,7 +25,7 @@ import faiss
 import numpy as np
 
 from anns_lab.errors import IndexConfigError
-from anns_lab.indexes import Index, Param
+from anns_lab.indexes import KeyRowsIndex, Param
 from anns_lab.indexes.persist import expect, expect_ids
 
 BUDGETS = (128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768)
@@ -63,7 +63,7 @@ def take_until(order: np.ndarray, sizes: np.ndarray, budget: int) -> np.ndarray:
     return order[: min(int(np.searchsorted(cum, budget)) + 1, len(order))]
 
 
-class _Clustered(Index):
+class _Clustered(KeyRowsIndex):
     """Shared by both: keys grouped by fine cluster (CSR), the search over chosen clusters, add, persistence."""
 
     search_params = {"budget": Param(1024, 1, 1 << 30, help="keys read: the fewest best clusters holding at least this many")}
@@ -75,7 +75,7 @@ class _Clustered(Index):
             raise IndexConfigError(f"{self._owner()}: nlist={nlist} is larger than the number of keys ({n_keys})")
 
     def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
-        self._keys = keys
+        self._hold_keys(keys)
         self._centroids = kmeans(keys, self._nlist(len(keys)), self.params["niter"], self.params["seed"])
         self._group(nearest(keys, self._centroids, self.cosine))
 
@@ -111,7 +111,7 @@ class _Clustered(Index):
 
     def _add(self, keys: np.ndarray) -> None:
         # New keys join the cluster of their nearest centroid (the centroids stay those of the build).
-        self._keys = np.ascontiguousarray(np.vstack([self._keys, keys]))
+        self._append_keys(keys)
         self._group(np.concatenate([self._assign, nearest(keys, self._centroids, self.cosine)]))
 
     def _arrays(self) -> dict[str, np.ndarray]:
@@ -119,7 +119,7 @@ class _Clustered(Index):
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
         # From a file: checked as build makes them (an empty centroid list is refused by the assignment's range).
-        self._keys = expect(arrays, "keys", np.float32, (self.n_keys, self.dim), finite=True)
+        self._hold_keys(expect(arrays, "keys", np.float32, (self.n_keys, self.dim), finite=True))
         self._centroids = expect(arrays, "centroids", np.float32, (None, self.dim), finite=True)
         self._group(expect_ids("assign", expect(arrays, "assign", np.int64, (self.n_keys,)), 0, len(self._centroids)))
 

@@ -33,7 +33,7 @@ import numpy as np
 from numba import njit
 
 from anns_lab.errors import IndexConfigError
-from anns_lab.indexes import Index, Param
+from anns_lab.indexes import KeyRowsIndex, Param
 from anns_lab.indexes.persist import expect
 from anns_lab.indexes.scan_rows import largest, score_rows, select_largest
 
@@ -86,7 +86,7 @@ def representatives(keys: np.ndarray, scores: np.ndarray, starts: np.ndarray, n_
     return reps
 
 
-class InfLLM(Index):
+class InfLLM(KeyRowsIndex):
     """InfLLM: blocks of consecutive keys, each the mean of the keys its following queries attended most; a query
     reads the blocks it scores highest."""
 
@@ -116,14 +116,11 @@ class InfLLM(Index):
         scale = self.params["scale"] or 1.0 / np.sqrt(keys.shape[1])
         scores = local_scores(keys, key_positions, train_queries, train_positions, self.params["local"], scale)
         starts = block_starts(len(keys), self.params["block"])
-        self._set_up(self._key_rows(keys), representatives(keys, scores, starts, self.params["repr"]), starts)
+        self._set_up(keys, representatives(keys, scores, starts, self.params["repr"]), starts)
 
-    def _set_up(self, rows, reps: np.ndarray, starts: np.ndarray) -> None:
-        self._store, self._reps, self._starts = rows, reps, starts
-
-    @property
-    def _keys(self) -> np.ndarray:
-        return self._store.view(self.n_keys or self._store.n)
+    def _set_up(self, keys: np.ndarray, reps: np.ndarray, starts: np.ndarray) -> None:
+        self._hold_keys(keys)
+        self._reps, self._starts = reps, starts
 
     def _search(self, queries: np.ndarray, k: int, blocks: int):
         ids = np.full((len(queries), k), -1, np.int64)
@@ -141,7 +138,7 @@ class InfLLM(Index):
         return len(self._reps) + self.n_keys
 
     def _add(self, keys: np.ndarray) -> None:
-        self._store.append(self.n_keys, keys)
+        self._append_keys(keys)
 
     def _arrays(self) -> dict[str, np.ndarray]:
         return {"keys": self._keys, "representatives": self._reps, "starts": self._starts}
@@ -154,7 +151,7 @@ class InfLLM(Index):
             raise IndexConfigError(f"array 'starts' is not a partition of the first keys into blocks of "
                                    f"{self.params['block']} (0, block, 2·block, ..., at most n = {self.n_keys})")
         reps = expect(arrays, "representatives", np.float32, (len(starts) - 1, self.dim), finite=True)
-        self._set_up(self._key_rows(keys), reps, starts)
+        self._set_up(keys, reps, starts)
 
 
 @njit(cache=True, nogil=True)

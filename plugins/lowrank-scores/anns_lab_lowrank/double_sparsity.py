@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from anns_lab.errors import IndexConfigError
-from anns_lab.indexes import Index
+from anns_lab.indexes import KeyRowsIndex
 from anns_lab.indexes.persist import expect
 from anns_lab_lowrank import partial
 
@@ -43,7 +43,7 @@ def heavy_channels(keys: np.ndarray, key_positions: np.ndarray, queries: np.ndar
     return np.argsort(-weight, kind="stable").astype(np.int64)
 
 
-class DoubleSparsity(Index):
+class DoubleSparsity(KeyRowsIndex):
     """Double Sparsity: every key scored on the head's r heaviest channels, the best ``budget`` scored exactly.
 
     A channel's weight: mean |q_c·k_c| over the prefill's tokens, each query against its own token's key."""
@@ -61,13 +61,14 @@ class DoubleSparsity(Index):
         self._set(keys, heavy_channels(keys, key_positions, train_queries, train_positions))
 
     def _set(self, keys: np.ndarray, order: np.ndarray) -> None:
-        self._keys, self._order = keys, order
-        self._by_dim = np.ascontiguousarray(keys.T)  # (d, n): the label cache's rows, r of them read per query
+        self._hold_keys(keys)
+        self._order = order
+        self._by_dim = partial.Columns.of(keys.T)  # (d, n): the label cache's rows, r of them read per query
 
     def _search(self, queries: np.ndarray, k: int, rank: float, budget: int):
         r = partial.channels(rank, self.dim)
         dims = np.broadcast_to(np.sort(self._order[:r]), (len(queries), r))  # the head's, the same for every query
-        ids, scores, scanned, nbytes = partial.search_channels(self._by_dim, dims, self._keys, queries, budget, k)
+        ids, scores, scanned, nbytes = partial.search_channels(self._by_dim.table, dims, self._keys, queries, budget, k)
         return ids, scores, scanned, nbytes + 8 * r  # and the r channel ids (int64) read from the index
 
     def grid(self) -> list[dict]:
@@ -77,7 +78,8 @@ class DoubleSparsity(Index):
         return 2 * self.n_keys
 
     def _add(self, keys: np.ndarray) -> None:
-        self._set(np.ascontiguousarray(np.vstack([self._keys, keys])), self._order)
+        self._append_keys(keys)
+        self._by_dim.append(keys.T)
 
     def _arrays(self) -> dict[str, np.ndarray]:
         return {"keys": self._keys, "order": self._order}

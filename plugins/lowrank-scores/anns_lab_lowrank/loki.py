@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from anns_lab.errors import IndexConfigError
-from anns_lab.indexes import Index
+from anns_lab.indexes import KeyRowsIndex
 from anns_lab.indexes.persist import expect
 from anns_lab_lowrank import partial
 
@@ -38,7 +38,7 @@ def principal_basis(keys: np.ndarray) -> np.ndarray:
     return vectors.astype(np.float32)
 
 
-class Loki(Index):
+class Loki(KeyRowsIndex):
     """Loki: every key scored on the keys' r leading principal components, the best ``budget`` scored exactly."""
 
     search_params = {"rank": partial.RANK, "budget": partial.BUDGET}
@@ -49,9 +49,10 @@ class Loki(Index):
         self._set(keys, principal_basis(keys))
 
     def _set(self, keys: np.ndarray, basis: np.ndarray) -> None:
-        self._keys, self._basis = keys, basis
+        self._hold_keys(keys)
+        self._basis = basis
         # (d, n): the keys' coordinates, one row per component, the first r rows read whole by a query
-        self._coords = np.ascontiguousarray(basis.T @ keys.T)
+        self._coords = partial.Columns.of(basis.T @ keys.T)
 
     def _search(self, queries: np.ndarray, k: int, rank: float, budget: int):
         n, d = self._keys.shape
@@ -59,7 +60,7 @@ class Loki(Index):
         # each query's first r coordinates in the basis (einsum's own loop: no BLAS team for r·d products)
         weights = np.einsum("qd,dr->qr", queries, self._basis[:, :r])
         dims = np.broadcast_to(np.arange(r), (len(queries), r))
-        ids, scores, scored = partial.search(self._coords, dims, weights, self._keys, queries, budget, k)
+        ids, scores, scored = partial.search(self._coords.table, dims, weights, self._keys, queries, budget, k)
         products, nbytes = partial.partial_cost(n, r, d)
         return ids, scores, r + products + scored, 4 * d * r + nbytes + 4 * d * scored
 
@@ -71,8 +72,8 @@ class Loki(Index):
 
     def _add(self, keys: np.ndarray) -> None:
         # the new keys' coordinates only: every key's again cost n·d² products an add (0.54 G multiply-adds at Gemma-3 8K)
-        self._keys = np.ascontiguousarray(np.vstack([self._keys, keys]))
-        self._coords = np.ascontiguousarray(np.hstack([self._coords, self._basis.T @ keys.T]))
+        self._append_keys(keys)
+        self._coords.append(self._basis.T @ keys.T)
 
     def _arrays(self) -> dict[str, np.ndarray]:
         return {"keys": self._keys, "basis": self._basis}

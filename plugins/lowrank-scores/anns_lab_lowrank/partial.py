@@ -8,6 +8,7 @@ bytes; each candidate is then scored exactly, one product and 4·d bytes. Positi
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 from numba import njit
@@ -20,6 +21,34 @@ RANKS = (0.125, 0.25, 0.5)
 
 RANK = Param(0.25, 1e-6, 1.0, help="share r/d of the dimensions the partial scores use (r = max(1, ⌊rank·d + ½⌋))")
 BUDGET = Param(1024, 1, 1 << 30, help="keys scored exactly: those of the best partial scores")
+
+
+@dataclass
+class Columns:
+    """A (d, n) float32 table grown by columns (the keys transposed, or their coordinates): its capacity doubles, so an
+    ``add`` writes its own columns only where a new (d, n) table cost O(n·d) and two tables at once. A dataclass, so
+    that ``Index.held_arrays`` counts its buffer, spare columns included."""
+
+    buf: np.ndarray
+    n: int
+
+    @classmethod
+    def of(cls, table: np.ndarray) -> Columns:
+        return cls(np.ascontiguousarray(table, np.float32), table.shape[1])
+
+    @property
+    def table(self) -> np.ndarray:
+        """Columns ``[0, n)``: each row contiguous, as the partial pass reads them."""
+        return self.buf[:, : self.n]
+
+    def append(self, columns: np.ndarray) -> None:
+        end = self.n + columns.shape[1]
+        if end > self.buf.shape[1]:
+            grown = np.empty((self.buf.shape[0], max(end, 2 * self.buf.shape[1])), np.float32)
+            grown[:, : self.n] = self.table
+            self.buf = grown
+        self.buf[:, self.n:end] = columns
+        self.n = end
 
 
 def channels(rank: float, dim: int) -> int:

@@ -158,7 +158,8 @@ class NGFixIndex(HNSWIndex):
     def nbytes(self) -> int:
         """The searched adjacency, degrees, repair counts and hardness, the keys, and the hnswlib index kept for
         ``add`` and ``save`` (its links and a second copy of the vectors)."""
-        return sum(a.nbytes for a in (self._keys, self.nbrs, self.degree, self.nfix, self.eh)) + self.library_bytes
+        keys = self._rows.held(self.n_keys)
+        return sum(a.nbytes for a in (keys, self.nbrs, self.degree, self.nfix, self.eh)) + self.library_bytes
 
     def _arrays(self) -> dict[str, np.ndarray]:
         fix, fix_eh = self.fix_edges()

@@ -20,13 +20,13 @@ import faiss
 import numpy as np
 
 from anns_lab.errors import IndexConfigError
-from anns_lab.indexes import Index, Param
+from anns_lab.indexes import KeyRowsIndex, Param
 from anns_lab.indexes.persist import expect, refuse_faiss_payload
 
 POOLS = (100, 150, 200, 300, 400, 600, 800, 1200, 1600, 2400, 3200, 4800, 6400, 9600, 12800, 19200, 25600)
 
 
-class PQCacheIndex(Index):
+class PQCacheIndex(KeyRowsIndex):
     """PQCache: PQ codes of the keys (faiss), approximate scores over all codes, exact re-ranking of a pool."""
 
     build_params = {
@@ -51,7 +51,8 @@ class PQCacheIndex(Index):
         index.pq.cp.seed = self.params["seed"]
         index.train(keys)
         index.add(keys)
-        self._pq, self._keys = index, keys
+        self._pq = index
+        self._hold_keys(keys)
 
     @property
     def ksub(self) -> int:
@@ -80,7 +81,7 @@ class PQCacheIndex(Index):
 
     def _add(self, keys: np.ndarray) -> None:
         self._pq.add(keys)  # encoded with the codebooks of the build, as PQCache encodes new tokens
-        self._keys = np.ascontiguousarray(np.vstack([self._keys, keys]))
+        self._append_keys(keys)
 
     def _arrays(self) -> dict[str, np.ndarray]:
         # Plain arrays, not faiss's own binary format (its C++ reader trusts the file's sizes): the codebooks and
@@ -101,4 +102,4 @@ class PQCacheIndex(Index):
         faiss.copy_array_to_vector(codes.ravel(), pq.codes)
         pq.ntotal, pq.is_trained = self.n_keys, True
         self._pq = pq
-        self._keys = expect(arrays, "keys", np.float32, (self.n_keys, self.dim), finite=True)
+        self._hold_keys(expect(arrays, "keys", np.float32, (self.n_keys, self.dim), finite=True))

@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from anns_lab.indexes import Index, Param
+from anns_lab.indexes import KeyRowsIndex, Param
 from anns_lab.indexes.persist import expect
 
 BUDGETS = (128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768)
@@ -34,7 +34,7 @@ def page_bounds(keys: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarra
     return np.ascontiguousarray(lo), np.ascontiguousarray(hi)
 
 
-class QuestPages(Index):
+class QuestPages(KeyRowsIndex):
     """Quest pages: per-page key min/max, the pages of largest upper bound read and their keys scored exactly."""
 
     build_params = {"page_size": Param(16, 1, 4096, help="keys per page (Quest: 16)")}
@@ -42,7 +42,7 @@ class QuestPages(Index):
     search_grid = {"budget": BUDGETS}
 
     def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
-        self._keys = keys
+        self._hold_keys(keys)
         self._min, self._max = page_bounds(keys, self.params["page_size"])
 
     @property
@@ -82,8 +82,7 @@ class QuestPages(Index):
         # New keys fill the last page, then new pages: only the pages from the last old one on change.
         size = self.params["page_size"]
         first = (len(self._keys) // size) * size
-        self._keys = np.ascontiguousarray(np.vstack([self._keys, keys]))
-        lo, hi = page_bounds(self._keys[first:], size)
+        lo, hi = page_bounds(self._append_keys(keys)[first:], size)
         keep = first // size
         self._min = np.ascontiguousarray(np.vstack([self._min[:keep], lo]))
         self._max = np.ascontiguousarray(np.vstack([self._max[:keep], hi]))

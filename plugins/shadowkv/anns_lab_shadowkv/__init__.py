@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-from anns_lab.indexes import Index, Param
+from anns_lab.indexes import KeyRowsIndex, Param
 from anns_lab.indexes.persist import expect
 
 BUDGETS = (128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768)
@@ -49,7 +49,7 @@ def chunk_stats(keys: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
     return means.astype(np.float32), cos.min(axis=1)
 
 
-class ShadowKVLandmarks(Index):
+class ShadowKVLandmarks(KeyRowsIndex):
     """ShadowKV: chunk-mean landmarks ranked by the query, the best chunks' keys and the outlier chunks' scored exactly."""
 
     build_params = {
@@ -62,7 +62,7 @@ class ShadowKVLandmarks(Index):
     search_grid = {"budget": BUDGETS}
 
     def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
-        self._keys = keys
+        self._hold_keys(keys)
         means, self._min_cos = chunk_stats(keys, self.params["chunk_size"])
         self._split(means)
 
@@ -122,8 +122,7 @@ class ShadowKVLandmarks(Index):
         means[self._landmark_chunks[kept]] = self._landmarks[kept]
         if len(out := self._outlier_chunks[self._outlier_chunks < first]):
             means[out] = chunk_stats(self._keys[self._keys_of(out)], size)[0]
-        self._keys = np.ascontiguousarray(np.vstack([self._keys, keys]))
-        new_means, min_cos = chunk_stats(self._keys[first * size:], size)
+        new_means, min_cos = chunk_stats(self._append_keys(keys)[first * size:], size)
         self._min_cos = np.concatenate([self._min_cos[:first], min_cos])
         self._split(np.vstack([means, new_means]))
 

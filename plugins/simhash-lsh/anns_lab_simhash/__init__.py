@@ -17,11 +17,11 @@ import math
 import numpy as np
 
 from anns_lab.errors import IndexConfigError
-from anns_lab.indexes import Index, Param
+from anns_lab.indexes import KeyRowsIndex, Param
 from anns_lab.indexes.persist import expect
 
 
-class SimHashLSH(Index):
+class SimHashLSH(KeyRowsIndex):
     """SimHash LSH (K bits × L tables, seeded Gaussian hyperplanes); candidates scored exactly."""
 
     build_params = {
@@ -36,7 +36,8 @@ class SimHashLSH(Index):
         K, L = self.params["K"], self.params["L"]
         rng = np.random.default_rng(self.params["seed"])
         self._planes = rng.standard_normal((L * K, keys.shape[1])).astype(np.float32)
-        self._keys, self._codes = keys, self._hash(keys)
+        self._hold_keys(keys)
+        self._codes = self._hash(keys)
 
     def _hash(self, x: np.ndarray) -> np.ndarray:
         bits = (x @ self._planes.T > 0).reshape(len(x), self.params["L"], self.params["K"])
@@ -64,7 +65,7 @@ class SimHashLSH(Index):
         return self.n_keys + self._planes.shape[0]
 
     def _add(self, keys: np.ndarray) -> None:
-        self._keys = np.vstack([self._keys, keys])
+        self._append_keys(keys)
         self._codes = np.vstack([self._codes, self._hash(keys)])
 
     def _arrays(self) -> dict[str, np.ndarray]:
@@ -73,5 +74,5 @@ class SimHashLSH(Index):
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
         K, L = self.params["K"], self.params["L"]
         self._planes = expect(arrays, "planes", np.float32, (L * K, self.dim), finite=True)
-        self._keys = expect(arrays, "keys", np.float32, (self.n_keys, self.dim), finite=True)
+        self._hold_keys(expect(arrays, "keys", np.float32, (self.n_keys, self.dim), finite=True))
         self._codes = self._hash(self._keys)

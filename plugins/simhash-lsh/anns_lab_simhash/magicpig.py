@@ -67,7 +67,7 @@ class MagicPIG(SimHashLSH):
         return super().max_scanned() + int(self.params["center"])  # q·μ
 
     def _add(self, keys: np.ndarray) -> None:
-        self._keys = np.vstack([self._keys, keys])
+        self._append_keys(keys)
         self._codes = np.vstack([self._codes, self._hash(keys - self._mean)])
         self._norms = np.concatenate([self._norms, np.linalg.norm((keys - self._mean).astype(np.float64), axis=1)])
 

@@ -29,7 +29,7 @@ import numpy as np
 from numba import njit
 
 from anns_lab.errors import IndexConfigError
-from anns_lab.indexes import Index, Param
+from anns_lab.indexes import KeyRowsIndex, Param
 from anns_lab.indexes.persist import expect, expect_ids
 from anns_lab.indexes.scan_rows import largest, score_rows
 
@@ -67,7 +67,7 @@ def ranking(keys: np.ndarray, window_queries: np.ndarray, kernel: int, pooling: 
     return np.argsort(-pooled(votes(keys, window_queries, scale), kernel, pooling), kind="stable").astype(np.int64)
 
 
-class SnapKV(Index):
+class SnapKV(KeyRowsIndex):
     """SnapKV: the keys the prompt's last queries attend to most, chosen once; each query searches them exactly."""
 
     build_params = {
@@ -98,15 +98,12 @@ class SnapKV(Index):
     def _build(self, keys: np.ndarray, train_queries: np.ndarray) -> None:
         scale = self.params["scale"] or 1.0 / np.sqrt(keys.shape[1])
         window = train_queries[-self.params["window"]:]
-        self._set_up(self._key_rows(keys), ranking(keys, window, self.params["kernel"], self.params["pooling"], scale))
+        self._set_up(keys, ranking(keys, window, self.params["kernel"], self.params["pooling"], scale))
 
-    def _set_up(self, rows, order: np.ndarray) -> None:
-        self._store, self._order = rows, order
+    def _set_up(self, keys: np.ndarray, order: np.ndarray) -> None:
+        self._hold_keys(keys)
+        self._order = order
         self._kept: dict[int, np.ndarray] = {}  # by budget: the ids searched, ascending
-
-    @property
-    def _keys(self) -> np.ndarray:
-        return self._store.view(self.n_keys or self._store.n)
 
     def kept(self, budget: int) -> np.ndarray:
         """The ids a search at ``budget`` scores, ascending: the ``budget`` most voted and every key added since."""
@@ -132,7 +129,7 @@ class SnapKV(Index):
         return [{"budget": b} for b in sorted({min(b, built) for b in BUDGETS} | {built})]
 
     def _add(self, keys: np.ndarray) -> None:
-        self._store.append(self.n_keys, keys)
+        self._append_keys(keys)
         self._kept.clear()
 
     def _arrays(self) -> dict[str, np.ndarray]:
@@ -146,7 +143,7 @@ class SnapKV(Index):
                                                                np.arange(built)):
             raise IndexConfigError(f"array 'order' is not a ranking of the first keys (a permutation of 0..n-1, "
                                    f"n ≤ {self.n_keys})")
-        self._set_up(self._key_rows(keys), order)
+        self._set_up(keys, order)
 
 
 @njit(cache=True, nogil=True)

@@ -34,7 +34,7 @@ from statistics import NormalDist
 
 import numpy as np
 
-from anns_lab.indexes import Index, Param
+from anns_lab.indexes import KeyRowsIndex, Param
 from anns_lab.indexes.estimate import Estimate
 from anns_lab.indexes.ivf import IVFIndex, check_nlist
 
@@ -59,7 +59,7 @@ def budget(rest_logits: np.ndarray, top_logits: np.ndarray, n_rest: int, epsilon
     return int(min(n_rest, max(b, floor)))
 
 
-class VAttention(Index):
+class VAttention(KeyRowsIndex):
     """Exact heavy set (IVF, a share of the keys) + a uniform sample of the rest weighted |R|/b; b from (ε, δ) by CLT."""
 
     build_params = {
@@ -92,7 +92,7 @@ class VAttention(Index):
 
     def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
         self._ivf = IVFIndex(nlist=self.params["nlist"], seed=self.params["seed"]).build(keys)
-        self._keys = keys
+        self._hold_keys(keys)
 
     def _search(self, queries: np.ndarray, k: int, nprobe: int, epsilon: float, delta: float, pilot: int,
                 temperature: float):
@@ -130,8 +130,8 @@ class VAttention(Index):
 
     @property
     def nbytes(self) -> int:
-        return self._ivf.nbytes + self._keys.nbytes
+        return self._ivf.nbytes + self._rows.held(self.n_keys).nbytes  # the rows' store, spare ones included
 
     def _add(self, keys: np.ndarray) -> None:
         self._ivf.add(keys)
-        self._keys = np.vstack([self._keys, keys])
+        self._append_keys(keys)
