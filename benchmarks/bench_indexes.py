@@ -59,7 +59,7 @@ def bench(name: str, data, batch_q: np.ndarray, repeats: int) -> dict:
         "name": name,
         "build_s": build_s,
         "nbytes": index.nbytes,
-        "params": {n: p.default for n, p in cls.search_params.items()},
+        "params": {n: p.default for n, p in cls.search_params.items()} | search,  # the layer's scale, where read
         # an estimator's ids are its exact part only: its recall says nothing of its output (docs/estimators.md)
         "recall": float("nan") if cls.estimates else float(recall_at_k(res.ids, data.exact("q2k"), K).mean()),
         "scanned": float(res.n_scanned.mean()) / len(data.keys),

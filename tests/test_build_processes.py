@@ -78,7 +78,7 @@ def test_processes_build_the_indexes_a_thread_builds_on_the_callers_rows(workers
         for key in saved_a:
             np.testing.assert_array_equal(saved_a[key], saved_b[key], err_msg=key)
         if "_store" in vars(a):
-            assert b._store.store is store and not b._store.owned
+            assert b._rows.store is store and not b._rows.owned
         params = a.grid()[len(a.grid()) // 2]
         ra, rb = a.search(test, 10, **params), b.search(test, 10, **params)
         np.testing.assert_array_equal(ra.ids, rb.ids)
@@ -213,7 +213,7 @@ def test_a_layer_store_builds_in_the_workers_where_the_index_saves_and_on_thread
     assert calls == ["roargraph", "ivf"]
     for a, b in zip(by_threads.indexes, store.indexes):
         np.testing.assert_array_equal(a._nbrs, b._nbrs)
-        assert b._store.store is store.key_store
+        assert b._rows.store is store.key_store
     class Unsaved(registry.get("flat")):
         name = "unsaved"
         _arrays = Index._arrays  # no save: no way back from a worker

@@ -68,7 +68,7 @@ import numba
 import numpy as np
 
 from anns_lab.errors import IndexConfigError
-from anns_lab.indexes.base import Index, Param
+from anns_lab.indexes.base import KeyRowsIndex, Param
 from anns_lab.indexes.graph import Graph, roar, saved_graph
 from anns_lab.indexes.graph.edges import add_reverse_edges, link_back, link_unreachable, reachable_from
 from anns_lab.indexes.graph.hubs import query_hubs, saved_hubs
@@ -166,7 +166,7 @@ def link_stranded(keys: np.ndarray, nbrs: np.ndarray, degree: np.ndarray, entrie
     degree[stranded] = near.shape[1]
 
 
-class RoarGraphIndex(Index):
+class RoarGraphIndex(KeyRowsIndex):
     """Projected query→key bipartite graph (pivots beyond top-1, reverse edges, descent links); counted multi-entry beam search."""
 
     name = "roargraph"
@@ -270,7 +270,7 @@ class RoarGraphIndex(Index):
         link_unreachable(g, self.hubs, p["R"], FAR_POOL)
         if p["cooc_order"]:
             roar.order_rows_by_cooc(g, bip, threads)
-        self._store = self._key_rows(keys)
+        self._hold_keys(keys)
         self.n_built = n  # keys added later (ids ≥ n_built) have their in-edges at the rows' ends: the row stop scans them
         self._nbrs_buf, self._deg_buf = nbrs, degree
         self._expose(n)
@@ -352,10 +352,6 @@ class RoarGraphIndex(Index):
             self._nbrs_buf, self._deg_buf = grown, deg
         self._nbrs, self._degree = self._nbrs_buf[:n], self._deg_buf[:n]
 
-    @property
-    def _keys(self) -> np.ndarray:
-        return self._store.view(self.n_keys or self._store.n)
-
     # -- add ---------------------------------------------------------------------------------------
 
     def _add(self, keys: np.ndarray) -> None:
@@ -363,8 +359,7 @@ class RoarGraphIndex(Index):
         pa = max(p["alpha"], 1.0)
         n0, t = self.n_keys, len(keys)
         n = n0 + t
-        self._store.append(n0, keys)
-        data = self._store.view(n)
+        data = self._append_keys(keys)
         self._expose(n)
         g = Graph(data, self._nbrs, self._degree)  # written in place: only the new rows and their neighbours' change
         threads = 1 if t <= ADD_SERIAL else numba.get_num_threads()
@@ -436,7 +431,7 @@ class RoarGraphIndex(Index):
 
     @property
     def nbytes(self) -> int:
-        return (self._store.held(self.n_keys).nbytes + self._nbrs_buf.nbytes + self._deg_buf.nbytes + self.hubs.nbytes  # spare rows included
+        return (self._rows.held(self.n_keys).nbytes + self._nbrs_buf.nbytes + self._deg_buf.nbytes + self.hubs.nbytes  # spare rows included
                 + self._recent_q.nbytes + self._q_ids.nbytes + self._q_scores.nbytes + self._q_w.nbytes)
 
     def _arrays(self) -> dict[str, np.ndarray]:
@@ -450,7 +445,7 @@ class RoarGraphIndex(Index):
         if p["R"] < p["M"]:
             raise IndexConfigError(f"parameter R={p['R']} is smaller than M={p['M']}")
         keys, self._nbrs_buf, self._deg_buf = saved_graph(arrays, n, self.dim, p["R"])
-        self._store = self._key_rows(keys)
+        self._hold_keys(keys)
         self._expose(n)
         self.hubs = saved_hubs(arrays, n)
         # A save from before the row order has no n_built: its rows are in build order (the default row stop would

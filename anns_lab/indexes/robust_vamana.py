@@ -28,7 +28,7 @@ import numba
 import numpy as np
 
 from anns_lab.errors import IndexConfigError
-from anns_lab.indexes.base import Index, Param
+from anns_lab.indexes.base import KeyRowsIndex, Param
 from anns_lab.indexes.graph import Graph, saved_graph
 from anns_lab.indexes.graph.edges import link_unreachable
 from anns_lab.indexes.graph.hubs import query_hubs, saved_hubs
@@ -37,7 +37,7 @@ from anns_lab.indexes.graph.vamana import random_graph, robust_stitch, vamana_pa
 from anns_lab.indexes.topk import topk_ip
 
 
-class RobustVamanaIndex(Index):
+class RobustVamanaIndex(KeyRowsIndex):
     """OOD-DiskANN: Vamana over keys plus sample queries, RobustStitched to a keys-only graph."""
 
     name = "robust-vamana"
@@ -80,16 +80,11 @@ class RobustVamanaIndex(Index):
         self._nbrs, self._degree = robust_stitch(Graph(data, nbrs, degree), n, q_nbrs, p["alpha"], R,
                                                  numba.get_num_threads())
         link_unreachable(Graph(keys, self._nbrs, self._degree), self.hubs, R)
-        self._store = self._key_rows(keys)
-
-    @property
-    def _keys(self) -> np.ndarray:
-        return self._store.view(self.n_keys or self._store.n)
+        self._hold_keys(keys)
 
     def _add(self, keys: np.ndarray) -> None:
         n0, t, R = self.n_keys, len(keys), self.params["R"]
-        self._store.append(n0, keys)
-        allkeys = self._store.view(n0 + t)
+        allkeys = self._append_keys(keys)
         nbrs = np.vstack([self._nbrs, np.full((t, R), -1, np.int32)])
         degree = np.concatenate([self._degree, np.zeros(t, np.int32)])
         order = np.arange(n0, n0 + t, dtype=np.int64)
@@ -106,12 +101,12 @@ class RobustVamanaIndex(Index):
 
     @property
     def nbytes(self) -> int:
-        return self._store.held(self.n_keys).nbytes + self._nbrs.nbytes + self._degree.nbytes + self.hubs.nbytes
+        return self._rows.held(self.n_keys).nbytes + self._nbrs.nbytes + self._degree.nbytes + self.hubs.nbytes
 
     def _arrays(self) -> dict[str, np.ndarray]:
         return {"keys": self._keys, "nbrs": self._nbrs, "degree": self._degree, "hubs": self.hubs}
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
         keys, self._nbrs, self._degree = saved_graph(arrays, self.n_keys, self.dim, self.params["R"])
-        self._store = self._key_rows(keys)
+        self._hold_keys(keys)
         self.hubs = saved_hubs(arrays, self.n_keys)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from anns_lab.indexes.base import Index, Param
+from anns_lab.indexes.base import KeyRowsIndex, Param
 from anns_lab.indexes.graph import Graph, saved_graph
 from anns_lab.indexes.graph.search import bytes_read, search_batch
 from anns_lab.indexes.graph.vamana import random_graph, vamana_pass
@@ -30,7 +30,7 @@ def entry_point(keys: np.ndarray) -> int:
     return int(np.argmax(keys @ keys.mean(axis=0)))
 
 
-class VamanaIndex(Index):
+class VamanaIndex(KeyRowsIndex):
     """Vamana (DiskANN) graph for maximum inner product; searched by counted beam search."""
 
     name = "vamana"
@@ -51,17 +51,13 @@ class VamanaIndex(Index):
         order = np.random.default_rng(seed).permutation(len(keys)).astype(np.int64)
         for alpha in (1.0, self.params["alpha"]):
             vamana_pass(Graph(keys, nbrs, degree), order, self.entry, alpha, R, L)
-        self._store, self._nbrs, self._degree = self._key_rows(keys), nbrs, degree
-
-    @property
-    def _keys(self) -> np.ndarray:
-        return self._store.view(self.n_keys or self._store.n)
+        self._hold_keys(keys)
+        self._nbrs, self._degree = nbrs, degree
 
     def _add(self, keys: np.ndarray) -> None:
         # Insert the new rows with one α pass over them (the old rows keep their edges).
         n0 = self.n_keys
-        self._store.append(n0, keys)
-        allkeys = self._store.view(n0 + len(keys))
+        allkeys = self._append_keys(keys)
         R = self.params["R"]
         nbrs = np.vstack([self._nbrs, np.full((len(keys), R), -1, np.int32)])
         degree = np.concatenate([self._degree, np.zeros(len(keys), np.int32)])
@@ -80,5 +76,5 @@ class VamanaIndex(Index):
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
         keys, self._nbrs, self._degree = saved_graph(arrays, self.n_keys, self.dim, self.params["R"])
-        self._store = self._key_rows(keys)
+        self._hold_keys(keys)
         self.entry = int(expect_ids("entry", expect(arrays, "entry", np.int64, (1,)), 0, self.n_keys)[0])

@@ -94,8 +94,8 @@ def test_loki_add_keeps_the_builds_basis():
     keys, queries, _ = easy_data(n_keys=500, dim=8, seed=5)
     grown = Loki().build(keys[:301])
     basis = grown._basis.copy()
-    grown.add(keys[301:320])  # the coordinates' table doubles, then takes the rest in its spare columns
-    grown.add(keys[320:])
+    for lo, hi in ((301, 320), (320, 370), (370, 500)):  # the coordinates' table grows, fills its spare columns, grows
+        grown.add(keys[lo:hi])
     np.testing.assert_array_equal(grown._basis, basis)
     np.testing.assert_allclose(grown._coords.table, (keys @ basis).T, rtol=1e-5, atol=1e-5)
     exact = grown.search(queries, 10, rank=0.25, budget=500)
@@ -106,8 +106,8 @@ def test_sparq_add_reads_the_new_keys_dimensions():
     # a budget below the keys: the partial pass over the transposed copy must hold the added keys too
     keys, queries, _ = easy_data(n_keys=500, dim=8, seed=9)
     grown = SparQ().build(keys[:301])
-    grown.add(keys[301:320])  # the transposed copy doubles, then takes the rest in its spare columns
-    grown.add(keys[320:])
+    for lo, hi in ((301, 320), (320, 370), (370, 500)):  # the transposed copy grows, fills its spare columns, grows
+        grown.add(keys[lo:hi])
     fresh = SparQ().build(keys)
     a, b = grown.search(queries, 10, rank=0.25, budget=60), fresh.search(queries, 10, rank=0.25, budget=60)
     assert np.array_equal(a.ids, b.ids) and np.array_equal(a.n_scanned, b.n_scanned)
@@ -229,8 +229,8 @@ def test_double_sparsity_add_keeps_the_builds_channels():
     keys, queries, train, key_pos, train_pos = _paired(n_keys=500, dim=8)
     grown = DoubleSparsity().build(keys[:301], train, key_positions=key_pos[:301], train_positions=train_pos)
     order = grown._order.copy()
-    grown.add(keys[301:320])
-    grown.add(keys[320:])
+    for lo, hi in ((301, 320), (320, 370), (370, 500)):
+        grown.add(keys[lo:hi])
     np.testing.assert_array_equal(grown._by_dim.table, keys.T)
     np.testing.assert_array_equal(grown._order, order)
     a = grown.search(queries, 10, rank=0.25, budget=60)
