@@ -11,7 +11,8 @@ holds them (an index reads its rows there; the prefill queries as training queri
 decoder's add runs on the calling thread), then each batch is appended to the store and added, as the decoder does.
 Prints the median CPU and wall ms per add, the index's own bytes per key after the last add (its ``nbytes`` less
 the store's rows it reads: what the decoder's CPU B/key adds per query head), and recall@100 of the head's test
-queries at the index's default search (exact reference, numpy). Indexes and variants run back to back on the same
+queries at the index's default search (the layer's softmax scale where one is read; exact reference, numpy; nan
+for an estimator, whose ids are its exact part only). Indexes and variants run back to back on the same
 head, so their ratios hold under load.
 """
 
@@ -100,8 +101,9 @@ def main() -> None:
                 if not cpu:
                     print(f"| {spec} | {name} | {label} | {index.n_keys} | (no add) | | | |", flush=True)
                     continue
-                res = index.search(h.test_queries, 100)
-                rec = recall_at_k(res.ids, scores, 100).mean()
+                res = index.search(h.test_queries, 100, **cls.scaled({}, h.scaling))  # vattention: the layer's scale
+                # an estimator's ids are its exact part only: its recall says nothing of its output (docs/estimators.md)
+                rec = float("nan") if cls.estimates else recall_at_k(res.ids, scores, 100).mean()
                 per_key = own_bytes(index, store) / index.n_keys
                 print(f"| {spec} | {name} | {label} | {index.n_keys} | {1e3 * np.median(cpu):.1f} | "
                       f"{1e3 * np.median(wall):.1f} | {per_key:,.0f} | {rec:.3f} |", flush=True)

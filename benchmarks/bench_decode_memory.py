@@ -35,7 +35,7 @@ def key_bytes(stores: dict) -> tuple[int, int]:
     extra = {}
     for s in stores.values():
         for index in {id(ix): ix for ix in s.indexes}.values():
-            store = getattr(index, "_store", None)
+            store = getattr(index, "_rows", None)
             buf = getattr(getattr(store, "store", store), "buf", None)  # KeyRows → KeyStore, or the older KeyStore
             if isinstance(buf, np.ndarray) and id(_root(buf)) not in own:
                 extra[id(_root(buf))] = _root(buf)

@@ -77,7 +77,7 @@ def test_processes_build_the_indexes_a_thread_builds_on_the_callers_rows(workers
         assert saved_a.keys() == saved_b.keys()
         for key in saved_a:
             np.testing.assert_array_equal(saved_a[key], saved_b[key], err_msg=key)
-        if "_store" in vars(a):
+        if "_rows" in vars(a):
             assert b._rows.store is store and not b._rows.owned
         params = a.grid()[len(a.grid()) // 2]
         ra, rb = a.search(test, 10, **params), b.search(test, 10, **params)

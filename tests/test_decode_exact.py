@@ -21,12 +21,12 @@ from anns_lab.window import Window
 # Index modes checked for exactness; search parameters are each index's most thorough setting (capped: the plugins'
 # token budgets then cover every key).
 CANDIDATES = ("flat", "ivf", "hnsw", "vamana", "roargraph", "robust-vamana", "quest", "shadowkv", "ngfix", "sparq",
-              "loki", "snapkv", "infllm")
+              "loki", "double-sparsity", "snapkv", "infllm")
 
 
 # Where the most thorough value of a parameter would make the rest exact by construction, the cheapest: sparq's and loki's
 # partial products over every dimension are the full ones; over an eighth the budget (every key) must make them exact.
-CHEAPEST = {"sparq": {"rank": 0.125}, "loki": {"rank": 0.125}}
+CHEAPEST = {"sparq": {"rank": 0.125}, "loki": {"rank": 0.125}, "double-sparsity": {"rank": 0.125}}
 
 
 def thorough(name: str) -> dict:
@@ -551,6 +551,26 @@ def test_cpu_bytes_per_key_counts_the_store_and_each_index_once(prefilled):
     rg = runs["roargraph"].stores[lm.long_range_layers[0]]
     graphs = sum(ix.nbytes - ix.n_keys * ix.dim * 4 for ix in rg.indexes)  # one index per query head
     assert rg.cpu_bytes() == 4 * G * d * 2 * rg.n_rows + graphs
+
+
+def test_a_gqa_groups_double_sparsity_indexes_share_one_transposed_copy_counted_once(prefilled):
+    """double-sparsity is an index per query head (its channels are the head's), each reading rows of the KV head's
+    keys transposed: one table per KV head in the store, grown by the adds (the first index of a group to add grows
+    it), counted once in the CPU bytes; each was a copy of its own, four per KV head on Gemma-3 (BENCHMARKS "Adds that
+    copy only the new keys")."""
+    lm, pre, full = prefilled
+    run = run_mode(lm, pre, Mode("double-sparsity", IndexPlan("double-sparsity", {}, thorough("double-sparsity"))),
+                   SETTINGS, STEPS, keep_logits=True)
+    assert run.tokens == full.tokens
+    for store in run.stores.values():
+        G, d, per = store.keys.shape[0], store.keys.shape[2], store.n_heads // store.keys.shape[0]
+        tables = [store.indexes[h]._by_dim for h in range(store.n_heads)]
+        assert len({id(t) for t in tables}) == G and all(tables[h] is tables[per * (h // per)] for h in range(store.n_heads))
+        assert store.indexes[0].n_keys == store.n_indexed > PROMPT - SETTINGS.window.size  # the adds ran
+        for g in range(G):
+            np.testing.assert_array_equal(tables[per * g].table[:, :store.n_indexed], store.keys[g, :store.n_indexed].T)
+        orders = sum(ix._order.nbytes for ix in store.indexes)
+        assert store.cpu_bytes() == 4 * G * d * 2 * store.n_rows + sum(t.buf.nbytes for t in tables[::per]) + orders
 
 
 def test_device_lists_are_the_exact_top_keys():

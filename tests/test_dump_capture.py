@@ -192,7 +192,7 @@ def test_a_config_with_per_layer_attention_shapes_is_refused_before_any_weight_l
     from anns_lab.errors import ModelNotAvailable
 
     shapes = dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], head_dim=16)
-    with pytest.raises(ModelNotAvailable, match="model 'g' sets head_dim per layer .*one attention shape.*not supp"):
+    with pytest.raises(ModelNotAvailable, match="model 'g' sets head_dim per layer .*one value for all.*not supp"):
         check_attention("g", Gemma4TextConfig(**shapes, global_head_dim=32))
     check_attention("g", Gemma4TextConfig(**shapes, global_head_dim=16))
 

@@ -207,13 +207,16 @@ class LayerStore:
 
     def cpu_bytes(self) -> int:
         """Bytes of the layer's CPU side: the keys and values held (rows ``[0, n_rows)``; the buffers' spare capacity is
-        untouched) and each distinct index's ``nbytes`` less the arrays it reads from this store (an index with its
-        own copy of the keys, as faiss's flat, counts that copy)."""
-        own = 0
+        untouched) and each distinct index's ``nbytes`` less the arrays it reads from this store or shares with an
+        index counted before it (an index with its own copy of the keys, as faiss's flat, counts that copy;
+        double-sparsity's query heads, one transposed copy of their KV head's keys)."""
+        own, seen = 0, [self.keys]
         for heads in self._groups():
             index = self.indexes[heads[0]]
-            shared = sum(a.nbytes for a in index.held_arrays() if np.may_share_memory(a, self.keys))
+            arrays = index.held_arrays()
+            shared = sum(a.nbytes for a in arrays if any(np.may_share_memory(a, b) for b in seen))
             own += protocol.held_bytes(type(index).name, index) - shared
+            seen += arrays
         held = self.keys[:, : self.n_rows]
         return 2 * held.nbytes + own  # values: the keys' shape
 

@@ -325,9 +325,9 @@ def check_attention(name: str, config) -> None:
                                 "they would not be this model's attention; such models are not supported")
     varying = getattr(cfg, "per_layer_attributes", None)
     if varying:  # Gemma-4's wider global heads: transformers refuses to give one head_dim, which the lab reads
-        raise ModelNotAvailable(f"model {name!r} sets {', '.join(sorted(varying))} per layer (per_layer_config): the "
-                                "lab's dumps, indexes and decoder hold one attention shape for all of a model's "
-                                "layers; such models are not supported")
+        raise ModelNotAvailable(f"model {name!r} sets {', '.join(sorted(varying))} per layer (per_layer_config), which "
+                                "the lab's dumps, indexes and decoder read as one value for all of a model's layers; "
+                                "such models are not supported")
     other = _other_attention(cfg)
     if other is not None:
         raise ModelNotAvailable(f"model {name!r} {other}: the lab's dumps, metrics and retrieval attention hold each "

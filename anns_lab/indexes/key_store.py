@@ -26,6 +26,7 @@ class KeyStore:
         else:  # wrap the caller's array: no copy until the first append
             self.buf = rows
         self.n = rows.shape[1]
+        self.derived: dict[tuple[int, str], object] = {}  # KeyRows.shared's tables, by head and name
 
     def head(self, g: int) -> "KeyRows":
         """Head ``g``'s rows, for indexes to be built on (the store's owner appends to it)."""
@@ -66,6 +67,14 @@ class KeyRows(NamedTuple):
         """The rows whose memory the index holds: its own store's whole buffer (the capacity ``add``'s doubling left
         included), or rows ``[0, n)`` of a store the caller owns (whose buffer the caller counts)."""
         return self.store.buf[self.g] if self.owned else self.view(n)
+
+    def shared(self, name: str, make):
+        """The object ``make()`` returns, made once per head of the store and ``name``, and the same for every index
+        built on that head (a GQA group's query heads) as long as the store lives: a table derived from the rows, such
+        as their transpose, which the indexes that read it keep in step with the rows (each only ever appended)."""
+        key = (self.g, name)
+        made = self.store.derived.get(key)
+        return made if made is not None else self.store.derived.setdefault(key, make())
 
     def append(self, start: int, rows: np.ndarray) -> None:
         """Make rows ``[start, start + t)`` hold ``rows`` (t, d): appended to a store of the index's own; already

@@ -63,12 +63,13 @@ class DoubleSparsity(KeyRowsIndex):
     def _set(self, keys: np.ndarray, order: np.ndarray) -> None:
         self._hold_keys(keys)
         self._order = order
-        self._by_dim = partial.Columns.of(keys.T)  # (d, n): the label cache's rows, r of them read per query
+        # (d, n): the label cache's rows, r of them read per query; one copy for the KV head's query heads
+        self._by_dim = partial.transposed(self._rows, len(keys))
 
     def _search(self, queries: np.ndarray, k: int, rank: float, budget: int):
         r = partial.channels(rank, self.dim)
         dims = np.broadcast_to(np.sort(self._order[:r]), (len(queries), r))  # the head's, the same for every query
-        ids, scores, scanned, nbytes = partial.search_channels(self._by_dim.table, dims, self._keys, queries, budget, k)
+        ids, scores, scanned, nbytes = partial.search_channels(self._by_dim.buf, dims, self._keys, queries, budget, k)
         return ids, scores, scanned, nbytes + 8 * r  # and the r channel ids (int64) read from the index
 
     def grid(self) -> list[dict]:
@@ -79,7 +80,7 @@ class DoubleSparsity(KeyRowsIndex):
 
     def _add(self, keys: np.ndarray) -> None:
         self._append_keys(keys)
-        self._by_dim.append(keys.T)
+        self._by_dim = partial.transposed(self._rows, self.n_keys + len(keys))
 
     def _arrays(self) -> dict[str, np.ndarray]:
         return {"keys": self._keys, "order": self._order}

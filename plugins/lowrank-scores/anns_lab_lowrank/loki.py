@@ -60,7 +60,7 @@ class Loki(KeyRowsIndex):
         # each query's first r coordinates in the basis (einsum's own loop: no BLAS team for r·d products)
         weights = np.einsum("qd,dr->qr", queries, self._basis[:, :r])
         dims = np.broadcast_to(np.arange(r), (len(queries), r))
-        ids, scores, scored = partial.search(self._coords.table, dims, weights, self._keys, queries, budget, k)
+        ids, scores, scored = partial.search(self._coords.buf, dims, weights, self._keys, queries, budget, k)
         products, nbytes = partial.partial_cost(n, r, d)
         return ids, scores, r + products + scored, 4 * d * r + nbytes + 4 * d * scored
 

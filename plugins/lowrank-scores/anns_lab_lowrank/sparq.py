@@ -32,12 +32,12 @@ class SparQ(KeyRowsIndex):
 
     def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
         self._hold_keys(keys)
-        self._by_dim = partial.Columns.of(keys.T)  # (d, n): SparQ's second copy, r rows read per query
+        self._by_dim = partial.transposed(self._rows, len(keys))  # (d, n): SparQ's second copy, r rows read per query
 
     def _search(self, queries: np.ndarray, k: int, rank: float, budget: int):
         r = partial.channels(rank, self.dim)
         dims = np.sort(np.argsort(-np.abs(queries), axis=1, kind="stable")[:, :r], axis=1)  # each query's own
-        return partial.search_channels(self._by_dim.table, dims, self._keys, queries, budget, k)
+        return partial.search_channels(self._by_dim.buf, dims, self._keys, queries, budget, k)
 
     def grid(self) -> list[dict]:
         return partial.grid(self.n_keys)
@@ -47,7 +47,7 @@ class SparQ(KeyRowsIndex):
 
     def _add(self, keys: np.ndarray) -> None:
         self._append_keys(keys)
-        self._by_dim.append(keys.T)
+        self._by_dim = partial.transposed(self._rows, self.n_keys + len(keys))
 
     def _arrays(self) -> dict[str, np.ndarray]:
         return {"keys": self._keys}

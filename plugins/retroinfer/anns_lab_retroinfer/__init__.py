@@ -28,12 +28,12 @@ from __future__ import annotations
 import faiss
 import numpy as np
 
-from anns_lab.indexes import Index, Param
+from anns_lab.indexes import KeyRowsIndex, Param
 from anns_lab.indexes.estimate import Estimate, Summaries
 from anns_lab.indexes.persist import expect, expect_ids
 
 
-class RetroInfer(Index):
+class RetroInfer(KeyRowsIndex):
     """k-means clusters in RetroInfer's zones: nprobe exact, estimation_budget from centroid and value sum, rest dropped."""
 
     build_params = {
@@ -66,7 +66,7 @@ class RetroInfer(Index):
         self._set(keys, assign)
 
     def _set(self, keys: np.ndarray, assign: np.ndarray) -> None:
-        self._keys = keys
+        self._hold_keys(keys)
         members = np.argsort(assign, kind="stable").astype(np.int64)
         counts = np.bincount(assign, minlength=assign.max() + 1)
         sums = np.zeros((len(counts), keys.shape[1]), np.float64)
