@@ -225,6 +225,23 @@ def test_cli_sweep_of_a_selection_gets_its_own_default_folder(smollm2_dump, tmp_
     assert "(1 head × 2 indexes)" in r.output and "come from earlier sweeps" in r.output
 
 
+def test_cli_sweep_notes_training_options_its_indexes_do_not_read(smollm2_dump, tmp_path):
+    """--train-group / --train-positions typed for indexes that build on the keys alone, or read their queries where the
+    prefill had them, are recorded, not refused (a folder's settings govern its resumes): the sweep says they reach
+    none (here before --k 0's refusal, so that nothing runs)."""
+    base = ["sweep", "--dump", str(smollm2_dump.path), "--layers", "2", "--heads", "0", "--k", "0",
+            "--out", str(tmp_path / "o")]
+    r = CliRunner().invoke(main, base + ["--indexes", "flat,ivf", "--train-group", "group", "--train-positions", "mix"])
+    assert "note: --train-group, --train-positions: read by none of --indexes flat,ivf" in r.output
+    assert r.exit_code != 0 and "note:" in r.output.split("Error")[0]
+    r = CliRunner().invoke(main, base + ["--indexes", "snapkv", "--train-positions", "serving"])
+    assert "note: --train-positions: read by none of --indexes snapkv;" in r.output
+    for read in (["--indexes", "roargraph", "--train-group", "group"], ["--indexes", "flat"],
+                 ["--indexes", "snapkv,roargraph", "--train-positions", "serving"],
+                 ["--indexes", "snapkv", "--train-positions", "own"], ["--indexes", "nosuch", "--train-group", "group"]):
+        assert "note:" not in CliRunner().invoke(main, base + read).output, read
+
+
 def test_default_layers_spread_over_depth():
     assert default_layers(list(range(30))) == [2, 15, 28]
     assert default_layers([5, 11, 17]) == [5, 11, 17]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from anns_lab.cli_types import WINDOW, name_list
+from anns_lab.cli_types import WINDOW, given_flags, name_list
 from anns_lab.errors import AnnsLabError
 from anns_lab.dumps import rope
 from anns_lab.indexes.group_queries import DEFAULT as GROUP_DEFAULT
@@ -92,6 +92,29 @@ def latest_dump() -> Path | None:
     return found[-1].parent if found else None
 
 
+def _note_unread_training(names: list[str] | None) -> None:
+    """Say so where --train-group or --train-positions, typed, reaches none of the chosen indexes (each builds on the
+    keys alone, or reads its queries where the prefill had them): the sweep records them all the same, its folder's
+    settings governing its resumes, where decode refuses them."""
+    from anns_lab.indexes import registry
+
+    ctx = click.get_current_context()
+    typed = given_flags(ctx, "train_group", "train_positions")
+    if not typed or not names:
+        return
+    try:
+        classes = [registry.get(name) for name in names]
+    except AnnsLabError:  # an unknown index: run_sweep's error, in its words
+        return
+    unread = [flag for flag in typed if not any(c.uses_train_queries for c in classes)]
+    if "--train-positions" in typed and not unread and ctx.params["train_positions"] != "own" and not any(
+            c.moves_train_queries() for c in classes):
+        unread.append("--train-positions")  # every index here reads its queries at their own positions
+    if unread:
+        click.echo(f"note: {', '.join(unread)}: read by none of --indexes {','.join(names)}; recorded in the sweep's "
+                   "settings all the same", err=True)
+
+
 @click.command(short_help="Recall against keys scanned for every index, per (layer, head).")
 @click.option("--dump", "dump_path", type=click.Path(), default=None,
               help="Dump folder [default: the newest under dumps/, or make the default SmolLM2 dump first].")
@@ -153,6 +176,7 @@ def sweep(dump_path, indexes, layers, heads, k, window, out, jobs, overwrite, bu
     # --indexes "" names nothing (refused by run_sweep), it does not mean every index
     names = list(dict.fromkeys(name_list(indexes, "--indexes"))) if indexes is not None else None
     layer_list, head_list = _layers(layers, dump_path), _heads(heads, dump_path)
+    _note_unread_training(names)
     if out is None:
         out = default_out(dump_path, names, layer_list, head_list, quick)
     try:
