@@ -78,3 +78,16 @@ def test_padded_rows_buckets():
     padded = [padded_rows(n) for n in sizes]
     assert all(n <= p <= n + n / 16 for n, p in zip(sizes, padded))
     assert len({p for n, p in zip(sizes, padded) if 1 << 16 <= n < 1 << 17}) == 17  # an octave: 16 sizes and its end
+
+
+def test_overlaps_tells_interleaved_views_of_one_buffer_apart():
+    """The bytes an index or a layer holds are counted once per piece of memory: two interleaved views of one buffer
+    are two pieces (their bounds overlap, so numpy's may_share_memory said one), a view and its buffer one."""
+    import numpy as np
+
+    from anns_lab.indexes.held_memory import overlaps
+
+    buf = np.zeros((10, 8), np.float32)
+    assert not overlaps(buf[:, ::2], buf[:, 1::2]) and np.may_share_memory(buf[:, ::2], buf[:, 1::2])
+    assert overlaps(buf[:5], buf) and overlaps(buf[2:7], buf[6:]) and not overlaps(buf[:5], buf[5:])
+    assert not overlaps(buf, np.zeros_like(buf))

@@ -75,3 +75,36 @@ def test_an_index_on_the_callers_store_keeps_no_copy_of_its_keys_through_adds(na
         return
     q = store.buf[0, n + 10: n + 12] * 10  # added keys, long: an index that searches them all finds each first
     assert index.search(q, 5, **(index.grid()[-1])).ids[:, 0].tolist() == [n + 10, n + 11]
+
+
+def test_a_table_the_indexes_of_a_head_share_is_made_once_and_lives_while_one_holds_it(monkeypatch):
+    """``KeyRows.shared``: indexes built on one head on threads share one derived table, made once (a race made one
+    per thread, all but one thrown away); it goes with the last index that holds it (a layer that turns to an exact
+    scan drops its indexes: their table stayed with the store, uncounted)."""
+    import gc
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from anns_lab_lowrank import partial
+
+    from anns_lab.indexes import registry
+
+    made = []
+    of = partial.Columns.of
+
+    def slow_of(table):  # a make that takes long enough for every thread to race into it
+        made.append(1)
+        time.sleep(0.05)
+        return of(table)
+
+    monkeypatch.setattr(partial.Columns, "of", staticmethod(slow_of))
+    store = KeyStore(np.random.default_rng(4).normal(size=(2, 3000, 32)).astype(np.float32))
+    sparq = registry.get("sparq")
+    with ThreadPoolExecutor(8) as pool:
+        indexes = list(pool.map(lambda h: sparq().build(store.head(h // 4)), range(8)))
+    assert len(made) == 2 and len(store.derived) == 2  # one per head
+    assert all(ix._by_dim is indexes[4 * (h // 4)]._by_dim for h, ix in enumerate(indexes))
+    np.testing.assert_array_equal(indexes[5]._by_dim.table, store.buf[1].T)
+    del indexes
+    gc.collect()
+    assert len(store.derived) == 0

@@ -33,6 +33,7 @@ from anns_lab.indexes.base import SearchResult
 from anns_lab.indexes.build_processes import BuildProcesses, Spool, can_build
 from anns_lab.indexes.estimate import Estimate, estimate_terms, weighted_partial
 from anns_lab.indexes.group_queries import other_heads
+from anns_lab.indexes.held_memory import overlaps
 from anns_lab.indexes.key_store import KeyStore
 from anns_lab.indexes.threads import map_one_thread
 
@@ -214,7 +215,7 @@ class LayerStore:
         for heads in self._groups():
             index = self.indexes[heads[0]]
             arrays = index.held_arrays()
-            shared = sum(a.nbytes for a in arrays if any(np.may_share_memory(a, b) for b in seen))
+            shared = sum(a.nbytes for a in arrays if any(overlaps(a, b) for b in seen))
             own += protocol.held_bytes(type(index).name, index) - shared
             seen += arrays
         held = self.keys[:, : self.n_rows]

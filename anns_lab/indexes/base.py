@@ -33,6 +33,7 @@ import numpy as np
 
 from anns_lab.errors import IndexConfigError, IndexResultError
 from anns_lab.indexes.estimate import Estimate, Summaries
+from anns_lab.indexes.held_memory import overlaps
 from anns_lab.indexes.key_store import KeyRows, KeyStore
 from anns_lab.indexes.persist import load_index, save_index
 
@@ -455,7 +456,7 @@ class Index:
             while isinstance(root.base, np.ndarray):
                 root = root.base
             group = kept.setdefault(id(root if root.base is None else root.base), [])
-            if not any(np.may_share_memory(a, b) for b in group):
+            if not any(overlaps(a, b) for b in group):
                 group.append(a)
         return [a for group in kept.values() for a in group]
 

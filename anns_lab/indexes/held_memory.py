@@ -18,6 +18,15 @@ import numpy as np
 MUTEX_BYTES = {("linux", "aarch64"): 48, ("linux", "arm64"): 48, ("darwin", "arm64"): 64, ("darwin", "x86_64"): 64}
 
 
+def overlaps(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``a`` and ``b`` share memory: exactly where numpy can tell within a bounded effort (two interleaved views
+    of one buffer do not), else by their bounds, which say yes for arrays that only interleave."""
+    try:
+        return bool(np.shares_memory(a, b, max_work=1 << 16))
+    except np.exceptions.TooHardError:
+        return bool(np.may_share_memory(a, b))
+
+
 def grown_capacity(capacity: int, size: int, added: int) -> int:
     """Capacity of a vector of ``size`` items and ``capacity`` after a resize that appends ``added``."""
     return capacity if size + added <= capacity else size + max(size, added)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import NamedTuple
 
 import numpy as np
@@ -26,7 +28,10 @@ class KeyStore:
         else:  # wrap the caller's array: no copy until the first append
             self.buf = rows
         self.n = rows.shape[1]
-        self.derived: dict[tuple[int, str], object] = {}  # KeyRows.shared's tables, by head and name
+        # KeyRows.shared's tables, by head and name, each as long as an index holds it (not the store: a layer that
+        # turns to an exact scan drops its indexes and their tables)
+        self.derived: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self.lock = threading.RLock()  # a group's indexes may build on threads
 
     def head(self, g: int) -> "KeyRows":
         """Head ``g``'s rows, for indexes to be built on (the store's owner appends to it)."""
@@ -68,13 +73,19 @@ class KeyRows(NamedTuple):
         included), or rows ``[0, n)`` of a store the caller owns (whose buffer the caller counts)."""
         return self.store.buf[self.g] if self.owned else self.view(n)
 
-    def shared(self, name: str, make):
+    def shared(self, name: str, make, grow=None):
         """The object ``make()`` returns, made once per head of the store and ``name``, and the same for every index
-        built on that head (a GQA group's query heads) as long as the store lives: a table derived from the rows, such
-        as their transpose, which the indexes that read it keep in step with the rows (each only ever appended)."""
+        built on that head (a GQA group's query heads) while one holds it: a table derived from the rows, such as their
+        transpose, which the indexes that read it keep in step with the rows (each only ever appended) by ``grow(it)``,
+        called here too. Made and grown under the store's lock: the indexes may build on threads."""
         key = (self.g, name)
-        made = self.store.derived.get(key)
-        return made if made is not None else self.store.derived.setdefault(key, make())
+        with self.store.lock:
+            made = self.store.derived.get(key)
+            if made is None:
+                made = self.store.derived[key] = make()
+            if grow is not None:
+                grow(made)
+            return made
 
     def append(self, start: int, rows: np.ndarray) -> None:
         """Make rows ``[start, start + t)`` hold ``rows`` (t, d): appended to a store of the index's own; already

@@ -58,10 +58,11 @@ def transposed(rows: KeyRows, n: int) -> Columns:
     """Rows ``[0, n)`` of a store's head, transposed, at least: one table per head of the store, shared by every index
     built on it (double-sparsity's query heads of a GQA group in the decoder: one copy where each held its own),
     grown here to ``n`` columns; the columns past an index's keys are rows it has not been given yet, never read."""
-    table = rows.shared("transposed", lambda: Columns.of(rows.view(n).T))
-    if table.n < n:
-        table.append(rows.view(n)[table.n:].T)
-    return table
+    def grow(table: Columns) -> None:
+        if table.n < n:
+            table.append(rows.view(n)[table.n:].T)
+
+    return rows.shared("transposed", lambda: Columns.of(rows.view(n).T), grow)
 
 
 def channels(rank: float, dim: int) -> int:

@@ -246,3 +246,23 @@ def test_a_saved_channel_order_that_is_no_ordering_is_refused(tmp_path):
     index.save(tmp_path / "bad")
     with pytest.raises(IndexConfigError, match="not an ordering of the 8 channels"):
         DoubleSparsity.load(tmp_path / "bad")
+
+
+def test_the_shared_transposed_table_grows_once_to_the_most_rows_asked_from_threads():
+    """``partial.transposed`` from threads asking for different row counts of one store head (each an index's ``n``):
+    one table, its columns the rows transposed up to the most asked, none written twice or lost (unlocked, a race
+    between the check and the append left tables wrong and an append failed on a shape)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from anns_lab.indexes.key_store import KeyStore
+    from anns_lab_lowrank import partial
+
+    rows = np.random.default_rng(6).normal(size=(1, 4000, 16)).astype(np.float32)
+    for trial in range(20):
+        store = KeyStore(rows[:, :100].copy(), capacity=4000)
+        store.append(rows[:, 100:])
+        head = store.head(0)
+        with ThreadPoolExecutor(8) as pool:
+            tables = list(pool.map(lambda n: partial.transposed(head, n), [100 + 37 * i * (trial + 1) % 3900 for i in range(64)]))
+        assert len({id(t) for t in tables}) == 1, trial
+        np.testing.assert_array_equal(tables[0].table, rows[0, : tables[0].n].T)
