@@ -108,3 +108,26 @@ def test_a_table_the_indexes_of_a_head_share_is_made_once_and_lives_while_one_ho
     del indexes
     gc.collect()
     assert len(store.derived) == 0
+
+
+@pytest.mark.parametrize("name", ["roargraph", "sparq", "double-sparsity"])
+def test_an_index_on_a_store_pickles_and_copies(name):
+    """An index holding its rows in a key store (its own or the caller's, with the store's lock and shared tables)
+    pickles and deep-copies, as it did before the store shared tables: the copy searches as the index."""
+    import copy
+    import pickle
+
+    from anns_lab.indexes import registry
+    from anns_lab.testing import easy_data
+
+    keys, queries, train = easy_data(n_keys=600, dim=16, seed=2)
+    cls = registry.get(name)
+    extra = {"train_queries": train} if cls.uses_train_queries else {}
+    if cls.reads_positions:
+        extra |= {"key_positions": np.arange(600), "train_positions": np.arange(600 - len(train), 600)}
+    for rows in (keys, KeyStore(keys[None].copy(), capacity=700).head(0)):
+        index = cls().build(rows, **extra)
+        want = index.search(queries[:5], 10)
+        for again in (pickle.loads(pickle.dumps(index)), copy.deepcopy(index)):
+            got = again.search(queries[:5], 10)
+            assert np.array_equal(got.ids, want.ids) and np.array_equal(got.n_scanned, want.n_scanned)

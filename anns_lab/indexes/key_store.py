@@ -28,10 +28,22 @@ class KeyStore:
         else:  # wrap the caller's array: no copy until the first append
             self.buf = rows
         self.n = rows.shape[1]
+        self._share()
+
+    def _share(self) -> None:
         # KeyRows.shared's tables, by head and name, each as long as an index holds it (not the store: a layer that
         # turns to an exact scan drops its indexes and their tables)
         self.derived: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self.lock = threading.RLock()  # a group's indexes may build on threads
+
+    def __getstate__(self) -> dict:
+        # An index pickles with its store (or a copy of it): the lock and the weak references stay behind, each index
+        # carrying the tables it holds itself.
+        return {"buf": self.buf, "n": self.n}
+
+    def __setstate__(self, state: dict) -> None:
+        self.buf, self.n = state["buf"], state["n"]
+        self._share()
 
     def head(self, g: int) -> "KeyRows":
         """Head ``g``'s rows, for indexes to be built on (the store's owner appends to it)."""
