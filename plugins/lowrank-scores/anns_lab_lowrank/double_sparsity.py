@@ -23,7 +23,6 @@ from __future__ import annotations
 import numpy as np
 
 from anns_lab.errors import IndexConfigError
-from anns_lab.indexes import KeyRowsIndex
 from anns_lab.indexes.persist import expect
 from anns_lab_lowrank import partial
 
@@ -43,14 +42,11 @@ def heavy_channels(keys: np.ndarray, key_positions: np.ndarray, queries: np.ndar
     return np.argsort(-weight, kind="stable").astype(np.int64)
 
 
-class DoubleSparsity(KeyRowsIndex):
+class DoubleSparsity(partial.TransposedKeys):
     """Double Sparsity: every key scored on the head's r heaviest channels, the best ``budget`` scored exactly.
 
     A channel's weight: mean |q_c·k_c| over the prefill's tokens, each query against its own token's key."""
 
-    search_params = {"rank": partial.RANK, "budget": partial.BUDGET}
-    search_grid = {"rank": partial.RANKS, "budget": partial.BUDGETS}
-    calibrated_by = "budget"  # the decoder raises the keys scored exactly, at the rank given
     uses_train_queries = True
     own_positions = True  # a query is paired with the key of its own token, as the prefill computed them
     reads_positions = True
@@ -61,26 +57,14 @@ class DoubleSparsity(KeyRowsIndex):
         self._set(keys, heavy_channels(keys, key_positions, train_queries, train_positions))
 
     def _set(self, keys: np.ndarray, order: np.ndarray) -> None:
-        self._hold_keys(keys)
+        self._hold_transposed(keys)  # the label cache's rows: one copy for the KV head's query heads
         self._order = order
-        # (d, n): the label cache's rows, r of them read per query; one copy for the KV head's query heads
-        self._by_dim = partial.transposed(self._rows, len(keys))
 
     def _search(self, queries: np.ndarray, k: int, rank: float, budget: int):
         r = partial.channels(rank, self.dim)
         dims = np.broadcast_to(np.sort(self._order[:r]), (len(queries), r))  # the head's, the same for every query
         ids, scores, scanned, nbytes = partial.search_channels(self._by_dim.buf, dims, self._keys, queries, budget, k)
         return ids, scores, scanned, nbytes + 8 * r  # and the r channel ids (int64) read from the index
-
-    def grid(self) -> list[dict]:
-        return partial.grid(self.n_keys)
-
-    def max_scanned(self) -> int:
-        return 2 * self.n_keys
-
-    def _add(self, keys: np.ndarray) -> None:
-        self._append_keys(keys)
-        self._by_dim = partial.transposed(self._rows, self.n_keys + len(keys))
 
     def _arrays(self) -> dict[str, np.ndarray]:
         return {"keys": self._keys, "order": self._order}

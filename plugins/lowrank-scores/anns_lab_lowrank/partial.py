@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from anns_lab.indexes import Param
+from anns_lab.indexes import KeyRowsIndex, Param
 from anns_lab.indexes.key_store import KeyRows
 from anns_lab.indexes.scan_rows import largest, score_rows, select_largest
 
@@ -63,6 +63,31 @@ def transposed(rows: KeyRows, n: int) -> Columns:
             table.append(rows.view(n)[table.n:].T)
 
     return rows.shared("transposed", lambda: Columns.of(rows.view(n).T), grow)
+
+
+class TransposedKeys(KeyRowsIndex):
+    """What sparq and double-sparsity share: the keys and their transposed copy (:func:`transposed`: one per head of
+    the key store, grown by each add), a grid of ranks and budgets, the budget calibrated, two reads of each key at
+    most. A subclass chooses each query's channels and searches with :func:`search_channels` on ``_by_dim.buf``."""
+
+    search_params = {"rank": RANK, "budget": BUDGET}
+    search_grid = {"rank": RANKS, "budget": BUDGETS}
+    calibrated_by = "budget"  # the decoder raises the keys scored exactly, at the rank given
+
+    def _hold_transposed(self, keys: np.ndarray) -> None:
+        """Hold ``keys`` (from ``_build`` or ``_restore``) and their transpose, (d, n), r rows of it read a query."""
+        self._hold_keys(keys)
+        self._by_dim = transposed(self._rows, len(keys))
+
+    def grid(self) -> list[dict]:
+        return grid(self.n_keys)
+
+    def max_scanned(self) -> int:
+        return 2 * self.n_keys
+
+    def _add(self, keys: np.ndarray) -> None:
+        self._append_keys(keys)
+        self._by_dim = transposed(self._rows, self.n_keys + len(keys))
 
 
 def channels(rank: float, dim: int) -> int:

@@ -18,36 +18,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from anns_lab.indexes import KeyRowsIndex
 from anns_lab.indexes.persist import expect
 from anns_lab_lowrank import partial
 
 
-class SparQ(KeyRowsIndex):
+class SparQ(partial.TransposedKeys):
     """SparQ: every key scored on the query's r largest components, the best ``budget`` scored exactly."""
 
-    search_params = {"rank": partial.RANK, "budget": partial.BUDGET}
-    search_grid = {"rank": partial.RANKS, "budget": partial.BUDGETS}
-    calibrated_by = "budget"  # the decoder raises the keys scored exactly, at the rank given
-
     def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
-        self._hold_keys(keys)
-        self._by_dim = partial.transposed(self._rows, len(keys))  # (d, n): SparQ's second copy, r rows read per query
+        self._hold_transposed(keys)  # SparQ's second copy of the keys
 
     def _search(self, queries: np.ndarray, k: int, rank: float, budget: int):
         r = partial.channels(rank, self.dim)
         dims = np.sort(np.argsort(-np.abs(queries), axis=1, kind="stable")[:, :r], axis=1)  # each query's own
         return partial.search_channels(self._by_dim.buf, dims, self._keys, queries, budget, k)
-
-    def grid(self) -> list[dict]:
-        return partial.grid(self.n_keys)
-
-    def max_scanned(self) -> int:
-        return 2 * self.n_keys
-
-    def _add(self, keys: np.ndarray) -> None:
-        self._append_keys(keys)
-        self._by_dim = partial.transposed(self._rows, self.n_keys + len(keys))
 
     def _arrays(self) -> dict[str, np.ndarray]:
         return {"keys": self._keys}
