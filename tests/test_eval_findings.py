@@ -125,6 +125,13 @@ def test_central_result_agrees_disagrees_or_is_not_measured():
     f = F.aware_vs_key_only(*run({("roargraph", "q2k"): 0.5, ("ivf", "q2k"): 0.2}))
     assert f.verdict == F.DISAGREES and "50.0%" in f.text and "20.0%" in f.text
     assert "the key-only index, ivf, needs 20.0%" in f.text  # not "(ivf), ivf"
+    # Fewer keys within the findings' margin (1.5x) is no sign of the paper's 10-50x: it read "agrees" until session 61.
+    f = F.aware_vs_key_only(*run({("roargraph", "q2k"): 0.3, ("ivf", "q2k"): 0.4}))
+    assert f.verdict == F.DISAGREES and "about as many keys: 1.33×" in f.text and "fewer keys" not in f.text
+    f = F.aware_vs_key_only(*run({("roargraph", "q2k"): 0.2, ("ivf", "q2k"): 0.32}))
+    assert f.verdict == F.AGREES and "1.6× fewer keys" in f.text
+    f = F.aware_vs_key_only(*run({("roargraph", "q2k"): 0.2, ("ivf", "q2k"): None}))
+    assert f.verdict == F.AGREES and "fewer keys" not in f.text  # the key-only index never reaches the target
     f = F.aware_vs_key_only(*run({("ivf", "q2k"): 0.2, ("hnsw", "q2k"): 0.3}))
     assert f.verdict == F.NOT_MEASURED and "no attention-aware index" in f.text
     assert "20.0%" not in f.text  # IVF is never set against the attention-aware figure
