@@ -90,14 +90,14 @@ def test_a_table_the_indexes_of_a_head_share_is_made_once_and_lives_while_one_ho
     from anns_lab.indexes import registry
 
     made = []
-    of = partial.Columns.of
+    columns = partial.columns
 
-    def slow_of(table):  # a make that takes long enough for every thread to race into it
+    def slow_columns(table):  # a make that takes long enough for every thread to race into it
         made.append(1)
         time.sleep(0.05)
-        return of(table)
+        return columns(table)
 
-    monkeypatch.setattr(partial.Columns, "of", staticmethod(slow_of))
+    monkeypatch.setattr(partial, "columns", slow_columns)
     store = KeyStore(np.random.default_rng(4).normal(size=(2, 3000, 32)).astype(np.float32))
     sparq = registry.get("sparq")
     with ThreadPoolExecutor(8) as pool:

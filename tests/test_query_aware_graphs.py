@@ -323,14 +323,14 @@ def test_add_in_small_batches():
     one = RoarGraphIndex().build(keys[:n0], train)
     one.add(keys[n0:n0 + 64])
     many = RoarGraphIndex().build(keys[:n0], train)
-    buf, growths = many._nbrs_buf, 0
+    buf, growths = many._adjacency.nbrs.buf, 0
     for s in range(n0, len(keys), 8):
         many.add(keys[s:s + 8])
-        growths += many._nbrs_buf is not buf
-        buf = many._nbrs_buf
+        growths += many._adjacency.nbrs.buf is not buf
+        buf = many._adjacency.nbrs.buf
         n = many.n_keys
         _, nbrs, degree = many.graph_arrays()
-        assert nbrs.shape[0] == degree.shape[0] == n and np.shares_memory(nbrs, many._nbrs_buf)
+        assert nbrs.shape[0] == degree.shape[0] == n and np.shares_memory(nbrs, many._adjacency.nbrs.buf)
         assert reachable_from(many.graph_arrays(), many.entries()).all(), s
         assert (degree[n0:] > 0).all() and (degree <= many.params["R"]).all()
         assert _exact_lists_match(many, keys[:n])
@@ -528,10 +528,10 @@ def test_auto_train_keeps_a_quarter_of_the_keys_count_of_queries_above_its_floor
     assert rg.auto_train(len(keys)) == 400
     given = RoarGraphIndex(max_train=400).build(keys, train)
     every = RoarGraphIndex(max_train=700).build(keys, train)
-    assert np.array_equal(auto._nbrs_buf, given._nbrs_buf) and not np.array_equal(auto._nbrs_buf, every._nbrs_buf)
+    assert np.array_equal(auto._adjacency.nbrs.buf, given._adjacency.nbrs.buf) and not np.array_equal(auto._adjacency.nbrs.buf, every._adjacency.nbrs.buf)
     assert np.array_equal(auto._recent_q[-1], train[-1])  # the newest query is always kept
     monkeypatch.setattr(rg, "MIN_TRAIN", 700)
-    assert np.array_equal(RoarGraphIndex().build(keys, train)._nbrs_buf, every._nbrs_buf)
+    assert np.array_equal(RoarGraphIndex().build(keys, train)._adjacency.nbrs.buf, every._adjacency.nbrs.buf)
 
 @pytest.mark.parametrize("mode", ["head", "group", "strided"])
 def test_a_subsampled_training_set_keeps_its_newest_queries_whole(monkeypatch, mode):

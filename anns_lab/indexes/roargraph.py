@@ -69,7 +69,7 @@ import numpy as np
 
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes.base import KeyRowsIndex, Param
-from anns_lab.indexes.graph import Graph, roar, saved_graph
+from anns_lab.indexes.graph import Adjacency, Graph, roar, saved_graph
 from anns_lab.indexes.graph.edges import add_reverse_edges, link_back, link_unreachable, reachable_from
 from anns_lab.indexes.graph.hubs import query_hubs, saved_hubs
 from anns_lab.indexes.graph.multi import search_graphs
@@ -272,7 +272,7 @@ class RoarGraphIndex(KeyRowsIndex):
             roar.order_rows_by_cooc(g, bip, threads)
         self._hold_keys(keys)
         self.n_built = n  # keys added later (ids ≥ n_built) have their in-edges at the rows' ends: the row stop scans them
-        self._nbrs_buf, self._deg_buf = nbrs, degree
+        self._adjacency = Adjacency.of(nbrs, degree)
         self._expose(n)
         keep = min(p["keep_queries"], len(train_queries))
         # copies, not views: a view keeps the caller's whole query array alive (the decoder's stacked training queries
@@ -339,18 +339,9 @@ class RoarGraphIndex(KeyRowsIndex):
         self._q_w = np.array(weights, np.float32, order="C")  # a copy, as _recent_q
 
     def _expose(self, n: int) -> None:
-        """Rows [0, n) of the adjacency as ``_nbrs``/``_degree`` (views), growing the buffers with spare
-        capacity so that an add does not copy the graph; rows past n are empty. Growth by a quarter:
-        still amortised O(1) per key, and the hundreds of indexes of a decoder do not double their
-        memory on their first add."""
-        cap = len(self._deg_buf)
-        if n > cap:
-            grown = np.full((max(n, cap + cap // 4), self._nbrs_buf.shape[1]), -1, np.int32)
-            grown[:cap] = self._nbrs_buf
-            deg = np.zeros(len(grown), np.int32)
-            deg[:cap] = self._deg_buf
-            self._nbrs_buf, self._deg_buf = grown, deg
-        self._nbrs, self._degree = self._nbrs_buf[:n], self._deg_buf[:n]
+        """Rows [0, n) of the adjacency as ``_nbrs``/``_degree`` (views: an add does not copy the graph); rows past
+        the old n are empty."""
+        self._nbrs, self._degree = self._adjacency.rows(n)
 
     # -- add ---------------------------------------------------------------------------------------
 
@@ -431,7 +422,7 @@ class RoarGraphIndex(KeyRowsIndex):
 
     @property
     def nbytes(self) -> int:
-        return (self._rows.held(self.n_keys).nbytes + self._nbrs_buf.nbytes + self._deg_buf.nbytes + self.hubs.nbytes  # spare rows included
+        return (self._rows.held(self.n_keys).nbytes + self._adjacency.nbytes + self.hubs.nbytes  # spare rows included
                 + self._recent_q.nbytes + self._q_ids.nbytes + self._q_scores.nbytes + self._q_w.nbytes)
 
     def _arrays(self) -> dict[str, np.ndarray]:
@@ -444,7 +435,8 @@ class RoarGraphIndex(KeyRowsIndex):
         p, n = self.params, self.n_keys
         if p["R"] < p["M"]:
             raise IndexConfigError(f"parameter R={p['R']} is smaller than M={p['M']}")
-        keys, self._nbrs_buf, self._deg_buf = saved_graph(arrays, n, self.dim, p["R"])
+        keys, nbrs, degree = saved_graph(arrays, n, self.dim, p["R"])
+        self._adjacency = Adjacency.of(nbrs, degree)
         self._hold_keys(keys)
         self._expose(n)
         self.hubs = saved_hubs(arrays, n)

@@ -29,7 +29,7 @@ import numpy as np
 
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes.base import KeyRowsIndex, Param
-from anns_lab.indexes.graph import Graph, saved_graph
+from anns_lab.indexes.graph import Adjacency, Graph, saved_graph
 from anns_lab.indexes.graph.edges import link_unreachable
 from anns_lab.indexes.graph.hubs import query_hubs, saved_hubs
 from anns_lab.indexes.graph.search import bytes_read, search_batch
@@ -77,21 +77,20 @@ class RobustVamanaIndex(KeyRowsIndex):
         order = rng.permutation(n + take).astype(np.int64)
         for alpha in (1.0, p["alpha"]):
             vamana_pass(Graph(data, nbrs, degree), order, entry, alpha, R, p["L"], n_free=n)
-        self._nbrs, self._degree = robust_stitch(Graph(data, nbrs, degree), n, q_nbrs, p["alpha"], R,
-                                                 numba.get_num_threads())
+        self._adjacency = Adjacency.of(*robust_stitch(Graph(data, nbrs, degree), n, q_nbrs, p["alpha"], R,
+                                                      numba.get_num_threads()))
+        self._nbrs, self._degree = self._adjacency.rows(n)
         link_unreachable(Graph(keys, self._nbrs, self._degree), self.hubs, R)
         self._hold_keys(keys)
 
     def _add(self, keys: np.ndarray) -> None:
         n0, t, R = self.n_keys, len(keys), self.params["R"]
         allkeys = self._append_keys(keys)
-        nbrs = np.vstack([self._nbrs, np.full((t, R), -1, np.int32)])
-        degree = np.concatenate([self._degree, np.zeros(t, np.int32)])
+        self._nbrs, self._degree = self._adjacency.rows(n0 + t)  # the new rows empty, the old ones in place
         order = np.arange(n0, n0 + t, dtype=np.int64)
-        g = Graph(allkeys, nbrs, degree)
+        g = Graph(allkeys, self._nbrs, self._degree)
         vamana_pass(g, order, int(self.hubs[0]), self.params["alpha"], R, self.params["L"])
         link_unreachable(g, self.hubs, R)  # back-edge prunes may strand a key
-        self._nbrs, self._degree = nbrs, degree
 
     def _search(self, queries: np.ndarray, k: int, L: int):
         entries = np.ascontiguousarray(np.broadcast_to(self.hubs, (len(queries), len(self.hubs))))
@@ -101,12 +100,14 @@ class RobustVamanaIndex(KeyRowsIndex):
 
     @property
     def nbytes(self) -> int:
-        return self._rows.held(self.n_keys).nbytes + self._nbrs.nbytes + self._degree.nbytes + self.hubs.nbytes
+        return self._rows.held(self.n_keys).nbytes + self._adjacency.nbytes + self.hubs.nbytes
 
     def _arrays(self) -> dict[str, np.ndarray]:
         return {"keys": self._keys, "nbrs": self._nbrs, "degree": self._degree, "hubs": self.hubs}
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
-        keys, self._nbrs, self._degree = saved_graph(arrays, self.n_keys, self.dim, self.params["R"])
+        keys, nbrs, degree = saved_graph(arrays, self.n_keys, self.dim, self.params["R"])
+        self._adjacency = Adjacency.of(nbrs, degree)
+        self._nbrs, self._degree = self._adjacency.rows(self.n_keys)
         self._hold_keys(keys)
         self.hubs = saved_hubs(arrays, self.n_keys)

@@ -19,7 +19,7 @@ import numba
 import numpy as np
 
 from anns_lab.indexes.base import KeyRowsIndex, Param
-from anns_lab.indexes.graph import Graph, saved_graph
+from anns_lab.indexes.graph import Adjacency, Graph, saved_graph
 from anns_lab.indexes.graph.search import bytes_read, search_batch
 from anns_lab.indexes.graph.vamana import random_graph, vamana_pass
 from anns_lab.indexes.persist import expect, expect_ids
@@ -52,18 +52,17 @@ class VamanaIndex(KeyRowsIndex):
         for alpha in (1.0, self.params["alpha"]):
             vamana_pass(Graph(keys, nbrs, degree), order, self.entry, alpha, R, L)
         self._hold_keys(keys)
-        self._nbrs, self._degree = nbrs, degree
+        self._adjacency = Adjacency.of(nbrs, degree)
+        self._nbrs, self._degree = self._adjacency.rows(len(keys))
 
     def _add(self, keys: np.ndarray) -> None:
         # Insert the new rows with one α pass over them (the old rows keep their edges).
         n0 = self.n_keys
         allkeys = self._append_keys(keys)
-        R = self.params["R"]
-        nbrs = np.vstack([self._nbrs, np.full((len(keys), R), -1, np.int32)])
-        degree = np.concatenate([self._degree, np.zeros(len(keys), np.int32)])
+        self._nbrs, self._degree = self._adjacency.rows(len(allkeys))  # the new rows empty, the old ones in place
         order = np.arange(n0, len(allkeys), dtype=np.int64)
-        vamana_pass(Graph(allkeys, nbrs, degree), order, self.entry, self.params["alpha"], R, self.params["L"])
-        self._nbrs, self._degree = nbrs, degree
+        vamana_pass(Graph(allkeys, self._nbrs, self._degree), order, self.entry, self.params["alpha"], self.params["R"],
+                    self.params["L"])
 
     def _search(self, queries: np.ndarray, k: int, L: int):
         entries = np.full((len(queries), 1), self.entry, np.int64)
@@ -75,6 +74,8 @@ class VamanaIndex(KeyRowsIndex):
         return {"keys": self._keys, "nbrs": self._nbrs, "degree": self._degree, "entry": np.array([self.entry], np.int64)}
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
-        keys, self._nbrs, self._degree = saved_graph(arrays, self.n_keys, self.dim, self.params["R"])
+        keys, nbrs, degree = saved_graph(arrays, self.n_keys, self.dim, self.params["R"])
+        self._adjacency = Adjacency.of(nbrs, degree)
+        self._nbrs, self._degree = self._adjacency.rows(self.n_keys)
         self._hold_keys(keys)
         self.entry = int(expect_ids("entry", expect(arrays, "entry", np.int64, (1,)), 0, self.n_keys)[0])

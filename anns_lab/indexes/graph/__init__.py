@@ -21,10 +21,12 @@ a seeded build is deterministic whatever the thread count.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
+from anns_lab.indexes.growable import Growable
 from anns_lab.indexes.persist import expect, expect_ids
 
 
@@ -34,6 +36,28 @@ class Graph(NamedTuple):
     data: np.ndarray  # (n, d) float32, C-contiguous
     nbrs: np.ndarray  # (n, R) int32, -1 past the degree
     degree: np.ndarray  # (n,) int32
+
+
+@dataclass
+class Adjacency:
+    """A graph's adjacency rows and degrees as an index holds them, grown together with spare rows: an ``add``
+    writes the new rows and its neighbours' in place where stacking the old rows copied the graph."""
+
+    nbrs: Growable
+    degree: Growable
+
+    @classmethod
+    def of(cls, nbrs: np.ndarray, degree: np.ndarray) -> Adjacency:
+        return cls(Growable.of(nbrs, fill=-1, dtype=np.int32), Growable.of(degree, dtype=np.int32))
+
+    def rows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows ``[0, n)`` as (nbrs, degree) views; rows past the old end are empty."""
+        return self.nbrs.resize(n), self.degree.resize(n)
+
+    @property
+    def nbytes(self) -> int:
+        """Both buffers, spare rows included."""
+        return self.nbrs.buf.nbytes + self.degree.buf.nbytes
 
 
 def saved_graph(arrays: dict[str, np.ndarray], n: int, dim: int, R: int) -> Graph:

@@ -26,6 +26,7 @@ import numpy as np
 
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes import KeyRowsIndex, Param
+from anns_lab.indexes.growable import Growable
 from anns_lab.indexes.persist import expect, expect_ids
 
 BUDGETS = (128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768)
@@ -57,6 +58,16 @@ def members(assign: np.ndarray, n_lists: int) -> tuple[np.ndarray, np.ndarray]:
     return order, np.concatenate([[0], np.cumsum(np.bincount(assign, minlength=n_lists))]).astype(np.int64)
 
 
+def joined(order: np.ndarray, offsets: np.ndarray, first: int, assign: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`members` after keys ``first, first + 1, ...`` join clusters ``assign``: each goes after its cluster's
+    members (their ids are the largest, as a stable sort places them), one pass over the list where a sort of all of
+    it cost O(n log n) an add."""
+    new = np.argsort(assign, kind="stable")
+    sizes = np.bincount(assign, minlength=len(offsets) - 1)
+    order = np.insert(order, offsets[1:][assign[new]], first + new)
+    return order, offsets + np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+
+
 def take_until(order: np.ndarray, sizes: np.ndarray, budget: int) -> np.ndarray:
     """The first clusters of ``order`` whose sizes add up to at least ``budget`` (all of them if they never do)."""
     cum = np.cumsum(sizes[order])
@@ -83,8 +94,8 @@ class _Clustered(KeyRowsIndex):
         return self.params["nlist"]
 
     def _group(self, assign: np.ndarray) -> None:
-        self._assign = np.ascontiguousarray(assign, dtype=np.int64)
-        self._order, self._offsets = members(self._assign, len(self._centroids))
+        self._assign = Growable.of(assign, dtype=np.int64)
+        self._order, self._offsets = members(self._assign.table, len(self._centroids))
 
     def _choose(self, q: np.ndarray, budget: int) -> tuple[np.ndarray, int, int]:
         """(fine clusters chosen, centroids scored, extra index bytes read) for one query."""
@@ -111,11 +122,13 @@ class _Clustered(KeyRowsIndex):
 
     def _add(self, keys: np.ndarray) -> None:
         # New keys join the cluster of their nearest centroid (the centroids stay those of the build).
+        n0 = self.n_keys
         self._append_keys(keys)
-        self._group(np.concatenate([self._assign, nearest(keys, self._centroids, self.cosine)]))
+        self._order, self._offsets = joined(self._order, self._offsets, n0,
+                                            self._assign.append(nearest(keys, self._centroids, self.cosine))[n0:])
 
     def _arrays(self) -> dict[str, np.ndarray]:
-        return {"keys": self._keys, "centroids": self._centroids, "assign": self._assign}
+        return {"keys": self._keys, "centroids": self._centroids, "assign": self._assign.table}
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
         # From a file: checked as build makes them (an empty centroid list is refused by the assignment's range).

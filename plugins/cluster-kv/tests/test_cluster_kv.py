@@ -88,3 +88,21 @@ def test_add_puts_new_keys_in_their_nearest_cluster():
     res = index.search(queries, 10, **index.grid()[-1])
     exact = np.argsort(-(queries @ keys.T), axis=1)[:, :10]
     assert np.array_equal(res.ids, exact)  # every key (new ones too) is in some cluster
+
+
+@pytest.mark.parametrize("cls,params", [(ClusterKV, {"nlist": 12}), (SqueezedHierarchical, {"nlist": 30})])
+def test_adds_group_the_keys_as_a_build_on_them_all_would(cls, params):
+    """An add places each new key after its cluster's members without sorting them all again: the member lists
+    are those of the assignment grouped afresh (``members``), and the search reads what it would read then."""
+    from anns_lab_cluster import members, nearest
+
+    keys, queries, _ = easy_data(n_keys=700, dim=8, seed=9)
+    index = cls(**params).build(keys[:500])
+    for lo, hi in ((500, 501), (501, 560), (560, 700)):
+        index.add(keys[lo:hi])
+    order, offsets = members(index._assign.table, len(index._centroids))
+    assert np.array_equal(index._order, order) and np.array_equal(index._offsets, offsets)
+    assert len(index._assign.table) == 700 and np.bincount(index._assign.table).sum() == offsets[-1] == 700
+    assert np.array_equal(index._assign.table[500:], nearest(keys[500:], index._centroids, index.cosine))
+    res = index.search(queries, 10, **index.grid()[-1])
+    assert np.array_equal(res.ids, np.argsort(-(queries @ keys.T), axis=1)[:, :10])  # every key is in a list once

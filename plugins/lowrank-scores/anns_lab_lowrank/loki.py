@@ -52,7 +52,7 @@ class Loki(KeyRowsIndex):
         self._hold_keys(keys)
         self._basis = basis
         # (d, n): the keys' coordinates, one row per component, the first r rows read whole by a query
-        self._coords = partial.Columns.of(basis.T @ keys.T)
+        self._coords = partial.columns(basis.T @ keys.T)
 
     def _search(self, queries: np.ndarray, k: int, rank: float, budget: int):
         n, d = self._keys.shape

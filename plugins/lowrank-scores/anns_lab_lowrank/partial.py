@@ -8,12 +8,12 @@ bytes; each candidate is then scored exactly, one product and 4·d bytes. Positi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 from numba import njit
 
 from anns_lab.indexes import KeyRowsIndex, Param
+from anns_lab.indexes.growable import Growable
 from anns_lab.indexes.key_store import KeyRows
 from anns_lab.indexes.scan_rows import largest, score_rows, select_largest
 
@@ -24,45 +24,23 @@ RANK = Param(0.25, 1e-6, 1.0, help="share r/d of the dimensions the partial scor
 BUDGET = Param(1024, 1, 1 << 30, help="keys scored exactly: those of the best partial scores")
 
 
-@dataclass
-class Columns:
-    """A (d, n) float32 table grown by columns (the keys transposed, or their coordinates): its capacity grows by a
-    quarter, so an ``add`` writes its own columns only where a new (d, n) table cost O(n·d) and two tables at once.
-    A dataclass, so that ``Index.held_arrays`` counts its buffer, spare columns included."""
-
-    buf: np.ndarray
-    n: int
-
-    @classmethod
-    def of(cls, table: np.ndarray) -> Columns:
-        return cls(np.ascontiguousarray(table, np.float32), table.shape[1])
-
-    @property
-    def table(self) -> np.ndarray:
-        """Columns ``[0, n)``. The kernels take ``buf`` whole (C-contiguous, read up to the keys they are given): numba
-        typed a view of it as a strided array and left its partial pass unvectorised, 1.5-1.8x slower a search."""
-        return self.buf[:, : self.n]
-
-    def append(self, columns: np.ndarray) -> None:
-        end = self.n + columns.shape[1]
-        if end > self.buf.shape[1]:
-            cap = self.buf.shape[1]  # a quarter more: amortised O(1) a column, without doubling a head's table
-            grown = np.empty((self.buf.shape[0], max(end, cap + cap // 4)), np.float32)
-            grown[:, : self.n] = self.table
-            self.buf = grown
-        self.buf[:, self.n:end] = columns
-        self.n = end
+def columns(table: np.ndarray) -> Growable:
+    """A (d, n) float32 table grown by columns (the keys transposed, or their coordinates): an ``add`` writes its own
+    columns where a new (d, n) table cost O(n·d) and two tables at once. The kernels take its ``buf`` whole
+    (C-contiguous, read up to the keys they are given): numba typed a view of its columns as a strided array and left
+    its partial pass unvectorised, 1.5-1.8x slower a search."""
+    return Growable.of(table, axis=1, dtype=np.float32)
 
 
-def transposed(rows: KeyRows, n: int) -> Columns:
+def transposed(rows: KeyRows, n: int) -> Growable:
     """Rows ``[0, n)`` of a store's head, transposed, at least: one table per head of the store, shared by every index
     built on it (double-sparsity's query heads of a GQA group in the decoder: one copy where each held its own),
     grown here to ``n`` columns; the columns past an index's keys are rows it has not been given yet, never read."""
-    def grow(table: Columns) -> None:
+    def grow(table: Growable) -> None:
         if table.n < n:
             table.append(rows.view(n)[table.n:].T)
 
-    return rows.shared("transposed", lambda: Columns.of(rows.view(n).T), grow)
+    return rows.shared("transposed", lambda: columns(rows.view(n).T), grow)
 
 
 class TransposedKeys(KeyRowsIndex):

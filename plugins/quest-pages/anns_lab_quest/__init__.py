@@ -19,6 +19,7 @@ import math
 import numpy as np
 
 from anns_lab.indexes import KeyRowsIndex, Param
+from anns_lab.indexes.growable import Growable
 from anns_lab.indexes.persist import expect
 
 BUDGETS = (128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768)
@@ -43,15 +44,15 @@ class QuestPages(KeyRowsIndex):
 
     def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
         self._hold_keys(keys)
-        self._min, self._max = page_bounds(keys, self.params["page_size"])
+        self._min, self._max = (Growable.of(b) for b in page_bounds(keys, self.params["page_size"]))
 
     @property
     def n_pages(self) -> int:
-        return len(self._min)
+        return self._min.n
 
     def bounds(self, q: np.ndarray) -> np.ndarray:
         """Upper bound of q·k over each page's keys (n_pages,): q⁺·max + q⁻·min."""
-        return self._max @ np.maximum(q, 0) + self._min @ np.minimum(q, 0)
+        return self._max.table @ np.maximum(q, 0) + self._min.table @ np.minimum(q, 0)
 
     def _search(self, queries: np.ndarray, k: int, budget: int):
         size, d = self.params["page_size"], queries.shape[1]
@@ -83,9 +84,9 @@ class QuestPages(KeyRowsIndex):
         size = self.params["page_size"]
         first = (len(self._keys) // size) * size
         lo, hi = page_bounds(self._append_keys(keys)[first:], size)
-        keep = first // size
-        self._min = np.ascontiguousarray(np.vstack([self._min[:keep], lo]))
-        self._max = np.ascontiguousarray(np.vstack([self._max[:keep], hi]))
+        for bound, new in ((self._min, lo), (self._max, hi)):  # the last old page's bound is written again
+            bound.resize(first // size)
+            bound.append(new)
 
     def _arrays(self) -> dict[str, np.ndarray]:
         return {"keys": self._keys}

@@ -18,6 +18,7 @@ import numpy as np
 
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes import KeyRowsIndex, Param
+from anns_lab.indexes.growable import Growable
 from anns_lab.indexes.persist import expect
 
 
@@ -37,7 +38,11 @@ class SimHashLSH(KeyRowsIndex):
         rng = np.random.default_rng(self.params["seed"])
         self._planes = rng.standard_normal((L * K, keys.shape[1])).astype(np.float32)
         self._hold_keys(keys)
-        self._codes = self._hash(keys)
+        self._hold_codes(keys)
+
+    def _hold_codes(self, keys: np.ndarray) -> None:
+        """The (n, L) uint32 codes of ``keys``, grown by each add (which writes its own rows)."""
+        self._codes = Growable.of(self._hash(keys))
 
     def _hash(self, x: np.ndarray) -> np.ndarray:
         bits = (x @ self._planes.T > 0).reshape(len(x), self.params["L"], self.params["K"])
@@ -50,7 +55,7 @@ class SimHashLSH(KeyRowsIndex):
         scores = np.full((len(queries), k), -np.inf, np.float32)
         n_scanned = np.zeros(len(queries), np.int64)
         for row, (q, code) in enumerate(zip(queries, self._hash(queries))):
-            cand = np.flatnonzero((self._codes == code).sum(axis=1) >= min_collisions)
+            cand = np.flatnonzero((self._codes.table == code).sum(axis=1) >= min_collisions)
             s = self._keys[cand] @ q
             top = np.argsort(-s, kind="stable")[:k]
             ids[row, : len(top)], scores[row, : len(top)] = cand[top], s[top]
@@ -66,7 +71,7 @@ class SimHashLSH(KeyRowsIndex):
 
     def _add(self, keys: np.ndarray) -> None:
         self._append_keys(keys)
-        self._codes = np.vstack([self._codes, self._hash(keys)])
+        self._codes.append(self._hash(keys))
 
     def _arrays(self) -> dict[str, np.ndarray]:
         return {"keys": self._keys, "planes": self._planes}
@@ -75,4 +80,4 @@ class SimHashLSH(KeyRowsIndex):
         K, L = self.params["K"], self.params["L"]
         self._planes = expect(arrays, "planes", np.float32, (L * K, self.dim), finite=True)
         self._hold_keys(expect(arrays, "keys", np.float32, (self.n_keys, self.dim), finite=True))
-        self._codes = self._hash(self._keys)
+        self._hold_codes(self._keys)

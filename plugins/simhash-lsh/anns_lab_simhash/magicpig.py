@@ -30,6 +30,7 @@ from scipy.stats import binom
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes import Param
 from anns_lab.indexes.estimate import Estimate
+from anns_lab.indexes.growable import Growable
 from anns_lab.indexes.persist import expect
 
 from anns_lab_simhash import SimHashLSH
@@ -60,25 +61,29 @@ class MagicPIG(SimHashLSH):
     def _build(self, keys: np.ndarray, train_queries: np.ndarray | None) -> None:
         self._mean = keys.mean(axis=0) if self.params["center"] else np.zeros(keys.shape[1], np.float32)
         super()._build(keys, train_queries)
-        self._codes = self._hash(keys - self._mean)  # queries are hashed as they are
-        self._norms = np.linalg.norm((keys - self._mean).astype(np.float64), axis=1)
+
+    def _hold_codes(self, keys: np.ndarray) -> None:
+        """The codes and norms of ``keys`` minus their mean (queries are hashed as they are), grown by each add;
+        the mean is set first (``_build``, ``_restore``)."""
+        centred = keys - self._mean
+        self._codes = Growable.of(self._hash(centred))
+        self._norms = Growable.of(np.linalg.norm(centred.astype(np.float64), axis=1))
 
     def max_scanned(self) -> int:
         return super().max_scanned() + int(self.params["center"])  # q·μ
 
     def _add(self, keys: np.ndarray) -> None:
         self._append_keys(keys)
-        self._codes = np.vstack([self._codes, self._hash(keys - self._mean)])
-        self._norms = np.concatenate([self._norms, np.linalg.norm((keys - self._mean).astype(np.float64), axis=1)])
+        centred = keys - self._mean
+        self._codes.append(self._hash(centred))
+        self._norms.append(np.linalg.norm(centred.astype(np.float64), axis=1))
 
     def _arrays(self) -> dict[str, np.ndarray]:
         return {**super()._arrays(), "mean": self._mean}
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
-        super()._restore(arrays)  # planes and keys checked there: a saved index is a file people exchange
-        self._mean = expect(arrays, "mean", np.float32, (self.dim,), finite=True)
-        self._codes = self._hash(self._keys - self._mean)
-        self._norms = np.linalg.norm((self._keys - self._mean).astype(np.float64), axis=1)
+        self._mean = expect(arrays, "mean", np.float32, (self.dim,), finite=True)  # the codes' centre, then
+        super()._restore(arrays)  # the planes and keys checked there (a saved index is a file people exchange), coded
 
     def _search(self, queries: np.ndarray, k: int, min_collisions: int):
         K, L = self.params["K"], self.params["L"]
@@ -88,9 +93,9 @@ class MagicPIG(SimHashLSH):
         samples, weights = [], []
         n_scanned = np.zeros(nq, np.int64)
         for row, (q, code) in enumerate(zip(queries, self._hash(queries))):
-            cand = np.flatnonzero((self._codes == code).sum(axis=1) >= min_collisions)
+            cand = np.flatnonzero((self._codes.table == code).sum(axis=1) >= min_collisions)
             dots = (self._keys[cand] - self._mean).astype(np.float64) @ q.astype(np.float64)
-            cos = dots / np.maximum(self._norms[cand] * np.linalg.norm(q.astype(np.float64)), 1e-30)
+            cos = dots / np.maximum(self._norms.table[cand] * np.linalg.norm(q.astype(np.float64)), 1e-30)
             p = sampling_probability(cos, K, L, min_collisions)
             keep = p > 0  # a key with p = 0 cannot have collided; guards the weight against rounding
             samples.append(cand[keep])
