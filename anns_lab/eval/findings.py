@@ -171,6 +171,14 @@ def ivf_q2k(par: pd.DataFrame) -> Finding:
 GAP = 1.5
 
 
+def _gap(ratio: float) -> int:
+    """+1 where ``ratio`` is a gap of at least GAP, -1 one the other way, 0 within it; 1.5 itself (0.3 / 0.2 is
+    1.4999... in binary) reads as the gap it is printed as."""
+    if ratio >= GAP * (1 - 1e-9):
+        return 1
+    return -1 if ratio <= (1 + 1e-9) / GAP else 0
+
+
 def direction_gap(par: pd.DataFrame, index: str, reason: str = "") -> Finding | None:
     """Q→K against K→K for one key-only index: the paper finds Q→K the far harder search.
 
@@ -191,9 +199,9 @@ def direction_gap(par: pd.DataFrame, index: str, reason: str = "") -> Finding | 
     else:
         ratio = np.inf if q.fraction > k.fraction else 0.0
     how = f" ({max(ratio, 1 / ratio):.1f}× the keys)" if 0 < ratio < np.inf else ""
-    if ratio >= GAP:
+    if _gap(ratio) > 0:
         verdict, which = AGREES, f"Q→K is the harder search{how}, as in the paper"
-    elif ratio <= 1 / GAP:
+    elif _gap(ratio) < 0:
         verdict, which = DISAGREES, f"K→K is the harder search{how}, the reverse of the paper"
     else:
         verdict, which = DISAGREES, (f"the two directions need about as many keys{how.replace(' the keys', '')}, "
@@ -260,11 +268,11 @@ def aware_vs_key_only(par: pd.DataFrame, kinds: dict[str, str]) -> Finding:
     else:
         ratio = 1.0 if key_only.fraction == aware.fraction else np.inf if key_only.fraction > aware.fraction else 0.0
     gap = ""
-    if 1 / GAP < ratio < GAP:  # the margin of the directions' finding: 1.01x fewer keys is no sign of the paper's 10-50x
+    if _gap(ratio) == 0:  # the margin of the directions' finding: 1.01x fewer keys is no sign of the paper's 10-50x
         gap = f" (about as many keys: {max(ratio, 1 / ratio):.2f}×, so the paper's gap does not show here)"
-    elif ratio >= GAP and ratio < np.inf:
+    elif _gap(ratio) > 0 and ratio < np.inf:
         gap = f" ({ratio:.1f}× fewer keys)"
-    verdict = AGREES if ratio >= GAP else DISAGREES
+    verdict = AGREES if _gap(ratio) > 0 else DISAGREES
     others = _of_kind(kinds, "key-only")
     which = (f"the best of the key-only indexes ({', '.join(others)}), {key_only.index}," if len(others) > 1
              else f"the key-only index, {key_only.index},")  # before: "(ivf), ivf" where it was the only one

@@ -22,8 +22,11 @@ class Growable:
 
     @classmethod
     def of(cls, table: np.ndarray, axis: int = 0, fill: int | float = 0, dtype=None) -> Growable:
-        """A table holding ``table`` (not copied where it is C-contiguous and of ``dtype`` already)."""
+        """A table holding ``table``: not copied where it is C-contiguous and of ``dtype`` already, so a ``resize``
+        that cuts writes ``fill`` into it (give it an array of the index's own). ``fill`` must be a value of the dtype."""
         table = np.ascontiguousarray(table, dtype)
+        if np.full(1, fill).astype(table.dtype)[0] != fill:
+            raise ValueError(f"fill {fill!r} is not a value of the table's dtype {table.dtype}")
         return cls(table, table.shape[axis], axis, fill)
 
     def _span(self, start: int, stop: int) -> tuple[slice, ...]:

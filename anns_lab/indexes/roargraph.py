@@ -69,7 +69,7 @@ import numpy as np
 
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes.base import KeyRowsIndex, Param
-from anns_lab.indexes.graph import Adjacency, Graph, roar, saved_graph
+from anns_lab.indexes.graph import Graph, HoldsAdjacency, roar, saved_graph
 from anns_lab.indexes.graph.edges import add_reverse_edges, link_back, link_unreachable, reachable_from
 from anns_lab.indexes.graph.hubs import query_hubs, saved_hubs
 from anns_lab.indexes.graph.multi import search_graphs
@@ -166,7 +166,7 @@ def link_stranded(keys: np.ndarray, nbrs: np.ndarray, degree: np.ndarray, entrie
     degree[stranded] = near.shape[1]
 
 
-class RoarGraphIndex(KeyRowsIndex):
+class RoarGraphIndex(HoldsAdjacency, KeyRowsIndex):
     """Projected query→key bipartite graph (pivots beyond top-1, reverse edges, descent links); counted multi-entry beam search."""
 
     name = "roargraph"
@@ -272,8 +272,7 @@ class RoarGraphIndex(KeyRowsIndex):
             roar.order_rows_by_cooc(g, bip, threads)
         self._hold_keys(keys)
         self.n_built = n  # keys added later (ids ≥ n_built) have their in-edges at the rows' ends: the row stop scans them
-        self._adjacency = Adjacency.of(nbrs, degree)
-        self._expose(n)
+        self._hold_graph(nbrs, degree, n)
         keep = min(p["keep_queries"], len(train_queries))
         # copies, not views: a view keeps the caller's whole query array alive (the decoder's stacked training queries
         # of a layer, 133 MB per Gemma 128K layer) as long as the index, while nbytes counts the kept rows
@@ -337,11 +336,6 @@ class RoarGraphIndex(KeyRowsIndex):
             self._q_ids[:, : ids.shape[1]] = np.take_along_axis(ids, order, 1)
             self._q_scores[:, : ids.shape[1]] = np.take_along_axis(s, order, 1)
         self._q_w = np.array(weights, np.float32, order="C")  # a copy, as _recent_q
-
-    def _expose(self, n: int) -> None:
-        """Rows [0, n) of the adjacency as ``_nbrs``/``_degree`` (views: an add does not copy the graph); rows past
-        the old n are empty."""
-        self._nbrs, self._degree = self._adjacency.rows(n)
 
     # -- add ---------------------------------------------------------------------------------------
 
@@ -436,9 +430,8 @@ class RoarGraphIndex(KeyRowsIndex):
         if p["R"] < p["M"]:
             raise IndexConfigError(f"parameter R={p['R']} is smaller than M={p['M']}")
         keys, nbrs, degree = saved_graph(arrays, n, self.dim, p["R"])
-        self._adjacency = Adjacency.of(nbrs, degree)
+        self._hold_graph(nbrs, degree, n)
         self._hold_keys(keys)
-        self._expose(n)
         self.hubs = saved_hubs(arrays, n)
         # A save from before the row order has no n_built: its rows are in build order (the default row stop would
         # walk them as if by co-occurrence) and its added keys are not known. No shim: refused.

@@ -29,7 +29,7 @@ import numpy as np
 
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes.base import KeyRowsIndex, Param
-from anns_lab.indexes.graph import Adjacency, Graph, saved_graph
+from anns_lab.indexes.graph import Graph, HoldsAdjacency, saved_graph
 from anns_lab.indexes.graph.edges import link_unreachable
 from anns_lab.indexes.graph.hubs import query_hubs, saved_hubs
 from anns_lab.indexes.graph.search import bytes_read, search_batch
@@ -37,7 +37,7 @@ from anns_lab.indexes.graph.vamana import random_graph, robust_stitch, vamana_pa
 from anns_lab.indexes.topk import topk_ip
 
 
-class RobustVamanaIndex(KeyRowsIndex):
+class RobustVamanaIndex(HoldsAdjacency, KeyRowsIndex):
     """OOD-DiskANN: Vamana over keys plus sample queries, RobustStitched to a keys-only graph."""
 
     name = "robust-vamana"
@@ -77,16 +77,14 @@ class RobustVamanaIndex(KeyRowsIndex):
         order = rng.permutation(n + take).astype(np.int64)
         for alpha in (1.0, p["alpha"]):
             vamana_pass(Graph(data, nbrs, degree), order, entry, alpha, R, p["L"], n_free=n)
-        self._adjacency = Adjacency.of(*robust_stitch(Graph(data, nbrs, degree), n, q_nbrs, p["alpha"], R,
-                                                      numba.get_num_threads()))
-        self._nbrs, self._degree = self._adjacency.rows(n)
+        self._hold_graph(*robust_stitch(Graph(data, nbrs, degree), n, q_nbrs, p["alpha"], R, numba.get_num_threads()), n)
         link_unreachable(Graph(keys, self._nbrs, self._degree), self.hubs, R)
         self._hold_keys(keys)
 
     def _add(self, keys: np.ndarray) -> None:
         n0, t, R = self.n_keys, len(keys), self.params["R"]
         allkeys = self._append_keys(keys)
-        self._nbrs, self._degree = self._adjacency.rows(n0 + t)  # the new rows empty, the old ones in place
+        self._expose(n0 + t)
         order = np.arange(n0, n0 + t, dtype=np.int64)
         g = Graph(allkeys, self._nbrs, self._degree)
         vamana_pass(g, order, int(self.hubs[0]), self.params["alpha"], R, self.params["L"])
@@ -107,7 +105,6 @@ class RobustVamanaIndex(KeyRowsIndex):
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
         keys, nbrs, degree = saved_graph(arrays, self.n_keys, self.dim, self.params["R"])
-        self._adjacency = Adjacency.of(nbrs, degree)
-        self._nbrs, self._degree = self._adjacency.rows(self.n_keys)
+        self._hold_graph(nbrs, degree, self.n_keys)
         self._hold_keys(keys)
         self.hubs = saved_hubs(arrays, self.n_keys)

@@ -19,7 +19,7 @@ import numba
 import numpy as np
 
 from anns_lab.indexes.base import KeyRowsIndex, Param
-from anns_lab.indexes.graph import Adjacency, Graph, saved_graph
+from anns_lab.indexes.graph import Graph, HoldsAdjacency, saved_graph
 from anns_lab.indexes.graph.search import bytes_read, search_batch
 from anns_lab.indexes.graph.vamana import random_graph, vamana_pass
 from anns_lab.indexes.persist import expect, expect_ids
@@ -30,7 +30,7 @@ def entry_point(keys: np.ndarray) -> int:
     return int(np.argmax(keys @ keys.mean(axis=0)))
 
 
-class VamanaIndex(KeyRowsIndex):
+class VamanaIndex(HoldsAdjacency, KeyRowsIndex):
     """Vamana (DiskANN) graph for maximum inner product; searched by counted beam search."""
 
     name = "vamana"
@@ -52,14 +52,13 @@ class VamanaIndex(KeyRowsIndex):
         for alpha in (1.0, self.params["alpha"]):
             vamana_pass(Graph(keys, nbrs, degree), order, self.entry, alpha, R, L)
         self._hold_keys(keys)
-        self._adjacency = Adjacency.of(nbrs, degree)
-        self._nbrs, self._degree = self._adjacency.rows(len(keys))
+        self._hold_graph(nbrs, degree, len(keys))
 
     def _add(self, keys: np.ndarray) -> None:
         # Insert the new rows with one α pass over them (the old rows keep their edges).
         n0 = self.n_keys
         allkeys = self._append_keys(keys)
-        self._nbrs, self._degree = self._adjacency.rows(len(allkeys))  # the new rows empty, the old ones in place
+        self._expose(len(allkeys))
         order = np.arange(n0, len(allkeys), dtype=np.int64)
         vamana_pass(Graph(allkeys, self._nbrs, self._degree), order, self.entry, self.params["alpha"], self.params["R"],
                     self.params["L"])
@@ -75,7 +74,6 @@ class VamanaIndex(KeyRowsIndex):
 
     def _restore(self, arrays: dict[str, np.ndarray]) -> None:
         keys, nbrs, degree = saved_graph(arrays, self.n_keys, self.dim, self.params["R"])
-        self._adjacency = Adjacency.of(nbrs, degree)
-        self._nbrs, self._degree = self._adjacency.rows(self.n_keys)
+        self._hold_graph(nbrs, degree, self.n_keys)
         self._hold_keys(keys)
         self.entry = int(expect_ids("entry", expect(arrays, "entry", np.int64, (1,)), 0, self.n_keys)[0])

@@ -60,6 +60,30 @@ class Adjacency:
         return self.nbrs.buf.nbytes + self.degree.buf.nbytes
 
 
+class HoldsAdjacency:
+    """What the graph indexes (roargraph, vamana, robust-vamana) share: their adjacency as an :class:`Adjacency`,
+    rows ``[0, n)`` exposed as the ``_nbrs`` / ``_degree`` views the kernels take. A pickle or copy carries the
+    buffers alone: the views would come back as arrays of their own, the graph held twice."""
+
+    _VIEWS = ("_nbrs", "_degree", "_graph")  # _graph: roargraph's cached Graph of the views
+
+    def _hold_graph(self, nbrs: np.ndarray, degree: np.ndarray, n: int) -> None:
+        self._adjacency = Adjacency.of(nbrs, degree)
+        self._expose(n)
+
+    def _expose(self, n: int) -> None:
+        """Rows ``[0, n)`` as ``_nbrs`` / ``_degree`` (an add's new rows empty, the old ones in place)."""
+        self._nbrs, self._degree = self._adjacency.rows(n)
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in self._VIEWS}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if "_adjacency" in state:
+            self._expose(self._adjacency.nbrs.n)
+
+
 def saved_graph(arrays: dict[str, np.ndarray], n: int, dim: int, R: int) -> Graph:
     """The :class:`Graph` of a saved index's ``keys``/``nbrs``/``degree`` arrays, for n keys of dimension
     ``dim`` and rows of width R, or IndexConfigError: finite keys, degrees in [0, R], every edge a key id."""
