@@ -1,5 +1,6 @@
 """Every built-in index against exact search and against independent counts of what it scanned."""
 
+import copy
 import heapq
 
 import faiss
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 
 from anns_lab import indexes
+from anns_lab.indexes import hnsw as hnsw_module
 from anns_lab.testing import check_index, recall_at_k
 
 BUILTINS = ["flat", "ivf", "hnsw", "vamana"]
@@ -158,6 +160,43 @@ def test_hnsw_matches_hnswlib_and_an_independent_count(built, ef):
         assert ids[:K] == res.ids[qi].tolist()
         assert res.n_scanned[qi] == up + count
         assert res.bytes_read[qi] == 4 * keys.shape[1] * (up + count) + 4 * (up_words + words) + 8
+
+
+def test_hnsw_reads_a_graph_whose_internal_ids_are_not_its_labels(built):
+    """hnswlib numbers its elements as they arrive, not by label (a saved index made elsewhere, added in another order
+    or on several threads): the graph read out is by label, and searches as hnswlib does. The lab adds its keys in
+    label order on one thread, where the two agree and session 61's read takes a shorter path."""
+    import hnswlib
+
+    index, keys, queries = built["hnsw", "ood"]
+    p = hnswlib.Index("ip", keys.shape[1])
+    p.init_index(len(keys), M=index.params["M"], ef_construction=index.params["ef_construction"], random_seed=3)
+    p.set_num_threads(1)
+    order = np.random.default_rng(5).permutation(len(keys))
+    p.add_items(keys[order], order)  # element i is key order[i]
+    st = p.__getstate__()[0]
+    labels = hnsw_module.level0_records(st)[1]
+    assert np.array_equal(labels, order)  # the case under test
+    index = copy.deepcopy(index)
+    index._set(p)
+    g = index.graph
+    rec = hnsw_module.level0_records(st)[0]
+    words = rec[:, : 4 * (st["max_M0"] + 1)].copy().view(np.uint32)
+    for internal in range(0, len(keys), 97):  # each row: its label's row, neighbours as labels (independent read)
+        row = sorted(labels[words[internal, 1: 1 + (words[internal, 0] & 0xFFFF)]].tolist())
+        assert sorted(g.nbrs[labels[internal], : g.degree[labels[internal]]].tolist()) == row
+    levels, size = st["element_levels"][: len(keys)], st["size_links_per_element"]
+    blob, at = np.asarray(st["link_lists"]).view(np.uint8), 0
+    for internal in np.flatnonzero(levels > 0):  # the upper layers' rows, read one node after another
+        rows = blob[at: at + size * levels[internal]].copy().view(np.uint32).reshape(levels[internal], -1)
+        at += size * levels[internal]
+        r = g.up_row[labels[internal]]
+        for lv, row in enumerate(rows):
+            assert g.up_deg[r, lv] == row[0] & 0xFFFF
+            assert g.up_nbrs[r, lv, : row[0] & 0xFFFF].tolist() == labels[row[1: 1 + (row[0] & 0xFFFF)]].tolist()
+    res = index.search(queries, K, ef=200)
+    p.set_ef(200)
+    assert (p.knn_query(queries, K)[0] == res.ids).mean() >= 0.999
 
 
 @pytest.mark.parametrize("L", [100, 300])

@@ -39,7 +39,7 @@ def level0_records(st: dict) -> tuple[np.ndarray, np.ndarray]:
     """(records, labels) of an hnswlib state: each element's layer-0 record as bytes (links, vector, label) and its
     label (our key id)."""
     n = st["cur_element_count"]
-    rec = np.frombuffer(st["data_level0"].tobytes(), np.uint8)[: n * st["size_data_per_element"]]
+    rec = np.asarray(st["data_level0"]).view(np.uint8)[: n * st["size_data_per_element"]]  # a view of the state
     rec = rec.reshape(n, st["size_data_per_element"])
     return rec, rec[:, st["label_offset"] : st["label_offset"] + 8].copy().view(np.uint64).ravel().astype(np.int64)
 
@@ -155,24 +155,31 @@ class HNSWGraph:
         levels = np.asarray(st["element_levels"], np.int64)[:n]
         self.max_level = int(st["max_level"])
         row_bytes = st["size_links_per_element"]
-        upper = np.frombuffer(st["link_lists"].tobytes(), np.uint8)
-        n_upper = int((levels > 0).sum())
+        # link_lists: the nodes above layer 0 in id order, each with its rows of levels 1..L, one after another
+        up_nodes = np.flatnonzero(levels > 0)
+        lv = levels[up_nodes]
+        n_upper, n_rows = len(up_nodes), int(lv.sum())
+        rows = np.asarray(st["link_lists"]).view(np.uint8)[: row_bytes * n_rows].reshape(n_rows, row_bytes)
+        rows = rows.copy().view(np.uint32)  # aligned words
+        owner = np.repeat(np.arange(n_upper), lv)
+        level = np.arange(n_rows) - np.repeat(np.cumsum(lv) - lv, lv)  # 0 for level 1
         up_nbrs = np.full((n_upper, max(self.max_level, 1), M), -1, np.int64)
         up_deg = np.zeros((n_upper, max(self.max_level, 1)), np.int32)
+        up_deg[owner, level] = rows[:, 0] & 0xFFFF
+        up_nbrs[owner, level] = rows[:, 1 : M + 1]
         up_row = np.full(n, -1, np.int32)
-        offset = 0
-        for r, node in enumerate(np.flatnonzero(levels > 0)):  # link_lists: nodes in id order, levels 1..L each
-            up_row[node] = r
-            block = upper[offset : offset + row_bytes * levels[node]].reshape(levels[node], row_bytes).copy().view(np.uint32)
-            offset += row_bytes * levels[node]
-            up_deg[r, : levels[node]] = block[:, 0] & 0xFFFF
-            up_nbrs[r, : levels[node]] = block[:, 1 : M + 1]
+        up_row[up_nodes] = np.arange(n_upper)
         up_nbrs[np.arange(M) >= up_deg[..., None]] = -1  # slots past a count hold stale words (any value in a file)
         # Re-index internal ids by label, so that graph rows are key ids.
         to_label = label
         perm = np.argsort(label)
-        # Slots past a node's degree hold stale words: "% n" only keeps the lookup in bounds; np.where masks them.
-        self.nbrs = np.where(np.arange(M0) < deg0[:, None], to_label[links0[:, 1:].astype(np.int64) % n], -1)[perm].astype(np.int32)
+        # Slots past a node's degree hold stale words (any value): kept out of the lookup, then masked.
+        used = np.arange(M0) < deg0[:, None]
+        ids = np.where(used, links0[:, 1:].view(np.int32), 0)
+        if np.array_equal(label, np.arange(n)):  # added one at a time in id order: internal ids are the labels
+            self.nbrs = np.where(used, ids, np.int32(-1))
+        else:
+            self.nbrs = np.where(used, to_label[ids], -1)[perm].astype(np.int32)
         self.degree = deg0[perm]
         self.up_nbrs = np.where(up_nbrs >= 0, to_label[up_nbrs.clip(0)], -1).astype(np.int32)
         self.up_deg = up_deg
