@@ -117,7 +117,7 @@ def repairs(data, args) -> dict:
         for u in np.flatnonzero(nfix):
             row = nbrs[u, :degree[u]].copy()
             nbrs[u, :degree[u]] = np.r_[row[nfix[u]:], row[:nfix[u]]]
-    index._nbrs, index._degree = nbrs, degree
+    index._hold_graph(nbrs, degree, n)  # rows now MEX wider: the adjacency a copy or pickle of the index carries too
     index.__dict__.pop("_graph", None)  # graph_arrays() rebuilds its view of the new rows
     out["roargraph_repaired"] = scanned_at(index_search(index, data), data, index.grid(), args.target)
     out["ngfix_edges"] = placed[0]

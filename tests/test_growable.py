@@ -36,6 +36,7 @@ def test_a_fill_the_dtype_cannot_hold_is_refused_at_once():
     with pytest.raises(ValueError, match="not a value"):
         Growable.of(np.zeros(3, np.int32), fill=-1.5)  # it would have read -1
     assert Growable.of(np.zeros(3, np.int32), fill=-1).resize(5).tolist() == [0, 0, 0, -1, -1]
+    assert np.isnan(Growable.of(np.zeros(3, np.float32), fill=np.nan).resize(4)[3])  # NaN is a float's value
 
 
 def _built_on_store(cls, rng, n: int, d: int, capacity: int):

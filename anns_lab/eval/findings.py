@@ -198,7 +198,8 @@ def direction_gap(par: pd.DataFrame, index: str, reason: str = "") -> Finding | 
         ratio = q.fraction / k.fraction
     else:
         ratio = np.inf if q.fraction > k.fraction else 0.0
-    how = f" ({max(ratio, 1 / ratio):.1f}× the keys)" if 0 < ratio < np.inf else ""
+    digits = 2 if _gap(ratio) == 0 else 1  # within the margin to the hundredth: 1.47x is not printed as the 1.5x gap
+    how = f" ({max(ratio, 1 / ratio):.{digits}f}× the keys)" if 0 < ratio < np.inf else ""
     if _gap(ratio) > 0:
         verdict, which = AGREES, f"Q→K is the harder search{how}, as in the paper"
     elif _gap(ratio) < 0:

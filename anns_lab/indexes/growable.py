@@ -25,7 +25,8 @@ class Growable:
         """A table holding ``table``: not copied where it is C-contiguous and of ``dtype`` already, so a ``resize``
         that cuts writes ``fill`` into it (give it an array of the index's own). ``fill`` must be a value of the dtype."""
         table = np.ascontiguousarray(table, dtype)
-        if np.full(1, fill).astype(table.dtype)[0] != fill:
+        cast = np.full(1, fill).astype(table.dtype)[0]
+        if cast != fill and not (np.isnan(fill) and np.isnan(cast)):  # NaN is a float's value
             raise ValueError(f"fill {fill!r} is not a value of the table's dtype {table.dtype}")
         return cls(table, table.shape[axis], axis, fill)
 
