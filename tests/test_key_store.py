@@ -65,7 +65,7 @@ def test_an_index_on_the_callers_store_keeps_no_copy_of_its_keys_through_adds(na
                 if a.shape == rows.shape and not np.shares_memory(a, store.buf) and np.array_equal(a, rows)]
 
     assert copies() == []
-    for batch in (64, 700):  # the second outgrows the buffer's doubled capacity: a new buffer under the index
+    for batch in (64, 700):  # the second outgrows the buffer's grown capacity: a new buffer under the index
         new = rng.normal(size=(1, batch, d)).astype(np.float32)
         store.append(new)
         if index.supports_add:  # one without add still reads its rows from the store's new buffer, not the old one

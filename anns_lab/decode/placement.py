@@ -71,7 +71,7 @@ class LayerStore:
     def __init__(self, layer: int, n_heads: int, keys: np.ndarray, values: np.ndarray, topk: int,
                  plan: IndexPlan | None, add_batch: int, reserve: int = 64):
         """``reserve``: rows to allocate beyond the prompt's for tokens that will leave the window (the decoder
-        passes its number of steps); a longer run grows the buffers by doubling (``KeyStore.append``)."""
+        passes its number of steps); a longer run grows the buffers by a quarter at a time (``KeyStore.append``)."""
         self.layer = layer
         self.n_heads = n_heads
         self.group = n_heads // keys.shape[0]

@@ -9,6 +9,7 @@ from typing import NamedTuple
 import numpy as np
 
 from anns_lab.errors import IndexConfigError
+from anns_lab.indexes.growable import Growable
 
 
 class KeyStore:
@@ -16,8 +17,9 @@ class KeyStore:
 
     The owner of the keys (the decoder's layer store) appends to it; an index built on
     ``store.head(g)`` reads head g's rows from the same buffer, so the keys exist once however
-    many indexes (a GQA group's query heads) use them. Capacity grows by doubling, so the
-    buffer is replaced now and then: readers take a fresh :meth:`view` rather than keep one.
+    many indexes (a GQA group's query heads) use them. Capacity grows by a quarter (a :class:`Growable` along
+    the rows, as the indexes' own tables grow), so the buffer is replaced now and then: readers take a fresh
+    :meth:`view` rather than keep one.
     """
 
     def __init__(self, rows: np.ndarray, capacity: int = 0) -> None:
@@ -56,13 +58,9 @@ class KeyStore:
 
     def append(self, rows: np.ndarray) -> None:
         """Add rows (G, t, d) after the last."""
-        end = self.n + rows.shape[1]
-        if end > self.buf.shape[1]:
-            grown = np.empty((self.buf.shape[0], max(end, 2 * self.buf.shape[1]), self.buf.shape[2]), np.float32)
-            grown[:, : self.n] = self.buf[:, : self.n]
-            self.buf = grown
-        self.buf[:, self.n:end] = rows
-        self.n = end
+        table = Growable(self.buf, self.n, axis=1)
+        table.append(rows)
+        self.buf, self.n = table.buf, table.n
 
 
 class KeyRows(NamedTuple):
@@ -81,8 +79,8 @@ class KeyRows(NamedTuple):
         return self.store.buf[self.g, :n]
 
     def held(self, n: int) -> np.ndarray:
-        """The rows whose memory the index holds: its own store's whole buffer (the capacity ``add``'s doubling left
-        included), or rows ``[0, n)`` of a store the caller owns (whose buffer the caller counts)."""
+        """The rows whose memory the index holds: its own store's whole buffer (the spare capacity ``add``'s growth
+        left included), or rows ``[0, n)`` of a store the caller owns (whose buffer the caller counts)."""
         return self.store.buf[self.g] if self.owned else self.view(n)
 
     def shared(self, name: str, make, grow=None):
