@@ -314,6 +314,14 @@ def _write(out: Path, files: dict[str, bytes]) -> None:
                            "give another --out") from None
 
 
+def spread(items: list, most: int) -> list:
+    """Up to ``most`` of ``items``, evenly spaced from the first to the last (a stride of len // most took the first
+    ``most`` of 10–17: layer 28's heads left out of a 12-head sweep)."""
+    if len(items) <= most:
+        return list(items)
+    return [items[i] for i in np.unique(np.linspace(0, len(items) - 1, most).round().astype(int))]
+
+
 def _ivf_reason(dump, table: pd.DataFrame, par: pd.DataFrame, kinds: dict[str, str], pairs, window, k: int,
                 most: int = 9) -> str:
     """The measured reason behind IVF's Q→K / K→K figures, on up to ``most`` heads spread over the sweep's ("" if no IVF)."""
@@ -327,7 +335,7 @@ def _ivf_reason(dump, table: pd.DataFrame, par: pd.DataFrame, kinds: dict[str, s
     except IndexConfigError as err:
         raise AnnsLabError(f"the results table's ivf rows hold build parameters this version refuses ({err}); "
                            "re-run the sweep") from None
-    chosen = pairs[:: max(1, len(pairs) // most)][:most]
+    chosen = spread(pairs, most)
     # IVF is key-only: its diagnosis reads no training queries, so none are moved (no model config needed)
     diag = pd.DataFrame([ivf_gap.diagnose(load_head(dump, layer, head, window, train_positions="own"), k,
                                           ivf.params["nlist"] or None, ivf.params["seed"])
