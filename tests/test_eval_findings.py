@@ -285,3 +285,20 @@ def test_an_index_unreached_on_exactly_half_the_heads_is_said_so():
     most = F.Scan("hnsw", np.inf, reached=1, heads=3, best_recall=0.9)
     assert "on half the heads (1 of 2 heads never reach it" in half.text
     assert "on most heads (2 of 3 heads never reach it" in most.text
+
+
+def test_no_exact_error_line_where_the_sweep_measured_no_error(monkeypatch):
+    """A --quick sweep measures no output error: flat's dotted floor was drawn at NaN, a legend entry over nothing."""
+    import matplotlib.axes
+
+    from anns_lab.eval.figures import recall_vs_bytes
+
+    drawn = []
+    real = matplotlib.axes.Axes.axhline
+    monkeypatch.setattr(matplotlib.axes.Axes, "axhline",
+                        lambda self, y=0, *a, **kw: (drawn.append((y, kw.get("label"))), real(self, y, *a, **kw))[1])
+    table = synthetic({("ivf", "q2k"): 0.4, ("flat", "q2k"): 1.0})
+    recall_vs_bytes(table, 100, F.index_kinds(table))
+    assert not [d for d in drawn if "error" in str(d[1])]
+    recall_vs_bytes(table.assign(output_rel_error=0.2), 100, F.index_kinds(table))
+    assert [d for d in drawn if "error" in str(d[1])] == [(0.2, "exact top-100 error (flat)")]
