@@ -639,6 +639,22 @@ def test_link_unreachable_reaches_closed_clusters(far_pool):
     assert reachable_from(g, np.array([0])).all() and (degree <= R).all()
 
 
+def test_link_unreachable_checks_again_after_replacing_an_edge():
+    """Every reachable row full: the stranded node 3 takes node 0's last edge, node 2's only way in, so 2 is
+    stranded in turn; a second sweep must find that (it then links 2 from 3's free slot)."""
+    from anns_lab.indexes.graph.edges import link_unreachable
+
+    R = 2
+    keys = np.zeros((5, 16), np.float32)
+    keys[[0, 1, 2, 3, 4], [0, 1, 1, 0, 0]] = [1, 1, -1, 1, -1]  # node 0 the closest to 3 by inner product
+    nbrs = np.array([[1, 2], [0, 4], [0, 1], [-1, -1], [0, 1]], np.int32)
+    degree = np.array([2, 2, 2, 0, 2], np.int32)
+    g = Graph(keys, nbrs, degree)
+    assert link_unreachable(g, np.array([0]), R, 0) == 2
+    assert reachable_from(g, np.array([0])).all()
+    assert nbrs[0].tolist() == [1, 3] and nbrs[3, : degree[3]].tolist() == [2]
+
+
 def test_co_occurrences_when_a_pivots_lists_hold_every_key():
     """The projection's merge against a plain first-seen-order dict, on lists that together hold all n keys (the
     branch-free merge then writes one slot past the n - 1 candidates): the pivot left out, weights summed."""

@@ -70,7 +70,7 @@ import numpy as np
 from anns_lab.errors import IndexConfigError
 from anns_lab.indexes.base import KeyRowsIndex, Param
 from anns_lab.indexes.graph import Graph, HoldsAdjacency, roar, saved_graph
-from anns_lab.indexes.graph.edges import add_reverse_edges, link_back, link_unreachable, reachable_from
+from anns_lab.indexes.graph.edges import FAR_POOL, add_reverse_edges, link_back, link_unreachable, reachable_from
 from anns_lab.indexes.graph.hubs import query_hubs, saved_hubs
 from anns_lab.indexes.graph.multi import search_graphs
 from anns_lab.indexes.graph.search import bytes_read, search_batch, search_single
@@ -82,7 +82,6 @@ STRANDED_POOL = 2048  # candidate out-neighbours of a stranded key at most (see 
 STRANDED_SHARE = 15  # below ~31K keys the pool is one key in this many, at least STRANDED_MIN (512 at 8K: half the links' CPU, +0.6% scans)
 STRANDED_MIN = 512
 STRANDED_MARGIN = 8  # with coarse_bf16, a stranded key's k out-edges are ranked in float32 among its best k + this by bfloat16 (32: 1.2-1.3x the time, the same sets on real heads)
-FAR_POOL = 512  # link_unreachable: in-edge sources of a key with no reachable node near it in the graph, a stride over all keys (0 = all: up to 0.4 s per 32K head, 141 s on a real 128K head; 2048 left 1.5-2.3 s there)
 ADD_SERIAL = 1024  # adds of up to this many keys run on the calling thread: a thread-pool launch costs ms on a loaded machine
 ADD_SEARCH_L = 16  # beam of the search that links each added key (wider: the same recall, slower)
 LIST_PARAMS = ("M_sq", "n_pivots", "n_cand")  # the sizes build resolves (0 = auto), kept in self.lists and saved

@@ -10,6 +10,8 @@ from anns_lab.indexes.graph.prune import robust_prune
 from anns_lab.indexes.graph.simd import dot
 from anns_lab.indexes.graph.utils import append_new, run_chunks
 
+FAR_POOL = 512  # link_unreachable: in-edge sources of a key with no reachable node near it in the graph, a stride over all keys (roargraph's build with 0 = all: up to 0.4 s per 32K head, 141 s on a real 128K head; 2048 left 1.5-2.3 s there)
+
 
 @njit(cache=True, nogil=True)
 def group_by(u, n):
@@ -180,10 +182,10 @@ def _source_among(g, t, seen, R, step):
 
 
 @njit(cache=True, nogil=True)
-def link_unreachable(g, entries, R, far_pool=0):
+def link_unreachable(g, entries, R, far_pool):
     """Guarantee reachability from ``entries``: each unreachable node t gets an in-edge, from a reachable
     node near t in the graph (:func:`_source_near`: t's out-neighbours are its similar keys), else by
-    inner product (:func:`_source_far`, among a stride of about ``far_pool`` nodes when > 0: a way in, not
+    inner product (:func:`_source_far`, among a stride of about ``far_pool`` nodes when > 0, e.g. :data:`FAR_POOL`: a way in, not
     a fine neighbourhood). Reachability is updated incrementally (BFS from t only),
     so this is O(edges) plus a scan per node with no reachable out-neighbour. Returns how many
     in-edges were added."""
@@ -193,7 +195,7 @@ def link_unreachable(g, entries, R, far_pool=0):
     queue = np.empty(n, np.int64)
     linked = 0
     for sweep in range(3):  # a replaced edge may strand a node: re-check
-        before = linked
+        replaced = 0
         for t in range(n):
             if not seen[t]:
                 src = _source_near(g, t, seen, R)
@@ -203,10 +205,11 @@ def link_unreachable(g, entries, R, far_pool=0):
                     g.degree[src] += 1
                 else:
                     g.nbrs[-2 - src, R - 1] = t
+                    replaced += 1
                 linked += 1
                 mark_from(g, t, seen, queue)
-        if linked == before:
-            break  # every node was reachable and the graph is unchanged: no second BFS (add calls this each time)
+        if replaced == 0:
+            break  # edges were only added, so `seen` is still exact and now whole: no second BFS (add calls this each time)
         seen = reachable_from(g, entries)
         if seen.all():
             break
