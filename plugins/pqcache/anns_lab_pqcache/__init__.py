@@ -5,7 +5,10 @@ Build: faiss product quantization of the keys (``M`` sub-vectors of d/M dimensio
 codewords each, k-means on the keys as PQCache; its defaults M = 2, nbits = 6). Search: the query's
 approximate inner product with every key from its codes (asymmetric distance computation, faiss
 ``IndexPQ`` with inner product), the ``pool`` keys of largest approximate score re-ranked by their
-exact inner product, and the top-k of those returned.
+exact inner product, and the top-k of those returned. PQCache chooses one pool per KV head (the softmax of the
+approximate scores summed over the group's query heads); here each query head chooses its own, as for every index
+of the lab (measured on SmolLM2 8K layer 15: recall@100 0.00-0.11 higher per head at one pool, each head charged
+its own reads). Codebooks: faiss k-means, 25 iterations (PQCache: scikit-learn's, 3-300 adaptive).
 
 Counting: the ADC table is the query's products with every codeword: M × 2^nbits products of d/M
 dimensions, as many multiplications as ``2^nbits`` full inner products, so ``n_scanned = 2^nbits +

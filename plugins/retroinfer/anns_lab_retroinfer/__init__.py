@@ -12,6 +12,9 @@ all clusters, 0.232 by default, microsoft/RetrievalAttention's RetroInfer config
 every cluster not attended. Not unbiased: every member of an estimated cluster is given its
 centroid's logit. With single-key clusters and every cluster estimated it is exact.
 
+RetroInfer ranks a KV head's clusters once for its group (the softmax of the centroid scores summed over the
+group's query heads); here each query head ranks its own, as for every index of the lab.
+
 Two choices of ours, measured (BENCHMARKS "Estimators"): faiss L2 k-means over all keys where the
 reference runs segmented spherical (inner-product) k-means, no better at 8K; and until session 48
 every other cluster was estimated (``estimation_budget`` 1, what tables swept before it measured).

@@ -18,7 +18,8 @@ the normaliser (an approximation: σ̂ and μ̂ are estimates, and the CLT is as
 are heavy-tailed, a small pilot's σ̂ runs low and the error exceeds ε more often than δ: the README's measured rates).
 b is at least the pilot's size and at most ``|R|`` (then every weight is 1 and the result is exact). The authors'
 code (xAlg-ai/sparse-attention-hub) bounds the normaliser alike, with a one-sided z_{1−δ} and no finite-population
-correction: the same (ε, δ) buys another sample size there. Until session 48 the heavy set was the top-k alone and the
+correction, and samples over every key with replacement (the heavy set's included, σ̂ over them all): the same (ε, δ)
+buys another sample size there; here only R is sampled, the residual that the heavy set leaves. Until session 48 the heavy set was the top-k alone and the
 pilot 32 keys (``heavy`` 0 and ``pilot_share`` 0, what tables swept before it measured).
 
 Sampling is seeded by ``seed`` and the query's bytes, so a search is deterministic; over seeds it
