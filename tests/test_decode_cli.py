@@ -1388,6 +1388,7 @@ def test_from_sweep_refuses_values_the_index_refuses(tmp_path, column, value):
         pick_from_sweep(str(path), "m", 0.95, [1, 3])
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the lost raise is the case
 def test_a_ctrl_c_lost_in_a_finalizer_still_stops_the_decode(tiny_llama, tmp_path, monkeypatch, lost_ctrl_c):
     """A Ctrl-C whose raise a finalizer dropped (stops.py: pyarrow's, a file's) stops the decode at its next prefill
     chunk, decode step or sample, as the Ctrl-C would have, saying what --json keeps; before, the run went on to its

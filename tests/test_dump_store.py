@@ -524,6 +524,7 @@ def test_an_atomic_write_leaves_a_file_of_a_new_files_mode_and_no_temporary(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.json"]
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the lost raise is the case
 def test_a_ctrl_c_lost_in_a_finalizer_still_stops_the_dump(tiny_llama, tmp_path, monkeypatch, lost_ctrl_c):
     """A Ctrl-C whose raise a finalizer dropped (stops.py) stops the dump at its next chunk, decode step or layer file,
     as the Ctrl-C would have: before, the dump ran to its end. Stopped at a layer file, the files written are kept and

@@ -555,6 +555,7 @@ def test_a_resumed_sweep_says_so_and_names_the_files_it_does_not_read(dump, tmp_
     assert (out / "results.parquet").is_file()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the lost raise is the case
 def test_a_ctrl_c_lost_in_a_finalizer_still_stops_the_sweep(dump, tmp_path, monkeypatch, lost_ctrl_c):
     """A Ctrl-C that lands in a finalizer (pyarrow's ParquetWriter.__del__, in CI) is printed and dropped by Python:
     the sweep ran to its end with status 0. The stop is recorded, and checked after each part."""
