@@ -223,3 +223,22 @@ def test_vamana_graph_is_pruned_and_reachable(built):
                 seen[nb] = True
                 stack.append(nb)
     assert seen.mean() > 0.99
+
+
+@pytest.mark.parametrize("name", ["vamana", "robust-vamana", "roargraph"])
+def test_graphs_with_many_copies_of_one_key_stay_open_and_reach_every_copy(name):
+    """34 equal keys among 3,000: under the inner-product occlusion rule copies never occluded each other, so each
+    linked only copies, a closed clique; vamana's entry (the key nearest the mean, a copy) then read 33 keys at any
+    beam, recall 0. Now a copy equal to a kept neighbour is occluded, and ties go round by id, a ring: a query away
+    from the copies leaves them, one at them finds them (its top-20 are copies, ties counted as hits): all where
+    unreachable keys are linked (robust-vamana, roargraph), most in plain vamana (a copy whose build search missed
+    its successor breaks the ring)."""
+    rng = np.random.default_rng(1)
+    keys = rng.standard_normal((N, 128)).astype(np.float32)
+    keys[:33] = keys[33]
+    queries = rng.standard_normal((30, 128)).astype(np.float32)
+    train = rng.standard_normal((1000, 128)).astype(np.float32) if indexes.registry.get(name).uses_train_queries else None
+    index = indexes.registry.create(name).build(keys, train)
+    assert recall_at_k(index.search(queries, K, L=400).ids, queries, keys, K) > 0.9
+    near = (keys[:1] + 0.01 * rng.standard_normal((5, 128))).astype(np.float32)
+    assert recall_at_k(index.search(near, K, L=400).ids, near, keys, K) >= (0.7 if name == "vamana" else 1.0)
