@@ -9,7 +9,7 @@ import anns_lab
 
 ROOT = Path(anns_lab.__file__).parent
 # Bottom to top; a module not named here takes the floor of its sub-package.
-FLOORS = {"errors": 0, "version": 0, "io": 0, "window": 0, "cli_types": 0, "processes": 0, "stops": 0,
+FLOORS = {"errors": 0, "version": 0, "io": 0, "window": 0, "cli_types": 0, "processes": 0, "stops": 0, "kernel_cache": 0,
           "dumps": 1, "indexes": 2, "testing": 2, "eval": 3, "decode": 4, "cli": 5, "__init__": 5}
 
 

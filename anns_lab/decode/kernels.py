@@ -20,6 +20,10 @@ import math
 import numpy as np
 from numba import njit
 
+from anns_lab.kernel_cache import install
+
+install()  # numba's cache keyed on every kernel source, before the first kernel is defined
+
 
 @njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
 def _logit(q, key, scaling):

@@ -32,6 +32,10 @@ from functools import cached_property
 import numpy as np
 from numba import njit
 
+from anns_lab.kernel_cache import install
+
+install()  # numba's cache keyed on every kernel source, before the first kernel is defined
+
 
 @dataclass(frozen=True)
 class Summaries:

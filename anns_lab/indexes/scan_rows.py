@@ -7,6 +7,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from anns_lab.kernel_cache import install
+
+install()  # numba's cache keyed on every kernel source, before the first kernel is defined
+
 
 @njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})  # sums in SIMD lanes: finite float32 throughout
 def score_rows(keys, rows, q, out):

@@ -28,6 +28,9 @@ import numpy as np
 
 from anns_lab.indexes.growable import Growable
 from anns_lab.indexes.persist import expect, expect_ids
+from anns_lab.kernel_cache import install
+
+install()  # numba's cache keyed on every kernel source, before any submodule defines a kernel
 
 
 class Graph(NamedTuple):
