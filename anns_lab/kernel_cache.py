@@ -7,7 +7,10 @@ rule left every cached ``vamana_pass`` on the old rule, silently, in any tree wh
 written (a fresh clone has none). Here a kernel of the lab or of a plugin (a module named
 ``anns_lab*``) is keyed on its file plus every ``anns_lab`` source that defines kernels, so a
 change to any of them compiles them again. :func:`install` runs before the first kernel is
-defined (each kernel module imports this one first).
+defined: the kernel modules call it, or import one that does (``anns_lab.indexes`` through
+``estimate``, ``anns_lab.indexes.graph``), before their kernels. Not covered: a plugin's kernels
+calling kernels in its own other files, and ``NUMBA_CACHE_LOCATOR_CLASSES`` (which replaces the
+locators this puts first).
 """
 
 from __future__ import annotations
@@ -58,13 +61,14 @@ def install() -> bool:
         from numba.core import caching
 
         impl = getattr(caching, "CacheImpl", None) or caching._CacheImpl  # public from numba 0.61
-        classes = impl._locator_classes
+        classes = list(impl._locator_classes)
         if any(getattr(c, "__name__", "").startswith("AnnsLab") for c in classes):
             return True
         bases = (caching.UserProvidedCacheLocator, caching.InTreeCacheLocator, caching.UserWideCacheLocator)
-    except (ImportError, AttributeError):
+        # numba's order: a user's NUMBA_CACHE_DIR, then __pycache__, then per user
+        impl._locator_classes = [*(_keyed(b) for b in bases), *classes]
+    except Exception:  # another numba's internals: its own keys stand rather than the lab failing to import
         return False
-    classes[:0] = [_keyed(b) for b in bases]  # numba's order: a user's NUMBA_CACHE_DIR, then __pycache__, then per user
     return True
 
 

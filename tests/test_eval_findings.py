@@ -269,6 +269,34 @@ def test_a_median_at_the_grids_cheapest_point_is_said_to_be_a_bound():
     assert F.aware_vs_key_only(par, kinds).verdict == F.NOT_MEASURED
 
 
+def test_a_bound_is_placed_against_the_papers_range_as_every_place_at_or_below_it():
+    """A review found attention_aware_q2k and ivf_q2k placing a bound as a measurement ("at most 5.0%" read "above
+    1-3%": disagrees; "at most 40%" read "within 30-50%": agrees)."""
+    first = {("roargraph", "q2k"): True, ("ivf", "q2k"): True, ("ivf", "k2k"): True}
+    par, kinds = bounded({("roargraph", "q2k"): 0.05, ("ivf", "q2k"): 0.4, ("ivf", "k2k"): 0.03}, first)
+    f = F.attention_aware_q2k(par, kinds, 7488)
+    assert f.verdict == F.NOT_MEASURED and "below or within or above the paper's range" in f.text
+    f = F.ivf_q2k(par)
+    assert f.verdict == F.NOT_MEASURED and "below or within the paper's range" in f.text
+    assert "Its K→K figure is below or within the paper's 1–5%" in F.direction_gap(par, "ivf").text
+    par, kinds = bounded({("roargraph", "q2k"): 0.02, ("ivf", "q2k"): 0.2}, first)
+    assert F.attention_aware_q2k(par, kinds, 7488).verdict == F.AGREES  # at most 2%: within or below, both agree
+    f = F.ivf_q2k(par)
+    assert f.verdict == F.DISAGREES and "below the paper's range" in f.text  # at most 20%: below 30% for certain
+
+
+def test_a_bound_under_the_gap_is_not_called_about_as_many_keys():
+    """ivf at most 10% against roargraph's 12%: the key-only index needs at most 0.83x the keys (before: "about as
+    many keys: at most 1.20x", the wrong way round and not established)."""
+    par, kinds = bounded({("ivf", "q2k"): 0.10, ("roargraph", "q2k"): 0.12}, {("ivf", "q2k"): True})
+    f = F.aware_vs_key_only(par, kinds)
+    assert f.verdict == F.DISAGREES and "at most 0.83× the attention-aware index's keys" in f.text
+    assert "about as many" not in f.text
+    par, _ = bounded({("hnsw", "q2k"): 0.12, ("hnsw", "k2k"): 0.10}, {("hnsw", "q2k"): True})
+    f = F.direction_gap(par, "hnsw")
+    assert f.verdict == F.DISAGREES and "Q→K needs at most 1.20× K→K's keys" in f.text and "about as many" not in f.text
+
+
 def test_the_ivf_reason_heads_are_spread_over_the_sweep():
     from anns_lab.eval.report import spread
 

@@ -639,6 +639,22 @@ def test_link_unreachable_reaches_closed_clusters(far_pool):
     assert reachable_from(g, np.array([0])).all() and (degree <= R).all()
 
 
+def test_robust_prune_keeps_one_copy_of_p_the_next_round_from_it():
+    """Copies of p never occluded each other (their inner products tie with p's), so a node with R copies kept
+    only them; now the first copy kept occludes the rest, and ties go by id from p round: a ring 0→1→…→5→0."""
+    from anns_lab.indexes.graph.prune import robust_prune
+
+    rng = np.random.default_rng(3)
+    data = rng.standard_normal((16, 8)).astype(np.float32)
+    data[:6] = 3 * data[0]  # six copies, each other's most similar keys
+    for p in range(6):
+        out = np.empty(4, np.int32)
+        kept = robust_prune(data, p, np.arange(16), 1.2, 4, out)
+        copies = [int(u) for u in out[:kept] if u < 6]
+        assert copies == [(p + 1) % 6], (p, out[:kept])
+        assert kept > 1  # the other keys are still linked, not occluded by the copy
+
+
 def test_link_unreachable_checks_again_after_replacing_an_edge():
     """Every reachable row full: the stranded node 3 takes node 0's last edge, node 2's only way in, so 2 is
     stranded in turn; a second sweep must find that (it then links 2 from 3's free slot)."""

@@ -143,6 +143,26 @@ def _of_kind(kinds: dict[str, str], kind: str) -> list[str]:
     return sorted(n for n, k in kinds.items() if k == kind)
 
 
+def _places(s: Scan, span: paper.Span) -> set[str]:
+    """Where ``s``'s fraction may lie against ``span``: one place, or where it is a bound (:attr:`Scan.bound`,
+    the true median at most the printed one) every place at or below it."""
+    place = span.place(s.fraction)
+    return set(PLACES[: PLACES.index(place) + 1]) if s.bound else {place}
+
+
+PLACES = ("below", "within", "above")
+
+
+def _words(places: set[str]) -> str:
+    """:func:`_places`' answer in words: "below", "below or within", ..."""
+    return " or ".join(p for p in PLACES if p in places)
+
+
+def _where(places: set[str]) -> str:
+    """", below the paper's range" and the like for :func:`_places`' answer; "" for within alone."""
+    return "" if places == {"within"} else f", {_words(places)} the paper's range"
+
+
 def attention_aware_q2k(par: pd.DataFrame, kinds: dict[str, str], n_keys: int) -> Finding:
     """The best attention-aware index on Q→K against the paper's 1–3%."""
     topic = "Attention-aware index on Q→K (Fig. 6)"
@@ -151,11 +171,13 @@ def attention_aware_q2k(par: pd.DataFrame, kinds: dict[str, str], n_keys: int) -
     if best is None:
         return Finding(topic, NOT_MEASURED, "No index built with the prefill queries (such as roargraph) is in this "
                        f"sweep, so the paper's {ref} for one is not compared with anything here.")
-    place = ref.place(best.fraction)
-    verdict = AGREES if place == "within" or place == "below" else DISAGREES
-    where = "" if place == "within" else f", {place} the paper's range" + (" (fewer keys still)" if place == "below" else "")
+    places = _places(best, ref)
+    verdict = DISAGREES if places == {"above"} else NOT_MEASURED if "above" in places else AGREES
+    where = _where(places) + (" (fewer keys still)" if places == {"below"} else "")
     text = (f"{best.index} reaches recall {TARGET} on Q→K with {best.text}, median over heads; the paper reports "
             f"{ref} ({ref.source}){where}.")
+    if verdict == NOT_MEASURED:
+        text += " A median at the grid's cheapest point is a bound: a grid starting lower would place it."
     if verdict == DISAGREES:
         text += (f" This sweep indexes {n_keys:,} keys per head against the paper's ~128K; the keys a query needs do "
                  "not shrink with the context, so a shorter one needs a larger fraction.")
@@ -169,11 +191,12 @@ def ivf_q2k(par: pd.DataFrame) -> Finding:
     s = scan(par, "ivf", "q2k")
     if s is None:
         return Finding(topic, NOT_MEASURED, f"IVF is not in this sweep; the paper's IVF needs {ref} on Q→K.")
-    place = ref.place(s.fraction)
-    verdict = AGREES if place == "within" else DISAGREES
-    where = "" if place == "within" else f", {place} the paper's range"
+    places = _places(s, ref)
+    verdict = AGREES if places == {"within"} else NOT_MEASURED if "within" in places else DISAGREES
     return Finding(topic, verdict, f"IVF reaches recall {TARGET} on Q→K with {s.text}; the paper reports {ref} "
-                   f"({ref.source}){where}.")
+                   f"({ref.source}){_where(places)}."
+                   + (" A median at the grid's cheapest point is a bound: a grid starting lower would place it."
+                      if verdict == NOT_MEASURED else ""))
 
 
 # The paper's gaps are 6–50× between Q→K and K→K (IVF 30–50% against 1–5%) and 10–50× between the attention-aware
@@ -244,12 +267,14 @@ def direction_gap(par: pd.DataFrame, index: str, reason: str = "") -> Finding | 
         which = f"Q→K is the harder search{how}, as in the paper"
     elif _gap(ratio) < 0:
         which = f"K→K is the harder search{how}, the reverse of the paper"
+    elif bounded:  # a bound below the gap: the reverse is not ruled out, only the paper's gap
+        which = f"Q→K needs {bounded}{ratio:.2f}× K→K's keys, so the paper's gap does not show here"
     else:
         which = (f"the two directions need about as many keys{how.replace(' the keys', '')}, so the paper's gap does "
                  "not show here")
     text = f"{index} needs {q.text} on Q→K and {k.text} on K→K: {which} ({ref}).{open_}"
     if index == "ivf" and np.isfinite(k.fraction):
-        text += f" Its K→K figure is {paper.K2K_IVF.place(k.fraction)} the paper's {paper.K2K_IVF}."
+        text += f" Its K→K figure is {_words(_places(k, paper.K2K_IVF))} the paper's {paper.K2K_IVF}."
     return Finding(topic, verdict, text + (" " + reason if reason else ""))
 
 
@@ -310,8 +335,10 @@ def aware_vs_key_only(par: pd.DataFrame, kinds: dict[str, str]) -> Finding:
     gap = ""
     if verdict == NOT_MEASURED:
         gap = " (both medians are bounds)" if bounded == "unknown" else f" ({bounded}{ratio:.2f}× the keys)"
+    elif _gap(ratio) == 0 and bounded:  # a bound below the gap: the reverse is not ruled out, only the paper's gap
+        gap = f" ({bounded}{ratio:.2f}× the attention-aware index's keys, so the paper's gap does not show here)"
     elif _gap(ratio) == 0:  # the margin of the directions' finding: 1.01x fewer keys is no sign of the paper's 10-50x
-        gap = f" (about as many keys: {bounded}{max(ratio, 1 / ratio):.2f}×, so the paper's gap does not show here)"
+        gap = f" (about as many keys: {max(ratio, 1 / ratio):.2f}×, so the paper's gap does not show here)"
     elif _gap(ratio) > 0 and ratio < np.inf:
         gap = f" ({bounded}{ratio:.1f}× fewer keys)"
     others = _of_kind(kinds, "key-only")
@@ -328,7 +355,9 @@ def out_of_distribution(q_median: float, k_median: float, queries: str = "Decode
     topic = "Queries are out of distribution (Fig. 3b)"
     if not (np.isfinite(q_median) and np.isfinite(k_median)):
         return Finding(topic, NOT_MEASURED, "No Mahalanobis distances could be computed.")
-    ratio = q_median / k_median if k_median > 0 else np.inf
+    if k_median <= 0:
+        return Finding(topic, NOT_MEASURED, "Held-out keys lie at distance 0 from the keys' distribution: no ratio.")
+    ratio = q_median / k_median
     text = (f"{queries} lie at a median Mahalanobis distance of {q_median:.1f} from the indexed keys' "
             f"distribution, held-out keys at {k_median:.1f} ({ratio:.{2 if _gap(ratio) == 0 else 1}f}×"
             + (", within the findings' 1.5× margin: about as far" if _gap(ratio) == 0 else "")
@@ -341,9 +370,11 @@ def dynamic_vs_static(dynamic: float, static: float, steps: int, k: int) -> Find
     holds at least the fixed one's mass by construction, so what is judged is how much of it a fixed selection
     loses: agrees where that share is at least the paper's (1 - 0.71 / 0.89) within the findings' 1.5× margin."""
     topic = "Dynamic against static selection (Fig. 2)"
-    if steps < 2 or not (np.isfinite(dynamic) and np.isfinite(static)) or dynamic <= 0:
+    if steps < 2 or not (np.isfinite(dynamic) and np.isfinite(static)):
         return Finding(topic, NOT_MEASURED, f"The dump has {steps} decode step(s); a fixed selection needs at least "
                        "two to decay.")
+    if dynamic <= 0:
+        return Finding(topic, NOT_MEASURED, f"Each step's own top-{k} holds no attention mass, so no loss can be read.")
     lost, paper_lost = 1 - static / dynamic, 1 - paper.STATIC_MASS / paper.DYNAMIC_MASS
     agrees = lost * GAP >= paper_lost * (1 - 1e-9)
     text = (f"Each decode step's own top-{k} keeps {dynamic:.2f} of the attention mass on average, the first step's "

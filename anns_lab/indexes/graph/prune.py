@@ -5,10 +5,12 @@ i.e. v is more similar to u than to p by a margin. For ip(p, v) ≥ 0 this is Di
 rule ip(u, v) > α·ip(p, v) (and at α = 1 hnswlib's heuristic for space 'ip'); the |·| keeps
 "α > 1 prunes less" true for negative similarities.
 
-A candidate equal to a kept neighbour (the same vector) is occluded too: copies of p are as similar to each
-other as to p, so the rule never fires among them, and a key with R or more copies linked only its copies, a
-closed clique (34 equal keys among 3,000 left vamana's search from one of them at recall 0 for any beam).
-Equal vectors give bit-equal inner products (``simd.dot``), so the vectors are compared only on an exact tie.
+Where p has copies (equal vectors), a copy among its candidates equal to a kept copy is occluded too: copies
+of p are as similar to each other as to p, so the rule never fires among them, and a key with R or more copies
+linked only its copies, a closed clique (34 equal keys among 3,000 left vamana's search from one of them at recall
+0 for any beam). Equal vectors give bit-equal inner products (``simd.dot``), so the vectors are compared only on
+an exact tie, ip(w, u) = ip(p, u), which holds for every u where the kept w is a copy of p. (Copies of another
+key, not of p, are left to the rule: they may take several of p's slots, but open no clique.)
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from anns_lab.indexes.graph.simd import dot
 @njit(cache=True, nogil=True)
 def prune_ordered(data, p, cand, sim_p, alpha, R, out, start):
     """RobustPrune over candidates in the caller's priority order (``sim_p[i]`` = ip(p, cand[i])): each is
-    kept unless a neighbour kept before it occludes it (or is the same vector). The first ``start`` entries of ``out``
-    are kept neighbours that already occlude; p itself and repeats are skipped. Returns the number kept (≤ R)."""
+    kept unless a neighbour kept before it occludes it (or, a copy of p, is the same vector). The first ``start``
+    entries of ``out`` are kept neighbours that already occlude; p itself and repeats are skipped. Returns the number
+    kept (≤ R)."""
     kept = start
     for i in range(cand.shape[0]):
         if kept >= R:
