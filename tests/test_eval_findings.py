@@ -260,7 +260,7 @@ def test_a_median_at_the_grids_cheapest_point_is_said_to_be_a_bound():
     # The central result: a key-only bound bounds the gap from above, an aware bound from below.
     par, kinds = bounded({("ivf", "q2k"): 0.3, ("roargraph", "q2k"): 0.05}, {("ivf", "q2k"): True})
     f = F.aware_vs_key_only(par, kinds)
-    assert f.verdict == F.NOT_MEASURED and "at most 6.00× the keys" in f.text
+    assert f.verdict == F.NOT_MEASURED and "at most 6.00× the attention-aware index's keys" in f.text
     par, kinds = bounded({("ivf", "q2k"): 0.3, ("roargraph", "q2k"): 0.05}, {("roargraph", "q2k"): True})
     f = F.aware_vs_key_only(par, kinds)
     assert f.verdict == F.AGREES and "at least 6.0× fewer keys" in f.text

@@ -334,7 +334,8 @@ def aware_vs_key_only(par: pd.DataFrame, kinds: dict[str, str]) -> Finding:
     verdict, open_ = _gap_verdict(ratio, bounded)
     gap = ""
     if verdict == NOT_MEASURED:
-        gap = " (both medians are bounds)" if bounded == "unknown" else f" ({bounded}{ratio:.2f}× the keys)"
+        gap = (" (both medians are bounds)" if bounded == "unknown"
+               else f" ({bounded}{ratio:.2f}× the attention-aware index's keys)")
     elif _gap(ratio) == 0 and bounded:  # a bound below the gap: the reverse is not ruled out, only the paper's gap
         gap = f" ({bounded}{ratio:.2f}× the attention-aware index's keys, so the paper's gap does not show here)"
     elif _gap(ratio) == 0:  # the margin of the directions' finding: 1.01x fewer keys is no sign of the paper's 10-50x
