@@ -19,6 +19,8 @@ bytes) ``+ 4·d · pool`` (the re-ranked keys).
 
 from __future__ import annotations
 
+import math
+
 import faiss
 import numpy as np
 
@@ -27,6 +29,16 @@ from anns_lab.indexes import KeyRowsIndex, Param
 from anns_lab.indexes.persist import expect, refuse_faiss_payload
 
 POOLS = (100, 150, 200, 300, 400, 600, 800, 1200, 1600, 2400, 3200, 4800, 6400, 9600, 12800, 19200, 25600)
+SAFE = 2.0 ** 20  # keys are encoded within ±SAFE: faiss's PQ encoder starts its codeword search at a distance of 1e20, so a
+# sub-vector farther than that from every codeword (keys of ~1.3e9 and up; the lab accepts ±1e15) took codeword 0
+
+
+def code_scale(keys: np.ndarray) -> float:
+    """The power of two (at most 1) that brings ``keys`` within ±SAFE for training and encoding. A power of two scales
+    every float exactly, so the codes are those of the unscaled keys had faiss no limit, and the approximate scores
+    (the pool's ranking) only scale."""
+    top = float(np.abs(keys).max()) if keys.size else 0.0
+    return 1.0 if top <= SAFE else 2.0 ** -math.ceil(math.log2(top / SAFE))
 
 
 class PQCacheIndex(KeyRowsIndex):
@@ -52,8 +64,10 @@ class PQCacheIndex(KeyRowsIndex):
         M, nbits = self.params["M"], self.params["nbits"]
         index = faiss.IndexPQ(keys.shape[1], M, nbits, faiss.METRIC_INNER_PRODUCT)
         index.pq.cp.seed = self.params["seed"]
-        index.train(keys)
-        index.add(keys)
+        self._scale = code_scale(keys)
+        scaled = keys if self._scale == 1.0 else keys * np.float32(self._scale)
+        index.train(scaled)
+        index.add(scaled)
         self._pq = index
         self._hold_keys(keys)
 
@@ -83,7 +97,8 @@ class PQCacheIndex(KeyRowsIndex):
         return self.n_keys + self.ksub
 
     def _add(self, keys: np.ndarray) -> None:
-        self._pq.add(keys)  # encoded with the codebooks of the build, as PQCache encodes new tokens
+        # encoded with the codebooks of the build, as PQCache encodes new tokens, at the build's scale
+        self._pq.add(keys if self._scale == 1.0 else keys * np.float32(self._scale))
         self._append_keys(keys)
 
     def _arrays(self) -> dict[str, np.ndarray]:
@@ -106,3 +121,6 @@ class PQCacheIndex(KeyRowsIndex):
         pq.ntotal, pq.is_trained = self.n_keys, True
         self._pq = pq
         self._hold_keys(expect(arrays, "keys", np.float32, (self.n_keys, self.dim), finite=True))
+        # Not saved: the build's scale from the keys it held (the same unless later adds passed a power of two above
+        # SAFE, where only the adds after a load would be encoded at another scale)
+        self._scale = code_scale(self._keys)
